@@ -1,0 +1,111 @@
+"""What every benchmark shares (../shared/BENCHMARKS.md): interleaved timing, machine facts,
+one JSON file per benchmark under ``benchmarks/results/``, and plots for the report.
+
+A benchmark module ``benchmarks/<name>.py`` defines ``main(argv=None) -> int``, accepts ``--quick``,
+and ends by calling :func:`write_result` with its numbers and a Markdown section; ``benchmarks.run``
+runs them all and :mod:`benchmarks.report` stitches the sections and plots into ``REPORT.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+
+__all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path"]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="the short version `make bench` runs")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per contender (default: 5 quick, 9 full)")
+    return p
+
+
+def machine_info() -> dict[str, object]:
+    info: dict[str, object] = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    for dist in ("torch", "lightning", "torchrec", "deepspeed", "transformers", "triton"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    try:
+        import torch
+
+        info["threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def interleave(
+    contenders: dict[str, Callable[[], object]], *, repeats: int = 5, warmup: int = 1,
+    timer: Callable[[], float] = time.perf_counter, progress: bool = True,
+) -> dict[str, list[float]]:
+    """Time each contender ``repeats`` times, alternating A B C A B C … after ``warmup`` rounds.
+
+    A contender may return a float: then that is its measured time (e.g. CUDA-event milliseconds
+    converted to seconds, or the per-step median of a training run); otherwise wall time is used.
+    """
+    for _ in range(warmup):
+        for fn in contenders.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(repeats):
+        for name, fn in contenders.items():
+            start = timer()
+            out = fn()
+            elapsed = timer() - start
+            times[name].append(float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else elapsed)
+        if progress:
+            print(f"  repeat {i + 1}/{repeats}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()),
+                  file=sys.stderr, flush=True)
+    return times
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def plot_path(name: str, suffix: str = "") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}{('_' + suffix) if suffix else ''}.png"
+
+
+def write_result(name: str, *, title: str, params: dict, results: object, markdown: str,
+                 plots: Sequence[Path] = ()) -> Path:
+    """Write ``benchmarks/results/<name>.json`` (machine info, versions, every repeat, the report section)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {
+        "name": name,
+        "title": title,
+        "machine": machine_info(),
+        "params": params,
+        "results": results,
+        "markdown": markdown,
+        "plots": [Path(p).name for p in plots],
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return path

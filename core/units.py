@@ -1,0 +1,72 @@
+"""Small shared helpers: byte sizes in and out, and plain-text tables.
+
+Example:
+    >>> parse_bytes("20GiB")
+    21474836480
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+__all__ = ["parse_bytes", "format_bytes", "format_table"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"20GiB"``, ``"1.5 GB"``, ``"512MiB"``, ``4096`` -> bytes (int).
+
+    Decimal suffixes (KB, MB, GB, TB) are powers of 10; binary ones (KiB, MiB, GiB, TiB) powers of 2.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"memory size {value!r} is a bool; give bytes or a string like '20GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory size {value!r} is negative; give a size >= 0 such as '20GiB'")
+        return int(value)
+    match = _PATTERN.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {value!r}: write a number and a unit such as '24GiB', '40GB', "
+            f"'512MiB' (units: {', '.join(u for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'))})"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Bytes -> a short binary-unit string (``'3.00 GiB'``)."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(rows: Iterable[Sequence[object]], headers: Sequence[str], *, align: str | None = None) -> str:
+    """A plain-text table; ``align`` is one character per column (``'l'`` or ``'r'``; default: left)."""
+    body = [[str(c) for c in row] for row in rows]
+    cols = len(headers)
+    widths = [len(h) for h in headers]
+    for row in body:
+        if len(row) != cols:
+            raise ValueError(f"table row {row!r} has {len(row)} cells; the header has {cols}")
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+    align = align or "l" * cols
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+
+    lines = [fmt(list(headers)), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in body]
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tightfit.cli import main
+
+
+def _tightfit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tightfit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_console_script_installed():
+    import shutil
+
+    exe = shutil.which("tightfit") or str(__import__("pathlib").Path(sys.executable).parent / "tightfit")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for cmd in ("plugins", "doctor", "demo", "bench"):
+        assert cmd in out.stdout
+
+
+def test_plugins_table(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert header.split()[:4] == ["plugin", "kind", "from", "status"]
+    for name in ("elixir", "energon", "torchrec_cache", "sky"):
+        assert any(line.startswith(name + " ") for line in out.splitlines()), out
+
+
+def test_unknown_command_names_the_known_ones(capsys):
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err and "plugins" in err and "doctor" in err
+
+
+def test_doctor_json_reports_versions():
+    out = _tightfit("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["torch"].startswith("2.")
+    assert report["gloo"] is True
+    assert report["torch"] and report["Lightning"]["usable"] in (True, False)
+    assert "checking torch" in out.stderr  # progress is shown while it probes
+
+
+def test_demo_runs_the_tour():
+    out = _tightfit("demo", timeout=1800)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Tour summary" in out.stdout
+    for name in ("elixir", "energon", "torchrec_cache", "sky"):
+        assert f"== {name}" in out.stdout
+
+
+def test_demo_rejects_unknown_only(capsys):
+    assert main(["demo", "--only", "nope"]) == 2
+    assert "unknown plugin(s) for --only: nope" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,expected", [("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 2**29),
+                                            (4096, 4096), ("7", 7)])
+def test_parse_bytes(value, expected):
+    from tightfit.units import parse_bytes
+
+    assert parse_bytes(value) == expected
+
+
+def test_parse_bytes_errors():
+    from tightfit.units import parse_bytes
+
+    with pytest.raises(ValueError, match="cannot read memory size '20 gigs'.*'24GiB'"):
+        parse_bytes("20 gigs")
+    with pytest.raises(ValueError, match="negative"):
+        parse_bytes(-1)
+
+
+def test_format_table_rejects_ragged_rows():
+    from tightfit.units import format_table
+
+    assert "a" in format_table([("1", "2")], ("a", "b"))
+    with pytest.raises(ValueError, match="has 1 cells; the header has 2"):
+        format_table([("1",)], ("a", "b"))

@@ -1,0 +1,133 @@
+"""Run a function on N real gloo ranks and collect what each returns.
+
+    from tests.helpers.multiprocess import run_distributed
+    outs = run_distributed(my_fn, world_size=2, args=(3,))   # my_fn(rank, world_size, 3) on each rank
+
+``my_fn`` must be a module-level function (ranks are spawned). The process group is initialised
+(gloo, a free port on 127.0.0.1) before it runs and destroyed after. The first rank that fails
+raises :class:`DistributedTestError` in the caller with that rank's traceback, the other ranks are
+killed, and a run longer than ``timeout`` seconds fails instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedTestError", "free_port", "run_distributed"]
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed, exited abnormally, or the group timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, env: dict,
+            threads: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+    })
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        try:
+            pickle.dumps(out)
+        except Exception:
+            out = repr(out)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        # Report before tearing the group down, so the root cause arrives before the peers'
+        # "connection reset" errors that the teardown causes.
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, *, args: Sequence[Any] = (), timeout: float = 300.0,
+    env: dict[str, str] | None = None, threads: int = 1,
+) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return their results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), dict(env or {}), threads, results),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedTestError(
+                    f"{fn.__name__} timed out after {timeout:.0f} s on {world_size} ranks; "
+                    f"ranks that finished: {sorted(outputs)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    # Give a dying rank a moment to deliver its traceback first.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise DistributedTestError(
+                            f"{fn.__name__}: rank {dead[0][0]} exited with code {dead[0][1]} without reporting "
+                            "(killed, or crashed in native code)"
+                        ) from None
+                else:
+                    continue
+            if not ok:
+                others = []
+                try:  # collect what the other ranks said for context, briefly
+                    while len(others) < world_size - 1:
+                        r2, ok2, p2 = results.get(timeout=1.0)
+                        if not ok2:
+                            others.append(f"--- rank {r2} also failed:\n{p2}")
+                except queue.Empty:
+                    pass
+                raise DistributedTestError(
+                    f"{fn.__name__} failed on rank {rank} of {world_size}:\n{payload}" + "".join("\n" + o for o in others)
+                )
+            outputs[rank] = payload
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in procs]
+        if any(c != 0 for c in codes):
+            raise DistributedTestError(f"{fn.__name__}: exit codes {codes}; every rank must exit with 0")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results.close()
+    return [outputs[r] for r in range(world_size)]
