@@ -1,0 +1,251 @@
+"""The profile types every planner and plugin consumes. Stable: extend, never rename.
+
+Data flow (../shared/ARCHITECTURE.md): ``profile_model`` -> :class:`ModelProfile`,
+``profile_device`` -> :class:`DeviceProfile`, several devices (measured or from datasheet presets)
+-> :class:`ClusterSpec`; planners are pure functions of these.
+
+Vocabulary: a *block* is a module that can become one FSDP2 unit, one checkpointed region or one
+pipeline layer (a transformer layer, an embedding, a head). A model's blocks cover every parameter
+exactly once and are listed in first-use order, so contiguous runs of blocks are valid units/stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tightfit.serde import dump_json, load_json
+
+__all__ = [
+    "DTYPE_BYTES",
+    "ParamInfo",
+    "BlockProfile",
+    "MemoryEvent",
+    "ModelProfile",
+    "DeviceProfile",
+    "ClusterSpec",
+]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
+               "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamInfo:
+    """One parameter tensor (tied parameters appear once, under their first name).
+
+    Args:
+        name: fully-qualified name where it is first registered (``"transformer.wte.weight"``).
+        shape: tensor shape.
+        dtype: torch dtype name without the ``torch.`` prefix (``"float32"``).
+        numel: number of elements.
+        bytes: ``numel * element size``.
+        block: name of the block that owns it (see :class:`BlockProfile`).
+        aliases: other names of the same tensor (tied weights, e.g. ``("lm_head.weight",)``).
+        requires_grad: whether it is trained.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    bytes: int
+    block: str
+    aliases: tuple[str, ...] = ()
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockProfile:
+    """One block: a candidate FSDP2 unit, checkpoint region or pipeline layer.
+
+    Args:
+        name: module FQN (``"layers.3"``); ``""`` is the root module's own leftover parameters.
+        type: module class name.
+        index: position in first-use order (0-based).
+        params: names of the parameters it owns, in first-use order.
+        param_numel: elements of those parameters.
+        param_bytes: bytes of those parameters at their profiled dtype.
+        fwd_flops: forward FLOPs for the profiled batch.
+        bwd_flops: backward FLOPs for the profiled batch (about 2x forward for matmuls).
+        saved_bytes: activation bytes this block keeps from forward until its backward when it is
+            not checkpointed.
+        checkpoint_bytes: activation bytes it keeps when checkpointed (its inputs).
+        transient_bytes: extra bytes live only while it runs (the peak inside the block above what it saves).
+        output_bytes: bytes of its output (what a pipeline stage boundary sends after it).
+        checkpointable: whether activation checkpointing applies (has a pure forward).
+    """
+
+    name: str
+    type: str
+    index: int
+    params: tuple[str, ...]
+    param_numel: int
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    saved_bytes: int
+    checkpoint_bytes: int
+    transient_bytes: int
+    output_bytes: int
+    checkpointable: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEvent:
+    """One point of the activation-memory timeline of a step.
+
+    Args:
+        phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+        block: the block running.
+        bytes: activation (and gradient-of-activation) bytes live at this point, parameters excluded.
+    """
+
+    phase: str
+    block: str
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """What planners know about a model, measured on the meta device.
+
+    Args:
+        model: a name for the model (class name or preset).
+        step: ``"train"`` (forward + backward) or ``"forward"``.
+        inputs: description of the example inputs (``{"input_ids": [8, 1024]}``).
+        params: every parameter, tied ones once.
+        blocks: blocks in first-use order, covering every parameter exactly once.
+        forward_order: parameter names in the order forward first uses them.
+        backward_order: parameter names in the order backward produces their gradients.
+        timeline: activation-memory timeline of one step.
+        activation_peak_bytes: peak of the timeline (no checkpointing).
+        peak_bytes: peak of a whole training step without optimizer state: parameters + gradients
+            + activations at the peak.
+        fwd_flops: total forward FLOPs; bwd_flops: total backward FLOPs.
+        param_dtype: dtype the parameters were profiled in.
+        notes: anything the profiler wants the reader to know (fallbacks used, unsupported ops).
+    """
+
+    model: str
+    step: Literal["train", "forward"]
+    inputs: dict[str, list[int]]
+    params: tuple[ParamInfo, ...]
+    blocks: tuple[BlockProfile, ...]
+    forward_order: tuple[str, ...]
+    backward_order: tuple[str, ...]
+    timeline: tuple[MemoryEvent, ...]
+    activation_peak_bytes: int
+    peak_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    param_dtype: str = "float32"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def param_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.bytes for p in self.params)
+
+    def block(self, name: str) -> BlockProfile:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(f"no block named {name!r}; blocks: {', '.join(b.name for b in self.blocks)}")
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self, path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ModelProfile:
+        return load_json(cls, source)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """One device's measured (or datasheet) capabilities.
+
+    Args:
+        name: device name (``"NVIDIA H200"``, ``"cpu"``).
+        kind: ``"cuda"`` or ``"cpu"``.
+        memory_bytes: total memory of the device.
+        free_bytes: free memory when measured.
+        matmul_flops: sustained matmul rate by dtype name (``{"float32": 1.2e11}``), FLOP/s.
+        h2d_bytes_per_s: host -> device copy bandwidth by host memory kind (``"pinned"``, ``"pageable"``); empty on CPU.
+        d2h_bytes_per_s: device -> host, likewise.
+        host_adam_elems_per_s: AdamW parameter elements updated per second on the host CPU.
+        device_adam_elems_per_s: AdamW elements per second on the device itself.
+        collective_bytes_per_s: bus bandwidth by collective (``"all_gather"``, ``"reduce_scatter"``)
+            and message size in bytes; measured with a process group, empty otherwise.
+        world_size: size of the group the collectives were measured in (1: none).
+        host_memory_bytes: memory of the host the device hangs off.
+        source: ``"measured"`` or ``"datasheet:<preset>"`` (presets are marked as such).
+        key: cache key (device name, driver, torch version).
+    """
+
+    name: str
+    kind: Literal["cuda", "cpu"]
+    memory_bytes: int
+    free_bytes: int
+    matmul_flops: dict[str, float]
+    h2d_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    d2h_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    host_adam_elems_per_s: float = 0.0
+    device_adam_elems_per_s: float = 0.0
+    collective_bytes_per_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    world_size: int = 1
+    host_memory_bytes: int = 0
+    source: str = "measured"
+    key: str = ""
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self, path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> DeviceProfile:
+        return load_json(cls, source)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """The devices a plan is for: one :class:`DeviceProfile` per rank (need not be this machine's).
+
+    Args:
+        devices: one profile per rank, in rank order.
+        nodes: number of hosts the ranks span (host memory is per node).
+        inter_node_bytes_per_s: bandwidth between nodes for collectives (0: single node).
+    """
+
+    devices: tuple[DeviceProfile, ...]
+    nodes: int = 1
+    inter_node_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("ClusterSpec needs at least one device; e.g. ClusterSpec.uniform(profile, 4)")
+        if self.nodes < 1 or len(self.devices) % self.nodes:
+            raise ValueError(
+                f"ClusterSpec: {len(self.devices)} devices cannot be split evenly over nodes={self.nodes}; "
+                "give a node count that divides the device count"
+            )
+
+    @classmethod
+    def uniform(cls, device: DeviceProfile, count: int, *, nodes: int = 1) -> ClusterSpec:
+        if count < 1:
+            raise ValueError(f"device count {count} must be >= 1")
+        return cls(devices=(device,) * count, nodes=nodes)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self, path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ClusterSpec:
+        return load_json(cls, source)
