@@ -1,0 +1,53 @@
+"""tightfit's kernel toolkit: Triton kernels, each beside a pure-PyTorch reference, and one dispatcher.
+
+A call runs the Triton kernel when every tensor argument is on CUDA and Triton imports, the
+reference otherwise; ``TIGHTFIT_KERNELS=reference|triton`` (or ``backend=`` on a call) forces
+either (see :mod:`tightfit.cuda.dispatch`). Importing this package never imports Triton.
+
+Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``).
+
+How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layout):
+
+1. Write the ``@triton.jit`` kernel(s) inside a ``functools.cache``-d builder that imports Triton
+   and binds the module globals ``triton``/``tl`` (see ``index_rows._kernels``), so importing the
+   module does not import Triton and core keeps importing without it.
+2. A launcher ``<op>_triton(...)`` that calls the builder, computes the grid and launches; no checks.
+3. A reference ``<op>_reference(...)`` with the same signature, pure PyTorch, any device.
+4. ``_op = register_kernel("<op>", reference=<op>_reference, triton=<op>_triton, doc="...")`` and a
+   public ``<op>(...)`` that validates arguments (errors name the value, the rule and the fix) and
+   calls ``_op(..., backend=backend)``; add an ``autograd.Function`` if it must be differentiable.
+5. Tests: ``tightfit.cuda.testing.assert_matches_reference`` runs both backends under
+   ``TRITON_INTERPRET=1`` on CPU tensors (tests/conftest.py sets it) over odd shapes and several dtypes.
+6. Benchmark: add a case to ``benchmarks/gpu/kernels.py`` (CUDA-event timing against the reference)
+   and put the measured speed-up in a comment next to the launcher's block sizes.
+"""
+
+from __future__ import annotations
+
+from tightfit.cuda.dispatch import (
+    BACKENDS,
+    ENV_VAR,
+    Kernel,
+    KernelError,
+    choose_backend,
+    get_kernel,
+    kernel_names,
+    register_kernel,
+    triton_available,
+)
+from tightfit.cuda.index_rows import gather_rows, scatter_add_rows, scatter_rows
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "Kernel",
+    "KernelError",
+    "choose_backend",
+    "get_kernel",
+    "kernel_names",
+    "register_kernel",
+    "triton_available",
+    "gather_rows",
+    "scatter_rows",
+    "scatter_add_rows",
+]
