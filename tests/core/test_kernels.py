@@ -245,3 +245,34 @@ def test_errors_name_value_rule_and_fix():
         scatter_add_rows(table, torch.tensor([0, 1]), torch.zeros(2, 3, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"out must be a torch.float32 tensor of shape \(1, 3\)"):
         gather_rows(table, torch.tensor([0]), out=torch.empty(2, 3))
+
+
+# ---------------------------------------------------------------------------- GPU benchmark harness
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@RunIf(triton=True)
+def test_gpu_kernel_benchmark_smoke_runs_on_cpu(tmp_path):
+    """benchmarks/gpu/kernels.py end to end at tiny sizes on the interpreter: checks equality, writes JSON to $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernels", "--smoke"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    assert data["status"] == "ok"
+    assert {r["op"] for r in data["results"]} == {"gather_rows", "scatter_rows", "scatter_add_rows"}
+    assert all(len(r["triton_s"]) == len(r["reference_s"]) >= 2 for r in data["results"])
+
+
+def test_gpu_run_all_without_a_gpu_skips_and_prints_the_table(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this checks the CPU-only path")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run_all.sh"), "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = out.stdout.split("GPU benchmarks", 1)[1]
+    assert "kernels" in table and "skipped: no CUDA device" in table

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run every benchmarks/gpu/*.py on this machine's GPU, within an 8-minute budget, then print a
+# short table of what each found. Results: JSON under $OUT (or benchmarks/results/gpu/).
+#   bash benchmarks/gpu/run_all.sh [--quick]
+# Uses only the image's packages (torch, Triton, Lightning, transformers); a script whose needs are
+# missing records itself as skipped. A script that overruns its share of the budget is stopped.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+BUDGET=${TIGHTFIT_GPU_BUDGET_S:-450}
+OUTDIR=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUTDIR"
+start=$(date +%s)
+scripts=()
+for f in benchmarks/gpu/*.py; do
+  name=$(basename "$f" .py)
+  case "$name" in common|__init__|_*) continue ;; esac
+  scripts+=("$name")
+done
+left=${#scripts[@]}
+for name in "${scripts[@]}"; do
+  now=$(date +%s); remaining=$(( BUDGET - (now - start) ))
+  if [ "$remaining" -lt 20 ]; then
+    echo "[gpu] $name: not run, budget of ${BUDGET}s spent"
+    "$PY" -c "from benchmarks.gpu.common import skip; skip('$name', '$name', 'budget spent before it ran')"
+    left=$((left - 1)); continue
+  fi
+  share=$(( remaining / left )); left=$((left - 1))
+  echo "[gpu] $name (up to ${share}s)"
+  timeout --kill-after=10 "$share" "$PY" -m "benchmarks.gpu.$name" "$@"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    why="exit $rc"; [ "$rc" -eq 124 ] && why="stopped after ${share}s"
+    echo "[gpu] $name FAILED ($why)"
+    "$PY" -c "from benchmarks.gpu.common import write_result; write_result('$name', title='$name', results={}, summary='failed: $why', status='failed')" || true
+  fi
+done
+echo
+echo "GPU benchmarks ($(( $(date +%s) - start ))s):"
+"$PY" -m benchmarks.gpu.common "$OUTDIR"
