@@ -1,0 +1,253 @@
+"""Causal attention over packed, variable-length sequences whose keys and values live in a paged cache.
+
+    out = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, scale=s, max_q_len=m)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)       # write the new tokens' keys/values first
+
+Layout (the same on both backends):
+
+- ``q``: ``(T, Hq, D)`` — the new tokens of ``B`` sequences packed back to back, no padding;
+  sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+- ``k_cache`` / ``v_cache``: ``(num_blocks, block_size, Hk, D)``; ``Hq`` must be a multiple of ``Hk``
+  (grouped-query attention: query head ``h`` reads key head ``h // (Hq // Hk)``).
+- ``block_tables``: ``(B, max_blocks)`` int32; token ``p`` of sequence ``b`` sits in block
+  ``block_tables[b, p // block_size]`` at offset ``p % block_size``.
+- ``kv_lens``: ``(B,)`` — keys of sequence ``b`` *including* its new tokens, so the new tokens are
+  at positions ``kv_lens[b] - q_len .. kv_lens[b] - 1`` and query ``i`` sees keys ``0 .. kv_len - q_len + i``.
+
+One call serves a prefill (``q_len == kv_len``), a decode step (``q_len == 1``), a chunked prefill
+(anything between) and any mix of them in one batch, which is what continuous batching needs.
+
+The Triton kernel is a flash-attention loop (online softmax, fp32 accumulators) with one program
+per (sequence, query head, block of 16+ queries); its key tiles gather rows through the block table
+per key, so a tile can span several cache blocks and any ``block_size`` works. Queries past the
+causal frontier of their tile skip the remaining keys (the loop stops at the tile's last query).
+Not yet tuned on a GPU: BLOCK_N=64 and 4 warps are the usual flash-attention starting point.
+
+Example:
+    >>> import torch
+    >>> q = torch.randn(5, 2, 8); kc = torch.zeros(4, 4, 1, 8); vc = torch.zeros(4, 4, 1, 8)
+    >>> kv = torch.randn(5, 1, 8)
+    >>> store_kv(kv, kv, kc, vc, torch.tensor([0, 1, 2, 4, 5]))        # seq 0: 3 tokens, seq 1: 2 tokens
+    >>> bt = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    >>> out = paged_attention(q, kc, vc, bt, torch.tensor([0, 3, 5]), torch.tensor([3, 2]), scale=8**-0.5,
+    ...                       max_q_len=3)
+    >>> tuple(out.shape)
+    (5, 2, 8)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tightfit.cuda.dispatch import register_kernel
+from tightfit.cuda.index_rows import scatter_rows
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+    "store_kv",
+]
+
+triton: Any = None
+tl: Any = None
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+
+@functools.cache
+def _kernel() -> Any:
+    global triton, tl
+    import triton as _triton
+    import triton.language as _tl
+
+    triton, tl = _triton, _tl
+
+    @triton.jit
+    def _paged_attn_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, kvlen_ptr, scale,
+        q_st, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_st, o_sh, bt_s0,
+        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        m_block = tl.program_id(2)
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        if m_block * BLOCK_M < q_len:
+            kv_len = tl.load(kvlen_ptr + seq)
+            kv_head = head // GROUP
+            offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            m_mask = offs_m < q_len
+            d_mask = offs_d < HEAD_DIM
+            rows = (q_start + offs_m).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * q_st + head * q_sh + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            q_pos = kv_len - q_len + offs_m  # absolute position of each query
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            # The tile's last query sees keys up to its own position: stop there (causal skip).
+            hi = tl.minimum(kv_len, kv_len - q_len + (m_block + 1) * BLOCK_M)
+            for start in range(0, hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < kv_len
+                page = tl.load(bt_ptr + seq * bt_s0 + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+                slot = (offs_n % PAGE).to(tl.int64)
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(k_ptr + page[:, None] * k_sb + slot[:, None] * k_ss + kv_head * k_sh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+                s = tl.where(visible, s, float("-inf"))
+                # Every query sees key 0, so after the first tile m_new is finite for every row.
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + page[:, None] * v_sb + slot[:, None] * v_ss + kv_head * v_sh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + rows[:, None] * o_st + head * o_sh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & d_mask[None, :])
+
+    return _paged_attn_fwd_kernel
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                           *, scale: float, max_q_len: int) -> torch.Tensor:
+    """Triton launcher (no checks; call :func:`paged_attention`)."""
+    kernel = _kernel()
+    t, hq, d = q.shape
+    out = torch.empty_like(q)
+    batch = kv_lens.shape[0]
+    if t == 0 or batch == 0:
+        return out
+    # tl.dot needs tiles of at least 16 in every dimension.
+    block_m = 16 if max_q_len <= 16 else 64
+    block_n = 64
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (batch, hq, triton.cdiv(max_q_len, block_m))
+    kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, kv_lens, float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=hq // k_cache.shape[2], PAGE=k_cache.shape[1], HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _gather_keys(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    # (n_blocks, block_size, H, D) rows of one sequence -> (length, H, D)
+    return cache.index_select(0, blocks).flatten(0, 1)[:length]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                              *, scale: float, max_q_len: int) -> torch.Tensor:
+    """Pure PyTorch: ``scaled_dot_product_attention`` per sequence (one batched call for decode steps)."""
+    batch = kv_lens.shape[0]
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    gqa = q.shape[1] != hk
+    if batch == 0:
+        return torch.empty_like(q)
+    if max_q_len == 1 and q.shape[0] == batch:
+        # Decode: one query per sequence. Gather every sequence's keys into (B, max_kv) with a
+        # key mask; the padding here is only along the key axis of attention, never a linear layer.
+        max_kv = int(kv_lens.max())
+        pos = torch.arange(max_kv, device=q.device)
+        n_blocks = (max_kv + block_size - 1) // block_size
+        pages = block_tables[:, :n_blocks].long().gather(1, (pos // block_size).expand(batch, -1))
+        slots = pages * block_size + pos % block_size
+        mask = pos[None, :] < kv_lens[:, None].to(pos.device)
+        slots = torch.where(mask, slots, torch.zeros_like(slots))
+        k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # (B, Hk, max_kv, D)
+        v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                             scale=scale, enable_gqa=gqa)
+        return out[:, :, 0, :]
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    for b in range(batch):
+        n, kv = cu[b + 1] - cu[b], lens[b]
+        if n == 0:
+            continue
+        blocks = block_tables[b, : (kv + block_size - 1) // block_size].long()
+        k = _gather_keys(k_cache, blocks, kv).transpose(0, 1)[None]
+        v = _gather_keys(v_cache, blocks, kv).transpose(0, 1)[None]
+        qs = q[cu[b]:cu[b + 1]].transpose(0, 1)[None]
+        if n == kv:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            rows = torch.arange(n, device=q.device)[:, None] + (kv - n)
+            mask = torch.arange(kv, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+_paged = register_kernel("paged_attention", reference=paged_attention_reference, triton=paged_attention_triton,
+                         doc="causal attention of packed variable-length queries over a paged KV cache")
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, *, scale: float, max_q_len: int,
+                    backend: str | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over paged keys/values (layout in the module docstring).
+
+    ``max_q_len`` (the longest ``q_len`` in the batch, a host integer) sizes the Triton grid and
+    picks the decode fast path of the reference; ``backend`` overrides ``TIGHTFIT_KERNELS``.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"paged_attention: q must be (tokens, heads, head_dim) and both caches (blocks, block_size, "
+            f"kv_heads, head_dim) of one shape; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}"
+        )
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"paged_attention: {q.shape[1]} query heads of width {q.shape[2]} do not fit {k_cache.shape[2]} key "
+            f"heads of width {k_cache.shape[3]}: query heads must be a multiple of key heads and widths equal"
+        )
+    if cu_seqlens_q.shape[0] != kv_lens.shape[0] + 1 or block_tables.shape[0] != kv_lens.shape[0]:
+        raise ValueError(
+            f"paged_attention: {kv_lens.shape[0]} sequences need cu_seqlens_q of length {kv_lens.shape[0] + 1} "
+            f"and {kv_lens.shape[0]} block-table rows; got {cu_seqlens_q.shape[0]} and {block_tables.shape[0]}"
+        )
+    return _paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, scale=scale, max_q_len=max_q_len,
+                  backend=backend)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
+    """Write new keys/values ``(T, Hk, D)`` to cache slots (``slot = block * block_size + offset``).
+
+    A row scatter (:func:`tightfit.cuda.index_rows.scatter_rows`) on the caches viewed as
+    ``(blocks * block_size, Hk * D)``; slots come from the runtime's own block tables, so they are
+    not validated again (that would cost a host sync per layer).
+    """
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    width = k_cache.shape[2] * k_cache.shape[3]
+    scatter_rows(k_cache.view(rows, width), slot_mapping, k.reshape(-1, width).to(k_cache.dtype),
+                 validate=False, backend=backend)
+    scatter_rows(v_cache.view(rows, width), slot_mapping, v.reshape(-1, width).to(v_cache.dtype),
+                 validate=False, backend=backend)

@@ -1,0 +1,205 @@
+"""A paged key/value cache: one pool of fixed-size blocks shared by every running sequence.
+
+Only keys and values are kept (``2 x layers x kv_heads x head_dim`` numbers per token per rank);
+a sequence owns a list of blocks (its block table) that grows one block at a time, so sequences of
+any length share one pool and the only waste is the unfilled tail of each sequence's last block
+(``< block_size`` tokens per sequence). Freeing a sequence returns its blocks to the free list at once.
+
+Every rank holds the pool of its own stage's layers and its own key/value heads; the bookkeeping
+(block tables, lengths) is replicated and deterministic, so ranks that are given the same steps in
+the same order allocate the same blocks without talking to each other.
+
+Example:
+    >>> import torch
+    >>> cache = KVCache(n_layers=1, num_blocks=8, block_size=4, n_kv_heads=1, head_dim=2, dtype=torch.float32)
+    >>> meta = cache.prepare([(7, 6)], device="cpu")     # sequence 7, 6 new tokens
+    >>> cache.length(7), len(cache.block_table(7)), cache.free_blocks
+    (6, 2, 6)
+    >>> cache.free(7); cache.free_blocks
+    8
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["KVCache", "KVCacheFullError", "StepMetadata", "UnknownSequenceError"]
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free blocks for a step; carries how many it needed and how many were free."""
+
+    def __init__(self, needed: int, free: int, block_size: int, total: int):
+        self.needed, self.free = needed, free
+        super().__init__(
+            f"the KV cache needs {needed} more blocks of {block_size} tokens but only {free} of {total} are free; "
+            "free finished sequences (runner.free(seq_id)), run fewer sequences per step, or load with a larger "
+            "kv_cache_tokens"
+        )
+
+
+class UnknownSequenceError(KeyError):
+    """A step or free names a sequence the cache does not hold."""
+
+
+@dataclass(slots=True)
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """Everything attention needs for one packed step (tensors on the model's device).
+
+    Args:
+        positions: ``(T,)`` absolute position of every new token.
+        slot_mapping: ``(T,)`` cache slot (``block * block_size + offset``) each new token's key/value goes to.
+        block_tables: ``(B, max_blocks)`` int32, rows padded with block 0 (never read past ``kv_lens``).
+        cu_seqlens: ``(B + 1,)`` int32 offsets of each sequence's new tokens in the packed batch.
+        kv_lens: ``(B,)`` int32 tokens of context per sequence after this step.
+        last_index: ``(B,)`` row of each sequence's last new token (where next-token logits come from).
+        max_q_len: the most new tokens of any sequence (host int).
+        n_tokens: ``T`` (host int).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens: torch.Tensor
+    kv_lens: torch.Tensor
+    last_index: torch.Tensor
+    max_q_len: int
+    n_tokens: int
+
+
+class KVCache:
+    """Block pools for ``n_layers`` layers and the bookkeeping of which sequence owns which blocks.
+
+    Args:
+        n_layers: layers on this rank (its pipeline stage).
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        n_kv_heads: key/value heads on this rank (its tensor-parallel share).
+        head_dim: width of one head.
+        dtype / device: of the pools.
+    """
+
+    def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: deque[int] = deque(range(num_blocks))
+        self._seqs: dict[int, _Seq] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens of ``seq_id`` whose keys/values are cached (0 for a sequence not yet seen)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else seq.length
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._get(seq_id).blocks)
+
+    def _get(self, seq_id: int) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(
+                f"sequence {seq_id!r} is not in the KV cache (running: {sorted(self._seqs)[:10]}); prefill it "
+                "first, and do not use it after free()"
+            ) from None
+
+    def blocks_needed(self, items: Sequence[tuple[int, int]]) -> int:
+        """Extra blocks a step with ``(seq_id, new_tokens)`` items would allocate."""
+        need = 0
+        for seq_id, n in items:
+            seq = self._seqs.get(seq_id)
+            have, length = (len(seq.blocks), seq.length) if seq else (0, 0)
+            need += max(0, -(-(length + n) // self.block_size) - have)
+        return need
+
+    def can_fit(self, items: Sequence[tuple[int, int]]) -> bool:
+        return self.blocks_needed(items) <= len(self._free)
+
+    def free(self, seq_id: int) -> None:
+        """Return ``seq_id``'s blocks to the pool."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(f"cannot free sequence {seq_id!r}: it is not in the KV cache")
+        self._free.extend(seq.blocks)
+
+    def reset(self) -> None:
+        self._seqs.clear()
+        self._free = deque(range(self.num_blocks))
+
+    # ------------------------------------------------------------------ one step
+
+    def prepare(self, items: Sequence[tuple[int, int]], device: torch.device | str) -> StepMetadata:
+        """Reserve room for ``(seq_id, new_tokens)`` items (new ids start a sequence) and describe the step.
+
+        Checks the whole step fits before changing anything, so a :class:`KVCacheFullError` leaves the
+        cache as it was.
+        """
+        if len({s for s, _ in items}) != len(items):
+            raise ValueError(f"a step lists a sequence twice: {[s for s, _ in items]}; give each sequence once")
+        need = self.blocks_needed(items)
+        if need > len(self._free):
+            raise KVCacheFullError(need, len(self._free), self.block_size, self.num_blocks)
+        bs = self.block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        cu, kv_lens = [0], []
+        for seq_id, n in items:
+            if n < 1:
+                raise ValueError(f"sequence {seq_id!r} has {n} new tokens in this step; give at least one")
+            seq = self._seqs.setdefault(seq_id, _Seq())
+            start = seq.length
+            while len(seq.blocks) * bs < start + n:
+                seq.blocks.append(self._free.popleft())
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(seq.blocks[p // bs] * bs + p % bs)
+            seq.length = start + n
+            tables.append(seq.blocks)
+            cu.append(cu[-1] + n)
+            kv_lens.append(seq.length)
+        width = max(len(t) for t in tables)
+        table = torch.zeros((len(items), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        return StepMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=table.to(device),
+            cu_seqlens=cu_t.to(device),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+            last_index=(cu_t[1:] - 1).long().to(device),
+            max_q_len=max(n for _, n in items),
+            n_tokens=cu[-1],
+        )

@@ -1,0 +1,205 @@
+"""Where a rank sits in the ``pp x tp`` grid, and the tensor-parallel layers and pipeline messages it uses.
+
+Tensor parallelism is Megatron's column/row split written out (as gpt-fast does, in a few dozen
+lines) rather than DTensor's ``parallelize_module``: the runtime loads each rank's slice straight
+from the safetensors file (no rank ever holds the full weight), attention runs on local heads with
+a paged KV cache DTensor knows nothing about, and a decode step is dominated by per-op overhead
+that DTensor dispatch would multiply. The collectives are the ones ``ColwiseParallel`` /
+``RowwiseParallel`` would issue: one all-reduce after each row-parallel matmul (two per block) and
+one all-gather of the vocabulary-parallel logits.
+
+The grid itself is a :class:`torch.distributed.device_mesh.DeviceMesh` of shape ``(pp, tp)``
+(global rank ``= stage * tp + tp_rank``), so tensor-parallel groups are the mesh's ``"tp"``
+groups and pipeline neighbours are ``rank ± tp``. Pipeline messages are the packed hidden states
+(``tokens x hidden``, no padding); their shape is known to both sides from the step's metadata,
+so no header is sent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """This rank's place in a ``pp x tp`` grid (``tp = pp = 1``: a single process, no collectives)."""
+
+    tp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    stage: int = 0
+    tp_group: object | None = None
+
+    @classmethod
+    def create(cls, tp: int, pp: int, device: torch.device) -> Grid:
+        """Build the grid; with ``tp * pp > 1`` the default process group must span exactly ``tp * pp`` ranks."""
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp={tp} and pp={pp} must both be >= 1")
+        if tp * pp == 1:
+            return cls()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"tp={tp} x pp={pp} needs {tp * pp} processes in a torch.distributed process group; launch "
+                f"with `torchrun --nproc-per-node {tp * pp} ...` (or call torch.distributed.init_process_group "
+                "in each process) before loading"
+            )
+        world = dist.get_world_size()
+        if world != tp * pp:
+            raise ValueError(
+                f"tp={tp} x pp={pp} = {tp * pp} ranks, but the process group has {world}; launch exactly "
+                f"{tp * pp} processes or change tp/pp so that tp * pp == {world}"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (pp, tp), mesh_dim_names=("pp", "tp"))
+        rank = dist.get_rank()
+        return cls(tp=tp, pp=pp, tp_rank=rank % tp, stage=rank // tp,
+                   tp_group=mesh.get_group("tp") if tp > 1 else None)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.tp + self.tp_rank
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank - self.tp
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp
+
+    @property
+    def result_rank(self) -> int:
+        """The rank that samples and broadcasts: tp rank 0 of the last stage."""
+        return (self.pp - 1) * self.tp
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_result(self, x: torch.Tensor) -> torch.Tensor:
+        """Send ``x`` from :attr:`result_rank` to every rank (same shape and dtype on all of them)."""
+        if self.world > 1:
+            dist.broadcast(x, src=self.result_rank)
+        return x
+
+
+def split_layers(n_layers: int, pp: int) -> list[range]:
+    """Contiguous, even stage sizes (the first ``n_layers % pp`` stages get one more layer)."""
+    if pp > n_layers:
+        raise ValueError(
+            f"pp={pp} stages for a model of {n_layers} layers: every stage needs at least one layer; use "
+            f"pp <= {n_layers}"
+        )
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnLinear(nn.Module):
+    """``y = x W_local^T + b_local``: this rank's slice of the output features (no communication)."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _empty((out_local, in_features), dtype, device)
+        self.bias = _empty((out_local,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """``y = all_reduce(x_local W_local^T) + b``: this rank's slice of the input features; bias added once."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, grid: Grid, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.grid = grid
+        self.weight = _empty((out_features, in_local), dtype, device)
+        self.bias = _empty((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.grid.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def vocab_shard(vocab_size: int, tp: int) -> int:
+    """Rows per rank of a vocabulary-parallel table (the vocabulary padded up to a multiple of ``tp``)."""
+    return -(-vocab_size // tp)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding split by vocabulary rows; each rank looks up the ids it owns, then all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, grid: Grid, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.grid = grid
+        self.rows = vocab_shard(vocab_size, grid.tp)
+        self.start = grid.tp_rank * self.rows
+        self.weight = _empty((self.rows, dim), dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.grid.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[:, None], 0.0)
+        return self.grid.all_reduce(out)
+
+
+class VocabHead(nn.Module):
+    """Output projection split by vocabulary rows; logits all-gathered and trimmed to the true vocabulary."""
+
+    def __init__(self, vocab_size: int, dim: int, grid: Grid, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.grid = grid
+        self.vocab_size = vocab_size
+        self.weight = _empty((vocab_shard(vocab_size, grid.tp), dim), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.grid.all_gather_last_dim(F.linear(x, self.weight))
+        return logits[..., : self.vocab_size]
+
+
+def local_rank_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")

@@ -1,0 +1,415 @@
+"""The model runner: load a checkpoint onto a ``tp x pp`` grid, then run packed steps over a paged KV cache.
+
+This is the API the engine's controller drives. Every rank of the grid holds one
+:class:`ModelRunner` and calls the same methods with the same arguments in the same order (SPMD; a
+controller broadcasts each step's arguments to its workers); results come back on every rank.
+
+    runner = ModelRunner.from_pretrained("path/to/hf-dir", tp=2, pp=2)    # in each of 4 processes
+    first = runner.prefill({0: prompt_a, 1: prompt_b}, SamplingParams(temperature=0))   # {seq_id: token}
+    nxt = runner.decode([0, 1])            # one token for each running sequence (feeds the last token)
+    nxt = runner.step([(2, prompt_c), (0, [nxt[0]])], {2: params})   # continuous batching: mix both
+    runner.free(1)                         # its KV blocks go back to the pool
+    outs = runner.generate(["Hello", "Hi there"], SamplingParams(max_tokens=8))   # the whole loop
+
+A step packs the new tokens of all its sequences back to back (a prompt for a new sequence, one
+token for a running one, or any chunk) and runs them with no padding; with ``pp > 1`` the
+sequences are split into micro-batches that flow through the stages concurrently (stage ``s``
+works on micro-batch ``m`` while stage ``s+1`` works on ``m-1``), and only packed hidden states
+travel between stages.
+
+Example:
+    >>> runner = ModelRunner.from_pretrained(model_dir)                   # doctest: +SKIP
+    >>> runner.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=4))[0].text  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from energon_infer.config import ModelConfig, load_config
+from energon_infer.kv_cache import KVCache
+from energon_infer.model import DecoderStage, check_tp
+from energon_infer.parallel import Grid, local_rank_device, split_layers
+from energon_infer.sampling import Sampler, SamplingParams, stop_reason
+from energon_infer.weights import CheckpointReader, hf_parts, load_stage_weights
+
+__all__ = ["RuntimeConfig", "ModelRunner", "Generation", "ContextLengthError", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ContextLengthError(ValueError):
+    """A sequence would grow past the model's context."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeConfig:
+    """How a model is laid out and cached.
+
+    Args:
+        tp: tensor-parallel ranks per stage (must divide the heads, key/value heads and MLP width).
+        pp: pipeline stages (contiguous, even layer ranges).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and the cache).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks ``cuda:<LOCAL_RANK>`` when CUDA is there.
+        block_size: tokens per KV-cache block.
+        kv_cache_tokens: cache capacity in tokens (rounded up to whole blocks), shared by all sequences.
+        microbatches: micro-batches per step with ``pp > 1`` (0: ``pp``); more shrink the pipeline
+            bubble, fewer make each matmul larger.
+        max_batch_tokens: :meth:`ModelRunner.generate` admits new prompts while a step stays under this.
+        seed: seeds the generator that seeds requests without their own seed.
+        progress: print loading progress on rank 0 (stderr).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "float32"
+    device: str | None = None
+    block_size: int = 16
+    kv_cache_tokens: int = 32768
+    microbatches: int = 0
+    max_batch_tokens: int = 8192
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"block_size={self.block_size} must be >= 1 and kv_cache_tokens={self.kv_cache_tokens} at least "
+                "one block"
+            )
+        if self.microbatches < 0 or self.max_batch_tokens < 1:
+            raise ValueError(f"microbatches={self.microbatches} must be >= 0 and max_batch_tokens >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One finished request of :meth:`ModelRunner.generate`."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+
+
+def _load_tokenizer(path: Path) -> Any:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def _extra_eos(path: Path) -> tuple[int, ...]:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+
+
+class ModelRunner:
+    """A model stage on this rank, its KV cache, and the sampler (see the module docstring).
+
+    Args:
+        config: the model.
+        source: checkpoint tensors: a :class:`~energon_infer.weights.CheckpointReader` or a ``{name: tensor}`` map.
+        runtime: layout and cache settings.
+        tokenizer: a ``tokenizers.Tokenizer`` (for string prompts, stop strings and output text), or ``None``.
+        parts_fn: maps runtime parameter names to checkpoint tensors (default: Hugging Face names).
+    """
+
+    def __init__(self, config: ModelConfig, source: Any, runtime: RuntimeConfig | None = None, *,
+                 tokenizer: Any = None, parts_fn=hf_parts):
+        rt = runtime or RuntimeConfig()
+        self.config, self.runtime, self.tokenizer = config, rt, tokenizer
+        self.device = torch.device(rt.device) if rt.device else local_rank_device()
+        self.dtype = DTYPES[rt.dtype]
+        check_tp(config, rt.tp)
+        layers = split_layers(config.n_layers, rt.pp)
+        self.grid = Grid.create(rt.tp, rt.pp, self.device)
+        self._say(f"energon: {config.model_type} {config.n_params / 1e6:.1f}M params, {config.n_layers} layers "
+                  f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
+        self.stage = DecoderStage(config, self.grid, layers[self.grid.stage], dtype=self.dtype, device=self.device)
+        load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say)
+        self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=-(-rt.kv_cache_tokens // rt.block_size),
+                             block_size=rt.block_size, n_kv_heads=config.n_kv_heads // rt.tp,
+                             head_dim=config.head_dim, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(rt.seed)
+        self._params: dict[int, SamplingParams] = {}
+        self._last: dict[int, int] = {}
+        self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
+        self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig | None = None, **kwargs: Any) -> ModelRunner:
+        """Load a Hugging Face directory (``config.json``, ``*.safetensors``, optional ``tokenizer.json``).
+
+        ``kwargs`` are :class:`RuntimeConfig` fields (``tp=2, pp=2, dtype="bfloat16"``).
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist; give a directory saved with "
+                                    "save_pretrained (config.json + *.safetensors)")
+        rt = runtime if runtime is not None else RuntimeConfig(**kwargs)
+        config = load_config(path)
+        reader = CheckpointReader(path)
+        try:
+            runner = cls(config, reader, rt, tokenizer=_load_tokenizer(path))
+        finally:
+            reader.close()
+        runner.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + _extra_eos(path)))
+        return runner
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_positions
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.grid.last
+
+    def _say(self, msg: str) -> None:
+        if self.runtime.progress and self.grid.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ the packed step
+
+    def _validate(self, items: Sequence[tuple[int, Sequence[int]]]) -> None:
+        vocab = self.config.vocab_size
+        for seq_id, tokens in items:
+            if len(tokens) == 0:
+                raise ValueError(f"sequence {seq_id}: no tokens to run; a prompt needs at least one token")
+            total = self.cache.length(seq_id) + len(tokens)
+            if total > self.max_context:
+                raise ContextLengthError(
+                    f"sequence {seq_id} would reach {total} tokens but this {self.config.model_type} model's context "
+                    f"is {self.max_context} (max_position_embeddings); shorten the prompt or lower max_tokens"
+                )
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"sequence {seq_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _microbatches(self, items: list[tuple[int, Sequence[int]]]) -> list[list[tuple[int, Sequence[int]]]]:
+        m = min(len(items), self.runtime.microbatches or self.runtime.pp)
+        if m <= 1:
+            return [items]
+        # Contiguous chunks of roughly equal token counts (stage time grows with tokens).
+        total = sum(len(t) for _, t in items)
+        chunks: list[list[tuple[int, Sequence[int]]]] = [[]]
+        acc = 0
+        for i, item in enumerate(items):
+            left_items, left_chunks = len(items) - i, m - len(chunks)
+            if chunks[-1] and (acc >= total * len(chunks) / m or left_items <= left_chunks):
+                chunks.append([])
+            chunks[-1].append(item)
+            acc += len(item[1])
+        return chunks
+
+    def forward(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
+                broadcast: bool = False) -> torch.Tensor | None:
+        """Run one packed step; append the tokens to each sequence's cache; return logits.
+
+        ``items`` are ``(seq_id, new_tokens)``: an unknown ``seq_id`` starts a sequence. Returns the
+        next-token logits ``(len(items), vocab)`` (every token's with ``all_logits``: ``(total, vocab)``)
+        on the last stage's ranks, ``None`` on the others unless ``broadcast``.
+        """
+        items = [(s, list(t)) for s, t in items]
+        self._validate(items)
+        if not self.cache.can_fit([(s, len(t)) for s, t in items]):
+            self.cache.prepare([(s, len(t)) for s, t in items], self.device)  # raises KVCacheFullError
+        grid, stage = self.grid, self.stage
+        outputs, sends = [], []
+        for chunk in self._microbatches(items):
+            meta = self.cache.prepare([(s, len(t)) for s, t in chunk], self.device)
+            if grid.first:
+                x = torch.tensor([tok for _, t in chunk for tok in t], dtype=torch.long, device=self.device)
+            else:
+                x = torch.empty((meta.n_tokens, self.config.hidden_size), dtype=self.dtype, device=self.device)
+                dist.recv(x, src=grid.prev_rank)
+            y = stage(x, meta, self.cache, all_logits=all_logits)
+            if grid.last:
+                outputs.append(y)
+            else:
+                sends.append((dist.isend(y, dst=grid.next_rank), y))
+        for work, _ in sends:
+            work.wait()
+        if grid.last:
+            logits = (torch.cat(outputs) if len(outputs) > 1 else outputs[0]).contiguous()
+        elif broadcast:
+            rows = sum(len(t) for _, t in items) if all_logits else len(items)
+            logits = torch.empty((rows, self.config.vocab_size), dtype=self.dtype, device=self.device)
+        else:
+            return None
+        if broadcast and grid.pp > 1:
+            grid.broadcast_result(logits)
+        return logits
+
+    def step(self, items: Sequence[tuple[int, Sequence[int]]],
+             params: SamplingParams | Mapping[int, SamplingParams] | None = None) -> list[int]:
+        """Run a step and sample one next token per item (on every rank, identical).
+
+        New sequences need sampling ``params`` (one for all, or per ``seq_id``); running ones keep theirs.
+        """
+        for seq_id, _ in items:
+            if seq_id not in self._params:
+                if seq_id in self.cache:
+                    raise ValueError(f"sequence {seq_id} is in the KV cache but has no sampling params")
+                p = params.get(seq_id) if isinstance(params, Mapping) else params
+                if p is None:
+                    raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
+                self._params[seq_id] = p
+        logits = self.forward(items)
+        ids = [s for s, _ in items]
+        tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
+        if self.grid.rank == self.grid.result_rank:
+            assert logits is not None
+            tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids]),
+                                  dtype=torch.long, device=self.device)
+        out = self.grid.broadcast_result(tokens).tolist()
+        self._last.update(zip(ids, out))
+        return out
+
+    def prefill(self, prompts: Mapping[int, Sequence[int]], params: SamplingParams | Mapping[int, SamplingParams]
+                ) -> dict[int, int]:
+        """Start new sequences; returns each one's first generated token."""
+        for seq_id in prompts:
+            if seq_id in self.cache:
+                raise ValueError(f"sequence {seq_id} is already running; free it or use another id")
+        return dict(zip(prompts, self.step(list(prompts.items()), params)))
+
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | None = None) -> dict[int, int]:
+        """One decode step for running sequences, fed their last sampled token (or ``tokens``)."""
+        for s in seq_ids:
+            if s not in self.cache:
+                raise ValueError(f"sequence {s} is not running; prefill it first")
+        feed = list(tokens) if tokens is not None else [self._last[s] for s in seq_ids]
+        return dict(zip(seq_ids, self.step([(s, [t]) for s, t in zip(seq_ids, feed)])))
+
+    def free(self, seq_id: int) -> None:
+        """Drop a sequence: its KV blocks return to the pool, its sampling state is forgotten."""
+        self.cache.free(seq_id)
+        self._params.pop(seq_id, None)
+        self._last.pop(seq_id, None)
+        self.sampler.forget(seq_id)
+
+    # ------------------------------------------------------------------ conveniences
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: put tokenizer.json in the model directory or "
+                                 "pass token ids")
+            return list(self.tokenizer.encode(prompt).ids)
+        return [int(t) for t in prompt]
+
+    def decode_text(self, token_ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Generation]:
+        """Generate for every prompt with continuous batching; results in prompt order.
+
+        New prompts join the running batch as soon as the KV cache can hold their prompt plus
+        ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
+        ``max_batch_tokens``; finished sequences leave at once and free their blocks.
+        """
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        encoded = [self.encode(p) for p in prompts]
+        bs = self.cache.block_size
+        reserve = [-(-min(len(e) + p.max_tokens, self.max_context) // bs) for e, p in zip(encoded, plist)]
+        for i, e in enumerate(encoded):
+            if not e or len(e) > self.max_context:
+                raise ContextLengthError(
+                    f"prompt {i} has {len(e)} tokens; prompts need 1 to {self.max_context} tokens (the model's "
+                    "context); shorten it"
+                )
+            if reserve[i] > self.cache.num_blocks:
+                raise ValueError(
+                    f"prompt {i} ({len(e)} tokens + max_tokens={plist[i].max_tokens}) needs {reserve[i]} KV blocks; the "
+                    f"cache has {self.cache.num_blocks}; load with a larger kv_cache_tokens"
+                )
+        pending = deque(range(len(prompts)))
+        seq_of = {i: next(self._ids) for i in range(len(prompts))}
+        running: dict[int, list[int]] = {}  # prompt index -> generated tokens
+        reserved = 0
+        results: dict[int, Generation] = {}
+        while pending or running:
+            items, new_params = [(seq_of[i], [toks[-1]]) for i, toks in running.items()], {}
+            budget = self.runtime.max_batch_tokens - len(items)
+            while pending and reserved + reserve[pending[0]] <= self.cache.num_blocks and (
+                    len(encoded[pending[0]]) <= budget or not items):
+                i = pending.popleft()
+                items.append((seq_of[i], encoded[i]))
+                new_params[seq_of[i]] = plist[i]
+                running[i] = []
+                reserved += reserve[i]
+                budget -= len(encoded[i])
+            tokens = self.step(items, new_params)
+            index_of = {seq_of[i]: i for i in running}
+            for (seq_id, _), tok in zip(items, tokens):
+                i = index_of[seq_id]
+                gen = running[i]
+                gen.append(tok)
+                reason, text = stop_reason(gen, plist[i], self.eos_token_ids,
+                                           self.decode_text if self.tokenizer is not None else None)
+                if reason is None and self.cache.length(seq_id) + 1 > self.max_context:
+                    reason = "length"
+                if reason is not None:
+                    results[i] = Generation(encoded[i], list(gen), text if text is not None else self.decode_text(gen),
+                                            reason)
+                    del running[i]
+                    self.free(seq_id)
+                    reserved -= reserve[i]
+        return [results[i] for i in range(len(prompts))]
+
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``(B, L, vocab)`` for a padded batch (left, right or mixed padding); zeros at pad positions.
+
+        The pads are removed first (:func:`tightfit.cuda.packing.pack`), the packed tokens run as new
+        sequences (cached, then freed), and the logits are put back in the padded layout
+        (:func:`tightfit.cuda.packing.unpack`). Returned on every rank.
+        """
+        from tightfit.cuda.packing import pack, unpack
+
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = attention_mask.to(torch.bool).cpu()
+        lengths = mask.sum(1)
+        starts = mask.int().argmax(1)
+        rows = torch.arange(mask.shape[1])[None, :]
+        if not torch.equal(mask, (rows >= starts[:, None]) & (rows < (starts + lengths)[:, None])):
+            raise ValueError("attention_mask must mark one contiguous run of tokens per row (left or right padding)")
+        if int(lengths.min()) == 0:
+            raise ValueError("every row of attention_mask needs at least one token")
+        packed, cu = pack(input_ids.cpu(), starts, lengths)
+        ids = [next(self._ids) for _ in range(input_ids.shape[0])]
+        cu_l = cu.tolist()
+        items = [(s, packed[cu_l[b]:cu_l[b + 1]].tolist()) for b, s in enumerate(ids)]
+        try:
+            logits = self.forward(items, all_logits=True, broadcast=True)
+        finally:
+            for s in ids:
+                if s in self.cache:
+                    self.cache.free(s)
+        assert logits is not None
+        return unpack(logits, starts.to(logits.device), lengths.to(logits.device), input_ids.shape[1])

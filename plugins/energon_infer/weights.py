@@ -1,0 +1,247 @@
+"""Load a rank's slice of a checkpoint into a :class:`~energon_infer.model.DecoderStage`, without unpickling.
+
+Sources: a Hugging Face directory (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) read with ``safetensors.safe_open``; or any ``{name: tensor}``
+mapping already in memory (how :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt` feeds a
+tightfit/Lightning checkpoint). ``*.bin`` / ``*.pt`` pickles are refused.
+
+Each runtime parameter is built from one or more checkpoint tensors (GPT-2's fused, transposed
+``c_attn`` is split into q/k/v; q/k/v and gate/up are fused again per rank), then sliced for
+tensor parallelism: column-parallel rows by head, row-parallel columns, vocabulary rows padded to a
+multiple of ``tp``. Only the tensors of this rank's pipeline stage are read, and each is read,
+sliced and released one at a time, so a rank's peak host memory is its own shard plus the largest
+single tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from energon_infer.config import ModelConfig
+from energon_infer.parallel import Grid, vocab_shard
+
+__all__ = ["CheckpointReader", "WeightError", "load_stage_weights", "hf_parts"]
+
+
+class WeightError(ValueError):
+    """Weights are missing from the checkpoint or do not have the shape the config implies."""
+
+
+class CheckpointReader:
+    """Tensors of a safetensors checkpoint directory (single file or sharded with an index), by name."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._where = {name: self.path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self._where = {name: single for name in f.keys()}
+        else:
+            pickles = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
+            hint = (f" It holds {pickles[:3]}: pickled weights are never loaded (unpickling runs code); "
+                    "convert them with `model.save_pretrained(dir, safe_serialization=True)`.") if pickles else ""
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {self.path}.{hint}"
+            )
+        missing_files = sorted({str(p.name) for p in self._where.values() if not p.is_file()})
+        if missing_files:
+            raise FileNotFoundError(
+                f"{self.path} lists shard files that are not there: {missing_files[:5]}; copy the whole "
+                "checkpoint directory"
+            )
+        self._handles: dict[Path, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self._where[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(file), framework="pt")
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+# How one runtime tensor is assembled: parts concatenated along dim 0, each part a checkpoint
+# tensor (possibly transformed) and its split rule for tensor parallelism.
+#   "col":  rows split evenly (output features: heads, MLP width)
+#   "row":  columns split evenly (input features of o / down)
+#   "vocab": rows split in vocab_shard(V, tp) chunks, the last padded with zeros
+#   None:   replicated
+@dataclass(frozen=True, slots=True)
+class Part:
+    source: str
+    split: str | None = None
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _cols(lo: int, hi: int, transpose: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    # GPT-2 stores Conv1D weights as (in, out); its fused c_attn is (hidden, 3 * hidden).
+    if transpose:
+        return lambda w: w[:, lo:hi].t()
+    return lambda b: b[lo:hi]
+
+
+def hf_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
+    """The checkpoint tensors runtime parameter ``name`` is built from, for ``cfg``'s family."""
+    head = name.split(".")
+    if cfg.family == "gpt2":
+        pre = "transformer." if any(k.startswith("transformer.") for k in keys) else ""
+        h = cfg.hidden_size
+        simple = {"embed.weight": (f"{pre}wte.weight", "vocab"), "pos_embed.weight": (f"{pre}wpe.weight", None),
+                  "final_norm.weight": (f"{pre}ln_f.weight", None), "final_norm.bias": (f"{pre}ln_f.bias", None)}
+        if name == "lm_head.weight":
+            return [Part("lm_head.weight" if "lm_head.weight" in keys else f"{pre}wte.weight", "vocab")]
+        if name in simple:
+            return [Part(*simple[name])]
+        i, rest = head[1], ".".join(head[2:])
+        p = f"{pre}h.{i}."
+        if rest == "qkv.weight":
+            return [Part(f"{p}attn.c_attn.weight", "col", _cols(j * h, (j + 1) * h)) for j in range(3)]
+        if rest == "qkv.bias":
+            return [Part(f"{p}attn.c_attn.bias", "col", _cols(j * h, (j + 1) * h, False)) for j in range(3)]
+        table = {"attn_norm.weight": (f"{p}ln_1.weight", None, None), "attn_norm.bias": (f"{p}ln_1.bias", None, None),
+                 "mlp_norm.weight": (f"{p}ln_2.weight", None, None), "mlp_norm.bias": (f"{p}ln_2.bias", None, None),
+                 "o.weight": (f"{p}attn.c_proj.weight", "row", torch.t), "o.bias": (f"{p}attn.c_proj.bias", None, None),
+                 "up.weight": (f"{p}mlp.c_fc.weight", "col", torch.t), "up.bias": (f"{p}mlp.c_fc.bias", "col", None),
+                 "down.weight": (f"{p}mlp.c_proj.weight", "row", torch.t),
+                 "down.bias": (f"{p}mlp.c_proj.bias", None, None)}
+        return [Part(*table[rest])]
+    if cfg.family == "opt":
+        pre = "model.decoder."
+        simple = {"embed.weight": (f"{pre}embed_tokens.weight", "vocab"),
+                  "pos_embed.weight": (f"{pre}embed_positions.weight", None),
+                  "project_in.weight": (f"{pre}project_in.weight", None),
+                  "project_out.weight": (f"{pre}project_out.weight", None),
+                  "final_norm.weight": (f"{pre}final_layer_norm.weight", None),
+                  "final_norm.bias": (f"{pre}final_layer_norm.bias", None)}
+        if name == "lm_head.weight":
+            return [Part("lm_head.weight" if "lm_head.weight" in keys else f"{pre}embed_tokens.weight", "vocab")]
+        if name in simple:
+            return [Part(*simple[name])]
+        i, rest = head[1], ".".join(head[2:])
+        p = f"{pre}layers.{i}."
+        kind = rest.split(".")[-1]
+        if rest.startswith("qkv."):
+            return [Part(f"{p}self_attn.{x}_proj.{kind}", "col") for x in "qkv"]
+        table = {"attn_norm": (f"{p}self_attn_layer_norm", None), "mlp_norm": (f"{p}final_layer_norm", None),
+                 "o": (f"{p}self_attn.out_proj", "row"), "up": (f"{p}fc1", "col"), "down": (f"{p}fc2", "row")}
+        src, split = table[rest.split(".")[0]]
+        if kind == "bias" and split == "row":
+            split = None
+        return [Part(f"{src}.{kind}", split)]
+    # llama family
+    simple = {"embed.weight": ("model.embed_tokens.weight", "vocab"), "final_norm.weight": ("model.norm.weight", None)}
+    if name == "lm_head.weight":
+        tied = cfg.tie_embeddings and "lm_head.weight" not in keys
+        return [Part("model.embed_tokens.weight" if tied else "lm_head.weight", "vocab")]
+    if name in simple:
+        return [Part(*simple[name])]
+    i, rest = head[1], ".".join(head[2:])
+    p = f"model.layers.{i}."
+    kind = rest.split(".")[-1]
+    if rest.startswith("qkv."):
+        return [Part(f"{p}self_attn.{x}_proj.{kind}", "col") for x in "qkv"]
+    if rest.startswith("up."):
+        return [Part(f"{p}mlp.{x}_proj.{kind}", "col") for x in ("gate", "up")]
+    table = {"attn_norm": (f"{p}input_layernorm", None), "mlp_norm": (f"{p}post_attention_layernorm", None),
+             "o": (f"{p}self_attn.o_proj", "row"), "down": (f"{p}mlp.down_proj", "row")}
+    src, split = table[rest.split(".")[0]]
+    return [Part(f"{src}.{kind}", None if kind == "bias" and split == "row" else split)]
+
+
+def _full_shape(local: tuple[int, ...], split: str | None, tp: int, cfg: ModelConfig) -> tuple[int, ...]:
+    if split == "col":
+        return (local[0] * tp, *local[1:])
+    if split == "row":
+        return (local[0], local[1] * tp)
+    if split == "vocab":
+        return (cfg.vocab_size, *local[1:])
+    return local
+
+
+def _shard(t: torch.Tensor, split: str | None, grid: Grid) -> torch.Tensor:
+    if split is None or grid.tp == 1 and split != "vocab":
+        return t
+    if split == "col":
+        return t.chunk(grid.tp, dim=0)[grid.tp_rank]
+    if split == "row":
+        return t.chunk(grid.tp, dim=1)[grid.tp_rank]
+    rows = vocab_shard(t.shape[0], grid.tp)
+    start = grid.tp_rank * rows
+    piece = t[start:start + rows]
+    if piece.shape[0] < rows:  # the last rank's rows past the vocabulary are zeros (never looked up)
+        piece = torch.cat([piece, piece.new_zeros((rows - piece.shape[0], *piece.shape[1:]))])
+    return piece
+
+
+def _part_shapes(param: torch.Tensor, parts: list[Part]) -> list[tuple[int, ...]]:
+    # Fused parameters split their rows evenly among parts, except fused qkv with grouped-query
+    # attention (q is wider than k and v): the caller passes the split explicitly.
+    n = len(parts)
+    rows = param.shape[0] // n
+    return [(rows, *param.shape[1:])] * n
+
+
+def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
+                       source: CheckpointReader | Mapping[str, torch.Tensor], *,
+                       parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
+                       progress: Callable[[str], None] | None = None) -> None:
+    """Fill every parameter of ``stage`` from ``source``; raise :class:`WeightError` naming what is wrong."""
+    keys = set(source.keys())
+    params = dict(stage.named_parameters())
+    plan = {name: parts_fn(cfg, name, keys) for name in params}
+    missing = sorted({p.source for parts in plan.values() for p in parts if p.source not in keys})
+    if missing:
+        raise WeightError(
+            f"the checkpoint lacks {len(missing)} tensor(s) this {cfg.model_type} config needs, e.g. "
+            f"{missing[:5]}; it holds {len(keys)} tensors. Check that config.json belongs to these weights "
+            "and that every shard listed in model.safetensors.index.json is present"
+        )
+    q_rows = cfg.n_heads * cfg.head_dim // grid.tp
+    kv_rows = cfg.n_kv_heads * cfg.head_dim // grid.tp
+    done = 0
+    for name, param in params.items():
+        parts = plan[name]
+        shapes = _part_shapes(param, parts)
+        if name.endswith(("qkv.weight", "qkv.bias")):
+            shapes = [(r, *param.shape[1:]) for r in (q_rows, kv_rows, kv_rows)]
+        pieces = []
+        for part, local in zip(parts, shapes):
+            t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]
+            if part.transform is not None:
+                t = part.transform(t)
+            want = _full_shape(local, part.split, grid.tp, cfg)
+            if tuple(t.shape) != want:
+                raise WeightError(
+                    f"tensor {part.source!r} has shape {tuple(t.shape)}, but {cfg.model_type} config.json implies "
+                    f"{want} for {name} (hidden_size={cfg.hidden_size}, heads={cfg.n_heads}/{cfg.n_kv_heads}, "
+                    f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}); the weights and "
+                    "config.json come from different models"
+                )
+            pieces.append(_shard(t, part.split, grid))
+        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+        done += 1
+        if progress is not None and (done % 50 == 0 or done == len(params)):
+            progress(f"loaded {done}/{len(params)} tensors")

@@ -1,0 +1,100 @@
+"""Tiny random Hugging Face checkpoints and a locally trained tokenizer for the runtime's tests.
+
+Everything is built here from configs (nothing is downloaded): ``save_tiny(family, dir)`` writes
+``config.json`` + sharded ``*.safetensors`` with ``transformers.save_pretrained`` and a
+``tokenizer.json`` trained with the ``tokenizers`` library on a few sentences.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["CORPUS", "FAMILIES", "build_tokenizer", "save_tiny", "hf_model", "hf_logits", "hf_greedy"]
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a tiny model loads from a directory and generates a few tokens",
+    "padding free batches run every sequence without wasted work",
+    "tensor and pipeline parallel ranks share one model",
+] * 4
+
+# Odd vocabulary (101): tensor-parallel vocabulary shards are then uneven and the padding rows are exercised.
+VOCAB = 101
+
+
+def _config(family: str, **overrides):
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    if family == "gpt2":
+        kw = dict(n_embd=32, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=1, eos_token_id=2)
+        return GPT2Config(**{**kw, **overrides})
+    if family == "opt":
+        kw = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64, vocab_size=VOCAB,
+                  max_position_embeddings=128, word_embed_proj_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return OPTConfig(**{**kw, **overrides})
+    if family == "llama":
+        kw = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                  rope_theta=500.0)
+        return LlamaConfig(**{**kw, **overrides})
+    raise ValueError(family)
+
+
+FAMILIES = ("gpt2", "opt", "llama")
+
+
+def build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 5, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(Path(path) / "tokenizer.json"))
+
+
+def save_tiny(family: str, path: Path, *, seed: int = 0, shard: str | None = "40KB", **overrides) -> Path:
+    """Save a random tiny ``family`` model (fp32) with its tokenizer to ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family, **overrides))
+    # Random init is small (std 0.02): scale it up so logits differ clearly between positions and
+    # greedy decoding does not sit on near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every position, one prompt at a time (no padding involved in the reference)."""
+    model = hf_model(path)
+    return [model(torch.tensor([p])).logits[0] for p in prompts]
+
+
+@torch.no_grad()
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    model = hf_model(path)
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
