@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from tightfit.planner.errors import PlanError, PlanInfeasibleError
+from tightfit.planner.partition import (
+    DeviceSpec,
+    LayerMemory,
+    PartitionPlan,
+    balance,
+    brute_force,
+    evaluate,
+    even,
+    even_boundaries,
+    parameter_balanced,
+    sky_allocator,
+)
+
+GIB = 2**30
+
+
+def _devices(speeds, memory=GIB):
+    mems = memory if isinstance(memory, (list, tuple)) else [memory] * len(speeds)
+    return [DeviceSpec(name=f"d{i}", speed=s, memory_bytes=m) for i, (s, m) in enumerate(zip(speeds, mems))]
+
+
+def _random_instance(rng: random.Random):
+    L = rng.randint(3, 7)
+    D = rng.randint(1, min(3, L))
+    costs = [rng.uniform(0.1, 2.0) for _ in range(L)]
+    mems = [LayerMemory(param_bytes=rng.randint(1, 100), activation_bytes=rng.randint(0, 50),
+                        output_bytes=rng.randint(0, 50)) for _ in range(L)]
+    devs = [DeviceSpec(name=f"d{i}", speed=rng.uniform(0.2, 1.0), memory_bytes=rng.randint(300, 2500))
+            for i in range(D)]
+    links = rng.choice([None, 30.0, [[rng.uniform(5, 100) for _ in range(D)] for _ in range(D)]])
+    return costs, mems, devs, links
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dp_matches_brute_force_on_random_instances(schedule):
+    rng = random.Random(1234 if schedule == "gpipe" else 99)
+    checked = infeasible = 0
+    for _ in range(120):
+        costs, mems, devs, links = _random_instance(rng)
+        M = rng.randint(1, 6)
+        best = brute_force(costs, mems, devs, microbatches=M, schedule=schedule, links=links)
+        if best is None:
+            with pytest.raises(PlanInfeasibleError):
+                balance(costs, mems, devs, microbatches=M, schedule=schedule, links=links)
+            infeasible += 1
+            continue
+        plan = balance(costs, mems, devs, microbatches=M, schedule=schedule, links=links)
+        assert plan.feasible
+        assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+        # the given order is solved exactly too
+        fixed = brute_force(costs, mems, devs, microbatches=M, schedule=schedule, links=links, search_order=False)
+        if fixed is not None:
+            got = balance(costs, mems, devs, microbatches=M, schedule=schedule, links=links, order="given")
+            assert got.step_time_s == pytest.approx(fixed.step_time_s, rel=1e-9)
+        checked += 1
+    assert checked > 60 and infeasible > 3  # both branches were exercised
+
+
+def test_slow_device_gets_fewer_layers():
+    devs = _devices([1.0, 0.33, 1.0, 1.0])
+    plan = balance([1.0] * 24, [1000] * 24, devs, microbatches=8, schedule="1f1b", order="given")
+    counts = plan.layer_counts()
+    assert counts[1] < min(counts[0], counts[2], counts[3])
+    assert sum(counts) == 24
+    ev = even([1.0] * 24, [1000] * 24, devs, microbatches=8, schedule="1f1b")
+    assert ev.layer_counts() == (6, 6, 6, 6)
+    assert plan.step_time_s < 0.7 * ev.step_time_s  # the slow device no longer sets the pace
+
+
+def test_memory_caps_bound_the_stages():
+    # device 0 is fastest but holds only 2 layers: weights + grads + Adam state = 4 x 100 B per layer
+    devs = _devices([1.0, 0.5], memory=[2 * 4 * 100 + 50, GIB])
+    plan = balance([1.0] * 8, [100] * 8, devs, microbatches=4, schedule="gpipe", order="given")
+    assert plan.layer_counts()[0] == 2
+    assert all(s.memory_bytes <= s.memory_cap_bytes for s in plan.stages)
+
+
+def test_infeasible_memory_names_the_shortfall():
+    devs = _devices([1.0, 1.0], memory=1000)
+    with pytest.raises(PlanInfeasibleError, match=r"short by .*Fix: add devices") as info:
+        balance([1.0] * 4, [LayerMemory(param_bytes=200)] * 4, devs, microbatches=2, schedule="1f1b")
+    assert info.value.needed_bytes == 4 * 200 * 4 and info.value.budget_bytes == 2000
+    # enough in total, but one layer is larger than any device
+    with pytest.raises(PlanInfeasibleError, match=r"largest layer needs .* more than the largest device holds"):
+        balance([1.0] * 3, [10, 400, 10], devs, microbatches=1, schedule="gpipe")
+
+
+def test_gpipe_keeps_every_microbatch_in_flight_1f1b_does_not():
+    mems = [LayerMemory(param_bytes=10, activation_bytes=100)] * 4
+    devs = _devices([1.0, 1.0], memory=[500, 10_000])
+    with pytest.raises(PlanInfeasibleError, match="schedule='1f1b'"):
+        balance([1.0] * 4, mems, devs, microbatches=8, schedule="gpipe", order="given")
+    # 1F1B's last stage holds one microbatch; the first holds two
+    plan = balance([1.0] * 4, mems, _devices([1.0, 1.0], memory=[10_000, 500]), microbatches=8, schedule="1f1b",
+                   order="given")
+    assert plan.feasible and plan.stages[1].memory_bytes <= 500
+
+
+def test_order_search_crosses_a_slow_link_once():
+    # devices 0,2 at one site and 1,3 at another: 100x slower between sites
+    fast, slow = 1e9, 1e7
+    site = [0, 1, 0, 1]
+    links = [[fast if site[a] == site[b] else slow for b in range(4)] for a in range(4)]
+    mems = [LayerMemory(param_bytes=10, output_bytes=1_000_000)] * 8
+    devs = _devices([1.0] * 4)
+    given = balance([0.01] * 8, mems, devs, microbatches=4, schedule="1f1b", links=links, order="given")
+    best = balance([0.01] * 8, mems, devs, microbatches=4, schedule="1f1b", links=links)
+    crossings = sum(site[a] != site[b] for a, b in zip(best.order, best.order[1:]))
+    assert crossings == 1
+    assert best.step_time_s < given.step_time_s
+    assert "exhaustive" in best.notes[0]
+    bf = brute_force([0.01] * 8, mems, devs, microbatches=4, schedule="1f1b", links=links)
+    assert best.step_time_s == pytest.approx(bf.step_time_s)
+
+
+def test_plan_json_round_trip_and_explain(tmp_path):
+    plan = balance([1.0, 2.0, 1.0, 3.0], [100] * 4, _devices([1.0, 0.5]), microbatches=4, schedule="1f1b",
+                   links=1e6)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = PartitionPlan.from_json(path)
+    assert again == plan
+    assert json.loads(path.read_text())["__type__"] == "PartitionPlan"
+    text = plan.explain()
+    assert "balanced partition of 4 layers over 2 devices" in text and "predicted step" in text
+    assert again.boundaries[0] == 0 and again.boundaries[-1] == 4
+
+
+def test_interleaved_places_chunks_round_robin():
+    devs = _devices([1.0, 0.5])
+    plan = balance([1.0] * 12, [10] * 12, devs, microbatches=4, schedule="interleaved", virtual_stages=2)
+    assert len(plan.stages) == 4
+    assert [s.device for s in plan.stages] == [plan.order[0], plan.order[1], plan.order[0], plan.order[1]]
+    counts = plan.layer_counts()
+    slow = 1 if plan.order[1] == 1 else 0
+    assert counts[1] < counts[0] if slow == 1 else counts[1] < counts[0]
+    assert sum(counts) == 12
+
+
+def test_baselines():
+    assert even_boundaries(10, 3) == [0, 4, 7, 10]
+    costs, mems = [1.0] * 6, [100, 100, 100, 100, 400, 400]
+    devs = _devices([1.0, 1.0])
+    pb = parameter_balanced(costs, mems, devs, microbatches=2, schedule="gpipe")
+    assert pb.boundaries == (0, 4, 6) and pb.method == "parameter-balanced"
+    ev = even(costs, mems, devs, microbatches=2, schedule="gpipe")
+    assert ev.boundaries == (0, 3, 6)
+    priced = evaluate([0, 3, 6], costs, mems, devs, microbatches=2, schedule="gpipe")
+    assert priced.step_time_s == ev.step_time_s == pytest.approx(3 + 3 + 1 * 3)
+
+
+def test_sky_allocator_reproduces_the_give_back_slip():
+    costs, mems = [1.0] * 12, [10] * 12
+    slow_first = _devices([0.5, 1.0])
+    # the original never gives a layer away: the slow first worker keeps its even share
+    assert sky_allocator(costs, mems, slow_first, microbatches=1, schedule="gpipe").layer_counts() == (6, 6)
+    # with the comparison fixed it gives one back, then stops at its +1-layer tolerance
+    fixed = sky_allocator(costs, mems, slow_first, microbatches=1, schedule="gpipe", fix_give_back=True)
+    assert fixed.layer_counts() == (5, 7)
+    ours = balance(costs, mems, slow_first, microbatches=8, schedule="1f1b", order="given")
+    assert ours.layer_counts() == (4, 8)
+    # taking layers does work: a slow *last* worker is relieved by the first one
+    slow_last = _devices([1.0, 0.5])
+    assert sky_allocator(costs, mems, slow_last, microbatches=1, schedule="gpipe").layer_counts() == (8, 4)
+
+
+def test_sky_allocator_respects_memory_first():
+    devs = _devices([1.0, 1.0], memory=[2 * 4 * 10 + 1, GIB])
+    plan = sky_allocator([1.0] * 6, [10] * 6, devs, microbatches=1, schedule="gpipe")
+    assert plan.layer_counts()[0] <= 2 and plan.feasible
+
+
+def test_bad_inputs_name_the_rule():
+    devs = _devices([1.0, 1.0])
+    with pytest.raises(PlanError, match="schedule 'zb' is unknown"):
+        balance([1.0] * 4, [1] * 4, devs, microbatches=2, schedule="zb")
+    with pytest.raises(PlanError, match="3 layers cannot fill 4 stages"):
+        balance([1.0] * 3, [1] * 3, devs, microbatches=2, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(PlanError, match="layer_memory has 2 entries but layer_costs has 3"):
+        balance([1.0] * 3, [1] * 2, devs, microbatches=2, schedule="gpipe")
+    with pytest.raises(PlanError, match="speed=0 must be"):
+        DeviceSpec(name="x", speed=0, memory_bytes=1)
+    with pytest.raises(PlanError, match="must be a 2x2 matrix"):
+        balance([1.0] * 3, [1] * 3, devs, microbatches=2, schedule="gpipe", links=[[1.0]])
+    with pytest.raises(PlanError, match="permutation of 0..1"):
+        balance([1.0] * 3, [1] * 3, devs, microbatches=2, schedule="gpipe", order=[0, 0])
+
+
+def test_160_layers_on_64_devices_plans_in_under_a_second():
+    """The paper's scale. CPU time of this process (not wall time), so other load does not count."""
+    rng = random.Random(7)
+    costs = [2.0] + [1.0] * 160 + [0.5]
+    mems = [LayerMemory(param_bytes=50_000_000, activation_bytes=20_000_000, output_bytes=4_000_000)] * 162
+    devs = [DeviceSpec(name=f"d{i}", speed=1 / rng.uniform(1, 4), memory_bytes=int(16e9 / rng.uniform(1, 3)))
+            for i in range(64)]
+    start = time.process_time()
+    plan = balance(costs, mems, devs, microbatches=32, schedule="1f1b", links=1.25e9)
+    elapsed = time.process_time() - start
+    assert plan.feasible and len(plan.stages) == 64
+    assert plan.step_time_s < even(costs, mems, devs, microbatches=32, schedule="1f1b", links=1.25e9).step_time_s
+    assert elapsed < 1.0, f"planning 160 layers x 64 devices took {elapsed:.2f} s of CPU time"
