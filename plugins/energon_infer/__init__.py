@@ -1,16 +1,65 @@
-"""EnergonAI: padding-free tensor/pipeline-parallel inference with a single controller and an HTTP server"""
+"""EnergonAI: padding-free tensor/pipeline-parallel inference with a single controller and an HTTP server.
+
+    from energon_infer import ModelRunner, SamplingParams
+    runner = ModelRunner.from_pretrained("path/to/hf-model-dir")          # tp=2, pp=2 under torchrun
+    out = runner.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+The runtime (this issue) loads GPT-2, OPT and LLaMA-family checkpoints (and the tightfit example
+GPT's training checkpoints), runs batches packed with no padding over a paged KV cache, and splits
+models over a ``tp x pp`` grid of ranks. Names load on first use, so ``tightfit plugins`` stays fast.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from tightfit.plugins import Plugin
 
-__all__ = ["plugin"]
+__all__ = [
+    "plugin",
+    "ModelRunner",
+    "RuntimeConfig",
+    "Generation",
+    "ContextLengthError",
+    "SamplingParams",
+    "ModelConfig",
+    "UnsupportedModelError",
+    "WeightError",
+    "KVCacheFullError",
+    "load_tightfit_gpt",
+]
+
+_LAZY = {
+    "ModelRunner": "energon_infer.runtime",
+    "RuntimeConfig": "energon_infer.runtime",
+    "Generation": "energon_infer.runtime",
+    "ContextLengthError": "energon_infer.runtime",
+    "SamplingParams": "energon_infer.sampling",
+    "ModelConfig": "energon_infer.config",
+    "UnsupportedModelError": "energon_infer.config",
+    "WeightError": "energon_infer.weights",
+    "KVCacheFullError": "energon_infer.kv_cache",
+    "load_tightfit_gpt": "energon_infer.gpt_checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'energon_infer' has no attribute {name!r}")
+
+
+def _demo(quick: bool) -> str:
+    from energon_infer.demo import run_demo
+
+    return run_demo(quick)
+
 
 plugin = Plugin(
     name="energon",
     kind="inference-backend",
     summary="EnergonAI: padding-free tensor/pipeline-parallel inference with a single controller and an HTTP server",
-    requires=("safetensors",),
-    available=False,
-    reason="not implemented yet (issue #7)",
+    requires=("safetensors", "tokenizers"),
+    demo=_demo,
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CORPUS", "FAMILIES", "build_tokenizer", "save_tiny", "hf_model", "hf_logits", "hf_greedy"]
+__all__ = ["CORPUS", "FAMILIES", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model", "hf_logits", "hf_greedy"]
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -20,12 +20,15 @@ CORPUS = [
     "tensor and pipeline parallel ranks share one model",
 ] * 4
 
+# Unequal lengths (7, 2, 21, 1): packed steps, single-token prompts and a multi-block prompt.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(20, 41)), [50]]
+
 # Odd vocabulary (101): tensor-parallel vocabulary shards are then uneven and the padding rows are exercised.
 VOCAB = 101
 
 
 def _config(family: str, **overrides):
-    from transformers import GPT2Config, LlamaConfig, OPTConfig
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     if family == "gpt2":
         kw = dict(n_embd=32, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=1, eos_token_id=2)
@@ -39,10 +42,25 @@ def _config(family: str, **overrides):
                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
                   rope_theta=500.0)
         return LlamaConfig(**{**kw, **overrides})
+    # Variants that exercise the other switches of the one block (tested at tp=1).
+    if family == "gpt2-layerscale":  # scale_attn_by_inverse_layer_idx, exact gelu, untied head
+        return _config("gpt2", scale_attn_by_inverse_layer_idx=True, activation_function="gelu",
+                       tie_word_embeddings=False, **overrides)
+    if family == "opt-postln":  # OPT-350m style: norm after the residual add, no final norm, no projection
+        return _config("opt", do_layer_norm_before=False, word_embed_proj_dim=32, **overrides)
+    if family == "qwen2":  # q/k/v biases, tied head
+        kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                  intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True)
+        return Qwen2Config(**{**kw, **overrides})
+    if family == "mistral":  # sliding window longer than the context used
+        kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=96)
+        return MistralConfig(**{**kw, **overrides})
     raise ValueError(family)
 
 
 FAMILIES = ("gpt2", "opt", "llama")
+VARIANTS = ("gpt2-layerscale", "opt-postln", "qwen2", "mistral")
 
 
 def build_tokenizer(path: Path) -> None:
