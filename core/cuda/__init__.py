@@ -24,6 +24,7 @@ How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layo
 
 from __future__ import annotations
 
+from tightfit.cuda.cache_lookup import cache_lookup, select_victims
 from tightfit.cuda.dispatch import (
     BACKENDS,
     ENV_VAR,
@@ -50,4 +51,6 @@ __all__ = [
     "gather_rows",
     "scatter_rows",
     "scatter_add_rows",
+    "cache_lookup",
+    "select_victims",
 ]

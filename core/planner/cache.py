@@ -1,0 +1,129 @@
+"""Embedding-cache sizing: how many device slots each table gets from one byte budget.
+
+A pure function (no devices, no processes): table sizes, bytes per cached row and, optionally, the
+frequency statistics in; a :class:`CachePlan` out. With statistics the budget goes to the rows
+with the most uses per byte across *all* tables (a greedy knapsack, optimal for this objective
+because every row has the same value density ordering); without them each table gets the same
+fraction of its rows. The plan predicts the hit rate a cache holding exactly those rows would
+have on the counted data, which is the static policy's hit rate and a guide for the others.
+
+Example:
+    >>> t = [CacheTableSpec(name="a", rows=1000, dim=16), CacheTableSpec(name="b", rows=3000, dim=16)]
+    >>> plan = plan_cache(t, budget_bytes=64_000)
+    >>> plan.slots
+    {'a': 136, 'b': 408}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tightfit.planner.errors import PlanInfeasibleError
+from tightfit.units import format_bytes, format_table
+
+__all__ = ["INDEX_BYTES_PER_ROW", "INDEX_BYTES_PER_SLOT", "CacheTableSpec", "CachePlan", "plan_cache"]
+
+# Device bytes the cache index costs: an int32 slot number per table row, and per slot the row it
+# holds, its policy score and its pin step (three int64).
+INDEX_BYTES_PER_ROW = 4
+INDEX_BYTES_PER_SLOT = 24
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheTableSpec:
+    """One table to size.
+
+    Args:
+        name: the table's name.
+        rows: its number of rows.
+        dim: its embedding dimension.
+        weight_bytes: bytes per element of the weights (4 for fp32).
+        state_columns: fp32 optimizer-state columns stored beside each row (0 for SGD, dim for Adagrad).
+    """
+
+    name: str
+    rows: int
+    dim: int
+    weight_bytes: int = 4
+    state_columns: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.dim < 1:
+            raise ValueError(f"table {self.name!r}: rows={self.rows} and dim={self.dim} must both be >= 1")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes one cached row costs (weights, optimizer state, index entry)."""
+        return self.dim * self.weight_bytes + 4 * self.state_columns + INDEX_BYTES_PER_SLOT
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachePlan:
+    """Slots per table, what they cost, and the hit rate the counted data predicts.
+
+    Args:
+        slots: table name -> number of device slots.
+        budget_bytes: the budget the plan was made for.
+        used_bytes: device bytes the plan uses (slots and index).
+        predicted_hit_rate: share of the counted ids that fall on cached rows (``None`` without statistics).
+    """
+
+    slots: dict[str, int] = field(default_factory=dict)
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    predicted_hit_rate: float | None = None
+
+    def explain(self) -> str:
+        head = (f"cache plan: {sum(self.slots.values())} slots in {format_bytes(self.used_bytes)} of a "
+                f"{format_bytes(self.budget_bytes)} budget")
+        if self.predicted_hit_rate is not None:
+            head += f"; {self.predicted_hit_rate:.1%} of the counted ids hit the planned rows"
+        return head + "\n" + format_table(sorted(self.slots.items()), ("table", "slots"), align="lr")
+
+
+def plan_cache(tables: Sequence[CacheTableSpec], *, budget_bytes: int,
+               frequencies: Mapping[str, torch.Tensor] | None = None) -> CachePlan:
+    """Split ``budget_bytes`` of device memory into per-table cache slots (at least 1 per table)."""
+    if not tables:
+        raise ValueError("plan_cache needs at least one table")
+    fixed = sum(t.rows * INDEX_BYTES_PER_ROW + t.slot_bytes for t in tables)
+    if budget_bytes < fixed:
+        raise PlanInfeasibleError(
+            f"a cache budget of {format_bytes(budget_bytes)} cannot hold the index of {len(tables)} tables "
+            f"({format_bytes(fixed)}: {INDEX_BYTES_PER_ROW} bytes per table row plus one slot each); give at "
+            f"least {fixed} bytes, or a ratio such as capacity=0.015", needed_bytes=fixed,
+            budget_bytes=budget_bytes, suggestions=("use a ratio capacity such as 0.015",))
+    spare = budget_bytes - fixed
+    slots = {t.name: 1 for t in tables}
+    hit = None
+    if frequencies is not None:
+        densities, owners, costs = [], [], []
+        for i, t in enumerate(tables):
+            c = frequencies[t.name].double()
+            hot = torch.sort(c[c > 0], descending=True).values[1:]  # the first slot is already paid for
+            densities.append(hot / t.slot_bytes)
+            owners.append(torch.full_like(hot, i, dtype=torch.int64))
+            costs.append(torch.full_like(hot, t.slot_bytes, dtype=torch.int64))
+        dens, own, cost = torch.cat(densities), torch.cat(owners), torch.cat(costs)
+        order = torch.argsort(dens, descending=True, stable=True)
+        take = int((torch.cumsum(cost[order], 0) <= spare).sum())
+        chosen = own[order[:take]]
+        for i, t in enumerate(tables):
+            slots[t.name] += int((chosen == i).sum())
+        spare -= int(cost[order[:take]].sum())
+    # What is left (all of it without statistics) goes to every table in proportion to its rows.
+    room = {t.name: t.rows - slots[t.name] for t in tables}
+    per_row_cost = sum(t.slot_bytes * room[t.name] for t in tables)
+    if per_row_cost > 0 and spare > 0:
+        frac = min(1.0, spare / per_row_cost)
+        for t in tables:
+            slots[t.name] += int(room[t.name] * frac)
+    used_bytes = sum(t.rows * INDEX_BYTES_PER_ROW + slots[t.name] * t.slot_bytes for t in tables)
+    if frequencies is not None:
+        total = sum(float(frequencies[t.name].sum()) for t in tables)
+        covered = sum(float(torch.topk(frequencies[t.name].double(), slots[t.name]).values.sum()) for t in tables)
+        hit = covered / total if total else 0.0
+    return CachePlan(slots=slots, budget_bytes=int(budget_bytes), used_bytes=used_bytes, predicted_hit_rate=hit)

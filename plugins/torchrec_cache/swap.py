@@ -1,0 +1,154 @@
+"""Put the cache into an existing model and take it out again.
+
+    model = swap_in(DLRM(embedding_bag_collection=ebc, ...), cache=CacheConfig(capacity=0.015))
+    ...train...
+    model = swap_out(model)          # plain TorchRec collections holding the trained weights
+
+``swap_in`` replaces every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` (at any depth,
+TorchRec's ``DLRM`` included) by its cached version built from the same table configs and loaded
+with the same weights, so the model's outputs do not change. ``prefetching`` wraps a data loader
+so each batch's rows are loaded ``k`` batches before the batch runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_cache.config import CacheConfig
+from torchrec_cache.frequency import FrequencyStats, find_kjt
+from torchrec_cache.modules import CachedEmbeddingBagCollection, CachedEmbeddingCollection, _CachedCollection
+
+__all__ = ["swap_in", "swap_out", "cached_collections", "prefetching"]
+
+
+def _subset(frequencies: FrequencyStats | None, names: list[str]) -> FrequencyStats | None:
+    if frequencies is None:
+        return None
+    missing = [n for n in names if n not in frequencies.counts]
+    if missing:
+        raise KeyError(f"the frequency statistics have no counts for tables {missing}; collect them over every "
+                       f"table of the model (they cover {sorted(frequencies.counts)})")
+    return FrequencyStats(counts={n: frequencies.counts[n] for n in names}, batches=frequencies.batches)
+
+
+def _cached(module: nn.Module, cache: CacheConfig, frequencies: FrequencyStats | None,
+            device: torch.device | str | None) -> nn.Module | None:
+    if isinstance(module, _CachedCollection):
+        return None
+    if isinstance(module, EmbeddingBagCollection):
+        tables = module.embedding_bag_configs()
+        new: nn.Module = CachedEmbeddingBagCollection(
+            tables=tables, is_weighted=module.is_weighted(), device=device or module.device, cache=cache,
+            frequencies=_subset(frequencies, [t.name for t in tables]))
+    elif isinstance(module, EmbeddingCollection):
+        tables = module.embedding_configs()
+        new = CachedEmbeddingCollection(
+            tables=tables, device=device or module.device, need_indices=module.need_indices(), cache=cache,
+            frequencies=_subset(frequencies, [t.name for t in tables]))
+    else:
+        return None
+    new.load_state_dict(module.state_dict())
+    return new
+
+
+def _replace(model: nn.Module, make: Any) -> tuple[nn.Module, int]:
+    top = make(model)
+    if top is not None:
+        return top, 1
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = make(child)
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+    return model, count
+
+
+def swap_in(model: nn.Module, cache: CacheConfig | None = None, frequencies: FrequencyStats | None = None, *,
+            device: torch.device | str | None = None) -> nn.Module:
+    """Replace every TorchRec embedding collection in ``model`` by its cached version (weights carried over).
+
+    Args:
+        model: a model holding ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules, or one of them.
+        cache: the :class:`CacheConfig` for every collection (a byte budget applies to each collection).
+        frequencies: statistics over the model's tables (warm-up, ``static`` policy, byte-budget split).
+        device: where the caches live (default: each collection's own device).
+
+    Returns the model (modified in place), or the new module when ``model`` itself was a collection.
+    """
+    cache = cache or CacheConfig()
+    model, n = _replace(model, lambda m: _cached(m, cache, frequencies, device))
+    if n == 0 and not any(isinstance(m, _CachedCollection) for m in model.modules()):
+        raise ValueError(f"swap_in found no EmbeddingBagCollection or EmbeddingCollection in {type(model).__name__}; "
+                         "build the model with torchrec.EmbeddingBagCollection (or pass that module itself)")
+    return model
+
+
+def _plain(module: nn.Module, device: torch.device | str) -> nn.Module | None:
+    if isinstance(module, CachedEmbeddingBagCollection):
+        new: nn.Module = EmbeddingBagCollection(tables=module.embedding_bag_configs(),
+                                                is_weighted=module.is_weighted(), device=torch.device(device))
+    elif isinstance(module, CachedEmbeddingCollection):
+        new = EmbeddingCollection(tables=module.embedding_configs(), device=torch.device(device),
+                                  need_indices=module.need_indices())
+    else:
+        return None
+    new.load_state_dict(module.state_dict())
+    return new
+
+
+def swap_out(model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Module:
+    """Replace every cached collection by a plain TorchRec one holding the trained weights, on ``device``.
+
+    The fused optimizer's state does not travel (plain collections have none): save
+    ``collection.fused_optimizer_state()`` first if training continues elsewhere.
+    """
+    model, _ = _replace(model, lambda m: _plain(m, device))
+    return model
+
+
+def cached_collections(model: nn.Module) -> list[_CachedCollection]:
+    """The cached collections inside ``model`` (in module order)."""
+    return [m for m in model.modules() if isinstance(m, _CachedCollection)]
+
+
+def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
+    """Yield ``data``'s batches unchanged, loading each batch's rows ``ahead`` batches before it runs.
+
+    Prefetched rows are pinned in the cache until their batch's forward pass, so the batches in
+    between cannot evict them. ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
+    model's cached collections. The copies are synchronous (they overlap nothing on a CPU); on a GPU
+    they are the same row moves a miss would make, done before the batch instead of inside it.
+    """
+    collections = cached_collections(model)
+    if ahead is None:
+        ahead = max((c.cache_config().prefetch for c in collections), default=0)
+    if ahead <= 0 or not collections:
+        yield from data
+        return
+    it = iter(data)
+    window: deque[list[Any]] = deque()  # [batch, prefetched?]
+    for batch in it:
+        window.append([batch, False])
+        if len(window) > ahead:
+            break
+    while window:
+        head = window.popleft()[0]
+        for pos, entry in enumerate(window):
+            if not entry[1]:
+                kjt = find_kjt(entry[0])
+                for c in collections:
+                    # head runs at the next forward; window[pos] runs pos + 1 forwards after it
+                    c.prefetch(kjt, ahead=pos + 2)
+                entry[1] = True
+        yield head
+        nxt = next(it, None)
+        if nxt is not None:
+            window.append([nxt, False])
