@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
+from tightfit.cuda.dispatch import interpreter_enabled, register_kernel
 from tightfit.cuda.index_rows import scatter_rows
 
 __all__ = [
@@ -73,7 +73,7 @@ def _kernel() -> Any:
         q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, kvlen_ptr, scale,
         q_st, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_st, o_sh, bt_s0,
         GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -90,6 +90,8 @@ def _kernel() -> Any:
             rows = (q_start + offs_m).to(tl.int64)
             q = tl.load(q_ptr + rows[:, None] * q_st + head * q_sh + offs_d[None, :],
                         mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
             q_pos = kv_len - q_len + offs_m  # absolute position of each query
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -104,6 +106,8 @@ def _kernel() -> Any:
                 kv_mask = n_mask[:, None] & d_mask[None, :]
                 k = tl.load(k_ptr + page[:, None] * k_sb + slot[:, None] * k_ss + kv_head * k_sh + offs_d[None, :],
                             mask=kv_mask, other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
                 visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
                 s = tl.where(visible, s, float("-inf"))
@@ -114,6 +118,8 @@ def _kernel() -> Any:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_ptr + page[:, None] * v_sb + slot[:, None] * v_ss + kv_head * v_sh + offs_d[None, :],
                             mask=kv_mask, other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
                 m_i = m_new
             out = acc / l_i[:, None]
@@ -145,6 +151,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         GROUP=hq // k_cache.shape[2], PAGE=k_cache.shape[1], HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        # Triton 3.9's CPU interpreter computes tl.dot on bf16 operands wrongly (a 16x16 matmul off
+        # by 1e10; fp16 and fp32 are right), so there the tiles are upcast; on a GPU bf16 stays bf16.
+        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda and interpreter_enabled(),
     )
     return out
 

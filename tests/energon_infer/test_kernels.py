@@ -1,0 +1,138 @@
+"""tightfit.cuda kernels of the runtime: paged variable-length attention, KV store, pack/unpack.
+
+Triton runs under its CPU interpreter (TRITON_INTERPRET=1, set in tests/conftest.py); both backends
+are checked against a float64 attention written out from the definition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.runif import RunIf
+from tightfit.cuda.dispatch import get_kernel
+from tightfit.cuda.packing import pack, unpack
+from tightfit.cuda.varlen_attention import paged_attention, store_kv
+
+BACKENDS = ["reference", pytest.param("triton", marks=RunIf(triton=True))]
+
+
+def _naive(q, keys, values, q_lens, scale):
+    out, row = [], 0
+    for k, v, n in zip(keys, values, q_lens):
+        kv = k.shape[0]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        s = torch.einsum("nhd,khd->hnk", q[row:row + n].double(), k) * scale
+        visible = torch.arange(kv)[None, :] <= (kv - n + torch.arange(n))[:, None]
+        out.append(torch.einsum("hnk,khd->nhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v))
+        row += n
+    return torch.cat(out)
+
+
+def _case(q_lens, kv_lens, hq, hk, d, block, dtype, seed=0):
+    """Random keys/values written through store_kv into shuffled blocks, as the runtime lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-k // block) for k in kv_lens) + 3
+    k_cache = torch.zeros(n_blocks, block, hk, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(n_blocks, generator=g).tolist()
+    width = max(-(-k // block) for k in kv_lens)
+    tables = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    keys, values = [], []
+    for b, kv in enumerate(kv_lens):
+        blocks = [free.pop() for _ in range(-(-kv // block))]
+        tables[b, : len(blocks)] = torch.tensor(blocks)
+        k = torch.randn(kv, hk, d, generator=g).to(dtype)
+        v = torch.randn(kv, hk, d, generator=g).to(dtype)
+        store_kv(k, v, k_cache, v_cache, torch.tensor([blocks[p // block] * block + p % block for p in range(kv)]))
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, cu, torch.tensor(kv_lens, dtype=torch.int32), keys, values
+
+
+CASES = [
+    # (q_lens, kv_lens, q heads, kv heads, head_dim, block_size): prefill, decode, chunked, mixed
+    ([7, 2, 21], [7, 2, 21], 4, 2, 8, 4),          # prefill of unequal prompts, GQA 2
+    ([1, 1, 1, 1], [5, 33, 1, 70], 4, 1, 12, 16),  # decode steps, MQA, head_dim not a power of two
+    ([9, 1, 40], [20, 9, 40], 2, 2, 16, 1),         # chunked prefill + decode + prefill, block size 1
+    ([70], [130], 8, 4, 64, 16),                    # a chunk spanning several query tiles and key tiles
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=["prefill", "decode", "mixed", "long"])
+def test_paged_attention_matches_the_definition(backend, case):
+    q_lens, kv_lens, hq, hk, d, block = case
+    q, kc, vc, bt, cu, kl, keys, values = _case(q_lens, kv_lens, hq, hk, d, block, torch.float32)
+    out = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max(q_lens), backend=backend)
+    assert out.shape == q.shape
+    assert (out.double() - _naive(q, keys, values, q_lens, d ** -0.5)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_half_precision(backend, dtype):
+    q_lens, kv_lens = [5, 1, 17], [5, 30, 20]
+    q, kc, vc, bt, cu, kl, keys, values = _case(q_lens, kv_lens, 4, 2, 16, 8, dtype, seed=3)
+    out = paged_attention(q, kc, vc, bt, cu, kl, scale=0.25, max_q_len=17, backend=backend)
+    assert out.dtype == dtype
+    assert (out.double() - _naive(q, keys, values, q_lens, 0.25)).abs().max().item() < 2e-2
+
+
+def test_paged_attention_checks_shapes():
+    q, kc, vc, bt, cu, kl, _, _ = _case([3], [3], 3, 2, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="3 query heads of width 8 do not fit 2 key heads"):
+        paged_attention(q, kc, vc, bt, cu, kl, scale=1.0, max_q_len=3)
+    q, kc, vc, bt, cu, kl, _, _ = _case([3], [3], 2, 2, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="1 sequences need cu_seqlens_q of length 2"):
+        paged_attention(q, kc, vc, bt, cu[:1], kl, scale=1.0, max_q_len=3)
+
+
+def test_cpu_tensors_use_the_reference_unless_forced(monkeypatch):
+    kernel = get_kernel("paged_attention")
+    q = torch.zeros(1, 1, 8)
+    monkeypatch.delenv("TIGHTFIT_KERNELS", raising=False)
+    assert kernel.backend_for(q) == "reference"
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")
+    assert kernel.backend_for(q) == "reference"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pack_and_unpack_any_padding(backend):
+    g = torch.Generator().manual_seed(0)
+    padded = torch.randn(4, 9, 3, 5, generator=g)
+    lengths = torch.tensor([9, 4, 1, 6])
+    starts = torch.tensor([0, 5, 3, 1])  # full, left-padded, a token in the middle, both sides
+    packed, cu = pack(padded, starts, lengths, backend=backend)
+    assert cu.tolist() == [0, 9, 13, 14, 20]
+    expect = torch.cat([padded[b, s:s + n] for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist()))])
+    assert torch.equal(packed, expect)
+    back = unpack(packed, starts, lengths, 9, backend=backend)
+    mask = (torch.arange(9)[None] >= starts[:, None]) & (torch.arange(9)[None] < (starts + lengths)[:, None])
+    assert torch.equal(back[mask], padded[mask]) and back[~mask].abs().sum() == 0
+    ids = torch.tensor([[0, 0, 7, 8], [5, 6, 9, 0]])
+    assert pack(ids, torch.tensor([2, 0]), torch.tensor([2, 3]), backend=backend)[0].tolist() == [7, 8, 5, 6, 9]
+
+
+def test_pack_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"start \+ length <= 4"):
+        pack(torch.zeros(2, 4), torch.tensor([0, 3]), torch.tensor([4, 2]))
+    with pytest.raises(ValueError, match=r"unpack: packed has 5 rows but lengths add up to 6"):
+        unpack(torch.zeros(5, 2), torch.tensor([0, 0]), torch.tensor([4, 2]), 4)
+
+
+@RunIf(triton=True, transformers=True)
+def test_runtime_on_the_triton_kernels_equals_transformers(tiny_dirs, hf_refs, monkeypatch):
+    """The whole model with TIGHTFIT_KERNELS=triton (interpreter here, the GPU path on CUDA)."""
+    from energon_infer import ModelRunner
+    from tests.energon_infer.tiny import PROMPTS
+
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "triton")
+    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False)
+    logits = runner.forward(list(enumerate(PROMPTS)), all_logits=True)
+    assert (logits - torch.cat(hf_refs["llama"]["logits"])).abs().max().item() <= 1e-4
+    step = runner.forward([(i, [3]) for i in range(len(PROMPTS))])  # a decode step on the kernel
+    assert step.shape == (len(PROMPTS), 101)

@@ -1,0 +1,71 @@
+"""Sampling (temperature, top-k, top-p, seeds) and stop conditions (tokens, strings, max tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from energon_infer import ModelRunner, SamplingParams
+from energon_infer.sampling import Sampler
+from tests.energon_infer.tiny import PROMPTS
+
+
+def _draws(logits, params, n=400):
+    sampler = Sampler(seed=1)
+    return [sampler.sample(logits, [i], [params])[0] for i in range(n)]  # a fresh sequence (generator) per draw
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    order = logits[0].argsort(descending=True).tolist()  # [5, 0, 1, 2, 3, 4]
+    assert set(_draws(logits, SamplingParams(temperature=5.0, top_k=2))) == set(order[:2])
+    # top_p: probs at T=1 are [.222, .082, .050, .030, .011, .605]; the top two hold 0.827, so 0.8 keeps
+    # two tokens and 0.85 needs a third.
+    assert set(_draws(logits, SamplingParams(top_p=0.8))) == set(order[:2])
+    assert set(_draws(logits, SamplingParams(top_p=0.85))) == set(order[:3])
+    assert set(_draws(logits, SamplingParams(top_p=0.01))) == {order[0]}  # the top token is always kept
+    # With no filter every token appears at a high temperature.
+    assert set(_draws(logits, SamplingParams(temperature=10.0))) == set(range(6))
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([[1.0, 0.0]])
+    cold = _draws(logits, SamplingParams(temperature=0.2)).count(0) / 400
+    hot = _draws(logits, SamplingParams(temperature=5.0)).count(0) / 400
+    # P(token 0) = sigmoid(1 / T): 0.993 at T=0.2, 0.55 at T=5.
+    assert cold > 0.95 and 0.4 < hot < 0.7
+
+
+def test_seeded_requests_repeat_whatever_else_is_in_the_batch(tiny_dirs):
+    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], progress=False)
+    p = SamplingParams(temperature=1.0, top_k=20, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = runner.generate([PROMPTS[0]], p)[0].token_ids
+    batched = runner.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]],
+                              [SamplingParams(temperature=1.0, max_tokens=5), p, SamplingParams(temperature=0.7)])
+    assert batched[1].token_ids == alone
+    other_seed = runner.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_k=20, seed=99, max_tokens=8,
+                                                              ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+    greedy = runner.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    assert runner.generate([PROMPTS[0]], SamplingParams(top_k=1, seed=5, max_tokens=8,
+                                                        ignore_eos=True))[0].token_ids == greedy
+
+
+def test_stop_tokens_strings_and_eos(tiny_dirs):
+    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], progress=False)
+    greedy = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_at,)))[0]
+    assert out.token_ids == greedy.token_ids[: first + 1] and out.finish_reason == "stop"
+    # EOS from config.json (2) stops unless ignore_eos; force it by making it the stop of a short run.
+    runner.eos_token_ids = (greedy.token_ids[1],)
+    out = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == greedy.token_ids[1]
+    runner.eos_token_ids = ()
+    # A stop string: the text is cut before it.
+    text = greedy.text
+    assert text and len(text) > 2
+    piece = text[1:3]
+    out = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, stop=(piece,)))[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(piece)]
+    assert runner.cache.free_blocks == runner.cache.num_blocks
