@@ -1,0 +1,160 @@
+"""Human-readable views of an :class:`~tightfit.planner.elixir.ElixirPlan`: the plan table and the
+translation to the closest DeepSpeed ZeRO configuration. Private to :mod:`tightfit.planner.elixir`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tightfit.units import format_bytes, format_table
+
+if TYPE_CHECKING:
+    from tightfit.planner.elixir import ElixirPlan, UnitPlan
+
+__all__ = ["explain", "deepspeed_config"]
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _span(units: list[UnitPlan]) -> str:
+    first, last = units[0].blocks[0], units[-1].blocks[-1]
+    return first if first == last else f"{first or '<root>'} .. {last or '<root>'}"
+
+
+def explain(plan: ElixirPlan, *, full: bool = False) -> str:
+    step = plan.step_time_s
+    tokens = plan.tokens_per_step
+    lines = [
+        f"Elixir plan for {plan.model} ({_count(plan.param_numel)} parameters, inputs {plan.inputs} per rank) on "
+        f"{plan.device}, {plan.precision} (params {plan.param_dtype}, reduce {plan.reduce_dtype}), {plan.optimizer}",
+        f"predicted step {step:.3f} s ({tokens / step:,.0f} tokens/s over {plan.world_size} rank(s)), peak "
+        f"{format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} per device, host state "
+        f"{format_bytes(plan.host_bytes_per_rank)} per rank; prefetch {plan.forward_prefetch} (forward) / "
+        f"{plan.backward_prefetch} (backward) units",
+        "",
+    ]
+    # Fold runs of consecutive units with the same choices (24 identical layers read as one row).
+    groups: list[list[UnitPlan]] = []
+    for u in plan.units:
+        if not full and groups and _sig(groups[-1][-1]) == _sig(u):
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    rows = []
+    index = 0
+    for g in groups:
+        ids = f"{index}" if len(g) == 1 else f"{index}-{index + len(g) - 1}"
+        index += len(g)
+        blocks = sum(len(u.blocks) for u in g)
+        ck = sum(len(u.checkpoint) for u in g)
+        share = sum(u.time_s for u in g) / step * 100 if step > 0 else 0.0
+        rows.append((ids, _span(g), g[0].mode, "host" if g[0].offload else "device", f"{ck}/{blocks}",
+                     _count(sum(u.param_numel for u in g)), format_bytes(sum(u.device_bytes for u in g)),
+                     format_bytes(sum(u.host_bytes for u in g)), format_bytes(g[0].gathered_bytes),
+                     f"{share:.1f}%"))
+    rows.append(("total", f"{sum(len(u.blocks) for u in plan.units)} blocks", "", "",
+                 f"{len(plan.checkpointed_blocks)}", _count(plan.param_numel),
+                 format_bytes(sum(u.device_bytes for u in plan.units)), format_bytes(plan.host_bytes_per_rank),
+                 "", f"{sum(u.time_s for u in plan.units) / step * 100:.1f}%" if step > 0 else ""))
+    lines.append(format_table(rows, ("unit", "blocks", "mode", "state on", "ckpt", "params", "device state",
+                                     "host state", "gathered", "time"), align="llllrrrrrr"))
+    m, b = plan.memory, plan.breakdown
+    lines += [
+        "",
+        f"peak memory: {m.phase} of {m.block or '<root>'}: sharded state {format_bytes(m.state_bytes)} + parameters "
+        f"and gradients {format_bytes(m.params_bytes)} + activations {format_bytes(m.activation_bytes)} + margin "
+        f"{format_bytes(m.margin_bytes)} (fragmentation, reserve) = {format_bytes(plan.peak_bytes)}",
+        f"step time: compute {b.compute_s:.3f} s + recompute {b.recompute_s:.3f} s + exposed communication "
+        f"{b.exposed_comm_s:.3f} s + optimizer {b.optimizer_s:.3f} s = {step:.3f} s",
+    ]
+    if plan.runner_ups:
+        lines += ["", "runner-ups (the best plan of each other grouping into units):"]
+        lines.append(format_table(
+            [(r.family, f"{r.step_time_s:.3f} s", format_bytes(r.peak_bytes), r.offloaded, r.checkpointed, r.why)
+             for r in plan.runner_ups],
+            ("units", "step", "peak", "offloaded", "ckpt", "slower by / why"), align="lrrrrl"))
+        lines.append(f"why this plan: it beats the runner-up by {plan.runner_ups[0].why}")
+    lines.append(f"search: {plan.search_method}, {plan.candidates_evaluated:,} plans priced in "
+                 f"{plan.search_seconds:.2f} s")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _sig(u: UnitPlan) -> tuple[object, ...]:
+    return (u.mode, u.offload, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks), u.param_numel)
+
+
+def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
+    """(closest DeepSpeed config, what it cannot express).
+
+    Mapping: any resharded unit -> stage 3 (DeepSpeed has one reshard policy for all parameters);
+    else any kept unit -> stage 2; all replicated -> stage 0. Offloaded fraction of parameter
+    elements ``f``: ``offload_optimizer`` with ``ratio = f`` (partial offload is a stage-3 feature,
+    ZeRO-Offload++), ``offload_param`` only when every unit is offloaded. Prefetch depth -> the
+    largest sum of parameter elements over ``backward_prefetch`` consecutive units
+    (``stage3_prefetch_bucket_size`` counts elements).
+    """
+    units = plan.units
+    total = max(1, plan.param_numel)
+    modes = {u.mode for u in units}
+    gaps: list[str] = []
+    stage = 3 if "reshard" in modes else 2 if "keep" in modes else 0
+    if len(modes) > 1:
+        gaps.append(f"per-unit modes ({', '.join(sorted(modes))}): DeepSpeed applies one ZeRO stage ({stage}) to "
+                    "every parameter")
+    if stage == 2:
+        gaps.append("kept units are sharded at rest in FSDP2; DeepSpeed stage 2 keeps a full parameter copy on "
+                    "every rank, so its memory is higher than the plan predicts")
+    off_elems = sum(u.param_numel for u in units if u.offload)
+    frac = off_elems / total
+    zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if off_elems:
+        opt: dict[str, object] = {"device": "cpu", "pin_memory": True}
+        if frac < 1:
+            if stage == 3:
+                opt["ratio"] = round(frac, 4)
+                gaps.append(f"which units are offloaded: DeepSpeed offloads a fraction ({frac:.2f}) of optimizer "
+                            "states, not chosen units")
+            else:
+                gaps.append(f"partial offload ({frac:.2f} of parameters): DeepSpeed's ratio needs stage 3; "
+                            "offloading all optimizer state instead")
+        zero["offload_optimizer"] = opt
+        if frac >= 1 and stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        elif frac < 1:
+            gaps.append("parameters of offloaded units stay on the device: DeepSpeed offloads all parameters "
+                        "(offload_param) or none")
+    if stage == 3:
+        window = max(1, plan.backward_prefetch)
+        sizes = [u.param_numel for u in units]
+        bucket = max(sum(sizes[i:i + window]) for i in range(len(sizes)))
+        zero["stage3_prefetch_bucket_size"] = int(bucket)
+        zero["stage3_max_live_parameters"] = int(max(bucket, max(sizes)) * 2)
+        zero["stage3_param_persistence_threshold"] = 0 if "replicate" not in modes else int(
+            max(u.param_numel for u in units if u.mode == "replicate"))
+        if "replicate" in modes:
+            gaps.append("replicated units: DeepSpeed keeps parameters below stage3_param_persistence_threshold "
+                        "(elements) unpartitioned, by size, not by unit")
+    cfg: dict[str, object] = {"zero_optimization": zero}
+    shapes = list(plan.inputs.values())
+    if shapes and shapes[0]:
+        cfg["train_micro_batch_size_per_gpu"] = int(shapes[0][0])
+    if plan.precision.startswith("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    elif plan.precision.startswith("16"):
+        cfg["fp16"] = {"enabled": True}
+    ck = plan.checkpointed_blocks
+    if ck:
+        cfg["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": len(ck)}
+        gaps.append(f"which blocks are checkpointed ({len(ck)} of {len(plan.blocks)}): DeepSpeed's config only "
+                    "configures deepspeed.checkpointing; the model must wrap those blocks itself")
+    if plan.forward_prefetch != plan.backward_prefetch:
+        gaps.append(f"separate forward ({plan.forward_prefetch}) and backward ({plan.backward_prefetch}) prefetch "
+                    "depths: DeepSpeed has one prefetch bucket")
+    return cfg, tuple(gaps)

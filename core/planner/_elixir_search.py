@@ -1,0 +1,465 @@
+"""Elixir's search: exact branch and bound on small spaces, a greedy Pareto frontier on large ones.
+
+Private to :mod:`tightfit.planner.elixir`. Both produce :class:`Candidate` objects priced by
+:mod:`tightfit.planner._elixir_sim`.
+
+* Exact (``exhaustive``): for every *family* (a grouping of blocks into units and a pair of
+  prefetch depths) a depth-first search over the units' (mode, offload, checkpoint subset)
+  choices, pruned by two lower bounds that are valid because the cost model is monotone: the
+  memory bound prices every undecided unit at its least-memory choice (offloaded, resharded,
+  every block checkpointed), the time bound at the shortest of each of its durations. The result
+  equals brute-force enumeration (tests check it on random small instances).
+* Greedy frontier (large spaces, e.g. GPT-2 20B: 26 blocks): for each grouping, start from the
+  fastest plan (best mode per unit, nothing offloaded or recomputed) and repeatedly apply the
+  change that loses the least time per byte saved (lazy re-evaluation), recording every plan on
+  the way down to the least-memory one. The pool of recorded plans, with their prefetch variants
+  and their "stripped" variants (offload and recompute removed), does not depend on the budget:
+  the answer for a budget is the fastest pool plan under it, so a smaller budget can never give
+  a faster plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from tightfit.planner._elixir_sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
+
+__all__ = ["Space", "Candidate", "Evaluator", "exhaustive", "greedy_pool", "pareto", "count_space", "groupings",
+           "compositions", "least_memory_choice"]
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """What the search may choose from (built from ``ElixirConstraints``)."""
+
+    modes: tuple[str, ...]
+    offload: tuple[bool, ...]          # (False,), (True,) or (False, True)
+    checkpointing: bool
+    depths: tuple[int, ...]
+    unit_blocks: tuple[int, ...] | None  # blocks per unit to try in greedy mode (None: auto)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    units: tuple[tuple[int, int], ...]
+    modes: tuple[str, ...]
+    offload: tuple[bool, ...]
+    ckpt: tuple[bool, ...]
+    df: int
+    db: int
+    time: float
+    peak: float
+    host: float
+
+    @property
+    def changes(self) -> int:
+        return sum(self.offload) + sum(self.ckpt)
+
+    @property
+    def key(self) -> tuple[float, int, float]:
+        # Fastest first; among equal times (1e-9 relative) the one that offloads and recomputes least.
+        return (float(f"{self.time:.9e}"), self.changes, self.peak)
+
+    @property
+    def family(self) -> str:
+        lengths = [b - a for a, b in self.units]
+        sizes = sorted(set(lengths))
+        if len(sizes) == 1:
+            return f"{len(self.units)} units of {sizes[0]} block(s)"
+        if len(lengths) <= 6:
+            return f"{len(self.units)} units of {'+'.join(map(str, lengths))} blocks"
+        return f"{len(self.units)} units of {sizes[0]}-{sizes[-1]} blocks"
+
+
+class Evaluator:
+    """Prices candidates, caching each unit's terms."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._terms: dict[tuple[int, int, str, bool], UnitTerms] = {}
+        self.evaluations = 0
+
+    def terms(self, a: int, b: int, mode: str, off: bool) -> UnitTerms:
+        key = (a, b, mode, off)
+        t = self._terms.get(key)
+        if t is None:
+            t = self._terms[key] = unit_terms(self.ctx, a, b, mode, off)
+        return t
+
+    def make(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[bool],
+             ckpt: Sequence[bool], df: int, db: int) -> Candidate:
+        self.evaluations += 1
+        u = list(units)
+        terms = [self.terms(a, b, m, o) for (a, b), m, o in zip(u, modes, offload)]
+        ck = list(ckpt)
+        return Candidate(units=tuple(u), modes=tuple(modes), offload=tuple(offload), ckpt=tuple(ck), df=df, db=db,
+                         time=step_time(self.ctx, u, terms, ck, df, db), peak=peak(self.ctx, u, terms, ck, df, db),
+                         host=sum(t.host for t in terms))
+
+
+def compositions(n: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Every split of ``n`` blocks into contiguous units (2**(n-1) of them)."""
+    for cuts in itertools.product((False, True), repeat=max(0, n - 1)):
+        units, start = [], 0
+        for i, cut in enumerate(cuts, 1):
+            if cut:
+                units.append((start, i))
+                start = i
+        units.append((start, n))
+        yield tuple(units)
+
+
+def count_space(ctx: Context, space: Space) -> int:
+    """Number of complete plans in the exact space (to decide exact vs greedy)."""
+    n = len(ctx.numel)
+    per_unit = len(space.modes) * len(space.offload)
+    ck = 2 ** sum(ctx.checkpointable) if space.checkpointing else 1
+    # Compositions of n into k parts: C(n-1, k-1).
+    from math import comb
+
+    return sum(comb(n - 1, k - 1) * per_unit ** k for k in range(1, n + 1)) * ck * len(space.depths) ** 2
+
+
+def _subsets(ctx: Context, a: int, b: int, allow: bool) -> list[tuple[bool, ...]]:
+    flags = [ctx.checkpointable[i] and allow for i in range(a, b)]
+    choices = [(False, True) if f else (False,) for f in flags]
+    return list(itertools.product(*choices))
+
+
+def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float,
+               progress: Progress | None = None) -> dict[str, Candidate | None]:
+    """Best feasible candidate of every family (``None`` where nothing fits), by branch and bound."""
+    ctx = ev.ctx
+    n = len(ctx.numel)
+    groups = list(compositions(n))
+    families = [(g, df, db) for g in groups for df in space.depths for db in space.depths]
+    out: dict[str, Candidate | None] = {}
+    for f_i, (units, df, db) in enumerate(families):
+        if progress:
+            progress(f_i, len(families), "exhaustive search")
+        best = _branch_and_bound(ev, space, units, df, db, budget, host_budget)
+        label = _family_label(units, df, db)
+        out[label] = best
+    if progress:
+        progress(len(families), len(families), "exhaustive search")
+    return out
+
+
+def _family_label(units: Sequence[tuple[int, int]], df: int, db: int) -> str:
+    return "|".join(f"{a}-{b}" for a, b in units) + f"@{df}/{db}"
+
+
+def least_memory_choice(ev: Evaluator, space: Space, a: int, b: int) -> tuple[str, bool]:
+    """The allowed (mode, offload) of blocks ``[a, b)`` that uses the least memory at every point of the step
+    (resharded and offloaded when allowed: nothing resident, gathered only while live)."""
+    return min(((m, o) for m in space.modes for o in space.offload),
+               key=lambda mo: (lambda t: (t.state, t.opt_tmp, t.kept))(ev.terms(a, b, *mo)))
+
+
+def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms, UnitTerms]:
+    """(least-memory terms, shortest-duration terms) over the allowed choices of one unit."""
+    opts = [ev.terms(a, b, m, o) for m in space.modes for o in space.offload]
+    mem = ev.terms(a, b, *least_memory_choice(ev, space, a, b))
+    fast = UnitTerms(
+        cf=opts[0].cf, cb=opts[0].cb,
+        h2d_f=min(t.h2d_f for t in opts), ag_f=min(t.ag_f for t in opts), h2d_b=min(t.h2d_b for t in opts),
+        ag_b=min(t.ag_b for t in opts), red=min(t.red for t in opts), d2h=min(t.d2h for t in opts),
+        opt=min(t.opt for t in opts), state=0.0, host=0.0, gathered=0.0, grads=0.0, red_buf=0.0, opt_tmp=0.0,
+        kept=False,
+    )
+    return mem, fast
+
+
+def _branch_and_bound(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
+                      budget: float, host_budget: float) -> Candidate | None:
+    ctx = ev.ctx
+    n_blocks = len(ctx.numel)
+    k = len(units)
+    bounds = [_bound_terms(ev, space, a, b) for a, b in units]
+    ck_all = [ctx.checkpointable[i] and space.checkpointing for i in range(n_blocks)]
+    choices = [[(m, o, s) for m in space.modes for o in space.offload for s in _subsets(ctx, a, b, space.checkpointing)]
+               for a, b in units]
+    best: list[Candidate | None] = [None]
+    terms: list[UnitTerms] = [bounds[u][0] for u in range(k)]
+    fast: list[UnitTerms] = [bounds[u][1] for u in range(k)]
+    modes: list[str] = [""] * k
+    offs: list[bool] = [False] * k
+    ck_mem = list(ck_all)   # undecided blocks checkpointed (least memory)
+    ck_time = [False] * n_blocks  # undecided blocks not recomputed (least time)
+    ul = list(units)
+
+    def visit(u: int, host: float) -> None:
+        if u == k:
+            cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(ck_mem), df=df, db=db,
+                             time=step_time(ctx, ul, terms, ck_mem, df, db), peak=peak(ctx, ul, terms, ck_mem, df, db),
+                             host=host)
+            ev.evaluations += 1
+            if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
+                best[0] = cand
+            return
+        a, b = units[u]
+        for m, o, subset in choices[u]:
+            t = ev.terms(a, b, m, o)
+            if host + t.host > host_budget:
+                continue
+            terms[u] = t
+            fast[u] = t
+            for i, flag in zip(range(a, b), subset):
+                ck_mem[i] = flag
+                ck_time[i] = flag
+            ev.evaluations += 1
+            if u + 1 < k:
+                if peak(ctx, ul, terms, ck_mem, df, db) > budget:
+                    continue
+                inc = best[0]
+                if inc is not None and step_time(ctx, ul, fast, ck_time, df, db) > inc.time * (1 + 1e-9):
+                    continue
+            modes[u], offs[u] = m, o
+            visit(u + 1, host + t.host)
+        # restore the bounds of this unit for the siblings above
+        terms[u] = bounds[u][0]
+        fast[u] = bounds[u][1]
+        for i in range(a, b):
+            ck_mem[i] = ck_all[i]
+            ck_time[i] = False
+
+    visit(0, 0.0)
+    return best[0]
+
+
+def groupings(ctx: Context, unit_blocks: tuple[int, ...] | None) -> list[tuple[tuple[int, int], ...]]:
+    """Candidate groupings for the greedy search.
+
+    Blocks with under 10% of the median block's parameters (position embeddings, final norms,
+    parameter-free heads) are merged into their next neighbour first: a unit of its own would cost
+    a collective's latency for a few kilobytes. Then runs of ``k`` merged blocks form one unit, for
+    ``k`` in ``unit_blocks`` (auto: 1, 2 and 4; bigger units mean fewer, larger collectives and a
+    larger gathered working set: Elixir's chunk-size trade-off).
+    """
+    n = len(ctx.numel)
+    sizes = sorted(ctx.numel)
+    median = sizes[n // 2]
+    base: list[list[int]] = []
+    pending: list[int] = []
+    for i in range(n):
+        pending.append(i)
+        if ctx.numel[i] >= 0.1 * median or i == n - 1:
+            base.append(pending)
+            pending = []
+    if len(base) > 1 and sum(ctx.numel[i] for i in base[-1]) < 0.1 * median:
+        base[-2].extend(base.pop())
+    # Every block its own unit: the least-memory grouping (the smallest gathered working set).
+    out: list[tuple[tuple[int, int], ...]] = [tuple((i, i + 1) for i in range(n))] if unit_blocks is None else []
+    for k in unit_blocks or (1, 2, 4):
+        if k > len(base) and out:
+            continue
+        units = []
+        for j in range(0, len(base), k):
+            run = [i for grp in base[j:j + k] for i in grp]
+            units.append((run[0], run[-1] + 1))
+        g = tuple(units)
+        if g not in out:
+            out.append(g)
+    return out
+
+
+def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progress | None = None,
+                rounds: int = 2, max_points: int = 40) -> list[Candidate]:
+    """Every plan visited by the greedy descents plus their neighbourhoods (budget-independent).
+
+    After the descents, ``rounds`` times: every plan on the current Pareto frontier (at most
+    ``max_points`` of them, evenly spread) adds its neighbours: each single change undone (faster,
+    more memory), each swap of two changes of a kind (offload unit ``v`` instead of ``u``,
+    checkpoint block ``j`` instead of ``i``: which ones matters), other modes and prefetch depths.
+    They fill the gaps between the descent's steps, where a budget may fall.
+    """
+    seen: set[tuple] = set()
+    ctx = ev.ctx
+    pool: list[Candidate] = []
+    gs = groupings(ctx, space.unit_blocks)
+    d0 = space.depths[0]
+    for g_i, units in enumerate(gs):
+        if progress:
+            progress(g_i, len(gs) + rounds + 1, f"greedy descent over {len(units)} units")
+        pool.extend(c for c in _descend(ev, space, units, d0, d0, host_budget) if c.host <= host_budget)
+    seen.update(_config(c) for c in pool)
+    for r in range(rounds):
+        if progress:
+            progress(len(gs) + r, len(gs) + rounds + 1, f"refining the frontier ({r + 1}/{rounds})")
+        pool.extend(c for c in _neighbours(ev, space, _spread(pareto(pool), max_points), seen)
+                    if c.host <= host_budget)
+    stripped = []
+    no_off = False in space.offload
+    for c in pareto(pool):
+        if (c.changes and no_off) or (c.changes and any(c.ckpt)):
+            off = tuple(False for _ in c.offload) if no_off else c.offload
+            stripped.append(ev.make(c.units, c.modes, off, tuple(False for _ in c.ckpt), c.df, c.db))
+    pool.extend(stripped)
+    if progress:
+        progress(len(gs) + rounds + 1, len(gs) + rounds + 1, "done")
+    return [c for c in pool if c.host <= host_budget]
+
+
+def _config(c: Candidate) -> tuple:
+    return (c.units, c.modes, c.offload, c.ckpt, c.df, c.db)
+
+
+def _spread(points: list, k: int) -> list:
+    if len(points) <= k:
+        return points
+    return [points[round(i * (len(points) - 1) / (k - 1))] for i in range(k)]
+
+
+def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[tuple]) -> list[Candidate]:
+    ctx = ev.ctx
+    out: list[Candidate] = []
+
+    def add(c: Candidate, modes: Sequence[str], offs: Sequence[bool], ck: Sequence[bool], df: int, db: int) -> None:
+        key = (c.units, tuple(modes), tuple(offs), tuple(ck), df, db)
+        if key not in seen:
+            seen.add(key)
+            out.append(ev.make(c.units, modes, offs, ck, df, db))
+
+    for c in points:
+        k = len(c.units)
+        for df in space.depths:
+            for db in space.depths:
+                add(c, c.modes, c.offload, c.ckpt, df, db)
+        for u in range(k):
+            for m in space.modes:
+                if m != c.modes[u]:
+                    add(c, c.modes[:u] + (m,) + c.modes[u + 1:], c.offload, c.ckpt, c.df, c.db)
+        # Swaps: at most 8 x 8 per kind, spread over the model (neighbouring identical layers differ
+        # only by their overlap position, so a spread sample finds the useful ones).
+        on = _spread([u for u in range(k) if c.offload[u]], 8)
+        off = _spread([u for u in range(k) if not c.offload[u]], 8)
+        if False in space.offload:
+            for u in on:
+                flip = list(c.offload)
+                flip[u] = False
+                add(c, c.modes, flip, c.ckpt, c.df, c.db)
+                for v in off:
+                    swap = list(flip)
+                    swap[v] = True
+                    add(c, c.modes, swap, c.ckpt, c.df, c.db)
+        ck_on = _spread([i for i, f in enumerate(c.ckpt) if f], 8)
+        ck_off = _spread([i for i, f in enumerate(c.ckpt) if not f and ctx.checkpointable[i]], 8)
+        for i in ck_on:
+            flip = list(c.ckpt)
+            flip[i] = False
+            add(c, c.modes, c.offload, flip, c.df, c.db)
+            for j in ck_off:
+                swap = list(flip)
+                swap[j] = True
+                add(c, c.modes, c.offload, swap, c.df, c.db)
+    return out
+
+
+def _proxy(ev: Evaluator, c: Candidate) -> float:
+    """An additive memory measure (state + kept parameters + activations) that orders plateau moves."""
+    ctx = ev.ctx
+    total = 0.0
+    for (a, b), m, o in zip(c.units, c.modes, c.offload):
+        t = ev.terms(a, b, m, o)
+        total += t.state + (t.gathered if t.kept else 0.0)
+    for i, flag in enumerate(c.ckpt):
+        total += ctx.ckpt[i] if flag else ctx.saved[i]
+    return total
+
+
+def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
+             host_budget: float) -> list[Candidate]:
+    ctx = ev.ctx
+    k = len(units)
+    n_blocks = len(ctx.numel)
+    off0 = space.offload[0]
+    modes = ["keep" if "keep" in space.modes else space.modes[0]] * k
+    offs = [off0] * k
+    ckpt = [False] * n_blocks
+    # Fastest modes by coordinate descent (two passes settle: a unit's best mode depends only on its neighbours).
+    cur = ev.make(units, modes, offs, ckpt, df, db)
+    for _ in range(2):
+        for u in range(k):
+            for m in space.modes:
+                if m == modes[u]:
+                    continue
+                trial = list(modes)
+                trial[u] = m
+                c = ev.make(units, trial, offs, ckpt, df, db)
+                if c.key < cur.key:
+                    cur, modes = c, trial
+    visited = [cur]
+
+    def moves(c: Candidate) -> list[tuple[str, int, object]]:
+        out: list[tuple[str, int, object]] = []
+        for u in range(k):
+            for m in space.modes:
+                if m != c.modes[u]:
+                    out.append(("mode", u, m))
+            if not c.offload[u] and True in space.offload:
+                out.append(("offload", u, True))
+        if space.checkpointing:
+            for i in range(n_blocks):
+                if ctx.checkpointable[i] and not c.ckpt[i]:
+                    out.append(("ckpt", i, True))
+        return out
+
+    def apply(c: Candidate, mv: tuple[str, int, object]) -> Candidate:
+        kind, idx, val = mv
+        md, of, ck = list(c.modes), list(c.offload), list(c.ckpt)
+        if kind == "mode":
+            md[idx] = str(val)
+        elif kind == "offload":
+            of[idx] = True
+        else:
+            ck[idx] = True
+        return ev.make(units, md, of, ck, df, db)
+
+    stale: dict[tuple[str, int, object], float] = {}
+    cur_proxy = _proxy(ev, cur)
+    steps = 0
+    limit = 4 * (k + n_blocks) + 8
+    while steps < limit:
+        steps += 1
+        if steps % 8 == 0:
+            stale.clear()  # full refresh now and then: scores drift as the plan changes
+        options = moves(cur)
+        options.sort(key=lambda mv: stale.get(mv, float("-inf")))
+        fresh: dict[tuple[str, int, object], tuple[float, Candidate, float]] = {}
+        for mv in options:
+            if fresh and min(v[0] for v in fresh.values()) <= stale.get(mv, float("-inf")):
+                break
+            c = apply(cur, mv)
+            proxy = _proxy(ev, c)
+            d_peak = cur.peak - c.peak
+            d_mem = d_peak if d_peak > 1e-6 * cur.peak else 0.01 * (cur_proxy - proxy)
+            if d_mem <= 0 or c.host > host_budget:
+                stale[mv] = float("inf")
+                continue
+            score = (c.time - cur.time) / d_mem
+            stale[mv] = score
+            fresh[mv] = (score, c, proxy)
+        if not fresh:
+            break
+        _, cur, cur_proxy = min(fresh.values(), key=lambda v: v[0])
+        visited.append(cur)
+    return visited
+
+
+def pareto(cands: Sequence[Candidate]) -> list[Candidate]:
+    """Plans no other plan beats on both peak memory and time, sorted by peak (ascending)."""
+    out: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: (c.peak, c.key)):
+        if not out or c.key < out[-1].key:
+            out.append(c)
+    return out
+
+
+def modes_ok(modes: Sequence[str]) -> None:
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unit mode {m!r} is not one of {MODES}")

@@ -1,0 +1,347 @@
+"""Elixir's cost model: one training step of an FSDP2 plan, priced from the profiles alone.
+
+Private to :mod:`tightfit.planner.elixir`; the search calls :func:`step_time` and :func:`peak`
+tens of thousands of times, so both are plain loops over precomputed per-unit numbers.
+
+A plan is: units (contiguous runs of blocks, one ``fully_shard`` call each), a mode per unit
+(``reshard``: ZeRO-3-like, ``keep``: sharded but kept gathered from forward to backward,
+``replicate``: every rank holds the full state), an offload flag per unit (FSDP2
+``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the host, optimizer
+step on the host), a checkpoint flag per block, and prefetch depths (``df``, ``db``: how many units
+ahead FSDP2 all-gathers in forward / backward).
+
+Notation (per rank): ``P`` parameter elements of a unit, ``W`` world size, ``E = P/W`` (sharded
+modes) or ``P`` (replicate) the elements a rank owns; ``m, c, r`` bytes per element of the master
+parameter, the gathered (compute) parameter and the reduced gradient; ``o`` optimizer-state bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tightfit.planner import cost
+from tightfit.profiler.types import ClusterSpec, ModelProfile
+
+__all__ = ["MODES", "Context", "UnitTerms", "build_context", "unit_terms", "step_time", "peak", "Detail"]
+
+MODES = ("reshard", "keep", "replicate")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTerms:
+    """Durations (s) and bytes of one unit under one (mode, offload) choice; checkpointing excluded."""
+
+    cf: float        # forward compute: sum(fwd_flops) / rate
+    cb: float        # backward compute without recompute: sum(bwd_flops) / rate
+    h2d_f: float     # forward fetch over PCIe (offloaded): E * m / h2d
+    ag_f: float      # forward all-gather: collective(all_gather, P * c)
+    h2d_b: float     # backward re-fetch (offloaded, not kept)
+    ag_b: float      # backward re-gather (reshard only)
+    red: float       # reduce-scatter P * r (sharded) or all-reduce P * r (replicate)
+    d2h: float       # gradient shard to the host (offloaded): E * m / d2h
+    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate
+    state: float     # device-resident sharded state: E * (m + m + o), 0 when offloaded
+    host: float      # host-resident state per rank: E * (m + m + o) when offloaded
+    gathered: float  # unsharded parameters while live: P * c
+    grads: float     # unsharded gradients + reduce buffer while its backward runs: P * (c + r)
+    red_buf: float   # reduce buffer still in flight while the next unit's backward runs: P * r
+    opt_tmp: float   # foreach temporaries inside optimizer.step() on the device: E * t
+    kept: bool       # gathered parameters stay from forward to backward (mode "keep")
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Everything the model needs, precomputed once per (model, cluster, precision, optimizer)."""
+
+    names: tuple[str, ...]
+    numel: tuple[int, ...]
+    fwd: tuple[float, ...]           # per block forward seconds
+    bwd: tuple[float, ...]           # per block backward seconds
+    saved: tuple[float, ...]         # activation bytes kept when not checkpointed
+    ckpt: tuple[float, ...]          # activation bytes kept when checkpointed (<= saved)
+    transient: tuple[float, ...]     # backward: bytes above everything saved by it and the blocks before it
+    fwd_transient: tuple[float, ...]  # forward: temporaries above its saved bytes while its forward runs
+    checkpointable: tuple[bool, ...]
+    world: int
+    ranks_per_node: int
+    precision: cost.PrecisionSpec
+    optimizer: str
+    state_per_elem: float            # m (param) + m (grad) + o (optimizer state)
+    temp_per_elem: float
+    h2d: float
+    d2h: float
+    host_opt: float
+    dev_opt: float
+    fragmentation: float
+    reserved: float
+    notes: tuple[str, ...]
+    device_name: str
+    collective: object               # callable(kind, bytes) -> seconds (memoised)
+
+
+def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, optimizer: str,
+                  fragmentation: float, reserved: float) -> Context:
+    spec = cost.precision_spec(precision)
+    cost.optimizer_state_bytes(optimizer, spec.master_bytes)  # validates the name
+    notes: list[str] = []
+    devices = cluster.devices
+    # The slowest rank paces a synchronous step: take the minimum rate over the ranks.
+    rate = min(cost.matmul_rate(d, spec.matmul_dtype, notes) for d in devices)
+    h2d = min(cost.copy_rate(d, "h2d", notes) for d in devices)
+    d2h = min(cost.copy_rate(d, "d2h", notes) for d in devices)
+    ranks_per_node = cluster.world_size // cluster.nodes
+    host_opt = min(cost.host_optimizer_rate(d, ranks_per_node, notes) for d in devices)
+    dev_opt = min(cost.device_optimizer_rate(d, notes) for d in devices)
+    # Activations were profiled with parameters in ``model.param_dtype``; under mixed precision the
+    # matmuls run in the compute dtype, so saved activations shrink by the same ratio (bf16: 1/2).
+    act_scale = spec.compute_bytes / max(1, _dtype_bytes(model.param_dtype))
+    blocks = model.blocks
+    memo: dict[tuple[str, int], float] = {}
+    world = cluster.world_size
+    ref = devices[0]
+
+    def collective(kind: str, size: float) -> float:
+        key = (kind, int(size))
+        if key not in memo:
+            memo[key] = cost.collective_time(ref, kind, size, world, notes=notes,
+                                             inter_node_bytes_per_s=cluster.inter_node_bytes_per_s
+                                             if cluster.nodes > 1 else 0.0)
+        return memo[key]
+
+    # Warm the notes about collectives now so they are reported even for single-unit plans.
+    if world > 1:
+        collective("all_gather", 1 << 20)
+        collective("reduce_scatter", 1 << 20)
+    return Context(
+        names=tuple(b.name for b in blocks),
+        numel=tuple(b.param_numel for b in blocks),
+        fwd=tuple(b.fwd_flops / rate for b in blocks),
+        bwd=tuple(b.bwd_flops / rate for b in blocks),
+        saved=tuple(b.saved_bytes * act_scale for b in blocks),
+        ckpt=tuple(min(b.checkpoint_bytes, b.saved_bytes) * act_scale for b in blocks),
+        transient=tuple(b.transient_bytes * act_scale for b in blocks),
+        fwd_transient=tuple(getattr(b, "fwd_transient_bytes", 0) * act_scale for b in blocks),
+        checkpointable=tuple(b.checkpointable for b in blocks),
+        world=world,
+        ranks_per_node=ranks_per_node,
+        precision=spec,
+        optimizer=optimizer,
+        state_per_elem=2 * spec.master_bytes + cost.optimizer_state_bytes(optimizer, spec.master_bytes),
+        temp_per_elem=cost.optimizer_temp_bytes(optimizer, spec.master_bytes),
+        h2d=h2d, d2h=d2h, host_opt=host_opt, dev_opt=dev_opt,
+        fragmentation=fragmentation, reserved=reserved,
+        notes=tuple(dict.fromkeys(notes)),
+        device_name=ref.name,
+        collective=collective,
+    )
+
+
+def _dtype_bytes(dtype: str) -> int:
+    from tightfit.profiler.types import DTYPE_BYTES
+
+    return DTYPE_BYTES.get(dtype, 4)
+
+
+def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> UnitTerms:
+    """Price blocks ``[start, end)`` as one unit; the formulas are on :class:`UnitTerms`' fields."""
+    p = sum(ctx.numel[start:end])
+    w = ctx.world
+    spec = ctx.precision
+    owned = p if mode == "replicate" or w == 1 else p / w
+    coll = ctx.collective  # type: ignore[assignment]
+    ag = coll("all_gather", p * spec.compute_bytes) if mode != "replicate" else 0.0  # type: ignore[operator]
+    red = coll("reduce_scatter" if mode != "replicate" else "all_reduce", p * spec.reduce_bytes)  # type: ignore[operator]
+    h2d = owned * spec.master_bytes / ctx.h2d if offload else 0.0
+    return UnitTerms(
+        cf=sum(ctx.fwd[start:end]),
+        cb=sum(ctx.bwd[start:end]),
+        h2d_f=h2d,
+        ag_f=ag,
+        h2d_b=h2d if mode != "keep" else 0.0,
+        ag_b=ag if mode == "reshard" else 0.0,
+        red=red,
+        d2h=owned * spec.master_bytes / ctx.d2h if offload else 0.0,
+        opt=owned / (ctx.host_opt if offload else ctx.dev_opt),
+        state=0.0 if offload else owned * ctx.state_per_elem,
+        host=owned * ctx.state_per_elem if offload else 0.0,
+        gathered=p * spec.compute_bytes,
+        grads=p * (spec.compute_bytes + spec.reduce_bytes),
+        red_buf=p * spec.reduce_bytes,
+        opt_tmp=0.0 if offload else owned * ctx.temp_per_elem,
+        kept=mode == "keep",
+    )
+
+
+@dataclass(slots=True)
+class Detail:
+    """Where the time and the memory go (filled when asked for; the search does not)."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    stall_fwd: tuple[float, ...] = ()
+    stall_bwd: tuple[float, ...] = ()
+    tail: float = 0.0
+    optimizer: float = 0.0
+    peak_phase: str = ""
+    peak_block: str = ""
+    peak_state: float = 0.0
+    peak_params: float = 0.0
+    peak_acts: float = 0.0
+
+
+def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckpt: list[bool],
+              df: int, db: int, detail: Detail | None = None) -> float:
+    """Predicted seconds of one step: a list schedule on four resources.
+
+    Resources: the compute stream, the network (all-gathers and reduce-scatters share the link,
+    in issue order), the host->device and the device->host copy engines (PCIe is full duplex).
+    Forward: unit ``u``'s fetch (H2D copy of its shard, then all-gather) is issued when unit
+    ``u - df`` starts computing (unit 0's at time 0), exactly where FSDP2 issues explicit
+    prefetches; compute of ``u`` starts when both compute is free and the fetch is done.
+    Backward (units in reverse): the same with ``db``, re-fetching only what was resharded;
+    after a unit's backward its gradients are reduced on the network, then (offloaded) copied to
+    the host. Recompute of checkpointed blocks adds their forward time to the unit's backward.
+    The optimizer runs when every reduction and copy has landed; host and device steps are
+    added (torch's foreach step processes the device groups one after another).
+    The schedule is max-plus, so the step time never decreases when any duration grows.
+    """
+    n = len(units)
+    comp = net = h2d_free = d2h_free = 0.0
+    fetch_end = [0.0] * n
+    fwd_start = [0.0] * n
+
+    def fetch(t: UnitTerms, issue: float, h2d_dur: float, ag_dur: float) -> float:
+        nonlocal net, h2d_free
+        x = issue
+        if h2d_dur > 0:
+            h2d_free = max(h2d_free, x) + h2d_dur
+            x = h2d_free
+        if ag_dur > 0:
+            net = max(net, x) + ag_dur
+            x = net
+        return x
+
+    issued = 0
+    fetch_end[0] = fetch(terms[0], 0.0, terms[0].h2d_f, terms[0].ag_f)
+    recompute = [0.0] * n
+    for u, (a, b) in enumerate(units):
+        rc = 0.0
+        for i in range(a, b):
+            if ckpt[i]:
+                rc += ctx.fwd[i]
+        recompute[u] = rc
+    stall_f = [0.0] * n
+    for u in range(n):
+        start = comp if comp >= fetch_end[u] else fetch_end[u]
+        stall_f[u] = start - comp
+        fwd_start[u] = start
+        while issued < n - 1 and issued < u + df:
+            issued += 1
+            t = terms[issued]
+            fetch_end[issued] = fetch(t, start, t.h2d_f, t.ag_f)
+        comp = start + terms[u].cf
+    fwd_end = comp
+    # Backward: position k runs unit n-1-k.
+    bfetch = [0.0] * n
+    t0 = terms[n - 1]
+    bfetch[0] = fetch(t0, fwd_end, t0.h2d_b, t0.ag_b)
+    issued = 0
+    stall_b = [0.0] * n
+    for k in range(n):
+        u = n - 1 - k
+        t = terms[u]
+        start = comp if comp >= bfetch[k] else bfetch[k]
+        stall_b[u] = start - comp
+        while issued < n - 1 and issued < k + db:
+            issued += 1
+            tt = terms[n - 1 - issued]
+            bfetch[issued] = fetch(tt, start, tt.h2d_b, tt.ag_b)
+        comp = start + t.cb + recompute[u]
+        y = comp
+        if t.red > 0:
+            net = max(net, y) + t.red
+            y = net
+        if t.d2h > 0:
+            d2h_free = max(d2h_free, y) + t.d2h
+    opt_start = max(comp, net, d2h_free)
+    opt = sum(t.opt for t in terms)
+    total = opt_start + opt
+    if detail is not None:
+        detail.compute = sum(t.cf + t.cb for t in terms)
+        detail.recompute = sum(recompute)
+        detail.stall_fwd = tuple(stall_f)
+        detail.stall_bwd = tuple(stall_b)
+        detail.tail = opt_start - comp
+        detail.optimizer = opt
+    return total
+
+
+def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckpt: list[bool],
+         df: int, db: int, detail: Detail | None = None) -> float:
+    """Predicted peak bytes on one device, with the fragmentation margin and the reserve.
+
+    ``peak = max over the step of (S + params(t) + acts(t)) * (1 + fragmentation) + reserved``, where
+    ``S`` is the device-resident state of every unit (constant), and at a point of
+      * forward of block ``i`` of unit ``u``: params = gathered(u) + gathered(u+1..u+df) (prefetched)
+        + gathered(v) for kept units ``v < u``; acts = sum_{j<i} a_j + saved_i + fwd_transient_i with
+        ``a_j`` = checkpoint bytes (its output) if block ``j`` is checkpointed else saved bytes (a
+        checkpointed block's forward still builds its activations before dropping them);
+      * backward of block ``i`` of unit ``u``: params = gathered(u) + grads(u) + red_buf(u+1)
+        + gathered(prefetched u-1..u-db not kept) + gathered(kept v < u); acts = sum_{j<i} a_j +
+        saved_i + transient_i (a checkpointed block is recomputed to its full saved size);
+      * the optimizer step: params = 0, acts = 0, plus the foreach temporaries of resident units.
+    """
+    n = len(units)
+    state = 0.0
+    opt_tmp = 0.0
+    for t in terms:
+        state += t.state
+        opt_tmp += t.opt_tmp
+    kept_before = [0.0] * (n + 1)  # kept_before[u] = sum of gathered over kept units v < u
+    for u in range(n):
+        kept_before[u + 1] = kept_before[u] + (terms[u].gathered if terms[u].kept else 0.0)
+    best = state + opt_tmp
+    where = ("optimizer", "", state, 0.0, 0.0)
+    acc = 0.0  # sum_{j<i} a_j
+    prefix: list[float] = [0.0] * len(ctx.saved)
+    saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
+    for u, (a, b) in enumerate(units):
+        params = terms[u].gathered + kept_before[u]
+        for v in range(u + 1, min(n, u + df + 1)):
+            params += terms[v].gathered
+        worst_act = 0.0
+        worst_i = a
+        for i in range(a, b):
+            prefix[i] = acc
+            ai = ck[i] if ckpt[i] else saved[i]
+            act = acc + saved[i] + ftr[i]
+            if act > worst_act:
+                worst_act, worst_i = act, i
+            acc += ai
+        total = state + params + worst_act
+        if total > best:
+            best = total
+            where = ("forward", ctx.names[worst_i], state, params, worst_act)
+    for u in range(n - 1, -1, -1):
+        a, b = units[u]
+        params = terms[u].gathered + terms[u].grads + kept_before[u]
+        if u + 1 < n:
+            params += terms[u + 1].red_buf
+        for v in range(max(0, u - db), u):
+            if not terms[v].kept:
+                params += terms[v].gathered
+        worst_act = 0.0
+        worst_i = a
+        for i in range(a, b):
+            act = prefix[i] + saved[i] + tr[i]
+            if act > worst_act:
+                worst_act, worst_i = act, i
+        total = state + params + worst_act
+        if total > best:
+            best = total
+            where = ("backward", ctx.names[worst_i], state, params, worst_act)
+    if detail is not None:
+        detail.peak_phase, detail.peak_block, detail.peak_state, detail.peak_params, detail.peak_acts = where
+        if where[0] == "optimizer":
+            detail.peak_params = opt_tmp
+    return best * (1.0 + ctx.fragmentation) + ctx.reserved
