@@ -268,7 +268,7 @@ def groupings(ctx: Context, unit_blocks: tuple[int, ...] | None) -> list[tuple[t
 
 
 def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progress | None = None,
-                rounds: int = 2, max_points: int = 40) -> list[Candidate]:
+                rounds: int = 2, max_points: int = 32) -> list[Candidate]:
     """Every plan visited by the greedy descents plus their neighbourhoods (budget-independent).
 
     After the descents, ``rounds`` times: every plan on the current Pareto frontier (at most
@@ -329,7 +329,7 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
         for df in space.depths:
             for db in space.depths:
                 add(c, c.modes, c.offload, c.ckpt, df, db)
-        for u in range(k):
+        for u in _spread(list(range(k)), 16):
             for m in space.modes:
                 if m != c.modes[u]:
                     add(c, c.modes[:u] + (m,) + c.modes[u + 1:], c.offload, c.ckpt, c.df, c.db)

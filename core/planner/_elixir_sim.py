@@ -288,7 +288,9 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         checkpointed block's forward still builds its activations before dropping them);
       * backward of block ``i`` of unit ``u``: params = gathered(u) + grads(u) + red_buf(u+1)
         + gathered(prefetched u-1..u-db not kept) + gathered(kept v < u); acts = sum_{j<i} a_j +
-        saved_i + transient_i (a checkpointed block is recomputed to its full saved size);
+        saved_i + transient_i (a checkpointed block is recomputed to its full saved size, and its
+        re-run forward's temporaries count: ``max(transient_i, fwd_transient_i)``); this is the step
+        model of :func:`tightfit.profiler.memory.estimate_peak`, plus the parameter terms;
       * the optimizer step: params = 0, acts = 0, plus the foreach temporaries of resident units.
     """
     n = len(units)
@@ -333,7 +335,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         worst_act = 0.0
         worst_i = a
         for i in range(a, b):
-            act = prefix[i] + saved[i] + tr[i]
+            # A checkpointed block's backward first re-runs its forward: that forward's temporaries count too.
+            act = prefix[i] + saved[i] + (max(tr[i], ftr[i]) if ckpt[i] else tr[i])
             if act > worst_act:
                 worst_act, worst_i = act, i
         total = state + params + worst_act

@@ -1,0 +1,192 @@
+"""``tightfit plan <planner> ...``: compute a plan from profiles, print it, write the plan file.
+
+    tightfit plan elixir --model gpt2-10b --devices 4 --device-memory 40GiB --preset a100-40g --json plan.json
+
+Each planner is one entry of :data:`PLANNERS`: ``name -> (help, add_arguments, run)``; a planner's
+``add_arguments(parser)`` adds its flags to its own sub-parser and ``run(args) -> int`` does the work.
+Shared flags (the model, the devices) come from :func:`add_model_arguments` / :func:`add_device_arguments`
+so every planner reads them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from tightfit.units import format_bytes, format_table, parse_bytes
+
+__all__ = ["PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
+           "load_cluster", "progress_bar"]
+
+
+# ---- shared arguments ----------------------------------------------------------------------------------
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a tightfit.models preset (gpt2, gpt2-xl, gpt2-4b, gpt2-10b, gpt2-15b, "
+                                     "gpt2-20b, ...) profiled on the meta device")
+    src.add_argument("--profile", metavar="PATH", help="a ModelProfile JSON file (`tightfit profile model --json`)")
+    g.add_argument("--batch", type=int, default=8, help="per-device micro-batch (default 8)")
+    g.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("devices")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="datasheet device preset (a100-40g, a100-80g, h100-80g, ...)")
+    src.add_argument("--device-profile", metavar="PATH", help="a DeviceProfile JSON file")
+    src.add_argument("--cluster", metavar="PATH", help="a ClusterSpec JSON file (one profile per rank)")
+    g.add_argument("--devices", type=int, default=1, help="number of devices (ranks); default 1")
+    g.add_argument("--nodes", type=int, default=1, help="hosts the devices span (default 1)")
+    g.add_argument("--device-memory", metavar="SIZE", help="memory per device, overriding the profile ('40GiB')")
+
+
+def load_model_profile(args: argparse.Namespace):
+    """The ModelProfile named by ``--profile`` or ``--model`` (+ ``--batch``/``--seq``)."""
+    from tightfit.profiler.types import ModelProfile
+
+    if args.profile:
+        return ModelProfile.from_json(args.profile)
+    try:
+        import torch
+
+        from tightfit.models import build_gpt, gpt_config
+        from tightfit.profiler import profile_model  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise SystemExit(f"tightfit plan: cannot profile --model here ({e}); pass --profile PATH instead") from None
+    try:
+        cfg = gpt_config(args.model)
+    except KeyError as e:
+        raise SystemExit(f"tightfit plan: {e.args[0]}") from None
+    if args.seq > cfg.n_positions:
+        raise SystemExit(f"tightfit plan: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_positions}; "
+                         f"use --seq {cfg.n_positions} or less")
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    print(f"[plan] profiling {args.model} (batch {args.batch}, seq {args.seq}) on the meta device ...",
+          file=sys.stderr, flush=True)
+    return profile_model(lambda: build_gpt(cfg), ids, name=args.model)
+
+
+def load_cluster(args: argparse.Namespace):
+    """The ClusterSpec named by ``--cluster``, ``--device-profile`` or ``--preset`` (``--devices``, ``--nodes``,
+    ``--device-memory`` applied); without any of them, the local device's measured profile."""
+    import dataclasses
+
+    from tightfit.profiler.types import ClusterSpec, DeviceProfile
+
+    if args.cluster:
+        cluster = ClusterSpec.from_json(args.cluster)
+        if args.device_memory:
+            mem = parse_bytes(args.device_memory)
+            cluster = dataclasses.replace(cluster, devices=tuple(
+                dataclasses.replace(d, memory_bytes=mem, free_bytes=mem) for d in cluster.devices))
+        return cluster
+    if args.device_profile:
+        device = DeviceProfile.from_json(args.device_profile)
+    elif args.preset:
+        from tightfit.profiler import device as device_mod  # type: ignore[attr-defined]
+
+        device = device_mod.preset(args.preset)
+    else:
+        from tightfit.profiler import profile_device  # type: ignore[attr-defined]
+
+        print("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...", file=sys.stderr)
+        device = profile_device(quick=True)
+    if args.device_memory:
+        mem = parse_bytes(args.device_memory)
+        device = dataclasses.replace(device, memory_bytes=mem, free_bytes=mem)
+    if args.devices < 1:
+        raise SystemExit(f"tightfit plan: --devices {args.devices} must be >= 1")
+    return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
+
+
+def progress_bar(label: str) -> Callable[[int, int, str], None]:
+    """A ``progress(done, total, what)`` callback drawing a bar on stderr."""
+    start = time.perf_counter()
+
+    def show(done: int, total: int, what: str) -> None:
+        width = 24
+        filled = int(width * done / max(1, total))
+        end = "\n" if done >= total else "\r"
+        print(f"[{label}] [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40.40} "
+              f"{time.perf_counter() - start:5.1f} s", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+# ---- elixir ----------------------------------------------------------------------------------------------
+def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_device_arguments(parser)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--budget", metavar="SIZE", help="memory budget per device ('38GiB' or a fraction like 0.9; "
+                                                    "default: all of the device's memory)")
+    g.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default), 16-mixed, 32-true, bf16-true")
+    g.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, adagrad")
+    g.add_argument("--no-offload", action="store_true", help="never offload units to host memory")
+    g.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
+    g.add_argument("--exhaustive", action="store_true", help="exact search (small models only)")
+    g.add_argument("--full", action="store_true", help="one table row per unit (default: identical runs folded)")
+    g.add_argument("--baselines", action="store_true",
+                   help="also price ZeRO-2/ZeRO-3 (+offload) configurations with the same cost model")
+    g.add_argument("--json", metavar="PATH", help="write the plan file ElixirStrategy(plan=PATH) accepts")
+
+
+def _elixir_run(args: argparse.Namespace) -> int:
+    from tightfit.planner.elixir import BASELINES, ElixirConstraints, PlanInfeasibleError, baseline, search
+
+    profile = load_model_profile(args)
+    cluster = load_cluster(args)
+    budget: int | float | str | None = args.budget
+    if budget is not None:
+        try:
+            value = float(budget)
+            budget = value if 0 < value <= 1 else budget
+        except ValueError:
+            pass
+    constraints = ElixirConstraints(allow_offload=not args.no_offload, allow_checkpointing=not args.no_checkpointing,
+                                    exhaustive=True if args.exhaustive else None)
+    try:
+        plan = search(profile, cluster, optimizer=args.optimizer, precision=args.precision, memory_budget=budget,
+                      constraints=constraints, progress=progress_bar("plan elixir"))
+    except PlanInfeasibleError as e:
+        print(f"tightfit plan elixir: {e}", file=sys.stderr)
+        return 3
+    print(plan.explain(full=args.full))
+    if args.baselines:
+        rows = [("elixir", f"{plan.step_time_s:.3f} s", format_bytes(plan.peak_bytes), "yes", "1.00x")]
+        for name in BASELINES:
+            b = baseline(profile, cluster, name, optimizer=args.optimizer, precision=args.precision,
+                         memory_budget=plan.budget_bytes)
+            rows.append((name + (" +ckpt" if b.checkpointed_blocks else ""), f"{b.step_time_s:.3f} s",
+                         format_bytes(b.peak_bytes), "yes" if b.fits else "no (OOM)",
+                         f"{b.step_time_s / plan.step_time_s:.2f}x"))
+        print("\nfixed configurations, same cost model:")
+        print(format_table(rows, ("config", "step", "peak", "fits", "time vs elixir"), align="lrrlr"))
+    if args.json:
+        plan.to_json(args.json)
+        print(f"\nwrote {args.json} (ElixirStrategy(plan={args.json!r}) applies it)")
+    return 0
+
+
+# name -> (help, add_arguments(parser), run(args) -> int). Add a row for another planner.
+PLANNERS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "elixir": ("search the fastest FSDP2 sharding x offload x recompute plan that fits (Elixir)",
+               _elixir_arguments, _elixir_run),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="planner", metavar="PLANNER")
+    for name, (help_text, add, _) in PLANNERS.items():
+        add(sub.add_parser(name, help=help_text, description=help_text))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "planner", None):
+        print(f"tightfit plan: name a planner: {', '.join(PLANNERS)} (e.g. `tightfit plan elixir --help`)",
+              file=sys.stderr)
+        return 2
+    return PLANNERS[args.planner][2](args)
