@@ -119,6 +119,7 @@ class _CachedCollection(nn.Module):
             if not cfg.feature_names:
                 cfg.feature_names = [cfg.name]
         self._cache_config = cache
+        self._frequencies = frequencies
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
         slots = self._capacities(tables, cache, frequencies)

@@ -1,0 +1,110 @@
+"""DistributedModelParallel with the cached collection, table-wise on 2 gloo ranks, against the unsharded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.multiprocess import run_distributed
+from tests.helpers.runif import RunIf
+
+pytestmark = RunIf(torchrec=True, min_world=2)
+
+STEPS, BATCH = 5, 8
+
+
+def _tables():
+    from torchrec import EmbeddingBagConfig
+
+    return [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=120, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=80, feature_names=["f2"]),
+            EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=200, feature_names=["f3"])]
+
+
+def _concat(kjts):
+    """One KJT holding the samples of ``kjts`` one after the other (the global batch)."""
+    from torchrec import KeyedJaggedTensor
+
+    keys = kjts[0].keys()
+    values = torch.cat([k[key].values() for key in keys for k in kjts])
+    lengths = torch.cat([k[key].lengths() for key in keys for k in kjts])
+    return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+
+
+def _model(cache):
+    from torchrec import EmbeddingBagCollection
+    from torchrec.models.dlrm import DLRM
+
+    from torchrec_cache import swap_in
+
+    torch.manual_seed(0)
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=_tables()), dense_in_features=4,
+                 dense_arch_layer_sizes=[8, 8], over_arch_layer_sizes=[8, 1])
+    return swap_in(model, cache=cache)
+
+
+def _dmp_rank(rank: int, world: int, kind: str, policy: str) -> dict:
+    import logging
+
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    from tests.torchrec_cache.common import make_kjt
+    from torchrec_cache import (
+        CacheConfig,
+        CachedEmbeddingBagCollectionSharder,
+        RowOptimizer,
+        cached_sharding_plan,
+    )
+    from torchrec_cache.sharder import ShardedCachedEmbeddingBagCollection
+
+    logging.disable(logging.WARNING)
+    cache = CacheConfig(capacity=6, policy=policy, optimizer=RowOptimizer(kind=kind, lr=0.05, eps=1e-8))
+    reference = _model(cache)
+    model = _model(cache)
+    plan = cached_sharding_plan(model, world, placement={"t0": 0, "t1": 1, "t2": 1})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan,
+                                   sharders=[CachedEmbeddingBagCollectionSharder()])
+    sharded = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    assert len(sharded) == 1
+    dense_opt = torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.05)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
+    worst_pred = 0.0
+    for _ in range(STEPS):
+        kjts = [make_kjt(_tables(), BATCH, gen, max_len=4) for _ in range(world)]
+        dense = [torch.randn(BATCH, 4, generator=gen) for _ in range(world)]
+        labels = [torch.randint(0, 2, (BATCH,), generator=gen).float() for _ in range(world)]
+        dense_opt.zero_grad()
+        pred = dmp(dense[rank], kjts[rank]).squeeze(1)
+        loss_fn(pred, labels[rank]).backward()
+        dense_opt.step()
+        # The unsharded model sees the global batch. DDP averages the dense gradients over ranks and
+        # TorchRec's pooled all-to-all divides the embedding gradients by the world size in backward
+        # (comm_ops gradient division, on by default), so the matching loss is the mean of the ranks' losses.
+        ref_opt.zero_grad()
+        ref_pred = reference(torch.cat(dense), _concat(kjts)).squeeze(1)
+        (loss_fn(ref_pred, torch.cat(labels)) / world).backward()
+        ref_opt.step()
+        worst_pred = max(worst_pred, float((pred - ref_pred[rank * BATCH:(rank + 1) * BATCH]).abs().max()))
+    local = sharded[0].state_dict()
+    ref_sd = reference.state_dict()
+    worst_weight = 0.0
+    for key, value in local.items():
+        want = ref_sd[f"sparse_arch.embedding_bag_collection.{key}"]
+        worst_weight = max(worst_weight, float((value - want).abs().max() / (1 + want.abs().max())))
+    return {"tables": sharded[0].local_tables(), "pred": worst_pred, "weight": worst_weight,
+            "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local)}
+
+
+@pytest.mark.parametrize("kind,policy", [("adam", "lru"), ("sgd", "lfu")])
+def test_dmp_table_wise_matches_unsharded_model(kind, policy):
+    out = run_distributed(_dmp_rank, world_size=2, args=(kind, policy), timeout=400)
+    assert out[0]["tables"] == ["t0"] and out[1]["tables"] == ["t1", "t2"]
+    assert out[0]["keys"] == ["embedding_bags.t0.weight"]  # unsharded names, local tables only
+    for r in out:
+        assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
+        assert r["misses"] > 0  # 6 slots per table: the ranks evicted and reloaded rows
