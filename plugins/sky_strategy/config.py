@@ -1,0 +1,104 @@
+"""``SkyConfig``: every knob of :class:`~sky_strategy.SkyStrategy`, validated once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tightfit.planner.partition import SCHEDULES
+from tightfit.units import parse_bytes
+
+__all__ = ["SkyConfig", "PARTITIONS"]
+
+PARTITIONS = ("balanced", "even", "parameter-balanced", "sky")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SkyConfig:
+    """Configuration of the Sky pipeline strategy.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``torch.distributed.pipelining`` schedules).
+        microbatches: microbatches per step (1F1B needs at least one per stage).
+        virtual_stages: chunks per rank for ``"interleaved"``.
+        partition: ``"balanced"`` (our planner), ``"even"``, ``"parameter-balanced"``, ``"sky"`` (Sky
+            Computing's allocator), or explicit layer boundaries ``(0, b1, ..., L)``.
+        order: device-order search for ``"balanced"``: ``"search"`` or ``"given"`` (interleaved: given).
+        speed_factors: per rank, the speed this rank plays (``0.33``: three times slower); ``None``: 1.0.
+        memory_caps: per rank, the memory a stage may use (bytes or ``"2GiB"``); ``None``: measured.
+        link_bandwidth: bytes/s between ranks, replacing the measured links; ``None``: measure.
+        throttle: make injected speed factors real (a slowed rank sleeps for the time it would lack).
+        replan_every: every N optimizer steps compare measured stage times and re-plan if they drifted.
+        replan_threshold: relative drift of any rank's stage time that triggers a re-plan.
+        profile_repeats: timed repeats per layer when profiling.
+        optimizer_state_factor: optimizer-state bytes per parameter byte; ``None``: from the optimizer
+            (Adam/AdamW 2, SGD with momentum 1, otherwise 0).
+        check_forward: verify once that ``forward`` equals the declared layers applied in order.
+        verbose: print profiling progress and the plan on rank 0.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 2
+    partition: str | tuple[int, ...] = "balanced"
+    order: str = "search"
+    speed_factors: tuple[float, ...] | None = None
+    memory_caps: tuple[int, ...] | None = None
+    link_bandwidth: float | None = None
+    throttle: bool = True
+    replan_every: int | None = None
+    replan_threshold: float = 0.25
+    profile_repeats: int = 3
+    optimizer_state_factor: float | None = None
+    check_forward: bool = True
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"SkyStrategy: schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise ValueError(f"SkyStrategy: microbatches={self.microbatches} must be >= 1")
+        if self.virtual_stages < 1:
+            raise ValueError(f"SkyStrategy: virtual_stages={self.virtual_stages} must be >= 1")
+        if isinstance(self.partition, str):
+            if self.partition not in PARTITIONS:
+                raise ValueError(f"SkyStrategy: partition={self.partition!r} is unknown; use one of "
+                                 f"{', '.join(PARTITIONS)} or explicit boundaries like (0, 3, 8)")
+        else:
+            b = list(self.partition)
+            if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
+                raise ValueError(f"SkyStrategy: partition boundaries {b} must rise strictly from 0 to the layer "
+                                 "count, e.g. (0, 3, 8) for 8 layers on 2 stages")
+        if self.order not in ("search", "given"):
+            raise ValueError(f"SkyStrategy: order={self.order!r}; use 'search' or 'given'")
+        if self.speed_factors is not None and any(not (f > 0 and math.isfinite(f)) for f in self.speed_factors):
+            raise ValueError(f"SkyStrategy: speed_factors={list(self.speed_factors)} must all be finite and > 0 "
+                             "(1.0 = full speed, 0.33 = three times slower)")
+        if self.memory_caps is not None:
+            object.__setattr__(self, "memory_caps", tuple(parse_bytes(c) for c in self.memory_caps))
+        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
+            raise ValueError(f"SkyStrategy: link_bandwidth={self.link_bandwidth} bytes/s must be > 0")
+        if self.replan_every is not None and self.replan_every < 1:
+            raise ValueError(f"SkyStrategy: replan_every={self.replan_every} must be >= 1 step (or None)")
+        if not 0 < self.replan_threshold:
+            raise ValueError(f"SkyStrategy: replan_threshold={self.replan_threshold} must be > 0 (0.25 = 25% drift)")
+        if self.profile_repeats < 1:
+            raise ValueError(f"SkyStrategy: profile_repeats={self.profile_repeats} must be >= 1")
+
+    def check_world(self, world: int) -> None:
+        """Raise if the schedule cannot run on ``world`` ranks."""
+        for name, values in (("speed_factors", self.speed_factors), ("memory_caps", self.memory_caps)):
+            if values is not None and len(values) != world:
+                raise ValueError(f"SkyStrategy: {name} has {len(values)} entries for {world} ranks; give one per rank")
+        stages = world * (self.virtual_stages if self.schedule == "interleaved" else 1)
+        if self.schedule == "1f1b" and self.microbatches < world:
+            raise ValueError(f"SkyStrategy: schedule '1f1b' needs microbatches >= stages; got microbatches="
+                             f"{self.microbatches} for {world} stages. Raise microbatches or use schedule='gpipe'")
+        if self.schedule == "interleaved":
+            rounds = max(1, self.microbatches // world)
+            if self.microbatches % rounds:
+                raise ValueError(f"SkyStrategy: interleaved needs microbatches to be a multiple of "
+                                 f"microbatches // world = {rounds}; got {self.microbatches}. Use a multiple of {world}")
+        if not isinstance(self.partition, str) and len(self.partition) != stages + 1:
+            raise ValueError(f"SkyStrategy: partition boundaries {list(self.partition)} give {len(self.partition) - 1} "
+                             f"stages but {world} ranks with schedule {self.schedule!r} need {stages}")

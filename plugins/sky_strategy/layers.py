@@ -1,0 +1,253 @@
+"""The LightningModule convention for pipelines, stage modules and per-layer measurement.
+
+A LightningModule trained with ``strategy="sky"`` declares its layer sequence:
+
+    class Net(L.LightningModule):
+        pipeline_layers = ("embed", "blocks", "head")   # submodule names, in forward order
+        def forward(self, x):            # must equal applying the layers in that order
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+        def loss_fn(self, output, target):   # the per-microbatch loss (mean-reduced)
+            return F.cross_entropy(output, target)
+
+A name that is a ``ModuleList``/``Sequential``/``ModuleDict`` expands to its children, so
+``"blocks"`` becomes ``blocks.0 ... blocks.N-1``: each is one layer the planner can place. Every
+trainable parameter must belong to exactly one layer (parameters tied across layers cannot be split
+over ranks). A layer takes the previous layer's output (a tensor or a tuple of tensors) and returns
+the next. The batch is split into ``(inputs, target)`` by ``pipeline_batch(batch)`` when the module
+defines it, else a ``(inputs, target)`` pair is expected.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+__all__ = ["ConventionError", "Layer", "resolve_layers", "split_batch", "StageModule", "TimedStage",
+           "LayerMeasurement", "measure_layers"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+class ConventionError(TypeError):
+    """The LightningModule does not follow the pipeline convention (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One placeable layer: its fully-qualified name in the LightningModule and the module."""
+
+    name: str
+    module: nn.Module
+
+    def parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for n, p in self.module.named_parameters():
+            yield f"{self.name}.{n}", p
+
+    def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, b in self.module.named_buffers():
+            yield f"{self.name}.{n}", b
+
+
+def resolve_layers(module: nn.Module) -> list[Layer]:
+    """The declared layer sequence, checked to cover every trainable parameter exactly once."""
+    names = getattr(module, "pipeline_layers", None)
+    if callable(names):
+        names = names()
+    if not names or isinstance(names, str):
+        raise ConventionError(
+            f"{type(module).__name__} declares no pipeline layers: set `pipeline_layers = (\"embed\", \"blocks\", "
+            "\"head\")` (submodule names in forward order; a ModuleList expands to its children)")
+    layers: list[Layer] = []
+    for name in names:
+        try:
+            sub = module.get_submodule(name)
+        except AttributeError:
+            raise ConventionError(f"pipeline_layers names {name!r}, which is not a submodule of "
+                                  f"{type(module).__name__}") from None
+        if isinstance(sub, _CONTAINERS):
+            layers += [Layer(f"{name}.{child}", m) for child, m in sub.named_children()]
+        else:
+            layers.append(Layer(name, sub))
+    owner: dict[int, str] = {}
+    for layer in layers:
+        for fqn, p in layer.parameters():
+            if id(p) in owner:
+                raise ConventionError(f"parameter {fqn} is shared with {owner[id(p)]}; tied parameters cannot be split "
+                                      "across pipeline stages: untie them or keep both uses inside one layer")
+            owner[id(p)] = fqn
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owner]
+    if missing:
+        raise ConventionError(f"parameter(s) {missing[:3]} belong to no pipeline layer; add their module to "
+                              "pipeline_layers (every trainable parameter must live in exactly one layer)")
+    if not hasattr(module, "loss_fn"):
+        raise ConventionError(f"{type(module).__name__} has no `loss_fn(output, target)`: SkyStrategy computes the loss "
+                              "per microbatch on the last stage with it")
+    return layers
+
+
+def split_batch(module: nn.Module, batch) -> tuple[object, torch.Tensor]:
+    """``(inputs, target)`` of a batch: ``module.pipeline_batch(batch)`` or a 2-element tuple/list."""
+    hook = getattr(module, "pipeline_batch", None)
+    if hook is not None:
+        return hook(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConventionError(f"cannot split a batch of type {type(batch).__name__} into (inputs, target): return "
+                          "(inputs, target) from the dataloader or define `pipeline_batch(self, batch)`")
+
+
+def _call(layer: nn.Module, x):
+    return layer(*x) if isinstance(x, tuple) else layer(x)
+
+
+class StageModule(nn.Module):
+    """Runs a contiguous run of layers; the layers stay registered in the LightningModule too, so
+    gradients land on the original parameters and checkpoints keep the original names."""
+
+    def __init__(self, layers: list[nn.Module], context: Callable[[], AbstractContextManager] | None = None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self._context = context or nullcontext
+
+    def forward(self, *args):
+        x = args if len(args) > 1 else args[0]
+        with self._context():
+            for layer in self.layers:
+                x = _call(layer, x)
+        return x
+
+
+class TimedStage(PipelineStage):
+    """A :class:`PipelineStage` that times its compute per microbatch and, when this rank plays a slower
+    device (``slowdown() > 1``), sleeps ``(slowdown - 1) x`` the compute it just did: the rank is busy
+    exactly as long as the slower device would be, without using the CPU that other ranks share."""
+
+    def __init__(self, *args, slowdown: Callable[[], float], sync: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slowdown = slowdown
+        self._sync = sync
+        self.busy_s = 0.0  # compute (+ injected delay) since the last reset
+        self.chunks_run = 0
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self._sync()
+        elapsed = time.perf_counter() - start
+        extra = (self._slowdown() - 1.0) * elapsed
+        if extra > 0:
+            time.sleep(extra)
+        self.busy_s += elapsed + max(extra, 0.0)
+        return out
+
+    def forward_one_chunk(self, *args, **kwargs):
+        self.chunks_run += 1
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    """One rank's measurement of one layer on one microbatch.
+
+    Args:
+        seconds: median forward+backward time (already divided by an injected speed factor).
+        param_bytes: bytes of its parameters; activation_bytes: bytes autograd saved in its forward
+            (parameters excluded); output_bytes: bytes of its output.
+    """
+
+    seconds: float
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _detach(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point())
+    return tuple(_detach(t) for t in x)
+
+
+def _grad_like(y):
+    if isinstance(y, torch.Tensor):
+        return [y], [torch.ones_like(y)]
+    outs, grads = [], []
+    for t in y:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            outs.append(t)
+            grads.append(torch.ones_like(t))
+    return outs, grads
+
+
+def measure_layers(layers: list[Layer], sample, *, device: torch.device, repeats: int = 3,
+                   speed_factor: float = 1.0, sync: Callable[[], None] = lambda: None,
+                   progress: Callable[[str], None] | None = None, offload: bool = False) -> list[LayerMeasurement]:
+    """Time each layer's forward+backward on ``sample`` (one microbatch), layer after layer.
+
+    Each layer is measured alone on the previous layer's real output, so a rank only ever needs
+    one layer's weights on its device at a time. The median of ``repeats`` runs after one warm-up is
+    reported, divided by ``speed_factor`` (a rank playing a device 3x slower reports 3x the time).
+    With ``offload`` each layer is moved to ``device`` only while it is measured (the model waits in
+    host memory until it is partitioned).
+    """
+    out: list[LayerMeasurement] = []
+    x = sample
+    for n, layer in enumerate(layers):
+        mod = layer.module
+        if offload:
+            mod.to(device)
+        params = {p.data_ptr() for p in mod.parameters()}
+        param_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved, params=params):
+            if t.data_ptr() not in params:
+                saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
+            return t
+
+        times = []
+        y = None
+        for rep in range(repeats + 1):
+            xin = _detach(x) if n > 0 else x
+            start = time.perf_counter()
+            if rep == 0:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = _call(mod, xin)
+            else:
+                y = _call(mod, xin)
+            outs, grads = _grad_like(y)
+            if outs:
+                torch.autograd.backward(outs, grads)
+            sync()
+            if rep > 0:
+                times.append(time.perf_counter() - start)
+        mod.zero_grad(set_to_none=True)
+        if offload:
+            mod.to("cpu")
+        assert y is not None
+        out.append(LayerMeasurement(seconds=statistics.median(times) / speed_factor, param_bytes=param_bytes,
+                                    activation_bytes=sum(saved.values()), output_bytes=_nbytes(y)))
+        x = y.detach() if isinstance(y, torch.Tensor) else tuple(t.detach() for t in y)
+        if progress is not None and (n + 1) % max(1, len(layers) // 4) == 0:
+            progress(f"profiled {n + 1}/{len(layers)} layers")
+    return out

@@ -1,0 +1,247 @@
+"""Applies a :class:`~tightfit.planner.partition.PartitionPlan` on ``torch.distributed.pipelining``.
+
+Every rank keeps the whole LightningModule *structure* with the original parameter objects, but only
+the layers of its own stages hold data; the others hold an empty placeholder (``p.data`` of 0
+elements), so optimizers built over all parameters stay valid, skip what a rank does not own
+(no gradient) and keep one parameter index space on every rank. Moving a layer (first placement,
+re-planning) sends its weights and optimizer state from the old owner to the new one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from sky_strategy.layers import Layer, StageModule, TimedStage
+from tightfit.planner.partition import PartitionPlan
+
+__all__ = ["PipelineRuntime"]
+
+
+class PipelineRuntime:
+    """One rank's view of the pipeline: which layers it owns, its stages and schedules.
+
+    Args:
+        module: the LightningModule (its ``loss_fn`` is the per-microbatch loss).
+        layers: the declared layer sequence.
+        device: this rank's device.
+        slowdown: returns this rank's injected slowdown (1 / speed factor) at call time.
+        context: a context manager factory each stage's forward runs in (autocast for mixed precision).
+    """
+
+    def __init__(self, module: nn.Module, layers: list[Layer], *, device: torch.device,
+                 slowdown: Callable[[], float], context: Callable[[], AbstractContextManager]):
+        self.module = module
+        self.layers = layers
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.slowdown = slowdown
+        self.context = context
+        self.plan: PartitionPlan | None = None
+        self.owner: list[int] = [0] * len(layers)  # before the first plan, rank 0's weights are the truth
+        self._cache: dict[tuple, tuple] = {}
+        self._pending: dict[nn.Parameter, torch.Tensor] = {}
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    # -- placement --------------------------------------------------------------------------------
+    def owns(self, index: int) -> bool:
+        return self.owner[index] == self.rank
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        return [p for i, layer in enumerate(self.layers) if self.owns(i) for _, p in layer.parameters()]
+
+    def apply(self, plan: PartitionPlan, optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+        """Place the layers as ``plan`` says; returns the indices of layers that changed owner."""
+        if len(plan.order) != self.world:
+            raise ValueError(f"the plan is for {len(plan.order)} devices but the world has {self.world} ranks")
+        if plan.num_layers != len(self.layers):
+            raise ValueError(f"the plan places {plan.num_layers} layers but the module declares {len(self.layers)}")
+        new_owner = [0] * len(self.layers)
+        for s in plan.stages:
+            for i in range(s.start, s.stop):
+                new_owner[i] = s.device
+        moved = [i for i in range(len(self.layers)) if new_owner[i] != self.owner[i]]
+        for i in range(len(self.layers)):
+            src, dst = self.owner[i], new_owner[i]
+            if src == dst:
+                continue
+            # every rank walks the layers in the same order, so sends and receives pair up
+            if self.rank == src:
+                dist.send_object_list([self._pack(i, optimizers)], dst=dst)
+            elif self.rank == dst:
+                payload: list = [None]
+                dist.recv_object_list(payload, src=src)
+                self._unpack(i, payload[0], optimizers)
+        self.owner = new_owner
+        for i in range(len(self.layers)):
+            if self.owns(i):
+                self.layers[i].module.to(self.device)
+            else:
+                self._release(i, optimizers)
+        self.plan = plan
+        self._cache.clear()
+        return moved
+
+    def _pack(self, index: int, optimizers) -> dict:
+        layer = self.layers[index]
+        params = {fqn: p.detach().cpu().clone() for fqn, p in layer.parameters()}
+        buffers = {fqn: b.detach().cpu().clone() for fqn, b in layer.buffers()}
+        states = []
+        for opt in optimizers:
+            states.append({fqn: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in opt.state[p].items()}
+                           for fqn, p in layer.parameters() if p in opt.state})
+        return {"params": params, "buffers": buffers, "states": states}
+
+    def _unpack(self, index: int, payload: dict, optimizers) -> None:
+        layer = self.layers[index]
+        for fqn, p in layer.parameters():
+            p.data = payload["params"][fqn].to(self.device, dtype=p.dtype)
+            p.grad = None
+        for fqn, b in layer.buffers():
+            b.data = payload["buffers"][fqn].to(self.device)
+        for opt, states in zip(optimizers, payload["states"]):
+            for fqn, p in layer.parameters():
+                if fqn in states:
+                    opt.state[p] = {k: (v.to(self.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                                    for k, v in states[fqn].items()}
+
+    def _release(self, index: int, optimizers) -> None:
+        for _, p in self.layers[index].parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            p.grad = None
+            for opt in optimizers:
+                opt.state.pop(p, None)
+
+    def drop_foreign_optimizer_state(self, optimizers) -> None:
+        for i in range(len(self.layers)):
+            if not self.owns(i):
+                for _, p in self.layers[i].parameters():
+                    for opt in optimizers:
+                        opt.state.pop(p, None)
+
+    # -- schedules --------------------------------------------------------------------------------
+    def _schedule(self, batch_size: int, train: bool):
+        assert self.plan is not None
+        plan = self.plan
+        n_mb = plan.microbatches if train else max(1, min(plan.microbatches, batch_size))
+        kind = plan.schedule
+        if not train and kind == "1f1b" and n_mb < len(plan.stages):
+            kind = "gpipe"  # forward-only: the schedule only orders forwards; 1F1B needs >= S microbatches
+        key = (batch_size, train, n_mb, kind)
+        if key not in self._cache:
+            mapping = {s.index: s.device for s in plan.stages}
+            stages = []
+            for s in plan.stages:
+                if s.device != self.rank:
+                    continue
+                sub = StageModule([self.layers[i].module for i in range(s.start, s.stop)], self.context)
+                st = TimedStage(sub, s.index, len(plan.stages), self.device, slowdown=self.slowdown, sync=self._sync)
+                st.stage_index_to_group_rank = dict(mapping)
+                stages.append(st)
+            loss_fn = self.module.loss_fn
+            if kind == "interleaved":
+                sched = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn)
+                sched.stage_index_to_group_rank = mapping
+                for st in stages:
+                    st.stage_index_to_group_rank = dict(mapping)
+            else:
+                cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+                sched = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn)
+            self._cache[key] = (sched, stages)
+        return self._cache[key]
+
+    def _roles(self) -> tuple[bool, bool, int]:
+        assert self.plan is not None
+        first = self.plan.stages[0].device == self.rank
+        last_rank = self.plan.stages[-1].device
+        return first, last_rank == self.rank, last_rank
+
+    def run(self, inputs, target: torch.Tensor, *, train: bool):
+        """One pipelined forward (+ backward when ``train``) over the batch; returns the model output
+        on every rank (broadcast from the last stage). Gradients wait in :meth:`take_gradients`."""
+        batch_size = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0]
+        sched, _ = self._schedule(batch_size, train)
+        first, last, last_rank = self._roles()
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        kwargs = {"target": target} if last else {}
+        if train:
+            owned = self.owned_parameters()
+            before = [p.grad for p in owned]
+            for p in owned:
+                p.grad = None
+            out = sched.step(*(args if first else ()), **kwargs)
+            for p, g in zip(owned, before):
+                if p.grad is not None:
+                    self._pending[p] = self._pending[p] + p.grad if p in self._pending else p.grad
+                p.grad = g
+        else:
+            with torch.no_grad():
+                out = sched.eval(*(args if first else ()), **kwargs)
+        box = [out.detach().cpu() if last and isinstance(out, torch.Tensor) else out if last else None]
+        dist.broadcast_object_list(box, src=last_rank)
+        result = box[0]
+        return result.to(self.device) if isinstance(result, torch.Tensor) else result
+
+    def take_gradients(self, scale: float = 1.0) -> None:
+        """Add the gradients of the last :meth:`run` into ``p.grad`` (what ``loss.backward()`` would do)."""
+        for p, g in self._pending.items():
+            g = g * scale if scale != 1.0 else g
+            p.grad = g if p.grad is None else p.grad + g
+        self._pending.clear()
+
+    def busy_seconds(self, reset: bool = True) -> tuple[float, int]:
+        """Compute (+ injected delay) seconds this rank spent in its stages, and the forward chunks run."""
+        busy, chunks = 0.0, 0
+        for _sched, stages in self._cache.values():
+            for st in stages:
+                busy += st.busy_s
+                chunks += st.chunks_run
+                if reset:
+                    st.busy_s, st.chunks_run = 0.0, 0
+        return busy, chunks
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict with the original names, on rank 0 ({} elsewhere)."""
+        mine = {}
+        for i, layer in enumerate(self.layers):
+            if self.owns(i):
+                mine.update({k: v.detach().cpu() for k, v in layer.parameters()})
+                mine.update({k: v.detach().cpu() for k, v in layer.buffers()})
+        parts: list = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(mine, parts, dst=0)
+        if self.rank != 0:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        local = self.module.state_dict()
+        return OrderedDict((k, merged.get(k, v.detach().cpu())) for k, v in local.items())
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state dict a single process would have, on rank 0 ({} elsewhere)."""
+        sd = optimizer.state_dict()
+        parts: list = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(sd["state"], parts, dst=0)
+        if self.rank != 0:
+            return {}
+        state: dict = {}
+        for part in parts:
+            state.update(part)
+        return {"state": dict(sorted(state.items())), "param_groups": sd["param_groups"]}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        owned = {k for i, layer in enumerate(self.layers) if self.owns(i)
+                 for k, _ in [*layer.parameters(), *layer.buffers()]}
+        foreign = {k for i, layer in enumerate(self.layers) if not self.owns(i)
+                   for k, _ in [*layer.parameters(), *layer.buffers()]}
+        keep = {k: v for k, v in state.items() if k in owned or k not in foreign}
+        self.module.load_state_dict(keep, strict=False)

@@ -1,0 +1,383 @@
+"""``SkyStrategy``: load-balanced pipeline parallelism for Lightning, ``Trainer(strategy="sky")``.
+
+Flow (one short path): on the first batch every rank measures the declared layers on a microbatch
+(forward+backward), its memory and its links; rank 0 plans with
+:func:`tightfit.planner.partition.balance` and broadcasts the plan; each rank keeps its stages'
+layers (original parameter names) and trains with a ``torch.distributed.pipelining`` schedule.
+
+How it fits Lightning's loop (automatic optimization, unchanged user code):
+    * ``training_step``: the strategy runs the pipelined forward+backward over the batch's microbatches,
+      broadcasts the model output from the last stage, then calls the module's own ``training_step``
+      in which ``self(x)`` returns that output, so its loss and ``self.log`` calls run on every rank;
+    * ``backward``: the gradients computed by the schedule are added to ``p.grad`` (Lightning zeroes
+      gradients between the two, so the schedule's gradients wait aside until then);
+    * validation/test run the schedule forward-only the same way; checkpoints hold the full model and
+      optimizer state under the original names, as a single process would save them.
+
+Example:
+    >>> import lightning as L, sky_strategy                              # doctest: +SKIP
+    >>> trainer = L.Trainer(accelerator="cpu", devices=2,                 # doctest: +SKIP
+    ...                     strategy=sky_strategy.SkyStrategy(schedule="1f1b", microbatches=4,
+    ...                                                       speed_factors=[1.0, 0.33]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from sky_strategy.config import SkyConfig
+from sky_strategy.layers import resolve_layers, split_batch
+from sky_strategy.profiling import RankProfile, measure_links, planner_inputs, profile_rank
+from sky_strategy.runtime import PipelineRuntime
+from tightfit.planner.partition import (
+    PartitionPlan,
+    balance,
+    evaluate,
+    even,
+    parameter_balanced,
+    sky_allocator,
+)
+
+__all__ = ["SkyStrategy"]
+
+_OPT_STATE = {"Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adagrad": 1.0, "RMSprop": 1.0}
+
+
+class SkyStrategy(DDPStrategy):
+    """Pipeline stages sized to each rank's measured speed and memory (see :class:`SkyConfig` for the knobs).
+
+    The LightningModule declares ``pipeline_layers`` and ``loss_fn`` (see :mod:`sky_strategy.layers`).
+    Every rank loads the same batches (one pipeline; the ranks are its stages).
+
+    Attributes after the first batch: ``plan`` (the :class:`PartitionPlan` in use), ``profiles`` (what
+    each rank measured), ``replans`` (``(step, layer counts before, after)`` for each re-plan).
+    """
+
+    strategy_name = "sky"
+
+    def __init__(self, *, schedule: str = "1f1b", microbatches: int = 4, virtual_stages: int = 2,
+                 partition: str | Sequence[int] = "balanced", order: str = "search",
+                 speed_factors: Sequence[float] | None = None, memory_caps: Sequence[int | str] | None = None,
+                 link_bandwidth: float | None = None, throttle: bool = True, replan_every: int | None = None,
+                 replan_threshold: float = 0.25, profile_repeats: int = 3,
+                 optimizer_state_factor: float | None = None, check_forward: bool = True, verbose: bool = True,
+                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
+                 precision_plugin=None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = None, start_method: str = "popen") -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         start_method=start_method, **({"timeout": timeout} if timeout is not None else {}))
+        self.config = SkyConfig(
+            schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+            partition=partition if isinstance(partition, str) else tuple(int(b) for b in partition), order=order,
+            speed_factors=None if speed_factors is None else tuple(float(f) for f in speed_factors),
+            memory_caps=None if memory_caps is None else tuple(memory_caps),  # type: ignore[arg-type]
+            link_bandwidth=link_bandwidth, throttle=throttle, replan_every=replan_every,
+            replan_threshold=replan_threshold, profile_repeats=profile_repeats,
+            optimizer_state_factor=optimizer_state_factor, check_forward=check_forward, verbose=verbose)
+        self._speed_factors = list(self.config.speed_factors) if self.config.speed_factors else None
+        self.runtime: PipelineRuntime | None = None
+        self.plan: PartitionPlan | None = None
+        self.profiles: list[RankProfile] = []
+        self.replans: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        self._inputs: tuple | None = None
+        self._speeds: list[float] = []
+        self._baseline: list[float] | None = None
+        self._steps = 0
+        self._checked = 0
+
+    # -- injected heterogeneity ----------------------------------------------------------------------
+    def speed_factor(self, rank: int | None = None) -> float:
+        rank = self.global_rank if rank is None else rank
+        return 1.0 if self._speed_factors is None else self._speed_factors[rank]
+
+    def set_speed_factors(self, factors: Sequence[float]) -> None:
+        """Change the speeds ranks play from now on (e.g. one device slows down mid-run)."""
+        if len(factors) != self.world_size or any(f <= 0 for f in factors):
+            raise ValueError(f"set_speed_factors({list(factors)}): give {self.world_size} factors > 0")
+        self._speed_factors = [float(f) for f in factors]
+
+    def _slowdown(self) -> float:
+        return 1.0 / self.speed_factor() if self.config.throttle else 1.0
+
+    # -- Lightning plumbing --------------------------------------------------------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # one pipeline: every stage sees the same batches
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.config.check_world(self.world_size)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise MisconfigurationException("SkyStrategy: '16-mixed' (GradScaler) is not supported; use "
+                                            "precision='32-true', 'bf16-mixed' or 'bf16-true'")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+            raise MisconfigurationException(
+                "SkyStrategy: gradient_clip_algorithm='norm' would clip each stage by its own partial norm; use "
+                "gradient_clip_algorithm='value' (element-wise, exact under pipelining)")
+        self._layers = resolve_layers(self.lightning_module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.root_device.type == "cpu" or self.runtime is not None:
+            self.model.to(self.root_device)
+            return
+        # accelerators: layers go to the device when placed; only what is outside them moves now
+        in_layers = {id(t) for layer in self._layers for _, t in [*layer.parameters(), *layer.buffers()]}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in in_layers:
+                t.data = t.data.to(self.root_device)
+
+    def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _say(self, text: str) -> None:
+        if self.config.verbose and self.global_rank == 0:
+            print(f"[sky] {text}", flush=True)
+
+    # -- profiling and planning ----------------------------------------------------------------------
+    def _ensure_plan(self, inputs, target) -> None:
+        if self.runtime is not None:
+            return
+        module = self.lightning_module
+        cfg = self.config
+        mb = max(1, (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0] // cfg.microbatches)
+        was_training = module.training
+        with torch.inference_mode(False), torch.enable_grad():
+            sample = (tuple(t[:mb].clone() for t in inputs) if isinstance(inputs, (tuple, list))
+                      else inputs[:mb].clone())
+            module.train()
+            if cfg.check_forward:
+                self._check_forward(sample)
+            self._say(f"profiling {len(self._layers)} layers on a microbatch of {mb}")
+            mine = profile_rank(self._layers, sample, rank=self.global_rank, device=self.root_device,
+                                speed_factor=self.speed_factor(),
+                                memory_cap=None if cfg.memory_caps is None else cfg.memory_caps[self.global_rank],
+                                local_world_size=self.num_processes, repeats=cfg.profile_repeats, progress=self._say)
+            links: Any = cfg.link_bandwidth
+            if links is None and self.world_size > 1:
+                links = measure_links(max(max(m.output_bytes for m in mine.layers), 1 << 16), device=self.root_device)
+        module.train(was_training)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        self.profiles = gathered
+        costs, mems, devices = planner_inputs(gathered)
+        self._inputs = (costs, mems, devices, links)
+        self._speeds = [d.speed for d in devices]
+        box = [self._make_plan(self._speeds) if self.global_rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.plan = box[0]
+        self.runtime = PipelineRuntime(module, self._layers, device=self.root_device, slowdown=self._slowdown,
+                                       context=self.precision_plugin.forward_context)
+        self.runtime.apply(self.plan, self._raw_optimizers())
+        self._say(self.plan.explain())
+
+    def _check_forward(self, sample) -> None:
+        from sky_strategy.layers import _call
+
+        module = self.lightning_module
+        module.eval()
+        with torch.no_grad():
+            ref = module(*sample) if isinstance(sample, tuple) else module(sample)
+            x = sample
+            for layer in self._layers:
+                x = _call(layer.module, x)
+        module.train()
+        if isinstance(ref, torch.Tensor) and isinstance(x, torch.Tensor):
+            if ref.shape != x.shape or not torch.allclose(ref, x, rtol=1e-4, atol=1e-5):
+                diff = (ref - x).abs().max().item() if ref.shape == x.shape else f"shapes {ref.shape} vs {x.shape}"
+                raise MisconfigurationException(
+                    f"SkyStrategy: {type(module).__name__}.forward differs from applying pipeline_layers in order "
+                    f"(max difference {diff}); declare the layers so that forward(x) == layers applied one after "
+                    "another, or pass check_forward=False if forward is deliberately different")
+
+    def _make_plan(self, speeds: Sequence[float]) -> PartitionPlan:
+        assert self._inputs is not None
+        costs, mems, devices, links = self._inputs
+        from dataclasses import replace
+
+        devices = [replace(d, speed=s) for d, s in zip(devices, speeds)]
+        cfg = self.config
+        opt = cfg.optimizer_state_factor
+        if opt is None:
+            opt = max((_OPT_STATE.get(type(o).__name__, 1.0 if o.defaults.get("momentum") else 0.0)
+                       for o in self._raw_optimizers()), default=0.0)
+        kw = dict(microbatches=cfg.microbatches, schedule=cfg.schedule, links=links,
+                  virtual_stages=cfg.virtual_stages, optimizer_state_factor=opt)
+        if not isinstance(cfg.partition, str):
+            plan = evaluate(cfg.partition, costs, mems, devices, method="given", **kw)
+        elif cfg.partition == "balanced":
+            plan = balance(costs, mems, devices, order="given" if cfg.schedule == "interleaved" else cfg.order, **kw)
+        elif cfg.partition == "even":
+            plan = even(costs, mems, devices, **kw)
+        elif cfg.partition == "parameter-balanced":
+            plan = parameter_balanced(costs, mems, devices, **kw)
+        else:
+            plan = sky_allocator(costs, mems, devices, **kw)
+        if not plan.feasible:
+            self._say(f"WARNING: the {plan.method} partition exceeds a memory cap:\n{plan.explain()}")
+        return plan
+
+    def _maybe_replan(self) -> None:
+        cfg = self.config
+        if not cfg.replan_every or self.runtime is None or self._steps == 0 or self._steps % cfg.replan_every:
+            return
+        busy, chunks = self.runtime.busy_seconds(reset=True)
+        per_rank: list = [None] * self.world_size
+        dist.all_gather_object(per_rank, busy / max(1, chunks))
+        if self._baseline is None:
+            self._baseline = per_rank  # the first window after a plan is the reference
+            return
+        drift = [now / max(then, 1e-12) for now, then in zip(per_rank, self._baseline)]
+        if max(abs(d - 1.0) for d in drift) <= cfg.replan_threshold:
+            return
+        speeds = [s / d for s, d in zip(self._speeds, drift)]
+        box = [self._make_plan(speeds) if self.global_rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        new: PartitionPlan = box[0]
+        self._speeds, self._baseline = speeds, None
+        assert self.plan is not None
+        if (new.boundaries, new.order) == (self.plan.boundaries, self.plan.order):
+            return
+        before = self.plan.layer_counts()
+        self.runtime.apply(new, self._raw_optimizers())
+        self.plan = new
+        self.replans.append((self._steps, before, new.layer_counts()))
+        self._say(f"step {self._steps}: stage times drifted by {[f'{d:.2f}x' for d in drift]}; re-planned "
+                  f"{before} -> {new.layer_counts()} layers per rank")
+
+    # -- steps ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _forward_returns(self, output, inputs):
+        module = self.lightning_module
+        expected = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape
+
+        def forward(*args, **kwargs):
+            got = args[0].shape if args and isinstance(args[0], torch.Tensor) else None
+            if got is not None and got[:1] != expected[:1]:
+                raise MisconfigurationException(
+                    f"SkyStrategy: the step called the model on inputs of shape {tuple(got)} but the pipeline ran "
+                    f"the batch's inputs of shape {tuple(expected)}; transform inputs in `pipeline_batch(batch)` "
+                    "(or the dataloader), not inside the step")
+            return output
+
+        module.forward = forward
+        try:
+            yield
+        finally:
+            del module.forward
+
+    def _check_same_batch(self, inputs, target) -> None:
+        # the first stage consumes the inputs and the last the target: they must be the same batch
+        first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        mine = torch.tensor([float(first.double().sum()), float(target.double().sum()), float(first.shape[0])],
+                            dtype=torch.float64)
+        sums: list = [None] * self.world_size
+        dist.all_gather_object(sums, mine.tolist())
+        if any(s != sums[0] for s in sums):
+            raise MisconfigurationException(
+                f"SkyStrategy: ranks received different batches (input/target sums by rank: {sums}); every stage "
+                "must see the same batch. Keep Lightning's sampler (use_distributed_sampler=True) or give every "
+                "rank the same data order (no unseeded shuffling)")
+
+    def _run(self, batch, train: bool):
+        inputs, target = split_batch(self.lightning_module, batch)
+        if self._checked < 3:
+            self._check_same_batch(inputs, target)
+            self._checked += 1
+        self._ensure_plan(inputs, target)
+        if train:
+            self._maybe_replan()
+        assert self.runtime is not None
+        return self.runtime.run(inputs, target, train=train), inputs
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any):
+        output, inputs = self._run(args[0] if args else kwargs["batch"], train=True)
+        with self._forward_returns(output, inputs):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self.runtime is not None and self.lightning_module is not None
+        # the schedule already ran backward; hand its gradients over now (after Lightning's zero_grad),
+        # scaled like Lightning scales the loss under gradient accumulation
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.runtime.take_gradients(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._steps += 1
+        return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any):
+        output, inputs = self._run(args[0] if args else kwargs["batch"], train=False)
+        with self._forward_returns(output, inputs):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any):
+        output, inputs = self._run(args[0] if args else kwargs["batch"], train=False)
+        with self._forward_returns(output, inputs):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any):
+        raise MisconfigurationException("SkyStrategy does not run predict (no target to split batches by); "
+                                        "use trainer.validate/test, or load the checkpoint into one process")
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.runtime is None:
+            return super().lightning_module_state_dict()
+        return self.runtime.full_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.runtime is None:
+            return super().optimizer_state(optimizer)
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self.runtime.full_optimizer_state(opt)
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if self.runtime is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.runtime.load_full_state_dict(checkpoint["state_dict"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.runtime is not None:
+            self.runtime.drop_foreign_optimizer_state(self._raw_optimizers())
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("sky", cls, description="Sky: load-balanced pipeline parallelism (tightfit)")

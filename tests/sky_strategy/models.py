@@ -1,0 +1,97 @@
+"""A small LightningModule following the pipeline convention, its data and a single-process reference."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(L.LightningModule):
+    """embed -> N residual blocks -> head; every block is one pipeline layer."""
+
+    pipeline_layers = ("embed", "blocks", "head")
+
+    def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2):
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+        self.lr = lr
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def loss_fn(self, output, target):
+        return F.cross_entropy(output, target)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.log("val_loss", self.loss_fn(out, y))
+        self.log("val_acc", (out.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4].argmax(-1) + (x[:, 4] > 0).long()) % 4
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 16, n: int = 64) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=False)
+
+
+def make_net(seed: int = 0, **kwargs) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def reference_training(steps: int, batch_size: int = 16, seed: int = 0, **kwargs):
+    """Plain single-process training of the same model on the same batches: (losses, final state dict)."""
+    net = make_net(seed, **kwargs)
+    opt = net.configure_optimizers()
+    losses = []
+    data = list(loader(batch_size))
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        opt.zero_grad()
+        loss = net.loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+class LossRecorder(L.Callback):
+    """Keeps every training loss this rank logged."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
