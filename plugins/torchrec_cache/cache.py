@@ -93,7 +93,8 @@ class TableCache(nn.Module):
         self.register_buffer("slot_row", torch.full((c,), -1, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("slot_score", torch.full((c,), EMPTY_SCORE, dtype=torch.int64, device=device),
                              persistent=False)
-        self.register_buffer("pinned_until", torch.zeros(c, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("pinned_until", torch.full((c,), -1, dtype=torch.int64, device=device),
+                             persistent=False)
         # 4 bytes per table row on the device: 1/dim of the table at fp32 (see README, "limits").
         self.register_buffer("row_slot", torch.full((rows,), -1, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("remap", remap.long().to(device) if remap is not None else None, persistent=False)
@@ -215,7 +216,7 @@ class TableCache(nn.Module):
                 self._load(rows.index_select(0, load_pos), victims, touch.index_select(0, load_pos), pin_until)
                 slots.index_copy_(0, load_pos, victims)
             spill_pos = miss[n:]
-            if spill_pos.numel():
+            if spill_pos.numel() and count:  # a prefetch that finds no room simply loads less
                 self._spill_notice(uniq.numel(), spill_pos.numel())
                 if count and self.mode == LFU:
                     self.host_count.index_add_(0, rows.index_select(0, spill_pos).cpu(),
