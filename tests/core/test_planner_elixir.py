@@ -452,3 +452,49 @@ def test_gpt2_20b_shape_on_8_devices_uses_the_greedy_search():
     plan = search(prof, ClusterSpec.uniform(a100, 8))
     assert plan.search_method == "greedy frontier" and plan.fits
     assert plan.host_bytes_per_rank * 8 <= 2048 * GiB * 0.8
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+def test_cli_plan_elixir_writes_the_plan_file(tmp_path, capsys):
+    from tightfit.cli import main
+
+    prof = gpt_like(layers=4, hidden=512, batch=4, seq=256)
+    prof.to_json(tmp_path / "model.json")
+    device(mem=1 * GiB).to_json(tmp_path / "gpu.json")
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "elixir", "--profile", str(tmp_path / "model.json"), "--device-profile",
+               str(tmp_path / "gpu.json"), "--devices", "2", "--device-memory", "2GiB", "--baselines",
+               "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "Elixir plan for gpt-like" in captured.out and "runner-ups" in captured.out
+    assert "fixed configurations, same cost model" in captured.out and "zero3-offload" in captured.out
+    assert "[plan elixir] [" in captured.err  # progress bar while searching
+    plan = ElixirPlan.from_json(out)
+    assert plan.world_size == 2 and plan.budget_bytes == 2 * GiB and plan.fits
+    plan.check_compatible(prof, 2)
+
+
+def test_cli_reports_infeasible_budgets(tmp_path, capsys):
+    from tightfit.cli import main
+
+    gpt_like(layers=4, hidden=512, batch=4, seq=256).to_json(tmp_path / "model.json")
+    device().to_json(tmp_path / "gpu.json")
+    rc = main(["plan", "elixir", "--profile", str(tmp_path / "model.json"), "--device-profile",
+               str(tmp_path / "gpu.json"), "--budget", "1MiB"])
+    assert rc == 3
+    assert "no Elixir plan fits 1.00 MiB" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+    assert "name a planner: elixir" in capsys.readouterr().err
+
+
+def test_cli_profiles_a_model_preset(tmp_path, capsys):
+    pytest.importorskip("tightfit.models")
+    from tightfit.cli import main
+
+    cpu_device().to_json(tmp_path / "cpu.json")
+    rc = main(["plan", "elixir", "--model", "gpt2-tiny", "--batch", "2", "--seq", "64", "--device-profile",
+               str(tmp_path / "cpu.json"), "--devices", "2", "--precision", "32-true"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "Elixir plan for gpt2-tiny" in captured.out and "on 2 x cpu" in captured.out
