@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tightfit.profiler.memory import PeakEstimate, estimate_peak, optimizer_state_bytes
+from tightfit.profiler.model import MetaProfilingError, profile_model
 from tightfit.profiler.types import (
     DTYPE_BYTES,
     BlockProfile,
@@ -13,6 +15,11 @@ from tightfit.profiler.types import (
 )
 
 __all__ = [
+    "profile_model",
+    "MetaProfilingError",
+    "estimate_peak",
+    "PeakEstimate",
+    "optimizer_state_bytes",
     "DTYPE_BYTES",
     "BlockProfile",
     "ClusterSpec",

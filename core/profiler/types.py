@@ -11,11 +11,15 @@ exactly once and are listed in first-use order, so contiguous runs of blocks are
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tightfit.serde import dump_json, load_json
+
+if TYPE_CHECKING:
+    from tightfit.profiler.memory import PeakEstimate
 
 __all__ = [
     "DTYPE_BYTES",
@@ -69,12 +73,19 @@ class BlockProfile:
         param_bytes: bytes of those parameters at their profiled dtype.
         fwd_flops: forward FLOPs for the profiled batch.
         bwd_flops: backward FLOPs for the profiled batch (about 2x forward for matmuls).
-        saved_bytes: activation bytes this block keeps from forward until its backward when it is
-            not checkpointed.
-        checkpoint_bytes: activation bytes it keeps when checkpointed (its inputs).
-        transient_bytes: extra bytes live only while it runs (the peak inside the block above what it saves).
+        saved_bytes: activation bytes allocated by this block's forward and still alive when the
+            forward ends (kept for its backward, plus its output) when it is not checkpointed.
+        checkpoint_bytes: what remains of those when the block is checkpointed: its output, which
+            the next block keeps (a checkpointed block keeps its input, but that input is the
+            previous block's output and is counted there, so sums over blocks never count it twice).
+        transient_bytes: backward: the peak while this block's backward runs, above everything
+            saved by it and by the blocks before it (gradients of activations, temporaries).
         output_bytes: bytes of its output (what a pipeline stage boundary sends after it).
         checkpointable: whether activation checkpointing applies (has a pure forward).
+        fwd_transient_bytes: forward: the peak while its forward runs above the level at its start,
+            minus ``saved_bytes`` (temporaries freed before the forward ends).
+
+    The step model that combines these is in :func:`tightfit.profiler.memory.estimate_peak`.
     """
 
     name: str
@@ -90,6 +101,7 @@ class BlockProfile:
     transient_bytes: int
     output_bytes: int
     checkpointable: bool = True
+    fwd_transient_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +138,11 @@ class ModelProfile:
         fwd_flops: total forward FLOPs; bwd_flops: total backward FLOPs.
         param_dtype: dtype the parameters were profiled in.
         notes: anything the profiler wants the reader to know (fallbacks used, unsupported ops).
+        device: device type the step was traced for (``"cpu"``, ``"cuda"``): kernels, and so saved
+            activations, depend on it (e.g. which fused attention runs).
+        checkpointed: blocks the ``checkpointed_*`` numbers assume recomputed (``profile_model(checkpointing=...)``).
+        checkpointed_activation_peak_bytes / checkpointed_peak_bytes: the peaks with those blocks
+            checkpointed (0 when none were asked for); any other set: :meth:`estimate_peak`.
     """
 
     model: str
@@ -142,6 +159,10 @@ class ModelProfile:
     bwd_flops: float
     param_dtype: str = "float32"
     notes: tuple[str, ...] = ()
+    device: str = "cpu"
+    checkpointed: tuple[str, ...] = ()
+    checkpointed_activation_peak_bytes: int = 0
+    checkpointed_peak_bytes: int = 0
 
     @property
     def param_numel(self) -> int:
@@ -156,6 +177,56 @@ class ModelProfile:
             if b.name == name:
                 return b
         raise KeyError(f"no block named {name!r}; blocks: {', '.join(b.name for b in self.blocks)}")
+
+    def estimate_peak(self, checkpointed: Iterable[str] | str | None = None) -> PeakEstimate:
+        """Step peak with ``checkpointed`` blocks recomputed (``"all"`` for every block); pure arithmetic."""
+        from tightfit.profiler.memory import estimate_peak
+
+        return estimate_peak(self, checkpointed)
+
+    def optimizer_state_bytes(self, optimizer: str = "adamw", *, precision: str = "fp32", momentum: float = 0.0,
+                              amsgrad: bool = False) -> int:
+        """Optimizer state for the trainable parameters; see :func:`tightfit.profiler.memory.optimizer_state_bytes`."""
+        from tightfit.profiler.memory import optimizer_state_bytes
+
+        return optimizer_state_bytes(self, optimizer, precision=precision, momentum=momentum, amsgrad=amsgrad)
+
+    def summary(self, *, max_blocks: int = 12) -> str:
+        """A printable report: totals, then one row per block (long runs of blocks are elided)."""
+        from tightfit.units import format_bytes, format_table
+
+        inputs = ", ".join(f"{k}{list(v)}" for k, v in self.inputs.items())
+        adam = self.optimizer_state_bytes("adamw")
+        lines = [
+            f"{self.model}: {self.param_numel / 1e6:,.1f} M parameters ({format_bytes(self.param_bytes)} "
+            f"{self.param_dtype}), {len(self.blocks)} blocks, step={self.step}, inputs {inputs}, device={self.device}",
+            f"FLOPs per step: forward {self.fwd_flops:.3e}, backward {self.bwd_flops:.3e}",
+            f"activation peak {format_bytes(self.activation_peak_bytes)}; step peak (params + grads + activations) "
+            f"{format_bytes(self.peak_bytes)}; AdamW state {format_bytes(adam)} (fp32)",
+        ]
+        if self.checkpointed:
+            lines.append(f"with {len(self.checkpointed)} blocks checkpointed: activation peak "
+                         f"{format_bytes(self.checkpointed_activation_peak_bytes)}, step peak "
+                         f"{format_bytes(self.checkpointed_peak_bytes)}")
+        shown: list[BlockProfile | None] = list(self.blocks)
+        if len(shown) > max_blocks:
+            head = max_blocks // 2
+            shown = shown[:head] + [None] + shown[-(max_blocks - head):]
+        rows = []
+        for b in shown:
+            if b is None:
+                rows.append(("...", "", "", "", "", "", ""))
+                continue
+            rows.append((b.name or "<root>", b.type, format_bytes(b.param_bytes), f"{b.fwd_flops:.2e}",
+                         format_bytes(b.saved_bytes), format_bytes(b.checkpoint_bytes), format_bytes(b.transient_bytes)))
+        lines.append(format_table(rows, ("block", "type", "params", "fwd FLOPs", "saved", "if ckpt", "bwd extra"),
+                                  align="llrrrrr"))
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def to_json(self, path: str | Path | None = None) -> str:
         return dump_json(self, path)
