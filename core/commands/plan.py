@@ -86,9 +86,7 @@ def load_cluster(args: argparse.Namespace):
     if args.device_profile:
         device = DeviceProfile.from_json(args.device_profile)
     elif args.preset:
-        from tightfit.profiler import device as device_mod  # type: ignore[attr-defined]
-
-        device = device_mod.preset(args.preset)
+        device = _preset(args.preset)
     else:
         from tightfit.profiler import profile_device  # type: ignore[attr-defined]
 
@@ -100,6 +98,28 @@ def load_cluster(args: argparse.Namespace):
     if args.devices < 1:
         raise SystemExit(f"tightfit plan: --devices {args.devices} must be >= 1")
     return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
+
+
+def _preset(name: str):
+    """A datasheet DeviceProfile preset from the device profiler (``tightfit.profiler.device``)."""
+    try:
+        from tightfit.profiler import device as device_mod  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise SystemExit(f"tightfit plan: device presets are unavailable here ({e}); pass --device-profile PATH "
+                         "(a DeviceProfile JSON) instead") from None
+    for attr in ("preset", "device_preset", "get_preset"):
+        fn = getattr(device_mod, attr, None)
+        if callable(fn):
+            try:
+                return fn(name)
+            except KeyError as e:
+                raise SystemExit(f"tightfit plan: {e.args[0]}") from None
+    table = getattr(device_mod, "PRESETS", None)
+    if isinstance(table, dict):
+        if name not in table:
+            raise SystemExit(f"tightfit plan: unknown device preset {name!r}; presets: {', '.join(table)}")
+        return table[name]
+    raise SystemExit("tightfit plan: tightfit.profiler.device has no presets; pass --device-profile PATH")
 
 
 def progress_bar(label: str) -> Callable[[int, int, str], None]:
