@@ -74,6 +74,7 @@ def _kernel() -> Any:
         q_st, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_st, o_sh, bt_s0,
         GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -108,7 +109,7 @@ def _kernel() -> Any:
                             mask=kv_mask, other=0.0)
                 if UPCAST:
                     k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
                 s = tl.where(visible, s, float("-inf"))
                 # Every query sees key 0, so after the first tile m_new is finite for every row.
@@ -120,7 +121,7 @@ def _kernel() -> Any:
                             mask=kv_mask, other=0.0)
                 if UPCAST:
                     v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 m_i = m_new
             out = acc / l_i[:, None]
             tl.store(o_ptr + rows[:, None] * o_st + head * o_sh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -154,6 +155,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Triton 3.9's CPU interpreter computes tl.dot on bf16 operands wrongly (a 16x16 matmul off
         # by 1e10; fp16 and fp32 are right), so there the tiles are upcast; on a GPU bf16 stays bf16.
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda and interpreter_enabled(),
+        # fp32 dots default to TF32 on NVIDIA GPUs (10-bit mantissa, ~1e-3 error); fp32 inputs ask for
+        # IEEE so the kernel holds the same 1e-4 logit tolerance as the reference. bf16/fp16 ignore it.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 

@@ -1,0 +1,223 @@
+"""energon_infer runtime vs transformers on the CPU: padding elimination and generation throughput.
+
+    python -m benchmarks.energon_runtime [--quick]
+
+1. Prefill of 32 prompts with lengths spread evenly over 16..512 tokens (next-token logits only):
+   energon packed (no pad token in any linear layer), the same runtime fed the batch padded to the
+   longest prompt (what a padded batch costs), and transformers' forward on the padded batch with
+   an attention mask and ``logits_to_keep=1``. The limit of padding elimination is
+   max-length / mean-length: the padded batch does that many times the linear-layer work.
+2. Greedy generation, same model, prompts and settings: energon ``generate`` (continuous batching,
+   paged KV cache) vs transformers ``generate`` on the left-padded batch; tokens/s.
+
+The model is a random LLaMA-architecture checkpoint saved with ``save_pretrained`` and loaded by
+both from the same directory, fp32. Contenders alternate (A B C A B C ...) after a warm-up.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import interleave, parser, plot_path, summarize, write_result
+
+NAME = "energon_runtime"
+TITLE = "energon_infer runtime vs transformers (CPU): packed prefill and generation"
+
+
+def _save_model(path: Path, *, hidden: int, layers: int, vocab: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                      num_key_value_heads=hidden // 64, intermediate_size=hidden * 8 // 3 // 32 * 32,
+                      vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def _lengths(n: int, lo: int, hi: int) -> list[int]:
+    # Evenly spread, then shuffled with a fixed seed (the order a server would see them in).
+    lengths = torch.linspace(lo, hi, n).round().long()
+    return lengths[torch.randperm(n, generator=torch.Generator().manual_seed(0))].tolist()
+
+
+def _prompts(lengths: list[int], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _padded(prompts: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        sl = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[b, sl] = torch.tensor(p)
+        mask[b, sl] = 1
+    return ids, mask
+
+
+def prefill_case(path: Path, *, n: int, lo: int, hi: int, vocab: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from energon_infer import ModelRunner
+
+    lengths = _lengths(n, lo, hi)
+    prompts = _prompts(lengths, vocab)
+    runner = ModelRunner.from_pretrained(path, kv_cache_tokens=n * hi + 64, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, mask = _padded(prompts, "left")
+    width = max(lengths)
+    padded_items = [p + [0] * (width - len(p)) for p in prompts]
+
+    def run(items):
+        logits = runner.forward(list(enumerate(items)))
+        for i in range(len(items)):
+            runner.free(i)
+        return logits
+
+    @torch.inference_mode()
+    def transformers_padded():
+        return hf(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+
+    # Same answers first: packed next-token logits = transformers' on the left-padded batch.
+    err = (run(prompts) - transformers_padded()[:, -1]).abs().max().item()
+    times = interleave({"energon packed": lambda: run(prompts), "energon padded": lambda: run(padded_items),
+                        "transformers padded": transformers_padded}, repeats=repeats)
+    med = {k: summarize(v)["median"] for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    return {
+        "lengths": lengths, "tokens_packed": sum(lengths), "tokens_padded": n * width,
+        # Linear layers do max/mean times the work on a padded batch; attention max^2/mean(len^2).
+        "limit_max_over_mean": width / (sum(lengths) / n),
+        "attention_limit": n * width ** 2 / sum(x * x for x in lengths),
+        "max_abs_logit_diff_vs_transformers": err,
+        "times_s": times, "summary": {k: summarize(v) for k, v in times.items()},
+        "speedup_vs_own_padded": med["energon padded"] / med["energon packed"],
+        "speedup_vs_transformers": med["transformers padded"] / med["energon packed"],
+        # Ratio of the fastest repeats: what each does when the shared machine leaves it alone.
+        "speedup_vs_own_padded_best": best["energon padded"] / best["energon packed"],
+        "speedup_vs_transformers_best": best["transformers padded"] / best["energon packed"],
+    }
+
+
+def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, vocab: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from energon_infer import ModelRunner, SamplingParams
+
+    lengths = _lengths(n, lo, hi)
+    prompts = _prompts(lengths, vocab)
+    runner = ModelRunner.from_pretrained(path, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, mask = _padded(prompts, "left")
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def energon():
+        return [g.token_ids for g in runner.generate(prompts, params)]
+
+    @torch.inference_mode()
+    def transformers_generate():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    ours, theirs = energon(), transformers_generate()
+    same = sum(a == b for a, b in zip(ours, theirs))
+    times = interleave({"energon generate": energon, "transformers generate": transformers_generate}, repeats=repeats)
+    tokens = n * new_tokens
+    tps = {k: [tokens / t for t in v] for k, v in times.items()}
+    med = {k: summarize(v)["median"] for k, v in tps.items()}
+    best = {k: max(v) for k, v in tps.items()}
+    return {
+        "throughput_ratio_best": best["energon generate"] / best["transformers generate"],
+        "lengths": lengths, "new_tokens": new_tokens, "identical_greedy_outputs": f"{same}/{n}",
+        "times_s": times, "tokens_per_s": tps, "summary": {k: summarize(v) for k, v in tps.items()},
+        "throughput_ratio": med["energon generate"] / med["transformers generate"],
+    }
+
+
+def _plot(prefill: dict, gen: dict) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(prefill["summary"])
+    axes[0].bar(names, [prefill["summary"][k]["median"] * 1e3 for k in names], color=["C2", "C1", "C0"])
+    axes[0].set_ylabel("prefill time (ms, median)")
+    axes[0].set_title(f"32 prompts, {min(prefill['lengths'])}-{max(prefill['lengths'])} tokens")
+    names = list(gen["summary"])
+    axes[1].bar(names, [gen["summary"][k]["median"] for k in names], color=["C2", "C0"])
+    axes[1].set_ylabel("tokens / s (median)")
+    axes[1].set_title(f"greedy generation, {gen['new_tokens']} new tokens each")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    out = plot_path(NAME)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return [out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(__doc__ or TITLE).parse_args(argv)
+    quick = args.quick
+    repeats = args.repeats or (5 if quick else 9)
+    hidden, layers, vocab = (128, 4, 2048) if quick else (256, 6, 8192)
+    gen_n, gen_new = (8, 16) if quick else (16, 32)
+    with tempfile.TemporaryDirectory(prefix="energon-bench-") as tmp:
+        path = Path(tmp)
+        _save_model(path, hidden=hidden, layers=layers, vocab=vocab)
+        print(f"[{NAME}] prefill: 32 prompts 16..512 tokens, LLaMA-arch hidden={hidden} layers={layers}", file=sys.stderr)
+        prefill = prefill_case(path, n=32, lo=16, hi=512, vocab=vocab, repeats=repeats)
+        print(f"[{NAME}] generation: {gen_n} prompts, {gen_new} new tokens each", file=sys.stderr)
+        gen = generate_case(path, n=gen_n, lo=16, hi=128, new_tokens=gen_new, vocab=vocab, repeats=repeats)
+    s, g = prefill["summary"], gen["summary"]
+    md = "\n".join([
+        f"Random LLaMA-architecture model (hidden {hidden}, {layers} layers, GQA, vocab {vocab}), fp32, "
+        f"{torch.get_num_threads()} threads; median of {repeats} interleaved repeats (min-max). On a shared machine "
+        "the spread is wide; the ratio of the fastest repeats is given beside each median ratio.",
+        "",
+        "**Padding elimination** (prefill of 32 prompts, lengths evenly spread over 16..512; "
+        f"{prefill['tokens_packed']} real tokens, {prefill['tokens_padded']} when padded):",
+        "",
+        "| contender | time (ms) | vs energon packed |",
+        "|---|---|---|",
+        *[f"| {k} | {v['median'] * 1e3:.0f} ({v['min'] * 1e3:.0f}-{v['max'] * 1e3:.0f}) | "
+          f"{v['median'] / s['energon packed']['median']:.2f}x |" for k, v in s.items()],
+        "",
+        f"Packed is **{prefill['speedup_vs_own_padded']:.2f}x** faster than the same runtime on the padded batch "
+        f"(fastest repeats: {prefill['speedup_vs_own_padded_best']:.2f}x). The limit is max/mean length = "
+        f"**{prefill['limit_max_over_mean']:.2f}x** for the linear layers and max²/mean(len²) = "
+        f"{prefill['attention_limit']:.2f}x for attention, so the achievable ratio lies between the two, nearer "
+        f"the second the more attention dominates (it does at this small width). vs transformers' padded forward: "
+        f"**{prefill['speedup_vs_transformers']:.2f}x** (fastest repeats: {prefill['speedup_vs_transformers_best']:.2f}x). "
+        f"Logits agree with transformers to {prefill['max_abs_logit_diff_vs_transformers']:.1e}.",
+        "",
+        f"**Generation** ({gen_n} prompts of 16..128 tokens, {gen_new} greedy tokens each):",
+        "",
+        "| contender | tokens/s |",
+        "|---|---|",
+        *[f"| {k} | {v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f}) |" for k, v in g.items()],
+        "",
+        f"energon / transformers throughput: **{gen['throughput_ratio']:.2f}x** (fastest repeats: "
+        f"{gen['throughput_ratio_best']:.2f}x); identical greedy outputs: "
+        f"{gen['identical_greedy_outputs']} (transformers runs the left-padded batch, so small numeric "
+        "differences can flip a near-tie).",
+    ])
+    write_result(NAME, title=TITLE, params={"quick": quick, "repeats": repeats, "hidden": hidden, "layers": layers,
+                                            "vocab": vocab, "generate_prompts": gen_n, "new_tokens": gen_new},
+                 results={"prefill": prefill, "generate": gen}, markdown=md, plots=_plot(prefill, gen))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
