@@ -43,6 +43,9 @@ class Grid:
         """Build the grid; with ``tp * pp > 1`` the default process group must span exactly ``tp * pp`` ranks."""
         if tp < 1 or pp < 1:
             raise ValueError(f"tp={tp} and pp={pp} must both be >= 1")
+        if device.type == "cuda":
+            # NCCL communicators bind to the current device: set it before any group is created.
+            torch.cuda.set_device(device)
         if tp * pp == 1:
             return cls()
         if not dist.is_initialized():
