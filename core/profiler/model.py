@@ -180,7 +180,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, step: str, loss_fn: C
                     raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                                      f"{tuple(getattr(loss, 'shape', ()))}")
                 say(f"forward done ({tracer.t} ops); backward")
-                tracer.begin_backward()
+                tracer.begin_backward(loss)
                 loss.backward()
                 del loss
             else:

@@ -10,8 +10,9 @@ workspace that never surfaces as an op output is not seen; on the CPU kernels Py
 GPT-2 that is none (tests/core/test_profiler_model.py compares with ``torch.profiler``).
 
 Block attribution: forward ops belong to the block whose forward is running (module hooks);
-backward ops belong to the block whose forward created the autograd node being executed (nodes
-are keyed by their sequence number, so the tracer holds no reference to the graph).
+backward ops belong to the block whose forward created the autograd node being executed (the
+graph is walked at each block's exit, see :meth:`StepTracer.label_graph`). A dispatch mode runs
+below autograd, so its outputs carry no ``grad_fn`` yet: hence the walk from the block outputs.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(extra(args, kwargs)) if extra is not None else 0
 
 
+# With a Python dispatch mode active, autograd's backward formulas switch to out-of-place variants
+# ("composite compliance": index backward does new_zeros(...).index_put(...) instead of index_put_),
+# so the trace would hold the zeros and the result at once where a real step reuses one buffer.
+# When such an op's destination was allocated by the op just before it and dies right after, the
+# tracer books it as freed at that op: the in-place accounting of the real step.
+_INPLACE_TWINS = {
+    "aten.index_put.default", "aten.index_add.default", "aten.index_copy.default", "aten.scatter.src",
+    "aten.scatter.value", "aten.scatter_add.default", "aten.scatter_reduce.two", "aten.masked_scatter.default",
+    "aten.index_fill.int_Scalar", "aten.masked_fill.Scalar", "aten.slice_scatter.default",
+    "aten.select_scatter.default", "aten.as_strided_scatter.default", "aten.diagonal_scatter.default",
+}
+
+
 @dataclass
 class _Segment:
     phase: str
@@ -118,6 +132,7 @@ class StepTracer(TorchDispatchMode):
         self._pre = {storage_key(t) for t in preexisting} | set(self.param_key)
         self._hooks = []
         self._finished = False
+        self._reused: dict[int, int] = {}  # destination storage of an out-of-place twin -> its op index
         for index, module in block_modules:
             self._hooks.append(module.register_forward_pre_hook(self._make_pre(index)))
             self._hooks.append(module.register_forward_hook(self._make_post(index)))
@@ -135,8 +150,9 @@ class StepTracer(TorchDispatchMode):
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if self.stack and self.stack[-1] == index:
                 self.stack.pop()
-            self.outputs[index] = [(storage_key(o), o.nbytes) for o in tree_flatten(output)[0]
-                                   if isinstance(o, torch.Tensor)]
+            tensors = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)]
+            self.outputs[index] = [(storage_key(o), o.nbytes) for o in tensors]
+            self.label_graph(tensors, index)
             if self.stack:
                 self._enter(self.stack[-1])
 
@@ -158,7 +174,28 @@ class StepTracer(TorchDispatchMode):
             self.segments[-1].end = self.t
         self.segments.append(_Segment(self.phase, block, self.t, start_level=self.level))
 
-    def begin_backward(self) -> None:
+    def label_graph(self, tensors: Iterable[torch.Tensor], block: int | None) -> None:
+        """Give every autograd node reachable from ``tensors`` and not yet labelled to ``block``.
+
+        Called at each block's forward exit, so a node belongs to the first block whose output
+        depends on it: the block that created it (or, for ops between blocks, the next block).
+        Nodes are keyed by sequence number; no reference to the graph is kept, so saved tensors
+        die exactly when they would without the tracer.
+        """
+        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if hasattr(node, "variable"):  # AccumulateGrad: owned through its parameter
+                continue
+            seq = node._sequence_nr()
+            if seq in self.node_block:
+                continue
+            self.node_block[seq] = block
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    def begin_backward(self, loss: torch.Tensor | None = None) -> None:
+        if loss is not None:  # the loss's own nodes run first in backward: the last block's
+            self.label_graph([loss], self.current)
         self._sweep()
         self.fwd_end = self.t
         self.phase = "backward"
@@ -190,8 +227,9 @@ class StepTracer(TorchDispatchMode):
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:
             _, alloc = self.live.pop(k)
-            alloc.end = self.t
+            alloc.end = self._reused.get(k, self.t)
             self.level -= alloc.nbytes
+        self._reused.clear()
 
     def _backward_block(self) -> int | None:
         node = torch._C._current_autograd_node()
@@ -223,6 +261,10 @@ class StepTracer(TorchDispatchMode):
         else:
             block = self._backward_block()
             self._enter(block)
+        if self.phase == "backward" and str(func) in _INPLACE_TWINS and args and isinstance(args[0], torch.Tensor):
+            entry = self.live.get(storage_key(args[0]))
+            if entry is not None and entry[1].start == self.t - 1:
+                self._reused[entry[1].key] = self.t
         out = func(*args, **kwargs)
         flops = _op_flops(func, args, kwargs, out)
         if flops:
@@ -231,8 +273,6 @@ class StepTracer(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            if self.phase == "forward" and t.grad_fn is not None:
-                self.node_block.setdefault(t.grad_fn._sequence_nr(), block)
             storage = t.untyped_storage()
             key = storage._cdata
             if key in in_keys or key in self._pre or key in self.live:
