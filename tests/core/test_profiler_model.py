@@ -177,7 +177,14 @@ def test_lightning_demo_transformer():
 
 
 def _hf_models():
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+    )
 
     return {
         "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2),
