@@ -28,6 +28,15 @@ __all__ = [
     "WeightError",
     "KVCacheFullError",
     "load_tightfit_gpt",
+    "Engine",
+    "EngineConfig",
+    "Completion",
+    "TokenEvent",
+    "QueueFullError",
+    "WorkerFailedError",
+    "EngineClosedError",
+    "MemoryPoolConfig",
+    "ServerConfig",
 ]
 
 _LAZY = {
@@ -41,6 +50,15 @@ _LAZY = {
     "WeightError": "energon_infer.weights",
     "KVCacheFullError": "energon_infer.kv_cache",
     "load_tightfit_gpt": "energon_infer.gpt_checkpoint",
+    "Engine": "energon_infer.engine",
+    "EngineConfig": "energon_infer.engine",
+    "Completion": "energon_infer.engine",
+    "TokenEvent": "energon_infer.engine",
+    "WorkerFailedError": "energon_infer.engine",
+    "EngineClosedError": "energon_infer.engine",
+    "QueueFullError": "energon_infer.scheduler",
+    "MemoryPoolConfig": "energon_infer.memory_pool",
+    "ServerConfig": "energon_infer.server",
 }
 
 
@@ -53,13 +71,24 @@ def __getattr__(name: str) -> Any:
 def _demo(quick: bool) -> str:
     from energon_infer.demo import run_demo
 
-    return run_demo(quick)
+    summary = run_demo(quick)
+    from energon_infer.engine_demo import run_engine_demo
+
+    return f"{summary}; {run_engine_demo(quick)}"
+
+
+def _serve(argv: list[str]) -> int:
+    from energon_infer.serve import main
+
+    return main(argv)
 
 
 plugin = Plugin(
     name="energon",
     kind="inference-backend",
     summary="EnergonAI: padding-free tensor/pipeline-parallel inference with a single controller and an HTTP server",
-    requires=("safetensors", "tokenizers"),
+    requires=("safetensors", "tokenizers", "fastapi", "uvicorn"),
     demo=_demo,
+    command="serve",
+    cli=_serve,
 )

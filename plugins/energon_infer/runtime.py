@@ -263,10 +263,14 @@ class ModelRunner:
         return logits
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]],
-             params: SamplingParams | Mapping[int, SamplingParams] | None = None) -> list[int]:
+             params: SamplingParams | Mapping[int, SamplingParams] | None = None, *,
+             broadcast: bool = True) -> list[int]:
         """Run a step and sample one next token per item (on every rank, identical).
 
         New sequences need sampling ``params`` (one for all, or per ``seq_id``); running ones keep theirs.
+        With ``broadcast=False`` the tokens stay on :attr:`Grid.result_rank` (the others get ``[]``), so
+        earlier stages can start the next step at once: the engine's non-blocking pipeline feeds them
+        back itself.
         """
         for seq_id, _ in items:
             if seq_id not in self._params:
@@ -283,6 +287,8 @@ class ModelRunner:
             assert logits is not None
             tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids]),
                                   dtype=torch.long, device=self.device)
+        if not broadcast and self.grid.world > 1:
+            return tokens.tolist() if self.grid.rank == self.grid.result_rank else []
         out = self.grid.broadcast_result(tokens).tolist()
         self._last.update(zip(ids, out))
         return out

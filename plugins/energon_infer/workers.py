@@ -1,0 +1,314 @@
+"""The worker group: ``tp x pp`` processes, each holding one :class:`~energon_infer.runtime.ModelRunner`.
+
+The engine's controller (in the user's process) starts the group with ``torch.multiprocessing``
+(spawn), and every worker joins one ``torch.distributed`` process group (gloo on CPUs, NCCL on
+GPUs) and loads its slice of the model. From then on the workers are SPMD: each reads the same
+commands in the same order from its own queue and calls the runner with them, so their KV caches
+stay in step without talking about bookkeeping. Only the result rank (tp rank 0 of the last stage)
+answers a step, with the sampled tokens, on the shared result queue.
+
+Commands (tuples, cheap to pickle):
+
+* ``("step", step_id, frees, items, new_params)``: free finished sequences, then run the packed step;
+* ``("free", seq_ids)``: free without a step (nothing else to run);
+* ``("stats", reset)``: every rank reports its stage's busy time (utilisation);
+* ``("stop",)``: leave the loop, destroy the process group, exit 0.
+
+A worker that fails reports ``("error", rank, traceback)`` and exits; a worker whose parent dies
+exits on its own (it polls), so no orphan holds a device.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "StageTimer"]
+
+
+class WorkerStartError(RuntimeError):
+    """The worker group could not start (a worker failed to load, died, or took too long)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What each worker loads: a Hugging Face directory or a tightfit GPT training checkpoint.
+
+    Args:
+        kind: ``"pretrained"`` (:meth:`ModelRunner.from_pretrained`) or ``"tightfit_gpt"``
+            (:func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`).
+        path: the directory or checkpoint file.
+        options: extra keyword arguments of the loader (``gpt_config``, ``heads``).
+    """
+
+    kind: str
+    path: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("pretrained", "tightfit_gpt"):
+            raise ValueError(f"ModelSource kind={self.kind!r} must be 'pretrained' or 'tightfit_gpt'")
+
+
+def build_runner(source: ModelSource, runtime: Any) -> Any:
+    """Load ``source`` on this rank with ``runtime`` (a :class:`~energon_infer.runtime.RuntimeConfig`)."""
+    if source.kind == "pretrained":
+        from energon_infer.runtime import ModelRunner
+
+        return ModelRunner.from_pretrained(source.path, runtime)
+    from energon_infer.gpt_checkpoint import load_tightfit_gpt
+
+    return load_tightfit_gpt(source.path, runtime, **source.options)
+
+
+class StageTimer:
+    """Busy time of a rank's stage: from each stage forward's start to its end (CUDA events on a GPU).
+
+    Utilisation is busy time over the span from the first forward's start to the last one's end,
+    so the time a stage waits for its inputs or for the controller counts as idle.
+    """
+
+    def __init__(self, stage: torch.nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._open: Any = None
+        self._spans: list[tuple[Any, Any]] = []
+        self.busy = 0.0
+        self.first = self.last = None
+        self.steps = 0
+        stage.register_forward_pre_hook(lambda *_: self._start())
+        stage.register_forward_hook(lambda *_: self._stop())
+
+    def _start(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = (ev, time.perf_counter())
+        else:
+            self._open = time.perf_counter()
+
+    def _stop(self) -> None:
+        self.steps += 1
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((self._open, end))
+            return
+        now = time.perf_counter()
+        self.busy += now - self._open
+        self.first = self._open if self.first is None else self.first
+        self.last = now
+
+    def snapshot(self, reset: bool = False) -> dict[str, float]:
+        if self.cuda and self._spans:
+            torch.cuda.synchronize()
+            for (start, t0), end in self._spans:
+                ms = start.elapsed_time(end)
+                self.busy += ms / 1e3
+                self.first = t0 if self.first is None else self.first
+                self.last = t0 + ms / 1e3
+            self._spans.clear()
+        span = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+        out = {"busy_s": self.busy, "span_s": span, "steps": float(self.steps),
+               "utilisation": self.busy / span if span > 0 else 0.0}
+        if reset:
+            self.busy, self.first, self.last, self.steps = 0.0, None, None, 0
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_WARMUP_SEQ = -(1 << 40)  # never a controller's id (those are positive) nor the runner's own (small negatives)
+
+
+def _warm_up(runner: Any) -> None:
+    """One 2-token step and one decode step (SPMD, every rank): the first request should not pay for lazy
+    initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine)."""
+    from energon_infer.sampling import SamplingParams
+
+    first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2))
+    runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
+    runner.free(_WARMUP_SEQ)
+
+
+def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime: Any, pool: Any, threads: int,
+                 backend: str, timeout_s: float, in_q: Any, out_q: Any, parent: int) -> None:
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the controller, which stops us in order
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        if world > 1:
+            kwargs: dict[str, Any] = {}
+            if backend == "nccl":
+                kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                    **kwargs)
+        runner = build_runner(source, runtime)
+        info: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "kv_blocks": runner.cache.num_blocks,
+                                "block_size": runner.cache.block_size, "config": runner.config.to_dict(),
+                                "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device)}
+        if pool is not None:
+            from energon_infer.memory_pool import apply_memory_pool
+
+            layer_pool, plan = apply_memory_pool(runner, pool)
+            info["pool"] = {"pooled": list(plan.pooled), "layers": plan.n_layers, "pool_bytes": layer_pool.pool_bytes,
+                            "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes}
+        _warm_up(runner)
+        timer = StageTimer(runner.stage, runner.device)
+        out_q.put(("ready", rank, info))
+        result_rank = runner.grid.result_rank
+        while True:
+            try:
+                cmd = in_q.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the controller is gone: nobody will read our answers
+                    return
+                continue
+            kind = cmd[0]
+            if kind == "step":
+                _, step_id, frees, items, new_params = cmd
+                for seq_id in frees:
+                    runner.free(seq_id)
+                tokens = runner.step(items, new_params, broadcast=False)
+                if rank == result_rank:
+                    out_q.put(("tokens", step_id, tokens))
+            elif kind == "free":
+                for seq_id in cmd[1]:
+                    runner.free(seq_id)
+            elif kind == "stats":
+                out_q.put(("stats", rank, timer.snapshot(reset=bool(cmd[1]))))
+            elif kind == "stop":
+                return
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+    except BaseException:
+        out_q.put(("error", rank, traceback.format_exc()))
+        out_q.close()
+        out_q.join_thread()  # make sure the report leaves before we exit
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Start, command, watch and stop the ``tp x pp`` worker processes (see the module docstring).
+
+    Args:
+        source: what to load.
+        runtime: the :class:`~energon_infer.runtime.RuntimeConfig` every worker loads with.
+        pool: a :class:`~energon_infer.memory_pool.MemoryPoolConfig`, or ``None``.
+        threads: intra-op threads per worker (0: the CPU cores divided among the workers).
+        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL when CUDA is available, else gloo).
+        collective_timeout_s: how long a collective may wait for a peer before the worker fails.
+    """
+
+    def __init__(self, source: ModelSource, runtime: Any, *, pool: Any = None, threads: int = 0,
+                 backend: str | None = None, collective_timeout_s: float = 120.0):
+        self.source, self.runtime, self.pool = source, runtime, pool
+        self.world = runtime.tp * runtime.pp
+        cuda = torch.cuda.is_available() and (runtime.device is None or str(runtime.device).startswith("cuda"))
+        self.backend = backend or ("nccl" if cuda else "gloo")
+        self.threads = threads or max(1, (os.cpu_count() or 1) // self.world)
+        self.collective_timeout_s = collective_timeout_s
+        self._ctx = torch.multiprocessing.get_context("spawn")
+        self.results: Any = self._ctx.Queue()
+        self._inputs: list[Any] = []
+        self.procs: list[Any] = []
+        self.info: list[dict[str, Any]] = []
+
+    def start(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+        """Spawn the workers and wait until each has loaded its slice; returns what each reported."""
+        port = _free_port()
+        for rank in range(self.world):
+            q = self._ctx.Queue()
+            p = self._ctx.Process(
+                target=_worker_main, name=f"energon-worker-{rank}", daemon=True,
+                args=(rank, self.world, port, self.source, self.runtime, self.pool, self.threads, self.backend,
+                      self.collective_timeout_s, q, self.results, os.getpid()))
+            p.start()
+            self._inputs.append(q)
+            self.procs.append(p)
+        ready: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(ready) < self.world:
+                try:
+                    msg = self.results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = self.dead()
+                    if dead:
+                        raise WorkerStartError(self._dead_message(dead, "while loading")) from None
+                    if time.monotonic() > deadline:
+                        raise WorkerStartError(
+                            f"the {self.world} workers did not finish loading within {timeout_s:.0f} s (ready: "
+                            f"{sorted(ready)}); raise start_timeout_s for a large model") from None
+                    continue
+                if msg[0] == "error":
+                    raise WorkerStartError(f"worker {msg[1]} failed while loading the model:\n{msg[2]}")
+                if msg[0] == "ready":
+                    ready[msg[1]] = msg[2]
+        except BaseException:
+            self.kill()
+            raise
+        self.info = [ready[r] for r in range(self.world)]
+        return self.info
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, cmd: tuple) -> None:
+        for q in self._inputs:
+            q.put(cmd)
+
+    def dead(self) -> list[tuple[int, int]]:
+        """``(rank, exit code)`` of every worker that has exited."""
+        return [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+
+    @staticmethod
+    def _dead_message(dead: list[tuple[int, int]], when: str) -> str:
+        what = ", ".join(f"worker {r} exited with code {c}" + (f" (signal {-c})" if c < 0 else "") for r, c in dead)
+        return f"{what} {when}"
+
+    def describe_death(self) -> str:
+        return self._dead_message(self.dead(), "")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask every worker to leave its loop, wait, then kill any that did not."""
+        if any(p.is_alive() for p in self.procs):
+            try:
+                self.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+        for q in self._inputs:
+            q.cancel_join_thread()
+            q.close()
+        self._inputs = []
