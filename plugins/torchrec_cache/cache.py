@@ -209,18 +209,30 @@ class TableCache(nn.Module):
         spill_pos = miss[:0]
         if m:
             victims = select_victims(self.slot_score, self.pinned_until, step, m)
-            n = victims.numel()
-            if n:
-                self._evict(victims)
-                load_pos = miss[:n]
-                self._load(rows.index_select(0, load_pos), victims, touch.index_select(0, load_pos), pin_until)
-                slots.index_copy_(0, load_pos, victims)
-            spill_pos = miss[n:]
-            if spill_pos.numel() and count:  # a prefetch that finds no room simply loads less
-                self._spill_notice(uniq.numel(), spill_pos.numel())
-                if count and self.mode == LFU:
-                    self.host_count.index_add_(0, rows.index_select(0, spill_pos).cpu(),
-                                               counts.index_select(0, spill_pos).cpu())
+            room = victims.numel()
+            if self.mode == LRU or room == 0:
+                load_pos, spill_pos = miss[:room], miss[room:]
+            else:
+                # Frequency-aware admission: a miss takes a slot only from a colder row (free slots are
+                # coldest of all), hottest misses first; the rest are served from host memory this batch.
+                # Candidates sorted down and victims sorted up make "miss beats victim" a prefix.
+                cand, order = torch.sort(self._admission_scores(rows.index_select(0, miss),
+                                                                touch.index_select(0, miss)), descending=True)
+                vic, vorder = torch.sort(self.slot_score.index_select(0, victims))
+                k = min(room, m)
+                admit = int((cand[:k] > vic[:k]).sum())
+                victims = victims.index_select(0, vorder[:admit])
+                load_pos, spill_pos = miss.index_select(0, order[:admit]), miss.index_select(0, order[admit:])
+            if load_pos.numel():
+                self._evict(victims[: load_pos.numel()])
+                self._load(rows.index_select(0, load_pos), victims[: load_pos.numel()],
+                           touch.index_select(0, load_pos), pin_until)
+                slots.index_copy_(0, load_pos, victims[: load_pos.numel()])
+            if m > room and count:  # a prefetch that finds no room simply loads less
+                self._spill_notice(uniq.numel(), m - room)
+            if spill_pos.numel() and count and self.mode == LFU:
+                self.host_count.index_add_(0, rows.index_select(0, spill_pos).cpu(),
+                                           counts.index_select(0, spill_pos).cpu())
         if pin_until > step:
             hit = slots[slots >= 0]
             self.pinned_until.index_copy_(0, hit, self.pinned_until.index_select(0, hit).clamp(min=pin_until))
@@ -232,6 +244,13 @@ class TableCache(nn.Module):
             self.stats["rows_spilled"] += spill_pos.numel()
         self.last_step = {k: self.stats[k] - before[k] for k in STAT_KEYS}
         return Batch(uniq=uniq, rows=rows, inv=inv, slots=slots, spill_pos=spill_pos)
+
+    def _admission_scores(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """What a missed row would score in a slot (LFU: its count with this batch; static: dataset count)."""
+        host_rows = rows.cpu()
+        if self.mode == LFU:
+            return self._to_device(self.host_count.index_select(0, host_rows)) + counts
+        return self._to_device(self.static_freq.index_select(0, host_rows))  # type: ignore[union-attr]
 
     def _spill_notice(self, unique: int, spilled: int) -> None:
         msg = (f"table {self.name!r}: the batch has {unique} unique ids but only {self.capacity} slots "

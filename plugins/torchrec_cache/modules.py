@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
@@ -25,12 +24,12 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from tightfit.cuda import scatter_add_rows
 from tightfit.planner.cache import CacheTableSpec, plan_cache
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import STAT_KEYS, Batch, TableCache
+from torchrec_cache.cache import STAT_KEYS, TableCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
+from torchrec_cache.lookup import _CachedLookup, _offsets
 from torchrec_cache.optim import state_names
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection"]
@@ -48,51 +47,6 @@ class _HostTable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, host memory"
-
-
-class _CachedLookup(torch.autograd.Function):
-    """Pooled lookup over the batch's unique rows; the backward feeds the cache's optimizer."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, cache: TableCache, batch: Batch, offsets: torch.Tensor,
-                weights: torch.Tensor | None, mode: str) -> torch.Tensor:
-        rows = cache.gather(batch)
-        out = F.embedding_bag(batch.inv, rows, offsets, mode=mode, per_sample_weights=weights,
-                              include_last_offset=True)
-        ctx.cache, ctx.batch, ctx.mode = cache, batch, mode
-        ctx.save_for_backward(offsets, weights, rows)
-        return out.float()
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        offsets, weights, rows = ctx.saved_tensors
-        cache: TableCache = ctx.cache
-        batch: Batch = ctx.batch
-        lengths = offsets[1:] - offsets[:-1]
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-        grad_bag = grad_out.index_select(0, bag)  # (L, dim): each id's share of its bag's gradient
-        grad_weights = None
-        if weights is not None and ctx.needs_input_grad[4]:
-            grad_weights = (grad_bag * rows.float().index_select(0, batch.inv)).sum(1)
-        if weights is not None:
-            grad_bag = grad_bag * weights.unsqueeze(1)
-        if ctx.mode == "mean":
-            grad_bag = grad_bag / lengths.clamp(min=1).index_select(0, bag).unsqueeze(1).to(grad_bag.dtype)
-        grad_rows = torch.zeros(batch.uniq.numel(), grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
-        scatter_add_rows(grad_rows, batch.inv, grad_bag.contiguous(), validate=False)
-        grad_anchor = None
-        if cache.fused:
-            with torch.no_grad():
-                cache.apply_grad(batch, grad_rows)
-        else:
-            grad_anchor = cache.sparse_grad(batch, grad_rows)
-        return grad_anchor, None, None, None, grad_weights, None
-
-
-def _offsets(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.long(), 0, out=out[1:])
-    return out
 
 
 class _CachedCollection(nn.Module):
