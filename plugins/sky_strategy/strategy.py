@@ -127,7 +127,7 @@ class SkyStrategy(DDPStrategy):
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException("SkyStrategy: '16-mixed' (GradScaler) is not supported; use "
                                             "precision='32-true', 'bf16-mixed' or 'bf16-true'")
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):  # None: norm
             raise MisconfigurationException(
                 "SkyStrategy: gradient_clip_algorithm='norm' would clip each stage by its own partial norm; use "
                 "gradient_clip_algorithm='value' (element-wise, exact under pipelining)")

@@ -21,7 +21,7 @@ class Block(nn.Module):
 class Net(L.LightningModule):
     """embed -> N residual blocks -> head; every block is one pipeline layer."""
 
-    pipeline_layers = ("embed", "blocks", "head")
+    pipeline_layers = ("embed", "blocks", "head")  # the SkyStrategy convention: layers in forward order
 
     def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2):
         super().__init__()
@@ -72,7 +72,8 @@ def make_net(seed: int = 0, **kwargs) -> Net:
 
 
 def reference_training(steps: int, batch_size: int = 16, seed: int = 0, **kwargs):
-    """Plain single-process training of the same model on the same batches: (losses, final state dict)."""
+    """Plain single-process training of the same model on the same batches:
+    (losses, final state dict, optimizer state dict)."""
     net = make_net(seed, **kwargs)
     opt = net.configure_optimizers()
     losses = []
@@ -84,7 +85,7 @@ def reference_training(steps: int, batch_size: int = 16, seed: int = 0, **kwargs
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}, opt.state_dict()
 
 
 class LossRecorder(L.Callback):

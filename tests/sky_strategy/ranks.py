@@ -1,0 +1,101 @@
+"""Functions each spawned rank runs (module level, so ``run_distributed`` can spawn them)."""
+
+from __future__ import annotations
+
+import lightning as L
+
+import sky_strategy
+from tests.sky_strategy.models import LossRecorder, loader, make_net
+
+
+def portable(state: dict) -> dict:
+    """Tensors -> numpy arrays: results cross the process boundary by value (a torch tensor would be
+    shared through a file descriptor that dies with the rank)."""
+    return {k: v.detach().cpu().numpy() for k, v in state.items()}
+
+
+def trainer(world: int, strategy, steps: int, callbacks=(), **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, limit_val_batches=2, use_distributed_sampler=False,
+                     callbacks=list(callbacks), **kwargs)
+
+
+def fit_configs(rank: int, world: int, configs: list[dict], steps: int, net_kwargs: dict | None = None) -> list[dict]:
+    """Train a fresh model under each config in turn (one process group); report what each rank saw."""
+    out = []
+    for cfg in configs:
+        strategy = sky_strategy.SkyStrategy(verbose=False, **cfg)
+        rec = LossRecorder()
+        t = trainer(world, strategy, steps, [rec])
+        net = make_net(**(net_kwargs or {}))
+        t.fit(net, loader())
+        state = portable(strategy.lightning_module_state_dict())
+        logged = float(t.callback_metrics["train_loss"])
+        metrics = t.validate(net, loader(), verbose=False)[0]
+        out.append({"losses": rec.losses, "state": state, "counts": strategy.plan.layer_counts(),
+                    "plan": strategy.plan.to_json(), "logged": logged, "val": metrics,
+                    "replans": list(strategy.replans)})
+    return out
+
+
+def checkpoint_round_trip(rank: int, world: int, path: str, first: dict, second: dict) -> dict:
+    """Train 4 steps (one epoch) under ``first``, save, resume under ``second`` (another partition) to 8."""
+    # whole epochs (4 batches each): Lightning resumes a checkpoint saved mid-epoch at the next batch
+    # index but restarts a plain dataloader from its first batch, so a mid-epoch file would not line up
+    s1 = sky_strategy.SkyStrategy(verbose=False, **first)
+    t1 = trainer(world, s1, -1, max_epochs=1)
+    t1.fit(make_net(), loader())
+    t1.save_checkpoint(path)
+    counts1 = s1.plan.layer_counts()
+    s2 = sky_strategy.SkyStrategy(verbose=False, **second)
+    t2 = trainer(world, s2, -1, max_epochs=2)
+    t2.fit(make_net(seed=123), loader(), ckpt_path=path)  # another init: everything must come from the file
+    return {"state": portable(s2.lightning_module_state_dict()), "counts": (counts1, s2.plan.layer_counts()),
+            "owned": sorted(n for i, layer in enumerate(s2.runtime.layers) if s2.runtime.owns(i)
+                            for n, p in layer.parameters() if p.numel())}
+
+
+class SlowDownAt(L.Callback):
+    """After ``step`` optimizer steps, rank 1 starts playing a device ``factor`` times as fast."""
+
+    def __init__(self, step: int, factors: list[float]):
+        self.step, self.factors = step, factors
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.strategy.set_speed_factors(self.factors)
+
+
+def replan_run(rank: int, world: int, steps: int) -> dict:
+    strategy = sky_strategy.SkyStrategy(verbose=False, schedule="1f1b", microbatches=4, replan_every=2,
+                                        replan_threshold=0.5)
+    t = trainer(world, strategy, steps, [SlowDownAt(2, [1.0, 0.1])])
+    t.fit(make_net(width=96), loader())
+    return {"state": portable(strategy.lightning_module_state_dict()), "replans": strategy.replans,
+            "counts": strategy.plan.layer_counts()}
+
+
+def misuse(rank: int, world: int, cases: list[str]) -> dict[str, str]:
+    """Run each misconfiguration in turn; return the error message of each."""
+    out = {}
+    for case in cases:
+        net = make_net()
+        kwargs = {}
+        if case == "forward":
+            net.forward = lambda x, net=net: net.head(net.embed(x))  # skips the blocks: not the declared sequence
+        elif case == "clip":
+            kwargs = {"gradient_clip_val": 1.0}
+        elif case == "no-layers":
+            net.pipeline_layers = ("embed", "head")  # the blocks' parameters belong to no layer
+        elif case == "tied":
+            net.blocks[1].fc.weight = net.blocks[0].fc.weight
+        try:
+            t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2), 1, **kwargs)
+            t.fit(net, loader())
+            if case == "predict":
+                t.predict(net, loader())
+            out[case] = "no error"
+        except Exception as exc:  # the message is what the test checks
+            out[case] = f"{type(exc).__name__}: {exc}"
+    return out
