@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tightfit.profiler.device import DATASHEETS, cluster_spec, device_preset, profile_device
 from tightfit.profiler.memory import PeakEstimate, estimate_peak, optimizer_state_bytes
 from tightfit.profiler.model import MetaProfilingError, profile_model
 from tightfit.profiler.types import (
@@ -15,6 +16,10 @@ from tightfit.profiler.types import (
 )
 
 __all__ = [
+    "profile_device",
+    "device_preset",
+    "cluster_spec",
+    "DATASHEETS",
     "profile_model",
     "MetaProfilingError",
     "estimate_peak",
