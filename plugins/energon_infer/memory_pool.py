@@ -286,10 +286,19 @@ class LayerPool:
             self._free_slots.append(slot)
         self._next_fetch = k
 
+    def _release_stale(self) -> None:
+        """A block is starting, so no block runs: a slot still bound belongs to a step that died mid-layer."""
+        for k, slot in list(self._bound.items()):
+            self.packed[k].unbind()
+            self._free_slots.append(slot)
+        self._bound.clear()
+
     def _before(self, k: int | None) -> None:
         with self._lock:
             if not self.packed:
                 return
+            if self._bound:
+                self._release_stale()
             self._fill()
             if k is None:
                 return
