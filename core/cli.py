@@ -20,6 +20,7 @@ CORE_COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "show torch / CUDA / Triton / Lightning / TorchRec / DeepSpeed versions and what is usable"),
     "demo": ("demo", "run the tour: each available plugin's demo on embedded defaults"),
     "bench": ("bench", "run the benchmark suite of a source checkout (same as `make bench`)"),
+    "profile": ("profile", "profile a model on the meta device (`profile model`) or this machine's device"),
     "plan": ("plan", "compute a plan from profiles (`tightfit plan elixir ...`) and write the plan file"),
 }
 

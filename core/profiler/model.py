@@ -325,8 +325,8 @@ def profile_model(
                 target = torch.device("cpu") if meta else torch.device(device)
                 with torch.device(target):
                     model = model_or_factory()
-                if param_dtype is not None:
-                    model = model.to(param_dtype)
+                if param_dtype is not None:  # Module.to() cannot swap fake parameters: rebuild them
+                    model = _fake_copy(model, target, param_dtype) if meta else model.to(param_dtype)
             say(f"traced copy of {type(model).__name__} on {'meta (as ' + str(target) + ')' if meta else target}")
             args = tree_map(lambda x: _to_device(x, target, fake_mode), args)
             kwargs = tree_map(lambda x: _to_device(x, target, fake_mode), kwargs)

@@ -1,0 +1,155 @@
+"""``tightfit profile model|device``: print (and optionally save) a model or device profile.
+
+    tightfit profile model --model gpt2-xl --batch 8 --seq 1024 [--json out.json] [--checkpointing all]
+    tightfit profile model --model path/to/config.json      # ours, or a Hugging Face config.json
+    tightfit profile device [--quick] [--refresh] [--json out.json]
+    tightfit profile device --preset a100-40g               # a datasheet preset, nothing measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tightfit.units import format_bytes, format_table
+
+__all__ = ["add_arguments", "run", "format_device"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="what", metavar="WHAT")
+    m = sub.add_parser("model", help="profile one training step of a model on the meta device (nothing allocated)")
+    m.add_argument("--model", required=True,
+                   help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-4b, gpt2-10b, gpt2-15b, gpt2-20b) "
+                        "or a config.json (tightfit GPTConfig fields, or a Hugging Face config)")
+    m.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    m.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(1024, context))")
+    m.add_argument("--step", choices=("train", "forward"), default="train")
+    m.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)")
+    m.add_argument("--checkpointing", default=None,
+                   help="also report the peak with these blocks checkpointed: 'all' or comma-separated names")
+    m.add_argument("--blocks", type=int, default=12, help="block rows to print (default 12; long runs elided)")
+    m.add_argument("--json", default=None, metavar="PATH", help="write the ModelProfile as JSON")
+    m.add_argument("--quiet", action="store_true", help="no progress lines")
+    d = sub.add_parser("device", help="measure this machine's device (cached) or show a datasheet preset")
+    d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA if present, else CPU)")
+    d.add_argument("--quick", action="store_true", help="smaller measurements (under 10 s on a CPU)")
+    d.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    d.add_argument("--preset", default=None, help="show a datasheet preset instead of measuring")
+    d.add_argument("--list-presets", action="store_true", help="list the datasheet presets")
+    d.add_argument("--json", default=None, metavar="PATH", help="write the DeviceProfile as JSON")
+
+
+def _load_model(spec: str) -> tuple[Any, Any, int, str]:
+    """(factory, loss target vocab, context length, name) for a preset or a config file."""
+    from tightfit.models import PRESETS, GPTConfig, build_gpt, gpt_config
+
+    path = Path(spec)
+    if spec in PRESETS or spec == "gpt2-small":
+        cfg = gpt_config(spec)
+        return (lambda: build_gpt(cfg)), cfg.vocab_size, cfg.n_positions, cfg.name
+    if not path.is_file():
+        raise SystemExit(f"tightfit profile model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                         "config.json file")
+    data = json.loads(path.read_text())
+    model_type = data.get("model_type", "gpt2")
+    if model_type == "gpt2" or "hidden" in data:
+        cfg = GPTConfig.from_dict({**data, "name": data.get("name", path.stem)})
+        return (lambda: build_gpt(cfg)), cfg.vocab_size, cfg.n_positions, cfg.name
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit(f"{path} is a {model_type!r} config: profiling it needs transformers "
+                         "(pip install transformers)") from None
+    hf = AutoConfig.for_model(**data)
+    context = int(getattr(hf, "max_position_embeddings", 0) or getattr(hf, "n_positions", 0) or 2048)
+    return (lambda: AutoModelForCausalLM.from_config(hf)), hf.vocab_size, context, model_type
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from tightfit.profiler import profile_model
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    factory, vocab, context, name = _load_model(args.model)
+    seq = args.seq or min(1024, context)
+    if seq > context:
+        print(f"tightfit profile model: --seq {seq} exceeds the model's context of {context} tokens", file=sys.stderr)
+        return 2
+    ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
+
+    def loss(out: Any) -> torch.Tensor:  # next-token cross-entropy, as training computes it
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.long))
+
+    ckpt = None
+    if args.checkpointing:
+        ckpt = "all" if args.checkpointing == "all" else [s.strip() for s in args.checkpointing.split(",") if s.strip()]
+    prof = profile_model(factory, ids, step=args.step, loss_fn=loss, checkpointing=ckpt, name=name,
+                         param_dtype=None if dtype == torch.float32 else dtype, progress=not args.quiet)
+    print(prof.summary(max_blocks=args.blocks))
+    if args.json:
+        prof.to_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def format_device(p: Any) -> str:
+    """A device profile as a two-column table."""
+    rows: list[tuple[str, str]] = [("device", f"{p.name} ({p.kind})"), ("source", p.source),
+                                   ("memory", f"{format_bytes(p.memory_bytes)} ({format_bytes(p.free_bytes)} free)")]
+    for dt, rate in p.matmul_flops.items():
+        rows.append((f"matmul {dt}", f"{rate / 1e12:.3f} TFLOP/s"))
+    for label, table in (("host->device", p.h2d_bytes_per_s), ("device->host", p.d2h_bytes_per_s)):
+        for kind, bw in table.items():
+            rows.append((f"{label} {kind}", f"{bw / 1e9:.1f} GB/s"))
+    rows.append(("host AdamW", f"{p.host_adam_elems_per_s / 1e6:,.0f} M elements/s"))
+    if p.device_adam_elems_per_s:
+        rows.append(("device AdamW", f"{p.device_adam_elems_per_s / 1e6:,.0f} M elements/s"))
+    for coll, per_size in p.collective_bytes_per_s.items():
+        for size, bw in sorted(per_size.items()):
+            rows.append((f"{coll} {format_bytes(size)}", f"{bw / 1e9:.2f} GB/s bus (world {p.world_size})"))
+    if p.host_memory_bytes:
+        rows.append(("host memory", format_bytes(p.host_memory_bytes)))
+    if p.key and p.source == "measured":
+        rows.append(("cache key", p.key))
+    return format_table(rows, ("what", "value"))
+
+
+def _run_device(args: argparse.Namespace) -> int:
+    from tightfit.profiler.device import DATASHEETS, device_preset, profile_device
+
+    if args.list_presets:
+        print(format_table([(n, p.name, format_bytes(p.memory_bytes), f"{p.matmul_flops.get('bfloat16', 0) / 1e12:.0f}")
+                            for n, p in DATASHEETS.items()], ("preset", "device", "memory", "bf16 TFLOP/s"),
+                           align="llrr"))
+        return 0
+    try:
+        prof = device_preset(args.preset) if args.preset else profile_device(args.device, quick=args.quick,
+                                                                             refresh=args.refresh)
+    except KeyError as exc:
+        print(f"tightfit profile device: {exc.args[0]}", file=sys.stderr)
+        return 2
+    print(format_device(prof))
+    if args.json:
+        prof.to_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what == "model":
+        return _run_model(args)
+    if args.what == "device":
+        return _run_device(args)
+    print("tightfit profile: say what to profile: `tightfit profile model --model gpt2-xl` or "
+          "`tightfit profile device`", file=sys.stderr)
+    return 2
