@@ -378,29 +378,47 @@ class _Problem:
 # Exact DP for one device order
 
 
+def _window(k: int, S: int, L: int) -> tuple[slice, slice]:
+    """Boundaries stage k can start (i) and end (j) at: every other stage needs >= 1 layer.
+    For 162 layers on 64 stages this is a 99 x 99 window instead of 163 x 163 (2.7x less work)."""
+    return slice(k, L - S + k + 1), slice(k + 1, L - S + k + 2)
+
+
 def _bottleneck_dp(time: np.ndarray) -> float:
-    best = time[0, 0, :].copy()
-    for k in range(1, time.shape[0]):
-        best = np.min(np.maximum(best[:, None], time[k]), axis=0)
+    S, L = time.shape[0], time.shape[2] - 1
+    best = np.full(L + 1, _INF)
+    best[_window(0, S, L)[1]] = time[0, 0, _window(0, S, L)[1]]
+    for k in range(1, S):
+        wi, wj = _window(k, S, L)
+        new = np.full(L + 1, _INF)
+        new[wj] = np.min(np.maximum(best[wi, None], time[k, wi, wj]), axis=0)
+        best = new
     return float(best[-1])
 
 
 def _min_sum_dp(time: np.ndarray, tau: float) -> tuple[float, list[int] | None]:
     """Smallest sum of stage times with every stage <= tau, and its boundaries."""
-    S = time.shape[0]
-    masked = np.where(time <= tau, time, _INF)
-    g = masked[0, 0, :].copy()
+    S, L = time.shape[0], time.shape[2] - 1
+    g = np.full(L + 1, _INF)
+    wj0 = _window(0, S, L)[1]
+    first = time[0, 0, wj0]
+    g[wj0] = np.where(first <= tau, first, _INF)
     back = []
     for k in range(1, S):
-        tot = g[:, None] + masked[k]
+        wi, wj = _window(k, S, L)
+        sub = time[k, wi, wj]
+        tot = g[wi, None] + np.where(sub <= tau, sub, _INF)
         arg = np.argmin(tot, axis=0)
-        back.append(arg)
-        g = tot[arg, np.arange(tot.shape[1])]
+        back.append(arg + wi.start)
+        new = np.full(L + 1, _INF)
+        new[wj] = tot[arg, np.arange(tot.shape[1])]
+        g = new
     if not math.isfinite(g[-1]):
         return _INF, None
-    bounds = [time.shape[2] - 1]
-    for arg in reversed(back):
-        bounds.append(int(arg[bounds[-1]]))
+    bounds = [L]
+    for k, arg in zip(range(S - 1, 0, -1), reversed(back)):
+        j0 = _window(k, S, L)[1].start
+        bounds.append(int(arg[bounds[-1] - j0]))
     bounds.append(0)
     return float(g[-1]), bounds[::-1]
 
@@ -665,7 +683,11 @@ def sky_allocator(layer_costs, layer_memory, devices, *, microbatches: int, sche
                     links=links, virtual_stages=virtual_stages, optimizer_state_factor=optimizer_state_factor)
     if prob.V != 1:
         raise PlanError("sky_allocator places one stage per device; use schedule 'gpipe' or '1f1b'")
-    flops = list(prob.costs)
+    # The original works in FLOP counts and floors the average load (``//``); our costs are seconds,
+    # so they are rescaled to FLOP-like magnitudes (smallest layer = 1e6) to keep that floor harmless.
+    positive = [c for c in prob.costs if c > 0]
+    scale = 1e6 / min(positive) if positive else 1.0
+    flops = [float(c) * scale for c in prob.costs]
     mem = [m.param_bytes * (2 + prob.opt) + m.activation_bytes * prob.M for m in prob.mems]
     avail = [float(c) for c in prob.cap]
     wtime = [1.0 / s for s in prob.speed]
