@@ -283,7 +283,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
     if dev.type == "cuda":
         say(f"{next(step)}/{steps} host<->device copies (pinned, pageable)")
         h2d, d2h = _copies(dev, (64 if quick else 256) * 2**20, repeats)
-    numel = 2**20 if quick else 2**23
+    numel = 2**22 if quick else 2**24  # beyond a last-level cache: 4M fp32 elements x 4 tensors = 64 MiB
     say(f"{next(step)}/{steps} AdamW on the host ({numel / 1e6:.0f} M elements)")
     host_adam = _adam(torch.device("cpu"), numel, repeats)
     say(f"{next(step)}/{steps} AdamW on the device")
