@@ -76,3 +76,16 @@ def test_profile_device(tmp_path, monkeypatch, capsys):
     assert "rtx4090-24g" in capsys.readouterr().out
     assert main(["profile", "device", "--preset", "tpu-v9"]) == 2
     assert "unknown device preset 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_readme_profiling_snippet_runs():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Profiling", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md#profiling", "exec"), scope)
+    prof = scope["prof"]
+    assert prof.param_numel == 1_557_611_200
+    assert prof.estimate_peak(["blocks.0", "blocks.1"]).activation_bytes < prof.activation_peak_bytes
