@@ -195,7 +195,15 @@ def _elixir_run(args: argparse.Namespace) -> int:
 PLANNERS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "elixir": ("search the fastest FSDP2 sharding x offload x recompute plan that fits (Elixir)",
                _elixir_arguments, _elixir_run),
+    "sky": ("partition a pipeline over devices of unequal speed and memory (Sky)",
+            lambda p: _plan_sky().add_arguments(p), lambda a: _plan_sky().run(a)),
 }
+
+
+def _plan_sky():
+    import importlib
+
+    return importlib.import_module("tightfit.commands.plan_sky")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -208,3 +208,19 @@ def test_160_layers_on_64_devices_plans_in_under_a_second():
     assert plan.feasible and len(plan.stages) == 64
     assert plan.step_time_s < even(costs, mems, devs, microbatches=32, schedule="1f1b", links=1.25e9).step_time_s
     assert elapsed < 1.0, f"planning 160 layers x 64 devices took {elapsed:.2f} s of CPU time"
+
+
+def test_tightfit_plan_sky_cli(tmp_path, capsys):
+    from tightfit.cli import main
+
+    out = tmp_path / "sky.json"
+    rc = main(["plan", "sky", "--layers", "12", "--speeds", "1,0.25", "--memory", "8GiB", "--compare",
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "balanced partition of 12 layers over 2 devices" in text and "even" in text and "sky (Sky" in text
+    plan = PartitionPlan.from_json(out)
+    assert plan.layer_counts()[1] < plan.layer_counts()[0]
+    assert main(["plan", "sky", "--layers", "12", "--speeds", "1,1", "--memory", "1MiB"]) == 3
+    assert "short by" in capsys.readouterr().err
+    assert main(["plan", "sky", "--layers", "12", "--speeds", "1,1", "--memory", "1GiB,2GiB,3GiB"]) == 2
