@@ -14,7 +14,7 @@ Example:
     >>> model = build_gpt("gpt2-xl", device="meta")
     >>> prof = profile_model(model, torch.zeros(1, 1024, dtype=torch.long))   # doctest: +SKIP
     >>> prof.param_numel, len(prof.blocks)                                       # doctest: +SKIP
-    (1557611200, 52)
+    (1557611200, 53)
 """
 
 from __future__ import annotations
