@@ -224,3 +224,14 @@ def test_tightfit_plan_sky_cli(tmp_path, capsys):
     assert main(["plan", "sky", "--layers", "12", "--speeds", "1,1", "--memory", "1MiB"]) == 3
     assert "short by" in capsys.readouterr().err
     assert main(["plan", "sky", "--layers", "12", "--speeds", "1,1", "--memory", "1GiB,2GiB,3GiB"]) == 2
+
+
+def test_readme_planner_snippet_runs():
+    """The README's Sky planner example is executed as written."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "tightfit.planner.partition" in b]
+    assert blocks, "the README lost its Sky planner example"
+    exec(compile(blocks[0], "README.md", "exec"), {})
