@@ -603,6 +603,10 @@ def _infeasible(model: ModelProfile, cluster: ClusterSpec, optimizer: str, preci
                 ctx: Context, exact: bool) -> PlanInfeasibleError:
     space = cons.space()
     needed = _least_memory(ctx, space, exact)
+    if needed <= budget:
+        # The device budget is not what binds: every plan that fits it offloads more state than
+        # the host memory can hold (host memory x host_memory_fraction / ranks per node).
+        return _host_infeasible(model, cluster, precision, optimizer, cons, budget, ctx)
     suggestions: list[str] = []
     if not (cons.allow_checkpointing and cons.allow_offload):
         full = replace(cons, allow_checkpointing=True, allow_offload=True)
@@ -649,3 +653,28 @@ def _infeasible(model: ModelProfile, cluster: ClusterSpec, optimizer: str, preci
            + (f". Other options: {'; '.join(suggestions[1:])}" if suggestions[1:] else ""))
     return PlanInfeasibleError(msg, needed_bytes=int(needed) + 1, budget_bytes=budget, suggestions=tuple(suggestions))
 
+
+def _host_infeasible(model: ModelProfile, cluster: ClusterSpec, precision: str, optimizer: str,
+                     cons: ElixirConstraints, budget: int, ctx: Context) -> PlanInfeasibleError:
+    hosts = [d.host_memory_bytes for d in cluster.devices if d.host_memory_bytes > 0]
+    host_budget = min(hosts) * cons.host_memory_fraction / ctx.ranks_per_node
+    # Sharded training state per rank (parameters, gradients, optimizer state): whatever the
+    # device does not hold must sit in host memory, so device budget + host budget must exceed it.
+    state = sum(ctx.numel) * ctx.state_per_elem / ctx.world
+    devices_needed = ctx.world
+    while devices_needed < ctx.world * 1024 and \
+            sum(ctx.numel) * ctx.state_per_elem / devices_needed > host_budget + budget * 0.5:
+        devices_needed *= 2
+    suggestions = (
+        f"use about {devices_needed} devices instead of {ctx.world} (sharded state per rank shrinks as 1/devices)",
+        f"run fewer ranks per host or on hosts with more memory ({format_bytes(min(hosts))} now, "
+        f"{cons.host_memory_fraction:.0%} usable, shared by {ctx.ranks_per_node} rank(s))",
+        "raise ElixirConstraints(host_memory_fraction=...) if the host really has that memory free",
+    )
+    msg = (f"no Elixir plan for {model.model} fits on {cluster.world_size} x {ctx.device_name} at {precision}/"
+           f"{optimizer}: a least-memory plan fits the device budget of {format_bytes(budget)}, but the state it "
+           f"offloads does not fit host memory: each rank holds {format_bytes(state)} of sharded training state "
+           f"and may keep only {format_bytes(host_budget)} on the host. Cheapest change: {suggestions[0]}. "
+           f"Other options: {'; '.join(suggestions[1:])}")
+    return PlanInfeasibleError(msg, needed_bytes=int(state - host_budget) + 1, budget_bytes=budget,
+                               suggestions=suggestions)

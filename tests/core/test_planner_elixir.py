@@ -403,6 +403,18 @@ def test_infeasible_suggests_more_devices_when_state_dominates():
         search(prof, ClusterSpec.uniform(device(), more - 1), memory_budget=8 * GiB, constraints=cons)
 
 
+def test_infeasible_because_host_memory_is_too_small_says_so():
+    # Device budget is ample for the least-memory plan, but the host cannot hold what it offloads.
+    prof = make_profile([{"numel": 5 * 10**8, "fwd": 1e12, "saved": 10**6} for _ in range(4)], batch=1)
+    small_host = ClusterSpec.uniform(device(mem=24 * GiB, host_mem=4 * GiB), 2)
+    with pytest.raises(PlanInfeasibleError, match=r"fits the device budget of .* but the state it offloads does "
+                                                  r"not fit host memory.*Cheapest change: use about \d+ devices"):
+        search(prof, small_host, memory_budget=8 * GiB, constraints=NO_RESERVE)
+    # The same budget with a roomy host is feasible: the host was what bound.
+    roomy = ClusterSpec.uniform(device(mem=24 * GiB, host_mem=512 * GiB), 2)
+    assert search(prof, roomy, memory_budget=8 * GiB, constraints=NO_RESERVE).fits
+
+
 # ---- inputs are validated ------------------------------------------------------------------------------
 def test_constraints_and_inputs_are_validated():
     with pytest.raises(ValueError, match="modes=.*subset"):
