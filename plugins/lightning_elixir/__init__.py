@@ -1,16 +1,74 @@
-"""Elixir: profile, then search the fastest sharding x offload plan that fits; Trainer(strategy="elixir")"""
+"""Elixir: profile, then search the fastest sharding x offload plan that fits; Trainer(strategy="elixir")
+
+Importing this package registers ``"elixir"`` and its presets (``elixir_offload``,
+``elixir_no_offload``, ``elixir_checkpoint``, ``elixir_deepspeed``) in Lightning's
+``StrategyRegistry`` when Lightning is installed, so ``Trainer(strategy="elixir")`` works.
+
+* :class:`ElixirStrategy` - the Lightning strategy (:mod:`lightning_elixir.strategy`);
+* :func:`apply_plan` - a plan onto a module with FSDP2, usable without Lightning (:mod:`lightning_elixir.apply`);
+* :func:`export_checkpoint` - a sharded checkpoint to one safetensors file (``python -m lightning_elixir.export``).
+
+Example:
+    >>> import lightning as L
+    >>> import lightning_elixir
+    >>> trainer = L.Trainer(strategy="elixir", accelerator="cpu", devices=2, max_steps=100)  # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tightfit.plugins import Plugin
 
-__all__ = ["plugin"]
+__all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "apply_plan", "export_checkpoint"]
+
+_LAZY = {
+    "ElixirStrategy": ("lightning_elixir.strategy", "ElixirStrategy"),
+    "ElixirDeepSpeedStrategy": ("lightning_elixir.deepspeed_backend", "ElixirDeepSpeedStrategy"),
+    "apply_plan": ("lightning_elixir.apply", "apply_plan"),
+    "export_checkpoint": ("lightning_elixir.export", "export_checkpoint"),
+}
+
+
+def register() -> None:
+    """Add ``"elixir"`` and its presets to Lightning's strategy registry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "elixir" not in StrategyRegistry:
+        from lightning_elixir.strategy import ElixirStrategy
+
+        ElixirStrategy.register_strategies(StrategyRegistry)
+    if "elixir_deepspeed" not in StrategyRegistry:
+        from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
+
+        ElixirDeepSpeedStrategy.register_strategies(StrategyRegistry)
+
+
+def _demo(quick: bool) -> str:
+    from lightning_elixir.demo import run_demo
+
+    return run_demo(quick)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'lightning_elixir' has no attribute {name!r}")
+
 
 plugin = Plugin(
     name="elixir",
     kind="lightning-strategy",
     summary="Elixir: profile, then search the fastest sharding x offload plan that fits; Trainer(strategy='elixir')",
     requires=("lightning",),
-    available=False,
-    reason="not implemented yet (issue #5)",
+    register_hook=register,
+    demo=_demo,
 )
+
+try:  # registering at import is what makes Trainer(strategy="elixir") work after `import lightning_elixir`
+    register()
+except ImportError:  # Lightning is missing: the plugin reports itself unavailable instead
+    pass

@@ -1,0 +1,158 @@
+"""``ElixirStrategy(backend="deepspeed")``: the plan translated to a DeepSpeed ZeRO config, run by
+Lightning's ``DeepSpeedStrategy``.
+
+The translation is the planner's (:meth:`ElixirPlan.to_deepspeed_config`, with
+:meth:`~ElixirPlan.deepspeed_gaps` saying what DeepSpeed cannot express, e.g. per-unit modes); this
+adapter adds what the runtime needs:
+
+* the plan's recomputed blocks get the same composable activation checkpointing as the FSDP2 path
+  (DeepSpeed's config only configures ``deepspeed.checkpointing``, it does not choose blocks);
+* a client optimizer (from ``configure_optimizers``) is allowed with ZeRO-Offload
+  (``zero_force_ds_cpu_optimizer: false``), so the optimizer works unchanged;
+* a ``config`` given by the user is merged over the translation (the user wins);
+* on a CPU-only machine, Lightning's "only supported on CUDA GPUs" check is lifted knowingly:
+  DeepSpeed runs on its CPU accelerator over gloo there (its shared-memory all-reduce op is disabled:
+  it crashes on some machines, and gloo is what the CPU tests use). This is for tests and
+  development; real DeepSpeed training is on GPUs.
+
+Parameters must be materialised before DeepSpeed partitions them (the plan, and with it the ZeRO
+stage, is only known after ``configure_model``, so ``deepspeed.zero.Init`` cannot be used).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_elixir.planning import (
+    example_batch,
+    load_plan,
+    local_device,
+    make_plan,
+    profile_module,
+    resolve_plan,
+)
+from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
+from tightfit.profiler.types import ClusterSpec, DeviceProfile
+
+__all__ = ["ElixirDeepSpeedStrategy", "deepspeed_config", "merge_config"]
+
+
+def merge_config(base: dict[str, Any], override_with: dict[str, Any] | None) -> dict[str, Any]:
+    """``base`` with ``override_with`` merged in recursively (the override wins)."""
+    out = copy.deepcopy(base)
+    for key, value in (override_with or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(plan: ElixirPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config this adapter runs: the plan's translation, a client optimizer allowed, ``user`` on top."""
+    cfg = plan.to_deepspeed_config()
+    cfg.pop("activation_checkpointing", None)  # blocks are checkpointed by apply_activation_checkpointing
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    return merge_config(cfg, user)
+
+
+class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
+    """Elixir's plan executed by DeepSpeed ZeRO (``Trainer(strategy="elixir_deepspeed")``).
+
+    Args:
+        memory_budget / plan / offload / activation_checkpointing / optimizer / cluster /
+            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`.
+        config: DeepSpeed config entries merged over the translated plan.
+        **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (e.g. ``process_group_backend``).
+    """
+
+    strategy_name = "elixir_deepspeed"
+
+    def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
+                 offload: str = "auto", activation_checkpointing: str | bool = "auto", optimizer: str = "adamw",
+                 cluster: ClusterSpec | None = None, device_profile: DeviceProfile | None = None,
+                 constraints: ElixirConstraints | None = None, verbose: bool = True,
+                 config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # A placeholder config: the real one is translated from the plan in ``setup``.
+        super().__init__(config={"zero_optimization": {"stage": 3}}, **kwargs)
+        self.memory_budget = memory_budget
+        self.plan_source = plan
+        self.offload = offload
+        self.activation_checkpointing = activation_checkpointing
+        self.optimizer_name = optimizer
+        self.cluster = cluster
+        self.device_profile = device_profile
+        self.constraints = constraints
+        self.verbose = verbose
+        self.user_config = config
+        self.plan: ElixirPlan | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+            return
+        import deepspeed.comm.torch as ds_torch
+
+        ds_torch.build_shm_op = lambda: None  # its CPU shared-memory all-reduce crashes here; gloo instead
+        DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's CUDA-only check, knowingly (module doc)
+
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        # Real tensors: DeepSpeed partitions materialised parameters (see the module docstring).
+        return super(DeepSpeedStrategy, self).tensor_init_context(empty_init=False)
+
+    @override
+    def model_sharded_context(self):
+        return super(DeepSpeedStrategy, self).model_sharded_context()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        from lightning_elixir.apply import apply_activation_checkpointing
+
+        module = self.lightning_module
+        assert module is not None
+        if self.plan is None:
+            precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+            self.plan = resolve_plan(lambda: self._decide(trainer, precision), rank=self.global_rank,
+                                     world_size=self.world_size)
+            apply_activation_checkpointing(module, self.plan)
+        self.config = deepspeed_config(self.plan, self.user_config)
+        if trainer.state.fn == TrainerFn.FITTING and "train_micro_batch_size_per_gpu" not in (self.user_config or {}):
+            self.config["train_micro_batch_size_per_gpu"] = self.config.get("train_micro_batch_size_per_gpu", 1)
+        self._config_initialized = False
+        if self.is_global_zero and self.verbose:
+            print(self.plan.explain(), flush=True)
+            print("\nDeepSpeed config from the plan:", self.config, flush=True)
+            for gap in self.plan.deepspeed_gaps():
+                print(f"[elixir/deepspeed] not expressible: {gap}", flush=True)
+        super().setup(trainer)
+
+    def _decide(self, trainer: Any, precision: str) -> ElixirPlan:
+        module = self.lightning_module
+        profile = profile_module(module, example_batch(trainer))
+        if self.plan_source is not None:
+            plan = load_plan(self.plan_source)
+            plan.check_compatible(profile, self.world_size, precision=precision)
+            return plan
+        if self.verbose:
+            print(f"[elixir/deepspeed] planning {profile.model} for {self.world_size} ranks", file=sys.stderr)
+        cluster = self.cluster or ClusterSpec.uniform(self.device_profile or local_device(self.root_device),
+                                                      self.world_size, nodes=self.num_nodes)
+        return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
+                         optimizer=self.optimizer_name, offload=self.offload,
+                         activation_checkpointing=self.activation_checkpointing, constraints=self.constraints)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("elixir_deepspeed", cls,
+                                   description="Elixir's plan translated to DeepSpeed ZeRO (Lightning DeepSpeedStrategy)")

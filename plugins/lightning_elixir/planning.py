@@ -1,0 +1,288 @@
+"""From a LightningModule and a batch to an :class:`ElixirPlan`: profile, plan on rank 0, broadcast.
+
+The strategy calls these at fit start; they are plain functions so a plan can also be made (and
+inspected) outside a Trainer:
+
+* :func:`example_batch` - the first batch of the stage's dataloader (the global RNG is restored
+  afterwards, so a shuffled loader still yields the same batches as without Elixir);
+* :func:`profile_module` - one ``training_step`` traced on the meta device (nothing allocated, the
+  module is not changed), or ``forward(example_input_array)`` when there is no batch;
+* :func:`local_device` - this rank's :class:`DeviceProfile` (``tightfit.profiler.profile_device``
+  when the core provides it, otherwise a short local measurement);
+* :func:`make_plan` - the search with the strategy's knobs (``offload``, ``activation_checkpointing``);
+* :func:`resolve_plan` - rank 0 decides (search, or check a given plan), every rank gets the same
+  plan as JSON text through ``broadcast_object_list``; an error on rank 0 is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit.planner.elixir import (
+    ElixirConstraints,
+    ElixirPlan,
+    PlanInfeasibleError,
+    PlanMismatchError,
+    estimate,
+    search,
+)
+from tightfit.profiler import profile_model
+from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
+
+__all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "resolve_plan",
+           "OFFLOAD_CHOICES"]
+
+OFFLOAD_CHOICES = ("auto", "none", "all")
+
+
+# ---- the batch -----------------------------------------------------------------------------------
+def example_batch(trainer: Any) -> Any | None:
+    """The first batch the current stage will see, or ``None`` when its dataloader gives none."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}.get(trainer.state.fn)
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    # Iterating a shuffled loader draws from the global RNG; restore it so the run is unchanged.
+    with torch.random.fork_rng(devices=[]):
+        loaders = source.dataloader()
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0] if loaders else None
+        if isinstance(loaders, dict):
+            loaders = next(iter(loaders.values()), None)
+        if loaders is None:
+            return None
+        try:
+            return next(iter(loaders))
+        except StopIteration:
+            return None
+
+
+# ---- profiling -----------------------------------------------------------------------------------
+class _StepModule(nn.Module):
+    """The LightningModule's structure (the very same child/parameter dicts, so the same FQNs) whose
+    forward runs one ``<stage>_step``: profiling what a step really does, loss included."""
+
+    def __init__(self, module: nn.Module, method: str) -> None:
+        super().__init__()
+        self._modules = module._modules
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        object.__setattr__(self, "_lm", module)
+        self._method = method
+
+    def forward(self, batch: Any) -> Any:
+        return getattr(self._lm, self._method)(batch, 0)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, dict):
+        output = output.get("loss")
+    if isinstance(output, torch.Tensor) and output.numel() == 1 and output.requires_grad:
+        return output
+    from tightfit.profiler.model import default_loss
+
+    return default_loss(output)
+
+
+def profile_module(module: nn.Module, batch: Any = None, *, stage_method: str = "training_step",
+                   name: str | None = None) -> ModelProfile:
+    """Profile one step of a LightningModule on the meta device.
+
+    With a ``batch``: ``stage_method(batch, 0)`` (its loss is backpropagated). Without: ``forward`` on
+    ``module.example_input_array``. The module is neither changed nor moved.
+
+    Raises:
+        ValueError: no batch and no ``example_input_array``; the message says what to add.
+    """
+    from tightfit.profiler import MetaProfilingError
+
+    name = name or _model_name(module)
+    example = getattr(module, "example_input_array", None)
+    if batch is not None:
+        target = _StepModule(module, stage_method)
+        try:
+            with warnings.catch_warnings(), _plain_attributes_on_meta(module):
+                # self.log() in the traced step has no Trainer: Lightning warns and skips it, which is right here.
+                warnings.simplefilter("ignore")
+                return profile_model(target, (batch,), loss_fn=_loss_of, name=name)
+        except MetaProfilingError as exc:
+            if example is None:
+                raise MetaProfilingError(
+                    f"{type(module).__name__}.{stage_method} cannot run on the meta device ({exc.__cause__!r}); "
+                    "a value-dependent call such as `loss.item()` in the step is the usual cause: move it to "
+                    "`on_train_batch_end`, or set `self.example_input_array` so the forward is profiled instead"
+                ) from exc
+    if example is None:
+        raise ValueError(
+            f"ElixirStrategy cannot profile {type(module).__name__}: the dataloader gave no batch and "
+            "`example_input_array` is not set. Give the LightningModule a train dataloader, set "
+            "`self.example_input_array = torch.zeros(batch, seq, dtype=torch.long)`, or pass plan=... ")
+    return profile_model(module, example, name=name)
+
+
+@contextlib.contextmanager
+def _plain_attributes_on_meta(module: nn.Module) -> Iterator[None]:
+    """The profiler copies the module; tensors kept as plain attributes (not parameters or buffers)
+    and the strategy's ``DeviceMesh`` cannot be copied under the fake mode: lend meta stand-ins."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    saved: list[tuple[nn.Module, str, Any]] = []
+    for sub in module.modules():
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, DeviceMesh):
+                saved.append((sub, key, value))
+                object.__setattr__(sub, key, None)
+            elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.is_meta:
+                saved.append((sub, key, value))
+                object.__setattr__(sub, key, torch.empty_like(value, device="meta"))
+    try:
+        yield
+    finally:
+        for sub, key, value in saved:
+            object.__setattr__(sub, key, value)
+
+
+def _model_name(module: nn.Module) -> str:
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        value = getattr(config, "name", None)
+        if isinstance(value, str) and value and value != "custom":
+            return value
+    return type(module).__name__
+
+
+# ---- the device ----------------------------------------------------------------------------------
+def local_device(device: torch.device) -> DeviceProfile:
+    """This rank's device profile: the core's measured, cached ``profile_device`` when present."""
+    try:
+        from tightfit.profiler import profile_device  # type: ignore[attr-defined]
+    except ImportError:
+        return _measure_device(device)
+    try:
+        return profile_device(device=device, quick=True)
+    except TypeError:  # an older signature without ``device``
+        return profile_device(quick=True)
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _measure_device(device: torch.device) -> DeviceProfile:
+    """A short measurement (about 0.2 s): matmul rate, memory; copies and AdamW rate on CUDA."""
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device)
+    reps = 10 if device.type == "cuda" else 5
+    (a @ a).sum().item()
+    start = time.perf_counter()
+    for _ in range(reps):
+        b = a @ a
+    b.sum().item()
+    flops = 2 * n**3 * reps / max(time.perf_counter() - start, 1e-9)
+    host = _host_memory()
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceProfile(name=torch.cuda.get_device_name(device), kind="cuda", memory_bytes=total, free_bytes=free,
+                             matmul_flops={"float32": flops}, host_memory_bytes=host, source="measured (lightning_elixir)")
+    return DeviceProfile(name="cpu", kind="cpu", memory_bytes=host, free_bytes=host, matmul_flops={"float32": flops},
+                         host_adam_elems_per_s=3e8, device_adam_elems_per_s=3e8, host_memory_bytes=host,
+                         source="measured (lightning_elixir)")
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, memory_budget: int | float | str | None = None,
+              precision: str = "32-true", optimizer: str = "adamw", offload: str = "auto",
+              activation_checkpointing: str | bool = "auto", constraints: ElixirConstraints | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> ElixirPlan:
+    """Search the plan; ``offload="all"`` / ``activation_checkpointing=True`` then force those choices
+    on every unit / checkpointable block and re-price the plan (``estimate``)."""
+    if offload not in OFFLOAD_CHOICES:
+        raise ValueError(f"offload={offload!r}: use one of {OFFLOAD_CHOICES}")
+    if activation_checkpointing not in ("auto", True, False):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: use 'auto', True or False")
+    cons = constraints or ElixirConstraints()
+    cons = dataclasses.replace(cons, allow_offload=cons.allow_offload and offload != "none",
+                               allow_checkpointing=cons.allow_checkpointing and activation_checkpointing is not False)
+    kwargs: dict[str, Any] = dict(optimizer=optimizer, precision=precision, memory_budget=memory_budget,
+                                  constraints=cons)
+    plan = search(profile, cluster, progress=progress, **kwargs)
+    if offload == "all" or activation_checkpointing is True:
+        ok = {b.name for b in profile.blocks if b.checkpointable}
+        units = [dataclasses.replace(u, offload=u.offload or offload == "all",
+                                     checkpoint=tuple(b for b in u.blocks if b in ok)
+                                     if activation_checkpointing is True else u.checkpoint) for u in plan.units]
+        forced = estimate(profile, cluster, units, forward_prefetch=plan.forward_prefetch,
+                          backward_prefetch=plan.backward_prefetch, **kwargs)
+        if not forced.fits:
+            raise PlanInfeasibleError(
+                f"offload={offload!r}, activation_checkpointing={activation_checkpointing!r} force a plan whose "
+                f"predicted peak ({forced.peak_bytes:,} bytes) exceeds the budget ({forced.budget_bytes:,}); use "
+                "offload='auto' and activation_checkpointing='auto' to let the search choose",
+                needed_bytes=forced.peak_bytes, budget_bytes=forced.budget_bytes)
+        plan = dataclasses.replace(forced, search_method=f"{plan.search_method}, then forced "
+                                   f"(offload={offload}, activation_checkpointing={activation_checkpointing})")
+    return plan
+
+
+def load_plan(plan: str | Path | ElixirPlan) -> ElixirPlan:
+    if isinstance(plan, ElixirPlan):
+        return plan
+    path = Path(plan)
+    if not path.is_file():
+        raise FileNotFoundError(f"plan file {path} does not exist; write one with `tightfit plan elixir ... --json "
+                                f"{path}` or use ElixirStrategy(plan=None) to plan at fit start")
+    return ElixirPlan.from_json(path)
+
+
+def resolve_plan(decide: Callable[[], ElixirPlan], *, rank: int, world_size: int) -> ElixirPlan:
+    """``decide()`` on rank 0, the result on every rank (errors re-raised everywhere with their numbers)."""
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload = [("plan", decide().to_json())]
+        except (PlanInfeasibleError, PlanMismatchError) as exc:
+            payload = [("error", type(exc).__name__, str(exc), dict(vars(exc)))]
+            if world_size == 1:
+                raise
+        except Exception as exc:
+            if world_size == 1:
+                raise
+            payload = [("error", type(exc).__name__, f"{type(exc).__name__} on rank 0: {exc}", {})]
+            _broadcast(payload, world_size)
+            raise
+    _broadcast(payload, world_size)
+    kind, *rest = payload[0]
+    if kind == "plan":
+        return ElixirPlan.from_json(rest[0])
+    cls_name, message, attrs = rest
+    if cls_name == "PlanInfeasibleError":
+        raise PlanInfeasibleError(message, needed_bytes=attrs.get("needed_bytes", 0),
+                                  budget_bytes=attrs.get("budget_bytes", 0),
+                                  suggestions=tuple(attrs.get("suggestions", ())))
+    if cls_name == "PlanMismatchError":
+        raise PlanMismatchError(message, field=attrs.get("field", ""), expected=attrs.get("expected"),
+                                actual=attrs.get("actual"))
+    raise RuntimeError(message)
+
+
+def _broadcast(payload: list[Any], world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(payload, src=0)

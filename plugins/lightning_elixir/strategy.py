@@ -1,0 +1,263 @@
+"""``ElixirStrategy``: ``Trainer(strategy="elixir")`` profiles the model, searches a plan and trains it on FSDP2.
+
+At ``setup`` (after ``configure_model``, which runs on the meta device: nothing is allocated) the
+strategy profiles one ``training_step`` of the first batch on meta, measures this device (cached),
+searches on rank 0, broadcasts the plan, prints its table, writes ``plan.json`` into the log
+directory and applies it with :func:`lightning_elixir.apply.apply_plan`. Everything after is
+Lightning's ``ModelParallelStrategy`` machinery (FSDP2 state dicts, distributed checkpoints,
+collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`).
+
+Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``elixir_offload``
+(every unit offloaded), ``elixir_no_offload``, ``elixir_checkpoint`` (every block recomputed),
+``elixir_deepspeed`` (the plan translated to DeepSpeed ZeRO; :mod:`lightning_elixir.deepspeed_backend`).
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
+from lightning_elixir.checkpoint import atomic_save, recover
+from lightning_elixir.planning import (
+    OFFLOAD_CHOICES,
+    example_batch,
+    load_plan,
+    local_device,
+    make_plan,
+    profile_module,
+    resolve_plan,
+)
+from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
+from tightfit.profiler.types import ClusterSpec, DeviceProfile
+
+__all__ = ["ElixirStrategy"]
+
+
+class ElixirStrategy(ModelParallelStrategy):
+    """Search the fastest sharding x offloading x recomputation plan that fits, then train it on FSDP2.
+
+    Args:
+        memory_budget: per-device memory the plan may use: bytes, ``"20GiB"``, a fraction of the
+            device's memory (``0.8``) or ``None`` for all of it.
+        plan: ``None`` (search at fit start), a plan file written by ``tightfit plan elixir --json``
+            or an :class:`ElixirPlan`; a given plan is checked against this model and world size.
+        backend: ``"fsdp2"`` or ``"deepspeed"`` (returns an :class:`~lightning_elixir.deepspeed_backend.ElixirDeepSpeedStrategy`).
+        offload: ``"auto"`` (the search decides per unit), ``"none"`` or ``"all"``.
+        activation_checkpointing: ``"auto"`` (the search decides per block), ``True`` (every block) or ``False``.
+        optimizer: the optimizer the plan prices (``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"``);
+            the one ``configure_optimizers`` returns is used unchanged.
+        cluster / device_profile: the devices to plan for instead of measuring this one.
+        constraints: limits on the search (:class:`ElixirConstraints`).
+        verbose: print the plan table and what was applied (rank 0).
+        process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_elixir  # registers "elixir"
+        >>> trainer = L.Trainer(strategy="elixir", devices=2, accelerator="cpu", max_steps=10)  # doctest: +SKIP
+        >>> trainer = L.Trainer(strategy=lightning_elixir.ElixirStrategy(memory_budget="20GiB"))  # doctest: +SKIP
+    """
+
+    strategy_name = "elixir"
+
+    def __new__(cls, *args: Any, backend: str = "fsdp2", **kwargs: Any):
+        if backend == "deepspeed" and cls is ElixirStrategy:
+            from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
+
+            return ElixirDeepSpeedStrategy(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
+                 backend: str = "fsdp2", offload: str = "auto", activation_checkpointing: str | bool = "auto",
+                 optimizer: str = "adamw", cluster: ClusterSpec | None = None,
+                 device_profile: DeviceProfile | None = None, constraints: ElixirConstraints | None = None,
+                 verbose: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        if backend not in ("fsdp2", "deepspeed"):
+            raise ValueError(f"ElixirStrategy(backend={backend!r}): use 'fsdp2' (default) or 'deepspeed'")
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"ElixirStrategy(offload={offload!r}): use one of {OFFLOAD_CHOICES}")
+        if activation_checkpointing not in ("auto", True, False):
+            raise ValueError(f"ElixirStrategy(activation_checkpointing={activation_checkpointing!r}): use 'auto', "
+                             "True or False")
+        if cluster is not None and device_profile is not None:
+            raise ValueError("ElixirStrategy: give cluster= or device_profile=, not both")
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.memory_budget = memory_budget
+        self.plan_source = plan
+        self.offload = offload
+        self.activation_checkpointing = activation_checkpointing
+        self.optimizer_name = optimizer
+        self.cluster = cluster
+        self.device_profile = device_profile
+        self.constraints = constraints
+        self.verbose = verbose
+        self.plan: ElixirPlan | None = None
+        self.units: list[AppliedUnit] = []
+        self.plan_path: Path | None = None
+
+    # ---- processes and mesh ------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._setup_distributed()
+        self._data_parallel_size = self.world_size
+        self._tensor_parallel_size = 1
+        # One data-parallel dimension: Elixir shards, offloads and recomputes; it does not split layers.
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,),
+                                             mesh_dim_names=("data_parallel",))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        # ``configure_model`` builds on the meta device unless told otherwise: the plan decides where
+        # each unit's parameters live, so nothing is allocated before it exists.
+        return super().tensor_init_context(empty_init=True if empty_init is None else empty_init)
+
+    # ---- plan and apply ----------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        # "-true" precisions cast the weights themselves; do it before sharding (meta casts are free).
+        self.model = self.precision_plugin.convert_module(self.model)
+        if not any(is_sharded(m) for m in module.modules()):
+            self.plan = self._decide_plan(trainer)
+            self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device)
+            self._report(trainer)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._prefer_fused_host_step()
+        self.setup_precision_plugin()
+
+    def _decide_plan(self, trainer: Any) -> ElixirPlan:
+        module = self.lightning_module
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        method = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
+                  TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
+
+        def decide() -> ElixirPlan:
+            self._say(f"[elixir] profiling one {method} on the meta device ...")
+            profile = profile_module(module, example_batch(trainer), stage_method=method)
+            if self.plan_source is not None:
+                plan = load_plan(self.plan_source)
+                plan.check_compatible(profile, self.world_size, precision=precision)
+                return plan
+            cluster = self.cluster or ClusterSpec.uniform(
+                self.device_profile or local_device(self.root_device), self.world_size, nodes=self.num_nodes)
+            if cluster.world_size != self.world_size:
+                raise ValueError(f"ElixirStrategy(cluster=...) describes {cluster.world_size} devices, this run has "
+                                 f"{self.world_size} ranks; give one DeviceProfile per rank")
+            self._say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in "
+                      f"{len(profile.blocks)} blocks; searching a plan for {self.world_size} x "
+                      f"{cluster.devices[0].name} ...")
+            return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
+                             optimizer=self.optimizer_name, offload=self.offload,
+                             activation_checkpointing=self.activation_checkpointing, constraints=self.constraints)
+
+        return resolve_plan(decide, rank=self.global_rank, world_size=self.world_size)
+
+    def _report(self, trainer: Any) -> None:
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # collective: Trainer.log_dir broadcasts
+        if not self.is_global_zero:
+            return
+        assert self.plan is not None
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.plan_path = log_dir / "plan.json"
+        self.plan.to_json(self.plan_path)
+        if self.verbose:
+            print(self.plan.explain(), flush=True)
+            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
+            print(f"[elixir] plan written to {self.plan_path}", flush=True)
+
+    def _say(self, text: str) -> None:
+        if self.verbose and self.is_global_zero:
+            print(text, file=sys.stderr, flush=True)
+
+    def _prefer_fused_host_step(self) -> None:
+        """On a GPU, offloaded units step on the host: let Adam/AdamW use torch's fused CPU kernel there
+        (one pass over the host shards instead of foreach's several) when the user did not choose."""
+        if self.root_device.type != "cuda" or not any(u.plan.offload for u in self.units):
+            return
+        for opt in self.optimizers:
+            if type(opt).__name__ not in ("Adam", "AdamW"):
+                continue
+            for group in opt.param_groups:
+                if group.get("fused") is None and not group.get("foreach") and not group.get("differentiable"):
+                    group["fused"] = True
+                    group["foreach"] = False
+
+    # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        with context:
+            # The LightningModule is FSDP2's root; ``training_step`` calling ``self.model(x)`` directly would
+            # skip the root's forward hook (lazy init, root all-gather), so redirect it through ``module(...)``.
+            return self._forward_redirection(module, module, name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        # FSDP2 placed every unit (offloaded ones on the host); moving the module would undo that.
+        pass
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ElixirStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
+                            "sharded torch.distributed.checkpoint directories")
+        path = Path(self.broadcast(str(filepath)))
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
+                    broadcast=self.broadcast)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            recover(path)
+        self.barrier()
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("elixir", cls, description="Elixir: searched FSDP2 sharding x offload x recompute")
+        strategy_registry.register("elixir_offload", cls, description="Elixir with every unit offloaded to the host",
+                                   offload="all")
+        strategy_registry.register("elixir_no_offload", cls, description="Elixir without host offloading",
+                                   offload="none")
+        strategy_registry.register("elixir_checkpoint", cls, description="Elixir with every block recomputed",
+                                   activation_checkpointing=True)
