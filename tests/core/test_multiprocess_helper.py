@@ -34,6 +34,20 @@ def test_all_ranks_return_their_result():
     assert run_distributed(_all_reduce, 2, args=(10,)) == [21.0, 21.0]
 
 
+def _tensor_out(rank: int, world_size: int) -> dict:
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    return {"t": t, "rank": rank}
+
+
+@RunIf(min_world=2)
+def test_ranks_can_return_tensors():
+    outs = run_distributed(_tensor_out, 2)
+    for r, out in enumerate(outs):
+        assert out["rank"] == r
+        assert torch.equal(out["t"], torch.full((3,), 1.0))
+
+
 @RunIf(min_world=2)
 def test_first_failure_propagates_with_traceback():
     with pytest.raises(DistributedTestError, match=r"(?s)failed on rank 1 of 2.*ValueError: rank one is unhappy"):

@@ -49,11 +49,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
+        # Plain pickle to bytes: tensors then travel by value. Through the queue's own pickler they
+        # would travel as shared-memory handles that close when this rank exits.
         try:
-            pickle.dumps(out)
+            payload = pickle.dumps(out)
         except Exception:
-            out = repr(out)
-        results.put((rank, True, out))
+            payload = pickle.dumps(repr(out))
+        results.put((rank, True, payload))
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         # Report before tearing the group down, so the root cause arrives before the peers'
         # "connection reset" errors that the teardown causes.
@@ -118,7 +120,7 @@ def run_distributed(
                 raise DistributedTestError(
                     f"{fn.__name__} failed on rank {rank} of {world_size}:\n{payload}" + "".join("\n" + o for o in others)
                 )
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         codes = [p.exitcode for p in procs]
