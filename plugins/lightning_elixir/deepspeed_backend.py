@@ -122,7 +122,10 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         assert module is not None
         if self.plan is None:
             precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-            self.plan = resolve_plan(lambda: self._decide(trainer, precision), rank=self.global_rank,
+            device = None
+            if self.plan_source is None and self.cluster is None and self.device_profile is None:
+                device = local_device(self.root_device)  # collective: every rank measures the collectives
+            self.plan = resolve_plan(lambda: self._decide(trainer, precision, device), rank=self.global_rank,
                                      world_size=self.world_size)
             apply_activation_checkpointing(module, self.plan)
         self.config = deepspeed_config(self.plan, self.user_config)
@@ -136,7 +139,7 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
                 print(f"[elixir/deepspeed] not expressible: {gap}", flush=True)
         super().setup(trainer)
 
-    def _decide(self, trainer: Any, precision: str) -> ElixirPlan:
+    def _decide(self, trainer: Any, precision: str, device: DeviceProfile | None) -> ElixirPlan:
         module = self.lightning_module
         profile = profile_module(module, example_batch(trainer))
         if self.plan_source is not None:
@@ -145,7 +148,7 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
             return plan
         if self.verbose:
             print(f"[elixir/deepspeed] planning {profile.model} for {self.world_size} ranks", file=sys.stderr)
-        cluster = self.cluster or ClusterSpec.uniform(self.device_profile or local_device(self.root_device),
+        cluster = self.cluster or ClusterSpec.uniform(self.device_profile or device,
                                                       self.world_size, nodes=self.num_nodes)
         return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
                          optimizer=self.optimizer_name, offload=self.offload,

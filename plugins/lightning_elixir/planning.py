@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,7 +115,10 @@ def profile_module(module: nn.Module, batch: Any = None, *, stage_method: str = 
             with warnings.catch_warnings(), _plain_attributes_on_meta(module):
                 # self.log() in the traced step has no Trainer: Lightning warns and skips it, which is right here.
                 warnings.simplefilter("ignore")
-                return profile_model(target, (batch,), loss_fn=_loss_of, name=name)
+                # A model that cannot run on meta (a value-dependent op) is profiled on a CPU copy instead,
+                # which is possible only when its parameters are real.
+                real = not any(p.is_meta for p in module.parameters())
+                return profile_model(target, (batch,), loss_fn=_loss_of, name=name, fallback="cpu" if real else None)
         except MetaProfilingError as exc:
             if example is None:
                 raise MetaProfilingError(
@@ -130,24 +131,24 @@ def profile_module(module: nn.Module, batch: Any = None, *, stage_method: str = 
             f"ElixirStrategy cannot profile {type(module).__name__}: the dataloader gave no batch and "
             "`example_input_array` is not set. Give the LightningModule a train dataloader, set "
             "`self.example_input_array = torch.zeros(batch, seq, dtype=torch.long)`, or pass plan=... ")
-    return profile_model(module, example, name=name)
+    with _plain_attributes_on_meta(module):
+        return profile_model(module, example, name=name)
 
 
 @contextlib.contextmanager
 def _plain_attributes_on_meta(module: nn.Module) -> Iterator[None]:
-    """The profiler copies the module; tensors kept as plain attributes (not parameters or buffers)
-    and the strategy's ``DeviceMesh`` cannot be copied under the fake mode: lend meta stand-ins."""
+    """The profiler copies the module under the fake mode, where tensors kept as plain attributes
+    (not parameters or buffers: ``example_input_array``, caches) and the strategy's ``DeviceMesh``
+    cannot be copied; hide them (``None``) while it does. A step that needs such a tensor should
+    register it as a buffer."""
     from torch.distributed.device_mesh import DeviceMesh
 
     saved: list[tuple[nn.Module, str, Any]] = []
     for sub in module.modules():
         for key, value in list(vars(sub).items()):
-            if isinstance(value, DeviceMesh):
+            if isinstance(value, DeviceMesh) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)):
                 saved.append((sub, key, value))
                 object.__setattr__(sub, key, None)
-            elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.is_meta:
-                saved.append((sub, key, value))
-                object.__setattr__(sub, key, torch.empty_like(value, device="meta"))
     try:
         yield
     finally:
@@ -166,43 +167,13 @@ def _model_name(module: nn.Module) -> str:
 
 # ---- the device ----------------------------------------------------------------------------------
 def local_device(device: torch.device) -> DeviceProfile:
-    """This rank's device profile: the core's measured, cached ``profile_device`` when present."""
-    try:
-        from tightfit.profiler import profile_device  # type: ignore[attr-defined]
-    except ImportError:
-        return _measure_device(device)
-    try:
-        return profile_device(device=device, quick=True)
-    except TypeError:  # an older signature without ``device``
-        return profile_device(quick=True)
+    """This rank's device profile, measured by ``tightfit.profiler.profile_device`` (cached per machine).
 
+    Collective under a process group (the collectives are measured together): call it on every rank.
+    """
+    from tightfit.profiler import profile_device
 
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _measure_device(device: torch.device) -> DeviceProfile:
-    """A short measurement (about 0.2 s): matmul rate, memory; copies and AdamW rate on CUDA."""
-    n = 1024 if device.type == "cuda" else 256
-    a = torch.randn(n, n, device=device)
-    reps = 10 if device.type == "cuda" else 5
-    (a @ a).sum().item()
-    start = time.perf_counter()
-    for _ in range(reps):
-        b = a @ a
-    b.sum().item()
-    flops = 2 * n**3 * reps / max(time.perf_counter() - start, 1e-9)
-    host = _host_memory()
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return DeviceProfile(name=torch.cuda.get_device_name(device), kind="cuda", memory_bytes=total, free_bytes=free,
-                             matmul_flops={"float32": flops}, host_memory_bytes=host, source="measured (lightning_elixir)")
-    return DeviceProfile(name="cpu", kind="cpu", memory_bytes=host, free_bytes=host, matmul_flops={"float32": flops},
-                         host_adam_elems_per_s=3e8, device_adam_elems_per_s=3e8, host_memory_bytes=host,
-                         source="measured (lightning_elixir)")
+    return profile_device(device, quick=True, progress=False)
 
 
 # ---- the plan ------------------------------------------------------------------------------------

@@ -151,6 +151,11 @@ class ElixirStrategy(ModelParallelStrategy):
         method = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
                   TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
 
+        device = None
+        if self.plan_source is None and self.cluster is None and self.device_profile is None:
+            self._say("[elixir] profiling the device (cached after the first run) ...")
+            device = local_device(self.root_device)  # collective: every rank measures the collectives
+
         def decide() -> ElixirPlan:
             self._say(f"[elixir] profiling one {method} on the meta device ...")
             profile = profile_module(module, example_batch(trainer), stage_method=method)
@@ -159,7 +164,7 @@ class ElixirStrategy(ModelParallelStrategy):
                 plan.check_compatible(profile, self.world_size, precision=precision)
                 return plan
             cluster = self.cluster or ClusterSpec.uniform(
-                self.device_profile or local_device(self.root_device), self.world_size, nodes=self.num_nodes)
+                self.device_profile or device, self.world_size, nodes=self.num_nodes)
             if cluster.world_size != self.world_size:
                 raise ValueError(f"ElixirStrategy(cluster=...) describes {cluster.world_size} devices, this run has "
                                  f"{self.world_size} ranks; give one DeviceProfile per rank")
