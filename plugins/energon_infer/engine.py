@@ -24,6 +24,7 @@ stream receiving a result or an error.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import queue
 import sys
@@ -31,6 +32,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -154,6 +156,17 @@ def _pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
                     "a MemoryPoolConfig, or None")
 
 
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    # Runs before multiprocessing's own exit handler (registered earlier, so it runs later): stop the
+    # controllers and workers in order instead of leaving exit to terminate and join them.
+    for engine in list(_LIVE):
+        engine.shutdown(cancel=True, timeout=10)
+
+
 class Engine:
     """The single controller (see the module docstring). Build it with :meth:`from_pretrained` or
     :meth:`from_lightning_checkpoint`.
@@ -208,6 +221,7 @@ class Engine:
         self.status = "ready"
         self._thread = threading.Thread(target=self._run, name="energon-controller", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -282,7 +296,7 @@ class Engine:
         if self.runtime.progress:
             print(f"energon: starting {group.world} worker(s) ({group.backend}, tp={self.runtime.tp} x "
                   f"pp={self.runtime.pp}) for {self.source.path}", file=sys.stderr, flush=True)
-        group.start(self.config.start_timeout_s)
+        group.start(self.config.start_timeout_s, cancelled=lambda: self._stop_now)
         return group
 
     # ------------------------------------------------------------------ tokens
@@ -452,7 +466,18 @@ class Engine:
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
             self._notify(events)
         elif kind == "error":
-            self._group_failed(f"worker {msg[1]} raised:\n{msg[2]}")
+            # A peer's death usually reaches the survivors as a collective error ("connection reset")
+            # before the controller sees the exit: name the dead worker first when there is one.
+            deadline = time.monotonic() + 1.0
+            while not self._group.dead() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "no traceback"
+            dead = self._group.dead()
+            failed = [r for r, _ in dead]
+            reason = self._group.describe_death().strip() if [r for r in failed if r != msg[1]] else ""
+            reason = f"{reason}; worker {msg[1]} then failed: {last}" if reason else f"worker {msg[1]} failed: {last}"
+            print(f"energon: worker {msg[1]} traceback:\n{msg[2]}", file=sys.stderr, flush=True)
+            self._group_failed(reason)
         elif kind == "stats":
             with self._lock:
                 self._stats[msg[1]] = msg[2]
@@ -634,7 +659,10 @@ class Engine:
         if self._thread.is_alive():
             self._stop_now = True
             self._wake()
-            self._thread.join()
+            self._thread.join(timeout)
+        if self._thread.is_alive():  # wedged (it never should be): do not leave workers behind
+            self._group.kill()
+        _LIVE.discard(self)
 
     def __enter__(self) -> Engine:
         return self

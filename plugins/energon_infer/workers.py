@@ -233,8 +233,12 @@ class WorkerGroup:
         self.procs: list[Any] = []
         self.info: list[dict[str, Any]] = []
 
-    def start(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-        """Spawn the workers and wait until each has loaded its slice; returns what each reported."""
+    def start(self, timeout_s: float = 600.0, cancelled: Any = None) -> list[dict[str, Any]]:
+        """Spawn the workers and wait until each has loaded its slice; returns what each reported.
+
+        ``cancelled()`` (optional) is polled while waiting: when it returns true the start is abandoned
+        (the engine shuts down during a restart).
+        """
         port = _free_port()
         for rank in range(self.world):
             q = self._ctx.Queue()
@@ -255,6 +259,8 @@ class WorkerGroup:
                     dead = self.dead()
                     if dead:
                         raise WorkerStartError(self._dead_message(dead, "while loading")) from None
+                    if cancelled is not None and cancelled():
+                        raise WorkerStartError("the worker group start was cancelled (the engine is shutting down)") from None
                     if time.monotonic() > deadline:
                         raise WorkerStartError(
                             f"the {self.world} workers did not finish loading within {timeout_s:.0f} s (ready: "
@@ -308,7 +314,9 @@ class WorkerGroup:
                 p.kill()
         for p in self.procs:
             p.join(5)
-        for q in self._inputs:
+        # Never let interpreter exit wait on a queue's feeder thread for a reader that is gone.
+        for q in [*self._inputs, self.results]:
             q.cancel_join_thread()
+        for q in self._inputs:
             q.close()
         self._inputs = []

@@ -1,0 +1,69 @@
+"""A worker killed mid-request: the running request fails with a clear error (no hang), the waiting one is
+kept and served after the worker group restarts; with no restarts left the engine fails closed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from energon_infer import ModelRunner, SamplingParams
+from energon_infer.engine import Engine, EngineClosedError, WorkerFailedError
+from tests.helpers.runif import RunIf
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _wait(predicate, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _kill_while_running(engine: Engine, rank: int, request_id: str):
+    started = threading.Event()
+    fut = engine.submit([5, 6, 7], LONG, request_id=request_id, listener=lambda e: started.set())
+    assert started.wait(60), "the request never produced a token"
+    os.kill(engine.health()["pids"][rank], signal.SIGKILL)
+    return fut
+
+
+@RunIf(min_world=2)
+def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "m", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    expected = ModelRunner.from_pretrained(path, progress=False).generate([[9, 8, 7]], SHORT)[0].token_ids
+    engine = Engine.from_pretrained(path, tp=2, max_running=1, max_restarts=1, progress=False, threads_per_worker=1)
+    try:
+        old_pids = engine.health()["pids"]
+        running = _kill_while_running(engine, 1, "victim")
+        waiting = engine.submit([9, 8, 7], SHORT)  # max_running=1: queued behind the victim
+        with pytest.raises(WorkerFailedError, match=r"worker 1 exited with code -9 \(signal 9\).*restarting"):
+            running.result(timeout=120)  # an error, not a hang
+        # The waiting request was not lost: it runs on the restarted group.
+        assert waiting.result(timeout=180).token_ids == expected
+        health = engine.health()
+        assert health["status"] == "ready" and health["restarts"] == 1 and health["worker_failures"] == 1
+        assert set(health["pids"]).isdisjoint(old_pids) and "worker 1 exited" in health["last_error"]
+        assert engine.generate([[9, 8, 7]], SHORT)[0].token_ids == expected
+        assert 'energon_worker_restarts_total 1' in engine.render_metrics()
+
+        # No restarts left: the engine fails closed instead of hanging or accepting work it cannot do.
+        doomed = _kill_while_running(engine, 0, "victim-2")
+        with pytest.raises(WorkerFailedError, match="worker 0 exited .*no workers left"):
+            doomed.result(timeout=120)
+        assert _wait(lambda: engine.health()["status"] == "failed")
+        with pytest.raises(EngineClosedError, match="has no workers"):
+            engine.submit([1, 2])
+        assert "energon_up 0" in engine.render_metrics()
+    finally:
+        engine.shutdown(timeout=30)
+    assert not any(p.is_alive() for p in engine._group.procs)
