@@ -420,6 +420,7 @@ class BackgroundServer:
         self.server = _uvicorn_server(build_app(engine, self.config, owns_engine=owns_engine,
                                                 tokenizer_config=_tokenizer_config(engine)), self.config)
         self._thread = threading.Thread(target=self.server.run, name="energon-http", daemon=True)
+        self._port = self.config.port
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()
@@ -429,11 +430,12 @@ class BackgroundServer:
                 raise RuntimeError(f"the HTTP server did not start on {self.config.host}:{self.config.port} "
                                    f"within {timeout:g} s (port in use?)")
             time.sleep(0.02)
+        self._port = int(self.server.servers[0].sockets[0].getsockname()[1])  # the real one when port=0
         return self
 
     @property
     def port(self) -> int:
-        return int(self.server.servers[0].sockets[0].getsockname()[1])
+        return self._port
 
     @property
     def url(self) -> str:
