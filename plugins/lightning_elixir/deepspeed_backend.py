@@ -10,6 +10,8 @@ adapter adds what the runtime needs:
 * a client optimizer (from ``configure_optimizers``) is allowed with ZeRO-Offload
   (``zero_force_ds_cpu_optimizer: false``), so the optimizer works unchanged;
 * a ``config`` given by the user is merged over the translation (the user wins);
+* a partial ``offload_optimizer.ratio`` is dropped (every optimizer state offloaded) unless the
+  config builds DeepSpeed's own optimizer: DeepSpeed runs that ratio only with DeepSpeedCPUAdam;
 * on a CPU-only machine, Lightning's "only supported on CUDA GPUs" check is lifted knowingly:
   DeepSpeed runs on its CPU accelerator over gloo there (its shared-memory all-reduce op is disabled:
   it crashes on some machines, and gloo is what the CPU tests use). This is for tests and
@@ -61,6 +63,11 @@ def deepspeed_config(plan: ElixirPlan, user: dict[str, Any] | None = None) -> di
     cfg = plan.to_deepspeed_config()
     cfg.pop("activation_checkpointing", None)  # blocks are checkpointed by apply_activation_checkpointing
     cfg["zero_force_ds_cpu_optimizer"] = False
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {})
+    if "ratio" in offload and "optimizer" not in (user or {}):
+        # A partial offload ratio (ZeRO-Offload++) runs only DeepSpeedCPUAdam; the optimizer from
+        # configure_optimizers is a torch one, so offload all optimizer state instead.
+        offload.pop("ratio")
     return merge_config(cfg, user)
 
 
@@ -104,6 +111,33 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
         ds_torch.build_shm_op = lambda: None  # its CPU shared-memory all-reduce crashes here; gloo instead
         DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's CUDA-only check, knowingly (module doc)
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        # Lightning's check that device indices match local ranks has no meaning for CPU devices.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import argparse
+
+        import deepspeed
+
+        # DeepSpeed reads the device index from ``args.device_rank``; a CPU device has none: use the local rank.
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+            lr_scheduler=lr_scheduler, dist_init_required=False)
+        return engine, ds_optimizer
 
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
