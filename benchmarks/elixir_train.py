@@ -1,0 +1,243 @@
+"""Elixir's plan vs the configurations users pick by hand: step time on 2 CPU processes, same model and data.
+
+Two gloo ranks (1 thread each) train a GPT-2-shaped model (tightfit.models) with AdamW in fp32. The
+memory budget is 60% of what DDP needs by the planner's own accounting, the situation Elixir is for:
+the contenders a user would try are DDP, FSDP2 full shard (one unit per block), FSDP2 full shard +
+CPU offload, DeepSpeed ZeRO-3 and ZeRO-3 + offload (when DeepSpeed is installed), and Elixir's plan
+applied with ``apply_plan``. Each contender is built once; rounds alternate A B C ... after a warm-up
+round, each timing ``steps`` training steps between barriers; the median of the repeats is reported.
+
+Also: the planner's predicted step time and peak memory for Elixir and the FSDP2 baselines (priced by
+the same cost model), next to the measured step time and, for Elixir, the measured step peak
+(torch.profiler allocator events plus the resident state). On a CPU the host *is* the device, so
+offloading cannot lower measured memory here; the prediction compared is device peak + host state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import interleave, parser, plot_path, summarize, write_result
+
+NAME = "elixir_train"
+
+
+def _resident_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = local.untyped_storage().data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
+    return total
+
+
+def _measure_peak(step, state) -> int:
+    """Resident state + the highest the step's CPU allocations rise (torch.profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = _resident_bytes(state())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    level = peak = 0
+    for e in events:
+        level += e.nbytes()
+        peak = max(peak, level)
+    return base + peak
+
+
+def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_elixir.apply import apply_plan
+    from tightfit.models import GPTConfig, build_gpt
+    from tightfit.planner.elixir import baseline, search
+    from tightfit.profiler import profile_device, profile_model
+    from tightfit.profiler.types import ClusterSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = GPTConfig(vocab_size=4096, n_positions=128, hidden=192 if quick else 256, layers=4 if quick else 6,
+                    heads=4, name="gpt-bench")
+    batch, seq = 4, 128
+    steps = 2 if quick else 4
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    say = (lambda m: print(f"[elixir_train] {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+
+    profile = profile_model(build_gpt(cfg, device="meta"), torch.zeros(batch, seq, dtype=torch.long))
+    device = profile_device("cpu", quick=True, progress=False)  # every rank: the collectives are measured together
+    cluster = ClusterSpec.uniform(device, world)
+    kw = dict(precision="32-true", optimizer="adamw")
+    ddp_pred = baseline(profile, cluster, "ddp", checkpoint=False, **kw)
+    budget = int(0.6 * ddp_pred.peak_bytes)
+    plan = search(profile, cluster, memory_budget=budget, **kw)
+    predicted = {"elixir": plan, "ddp": ddp_pred,
+                 "fsdp2 full shard": baseline(profile, cluster, "zero3", checkpoint=False, **kw),
+                 "fsdp2 + offload": baseline(profile, cluster, "zero3-offload", checkpoint=False, **kw)}
+    say(f"{profile.param_numel / 1e6:.1f} M parameters; budget {budget / 2**20:.1f} MiB (60% of DDP's "
+        f"{ddp_pred.peak_bytes / 2**20:.1f} MiB); plan: {len(plan.units)} units, {len(plan.offloaded_units)} "
+        f"offloaded, {len(plan.checkpointed_blocks)} blocks recomputed")
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model():
+        torch.manual_seed(0)
+        return build_gpt(cfg)
+
+    def trainer_of(module, params=None):
+        opt = torch.optim.AdamW(params if params is not None else module.parameters(), lr=1e-3)
+
+        def step():
+            loss = F.cross_entropy(module(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step, lambda: [*module.parameters(), *(v for s in opt.state.values() for v in s.values()
+                                                       if isinstance(v, torch.Tensor))]
+
+    def fsdp(offload: bool):
+        m = model()
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy())
+        fully_shard([m.wte, m.lm_head], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return trainer_of(m)
+
+    steps_of = {"ddp": trainer_of(DDP(model())), "fsdp2 full shard": fsdp(False), "fsdp2 + offload": fsdp(True)}
+    el = model()
+    apply_plan(el, plan, mesh)
+    steps_of["elixir"] = trainer_of(el)
+    try:
+        import deepspeed
+        import deepspeed.comm.torch as ds_torch
+
+        ds_torch.build_shm_op = lambda: None  # its CPU shared-memory op crashes on these machines (SETUP_NOTES)
+        deepspeed.init_distributed("gloo")
+        for name, extra in (("deepspeed zero3", {}), ("deepspeed zero3 + offload", {
+                "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})):
+            m = model()
+            cfg_ds = {"train_micro_batch_size_per_gpu": batch, "zero_force_ds_cpu_optimizer": False,
+                      "zero_optimization": {"stage": 3, **extra}}
+            engine, opt, _, _ = deepspeed.initialize(model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                                     config=cfg_ds, dist_init_required=False)
+
+            def ds_step(engine=engine):
+                loss = F.cross_entropy(engine(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+                engine.backward(loss)
+                engine.step()
+            steps_of[name] = (ds_step, lambda: [])
+    except ImportError:
+        say("DeepSpeed not installed: its contenders are skipped")
+
+    def timed(step):
+        def run() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            dist.barrier()
+            return (time.perf_counter() - start) / steps
+        return run
+
+    times = interleave({n: timed(s) for n, (s, _) in steps_of.items()}, repeats=repeats, warmup=1,
+                       progress=rank == 0)
+    peak = _measure_peak(*steps_of["elixir"])
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "times": times, "elixir_measured_peak": peak, "budget": budget, "params": profile.param_numel,
+            "predicted": {n: {"step_s": p.step_time_s, "peak_bytes": p.peak_bytes, "host_bytes": p.host_bytes_per_rank,
+                              } for n, p in predicted.items()},
+            "plan": {"units": len(plan.units), "offloaded": len(plan.offloaded_units),
+                     "checkpointed": len(plan.checkpointed_blocks), "explain": plan.explain()},
+            "config": {"hidden": cfg.hidden, "layers": cfg.layers, "vocab": cfg.vocab_size, "batch": batch,
+                       "seq": seq, "world": world, "steps_per_repeat": steps},
+        }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    repeats = args.repeats or (5 if args.quick else 9)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp()) / "elixir_train.json"
+    mp.spawn(_rank, args=(2, port, args.quick, repeats, str(out)), nprocs=2, join=True)
+    res = json.loads(out.read_text())
+    times, pred = res["times"], res["predicted"]
+    el = statistics.median(times["elixir"])
+    rows = []
+    for name, samples in times.items():
+        s = summarize(samples)
+        p = pred.get(name)
+        fits = "" if p is None else ("yes" if p["peak_bytes"] <= res["budget"] else "no (over budget)")
+        rows.append(f"| {name} | {s['median'] * 1e3:.0f} [{s['min'] * 1e3:.0f}-{s['max'] * 1e3:.0f}] | "
+                    f"{s['median'] / el:.2f}x | "
+                    + (f"{p['step_s'] * 1e3:.0f} | {p['peak_bytes'] / 2**20:.1f} | {fits} |" if p else "- | - | - |"))
+    ratios = {n: [a / b for a, b in zip(t, times["elixir"])] for n, t in times.items() if n != "elixir"}
+    fitting = [n for n in ratios if n in pred and pred[n]["peak_bytes"] <= res["budget"]]
+    best_fit = min(fitting, key=lambda n: statistics.median(times[n])) if fitting else None
+    p_el = pred["elixir"]
+    headline = (f"Elixir's plan: **{statistics.median(ratios[best_fit]):.2f}x** faster than {best_fit}, the fastest "
+                f"hand-picked FSDP2 configuration that fits the budget (median of {repeats} interleaved repeats)"
+                if best_fit else "no hand-picked FSDP2 configuration fits the budget")
+    markdown = "\n".join([
+        f"Headline: {headline}. Budget {res['budget'] / 2**20:.1f} MiB per rank (60% of DDP's predicted need); "
+        f"{res['params'] / 1e6:.1f} M parameters, 2 gloo ranks x 1 thread, fp32 AdamW.",
+        "", "| contender | step ms median [min-max] | time / Elixir | predicted ms | predicted peak MiB | fits budget |",
+        "|---|---|---|---|---|---|", *rows, "",
+        f"Elixir plan: {res['plan']['units']} units, {res['plan']['offloaded']} offloaded, "
+        f"{res['plan']['checkpointed']} blocks recomputed. Predicted step {p_el['step_s'] * 1e3:.0f} ms vs measured "
+        f"{el * 1e3:.0f} ms; predicted device peak + host state {(p_el['peak_bytes'] + p_el['host_bytes']) / 2**20:.1f} "
+        f"MiB vs measured {res['elixir_measured_peak'] / 2**20:.1f} MiB (CPU: host and device are the same memory).",
+        "DeepSpeed contenders have no prediction (the cost model prices FSDP2 plans).",
+    ])
+    plots = []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3))
+        names = list(times)
+        ax.barh(names, [statistics.median(times[n]) * 1e3 for n in names])
+        ax.set_xlabel("ms per step (median)")
+        ax.set_title("2 CPU ranks, fp32 AdamW")
+        fig.tight_layout()
+        path = plot_path(NAME)
+        fig.savefig(path)
+        plots.append(path)
+    except ImportError:
+        pass
+    write_result(NAME, title="Elixir plan vs DDP / FSDP2 / DeepSpeed ZeRO-3 (2 CPU ranks)",
+                 params={"quick": args.quick, "repeats": repeats, **res["config"]},
+                 results={k: v for k, v in res.items() if k != "config"}, markdown=markdown, plots=plots)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
