@@ -69,18 +69,24 @@ class MemoryPoolConfig:
         lookahead: pooled layers fetched ahead of the one running (slots = lookahead + 1).
         pool_device: where pooled weights live: ``"cpu"`` (host memory, pinned when the compute
             device is a GPU) or a peer GPU (``"cuda:1"``).
+        cpu_prefetch: on a CPU-only machine, ``"thread"`` copies on a background thread (overlaps when
+            a core is free) or ``"inline"`` copies in order on the compute thread (no hand-off cost;
+            better when the cores are all busy). GPUs always use a side stream.
     """
 
     fraction: float = 0.5
     device_budget: int | str | None = None
     lookahead: int = 2
     pool_device: str = "cpu"
+    cpu_prefetch: str = "thread"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction={self.fraction} must be in [0, 1] (0 pools nothing, 1 pools every layer)")
         if self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead} must be >= 0")
+        if self.cpu_prefetch not in ("thread", "inline"):
+            raise ValueError(f"cpu_prefetch={self.cpu_prefetch!r} must be 'thread' or 'inline'")
         if isinstance(self.device_budget, str):
             from tightfit.units import parse_bytes
 
@@ -195,9 +201,11 @@ class LayerPool:
         pooled: positions (within ``stage.layers``) of the blocks to pool.
         lookahead: pooled blocks fetched ahead of the running one.
         pool_device: where the pool lives (``"cpu"`` or a peer ``"cuda:N"``).
+        cpu_prefetch: ``"thread"`` or ``"inline"`` (CPU compute device only; see :class:`MemoryPoolConfig`).
     """
 
-    def __init__(self, stage: nn.Module, pooled: Sequence[int], *, lookahead: int = 2, pool_device: str = "cpu"):
+    def __init__(self, stage: nn.Module, pooled: Sequence[int], *, lookahead: int = 2, pool_device: str = "cpu",
+                 cpu_prefetch: str = "thread"):
         blocks = list(stage.layers.values())
         bad = [i for i in pooled if not 0 <= i < len(blocks)]
         if bad:
@@ -219,10 +227,10 @@ class LayerPool:
         self._bound: dict[int, int] = {}  # pooled index -> slot while its block runs
         self._slot_free_event: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._executor = None
         if self.cuda:
             self._stream = torch.cuda.Stream(device=self.device)
-            self._executor = None
-        else:
+        elif cpu_prefetch == "thread":
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-prefetch")
         self.copies = 0
         self.waits = 0  # times a block had to wait for its copy (it was not prefetched in time or at all)
@@ -258,7 +266,10 @@ class LayerPool:
                 done = torch.cuda.Event()
                 done.record(self._stream)
             return done
-        assert self._executor is not None
+        if self._executor is None:  # inline: in execution order, on this thread
+            done: Future[torch.Tensor] = Future()
+            done.set_result(dst.copy_(src))
+            return done
         return self._executor.submit(dst.copy_, src)
 
     def _fill(self) -> None:
@@ -335,5 +346,6 @@ def apply_memory_pool(runner: Any, config: MemoryPoolConfig) -> tuple[LayerPool,
     budget = config.device_budget
     plan = plan_pool(layers, resident_bytes=resident, budget_bytes=budget if isinstance(budget, int) else None,
                      fraction=config.fraction, lookahead=config.lookahead)
-    pool = LayerPool(runner.stage, plan.pooled, lookahead=config.lookahead, pool_device=config.pool_device)
+    pool = LayerPool(runner.stage, plan.pooled, lookahead=config.lookahead, pool_device=config.pool_device,
+                     cpu_prefetch=config.cpu_prefetch)
     return pool, plan

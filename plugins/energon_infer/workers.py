@@ -168,7 +168,8 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
 
             layer_pool, plan = apply_memory_pool(runner, pool)
             info["pool"] = {"pooled": list(plan.pooled), "layers": plan.n_layers, "pool_bytes": layer_pool.pool_bytes,
-                            "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes}
+                            "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes,
+                            "layer_bytes": plan.slot_bytes}
         _warm_up(runner)
         timer = StageTimer(runner.stage, runner.device)
         out_q.put(("ready", rank, info))
