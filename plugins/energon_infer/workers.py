@@ -259,7 +259,10 @@ class WorkerGroup:
                 except queue.Empty:
                     dead = self.dead()
                     if dead:
-                        raise WorkerStartError(self._dead_message(dead, "while loading")) from None
+                        raise WorkerStartError(
+                            self._dead_message(dead, "while loading") + "; its error is printed above. If your script "
+                            "creates the Engine at module level, put that code under `if __name__ == \"__main__\":` "
+                            "(workers are spawned, and spawning imports your script)") from None
                     if cancelled is not None and cancelled():
                         raise WorkerStartError("the worker group start was cancelled (the engine is shutting down)") from None
                     if time.monotonic() > deadline:
