@@ -75,6 +75,9 @@ class EngineConfig:
         start_timeout_s: how long loading may take.
         threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
         backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
+        launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
+            torchrun started, on one or many nodes; this process must be rank 0, the others call
+            :func:`energon_infer.torchrun.run_worker`; no restarts).
     """
 
     max_batch_tokens: int = 4096
@@ -88,6 +91,7 @@ class EngineConfig:
     start_timeout_s: float = 600.0
     threads_per_worker: int = 0
     backend: str | None = None
+    launcher: str = "spawn"
 
     def __post_init__(self) -> None:
         if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
@@ -95,6 +99,8 @@ class EngineConfig:
                              f"threads_per_worker={self.threads_per_worker} must be >= 0")
         if self.step_timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
+        if self.launcher not in ("spawn", "torchrun"):
+            raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
@@ -290,7 +296,13 @@ class Engine:
         return cls._build(ModelSource("tightfit_gpt", str(path), options), tp, pp, dtype, max_batch_tokens,
                           memory_pool, tokenizer, model_name or path.stem, kwargs)
 
-    def _start_group(self) -> WorkerGroup:
+    def _start_group(self) -> Any:
+        if self.config.launcher == "torchrun":
+            from energon_infer.torchrun import TorchrunWorkerGroup
+
+            tgroup = TorchrunWorkerGroup(self.source, self.runtime, pool=self.memory_pool)
+            tgroup.start(self.config.start_timeout_s)
+            return tgroup
         group = WorkerGroup(self.source, self.runtime, pool=self.memory_pool, threads=self.config.threads_per_worker,
                             backend=self.config.backend)
         if self.runtime.progress:
@@ -498,7 +510,8 @@ class Engine:
 
     def _group_failed(self, reason: str) -> None:
         self.metrics.worker_failures += 1
-        can_restart = self.config.restart_workers and self.metrics.restarts < self.config.max_restarts
+        can_restart = (self.config.restart_workers and self.metrics.restarts < self.config.max_restarts
+                       and self.config.launcher == "spawn")  # a torchrun world's processes are torchrun's
         with self._lock:
             lost = self.scheduler.fail_running()
             self._inflight.clear()

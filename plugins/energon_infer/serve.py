@@ -2,6 +2,7 @@
 
     tightfit serve path/to/hf-dir --tp 2 --port 8000
     tightfit serve runs/elixir_demo/last.ckpt             # a tightfit GPT training checkpoint
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m energon_infer.serve DIR --tp 8 --pp 2 --launcher torchrun
     ENERGON_API_KEY=secret tightfit serve path/to/hf-dir --host 0.0.0.0
 
 ``PATH`` is a Hugging Face directory (``config.json`` + ``*.safetensors``) or a training
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-queue", type=int, default=1024, help="waiting requests at most; more get HTTP 429")
     b.add_argument("--max-restarts", type=int, default=3, help="worker group restarts after failures (default 3)")
     b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
+    b.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
+                   help="spawn: start tp*pp local workers (default); torchrun: every torchrun rank runs this command, "
+                        "rank 0 serves HTTP and the others are workers (multi-node)")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
@@ -62,6 +66,11 @@ def _memory_pool(value: str | None) -> float | str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
+        from energon_infer.torchrun import run_worker
+
+        run_worker()  # until rank 0's server shuts down
+        return 0
     from energon_infer.engine import Engine
     from energon_infer.server import ServerConfig, serve
 
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(tp=args.tp, pp=args.pp, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
                   memory_pool=_memory_pool(args.memory_pool), model_name=args.served_model_name,
                   kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running, max_queue=args.max_queue,
-                  max_restarts=args.max_restarts, restart_workers=not args.no_restart)
+                  max_restarts=args.max_restarts, restart_workers=not args.no_restart, launcher=args.launcher)
     if path.is_dir():
         engine = Engine.from_pretrained(path, **common)
     else:

@@ -26,13 +26,15 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-__all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "StageTimer"]
+__all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
+           "StageTimer"]
 
 
 class WorkerStartError(RuntimeError):
@@ -143,6 +145,50 @@ def _warm_up(runner: Any) -> None:
     runner.free(_WARMUP_SEQ)
 
 
+def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, dict[str, Any]]:
+    """Load this rank's runner (and its memory pool), warm it up; returns it, its stage timer and what to report."""
+    runner = build_runner(source, runtime)
+    info: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "kv_blocks": runner.cache.num_blocks,
+                            "block_size": runner.cache.block_size, "config": runner.config.to_dict(),
+                            "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device)}
+    if pool is not None:
+        from energon_infer.memory_pool import apply_memory_pool
+
+        layer_pool, plan = apply_memory_pool(runner, pool)
+        info["pool"] = {"pooled": list(plan.pooled), "layers": plan.n_layers, "pool_bytes": layer_pool.pool_bytes,
+                        "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes,
+                        "layer_bytes": plan.slot_bytes}
+    _warm_up(runner)
+    return runner, StageTimer(runner.stage, runner.device), info
+
+
+def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], tuple | None],
+                   reply: Callable[[tuple], None]) -> None:
+    """The worker loop (SPMD): obey commands in order until ``("stop",)`` or ``next_command()`` gives ``None``."""
+    result_rank = runner.grid.result_rank
+    while True:
+        cmd = next_command()
+        if cmd is None:
+            return
+        kind = cmd[0]
+        if kind == "step":
+            _, step_id, frees, items, new_params = cmd
+            for seq_id in frees:
+                runner.free(seq_id)
+            tokens = runner.step(items, new_params, broadcast=False)
+            if rank == result_rank:
+                reply(("tokens", step_id, tokens))
+        elif kind == "free":
+            for seq_id in cmd[1]:
+                runner.free(seq_id)
+        elif kind == "stats":
+            reply(("stats", rank, timer.snapshot(reset=bool(cmd[1]))))
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
 def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime: Any, pool: Any, threads: int,
                  backend: str, timeout_s: float, in_q: Any, out_q: Any, parent: int) -> None:
     import torch.distributed as dist
@@ -159,45 +205,18 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                 kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                     **kwargs)
-        runner = build_runner(source, runtime)
-        info: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "kv_blocks": runner.cache.num_blocks,
-                                "block_size": runner.cache.block_size, "config": runner.config.to_dict(),
-                                "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device)}
-        if pool is not None:
-            from energon_infer.memory_pool import apply_memory_pool
-
-            layer_pool, plan = apply_memory_pool(runner, pool)
-            info["pool"] = {"pooled": list(plan.pooled), "layers": plan.n_layers, "pool_bytes": layer_pool.pool_bytes,
-                            "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes,
-                            "layer_bytes": plan.slot_bytes}
-        _warm_up(runner)
-        timer = StageTimer(runner.stage, runner.device)
+        runner, timer, info = load_worker(source, runtime, pool, rank)
         out_q.put(("ready", rank, info))
-        result_rank = runner.grid.result_rank
-        while True:
-            try:
-                cmd = in_q.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the controller is gone: nobody will read our answers
-                    return
-                continue
-            kind = cmd[0]
-            if kind == "step":
-                _, step_id, frees, items, new_params = cmd
-                for seq_id in frees:
-                    runner.free(seq_id)
-                tokens = runner.step(items, new_params, broadcast=False)
-                if rank == result_rank:
-                    out_q.put(("tokens", step_id, tokens))
-            elif kind == "free":
-                for seq_id in cmd[1]:
-                    runner.free(seq_id)
-            elif kind == "stats":
-                out_q.put(("stats", rank, timer.snapshot(reset=bool(cmd[1]))))
-            elif kind == "stop":
-                return
-            else:
-                raise ValueError(f"unknown command {kind!r}")
+
+        def next_command() -> tuple | None:
+            while True:
+                try:
+                    return in_q.get(timeout=1.0)
+                except queue.Empty:
+                    if os.getppid() != parent:  # the controller is gone: nobody will read our answers
+                        return None
+
+        serve_commands(runner, timer, rank, next_command, out_q.put)
     except BaseException:
         out_q.put(("error", rank, traceback.format_exc()))
         out_q.close()
