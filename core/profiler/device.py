@@ -289,7 +289,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
     say(f"{next(step)}/{steps} AdamW on the device")
     dev_adam = host_adam if dev.type == "cpu" else _adam(dev, numel * 8, repeats)
     coll: dict[str, dict[int, float]] = {}
-    if grouped:
+    if grouped and world > 1:  # a 1-rank group moves nothing: (W-1)/W = 0 would record 0 B/s rates
         sizes = [2**20, 2**24] if quick else [2**20, 2**24, 2**26]
         say(f"{next(step)}/{steps} all-gather and reduce-scatter on {world} ranks ({dist.get_backend()})")
         coll = _collectives(dev, sizes, repeats)
