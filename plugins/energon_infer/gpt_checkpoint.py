@@ -68,6 +68,16 @@ def read_gpt_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict
                 "Lightning checkpoint with plain hyperparameters) or use safetensors"
             ) from None
     hparams = dict(raw.get("hyper_parameters") or {}) if isinstance(raw, Mapping) else {}
+    if path.suffix == ".safetensors" and not hparams:
+        # lightning_elixir.export stores the LightningModule's hyperparameters as JSON in the file's metadata.
+        import json
+
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if "hyper_parameters" in meta:
+            hparams = dict(json.loads(meta["hyper_parameters"]))
     state = raw.get("state_dict", raw) if isinstance(raw, Mapping) else raw
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} does not contain a state_dict of tensors (top-level keys: {list(raw)[:8]})")
