@@ -109,16 +109,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def mixed_budget_for(module: ByteGPT, args: argparse.Namespace, devices: int, precision: str):
     """The budget (and device profile) under which the planner picks a mixed plan for this model."""
-    from lightning_elixir.planning import profile_module
+    from lightning_elixir.planning import local_device, profile_module
     from tightfit.planner.elixir import mixed_budget
-    from tightfit.profiler import profile_device
     from tightfit.profiler.types import ClusterSpec
 
     with torch.device("meta"):  # profiling needs no real weights
         module.configure_model()
     batch = next(iter(DataLoader(ByteWindows(CORPUS, args.seq, 8), batch_size=args.batch)))
     profile = profile_module(module, batch)
-    device = profile_device("cuda" if torch.cuda.is_available() else "cpu", quick=True, progress=False)
+    device = local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return mixed_budget(profile, ClusterSpec.uniform(device, devices), precision=precision), device
 
 

@@ -173,7 +173,11 @@ def local_device(device: torch.device) -> DeviceProfile:
     """
     from tightfit.profiler import profile_device
 
-    return profile_device(device, quick=True, progress=False)
+    profile = profile_device(device, quick=True, progress=False)
+    # A profile measured in a 1-rank group may carry 0 B/s collective rates (nothing moved); the
+    # planner treats missing rates as unmeasured (a documented fallback), so drop such tables.
+    coll = {k: v for k, v in profile.collective_bytes_per_s.items() if v and all(r > 0 for r in v.values())}
+    return dataclasses.replace(profile, collective_bytes_per_s=coll)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
