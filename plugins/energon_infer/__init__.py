@@ -37,6 +37,7 @@ __all__ = [
     "EngineClosedError",
     "MemoryPoolConfig",
     "ServerConfig",
+    "run_worker",
 ]
 
 _LAZY = {
@@ -59,6 +60,7 @@ _LAZY = {
     "QueueFullError": "energon_infer.scheduler",
     "MemoryPoolConfig": "energon_infer.memory_pool",
     "ServerConfig": "energon_infer.server",
+    "run_worker": "energon_infer.torchrun",
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import threading
 import time
 import uuid
@@ -229,6 +230,9 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
         yield
         if owns_engine:  # uvicorn has already let in-flight requests finish (timeout_graceful_shutdown)
             await asyncio.to_thread(engine.shutdown, timeout=cfg.drain_timeout_s)
+            served = engine.metrics.requests
+            print(f"energon: stopped; {served.get('ok', 0)} request(s) served, {served.get('error', 0)} failed, "
+                  f"{served.get('rejected', 0)} rejected; workers stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="energon_infer", lifespan=lifespan)
 
