@@ -66,7 +66,16 @@ def _one_process(rank: int, world: int, tmp: str) -> dict:
     out.update(seen)
     out["lazy"] = lazy.losses
 
-    # 3. Lightning's own demo Transformer (random tokens instead of its WikiText2 download).
+    # 3. Mixed precision: FSDP2 casts parameters to bf16 for compute, reduces gradients in fp32.
+    for precision in ("bf16-mixed", "bf16-true"):
+        L.seed_everything(0)
+        half = TinyGPT()
+        s_half = ElixirStrategy(device_profile=cpu_device(), verbose=False)
+        trainer(s_half, tmp_path / precision, devices=1, max_steps=12, precision=precision).fit(half)
+        out[precision] = (half.losses, s_half.plan.param_dtype, s_half.plan.reduce_dtype,
+                          str(half.model.blocks[0].mlp.c_fc.weight.dtype))
+
+    # 4. Lightning's own demo Transformer (random tokens instead of its WikiText2 download).
     class DemoTransformer(LightningTransformer):
         def __init__(self) -> None:
             super().__init__(vocab_size=64)
@@ -102,6 +111,13 @@ def test_one_process_matches_single_device_and_trains_demo_transformer(tmp_path)
     assert r["meta_before_plan"] and not r["meta_after_setup"]
     assert 0.019 < r["init_std"] < 0.021 and r["init_bias"] == 0.0, (r["init_std"], r["init_bias"])
     assert r["lazy"][-1] < r["lazy"][0] - 1.0, r["lazy"]
+    # bf16-mixed: the plan asks FSDP2 for bf16 compute and fp32 reduction, fp32 master weights stay; bf16-true
+    # keeps bf16 weights. Both track the fp32 run within bf16's precision and learn.
+    losses, param_dtype, reduce_dtype, weight_dtype = r["bf16-mixed"]
+    assert (param_dtype, reduce_dtype, weight_dtype) == ("bfloat16", "float32", "torch.float32")
+    assert max(abs(a - b) for a, b in zip(losses, r["elixir"])) < 0.05, (losses, r["elixir"][:12])
+    losses, param_dtype, _, weight_dtype = r["bf16-true"]
+    assert param_dtype == "bfloat16" and weight_dtype == "torch.bfloat16" and losses[-1] < losses[0] - 0.25
     # Lightning's demo Transformer: sharded into several groups, and it learns (next token = token + 1).
     assert r["demo_sharded"] >= 2
     assert sum(r["demo"][-4:]) / 4 < sum(r["demo"][:4]) / 4 - 0.5, r["demo"]
