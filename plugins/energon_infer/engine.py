@@ -286,12 +286,26 @@ class Engine:
                                   **kwargs: Any) -> Engine:
         """Serve the tightfit example GPT from a training checkpoint (Lightning ``.ckpt``, ``state_dict``
         file or ``.safetensors``), e.g. the one ``strategy="elixir"`` trained. A 256-token vocabulary gets
-        the byte tokenizer. ``gpt_config``/``heads``: see :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`.
+        the byte tokenizer. ``gpt_config``/``heads``: see :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`;
+        a ``.safetensors`` file with a GPTConfig ``config.json`` beside it (what the Elixir example exports)
+        needs neither.
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist (give a Lightning .ckpt, a torch.save'd "
-                                    "state_dict, or a .safetensors file)")
+            hint = (" (a directory: a sharded checkpoint? export it first with `python -m lightning_elixir.export "
+                    f"{path}`)") if path.is_dir() else ""
+            raise FileNotFoundError(f"checkpoint {path} is not a file{hint}; give a Lightning .ckpt, a torch.save'd "
+                                    "state_dict, or a .safetensors file")
+        beside = path.parent / "config.json"
+        if gpt_config is None and heads is None and path.suffix == ".safetensors" and beside.is_file():
+            # The Elixir example writes its GPTConfig as config.json next to the exported weights.
+            import json
+
+            from tightfit.models.gpt import GPTConfig
+
+            raw = json.loads(beside.read_text())
+            if "model_type" not in raw:  # not a Hugging Face config
+                gpt_config = GPTConfig.from_dict(raw)
         options = {k: v for k, v in (("gpt_config", gpt_config), ("heads", heads)) if v is not None}
         return cls._build(ModelSource("tightfit_gpt", str(path), options), tp, pp, dtype, max_batch_tokens,
                           memory_pool, tokenizer, model_name or path.stem, kwargs)

@@ -1,8 +1,8 @@
 """The engine part of ``tightfit demo``: start an engine, serve it over HTTP, answer a few requests.
 
 It serves the GPT the Elixir demo trained when its checkpoint is there (``$TIGHTFIT_ELIXIR_CHECKPOINT``,
-else the newest ``*.safetensors`` / ``*.ckpt`` file under ``runs/elixir_demo/`` of the working
-directory or the source checkout), and otherwise a tiny random LLaMA-architecture model saved to a
+else ``runs/elixir_demo/model.safetensors`` (with the ``config.json`` the example writes beside it),
+or the newest ``*.safetensors`` / ``*.ckpt`` file there, in the working directory or the source checkout), and otherwise a tiny random LLaMA-architecture model saved to a
 temporary directory. Three prompts go to the engine at once (continuously batched), one more
 through ``POST /v1/completions`` on 127.0.0.1 with a real HTTP client.
 """
@@ -26,8 +26,11 @@ def find_elixir_checkpoint() -> Path | None:
         return Path(env) if Path(env).is_file() else None
     roots = [Path.cwd() / "runs" / "elixir_demo", Path(__file__).resolve().parents[2] / "runs" / "elixir_demo"]
     for root in roots:
+        # The example exports model.safetensors + config.json; its last.ckpt is a sharded directory.
+        if (root / "model.safetensors").is_file():
+            return root / "model.safetensors"
         if root.is_dir():
-            files = [p for pattern in ("*.safetensors", "*.ckpt") for p in root.rglob(pattern) if p.is_file()]
+            files = [p for pattern in ("*.safetensors", "*.ckpt") for p in root.glob(pattern) if p.is_file()]
             if files:
                 return max(files, key=lambda p: p.stat().st_mtime)
     return None

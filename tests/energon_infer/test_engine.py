@@ -189,3 +189,25 @@ def test_layout_errors_fail_before_spawning(model_dir):
         Engine.from_pretrained(model_dir, max_qeue=3)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine.from_pretrained(model_dir / "nope")
+
+
+def test_engine_serves_exported_weights_with_the_config_beside_them(tmp_path):
+    """What the Elixir example leaves in runs/elixir_demo/: model.safetensors + its GPTConfig as config.json."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from energon_infer import load_tightfit_gpt
+    from tightfit.models import build_gpt
+
+    torch_model = build_gpt("gpt2-tiny", layers=2)
+    save_file({k: v.detach().clone().contiguous() for k, v in torch_model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(torch_model.config)))
+    ref = load_tightfit_gpt(tmp_path / "model.safetensors", gpt_config=torch_model.config, progress=False)
+    expected = [g.token_ids for g in ref.generate(["hello"], GREEDY)]
+    with Engine.from_lightning_checkpoint(tmp_path / "model.safetensors", **OPTS) as engine:
+        assert [c.token_ids for c in engine.generate(["hello"], GREEDY)] == expected
+    with pytest.raises(FileNotFoundError, match="export it first with `python -m lightning_elixir.export"):
+        Engine.from_lightning_checkpoint(tmp_path)

@@ -64,6 +64,15 @@ def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
         with pytest.raises(EngineClosedError, match="has no workers"):
             engine.submit([1, 2])
         assert "energon_up 0" in engine.render_metrics()
+        import httpx
+
+        from energon_infer.server import BackgroundServer
+
+        with BackgroundServer(engine) as server:  # the HTTP view of the same state
+            health = httpx.get(server.url + "/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            refused = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2]}, timeout=10)
+            assert refused.status_code == 503 and "has no workers" in refused.json()["error"]["message"]
     finally:
         engine.shutdown(timeout=30)
     assert not any(p.is_alive() for p in engine._group.procs)
