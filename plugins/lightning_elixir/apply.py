@@ -46,6 +46,7 @@ __all__ = [
     "inspect_units",
     "describe_units",
     "is_sharded",
+    "clip_grad_norm_",
 ]
 
 
@@ -314,6 +315,48 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
     apply_prefetch(units, plan.forward_prefetch, plan.backward_prefetch)  # 4. explicit prefetch
     materialize(module, units, device)                      # 5. allocate + initialise meta parameters
     return units
+
+
+# ---- gradient clipping across units on different meshes -------------------------------------------
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model whose units live on different meshes and devices.
+
+    torch's version stacks per-parameter norms, which DTensor refuses across meshes (``replicate``
+    units sit on a 2-D mesh, the others on the 1-D one) and which must meet on one device when some
+    units are offloaded. Here each rank sums ``|g|^p`` of its local shards, divides what a mesh
+    replicates by its replication factor (so every element is counted once), and one all-reduce
+    gives the global norm. Returns the total norm (before clipping), like torch.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    first = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
+    total = torch.zeros((), dtype=torch.float64, device=first.device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            copies = 1
+            for dim, placement in enumerate(g.placements):
+                if isinstance(placement, Replicate):
+                    copies *= g.device_mesh.size(dim)
+        else:
+            local, copies = g, world  # a plain tensor is the same on every rank
+        total += local.detach().double().abs().pow(norm_type).sum().to(total.device) / copies
+    if world > 1:
+        comm = total.cuda() if dist.get_backend() == "nccl" else total.cpu()
+        dist.all_reduce(comm)
+        total = comm.to(total.device)
+    norm = total.pow(1.0 / norm_type).float()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+    return norm
 
 
 # ---- reading it back -----------------------------------------------------------------------------

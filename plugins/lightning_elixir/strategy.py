@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
+from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
 from lightning_elixir.checkpoint import atomic_save, recover
 from lightning_elixir.planning import (
     OFFLOAD_CHOICES,
@@ -144,6 +144,17 @@ class ElixirStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._prefer_fused_host_step()
         self.setup_precision_plugin()
+        self._install_clipping()
+
+    def _install_clipping(self) -> None:
+        """Norm clipping through :func:`lightning_elixir.apply.clip_grad_norm_`: torch's refuses gradients
+        on several meshes (replicate units) and needs them on one device (offloaded units)."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float | int) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def _decide_plan(self, trainer: Any) -> ElixirPlan:
         module = self.lightning_module

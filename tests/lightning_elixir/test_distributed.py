@@ -151,3 +151,58 @@ def _check_applied(plan_units, applied) -> None:
         seen["reshard"] += mode == "reshard"
         seen["checkpointed"] += bool(checkpoint)
     assert all(seen.values()), f"the plan should exercise every kind of unit: {seen}"
+
+
+def _every_mode(rank: int, world: int) -> dict:
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_elixir.apply import apply_plan, clip_grad_norm_, inspect_units
+    from tests.lightning_elixir.common import CONFIG, cpu_device
+    from tightfit.models import build_gpt
+    from tightfit.planner.elixir import estimate, search
+    from tightfit.profiler import profile_model
+    from tightfit.profiler.types import ClusterSpec
+
+    profile = profile_model(build_gpt(CONFIG, device="meta"), torch.zeros(4, 32, dtype=torch.long))
+    cluster = ClusterSpec.uniform(cpu_device(), world)
+    modes = ("replicate", "keep", "reshard")
+    units = [dataclasses.replace(u, mode=modes[i % 3], offload=i % 2 == 1)
+             for i, u in enumerate(search(profile, cluster, precision="32-true").units)]
+    plan = estimate(profile, cluster, units, precision="32-true")
+    data = torch.randint(0, CONFIG.vocab_size, (10, world, 4, 33), generator=torch.Generator().manual_seed(1))
+
+    def train(model, clip) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(10):
+            x = data[step, rank]
+            loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, CONFIG.vocab_size), x[:, 1:].reshape(-1))
+            loss.backward()
+            clip(model.parameters(), 0.05)  # small enough to bind on every step
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    ref = train(DDP(build_gpt(CONFIG)), torch.nn.utils.clip_grad_norm_)
+    torch.manual_seed(0)
+    model = build_gpt(CONFIG)
+    apply_plan(model, plan, init_device_mesh("cpu", (world,)))
+    return {"ref": ref, "elixir": train(model, clip_grad_norm_),
+            "replicated": [s.replicated for s in inspect_units(model)],
+            "kept": [not s.reshard_after_forward for s in inspect_units(model)]}
+
+
+@RunIf(min_world=2)
+def test_every_unit_mode_with_norm_clipping_matches_ddp():
+    """replicate (a 2-D mesh), keep and reshard units, offloaded or not, in one model: torch's clipping
+    refuses gradients on two meshes; lightning_elixir.apply.clip_grad_norm_ counts each element once."""
+    for r in run_distributed(_every_mode, 2, timeout=300):
+        assert any(r["replicated"]) and not all(r["replicated"]) and any(r["kept"]), r
+        assert max(abs(a - b) for a, b in zip(r["ref"], r["elixir"])) <= LOSS_ATOL, (r["ref"], r["elixir"])
