@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         hidden, layers, vocab, n, rate, prompt, output, dtype = 64, 2, 512, 6, 50.0, (4, 16), (2, 6), "float32"
     else:
         hidden, layers, vocab, dtype = 2048, 8, 32000, "bfloat16"
-        n, rate, prompt, output = (24, 16.0, (32, 512), (16, 64)) if quick else (64, 16.0, (32, 512), (16, 64))
+        n, rate, prompt, output = (16, 16.0, (32, 512), (16, 48)) if quick else (64, 16.0, (32, 512), (16, 64))
     device = "cpu" if smoke else "cuda"
     opts = dict(progress=False, dtype=dtype, kv_cache_tokens=65536 if not smoke else 4096, max_batch_tokens=8192,
                 threads_per_worker=1 if smoke else 0)
