@@ -4,6 +4,7 @@ continuous batching that does not change any request's output, streams, aborts, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -211,3 +212,19 @@ def test_engine_serves_exported_weights_with_the_config_beside_them(tmp_path):
         assert [c.token_ids for c in engine.generate(["hello"], GREEDY)] == expected
     with pytest.raises(FileNotFoundError, match="export it first with `python -m lightning_elixir.export"):
         Engine.from_lightning_checkpoint(tmp_path)
+
+
+def test_streamed_text_never_shows_a_stop_string(engine):
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = engine.generate(["every rank holds a slice"], long)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]  # a 3-character string the output reaches midway
+    assert len(stop) == 3
+
+    async def consume():
+        return [e async for e in engine.stream("every rank holds a slice", dataclasses.replace(long, stop=(stop,)))]
+
+    events = asyncio.run(consume())
+    streamed = "".join(e.text for e in events)
+    final = events[-1].completion
+    assert final.finish_reason == "stop" and final.text == full[: full.find(stop)]
+    assert streamed == final.text and stop not in streamed

@@ -76,3 +76,24 @@ def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
     finally:
         engine.shutdown(timeout=30)
     assert not any(p.is_alive() for p in engine._group.procs)
+
+
+def test_hung_worker_times_out_instead_of_hanging(tmp_path):
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "m", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    engine = Engine.from_pretrained(path, step_timeout_s=3.0, progress=False, threads_per_worker=1)
+    try:
+        started = threading.Event()
+        fut = engine.submit([5, 6, 7], LONG, listener=lambda e: started.set())
+        assert started.wait(60)
+        pid = engine.health()["pids"][0]
+        os.kill(pid, signal.SIGSTOP)  # alive but frozen: only the step timeout can notice
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailedError, match=r"no answer within step_timeout_s=3 s \(a worker hangs\)"):
+            fut.result(timeout=120)
+        assert time.monotonic() - t0 < 60
+        assert _wait(lambda: engine.health()["status"] == "ready" and engine.health()["pids"][0] != pid)
+        assert len(engine.generate([[9, 8, 7]], SHORT)[0].token_ids) == 6
+    finally:
+        engine.shutdown(timeout=30)
