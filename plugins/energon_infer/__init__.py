@@ -7,6 +7,13 @@
 The runtime (this issue) loads GPT-2, OPT and LLaMA-family checkpoints (and the tightfit example
 GPT's training checkpoints), runs batches packed with no padding over a paged KV cache, and splits
 models over a ``tp x pp`` grid of ranks. Names load on first use, so ``tightfit plugins`` stays fast.
+
+The engine drives that runtime from one controller (continuous batching, worker processes, memory
+pooling, faults) and the server puts it behind an OpenAI-compatible HTTP API:
+
+    with Engine.from_pretrained("path/to/hf-model-dir", tp=2) as engine:   # spawns 2 worker processes
+        print(engine.generate(["Hello"])[0].text)
+    # tightfit serve path/to/hf-model-dir --tp 2 --port 8000
 """
 
 from __future__ import annotations
