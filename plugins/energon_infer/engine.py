@@ -428,6 +428,8 @@ class Engine:
             if request_id not in self._live:
                 return False
             req = self.scheduler.abort(request_id)
+            if req is not None:  # finished now (else when its step in flight answers)
+                self._live.pop(request_id, None)
             wake = self.scheduler.in_flight < self.groups
         if req is not None:
             self._notify([(req, None, True)])

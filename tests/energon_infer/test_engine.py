@@ -96,7 +96,7 @@ def test_abort_cancel_and_leaving_a_stream_free_the_request(engine):
         if engine.scheduler.num_running == 0:
             break
         threading.Event().wait(0.05)
-    assert engine.scheduler.num_running == 0 and engine.scheduler.reserved == 0
+    assert engine.scheduler.num_running == 0 and engine.scheduler.reserved == 0 and not engine._live
     assert engine.generate([PROMPTS[0]], GREEDY)[0].finish_reason == "length"
 
 
