@@ -59,9 +59,12 @@ def run_engine_demo(quick: bool = True) -> str:
             what = f"a tiny random LLaMA on tp={1 if quick else 2}"
         loaded = time.perf_counter() - start
         with engine:
-            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            # Seeded sampling: each request draws from its own generator, so the answers do not depend on
+            # what else is batched with them, and the HTTP request below (seed 0) must repeat the first one.
+            params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=12, ignore_eos=True)
+                      for i in range(len(PROMPTS))]
             t0 = time.perf_counter()
-            futures = [engine.submit(p, params) for p in PROMPTS]
+            futures = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
             outs = [f.result(timeout=120) for f in futures]
             seconds = time.perf_counter() - t0
             for prompt, c in zip(PROMPTS, outs):
@@ -69,7 +72,8 @@ def run_engine_demo(quick: bool = True) -> str:
                       f"{c.latency_s * 1e3:.0f} ms)")
             with BackgroundServer(engine, ServerConfig(port=0)) as server:
                 reply = httpx.post(server.url + "/v1/completions", timeout=60,
-                                   json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                                   json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.8, "top_k": 20,
+                                         "seed": 0, "ignore_eos": True})
                 reply.raise_for_status()
                 http_text = reply.json()["choices"][0]["text"]
                 print(f"  [http] POST {server.url}/v1/completions => {http_text!r}")
