@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     repeats = args.repeats or (5 if quick else 9)
     hidden = args.hidden or (256 if quick else 512)
-    layers = args.layers or (4 if quick else 8)
+    layers = args.layers or (6 if quick else 8)
     vocab = 4096
     # Offered load well above what one request at a time sustains, so batching decides throughput and queueing.
     n_requests, rate = (32, 40.0) if quick else (96, 40.0)
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from energon_infer.engine import Engine
+    from energon_infer.memory_pool import MemoryPoolConfig
 
     opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048)
     results: dict[str, Any] = {}
@@ -184,20 +185,24 @@ def main(argv: list[str] | None = None) -> int:
         g = random.Random(1)
         batch = [[g.randrange(3, vocab) for _ in range(g.randint(8, 96))] for _ in range(16)]
         new_tokens = 32
-        engines = {f"pool {int(f * 100)}%": Engine.from_pretrained(path, memory_pool=f or None, **opts)
-                   for f in (0.0, 0.5, 1.0)}
+        # One layer fetched ahead (2 slots): the device keeps (layers - pooled + 2) layers' weights.
+        engines = {f"pool {int(f * 100)}%": Engine.from_pretrained(
+            path, memory_pool=MemoryPoolConfig(fraction=f, lookahead=1) if f else None, **opts) for f in (0.0, 0.5, 1.0)}
         try:
             runs = _rounds({k: (lambda e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
                            repeats, "pool")
             layer_bytes = max(i.get("pool", {}).get("layer_bytes", 0) for e in engines.values() for i in e.worker_info)
             pooled_layers = {k: len(e.worker_info[0].get("pool", {}).get("pooled", [])) for k, e in engines.items()}
+            device_bytes = {k: e.worker_info[0].get("pool", {}).get("device_bytes", e.worker_info[0]["weight_bytes"])
+                            for k, e in engines.items()}
         finally:
             for e in engines.values():
                 e.shutdown()
         bw = copy_bandwidth(layer_bytes, layers)
         summ = _summary(runs)
         base = summ["pool 0%"]["seconds"]["median"]
-        pool = {"runs": runs, "summary": summ, "copy_bytes_per_s": bw, "layer_bytes": layer_bytes, "limits": {}}
+        pool = {"runs": runs, "summary": summ, "copy_bytes_per_s": bw, "layer_bytes": layer_bytes, "limits": {},
+                "device_weight_bytes": device_bytes}
         for k, n in pooled_layers.items():
             if n:
                 steps = summ[k]["steps"]["median"]
@@ -262,14 +267,16 @@ def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, 
     pool = r["pool"]
     lines += ["", f"**Peer memory pooling** (16 requests x 32 tokens; copy bandwidth measured "
                   f"{pool['copy_bytes_per_s'] / 1e9:.1f} GB/s, {pool['layer_bytes'] / 2**20:.2f} MiB per layer):", "",
-              "| pooled | tokens/s | vs 0% | copies per step if not overlapped | measured extra per step |",
-              "|---|---|---|---|---|"]
+              "| pooled | weights on the device | tokens/s | vs 0% | copies per step if not overlapped | "
+              "measured extra per step |", "|---|---|---|---|---|---|"]
     base = pool["summary"]["pool 0%"]["tokens_per_s"]["median"]
     for name, v in pool["summary"].items():
         lim = pool["limits"].get(name)
         cost = (f"{lim['serial_copy_per_step_s'] * 1e6:.0f} us | {lim['extra_per_step_s'] * 1e6:.0f} us" if lim
                 else "- | -")
-        lines.append(f"| {name} | {_fmt(v['tokens_per_s'])} | {v['tokens_per_s']['median'] / base:.2f}x | {cost} |")
+        dev = pool["device_weight_bytes"][name] / 2**20
+        lines.append(f"| {name} | {dev:.1f} MiB | {_fmt(v['tokens_per_s'])} | {v['tokens_per_s']['median'] / base:.2f}x "
+                     f"| {cost} |")
     pipe = r["pipeline"]["summary"]
     lines += ["", "**Non-blocking pipeline** (pp=2, same batch, two worker processes): stage utilisation is busy "
                   "time / span per stage (limit 1.0; in a blocking pipeline the stages never work at once, so their "

@@ -150,7 +150,8 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
     runner = build_runner(source, runtime)
     info: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "kv_blocks": runner.cache.num_blocks,
                             "block_size": runner.cache.block_size, "config": runner.config.to_dict(),
-                            "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device)}
+                            "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device),
+                            "weight_bytes": sum(p.numel() * p.element_size() for p in runner.stage.parameters())}
     if pool is not None:
         from energon_infer.memory_pool import apply_memory_pool
 

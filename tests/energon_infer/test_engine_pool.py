@@ -99,3 +99,23 @@ def test_pool_config_is_validated():
     with pytest.raises(ValueError, match=r"fraction=1.5 must be in \[0, 1\]"):
         MemoryPoolConfig(fraction=1.5)
     assert MemoryPoolConfig(device_budget="1KiB").device_budget == 1024
+
+
+def test_engine_plans_the_pool_from_a_device_budget(model_dir):
+    from energon_infer.engine import Engine
+    from energon_infer.workers import WorkerStartError
+
+    runner = _runner(model_dir)
+    layers, resident = stage_layer_bytes(runner.stage)
+    # Room for the resident weights and 5 layers' worth: with 2 slots (lookahead 1), pooling 3 of the 6 layers
+    # keeps 3 + 2 slots = 5; pooling 2 would keep 4 + 2 = 6, too many.
+    budget = resident + 5 * layers[0]
+    with Engine.from_pretrained(model_dir, memory_pool=MemoryPoolConfig(device_budget=budget, lookahead=1),
+                                progress=False, threads_per_worker=1, block_size=4) as engine:
+        pool = engine.worker_info[0]["pool"]
+        assert pool["pooled"] == [0, 2, 4] and pool["device_bytes"] <= budget
+        out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert out[0].token_ids == runner.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4,
+                                                                           ignore_eos=True))[0].token_ids
+    with pytest.raises(WorkerStartError, match=r"PoolInfeasibleError: the stage needs at least .* raise the budget"):
+        Engine.from_pretrained(model_dir, memory_pool=f"{resident // 1024}KiB", progress=False, threads_per_worker=1)
