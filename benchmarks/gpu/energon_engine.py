@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         save_model,
     )
     from energon_infer.engine import Engine
+    from energon_infer.memory_pool import MemoryPoolConfig
 
     smoke, quick = args.smoke, args.quick or args.smoke
     repeats = args.repeats or (1 if smoke else 3 if quick else 5)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         engines = {"pool 0%": cont}
         try:
             for frac in (0.5, 1.0):
-                engines[f"pool {int(frac * 100)}%"] = Engine.from_pretrained(path, memory_pool=frac, **opts)
+                engines[f"pool {int(frac * 100)}%"] = Engine.from_pretrained(
+                    path, memory_pool=MemoryPoolConfig(fraction=frac, lookahead=1), **opts)  # 2 device slots
             pool_runs: dict[str, list] = {k: [] for k in engines}
             for e in engines.values():
                 closed_batch(e, batch, output[1])
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, e in engines.items():
                     pool_runs[name].append(closed_batch(e, batch, output[1]))
             info = {k: e.worker_info[0].get("pool") for k, e in engines.items()}
+            device_bytes = {k: (i or {}).get("device_bytes", engines[k].worker_info[0]["weight_bytes"])
+                            for k, i in info.items()}
         finally:
             for e in engines.values():
                 e.shutdown()
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = pool[k]["steps"]["median"]
                 pool[k]["limit"] = {"pooled_layers": len(i["pooled"]), "h2d_copy_per_step_s": len(i["pooled"]) * layer_bytes / bw,
                                     "extra_per_step_s": (pool[k]["seconds"]["median"] - base) / steps}
-        results["pool"] = {"runs": pool_runs, "summary": pool, "h2d_bytes_per_s": bw, "layer_bytes": layer_bytes}
+        results["pool"] = {"runs": pool_runs, "summary": pool, "h2d_bytes_per_s": bw, "layer_bytes": layer_bytes,
+                           "device_weight_bytes": device_bytes}
 
     s, p = results["stream"], results["pool"]["summary"]
     ratio_hf = s["continuous"]["tokens_per_s"]["median"] / s["transformers"]["tokens_per_s"]["median"]
