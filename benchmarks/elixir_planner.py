@@ -27,30 +27,11 @@ GiB = 2**30
 
 
 def _device(memory_gib: int):
-    """The A100 datasheet preset of tightfit.profiler when it exists, else the same numbers here."""
-    import dataclasses
+    """The profiler's A100 datasheet preset (``tightfit.profiler.device.device_preset``)."""
+    from tightfit.profiler.device import device_preset
 
-    try:
-        from tightfit.profiler.device import preset  # type: ignore[attr-defined]
-
-        dev = preset(f"a100-{memory_gib}g")
-        return dataclasses.replace(dev, memory_bytes=memory_gib * GiB, free_bytes=memory_gib * GiB), dev.source
-    except (ImportError, AttributeError, KeyError):
-        pass
-    from tightfit.profiler.types import DeviceProfile
-
-    # A100 SXM datasheet: 312 TFLOP/s bf16 dense (80% sustained), 19.5 fp32; PCIe 4.0 x16 pinned
-    # ~24 GB/s; NVLink 3 all-gather bus bandwidth ~230 GB/s at 1 GiB (nccl-tests, DGX A100);
-    # a DGX A100 host: 2 x 64 cores (DeepSpeed CPUAdam ~2e9 elements/s), 1 TiB for 8 GPUs.
-    coll = {2**20: 40e9, 2**24: 150e9, 2**28: 220e9, 2**30: 230e9}
-    return DeviceProfile(
-        name=f"A100-SXM4-{memory_gib}GB", kind="cuda", memory_bytes=memory_gib * GiB, free_bytes=memory_gib * GiB,
-        matmul_flops={"bfloat16": 250e12, "float16": 250e12, "float32": 19.5e12},
-        h2d_bytes_per_s={"pinned": 24e9, "pageable": 10e9}, d2h_bytes_per_s={"pinned": 24e9, "pageable": 10e9},
-        host_adam_elems_per_s=2e9, device_adam_elems_per_s=5e10,
-        collective_bytes_per_s={"all_gather": dict(coll), "reduce_scatter": dict(coll)},
-        host_memory_bytes=1024 * GiB, source=f"datasheet:a100-{memory_gib}g (benchmark copy)",
-    ), f"datasheet:a100-{memory_gib}g (benchmark copy)"
+    dev = device_preset(f"a100-{memory_gib}g")
+    return dev, dev.source
 
 
 def _profile(name: str, batch: int, seq: int):

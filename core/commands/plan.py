@@ -102,24 +102,12 @@ def load_cluster(args: argparse.Namespace):
 
 def _preset(name: str):
     """A datasheet DeviceProfile preset from the device profiler (``tightfit.profiler.device``)."""
+    from tightfit.profiler.device import device_preset
+
     try:
-        from tightfit.profiler import device as device_mod  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise SystemExit(f"tightfit plan: device presets are unavailable here ({e}); pass --device-profile PATH "
-                         "(a DeviceProfile JSON) instead") from None
-    for attr in ("preset", "device_preset", "get_preset"):
-        fn = getattr(device_mod, attr, None)
-        if callable(fn):
-            try:
-                return fn(name)
-            except KeyError as e:
-                raise SystemExit(f"tightfit plan: {e.args[0]}") from None
-    table = getattr(device_mod, "PRESETS", None)
-    if isinstance(table, dict):
-        if name not in table:
-            raise SystemExit(f"tightfit plan: unknown device preset {name!r}; presets: {', '.join(table)}")
-        return table[name]
-    raise SystemExit("tightfit plan: tightfit.profiler.device has no presets; pass --device-profile PATH")
+        return device_preset(name)
+    except KeyError as e:
+        raise SystemExit(f"tightfit plan: {e.args[0]}") from None
 
 
 def progress_bar(label: str) -> Callable[[int, int, str], None]:
