@@ -7,6 +7,12 @@ directory and applies it with :func:`lightning_elixir.apply.apply_plan`. Everyth
 Lightning's ``ModelParallelStrategy`` machinery (FSDP2 state dicts, distributed checkpoints,
 collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`).
 
+Precision follows the Trainer's and the plan is priced for it: ``"32-true"``; ``"bf16-mixed"`` (FSDP2
+computes in bf16 and reduce-scatters in fp32, fp32 master weights); ``"bf16-true"`` (bf16 weights);
+``"16-mixed"`` (fp16 compute, fp32 reduce-scatter and master weights, dynamic loss scaling that every
+rank agrees on, its state in the checkpoints: :mod:`lightning_elixir.precision`, which Lightning's
+``ModelParallelStrategy`` itself does not offer).
+
 Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``elixir_offload``
 (every unit offloaded), ``elixir_no_offload``, ``elixir_checkpoint`` (every block recomputed),
 ``elixir_deepspeed`` (the plan translated to DeepSpeed ZeRO; :mod:`lightning_elixir.deepspeed_backend`).
@@ -36,6 +42,7 @@ from lightning_elixir.planning import (
     profile_module,
     resolve_plan,
 )
+from lightning_elixir.precision import ElixirPrecision
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -59,6 +66,11 @@ class ElixirStrategy(ModelParallelStrategy):
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+
+    Precision: ``Trainer(precision=...)`` with ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or
+    ``"16-mixed"`` (:class:`~lightning_elixir.precision.ElixirPrecision`: FSDP2
+    ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``, loss scaling whose inf/nan
+    check covers every rank's gradient shards; pass ``plugins=[ElixirPrecision(init_scale=...)]`` to tune it).
 
     Example:
         >>> import lightning as L
@@ -144,6 +156,8 @@ class ElixirStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._prefer_fused_host_step()
         self.setup_precision_plugin()
+        if isinstance(self.precision_plugin, ElixirPrecision):
+            self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
         self._install_clipping()
 
     def _install_clipping(self) -> None:

@@ -35,7 +35,7 @@ def token_data(samples: int = 80, seed: int = 1) -> TensorDataset:
 class TinyGPT(L.LightningModule):
     """The tightfit GPT as a LightningModule; ``meta=True`` builds it in ``configure_model`` instead of ``__init__``."""
 
-    def __init__(self, meta: bool = False, lr: float = 3e-3, samples: int = 80) -> None:
+    def __init__(self, meta: bool = False, lr: float = 3e-3, samples: int = 80, batch_size: int = BATCH) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: GPT | None = None if meta else GPT(CONFIG)
@@ -70,7 +70,7 @@ class TinyGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
     def train_dataloader(self):
-        return DataLoader(token_data(self.hparams.samples), batch_size=BATCH, shuffle=True)
+        return DataLoader(token_data(self.hparams.samples), batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self):
         return DataLoader(token_data(16, seed=2), batch_size=BATCH)
@@ -79,15 +79,15 @@ class TinyGPT(L.LightningModule):
         return DataLoader(token_data(8, seed=3), batch_size=BATCH)
 
 
-def mixed_budget_for(world_size: int) -> int:
+def mixed_budget_for(world_size: int, precision: str = "32-true", batch_size: int = BATCH) -> int:
     """The budget under which the planner picks a mixed plan for TinyGPT on ``world_size`` fixed CPUs."""
     from lightning_elixir.planning import profile_module
     from tightfit.planner.elixir import mixed_budget
 
     module = TinyGPT()
-    batch = next(iter(DataLoader(token_data(8), batch_size=BATCH)))
+    batch = next(iter(DataLoader(token_data(8), batch_size=batch_size)))
     profile = profile_module(module, batch)
-    return mixed_budget(profile, ClusterSpec.uniform(cpu_device(), world_size), precision="32-true")
+    return mixed_budget(profile, ClusterSpec.uniform(cpu_device(), world_size), precision=precision)
 
 
 def trainer(strategy, tmp_path, *, devices: int, max_steps: int, **kwargs) -> L.Trainer:
