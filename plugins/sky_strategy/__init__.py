@@ -3,6 +3,8 @@
 Importing this package registers ``"sky"`` in Lightning's ``StrategyRegistry`` (when Lightning is
 installed), so ``Trainer(strategy="sky")`` works; ``SkyStrategy(...)`` takes the knobs of
 :class:`sky_strategy.config.SkyConfig`. The LightningModule convention is in :mod:`sky_strategy.layers`.
+``SkyStrategy(data_parallel=N)`` runs ``N`` data-parallel replicas of the pipeline when the world is
+larger than it (see :mod:`sky_strategy.strategy`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,12 @@ class SkyConfig:
             (Adam/AdamW 2, SGD with momentum 1, otherwise 0).
         check_forward: verify once that ``forward`` equals the declared layers applied in order.
         verbose: print profiling progress and the plan on rank 0.
+        data_parallel: replicas of the pipeline. ``1``: one pipeline over all ranks; ``N``: the world is
+            ``N`` replicas x ``world / N`` pipeline ranks (world must be a multiple of ``N``); ``"auto"``:
+            ``world / pipeline_ranks`` replicas (``pipeline_ranks`` given, or read from explicit
+            ``partition`` boundaries). Replicas see different data and average their gradients.
+        pipeline_ranks: ranks per pipeline (one stage each; interleaved: ``virtual_stages`` each); with
+            ``data_parallel="auto"`` it sets the replica count, with an integer it must agree.
     """
 
     schedule: str = "1f1b"
@@ -52,6 +58,8 @@ class SkyConfig:
     optimizer_state_factor: float | None = None
     check_forward: bool = True
     verbose: bool = True
+    data_parallel: int | str = 1
+    pipeline_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -84,12 +92,43 @@ class SkyConfig:
             raise ValueError(f"SkyStrategy: replan_threshold={self.replan_threshold} must be > 0 (0.25 = 25% drift)")
         if self.profile_repeats < 1:
             raise ValueError(f"SkyStrategy: profile_repeats={self.profile_repeats} must be >= 1")
+        if not (self.data_parallel == "auto" or (isinstance(self.data_parallel, int) and self.data_parallel >= 1)):
+            raise ValueError(f"SkyStrategy: data_parallel={self.data_parallel!r}; give a replica count >= 1 or 'auto'")
+        if self.pipeline_ranks is not None and self.pipeline_ranks < 1:
+            raise ValueError(f"SkyStrategy: pipeline_ranks={self.pipeline_ranks} must be >= 1 (or None)")
+
+    def layout(self, world: int) -> tuple[int, int]:
+        """``(replicas, ranks per pipeline)`` for ``world`` ranks; raises if the world cannot be split so."""
+        if self.data_parallel != "auto":
+            replicas = int(self.data_parallel)
+            if world % replicas:
+                raise ValueError(f"SkyStrategy: world size {world} is not a multiple of data_parallel={replicas}; "
+                                 f"every replica needs the same number of stage ranks. Use {replicas * max(1, world // replicas)} "
+                                 f"or {replicas * (world // replicas + 1)} ranks, or a data_parallel that divides {world}")
+            if self.pipeline_ranks is not None and world // replicas != self.pipeline_ranks:
+                raise ValueError(f"SkyStrategy: data_parallel={replicas} x pipeline_ranks={self.pipeline_ranks} = "
+                                 f"{replicas * self.pipeline_ranks} ranks, but the world has {world}; make them agree "
+                                 "or give only one of them")
+            return replicas, world // replicas
+        ranks = self.pipeline_ranks
+        if ranks is None and not isinstance(self.partition, str):
+            chunks = self.virtual_stages if self.schedule == "interleaved" else 1
+            ranks = max(1, (len(self.partition) - 1) // chunks)
+        if ranks is None:
+            raise ValueError("SkyStrategy: data_parallel='auto' needs the pipeline depth: pass pipeline_ranks=N "
+                             "(ranks per pipeline) or explicit partition boundaries, or give data_parallel=N")
+        if world % ranks:
+            raise ValueError(f"SkyStrategy: world size {world} is not a multiple of the stage count ({ranks} ranks per "
+                             "pipeline); data_parallel='auto' runs world / stages replicas. Use a multiple of "
+                             f"{ranks} ranks or change pipeline_ranks")
+        return world // ranks, ranks
 
     def check_world(self, world: int) -> None:
-        """Raise if the schedule cannot run on ``world`` ranks."""
+        """Raise if the schedule cannot run on ``world`` ranks (replicas x ranks per pipeline)."""
         for name, values in (("speed_factors", self.speed_factors), ("memory_caps", self.memory_caps)):
             if values is not None and len(values) != world:
                 raise ValueError(f"SkyStrategy: {name} has {len(values)} entries for {world} ranks; give one per rank")
+        _replicas, world = self.layout(world)  # from here on: ranks of one pipeline
         stages = world * (self.virtual_stages if self.schedule == "interleaved" else 1)
         if self.schedule == "1f1b" and self.microbatches < world:
             raise ValueError(f"SkyStrategy: schedule '1f1b' needs microbatches >= stages; got microbatches="

@@ -5,6 +5,10 @@ the layers of its own stages hold data; the others hold an empty placeholder (``
 elements), so optimizers built over all parameters stay valid, skip what a rank does not own
 (no gradient) and keep one parameter index space on every rank. Moving a layer (first placement,
 re-planning) sends its weights and optimizer state from the old owner to the new one.
+
+With data-parallel replicas the runtime works inside its replica's pipeline group (``group``: ranks
+and stage devices are ranks *in that group*), and :meth:`average_gradients` averages each owned
+parameter's gradient over the ``replicas`` group (the same stage in every replica).
 """
 
 from __future__ import annotations
@@ -33,15 +37,20 @@ class PipelineRuntime:
         device: this rank's device.
         slowdown: returns this rank's injected slowdown (1 / speed factor) at call time.
         context: a context manager factory each stage's forward runs in (autocast for mixed precision).
+        group: this replica's pipeline process group (``None``: the whole world is one pipeline).
+        replicas: the group of this rank's peers in the other replicas (``None``: no data parallelism).
     """
 
     def __init__(self, module: nn.Module, layers: list[Layer], *, device: torch.device,
-                 slowdown: Callable[[], float], context: Callable[[], AbstractContextManager]):
+                 slowdown: Callable[[], float], context: Callable[[], AbstractContextManager],
+                 group: dist.ProcessGroup | None = None, replicas: dist.ProcessGroup | None = None):
         self.module = module
         self.layers = layers
         self.device = device
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.group = group
+        self.replicas = replicas
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.slowdown = slowdown
         self.context = context
         self.plan: PartitionPlan | None = None
@@ -74,10 +83,10 @@ class PipelineRuntime:
                 continue
             # every rank walks the layers in the same order, so sends and receives pair up
             if self.rank == src:
-                dist.send_object_list([self._pack(i, optimizers)], dst=dst)
+                dist.send_object_list([self._pack(i, optimizers)], group=self.group, group_dst=dst)
             elif self.rank == dst:
                 payload: list = [None]
-                dist.recv_object_list(payload, src=src)
+                dist.recv_object_list(payload, group=self.group, group_src=src)
                 self._unpack(i, payload[0], optimizers)
         self.owner = new_owner
         for i in range(len(self.layers)):
@@ -143,7 +152,8 @@ class PipelineRuntime:
                 if s.device != self.rank:
                     continue
                 sub = StageModule([self.layers[i].module for i in range(s.start, s.stop)], self.context)
-                st = TimedStage(sub, s.index, len(plan.stages), self.device, slowdown=self.slowdown, sync=self._sync)
+                st = TimedStage(sub, s.index, len(plan.stages), self.device, slowdown=self.slowdown, sync=self._sync,
+                                group=self.group)
                 st.stage_index_to_group_rank = dict(mapping)
                 stages.append(st)
             loss_fn = self.module.loss_fn
@@ -186,7 +196,7 @@ class PipelineRuntime:
             with torch.no_grad():
                 out = sched.eval(*(args if first else ()), **kwargs)
         box = [out.detach().cpu() if last and isinstance(out, torch.Tensor) else out if last else None]
-        dist.broadcast_object_list(box, src=last_rank)
+        dist.broadcast_object_list(box, group=self.group, group_src=last_rank)
         result = box[0]
         return result.to(self.device) if isinstance(result, torch.Tensor) else result
 
@@ -196,6 +206,47 @@ class PipelineRuntime:
             g = g * scale if scale != 1.0 else g
             p.grad = g if p.grad is None else p.grad + g
         self._pending.clear()
+
+    def sync_replicas(self) -> None:
+        """Copy replica 0's weights and buffers to the other replicas (before the first placement, while
+        every rank still holds the whole model), as DDP does when it wraps a model."""
+        if self.replicas is None:
+            return
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if t.numel():
+                dist.broadcast(t.data, group=self.replicas, group_src=0)
+
+    def average_gradients(self, bucket_elements: int = 1 << 24) -> None:
+        """Average ``p.grad`` of this rank's layers over the replicas (a no-op without replicas).
+
+        Sums in fp32 buckets of at most ``bucket_elements`` (64 MiB) plus one flag per parameter, so a
+        gradient that is ``None`` on every replica stays ``None`` (optimizers skip it, as a single
+        process would) and one that exists on some replicas only counts as zero on the others.
+        """
+        if self.replicas is None:
+            return
+        n = dist.get_world_size(self.replicas)
+        params = [p for p in self.owned_parameters() if p.requires_grad]
+        flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], device=self.device)
+        dist.all_reduce(flags, group=self.replicas)
+        live = [p for p, f in zip(params, flags.tolist()) if f > 0]
+        start = 0
+        while start < len(live):
+            stop, size = start, 0
+            while stop < len(live) and (stop == start or size + live[stop].numel() <= bucket_elements):
+                size += live[stop].numel()
+                stop += 1
+            chunk = live[start:stop]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in chunk])
+            dist.all_reduce(flat, group=self.replicas)
+            flat /= n
+            offset = 0
+            for p in chunk:
+                g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+                p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+            start = stop
 
     def busy_seconds(self, reset: bool = True) -> tuple[float, int]:
         """Compute (+ injected delay) seconds this rank spent in its stages, and the forward chunks run."""
@@ -210,14 +261,15 @@ class PipelineRuntime:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict with the original names, on rank 0 ({} elsewhere)."""
+        """The whole model's state dict with the original names, on the pipeline's rank 0 ({} elsewhere;
+        with replicas every replica's first rank holds it, identical, and Lightning writes global rank 0's)."""
         mine = {}
         for i, layer in enumerate(self.layers):
             if self.owns(i):
                 mine.update({k: v.detach().cpu() for k, v in layer.parameters()})
                 mine.update({k: v.detach().cpu() for k, v in layer.buffers()})
         parts: list = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(mine, parts, dst=0)
+        dist.gather_object(mine, parts, group=self.group, group_dst=0)
         if self.rank != 0:
             return {}
         merged: dict[str, torch.Tensor] = {}
@@ -227,10 +279,10 @@ class PipelineRuntime:
         return OrderedDict((k, merged.get(k, v.detach().cpu())) for k, v in local.items())
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer state dict a single process would have, on rank 0 ({} elsewhere)."""
+        """The optimizer state dict a single process would have, on the pipeline's rank 0 ({} elsewhere)."""
         sd = optimizer.state_dict()
         parts: list = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(sd["state"], parts, dst=0)
+        dist.gather_object(sd["state"], parts, group=self.group, group_dst=0)
         if self.rank != 0:
             return {}
         state: dict = {}

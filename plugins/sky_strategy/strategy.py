@@ -14,6 +14,19 @@ How it fits Lightning's loop (automatic optimization, unchanged user code):
     * validation/test run the schedule forward-only the same way; checkpoints hold the full model and
       optimizer state under the original names, as a single process would save them.
 
+Data-parallel replicas (``data_parallel=N`` or ``"auto"``): the world is a 2-D ``DeviceMesh``
+``("dp", "pp")`` of ``N`` replicas x ``world / N`` pipeline ranks, global rank = replica x ranks per
+pipeline + position, so each pipeline is a block of consecutive ranks. Every replica runs the same
+plan; Lightning's distributed sampler gets the replica index and count (each replica loads its own
+share of the data, the ranks of one pipeline the same batches); before each optimizer step the
+gradients of every stage are averaged over its replicas (inside the closure, so value clipping
+sees the averaged gradients). The plan is made for one pipeline whose device at each position is
+the slowest (and smallest-memory) of that position's ranks across the replicas, with the slowest
+link between neighbouring positions in any replica: every replica steps together, so the slowest
+copy of a stage paces it. Losses are each replica's own (as under DDP); ``self.log(...,
+sync_dist=True)`` averages them over the replicas, which for equal shares is the loss of the global
+batch. Checkpoints: every replica holds identical weights; global rank 0 writes the file.
+
 Example:
     >>> import lightning as L, sky_strategy                              # doctest: +SKIP
     >>> trainer = L.Trainer(accelerator="cpu", devices=2,                 # doctest: +SKIP
@@ -58,7 +71,8 @@ class SkyStrategy(DDPStrategy):
     """Pipeline stages sized to each rank's measured speed and memory (see :class:`SkyConfig` for the knobs).
 
     The LightningModule declares ``pipeline_layers`` and ``loss_fn`` (see :mod:`sky_strategy.layers`).
-    Every rank loads the same batches (one pipeline; the ranks are its stages).
+    Every rank of a pipeline loads the same batches; with ``data_parallel=N`` the world holds ``N``
+    pipelines that split the data and average gradients (see the module docstring).
 
     Attributes after the first batch: ``plan`` (the :class:`PartitionPlan` in use), ``profiles`` (what
     each rank measured), ``replans`` (``(step, layer counts before, after)`` for each re-plan).
@@ -72,6 +86,7 @@ class SkyStrategy(DDPStrategy):
                  link_bandwidth: float | None = None, throttle: bool = True, replan_every: int | None = None,
                  replan_threshold: float = 0.25, profile_repeats: int = 3,
                  optimizer_state_factor: float | None = None, check_forward: bool = True, verbose: bool = True,
+                 data_parallel: int | str = 1, pipeline_ranks: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
                  precision_plugin=None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, start_method: str = "popen") -> None:
@@ -86,7 +101,8 @@ class SkyStrategy(DDPStrategy):
             memory_caps=None if memory_caps is None else tuple(memory_caps),  # type: ignore[arg-type]
             link_bandwidth=link_bandwidth, throttle=throttle, replan_every=replan_every,
             replan_threshold=replan_threshold, profile_repeats=profile_repeats,
-            optimizer_state_factor=optimizer_state_factor, check_forward=check_forward, verbose=verbose)
+            optimizer_state_factor=optimizer_state_factor, check_forward=check_forward, verbose=verbose,
+            data_parallel=data_parallel, pipeline_ranks=pipeline_ranks)
         self._speed_factors = list(self.config.speed_factors) if self.config.speed_factors else None
         self.runtime: PipelineRuntime | None = None
         self.plan: PartitionPlan | None = None
@@ -97,6 +113,40 @@ class SkyStrategy(DDPStrategy):
         self._baseline: list[float] | None = None
         self._steps = 0
         self._checked = 0
+        self.device_mesh: Any = None  # DeviceMesh ("dp", "pp") when there are replicas
+        self._pp_group: dist.ProcessGroup | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+
+    # -- layout: replicas x pipeline ranks -----------------------------------------------------------
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        return self.config.layout(self.world_size)[0]
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks (stage devices) per pipeline."""
+        return self.config.layout(self.world_size)[1]
+
+    @property
+    def replica_rank(self) -> int:
+        return self.global_rank // self.pipeline_ranks
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.global_rank % self.pipeline_ranks
+
+    def _build_mesh(self) -> None:
+        if self.device_mesh is not None or self.replicas == 1:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # rank = replica * pipeline_ranks + position: each pipeline is a block of consecutive ranks
+        mesh = init_device_mesh(self.root_device.type, (self.replicas, self.pipeline_ranks),
+                                mesh_dim_names=("dp", "pp"))
+        self.device_mesh = mesh
+        self._pp_group = mesh.get_group("pp")
+        self._dp_group = mesh.get_group("dp")
 
     # -- injected heterogeneity ----------------------------------------------------------------------
     def speed_factor(self, rank: int | None = None) -> float:
@@ -116,14 +166,15 @@ class SkyStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # one pipeline: every stage sees the same batches
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of a pipeline sees the same batches; replicas split the data
+        return {"num_replicas": self.replicas, "rank": self.replica_rank}
 
     @override
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.config.check_world(self.world_size)
+        self._build_mesh()
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException("SkyStrategy: '16-mixed' (GradScaler) is not supported; use "
                                             "precision='32-true', 'bf16-mixed' or 'bf16-true'")
@@ -190,7 +241,9 @@ class SkyStrategy(DDPStrategy):
         dist.broadcast_object_list(box, src=0)
         self.plan = box[0]
         self.runtime = PipelineRuntime(module, self._layers, device=self.root_device, slowdown=self._slowdown,
-                                       context=self.precision_plugin.forward_context)
+                                       context=self.precision_plugin.forward_context, group=self._pp_group,
+                                       replicas=self._dp_group)
+        self.runtime.sync_replicas()
         self.runtime.apply(self.plan, self._raw_optimizers())
         self._say(self.plan.explain())
 
@@ -213,12 +266,32 @@ class SkyStrategy(DDPStrategy):
                     f"(max difference {diff}); declare the layers so that forward(x) == layers applied one after "
                     "another, or pass check_forward=False if forward is deliberately different")
 
+    def _per_position(self, devices: list, links: Any) -> tuple[list, Any]:
+        """One pipeline's devices and links from every rank's: position ``j`` is as slow (and as small)
+        as the slowest of ranks ``j, j + P, j + 2P, ...`` (the replicas step together)."""
+        from dataclasses import replace
+
+        n, ranks = self.replicas, self.pipeline_ranks
+        if n == 1:
+            return devices, links
+        merged = []
+        for j in range(ranks):
+            copies = [devices[k * ranks + j] for k in range(n)]
+            slowest = min(copies, key=lambda d: d.speed)
+            merged.append(replace(slowest, name="/".join(d.name for d in copies),
+                                  memory_bytes=min(d.memory_bytes for d in copies)))
+        if isinstance(links, list):
+            links = [[min(links[k * ranks + a][k * ranks + b] for k in range(n)) for b in range(ranks)]
+                     for a in range(ranks)]
+        return merged, links
+
     def _make_plan(self, speeds: Sequence[float]) -> PartitionPlan:
+        """The plan for one pipeline; ``speeds`` are per global rank."""
         assert self._inputs is not None
         costs, mems, devices, links = self._inputs
         from dataclasses import replace
 
-        devices = [replace(d, speed=s) for d, s in zip(devices, speeds)]
+        devices, links = self._per_position([replace(d, speed=s) for d, s in zip(devices, speeds)], links)
         cfg = self.config
         opt = cfg.optimizer_state_factor
         if opt is None:
@@ -294,12 +367,12 @@ class SkyStrategy(DDPStrategy):
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         mine = torch.tensor([float(first.double().sum()), float(target.double().sum()), float(first.shape[0])],
                             dtype=torch.float64)
-        sums: list = [None] * self.world_size
-        dist.all_gather_object(sums, mine.tolist())
+        sums: list = [None] * self.pipeline_ranks
+        dist.all_gather_object(sums, mine.tolist(), group=self._pp_group)
         if any(s != sums[0] for s in sums):
             raise MisconfigurationException(
-                f"SkyStrategy: ranks received different batches (input/target sums by rank: {sums}); every stage "
-                "must see the same batch. Keep Lightning's sampler (use_distributed_sampler=True) or give every "
+                f"SkyStrategy: ranks of one pipeline received different batches (input/target sums by pipeline "
+                f"rank: {sums}); every stage must see the same batch. Keep Lightning's sampler (use_distributed_sampler=True) or give every "
                 "rank the same data order (no unseeded shuffling)")
 
     def _run(self, batch, train: bool):
@@ -330,7 +403,14 @@ class SkyStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        def averaged():
+            # after backward (the last of an accumulation window), before clipping and the step
+            result = closure()
+            if self.runtime is not None:
+                self.runtime.average_gradients()
+            return result
+
+        out = super().optimizer_step(optimizer, averaged if self.replicas > 1 else closure, model, **kwargs)
         self._steps += 1
         return out
 

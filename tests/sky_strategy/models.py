@@ -23,12 +23,13 @@ class Net(L.LightningModule):
 
     pipeline_layers = ("embed", "blocks", "head")  # the SkyStrategy convention: layers in forward order
 
-    def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2):
+    def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2, sync_dist: bool = False):
         super().__init__()
         self.embed = nn.Linear(16, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, classes)
         self.lr = lr
+        self.sync_dist = sync_dist  # data-parallel replicas: log the mean over replicas (the global batch's)
 
     def forward(self, x):
         x = self.embed(x)
@@ -42,14 +43,14 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self.loss_fn(self(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
-        self.log("val_loss", self.loss_fn(out, y))
-        self.log("val_acc", (out.argmax(-1) == y).float().mean())
+        self.log("val_loss", self.loss_fn(out, y), sync_dist=self.sync_dist)
+        self.log("val_acc", (out.argmax(-1) == y).float().mean(), sync_dist=self.sync_dist)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -71,15 +72,29 @@ def make_net(seed: int = 0, **kwargs) -> Net:
     return Net(**kwargs)
 
 
-def reference_training(steps: int, batch_size: int = 16, seed: int = 0, **kwargs):
+def sampler_epoch_order(epoch: int, n: int = 64) -> torch.Tensor:
+    """The sample order of an epoch under torch's ``DistributedSampler(shuffle=True, seed=0)``, which
+    Lightning installs for training: replica ``r`` of ``R`` takes ``order[r::R]``, so a step's batches
+    across the replicas are together ``order[step * global_batch : (step + 1) * global_batch]``."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
+
+
+def reference_training(steps: int, batch_size: int = 16, seed: int = 0, *, shuffled: bool = False, **kwargs):
     """Plain single-process training of the same model on the same batches:
-    (losses, final state dict, optimizer state dict)."""
+    (losses, final state dict, optimizer state dict). ``shuffled``: each epoch in
+    :func:`sampler_epoch_order` (what data-parallel replicas see together), else in dataset order."""
     net = make_net(seed, **kwargs)
     opt = net.configure_optimizers()
     losses = []
     data = list(loader(batch_size))
+    x_all, y_all = dataset().tensors
     for step in range(steps):
-        x, y = data[step % len(data)]
+        if shuffled:
+            epoch, i = divmod(step, len(data))
+            idx = sampler_epoch_order(epoch)[i * batch_size:(i + 1) * batch_size]
+            x, y = x_all[idx], y_all[idx]
+        else:
+            x, y = data[step % len(data)]
         opt.zero_grad()
         loss = net.loss_fn(net(x), y)
         loss.backward()

@@ -15,10 +15,10 @@ def portable(state: dict) -> dict:
 
 
 def trainer(world: int, strategy, steps: int, callbacks=(), **kwargs) -> L.Trainer:
+    kwargs.setdefault("use_distributed_sampler", False)
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=2, use_distributed_sampler=False,
-                     callbacks=list(callbacks), **kwargs)
+                     num_sanity_val_steps=0, limit_val_batches=2, callbacks=list(callbacks), **kwargs)
 
 
 def fit_configs(rank: int, world: int, configs: list[dict], steps: int, net_kwargs: dict | None = None) -> list[dict]:
@@ -36,6 +36,27 @@ def fit_configs(rank: int, world: int, configs: list[dict], steps: int, net_kwar
         out.append({"losses": rec.losses, "state": state, "counts": strategy.plan.layer_counts(),
                     "plan": strategy.plan.to_json(), "logged": logged, "val": metrics,
                     "replans": list(strategy.replans)})
+    return out
+
+
+def fit_replicas(rank: int, world: int, configs: list[dict], steps: int, path: str) -> list[dict]:
+    """Data-parallel replicas of the pipeline: each config trains a fresh model on a local batch of 8
+    (Lightning's distributed sampler splits the data by replica), logs with sync_dist, validates, and
+    the first one saves a checkpoint to ``path``."""
+    out = []
+    for i, cfg in enumerate(configs):
+        strategy = sky_strategy.SkyStrategy(verbose=False, **cfg)
+        rec = LossRecorder()
+        t = trainer(world, strategy, steps, [rec], use_distributed_sampler=True)
+        net = make_net(sync_dist=True)
+        t.fit(net, loader(batch_size=8))
+        if i == 0:
+            t.save_checkpoint(path)
+        out.append({"losses": rec.losses, "state": portable(strategy.lightning_module_state_dict()),
+                    "counts": strategy.plan.layer_counts(), "logged": float(t.callback_metrics["train_loss"]),
+                    "val": t.validate(net, loader(batch_size=8), verbose=False)[0],
+                    "layout": (strategy.replicas, strategy.pipeline_ranks, strategy.replica_rank,
+                               strategy.pipeline_rank)})
     return out
 
 
@@ -57,7 +78,7 @@ def checkpoint_round_trip(rank: int, world: int, path: str, first: dict, second:
 
 
 class SlowDownAt(L.Callback):
-    """After ``step`` optimizer steps, rank 1 starts playing a device ``factor`` times as fast."""
+    """After ``step`` optimizer steps, the ranks start playing devices of speeds ``factors``."""
 
     def __init__(self, step: int, factors: list[float]):
         self.step, self.factors = step, factors
@@ -67,11 +88,12 @@ class SlowDownAt(L.Callback):
             trainer.strategy.set_speed_factors(self.factors)
 
 
-def replan_run(rank: int, world: int, steps: int) -> dict:
+def replan_run(rank: int, world: int, steps: int, factors: tuple = (1.0, 0.1), data_parallel: int = 1) -> dict:
     strategy = sky_strategy.SkyStrategy(verbose=False, schedule="1f1b", microbatches=4, replan_every=2,
-                                        replan_threshold=0.5)
-    t = trainer(world, strategy, steps, [SlowDownAt(2, [1.0, 0.1])])
-    t.fit(make_net(width=96), loader())
+                                        replan_threshold=0.5, data_parallel=data_parallel)
+    replicas = data_parallel > 1  # replicas: Lightning's sampler splits (and shuffles) a local batch of 8
+    t = trainer(world, strategy, steps, [SlowDownAt(2, list(factors))], use_distributed_sampler=replicas)
+    t.fit(make_net(width=96), loader(batch_size=8 if replicas else 16))
     return {"state": portable(strategy.lightning_module_state_dict()), "replans": strategy.replans,
             "counts": strategy.plan.layer_counts()}
 
@@ -90,8 +112,9 @@ def misuse(rank: int, world: int, cases: list[str]) -> dict[str, str]:
             net.pipeline_layers = ("embed", "head")  # the blocks' parameters belong to no layer
         elif case == "tied":
             net.blocks[1].fc.weight = net.blocks[0].fc.weight
+        replicas = {"data_parallel": 2} if case == "replicas" else {}  # 1 rank cannot hold 2 replicas
         try:
-            t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2), 1, **kwargs)
+            t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2, **replicas), 1, **kwargs)
             t.fit(net, loader())
             if case == "predict":
                 t.predict(net, loader())
