@@ -40,6 +40,7 @@ from lightning_elixir.planning import (
     make_plan,
     profile_module,
     resolve_plan,
+    set_options,
 )
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
@@ -89,16 +90,10 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
                  constraints: ElixirConstraints | None = None, verbose: bool = True,
                  config: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # A placeholder config: the real one is translated from the plan in ``setup``.
+        set_options(self, name="ElixirDeepSpeedStrategy", memory_budget=memory_budget, plan=plan,
+                    offload=offload, activation_checkpointing=activation_checkpointing, optimizer=optimizer,
+                    cluster=cluster, device_profile=device_profile, constraints=constraints, verbose=verbose)
         super().__init__(config={"zero_optimization": {"stage": 3}}, **kwargs)
-        self.memory_budget = memory_budget
-        self.plan_source = plan
-        self.offload = offload
-        self.activation_checkpointing = activation_checkpointing
-        self.optimizer_name = optimizer
-        self.cluster = cluster
-        self.device_profile = device_profile
-        self.constraints = constraints
-        self.verbose = verbose
         self.user_config = config
         self.plan: ElixirPlan | None = None
 

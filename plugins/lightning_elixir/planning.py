@@ -38,9 +38,31 @@ from tightfit.profiler import profile_model
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "resolve_plan",
-           "OFFLOAD_CHOICES"]
+           "OFFLOAD_CHOICES", "set_options"]
 
 OFFLOAD_CHOICES = ("auto", "none", "all")
+
+
+def set_options(strategy: Any, *, name: str, memory_budget: Any, plan: Any, offload: str,
+                activation_checkpointing: str | bool, optimizer: str, cluster: ClusterSpec | None,
+                device_profile: DeviceProfile | None, constraints: Any, verbose: bool) -> None:
+    """Validate the options both Elixir strategies (FSDP2 and DeepSpeed) take, and store them on ``strategy``."""
+    if offload not in OFFLOAD_CHOICES:
+        raise ValueError(f"{name}(offload={offload!r}): use one of {OFFLOAD_CHOICES}")
+    if activation_checkpointing not in ("auto", True, False):
+        raise ValueError(f"{name}(activation_checkpointing={activation_checkpointing!r}): use 'auto', "
+                         "True or False")
+    if cluster is not None and device_profile is not None:
+        raise ValueError(f"{name}: give cluster= or device_profile=, not both")
+    strategy.memory_budget = memory_budget
+    strategy.plan_source = plan
+    strategy.offload = offload
+    strategy.activation_checkpointing = activation_checkpointing
+    strategy.optimizer_name = optimizer
+    strategy.cluster = cluster
+    strategy.device_profile = device_profile
+    strategy.constraints = constraints
+    strategy.verbose = verbose
 
 
 # ---- the batch -----------------------------------------------------------------------------------

@@ -34,13 +34,13 @@ from typing_extensions import override
 from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
 from lightning_elixir.checkpoint import atomic_save, recover
 from lightning_elixir.planning import (
-    OFFLOAD_CHOICES,
     example_batch,
     load_plan,
     local_device,
     make_plan,
     profile_module,
     resolve_plan,
+    set_options,
 )
 from lightning_elixir.precision import ElixirPrecision
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
@@ -96,24 +96,11 @@ class ElixirStrategy(ModelParallelStrategy):
                  timeout: timedelta | None = default_pg_timeout) -> None:
         if backend not in ("fsdp2", "deepspeed"):
             raise ValueError(f"ElixirStrategy(backend={backend!r}): use 'fsdp2' (default) or 'deepspeed'")
-        if offload not in OFFLOAD_CHOICES:
-            raise ValueError(f"ElixirStrategy(offload={offload!r}): use one of {OFFLOAD_CHOICES}")
-        if activation_checkpointing not in ("auto", True, False):
-            raise ValueError(f"ElixirStrategy(activation_checkpointing={activation_checkpointing!r}): use 'auto', "
-                             "True or False")
-        if cluster is not None and device_profile is not None:
-            raise ValueError("ElixirStrategy: give cluster= or device_profile=, not both")
+        set_options(self, name="ElixirStrategy", memory_budget=memory_budget, plan=plan, offload=offload,
+                    activation_checkpointing=activation_checkpointing, optimizer=optimizer, cluster=cluster,
+                    device_profile=device_profile, constraints=constraints, verbose=verbose)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.memory_budget = memory_budget
-        self.plan_source = plan
-        self.offload = offload
-        self.activation_checkpointing = activation_checkpointing
-        self.optimizer_name = optimizer
-        self.cluster = cluster
-        self.device_profile = device_profile
-        self.constraints = constraints
-        self.verbose = verbose
         self.plan: ElixirPlan | None = None
         self.units: list[AppliedUnit] = []
         self.plan_path: Path | None = None

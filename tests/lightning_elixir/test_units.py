@@ -44,6 +44,19 @@ def test_bad_arguments_name_the_value_and_the_choices(kwargs, pattern):
         ElixirStrategy(**kwargs)
 
 
+@RunIf(lightning=True, deepspeed=True)
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"offload": "some"}, r"ElixirDeepSpeedStrategy\(offload='some'\).*\('auto', 'none', 'all'\)"),
+    ({"activation_checkpointing": "yes"}, r"activation_checkpointing='yes'.*'auto', True or False"),
+    ({"cluster": object(), "device_profile": object()}, r"give cluster= or device_profile=, not both"),
+])
+def test_deepspeed_backend_validates_the_same_arguments(kwargs, pattern):
+    from lightning_elixir import ElixirStrategy
+
+    with pytest.raises(ValueError, match=pattern):
+        ElixirStrategy(backend="deepspeed", **kwargs)
+
+
 def _profile():
     from torch.utils.data import DataLoader
 
