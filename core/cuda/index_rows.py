@@ -122,27 +122,27 @@ def _blocks(n_cols: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- launchers
 
 
-def gather_rows_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Triton launcher: ``out[i] = src[index[i]]`` (no checks; call :func:`gather_rows`)."""
-    kernels = _kernels()
-    n_idx, n_cols = out.shape
+def _launch_rowwise(kind: str, table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    # The gather and scatter kernels share one signature: (table, index, rows, sizes, table strides,
+    # rows strides); only the direction of the copy differs.
+    kernel = _kernels()[kind]  # first: it binds the module's `triton` that _blocks uses
+    n_idx, n_cols = rows.shape
     if n_idx and n_cols:
         block_m, block_d = _blocks(n_cols)
         grid = (triton.cdiv(n_idx, block_m), triton.cdiv(n_cols, block_d))
-        kernels["gather"][grid](src, index, out, n_idx, n_cols, src.stride(0), src.stride(1),
-                                out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_D=block_d)
+        kernel[grid](table, index, rows, n_idx, n_cols, table.stride(0), table.stride(1),
+                     rows.stride(0), rows.stride(1), BLOCK_M=block_m, BLOCK_D=block_d)
+
+
+def gather_rows_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Triton launcher: ``out[i] = src[index[i]]`` (no checks; call :func:`gather_rows`)."""
+    _launch_rowwise("gather", src, index, out)
     return out
 
 
 def scatter_rows_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Triton launcher: ``dst[index[i]] = src[i]`` in place (no checks; call :func:`scatter_rows`)."""
-    kernels = _kernels()
-    n_idx, n_cols = src.shape
-    if n_idx and n_cols:
-        block_m, block_d = _blocks(n_cols)
-        grid = (triton.cdiv(n_idx, block_m), triton.cdiv(n_cols, block_d))
-        kernels["scatter"][grid](dst, index, src, n_idx, n_cols, dst.stride(0), dst.stride(1),
-                                 src.stride(0), src.stride(1), BLOCK_M=block_m, BLOCK_D=block_d)
+    _launch_rowwise("scatter", dst, index, src)
     return dst
 
 
