@@ -1,0 +1,133 @@
+"""Decide once on rank 0, share the decision as JSON text with every rank.
+
+Every strategy makes its plan the same way: one rank (rank 0) runs the planner, every other rank
+receives the *same* plan. :func:`decide_on_rank0` does that with a byte tensor broadcast (no
+``pickle``: a plan is a frozen dataclass with ``to_json`` / ``from_json``), and re-raises an error
+rank 0 met on every rank, with its type and numbers when it is one of the planner errors, so no rank
+hangs waiting for a plan that will never come.
+
+Core never starts processes; this module only uses a process group the caller already has, and
+imports ``torch.distributed`` lazily so planners stay free of it.
+
+Example (one process, no process group: the decision is simply returned):
+    >>> decide_on_rank0(lambda: {"units": 3}, encode=json.dumps, decode=json.loads)
+    {'units': 3}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from tightfit.planner.errors import PlanError, PlanInfeasibleError, PlanMismatchError
+
+__all__ = ["decide_on_rank0", "broadcast_text"]
+
+T = TypeVar("T")
+
+
+def _group_device(group: Any) -> torch.device:
+    """NCCL moves only CUDA tensors; every other backend takes CPU tensors."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: str | None, *, src: int = 0, group: Any = None) -> str:
+    """Send ``text`` from global rank ``src`` to every rank of ``group`` (UTF-8 bytes in a tensor).
+
+    Ranks other than ``src`` pass ``None`` (their argument is ignored). Without an initialised
+    process group, or in a world of one, ``text`` is returned as it is.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if text is None:
+            raise ValueError("broadcast_text: the source rank must pass the text (got None in a world of one)")
+        return text
+    device = _group_device(group)
+    is_src = dist.get_rank() == src
+    data = (text or "").encode("utf-8") if is_src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if is_src:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if n else torch.empty(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    if n:
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().tolist()).decode("utf-8") if n else ""
+
+
+def _error_record(exc: BaseException) -> dict[str, Any]:
+    rec: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, PlanInfeasibleError):
+        rec["attrs"] = {"needed_bytes": exc.needed_bytes, "budget_bytes": exc.budget_bytes,
+                        "suggestions": list(exc.suggestions)}
+    elif isinstance(exc, PlanMismatchError):
+        rec["attrs"] = {"field": exc.field, "expected": _jsonable(exc.expected), "actual": _jsonable(exc.actual)}
+    return rec
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _raise_record(rec: dict[str, Any]) -> None:
+    name, message, attrs = rec["error"], rec["message"], rec.get("attrs", {})
+    if name == "PlanInfeasibleError":
+        raise PlanInfeasibleError(message, needed_bytes=attrs.get("needed_bytes", 0),
+                                  budget_bytes=attrs.get("budget_bytes", 0),
+                                  suggestions=tuple(attrs.get("suggestions", ())))
+    if name == "PlanMismatchError":
+        raise PlanMismatchError(message, field=attrs.get("field", ""), expected=attrs.get("expected"),
+                                actual=attrs.get("actual"))
+    if name == "PlanError":
+        raise PlanError(message)
+    raise RuntimeError(f"{name} on rank 0: {message}")
+
+
+def decide_on_rank0(decide: Callable[[], T], *, encode: Callable[[T], str], decode: Callable[[str], T],
+                    group: Any = None, src: int = 0) -> T:
+    """Run ``decide()`` on rank ``src`` only and return its result on every rank of ``group``.
+
+    Args:
+        decide: the decision (usually a planner call); runs on rank ``src`` only.
+        encode: result -> JSON text (a plan's ``to_json``).
+        decode: JSON text -> result (a plan type's ``from_json``); every rank decodes, rank ``src``
+            too, so all ranks hold equal objects.
+        group: the process group (default: the world); ``src`` is a global rank.
+
+    An exception in ``decide()`` is raised on every rank: planner errors keep their type and
+    numbers (``PlanInfeasibleError.needed_bytes``...), others become ``RuntimeError`` naming the
+    original type; rank ``src`` re-raises the original exception itself.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return decode(encode(decide()))
+    error: BaseException | None = None
+    text: str | None = None
+    if dist.get_rank() == src:
+        try:
+            text = json.dumps({"ok": encode(decide())})
+        except Exception as exc:  # shared with the other ranks, then re-raised here below
+            error = exc
+            text = json.dumps(_error_record(exc))
+    payload = json.loads(broadcast_text(text, src=src, group=group))
+    if error is not None:
+        raise error
+    if "ok" not in payload:
+        _raise_record(payload)
+    return decode(payload["ok"])
