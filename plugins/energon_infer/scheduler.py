@@ -40,7 +40,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +163,13 @@ class Scheduler:
             strings are not checked). Each request gets one :class:`~energon_infer.delivery.IncrementalDetokenizer`
             (``request.detok``) that delivery streams from too.
         clock: time source for request timings.
+        seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
+            negative ones, which never collide with a caller's).
     """
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic):
+                 decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 seq_ids: Iterator[int] | None = None):
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
@@ -176,7 +179,7 @@ class Scheduler:
         self.reserved = 0
         self._frees: list[int] = []
         self._busy = [False] * config.groups
-        self._seq_ids = itertools.count(1)
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ admission
