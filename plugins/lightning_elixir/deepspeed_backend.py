@@ -1,4 +1,4 @@
-"""``ElixirStrategy(backend="deepspeed")``: the plan translated to a DeepSpeed ZeRO config, run by
+"""``ElixirDeepSpeedStrategy`` (``strategy="elixir_deepspeed"``): the plan translated to a DeepSpeed ZeRO config, run by
 Lightning's ``DeepSpeedStrategy``.
 
 The translation is the planner's (:meth:`ElixirPlan.to_deepspeed_config`, with
@@ -24,7 +24,6 @@ stage, is only known after ``configure_model``, so ``deepspeed.zero.Init`` canno
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,8 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.planning import (
-    example_batch,
-    load_plan,
-    local_device,
-    make_plan,
-    profile_module,
-    resolve_plan,
-    set_options,
-)
+from lightning_elixir.options import ElixirOptions
+from lightning_elixir.planning import decide_plan
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -77,23 +69,28 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         memory_budget / plan / offload / activation_checkpointing / optimizer / cluster /
-            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`.
+            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`
+            (validated into :attr:`options`, an :class:`~lightning_elixir.options.ElixirOptions`).
         config: DeepSpeed config entries merged over the translated plan.
-        **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (e.g. ``process_group_backend``).
+        process_group_backend: as Lightning's ``DeepSpeedStrategy``.
+
+    Only these arguments are taken (no ``**kwargs``): every knob is a typed argument that
+    ``LightningCLI`` can set, and the ZeRO settings come from the plan (``config`` overrides them).
     """
 
     strategy_name = "elixir_deepspeed"
 
     def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
-                 offload: str = "auto", activation_checkpointing: str | bool = "auto", optimizer: str = "adamw",
-                 cluster: ClusterSpec | None = None, device_profile: DeviceProfile | None = None,
+                 offload: str = "auto", activation_checkpointing: bool | str = "auto", optimizer: str = "adamw",
+                 cluster: ClusterSpec | str | Path | None = None, device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True,
-                 config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 config: dict[str, Any] | None = None, process_group_backend: str | None = None) -> None:
+        self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
+                                     activation_checkpointing=activation_checkpointing, optimizer=optimizer,
+                                     cluster=cluster, device_profile=device_profile, constraints=constraints,
+                                     verbose=verbose, owner="ElixirDeepSpeedStrategy")
         # A placeholder config: the real one is translated from the plan in ``setup``.
-        set_options(self, name="ElixirDeepSpeedStrategy", memory_budget=memory_budget, plan=plan,
-                    offload=offload, activation_checkpointing=activation_checkpointing, optimizer=optimizer,
-                    cluster=cluster, device_profile=device_profile, constraints=constraints, verbose=verbose)
-        super().__init__(config={"zero_optimization": {"stage": 3}}, **kwargs)
+        super().__init__(config={"zero_optimization": {"stage": 3}}, process_group_backend=process_group_backend)
         self.user_config = config
         self.plan: ElixirPlan | None = None
 
@@ -151,37 +148,18 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         assert module is not None
         if self.plan is None:
             precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-            device = None
-            if self.plan_source is None and self.cluster is None and self.device_profile is None:
-                device = local_device(self.root_device)  # collective: every rank measures the collectives
-            self.plan = resolve_plan(lambda: self._decide(trainer, precision, device), rank=self.global_rank,
-                                     world_size=self.world_size)
+            self.plan = decide_plan(self, trainer, precision=precision)
             apply_activation_checkpointing(module, self.plan)
         self.config = deepspeed_config(self.plan, self.user_config)
         if trainer.state.fn == TrainerFn.FITTING and "train_micro_batch_size_per_gpu" not in (self.user_config or {}):
             self.config["train_micro_batch_size_per_gpu"] = self.config.get("train_micro_batch_size_per_gpu", 1)
         self._config_initialized = False
-        if self.is_global_zero and self.verbose:
+        if self.is_global_zero and self.options.verbose:
             print(self.plan.explain(), flush=True)
             print("\nDeepSpeed config from the plan:", self.config, flush=True)
             for gap in self.plan.deepspeed_gaps():
                 print(f"[elixir/deepspeed] not expressible: {gap}", flush=True)
         super().setup(trainer)
-
-    def _decide(self, trainer: Any, precision: str, device: DeviceProfile | None) -> ElixirPlan:
-        module = self.lightning_module
-        profile = profile_module(module, example_batch(trainer))
-        if self.plan_source is not None:
-            plan = load_plan(self.plan_source)
-            plan.check_compatible(profile, self.world_size, precision=precision)
-            return plan
-        if self.verbose:
-            print(f"[elixir/deepspeed] planning {profile.model} for {self.world_size} ranks", file=sys.stderr)
-        cluster = self.cluster or ClusterSpec.uniform(self.device_profile or device,
-                                                      self.world_size, nodes=self.num_nodes)
-        return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
-                         optimizer=self.optimizer_name, offload=self.offload,
-                         activation_checkpointing=self.activation_checkpointing, constraints=self.constraints)
 
     @classmethod
     @override

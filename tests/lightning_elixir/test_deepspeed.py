@@ -1,4 +1,4 @@
-"""``backend="deepspeed"``: the plan's DeepSpeed ZeRO translation trains through Lightning's DeepSpeedStrategy.
+"""``ElixirDeepSpeedStrategy``: the plan's DeepSpeed ZeRO translation trains through Lightning's DeepSpeedStrategy.
 
 On this CPU-only machine the adapter lifts Lightning's CUDA-only check knowingly and DeepSpeed runs on
 its CPU accelerator over gloo (deepspeed_backend.py says why); two real processes, against DDP.
@@ -19,7 +19,7 @@ LOSS_ATOL = 1e-4
 def _deepspeed_vs_ddp(rank: int, world: int, tmp: str) -> dict:
     import lightning as L
 
-    from lightning_elixir import ElixirStrategy
+    from lightning_elixir import ElixirDeepSpeedStrategy
     from tests.lightning_elixir.common import TinyGPT, cpu_device, mixed_budget_for, trainer
 
     budget = mixed_budget_for(world)
@@ -28,8 +28,8 @@ def _deepspeed_vs_ddp(rank: int, world: int, tmp: str) -> dict:
     trainer("ddp", Path(tmp) / "ddp", devices=world, max_steps=8).fit(ref)
     L.seed_everything(0)
     model = TinyGPT()
-    strategy = ElixirStrategy(memory_budget=budget, device_profile=cpu_device(), backend="deepspeed",
-                              verbose=rank == 0, config={"zero_optimization": {"reduce_bucket_size": 1 << 20}})
+    strategy = ElixirDeepSpeedStrategy(memory_budget=budget, device_profile=cpu_device(),
+                                       verbose=rank == 0, config={"zero_optimization": {"reduce_bucket_size": 1 << 20}})
     trainer(strategy, Path(tmp) / "ds", devices=world, max_steps=8).fit(model)
     zero = strategy.config["zero_optimization"]
     return {"ddp": ref.losses, "ds": model.losses, "stage": zero["stage"],
