@@ -197,7 +197,7 @@ class Engine:
         self.memory_pool = _pool_config(memory_pool)
         self.tokenizer = tokenizer
         self.model_name = model_name or Path(source.path).name
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.pipeline_groups or runtime.pp
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
