@@ -233,3 +233,14 @@ def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests(small_server
     assert engine.health()["status"] == "stopped"
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=5)
+
+
+def test_docs_show_the_request_schemas(server):
+    spec = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"} <= set(schemas)
+    temperature = schemas["CompletionRequest"]["properties"]["temperature"]
+    assert "0.01" in temperature["description"]
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/CompletionRequest")
+    assert httpx.get(server.url + "/docs", timeout=10).status_code == 200

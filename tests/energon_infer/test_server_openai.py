@@ -39,10 +39,26 @@ def engine(model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(engine):
-    openai = pytest.importorskip("openai")
+def server(engine):
     with BackgroundServer(engine, ServerConfig(port=0, api_key="k", max_tokens_limit=64)) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=60)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+def test_readme_openai_snippet_runs(server, capsys):
+    import re
+    from pathlib import Path
+
+    section = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("### EnergonAI serving", 1)[1]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", section.split("\n### ", 1)[0], re.S) if "OpenAI(" in c)
+    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"),
+         {"API_KEY": "k", "MODEL": "tiny-chat"})
+    assert re.fullmatch(r"\['.*', '.*'\] \d+\n", capsys.readouterr().out, re.S)
 
 
 def test_completions_with_logprobs_n_and_echo(engine, client):
