@@ -17,8 +17,9 @@ pipeline); :meth:`Engine.pipeline_stats` reports each stage's measured utilisati
 
 Faults: a worker that dies (or a step that outlives ``step_timeout_s``) fails the requests that
 were running with :class:`WorkerFailedError`; waiting requests are kept; the group is restarted
-(up to ``max_restarts`` times) and serving goes on. No request is dropped without its future or
-stream receiving a result or an error.
+(up to ``max_restarts`` times within ``restart_window_s``) and serving goes on; a request that
+fails alone in a worker gets :class:`RequestFailedError` and nothing else is touched. No request
+is dropped without its future or stream receiving a result or an error.
 
 This module holds the factories and the request API; the loop is :mod:`energon_infer.controller`,
 the messages :mod:`energon_infer.protocol`, the results and their text :mod:`energon_infer.delivery`.
@@ -44,7 +45,8 @@ from energon_infer.controller import (
     WorkerFailedError,
     start_group,
 )
-from energon_infer.delivery import Completion, Delivery, TokenEvent
+from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
+from energon_infer.hf_files import as_engine_tokenizer, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import WorkerInfo
@@ -60,7 +62,7 @@ from energon_infer.scheduler import (
 from energon_infer.workers import ModelSource
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
-           "QueueFullError"]
+           "QueueFullError", "RequestFailedError"]
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)}
@@ -114,7 +116,7 @@ class Engine:
         self.source, self.runtime = source, runtime
         self.config = config or EngineConfig()
         self.memory_pool = _pool_config(memory_pool)
-        self.tokenizer = tokenizer
+        self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
         self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.pipeline_groups or runtime.pp
@@ -216,6 +218,7 @@ class Engine:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        dtype = resolve_dtype(path, dtype)  # "auto": the dtype config.json was saved in
         return cls._build(ModelSource("pretrained", str(path)), tp, pp, dtype, max_batch_tokens, memory_pool,
                           tokenizer, model_name, kwargs)
 
@@ -294,6 +297,22 @@ class Engine:
         fut.add_done_callback(lambda f: f.cancelled() and self.abort(req.request_id))
         return fut
 
+    def submit_all(self, jobs: Sequence[tuple[str | Sequence[int], SamplingParams | None]], *,
+                   listeners: Sequence[Callable[[TokenEvent], None] | None] | None = None) -> list[Future[Completion]]:
+        """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
+        leaves nothing queued). Returns their futures in order; ``listeners``: one per job, as in :meth:`submit`."""
+        reqs: list[Request] = []
+        for i, (prompt, params) in enumerate(jobs):
+            listener = listeners[i] if listeners is not None else None
+            req = Request(uuid.uuid4().hex, self.encode(prompt), params or SamplingParams(), listener)
+            req.future = Future()
+            reqs.append(req)
+        self._controller.add_all(reqs)
+        for req in reqs:
+            self.metrics.record_submitted(len(req.prompt))
+            req.future.add_done_callback(lambda f, rid=req.request_id: f.cancelled() and self.abort(rid))
+        return [req.future for req in reqs]
+
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Run every prompt (continuously batched with whatever else is running); results in prompt order."""
@@ -334,12 +353,21 @@ class Engine:
     # ------------------------------------------------------------------ status
 
     def health(self) -> dict[str, Any]:
-        """Status (``ready``, ``restarting``, ``failed``, ``stopped``), workers, restarts, queue and last error."""
+        """Status, workers, restarts (and what is left of the budget), queue and last error.
+
+        ``ready``; ``degraded`` (serving, but a worker is gone or the group failed within ``restart_window_s``);
+        ``restarting`` (a failed or hung group is being replaced); ``failed`` (no workers, no restart left);
+        ``stopped``.
+        """
         group = self._group
         dead = group.dead()
-        return {"status": "degraded" if self.status == "ready" and dead else self.status,
+        budget = self._controller.budget
+        # degraded: serving, but a worker is gone or the group failed within the restart window (budget in use).
+        degraded = self.status == "ready" and (dead or budget.used > 0)
+        return {"status": "degraded" if degraded else self.status,
                 "workers": group.world, "alive": group.world - len(dead), "pids": group.pids,
                 "restarts": self.metrics.restarts, "worker_failures": self.metrics.worker_failures,
+                "restarts_left": budget.left, "restart_budget": budget.describe(),
                 "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                 "last_error": self.last_error, "model": self.model_name}
 

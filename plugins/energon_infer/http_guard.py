@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from energon_infer.engine import EngineClosedError, WorkerFailedError
+from energon_infer.engine import EngineClosedError, RequestFailedError, WorkerFailedError
 from energon_infer.scheduler import QueueFullError
 
 __all__ = ["ApiError", "engine_error", "ClientGone", "SafeJSONResponse", "GuardedRequest", "guarded_route"]
@@ -45,6 +45,8 @@ def engine_error(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type="server_error")
     return ApiError(500, f"internal error: {exc!r}", type="server_error")
 
 

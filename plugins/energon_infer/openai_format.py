@@ -43,7 +43,10 @@ def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs]
         text = _token_text(decode, tok)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({_token_text(decode, t): v for t, v in top})
+        alternatives: dict[str, float] = {}
+        for t, v in top:  # most likely first; two tokens with the same text keep the likelier one's value
+            alternatives.setdefault(_token_text(decode, t), v)
+        out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offset)
         offset += len(text)
     return out

@@ -113,8 +113,13 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
+    """A step's sampled tokens; by seq_id, the logprobs asked for and the rows that failed alone (see
+    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder)."""
+
     step_id: int
     tokens: list[int]
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens per batched step (default 4096)")
     b.add_argument("--max-running", type=int, default=256, help="requests in the running batch at most")
     b.add_argument("--max-queue", type=int, default=1024, help="waiting requests at most; more get HTTP 429")
-    b.add_argument("--max-restarts", type=int, default=3, help="worker group restarts after failures (default 3)")
+    b.add_argument("--max-restarts", type=int, default=3,
+                   help="worker group restarts allowed within --restart-window (default 3)")
+    b.add_argument("--restart-window", type=float, default=3600.0,
+                   help="seconds over which --max-restarts counts (default 3600); older failures are forgiven")
     b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
     b.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds a step may take before the worker group counts as hung and restarts (default 300)")
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(tp=args.tp, pp=args.pp, dtype=dtype, max_batch_tokens=args.max_batch_tokens,
                   memory_pool=_memory_pool(args.memory_pool), model_name=args.served_model_name,
                   kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running, max_queue=args.max_queue,
-                  max_restarts=args.max_restarts, restart_workers=not args.no_restart, launcher=args.launcher,
+                  max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                  restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout)
     try:
         if path.is_dir():

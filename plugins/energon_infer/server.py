@@ -204,16 +204,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
             raise ApiError(400, str(exc), param="prompt") from None
 
     def submit_all(jobs: list[tuple[list[int], SamplingParams]], listeners: list[Any] | None = None) -> list[Any]:
-        """Admit every job or none (a refusal aborts the ones already queued)."""
-        futures: list[Any] = []
+        """Admit every job or none (the engine checks the queue's room for all of them at once)."""
         try:
-            for i, (ids, params) in enumerate(jobs):
-                futures.append(engine.submit(ids, params, listener=None if listeners is None else listeners[i]))
+            return engine.submit_all(jobs, listeners=listeners)
         except Exception as exc:
-            for f in futures:
-                f.cancel()
             raise engine_error(exc) from None
-        return futures
 
     async def wait_all(request: Request, futures: list[Any]) -> list[Completion]:
         """Every result, in order; the first failure fails them all; a client that leaves aborts them."""

@@ -200,7 +200,8 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
                 runner.free(seq_id)
             tokens = runner.step(cmd.items, cmd.new_params, broadcast=False)
             if rank == result_rank:
-                reply(Tokens(cmd.step_id, list(tokens)))
+                logprobs, errors = runner.last_sample
+                reply(Tokens(cmd.step_id, list(tokens), logprobs, errors))
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
