@@ -186,7 +186,7 @@ class Sampler:
                 raw = logits[row].float()
                 if not bool(torch.isfinite(raw).any()):
                     raise ValueError("the model produced no finite logit (numerical overflow)")
-                scores = self._penalise(raw, seq_id, p) if p.penalised else raw
+                scores = self.apply_penalties(raw, seq_id, p) if p.penalised else raw
                 if p.greedy:
                     tok = int(scores.argmax())
                 else:
@@ -205,7 +205,8 @@ class Sampler:
                 out.errors[row] = f"sampling failed: {exc}"
         return out
 
-    def _penalise(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> torch.Tensor:
+        """``logits`` (one row) with ``p``'s penalties for what :meth:`observe` recorded of ``seq_id`` (a copy)."""
         prompt, output = self._history.get(seq_id, ([], []))
         vocab = logits.shape[-1]
         logits = logits.clone()

@@ -99,3 +99,25 @@ def test_hung_worker_times_out_instead_of_hanging(tmp_path):
         assert len(engine.generate([[9, 8, 7]], SHORT)[0].token_ids) == 6
     finally:
         engine.shutdown(timeout=30)
+
+
+def test_a_request_that_fails_inside_a_worker_fails_alone(tmp_path):
+    from energon_infer.demo import write_random_llama
+    from energon_infer.engine import RequestFailedError
+
+    path = write_random_llama(tmp_path / "m", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    engine = Engine.from_pretrained(path, progress=False, threads_per_worker=1)
+    try:
+        expected = engine.generate([[9, 8, 7]], SHORT)[0].token_ids
+        bad = SamplingParams(temperature=1.0, max_tokens=4)
+        object.__setattr__(bad, "temperature", 1e-40)  # past the validation, as a bug could: it reaches a worker
+        for _ in range(4):  # four times took the server down for good before
+            good, doomed = engine.submit([9, 8, 7], SHORT), engine.submit([5, 6, 7], bad)
+            with pytest.raises(RequestFailedError, match="probabilities are not finite.*other requests were not"):
+                doomed.result(timeout=60)
+            assert good.result(timeout=60).token_ids == expected  # its batch-mate is unaffected
+        health = engine.health()
+        assert health["status"] == "ready" and health["worker_failures"] == 0 and health["restarts"] == 0
+        assert engine.metrics.requests["error"] == 4
+    finally:
+        engine.shutdown(timeout=30)
