@@ -3,7 +3,8 @@
 One thread per engine. Each turn it plans a step for every idle group of requests
 (:mod:`energon_infer.scheduler`), sends it to the workers (:mod:`energon_infer.protocol`
 messages), takes one reply from the result queue, and checks the workers: a worker that died, or
-a step without an answer after ``step_timeout_s`` (the watchdog), fails the running requests with
+a step without an answer after ``step_timeout_s`` (the watchdog; while idle, a :class:`Ping` that not every
+rank answers within it), fails the running requests with
 :class:`WorkerFailedError` and restarts the group (up to ``max_restarts`` within any
 ``restart_window_s``, a :class:`~energon_infer.restart_budget.RestartBudget`); waiting requests
 are kept. A request that fails alone in a worker (its row could not be sampled) fails with
@@ -24,7 +25,18 @@ from typing import Any
 
 from energon_infer.delivery import Delivery
 from energon_infer.metrics import EngineMetrics
-from energon_infer.protocol import Free, Stats, StatsReport, Step, Tokens, Wake, WorkerError, WorkerInfo
+from energon_infer.protocol import (
+    Free,
+    Ping,
+    Pong,
+    Stats,
+    StatsReport,
+    Step,
+    Tokens,
+    Wake,
+    WorkerError,
+    WorkerInfo,
+)
 from energon_infer.restart_budget import RestartBudget
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, QueueFullError, Request, Scheduler, StepPlan
 from energon_infer.workers import ModelSource, WorkerGroup
@@ -137,6 +149,11 @@ class Controller:
         self.status = "ready"
         self.last_error = ""
         self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
+        # Heartbeat while idle: a Ping every heartbeat_s without a step in flight; every rank must answer
+        # within step_timeout_s, so a frozen worker is found before the next request waits on it.
+        self.heartbeat_s = min(1.0, config.step_timeout_s / 4)
+        self.ping_seq, self.ping_sent, self.pongs = 0, None, set()
+        self.last_alive = time.monotonic()
         self.thread = threading.Thread(target=self.run, name="energon-controller", daemon=True)
 
     @property
@@ -244,6 +261,7 @@ class Controller:
                 if msg is not None:
                     self.handle(msg)
                 self.watch()
+                self.heartbeat()
         except BaseException as exc:  # the controller must never die silently
             self.last_error = f"controller crashed: {exc!r}\n{traceback.format_exc()}"
             self.status = "failed"
@@ -260,6 +278,7 @@ class Controller:
                 for req, _, done in events:
                     if done:
                         self.live.pop(req.request_id, None)
+            self.last_alive = time.monotonic()
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
             self.delivery.notify(events)
         elif isinstance(msg, WorkerError):
@@ -276,6 +295,9 @@ class Controller:
                       else f"worker {msg.rank} failed: {last}")
             print(f"energon: worker {msg.rank} traceback:\n{msg.traceback}", file=sys.stderr, flush=True)
             self.group_failed(reason)
+        elif isinstance(msg, Pong):
+            if msg.seq == self.ping_seq:
+                self.pongs.add(msg.rank)
         elif isinstance(msg, StatsReport):
             with self.lock:
                 self.stats[msg.rank] = msg.stats
@@ -292,6 +314,22 @@ class Controller:
         if hung:
             self.group_failed(f"step {hung[0].step_id} got no answer within step_timeout_s="
                               f"{self.config.step_timeout_s:g} s (a worker hangs)")
+
+    def heartbeat(self) -> None:
+        if self.status != "ready":
+            return
+        now = time.monotonic()
+        if self.ping_sent is not None:
+            if len(self.pongs) >= self.group.world:
+                self.ping_sent, self.last_alive = None, now
+            elif now - self.ping_sent > self.config.step_timeout_s:
+                missing = sorted(set(range(self.group.world)) - self.pongs)
+                self.group_failed(f"worker(s) {missing} did not answer a heartbeat within step_timeout_s="
+                                  f"{self.config.step_timeout_s:g} s (a worker hangs)")
+        elif not self.inflight and now - self.last_alive >= self.heartbeat_s:
+            self.ping_seq += 1
+            self.ping_sent, self.pongs = now, set()
+            self.group.send(Ping(self.ping_seq))
 
     def group_failed(self, reason: str) -> None:
         self.metrics.worker_failures += 1
@@ -317,6 +355,7 @@ class Controller:
             try:
                 self.group = self.restart()
                 with self.lock:
+                    self.ping_sent, self.last_alive = None, time.monotonic()
                     self.status = "ready"
                 return
             except Exception as exc:

@@ -252,6 +252,29 @@ def test_a_stopped_worker_is_detected_within_the_step_timeout_and_the_group_rest
         engine.shutdown(cancel=True, timeout=30)
 
 
+def test_an_idle_stopped_worker_is_found_by_the_heartbeat(model_dir):
+    engine = Engine.from_pretrained(model_dir, step_timeout_s=2.0, **OPTS)
+    pid = engine.health()["pids"][0]
+    try:
+        with BackgroundServer(engine, ServerConfig(port=0)) as srv:
+            os.kill(pid, SIGSTOP)  # no request runs: only the heartbeat (every 0.5 s here) can notice
+            t0 = time.monotonic()
+            assert _wait(lambda: httpx.get(srv.url + "/health", timeout=5).status_code == 503, timeout=30)
+            assert time.monotonic() - t0 < 2.0 + 0.5 + 1.0  # step timeout + heartbeat interval + polling
+            assert _wait(lambda: httpx.get(srv.url + "/health", timeout=5).json()["status"] == "degraded", 120)
+            health = httpx.get(srv.url + "/health", timeout=5).json()
+            assert "did not answer a heartbeat within step_timeout_s=2" in health["last_error"]
+            assert health["pids"][0] != pid and health["restarts"] == 1
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+    finally:
+        try:
+            os.kill(pid, SIGCONT)
+        except ProcessLookupError:
+            pass
+        engine.shutdown(cancel=True, timeout=30)
+
+
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(model_dir):
     engine = Engine.from_pretrained(model_dir, **OPTS)
     srv = BackgroundServer(engine, ServerConfig(port=0, max_tokens_limit=2000, drain_timeout_s=1.0),
