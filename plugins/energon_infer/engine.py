@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import sys
 import time
 import uuid
 import weakref
@@ -46,7 +47,7 @@ from energon_infer.controller import (
     start_group,
 )
 from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
-from energon_infer.hf_files import as_engine_tokenizer, resolve_dtype
+from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import WorkerInfo
@@ -83,6 +84,19 @@ def _pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
                     "a MemoryPoolConfig, or None")
 
 
+def _default_params(source: ModelSource) -> SamplingParams:
+    """What a request without SamplingParams gets: the model's generation_config.json defaults, if any."""
+    if source.kind != "pretrained":
+        return SamplingParams()
+    found = generation_defaults(source.path)
+    try:
+        return SamplingParams(**found)
+    except ValueError as exc:
+        print(f"energon: warning: ignoring generation_config.json's defaults {found}: {exc}", file=sys.stderr,
+              flush=True)
+        return SamplingParams()
+
+
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -103,8 +117,12 @@ class Engine:
         runtime: layout and cache of every worker (``tp``, ``pp``, ``dtype``, ``kv_cache_tokens``...).
         config: batching and fault handling.
         memory_pool: peer memory pooling of each stage's layers (``None``: off).
-        tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only).
+        tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only); a
+            ``tokenizers.Tokenizer`` or a transformers tokenizer (``AutoTokenizer.from_pretrained(...)``).
         model_name: the name the HTTP server reports.
+
+    Requests without :class:`SamplingParams` get :attr:`default_params`: the model's ``generation_config.json``
+    defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens; ``do_sample: false`` is greedy).
 
     Example:
         >>> with Engine.from_pretrained(model_dir, tp=2) as engine:              # doctest: +SKIP
@@ -118,6 +136,7 @@ class Engine:
         self.memory_pool = _pool_config(memory_pool)
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
+        self.default_params = _default_params(source)
         self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.pipeline_groups or runtime.pp
         self._ctl: Controller | None = None
@@ -288,7 +307,7 @@ class Engine:
         Cancelling the future aborts the request.
         """
         ids = self.encode(prompt)
-        req = Request(request_id or uuid.uuid4().hex, ids, params or SamplingParams(), listener)
+        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params, listener)
         fut: Future[Completion] = Future()
         req.future = fut
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -304,7 +323,7 @@ class Engine:
         reqs: list[Request] = []
         for i, (prompt, params) in enumerate(jobs):
             listener = listeners[i] if listeners is not None else None
-            req = Request(uuid.uuid4().hex, self.encode(prompt), params or SamplingParams(), listener)
+            req = Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params, listener)
             req.future = Future()
             reqs.append(req)
         self._controller.add_all(reqs)
@@ -318,7 +337,7 @@ class Engine:
         """Run every prompt (continuously batched with whatever else is running); results in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params or self.default_params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
         futures = [self.submit(p, sp, block=True) for p, sp in zip(prompts, plist)]

@@ -174,3 +174,6 @@ def test_generation_config_defaults_reach_the_server(tmp_path):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "ignore_eos": True}, timeout=60).json()
         greedy = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
         assert r["usage"]["completion_tokens"] == 7 and r["choices"][0]["text"] == greedy.text
+        # The Python API too: a request without SamplingParams gets the model's defaults.
+        assert engine.default_params == SamplingParams(temperature=0.0, max_tokens=7)
+        assert engine.submit([5, 6]).result(timeout=60).token_ids[:1] == greedy.token_ids[:1]
