@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "bind_socket"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+    """Bind ``host:port`` now (before a model loads for minutes), so a busy port fails at once.
+
+    Raises ``OSError`` naming the address and the fix.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port} ({exc.strerror}); another server probably uses "
+                                 "it: stop it or pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _memory_pool(value: str | None) -> float | str | None:
     if value is None:
         return None
@@ -81,15 +100,20 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker()  # until rank 0's server shuts down
         return 0
-    from energon_infer.engine import Engine
-    from energon_infer.hf_files import resolve_dtype
-    from energon_infer.server import ServerConfig, bind_socket, serve
-
     path = Path(args.path)
     if not path.exists():
         print(f"tightfit serve: {path} does not exist; give a Hugging Face model directory or a GPT checkpoint file",
               file=sys.stderr)
         return 2
+    try:  # first, before torch and the model load (minutes for a large one): a busy port should fail now
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"tightfit serve: {exc.strerror}", file=sys.stderr)
+        return 2
+    from energon_infer.engine import Engine
+    from energon_infer.hf_files import resolve_dtype
+    from energon_infer.server import ServerConfig, serve
+
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"tightfit serve: warning: binding {args.host} without --api-key lets anyone who can reach this "
               "machine use the model", file=sys.stderr)
@@ -100,12 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                                   drain_timeout_s=args.drain_timeout, log_level=args.log_level)
         dtype = resolve_dtype(path, args.dtype) if path.is_dir() else ("float32" if args.dtype == "auto" else args.dtype)
     except ValueError as exc:
+        sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)
-        return 2
-    try:  # before the model loads (minutes for a large one): a busy port should fail now
-        sock = bind_socket(args.host, args.port)
-    except OSError as exc:
-        print(f"tightfit serve: {exc.strerror}", file=sys.stderr)
         return 2
     common = dict(tp=args.tp, pp=args.pp, dtype=dtype, max_batch_tokens=args.max_batch_tokens,
                   memory_pool=_memory_pool(args.memory_pool), model_name=args.served_model_name,

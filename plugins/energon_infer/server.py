@@ -50,7 +50,7 @@ from energon_infer.http_guard import ApiError, ClientGone, SafeJSONResponse, eng
 from energon_infer.metrics import CONTENT_TYPE
 from energon_infer.sampling import SamplingParams
 
-__all__ = ["ServerConfig", "ApiError", "build_app", "serve", "BackgroundServer", "bind_socket"]
+__all__ = ["ServerConfig", "ApiError", "build_app", "serve", "BackgroundServer"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -402,24 +402,6 @@ def _engine_state(engine: Engine) -> dict[str, float]:
 # ---------------------------------------------------------------------- running it
 
 
-def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
-    """Bind ``host:port`` now (before a model loads for minutes), so a busy port fails at once.
-
-    Raises ``OSError`` naming the address and the fix.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen on {host}:{port} ({exc.strerror}); another server probably uses "
-                                 "it: stop it or pick another --port") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def _uvicorn_server(app: Any, cfg: ServerConfig) -> Any:
     import uvicorn
 
@@ -438,7 +420,7 @@ def serve(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bo
           sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM (blocking); then drain in-flight requests and stop the engine's workers.
 
-    ``sock``: a socket bound beforehand with :func:`bind_socket` (``tightfit serve`` binds before loading).
+    ``sock``: a socket bound beforehand (``tightfit serve`` binds before it loads the model).
     """
     cfg = config or ServerConfig()
     server = _uvicorn_server(build_app(engine, cfg, owns_engine=owns_engine), cfg)
