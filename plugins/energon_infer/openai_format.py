@@ -8,6 +8,7 @@ A token's text is its decoded string (``"token_id:N"`` when the model has no tok
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,11 @@ class Choice:
         self.text_offset = text_offset
 
 
+def _lp(value: float) -> float:
+    # JSON has no -inf; OpenAI writes an impossible token's logprob as -9999.0.
+    return value if math.isfinite(value) else -9999.0
+
+
 def _token_text(decode: Callable[[list[int]], str] | None, token: int) -> str:
     return decode([token]) if decode is not None else f"token_id:{token}"
 
@@ -42,10 +48,10 @@ def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs]
     for tok, (lp, top) in zip(tokens, logprobs):
         text = _token_text(decode, tok)
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
+        out["token_logprobs"].append(_lp(lp))
         alternatives: dict[str, float] = {}
         for t, v in top:  # most likely first; two tokens with the same text keep the likelier one's value
-            alternatives.setdefault(_token_text(decode, t), v)
+            alternatives.setdefault(_token_text(decode, t), _lp(v))
         out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -60,7 +66,7 @@ def chat_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | Non
 
     def entry(tok: int, lp: float) -> dict[str, Any]:
         text = _token_text(decode, tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "replace"))}
 
     return {"content": [{**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}
                         for tok, (lp, top) in zip(tokens, logprobs)]}
