@@ -35,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Imported at module level: FastAPI resolves the endpoints' (string) annotations in this module's globals.
@@ -113,8 +114,6 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
     cfg = config or ServerConfig()
     created = int(time.time())
     template = chat_template or ChatTemplate.for_engine(engine)
-    from pathlib import Path
-
     defaults = generation_defaults(engine.source.path) if Path(engine.source.path).is_dir() else {}
     closing: dict[str, float] = {}  # "at": when shutdown began (set by the uvicorn server, see _Server)
     engine.metrics.bind(model_name=engine.model_name, state=lambda: _engine_state(engine))
