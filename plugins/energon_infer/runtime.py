@@ -154,6 +154,8 @@ class ModelRunner:
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
+        # The latest step's extras on the result rank: ({seq_id: logprobs}, {seq_id: error}) (see Sampler).
+        self.last_sample: tuple[dict[int, Any], dict[int, str]] = ({}, {})
         self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -281,13 +283,20 @@ class ModelRunner:
                 if p is None:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
+        fresh = {seq_id for seq_id, _ in items if seq_id not in self.cache}
         logits = self.forward(items)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
-            tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids]),
-                                  dtype=torch.long, device=self.device)
+            for seq_id, fed in items:
+                if self._params[seq_id].penalised:  # the penalties need what each sequence has seen
+                    self.sampler.observe(seq_id, fed, prompt=seq_id in fresh)
+            sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids])
+            # By seq_id, for the engine's workers: logprobs asked for, and rows that failed alone.
+            self.last_sample = ({ids[r]: v for r, v in sampled.logprobs.items()},
+                                {ids[r]: v for r, v in sampled.errors.items()})
+            tokens = torch.tensor(sampled.tokens, dtype=torch.long, device=self.device)
         if not broadcast and self.grid.world > 1:
             return tokens.tolist() if self.grid.rank == self.grid.result_rank else []
         out = self.grid.broadcast_result(tokens).tolist()

@@ -61,10 +61,11 @@ DEFAULT_MAX_BATCH_TOKENS = 4096
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; retry later (HTTP: 429)."""
 
-    def __init__(self, waiting: int, limit: int):
-        self.waiting, self.limit = waiting, limit
+    def __init__(self, waiting: int, limit: int, *, asked: int = 1):
+        self.waiting, self.limit, self.asked = waiting, limit, asked
+        what = "the request queue is full" if asked == 1 else f"the request queue has no room for {asked} requests"
         super().__init__(
-            f"the request queue is full ({waiting} waiting, max_queue={limit}); retry later, or start the engine "
+            f"{what} ({waiting} waiting, max_queue={limit}); retry later, or start the engine "
             "with a larger max_queue if the workers keep up"
         )
 
@@ -133,6 +134,9 @@ class Request:
     finished: float = 0.0
     sent_text: str = ""  # streamed so far
     detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer)
+    logprobs: list[Any] = field(default_factory=list)  # per generated token, when params.logprobs is set
+    error: str | None = None  # why it failed alone in a worker (finish_reason "error")
+    last_token_at: float = 0.0  # when the previous token was delivered (inter-token latency)
     future: Any = None
 
 
@@ -293,8 +297,13 @@ class Scheduler:
             self.reserved -= req.reserve
             self._frees.append(req.seq_id)
 
-    def complete(self, plan: StepPlan, tokens: Sequence[int]) -> list[tuple[Request, int | None, bool]]:
-        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step."""
+    def complete(self, plan: StepPlan, tokens: Sequence[int], logprobs: dict[int, Any] | None = None,
+                 errors: dict[int, str] | None = None) -> list[tuple[Request, int | None, bool]]:
+        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step.
+
+        ``logprobs`` / ``errors`` are by seq_id (see :class:`~energon_infer.protocol.Tokens`): a request in
+        ``errors`` finishes with ``finish_reason="error"`` and ``request.error`` set, its placeholder token dropped.
+        """
         if len(tokens) != len(plan.items):
             raise RuntimeError(f"step {plan.step_id} ran {len(plan.items)} sequences but returned {len(tokens)} tokens")
         self._busy[plan.group] = False
@@ -308,6 +317,13 @@ class Scheduler:
                 self._finish(req, "abort")
                 out.append((req, None, True))
                 continue
+            if errors and req.seq_id in errors:
+                req.error = errors[req.seq_id]
+                self._finish(req, "error")
+                out.append((req, None, True))
+                continue
+            if logprobs and req.seq_id in logprobs:
+                req.logprobs.append(logprobs[req.seq_id])
             req.generated.append(int(tok))
             if len(req.generated) == 1:
                 req.first_token = now
