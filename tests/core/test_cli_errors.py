@@ -146,9 +146,9 @@ def test_precision_and_optimizer_lists_match_the_cost_model():
 @pytest.mark.parametrize("command", [["plugins"], ["doctor"]])
 def test_plugins_and_doctor_answer_without_importing_frameworks(command):
     # Timed in a child so the import cost is real: torch alone takes ~3 s on these machines, Lightning ~8 s.
-    code = ("import sys, time; t = time.perf_counter(); from tightfit.cli import main; rc = main(%r); "
+    code = (f"import sys, time; t = time.perf_counter(); from tightfit.cli import main; rc = main({command!r}); "
             "print('HEAVY', sorted(m for m in ('torch', 'lightning', 'torchrec', 'deepspeed') if m in sys.modules)); "
-            "raise SystemExit(rc)") % (command,)
+            "raise SystemExit(rc)")
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

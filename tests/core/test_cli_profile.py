@@ -7,8 +7,6 @@ import resource
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers.runif import RunIf
 from tightfit.cli import main
 from tightfit.models import gpt_config
