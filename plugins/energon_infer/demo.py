@@ -32,7 +32,7 @@ def _tokenizer(path: Path, vocab: int) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
     tok.save(str(path / "tokenizer.json"))
 
 
