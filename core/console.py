@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "log"]
+__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "fit_text", "drop_framework_tips", "log"]
 
 log = logging.getLogger("tightfit")
 
@@ -47,6 +47,42 @@ def terminal_width() -> int:
     if sys.stdout.isatty():
         return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
     return DEFAULT_WIDTH
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def drop_framework_tips() -> None:
+    """Drop Lightning's advertising lines ("💡 Tip: ... try installing litlogger", 232 characters, once per
+    Trainer) from its rank-zero logger; its other messages are kept. Used by the demos and examples."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in logger.filters):
+        logger.addFilter(_NoTips())
+
+
+def fit_text(text: str, width: int | None = None) -> str:
+    """``text`` with every line longer than ``width`` (default: :func:`terminal_width`) wrapped at spaces,
+    continuation lines indented by 4; shorter lines (table rows) are left as they are.
+
+        >>> print(fit_text("short\\nthe quick brown fox jumps", width=13))
+        short
+        the quick
+            brown fox
+            jumps
+    """
+    import textwrap
+
+    width = width or terminal_width()
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+        else:
+            out += textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False,
+                                 break_long_words=False) or [line]
+    return "\n".join(out)
 
 
 class Progress:

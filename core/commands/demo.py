@@ -11,7 +11,7 @@ import argparse
 import time
 import traceback
 
-from tightfit.console import log, terminal_width
+from tightfit.console import fit_text, log, terminal_width
 from tightfit.plugins import discover
 from tightfit.units import format_table
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         seconds = time.perf_counter() - start
         ran.append((r.name, f"{seconds:.1f} s", summary))
-        print(f"-- {r.name}: {summary} ({seconds:.1f} s)")
+        print(fit_text(f"-- {r.name}: {summary} ({seconds:.1f} s)"))
     print("\nTour summary:")
     if ran:
         print(format_table(ran, ("plugin", "time", "what it showed"), max_width=terminal_width()))

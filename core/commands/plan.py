@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Callable
 
 from tightfit.commands.args import UsageError, budget, byte_size, exit_codes_help, json_file, positive_int
-from tightfit.console import Progress, log, terminal_width
+from tightfit.console import Progress, fit_text, log, terminal_width
 from tightfit.units import format_bytes, format_table
 
 __all__ = ["PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
@@ -186,7 +186,7 @@ def _elixir_run(args: argparse.Namespace) -> int:
     except PlanInfeasibleError as e:
         log.error("tightfit plan elixir: %s", e)
         return 3
-    print(plan.explain(full=args.full))
+    print(fit_text(plan.explain(full=args.full)))
     if args.baselines:
         rows = [("elixir", f"{plan.step_time_s:.3f} s", format_bytes(plan.peak_bytes), "yes", "1.00x")]
         for name in BASELINES:

@@ -24,7 +24,7 @@ from tightfit.commands.args import (
     positive_int,
     size_list,
 )
-from tightfit.console import log, terminal_width
+from tightfit.console import fit_text, log, terminal_width
 from tightfit.units import format_table
 
 __all__ = ["add_arguments", "run"]
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return 3
     except PlanError as e:
         raise UsageError(f"tightfit plan sky: {e}") from None
-    print(plan.explain())
+    print(fit_text(plan.explain()))
     if args.compare:
         rows = []
         others = [("even", even), ("parameter-balanced", parameter_balanced)]

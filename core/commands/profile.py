@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tightfit.commands.args import UsageError, nonnegative_int, positive_int
-from tightfit.console import log, terminal_width
+from tightfit.console import fit_text, log, terminal_width
 from tightfit.units import format_bytes, format_table
 
 __all__ = ["add_arguments", "run", "format_device"]
@@ -139,7 +139,7 @@ def _run_model(args: argparse.Namespace) -> int:
         _check_blocks(factory, ckpt, name)
     prof = profile_model(factory, ids, step=args.step, loss_fn=loss, checkpointing=ckpt, name=name,
                          param_dtype=None if dtype == torch.float32 else dtype, progress=not args.quiet and log.isEnabledFor(logging.INFO))
-    print(prof.summary(max_blocks=args.blocks))
+    print(fit_text(prof.summary(max_blocks=args.blocks)))
     if args.json:
         prof.to_json(args.json)
         print(f"wrote {args.json}")

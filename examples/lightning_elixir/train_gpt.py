@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_elixir  # noqa: F401  (registers strategy="elixir")
 from lightning_elixir import ElixirStrategy
+from tightfit.console import drop_framework_tips
 from tightfit.models import GPT, GPTConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -123,6 +124,7 @@ def mixed_budget_for(module: ByteGPT, args: argparse.Namespace, devices: int, pr
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    drop_framework_tips()  # Lightning's "try installing litlogger" line, printed once per rank
     gpu = torch.cuda.is_available()
     devices = args.devices or (torch.cuda.device_count() if gpu else 2)
     precision = args.precision or ("bf16-mixed" if gpu else "32-true")

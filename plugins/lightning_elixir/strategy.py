@@ -43,6 +43,7 @@ from lightning_elixir.planning import (
     set_options,
 )
 from lightning_elixir.precision import ElixirPrecision
+from tightfit.console import fit_text
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -198,7 +199,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan_path = log_dir / "plan.json"
         self.plan.to_json(self.plan_path)
         if self.verbose:
-            print(self.plan.explain(), flush=True)
+            print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
             print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 

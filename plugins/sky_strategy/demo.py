@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tightfit.console import drop_framework_tips, fit_text
 from tightfit.planner.partition import DeviceSpec, LayerMemory, balance, even, sky_allocator
 from tightfit.units import format_ratio
 
@@ -131,6 +132,7 @@ def _worker(fn, rank, world, port, args, out):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
+    drop_framework_tips()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         out.put((rank, True, fn(rank, world, *args)))
@@ -181,7 +183,7 @@ def train_side_by_side(*, slowdown: float = 3.0, steps: int = 8, repeats: int = 
 
 def run_demo(quick: bool) -> str:
     print("1) planning for a simulated cluster (A100, T4, V100, A10), 1F1B, 8 microbatches:")
-    print(simulated_cluster_plans())
+    print(fit_text(simulated_cluster_plans()))
     print("\n2) training on 2 gloo processes with Lightning, rank 1 playing a 3x slower device:", flush=True)
     # Repeats interleave even and balanced (A B A B ...); the headline is the median of the per-repeat
     # ratios, and a spread crossing 1.0 is reported as inconclusive rather than as a speed-up or a loss.
