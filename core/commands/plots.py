@@ -103,7 +103,9 @@ def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
              color="tab:orange", label="state on the host")
     m_ax.plot(idx, [u.gathered_bytes / _MIB for u in units], "k.-", lw=0.8, label="gathered while it runs")
     m_ax.set_ylabel("MiB per rank")
-    m_ax.legend(fontsize=8, loc="upper right")
+    tallest = max([(u.device_bytes + u.host_bytes) / _MIB for u in units] + [u.gathered_bytes / _MIB for u in units])
+    m_ax.set_ylim(0, max(tallest, 1e-3) * 1.35)  # headroom: the legend sits above the bars, not on them
+    m_ax.legend(fontsize=8, loc="upper center", ncol=3)
     c_ax.bar(idx, [len(u.checkpoint) / max(1, len(u.blocks)) for u in units], color="tab:green")
     c_ax.set_ylabel("blocks recomputed")
     c_ax.set_ylim(0, 1.05)
