@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rank 0 serves HTTP and the others are workers (multi-node)")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("ENERGON_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $ENERGON_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the path's name)")
