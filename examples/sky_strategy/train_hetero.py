@@ -137,10 +137,11 @@ def main() -> None:
     if trainer.is_global_zero:
         steady = sorted(timer.times[3:] or timer.times)
         med = steady[len(steady) // 2]
+        acc = trainer.callback_metrics.get("val_acc")  # none before the first validation (step 10)
         print(f"\n[train_hetero] {args.partition}: layers per rank {strategy.plan.layer_counts()}, "
               f"{med * 1e3:.1f} ms/step, {32 / med:.0f} samples/s; val_acc "
-              f"{float(trainer.callback_metrics['val_acc']):.2f}\n[train_hetero] checkpoint: {ckpt.resolve()} "
-              "(loads into TokenClassifier() in one process)", flush=True)
+              f"{'not measured yet' if acc is None else f'{float(acc):.2f}'}\n[train_hetero] checkpoint: "
+              f"{ckpt.resolve()} (loads into TokenClassifier() in one process)", flush=True)
 
 
 if __name__ == "__main__":
