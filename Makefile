@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo test test-all lint bench bench-report clean
 
 setup:
 	@bash scripts/setup.sh
@@ -13,7 +13,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m mypy core
+	$(PY) -m mypy core plugins
 
 # The default run skips only cases marked `slow` (see pyproject.toml); `make test-all` runs everything.
 test: setup lint
@@ -22,8 +22,12 @@ test: setup lint
 test-all: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Results go to runs/bench-<time>/; `make bench-report` also replaces the committed benchmarks/results/.
 bench: setup
-	$(PY) -m benchmarks.run --quick
+	$(VENV)/bin/tightfit bench
+
+bench-report: setup
+	$(VENV)/bin/tightfit bench --update-report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info

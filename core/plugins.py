@@ -29,6 +29,7 @@ __all__ = [
     "registry",
     "discover",
     "missing_modules",
+    "registers_on_import",
 ]
 
 ENTRY_POINT_GROUP = "tightfit.plugins"
@@ -195,6 +196,20 @@ class PluginRegistry:
 registry = PluginRegistry()
 
 
+# True while discover(register=False) loads plugins: their packages then skip the registration they do
+# at import (Lightning's StrategyRegistry needs `import lightning`, ~8 s), so `tightfit plugins` stays fast.
+_deferring = False
+
+
+def registers_on_import() -> bool:
+    """Whether a plugin package should run its registration hook while it is being imported.
+
+    ``False`` only inside ``discover(register=False)``: such a run lists plugins without registering
+    them; call ``plugin.register()`` (or ``discover()``) afterwards to register.
+    """
+    return not _deferring
+
+
 def _entry_points() -> Iterable[tuple[str, str, str, Callable[[], object]]]:
     import entrypoints
 
@@ -219,11 +234,16 @@ def discover(*, register: bool = True, into: PluginRegistry | None = None) -> li
 
     Returns one :class:`DiscoveryResult` per entry point, sorted by name; failures carry the error.
     """
+    global _deferring
     target_registry = registry if into is None else into
     results: list[DiscoveryResult] = []
     for name, target, dist, load in _entry_points():
         try:
-            obj = load()
+            _deferring = not register
+            try:
+                obj = load()
+            finally:
+                _deferring = False
             if not isinstance(obj, Plugin):
                 raise PluginError(
                     f"entry point {name!r} -> {target} is a {type(obj).__name__}, not a "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["parse_bytes", "format_bytes", "format_table"]
+__all__ = ["parse_bytes", "format_bytes", "format_table", "format_ratio"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -53,8 +53,44 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_table(rows: Iterable[Sequence[object]], headers: Sequence[str], *, align: str | None = None) -> str:
-    """A plain-text table; ``align`` is one character per column (``'l'`` or ``'r'``; default: left)."""
+def format_ratio(ratios: Sequence[float], what: str = "") -> str:
+    """A headline ratio from interleaved repeats: the median and the spread, or "inconclusive" when the
+    spread crosses 1.0 (one repeat says faster, another slower: a busy machine, not a result).
+
+        >>> format_ratio([1.4, 1.6, 1.5], "the samples/s")
+        '1.50x the samples/s (median of 3 interleaved repeats, 1.40-1.60x)'
+        >>> format_ratio([0.9, 1.5, 1.2])
+        'inconclusive on a busy machine (3 interleaved repeats span 0.90-1.50x)'
+    """
+    if not ratios:
+        raise ValueError("format_ratio needs at least one measured ratio")
+    ordered = sorted(ratios)
+    lo, hi = ordered[0], ordered[-1]
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                   + ordered[len(ordered) // 2]) / 2
+    n = len(ordered)
+    if lo < 1.0 < hi:
+        return f"inconclusive on a busy machine ({n} interleaved repeats span {lo:.2f}-{hi:.2f}x)"
+    label = f" {what}" if what else ""
+    if n == 1:
+        return f"{median:.2f}x{label} (one run: not a median)"
+    return f"{median:.2f}x{label} (median of {n} interleaved repeats, {lo:.2f}-{hi:.2f}x)"
+
+
+def format_table(rows: Iterable[Sequence[object]], headers: Sequence[str], *, align: str | None = None,
+                 max_width: int | None = None) -> str:
+    """A plain-text table; ``align`` is one character per column (``'l'`` or ``'r'``; default: left).
+
+    ``max_width`` (columns): the widest left-aligned columns are wrapped onto continuation lines
+    until every line fits (numbers, right-aligned, are never cut). Example:
+
+        >>> print(format_table([("a", "one two three four")], ("k", "what"), max_width=12))
+        k  what
+        -  ---------
+        a  one two
+           three
+           four
+    """
     body = [[str(c) for c in row] for row in rows]
     cols = len(headers)
     widths = [len(h) for h in headers]
@@ -63,10 +99,38 @@ def format_table(rows: Iterable[Sequence[object]], headers: Sequence[str], *, al
             raise ValueError(f"table row {row!r} has {len(row)} cells; the header has {cols}")
         widths = [max(w, len(c)) for w, c in zip(widths, row)]
     align = align or "l" * cols
+    if max_width is not None:
+        widths = _fit(widths, list(headers), align, max_width)
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(cells, widths, align)).rstrip()
 
-    lines = [fmt(list(headers)), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in body]
+    def lines_of(cells: Sequence[str]) -> list[str]:
+        wrapped = [_wrap(c, w) if len(c) > w else [c] for c, w in zip(cells, widths)]
+        height = max(len(w) for w in wrapped)
+        return [fmt([w[i] if i < len(w) else "" for w in wrapped]) for i in range(height)]
+
+    lines = lines_of(list(headers)) + ["  ".join("-" * w for w in widths)]
+    for r in body:
+        lines += lines_of(r)
     return "\n".join(lines)
+
+
+def _fit(widths: list[int], headers: list[str], align: str, max_width: int) -> list[int]:
+    """Narrow the widest wrappable (left-aligned) columns until the table fits ``max_width``."""
+    widths = list(widths)
+    floor = [max(8, len(h)) for h in headers]  # a wrapped column keeps at least 8 characters (or its header)
+    while sum(widths) + 2 * (len(widths) - 1) > max_width:
+        wrappable = [i for i, a in enumerate(align) if a != "r" and widths[i] > floor[i]]
+        if not wrappable:
+            break
+        i = max(wrappable, key=lambda j: widths[j])
+        excess = sum(widths) + 2 * (len(widths) - 1) - max_width
+        widths[i] = max(floor[i], widths[i] - excess)
+    return widths
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]

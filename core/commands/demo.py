@@ -11,6 +11,7 @@ import argparse
 import time
 import traceback
 
+from tightfit.console import fit_text, log, terminal_width
 from tightfit.plugins import discover
 from tightfit.units import format_table
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     results = sorted(discover(), key=lambda r: _order(r.name))
     print(format_table(
         [(r.name, r.plugin.kind if r.plugin else "?", r.status()) for r in results],
-        ("plugin", "kind", "status"),
+        ("plugin", "kind", "status"), max_width=terminal_width(),
     ))
     unknown = [n for n in args.only if n not in {r.name for r in results}]
     if unknown:
@@ -52,16 +53,20 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             summary = plugin.demo(not args.full)
-        except Exception:
+        except Exception as exc:
             failures += 1
-            print(f"-- {r.name} demo FAILED:\n{traceback.format_exc()}")
+            if getattr(args, "debug", False):
+                print(f"-- {r.name} demo FAILED:\n{traceback.format_exc()}")
+            else:
+                log.error("-- %s demo FAILED: %s: %s (rerun with --debug for the traceback)", r.name,
+                          type(exc).__name__, exc)
             continue
         seconds = time.perf_counter() - start
         ran.append((r.name, f"{seconds:.1f} s", summary))
-        print(f"-- {r.name}: {summary} ({seconds:.1f} s)")
+        print(fit_text(f"-- {r.name}: {summary} ({seconds:.1f} s)"))
     print("\nTour summary:")
     if ran:
-        print(format_table(ran, ("plugin", "time", "what it showed")))
+        print(format_table(ran, ("plugin", "time", "what it showed"), max_width=terminal_width()))
     else:
         print("no plugin demo ran yet: the plugins above say why.")
     return 1 if failures else 0

@@ -11,14 +11,20 @@ so every planner reads them the same way.
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Callable
 
-from tightfit.units import format_bytes, format_table, parse_bytes
+from tightfit.commands.args import UsageError, budget, byte_size, exit_codes_help, json_file, positive_int
+from tightfit.console import Progress, fit_text, log, terminal_width
+from tightfit.units import format_bytes, format_table
 
 __all__ = ["PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
-           "load_cluster", "progress_bar"]
+           "load_cluster", "progress_bar", "check_devices", "model_config", "PRECISIONS", "OPTIMIZERS"]
+
+
+# The planner's cost model knows these (tightfit.planner.cost.PRECISIONS / OPTIMIZERS, which import torch;
+# tests/core/test_cli_errors.py checks the lists agree).
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "bf16-true")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
 
 
 # ---- shared arguments ----------------------------------------------------------------------------------
@@ -27,9 +33,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a tightfit.models preset (gpt2, gpt2-xl, gpt2-4b, gpt2-10b, gpt2-15b, "
                                      "gpt2-20b, ...) profiled on the meta device")
-    src.add_argument("--profile", metavar="PATH", help="a ModelProfile JSON file (`tightfit profile model --json`)")
-    g.add_argument("--batch", type=int, default=8, help="per-device micro-batch (default 8)")
-    g.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    src.add_argument("--profile", metavar="PATH", type=json_file,
+                     help="a ModelProfile JSON file (`tightfit profile model --json`)")
+    g.add_argument("--batch", type=positive_int, default=8, help="per-device micro-batch (default 8)")
+    g.add_argument("--seq", type=positive_int, default=1024, help="sequence length (default 1024)")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +45,11 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help="datasheet device preset (a100-40g, a100-80g, h100-80g, ...)")
     src.add_argument("--device-profile", metavar="PATH", help="a DeviceProfile JSON file")
     src.add_argument("--cluster", metavar="PATH", help="a ClusterSpec JSON file (one profile per rank)")
-    g.add_argument("--devices", type=int, default=1, help="number of devices (ranks); default 1")
-    g.add_argument("--nodes", type=int, default=1, help="hosts the devices span (default 1)")
-    g.add_argument("--device-memory", metavar="SIZE", help="memory per device, overriding the profile ('40GiB')")
+    g.add_argument("--devices", type=positive_int, default=1, help="number of devices (ranks); default 1")
+    g.add_argument("--nodes", type=positive_int, default=1, help="hosts the devices span, dividing --devices "
+                                                                 "(default 1)")
+    g.add_argument("--device-memory", metavar="SIZE", type=byte_size,
+                   help="memory per device, overriding the profile ('40GiB')")
 
 
 def load_model_profile(args: argparse.Namespace):
@@ -48,25 +57,35 @@ def load_model_profile(args: argparse.Namespace):
     from tightfit.profiler.types import ModelProfile
 
     if args.profile:
-        return ModelProfile.from_json(args.profile)
+        try:
+            return ModelProfile.from_json(args.profile)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--profile {args.profile}: not a ModelProfile ({type(e).__name__}: {e}); write one "
+                             "with `tightfit profile model --model NAME --json PATH`") from None
     try:
         import torch
 
-        from tightfit.models import build_gpt, gpt_config
+        from tightfit.models import build_gpt
         from tightfit.profiler import profile_model  # type: ignore[attr-defined]
     except ImportError as e:
-        raise SystemExit(f"tightfit plan: cannot profile --model here ({e}); pass --profile PATH instead") from None
-    try:
-        cfg = gpt_config(args.model)
-    except KeyError as e:
-        raise SystemExit(f"tightfit plan: {e.args[0]}") from None
+        raise UsageError(f"tightfit plan: cannot profile --model here ({e}); pass --profile PATH instead") from None
+    cfg = model_config(args.model)
     if args.seq > cfg.n_positions:
-        raise SystemExit(f"tightfit plan: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_positions}; "
+        raise UsageError(f"tightfit plan: --seq {args.seq} exceeds {args.model}'s context of {cfg.n_positions}; "
                          f"use --seq {cfg.n_positions} or less")
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-    print(f"[plan] profiling {args.model} (batch {args.batch}, seq {args.seq}) on the meta device ...",
-          file=sys.stderr, flush=True)
+    log.info("[plan] profiling %s (batch %d, seq %d) on the meta device ...", args.model, args.batch, args.seq)
     return profile_model(lambda: build_gpt(cfg), ids, name=args.model)
+
+
+def model_config(name: str):
+    """The GPT preset ``--model NAME`` (a UsageError listing the presets otherwise)."""
+    from tightfit.models import gpt_config
+
+    try:
+        return gpt_config(name)
+    except KeyError as e:
+        raise UsageError(f"tightfit plan: --model {name!r}: {e.args[0]}") from None
 
 
 def load_cluster(args: argparse.Namespace):
@@ -77,26 +96,32 @@ def load_cluster(args: argparse.Namespace):
     from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
     if args.cluster:
-        cluster = ClusterSpec.from_json(args.cluster)
+        try:
+            cluster = ClusterSpec.from_json(args.cluster)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--cluster {args.cluster}: not a ClusterSpec ({type(e).__name__}: {e}); write one "
+                             "with tightfit.profiler.device.cluster_spec(...).to_json(PATH)") from None
         if args.device_memory:
-            mem = parse_bytes(args.device_memory)
+            mem = args.device_memory
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, memory_bytes=mem, free_bytes=mem) for d in cluster.devices))
         return cluster
     if args.device_profile:
-        device = DeviceProfile.from_json(args.device_profile)
+        try:
+            device = DeviceProfile.from_json(args.device_profile)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--device-profile {args.device_profile}: not a DeviceProfile ({type(e).__name__}: "
+                             f"{e}); write one with `tightfit profile device --json PATH`") from None
     elif args.preset:
         device = _preset(args.preset)
     else:
         from tightfit.profiler import profile_device  # type: ignore[attr-defined]
 
-        print("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...", file=sys.stderr)
+        log.info("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...")
         device = profile_device(quick=True)
     if args.device_memory:
-        mem = parse_bytes(args.device_memory)
+        mem = args.device_memory
         device = dataclasses.replace(device, memory_bytes=mem, free_bytes=mem)
-    if args.devices < 1:
-        raise SystemExit(f"tightfit plan: --devices {args.devices} must be >= 1")
     return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
 
 
@@ -107,21 +132,19 @@ def _preset(name: str):
     try:
         return device_preset(name)
     except KeyError as e:
-        raise SystemExit(f"tightfit plan: {e.args[0]}") from None
+        raise UsageError(f"tightfit plan: --preset {name!r}: {e.args[0]}") from None
 
 
-def progress_bar(label: str) -> Callable[[int, int, str], None]:
-    """A ``progress(done, total, what)`` callback drawing a bar on stderr."""
-    start = time.perf_counter()
+def check_devices(args: argparse.Namespace) -> None:
+    """Flag combinations that argparse cannot see one at a time (before any profiling)."""
+    if args.devices % args.nodes:
+        raise UsageError(f"tightfit plan: --devices {args.devices} cannot be split evenly over --nodes {args.nodes}; "
+                         "give a --nodes that divides --devices")
 
-    def show(done: int, total: int, what: str) -> None:
-        width = 24
-        filled = int(width * done / max(1, total))
-        end = "\n" if done >= total else "\r"
-        print(f"[{label}] [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40.40} "
-              f"{time.perf_counter() - start:5.1f} s", end=end, file=sys.stderr, flush=True)
 
-    return show
+def progress_bar(label: str) -> Progress:
+    """A ``progress(done, total, what)`` callback: a bar on a terminal, a log line per stage otherwise."""
+    return Progress(label)
 
 
 # ---- elixir ----------------------------------------------------------------------------------------------
@@ -129,10 +152,13 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_device_arguments(parser)
     g = parser.add_argument_group("plan")
-    g.add_argument("--budget", metavar="SIZE", help="memory budget per device ('38GiB' or a fraction like 0.9; "
-                                                    "default: all of the device's memory)")
-    g.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default), 16-mixed, 32-true, bf16-true")
-    g.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, adagrad")
+    g.add_argument("--budget", metavar="SIZE|FRACTION", type=budget,
+                   help="memory budget per device: a size with a unit ('38GiB') or a bare fraction of the device's "
+                        "memory in (0, 1] (0.9); default: all of it")
+    g.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="training precision (default "
+                                                                                 "bf16-mixed)")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer whose state is planned "
+                                                                            "(default adamw)")
     g.add_argument("--no-offload", action="store_true", help="never offload units to host memory")
     g.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
     g.add_argument("--exhaustive", action="store_true", help="exact search (small models only)")
@@ -140,29 +166,27 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--baselines", action="store_true",
                    help="also price ZeRO-2/ZeRO-3 (+offload) configurations with the same cost model")
     g.add_argument("--json", metavar="PATH", help="write the plan file ElixirStrategy(plan=PATH) accepts")
+    g.add_argument("--plot", metavar="FILE", help="draw the units (where their state lives, recompute, predicted "
+                                                  "time and memory) into this PNG/SVG/PDF (needs matplotlib)")
 
 
 def _elixir_run(args: argparse.Namespace) -> int:
     from tightfit.planner.elixir import BASELINES, ElixirConstraints, PlanInfeasibleError, baseline, search
 
+    check_devices(args)
+    if args.model:
+        model_config(args.model)
+    cluster = load_cluster(args)  # before the model: a bad preset or file stops here, not after profiling
     profile = load_model_profile(args)
-    cluster = load_cluster(args)
-    budget: int | float | str | None = args.budget
-    if budget is not None:
-        try:
-            value = float(budget)
-            budget = value if 0 < value <= 1 else budget
-        except ValueError:
-            pass
     constraints = ElixirConstraints(allow_offload=not args.no_offload, allow_checkpointing=not args.no_checkpointing,
                                     exhaustive=True if args.exhaustive else None)
     try:
-        plan = search(profile, cluster, optimizer=args.optimizer, precision=args.precision, memory_budget=budget,
+        plan = search(profile, cluster, optimizer=args.optimizer, precision=args.precision, memory_budget=args.budget,
                       constraints=constraints, progress=progress_bar("plan elixir"))
     except PlanInfeasibleError as e:
-        print(f"tightfit plan elixir: {e}", file=sys.stderr)
+        log.error("tightfit plan elixir: %s", e)
         return 3
-    print(plan.explain(full=args.full))
+    print(fit_text(plan.explain(full=args.full)))
     if args.baselines:
         rows = [("elixir", f"{plan.step_time_s:.3f} s", format_bytes(plan.peak_bytes), "yes", "1.00x")]
         for name in BASELINES:
@@ -172,10 +196,16 @@ def _elixir_run(args: argparse.Namespace) -> int:
                          format_bytes(b.peak_bytes), "yes" if b.fits else "no (OOM)",
                          f"{b.step_time_s / plan.step_time_s:.2f}x"))
         print("\nfixed configurations, same cost model:")
-        print(format_table(rows, ("config", "step", "peak", "fits", "time vs elixir"), align="lrrlr"))
+        print(format_table(rows, ("config", "step", "peak", "fits", "time vs elixir"), align="lrrlr",
+                           max_width=terminal_width()))
     if args.json:
         plan.to_json(args.json)
         print(f"\nwrote {args.json} (ElixirStrategy(plan={args.json!r}) applies it)")
+    if args.plot:
+        from tightfit.commands.plots import plot_elixir_plan
+
+        plot_elixir_plan(plan, args.plot)
+        print(f"wrote {args.plot} (units: where their state lives, recompute, predicted time and memory)")
     return 0
 
 
@@ -197,12 +227,11 @@ def _plan_sky():
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="planner", metavar="PLANNER")
     for name, (help_text, add, _) in PLANNERS.items():
-        add(sub.add_parser(name, help=help_text, description=help_text))
+        add(sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                           epilog=exit_codes_help()))
 
 
 def run(args: argparse.Namespace) -> int:
     if not getattr(args, "planner", None):
-        print(f"tightfit plan: name a planner: {', '.join(PLANNERS)} (e.g. `tightfit plan elixir --help`)",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"tightfit plan: name a planner: {', '.join(PLANNERS)} (e.g. `tightfit plan elixir --help`)")
     return PLANNERS[args.planner][2](args)

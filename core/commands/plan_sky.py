@@ -13,9 +13,19 @@ takes as boundaries (``plan.boundaries``).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from tightfit.units import format_table, parse_bytes
+from tightfit.commands.args import (
+    UsageError,
+    byte_size,
+    float_list,
+    json_file,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    size_list,
+)
+from tightfit.console import fit_text, log, terminal_width
+from tightfit.units import format_table
 
 __all__ = ["add_arguments", "run"]
 
@@ -24,31 +34,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a tightfit.models preset profiled on the meta device (gpt2, gpt2-xl, ...)")
-    src.add_argument("--profile", metavar="PATH", help="a ModelProfile JSON file")
-    src.add_argument("--layers", type=int, help="synthetic: this many identical layers")
-    g.add_argument("--batch", type=int, default=8, help="microbatch size for --model (default 8)")
-    g.add_argument("--seq", type=int, default=1024, help="sequence length for --model (default 1024)")
-    g.add_argument("--layer-seconds", type=float, default=0.01, help="synthetic layer fwd+bwd seconds (0.01)")
-    g.add_argument("--layer-bytes", default="256MiB", help="synthetic layer parameter bytes (256MiB)")
+    src.add_argument("--profile", metavar="PATH", type=json_file, help="a ModelProfile JSON file")
+    src.add_argument("--layers", type=positive_int, help="synthetic: this many identical layers")
+    g.add_argument("--batch", type=positive_int, default=8, help="microbatch size for --model (default 8)")
+    g.add_argument("--seq", type=positive_int, default=1024, help="sequence length for --model (default 1024)")
+    g.add_argument("--layer-seconds", type=positive_float, default=0.01,
+                   help="synthetic layer fwd+bwd seconds (default 0.01)")
+    g.add_argument("--layer-bytes", type=byte_size, default="256MiB",
+                   help="synthetic layer parameter bytes (default 256MiB)")
     d = parser.add_argument_group("devices")
-    d.add_argument("--speeds", required=True, help="relative speed per device, comma separated ('1,0.33,1')")
-    d.add_argument("--memory", default="80GiB", help="memory per device: one size or one per device")
-    d.add_argument("--rate", type=float, default=100e12, help="FLOP/s of a speed-1.0 device for --model (1e14)")
-    d.add_argument("--link", type=float, default=None, help="bytes/s between devices (default: free transfers)")
+    d.add_argument("--speeds", required=True, type=float_list,
+                   help="relative speed per device, comma separated ('1,0.33,1')")
+    d.add_argument("--memory", default="80GiB", type=size_list,
+                   help="memory per device: one size or one per device (default 80GiB)")
+    d.add_argument("--rate", type=positive_float, default=100e12,
+                   help="FLOP/s of a speed-1.0 device for --model (default 1e14)")
+    d.add_argument("--link", type=positive_float, default=None,
+                   help="bytes/s between devices (default: free transfers)")
     p = parser.add_argument_group("plan")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b (default) or interleaved")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--virtual-stages", type=int, default=2, help="chunks per device for interleaved (2)")
-    p.add_argument("--optimizer-state", type=float, default=2.0, help="optimizer bytes per parameter byte (Adam 2)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
+                   help="pipeline schedule (default 1f1b)")
+    p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches per step (default 8)")
+    p.add_argument("--virtual-stages", type=positive_int, default=2,
+                   help="chunks per device for interleaved (default 2)")
+    p.add_argument("--optimizer-state", type=nonnegative_float, default=2.0,
+                   help="optimizer bytes per parameter byte (default 2: Adam)")
     p.add_argument("--compare", action="store_true", help="also price even, parameter-balanced and Sky's allocator")
     p.add_argument("--json", metavar="PATH", help="write the PartitionPlan JSON here")
+    parser.epilog = (parser.epilog or "") + "\n\nexit code 3: no partition fits the devices' memory."
 
 
 def _layers(args: argparse.Namespace):
     from tightfit.planner.pipeline import LayerMemory
 
     if args.layers:
-        size = parse_bytes(args.layer_bytes)
+        size = args.layer_bytes
         return (args.layer_seconds,) * args.layers, (LayerMemory(param_bytes=size),) * args.layers
     from tightfit.commands.plan import load_model_profile
 
@@ -70,18 +90,16 @@ def run(args: argparse.Namespace) -> int:
         sky_allocator,
     )
 
-    try:
-        speeds = [float(s) for s in args.speeds.split(",")]
-        sizes = [parse_bytes(m) for m in args.memory.split(",")]
-    except ValueError as e:
-        print(f"tightfit plan sky: {e}", file=sys.stderr)
-        return 2
+    speeds, sizes = args.speeds, list(args.memory)
     if len(sizes) == 1:
         sizes *= len(speeds)
     if len(sizes) != len(speeds):
-        print(f"tightfit plan sky: --memory has {len(sizes)} sizes for {len(speeds)} --speeds; give one or one per "
-              "device", file=sys.stderr)
-        return 2
+        raise UsageError(f"tightfit plan sky: --memory has {len(sizes)} sizes for {len(speeds)} --speeds; give one "
+                         "or one per device")
+    if args.model:
+        from tightfit.commands.plan import model_config
+
+        model_config(args.model)
     costs, mems = _layers(args)
     try:
         devices = tuple(DeviceSpec(name=f"dev{i}(x{s:g})", speed=s, memory_bytes=m)
@@ -91,12 +109,11 @@ def run(args: argparse.Namespace) -> int:
                                   virtual_stages=args.virtual_stages, optimizer_state_factor=args.optimizer_state)
         plan = balance(problem)
     except PlanInfeasibleError as e:
-        print(f"tightfit plan sky: {e}", file=sys.stderr)
+        log.error("tightfit plan sky: %s", e)
         return 3
     except PlanError as e:
-        print(f"tightfit plan sky: {e}", file=sys.stderr)
-        return 2
-    print(plan.explain())
+        raise UsageError(f"tightfit plan sky: {e}") from None
+    print(fit_text(plan.explain()))
     if args.compare:
         rows = []
         others = [("even", even), ("parameter-balanced", parameter_balanced)]
@@ -111,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append((name, "-", "-", "no (OOM)", "-"))
         rows.append(("balanced (ours)", plan.layer_counts(), f"{plan.step_time_s * 1e3:.2f} ms", "yes", "1.00x"))
         print("\nsame cost model:")
-        print(format_table(rows, ("partition", "layers per device", "step", "fits", "time vs ours"), align="llrlr"))
+        print(format_table(rows, ("partition", "layers per device", "step", "fits", "time vs ours"), align="llrlr",
+                           max_width=terminal_width()))
     if args.json:
         plan.to_json(args.json)
         print(f"\nwrote {args.json}: stage k runs on device {list(plan.order)}[k]; with the ranks in that order, "

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
+from tightfit.commands.args import UsageError, nonnegative_int, positive_int
+from tightfit.console import fit_text, log, terminal_width
 from tightfit.units import format_bytes, format_table
 
 __all__ = ["add_arguments", "run", "format_device"]
@@ -23,26 +25,61 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", metavar="WHAT")
-    m = sub.add_parser("model", help="profile one training step of a model on the meta device (nothing allocated)")
+    m = sub.add_parser("model", help="profile one training step of a model on the meta device (nothing allocated)",
+                       description="Profile one training (or forward) step of a model under fake tensors on the "
+                                   "meta device: parameters, blocks, FLOPs, the activation-memory timeline and "
+                                   "its peak, with and without activation checkpointing. Nothing is allocated.")
     m.add_argument("--model", required=True,
                    help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-4b, gpt2-10b, gpt2-15b, gpt2-20b) "
                         "or a config.json (tightfit GPTConfig fields, or a Hugging Face config)")
-    m.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    m.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(1024, context))")
-    m.add_argument("--step", choices=("train", "forward"), default="train")
+    m.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default 8)")
+    m.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default: min(1024, context))")
+    m.add_argument("--step", choices=("train", "forward"), default="train",
+                   help="profile a training step (forward + backward) or a forward only (default train)")
     m.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)")
-    m.add_argument("--checkpointing", default=None,
-                   help="also report the peak with these blocks checkpointed: 'all' or comma-separated names")
-    m.add_argument("--blocks", type=int, default=12, help="block rows to print (default 12; long runs elided)")
+    m.add_argument("--checkpointing", default=None, type=_checkpointing,
+                   help="also report the peak with these blocks checkpointed: 'all' or comma-separated block "
+                        "names (checked against the model before profiling)")
+    m.add_argument("--blocks", type=nonnegative_int, default=12,
+                   help="block rows to print (default 12; long runs elided)")
     m.add_argument("--json", default=None, metavar="PATH", help="write the ModelProfile as JSON")
+    m.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the activation-memory timeline and the level by block, plain and checkpointed, "
+                        "into this PNG/SVG/PDF (needs matplotlib)")
     m.add_argument("--quiet", action="store_true", help="no progress lines")
-    d = sub.add_parser("device", help="measure this machine's device (cached) or show a datasheet preset")
+    d = sub.add_parser("device", help="measure this machine's device (cached) or show a datasheet preset",
+                       description="Measure this machine's device (memory, matmul rate, host<->device bandwidth, "
+                                   "AdamW throughput; cached under ~/.cache/tightfit) or show a datasheet preset.")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA if present, else CPU)")
     d.add_argument("--quick", action="store_true", help="smaller measurements (under 10 s on a CPU)")
     d.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     d.add_argument("--preset", default=None, help="show a datasheet preset instead of measuring")
     d.add_argument("--list-presets", action="store_true", help="list the datasheet presets")
     d.add_argument("--json", default=None, metavar="PATH", help="write the DeviceProfile as JSON")
+
+
+def _checkpointing(text: str) -> str | list[str]:
+    """'all' or comma-separated block names (checked against the model before profiling)."""
+    if text.strip() == "all":
+        return "all"
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no block; give 'all' or block names such as "
+                                         "'blocks.0,blocks.1'")
+    return names
+
+
+def _check_blocks(factory: Any, names: list[str], model: str) -> None:
+    """Every name in ``--checkpointing`` is a module of the model (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        modules = {n for n, _ in factory().named_modules() if n}
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        sample = ", ".join(sorted(modules, key=lambda n: (n.count("."), n))[:8])
+        raise UsageError(f"tightfit profile model: --checkpointing {','.join(unknown)}: no such module in {model}; "
+                         f"give 'all' or module names such as {sample}")
 
 
 def _load_model(spec: str) -> tuple[Any, Any, int, str]:
@@ -54,9 +91,16 @@ def _load_model(spec: str) -> tuple[Any, Any, int, str]:
         cfg = gpt_config(spec)
         return (lambda: build_gpt(cfg)), cfg.vocab_size, cfg.n_positions, cfg.name
     if not path.is_file():
-        raise SystemExit(f"tightfit profile model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                         "config.json file")
-    data = json.loads(path.read_text())
+        raise UsageError(f"tightfit profile model: --model {spec!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a config.json file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"tightfit profile model: --model {spec}: not a readable JSON config ({e}); give a "
+                         "config.json or a preset name") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"tightfit profile model: --model {spec}: holds a {type(data).__name__}, not a JSON object "
+                         "of config fields")
     model_type = data.get("model_type", "gpt2")
     if model_type == "gpt2" or "hidden" in data:
         cfg = GPTConfig.from_dict({**data, "name": data.get("name", path.stem)})
@@ -64,8 +108,8 @@ def _load_model(spec: str) -> tuple[Any, Any, int, str]:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise SystemExit(f"{path} is a {model_type!r} config: profiling it needs transformers "
-                         "(pip install transformers)") from None
+        raise UsageError(f"tightfit profile model: {path} is a {model_type!r} config: profiling it needs "
+                         "transformers (pip install transformers)") from None
     hf = AutoConfig.for_model(**data)
     context = int(getattr(hf, "max_position_embeddings", 0) or getattr(hf, "n_positions", 0) or 2048)
     return (lambda: AutoModelForCausalLM.from_config(hf)), hf.vocab_size, context, model_type
@@ -81,8 +125,8 @@ def _run_model(args: argparse.Namespace) -> int:
     factory, vocab, context, name = _load_model(args.model)
     seq = args.seq or min(1024, context)
     if seq > context:
-        print(f"tightfit profile model: --seq {seq} exceeds the model's context of {context} tokens", file=sys.stderr)
-        return 2
+        raise UsageError(f"tightfit profile model: --seq {seq} exceeds the model's context of {context} tokens; "
+                         f"use --seq {context} or less")
     ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
 
     def loss(out: Any) -> torch.Tensor:  # next-token cross-entropy, as training computes it
@@ -90,15 +134,20 @@ def _run_model(args: argparse.Namespace) -> int:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.long))
 
-    ckpt = None
-    if args.checkpointing:
-        ckpt = "all" if args.checkpointing == "all" else [s.strip() for s in args.checkpointing.split(",") if s.strip()]
+    ckpt = args.checkpointing
+    if isinstance(ckpt, list):
+        _check_blocks(factory, ckpt, name)
     prof = profile_model(factory, ids, step=args.step, loss_fn=loss, checkpointing=ckpt, name=name,
-                         param_dtype=None if dtype == torch.float32 else dtype, progress=not args.quiet)
-    print(prof.summary(max_blocks=args.blocks))
+                         param_dtype=None if dtype == torch.float32 else dtype, progress=not args.quiet and log.isEnabledFor(logging.INFO))
+    print(fit_text(prof.summary(max_blocks=args.blocks)))
     if args.json:
         prof.to_json(args.json)
         print(f"wrote {args.json}")
+    if args.plot:
+        from tightfit.commands.plots import plot_model_profile
+
+        plot_model_profile(prof, args.plot)
+        print(f"wrote {args.plot} (activation memory: the traced step, then by block, plain and checkpointed)")
     return 0
 
 
@@ -130,14 +179,13 @@ def _run_device(args: argparse.Namespace) -> int:
     if args.list_presets:
         print(format_table([(n, p.name, format_bytes(p.memory_bytes), f"{p.matmul_flops.get('bfloat16', 0) / 1e12:.0f}")
                             for n, p in DATASHEETS.items()], ("preset", "device", "memory", "bf16 TFLOP/s"),
-                           align="llrr"))
+                           align="llrr", max_width=terminal_width()))
         return 0
     try:
         prof = device_preset(args.preset) if args.preset else profile_device(args.device, quick=args.quick,
                                                                              refresh=args.refresh)
     except KeyError as exc:
-        print(f"tightfit profile device: {exc.args[0]}", file=sys.stderr)
-        return 2
+        raise UsageError(f"tightfit profile device: {exc.args[0]}") from None
     print(format_device(prof))
     if args.json:
         prof.to_json(args.json)
@@ -150,6 +198,5 @@ def run(args: argparse.Namespace) -> int:
         return _run_model(args)
     if args.what == "device":
         return _run_device(args)
-    print("tightfit profile: say what to profile: `tightfit profile model --model gpt2-xl` or "
-          "`tightfit profile device`", file=sys.stderr)
-    return 2
+    raise UsageError("tightfit profile: say what to profile: `tightfit profile model --model gpt2-xl` or "
+                     "`tightfit profile device`")

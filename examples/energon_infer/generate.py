@@ -3,15 +3,15 @@
     python examples/energon_infer/generate.py --model path/to/dir --prompt "Hello" --prompt "Once upon"
     torchrun --nproc-per-node 4 examples/energon_infer/generate.py --model path/to/dir --tp 2 --pp 2
 
-Without ``--model`` it writes a random LLaMA-architecture directory first (nothing is downloaded),
-so the script runs anywhere. Every rank runs the same calls; rank 0 prints.
+Without ``--model`` it writes a random (untrained) LLaMA-architecture directory to
+``runs/energon_generate/random-llama`` first (nothing is downloaded), so the script runs anywhere; its
+text is noise. Every rank runs the same calls; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 import torch
@@ -23,43 +23,45 @@ from energon_infer.demo import write_random_llama
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="directory with config.json, *.safetensors and tokenizer.json")
-    p.add_argument("--prompt", action="append", default=[])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="directory with config.json, *.safetensors and tokenizer.json "
+                                   "(default: write a random one under runs/energon_generate/)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: two examples)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.model
-        if path is None:
-            shared = [os.path.join(tmp, "random-llama")]
-            if rank == 0:
-                write_random_llama(shared[0])
-            if dist.is_initialized():  # one writer; the others read its directory (same machine)
-                dist.broadcast_object_list(shared, src=0)
-            path = shared[0]
-        runner = ModelRunner.from_pretrained(path, tp=args.tp, pp=args.pp, dtype=args.dtype)
-        prompts = args.prompt or ["a batch of unequal prompts", "the controller sends"]
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                max_tokens=args.max_tokens)
-        start = time.perf_counter()
-        outs = runner.generate(prompts, params)
-        seconds = time.perf_counter() - start
+    path = args.model
+    if path is None:
+        shared = [os.path.abspath(os.path.join("runs", "energon_generate", "random-llama"))]
         if rank == 0:
-            for prompt, out in zip(prompts, outs):
-                print(f"{prompt!r} -> {out.text!r} [{out.finish_reason}]")
-            tokens = sum(len(o.token_ids) for o in outs)
-            print(f"{tokens} tokens in {seconds:.2f} s on tp={args.tp} x pp={args.pp}")
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            write_random_llama(shared[0])
+            print(f"[generate] no --model: wrote a random, untrained LLaMA-architecture model to {shared[0]} "
+                  "(its text is noise; pass --model DIR for a real one)", flush=True)
+        if dist.is_initialized():  # one writer; the others read its directory (same machine)
+            dist.broadcast_object_list(shared, src=0)
+        path = shared[0]
+    runner = ModelRunner.from_pretrained(path, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    prompts = args.prompt or ["a batch of unequal prompts", "the controller sends"]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    outs = runner.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        for prompt, out in zip(prompts, outs):
+            print(f"{prompt!r} -> {out.text!r} [{out.finish_reason}]")
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"{tokens} tokens in {seconds:.2f} s on tp={args.tp} x pp={args.pp}; model: {path}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

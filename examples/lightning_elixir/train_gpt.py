@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_elixir  # noqa: F401  (registers strategy="elixir")
 from lightning_elixir import ElixirStrategy
+from tightfit.console import drop_framework_tips
 from tightfit.models import GPT, GPTConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -76,9 +77,14 @@ class ByteGPT(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
-        step = self.global_step
-        if self.global_rank == 0 and (step % 10 == 0 or step == self.trainer.max_steps):
+        step, now = self.global_step, time.perf_counter()
+        # Every 10 steps, and at least every 3 s on a slow machine, so the run never goes quiet.
+        if self.global_rank == 0 and (step % 10 == 0 or step == self.trainer.max_steps
+                                      or now - getattr(self, "_last_print", now) >= 3.0):
             print(f"step {step:5d}  loss {self.losses[-1]:.3f}", flush=True)
+            self._last_print = now
+        elif not hasattr(self, "_last_print"):
+            self._last_print = now
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
@@ -123,6 +129,7 @@ def mixed_budget_for(module: ByteGPT, args: argparse.Namespace, devices: int, pr
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    drop_framework_tips()  # Lightning's "try installing litlogger" line, printed once per rank
     gpu = torch.cuda.is_available()
     devices = args.devices or (torch.cuda.device_count() if gpu else 2)
     precision = args.precision or ("bf16-mixed" if gpu else "32-true")

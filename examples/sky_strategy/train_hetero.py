@@ -1,6 +1,7 @@
 """Train a small transformer-ish model on 2 processes that play devices of unequal speed.
 
     python examples/sky_strategy/train_hetero.py                     # rank 1 plays a 3x slower device
+                                                     # checkpoint: runs/sky_hetero/last.ckpt
     python examples/sky_strategy/train_hetero.py --partition even    # the even split, for comparison
     torchrun --nproc-per-node 2 examples/sky_strategy/train_hetero.py --slowdown 1   # launched by torchrun
 
@@ -13,7 +14,9 @@ per-microbatch loss, and ``training_step``/``validation_step`` are ordinary Ligh
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -85,11 +88,23 @@ def data(n: int, seq: int = 32, vocab: int = 512, classes: int = 8) -> TensorDat
 
 
 class Throughput(L.Callback):
+    """Step times, and a progress line from rank 0 at most every ``every_s`` seconds (and at the last step)."""
+
+    def __init__(self, every_s: float = 3.0):
+        self.times: list[float] = []
+        self.every_s, self.last = every_s, 0.0
+
     def on_train_batch_start(self, *args):
         self.t = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.times = getattr(self, "times", []) + [time.perf_counter() - self.t]
+        now = time.perf_counter()
+        self.times.append(now - self.t)
+        if trainer.is_global_zero and (now - self.last >= self.every_s or trainer.global_step >= trainer.max_steps):
+            self.last = now
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            print(f"[train_hetero] step {trainer.global_step}/{trainer.max_steps}: loss {float(loss):.3f}, "
+                  f"{self.times[-1] * 1e3:.0f} ms/step", flush=True)
 
 
 def main() -> None:
@@ -99,23 +114,34 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--ckpt", default="sky_hetero.ckpt", help="checkpoint written at the end")
+    p.add_argument("--out", default="runs/sky_hetero", help="folder for the checkpoint (default runs/sky_hetero)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "last.ckpt"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # Lightning starts rank 1 with LOCAL_RANK=1: one banner
+        print(f"[train_hetero] 2 processes, rank 1 slowed {args.slowdown:g}x, partition {args.partition}: the "
+              "first batch profiles every layer on every rank, then rank 0 plans (about 20 s on 2 CPU cores)",
+              flush=True)
     strategy = sky_strategy.SkyStrategy(schedule=args.schedule, microbatches=4, partition=args.partition,
                                         speed_factors=[1.0, 1.0 / args.slowdown])
     timer = Throughput()
     trainer = L.Trainer(accelerator=args.accelerator, devices=2, strategy=strategy, max_steps=args.steps,
                         val_check_interval=10, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[timer])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(TokenClassifier(), DataLoader(data(2048), batch_size=32), DataLoader(data(256), batch_size=32))
-    trainer.save_checkpoint(args.ckpt)  # every rank takes part: the full model is gathered on rank 0
+    # Every rank takes part (the full model is gathered on rank 0); weights_only=False keeps the optimizer
+    # and loop state so the run can resume, and says so instead of letting Lightning warn about the default.
+    trainer.save_checkpoint(ckpt, weights_only=False)
     if trainer.is_global_zero:
-        steady = sorted(timer.times[3:])
+        steady = sorted(timer.times[3:] or timer.times)
         med = steady[len(steady) // 2]
-        print(f"\n{args.partition}: layers per rank {strategy.plan.layer_counts()}, {med * 1e3:.1f} ms/step, "
-              f"{32 / med:.0f} samples/s; val_acc {float(trainer.callback_metrics['val_acc']):.2f}; "
-              f"checkpoint {args.ckpt} loads into TokenClassifier() in one process")
+        acc = trainer.callback_metrics.get("val_acc")  # none before the first validation (step 10)
+        print(f"\n[train_hetero] {args.partition}: layers per rank {strategy.plan.layer_counts()}, "
+              f"{med * 1e3:.1f} ms/step, {32 / med:.0f} samples/s; val_acc "
+              f"{'not measured yet' if acc is None else f'{float(acc):.2f}'}\n[train_hetero] checkpoint: "
+              f"{ckpt.resolve()} (loads into TokenClassifier() in one process)", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def main() -> None:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = SyntheticCriteo(tables, batch_size=args.batch_size, batches=args.steps, seed=args.seed)
     losses: list[float] = []
-    t0 = time.perf_counter()
+    t0 = last_print = time.perf_counter()
     for step, (dense, kjt, labels) in enumerate(prefetching(data, model), start=1):
         dense, kjt, labels = dense.to(device), kjt.to(device), labels.to(device)
         dense_opt.zero_grad()
@@ -85,7 +85,10 @@ def main() -> None:
         loss.backward()
         dense_opt.step()
         losses.append(loss.item())
-        if step % max(1, args.steps // 10) == 0 or step == args.steps:
+        now = time.perf_counter()
+        # The first step, then at least every 3 s (and every tenth of the run), so a slow machine still talks.
+        if step == 1 or now - last_print >= 3.0 or step % max(1, args.steps // 10) == 0 or step == args.steps:
+            last_print = now
             s = model_cache_stats(model)
             recent = losses[-20:]
             print(f"step {step:5d}  loss {sum(recent) / len(recent):.4f}  hit rate {s['hit_rate']:.1%} "

@@ -152,7 +152,9 @@ class Controller:
         # Heartbeat while idle: a Ping every heartbeat_s without a step in flight; every rank must answer
         # within step_timeout_s, so a frozen worker is found before the next request waits on it.
         self.heartbeat_s = min(1.0, config.step_timeout_s / 4)
-        self.ping_seq, self.ping_sent, self.pongs = 0, None, set()
+        self.ping_seq = 0
+        self.ping_sent: float | None = None
+        self.pongs: set[int] = set()
         self.last_alive = time.monotonic()
         self.thread = threading.Thread(target=self.run, name="energon-controller", daemon=True)
 

@@ -32,7 +32,7 @@ def _tokenizer(path: Path, vocab: int) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
     tok.save(str(path / "tokenizer.json"))
 
 
@@ -108,7 +108,7 @@ def run_demo(quick: bool = True) -> str:
 
     with tempfile.TemporaryDirectory(prefix="energon-demo-") as tmp:
         path = write_random_llama(tmp)
-        print(f"saved a random LLaMA-architecture model to {path} (config.json, 2 safetensors shards, tokenizer.json)")
+        print(f"saved a random LLaMA-architecture model (config.json, 2 safetensors shards, tokenizer.json) to\n  {path}")
         runner = ModelRunner.from_pretrained(path)
         start = time.perf_counter()
         gens = runner.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))

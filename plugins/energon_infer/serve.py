@@ -22,46 +22,56 @@ import socket
 import sys
 from pathlib import Path
 
+from tightfit.cli import Parser
+from tightfit.commands.args import (
+    UsageError,
+    exit_codes_help,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
+
 __all__ = ["build_parser", "main", "bind_socket"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tightfit serve", description="Serve a model over an OpenAI-compatible HTTP API.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(prog="tightfit serve", description="Serve a model over an OpenAI-compatible HTTP API.",
+               epilog=(__doc__ or "").replace("``", "") + "\n" + exit_codes_help())  # plain text, not reST
     p.add_argument("path", help="Hugging Face model directory, or a tightfit GPT checkpoint file")
     m = p.add_argument_group("model layout")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (default 1)")
-    m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    m.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel workers per stage (default 1)")
+    m.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default 1)")
     m.add_argument("--dtype", default="float32",
                    help="float32, bfloat16, float16, or auto: the dtype config.json names (default float32)")
-    m.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache capacity in tokens per worker")
+    m.add_argument("--kv-cache-tokens", type=positive_int, default=32768, help="KV cache capacity in tokens per worker")
     m.add_argument("--memory-pool", default=None,
                    help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
-    b.add_argument("--max-batch-tokens", type=int, default=4096, help="tokens per batched step (default 4096)")
-    b.add_argument("--max-running", type=int, default=256, help="requests in the running batch at most")
-    b.add_argument("--max-queue", type=int, default=1024, help="waiting requests at most; more get HTTP 429")
-    b.add_argument("--max-restarts", type=int, default=3,
+    b.add_argument("--max-batch-tokens", type=positive_int, default=4096, help="tokens per batched step (default 4096)")
+    b.add_argument("--max-running", type=positive_int, default=256, help="requests in the running batch at most")
+    b.add_argument("--max-queue", type=positive_int, default=1024, help="waiting requests at most; more get HTTP 429")
+    b.add_argument("--max-restarts", type=nonnegative_int, default=3,
                    help="worker group restarts allowed within --restart-window (default 3)")
-    b.add_argument("--restart-window", type=float, default=3600.0,
+    b.add_argument("--restart-window", type=positive_float, default=3600.0,
                    help="seconds over which --max-restarts counts (default 3600); older failures are forgiven")
     b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
-    b.add_argument("--step-timeout", type=float, default=300.0,
+    b.add_argument("--step-timeout", type=positive_float, default=300.0,
                    help="seconds a step may take before the worker group counts as hung and restarts (default 300)")
     b.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
                    help="spawn: start tp*pp local workers (default); torchrun: every torchrun rank runs this command, "
                         "rank 0 serves HTTP and the others are workers (multi-node)")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("ENERGON_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $ENERGON_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the path's name)")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt) a request may ask for")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    s.add_argument("--drain-timeout", type=nonnegative_float, default=30.0, help="seconds in-flight requests get on shutdown")
     s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return p
 
@@ -94,7 +104,11 @@ def _memory_pool(value: str | None) -> float | str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:  # one line naming the value, the rule and the fix; exit code 2
+        print(e, file=sys.stderr)
+        return 2
     if args.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
         from energon_infer.torchrun import run_worker
 

@@ -233,7 +233,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-        def listener_for(index: int) -> Callable[[Any], None]:
+        def listener_for(index: int) -> Callable[[Any], Any]:
             return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
 
         # Submitted before the response starts, so queue-full and validation errors are real HTTP statuses.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tightfit.plugins import Plugin
+from tightfit.plugins import Plugin, registers_on_import
 
 __all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
            "apply_plan", "export_checkpoint"]
@@ -76,7 +76,8 @@ plugin = Plugin(
     demo=_demo,
 )
 
-try:  # registering at import is what makes Trainer(strategy="elixir") work after `import lightning_elixir`
-    register()
-except ImportError:  # Lightning is missing: the plugin reports itself unavailable instead
-    pass
+if registers_on_import():  # False only while `tightfit plugins` lists plugins without Lightning
+    try:  # registering at import is what makes Trainer(strategy="elixir") work after `import lightning_elixir`
+        register()
+    except ImportError:  # Lightning is missing: the plugin reports itself unavailable instead
+        pass

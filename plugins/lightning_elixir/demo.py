@@ -30,12 +30,21 @@ def example_script() -> Path:
     return script
 
 
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it is below it (else as it is)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def run_demo(quick: bool = True, out: str | Path = DEMO_DIR) -> str:
     """Train, print the plan and the falling loss, keep the checkpoint; returns a one-line summary."""
     out = Path(out)
     steps = 60 if quick else 300
     cmd = [sys.executable, str(example_script()), "--steps", str(steps), "--budget", "mixed", "--out", str(out)]
-    print("$ " + " ".join(cmd), flush=True)
+    shown = ["python", _short(cmd[1])] + cmd[2:]  # the command a reader would type, not this venv's path
+    print("$ " + " ".join(shown), flush=True)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     result = subprocess.run(cmd, env=env, timeout=600 if quick else 1800)
     if result.returncode != 0:

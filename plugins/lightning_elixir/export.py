@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,14 @@ __all__ = ["load_model_state", "export_checkpoint", "main"]
 
 
 def load_model_state(path: str | Path, *, key: str = "state_dict") -> dict[str, torch.Tensor]:
-    """The full (unsharded) model state of a sharded checkpoint directory, on the CPU, in one process."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """The full (unsharded) model state of a sharded checkpoint directory, on the CPU, in one process.
+
+    Public ``torch.distributed.checkpoint`` APIs only: the reader's metadata says the name, shape and dtype
+    of every saved tensor; empty tensors of those shapes are allocated for the model entries and
+    ``torch.distributed.checkpoint.load(..., no_dist=True)`` fills them from the shards.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
     recover(path)
@@ -43,14 +48,18 @@ def load_model_state(path: str | Path, *, key: str = "state_dict") -> dict[str, 
             f"{path} is not a complete Elixir checkpoint directory (it needs the torch.distributed.checkpoint "
             f"'.metadata' and Lightning's '{METADATA_FILENAME}'); give the directory ModelCheckpoint wrote, e.g. "
             "runs/elixir_demo/last.ckpt")
-    state: dict[str, Any] = {}
-    # What torch.distributed.checkpoint.format_utils.dcp_to_torch_save does: the planner rebuilds the
-    # state dict from the checkpoint's metadata (the public ``load`` only fills keys given to it).
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys={key}),
-                     no_dist=True)
-    if key not in state:
-        raise KeyError(f"{path} has no {key!r} entry; entries: {sorted(state)}")
-    return {k: v for k, v in state[key].items() if isinstance(v, torch.Tensor)}
+    reader = dcp.FileSystemReader(str(path))
+    entries = reader.read_metadata().state_dict_metadata  # flattened names: "state_dict.model.wte.weight"
+    head = key + "."
+    state: dict[str, Any] = {
+        name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for name, meta in entries.items() if name.startswith(head) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not state:
+        roots = sorted({name.split(".", 1)[0] for name in entries})
+        raise KeyError(f"{path} has no tensors under {key!r}; entries: {roots}")
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {name[len(head):]: t for name, t in state.items()}
 
 
 def _common_prefix(names: list[str]) -> str:
@@ -106,6 +115,9 @@ def export_checkpoint(path: str | Path, out: str | Path | None = None, *, prefix
         metadata["hyper_parameters"] = json.dumps(hp)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the mode any file written here gets (safetensors creates it 0600)
     tmp.replace(out)
     return out
 

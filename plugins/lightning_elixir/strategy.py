@@ -35,6 +35,7 @@ from lightning_elixir.checkpoint import atomic_save, recover
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
+from tightfit.console import fit_text
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -167,7 +168,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan_path = log_dir / "plan.json"
         self.plan.to_json(self.plan_path)
         if self.options.verbose:
-            print(self.plan.explain(), flush=True)
+            print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
             print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 

@@ -9,7 +9,7 @@ larger than it (see :mod:`sky_strategy.strategy`).
 
 from __future__ import annotations
 
-from tightfit.plugins import Plugin
+from tightfit.plugins import Plugin, registers_on_import
 
 __all__ = ["plugin", "SkyStrategy", "SkyConfig", "register"]
 
@@ -51,7 +51,8 @@ plugin = Plugin(
     demo=_demo,
 )
 
-try:  # registering at import is what makes Trainer(strategy="sky") work after `import sky_strategy`
-    register()
-except ImportError:  # Lightning is missing: the plugin reports itself unavailable instead
-    pass
+if registers_on_import():  # False only while `tightfit plugins` lists plugins without Lightning
+    try:  # registering at import is what makes Trainer(strategy="sky") work after `import sky_strategy`
+        register()
+    except ImportError:  # Lightning is missing: the plugin reports itself unavailable instead
+        pass

@@ -40,13 +40,18 @@ def test_unknown_command_names_the_known_ones(capsys):
 
 
 def test_doctor_json_reports_versions():
-    out = _tightfit("doctor", "--json")
+    out = _tightfit("doctor", "--json", "--imports")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["torch"].startswith("2.")
     assert report["gloo"] is True
     assert report["torch"] and report["Lightning"]["usable"] in (True, False)
-    assert "checking torch" in out.stderr  # progress is shown while it probes
+    assert "importing torch" in out.stderr  # progress is shown while it probes
+    fast = _tightfit("doctor", "--json")
+    assert fast.returncode == 0, fast.stderr
+    quick = json.loads(fast.stdout)
+    assert quick["torch"] == report["torch"] and quick["imports_checked"] is False
+    assert quick["tokenizers"]["version"] and quick["Jinja2"]["version"]
 
 
 def test_demo_runs_the_tour():

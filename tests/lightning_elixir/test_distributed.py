@@ -8,6 +8,7 @@ and reuses the process group the helper opened, so no launcher re-runs the test 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests.helpers.multiprocess import run_distributed
@@ -99,6 +100,9 @@ def _train_compare_checkpoint_export(rank: int, world: int, tmp: str) -> dict:
         plain = GPT(CONFIG)
         plain.load_state_dict(load_file(str(path)), strict=True)  # raises on any missing or unexpected name
         out["export_keys"] = sorted(load_file(str(path)))
+        umask = os.umask(0)
+        os.umask(umask)
+        out["export_mode_ok"] = (path.stat().st_mode & 0o777) == (0o666 & ~umask)  # not safetensors' 0600
         out["export_max_diff"] = max((plain.state_dict()[k] - full["model." + k]).abs().max().item()
                                      for k in plain.state_dict())
         x = token_data(4, seed=9).tensors[0]
@@ -130,7 +134,7 @@ def test_two_processes_match_ddp_resume_and_export(tmp_path):
         assert max(abs(a - b) for a, b in zip(r["ddp_clip"], r["elixir_clip"])) <= LOSS_ATOL
     _check_applied(results[0]["plan_units"], results[0]["applied"])
     r0 = results[0]
-    assert r0["export_max_diff"] == 0.0 and r0["export_logits_finite"]
+    assert r0["export_max_diff"] == 0.0 and r0["export_logits_finite"] and r0["export_mode_ok"]
     assert "wte.weight" in r0["export_keys"] and "blocks.3.mlp.c_proj.weight" in r0["export_keys"]
 
 
