@@ -15,16 +15,18 @@ from collections.abc import Callable
 
 from tightfit.commands.args import UsageError, budget, byte_size, exit_codes_help, json_file, positive_int
 from tightfit.console import Progress, fit_text, log, terminal_width
+from tightfit.planner.optimizers import OPTIMIZERS as _OPTIMIZER_TABLE
+from tightfit.planner.optimizers import PRECISIONS as _PRECISION_TABLE
 from tightfit.units import format_bytes, format_table
 
 __all__ = ["PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
            "load_cluster", "progress_bar", "check_devices", "model_config", "PRECISIONS", "OPTIMIZERS"]
 
 
-# The planner's cost model knows these (tightfit.planner.cost.PRECISIONS / OPTIMIZERS, which import torch;
-# tests/core/test_cli_errors.py checks the lists agree).
-PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "bf16-true")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
+# The planner's cost model knows these: read from the one optimizer/precision table (a torch-free module,
+# so parsing stays fast; tests/core/test_cli_errors.py checks the lists agree with tightfit.planner.cost).
+PRECISIONS = tuple(_PRECISION_TABLE)
+OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 
 
 # ---- shared arguments ----------------------------------------------------------------------------------
