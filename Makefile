@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo test test-all lint bench gpu-check clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,11 @@ test-all: setup lint
 
 bench: setup
 	$(PY) -m benchmarks.run --quick
+
+# On the GPU machine (no setup: its image's packages, the checkout linked in place): tests/gpu + benchmarks/gpu
+# quick, within 8 minutes, summary under $$OUT or benchmarks/results/gpu/. `make gpu-check DRY=1` anywhere.
+gpu-check:
+	bash scripts/gpu_check.sh $(if $(DRY),--dry,)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info
