@@ -10,7 +10,7 @@
 # there, and our .venv does not travel: the checkout is made importable by linking each package folder
 # under its import name (core -> tightfit, plugins/<name> -> <name>) in a temporary folder put first on
 # PYTHONPATH, which spawned workers inherit. Budget: 8 minutes in all. Per-part limits (seconds):
-# tests 200 (TIGHTFIT_GPU_TEST_BUDGET_S), benchmarks 230 (TIGHTFIT_GPU_BUDGET_S, shared by run_all.sh);
+# tests 200 (TIGHTFIT_GPU_TEST_BUDGET_S), benchmarks 250 (TIGHTFIT_GPU_BUDGET_S, shared by run_all.sh);
 # each part is stopped at its limit and what it finished is still summarised. At most 3 files go
 # to $OUT (the loan returns 8 at most): gpu_check.json, gpu_check.md, gpu_check.log.
 set -uo pipefail
@@ -29,7 +29,7 @@ mkdir -p "$DEST"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tightfit-gpu-check.XXXXXX")
 LOG="$WORK/gpu_check.log"
 TEST_BUDGET=${TIGHTFIT_GPU_TEST_BUDGET_S:-200}
-export TIGHTFIT_GPU_BUDGET_S=${TIGHTFIT_GPU_BUDGET_S:-230}
+export TIGHTFIT_GPU_BUDGET_S=${TIGHTFIT_GPU_BUDGET_S:-250}
 start=$(date +%s)
 say() { echo "[gpu-check] $*" | tee -a "$LOG"; }
 
