@@ -52,6 +52,7 @@ def _run(cfg, plan, device, batch: int, seq: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_elixir.apply import apply_plan
+    from lightning_elixir.optim import step_per_mesh
     from tightfit.models import build_gpt
 
     cuda = device.type == "cuda"
@@ -60,6 +61,7 @@ def _run(cfg, plan, device, batch: int, seq: int, steps: int) -> dict:
         model = build_gpt(cfg, device="meta")
         apply_plan(model, plan, init_device_mesh(device.type, (1,)), device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
+        step_per_mesh(opt)  # what ElixirStrategy does: one fused launch per (mesh, device), never across meshes
         x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
         times = []
         if cuda:
@@ -161,7 +163,9 @@ def main(argv=None) -> int:
                 vs_off = off["step_s"] / el["step_s"] if off.get("ok") else float("nan")
                 vs_best = tried[best]["step_s"] / el["step_s"] if best else float("nan")
                 lines.append(f"{preset} @ {budget / GiB:.0f} GiB: elixir {el['step_s']:.2f} s/step "
-                             f"({vs_off:.2f}x vs full offload, {vs_best:.2f}x vs best tried: {best})")
+                             f"(predicted {el['predicted_step_s']:.2f}, peak {el['peak_bytes'] / GiB:.1f} GiB vs "
+                             f"predicted {el['predicted_peak_bytes'] / GiB:.1f}; {vs_off:.2f}x vs full offload, "
+                             f"{vs_best:.2f}x vs best tried: {best})")
             results.append(case)
     dist.destroy_process_group()
     summary = "; ".join(lines) or "elixir found no plan"

@@ -77,81 +77,86 @@ def _attention_cases(quick: bool, smoke: bool):
     return [(f"decode {b_dec} seqs", [1] * b_dec, dec, 32, 8, 128, 16), (f"prefill {b_pre} prompts", pre, pre, 32, 8, 128, 16)]
 
 
-def run_attention(dev, quick: bool, smoke: bool, repeats: int, ceiling: float) -> list[dict]:
-    """Paged attention: Triton vs reference vs SDPA on a dense padded copy of the same keys."""
+def _attention_case(dev, dtype, case, repeats: int, smoke: bool, ceiling: float) -> dict:
+    """One paged-attention case: Triton vs reference vs SDPA on a dense padded copy of the same keys."""
     import torch
     import torch.nn.functional as F
 
     from tightfit.cuda.varlen_attention import paged_attention, store_kv
 
+    label, q_lens, kv_lens, hq, hk, d, page = case
+    g = torch.Generator(device=dev).manual_seed(0)
+    b, max_kv = len(kv_lens), max(kv_lens)
+    pages = [-(-k // page) for k in kv_lens]
+    kc = torch.zeros(sum(pages) + 1, page, hk, d, dtype=dtype, device=dev)
+    vc = torch.zeros_like(kc)
+    order = torch.randperm(sum(pages), generator=g, device=dev)
+    tables = torch.zeros(b, max(pages), dtype=torch.int32, device=dev)
+    kd = torch.zeros(b, hk, max_kv, d, dtype=dtype, device=dev)  # the dense padded copy SDPA reads
+    vd = torch.zeros_like(kd)
+    start = 0
+    for i, (kv, n) in enumerate(zip(kv_lens, pages)):
+        blocks = order[start:start + n]
+        start += n
+        tables[i, :n] = blocks.to(torch.int32)
+        k = torch.randn(kv, hk, d, generator=g, device=dev).to(dtype)
+        v = torch.randn(kv, hk, d, generator=g, device=dev).to(dtype)
+        pos = torch.arange(kv, device=dev)
+        store_kv(k, v, kc, vc, blocks[pos // page] * page + pos % page)
+        kd[i, :, :kv], vd[i, :, :kv] = k.transpose(0, 1), v.transpose(0, 1)
+    q = torch.randn(sum(q_lens), hq, d, generator=g, device=dev).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    kl = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+    scale, mq = d ** -0.5, max(q_lens)
+    decode = mq == 1
+    if decode:
+        qd = q.view(b, hq, 1, d)
+        mask = (torch.arange(max_kv, device=dev)[None, :] < kl[:, None].long())[:, None, None, :]
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        qd = torch.zeros(b, hq, max_kv, d, dtype=dtype, device=dev)
+        for i, n in enumerate(q_lens):
+            qd[i, :, :n] = q[cu[i]:cu[i] + n].transpose(0, 1)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
+
+    def run(backend):
+        return lambda: paged_attention(q, kc, vc, tables, cu, kl, scale=scale, max_q_len=mq, backend=backend)
+
+    got, want = run("triton")(), run("reference")()
+    err = (got.float() - want.float()).abs().max().item()
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    if not err <= tol:
+        raise AssertionError(f"paged attention {label}: Triton differs from the reference by {err:.3g} (> {tol})")
+    times = interleave_cuda({"triton": run("triton"), "reference": run("reference"), "sdpa": sdpa},
+                            repeats=repeats, warmup=0 if smoke else 2, iters=1 if smoke else 10)
+    med = {k: summarize(v)["median"] for k, v in times.items()}
+    elt = torch.finfo(dtype).bits // 8
+    moved = (2 * sum(kv_lens) * hk * d + 2 * sum(q_lens) * hq * d) * elt  # K and V once, q in, out back
+    flops = 4 * hq * d * sum(n * kv - n * (n - 1) / 2 for n, kv in zip(q_lens, kv_lens))  # causal QK^T and PV
+    row = {"case": label, "op": "paged_attention", "dtype": str(dtype), "q_lens": q_lens,
+           "kv_lens": kv_lens, "heads": [hq, hk, d], "page": page, "max_error": err,
+           "triton_s": times["triton"], "reference_s": times["reference"], "sdpa_s": times["sdpa"],
+           "speedup": med["reference"] / med["triton"], "vs_sdpa": med["sdpa"] / med["triton"],
+           "triton_gbps": moved / med["triton"] / 1e9, "bandwidth_fraction": moved / med["triton"] / ceiling,
+           "triton_tflops": flops / med["triton"] / 1e12}
+    r = row
+    print(f"paged_attention   {label:18s} triton {med['triton'] * 1e6:8.1f} us  ref {med['reference'] * 1e6:8.1f} us"
+          f"  sdpa {med['sdpa'] * 1e6:8.1f} us  x{r['speedup']:.2f} ref, x{r['vs_sdpa']:.2f} sdpa "
+          f"({r['triton_gbps']:.0f} GB/s = {r['bandwidth_fraction']:.0%} of copy, {r['triton_tflops']:.1f} TFLOP/s)",
+          flush=True)
+    return row
+
+
+def run_attention(dev, quick: bool, smoke: bool, repeats: int, ceiling: float) -> list[dict]:
+    """Paged attention cases (decode, prefill): see the module docstring."""
+    import torch
+
     dtype = torch.float32 if smoke else torch.bfloat16
-    out_rows = []
-    for label, q_lens, kv_lens, hq, hk, d, page in _attention_cases(quick, smoke):
-        g = torch.Generator(device=dev).manual_seed(0)
-        b, max_kv = len(kv_lens), max(kv_lens)
-        pages = [-(-k // page) for k in kv_lens]
-        kc = torch.zeros(sum(pages) + 1, page, hk, d, dtype=dtype, device=dev)
-        vc = torch.zeros_like(kc)
-        order = torch.randperm(sum(pages), generator=g, device=dev)
-        tables = torch.zeros(b, max(pages), dtype=torch.int32, device=dev)
-        kd = torch.zeros(b, hk, max_kv, d, dtype=dtype, device=dev)  # the dense padded copy SDPA reads
-        vd = torch.zeros_like(kd)
-        start = 0
-        for i, (kv, n) in enumerate(zip(kv_lens, pages)):
-            blocks = order[start:start + n]
-            start += n
-            tables[i, :n] = blocks.to(torch.int32)
-            k = torch.randn(kv, hk, d, generator=g, device=dev).to(dtype)
-            v = torch.randn(kv, hk, d, generator=g, device=dev).to(dtype)
-            pos = torch.arange(kv, device=dev)
-            store_kv(k, v, kc, vc, blocks[pos // page] * page + pos % page)
-            kd[i, :, :kv], vd[i, :, :kv] = k.transpose(0, 1), v.transpose(0, 1)
-        q = torch.randn(sum(q_lens), hq, d, generator=g, device=dev).to(dtype)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        kl = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-        scale, mq = d ** -0.5, max(q_lens)
-        decode = mq == 1
-        if decode:
-            qd = q.view(b, hq, 1, d)
-            mask = (torch.arange(max_kv, device=dev)[None, :] < kl[:, None].long())[:, None, None, :]
-
-            def sdpa():
-                return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            qd = torch.zeros(b, hq, max_kv, d, dtype=dtype, device=dev)
-            for i, n in enumerate(q_lens):
-                qd[i, :, :n] = q[cu[i]:cu[i] + n].transpose(0, 1)
-
-            def sdpa():
-                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
-
-        def run(backend):
-            return lambda: paged_attention(q, kc, vc, tables, cu, kl, scale=scale, max_q_len=mq, backend=backend)
-
-        got, want = run("triton")(), run("reference")()
-        err = (got.float() - want.float()).abs().max().item()
-        tol = 1e-3 if dtype == torch.float32 else 3e-2
-        if not err <= tol:
-            raise AssertionError(f"paged attention {label}: Triton differs from the reference by {err:.3g} (> {tol})")
-        times = interleave_cuda({"triton": run("triton"), "reference": run("reference"), "sdpa": sdpa},
-                                repeats=repeats, warmup=0 if smoke else 2, iters=1 if smoke else 10)
-        med = {k: summarize(v)["median"] for k, v in times.items()}
-        elt = torch.finfo(dtype).bits // 8
-        moved = (2 * sum(kv_lens) * hk * d + 2 * sum(q_lens) * hq * d) * elt  # K and V once, q in, out back
-        flops = 4 * hq * d * sum(n * kv - n * (n - 1) / 2 for n, kv in zip(q_lens, kv_lens))  # causal QK^T and PV
-        out_rows.append({"case": label, "op": "paged_attention", "dtype": str(dtype), "q_lens": q_lens,
-                         "kv_lens": kv_lens, "heads": [hq, hk, d], "page": page, "max_error": err,
-                         "triton_s": times["triton"], "reference_s": times["reference"], "sdpa_s": times["sdpa"],
-                         "speedup": med["reference"] / med["triton"], "vs_sdpa": med["sdpa"] / med["triton"],
-                         "triton_gbps": moved / med["triton"] / 1e9, "bandwidth_fraction": moved / med["triton"] / ceiling,
-                         "triton_tflops": flops / med["triton"] / 1e12})
-        r = out_rows[-1]
-        print(f"paged_attention   {label:18s} triton {med['triton'] * 1e6:8.1f} us  ref {med['reference'] * 1e6:8.1f} us"
-              f"  sdpa {med['sdpa'] * 1e6:8.1f} us  x{r['speedup']:.2f} ref, x{r['vs_sdpa']:.2f} sdpa "
-              f"({r['triton_gbps']:.0f} GB/s = {r['bandwidth_fraction']:.0%} of copy, {r['triton_tflops']:.1f} TFLOP/s)",
-              flush=True)
-        del kc, vc, kd, vd, qd
-    return out_rows
+    return [_attention_case(dev, dtype, case, repeats, smoke, ceiling) for case in _attention_cases(quick, smoke)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ def _gloo_cuda_support(rank: int, world: int) -> dict[str, str]:
 
     x = torch.ones(8, device=dev)
     attempt("all_reduce", lambda: dist.all_reduce(x))
+    attempt("broadcast", lambda: dist.broadcast(x, 0))
     attempt("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(8 * world, device=dev), x))
     attempt("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(torch.empty(4, device=dev),
                                                                         torch.ones(4 * world, device=dev)))
@@ -70,7 +71,7 @@ def _elixir_two_ranks(rank: int, world: int) -> dict:
 
 
 def test_elixir_two_ranks_on_one_gpu_match_ddp():
-    _require("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    _require("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")  # DDP's and FSDP2's
     for r in run_distributed(_elixir_two_ranks, 2, timeout=300):
         diff = max(abs(a - b) for a, b in zip(r["ref"], r["elixir"]))
         assert diff <= 1e-4, (diff, r)
