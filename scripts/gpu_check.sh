@@ -67,17 +67,16 @@ for f in tests/gpu/test_*.py; do
   case " ${TESTS[*]} " in *" $f "*) ;; *) TESTS+=("$f") ;; esac
 done
 export TIGHTFIT_GPU_REPORT="$WORK/tests.jsonl"
-if [ "$DRY" = 1 ]; then
-  say "collecting ${#TESTS[@]} GPU test files (dry: nothing runs)"
-  timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider "${TESTS[@]}" >"$WORK/collected.txt" 2>>"$LOG"
-  rc=$?
-else
-  say "running ${#TESTS[@]} GPU test files (up to ${TEST_BUDGET}s)"
+# Collected first: a test the budget stops before it runs is then reported as "not run", not lost.
+timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider "${TESTS[@]}" >"$WORK/collected.txt" 2>>"$LOG"
+rc=$?
+say "collected $(grep -c '::' "$WORK/collected.txt") GPU tests from ${#TESTS[@]} files"
+if [ "$DRY" != 1 ]; then
+  say "running them (up to ${TEST_BUDGET}s)"
   per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=150)
   timeout --kill-after=10 "$TEST_BUDGET" "$PY" -m pytest -q -rs -p no:cacheprovider $per_test \
     "${TESTS[@]}" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
-  timeout 60 "$PY" -m pytest --collect-only -q -p no:cacheprovider "${TESTS[@]}" >"$WORK/collected.txt" 2>>"$LOG"
 fi
 echo "$rc" >"$WORK/tests.rc"
 say "tests: exit $rc after $(( $(date +%s) - start ))s"
