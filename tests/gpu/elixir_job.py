@@ -1,5 +1,6 @@
-"""``python -m tests.gpu.elixir_job DIR``: Lightning + Elixir on one GPU in a fresh process (Lightning starts
-NCCL itself there); prints one JSON line ``{precision: {"ref": [...], "elixir": [...], ...}}``.
+"""``python -m tests.gpu.elixir_job DIR [--deepspeed]``: Lightning + Elixir on one GPU in a fresh process
+(Lightning starts NCCL itself there); prints one JSON line ``{precision: {"ref": [...], "elixir": [...], ...}}``.
+``--deepspeed``: the plan translated to DeepSpeed ZeRO (``backend="deepspeed"``), bf16-mixed only.
 
 Run by tests/gpu/test_elixir.py; a separate process so Lightning's global state and the process group
 never leak into the pytest process (the CPU tests spawn a rank for the same reason).
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def main(tmp: str) -> dict:
+def main(tmp: str, deepspeed: bool = False) -> dict:
     import lightning as L
 
     from lightning_elixir import ElixirStrategy
@@ -26,22 +27,24 @@ def main(tmp: str) -> dict:
                          enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
 
     out = {}
-    for precision in ("bf16-mixed", "16-mixed"):
+    for precision in ("bf16-mixed",) if deepspeed else ("bf16-mixed", "16-mixed"):
         L.seed_everything(0)
         ref = TinyGPT()
-        trainer("auto", Path(tmp) / f"ref-{precision}", precision=precision).fit(ref)
+        # DDP on one device: the same DistributedSampler order as Elixir (ModelParallelStrategy) sees
+        trainer("ddp", Path(tmp) / f"ref-{precision}", precision=precision).fit(ref)
         L.seed_everything(0)
         model = TinyGPT()
         # The fixed CPU profile and its mixed budget: the plan offloads some units and keeps others.
         strategy = ElixirStrategy(memory_budget=mixed_budget_for(1, precision=precision), device_profile=cpu_device(),
-                                  verbose=False)
+                                  verbose=False, backend="deepspeed" if deepspeed else "fsdp2")
         plugins = [ElixirPrecision(precision="16-mixed", init_scale=2.0**10)] if precision == "16-mixed" else []
         kwargs = {"plugins": plugins} if plugins else {"precision": precision}
         trainer(strategy, Path(tmp) / f"elixir-{precision}", **kwargs).fit(model)
         out[precision] = {"ref": ref.losses, "elixir": model.losses, "mixed": strategy.plan.is_mixed,
-                          "offloaded_groups": sum(s.offload for s in inspect_units(model))}
+                          "offloaded_groups": (int(bool(strategy.plan.offloaded_units)) if deepspeed
+                                               else sum(s.offload for s in inspect_units(model)))}
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])), flush=True)
+    print(json.dumps(main(sys.argv[1], deepspeed="--deepspeed" in sys.argv[2:])), flush=True)

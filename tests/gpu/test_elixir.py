@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.common import cuda
+from tests.gpu.common import cuda, require
 from tests.helpers.multiprocess import free_port
 from tests.helpers.runif import RunIf
 
@@ -124,10 +124,8 @@ def test_mixed_plan_on_one_gpu_matches_plain_training(nccl_group, precision, opt
     check_mixed_plan_matches_plain(cuda(), precision, opt_kwargs)
 
 
-def test_lightning_trainer_with_elixir_on_one_gpu(tmp_path):
-    """``Trainer(accelerator="gpu", devices=1, strategy=ElixirStrategy(...))`` with a mixed plan, bf16-mixed
-    and 16-mixed (ElixirPrecision's loss scaling), against Lightning's own single-GPU training."""
-    out = subprocess.run([sys.executable, "-m", "tests.gpu.elixir_job", str(tmp_path)], cwd=ROOT,
+def _trainer_job(tmp_path, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.gpu.elixir_job", str(tmp_path), *extra], cwd=ROOT,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -135,3 +133,17 @@ def test_lightning_trainer_with_elixir_on_one_gpu(tmp_path):
         assert r["mixed"] and r["offloaded_groups"] > 0, (precision, r)
         diff = max(abs(a - b) for a, b in zip(r["ref"], r["elixir"]))
         assert len(r["elixir"]) == len(r["ref"]) and diff <= HALF_ATOL, (precision, diff, r)
+    return result
+
+
+def test_lightning_trainer_with_elixir_on_one_gpu(tmp_path):
+    """``Trainer(accelerator="gpu", devices=1, strategy=ElixirStrategy(...))`` with a mixed plan, bf16-mixed
+    and 16-mixed (ElixirPrecision's loss scaling), against Lightning's own single-GPU training."""
+    assert set(_trainer_job(tmp_path)) == {"bf16-mixed", "16-mixed"}
+
+
+def test_lightning_trainer_with_elixir_deepspeed_backend_on_one_gpu(tmp_path):
+    """The plan translated to DeepSpeed ZeRO on a real GPU (Lightning's own CUDA path, no CPU workaround).
+    The GPU image has no DeepSpeed: there this is a stated skip."""
+    require("deepspeed")
+    assert set(_trainer_job(tmp_path, "--deepspeed")) == {"bf16-mixed"}
