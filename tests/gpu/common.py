@@ -1,8 +1,8 @@
 """Shared by the CUDA tests: the device they run on and the image's missing packages.
 
 Every test in tests/gpu/ is ``@RunIf(cuda=True)``: collected everywhere (``make test`` counts them),
-run only where a GPU is (``make gpu-check``). Their bodies take the device as an argument, so the same
-code can be read (and was dry-run) on a CPU; the GPU run is the one that counts.
+run only where a GPU is (``make gpu-check``). Most bodies take the device as an argument, so they were
+dry-run on a CPU before any GPU saw them; only the GPU run counts.
 """
 
 from __future__ import annotations
