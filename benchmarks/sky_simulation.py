@@ -19,7 +19,7 @@ Pipelined: 1F1B with 8 microbatches. Without pipelining (Sky's runtime: stage af
 the batch crosses the stages one at a time, step = sum of stage times for the whole batch.
 
 Contenders: even split, parameter-balanced (DeepSpeed's partition_method="parameters"), Sky Computing's
-allocator (faithful, and with its give-back comparison fixed), ours (tightfit.planner.partition.balance).
+allocator (faithful, and with its give-back comparison fixed), ours (tightfit.planner.pipeline.balance).
 Limits: on small random instances the exhaustive optimum is computed and ours is checked against it.
 """
 
@@ -34,9 +34,10 @@ import numpy as np
 
 from benchmarks.common import parser, plot_path, write_result
 from tightfit.planner.errors import PlanInfeasibleError
-from tightfit.planner.partition import (
+from tightfit.planner.pipeline import (
     DeviceSpec,
     LayerMemory,
+    PipelineProblem,
     balance,
     brute_force,
     evaluate,
@@ -79,16 +80,16 @@ def cluster(seed: int, slow_max: float, sites: bool) -> tuple[list[DeviceSpec], 
 
 
 def contenders(costs, mems, devices, links, microbatches: int, schedule: str) -> dict:
-    kw = dict(microbatches=microbatches, schedule=schedule, links=links)
-    out = {"even": even(costs, mems, devices, **kw),
-           "parameter-balanced": parameter_balanced(costs, mems, devices, **kw)}
+    problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices, microbatches=microbatches,
+                              schedule=schedule, links=links)
+    out = {"even": even(problem), "parameter-balanced": parameter_balanced(problem)}
     for name, fix in (("sky", False), ("sky-fixed", True)):
         try:
-            out[name] = sky_allocator(costs, mems, devices, fix_give_back=fix, **kw)
+            out[name] = sky_allocator(problem, fix_give_back=fix)
         except PlanInfeasibleError:
             out[name] = None
     start = time.perf_counter()
-    out["ours"] = balance(costs, mems, devices, **kw)
+    out["ours"] = balance(problem)
     out["_plan_s"] = time.perf_counter() - start
     return out
 
@@ -99,14 +100,14 @@ def one_draw(seed: int, slow_max: float, sites: bool) -> dict:
     piped = contenders(costs, mems, devices, links, MB, "1f1b")
     # Without pipelining the whole batch crosses each stage at once: one "microbatch" of 32.
     costs1, mems1 = bert_layers(microbatches=1)
+    whole = PipelineProblem(layer_costs=costs1, layer_memory=mems1, devices=devices, microbatches=1,
+                            schedule="gpipe", links=links)
     seq = {}
     for name, plan in piped.items():
         if name.startswith("_") or plan is None:
             continue
-        seq[name] = evaluate(plan.boundaries, costs1, mems1, devices, microbatches=1, schedule="gpipe", links=links,
-                             order=plan.order, method=name)
-    seq["ours (planned without pipelining)"] = balance(costs1, mems1, devices, microbatches=1, schedule="gpipe",
-                                                       links=links)
+        seq[name] = evaluate(whole, plan.boundaries, order=plan.order, method=name)
+    seq["ours (planned without pipelining)"] = balance(whole)
 
     def row(plan):
         return None if plan is None else {"step_s": plan.step_time_s, "feasible": plan.feasible,
@@ -127,16 +128,17 @@ def optimality_gap(trials: int) -> dict:
         mems = [LayerMemory(param_bytes=rng.randint(10, 60), activation_bytes=rng.randint(0, 20), output_bytes=10)
                 for _ in range(L)]
         devs = [DeviceSpec(name=f"d{i}", speed=rng.uniform(0.25, 1.0), memory_bytes=rng.randint(400, 2000)) for i in range(D)]
-        kw = dict(microbatches=rng.randint(D, 8), schedule="1f1b", links=[[rng.uniform(50, 500)] * D for _ in range(D)])
-        best = brute_force(costs, mems, devs, **kw)
+        problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devs, microbatches=rng.randint(D, 8),
+                                  schedule="1f1b", links=[[rng.uniform(50, 500)] * D for _ in range(D)])
+        best = brute_force(problem)
         if best is None:
             continue
-        ours = balance(costs, mems, devs, **kw)
+        ours = balance(problem)
         worst = max(worst, ours.step_time_s / best.step_time_s - 1)
-        ev = even(costs, mems, devs, **kw)
+        ev = even(problem)
         gaps_even.append(ev.step_time_s / best.step_time_s - 1 if ev.feasible else float("nan"))
         try:
-            sk = sky_allocator(costs, mems, devs, **kw)
+            sk = sky_allocator(problem)
             gaps_sky.append(sk.step_time_s / best.step_time_s - 1 if sk.feasible else float("nan"))
         except PlanInfeasibleError:
             gaps_sky.append(float("nan"))

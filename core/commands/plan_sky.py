@@ -45,23 +45,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layers(args: argparse.Namespace):
-    from tightfit.planner.partition import LayerMemory
+    from tightfit.planner.pipeline import LayerMemory
 
     if args.layers:
         size = parse_bytes(args.layer_bytes)
-        return [args.layer_seconds] * args.layers, [LayerMemory(param_bytes=size)] * args.layers
+        return (args.layer_seconds,) * args.layers, (LayerMemory(param_bytes=size),) * args.layers
     from tightfit.commands.plan import load_model_profile
 
     prof = load_model_profile(args)
-    costs = [(b.fwd_flops + b.bwd_flops) / args.rate for b in prof.blocks]
-    mems = [LayerMemory(param_bytes=b.param_bytes, activation_bytes=b.saved_bytes, output_bytes=b.output_bytes)
-            for b in prof.blocks]
+    costs = tuple((b.fwd_flops + b.bwd_flops) / args.rate for b in prof.blocks)
+    mems = tuple(LayerMemory(param_bytes=b.param_bytes, activation_bytes=b.saved_bytes, output_bytes=b.output_bytes)
+                 for b in prof.blocks)
     return costs, mems
 
 
 def run(args: argparse.Namespace) -> int:
     from tightfit.planner.errors import PlanError, PlanInfeasibleError
-    from tightfit.planner.partition import DeviceSpec, balance, even, parameter_balanced, sky_allocator
+    from tightfit.planner.pipeline import (
+        DeviceSpec,
+        PipelineProblem,
+        balance,
+        even,
+        parameter_balanced,
+        sky_allocator,
+    )
 
     try:
         speeds = [float(s) for s in args.speeds.split(",")]
@@ -77,10 +84,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     costs, mems = _layers(args)
     try:
-        devices = [DeviceSpec(name=f"dev{i}(x{s:g})", speed=s, memory_bytes=m) for i, (s, m) in enumerate(zip(speeds, sizes))]
-        kw = dict(microbatches=args.microbatches, schedule=args.schedule, links=args.link,
-                  virtual_stages=args.virtual_stages, optimizer_state_factor=args.optimizer_state)
-        plan = balance(costs, mems, devices, **kw)
+        devices = tuple(DeviceSpec(name=f"dev{i}(x{s:g})", speed=s, memory_bytes=m)
+                        for i, (s, m) in enumerate(zip(speeds, sizes)))
+        problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices,
+                                  microbatches=args.microbatches, schedule=args.schedule, links=args.link,
+                                  virtual_stages=args.virtual_stages, optimizer_state_factor=args.optimizer_state)
+        plan = balance(problem)
     except PlanInfeasibleError as e:
         print(f"tightfit plan sky: {e}", file=sys.stderr)
         return 3
@@ -95,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             others.append(("sky (Sky Computing's allocator)", sky_allocator))
         for name, fn in others:
             try:
-                other = fn(costs, mems, devices, **kw)
+                other = fn(problem)
                 rows.append((name, other.layer_counts(), f"{other.step_time_s * 1e3:.2f} ms",
                              "yes" if other.feasible else "no (OOM)", f"{other.step_time_s / plan.step_time_s:.2f}x"))
             except PlanInfeasibleError:

@@ -1,6 +1,6 @@
 """The profile types every planner and plugin consumes. Stable: extend, never rename.
 
-Data flow (../shared/ARCHITECTURE.md): ``profile_model`` -> :class:`ModelProfile`,
+Data flow (docs/architecture.md): ``profile_model`` -> :class:`ModelProfile`,
 ``profile_device`` -> :class:`DeviceProfile`, several devices (measured or from datasheet presets)
 -> :class:`ClusterSpec`; planners are pure functions of these.
 

@@ -1,4 +1,4 @@
-"""The engine: one controller in your process drives a ``tp x pp`` worker group (EnergonAI's hierarchy).
+"""The engine's front door: one controller in your process drives a ``tp x pp`` worker group (EnergonAI's hierarchy).
 
 You program against :class:`Engine` as if the model were one serial object; behind it the
 controller thread batches requests step by step (:mod:`energon_infer.scheduler`), sends each step
@@ -19,6 +19,9 @@ Faults: a worker that dies (or a step that outlives ``step_timeout_s``) fails th
 were running with :class:`WorkerFailedError`; waiting requests are kept; the group is restarted
 (up to ``max_restarts`` times) and serving goes on. No request is dropped without its future or
 stream receiving a result or an error.
+
+This module holds the factories and the request API; the loop is :mod:`energon_infer.controller`,
+the messages :mod:`energon_infer.protocol`, the results and their text :mod:`energon_infer.delivery`.
 """
 
 from __future__ import annotations
@@ -26,122 +29,38 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import queue
-import sys
-import threading
 import time
-import traceback
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from energon_infer.controller import (
+    Controller,
+    EngineClosedError,
+    EngineConfig,
+    WorkerFailedError,
+    start_group,
+)
+from energon_infer.delivery import Completion, Delivery, TokenEvent
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
+from energon_infer.protocol import WorkerInfo
 from energon_infer.runtime import RuntimeConfig
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import QueueFullError, Request, Scheduler, SchedulerConfig, StepPlan
-from energon_infer.workers import ModelSource, WorkerGroup
+from energon_infer.scheduler import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    QueueFullError,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+)
+from energon_infer.workers import ModelSource
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
            "QueueFullError"]
-
-
-class WorkerFailedError(RuntimeError):
-    """The worker group failed while this request ran (a worker died or a step hung)."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shut down (or has no workers left) and takes no more requests."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    """How the controller batches and how it treats failures.
-
-    Args:
-        max_batch_tokens: tokens per step (one per running request plus each admitted prompt).
-        max_running: sequences in the running batch at most.
-        max_queue: waiting requests at most; ``submit`` raises :class:`QueueFullError` beyond.
-        pipeline_groups: steps in flight at once (0: one per pipeline stage, the non-blocking pipeline; 1: each
-            step waits for the previous one).
-        policy: ``"continuous"`` or ``"static"`` batching (see :mod:`energon_infer.scheduler`).
-        restart_workers: restart the worker group after a failure.
-        max_restarts: restarts allowed over the engine's life; after that the engine fails closed.
-        step_timeout_s: a step without an answer after this long counts as a hung worker group.
-        start_timeout_s: how long loading may take.
-        threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
-        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
-        launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
-            torchrun started, on one or many nodes; this process must be rank 0, the others call
-            :func:`energon_infer.torchrun.run_worker`; no restarts).
-    """
-
-    max_batch_tokens: int = 4096
-    max_running: int = 256
-    max_queue: int = 1024
-    pipeline_groups: int = 0
-    policy: str = "continuous"
-    restart_workers: bool = True
-    max_restarts: int = 3
-    step_timeout_s: float = 300.0
-    start_timeout_s: float = 600.0
-    threads_per_worker: int = 0
-    backend: str | None = None
-    launcher: str = "spawn"
-
-    def __post_init__(self) -> None:
-        if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
-            raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
-                             f"threads_per_worker={self.threads_per_worker} must be >= 0")
-        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0:
-            raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
-        if self.launcher not in ("spawn", "torchrun"):
-            raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A finished request: tokens, text, why it stopped, and its timings (``time.monotonic`` seconds)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop", "length" or "abort"
-    arrival: float
-    first_token: float
-    finished: float
-
-    @property
-    def latency_s(self) -> float:
-        return self.finished - self.arrival
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.first_token - self.arrival if self.first_token else None
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One token of a request as it is generated (``text``: the new text since the previous event).
-
-    The last event of a request has ``finish_reason`` set and carries the :class:`Completion`
-    (or ``error``, when the request failed).
-    """
-
-    request_id: str
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None
-    completion: Completion | None = None
-    error: BaseException | None = None
-
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)}
@@ -199,35 +118,56 @@ class Engine:
         self.model_name = model_name or Path(source.path).name
         self.metrics = EngineMetrics()
         self.groups = self.config.pipeline_groups or runtime.pp
-        self._lock = threading.Lock()
-        self._space = threading.Condition(self._lock)
-        self._live: dict[str, Request] = {}
-        self._inflight: dict[int, StepPlan] = {}
-        self._stats: dict[int, dict[str, float]] = {}
-        self._stats_ready = threading.Condition(self._lock)
-        self._closing = self._stop_now = False
-        self.status = "starting"
-        self.last_error = ""
-        self._group = self._start_group()
-        info = self._group.info
-        self.worker_info = info
-        cfg = info[0]["config"]
-        self.vocab_size, self.max_context = int(cfg["vocab_size"]), int(cfg["max_positions"])
-        self.eos_token_ids = tuple(info[0]["eos_token_ids"])
+        self._ctl: Controller | None = None
+        group = self._start_group()
+        info: WorkerInfo = group.info[0]
+        self.vocab_size, self.max_context = int(info.config["vocab_size"]), int(info.config["max_positions"])
+        self.eos_token_ids = info.eos_token_ids
         if self.tokenizer is None and source.kind == "tightfit_gpt" and self.vocab_size == 256:
             from energon_infer.gpt_checkpoint import ByteTokenizer
 
             self.tokenizer = ByteTokenizer()
-        self.scheduler = Scheduler(
-            SchedulerConfig(kv_blocks=int(info[0]["kv_blocks"]), block_size=int(info[0]["block_size"]),
-                            max_context=self.max_context, max_batch_tokens=self.config.max_batch_tokens,
-                            max_running=self.config.max_running, max_queue=self.config.max_queue, groups=self.groups,
-                            policy=self.config.policy),
+        scheduler = Scheduler(
+            SchedulerConfig(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
+                            max_batch_tokens=self.config.max_batch_tokens, max_running=self.config.max_running,
+                            max_queue=self.config.max_queue, groups=self.groups, policy=self.config.policy),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
-        self.status = "ready"
-        self._thread = threading.Thread(target=self._run, name="energon-controller", daemon=True)
-        self._thread.start()
+        self._ctl = Controller(group, scheduler, self._start_group, self.config, self.metrics,
+                               Delivery(self.metrics, has_text=self.tokenizer is not None), groups=self.groups,
+                               tp=runtime.tp, pp=runtime.pp)
+        self._ctl.thread.start()
         _LIVE.add(self)
+
+    # The controller's state, read by the server and the tests.
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._controller.scheduler
+
+    @property
+    def status(self) -> str:
+        return self._controller.status if self._ctl is not None else "starting"
+
+    @property
+    def last_error(self) -> str:
+        return self._controller.last_error
+
+    @property
+    def worker_info(self) -> list[WorkerInfo]:
+        return self._controller.worker_info
+
+    @property
+    def _controller(self) -> Controller:
+        if self._ctl is None:
+            raise RuntimeError("the engine is still starting its workers")
+        return self._ctl
+
+    @property
+    def _live(self) -> dict[str, Request]:
+        return self._controller.live
+
+    @property
+    def _group(self) -> Any:
+        return self._controller.group
 
     # ------------------------------------------------------------------ construction
 
@@ -253,7 +193,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                        max_batch_tokens: int = 4096, memory_pool: Any = None, tokenizer: Any = None,
+                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, memory_pool: Any = None, tokenizer: Any = None,
                         model_name: str | None = None, **kwargs: Any) -> Engine:
         """Start ``tp * pp`` workers on a Hugging Face directory (``config.json`` + ``*.safetensors``).
 
@@ -281,7 +221,7 @@ class Engine:
 
     @classmethod
     def from_lightning_checkpoint(cls, path: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                                  max_batch_tokens: int = 4096, memory_pool: Any = None, gpt_config: Any = None,
+                                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, memory_pool: Any = None, gpt_config: Any = None,
                                   heads: int | None = None, tokenizer: Any = None, model_name: str | None = None,
                                   **kwargs: Any) -> Engine:
         """Serve the tightfit example GPT from a training checkpoint (Lightning ``.ckpt``, ``state_dict``
@@ -311,19 +251,8 @@ class Engine:
                           memory_pool, tokenizer, model_name or path.stem, kwargs)
 
     def _start_group(self) -> Any:
-        if self.config.launcher == "torchrun":
-            from energon_infer.torchrun import TorchrunWorkerGroup
-
-            tgroup = TorchrunWorkerGroup(self.source, self.runtime, pool=self.memory_pool)
-            tgroup.start(self.config.start_timeout_s)
-            return tgroup
-        group = WorkerGroup(self.source, self.runtime, pool=self.memory_pool, threads=self.config.threads_per_worker,
-                            backend=self.config.backend)
-        if self.runtime.progress:
-            print(f"energon: starting {group.world} worker(s) ({group.backend}, tp={self.runtime.tp} x "
-                  f"pp={self.runtime.pp}) for {self.source.path}", file=sys.stderr, flush=True)
-        group.start(self.config.start_timeout_s, cancelled=lambda: self._stop_now)
-        return group
+        return start_group(self.source, self.runtime, self.config, self.memory_pool,
+                           cancelled=lambda: self._ctl is not None and self._ctl.stop_now)
 
     # ------------------------------------------------------------------ tokens
 
@@ -360,34 +289,10 @@ class Engine:
         fut: Future[Completion] = Future()
         req.future = fut
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            self._check_open()
-            if req.request_id in self._live:
-                raise ValueError(f"request id {req.request_id!r} is already running; use a unique id")
-            while True:
-                try:
-                    self.scheduler.add(req)
-                    break
-                except QueueFullError:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if not block or (left is not None and left <= 0):
-                        self.metrics.record_rejected()
-                        raise
-                    self._space.wait(0.5 if left is None else min(left, 0.5))
-                    self._check_open()
-            self._live[req.request_id] = req
-            wake = self.scheduler.in_flight < self.groups
+        self._controller.add(req, block=block, deadline=deadline)
         self.metrics.record_submitted(len(ids))
         fut.add_done_callback(lambda f: f.cancelled() and self.abort(req.request_id))
-        if wake:
-            self._wake()
         return fut
-
-    def _check_open(self) -> None:
-        if self._closing:
-            raise EngineClosedError("the engine is shut down; start a new one to serve more requests")
-        if self.status == "failed":
-            raise EngineClosedError(f"the engine has no workers ({self.last_error}); start a new engine")
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
@@ -424,210 +329,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its future resolves with ``finish_reason="abort"``. False if it is not live."""
-        with self._lock:
-            if request_id not in self._live:
-                return False
-            req = self.scheduler.abort(request_id)
-            if req is not None:  # finished now (else when its step in flight answers)
-                self._live.pop(request_id, None)
-            wake = self.scheduler.in_flight < self.groups
-        if req is not None:
-            self._notify([(req, None, True)])
-        if wake:
-            self._wake()
-        return True
-
-    # ------------------------------------------------------------------ the controller loop
-
-    def _wake(self) -> None:
-        try:
-            self._group.results.put(("wake",))
-        except (OSError, ValueError):
-            pass
-
-    def _run(self) -> None:
-        try:
-            while True:
-                frees: list[int] = []
-                with self._lock:
-                    if self._stop_now or (self._closing and not self.scheduler.has_work() and not self._inflight):
-                        break
-                    plans = []
-                    if self.status == "ready":
-                        for g in self.scheduler.idle_groups():
-                            plan = self.scheduler.schedule(g)
-                            if plan is not None:
-                                plans.append(plan)
-                                self._inflight[plan.step_id] = plan
-                        frees = [] if plans or self._inflight else self.scheduler.take_frees()
-                    if plans:
-                        self._space.notify_all()  # admissions made room in the queue
-                for plan in plans:
-                    self._group.send(("step", plan.step_id, plan.frees, plan.items, plan.new_params))
-                if self.status == "ready" and not plans and frees:
-                    self._group.send(("free", frees))
-                try:
-                    msg = self._group.results.get(timeout=0.25)
-                except queue.Empty:
-                    msg = None
-                if msg is not None:
-                    self._handle(msg)
-                self._watch()
-        except BaseException as exc:  # the controller must never die silently
-            self.last_error = f"controller crashed: {exc!r}\n{traceback.format_exc()}"
-            self.status = "failed"
-        finally:
-            self._close_down()
-
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "tokens":
-            _, step_id, tokens = msg
-            with self._lock:
-                plan = self._inflight.pop(step_id, None)
-                if plan is None:
-                    return  # a step of a group that has since failed
-                events = self.scheduler.complete(plan, tokens)
-                for req, _, done in events:
-                    if done:
-                        self._live.pop(req.request_id, None)
-            self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
-            self._notify(events)
-        elif kind == "error":
-            # A peer's death usually reaches the survivors as a collective error ("connection reset")
-            # before the controller sees the exit: name the dead worker first when there is one.
-            deadline = time.monotonic() + 1.0
-            while not self._group.dead() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            last = msg[2].strip().splitlines()[-1] if msg[2].strip() else "no traceback"
-            dead = self._group.dead()
-            failed = [r for r, _ in dead]
-            reason = self._group.describe_death().strip() if [r for r in failed if r != msg[1]] else ""
-            reason = f"{reason}; worker {msg[1]} then failed: {last}" if reason else f"worker {msg[1]} failed: {last}"
-            print(f"energon: worker {msg[1]} traceback:\n{msg[2]}", file=sys.stderr, flush=True)
-            self._group_failed(reason)
-        elif kind == "stats":
-            with self._lock:
-                self._stats[msg[1]] = msg[2]
-                self._stats_ready.notify_all()
-
-    def _watch(self) -> None:
-        if self.status != "ready":
-            return
-        dead = self._group.dead()
-        if dead:
-            self._group_failed(self._group.describe_death().strip())
-            return
-        now = time.monotonic()
-        hung = [p for p in self._inflight.values() if now - p.started > self.config.step_timeout_s]
-        if hung:
-            self._group_failed(f"step {hung[0].step_id} got no answer within step_timeout_s="
-                               f"{self.config.step_timeout_s:g} s (a worker hangs)")
-
-    def _group_failed(self, reason: str) -> None:
-        self.metrics.worker_failures += 1
-        can_restart = (self.config.restart_workers and self.metrics.restarts < self.config.max_restarts
-                       and self.config.launcher == "spawn")  # a torchrun world's processes are torchrun's
-        with self._lock:
-            lost = self.scheduler.fail_running()
-            self._inflight.clear()
-            self.status = "restarting" if can_restart else "failed"
-            self.last_error = reason
-            for req in lost:
-                self._live.pop(req.request_id, None)
-        after = "the worker group is restarting" if can_restart else "the engine has no workers left"
-        print(f"energon: worker group failed: {reason}; {len(lost)} running request(s) failed; {after}",
-              file=sys.stderr, flush=True)
-        self._fail(lost, WorkerFailedError(f"the worker group failed while this request ran ({reason}); {after}; "
-                                           "resubmit the request"))
-        self._group.kill()
-        if can_restart:
-            self.metrics.restarts += 1
-            try:
-                self._group = self._start_group()
-                with self._lock:
-                    self.status = "ready"
-                return
-            except Exception as exc:
-                with self._lock:
-                    self.status = "failed"
-                    self.last_error = f"{reason}; the restart failed too: {exc}"
-        with self._lock:
-            waiting = self.scheduler.drain_waiting()
-            for req in waiting:
-                self._live.pop(req.request_id, None)
-            self._space.notify_all()
-        self._fail(waiting, EngineClosedError(f"the engine has no workers left ({self.last_error}); start a new one"))
-
-    def _close_down(self) -> None:
-        with self._lock:
-            leftovers = self.scheduler.fail_running() + self.scheduler.drain_waiting()
-            self._live.clear()
-            self._inflight.clear()
-            self._closing = True
-            self._space.notify_all()
-            if self.status != "failed":
-                self.status = "stopped"
-        self._fail(leftovers, EngineClosedError("the engine shut down before this request finished; resubmit it to "
-                                                "a running engine"))
-        self._group.stop()
-
-    # ------------------------------------------------------------------ notifications
-
-    def _completion(self, req: Request) -> Completion:
-        return Completion(req.request_id, list(req.prompt), list(req.generated), req.text, req.finish_reason or "abort",
-                          req.arrival, req.first_token, req.finished)
-
-    def _delta(self, req: Request, done: bool) -> str:
-        """New text since the last event; holds back what may still become a stop string or a whole character."""
-        if self.tokenizer is None:
-            return ""
-        full = req.text if done and req.text is not None else self.decode(req.generated)
-        if not done:
-            hold = max((len(s) - 1 for s in req.params.stop), default=0)
-            while full.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next bytes
-                full = full[:-1]
-            full = full[: len(full) - hold] if hold else full
-        if not full.startswith(req.sent_text):
-            return ""  # the tokenizer revised earlier text (rare); the completion carries the final text
-        delta = full[len(req.sent_text):]
-        req.sent_text = full
-        return delta
-
-    def _notify(self, events: list[tuple[Request, int | None, bool]]) -> None:
-        for req, tok, done in events:
-            completion = self._completion(req) if done else None
-            if req.listener is not None:
-                event = TokenEvent(req.request_id, tok, self._delta(req, done), req.finish_reason if done else None,
-                                   completion)
-                try:
-                    req.listener(event)
-                except Exception:  # a listener's bug must not stop the controller
-                    traceback.print_exc()
-            if done:
-                assert completion is not None
-                status = "aborted" if completion.finish_reason == "abort" else "ok"
-                self.metrics.record_finished(latency_s=completion.latency_s, ttft_s=completion.ttft_s,
-                                             tokens=len(completion.token_ids), status=status)
-                if not req.future.done():
-                    try:
-                        req.future.set_result(completion)
-                    except Exception:  # cancelled meanwhile
-                        pass
-
-    def _fail(self, requests: list[Request], error: BaseException) -> None:
-        for req in requests:
-            self.metrics.record_finished(latency_s=0.0, ttft_s=None, tokens=len(req.generated), status="error")
-            if req.listener is not None:
-                try:
-                    req.listener(TokenEvent(req.request_id, None, "", "error", None, error))
-                except Exception:
-                    traceback.print_exc()
-            if not req.future.done():
-                try:
-                    req.future.set_exception(error)
-                except Exception:
-                    pass
+        return self._controller.abort(request_id)
 
     # ------------------------------------------------------------------ status
 
@@ -652,21 +354,7 @@ class Engine:
         A stage is busy from its forward's start to its end; time waiting for inputs or for the
         controller is idle. Asked in order with the steps, so it covers every step sent before it.
         """
-        with self._lock:
-            self._stats.clear()
-        self._group.send(("stats", reset))
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while len(self._stats) < self._group.world:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.status not in ("ready",):
-                    raise TimeoutError(f"the workers did not report stage times within {timeout:g} s "
-                                       f"(status {self.status})")
-                self._stats_ready.wait(min(left, 0.5))
-            ranks = [self._stats[r] for r in range(self._group.world)]
-        tp = self.runtime.tp
-        stages = [max(ranks[s * tp: (s + 1) * tp], key=lambda r: r["busy_s"]) for s in range(self.runtime.pp)]
-        return {"ranks": ranks, "stages": [s["utilisation"] for s in stages], "groups": self.groups}
+        return self._controller.pipeline_stats(reset=reset, timeout=timeout)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -676,26 +364,12 @@ class Engine:
         Requests still unfinished after ``timeout`` seconds fail with :class:`EngineClosedError`; then
         the workers are stopped. Idempotent.
         """
-        with self._lock:
-            self._closing = True
-            self._space.notify_all()
-            if cancel:
-                self._stop_now = True
-        self._wake()
-        if not wait:
-            return
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self._stop_now = True
-            self._wake()
-            self._thread.join(timeout)
-        if self._thread.is_alive():  # wedged (it never should be): do not leave workers behind
-            self._group.kill()
-        _LIVE.discard(self)
+        self._controller.shutdown(wait=wait, timeout=timeout, cancel=cancel)
+        if wait:
+            _LIVE.discard(self)
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-

@@ -17,14 +17,9 @@ Here a :class:`LayerPool` does that for one :class:`~energon_infer.model.Decoder
 Copies run on a side CUDA stream (events order them against compute) or, on the CPU, on one
 background thread (PyTorch releases the GIL in ``copy_``, so the copy overlaps the matmuls).
 
-:func:`plan_pool` sizes the pool from the per-layer parameter bytes of the stage (its profile,
-measured on the meta device by :func:`stage_layer_bytes`) and a device budget: it pools the fewest
-layers that make the stage fit, spread evenly so resident layers' compute hides the copies.
-
-Example:
-    >>> plan = plan_pool([100] * 4, resident_bytes=50, budget_bytes=400, lookahead=1)
-    >>> plan.pooled, plan.device_bytes
-    ((0, 2), 450)
+:func:`tightfit.planner.pool.plan_pool` (core; re-exported here) sizes the pool from the per-layer
+parameter bytes of the stage (its profile, measured on the meta device by :func:`stage_layer_bytes`)
+and a device budget; this module applies its plan.
 """
 
 from __future__ import annotations
@@ -39,22 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit.planner.pool import PoolInfeasibleError, PoolPlan, plan_pool
+
 __all__ = ["MemoryPoolConfig", "PoolPlan", "PoolInfeasibleError", "LayerPool", "plan_pool", "stage_layer_bytes",
            "apply_memory_pool"]
-
-
-class PoolInfeasibleError(ValueError):
-    """Even with every layer pooled the stage does not fit the budget; carries the bytes it needs."""
-
-    def __init__(self, needed: int, budget: int):
-        from tightfit.units import format_bytes
-
-        self.needed, self.budget = needed, budget
-        super().__init__(
-            f"the stage needs at least {format_bytes(needed)} on the device with every layer pooled (embedding, "
-            f"head, norms and the prefetch slots) but the budget is {format_bytes(budget)}; raise the budget, lower "
-            "lookahead, or split the model over more ranks (tp/pp)"
-        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,59 +74,6 @@ class MemoryPoolConfig:
             from tightfit.units import parse_bytes
 
             object.__setattr__(self, "device_budget", parse_bytes(self.device_budget))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PoolPlan:
-    """Layers (positions within the stage) kept in the pool, and the device bytes that leaves."""
-
-    pooled: tuple[int, ...]
-    n_layers: int
-    lookahead: int
-    device_bytes: int
-    pool_bytes: int
-    slot_bytes: int
-
-    @property
-    def fraction(self) -> float:
-        return len(self.pooled) / self.n_layers if self.n_layers else 0.0
-
-
-def _spread(n_layers: int, k: int) -> tuple[int, ...]:
-    """``k`` of ``n_layers`` positions, evenly spaced (k=2 of 4: 0 and 2)."""
-    if k <= 0:
-        return ()
-    return tuple(sorted({(i * n_layers) // k for i in range(k)}))
-
-
-def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_bytes: int | None = None,
-              fraction: float = 0.5, lookahead: int = 2) -> PoolPlan:
-    """Choose the pooled layers of a stage.
-
-    Args:
-        layer_bytes: parameter bytes of each layer of the stage, in execution order (its profile).
-        resident_bytes: bytes that always stay on the device (embedding, head, norms).
-        budget_bytes: device bytes the stage's weights may use; ``None`` pools ``fraction`` of the layers.
-        fraction: used without a budget.
-        lookahead: layers fetched ahead (slots = lookahead + 1, capped at the pooled count).
-    """
-    n = len(layer_bytes)
-
-    def plan_for(k: int) -> PoolPlan:
-        pooled = _spread(n, k)
-        slots = min(lookahead + 1, len(pooled))
-        slot = max((layer_bytes[i] for i in pooled), default=0)
-        kept = sum(b for i, b in enumerate(layer_bytes) if i not in pooled)
-        return PoolPlan(pooled=pooled, n_layers=n, lookahead=lookahead, device_bytes=resident_bytes + kept + slots * slot,
-                        pool_bytes=sum(layer_bytes[i] for i in pooled), slot_bytes=slot)
-
-    if budget_bytes is None:
-        return plan_for(round(fraction * n))
-    for k in range(n + 1):
-        plan = plan_for(k)
-        if plan.device_bytes <= budget_bytes:
-            return plan
-    raise PoolInfeasibleError(min(plan_for(k).device_bytes for k in range(n + 1)), budget_bytes)
 
 
 def stage_layer_bytes(stage: nn.Module) -> tuple[list[int], int]:

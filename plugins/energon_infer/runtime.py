@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,8 @@ from energon_infer.config import ModelConfig, load_config
 from energon_infer.kv_cache import KVCache
 from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, split_layers
-from energon_infer.sampling import Sampler, SamplingParams, stop_reason
+from energon_infer.sampling import Sampler, SamplingParams
+from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
 from energon_infer.weights import CheckpointReader, hf_parts, load_stage_weights
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "ContextLengthError", "DTYPES"]
@@ -66,7 +66,8 @@ class RuntimeConfig:
         kv_cache_tokens: cache capacity in tokens (rounded up to whole blocks), shared by all sequences.
         microbatches: micro-batches per step with ``pp > 1`` (0: ``pp``); more shrink the pipeline
             bubble, fewer make each matmul larger.
-        max_batch_tokens: :meth:`ModelRunner.generate` admits new prompts while a step stays under this.
+        max_batch_tokens: :meth:`ModelRunner.generate` admits new prompts while a step stays under this
+            (default :data:`energon_infer.scheduler.DEFAULT_MAX_BATCH_TOKENS`; the engine sets it from its own).
         seed: seeds the generator that seeds requests without their own seed.
         progress: print loading progress on rank 0 (stderr).
     """
@@ -78,7 +79,7 @@ class RuntimeConfig:
     block_size: int = 16
     kv_cache_tokens: int = 32768
     microbatches: int = 0
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     seed: int = 0
     progress: bool = True
 
@@ -354,39 +355,27 @@ class ModelRunner:
                     f"prompt {i} ({len(e)} tokens + max_tokens={plist[i].max_tokens}) needs {reserve[i]} KV blocks; the "
                     f"cache has {self.cache.num_blocks}; load with a larger kv_cache_tokens"
                 )
-        pending = deque(range(len(prompts)))
-        seq_of = {i: next(self._ids) for i in range(len(prompts))}
-        running: dict[int, list[int]] = {}  # prompt index -> generated tokens
-        reserved = 0
-        results: dict[int, Generation] = {}
-        while pending or running:
-            items, new_params = [(seq_of[i], [toks[-1]]) for i, toks in running.items()], {}
-            budget = self.runtime.max_batch_tokens - len(items)
-            while pending and reserved + reserve[pending[0]] <= self.cache.num_blocks and (
-                    len(encoded[pending[0]]) <= budget or not items):
-                i = pending.popleft()
-                items.append((seq_of[i], encoded[i]))
-                new_params[seq_of[i]] = plist[i]
-                running[i] = []
-                reserved += reserve[i]
-                budget -= len(encoded[i])
-            tokens = self.step(items, new_params)
-            index_of = {seq_of[i]: i for i in running}
-            for (seq_id, _), tok in zip(items, tokens):
-                i = index_of[seq_id]
-                gen = running[i]
-                gen.append(tok)
-                reason, text = stop_reason(gen, plist[i], self.eos_token_ids,
-                                           self.decode_text if self.tokenizer is not None else None)
-                if reason is None and self.cache.length(seq_id) + 1 > self.max_context:
-                    reason = "length"
-                if reason is not None:
-                    results[i] = Generation(encoded[i], list(gen), text if text is not None else self.decode_text(gen),
-                                            reason)
-                    del running[i]
-                    self.free(seq_id)
-                    reserved -= reserve[i]
-        return [results[i] for i in range(len(prompts))]
+        if not prompts:
+            return []
+        # The engine's scheduler, driven in this process: one batching policy for both.
+        sched = Scheduler(
+            SchedulerConfig(kv_blocks=self.cache.num_blocks, block_size=bs, max_context=self.max_context,
+                            # a prompt longer than the budget still runs, alone in its step
+                            max_batch_tokens=max(self.runtime.max_batch_tokens, *map(len, encoded)),
+                            max_running=len(prompts), max_queue=len(prompts)),
+            eos_token_ids=self.eos_token_ids, decode=self.decode_text if self.tokenizer is not None else None,
+            seq_ids=self._ids)
+        requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
+        while sched.waiting or sched.running:
+            plan = sched.schedule(0)
+            if plan is None:
+                raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
+            for seq_id in plan.frees:
+                self.free(seq_id)
+            sched.complete(plan, self.step(plan.items, plan.new_params))
+        for seq_id in sched.take_frees():
+            self.free(seq_id)
+        return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``(B, L, vocab)`` for a padded batch (left, right or mixed padding); zeros at pad positions.

@@ -125,16 +125,21 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def stop_reason(generated: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int],
-                decode: Callable[[Sequence[int]], str] | None = None) -> tuple[str | None, str | None]:
+                decode: Callable[[Sequence[int]], str] | None = None, *,
+                text: str | None = None) -> tuple[str | None, str | None]:
     """``(finish_reason, text)`` after the latest token: ``"stop"``, ``"length"`` or ``None`` (go on).
 
-    ``text`` is the decoded output cut before a stop string when one matched, else ``None``.
+    Stop strings are looked for in ``text`` (the output's text so far) or, without it, in
+    ``decode(generated)``. The returned text is the output cut before a stop string when one
+    matched, else ``None``.
     """
     last = generated[-1]
     if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
         return "stop", None
-    if params.stop and decode is not None:
-        text = decode(generated)
+    if params.stop and (text is not None or decode is not None):
+        if text is None:
+            assert decode is not None
+            text = decode(generated)
         hits = [text.find(s) for s in params.stop if s in text]
         if hits:
             return "stop", text[: min(hits)]

@@ -40,15 +40,22 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from energon_infer.delivery import IncrementalDetokenizer
 from energon_infer.sampling import SamplingParams, stop_reason
 
-__all__ = ["POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
 POLICIES = ("continuous", "static")
+
+
+#: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
+#: ``RuntimeConfig`` and the engine's factories (4096 was the engine's and the CLI's default; the
+#: runtime and the scheduler had 8192 before they shared this one).
+DEFAULT_MAX_BATCH_TOKENS = 4096
 
 
 class QueueFullError(RuntimeError):
@@ -81,7 +88,7 @@ class SchedulerConfig:
     kv_blocks: int
     block_size: int
     max_context: int
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_running: int = 256
     max_queue: int = 1024
     groups: int = 1
@@ -125,6 +132,7 @@ class Request:
     first_token: float = 0.0
     finished: float = 0.0
     sent_text: str = ""  # streamed so far
+    detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer)
     future: Any = None
 
 
@@ -151,12 +159,17 @@ class Scheduler:
     Args:
         config: limits.
         eos_token_ids: the model's end tokens (requests stop there unless ``ignore_eos``).
-        decode: token ids -> text, for stop strings (``None``: stop strings are not checked).
+        decode: token ids -> text, for stop strings and each request's text (``None``: token ids only, stop
+            strings are not checked). Each request gets one :class:`~energon_infer.delivery.IncrementalDetokenizer`
+            (``request.detok``) that delivery streams from too.
         clock: time source for request timings.
+        seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
+            negative ones, which never collide with a caller's).
     """
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic):
+                 decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 seq_ids: Iterator[int] | None = None):
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
@@ -166,7 +179,7 @@ class Scheduler:
         self.reserved = 0
         self._frees: list[int] = []
         self._busy = [False] * config.groups
-        self._seq_ids = itertools.count(1)
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ admission
@@ -205,6 +218,8 @@ class Scheduler:
         request.seq_id = next(self._seq_ids)
         request.state = "waiting"
         request.arrival = request.arrival or self.clock()
+        if self.decode is not None and request.detok is None:
+            request.detok = IncrementalDetokenizer(self.decode)
         self.waiting.append(request)
         return request
 
@@ -272,8 +287,8 @@ class Scheduler:
         req.in_flight = False
         if text is not None:
             req.text = text
-        elif self.decode is not None:
-            req.text = self.decode(req.generated)
+        elif req.detok is not None:
+            req.text = req.detok.finish()
         if self.running.pop(req.seq_id, None) is not None:
             self.reserved -= req.reserve
             self._frees.append(req.seq_id)
@@ -296,7 +311,10 @@ class Scheduler:
             req.generated.append(int(tok))
             if len(req.generated) == 1:
                 req.first_token = now
-            reason, text = stop_reason(req.generated, req.params, self.eos_token_ids, self.decode)
+            if req.detok is not None:
+                req.detok.add(int(tok))
+            reason, text = stop_reason(req.generated, req.params, self.eos_token_ids,
+                                       text=req.detok.text if req.detok is not None else None)
             if reason is None and len(req.prompt) + len(req.generated) > self.config.max_context:
                 reason = "length"  # the next step would feed a token past the context
             if reason is not None:

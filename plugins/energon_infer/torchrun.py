@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from energon_infer.protocol import Bye, Command, Reply, Stop, WorkerError, WorkerInfo
 from energon_infer.workers import ModelSource, load_worker, serve_commands
 
 __all__ = ["TorchrunWorkerGroup", "run_worker", "in_torchrun"]
@@ -62,13 +63,13 @@ def _control_groups(timeout_s: float) -> tuple[Any, Any]:
     return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _send(msg: tuple, group: Any) -> None:
+def _send(msg: Reply, group: Any) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.long), dst=0, group=group)
     dist.send(data, dst=0, group=group)
 
 
-def _recv_any(group: Any) -> tuple:
+def _recv_any(group: Any) -> Reply:
     size = torch.zeros(1, dtype=torch.long)
     src = dist.recv(size, src=None, group=group)  # whichever rank sends first...
     data = torch.empty(int(size), dtype=torch.uint8)
@@ -91,7 +92,7 @@ def run_worker(timeout_s: float = 600.0) -> None:
         runner, timer, info = load_worker(source, runtime, pool, rank)
         dist.gather_object(info, None, dst=0, group=res_group)
 
-        def next_command() -> tuple:
+        def next_command() -> Command:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=cmd_group)
             return box[0]
@@ -99,11 +100,11 @@ def run_worker(timeout_s: float = 600.0) -> None:
         serve_commands(runner, timer, rank, next_command, lambda msg: _send(msg, res_group))
     except BaseException:
         try:
-            _send(("error", rank, traceback.format_exc()), res_group)
+            _send(WorkerError(rank, traceback.format_exc()), res_group)
         except Exception:
             pass
         raise
-    _send(("bye", rank), res_group)
+    _send(Bye(rank), res_group)
     dist.destroy_process_group()
 
 
@@ -122,15 +123,15 @@ class TorchrunWorkerGroup:
         self.world = runtime.tp * runtime.pp
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.timeout_s = collective_timeout_s
-        self.results: queue.Queue[tuple] = queue.Queue()
-        self._outbox: queue.Queue[tuple] = queue.Queue()
-        self._local: queue.Queue[tuple] = queue.Queue()
+        self.results: queue.Queue[Reply] = queue.Queue()
+        self._outbox: queue.Queue[Command] = queue.Queue()
+        self._local: queue.Queue[Command] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.procs: list[Any] = []  # remote processes are torchrun's, not ours
-        self.info: list[dict[str, Any]] = []
+        self.info: list[WorkerInfo] = []
         self._failed: list[tuple[int, int]] = []
 
-    def start(self, timeout_s: float = 600.0, cancelled: Any = None) -> list[dict[str, Any]]:
+    def start(self, timeout_s: float = 600.0, cancelled: Any = None) -> list[WorkerInfo]:
         _init_world(self.timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
         if rank != 0:
@@ -160,7 +161,7 @@ class TorchrunWorkerGroup:
             serve_commands(runner, timer, 0, self._local.get, self.results.put)
         except BaseException:
             self._failed.append((0, 1))
-            self.results.put(("error", 0, traceback.format_exc()))
+            self.results.put(WorkerError(0, traceback.format_exc()))
 
     def _sender(self) -> None:
         while True:
@@ -168,7 +169,7 @@ class TorchrunWorkerGroup:
             self._local.put(cmd)
             if self.world > 1:
                 dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return
 
     def _receiver(self) -> None:
@@ -177,20 +178,20 @@ class TorchrunWorkerGroup:
             try:
                 msg = _recv_any(self.res_group)
             except Exception as exc:  # a peer vanished: report it as that worker's failure
-                self.results.put(("error", -1, f"the result channel failed: {exc!r}"))
+                self.results.put(WorkerError(-1, f"the result channel failed: {exc!r}"))
                 return
-            if msg[0] == "bye":
+            if isinstance(msg, Bye):
                 left -= 1
                 continue
-            if msg[0] == "error":
-                self._failed.append((int(msg[1]), 1))
+            if isinstance(msg, WorkerError):
+                self._failed.append((msg.rank, 1))
             self.results.put(msg)
 
     @property
     def pids(self) -> list[int]:
-        return [int(i.get("pid", 0)) for i in self.info]
+        return [i.pid for i in self.info]
 
-    def send(self, cmd: tuple) -> None:
+    def send(self, cmd: Command) -> None:
         self._outbox.put(cmd)
 
     def dead(self) -> list[tuple[int, int]]:
@@ -200,10 +201,10 @@ class TorchrunWorkerGroup:
         return ", ".join(f"worker {r} failed" for r, _ in self._failed)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.send(("stop",))
+        self.send(Stop())
         for t in self._threads:
             t.join(timeout_s)
 
     def kill(self) -> None:
         # Processes of a torchrun world are not ours to kill; ask them to leave and stop waiting for them.
-        self.send(("stop",))
+        self.send(Stop())

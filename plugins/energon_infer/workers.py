@@ -7,15 +7,11 @@ commands in the same order from its own queue and calls the runner with them, so
 stay in step without talking about bookkeeping. Only the result rank (tp rank 0 of the last stage)
 answers a step, with the sampled tokens, on the shared result queue.
 
-Commands (tuples, cheap to pickle):
+Commands and replies are the typed messages of :mod:`energon_infer.protocol` (``Step``, ``Free``,
+``Stats``, ``Stop``; ``Ready``, ``Tokens``, ``StatsReport``, ``WorkerError``).
 
-* ``("step", step_id, frees, items, new_params)``: free finished sequences, then run the packed step;
-* ``("free", seq_ids)``: free without a step (nothing else to run);
-* ``("stats", reset)``: every rank reports its stage's busy time (utilisation);
-* ``("stop",)``: leave the loop, destroy the process group, exit 0.
-
-A worker that fails reports ``("error", rank, traceback)`` and exits; a worker whose parent dies
-exits on its own (it polls), so no orphan holds a device.
+A worker that fails reports a ``WorkerError`` and exits; a worker whose parent dies exits on its
+own (it polls), so no orphan holds a device.
 """
 
 from __future__ import annotations
@@ -32,6 +28,21 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from energon_infer.protocol import (
+    Command,
+    Free,
+    PoolInfo,
+    Ready,
+    Reply,
+    Stats,
+    StatsReport,
+    Step,
+    Stop,
+    Tokens,
+    WorkerError,
+    WorkerInfo,
+)
 
 __all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
            "StageTimer"]
@@ -73,57 +84,69 @@ def build_runner(source: ModelSource, runtime: Any) -> Any:
 
 
 class StageTimer:
-    """Busy time of a rank's stage: from each stage forward's start to its end (CUDA events on a GPU).
+    """Busy time of a rank's stage: from each stage forward's start to its end.
 
-    Utilisation is busy time over the span from the first forward's start to the last one's end,
-    so the time a stage waits for its inputs or for the controller counts as idle.
+    Both ends of every span come from one clock: CUDA events on a GPU (a forward's kernels run after
+    the host call returns, so host time would measure launch, not work), ``time.perf_counter`` on a
+    CPU. Utilisation is busy time over the span from the first forward's start to the last one's
+    end, so the time a stage waits for its inputs or for the controller counts as idle.
+
+    ``mark``/``elapsed`` (optional) replace the clock: ``mark()`` takes a timestamp, ``elapsed(a, b)``
+    gives the seconds from ``a`` to ``b``.
     """
 
-    def __init__(self, stage: torch.nn.Module, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._open: Any = None
-        self._spans: list[tuple[Any, Any]] = []
+    def __init__(self, stage: torch.nn.Module, device: torch.device, *, mark: Callable[[], Any] | None = None,
+                 elapsed: Callable[[Any, Any], float] | None = None):
+        self.cuda = device.type == "cuda" and mark is None
+        self.mark: Callable[[], Any] = mark or (self._cuda_mark if self.cuda else time.perf_counter)
+        self.elapsed: Callable[[Any, Any], float] = elapsed or (self._cuda_elapsed if self.cuda else _subtract)
+        self.open: Any = None
+        self.spans: list[tuple[Any, Any]] = []  # (start, end) marks not yet summed
         self.busy = 0.0
-        self.first = self.last = None
+        self.first: Any = None  # the first start mark since the last reset
+        self.last: Any = None  # the latest end mark
+        self.span_before = 0.0  # span already summed when the marks were folded (CUDA events are freed)
         self.steps = 0
-        stage.register_forward_pre_hook(lambda *_: self._start())
-        stage.register_forward_hook(lambda *_: self._stop())
+        stage.register_forward_pre_hook(lambda *_: self.start())
+        stage.register_forward_hook(lambda *_: self.stop())
 
-    def _start(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._open = (ev, time.perf_counter())
-        else:
-            self._open = time.perf_counter()
+    @staticmethod
+    def _cuda_mark() -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
-    def _stop(self) -> None:
+    @staticmethod
+    def _cuda_elapsed(a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3
+
+    def start(self) -> None:
+        self.open = self.mark()
+        if self.first is None:
+            self.first = self.open
+
+    def stop(self) -> None:
         self.steps += 1
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._spans.append((self._open, end))
-            return
-        now = time.perf_counter()
-        self.busy += now - self._open
-        self.first = self._open if self.first is None else self.first
-        self.last = now
+        end = self.mark()
+        self.spans.append((self.open, end))
+        self.last = end
 
     def snapshot(self, reset: bool = False) -> dict[str, float]:
-        if self.cuda and self._spans:
+        if self.cuda and self.spans:
             torch.cuda.synchronize()
-            for (start, t0), end in self._spans:
-                ms = start.elapsed_time(end)
-                self.busy += ms / 1e3
-                self.first = t0 if self.first is None else self.first
-                self.last = t0 + ms / 1e3
-            self._spans.clear()
-        span = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+        for start, end in self.spans:
+            self.busy += self.elapsed(start, end)
+        self.spans.clear()
+        span = self.elapsed(self.first, self.last) if self.first is not None and self.last is not None else 0.0
         out = {"busy_s": self.busy, "span_s": span, "steps": float(self.steps),
                "utilisation": self.busy / span if span > 0 else 0.0}
         if reset:
             self.busy, self.first, self.last, self.steps = 0.0, None, None, 0
         return out
+
+
+def _subtract(a: float, b: float) -> float:
+    return b - a
 
 
 def _free_port() -> int:
@@ -145,49 +168,46 @@ def _warm_up(runner: Any) -> None:
     runner.free(_WARMUP_SEQ)
 
 
-def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, dict[str, Any]]:
+def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
     """Load this rank's runner (and its memory pool), warm it up; returns it, its stage timer and what to report."""
     runner = build_runner(source, runtime)
-    info: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "kv_blocks": runner.cache.num_blocks,
-                            "block_size": runner.cache.block_size, "config": runner.config.to_dict(),
-                            "eos_token_ids": list(runner.eos_token_ids), "device": str(runner.device),
-                            "weight_bytes": sum(p.numel() * p.element_size() for p in runner.stage.parameters())}
+    pool_info = None
     if pool is not None:
         from energon_infer.memory_pool import apply_memory_pool
 
         layer_pool, plan = apply_memory_pool(runner, pool)
-        info["pool"] = {"pooled": list(plan.pooled), "layers": plan.n_layers, "pool_bytes": layer_pool.pool_bytes,
-                        "slot_bytes": layer_pool.slot_bytes, "device_bytes": plan.device_bytes,
-                        "layer_bytes": plan.slot_bytes}
+        pool_info = PoolInfo(pooled=tuple(plan.pooled), layers=plan.n_layers, pool_bytes=layer_pool.pool_bytes,
+                             slot_bytes=layer_pool.slot_bytes, device_bytes=plan.device_bytes,
+                             layer_bytes=plan.slot_bytes)
+    info = WorkerInfo(rank=rank, pid=os.getpid(), kv_blocks=runner.cache.num_blocks,
+                      block_size=runner.cache.block_size, config=runner.config.to_dict(),
+                      eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
+                      weight_bytes=sum(p.numel() * p.element_size() for p in runner.stage.parameters()), pool=pool_info)
     _warm_up(runner)
     return runner, StageTimer(runner.stage, runner.device), info
 
 
-def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], tuple | None],
-                   reply: Callable[[tuple], None]) -> None:
-    """The worker loop (SPMD): obey commands in order until ``("stop",)`` or ``next_command()`` gives ``None``."""
+def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], Command | None],
+                   reply: Callable[[Reply], None]) -> None:
+    """The worker loop (SPMD): obey commands in order until :class:`Stop` or ``next_command()`` gives ``None``."""
     result_rank = runner.grid.result_rank
     while True:
         cmd = next_command()
-        if cmd is None:
+        if cmd is None or isinstance(cmd, Stop):
             return
-        kind = cmd[0]
-        if kind == "step":
-            _, step_id, frees, items, new_params = cmd
-            for seq_id in frees:
+        if isinstance(cmd, Step):
+            for seq_id in cmd.frees:
                 runner.free(seq_id)
-            tokens = runner.step(items, new_params, broadcast=False)
+            tokens = runner.step(cmd.items, cmd.new_params, broadcast=False)
             if rank == result_rank:
-                reply(("tokens", step_id, tokens))
-        elif kind == "free":
-            for seq_id in cmd[1]:
+                reply(Tokens(cmd.step_id, list(tokens)))
+        elif isinstance(cmd, Free):
+            for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
-        elif kind == "stats":
-            reply(("stats", rank, timer.snapshot(reset=bool(cmd[1]))))
-        elif kind == "stop":
-            return
+        elif isinstance(cmd, Stats):
+            reply(StatsReport(rank, timer.snapshot(reset=cmd.reset)))
         else:
-            raise ValueError(f"unknown command {kind!r}")
+            raise TypeError(f"unknown command {cmd!r}; the protocol's commands are Step, Free, Stats and Stop")
 
 
 def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime: Any, pool: Any, threads: int,
@@ -207,9 +227,9 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                     **kwargs)
         runner, timer, info = load_worker(source, runtime, pool, rank)
-        out_q.put(("ready", rank, info))
+        out_q.put(Ready(rank, info))
 
-        def next_command() -> tuple | None:
+        def next_command() -> Command | None:
             while True:
                 try:
                     return in_q.get(timeout=1.0)
@@ -219,7 +239,7 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
 
         serve_commands(runner, timer, rank, next_command, out_q.put)
     except BaseException:
-        out_q.put(("error", rank, traceback.format_exc()))
+        out_q.put(WorkerError(rank, traceback.format_exc()))
         out_q.close()
         out_q.join_thread()  # make sure the report leaves before we exit
         raise SystemExit(1) from None
@@ -252,9 +272,9 @@ class WorkerGroup:
         self.results: Any = self._ctx.Queue()
         self._inputs: list[Any] = []
         self.procs: list[Any] = []
-        self.info: list[dict[str, Any]] = []
+        self.info: list[WorkerInfo] = []
 
-    def start(self, timeout_s: float = 600.0, cancelled: Any = None) -> list[dict[str, Any]]:
+    def start(self, timeout_s: float = 600.0, cancelled: Any = None) -> list[WorkerInfo]:
         """Spawn the workers and wait until each has loaded its slice; returns what each reported.
 
         ``cancelled()`` (optional) is polled while waiting: when it returns true the start is abandoned
@@ -270,7 +290,7 @@ class WorkerGroup:
             p.start()
             self._inputs.append(q)
             self.procs.append(p)
-        ready: dict[int, dict[str, Any]] = {}
+        ready: dict[int, WorkerInfo] = {}
         deadline = time.monotonic() + timeout_s
         try:
             while len(ready) < self.world:
@@ -290,10 +310,10 @@ class WorkerGroup:
                             f"the {self.world} workers did not finish loading within {timeout_s:.0f} s (ready: "
                             f"{sorted(ready)}); raise start_timeout_s for a large model") from None
                     continue
-                if msg[0] == "error":
-                    raise WorkerStartError(f"worker {msg[1]} failed while loading the model:\n{msg[2]}")
-                if msg[0] == "ready":
-                    ready[msg[1]] = msg[2]
+                if isinstance(msg, WorkerError):
+                    raise WorkerStartError(f"worker {msg.rank} failed while loading the model:\n{msg.traceback}")
+                if isinstance(msg, Ready):
+                    ready[msg.rank] = msg.info
         except BaseException:
             self.kill()
             raise
@@ -304,7 +324,7 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def send(self, cmd: tuple) -> None:
+    def send(self, cmd: Command) -> None:
         for q in self._inputs:
             q.put(cmd)
 
@@ -324,7 +344,7 @@ class WorkerGroup:
         """Ask every worker to leave its loop, wait, then kill any that did not."""
         if any(p.is_alive() for p in self.procs):
             try:
-                self.send(("stop",))
+                self.send(Stop())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout_s

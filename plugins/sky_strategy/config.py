@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tightfit.planner.partition import SCHEDULES
+from tightfit.planner.pipeline import SCHEDULES, partitioners
 from tightfit.units import parse_bytes
 
-__all__ = ["SkyConfig", "PARTITIONS"]
-
-PARTITIONS = ("balanced", "even", "parameter-balanced", "sky")
+__all__ = ["SkyConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,8 +19,9 @@ class SkyConfig:
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``torch.distributed.pipelining`` schedules).
         microbatches: microbatches per step (1F1B needs at least one per stage).
         virtual_stages: chunks per rank for ``"interleaved"``.
-        partition: ``"balanced"`` (our planner), ``"even"``, ``"parameter-balanced"``, ``"sky"`` (Sky
-            Computing's allocator), or explicit layer boundaries ``(0, b1, ..., L)``.
+        partition: a partitioner registered in ``tightfit.planner.pipeline.partitioners``:
+            ``"balanced"`` (our planner), ``"even"``, ``"parameter-balanced"``, ``"sky"`` (Sky
+            Computing's allocator), ``"sky-fixed"``; or explicit layer boundaries ``(0, b1, ..., L)``.
         order: device-order search for ``"balanced"``: ``"search"`` or ``"given"`` (interleaved: given).
         speed_factors: per rank, the speed this rank plays (``0.33``: three times slower); ``None``: 1.0.
         memory_caps: per rank, the memory a stage may use (bytes or ``"2GiB"``); ``None``: measured.
@@ -69,9 +68,9 @@ class SkyConfig:
         if self.virtual_stages < 1:
             raise ValueError(f"SkyStrategy: virtual_stages={self.virtual_stages} must be >= 1")
         if isinstance(self.partition, str):
-            if self.partition not in PARTITIONS:
+            if self.partition not in partitioners:
                 raise ValueError(f"SkyStrategy: partition={self.partition!r} is unknown; use one of "
-                                 f"{', '.join(PARTITIONS)} or explicit boundaries like (0, 3, 8)")
+                                 f"{', '.join(partitioners.names())} or explicit boundaries like (0, 3, 8)")
         else:
             b = list(self.partition)
             if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):

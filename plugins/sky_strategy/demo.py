@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tightfit.planner.partition import DeviceSpec, LayerMemory, balance, even, sky_allocator
+from tightfit.planner.pipeline import DeviceSpec, LayerMemory, PipelineProblem, balance, even, sky_allocator
 
 __all__ = ["run_demo", "simulated_cluster_plans", "train_side_by_side", "launch"]
 
@@ -29,9 +29,9 @@ def simulated_cluster_plans() -> str:
                DeviceSpec(name="T4", speed=0.25, memory_bytes=16 * 2**30),
                DeviceSpec(name="V100", speed=0.5, memory_bytes=16 * 2**30),
                DeviceSpec(name="A10", speed=0.4, memory_bytes=6 * 2**30)]
-    kw = dict(microbatches=8, schedule="1f1b", links=10e9)
-    plans = [even(costs, mems, devices, **kw), sky_allocator(costs, mems, devices, **kw),
-             balance(costs, mems, devices, **kw)]
+    problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices, microbatches=8,
+                              schedule="1f1b", links=10e9)
+    plans = [even(problem), sky_allocator(problem), balance(problem)]
     lines = [plans[-1].explain(), ""]
     for p in plans:
         lines.append(f"{p.method:>9}: layers per device {dict(zip(p.devices, p.layer_counts()))}, "

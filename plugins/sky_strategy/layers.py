@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-__all__ = ["ConventionError", "Layer", "resolve_layers", "split_batch", "StageModule", "TimedStage",
+__all__ = ["ConventionError", "Layer", "resolve_layers", "split_batch", "call_layer", "StageModule", "TimedStage",
            "HostTimer", "EventTimer", "stage_timer", "LayerMeasurement", "measure_layers"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -106,7 +106,8 @@ def split_batch(module: nn.Module, batch) -> tuple[object, torch.Tensor]:
                           "(inputs, target) from the dataloader or define `pipeline_batch(self, batch)`")
 
 
-def _call(layer: nn.Module, x):
+def call_layer(layer: nn.Module, x):
+    """Apply one pipeline layer to the previous layer's output (a tuple is unpacked into arguments)."""
     return layer(*x) if isinstance(x, tuple) else layer(x)
 
 
@@ -123,7 +124,7 @@ class StageModule(nn.Module):
         x = args if len(args) > 1 else args[0]
         with self._context():
             for layer in self.layers:
-                x = _call(layer, x)
+                x = call_layer(layer, x)
         return x
 
 
@@ -315,9 +316,9 @@ def measure_layers(layers: list[Layer], sample, *, device: torch.device, repeats
             start = time.perf_counter()
             if rep == 0:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = _call(mod, xin)
+                    y = call_layer(mod, xin)
             else:
-                y = _call(mod, xin)
+                y = call_layer(mod, xin)
             outs, grads = _grad_like(y)
             if outs:
                 torch.autograd.backward(outs, grads)

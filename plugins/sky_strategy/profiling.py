@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from sky_strategy.layers import Layer, LayerMeasurement, measure_layers
-from tightfit.planner.partition import DeviceSpec, LayerMemory
+from tightfit.planner.pipeline import DeviceSpec, LayerMemory
 
 __all__ = ["RankProfile", "profile_rank", "measure_links", "planner_inputs", "usable_memory"]
 

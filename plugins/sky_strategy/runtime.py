@@ -1,4 +1,4 @@
-"""Applies a :class:`~tightfit.planner.partition.PartitionPlan` on ``torch.distributed.pipelining``.
+"""Applies a :class:`~tightfit.planner.pipeline.PartitionPlan` on ``torch.distributed.pipelining``.
 
 Every rank keeps the whole LightningModule *structure* with the original parameter objects, but only
 the layers of its own stages hold data; the others hold an empty placeholder (``p.data`` of 0
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from sky_strategy.layers import Layer, StageModule, TimedStage, stage_timer
-from tightfit.planner.partition import PartitionPlan
+from tightfit.planner.pipeline import PartitionPlan
 
 __all__ = ["PipelineRuntime"]
 

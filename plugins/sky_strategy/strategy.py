@@ -1,9 +1,11 @@
 """``SkyStrategy``: load-balanced pipeline parallelism for Lightning, ``Trainer(strategy="sky")``.
 
 Flow (one short path): on the first batch every rank measures the declared layers on a microbatch
-(forward+backward), its memory and its links; rank 0 plans with
-:func:`tightfit.planner.partition.balance` and broadcasts the plan; each rank keeps its stages'
-layers (original parameter names) and trains with a ``torch.distributed.pipelining`` schedule.
+(forward+backward), its memory and its links; rank 0 builds a
+:class:`~tightfit.planner.pipeline.PipelineProblem` and asks core for the plan
+(:func:`tightfit.planner.pipeline.plan_pipeline`), which every rank receives as JSON
+(:func:`tightfit.distributed.decide_on_rank0`); each rank keeps its stages' layers (original
+parameter names) and trains with a ``torch.distributed.pipelining`` schedule.
 
 How it fits Lightning's loop (automatic optimization, unchanged user code):
     * ``training_step``: the strategy runs the pipelined forward+backward over the batch's microbatches,
@@ -22,7 +24,8 @@ share of the data, the ranks of one pipeline the same batches); before each opti
 gradients of every stage are averaged over its replicas (inside the closure, so value clipping
 sees the averaged gradients). The plan is made for one pipeline whose device at each position is
 the slowest (and smallest-memory) of that position's ranks across the replicas, with the slowest
-link between neighbouring positions in any replica: every replica steps together, so the slowest
+link between neighbouring positions in any replica (core's
+:func:`~tightfit.planner.pipeline.merge_replicas`): every replica steps together, so the slowest
 copy of a stage paces it. Losses are each replica's own (as under DDP); ``self.log(...,
 sync_dist=True)`` averages them over the replicas, which for equal shares is the loss of the global
 batch. Checkpoints: every replica holds identical weights; global rank 0 writes the file.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -50,21 +54,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from sky_strategy.config import SkyConfig
-from sky_strategy.layers import resolve_layers, split_batch
+from sky_strategy.layers import call_layer, resolve_layers, split_batch
 from sky_strategy.profiling import RankProfile, measure_links, planner_inputs, profile_rank
 from sky_strategy.runtime import PipelineRuntime
-from tightfit.planner.partition import (
-    PartitionPlan,
-    balance,
-    evaluate,
-    even,
-    parameter_balanced,
-    sky_allocator,
-)
+from tightfit.distributed import decide_on_rank0
+from tightfit.planner.optimizers import optimizer_states
+from tightfit.planner.pipeline import PartitionPlan, PipelineProblem, merge_replicas, plan_pipeline
 
 __all__ = ["SkyStrategy"]
-
-_OPT_STATE = {"Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adagrad": 1.0, "RMSprop": 1.0}
 
 
 class SkyStrategy(DDPStrategy):
@@ -237,9 +234,7 @@ class SkyStrategy(DDPStrategy):
         costs, mems, devices = planner_inputs(gathered)
         self._inputs = (costs, mems, devices, links)
         self._speeds = [d.speed for d in devices]
-        box = [self._make_plan(self._speeds) if self.global_rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        self.plan = box[0]
+        self.plan = self._decide_plan(self._speeds)
         self.runtime = PipelineRuntime(module, self._layers, device=self.root_device, slowdown=self._slowdown,
                                        context=self.precision_plugin.forward_context, group=self._pp_group,
                                        replicas=self._dp_group)
@@ -248,15 +243,13 @@ class SkyStrategy(DDPStrategy):
         self._say(self.plan.explain())
 
     def _check_forward(self, sample) -> None:
-        from sky_strategy.layers import _call
-
         module = self.lightning_module
         module.eval()
         with torch.no_grad():
             ref = module(*sample) if isinstance(sample, tuple) else module(sample)
             x = sample
             for layer in self._layers:
-                x = _call(layer.module, x)
+                x = call_layer(layer.module, x)
         module.train()
         if isinstance(ref, torch.Tensor) and isinstance(x, torch.Tensor):
             if ref.shape != x.shape or not torch.allclose(ref, x, rtol=1e-4, atol=1e-5):
@@ -266,49 +259,26 @@ class SkyStrategy(DDPStrategy):
                     f"(max difference {diff}); declare the layers so that forward(x) == layers applied one after "
                     "another, or pass check_forward=False if forward is deliberately different")
 
-    def _per_position(self, devices: list, links: Any) -> tuple[list, Any]:
-        """One pipeline's devices and links from every rank's: position ``j`` is as slow (and as small)
-        as the slowest of ranks ``j, j + P, j + 2P, ...`` (the replicas step together)."""
-        from dataclasses import replace
-
-        n, ranks = self.replicas, self.pipeline_ranks
-        if n == 1:
-            return devices, links
-        merged = []
-        for j in range(ranks):
-            copies = [devices[k * ranks + j] for k in range(n)]
-            slowest = min(copies, key=lambda d: d.speed)
-            merged.append(replace(slowest, name="/".join(d.name for d in copies),
-                                  memory_bytes=min(d.memory_bytes for d in copies)))
-        if isinstance(links, list):
-            links = [[min(links[k * ranks + a][k * ranks + b] for k in range(n)) for b in range(ranks)]
-                     for a in range(ranks)]
-        return merged, links
+    def _decide_plan(self, speeds: Sequence[float]) -> PartitionPlan:
+        """Rank 0 plans; every rank gets the same plan as JSON (an error there is raised on every rank)."""
+        return decide_on_rank0(lambda: self._make_plan(speeds), encode=lambda plan: plan.to_json(),
+                               decode=PartitionPlan.from_json)
 
     def _make_plan(self, speeds: Sequence[float]) -> PartitionPlan:
-        """The plan for one pipeline; ``speeds`` are per global rank."""
+        """The plan for one pipeline; ``speeds`` are per global rank (core merges the replicas)."""
         assert self._inputs is not None
         costs, mems, devices, links = self._inputs
-        from dataclasses import replace
-
-        devices, links = self._per_position([replace(d, speed=s) for d, s in zip(devices, speeds)], links)
+        devices, links = merge_replicas([replace(d, speed=s) for d, s in zip(devices, speeds)], links,
+                                        replicas=self.replicas)
         cfg = self.config
         opt = cfg.optimizer_state_factor
         if opt is None:
-            opt = max((_OPT_STATE.get(type(o).__name__, 1.0 if o.defaults.get("momentum") else 0.0)
+            opt = max((float(optimizer_states(type(o).__name__, o.defaults, strict=False))
                        for o in self._raw_optimizers()), default=0.0)
-        kw = dict(microbatches=cfg.microbatches, schedule=cfg.schedule, links=links,
-                  virtual_stages=cfg.virtual_stages, optimizer_state_factor=opt)
-        if not isinstance(cfg.partition, str):
-            plan = evaluate(cfg.partition, costs, mems, devices, method="given", **kw)
-        elif cfg.partition == "balanced":
-            plan = balance(costs, mems, devices, order="given" if cfg.schedule == "interleaved" else cfg.order, **kw)
-        elif cfg.partition == "even":
-            plan = even(costs, mems, devices, **kw)
-        elif cfg.partition == "parameter-balanced":
-            plan = parameter_balanced(costs, mems, devices, **kw)
-        else:
-            plan = sky_allocator(costs, mems, devices, **kw)
+        problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices,
+                                  microbatches=cfg.microbatches, schedule=cfg.schedule, links=links,
+                                  virtual_stages=cfg.virtual_stages, optimizer_state_factor=opt)
+        plan = plan_pipeline(problem, cfg.partition, order=cfg.order)
         if not plan.feasible:
             self._say(f"WARNING: the {plan.method} partition exceeds a memory cap:\n{plan.explain()}")
         return plan
@@ -327,9 +297,7 @@ class SkyStrategy(DDPStrategy):
         if max(abs(d - 1.0) for d in drift) <= cfg.replan_threshold:
             return
         speeds = [s / d for s, d in zip(self._speeds, drift)]
-        box = [self._make_plan(speeds) if self.global_rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        new: PartitionPlan = box[0]
+        new = self._decide_plan(speeds)
         self._speeds, self._baseline = speeds, None
         assert self.plan is not None
         if (new.boundaries, new.order) == (self.plan.boundaries, self.plan.order):

@@ -9,9 +9,7 @@ from energon_infer import ModelRunner, SamplingParams
 from energon_infer.memory_pool import (
     LayerPool,
     MemoryPoolConfig,
-    PoolInfeasibleError,
     apply_memory_pool,
-    plan_pool,
     stage_layer_bytes,
 )
 
@@ -28,18 +26,6 @@ def model_dir(tmp_path_factory):
 
 def _runner(path) -> ModelRunner:
     return ModelRunner.from_pretrained(path, progress=False, block_size=4)
-
-
-def test_plan_pools_the_fewest_layers_that_fit():
-    layers = [100] * 6
-    free = plan_pool(layers, resident_bytes=50, budget_bytes=650)
-    assert free.pooled == () and free.device_bytes == 650
-    # 600 bytes: pool k layers, keep (6-k) * 100 + 3 slots * 100; the first k that fits is 4 (50+200+300).
-    plan = plan_pool(layers, resident_bytes=50, budget_bytes=600, lookahead=2)
-    assert plan.pooled == (0, 1, 3, 4) and plan.device_bytes == 550 and plan.pool_bytes == 400
-    assert plan_pool(layers, fraction=0.5).pooled == (0, 2, 4)  # spread evenly between resident layers
-    with pytest.raises(PoolInfeasibleError, match=r"needs at least 150 B .* the budget is 100 B"):
-        plan_pool(layers, resident_bytes=50, budget_bytes=100, lookahead=0)
 
 
 def test_stage_layer_bytes_is_the_runtime_profile(model_dir):

@@ -1,4 +1,6 @@
-"""tightfit.cuda kernels of the runtime: paged variable-length attention, KV store, pack/unpack.
+"""tightfit.cuda kernels of energon's runtime: paged variable-length attention, KV store, pack/unpack.
+
+(Moved from tests/energon_infer/test_kernels.py; the whole-model check stays there as test_runtime_triton.py.)
 
 Triton runs under its CPU interpreter (TRITON_INTERPRET=1, set in tests/conftest.py); both backends
 are checked against a float64 attention written out from the definition.
@@ -122,20 +124,6 @@ def test_pack_checks_its_arguments():
         pack(torch.zeros(2, 4), torch.tensor([0, 3]), torch.tensor([4, 2]))
     with pytest.raises(ValueError, match=r"unpack: packed has 5 rows but lengths add up to 6"):
         unpack(torch.zeros(5, 2), torch.tensor([0, 0]), torch.tensor([4, 2]), 4)
-
-
-@RunIf(triton=True, transformers=True)
-def test_runtime_on_the_triton_kernels_equals_transformers(tiny_dirs, hf_refs, monkeypatch):
-    """The whole model with TIGHTFIT_KERNELS=triton (interpreter here, the GPU path on CUDA)."""
-    from energon_infer import ModelRunner
-    from tests.energon_infer.tiny import PROMPTS
-
-    monkeypatch.setenv("TIGHTFIT_KERNELS", "triton")
-    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False)
-    logits = runner.forward(list(enumerate(PROMPTS)), all_logits=True)
-    assert (logits - torch.cat(hf_refs["llama"]["logits"])).abs().max().item() <= 1e-4
-    step = runner.forward([(i, [3]) for i in range(len(PROMPTS))])  # a decode step on the kernel
-    assert step.shape == (len(PROMPTS), 101)
 
 
 _COMPILE = """

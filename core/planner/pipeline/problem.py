@@ -1,0 +1,299 @@
+"""The pipeline partitioning problem, built and validated once, and its cost model.
+
+A :class:`PipelineProblem` holds the layers (time and memory of each), the devices (speed and
+memory), the links between them and the schedule; every partitioner takes one. Construction checks
+the inputs once and derives the prefix sums the solvers read, so the solver and the baselines price
+plans with the same numbers.
+
+Cost model (one microbatch unless said otherwise; ``M`` microbatches, ``S`` stages):
+    * compute of stage ``s`` on device ``d``: ``sum(layer_costs[stage]) / speed[d]``
+      (``layer_costs`` are forward+backward seconds on a device of speed 1.0);
+    * transfer after stage ``s``: its output activation forward and its gradient backward,
+      ``2 * output_bytes / bandwidth(d, next d)``, charged to the sending stage (not overlapped:
+      gloo and NCCL point-to-point both occupy the ranks that wait on them);
+    * step time with ``t_s`` = compute + transfer: ``sum(t_s) + (M - 1) * max(t_s)`` for GPipe
+      and 1F1B (a flow line of identical jobs: the first microbatch crosses every stage, the other
+      ``M - 1`` leave at the bottleneck's rate); interleaved, with per-rank load ``R_r`` summed over
+      its ``V`` chunks: ``M * max(R) + (sum(R) - max(R)) / V`` (the bubble shrinks ``V``-fold);
+      without pipelining (Sky Computing's runtime: stage after stage over RPC): ``M * sum(t_s)``;
+    * memory of a stage: ``param_bytes * (2 + optimizer_state_factor)`` (weights, gradients,
+      optimizer state) + ``activation_bytes * in_flight`` + boundary buffers, where ``in_flight`` is
+      ``M`` for GPipe, ``min(M, S - s)`` for 1F1B at position ``s``, and for interleaved the warm-up
+      depth of ``ScheduleInterleaved1F1B`` spread over the rank's chunks (each chunk gets 1/V of the cap).
+
+Example:
+    >>> devs = (DeviceSpec(name="fast", speed=1.0, memory_bytes=2**30),
+    ...         DeviceSpec(name="slow", speed=0.5, memory_bytes=2**30))
+    >>> problem = PipelineProblem(layer_costs=(1.0,) * 6, layer_memory=(1000,) * 6, devices=devs,
+    ...                           microbatches=4, schedule="1f1b")
+    >>> problem.price([0, 4, 6], (0, 1), "by hand").step_time_s   # 4 s + 4 s + 3 x 4 s
+    20.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tightfit.planner.errors import PlanError
+from tightfit.planner.pipeline.plan import PartitionPlan, StagePlan
+
+__all__ = ["SCHEDULES", "LayerMemory", "DeviceSpec", "PipelineProblem"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerMemory:
+    """Memory of one layer.
+
+    Args:
+        param_bytes: bytes of its parameters.
+        activation_bytes: bytes it saves for backward, per microbatch.
+        output_bytes: bytes of its output (sent to the next stage when a stage ends here), per microbatch.
+    """
+
+    param_bytes: int
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "activation_bytes", "output_bytes"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"LayerMemory.{name}={getattr(self, name)} is negative; give bytes >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    """One device as the partitioner sees it.
+
+    Args:
+        name: for plans and messages (``"rank1"``, ``"A100-0"``).
+        speed: relative compute speed; a stage's time is its layer costs divided by this.
+        memory_bytes: memory usable for the stage (weights, gradients, optimizer state, activations).
+    """
+
+    name: str
+    speed: float = 1.0
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0 or not math.isfinite(self.speed):
+            raise PlanError(f"device {self.name!r}: speed={self.speed} must be a finite number > 0 "
+                            "(1.0 = the reference device the layer costs were measured on)")
+        if self.memory_bytes <= 0:
+            raise PlanError(f"device {self.name!r}: memory_bytes={self.memory_bytes} must be > 0")
+
+
+def _derived() -> Any:
+    """A field computed in ``__post_init__`` (not an argument, not compared)."""
+    return field(init=False, repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineProblem:
+    """One partitioning problem: layers, devices, links and schedule, validated once.
+
+    Sequences may be given as lists; they are stored as tuples, and plain integers in
+    ``layer_memory`` become ``LayerMemory(param_bytes=n)``.
+
+    Args:
+        layer_costs: forward+backward seconds per microbatch of each layer on a device of speed 1.0.
+        layer_memory: per layer, a :class:`LayerMemory` or plain parameter bytes.
+        devices: one :class:`DeviceSpec` per pipeline rank.
+        microbatches: microbatches per step.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        links: bandwidth in bytes/s between devices: ``None`` (free), one number, or a matrix with one
+            row per device.
+        virtual_stages: chunks per device for ``"interleaved"`` (other schedules use one).
+        optimizer_state_factor: optimizer-state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0).
+
+    Derived once (read by the solvers): ``num_layers``, ``num_devices``, ``chunks`` (chunks per
+    device actually used), ``num_stages``; prefix sums ``cost_prefix``, ``param_prefix``,
+    ``activation_prefix`` (entry ``j`` sums layers ``0 .. j - 1``); ``boundary_bytes[j]``, the
+    activation crossing boundary ``j``; ``speeds``, ``device_memory`` and the ``bandwidth`` matrix.
+    """
+
+    layer_costs: tuple[float, ...]
+    layer_memory: tuple[LayerMemory, ...]
+    devices: tuple[DeviceSpec, ...]
+    microbatches: int
+    schedule: str
+    links: float | tuple[tuple[float, ...], ...] | None = None
+    virtual_stages: int = 2
+    optimizer_state_factor: float = 2.0
+
+    num_layers: int = _derived()
+    num_devices: int = _derived()
+    chunks: int = _derived()
+    num_stages: int = _derived()
+    cost_prefix: np.ndarray = _derived()
+    param_prefix: np.ndarray = _derived()
+    activation_prefix: np.ndarray = _derived()
+    boundary_bytes: np.ndarray = _derived()
+    speeds: np.ndarray = _derived()
+    device_memory: np.ndarray = _derived()
+    bandwidth: np.ndarray = _derived()
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise PlanError(f"microbatches={self.microbatches} must be >= 1")
+        if self.virtual_stages < 1:
+            raise PlanError(f"virtual_stages={self.virtual_stages} must be >= 1")
+        devices = tuple(self.devices)
+        if not devices:
+            raise PlanError("no devices given; pass one DeviceSpec per pipeline rank")
+        for d in devices:
+            if not isinstance(d, DeviceSpec):
+                raise PlanError(f"{d!r} is not a DeviceSpec; build DeviceSpec(name=..., speed=..., memory_bytes=...)")
+        costs = tuple(float(c) for c in self.layer_costs)
+        if not costs or any(c < 0 or not math.isfinite(c) for c in costs):
+            raise PlanError("layer_costs must be a non-empty sequence of finite seconds >= 0, one per layer")
+        mems = tuple(m if isinstance(m, LayerMemory) else LayerMemory(param_bytes=int(m)) for m in self.layer_memory)
+        if len(mems) != len(costs):
+            raise PlanError(f"layer_memory has {len(mems)} entries but layer_costs has {len(costs)}; give one per layer")
+        chunks = int(self.virtual_stages) if self.schedule == "interleaved" else 1
+        if len(costs) < len(devices) * chunks:
+            raise PlanError(f"{len(costs)} layers cannot fill {len(devices) * chunks} stages (every stage needs >= 1 "
+                            "layer); use fewer devices" + (" or fewer virtual_stages" if chunks > 1 else ""))
+        put(self, "layer_costs", costs)
+        put(self, "layer_memory", mems)
+        put(self, "devices", devices)
+        put(self, "microbatches", int(self.microbatches))
+        put(self, "optimizer_state_factor", float(self.optimizer_state_factor))
+        put(self, "num_layers", len(costs))
+        put(self, "num_devices", len(devices))
+        put(self, "chunks", chunks)
+        put(self, "num_stages", len(devices) * chunks)
+        put(self, "cost_prefix", np.concatenate([[0.0], np.cumsum(costs)]))
+        put(self, "param_prefix", np.concatenate([[0.0], np.cumsum([m.param_bytes for m in mems])]).astype(np.float64))
+        put(self, "activation_prefix",
+            np.concatenate([[0.0], np.cumsum([m.activation_bytes for m in mems])]).astype(np.float64))
+        out = np.array([m.output_bytes for m in mems] + [0], dtype=np.float64)
+        put(self, "boundary_bytes", np.concatenate([[0.0], out[:-1]]))  # [j]: bytes crossing boundary j (j >= 1)
+        put(self, "speeds", np.array([d.speed for d in devices]))
+        put(self, "device_memory", np.array([d.memory_bytes for d in devices], dtype=np.float64))
+        self._set_links()
+
+    def _set_links(self) -> None:
+        put, n = object.__setattr__, self.num_devices
+        links = self.links
+        if links is None:
+            put(self, "bandwidth", np.full((n, n), np.inf))
+            return
+        if isinstance(links, (int, float)):
+            if not links > 0:
+                raise PlanError(f"links={links} bytes/s must be > 0 (or None for free transfers)")
+            put(self, "links", float(links))
+            put(self, "bandwidth", np.full((n, n), float(links)))
+            return
+        bw = np.asarray(links, dtype=np.float64)
+        if bw.shape != (n, n):
+            raise PlanError(f"links must be a {n}x{n} matrix of bytes/s (one row per device); got shape {bw.shape}")
+        if (bw[~np.eye(n, dtype=bool)] <= 0).any():
+            raise PlanError("links: every bandwidth between two devices must be > 0 bytes/s")
+        put(self, "links", tuple(tuple(float(x) for x in row) for row in bw))
+        put(self, "bandwidth", bw)
+
+    # -- the cost model ------------------------------------------------------------------------------
+    def in_flight(self, position: int) -> float:
+        """Microbatches whose activations stage ``position`` holds at its peak."""
+        m = self.microbatches
+        if self.schedule == "gpipe":
+            return m
+        if self.schedule == "1f1b":
+            return min(m, self.num_stages - position)
+        # ScheduleInterleaved1F1B warms up (V - 1) * R + 2 * (R - 1 - r) + 1 chunk-microbatches on rank r
+        # before its first backward; spread over the rank's V chunks.
+        v, ranks = self.chunks, self.num_devices
+        r = position % ranks
+        warm = (v - 1) * ranks + 2 * (ranks - 1 - r) + 1
+        return min(m, math.ceil(min(m * v, warm) / v))
+
+    def uniform_links(self) -> bool:
+        off = self.bandwidth[~np.eye(self.num_devices, dtype=bool)]
+        return off.size == 0 or bool(np.all(off == off[0]))
+
+    def device_at(self, order: Sequence[int], position: int) -> int:
+        """The device at pipeline ``position`` (chunks go round-robin over ``order``)."""
+        return int(order[position % self.num_devices])
+
+    def comm(self, order: Sequence[int], position: int) -> np.ndarray:
+        """Seconds per microbatch to send boundary j's activation and receive its gradient, by j."""
+        if position == self.num_stages - 1:
+            return np.zeros(self.num_layers + 1)
+        a, b = self.device_at(order, position), self.device_at(order, position + 1)
+        bw = self.bandwidth[a, b] if a != b else np.inf
+        return 2.0 * self.boundary_bytes / bw
+
+    def matrices(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``time[k, i, j]``, ``memory[k, i, j]`` of a stage at position ``k`` holding layers ``i .. j - 1``,
+        and ``cap[k]``; time is ``inf`` where such a stage cannot go (empty, over its cap, or not starting
+        at layer 0 / ending at the last layer for the first / last position)."""
+        n, stages = self.num_layers + 1, self.num_stages
+        time = np.empty((stages, n, n))
+        mem = np.empty((stages, n, n))
+        caps = np.empty(stages)
+        static = (self.param_prefix[None, :] - self.param_prefix[:, None]) * (2.0 + self.optimizer_state_factor)
+        act = self.activation_prefix[None, :] - self.activation_prefix[:, None]
+        cost = self.cost_prefix[None, :] - self.cost_prefix[:, None]
+        buf_in = 2.0 * self.boundary_bytes[:, None]  # received activation + its gradient, boundary i
+        for k in range(stages):
+            d = self.device_at(order, k)
+            inflight = self.in_flight(k)
+            buf_out = 2.0 * self.boundary_bytes[None, :] if k < stages - 1 else 0.0
+            mem[k] = static + act * inflight + buf_in * inflight + buf_out
+            caps[k] = self.device_memory[d] / self.chunks
+            time[k] = cost / self.speeds[d] + self.comm(order, k)[None, :]
+        idx = np.arange(n)
+        time[:, ~(idx[:, None] < idx[None, :])] = np.inf  # a stage holds >= 1 layer
+        time[np.ceil(mem) > np.floor(caps)[:, None, None]] = np.inf
+        time[0, 1:, :] = np.inf  # stage 0 starts at layer 0
+        time[stages - 1, :, : self.num_layers] = np.inf  # the last stage ends at the last layer
+        return time, mem, caps
+
+    def price(self, boundaries: Sequence[int], order: Sequence[int], method: str,
+              notes: Sequence[str] = ()) -> PartitionPlan:
+        """The plan of these stage ``boundaries`` (``num_stages + 1`` of them) on devices in ``order``,
+        priced by the cost model; an over-full stage gives ``feasible=False`` rather than an error."""
+        b = [int(x) for x in boundaries]
+        if len(b) != self.num_stages + 1 or b[0] != 0 or b[-1] != self.num_layers or any(
+                x >= y for x, y in zip(b, b[1:])):
+            raise PlanError(f"boundaries {b} must rise strictly from 0 to {self.num_layers} with "
+                            f"{self.num_stages + 1} entries")
+        stages = []
+        for k in range(self.num_stages):
+            i, j, d = b[k], b[k + 1], self.device_at(order, k)
+            inflight = self.in_flight(k)
+            mem = ((self.param_prefix[j] - self.param_prefix[i]) * (2.0 + self.optimizer_state_factor)
+                   + (self.activation_prefix[j] - self.activation_prefix[i]) * inflight
+                   + 2.0 * self.boundary_bytes[i] * inflight
+                   + (2.0 * self.boundary_bytes[j] if k < self.num_stages - 1 else 0.0))
+            stages.append(StagePlan(
+                index=k, device=d, start=i, stop=j,
+                compute_s=float((self.cost_prefix[j] - self.cost_prefix[i]) / self.speeds[d]),
+                comm_s=float(self.comm(order, k)[j]), memory_bytes=int(math.ceil(mem)),
+                memory_cap_bytes=int(self.device_memory[d] / self.chunks)))
+        t = [s.time_s for s in stages]
+        if self.schedule == "interleaved":
+            load = [0.0] * self.num_devices
+            for s in stages:
+                load[s.device] += s.time_s
+            bottleneck = max(load)
+            step = self.microbatches * bottleneck + (sum(load) - bottleneck) / self.chunks
+        else:
+            bottleneck = max(t)
+            step = sum(t) + (self.microbatches - 1) * bottleneck
+        return PartitionPlan(
+            method=method, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.chunks,
+            devices=tuple(d.name for d in self.devices), order=tuple(int(o) for o in order),
+            stages=tuple(stages), step_time_s=float(step), bottleneck_s=float(bottleneck),
+            sequential_time_s=float(self.microbatches * sum(t)), feasible=all(s.fits for s in stages),
+            notes=tuple(notes))

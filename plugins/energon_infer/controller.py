@@ -1,0 +1,348 @@
+"""The controller: the loop that drives the worker group, watches it and restarts it.
+
+One thread per engine. Each turn it plans a step for every idle group of requests
+(:mod:`energon_infer.scheduler`), sends it to the workers (:mod:`energon_infer.protocol`
+messages), takes one reply from the result queue, and checks the workers: a worker that died, or
+a step without an answer after ``step_timeout_s``, fails the running requests with
+:class:`WorkerFailedError` and restarts the group (up to ``max_restarts``); waiting requests are
+kept. Results go out through :mod:`energon_infer.delivery`.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from energon_infer.delivery import Delivery
+from energon_infer.metrics import EngineMetrics
+from energon_infer.protocol import Free, Stats, StatsReport, Step, Tokens, Wake, WorkerError, WorkerInfo
+from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, QueueFullError, Request, Scheduler, StepPlan
+from energon_infer.workers import ModelSource, WorkerGroup
+
+__all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
+
+
+class WorkerFailedError(RuntimeError):
+    """The worker group failed while this request ran (a worker died or a step hung)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shut down (or has no workers left) and takes no more requests."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How the controller batches and how it treats failures.
+
+    Args:
+        max_batch_tokens: tokens per step (one per running request plus each admitted prompt); the
+            default is :data:`energon_infer.scheduler.DEFAULT_MAX_BATCH_TOKENS`.
+        max_running: sequences in the running batch at most.
+        max_queue: waiting requests at most; ``submit`` raises :class:`QueueFullError` beyond.
+        pipeline_groups: steps in flight at once (0: one per pipeline stage, the non-blocking pipeline; 1: each
+            step waits for the previous one).
+        policy: ``"continuous"`` or ``"static"`` batching (see :mod:`energon_infer.scheduler`).
+        restart_workers: restart the worker group after a failure.
+        max_restarts: restarts allowed over the engine's life; after that the engine fails closed.
+        step_timeout_s: a step without an answer after this long counts as a hung worker group.
+        start_timeout_s: how long loading may take.
+        threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
+        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
+        launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
+            torchrun started, on one or many nodes; this process must be rank 0, the others call
+            :func:`energon_infer.torchrun.run_worker`; no restarts).
+    """
+
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_running: int = 256
+    max_queue: int = 1024
+    pipeline_groups: int = 0
+    policy: str = "continuous"
+    restart_workers: bool = True
+    max_restarts: int = 3
+    step_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0
+    threads_per_worker: int = 0
+    backend: str | None = None
+    launcher: str = "spawn"
+
+    def __post_init__(self) -> None:
+        if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
+            raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
+                             f"threads_per_worker={self.threads_per_worker} must be >= 0")
+        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
+        if self.launcher not in ("spawn", "torchrun"):
+            raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
+
+
+def start_group(source: ModelSource, runtime: Any, config: EngineConfig, pool: Any,
+                cancelled: Callable[[], bool] = lambda: False) -> Any:
+    """Start the worker group ``config.launcher`` names and wait until every worker has loaded."""
+    if config.launcher == "torchrun":
+        from energon_infer.torchrun import TorchrunWorkerGroup
+
+        tgroup = TorchrunWorkerGroup(source, runtime, pool=pool)
+        tgroup.start(config.start_timeout_s)
+        return tgroup
+    group = WorkerGroup(source, runtime, pool=pool, threads=config.threads_per_worker, backend=config.backend)
+    if runtime.progress:
+        print(f"energon: starting {group.world} worker(s) ({group.backend}, tp={runtime.tp} x pp={runtime.pp}) for "
+              f"{source.path}", file=sys.stderr, flush=True)
+    group.start(config.start_timeout_s, cancelled=cancelled)
+    return group
+
+
+class Controller:
+    """Owns the worker group, the scheduler's lock and the requests in flight (see the module docstring).
+
+    Args:
+        group: a started worker group (:func:`start_group`).
+        scheduler: plans the steps.
+        restart: starts a fresh group after a failure.
+        config: batching and fault handling.
+        metrics: counters the engine reports.
+        groups: steps in flight at most.
+        tp, pp: the layout (for per-stage statistics).
+    """
+
+    def __init__(self, group: Any, scheduler: Scheduler, restart: Callable[[], Any], config: EngineConfig,
+                 metrics: EngineMetrics, delivery: Delivery, *, groups: int, tp: int, pp: int):
+        self.group, self.scheduler, self.restart, self.config = group, scheduler, restart, config
+        self.metrics, self.delivery, self.groups, self.tp, self.pp = metrics, delivery, groups, tp, pp
+        self.lock = threading.Lock()
+        self.space = threading.Condition(self.lock)
+        self.stats_ready = threading.Condition(self.lock)
+        self.live: dict[str, Request] = {}
+        self.inflight: dict[int, StepPlan] = {}
+        self.stats: dict[int, dict[str, float]] = {}
+        self.closing = self.stop_now = False
+        self.status = "ready"
+        self.last_error = ""
+        self.thread = threading.Thread(target=self.run, name="energon-controller", daemon=True)
+
+    @property
+    def worker_info(self) -> list[WorkerInfo]:
+        return list(self.group.info)
+
+    # ------------------------------------------------------------------ requests
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise EngineClosedError("the engine is shut down; start a new one to serve more requests")
+        if self.status == "failed":
+            raise EngineClosedError(f"the engine has no workers ({self.last_error}); start a new engine")
+
+    def add(self, req: Request, *, block: bool, deadline: float | None) -> None:
+        """Queue ``req``; a full queue raises :class:`QueueFullError` or, with ``block``, waits until ``deadline``."""
+        with self.lock:
+            self.check_open()
+            if req.request_id in self.live:
+                raise ValueError(f"request id {req.request_id!r} is already running; use a unique id")
+            while True:
+                try:
+                    self.scheduler.add(req)
+                    break
+                except QueueFullError:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if not block or (left is not None and left <= 0):
+                        self.metrics.record_rejected()
+                        raise
+                    self.space.wait(0.5 if left is None else min(left, 0.5))
+                    self.check_open()
+            self.live[req.request_id] = req
+            wake = self.scheduler.in_flight < self.groups
+        if wake:
+            self.wake()
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            if request_id not in self.live:
+                return False
+            req = self.scheduler.abort(request_id)
+            if req is not None:  # finished now (else when its step in flight answers)
+                self.live.pop(request_id, None)
+            wake = self.scheduler.in_flight < self.groups
+        if req is not None:
+            self.delivery.notify([(req, None, True)])
+        if wake:
+            self.wake()
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    def wake(self) -> None:
+        try:
+            self.group.results.put(Wake())
+        except (OSError, ValueError):
+            pass
+
+    def run(self) -> None:
+        try:
+            while True:
+                frees: list[int] = []
+                with self.lock:
+                    if self.stop_now or (self.closing and not self.scheduler.has_work() and not self.inflight):
+                        break
+                    plans = []
+                    if self.status == "ready":
+                        for g in self.scheduler.idle_groups():
+                            plan = self.scheduler.schedule(g)
+                            if plan is not None:
+                                plans.append(plan)
+                                self.inflight[plan.step_id] = plan
+                        frees = [] if plans or self.inflight else self.scheduler.take_frees()
+                    if plans:
+                        self.space.notify_all()  # admissions made room in the queue
+                for plan in plans:
+                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params))
+                if self.status == "ready" and not plans and frees:
+                    self.group.send(Free(frees))
+                try:
+                    msg = self.group.results.get(timeout=0.25)
+                except queue.Empty:
+                    msg = None
+                if msg is not None:
+                    self.handle(msg)
+                self.watch()
+        except BaseException as exc:  # the controller must never die silently
+            self.last_error = f"controller crashed: {exc!r}\n{traceback.format_exc()}"
+            self.status = "failed"
+        finally:
+            self.close_down()
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, Tokens):
+            with self.lock:
+                plan = self.inflight.pop(msg.step_id, None)
+                if plan is None:
+                    return  # a step of a group that has since failed
+                events = self.scheduler.complete(plan, msg.tokens)
+                for req, _, done in events:
+                    if done:
+                        self.live.pop(req.request_id, None)
+            self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
+            self.delivery.notify(events)
+        elif isinstance(msg, WorkerError):
+            # A peer's death usually reaches the survivors as a collective error ("connection reset")
+            # before the controller sees the exit: name the dead worker first when there is one.
+            deadline = time.monotonic() + 1.0
+            while not self.group.dead() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            tb = msg.traceback.strip()
+            last = tb.splitlines()[-1] if tb else "no traceback"
+            failed = [r for r, _ in self.group.dead()]
+            reason = self.group.describe_death().strip() if [r for r in failed if r != msg.rank] else ""
+            reason = (f"{reason}; worker {msg.rank} then failed: {last}" if reason
+                      else f"worker {msg.rank} failed: {last}")
+            print(f"energon: worker {msg.rank} traceback:\n{msg.traceback}", file=sys.stderr, flush=True)
+            self.group_failed(reason)
+        elif isinstance(msg, StatsReport):
+            with self.lock:
+                self.stats[msg.rank] = msg.stats
+                self.stats_ready.notify_all()
+
+    def watch(self) -> None:
+        if self.status != "ready":
+            return
+        if self.group.dead():
+            self.group_failed(self.group.describe_death().strip())
+            return
+        now = time.monotonic()
+        hung = [p for p in self.inflight.values() if now - p.started > self.config.step_timeout_s]
+        if hung:
+            self.group_failed(f"step {hung[0].step_id} got no answer within step_timeout_s="
+                              f"{self.config.step_timeout_s:g} s (a worker hangs)")
+
+    def group_failed(self, reason: str) -> None:
+        self.metrics.worker_failures += 1
+        can_restart = (self.config.restart_workers and self.metrics.restarts < self.config.max_restarts
+                       and self.config.launcher == "spawn")  # a torchrun world's processes are torchrun's
+        with self.lock:
+            lost = self.scheduler.fail_running()
+            self.inflight.clear()
+            self.status = "restarting" if can_restart else "failed"
+            self.last_error = reason
+            for req in lost:
+                self.live.pop(req.request_id, None)
+        after = "the worker group is restarting" if can_restart else "the engine has no workers left"
+        print(f"energon: worker group failed: {reason}; {len(lost)} running request(s) failed; {after}",
+              file=sys.stderr, flush=True)
+        self.delivery.fail(lost, WorkerFailedError(f"the worker group failed while this request ran ({reason}); "
+                                                   f"{after}; resubmit the request"))
+        self.group.kill()
+        if can_restart:
+            self.metrics.restarts += 1
+            try:
+                self.group = self.restart()
+                with self.lock:
+                    self.status = "ready"
+                return
+            except Exception as exc:
+                with self.lock:
+                    self.status = "failed"
+                    self.last_error = f"{reason}; the restart failed too: {exc}"
+        with self.lock:
+            waiting = self.scheduler.drain_waiting()
+            for req in waiting:
+                self.live.pop(req.request_id, None)
+            self.space.notify_all()
+        self.delivery.fail(waiting, EngineClosedError(f"the engine has no workers left ({self.last_error}); start a "
+                                                      "new one"))
+
+    def close_down(self) -> None:
+        with self.lock:
+            leftovers = self.scheduler.fail_running() + self.scheduler.drain_waiting()
+            self.live.clear()
+            self.inflight.clear()
+            self.closing = True
+            self.space.notify_all()
+            if self.status != "failed":
+                self.status = "stopped"
+        self.delivery.fail(leftovers, EngineClosedError("the engine shut down before this request finished; resubmit "
+                                                        "it to a running engine"))
+        self.group.stop()
+
+    # ------------------------------------------------------------------ status and shutdown
+
+    def pipeline_stats(self, *, reset: bool, timeout: float) -> dict[str, Any]:
+        with self.lock:
+            self.stats.clear()
+        self.group.send(Stats(reset))
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while len(self.stats) < self.group.world:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.status not in ("ready",):
+                    raise TimeoutError(f"the workers did not report stage times within {timeout:g} s "
+                                       f"(status {self.status})")
+                self.stats_ready.wait(min(left, 0.5))
+            ranks = [self.stats[r] for r in range(self.group.world)]
+        tp = self.tp
+        stages = [max(ranks[s * tp: (s + 1) * tp], key=lambda r: r["busy_s"]) for s in range(self.pp)]
+        return {"ranks": ranks, "stages": [s["utilisation"] for s in stages], "groups": self.groups}
+
+    def shutdown(self, *, wait: bool, timeout: float | None, cancel: bool) -> None:
+        with self.lock:
+            self.closing = True
+            self.space.notify_all()
+            if cancel:
+                self.stop_now = True
+        self.wake()
+        if not wait:
+            return
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.stop_now = True
+            self.wake()
+            self.thread.join(timeout)
+        if self.thread.is_alive():  # wedged (it never should be): do not leave workers behind
+            self.group.kill()

@@ -1,0 +1,146 @@
+"""The typed messages between the engine's controller and its workers (spawned or torchrun).
+
+Commands go from the controller to every worker, in the same order to each (the workers are SPMD):
+
+* :class:`Step`: free finished sequences, then run one packed step;
+* :class:`Free`: free sequences without a step (nothing else to run);
+* :class:`Stats`: every rank reports its stage's busy time;
+* :class:`Stop`: leave the loop, destroy the process group, exit 0.
+
+Replies go from workers to the controller: :class:`Ready` (loaded, with a :class:`WorkerInfo`),
+:class:`Tokens` (the result rank's sampled tokens of a step), :class:`StatsReport`,
+:class:`WorkerError` (a traceback; the worker then exits) and :class:`Bye` (a torchrun worker left).
+:class:`Wake` is the controller's own nudge to its result queue (a new request arrived).
+
+Every message is a frozen dataclass of plain values, cheap to pickle; readers dispatch with
+``isinstance``, so a misspelt kind is a type error, not a silently ignored string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from energon_infer.sampling import SamplingParams
+
+__all__ = ["Step", "Free", "Stats", "Stop", "Command", "Ready", "Tokens", "StatsReport", "WorkerError", "Bye", "Wake",
+           "Reply", "WorkerInfo", "PoolInfo"]
+
+
+# ---------------------------------------------------------------------- commands (controller -> workers)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Free ``frees``, then run ``items`` (``(seq_id, new_tokens)``); ``new_params`` for sequences new in this step."""
+
+    step_id: int
+    frees: list[int]
+    items: list[tuple[int, list[int]]]
+    new_params: dict[int, SamplingParams]
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Free these sequences' KV blocks (sent alone when no step runs)."""
+
+    seq_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Report the stage's busy time (and start counting afresh when ``reset``)."""
+
+    reset: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Leave the command loop."""
+
+
+Command = Step | Free | Stats | Stop
+
+
+# ---------------------------------------------------------------------- replies (workers -> controller)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """What a worker's layer pool holds (see :mod:`energon_infer.memory_pool`)."""
+
+    pooled: tuple[int, ...]
+    layers: int
+    pool_bytes: int
+    slot_bytes: int
+    device_bytes: int
+    layer_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker reports once loaded: its cache geometry, model config, device and weights.
+
+    ``info["key"]`` reads a field as JSON-shaped data (tuples as lists), for callers of the dict it replaced.
+    """
+
+    rank: int
+    pid: int
+    kv_blocks: int
+    block_size: int
+    config: dict[str, Any]
+    eos_token_ids: tuple[int, ...]
+    device: str
+    weight_bytes: int
+    pool: PoolInfo | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        if self.pool is not None:
+            out["pool"]["pooled"] = list(self.pool.pooled)
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    rank: int
+    info: WorkerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    step_id: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReport:
+    """A rank's stage timing: ``busy_s``, ``span_s``, ``steps``, ``utilisation``."""
+
+    rank: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerError:
+    """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where."""
+
+    rank: int
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Wake the controller loop (it waits on the result queue)."""
+
+
+Reply = Ready | Tokens | StatsReport | WorkerError | Bye | Wake
