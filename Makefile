@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench bench-report clean
+.PHONY: setup demo test test-all lint bench bench-report gpu-check mutate clean
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,11 @@ bench: setup
 
 bench-report: setup
 	$(VENV)/bin/tightfit bench --update-report
+
+# On the GPU machine (no setup: its image's packages, the checkout linked in place): tests/gpu + benchmarks/gpu
+# quick, within 8 minutes, summary under $$OUT or benchmarks/results/gpu/. `make gpu-check DRY=1` anywhere.
+gpu-check:
+	bash scripts/gpu_check.sh $(if $(DRY),--dry,)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(repeats):
                 for name, e in engines.items():
                     pool_runs[name].append(closed_batch(e, batch, output[1]))
-            info = {k: e.worker_info[0].get("pool") for k, e in engines.items()}
+            info = {k: e.worker_info[0]["pool"] for k, e in engines.items()}  # WorkerInfo reads as JSON: dict or None
             device_bytes = {k: (i or {}).get("device_bytes", engines[k].worker_info[0]["weight_bytes"])
                             for k, i in info.items()}
         finally:

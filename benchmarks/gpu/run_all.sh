@@ -11,21 +11,28 @@ BUDGET=${TIGHTFIT_GPU_BUDGET_S:-450}
 OUTDIR=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUTDIR"
 start=$(date +%s)
+# Order and weight of each script's share of what is left (the fast, fundamental ones first; a script
+# that finishes early leaves its time to the next). Scripts not listed run last with weight 10.
+ORDER=(kernels torchrec_cache energon elixir energon_engine)
+declare -A WEIGHT=([kernels]=8 [torchrec_cache]=8 [energon]=10 [elixir]=11 [energon_engine]=13)
 scripts=()
+for name in "${ORDER[@]}"; do [ -f "benchmarks/gpu/$name.py" ] && scripts+=("$name"); done
 for f in benchmarks/gpu/*.py; do
   name=$(basename "$f" .py)
   case "$name" in common|__init__|_*) continue ;; esac
-  scripts+=("$name")
+  case " ${scripts[*]} " in *" $name "*) ;; *) scripts+=("$name") ;; esac
 done
-left=${#scripts[@]}
+weights_left=0
+for name in "${scripts[@]}"; do weights_left=$(( weights_left + ${WEIGHT[$name]:-10} )); done
 for name in "${scripts[@]}"; do
+  w=${WEIGHT[$name]:-10}
   now=$(date +%s); remaining=$(( BUDGET - (now - start) ))
   if [ "$remaining" -lt 20 ]; then
     echo "[gpu] $name: not run, budget of ${BUDGET}s spent"
     "$PY" -c "from benchmarks.gpu.common import skip; skip('$name', '$name', 'budget spent before it ran')"
-    left=$((left - 1)); continue
+    weights_left=$(( weights_left - w )); continue
   fi
-  share=$(( remaining / left )); left=$((left - 1))
+  share=$(( remaining * w / weights_left )); weights_left=$(( weights_left - w ))
   echo "[gpu] $name (up to ${share}s)"
   timeout --kill-after=10 "$share" "$PY" -m "benchmarks.gpu.$name" "$@"
   rc=$?

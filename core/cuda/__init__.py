@@ -2,7 +2,9 @@
 
 A call runs the Triton kernel when every tensor argument is on CUDA and Triton imports, the
 reference otherwise; ``TIGHTFIT_KERNELS=reference|triton`` (or ``backend=`` on a call) forces
-either (see :mod:`tightfit.cuda.dispatch`). Importing this package never imports Triton.
+either (see :mod:`tightfit.cuda.dispatch`). The first Triton call of each shape class on a device is
+checked against the reference on a small probe; a disagreement falls back to the reference with a
+:class:`KernelCheckWarning` (:func:`kernel_checks` lists the verdicts). Importing this package never imports Triton.
 
 Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``).
 
@@ -16,10 +18,13 @@ How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layo
 4. ``_op = register_kernel("<op>", reference=<op>_reference, triton=<op>_triton, doc="...")`` and a
    public ``<op>(...)`` that validates arguments (errors name the value, the rule and the fix) and
    calls ``_op(..., backend=backend)``; add an ``autograd.Function`` if it must be differentiable.
+   Give ``register_kernel`` a ``shape_class`` (what picks the kernel's specialisation: dtypes, widths)
+   and a ``probe`` (a small input of that class) for the first-use self-check (``index_rows._row_probe``).
 5. Tests: ``tightfit.cuda.testing.assert_matches_reference`` runs both backends under
    ``TRITON_INTERPRET=1`` on CPU tensors (tests/conftest.py sets it) over odd shapes and several dtypes.
 6. Benchmark: add a case to ``benchmarks/gpu/kernels.py`` (CUDA-event timing against the reference)
-   and put the measured speed-up in a comment next to the launcher's block sizes.
+   and put the measured speed-up in a comment next to the launcher's block sizes; add a CUDA test to
+   ``tests/gpu/test_kernels.py`` (run by ``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from tightfit.cuda.dispatch import (
     BACKENDS,
     ENV_VAR,
     Kernel,
+    KernelCheckWarning,
     KernelError,
     choose_backend,
     get_kernel,
+    kernel_checks,
     kernel_names,
     register_kernel,
     triton_available,
@@ -42,9 +49,11 @@ __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "Kernel",
+    "KernelCheckWarning",
     "KernelError",
     "choose_backend",
     "get_kernel",
+    "kernel_checks",
     "kernel_names",
     "register_kernel",
     "triton_available",

@@ -143,10 +143,38 @@ def victim_keys_reference(slot_score: torch.Tensor, pinned_until: torch.Tensor, 
     return torch.where(pinned_until >= step, torch.full_like(slot_score, PINNED_KEY), slot_score)
 
 
+def _lookup_class(row_slot: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, slot_score: torch.Tensor,
+                  pinned_until: torch.Tensor, step: int, mode: int) -> tuple:
+    return (str(row_slot.dtype), str(ids.dtype), str(counts.dtype), int(mode))
+
+
+def _lookup_probe(row_slot: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, slot_score: torch.Tensor,
+                  pinned_until: torch.Tensor, step: int, mode: int) -> tuple[tuple, dict]:
+    # 50 rows, 16 slots, 20 unique ids: some hit, some miss; some slots already pinned past the step.
+    dev = row_slot.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rs = torch.full((50,), -1, dtype=row_slot.dtype, device=dev)
+    rs[torch.randperm(50, generator=gen, device=dev)[:16]] = torch.arange(16, device=dev).to(row_slot.dtype)
+    probe_ids = torch.randperm(50, generator=gen, device=dev)[:20].to(ids.dtype)
+    probe_counts = torch.randint(1, 5, (20,), generator=gen, device=dev).to(counts.dtype)
+    score = torch.randint(0, 100, (16,), generator=gen, device=dev)
+    pinned = torch.randint(0, 10, (16,), generator=gen, device=dev)
+    return (rs, probe_ids, probe_counts, score, pinned, 5, int(mode)), {}
+
+
+def _keys_probe(slot_score: torch.Tensor, pinned_until: torch.Tensor, step: int) -> tuple[tuple, dict]:
+    gen = torch.Generator(device=slot_score.device).manual_seed(0)
+    score = torch.randint(0, 100, (40,), generator=gen, device=slot_score.device)
+    score[:3] = EMPTY_SCORE
+    return (score, torch.randint(0, 10, (40,), generator=gen, device=slot_score.device), 5), {}
+
+
 _lookup = register_kernel("cache_lookup", reference=cache_lookup_reference, triton=cache_lookup_triton,
-                          doc="id -> cache slot with miss detection; touches and pins the hits")
+                          doc="id -> cache slot with miss detection; touches and pins the hits",
+                          shape_class=_lookup_class, probe=_lookup_probe)
 _keys = register_kernel("victim_keys", reference=victim_keys_reference, triton=victim_keys_triton,
-                        doc="eviction key per cache slot (pinned slots rank last)")
+                        doc="eviction key per cache slot (pinned slots rank last)",
+                        shape_class=lambda slot_score, pinned_until, step: (), probe=_keys_probe)
 
 
 def _check_index(row_slot: torch.Tensor, slot_score: torch.Tensor, pinned_until: torch.Tensor) -> None:

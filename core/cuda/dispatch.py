@@ -9,6 +9,18 @@ The rule (``choose_backend``):
 3. A forced ``triton`` with CPU tensors is allowed only under Triton's interpreter
    (``TRITON_INTERPRET=1``, how the tests run kernels on CPU); otherwise it raises, naming the fix.
 
+Self-check (``TIGHTFIT_KERNEL_CHECK``, on unless set to ``0``): the first time a kernel is sent to
+Triton by the rule above (``auto`` on CUDA tensors, or ``TIGHTFIT_KERNELS=triton``) for a given
+*shape class* (dtypes, ranks and the kernel's own layout keys, e.g. the column count) on a given
+device, both backends run on a small probe input of that class and their results are compared
+(``atol = rtol`` = 1e-4 fp32, 1e-2 fp16, 5e-2 bf16: loose enough for another summation order, while a
+wrong kernel is off by O(1); integers exactly). A difference or an exception falls that class back to
+the reference for the rest of the process, with one :class:`KernelCheckWarning` naming the kernel,
+the class and the error. A call with an explicit ``backend="triton"`` is never checked: that is how
+tests and benchmarks compare the raw kernel with its reference. :func:`kernel_checks` lists every
+verdict (``make gpu-check`` reports them). The check costs one small launch of each backend per
+class and one host sync; a class has a handful of members in practice (dtypes x layouts).
+
 Triton is never imported by this module at import time: :func:`triton_available` imports it on
 first use and caches the answer, so ``import tightfit`` works where Triton is not installed.
 
@@ -24,7 +36,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +45,7 @@ import torch
 
 __all__ = [
     "ENV_VAR",
+    "CHECK_ENV_VAR",
     "BACKENDS",
     "Backend",
     "KernelError",
@@ -44,15 +58,63 @@ __all__ = [
     "register_kernel",
     "get_kernel",
     "kernel_names",
+    "KernelCheck",
+    "KernelCheckWarning",
+    "check_enabled",
+    "kernel_checks",
+    "reset_kernel_checks",
 ]
 
 ENV_VAR = "TIGHTFIT_KERNELS"
+CHECK_ENV_VAR = "TIGHTFIT_KERNEL_CHECK"
 BACKENDS = ("reference", "triton")
 Backend = Literal["reference", "triton"]
 
 
 class KernelError(RuntimeError):
     """A kernel cannot run as asked (backend unavailable, bad arguments, duplicate name)."""
+
+
+class KernelCheckWarning(RuntimeWarning):
+    """A Triton kernel disagreed with its reference on its first-use probe; the reference runs instead."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelCheck:
+    """The verdict of one first-use self-check.
+
+    Args:
+        kernel: the kernel's registry name.
+        shape_class: the class of inputs it covers (see :class:`Kernel` ``shape_class``).
+        device: the device of the inputs (``"cuda:0"``).
+        passed: Triton agreed with the reference on the probe: calls of this class run Triton.
+        error: why it failed (the first mismatch or the exception), ``""`` when it passed.
+    """
+
+    kernel: str
+    shape_class: Hashable
+    device: str
+    passed: bool
+    error: str = ""
+
+
+# (kernel name, shape class, device) -> verdict; filled on first use, read by every later call.
+_CHECKS: dict[tuple[str, Hashable, str], KernelCheck] = {}
+
+
+def check_enabled() -> bool:
+    """Whether first-use self-checks run (``TIGHTFIT_KERNEL_CHECK``, default on; ``0`` turns them off)."""
+    return os.environ.get(CHECK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def kernel_checks() -> list[KernelCheck]:
+    """Every self-check verdict reached in this process, in the order they were reached."""
+    return list(_CHECKS.values())
+
+
+def reset_kernel_checks() -> None:
+    """Forget every verdict (the next call of each class is checked again); for tests and benchmarks."""
+    _CHECKS.clear()
 
 
 @functools.cache
@@ -131,14 +193,21 @@ class Kernel:
             :class:`Kernel` never imports Triton.
         doc: one line for listings.
 
+        shape_class: ``(*args, **kwargs) -> hashable``: which inputs one self-check covers. Default:
+            each tensor argument's dtype and rank, and every non-tensor argument.
+        probe: ``(*args, **kwargs) -> (args, kwargs)``: a small input of the same shape class for the
+            self-check. Default: clones of the call's own arguments (fine for small inputs only).
+
     Every positional or keyword tensor argument takes part in the device check. ``backend=`` on a
-    call overrides the environment for that call.
+    call overrides the environment for that call (and skips the self-check).
     """
 
     name: str
     reference: Callable[..., Any]
     triton: Callable[..., Any]
     doc: str = ""
+    shape_class: Callable[..., Hashable] | None = None
+    probe: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None
 
     def backend_for(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Backend:
         """The backend a call with these arguments would use."""
@@ -147,18 +216,94 @@ class Kernel:
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         chosen = self.backend_for(*args, backend=backend, **kwargs)
+        if chosen == "triton" and backend in (None, "auto") and check_enabled() and not self._verified(args, kwargs):
+            chosen = "reference"
         impl = self.triton if chosen == "triton" else self.reference
         return impl(*args, **kwargs)
+
+    # ---- first-use self-check ----------------------------------------------------------------------
+    def _verified(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether Triton may run this call's class (checking it now if it is the first of its class)."""
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        device = str(tensors[0].device) if tensors else "none"
+        cls = self.shape_class(*args, **kwargs) if self.shape_class is not None else _default_class(args, kwargs)
+        key = (self.name, cls, device)
+        verdict = _CHECKS.get(key)
+        if verdict is None:
+            error = self._compare_on_probe(args, kwargs)
+            verdict = _CHECKS[key] = KernelCheck(kernel=self.name, shape_class=cls, device=device,
+                                                 passed=not error, error=error)
+            if error:
+                warnings.warn(
+                    f"kernel {self.name!r}: the Triton result differs from the reference on its first-use check "
+                    f"(class {cls}, {device}): {error}; using the reference for this class from now on. Report it "
+                    f"with this message; {ENV_VAR}=reference silences the check, {CHECK_ENV_VAR}=0 skips it",
+                    KernelCheckWarning, stacklevel=3)
+        return verdict.passed
+
+    def _compare_on_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """'' when both backends agree on a probe of this call's class, else what went wrong."""
+        try:
+            p_args, p_kwargs = (self.probe(*args, **kwargs) if self.probe is not None
+                                else ([_clone(a) for a in args], {k: _clone(v) for k, v in kwargs.items()}))
+            t_args, t_kwargs = [_clone(a) for a in p_args], {k: _clone(v) for k, v in p_kwargs.items()}
+            r_args, r_kwargs = [_clone(a) for a in p_args], {k: _clone(v) for k, v in p_kwargs.items()}
+            got = self.triton(*t_args, **t_kwargs)
+            want = self.reference(*r_args, **r_kwargs)
+            pairs = [("result", got, want), *((f"argument {i}", a, b) for i, (a, b) in enumerate(zip(t_args, r_args))),
+                     *((f"argument {k!r}", t_kwargs[k], r_kwargs[k]) for k in r_kwargs)]
+            for what, a, b in pairs:
+                for x, y in zip(_tensors(a), _tensors(b)):
+                    if x.shape != y.shape or x.dtype != y.dtype:
+                        return f"{what}: triton gave {x.dtype} {tuple(x.shape)}, reference {y.dtype} {tuple(y.shape)}"
+                    tol = _CHECK_TOL.get(y.dtype, 0.0)
+                    close = torch.isclose(x, y, atol=tol, rtol=tol, equal_nan=True)
+                    if not bool(close.all()):
+                        bad = int((~close).sum())
+                        diff = (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
+                        return f"{what}: {bad} of {y.numel()} elements differ (max abs difference {diff:.3g})"
+        except Exception as exc:  # a kernel that cannot even run on this class falls back too
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return ""
+
+
+# atol = rtol of the self-check per dtype (integers and bools: exact).
+_CHECK_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _default_class(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def key(x: Any) -> Hashable:
+        if isinstance(x, torch.Tensor):
+            return (str(x.dtype), x.dim())
+        return x if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__
+    return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in sorted(kwargs.items())))
 
 
 _REGISTRY: dict[str, Kernel] = {}
 
 
-def register_kernel(name: str, *, reference: Callable[..., Any], triton: Callable[..., Any], doc: str = "") -> Kernel:
-    """Create and register a :class:`Kernel`; a second kernel under the same name raises."""
+def register_kernel(name: str, *, reference: Callable[..., Any], triton: Callable[..., Any], doc: str = "",
+                    shape_class: Callable[..., Hashable] | None = None,
+                    probe: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None) -> Kernel:
+    """Create and register a :class:`Kernel`; a second kernel under the same name raises.
+
+    ``shape_class`` and ``probe`` shape its first-use self-check (see :class:`Kernel`).
+    """
     if name in _REGISTRY:
         raise KernelError(f"a kernel named {name!r} is already registered; pick another name")
-    kernel = Kernel(name, reference=reference, triton=triton, doc=doc)
+    kernel = Kernel(name, reference=reference, triton=triton, doc=doc, shape_class=shape_class, probe=probe)
     _REGISTRY[name] = kernel
     return kernel
 

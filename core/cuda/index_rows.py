@@ -185,12 +185,44 @@ def scatter_add_rows_reference(dst: torch.Tensor, index: torch.Tensor, src: torc
     return dst.index_copy_(0, rows, acc.to(dst.dtype))
 
 
+# --------------------------------------------------------------------------- first-use self-check
+
+
+def _row_class(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tuple:
+    # The column count picks BLOCK_D; strides are kernel arguments, so row-major or not is its own class.
+    return (str(table.dtype), str(index.dtype), table.shape[1], table.stride(1) == 1, rows.stride(1) == 1)
+
+
+def _probe_values(n: int, cols: int, like: torch.Tensor, gen: torch.Generator, row_major: bool) -> torch.Tensor:
+    shape = (n, cols) if row_major else (cols, n)
+    if like.is_floating_point():
+        x = torch.randn(shape, generator=gen, device=like.device).to(like.dtype)
+    else:
+        x = torch.randint(-100, 100, shape, generator=gen, device=like.device).to(like.dtype)
+    return x if row_major else x.t()
+
+
+def _row_probe(unique: bool):
+    # 37 table rows and 29 indices: neither a multiple of a block; duplicates unless the op needs unique rows.
+    def probe(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tuple[tuple, dict]:
+        gen = torch.Generator(device=table.device).manual_seed(0)
+        n_rows, n_idx, cols = 37, 29, table.shape[1]
+        t = _probe_values(n_rows, cols, table, gen, table.stride(1) == 1)
+        idx = (torch.randperm(n_rows, generator=gen, device=table.device)[:n_idx] if unique
+               else torch.randint(0, n_rows, (n_idx,), generator=gen, device=table.device)).to(index.dtype)
+        r = _probe_values(n_idx, cols, rows, gen, rows.stride(1) == 1)
+        return (t, idx, r), {}
+    return probe
+
+
 _gather = register_kernel("gather_rows", reference=gather_rows_reference, triton=gather_rows_triton,
-                          doc="out[i] = src[index[i]] for a 2-D src")
+                          doc="out[i] = src[index[i]] for a 2-D src", shape_class=_row_class,
+                          probe=_row_probe(unique=False))
 _scatter = register_kernel("scatter_rows", reference=scatter_rows_reference, triton=scatter_rows_triton,
-                           doc="dst[index[i]] = src[i] in place")
+                           doc="dst[index[i]] = src[i] in place", shape_class=_row_class, probe=_row_probe(unique=True))
 _scatter_add = register_kernel("scatter_add_rows", reference=scatter_add_rows_reference,
-                               triton=scatter_add_rows_triton, doc="dst[index[i]] += src[i] in place, deterministic")
+                               triton=scatter_add_rows_triton, doc="dst[index[i]] += src[i] in place, deterministic",
+                               shape_class=_row_class, probe=_row_probe(unique=False))
 
 
 # --------------------------------------------------------------------------- public API

@@ -215,8 +215,44 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def _attention_class(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, *, scale: float, max_q_len: int) -> tuple:
+    # What picks the kernel's specialisation: dtype, heads, width, page size, and the query tile (16 or 64).
+    shape = "decode" if max_q_len == 1 else "short" if max_q_len <= 16 else "long"
+    return (str(q.dtype), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], shape,
+            str(block_tables.dtype), str(cu_seqlens_q.dtype), str(kv_lens.dtype))
+
+
+def _attention_probe(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, *, scale: float,
+                     max_q_len: int) -> tuple[tuple, dict]:
+    # Three sequences of the call's class: query lengths up to min(max_q_len, 17) (17 still takes the
+    # 64-query tile), keys spanning several pages, pages in shuffled order.
+    dev, page, hk, d = q.device, k_cache.shape[1], k_cache.shape[2], q.shape[2]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    m = min(max_q_len, 17)
+    q_lens = [1, 1, 1] if m == 1 else [m, 1, max(1, m - 1)]
+    kv = [q_lens[0] + 6, q_lens[1], q_lens[2] + 2 * page + 1]
+    pages = [(n + page - 1) // page for n in kv]
+    perm = torch.randperm(sum(pages) + 1, generator=gen, device=dev)
+    tables = torch.zeros(3, max(pages), dtype=block_tables.dtype, device=dev)
+    start = 0
+    for b, n in enumerate(pages):
+        tables[b, :n] = perm[start:start + n].to(block_tables.dtype)
+        start += n
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=dev).to(q.dtype)
+
+    kc, vc = rand(sum(pages) + 1, page, hk, d).to(k_cache.dtype), rand(sum(pages) + 1, page, hk, d).to(v_cache.dtype)
+    cu = torch.tensor([0, q_lens[0], q_lens[0] + q_lens[1], sum(q_lens)], dtype=cu_seqlens_q.dtype, device=dev)
+    lens = torch.tensor(kv, dtype=kv_lens.dtype, device=dev)
+    return (rand(sum(q_lens), q.shape[1], d), kc, vc, tables, cu, lens), {"scale": scale, "max_q_len": max(q_lens)}
+
+
 _paged = register_kernel("paged_attention", reference=paged_attention_reference, triton=paged_attention_triton,
-                         doc="causal attention of packed variable-length queries over a paged KV cache")
+                         doc="causal attention of packed variable-length queries over a paged KV cache",
+                         shape_class=_attention_class, probe=_attention_probe)
 
 
 # --------------------------------------------------------------------------- public API

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
 from lightning_elixir.checkpoint import atomic_save, recover
+from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
@@ -173,17 +174,12 @@ class ElixirStrategy(ModelParallelStrategy):
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 
     def _prefer_fused_host_step(self) -> None:
-        """On a GPU, offloaded units step on the host: let Adam/AdamW use torch's fused CPU kernel there
-        (one pass over the host shards instead of foreach's several) when the user did not choose."""
-        if self.root_device.type != "cuda" or not any(u.plan.offload for u in self.units):
-            return
+        """Each step runs one param group per (mesh, device) (foreach/fused refuse DTensors of two meshes:
+        ``replicate`` units); on a GPU, offloaded units' host buckets of Adam/AdamW use torch's fused CPU
+        kernel when the user did not choose (:func:`lightning_elixir.optim.step_per_mesh`)."""
+        fused = self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
         for opt in self.optimizers:
-            if type(opt).__name__ not in ("Adam", "AdamW"):
-                continue
-            for group in opt.param_groups:
-                if group.get("fused") is None and not group.get("foreach") and not group.get("differentiable"):
-                    group["fused"] = True
-                    group["foreach"] = False
+            step_per_mesh(opt, fused_on_host=fused)
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:

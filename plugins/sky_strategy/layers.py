@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 __all__ = ["ConventionError", "Layer", "resolve_layers", "split_batch", "call_layer", "StageModule", "TimedStage",
-           "LayerMeasurement", "measure_layers"]
+           "HostTimer", "EventTimer", "stage_timer", "LayerMeasurement", "measure_layers"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -128,27 +128,110 @@ class StageModule(nn.Module):
         return x
 
 
+class _Elapsed:
+    """A finished host-clock interval."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, seconds: float) -> None:
+        self._s = seconds
+
+    def seconds(self) -> float:
+        return self._s
+
+
+class HostTimer:
+    """Times a stage's compute with the host clock: right where work is synchronous (CPU devices)."""
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, token: float) -> _Elapsed:
+        return _Elapsed(time.perf_counter() - token)
+
+
+class _EventInterval:
+    __slots__ = ("_start", "_end")
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._start, self._end = start, end
+
+    def seconds(self) -> float:
+        self._end.synchronize()  # waits for this stream's work up to the event, not for the device
+        return self._start.elapsed_time(self._end) / 1e3
+
+
+class EventTimer:
+    """Times a stage's compute with CUDA events on the stream it runs on.
+
+    The start event is recorded when the chunk is issued, after the schedule made the stream wait for
+    the chunk's incoming activations (NCCL ``work.wait()`` is a wait *on the stream*), so a pending
+    receive is not counted as compute; nothing blocks the host until the time is read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stop(self, token: torch.cuda.Event) -> _EventInterval:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        return _EventInterval(token, end)
+
+
+def stage_timer(device: torch.device) -> HostTimer | EventTimer:
+    """CUDA events on a GPU, the host clock elsewhere."""
+    return EventTimer(device) if device.type == "cuda" else HostTimer()
+
+
 class TimedStage(PipelineStage):
     """A :class:`PipelineStage` that times its compute per microbatch and, when this rank plays a slower
     device (``slowdown() > 1``), sleeps ``(slowdown - 1) x`` the compute it just did: the rank is busy
-    exactly as long as the slower device would be, without using the CPU that other ranks share."""
+    exactly as long as the slower device would be, without using the CPU that other ranks share.
 
-    def __init__(self, *args, slowdown: Callable[[], float], sync: Callable[[], None], **kwargs):
+    On a GPU the time comes from CUDA events (:class:`EventTimer`): with no slowdown nothing waits
+    per chunk (the intervals are read when ``busy_s`` is, once per step), and with one only this
+    chunk's own stream work is waited for, never the whole device (a device-wide synchronise after
+    every chunk would serialise the pipeline and count pending NCCL waits as compute, which the
+    injected slowdown would then multiply).
+    """
+
+    def __init__(self, *args, slowdown: Callable[[], float], timer: HostTimer | EventTimer | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._slowdown = slowdown
-        self._sync = sync
-        self.busy_s = 0.0  # compute (+ injected delay) since the last reset
+        self._timer = timer if timer is not None else stage_timer(self.device)
+        self._busy = 0.0
+        self._open: list = []  # intervals not yet read (GPU: their events may still be pending)
         self.chunks_run = 0
 
+    @property
+    def busy_s(self) -> float:
+        """Compute (+ injected delay) seconds since the last reset; reading it waits for pending chunks."""
+        if self._open:
+            self._busy += sum(i.seconds() for i in self._open)
+            self._open.clear()
+        return self._busy
+
+    @busy_s.setter
+    def busy_s(self, value: float) -> None:
+        self._open.clear()
+        self._busy = value
+
     def _timed(self, fn, *args, **kwargs):
-        start = time.perf_counter()
+        token = self._timer.start()
         out = fn(*args, **kwargs)
-        self._sync()
-        elapsed = time.perf_counter() - start
-        extra = (self._slowdown() - 1.0) * elapsed
-        if extra > 0:
-            time.sleep(extra)
-        self.busy_s += elapsed + max(extra, 0.0)
+        interval = self._timer.stop(token)
+        factor = self._slowdown() - 1.0
+        if factor > 0:
+            elapsed = interval.seconds()
+            time.sleep(factor * elapsed)
+            self._busy += elapsed * (1.0 + factor)
+        else:
+            self._open.append(interval)
         return out
 
     def forward_one_chunk(self, *args, **kwargs):

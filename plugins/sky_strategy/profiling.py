@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,18 @@ def _rounds(world: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def measure_links(nbytes: int, *, device: torch.device, repeats: int = 3) -> list[list[float]]:
+def measure_links(nbytes: int, *, device: torch.device, repeats: int = 3,
+                  sync: Callable[[], None] | None = None) -> list[list[float]]:
     """Bytes/s between every pair of ranks, measured by ping-pong of an ``nbytes`` message.
 
     Pairs are measured in ``world - 1`` rounds of disjoint pairs so that no link is shared while it is
-    timed. Every rank returns the same matrix (diagonal: inf).
+    timed. Every rank returns the same matrix (diagonal: inf). ``sync`` waits until the exchange has
+    really happened (default: ``torch.cuda.synchronize`` on a GPU): NCCL's send/recv return once the
+    transfer is queued, so a clock read without it times the queueing, overstates the bandwidth by
+    orders of magnitude and makes communication vanish from the plan.
     """
+    if sync is None:
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = max(1, nbytes // 4)
     buf = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -101,6 +108,7 @@ def measure_links(nbytes: int, *, device: torch.device, repeats: int = 3) -> lis
             peer = b if rank == a else a
             times = []
             for rep in range(repeats + 1):
+                sync()  # nothing earlier may still be in flight when the clock starts
                 start = time.perf_counter()
                 if rank == a:
                     dist.send(buf, peer)
@@ -108,6 +116,7 @@ def measure_links(nbytes: int, *, device: torch.device, repeats: int = 3) -> lis
                 else:
                     dist.recv(buf, peer)
                     dist.send(buf, peer)
+                sync()  # the bytes have arrived, not merely been queued
                 if rep:
                     times.append(time.perf_counter() - start)
             mine[peer] = numel * 4 / (statistics.median(times) / 2)

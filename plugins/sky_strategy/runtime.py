@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from sky_strategy.layers import Layer, StageModule, TimedStage
+from sky_strategy.layers import Layer, StageModule, TimedStage, stage_timer
 from tightfit.planner.pipeline import PartitionPlan
 
 __all__ = ["PipelineRuntime"]
@@ -57,7 +57,6 @@ class PipelineRuntime:
         self.owner: list[int] = [0] * len(layers)  # before the first plan, rank 0's weights are the truth
         self._cache: dict[tuple, tuple] = {}
         self._pending: dict[nn.Parameter, torch.Tensor] = {}
-        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     # -- placement --------------------------------------------------------------------------------
     def owns(self, index: int) -> bool:
@@ -152,7 +151,7 @@ class PipelineRuntime:
                 if s.device != self.rank:
                     continue
                 sub = StageModule([self.layers[i].module for i in range(s.start, s.stop)], self.context)
-                st = TimedStage(sub, s.index, len(plan.stages), self.device, slowdown=self.slowdown, sync=self._sync,
+                st = TimedStage(sub, s.index, len(plan.stages), self.device, slowdown=self.slowdown, timer=stage_timer(self.device),
                                 group=self.group)
                 st.stage_index_to_group_rank = dict(mapping)
                 stages.append(st)

@@ -263,8 +263,10 @@ def test_gpu_kernel_benchmark_smoke_runs_on_cpu(tmp_path):
 
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert data["status"] == "ok"
-    assert {r["op"] for r in data["results"]} == {"gather_rows", "scatter_rows", "scatter_add_rows"}
+    assert {r["op"] for r in data["results"]} == {"gather_rows", "scatter_rows", "scatter_add_rows", "paged_attention"}
     assert all(len(r["triton_s"]) == len(r["reference_s"]) >= 2 for r in data["results"])
+    assert all(r["bandwidth_fraction"] > 0 for r in data["results"]) and data["params"]["copy_bandwidth_bytes_per_s"] > 0
+    assert all(len(r["sdpa_s"]) >= 2 for r in data["results"] if r["op"] == "paged_attention")
 
 
 def test_gpu_run_all_without_a_gpu_skips_and_prints_the_table(tmp_path):
