@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo test test-all lint bench mutate clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,11 @@ test-all: setup lint
 
 bench: setup
 	$(PY) -m benchmarks.run --quick
+
+# Mutation testing of the cost models and the cache policy (not part of `make test`): mutmut under a
+# wall-clock budget, then the survivors and the score. MUTATE_MINUTES=12 by default; see scripts/mutate.sh.
+mutate: setup
+	@PY=$(PY) bash scripts/mutate.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info

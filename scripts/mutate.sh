@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# `make mutate`: mutation testing (mutmut 3) of the cost models and the cache policy, under a time budget.
+#
+# mutmut names a mutant after its file's path, so the code must be importable under the name its folder
+# has; ours is not (core/ is imported as `tightfit`, plugins/torchrec_cache as `torchrec_cache`). The run
+# therefore happens in a staging folder that lays the packages out under their import names, with the
+# tests and a pyproject.toml that carries the [tool.mutmut] section. mutmut puts its mutated copy first on
+# sys.path, which wins over the editable install.
+#
+# Environment:
+#   MUTATE_SRC      tree to test (default: this checkout; point it at an exported commit to score an old tree)
+#   MUTATE_MINUTES  wall-clock budget of `mutmut run` (default 12); the score counts the mutants it reached
+#   MUTATE_CHILDREN parallel test processes (default 1: the machine is shared)
+#   MUTATE_FILES    files to mutate, as import paths (default below)
+#   MUTATE_TESTS    test files that may kill them (default below)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SRC=${MUTATE_SRC:-$ROOT}
+MINUTES=${MUTATE_MINUTES:-12}
+CHILDREN=${MUTATE_CHILDREN:-1}
+STAGE=${MUTATE_STAGE:-$ROOT/build/mutate}
+PY=${PY:-$ROOT/.venv/bin/python}
+MUTMUT="$(dirname "$PY")/mutmut"
+FILES=${MUTATE_FILES:-"tightfit/planner/pipeline/problem.py tightfit/planner/pipeline/solve.py \
+tightfit/planner/pipeline/baselines.py tightfit/planner/cache.py tightfit/planner/pool.py \
+tightfit/profiler/memory.py torchrec_cache/cache.py"}
+TESTS=${MUTATE_TESTS:-"tests/core/test_planner_pipeline.py tests/core/test_planner_pool.py \
+tests/core/test_planner_costs.py tests/torchrec_cache/test_planner.py \
+tests/torchrec_cache/test_policy_behaviour.py tests/core/test_profiler_model.py"}
+
+if [ ! -x "$MUTMUT" ]; then
+  echo "[mutate] installing mutmut into $(dirname "$(dirname "$PY")")"
+  "$PY" -m pip --disable-pip-version-check install -q "mutmut==3.8.1" || exit 1
+fi
+
+rm -rf "$STAGE"
+mkdir -p "$STAGE"
+cp -r "$SRC/core" "$STAGE/tightfit"
+cp -r "$SRC/plugins/torchrec_cache" "$STAGE/torchrec_cache"
+cp -r "$SRC/tests" "$STAGE/tests"
+find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
+
+tests=()
+for t in $TESTS; do [ -f "$STAGE/$t" ] && tests+=("$t"); done  # an older tree may lack some
+toml_list() { local out="" x; for x in "$@"; do out+="\"$x\", "; done; echo "[${out%, }]"; }
+# shellcheck disable=SC2086
+{
+  "$PY" - "$SRC/pyproject.toml" <<'EOF'
+import sys, tomllib
+cfg = tomllib.load(open(sys.argv[1], "rb"))["tool"]["pytest"]["ini_options"]
+print("[tool.pytest.ini_options]")
+for k, v in cfg.items():
+    if k != "testpaths":
+        print(f"{k} = {v!r}".replace("'", '"'))
+EOF
+  echo
+  echo "[tool.mutmut]"
+  echo 'source_paths = ["tightfit", "torchrec_cache"]'
+  echo "only_mutate = $(toml_list $FILES)"
+  echo "pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")"
+  echo 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-x", "-q"]'
+  echo "use_git_change_detection = false"
+} >"$STAGE/pyproject.toml"
+
+cd "$STAGE" || exit 1
+echo "[mutate] mutating: $FILES"
+echo "[mutate] tests: ${tests[*]}"
+echo "[mutate] budget: ${MINUTES} min, ${CHILDREN} process(es); staging in $STAGE"
+timeout --signal=INT --kill-after=30 "${MINUTES}m" "$MUTMUT" run --max-children "$CHILDREN" >"$STAGE/run.log" 2>&1
+rc=$?
+[ $rc -eq 124 ] || [ $rc -eq 130 ] && echo "[mutate] time budget reached; scoring the mutants run so far"
+tail -n 3 "$STAGE/run.log" | tr '\r' '\n' | tail -n 2
+"$MUTMUT" results --all true >"$STAGE/results.txt" 2>/dev/null || "$MUTMUT" results --all >"$STAGE/results.txt" 2>/dev/null
+"$PY" - "$STAGE/results.txt" <<'EOF'
+import collections, sys
+counts, survivors = collections.Counter(), []
+for line in open(sys.argv[1]):
+    name, _, status = line.strip().rpartition(": ")
+    if not name:
+        continue
+    counts[status] += 1
+    if status == "survived":
+        survivors.append(name)
+killed, survived = counts["killed"] + counts["timeout"], counts["survived"]
+print(f"[mutate] {dict(counts)}")
+for s in survivors:
+    print(f"  survived: {s}")
+done = killed + survived
+print(f"[mutate] score: {killed}/{done} killed = {100 * killed / max(1, done):.1f}% of the mutants run "
+      f"({counts['not checked']} not reached in the budget, {counts['no tests']} with no test)")
+EOF
