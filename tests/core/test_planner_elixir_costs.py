@@ -3,8 +3,9 @@
 The search tests compare the exact search with brute force under the *same* model and the law tests
 check orderings, so a wrong term passes them. Here a two-block model on two ranks is priced through
 the public API (``estimate`` / ``search`` of :mod:`tightfit.planner.elixir`) and every byte and second
-is written out from the formulas: ``UnitTerms`` (per-unit bytes and durations), ``peak`` (the memory
-timeline) and ``step_time`` (the list schedule on compute, network and the two copy engines).
+is written out from the formulas in :mod:`tightfit.planner.elixir.sim`: ``UnitTerms`` (per-unit bytes
+and durations), ``peak`` (the memory timeline) and ``step_time`` (the list schedule on compute, network
+and the two copy engines).
 
 Numbers chosen so the arithmetic is exact: precision ``32-true`` (m = c = r = 4 bytes), AdamW
 (o = 8: state ``m + m + o`` = 16 bytes per owned element, foreach temporaries ``t`` = 4), no
@@ -194,7 +195,8 @@ def test_the_only_plan_that_fits_is_found_at_its_exact_peak():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "known bug, left for the Elixir search's owner: the branch and bound prices undecided blocks as "
+    "known bug, left for the Elixir search's owner: the branch and bound (tightfit.planner.elixir.space, "
+    "_branch_and_bound's ck_mem) prices undecided blocks as "
     "checkpointed and takes that as a lower bound on the peak, but recomputing a block whose forward "
     "transient exceeds its backward transient raises its own backward peak (max(transient, fwd_transient)), "
     "so the 76_000 B plan (layers.0 checkpointed, layers.1 not) is pruned at layers.0's decision (bound "
