@@ -96,13 +96,15 @@ fi
 tail -n 3 "$STAGE/run.log" | tr '\r' '\n' | tail -n 2
 "$MUTMUT" results --all true >"$STAGE/results.txt" 2>/dev/null || "$MUTMUT" results --all >"$STAGE/results.txt" 2>/dev/null
 "$PY" - "$STAGE/results.txt" <<'EOF'
-import collections, sys
+import collections, re, sys
 counts, survivors = collections.Counter(), []
+per_file = collections.defaultdict(collections.Counter)
 for line in open(sys.argv[1]):
     name, _, status = line.strip().rpartition(": ")
     if not name:
         continue
     counts[status] += 1
+    per_file[re.split(r"\.x[\u01c1_]", name, maxsplit=1)[0]][status] += 1
     if status in ("survived", "no tests"):
         survivors.append(f"{name} ({status})")
 killed, survived = counts["killed"] + counts["timeout"], counts["survived"] + counts["no tests"]
@@ -110,6 +112,9 @@ print(f"[mutate] {dict(counts)}")
 for s in survivors:
     print(f"  survived: {s}")
 done = killed + survived
+for module, c in sorted(per_file.items()):
+    k, d = c["killed"] + c["timeout"], c["killed"] + c["timeout"] + c["survived"] + c["no tests"]
+    print(f"[mutate]   {module}: {k}/{d} killed ({c['no tests']} with no test, {c['not checked']} not reached)")
 print(f"[mutate] score: {killed}/{done} killed = {100 * killed / max(1, done):.1f}% of the mutants reached "
       f"(survivors include {counts['no tests']} that no selected test runs; {counts['not checked']} not reached "
       "in the budget)")
