@@ -21,6 +21,7 @@ MINUTES=${MUTATE_MINUTES:-12}
 CHILDREN=${MUTATE_CHILDREN:-1}
 STAGE=${MUTATE_STAGE:-$ROOT/build/mutate}
 PY=${PY:-$ROOT/.venv/bin/python}
+case $PY in /*) ;; *) PY=$ROOT/$PY ;; esac  # the run happens in the staging folder
 MUTMUT="$(dirname "$PY")/mutmut"
 # Two scopes. "fast" (default) fits a 12-minute budget on two shared cores: the pipeline cost model, cache
 # sizing, pool planning and the cache policy, against their fast tests (the pipeline's 45-second gloo test
