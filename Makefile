@@ -34,5 +34,10 @@ bench-report: setup
 gpu-check:
 	bash scripts/gpu_check.sh $(if $(DRY),--dry,)
 
+# Mutation testing of the cost models and the cache policy (not part of `make test`): mutmut under a
+# wall-clock budget, then the survivors and the score. MUTATE_MINUTES=12 by default; see scripts/mutate.sh.
+mutate: setup
+	@PY=$(PY) bash scripts/mutate.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info

@@ -159,6 +159,12 @@ class _CachedCollection(nn.Module):
                 c.prepare(torch.cat(values), pin_until=c.step + ahead, count=False)
 
     # ------------------------------------------------------------------ stats and optimizer state
+    def resident_rows(self, table: str) -> torch.Tensor:
+        """Ids of ``table`` now on the device (sorted)."""
+        c: TableCache = self._caches[table]
+        rows = c.resident_rows().cpu()
+        return torch.sort(c.order.index_select(0, rows) if c.order is not None else rows).values
+
     def cache_stats(self, per_table: bool = False) -> dict[str, Any]:
         """Totals since construction (or :meth:`reset_cache_stats`): hit rate, misses, rows and bytes moved.
 
