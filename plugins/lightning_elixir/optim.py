@@ -33,7 +33,7 @@ _FUSABLE = ("Adam", "AdamW")
 _installed: weakref.WeakKeyDictionary[torch.optim.Optimizer, _MeshSplit] = weakref.WeakKeyDictionary()
 
 
-def placement_key(p: torch.Tensor) -> Hashable:
+def placement_key(p: torch.Tensor) -> tuple[Hashable, torch.device]:
     """(mesh, device of the local data): parameters sharing it can share one foreach/fused launch."""
     from torch.distributed.tensor import DTensor
 
@@ -49,7 +49,7 @@ class _MeshSplit:
         self.handles = (optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after))
 
     def _split(self, group: dict[str, Any]) -> list[dict[str, Any]]:
-        buckets: dict[Hashable, list[torch.Tensor]] = {}
+        buckets: dict[tuple[Hashable, torch.device], list[torch.Tensor]] = {}
         for p in group["params"]:
             buckets.setdefault(placement_key(p), []).append(p)
         out = []
