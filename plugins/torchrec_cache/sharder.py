@@ -42,7 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.modules import (
     CachedEmbeddingBagCollection,
-    _flush_before_state_dict,
+    flush_before_state_dict,
 )
 
 __all__ = ["CachedEmbeddingBagCollectionSharder", "ShardedCachedEmbeddingBagCollection", "cached_sharding_plan"]
@@ -112,14 +112,10 @@ class ShardedCachedEmbeddingBagCollection(ShardedModule[KeyedJaggedTensor, torch
         self._out_dims = [d for dims in dims_per_rank for d in dims]
         self._out_order = [rank_keys.index(k) for k in self._out_keys]
         self._world = world
-        self.register_state_dict_pre_hook(_flush_before_state_dict)
+        self.register_state_dict_pre_hook(flush_before_state_dict)
         self._register_state_dict_hook(_rename_local_keys)
         self._register_load_state_dict_pre_hook(_prefix_local_keys, with_module=True)
         self.register_load_state_dict_post_hook(_ignore_dist_buffers)
-
-    @property
-    def _caches(self) -> nn.ModuleDict:
-        return self._local._caches
 
     def flush_cache(self) -> None:
         self._local.flush_cache()

@@ -22,7 +22,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats, find_kjt
-from torchrec_cache.modules import CachedEmbeddingBagCollection, CachedEmbeddingCollection, _CachedCollection
+from torchrec_cache.modules import CachedCollection, CachedEmbeddingBagCollection, CachedEmbeddingCollection
 
 __all__ = ["swap_in", "swap_out", "cached_collections", "prefetching"]
 
@@ -39,7 +39,7 @@ def _subset(frequencies: FrequencyStats | None, names: list[str]) -> FrequencySt
 
 def _cached(module: nn.Module, cache: CacheConfig, frequencies: FrequencyStats | None,
             device: torch.device | str | None) -> nn.Module | None:
-    if isinstance(module, _CachedCollection):
+    if isinstance(module, CachedCollection):
         return None
     if isinstance(module, EmbeddingBagCollection):
         tables = module.embedding_bag_configs()
@@ -85,7 +85,7 @@ def swap_in(model: nn.Module, cache: CacheConfig | None = None, frequencies: Fre
     """
     cache = cache or CacheConfig()
     model, n = _replace(model, lambda m: _cached(m, cache, frequencies, device))
-    if n == 0 and not any(isinstance(m, _CachedCollection) for m in model.modules()):
+    if n == 0 and not any(isinstance(m, CachedCollection) for m in model.modules()):
         raise ValueError(f"swap_in found no EmbeddingBagCollection or EmbeddingCollection in {type(model).__name__}; "
                          "build the model with torchrec.EmbeddingBagCollection (or pass that module itself)")
     return model
@@ -114,9 +114,9 @@ def swap_out(model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Modu
     return model
 
 
-def cached_collections(model: nn.Module) -> list[_CachedCollection]:
+def cached_collections(model: nn.Module) -> list[CachedCollection]:
     """The cached collections inside ``model`` (in module order)."""
-    return [m for m in model.modules() if isinstance(m, _CachedCollection)]
+    return [m for m in model.modules() if isinstance(m, CachedCollection)]
 
 
 def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
