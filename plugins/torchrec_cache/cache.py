@@ -210,6 +210,11 @@ class FusedCache(nn.Module):
         self.register_buffer("_t_direct", torch.tensor(direct, dtype=torch.bool, device=dev), persistent=False)
         self.register_buffer("_key_bounds", self._key_sorted_starts.to(dev), persistent=False)
         self.register_buffer("_key_table", torch.tensor(order_key, dtype=torch.int64, device=dev), persistent=False)
+        # Host copies of the constant index tensors: ``to_empty`` off the meta device leaves garbage in buffers.
+        self._constants = {name: torch.tensor(v, dtype=dt) for name, v, dt in (
+            ("_t_key_off", key_off[:-1], torch.int64), ("_t_rows", [t.rows for t in tables], torch.int64),
+            ("_t_set_off", set_off, torch.int64), ("_t_sets", n_sets, torch.int64), ("_t_direct", direct, torch.bool),
+            ("_key_bounds", self._key_sorted_starts.tolist(), torch.int64), ("_key_table", order_key, torch.int64))}
         # Per slot (+1 trash slot at index C that absorbs writes for rows without a slot): 24 bytes.
         self.register_buffer("slot_key", torch.full((C + 1,), DISABLED, dtype=torch.int64, device=dev),
                              persistent=False)
@@ -247,7 +252,7 @@ class FusedCache(nn.Module):
             [t.dim * torch.empty((), dtype=t.dtype).element_size()
              + 4 * (optimizer.state_columns(t.dim) if optimizer else 0) for t in tables], dtype=torch.int64)
         self._staging: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[Any, Any, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ basic properties
     @property
@@ -287,6 +292,7 @@ class FusedCache(nn.Module):
 
     def materialize_host(self) -> None:
         """Allocate the host tables of a cache built on the meta device (uninitialised, like ``to_empty``)."""
+        self.sketch.zero_()
         for g in self.groups:
             if g.host.device.type == "meta":
                 g.host = torch.empty(g.host.shape, dtype=g.host.dtype)
@@ -322,6 +328,8 @@ class FusedCache(nn.Module):
     def finish_setup(self, hottest: dict[str, torch.Tensor] | None = None) -> None:
         """Empty the cache, load every direct-mapped table wholly and warm the others with ``hottest`` ids."""
         with self.lock:
+            for name, value in self._constants.items():
+                getattr(self, name).copy_(value)
             self.slot_key.fill_(DISABLED)
             self.slot_key[self.num_slots] = TRASH_KEY
             self.slot_score.zero_()
@@ -434,21 +442,26 @@ class FusedCache(nn.Module):
         self._staging[tag + ".event"] = event  # type: ignore[assignment]
         return out
 
-    def _to_host_later(self, rows: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
-        """``dst[pos] = rows`` (device rows), without stalling the step on CUDA (applied before the next host read)."""
+    def _on_host(self, fn: Any, rows: torch.Tensor) -> None:
+        """Run ``fn(rows on the host)``; on CUDA the copy is asynchronous (pinned buffer, event) and ``fn`` runs
+        before the next host read of the tables, so neither a write-back nor a spilled row's update stalls the step."""
         if rows.device.type != "cuda":
-            dst.index_copy_(0, pos, rows.to(dst.dtype))
+            fn(rows)
             return
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host, dst, pos))
+        self._pending.append((event, fn, host))
+
+    def _to_host_later(self, rows: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+        """``dst[pos] = rows`` (device rows to a host table)."""
+        self._on_host(lambda r: dst.index_copy_(0, pos, r.to(dst.dtype)), rows)
 
     def _apply_pending(self) -> None:
-        for event, host, dst, pos in self._pending:
+        for event, fn, host in self._pending:
             event.synchronize()
-            dst.index_copy_(0, pos, host.to(dst.dtype))
+            fn(host)
         self._pending.clear()
 
     def _copy_in(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
@@ -723,16 +736,18 @@ class FusedCache(nn.Module):
             if st.shape[1]:
                 self.state(gi).index_copy_(0, local, st)
             sa, sb, spos = self._group_spills(batch, gi, a)
-            if sb > sa:
-                self._apply_pending()
+            if sb > sa:  # spilled rows update in host memory, off the step's critical path on CUDA
                 pos = self._host_pos(g, batch.spill_keys[sa:sb])
-                grad = grad_rows.index_select(0, spos)
-                grad = grad if grad.device.type == "cpu" else grad.to("cpu")  # spilled rows update on the host
-                w, st = apply_update(self.optimizer, g.host.index_select(0, pos), g.host_state.index_select(0, pos),
-                                     grad, g.opt_step)
-                g.host.index_copy_(0, pos, w)
-                if st.shape[1]:
-                    g.host_state.index_copy_(0, pos, st)
+                opt, step = self.optimizer, g.opt_step
+
+                def update(grad: torch.Tensor) -> None:
+                    w, st = apply_update(opt, g.host.index_select(0, pos), g.host_state.index_select(0, pos),
+                                         grad, step)
+                    g.host.index_copy_(0, pos, w)
+                    if st.shape[1]:
+                        g.host_state.index_copy_(0, pos, st)
+
+                self._on_host(update, grad_rows.index_select(0, spos))
 
     def sparse_grads(self, batch: Batch, gi: int, grad_rows: torch.Tensor) -> list[torch.Tensor]:
         """Autograd mode: each table's sparse gradient in host position order (rows refreshed after the step)."""

@@ -24,6 +24,8 @@ from torchrec.modules.embedding_configs import (
     PoolingType,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from tightfit.planner.cache import INDEX_BYTES_PER_SLOT, CacheTableSpec, plan_cache, split_slots
@@ -31,6 +33,7 @@ from tightfit.units import parse_bytes
 from torchrec_cache.cache import SKETCH_BYTES_PER_SLOT, FusedCache, TableSpec
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
+from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.optim import state_names
 
@@ -64,7 +67,7 @@ class HostTable(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, host memory"
 
 
-class CachedCollection(nn.Module):
+class CachedCollection(FusedOptimizerModule, nn.Module):
     """What both collections share: host tables, the fused cache, state-dict hooks, stats, optimizer state."""
 
     _tables_attr = "embedding_bags"
@@ -100,10 +103,12 @@ class CachedCollection(nn.Module):
         # Features in key order: the tables of one slot tensor are contiguous, so are their features.
         order = [tables[i] for i in self._cache.layout]
         self._fused_features = [f for c in order for f in c.feature_names]
-        self._feature_table = torch.tensor([self._cache.index[c.name] for c in order for _ in c.feature_names],
-                                           dtype=torch.int64, device=device)
-        self._mean = torch.tensor([getattr(c, "pooling", PoolingType.SUM) == PoolingType.MEAN
-                                   for c in order for _ in c.feature_names], dtype=torch.bool, device=device)
+        self._feature_table_host = torch.tensor([self._cache.index[c.name] for c in order for _ in c.feature_names],
+                                                dtype=torch.int64)
+        self._mean_host = torch.tensor([getattr(c, "pooling", PoolingType.SUM) == PoolingType.MEAN
+                                        for c in order for _ in c.feature_names], dtype=torch.bool)
+        self._feature_table = self._feature_table_host.to(device)
+        self._mean = self._mean_host.to(device)
         self._group_features: list[tuple[int, int]] = []
         f = 0
         for g in self._cache.groups:
@@ -147,6 +152,22 @@ class CachedCollection(nn.Module):
     def _host_tables(self) -> nn.ModuleDict:
         return getattr(self, self._tables_attr)
 
+    def host_tables(self) -> nn.ModuleDict:
+        """Table name -> :class:`HostTable` (the full tables in host memory)."""
+        return self._host_tables()
+
+    @property
+    def tables_attr(self) -> str:
+        """The attribute holding the host tables (``embedding_bags`` or ``embeddings``, as in TorchRec)."""
+        return self._tables_attr
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The fused optimizer's state as a TorchRec ``KeyedOptimizer`` (empty without a fused optimizer)."""
+        if self._cache_config.optimizer is None:
+            return EmptyFusedOptimizer()
+        return CachedFusedOptimizer(self)
+
     def init_parameters(self) -> None:
         """(Re)initialise the tables with their ``init_fn`` and empty the cache (after ``to_empty``)."""
         self._initialise_host(self._configs())
@@ -177,8 +198,8 @@ class CachedCollection(nn.Module):
         super()._apply(fn, recurse)
         self._anchor = fn(self._anchor.detach()).requires_grad_(True)
         self._device = self._anchor.device
-        self._feature_table = fn(self._feature_table)
-        self._mean = fn(self._mean)
+        self._feature_table = self._feature_table_host.to(self._device)
+        self._mean = self._mean_host.to(self._device)
         if not self._materialized and self._device.type != "meta":
             # ``to_empty`` (or ``.to``) off the meta device: the host tables materialise, uninitialised,
             # and the cache starts empty; ``init_parameters()`` or ``load_state_dict`` fills them.
@@ -228,8 +249,9 @@ class CachedCollection(nn.Module):
         tables = self._host_tables()
         return [[tables[self._cache.names[i]].weight for i in g.tables] for g in self._cache.groups]
 
-    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1) -> None:
-        """Load the rows of a batch that runs ``ahead`` forwards from now, and pin them until then."""
+    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None) -> None:
+        """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
+        and pin them until then."""
         kjt = self._check_features(features)
         values = kjt.values()
         bounds = [0, values.numel()] if len(self._group_features) == 1 else None
@@ -240,7 +262,7 @@ class CachedCollection(nn.Module):
                 bounds.append(bounds[-1] + sum(per_feature[a:b]))
         with torch.no_grad():
             self._cache.prepare(values, kjt.lengths(), self._feature_table, value_bounds=bounds, count=False,
-                                pin_until=self._cache.step + ahead)
+                                pin_until=until if until is not None else self._cache.step + ahead)
 
     # ------------------------------------------------------------------ stats and optimizer state
     @property

@@ -37,6 +37,8 @@ from torchrec.distributed.types import (
     ShardingPlan,
     ShardingType,
 )
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cache.frequency import FrequencyStats
@@ -63,7 +65,8 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
                            length_per_key=[self._dims[i] for i in self._order])
 
 
-class ShardedCachedEmbeddingBagCollection(ShardedModule[KeyedJaggedTensor, torch.Tensor, KeyedTensor, Any]):
+class ShardedCachedEmbeddingBagCollection(ShardedModule[KeyedJaggedTensor, torch.Tensor, KeyedTensor, Any],
+                                          FusedOptimizerModule):
     """The rank-local part of a table-wise sharded :class:`CachedEmbeddingBagCollection`.
 
     Its state dict holds the local tables under the unsharded names (``embedding_bags.<table>.weight``).
@@ -128,6 +131,11 @@ class ShardedCachedEmbeddingBagCollection(ShardedModule[KeyedJaggedTensor, torch
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Any]]:
         return self._local.fused_optimizer_state()
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The local tables' fused optimizer state (keys as in this module's state dict); DMP collects it."""
+        return self._local.fused_optimizer
 
     # ------------------------------------------------------------------ ShardedModule
     @property

@@ -7,13 +7,14 @@
 ``swap_in`` replaces every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` (at any depth,
 TorchRec's ``DLRM`` included) by its cached version built from the same table configs and loaded
 with the same weights, so the model's outputs do not change. ``prefetching`` wraps a data loader
-so each batch's rows are loaded ``k`` batches before the batch runs.
+so each batch's rows are loaded on a background thread up to ``k`` batches before the batch runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -119,13 +120,31 @@ def cached_collections(model: nn.Module) -> list[CachedCollection]:
     return [m for m in model.modules() if isinstance(m, CachedCollection)]
 
 
-def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
-    """Yield ``data``'s batches unchanged, loading each batch's rows ``ahead`` batches before it runs.
+def _prefetch_all(collections: list[CachedCollection], kjt: Any, runs_at: list[int],
+                  stream: Any) -> Any:
+    """Load one batch's rows into every collection (on the prefetch thread); returns a CUDA event or None."""
+    if stream is None:
+        for c, step in zip(collections, runs_at):
+            c.prefetch(kjt, until=step)
+        return None
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.default_stream(stream.device))  # slots the step wrote before
+        for c, step in zip(collections, runs_at):
+            c.prefetch(kjt, until=step)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
-    Prefetched rows are pinned in the cache until their batch's forward pass, so the batches in
-    between cannot evict them. ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
-    model's cached collections. The copies are synchronous (they overlap nothing on a CPU); on a GPU
-    they are the same row moves a miss would make, done before the batch instead of inside it.
+
+def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
+    """Yield ``data``'s batches unchanged while a background thread loads the rows of the next ``ahead``.
+
+    Each batch's lookup, victim choice and row loads run on one worker thread (and, on CUDA, a side
+    stream whose event the step waits for) while earlier batches compute. A prefetched row is pinned
+    until its batch's forward, so a row needed inside the window is never evicted; among the other
+    rows the cache's policy chooses (frequency for ``lfu``). One forward per yielded batch is assumed
+    (the pins count forwards). ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
+    model's cached collections.
     """
     collections = cached_collections(model)
     if ahead is None:
@@ -133,22 +152,35 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
     if ahead <= 0 or not collections:
         yield from data
         return
-    it = iter(data)
-    window: deque[list[Any]] = deque()  # [batch, prefetched?]
-    for batch in it:
-        window.append([batch, False])
-        if len(window) > ahead:
-            break
-    while window:
-        head = window.popleft()[0]
-        for pos, entry in enumerate(window):
-            if not entry[1]:
-                kjt = find_kjt(entry[0])
-                for c in collections:
-                    # head runs at the next forward; window[pos] runs pos + 1 forwards after it
-                    c.prefetch(kjt, ahead=pos + 2)
-                entry[1] = True
-        yield head
-        nxt = next(it, None)
-        if nxt is not None:
-            window.append([nxt, False])
+    start = [c.fused_cache.step for c in collections]
+    cuda = [c for c in collections if c.device.type == "cuda"]
+    stream = torch.cuda.Stream(cuda[0].device) if cuda else None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-prefetch")
+    window: deque[tuple[Any, Future[Any]]] = deque()
+    it = enumerate(data)
+
+    def submit(j: int, batch: Any) -> None:
+        if j == 0:  # the first batch runs at once: its own forward loads its rows
+            done: Future[Any] = Future()
+            done.set_result(None)
+            window.append((batch, done))
+            return
+        runs_at = [s + j + 1 for s in start]  # batch j is the (j + 1)-th forward from here
+        window.append((batch, pool.submit(_prefetch_all, collections, find_kjt(batch), runs_at, stream)))
+
+    try:
+        for j, batch in it:
+            submit(j, batch)
+            if len(window) > ahead:
+                break
+        while window:
+            batch, pending = window.popleft()
+            event = pending.result()  # its rows are in (or, on CUDA, queued before this event)
+            if event is not None:
+                torch.cuda.current_stream(event.device if hasattr(event, "device") else None).wait_event(event)
+            nxt = next(it, None)
+            if nxt is not None:
+                submit(*nxt)
+            yield batch
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
