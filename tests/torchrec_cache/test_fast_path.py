@@ -172,9 +172,9 @@ def test_meta_construction_materialises_on_the_host():
 
 @pytest.mark.parametrize("tracer", ["torch.fx", "torchrec.fx"])
 def test_fx_tracing_keeps_the_lookup_as_one_leaf_call(tracer):
+    import torchrec.fx
     from torchrec.models.dlrm import DLRM
 
-    import torchrec.fx
     from torchrec_cache import swap_in
     from torchrec_cache.modules import cached_collection_forward
 
