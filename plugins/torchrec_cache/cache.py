@@ -23,111 +23,28 @@ prefetch thread cannot move them; rows it spilled stay out of the cache until th
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from torchrec_cache.config import RowOptimizer
+from torchrec_cache.counters import STAT_KEYS, CacheCounters
+from torchrec_cache.layout import Batch, SlotGroup, TableSpec, mix_hash, out_of_range, spill_notice
 from torchrec_cache.optim import apply_update, initial_state
+from torchrec_cache.sketch import AGE_EVERY, SKETCH_BYTES_PER_SLOT, FrequencySketch
 from torchrec_cache.sync import read_host
+from torchrec_cache.transfer import RowMover
 
 __all__ = ["WAYS", "STAT_KEYS", "SKETCH_BYTES_PER_SLOT", "TableSpec", "Batch", "FusedCache"]
 
-log = logging.getLogger("torchrec_cache")
-_SPILL_WARNED = False
 
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
 FREE, DISABLED, TRASH_KEY = -1, -2, -3
 _INF = 2**62
 _SENTINEL = 2**62  # pads the fixed-size unique array: above every key
-_M32 = 0xFFFFFFFF
-SKETCH_DEPTH = 2
-# The count-min sketch has SKETCH_DEPTH rows of int32 counters, each a power of two >= 2 slots wide:
-# at most 2 * 4 * 4 = 32 bytes per slot, charged to the plan with the 24 bytes of key, score, pin, hold.
-SKETCH_BYTES_PER_SLOT = 32
-STAT_KEYS = ("steps", "lookups", "hits", "misses", "rows_loaded", "rows_written_back", "rows_spilled",
-             "bytes_to_device", "bytes_to_host")
-_K = {k: i for i, k in enumerate(STAT_KEYS)}
 _POLICIES = ("lfu", "lru", "static")
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash of int64 keys (low bits of the products are exact under int64 wrap-around)."""
-    x = (x ^ (x >> 32)) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    return (x >> 16) ^ x
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TableSpec:
-    """One table of a :class:`FusedCache`.
-
-    Args:
-        name: the table's name.
-        rows: its number of rows.
-        dim: its embedding dim.
-        dtype: its weights' dtype.
-        capacity: device slots planned for it (clipped to ``rows``; ``rows`` makes it direct-mapped).
-    """
-
-    name: str
-    rows: int
-    dim: int
-    dtype: torch.dtype = torch.float32
-    capacity: int = 1
-
-    def __post_init__(self) -> None:
-        if self.rows < 1 or self.dim < 1:
-            raise ValueError(f"table {self.name!r}: rows={self.rows} and dim={self.dim} must be >= 1")
-        if self.rows >= 2**40:
-            raise ValueError(f"table {self.name!r} has {self.rows} rows; the cache's keys support < 2**40 rows")
-        if self.capacity < 1:
-            raise ValueError(f"table {self.name!r}: capacity={self.capacity} slots must be >= 1")
-
-
-@dataclass
-class _Group:
-    """Tables of one (dim, dtype): one slot tensor on the device, one flat host tensor."""
-
-    dim: int
-    dtype: torch.dtype
-    tables: list[int]
-    key_lo: int
-    key_hi: int
-    slot_lo: int
-    slot_hi: int
-    host: torch.Tensor  # (rows of the group, dim): the full tables, in position order
-    host_state: torch.Tensor  # (rows of the group, state columns) fp32
-    remap: torch.Tensor | None = None  # group-local id -> host position (``reorder``)
-    order: torch.Tensor | None = None  # host position -> group-local id
-    opt_step: int = 0
-    dirty: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (keys, positions) autograd mode
-    seen_version: int = -1
-
-
-@dataclass
-class Batch:
-    """What :meth:`FusedCache.prepare` resolved for one batch (all tables)."""
-
-    uniq: torch.Tensor  # (U,) unique keys, sorted
-    inv: torch.Tensor  # (L,) index of each id in uniq
-    slots: torch.Tensor  # (U,) slot of each unique key; the trash slot C for rows read from host memory
-    key_bounds: list[int]  # tables in key order: table k's keys are uniq[key_bounds[k]:key_bounds[k + 1]]
-    value_bounds: list[int]  # per group, its ids' range in the batch (G + 1 entries)
-    spill_pos: torch.Tensor  # device positions in uniq of the spilled keys
-    spill_keys: torch.Tensor  # host keys of the spilled rows (sorted)
-    step: int = 0
-    id: int = 0
-    groups_left: int = 0  # slot-tensor groups whose backward has not run yet
-    held: bool = False
-    finalizer: Any = None
 
 
 class FusedCache(nn.Module):
@@ -151,7 +68,7 @@ class FusedCache(nn.Module):
     """
 
     def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
-                 device: torch.device | str, ways: int = WAYS) -> None:
+                 device: torch.device | str, ways: int | None = None) -> None:
         super().__init__()
         if policy not in _POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(_POLICIES)}")
@@ -159,7 +76,7 @@ class FusedCache(nn.Module):
             raise ValueError("a FusedCache needs at least one table")
         device = torch.device(device)
         self.specs = list(tables)
-        self.policy, self.optimizer, self.ways = policy, optimizer, int(ways)
+        self.policy, self.optimizer, self.ways = policy, optimizer, int(ways or WAYS)
         self.names = [t.name for t in tables]
         self.index = {t.name: i for i, t in enumerate(tables)}
         self.lock = threading.RLock()  # the prefetch thread and the training thread share the cache
@@ -222,19 +139,16 @@ class FusedCache(nn.Module):
         self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
                              persistent=False)
         self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
-        width = 1 << max(6, math.ceil(math.log2(max(2, 2 * C))))
-        self.register_buffer("sketch", torch.zeros(SKETCH_DEPTH, width, dtype=torch.int32, device=dev),
-                             persistent=False)
-        self._sketch_mask = width - 1
+        self.sketch = FrequencySketch(C, device=dev)
         # Slot tensors and host tensors per group.
-        self.groups: list[_Group] = []
+        self.groups: list[SlotGroup] = []
         self._group_of_table = [0] * len(tables)
         host_dev = "meta" if dev.type == "meta" else "cpu"
         for gi, ((dim, dtype), members) in enumerate(groups.items()):
             rows = sum(tables[i].rows for i in members)
             lo, hi = set_off[members[0]] * self.ways, (set_off[members[-1]] + n_sets[members[-1]]) * self.ways
             cols = optimizer.state_columns(dim) if optimizer is not None else 0
-            g = _Group(dim=dim, dtype=dtype, tables=members, key_lo=key_off[members[0]],
+            g = SlotGroup(dim=dim, dtype=dtype, tables=members, key_lo=key_off[members[0]],
                        key_hi=key_off[members[0]] + rows, slot_lo=lo, slot_hi=hi,
                        host=torch.empty(rows, dim, dtype=dtype, device=host_dev),
                        host_state=(initial_state(optimizer, rows, dim) if host_dev == "cpu"
@@ -246,13 +160,11 @@ class FusedCache(nn.Module):
                                  persistent=False)
             self.register_buffer(f"state_{gi}", torch.zeros(hi - lo + 1, cols, dtype=torch.float32, device=dev),
                                  persistent=False)
-        self._stats = torch.zeros(len(tables), len(STAT_KEYS), dtype=torch.int64)
-        self._last = torch.zeros_like(self._stats)
-        self._row_bytes = torch.tensor(
-            [t.dim * torch.empty((), dtype=t.dtype).element_size()
-             + 4 * (optimizer.state_columns(t.dim) if optimizer else 0) for t in tables], dtype=torch.int64)
-        self._staging: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[Any, Any, torch.Tensor]] = []
+        self.counters = CacheCounters(
+            row_bytes=[t.dim * torch.empty((), dtype=t.dtype).element_size()
+                       + 4 * (optimizer.state_columns(t.dim) if optimizer else 0) for t in tables],
+            key_starts=self._key_sorted_starts, key_order=order_key)
+        self.mover = RowMover()
 
     # ------------------------------------------------------------------ basic properties
     @property
@@ -292,7 +204,7 @@ class FusedCache(nn.Module):
 
     def materialize_host(self) -> None:
         """Allocate the host tables of a cache built on the meta device (uninitialised, like ``to_empty``)."""
-        self.sketch.zero_()
+        self.sketch.table.zero_()
         for g in self.groups:
             if g.host.device.type == "meta":
                 g.host = torch.empty(g.host.shape, dtype=g.host.dtype)
@@ -323,7 +235,7 @@ class FusedCache(nn.Module):
         for name, c in counts.items():
             i = self.index[name]
             ids = torch.nonzero(c > 0).squeeze(1)
-            self._sketch_add((ids + int(self._key_start[i])).to(self.device), c.index_select(0, ids).to(self.device))
+            self.sketch.add((ids + int(self._key_start[i])).to(self.device), c.index_select(0, ids).to(self.device))
 
     def finish_setup(self, hottest: dict[str, torch.Tensor] | None = None) -> None:
         """Empty the cache, load every direct-mapped table wholly and warm the others with ``hottest`` ids."""
@@ -355,8 +267,7 @@ class FusedCache(nn.Module):
                     chosen = order[free]
                     slots = (s_sorted * W + rank)[free]
                     self._load_direct(keys.index_select(0, chosen).cpu(), slots)
-            self._stats.zero_()
-            self._last.zero_()
+            self.counters.reset()
 
     def _load_direct(self, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
         """Load rows ``keys_h`` (host) into free ``slots`` outside any batch (set-up, no stats)."""
@@ -370,7 +281,7 @@ class FusedCache(nn.Module):
             kh, sl = keys_h[m], slots[m.to(self.device)]
             self._copy_in(gi, kh, sl)
         self.slot_key.index_copy_(0, slots, keys)
-        score = self._estimate(keys) if self.policy != "lru" else torch.zeros_like(keys)
+        score = self.sketch.estimate(keys) if self.policy != "lru" else torch.zeros_like(keys)
         self.slot_score.index_copy_(0, slots, score)
 
     # ------------------------------------------------------------------ index helpers
@@ -381,9 +292,18 @@ class FusedCache(nn.Module):
     def _sets(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         t = self._tables_of(keys) if tables is None else tables
         ids = keys - self._t_key_off.index_select(0, t)
-        hashed = _mix(ids) % self._t_sets.index_select(0, t)
+        hashed = mix_hash(ids) % self._t_sets.index_select(0, t)
         local = torch.where(self._t_direct.index_select(0, t), ids // self.ways, hashed)
         return self._t_set_off.index_select(0, t) + local
+
+    def keys_of(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor) -> torch.Tensor:
+        """Sorted keys of a batch's ids (for the ``reuse`` set of a prefetch window)."""
+        dev = self.device
+        values = values.to(dev, torch.int64)
+        F = feature_table.numel()
+        per_bag = feature_table.repeat_interleave(lengths.numel() // max(1, F))
+        tab = per_bag.repeat_interleave(lengths.to(dev), output_size=values.numel())
+        return torch.sort(values + self._t_key_off.index_select(0, tab)).values
 
     def find(self, keys: torch.Tensor, sets: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of each key, -1 where it is not cached (no side effects)."""
@@ -395,22 +315,7 @@ class FusedCache(nn.Module):
         way = match.to(torch.uint8).argmax(1)
         return torch.where(match.any(1), sets * self.ways + way, torch.full_like(sets, -1))
 
-    def _hashes(self, keys: torch.Tensor) -> list[torch.Tensor]:
-        return [_mix(keys * (2 * d + 0x9E3779B1) + d) & self._sketch_mask for d in range(SKETCH_DEPTH)]
-
-    def _sketch_add(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
-        c = counts.to(torch.int32)
-        for d, h in enumerate(self._hashes(keys)):
-            self.sketch[d].index_add_(0, h, c)
-
-    def _estimate(self, keys: torch.Tensor) -> torch.Tensor:
-        hs = self._hashes(keys)
-        est = self.sketch[0].index_select(0, hs[0])
-        for d in range(1, SKETCH_DEPTH):
-            est = torch.minimum(est, self.sketch[d].index_select(0, hs[d]))
-        return est.long()
-
-    def _host_pos(self, g: _Group, keys_h: torch.Tensor) -> torch.Tensor:
+    def _host_pos(self, g: SlotGroup, keys_h: torch.Tensor) -> torch.Tensor:
         pos = keys_h - g.key_lo
         return pos if g.remap is None else g.remap.index_select(0, pos)
 
@@ -422,68 +327,26 @@ class FusedCache(nn.Module):
         return torch.searchsorted(keys_h, los).tolist()
 
     # ------------------------------------------------------------------ host <-> device rows
-    def _to_device(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """Host rows to the device: through a pinned staging buffer reused across batches on CUDA."""
-        if self.device.type != "cuda":
-            return t
-        buf = self._staging.get(tag)
-        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            buf = torch.empty(max(t.numel(), 2 * (buf.numel() if buf is not None else 0)), dtype=t.dtype,
-                              pin_memory=True)
-            self._staging[tag] = buf
-        ev = self._staging.get(tag + ".event")
-        if ev is not None:
-            ev.synchronize()  # type: ignore[attr-defined]  # the previous copy out of this buffer is done
-        view = buf[: t.numel()].view(t.shape)
-        view.copy_(t)
-        out = view.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._staging[tag + ".event"] = event  # type: ignore[assignment]
-        return out
-
-    def _on_host(self, fn: Any, rows: torch.Tensor) -> None:
-        """Run ``fn(rows on the host)``; on CUDA the copy is asynchronous (pinned buffer, event) and ``fn`` runs
-        before the next host read of the tables, so neither a write-back nor a spilled row's update stalls the step."""
-        if rows.device.type != "cuda":
-            fn(rows)
-            return
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, fn, host))
-
-    def _to_host_later(self, rows: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
-        """``dst[pos] = rows`` (device rows to a host table)."""
-        self._on_host(lambda r: dst.index_copy_(0, pos, r.to(dst.dtype)), rows)
-
-    def _apply_pending(self) -> None:
-        for event, fn, host in self._pending:
-            event.synchronize()
-            fn(host)
-        self._pending.clear()
-
     def _copy_in(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
         g = self.groups[gi]
         pos = self._host_pos(g, keys_h)
         local = slots - g.slot_lo
-        self.weight(gi).index_copy_(0, local, self._to_device(g.host.index_select(0, pos), "w"))
+        self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
         if g.host_state.shape[1]:
-            self.state(gi).index_copy_(0, local, self._to_device(g.host_state.index_select(0, pos), "s"))
+            self.state(gi).index_copy_(0, local, self.mover.to_device(g.host_state.index_select(0, pos), self.device, "s"))
 
     def _copy_out(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
         g = self.groups[gi]
         pos = self._host_pos(g, keys_h)
         local = slots - g.slot_lo
-        self._to_host_later(self.weight(gi).index_select(0, local), g.host, pos)
+        self.mover.to_host_later(self.weight(gi).index_select(0, local), g.host, pos)
         if g.host_state.shape[1]:
-            self._to_host_later(self.state(gi).index_select(0, local), g.host_state, pos)
+            self.mover.to_host_later(self.state(gi).index_select(0, local), g.host_state, pos)
 
     # ------------------------------------------------------------------ the per-batch path
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                 value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
-                hold: bool = False) -> Batch:
+                hold: bool = False, reuse: torch.Tensor | None = None, load: bool = True) -> Batch:
         """Make the batch's rows resident (or spill them) for all tables at once.
 
         Args:
@@ -495,13 +358,17 @@ class FusedCache(nn.Module):
             count: a training/eval lookup (stats, policy) rather than a prefetch.
             pin_until: keep the batch's rows until this step (prefetch).
             hold: hold the rows until :meth:`release` (the backward will update them).
+            reuse: sorted keys that later batches of a prefetch window need: a miss among them is admitted
+                even over a more frequent victim (Belady inside the window: it is needed sooner).
+            load: ``False`` only pins the rows already cached (a batch entering the prefetch window).
         """
         with self.lock:
-            return self._prepare(values, lengths, feature_table, value_bounds, count, pin_until, hold)
+            return self._prepare(values, lengths, feature_table, value_bounds, count, pin_until, hold, reuse, load)
 
     def _prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
-                 value_bounds: list[int] | None, count: bool, pin_until: int, hold: bool) -> Batch:
-        self._apply_pending()
+                 value_bounds: list[int] | None, count: bool, pin_until: int, hold: bool,
+                 reuse: torch.Tensor | None = None, load: bool = True) -> Batch:
+        self.mover.apply_pending()
         self._release_dead()
         self._refresh_if_changed()
         dev = self.device
@@ -562,15 +429,18 @@ class FusedCache(nn.Module):
         until = max(step, pin_until)
         self.pinned_until.index_copy_(0, hit_or_trash, torch.clamp(
             self.pinned_until.index_select(0, hit_or_trash), min=until))
+        if not load:
+            return Batch(uniq=uniq, inv=inv, slots=hit_or_trash, key_bounds=kb, value_bounds=value_bounds,
+                         spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
         if count and not self._frozen_sketch:
-            self._sketch_add(uniq, counts)
+            self.sketch.add(uniq, counts)
             self._increments += L
-            if self._increments > 10 * max(1, C):  # TinyLFU's reset: halve every count, old traffic fades
-                self.sketch.bitwise_right_shift_(1)
+            if self._increments > AGE_EVERY * max(1, C):  # TinyLFU's reset: halve every count, old traffic fades
+                self.sketch.halve()
                 if self.policy == "lfu":
                     self.slot_score.bitwise_right_shift_(1)
                 self._increments = 0
-        prio = self._estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
+        prio = self.sketch.estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
         # Victims: per set, its ways by key (free first, pinned/held/disabled never), misses by priority.
         key = self.slot_score[:C]
         sk = self.slot_key[:C]
@@ -594,7 +464,11 @@ class FusedCache(nn.Module):
         vk = vk_sorted[sets, r]
         admit = miss_ok & (rank < W) & (vk < _INF)
         if self.policy != "lru":
-            admit &= (vk == -_INF) | (prio > vk)
+            better = (vk == -_INF) | (prio > vk)
+            if reuse is not None and reuse.numel():
+                at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
+                better |= reuse.index_select(0, at) == uniq  # needed again inside the window: keep it
+            admit &= better
         victim = sets * W + vway[sets, r]
         spill = miss & ~admit if count else torch.zeros_like(miss)
         # Compact loads then spills (order kept) and read them on the host with the evicted keys.
@@ -623,9 +497,9 @@ class FusedCache(nn.Module):
             if ns and self.fused:
                 self._spill_held[bid] = uniq.index_select(0, spill_pos)
             batch.finalizer = weakref.finalize(batch, self._released.append, (bid, slots))
-        self._account(count, kb, load_keys_h, spill_keys_h, evict_h)
+        self.counters.account(count, kb, load_keys_h, spill_keys_h, evict_h if self.fused else evict_h[:0])
         if ns and count:
-            self._spill_notice(U, ns)
+            spill_notice(U, ns, self.num_slots)
         return batch
 
     def _evict_and_load(self, keys_h: torch.Tensor, evict_h: torch.Tensor, victims: torch.Tensor,
@@ -648,41 +522,6 @@ class FusedCache(nn.Module):
         self.slot_score.index_copy_(0, victims, torch.full_like(keys, step) if self.policy == "lru" else prio)
         self.pinned_until.index_fill_(0, victims, until)
 
-    def _table_to_kpos(self) -> torch.Tensor:
-        return torch.tensor([self._kpos[i] for i in range(len(self.specs))], dtype=torch.int64)
-
-    def _account(self, count: bool, key_bounds: list[int], loads: torch.Tensor, spills: torch.Tensor,
-                 evicted: torch.Tensor) -> None:
-        T = len(self.specs)
-        last = torch.zeros(T, len(STAT_KEYS), dtype=torch.int64)
-
-        def per_table(keys_h: torch.Tensor) -> torch.Tensor:
-            if keys_h.numel() == 0:
-                return torch.zeros(T, dtype=torch.int64)
-            pos = torch.searchsorted(self._key_sorted_starts, keys_h, right=True) - 1
-            by_key_order = torch.bincount(pos, minlength=T)
-            return by_key_order.index_select(0, self._table_to_kpos())
-
-        nl, nsp = per_table(loads), per_table(spills)
-        nwb = per_table(evicted[evicted >= 0]) if self.fused else torch.zeros(T, dtype=torch.int64)
-        last[:, _K["rows_loaded"]] = nl
-        last[:, _K["rows_written_back"]] = nwb
-        last[:, _K["bytes_to_device"]] = nl * self._row_bytes
-        last[:, _K["bytes_to_host"]] = nwb * self._row_bytes
-        if count:
-            kb = torch.tensor(key_bounds)
-            lookups = (kb[1:] - kb[:-1]).index_select(0, self._table_to_kpos())
-            misses = nl + nsp
-            last[:, _K["steps"]] = 1
-            last[:, _K["lookups"]] = lookups
-            last[:, _K["misses"]] = misses
-            last[:, _K["hits"]] = lookups - misses
-            last[:, _K["rows_spilled"]] = nsp
-            self._last = last
-        else:
-            self._last += last  # a prefetch's traffic belongs to the step it precedes
-        self._stats += last
-
     # ------------------------------------------------------------------ rows, gradients, release
     def rows(self, batch: Batch, gi: int) -> torch.Tensor:
         """The (U_g, dim) rows of group ``gi``'s unique keys: from slots, and from host memory for spilled rows."""
@@ -693,7 +532,7 @@ class FusedCache(nn.Module):
         sa, sb, spos = self._group_spills(batch, gi, a)
         if sb > sa:
             host = g.host.index_select(0, self._host_pos(g, batch.spill_keys[sa:sb]))
-            out.index_copy_(0, spos, self._to_device(host, "spill"))
+            out.index_copy_(0, spos, self.mover.to_device(host, self.device, "spill"))
         return out
 
     def group_range(self, batch: Batch, gi: int) -> tuple[int, int]:
@@ -747,7 +586,7 @@ class FusedCache(nn.Module):
                     if st.shape[1]:
                         g.host_state.index_copy_(0, pos, st)
 
-                self._on_host(update, grad_rows.index_select(0, spos))
+                self.mover.on_host(update, grad_rows.index_select(0, spos))
 
     def sparse_grads(self, batch: Batch, gi: int, grad_rows: torch.Tensor) -> list[torch.Tensor]:
         """Autograd mode: each table's sparse gradient in host position order (rows refreshed after the step)."""
@@ -801,7 +640,7 @@ class FusedCache(nn.Module):
             slots = self.find(keys)
             trash = torch.full_like(slots, self.num_slots)
             local = self._local_slots_all(torch.where(slots >= 0, slots, trash), gi)
-            self.weight(gi).index_copy_(0, local, self._to_device(g.host.index_select(0, pos), "w"))
+            self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
 
     def _local_slots_all(self, s: torch.Tensor, gi: int) -> torch.Tensor:
         g = self.groups[gi]
@@ -822,22 +661,22 @@ class FusedCache(nn.Module):
     def flush(self) -> None:
         """Write every resident row (weights and optimizer state) back to host memory; the slots stay valid."""
         with self.lock:
-            self._apply_pending()
+            self.mover.apply_pending()
             if not self.fused:
                 return
             for gi in range(len(self.groups)):
                 keys_h, slots = self._occupied(gi)
                 if keys_h.numel():
                     self._copy_out(gi, keys_h, slots)
-            self._apply_pending()
+            self.mover.apply_pending()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-                self._apply_pending()
+                self.mover.apply_pending()
 
     def reload(self) -> None:
         """Re-read every resident row (and its state) from host memory, after the host tables changed."""
         with self.lock:
-            self._apply_pending()
+            self.mover.apply_pending()
             for gi, g in enumerate(self.groups):
                 keys_h, slots = self._occupied(gi)
                 if keys_h.numel():
@@ -853,40 +692,21 @@ class FusedCache(nn.Module):
         return keys[(keys >= k0) & (keys < k0 + self.specs[i].rows)] - k0
 
     def stats_table(self, name: str) -> dict[str, int]:
-        return dict(zip(STAT_KEYS, self._stats[self.index[name]].tolist()))
+        return self.counters.table(self.index[name])
 
     def stats_total(self) -> dict[str, int]:
-        out = dict(zip(STAT_KEYS, self._stats.sum(0).tolist()))
-        out["steps"] = int(self._stats[:, 0].max()) if len(self.specs) else 0
-        return out
+        return self.counters.total()
 
     def stats_last(self) -> dict[str, int]:
-        return dict(zip(STAT_KEYS, self._last.sum(0).tolist()))
+        return self.counters.last()
 
     def reset_stats(self) -> None:
-        self._stats.zero_()
-        self._last.zero_()
+        self.counters.reset()
 
     def _raise_out_of_range(self, values: torch.Tensor, tab: torch.Tensor) -> None:
-        rows = self._t_rows.index_select(0, tab)
-        bad = torch.nonzero((values < 0) | (values >= rows)).squeeze(1)[0]
+        bad = torch.nonzero((values < 0) | (values >= self._t_rows.index_select(0, tab))).squeeze(1)[0]
         t = int(tab[bad])
-        n = self.specs[t].rows
-        raise IndexError(f"table {self.names[t]!r}: id {int(values[bad])} is outside its range [0, {n}); ids must "
-                         f"satisfy 0 <= id < num_embeddings={n} (hash or clip the feature before the lookup, or "
-                         "enlarge the table)")
-
-    def _spill_notice(self, unique: int, spilled: int) -> None:
-        msg = (f"the batch has {unique} unique rows; {spilled} found no free or colder slot in their set (the "
-               f"cache holds {self.num_slots} slots, some pinned) and are read from and updated in host memory for "
-               "this batch. Raise CacheConfig.capacity or use smaller batches to avoid the host round trip.")
-        global _SPILL_WARNED
-        if not _SPILL_WARNED:
-            log.warning(msg + " (logged once per process; later spills at DEBUG level, counted in cache_stats()"
-                        "['rows_spilled'])")
-            _SPILL_WARNED = True
-        else:
-            log.debug(msg)
+        raise out_of_range(self.names[t], int(values[bad]), self.specs[t].rows)
 
     def pin_host_memory(self) -> bool:
         """Page-lock the host tables and state so host-to-device copies run asynchronously (CUDA only)."""

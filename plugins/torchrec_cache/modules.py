@@ -30,12 +30,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 from tightfit.planner.cache import INDEX_BYTES_PER_SLOT, CacheTableSpec, plan_cache, split_slots
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import SKETCH_BYTES_PER_SLOT, FusedCache, TableSpec
+from torchrec_cache.cache import FusedCache, TableSpec
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.optim import state_names
+from torchrec_cache.sketch import SKETCH_BYTES_PER_SLOT
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
            "flush_before_state_dict", "cached_collection_forward"]
@@ -233,15 +234,8 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         return features
 
     def _prepare(self, kjt: KeyedJaggedTensor) -> Any:
-        values = kjt.values()
-        if len(self._group_features) == 1:
-            bounds = [0, values.numel()]
-        else:
-            per_feature = kjt.length_per_key()  # KJT-side sizes (cached by from_lengths_sync)
-            bounds = [0]
-            for a, b in self._group_features:
-                bounds.append(bounds[-1] + sum(per_feature[a:b]))
-        return prepare_batch(self._cache, values, kjt.lengths(), self._feature_table, value_bounds=bounds)
+        return prepare_batch(self._cache, kjt.values(), kjt.lengths(), self._feature_table,
+                             value_bounds=self._bounds(kjt))
 
     def _host_params(self) -> list[list[torch.Tensor]] | None:
         if self._cache.fused:
@@ -249,20 +243,34 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         tables = self._host_tables()
         return [[tables[self._cache.names[i]].weight for i in g.tables] for g in self._cache.groups]
 
-    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None) -> None:
+    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
+                 window: list[KeyedJaggedTensor] | None = None, load: bool = True) -> None:
         """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
-        and pin them until then."""
+        and pin them until then.
+
+        ``window``: the batches that run after it; a missing row they need again is admitted even over a
+        more frequent one. ``load=False`` only pins the rows already cached (a batch entering the window).
+        """
         kjt = self._check_features(features)
-        values = kjt.values()
-        bounds = [0, values.numel()] if len(self._group_features) == 1 else None
-        if bounds is None:
-            per_feature = kjt.length_per_key()
-            bounds = [0]
-            for a, b in self._group_features:
-                bounds.append(bounds[-1] + sum(per_feature[a:b]))
+        reuse = None
+        if window:
+            parts = [self._cache.keys_of(w.values(), w.lengths(), self._feature_table)
+                     for w in (self._check_features(x) for x in window)]
+            reuse = torch.sort(torch.cat(parts)).values
         with torch.no_grad():
-            self._cache.prepare(values, kjt.lengths(), self._feature_table, value_bounds=bounds, count=False,
-                                pin_until=until if until is not None else self._cache.step + ahead)
+            self._cache.prepare(kjt.values(), kjt.lengths(), self._feature_table, value_bounds=self._bounds(kjt),
+                                count=False, pin_until=until if until is not None else self._cache.step + ahead,
+                                reuse=reuse, load=load)
+
+    def _bounds(self, kjt: KeyedJaggedTensor) -> list[int]:
+        values = kjt.values()
+        if len(self._group_features) == 1:
+            return [0, values.numel()]
+        per_feature = kjt.length_per_key()  # KJT-side sizes (cached by from_lengths_sync)
+        bounds = [0]
+        for a, b in self._group_features:
+            bounds.append(bounds[-1] + sum(per_feature[a:b]))
+        return bounds
 
     # ------------------------------------------------------------------ stats and optimizer state
     @property

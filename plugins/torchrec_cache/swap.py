@@ -120,30 +120,38 @@ def cached_collections(model: nn.Module) -> list[CachedCollection]:
     return [m for m in model.modules() if isinstance(m, CachedCollection)]
 
 
-def _prefetch_all(collections: list[CachedCollection], kjt: Any, runs_at: list[int],
-                  stream: Any) -> Any:
-    """Load one batch's rows into every collection (on the prefetch thread); returns a CUDA event or None."""
+def _prefetch_job(collections: list[CachedCollection], start: list[int], entering: list[tuple[int, Any]],
+                  target: tuple[int, Any] | None, window: list[tuple[int, Any]], stream: Any) -> Any:
+    """One prefetch step (on the worker thread): pin what the batches entering the window already have cached,
+    then load the next batch's rows knowing which of them the rest of the window needs again."""
+
+    def run() -> None:
+        for c, s0 in zip(collections, start):
+            for j, kjt in entering:
+                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
+            if target is not None:
+                c.prefetch(target[1], until=s0 + target[0] + 1, window=[k for _, k in window])
+
     if stream is None:
-        for c, step in zip(collections, runs_at):
-            c.prefetch(kjt, until=step)
+        run()
         return None
     with torch.cuda.stream(stream):
         stream.wait_stream(torch.cuda.default_stream(stream.device))  # slots the step wrote before
-        for c, step in zip(collections, runs_at):
-            c.prefetch(kjt, until=step)
+        run()
         event = torch.cuda.Event()
         event.record(stream)
     return event
 
 
 def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
-    """Yield ``data``'s batches unchanged while a background thread loads the rows of the next ``ahead``.
+    """Yield ``data``'s batches unchanged while a background thread prepares the next ones (lookahead eviction).
 
-    Each batch's lookup, victim choice and row loads run on one worker thread (and, on CUDA, a side
-    stream whose event the step waits for) while earlier batches compute. A prefetched row is pinned
-    until its batch's forward, so a row needed inside the window is never evicted; among the other
-    rows the cache's policy chooses (frequency for ``lfu``). One forward per yielded batch is assumed
-    (the pins count forwards). ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
+    While batch ``i`` computes, a worker thread (and, on CUDA, a side stream whose event the step waits
+    for) loads the rows of batch ``i + 1`` and pins the cached rows of every batch up to ``i + ahead``
+    until their forward. So a row needed inside the window is never evicted; a missing row that the
+    window needs again is admitted even over a more frequent one (Belady inside the window); among the
+    other rows the cache's policy decides (frequency for ``lfu``). One forward per yielded batch is
+    assumed (the pins count forwards). ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
     model's cached collections.
     """
     collections = cached_collections(model)
@@ -156,31 +164,42 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
     cuda = [c for c in collections if c.device.type == "cuda"]
     stream = torch.cuda.Stream(cuda[0].device) if cuda else None
     pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-prefetch")
-    window: deque[tuple[Any, Future[Any]]] = deque()
-    it = enumerate(data)
+    it = iter(data)
+    buf: deque[tuple[int, Any, Any]] = deque()  # (index, batch, its KeyedJaggedTensor)
 
-    def submit(j: int, batch: Any) -> None:
-        if j == 0:  # the first batch runs at once: its own forward loads its rows
-            done: Future[Any] = Future()
-            done.set_result(None)
-            window.append((batch, done))
-            return
-        runs_at = [s + j + 1 for s in start]  # batch j is the (j + 1)-th forward from here
-        window.append((batch, pool.submit(_prefetch_all, collections, find_kjt(batch), runs_at, stream)))
+    def pull() -> tuple[int, Any] | None:
+        batch = next(it, _END)
+        if batch is _END:
+            return None
+        j = buf[-1][0] + 1 if buf else 0
+        buf.append((j, batch, find_kjt(batch)))
+        return j, buf[-1][2]
+
+    def submit(entering: list[tuple[int, Any]]) -> Future[Any]:
+        target = (buf[0][0], buf[0][2]) if buf else None
+        window = [(j, k) for j, _, k in list(buf)[1:]]
+        return pool.submit(_prefetch_job, collections, start, entering, target, window, stream)
 
     try:
-        for j, batch in it:
-            submit(j, batch)
-            if len(window) > ahead:
+        for _ in range(ahead + 1):
+            if pull() is None:
                 break
-        while window:
-            batch, pending = window.popleft()
-            event = pending.result()  # its rows are in (or, on CUDA, queued before this event)
+        if not buf:
+            return
+        _, first, _ = buf.popleft()  # the first batch runs at once: its own forward loads its rows
+        pending = submit([(j, k) for j, _, k in buf])
+        yield first
+        while buf:
+            event = pending.result()  # the next batch's rows are in (on CUDA: queued before this event)
             if event is not None:
-                torch.cuda.current_stream(event.device if hasattr(event, "device") else None).wait_event(event)
-            nxt = next(it, None)
-            if nxt is not None:
-                submit(*nxt)
+                torch.cuda.current_stream(stream.device).wait_event(event)  # type: ignore[union-attr]
+            _, batch, _ = buf.popleft()
+            new = pull()
+            pending = submit([new] if new is not None else [])
             yield batch
+        pending.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+_END = object()
