@@ -39,6 +39,7 @@ class CachedFusedOptimizer(FusedOptimizer):
         group: dict[str, Any] = {"params": list(params.values())}
         if opt is not None:
             group.update(kind=opt.kind, lr=opt.lr, eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2)
+        self._live: dict[Any, Any] = {}
         super().__init__(params, self._read(params), [group])
 
     def _read(self, params: dict[str, torch.Tensor]) -> dict[Any, Any]:
@@ -50,16 +51,22 @@ class CachedFusedOptimizer(FusedOptimizer):
             out[params[key]] = entry
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        self.state = self._read(self.params)  # type: ignore[arg-type]
-        return super().state_dict()
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, Any]:
+        """Read fresh on every access (the rows train between reads); a load copies into the last read."""
+        self._live = self._read(self.params)  # type: ignore[arg-type]
+        return self._live
 
-    def load_state_dict(self, state_dict: Any) -> None:
-        self.state = self._read(self.params)  # type: ignore[arg-type]
-        super().load_state_dict(state_dict)
+    @state.setter
+    def state(self, value: dict[Any, Any]) -> None:
+        self._live = value
+
+    def post_load_state_dict(self) -> None:
+        """After ``load_state_dict`` (also through TorchRec's ``CombinedOptimizer``) copied into the state
+        tensors: put them where the rows live."""
         loaded = {}
         for key, name in self._keys.items():
-            entry = dict(self.state[self.params[key]])
+            entry = dict(self._live[self.params[key]])
             entry["step"] = int(entry["step"])
             loaded[name] = entry
         self._collection.load_fused_optimizer_state(loaded)

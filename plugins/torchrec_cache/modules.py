@@ -49,7 +49,8 @@ def cached_collection_forward(features: KeyedJaggedTensor, handle: int) -> Any:
     """The whole lookup of a cached collection as one call: what ``torch.fx`` records as a leaf.
 
     Cache misses are data-dependent, so the lookup cannot be traced through; wrapping it keeps a
-    traced model (and TorchRec's train pipelines, which look for the call) working.
+    traced model (and TorchRec's train pipelines, which look for the call) working. ``handle`` is
+    :meth:`CachedCollection.handle` of the calling collection.
     """
     return _LIVE[handle].lookup(features)
 
@@ -116,8 +117,6 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
             n = sum(len(tables[i].feature_names) for i in g.tables)
             self._group_features.append((f, f + n))
             f += n
-        self._handle = id(self)
-        _LIVE[self._handle] = self
         self._materialized = device.type != "meta"
         if self._materialized:
             self._initialise_host(tables)
@@ -152,6 +151,14 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     def _host_tables(self) -> nn.ModuleDict:
         return getattr(self, self._tables_attr)
+
+    def handle(self) -> int:
+        """This collection's key for :func:`cached_collection_forward` (registered at every call, so a
+        deep copy, e.g. inside ``DistributedModelParallel``, looks itself up, not its original). A traced
+        graph keeps the key of the collection it was traced from: keep that model alive beside it."""
+        key = id(self)
+        _LIVE[key] = self
+        return key
 
     def host_tables(self) -> nn.ModuleDict:
         """Table name -> :class:`HostTable` (the full tables in host memory)."""
@@ -444,7 +451,7 @@ class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInter
                                  "use PoolingType.SUM or MEAN (or CachedEmbeddingCollection for unpooled lookups)")
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return cached_collection_forward(features, self._handle)
+        return cached_collection_forward(features, self.handle())
 
     def lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """The pooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""
@@ -499,7 +506,7 @@ class CachedEmbeddingCollection(CachedCollection):
         self._feature_names = [list(c.feature_names) for c in tables]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return cached_collection_forward(features, self._handle)
+        return cached_collection_forward(features, self.handle())
 
     def lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """The unpooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""

@@ -96,8 +96,25 @@ def _dmp_rank(rank: int, world: int, kind: str, policy: str) -> dict:
     for key, value in local.items():
         want = ref_sd[f"sparse_arch.embedding_bag_collection.{key}"]
         worst_weight = max(worst_weight, float((value - want).abs().max() / (1 + want.abs().max())))
+    # The fused optimizer's state is in the DMP checkpoint (TorchRec's KeyedOptimizer), equal to the reference's,
+    # and loading it back restores it after more training.
+    saved = dmp.fused_optimizer.state_dict()["state"]
+    ref_state = reference.sparse_arch.embedding_bag_collection.fused_optimizer_state()
+    worst_state = 0.0
+    for key, entry in saved.items():
+        table = key.split(".")[-2]
+        for name, value in entry.items():
+            want = torch.tensor(float(ref_state[table][name])) if name == "step" else ref_state[table][name]
+            worst_state = max(worst_state, float((value - want).abs().max()))
+    snapshot = {k: {n: v.clone() for n, v in e.items()} for k, e in saved.items()}
+    kjt = make_kjt(_tables(), BATCH, gen, max_len=4)
+    loss_fn(dmp(torch.randn(BATCH, 4, generator=gen), kjt).squeeze(1), torch.ones(BATCH)).backward()
+    dmp.fused_optimizer.load_state_dict({"state": snapshot})
+    restored = dmp.fused_optimizer.state_dict()["state"]
+    worst_restore = max(float((restored[k][n] - v).abs().max()) for k, e in snapshot.items() for n, v in e.items())
     return {"tables": sharded[0].local_tables(), "pred": worst_pred, "weight": worst_weight,
-            "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local)}
+            "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local), "state_keys": sorted(saved),
+            "state": worst_state, "restore": worst_restore}
 
 
 @pytest.mark.parametrize("kind,policy", [("adam", "lru"), ("sgd", "lfu")])
@@ -105,6 +122,8 @@ def test_dmp_table_wise_matches_unsharded_model(kind, policy):
     out = run_distributed(_dmp_rank, world_size=2, args=(kind, policy), timeout=400)
     assert out[0]["tables"] == ["t0"] and out[1]["tables"] == ["t1", "t2"]
     assert out[0]["keys"] == ["embedding_bags.t0.weight"]  # unsharded names, local tables only
+    assert out[0]["state_keys"] == ["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"]
     for r in out:
         assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
         assert r["misses"] > 0  # 6 slots per table: the ranks evicted and reloaded rows
+        assert r["state"] <= 1e-6 and r["restore"] == 0.0, out
