@@ -37,9 +37,14 @@ from torchrec_cache.sketch import AGE_EVERY, SKETCH_BYTES_PER_SLOT, FrequencySke
 from torchrec_cache.sync import read_host
 from torchrec_cache.transfer import RowMover
 
-__all__ = ["WAYS", "STAT_KEYS", "SKETCH_BYTES_PER_SLOT", "TableSpec", "Batch", "FusedCache"]
+__all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "FusedCache"]
 
 
+# Measured at 1.5% of a 100k-row Zipf(1.05) table (traffic hit rate, stationary / drifting trace):
+# no idle halving 0.318 / 0.144, every 4 steps 0.315 / 0.157, every 2 steps 0.304 / 0.185 (LRU: 0.223 / 0.185).
+IDLE_HALVING = 2  # steps
+# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last use 4, sketch.
+SLOT_OVERHEAD_BYTES = 28 + SKETCH_BYTES_PER_SLOT
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
 FREE, DISABLED, TRASH_KEY = -1, -2, -3
 _INF = 2**62
@@ -136,6 +141,7 @@ class FusedCache(nn.Module):
         self.register_buffer("slot_key", torch.full((C + 1,), DISABLED, dtype=torch.int64, device=dev),
                              persistent=False)
         self.register_buffer("slot_score", torch.zeros(C + 1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("last_used", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
                              persistent=False)
         self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
@@ -245,6 +251,7 @@ class FusedCache(nn.Module):
             self.slot_key.fill_(DISABLED)
             self.slot_key[self.num_slots] = TRASH_KEY
             self.slot_score.zero_()
+            self.last_used.zero_()
             self.pinned_until.fill_(-1)
             self.hold.zero_()
             W = self.ways
@@ -424,6 +431,7 @@ class FusedCache(nn.Module):
         # Touch the hits: policy score, and a pin for this step so no miss of the batch evicts them.
         if count and self.policy == "lfu":
             self.slot_score.index_add_(0, hit_or_trash, counts)
+            self.last_used.index_fill_(0, hit_or_trash, step)
         elif count and self.policy == "lru":
             self.slot_score.index_fill_(0, hit_or_trash, step)
         until = max(step, pin_until)
@@ -443,6 +451,11 @@ class FusedCache(nn.Module):
         prio = self.sketch.estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
         # Victims: per set, its ways by key (free first, pinned/held/disabled never), misses by priority.
         key = self.slot_score[:C]
+        if self.policy == "lfu" and IDLE_HALVING:
+            # A resident row's count halves for every IDLE_HALVING steps it went unused: a hot set that moved
+            # on gives way within a few batches (the sketch alone ages every AGE_EVERY increments per slot).
+            idle = ((step - self.last_used[:C]) // IDLE_HALVING).clamp(0, 62).long()
+            key = key >> idle
         sk = self.slot_key[:C]
         blocked = (sk == DISABLED) | (self.pinned_until[:C] >= step) | (self.hold[:C] > 0)
         vkey = torch.where(blocked, torch.full_like(key, _INF), torch.where(sk == FREE, torch.full_like(key, -_INF), key))
@@ -520,6 +533,7 @@ class FusedCache(nn.Module):
             self._copy_in(gi, keys_h[a:b], vs)
         self.slot_key.index_copy_(0, victims, keys)
         self.slot_score.index_copy_(0, victims, torch.full_like(keys, step) if self.policy == "lru" else prio)
+        self.last_used.index_fill_(0, victims, until)
         self.pinned_until.index_fill_(0, victims, until)
 
     # ------------------------------------------------------------------ rows, gradients, release

@@ -28,15 +28,14 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from tightfit.planner.cache import INDEX_BYTES_PER_SLOT, CacheTableSpec, plan_cache, split_slots
+from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import FusedCache, TableSpec
+from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache, TableSpec
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.optim import state_names
-from torchrec_cache.sketch import SKETCH_BYTES_PER_SLOT
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
            "flush_before_state_dict", "cached_collection_forward"]
@@ -189,7 +188,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         specs = [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
                                 weight_bytes=4 if c.data_type == DataType.FP32 else 2,
                                 state_columns=state(c.embedding_dim),
-                                index_bytes_per_slot=INDEX_BYTES_PER_SLOT + SKETCH_BYTES_PER_SLOT)
+                                index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
                  for c in tables]
         counts = frequencies.counts if frequencies is not None else None
         if kind == "ratio":
