@@ -376,6 +376,10 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def device(self) -> torch.device:
         return self._device
 
+    def frequencies(self) -> FrequencyStats | None:
+        """The frequency statistics the collection was built with."""
+        return self._frequencies
+
     def cache_config(self) -> CacheConfig:
         return self._cache_config
 
@@ -468,6 +472,10 @@ class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInter
 
     def is_weighted(self) -> bool:
         return self._is_weighted
+
+    def embedding_names(self) -> list[str]:
+        """The output keys, in order (one per feature)."""
+        return list(self._embedding_names)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
