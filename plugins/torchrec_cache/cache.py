@@ -43,11 +43,14 @@ __all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "Fu
 # Measured at 1.5% of a 100k-row Zipf(1.05) table (traffic hit rate, stationary / drifting trace):
 # no idle halving 0.318 / 0.144, every 4 steps 0.315 / 0.157, every 2 steps 0.304 / 0.185 (LRU: 0.223 / 0.185).
 IDLE_HALVING = 2  # steps
-# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last use 4, sketch.
-SLOT_OVERHEAD_BYTES = 28 + SKETCH_BYTES_PER_SLOT
+# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last and next use 4 + 4,
+# sketch.
+SLOT_OVERHEAD_BYTES = 32 + SKETCH_BYTES_PER_SLOT
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
 FREE, DISABLED, TRASH_KEY = -1, -2, -3
 _INF = 2**62
+_WINDOW = 2**61  # victim keys of rows a prefetch window needs: _WINDOW - next step (above any count)
+_NEVER = 2**40  # "no known next use"
 _SENTINEL = 2**62  # pads the fixed-size unique array: above every key
 _POLICIES = ("lfu", "lru", "static")
 
@@ -142,6 +145,7 @@ class FusedCache(nn.Module):
                              persistent=False)
         self.register_buffer("slot_score", torch.zeros(C + 1, dtype=torch.int64, device=dev), persistent=False)
         self.register_buffer("last_used", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("next_use", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
                              persistent=False)
         self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
@@ -252,6 +256,7 @@ class FusedCache(nn.Module):
             self.slot_key[self.num_slots] = TRASH_KEY
             self.slot_score.zero_()
             self.last_used.zero_()
+            self.next_use.zero_()
             self.pinned_until.fill_(-1)
             self.hold.zero_()
             W = self.ways
@@ -353,7 +358,8 @@ class FusedCache(nn.Module):
     # ------------------------------------------------------------------ the per-batch path
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                 value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
-                hold: bool = False, reuse: torch.Tensor | None = None, load: bool = True) -> Batch:
+                hold: bool = False, reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
+                load: bool = True) -> Batch:
         """Make the batch's rows resident (or spill them) for all tables at once.
 
         Args:
@@ -365,16 +371,20 @@ class FusedCache(nn.Module):
             count: a training/eval lookup (stats, policy) rather than a prefetch.
             pin_until: keep the batch's rows until this step (prefetch).
             hold: hold the rows until :meth:`release` (the backward will update them).
-            reuse: sorted keys that later batches of a prefetch window need: a miss among them is admitted
-                even over a more frequent victim (Belady inside the window: it is needed sooner).
-            load: ``False`` only pins the rows already cached (a batch entering the prefetch window).
+            reuse, reuse_steps: sorted keys that later batches of a prefetch window need, and the step of
+                each one's first use there: Belady inside the window (a miss needed sooner than a victim's
+                next use takes its slot).
+            load: ``False`` only records the next use of the rows already cached (a batch entering the
+                prefetch window, to run at step ``pin_until``): inside the window the row used last leaves first.
         """
         with self.lock:
-            return self._prepare(values, lengths, feature_table, value_bounds, count, pin_until, hold, reuse, load)
+            return self._prepare(values, lengths, feature_table, value_bounds, count, pin_until, hold, reuse,
+                                 reuse_steps, load)
 
     def _prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                  value_bounds: list[int] | None, count: bool, pin_until: int, hold: bool,
-                 reuse: torch.Tensor | None = None, load: bool = True) -> Batch:
+                 reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
+                 load: bool = True) -> Batch:
         self.mover.apply_pending()
         self._release_dead()
         self._refresh_if_changed()
@@ -435,8 +445,13 @@ class FusedCache(nn.Module):
         elif count and self.policy == "lru":
             self.slot_score.index_fill_(0, hit_or_trash, step)
         until = max(step, pin_until)
-        self.pinned_until.index_copy_(0, hit_or_trash, torch.clamp(
-            self.pinned_until.index_select(0, hit_or_trash), min=until))
+        if not load:  # a batch entering the window: remember when its cached rows are used next
+            nu = self.next_use.index_select(0, hit_or_trash)
+            self.next_use.index_copy_(0, hit_or_trash, torch.where(nu > step, torch.clamp(nu, max=until),
+                                                                   torch.full_like(nu, until)))
+        else:
+            self.pinned_until.index_copy_(0, hit_or_trash, torch.clamp(
+                self.pinned_until.index_select(0, hit_or_trash), min=until))
         if not load:
             return Batch(uniq=uniq, inv=inv, slots=hit_or_trash, key_bounds=kb, value_bounds=value_bounds,
                          spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
@@ -458,6 +473,9 @@ class FusedCache(nn.Module):
             key = key >> idle
         sk = self.slot_key[:C]
         blocked = (sk == DISABLED) | (self.pinned_until[:C] >= step) | (self.hold[:C] > 0)
+        # Rows a later batch of the prefetch window needs rank above every other row, the one needed last lowest.
+        nxt = self.next_use[:C].long()
+        key = torch.where(nxt > step, _WINDOW - nxt, key)
         vkey = torch.where(blocked, torch.full_like(key, _INF), torch.where(sk == FREE, torch.full_like(key, -_INF), key))
         vk_sorted, vway = vkey.view(self.num_sets, W).sort(dim=1)
         miss = ~hit
@@ -467,8 +485,16 @@ class FusedCache(nn.Module):
             miss_ok = miss & (held.index_select(0, at) != uniq)
         else:
             miss_ok = miss
-        comp = torch.where(miss, sets * 2**32 + (2**32 - 1 - prio.clamp(0, 2**32 - 1)),
-                           torch.full_like(sets, self.num_sets * 2**32))
+        # When the window needs a miss again (its step there), or never as far as it knows.
+        if reuse is not None and reuse_steps is not None and reuse.numel():
+            at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
+            miss_next = torch.where(reuse.index_select(0, at) == uniq, reuse_steps.index_select(0, at), _NEVER)
+        else:
+            miss_next = torch.full_like(uniq, _NEVER)
+        reused = miss_next < _NEVER
+        rank_prio = torch.where(reused, 2**31 + (2**30 - (miss_next - step)).clamp(0, 2**30),
+                                prio.clamp(0, 2**31 - 1))
+        comp = torch.where(miss, sets * 2**32 + (2**32 - 1 - rank_prio), torch.full_like(sets, self.num_sets * 2**32))
         comp_sorted, order = torch.sort(comp)
         set_sorted = comp_sorted >> 32
         rank = torch.empty_like(order).scatter_(
@@ -476,12 +502,14 @@ class FusedCache(nn.Module):
         r = rank.clamp(max=W - 1)
         vk = vk_sorted[sets, r]
         admit = miss_ok & (rank < W) & (vk < _INF)
+        in_window = vk >= _WINDOW - 2**31
         if self.policy != "lru":
-            better = (vk == -_INF) | (prio > vk)
-            if reuse is not None and reuse.numel():
-                at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
-                better |= reuse.index_select(0, at) == uniq  # needed again inside the window: keep it
+            # Belady inside the window, frequency beyond: a victim the window needs leaves only for a miss
+            # needed sooner; any other victim for a miss the window needs, or one used more often.
+            better = torch.where(in_window, miss_next < _WINDOW - vk, (vk == -_INF) | reused | (prio > vk))
             admit &= better
+        else:
+            admit &= ~in_window | (miss_next < _WINDOW - vk)
         victim = sets * W + vway[sets, r]
         spill = miss & ~admit if count else torch.zeros_like(miss)
         # Compact loads then spills (order kept) and read them on the host with the evicted keys.
@@ -501,6 +529,7 @@ class FusedCache(nn.Module):
         if na:
             self._evict_and_load(load_keys_h, evict_h, victims, uniq.index_select(0, load_pos),
                                  prio.index_select(0, load_pos), step, until)
+            self.next_use.index_copy_(0, victims, torch.where(reused, miss_next, 0).index_select(0, load_pos).int())
         slots = hit_or_trash.index_copy(0, load_pos, victims) if na else hit_or_trash
         batch = Batch(uniq=uniq, inv=inv, slots=slots, key_bounds=kb, value_bounds=value_bounds,
                       spill_pos=spill_pos, spill_keys=spill_keys_h, step=step, id=bid)

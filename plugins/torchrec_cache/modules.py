@@ -250,23 +250,27 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         return [[tables[self._cache.names[i]].weight for i in g.tables] for g in self._cache.groups]
 
     def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
-                 window: list[KeyedJaggedTensor] | None = None, load: bool = True) -> None:
+                 window: list[tuple[int, KeyedJaggedTensor]] | None = None, load: bool = True) -> None:
         """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
         and pin them until then.
 
-        ``window``: the batches that run after it; a missing row they need again is admitted even over a
-        more frequent one. ``load=False`` only pins the rows already cached (a batch entering the window).
+        ``window``: ``(forward number, batch)`` of the batches that run after it; a missing row they need
+        again takes the slot of a row needed later (Belady inside the window). ``load=False`` only records
+        when the cached rows of a batch entering the window are used next.
         """
         kjt = self._check_features(features)
-        reuse = None
+        reuse = steps = None
         if window:
-            parts = [self._cache.keys_of(w.values(), w.lengths(), self._feature_table)
-                     for w in (self._check_features(x) for x in window)]
-            reuse = torch.sort(torch.cat(parts)).values
+            keys = [self._cache.keys_of(w.values(), w.lengths(), self._feature_table)
+                    for w in (self._check_features(x) for _, x in window)]
+            base = min(s for s, _ in window)
+            # Sorted by key, then step: the first entry of a key is its first use in the window.
+            comp = torch.sort(torch.cat([k * 2**20 + (s - base) for k, (s, _) in zip(keys, window)])).values
+            reuse, steps = comp >> 20, (comp & (2**20 - 1)) + base
         with torch.no_grad():
             self._cache.prepare(kjt.values(), kjt.lengths(), self._feature_table, value_bounds=self._bounds(kjt),
                                 count=False, pin_until=until if until is not None else self._cache.step + ahead,
-                                reuse=reuse, load=load)
+                                reuse=reuse, reuse_steps=steps, load=load)
 
     def _bounds(self, kjt: KeyedJaggedTensor) -> list[int]:
         values = kjt.values()

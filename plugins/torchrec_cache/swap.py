@@ -130,7 +130,7 @@ def _prefetch_job(collections: list[CachedCollection], start: list[int], enterin
             for j, kjt in entering:
                 c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
             if target is not None:
-                c.prefetch(target[1], until=s0 + target[0] + 1, window=[k for _, k in window])
+                c.prefetch(target[1], until=s0 + target[0] + 1, window=[(s0 + j + 1, k) for j, k in window])
 
     if stream is None:
         run()
