@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,10 +25,13 @@ import torch
 from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.units import format_bytes, format_table
 
-__all__ = ["INDEX_BYTES_PER_ROW", "INDEX_BYTES_PER_SLOT", "CacheTableSpec", "CachePlan", "plan_cache"]
+__all__ = ["INDEX_BYTES_PER_ROW", "INDEX_BYTES_PER_SLOT", "CacheTableSpec", "CachePlan", "plan_cache",
+           "split_slots"]
 
-# Device bytes the cache index costs: an int32 slot number per table row, and per slot the row it
-# holds, its policy score and its pin step (three int64).
+# Device bytes a cache index costs. A direct-mapped index (an int32 slot number per table row) costs
+# INDEX_BYTES_PER_ROW per table row; a hashed / set-associative index (torchrec_cache's) costs nothing
+# per row: pass ``index_bytes_per_row=0``. Per slot: the key it holds, its policy score and its pin
+# step (three int64).
 INDEX_BYTES_PER_ROW = 4
 INDEX_BYTES_PER_SLOT = 24
 
@@ -42,6 +46,8 @@ class CacheTableSpec:
         dim: its embedding dimension.
         weight_bytes: bytes per element of the weights (4 for fp32).
         state_columns: fp32 optimizer-state columns stored beside each row (0 for SGD, dim for Adagrad).
+        index_bytes_per_slot: device bytes of index and policy state per slot (a cache with a frequency
+            sketch pays for it here).
     """
 
     name: str
@@ -49,15 +55,18 @@ class CacheTableSpec:
     dim: int
     weight_bytes: int = 4
     state_columns: int = 0
+    index_bytes_per_slot: int = INDEX_BYTES_PER_SLOT
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1:
             raise ValueError(f"table {self.name!r}: rows={self.rows} and dim={self.dim} must both be >= 1")
+        if self.index_bytes_per_slot < 0:
+            raise ValueError(f"table {self.name!r}: index_bytes_per_slot={self.index_bytes_per_slot} must be >= 0")
 
     @property
     def slot_bytes(self) -> int:
         """Device bytes one cached row costs (weights, optimizer state, index entry)."""
-        return self.dim * self.weight_bytes + 4 * self.state_columns + INDEX_BYTES_PER_SLOT
+        return self.dim * self.weight_bytes + 4 * self.state_columns + self.index_bytes_per_slot
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,15 +94,19 @@ class CachePlan:
 
 
 def plan_cache(tables: Sequence[CacheTableSpec], *, budget_bytes: int,
-               frequencies: Mapping[str, torch.Tensor] | None = None) -> CachePlan:
-    """Split ``budget_bytes`` of device memory into per-table cache slots (at least 1 per table)."""
+               frequencies: Mapping[str, torch.Tensor] | None = None,
+               index_bytes_per_row: int = INDEX_BYTES_PER_ROW) -> CachePlan:
+    """Split ``budget_bytes`` of device memory into per-table cache slots (at least 1 per table).
+
+    ``index_bytes_per_row``: device bytes the index costs per *table* row (0 for a hashed index).
+    """
     if not tables:
         raise ValueError("plan_cache needs at least one table")
-    fixed = sum(t.rows * INDEX_BYTES_PER_ROW + t.slot_bytes for t in tables)
+    fixed = sum(t.rows * index_bytes_per_row + t.slot_bytes for t in tables)
     if budget_bytes < fixed:
         raise PlanInfeasibleError(
             f"a cache budget of {format_bytes(budget_bytes)} cannot hold the index of {len(tables)} tables "
-            f"({format_bytes(fixed)}: {INDEX_BYTES_PER_ROW} bytes per table row plus one slot each); give at "
+            f"({format_bytes(fixed)}: {index_bytes_per_row} bytes per table row plus one slot each); give at "
             f"least {fixed} bytes, or a ratio such as capacity=0.015", needed_bytes=fixed,
             budget_bytes=budget_bytes, suggestions=("use a ratio capacity such as 0.015",))
     spare = budget_bytes - fixed
@@ -121,9 +134,56 @@ def plan_cache(tables: Sequence[CacheTableSpec], *, budget_bytes: int,
         frac = min(1.0, spare / per_row_cost)
         for t in tables:
             slots[t.name] += int(room[t.name] * frac)
-    used_bytes = sum(t.rows * INDEX_BYTES_PER_ROW + slots[t.name] * t.slot_bytes for t in tables)
+    used_bytes = sum(t.rows * index_bytes_per_row + slots[t.name] * t.slot_bytes for t in tables)
     if frequencies is not None:
         total = sum(float(frequencies[t.name].sum()) for t in tables)
         covered = sum(float(torch.topk(frequencies[t.name].double(), slots[t.name]).values.sum()) for t in tables)
         hit = covered / total if total else 0.0
     return CachePlan(slots=slots, budget_bytes=int(budget_bytes), used_bytes=used_bytes, predicted_hit_rate=hit)
+
+
+def split_slots(tables: Sequence[CacheTableSpec], total_slots: int, *,
+                frequencies: Mapping[str, torch.Tensor] | None = None) -> dict[str, int]:
+    """Split one collection's ``total_slots`` across its tables (a ratio capacity is the collection's total).
+
+    With statistics the slots go to the most used rows of all tables (each table keeps at least one).
+    Without them every table is assumed to get the same traffic (one feature per table: a batch reads
+    as many ids from each) with Zipf-like popularity inside it; then the k-th slot of a table with
+    ``n`` rows is worth about ``1 / (k ln n)``, and the greedy split gives each table slots in
+    proportion to ``1 / ln n``, never more than its rows. A small table whose rows all fit therefore
+    stays wholly on the device, and the rest share what is left: a per-table ratio would give a
+    31-row table one slot and make it miss on every batch.
+
+    Example:
+        >>> t = [CacheTableSpec(name="small", rows=30, dim=16), CacheTableSpec(name="big", rows=100_000, dim=16)]
+        >>> split_slots(t, 1500)
+        {'small': 30, 'big': 1470}
+    """
+    if not tables:
+        raise ValueError("split_slots needs at least one table")
+    rows = {t.name: t.rows for t in tables}
+    total = max(len(tables), min(int(total_slots), sum(rows.values())))
+    if frequencies is not None:
+        used = torch.cat([torch.sort(frequencies[t.name].double(), descending=True).values[1:] for t in tables])
+        owner = torch.cat([torch.full((t.rows - 1,), i, dtype=torch.int64) for i, t in enumerate(tables)])
+        take = torch.argsort(used, descending=True, stable=True)[: total - len(tables)]
+        got = torch.bincount(owner[take], minlength=len(tables))
+        return {t.name: 1 + int(got[i]) for i, t in enumerate(tables)}
+    weight = {t.name: 1.0 / math.log(t.rows + 1.0) for t in tables}
+    out: dict[str, int] = {}
+    left, open_ = total, dict(rows)
+    while open_:  # water-filling: tables whose share exceeds their rows take all of them, the rest re-split
+        scale = left / sum(weight[n] for n in open_)
+        full = {n: r for n, r in open_.items() if weight[n] * scale >= r}
+        if not full:
+            shares = {n: max(1, int(weight[n] * scale)) for n in open_}
+            spare = left - sum(shares.values())
+            for n in sorted(open_, key=lambda n: -weight[n])[: max(0, spare)]:
+                shares[n] += 1
+            out.update(shares)
+            break
+        out.update(full)
+        left -= sum(full.values())
+        for n in full:
+            del open_[n]
+    return out

@@ -35,7 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=0.01, help="fraction of Criteo Kaggle's table sizes (1 = full)")
     p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--cache", type=float, default=0.015, help="fraction of each table's rows on the device")
+    p.add_argument("--cache", type=float, default=0.015, help="fraction of the collection's rows on the device")
     p.add_argument("--policy", choices=("lfu", "lru", "static"), default="lfu")
     p.add_argument("--optimizer", choices=("sgd", "adagrad", "rowwise_adagrad", "adam"), default="rowwise_adagrad")
     p.add_argument("--lr", type=float, default=0.05)

@@ -1,375 +1,768 @@
-"""One table's software cache: the full table in host memory, ``capacity`` hot rows in device slots.
+"""One fused software cache per collection: every table's rows in one key space, hot rows in device slots.
 
-:class:`TableCache` owns the device side (slot weights, slot optimizer state, the index) and
-references the host side (the table ``Parameter`` of its collection, the per-row optimizer state,
-the per-row use counts). Every batch goes through :meth:`TableCache.prepare`: unique ids -> slots
-(:func:`tightfit.cuda.cache_lookup`), victims for the misses (:func:`tightfit.cuda.select_victims`),
-write-back of evicted rows *with their optimizer state and counts*, loads of the missed rows
-(:func:`tightfit.cuda.gather_rows` / :func:`tightfit.cuda.scatter_rows`). A batch with more unique
-ids than the cache can hold is not an error: the rows that find no slot are read straight from
-host memory for that batch (a logged "spill") and updated there.
+Layout (as FBGEMM's table-batched embeddings do it): table ``t`` owns keys ``[key_offset[t],
+key_offset[t] + rows[t])`` and a run of *sets* of ``WAYS`` slots. A key lives only in its own set
+(a hash of the row id picks it), so the id -> slot index is the slots' own key array: no entry per
+table row, device memory proportional to the cache. A table whose rows all fit is direct-mapped
+(row ``i`` in slot ``i`` of its run) and stays wholly on the device. Ways beyond a table's planned
+capacity are disabled, so the per-table split of the planner (:mod:`tightfit.planner.cache`) holds
+exactly. Tables of one embedding dim and dtype share one slot tensor (a DLRM has one); the index,
+the policy and the per-batch work are one for the whole collection.
 
-Row ids are mapped to host *positions* when the table is stored in frequency order (``reorder``);
-everything below the range check works on positions.
+Every batch goes through :meth:`FusedCache.prepare` once for all tables: unique keys (sort based,
+fixed sizes), one set lookup, one victim choice for all misses (per set: the coldest unpinned ways
+go to the hottest misses, which must beat them: TinyLFU-style admission from a count-min sketch
+sized by the cache), one write-back and one load per slot tensor. It reads device values on the host
+twice (:func:`torchrec_cache.sync.read_host`): the batch's sizes, then the keys to load and spill.
+The backward reads none. A batch with more distinct rows in a set than the set can give is not an
+error: those rows are read from host memory for this batch (a logged "spill") and updated there.
+
+Rows a batch reads are held until its backward (a per-slot count), so gradient accumulation and a
+prefetch thread cannot move them; rows it spilled stay out of the cache until then.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+import threading
+import weakref
 
 import torch
 from torch import nn
 
-from tightfit.cuda import gather_rows, scatter_rows
-from tightfit.cuda.cache_lookup import EMPTY_SCORE, LFU, LRU, STATIC, cache_lookup, select_victims
 from torchrec_cache.config import RowOptimizer
+from torchrec_cache.counters import STAT_KEYS, CacheCounters
+from torchrec_cache.layout import Batch, SlotGroup, TableSpec, mix_hash, out_of_range, spill_notice
 from torchrec_cache.optim import apply_update, initial_state
+from torchrec_cache.sketch import AGE_EVERY, SKETCH_BYTES_PER_SLOT, FrequencySketch
+from torchrec_cache.sync import read_host
+from torchrec_cache.transfer import RowMover
 
-__all__ = ["Batch", "TableCache", "STAT_KEYS"]
-
-log = logging.getLogger("torchrec_cache")
-_SPILL_WARNED = False
-
-_MODES = {"lfu": LFU, "lru": LRU, "static": STATIC}
-STAT_KEYS = ("steps", "lookups", "hits", "misses", "rows_loaded", "rows_written_back", "rows_spilled",
-             "bytes_to_device", "bytes_to_host")
+__all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "FusedCache"]
 
 
-@dataclass
-class Batch:
-    """What :meth:`TableCache.prepare` resolved for one batch of one table."""
+# Measured at 1.5% of a 100k-row Zipf(1.05) table (traffic hit rate, stationary / drifting trace):
+# no idle halving 0.318 / 0.144, every 4 steps 0.315 / 0.157, every 2 steps 0.304 / 0.185 (LRU: 0.223 / 0.185).
+IDLE_HALVING = 2  # steps
+# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last and next use 4 + 4,
+# sketch.
+SLOT_OVERHEAD_BYTES = 32 + SKETCH_BYTES_PER_SLOT
+WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
+FREE, DISABLED, TRASH_KEY = -1, -2, -3
+_INF = 2**62
+_WINDOW = 2**61  # victim keys of rows a prefetch window needs: _WINDOW - next step (above any count)
+_NEVER = 2**40  # "no known next use"
+_SENTINEL = 2**62  # pads the fixed-size unique array: above every key
+_POLICIES = ("lfu", "lru", "static")
 
-    uniq: torch.Tensor  # (U,) unique row ids, sorted
-    rows: torch.Tensor  # (U,) their host positions (== uniq unless the table is reordered)
-    inv: torch.Tensor  # (L,) index of each id of the batch in uniq
-    slots: torch.Tensor  # (U,) slot of each unique row, -1 for rows that spilled
-    spill_pos: torch.Tensor  # positions in uniq of the rows read from host memory for this batch
 
-
-class TableCache(nn.Module):
-    """The device slots of one table and the index that maps rows to them.
+class FusedCache(nn.Module):
+    """The device slots of all tables of a collection and the set-associative index over them.
 
     Args:
-        name: the table's name (for errors and stats).
-        host_table: the module whose ``weight`` (rows x dim, CPU) is the full table.
-        capacity: number of slots on the device.
-        policy: ``"lfu"``, ``"lru"`` or ``"static"``.
-        optimizer: the fused :class:`RowOptimizer`, or ``None`` for plain autograd (sparse gradient
-            on the host table; the cache only reads).
-        device: where the slots live.
-        static_freq: (rows,) dataset counts in host-position order (needed by ``"static"``).
-        prior_counts: (rows,) starting LFU counts in host-position order.
-        remap: (rows,) id -> host position, when the host table is stored in frequency order.
+        tables: the :class:`TableSpec` list, in the collection's table order.
+        policy: ``"lfu"`` (frequency from a count-min sketch, aged like TinyLFU), ``"lru"`` or ``"static"``
+            (the dataset frequencies, frozen).
+        optimizer: the fused :class:`RowOptimizer`, or ``None`` for plain autograd (sparse gradients on the
+            host tables; the cache only reads).
+        device: where the slots live (``"meta"``: nothing is allocated until :meth:`materialize`).
+        ways: slots per set.
+
+    Example:
+        >>> c = FusedCache([TableSpec(name="t", rows=1000, dim=4, capacity=64)], policy="lfu", optimizer=None,
+        ...                device="cpu")
+        >>> c.finish_setup(); b = c.prepare(torch.tensor([5, 7, 5]), torch.tensor([3]), torch.tensor([0]))
+        >>> b.uniq.tolist(), c.stats_total()["misses"]
+        ([5, 7], 2)
     """
 
-    def __init__(self, *, name: str, host_table: nn.Module, capacity: int, policy: str,
-                 optimizer: RowOptimizer | None, device: torch.device, static_freq: torch.Tensor | None = None,
-                 prior_counts: torch.Tensor | None = None, remap: torch.Tensor | None = None) -> None:
+    def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
+                 device: torch.device | str, ways: int | None = None) -> None:
         super().__init__()
-        weight = host_table.weight
-        rows, dim = weight.shape
-        if policy == "static" and static_freq is None:
-            raise ValueError(f"table {name!r}: policy='static' ranks rows by dataset frequency; pass "
-                             "frequencies=collect_frequencies(...) or use policy='lfu'")
-        if rows >= 2**31:
-            raise ValueError(f"table {name!r} has {rows} rows; the int32 slot index supports < 2**31 rows")
-        self.name = name
-        self.__dict__["_host_table"] = host_table  # referenced, not registered: its weight is the collection's
-        self.num_rows, self.dim = rows, dim
-        self.capacity = max(1, min(int(capacity), rows))
-        self.policy = policy
-        self.mode = _MODES[policy]
-        self.optimizer = optimizer
-        self.host_state = initial_state(optimizer, rows, dim)
-        self.host_count = (prior_counts.clone().long() if prior_counts is not None
-                           else torch.zeros(rows, dtype=torch.int64))
-        self.static_freq = static_freq.long() if static_freq is not None else None
-        self.step = 0  # prepare() calls
-        self.opt_step = 0  # optimizer steps (Adam's bias correction)
-        c, s = self.capacity, self.host_state.shape[1]
-        self.register_buffer("weight", torch.zeros(c, dim, dtype=weight.dtype, device=device), persistent=False)
-        self.register_buffer("state", torch.zeros(c, s, dtype=torch.float32, device=device), persistent=False)
-        self.register_buffer("slot_row", torch.full((c,), -1, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("slot_score", torch.full((c,), EMPTY_SCORE, dtype=torch.int64, device=device),
+        if policy not in _POLICIES:
+            raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(_POLICIES)}")
+        if not tables:
+            raise ValueError("a FusedCache needs at least one table")
+        device = torch.device(device)
+        self.specs = list(tables)
+        self.policy, self.optimizer, self.ways = policy, optimizer, int(ways or WAYS)
+        self.names = [t.name for t in tables]
+        self.index = {t.name: i for i, t in enumerate(tables)}
+        self.lock = threading.RLock()  # the prefetch thread and the training thread share the cache
+        self.step = 0
+        self._next_batch = 0
+        self._spill_held: dict[int, torch.Tensor] = {}
+        self._released: list[torch.Tensor] = []  # holds of batches whose graph died without a backward
+        self._increments = 0
+        self._frozen_sketch = policy == "static"
+        # Key space and sets, tables grouped by (dim, dtype) in first-appearance order.
+        groups: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tables):
+            groups.setdefault((t.dim, t.dtype), []).append(i)
+        self.layout = [i for members in groups.values() for i in members]  # table indices in key order
+        key_off = [0] * (len(tables) + 1)
+        set_off, n_sets, direct, enabled = [0] * len(tables), [0] * len(tables), [False] * len(tables), []
+        k = s = 0
+        self.capacity: dict[str, int] = {}
+        for i in self.layout:
+            t = tables[i]
+            cap = min(t.capacity, t.rows)
+            key_off[i], set_off[i] = k, s
+            direct[i] = cap >= t.rows
+            n_sets[i] = -(-(t.rows if direct[i] else cap) // self.ways)
+            if direct[i]:
+                enabled.append([min(self.ways, t.rows - j * self.ways) for j in range(n_sets[i])])
+            else:
+                enabled.append([cap // n_sets[i] + (j < cap % n_sets[i]) for j in range(n_sets[i])])
+            self.capacity[t.name] = cap
+            k += t.rows
+            s += n_sets[i]
+        self.num_keys, self.num_sets = k, s
+        self.num_slots = s * self.ways
+        self._key_start = torch.tensor([key_off[i] for i in range(len(tables))], dtype=torch.int64)
+        self._direct = direct
+        self._enabled = enabled
+        order_key = sorted(range(len(tables)), key=lambda i: key_off[i])
+        self._key_sorted_starts = torch.tensor([key_off[i] for i in order_key] + [k], dtype=torch.int64)
+        self._key_sorted_tables = order_key  # position in key order -> table index
+        self._kpos = {i: p for p, i in enumerate(order_key)}  # table index -> position in key order
+        C = self.num_slots
+        dev = device
+        self.register_buffer("_t_key_off", torch.tensor(key_off[:-1], dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_t_rows", torch.tensor([t.rows for t in tables], dtype=torch.int64, device=dev),
                              persistent=False)
-        self.register_buffer("pinned_until", torch.full((c,), -1, dtype=torch.int64, device=device),
+        self.register_buffer("_t_set_off", torch.tensor(set_off, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_t_sets", torch.tensor(n_sets, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_t_direct", torch.tensor(direct, dtype=torch.bool, device=dev), persistent=False)
+        self.register_buffer("_key_bounds", self._key_sorted_starts.to(dev), persistent=False)
+        self.register_buffer("_key_table", torch.tensor(order_key, dtype=torch.int64, device=dev), persistent=False)
+        # Host copies of the constant index tensors: ``to_empty`` off the meta device leaves garbage in buffers.
+        self._constants = {name: torch.tensor(v, dtype=dt) for name, v, dt in (
+            ("_t_key_off", key_off[:-1], torch.int64), ("_t_rows", [t.rows for t in tables], torch.int64),
+            ("_t_set_off", set_off, torch.int64), ("_t_sets", n_sets, torch.int64), ("_t_direct", direct, torch.bool),
+            ("_key_bounds", self._key_sorted_starts.tolist(), torch.int64), ("_key_table", order_key, torch.int64))}
+        # Per slot (+1 trash slot at index C that absorbs writes for rows without a slot): 24 bytes.
+        self.register_buffer("slot_key", torch.full((C + 1,), DISABLED, dtype=torch.int64, device=dev),
                              persistent=False)
-        # 4 bytes per table row on the device: 1/dim of the table at fp32 (see README, "limits").
-        self.register_buffer("row_slot", torch.full((rows,), -1, dtype=torch.int32, device=device), persistent=False)
-        self.register_buffer("remap", remap.long().to(device) if remap is not None else None, persistent=False)
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
-        self.last_step = dict.fromkeys(STAT_KEYS, 0)
-        self._dirty: list[torch.Tensor] = []  # rows given a sparse gradient (autograd mode)
-        self._seen_version = weight._version
+        self.register_buffer("slot_score", torch.zeros(C + 1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("last_used", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("next_use", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
+                             persistent=False)
+        self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.sketch = FrequencySketch(C, device=dev)
+        # Slot tensors and host tensors per group.
+        self.groups: list[SlotGroup] = []
+        self._group_of_table = [0] * len(tables)
+        host_dev = "meta" if dev.type == "meta" else "cpu"
+        for gi, ((dim, dtype), members) in enumerate(groups.items()):
+            rows = sum(tables[i].rows for i in members)
+            lo, hi = set_off[members[0]] * self.ways, (set_off[members[-1]] + n_sets[members[-1]]) * self.ways
+            cols = optimizer.state_columns(dim) if optimizer is not None else 0
+            g = SlotGroup(dim=dim, dtype=dtype, tables=members, key_lo=key_off[members[0]],
+                       key_hi=key_off[members[0]] + rows, slot_lo=lo, slot_hi=hi,
+                       host=torch.empty(rows, dim, dtype=dtype, device=host_dev),
+                       host_state=(initial_state(optimizer, rows, dim) if host_dev == "cpu"
+                                   else torch.empty(rows, cols, device="meta")))
+            self.groups.append(g)
+            for i in members:
+                self._group_of_table[i] = gi
+            self.register_buffer(f"weight_{gi}", torch.zeros(hi - lo + 1, dim, dtype=dtype, device=dev),
+                                 persistent=False)
+            self.register_buffer(f"state_{gi}", torch.zeros(hi - lo + 1, cols, dtype=torch.float32, device=dev),
+                                 persistent=False)
+        self.counters = CacheCounters(
+            row_bytes=[t.dim * torch.empty((), dtype=t.dtype).element_size()
+                       + 4 * (optimizer.state_columns(t.dim) if optimizer else 0) for t in tables],
+            key_starts=self._key_sorted_starts, key_order=order_key)
+        self.mover = RowMover()
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def host_weight(self) -> torch.Tensor:
-        return self.__dict__["_host_table"].weight
-
+    # ------------------------------------------------------------------ basic properties
     @property
     def device(self) -> torch.device:
-        return self.weight.device
+        return self.slot_key.device
 
     @property
     def fused(self) -> bool:
         return self.optimizer is not None
 
-    def _row_bytes(self) -> int:
-        return self.dim * self.weight.element_size() + self.state.shape[1] * 4
+    def weight(self, g: int) -> torch.Tensor:
+        return getattr(self, f"weight_{g}")
 
-    def resident_rows(self) -> torch.Tensor:
-        """Host positions of the rows now in the cache."""
-        return self.slot_row[self.slot_row >= 0]
+    def state(self, g: int) -> torch.Tensor:
+        return getattr(self, f"state_{g}")
 
-    # ------------------------------------------------------------------ host <-> device moves
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=t.is_pinned())
+    def group_of(self, name: str) -> int:
+        """Index of the slot-tensor group holding table ``name``."""
+        return self._group_of_table[self.index[name]]
 
-    def _evict(self, slots: torch.Tensor) -> None:
-        """Write back the rows held by ``slots`` (weights, optimizer state, counts) and free the slots."""
-        occupied = slots[self.slot_row.index_select(0, slots) >= 0]
-        if occupied.numel() == 0:
+    def key_start(self, name: str) -> int:
+        """First key of table ``name`` in the collection's key space."""
+        return int(self._key_start[self.index[name]])
+
+    def host_view(self, name: str) -> torch.Tensor:
+        """Table ``name``'s rows in host memory (a view of its group's flat tensor, in position order)."""
+        i = self.index[name]
+        g = self.groups[self._group_of_table[i]]
+        a = int(self._key_start[i]) - g.key_lo
+        return g.host[a:a + self.specs[i].rows]
+
+    def host_state_view(self, name: str) -> torch.Tensor:
+        i = self.index[name]
+        g = self.groups[self._group_of_table[i]]
+        a = int(self._key_start[i]) - g.key_lo
+        return g.host_state[a:a + self.specs[i].rows]
+
+    def materialize_host(self) -> None:
+        """Allocate the host tables of a cache built on the meta device (uninitialised, like ``to_empty``)."""
+        self.sketch.table.zero_()
+        for g in self.groups:
+            if g.host.device.type == "meta":
+                g.host = torch.empty(g.host.shape, dtype=g.host.dtype)
+                g.host_state = initial_state(self.optimizer, g.host.shape[0], g.dim)
+
+    # ------------------------------------------------------------------ set-up
+    def set_reorder(self, name: str, order: torch.Tensor) -> None:
+        """Store table ``name``'s rows in host memory in ``order`` (position -> id); ids keep their meaning."""
+        i = self.index[name]
+        g = self.groups[self._group_of_table[i]]
+        a = int(self._key_start[i]) - g.key_lo
+        n = self.specs[i].rows
+        if g.remap is None:
+            g.remap = torch.arange(g.key_hi - g.key_lo)
+            g.order = torch.arange(g.key_hi - g.key_lo)
+        assert g.order is not None
+        g.order[a:a + n] = order.long() + a
+        g.remap[a + order.long()] = torch.arange(a, a + n)
+        with torch.no_grad():
+            g.host[a:a + n] = g.host[a:a + n].index_select(0, order.long())
+            g.host_state[a:a + n] = g.host_state[a:a + n].index_select(0, order.long())
+
+    def is_reordered(self, name: str) -> bool:
+        return self.groups[self._group_of_table[self.index[name]]].remap is not None
+
+    def seed_frequencies(self, counts: dict[str, torch.Tensor]) -> None:
+        """Add dataset counts to the frequency sketch (the ``static`` policy reads only these)."""
+        for name, c in counts.items():
+            i = self.index[name]
+            ids = torch.nonzero(c > 0).squeeze(1)
+            self.sketch.add((ids + int(self._key_start[i])).to(self.device), c.index_select(0, ids).to(self.device))
+
+    def finish_setup(self, hottest: dict[str, torch.Tensor] | None = None) -> None:
+        """Empty the cache, load every direct-mapped table wholly and warm the others with ``hottest`` ids."""
+        with self.lock:
+            for name, value in self._constants.items():
+                getattr(self, name).copy_(value)
+            self.slot_key.fill_(DISABLED)
+            self.slot_key[self.num_slots] = TRASH_KEY
+            self.slot_score.zero_()
+            self.last_used.zero_()
+            self.next_use.zero_()
+            self.pinned_until.fill_(-1)
+            self.hold.zero_()
+            W = self.ways
+            for i, t in enumerate(self.specs):
+                base = int(self._t_set_off[i]) * W
+                for j, e in enumerate(self._enabled[self._kpos[i]]):
+                    self.slot_key[base + j * W: base + j * W + e] = FREE
+                key0 = int(self._key_start[i])
+                if self._direct[i]:
+                    ids = torch.arange(t.rows)
+                    self._load_direct(ids + key0, (ids + base).to(self.device))
+                elif hottest is not None and t.name in hottest:
+                    ids = hottest[t.name].long()[: self.capacity[t.name]].to(self.device)
+                    keys = ids + key0
+                    sets = self._sets(keys)
+                    order = torch.sort(sets, stable=True).indices
+                    s_sorted = sets.index_select(0, order)
+                    rank = torch.arange(s_sorted.numel(), device=self.device) - torch.searchsorted(s_sorted, s_sorted)
+                    free = (self.slot_key.index_select(0, s_sorted * W + rank.clamp(max=W - 1)) == FREE) & (rank < W)
+                    chosen = order[free]
+                    slots = (s_sorted * W + rank)[free]
+                    self._load_direct(keys.index_select(0, chosen).cpu(), slots)
+            self.counters.reset()
+
+    def _load_direct(self, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
+        """Load rows ``keys_h`` (host) into free ``slots`` outside any batch (set-up, no stats)."""
+        if keys_h.numel() == 0:
             return
-        self._write_back(occupied)
-        rows = self.slot_row.index_select(0, occupied)
-        self.row_slot.index_fill_(0, rows, -1)
-        self.slot_row.index_fill_(0, occupied, -1)
-        self.slot_score.index_fill_(0, occupied, EMPTY_SCORE)
-
-    def _write_back(self, slots: torch.Tensor) -> None:
-        rows = self.slot_row.index_select(0, slots)
-        host_rows = rows.cpu()
-        if self.mode == LFU:
-            self.host_count.index_copy_(0, host_rows, self.slot_score.index_select(0, slots).cpu())
-        if not self.fused:
-            return  # autograd mode: the host table is the truth, slots are read-only copies
-        w = gather_rows(self.weight, slots, validate=False).cpu()
-        scatter_rows(self.host_weight.data, host_rows, w, validate=False)
-        if self.state.shape[1]:
-            scatter_rows(self.host_state, host_rows, gather_rows(self.state, slots, validate=False).cpu(),
-                         validate=False)
-        n = slots.numel()
-        self.stats["rows_written_back"] += n
-        self.stats["bytes_to_host"] += n * self._row_bytes()
-
-    def _load(self, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor | None, pin_until: int) -> None:
-        """Copy host rows (and their state and counts) into free ``slots`` and index them."""
-        host_rows = rows.cpu()
-        w = gather_rows(self.host_weight.data, host_rows, validate=False)
-        scatter_rows(self.weight, slots, self._to_device(w), validate=False)
-        if self.state.shape[1]:
-            st = gather_rows(self.host_state, host_rows, validate=False)
-            scatter_rows(self.state, slots, self._to_device(st), validate=False)
-        if self.mode == LFU:
-            score = self._to_device(self.host_count.index_select(0, host_rows))
-            if counts is not None:
-                score = score + counts
-        elif self.mode == LRU:
-            score = torch.full_like(slots, self.step)
-        else:
-            score = self._to_device(self.static_freq.index_select(0, host_rows))  # type: ignore[union-attr]
+        keys = keys_h.to(self.device)
+        for gi, g in enumerate(self.groups):
+            m = (keys_h >= g.key_lo) & (keys_h < g.key_hi)
+            if not bool(m.any()):
+                continue
+            kh, sl = keys_h[m], slots[m.to(self.device)]
+            self._copy_in(gi, kh, sl)
+        self.slot_key.index_copy_(0, slots, keys)
+        score = self.sketch.estimate(keys) if self.policy != "lru" else torch.zeros_like(keys)
         self.slot_score.index_copy_(0, slots, score)
-        self.slot_row.index_copy_(0, slots, rows)
-        self.row_slot.index_copy_(0, rows, slots.to(torch.int32))
-        self.pinned_until.index_copy_(0, slots, torch.full_like(slots, max(pin_until, self.step)))
-        n = rows.numel()
-        self.stats["rows_loaded"] += n
-        self.stats["bytes_to_device"] += n * self._row_bytes()
+
+    # ------------------------------------------------------------------ index helpers
+    def _tables_of(self, keys: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(self._key_bounds, keys, right=True) - 1
+        return self._key_table.index_select(0, pos.clamp(0, len(self.specs) - 1))
+
+    def _sets(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
+        t = self._tables_of(keys) if tables is None else tables
+        ids = keys - self._t_key_off.index_select(0, t)
+        hashed = mix_hash(ids) % self._t_sets.index_select(0, t)
+        local = torch.where(self._t_direct.index_select(0, t), ids // self.ways, hashed)
+        return self._t_set_off.index_select(0, t) + local
+
+    def keys_of(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor) -> torch.Tensor:
+        """Sorted keys of a batch's ids (for the ``reuse`` set of a prefetch window)."""
+        dev = self.device
+        values = values.to(dev, torch.int64)
+        F = feature_table.numel()
+        per_bag = feature_table.repeat_interleave(lengths.numel() // max(1, F))
+        tab = per_bag.repeat_interleave(lengths.to(dev), output_size=values.numel())
+        return torch.sort(values + self._t_key_off.index_select(0, tab)).values
+
+    def find(self, keys: torch.Tensor, sets: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot of each key, -1 where it is not cached (no side effects)."""
+        if keys.numel() == 0:
+            return keys.new_empty(0)
+        sets = self._sets(keys) if sets is None else sets
+        ways = self.slot_key[: self.num_slots].view(self.num_sets, self.ways).index_select(0, sets)
+        match = ways == keys.unsqueeze(1)
+        way = match.to(torch.uint8).argmax(1)
+        return torch.where(match.any(1), sets * self.ways + way, torch.full_like(sets, -1))
+
+    def _host_pos(self, g: SlotGroup, keys_h: torch.Tensor) -> torch.Tensor:
+        pos = keys_h - g.key_lo
+        return pos if g.remap is None else g.remap.index_select(0, pos)
+
+    def _group_split(self, keys_h: torch.Tensor) -> list[int]:
+        """Bounds of each group's run in sorted host keys."""
+        if len(self.groups) == 1:
+            return [0, keys_h.numel()]
+        los = torch.tensor([g.key_lo for g in self.groups] + [self.num_keys], dtype=torch.int64)
+        return torch.searchsorted(keys_h, los).tolist()
+
+    # ------------------------------------------------------------------ host <-> device rows
+    def _copy_in(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
+        g = self.groups[gi]
+        pos = self._host_pos(g, keys_h)
+        local = slots - g.slot_lo
+        self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
+        if g.host_state.shape[1]:
+            self.state(gi).index_copy_(0, local, self.mover.to_device(g.host_state.index_select(0, pos), self.device, "s"))
+
+    def _copy_out(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
+        g = self.groups[gi]
+        pos = self._host_pos(g, keys_h)
+        local = slots - g.slot_lo
+        self.mover.to_host_later(self.weight(gi).index_select(0, local), g.host, pos)
+        if g.host_state.shape[1]:
+            self.mover.to_host_later(self.state(gi).index_select(0, local), g.host_state, pos)
 
     # ------------------------------------------------------------------ the per-batch path
-    def check_range(self, uniq: torch.Tensor) -> None:
-        """Raise if a (sorted, unique) id is outside the table."""
-        if uniq.numel() == 0:
-            return
-        lo, hi = int(uniq[0]), int(uniq[-1])
-        if lo < 0 or hi >= self.num_rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"table {self.name!r}: id {bad} is outside its range [0, {self.num_rows}); "
-                             f"ids must satisfy 0 <= id < num_embeddings={self.num_rows} (hash or clip the "
-                             "feature before the lookup, or enlarge the table)")
+    def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
+                value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
+                hold: bool = False, reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
+                load: bool = True) -> Batch:
+        """Make the batch's rows resident (or spill them) for all tables at once.
 
-    def prepare(self, ids: torch.Tensor, *, pin_until: int = 0, count: bool = True) -> Batch:
-        """Make the batch's rows resident (or spill them); returns the resolved :class:`Batch`."""
-        self.maybe_refresh()
-        ids = ids.to(self.device, torch.int64)
-        uniq, inv, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-        self.check_range(uniq)
-        rows = self.remap.index_select(0, uniq) if self.remap is not None else uniq
-        before = dict(self.stats)
+        Args:
+            values: (L,) row ids of every feature, feature after feature (features grouped as the key order).
+            lengths: (F * B,) bag lengths, feature-major as in a ``KeyedJaggedTensor``.
+            feature_table: (F,) the table index of each feature (a device tensor).
+            value_bounds: per slot-tensor group, its ids' run in ``values`` (G + 1 host ints); needed only
+                when the tables have several embedding dims.
+            count: a training/eval lookup (stats, policy) rather than a prefetch.
+            pin_until: keep the batch's rows until this step (prefetch).
+            hold: hold the rows until :meth:`release` (the backward will update them).
+            reuse, reuse_steps: sorted keys that later batches of a prefetch window need, and the step of
+                each one's first use there: Belady inside the window (a miss needed sooner than a victim's
+                next use takes its slot).
+            load: ``False`` only records the next use of the rows already cached (a batch entering the
+                prefetch window, to run at step ``pin_until``): inside the window the row used last leaves first.
+        """
+        with self.lock:
+            return self._prepare(values, lengths, feature_table, value_bounds, count, pin_until, hold, reuse,
+                                 reuse_steps, load)
+
+    def _prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
+                 value_bounds: list[int] | None, count: bool, pin_until: int, hold: bool,
+                 reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
+                 load: bool = True) -> Batch:
+        self.mover.apply_pending()
+        self._release_dead()
+        self._refresh_if_changed()
+        dev = self.device
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"ids must be an integer tensor, got dtype {values.dtype}; a float id such as 1.7 is "
+                            "not a row: cast the feature to int64 before the lookup (as TorchRec requires)")
+        values = values.to(dev, torch.int64)
+        L = values.numel()
+        F = feature_table.numel()
         if count:
             self.step += 1
         step = self.step
-        touch = counts if count else torch.zeros_like(counts)
-        slots = cache_lookup(self.row_slot, rows, touch, self.slot_score, self.pinned_until, step,
-                             self.mode if count else STATIC)
-        miss = torch.nonzero(slots < 0).squeeze(1)
-        m = miss.numel()
-        spill_pos = miss[:0]
-        if m:
-            victims = select_victims(self.slot_score, self.pinned_until, step, m)
-            room = victims.numel()
-            if self.mode == LRU or room == 0:
-                load_pos, spill_pos = miss[:room], miss[room:]
-            else:
-                # Frequency-aware admission: a miss takes a slot only from a colder row (free slots are
-                # coldest of all), hottest misses first; the rest are served from host memory this batch.
-                # Candidates sorted down and victims sorted up make "miss beats victim" a prefix.
-                cand, order = torch.sort(self._admission_scores(rows.index_select(0, miss),
-                                                                touch.index_select(0, miss)), descending=True)
-                vic, vorder = torch.sort(self.slot_score.index_select(0, victims))
-                k = min(room, m)
-                admit = int((cand[:k] > vic[:k]).sum())
-                victims = victims.index_select(0, vorder[:admit])
-                load_pos, spill_pos = miss.index_select(0, order[:admit]), miss.index_select(0, order[admit:])
-            if load_pos.numel():
-                self._evict(victims[: load_pos.numel()])
-                self._load(rows.index_select(0, load_pos), victims[: load_pos.numel()],
-                           touch.index_select(0, load_pos), pin_until)
-                slots.index_copy_(0, load_pos, victims[: load_pos.numel()])
-            if m > room and count:  # a prefetch that finds no room simply loads less
-                self._spill_notice(uniq.numel(), m - room)
-            if spill_pos.numel() and count and self.mode == LFU:
-                self.host_count.index_add_(0, rows.index_select(0, spill_pos).cpu(),
-                                           counts.index_select(0, spill_pos).cpu())
-        if pin_until > step:
-            hit = slots[slots >= 0]
-            self.pinned_until.index_copy_(0, hit, self.pinned_until.index_select(0, hit).clamp(min=pin_until))
-        if count:
-            self.stats["steps"] += 1
-            self.stats["lookups"] += uniq.numel()
-            self.stats["hits"] += uniq.numel() - m
-            self.stats["misses"] += m
-            self.stats["rows_spilled"] += spill_pos.numel()
-        self.last_step = {k: self.stats[k] - before[k] for k in STAT_KEYS}
-        return Batch(uniq=uniq, rows=rows, inv=inv, slots=slots, spill_pos=spill_pos)
-
-    def _admission_scores(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """What a missed row would score in a slot (LFU: its count with this batch; static: dataset count)."""
-        host_rows = rows.cpu()
-        if self.mode == LFU:
-            return self._to_device(self.host_count.index_select(0, host_rows)) + counts
-        return self._to_device(self.static_freq.index_select(0, host_rows))  # type: ignore[union-attr]
-
-    def _spill_notice(self, unique: int, spilled: int) -> None:
-        msg = (f"table {self.name!r}: the batch has {unique} unique ids but only {self.capacity} slots "
-               f"(some pinned); {spilled} rows are read from and updated in host memory for this batch. "
-               "Raise CacheConfig.capacity or use smaller batches to avoid the host round trip.")
-        global _SPILL_WARNED
-        if not _SPILL_WARNED:
-            log.warning(msg + " (logged once per process; later spills at DEBUG level, counted in cache_stats()"
-                        "['rows_spilled'])")
-            _SPILL_WARNED = True
+        # Table of every id: features are contiguous runs of bags in ``lengths``.
+        bags = lengths.numel()
+        per_bag_table = feature_table.repeat_interleave(bags // max(1, F)) if F else feature_table
+        tab = per_bag_table.repeat_interleave(lengths.to(dev), output_size=L)
+        keys = values + self._t_key_off.index_select(0, tab)
+        bad = ((values < 0) | (values >= self._t_rows.index_select(0, tab))).any()
+        # Unique keys in fixed-size arrays (a plain torch.unique would read the count on the host).
+        sorted_keys, perm = torch.sort(keys)
+        new = torch.ones(L, dtype=torch.bool, device=dev)
+        if L > 1:
+            torch.ne(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
+        seg = torch.cumsum(new, 0) - 1
+        inv = torch.empty_like(seg).scatter_(0, perm, seg)
+        uniq_pad = torch.full((L + 1,), _SENTINEL, dtype=torch.int64, device=dev).scatter_(0, seg, sorted_keys)
+        counts_pad = torch.zeros(L + 1, dtype=torch.int64, device=dev).index_add_(
+            0, seg, torch.ones(L, dtype=torch.int64, device=dev))
+        bounds = torch.searchsorted(uniq_pad, self._key_bounds)  # per key-ordered table, its run in uniq
+        head = torch.cat([torch.stack([seg[-1] + 1 if L else seg.new_zeros(()), bad.long()]), bounds])
+        sizes = read_host(head)  # sync 1 of 2: the number of unique keys and each table's share
+        U, is_bad = int(sizes[0]), bool(sizes[1])
+        if is_bad:
+            self._raise_out_of_range(values, tab)
+        kb = sizes[2:].tolist()
+        uniq, counts = uniq_pad[:U], counts_pad[:U]
+        if value_bounds is None:
+            if len(self.groups) > 1:
+                raise ValueError("a cache over tables of several embedding dims needs value_bounds per group")
+            value_bounds = [0, L]
+        bid = self._next_batch
+        self._next_batch += 1
+        C, W = self.num_slots, self.ways
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        if U == 0:
+            return Batch(uniq=uniq, inv=inv, slots=empty, key_bounds=kb, value_bounds=value_bounds,
+                         spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
+        tables = self._tables_of(uniq)
+        sets = self._sets(uniq, tables)
+        slot = self.find(uniq, sets)
+        hit = slot >= 0
+        hit_or_trash = torch.where(hit, slot, C)
+        # Touch the hits: policy score, and a pin for this step so no miss of the batch evicts them.
+        if count and self.policy == "lfu":
+            self.slot_score.index_add_(0, hit_or_trash, counts)
+            self.last_used.index_fill_(0, hit_or_trash, step)
+        elif count and self.policy == "lru":
+            self.slot_score.index_fill_(0, hit_or_trash, step)
+        until = max(step, pin_until)
+        if not load:  # a batch entering the window: remember when its cached rows are used next
+            nu = self.next_use.index_select(0, hit_or_trash)
+            self.next_use.index_copy_(0, hit_or_trash, torch.where(nu > step, torch.clamp(nu, max=until),
+                                                                   torch.full_like(nu, until)))
         else:
-            log.debug(msg)
+            self.pinned_until.index_copy_(0, hit_or_trash, torch.clamp(
+                self.pinned_until.index_select(0, hit_or_trash), min=until))
+        if not load:
+            return Batch(uniq=uniq, inv=inv, slots=hit_or_trash, key_bounds=kb, value_bounds=value_bounds,
+                         spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
+        if count and not self._frozen_sketch:
+            self.sketch.add(uniq, counts)
+            self._increments += L
+            if self._increments > AGE_EVERY * max(1, C):  # TinyLFU's reset: halve every count, old traffic fades
+                self.sketch.halve()
+                if self.policy == "lfu":
+                    self.slot_score.bitwise_right_shift_(1)
+                self._increments = 0
+        prio = self.sketch.estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
+        # Victims: per set, its ways by key (free first, pinned/held/disabled never), misses by priority.
+        key = self.slot_score[:C]
+        if self.policy == "lfu" and IDLE_HALVING:
+            # A resident row's count halves for every IDLE_HALVING steps it went unused: a hot set that moved
+            # on gives way within a few batches (the sketch alone ages every AGE_EVERY increments per slot).
+            idle = ((step - self.last_used[:C]) // IDLE_HALVING).clamp(0, 62).long()
+            key = key >> idle
+        sk = self.slot_key[:C]
+        blocked = (sk == DISABLED) | (self.pinned_until[:C] >= step) | (self.hold[:C] > 0)
+        # Rows a later batch of the prefetch window needs rank above every other row, the one needed last lowest.
+        nxt = self.next_use[:C].long()
+        key = torch.where(nxt > step, _WINDOW - nxt, key)
+        vkey = torch.where(blocked, torch.full_like(key, _INF), torch.where(sk == FREE, torch.full_like(key, -_INF), key))
+        vk_sorted, vway = vkey.view(self.num_sets, W).sort(dim=1)
+        miss = ~hit
+        if self._spill_held:
+            held = torch.sort(torch.cat(list(self._spill_held.values()))).values
+            at = torch.searchsorted(held, uniq).clamp(max=held.numel() - 1)
+            miss_ok = miss & (held.index_select(0, at) != uniq)
+        else:
+            miss_ok = miss
+        # When the window needs a miss again (its step there), or never as far as it knows.
+        if reuse is not None and reuse_steps is not None and reuse.numel():
+            at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
+            miss_next = torch.where(reuse.index_select(0, at) == uniq, reuse_steps.index_select(0, at), _NEVER)
+        else:
+            miss_next = torch.full_like(uniq, _NEVER)
+        reused = miss_next < _NEVER
+        rank_prio = torch.where(reused, 2**31 + (2**30 - (miss_next - step)).clamp(0, 2**30),
+                                prio.clamp(0, 2**31 - 1))
+        comp = torch.where(miss, sets * 2**32 + (2**32 - 1 - rank_prio), torch.full_like(sets, self.num_sets * 2**32))
+        comp_sorted, order = torch.sort(comp)
+        set_sorted = comp_sorted >> 32
+        rank = torch.empty_like(order).scatter_(
+            0, order, torch.arange(U, device=dev) - torch.searchsorted(set_sorted, set_sorted))
+        r = rank.clamp(max=W - 1)
+        vk = vk_sorted[sets, r]
+        admit = miss_ok & (rank < W) & (vk < _INF)
+        in_window = vk >= _WINDOW - 2**31
+        if self.policy != "lru":
+            # Belady inside the window, frequency beyond: a victim the window needs leaves only for a miss
+            # needed sooner; any other victim for a miss the window needs, or one used more often.
+            better = torch.where(in_window, miss_next < _WINDOW - vk, (vk == -_INF) | reused | (prio > vk))
+            admit &= better
+        else:
+            admit &= ~in_window | (miss_next < _WINDOW - vk)
+        victim = sets * W + vway[sets, r]
+        spill = miss & ~admit if count else torch.zeros_like(miss)
+        # Compact loads then spills (order kept) and read them on the host with the evicted keys.
+        ca = torch.cumsum(admit, 0)
+        cs = torch.cumsum(spill, 0)
+        na_d, ns_d = ca[-1], cs[-1]
+        dest = torch.where(admit, ca - 1, torch.where(spill, na_d + cs - 1, torch.full_like(ca, U)))
+        ordr = torch.zeros(U + 1, dtype=torch.int64, device=dev).scatter_(0, dest, torch.arange(U, device=dev))[:U]
+        evict = torch.where(admit, self.slot_key.index_select(0, torch.where(admit, victim, C)), -1)
+        packed = read_host(torch.cat([torch.stack([na_d, ns_d]), uniq.index_select(0, ordr),
+                                      evict.index_select(0, ordr)]))  # sync 2 of 2
+        na, ns = int(packed[0]), int(packed[1])
+        load_keys_h, spill_keys_h = packed[2:2 + na], packed[2 + na:2 + na + ns]
+        evict_h = packed[2 + U:2 + U + na]
+        load_pos, spill_pos = ordr[:na], ordr[na:na + ns]
+        victims = victim.index_select(0, load_pos)
+        if na:
+            self._evict_and_load(load_keys_h, evict_h, victims, uniq.index_select(0, load_pos),
+                                 prio.index_select(0, load_pos), step, until)
+            self.next_use.index_copy_(0, victims, torch.where(reused, miss_next, 0).index_select(0, load_pos).int())
+        slots = hit_or_trash.index_copy(0, load_pos, victims) if na else hit_or_trash
+        batch = Batch(uniq=uniq, inv=inv, slots=slots, key_bounds=kb, value_bounds=value_bounds,
+                      spill_pos=spill_pos, spill_keys=spill_keys_h, step=step, id=bid)
+        if hold:
+            self.hold.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+            batch.held = True
+            if ns and self.fused:
+                self._spill_held[bid] = uniq.index_select(0, spill_pos)
+            batch.finalizer = weakref.finalize(batch, self._released.append, (bid, slots))
+        self.counters.account(count, kb, load_keys_h, spill_keys_h, evict_h if self.fused else evict_h[:0])
+        if ns and count:
+            spill_notice(U, ns, self.num_slots)
+        return batch
 
-    def gather(self, batch: Batch) -> torch.Tensor:
-        """The (U, dim) rows of the batch, from the slots and, for spilled rows, from host memory."""
-        if batch.spill_pos.numel() == 0:
-            return gather_rows(self.weight, batch.slots, validate=False)
-        out = torch.empty(batch.slots.numel(), self.dim, dtype=self.weight.dtype, device=self.device)
-        resident = torch.nonzero(batch.slots >= 0).squeeze(1)
-        scatter_rows(out, resident, gather_rows(self.weight, batch.slots.index_select(0, resident),
-                                                validate=False), validate=False)
-        host_rows = batch.rows.index_select(0, batch.spill_pos).cpu()
-        spilled = self._to_device(gather_rows(self.host_weight.data, host_rows, validate=False))
-        scatter_rows(out, batch.spill_pos, spilled, validate=False)
+    def _evict_and_load(self, keys_h: torch.Tensor, evict_h: torch.Tensor, victims: torch.Tensor,
+                        keys: torch.Tensor, prio: torch.Tensor, step: int, until: int) -> None:
+        bounds = self._group_split(keys_h)
+        for gi in range(len(self.groups)):
+            a, b = bounds[gi], bounds[gi + 1]
+            if a == b:
+                continue
+            ev, vs = evict_h[a:b], victims[a:b]
+            if self.fused:
+                occupied = ev >= 0
+                if bool(occupied.all()):
+                    self._copy_out(gi, ev, vs)
+                elif bool(occupied.any()):
+                    idx = torch.nonzero(occupied).squeeze(1)  # host tensor: no device read
+                    self._copy_out(gi, ev.index_select(0, idx), vs.index_select(0, idx.to(self.device)))
+            self._copy_in(gi, keys_h[a:b], vs)
+        self.slot_key.index_copy_(0, victims, keys)
+        self.slot_score.index_copy_(0, victims, torch.full_like(keys, step) if self.policy == "lru" else prio)
+        self.last_used.index_fill_(0, victims, until)
+        self.pinned_until.index_fill_(0, victims, until)
+
+    # ------------------------------------------------------------------ rows, gradients, release
+    def rows(self, batch: Batch, gi: int) -> torch.Tensor:
+        """The (U_g, dim) rows of group ``gi``'s unique keys: from slots, and from host memory for spilled rows."""
+        g = self.groups[gi]
+        a, b = self.group_range(batch, gi)
+        local = self._local_slots(batch, gi, a, b)
+        out = self.weight(gi).index_select(0, local)
+        sa, sb, spos = self._group_spills(batch, gi, a)
+        if sb > sa:
+            host = g.host.index_select(0, self._host_pos(g, batch.spill_keys[sa:sb]))
+            out.index_copy_(0, spos, self.mover.to_device(host, self.device, "spill"))
         return out
 
-    def apply_grad(self, batch: Batch, grad_rows: torch.Tensor) -> None:
-        """Fused optimizer step on the batch's rows, wherever each row is now (slot or host)."""
+    def group_range(self, batch: Batch, gi: int) -> tuple[int, int]:
+        """Group ``gi``'s run in the batch's unique keys (its tables are contiguous in key order)."""
+        g = self.groups[gi]
+        return batch.key_bounds[self._kpos[g.tables[0]]], batch.key_bounds[self._kpos[g.tables[-1]] + 1]
+
+    def table_range(self, batch: Batch, name: str) -> tuple[int, int]:
+        """Table ``name``'s run in the batch's unique keys."""
+        k = self._kpos[self.index[name]]
+        return batch.key_bounds[k], batch.key_bounds[k + 1]
+
+    def _local_slots(self, batch: Batch, gi: int, a: int, b: int) -> torch.Tensor:
+        g = self.groups[gi]
+        s = batch.slots[a:b]
+        if len(self.groups) == 1:
+            return s  # slot_lo is 0 and the trash slot C is the last row of the only slot tensor
+        return torch.where(s == self.num_slots, torch.full_like(s, g.slot_hi - g.slot_lo), s - g.slot_lo)
+
+    def _group_spills(self, batch: Batch, gi: int, a: int) -> tuple[int, int, torch.Tensor]:
+        if batch.spill_keys.numel() == 0:
+            return 0, 0, batch.spill_pos
+        bounds = self._group_split(batch.spill_keys)
+        sa, sb = bounds[gi], bounds[gi + 1]
+        return sa, sb, batch.spill_pos[sa:sb] - a
+
+    def apply_grad(self, batch: Batch, gi: int, grad_rows: torch.Tensor) -> None:
+        """Fused optimizer step on group ``gi``'s rows of the batch, where each row lives (slot or host)."""
         assert self.optimizer is not None
-        self.opt_step += 1
-        if batch.rows.numel() == 0:
+        with self.lock:
+            g = self.groups[gi]
+            g.opt_step += 1
+            a, b = self.group_range(batch, gi)
+            if b == a:
+                return
+            local = self._local_slots(batch, gi, a, b)
+            w, st = apply_update(self.optimizer, self.weight(gi).index_select(0, local),
+                                 self.state(gi).index_select(0, local), grad_rows, g.opt_step)
+            self.weight(gi).index_copy_(0, local, w)
+            if st.shape[1]:
+                self.state(gi).index_copy_(0, local, st)
+            sa, sb, spos = self._group_spills(batch, gi, a)
+            if sb > sa:  # spilled rows update in host memory, off the step's critical path on CUDA
+                pos = self._host_pos(g, batch.spill_keys[sa:sb])
+                opt, step = self.optimizer, g.opt_step
+
+                def update(grad: torch.Tensor) -> None:
+                    w, st = apply_update(opt, g.host.index_select(0, pos), g.host_state.index_select(0, pos),
+                                         grad, step)
+                    g.host.index_copy_(0, pos, w)
+                    if st.shape[1]:
+                        g.host_state.index_copy_(0, pos, st)
+
+                self.mover.on_host(update, grad_rows.index_select(0, spos))
+
+    def sparse_grads(self, batch: Batch, gi: int, grad_rows: torch.Tensor) -> list[torch.Tensor]:
+        """Autograd mode: each table's sparse gradient in host position order (rows refreshed after the step)."""
+        g = self.groups[gi]
+        out = []
+        grad_h = grad_rows if grad_rows.device.type == "cpu" else grad_rows.to("cpu")
+        a0 = self.group_range(batch, gi)[0]
+        for i in g.tables:
+            a, b = self.table_range(batch, self.names[i])
+            keys = batch.uniq[a:b]
+            keys_h = keys if keys.device.type == "cpu" else keys.to("cpu")
+            first = int(self._key_start[i]) - g.key_lo
+            pos = self._host_pos(g, keys_h)
+            g.dirty.append((keys, pos))
+            spec = self.specs[i]
+            out.append(torch.sparse_coo_tensor((pos - first).unsqueeze(0), grad_h[a - a0:b - a0].to(spec.dtype),
+                                               (spec.rows, spec.dim), check_invariants=False))
+        return out
+
+    def release(self, batch: Batch) -> None:
+        """The batch's backward is done: its rows may move again."""
+        if not batch.held:
             return
-        # Resolve again: another forward may have moved rows between this batch's forward and backward.
-        slots = self.row_slot.index_select(0, batch.rows).long()
-        resident = torch.nonzero(slots >= 0).squeeze(1)
-        if resident.numel():
-            s = slots.index_select(0, resident)
-            w, st = apply_update(self.optimizer, gather_rows(self.weight, s, validate=False),
-                                 gather_rows(self.state, s, validate=False), grad_rows.index_select(0, resident),
-                                 self.opt_step)
-            scatter_rows(self.weight, s, w, validate=False)
-            if st.shape[1]:
-                scatter_rows(self.state, s, st, validate=False)
-        elsewhere = torch.nonzero(slots < 0).squeeze(1)
-        if elsewhere.numel():
-            host_rows = batch.rows.index_select(0, elsewhere).cpu()
-            w, st = apply_update(self.optimizer, gather_rows(self.host_weight.data, host_rows, validate=False),
-                                 gather_rows(self.host_state, host_rows, validate=False),
-                                 grad_rows.index_select(0, elsewhere).cpu(), self.opt_step)
-            scatter_rows(self.host_weight.data, host_rows, w, validate=False)
-            if st.shape[1]:
-                scatter_rows(self.host_state, host_rows, st, validate=False)
+        with self.lock:
+            batch.held = False
+            if batch.finalizer is not None:
+                batch.finalizer.detach()
+            self._spill_held.pop(batch.id, None)
+            self.hold.index_add_(0, batch.slots, torch.full_like(batch.slots, -1, dtype=torch.int32))
 
-    def sparse_grad(self, batch: Batch, grad_rows: torch.Tensor) -> torch.Tensor:
-        """Autograd mode: the host table's sparse gradient; the rows are refreshed after the optimizer step."""
-        host_rows = batch.rows.cpu()
-        self._dirty.append(host_rows)
-        return torch.sparse_coo_tensor(host_rows.unsqueeze(0), grad_rows.to("cpu", self.host_weight.dtype),
-                                       tuple(self.host_weight.shape), check_invariants=False)
+    def _release_dead(self) -> None:
+        while self._released:
+            bid, slots = self._released.pop()
+            self._spill_held.pop(bid, None)
+            self.hold.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
 
-    def maybe_refresh(self) -> None:
+    def _refresh_if_changed(self) -> None:
         """Autograd mode: copy rows an optimizer changed on the host back into their slots."""
-        version = self.host_weight._version
-        if version == self._seen_version:
+        if self.fused:
             return
-        self._seen_version = version
-        if not self._dirty:
-            return
-        rows = torch.unique(torch.cat(self._dirty))
-        self._dirty.clear()
-        slots = self.row_slot.index_select(0, rows.to(self.device)).long()
-        resident = torch.nonzero(slots >= 0).squeeze(1)
-        if resident.numel():
-            w = gather_rows(self.host_weight.data, rows.index_select(0, resident.cpu()), validate=False)
-            scatter_rows(self.weight, slots.index_select(0, resident), self._to_device(w), validate=False)
+        for gi, g in enumerate(self.groups):
+            version = g.host._version
+            if version == g.seen_version:
+                continue
+            g.seen_version = version
+            if not g.dirty:
+                continue
+            keys = torch.cat([k for k, _ in g.dirty])
+            pos = torch.cat([p for _, p in g.dirty])
+            g.dirty.clear()
+            slots = self.find(keys)
+            trash = torch.full_like(slots, self.num_slots)
+            local = self._local_slots_all(torch.where(slots >= 0, slots, trash), gi)
+            self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
+
+    def _local_slots_all(self, s: torch.Tensor, gi: int) -> torch.Tensor:
+        g = self.groups[gi]
+        return torch.where(s == self.num_slots, torch.full_like(s, g.slot_hi - g.slot_lo), s - g.slot_lo)
+
+    def mark_host_changed(self) -> None:
+        for g in self.groups:
+            g.seen_version = g.host._version
 
     # ------------------------------------------------------------------ whole-cache operations
-    def warm(self, rows: torch.Tensor) -> int:
-        """Load ``rows`` (host positions, hottest first) into free slots; returns how many were loaded."""
-        rows = rows.to(self.device, torch.int64)
-        rows = rows[self.row_slot.index_select(0, rows) < 0]
-        free = torch.nonzero(self.slot_row < 0).squeeze(1)
-        n = min(free.numel(), rows.numel())
-        if n:
-            self._load(rows[:n], free[:n], None, 0)
-            self.stats["rows_loaded"] -= n  # warm-up is not traffic of a training step
-            self.stats["bytes_to_device"] -= n * self._row_bytes()
-        return n
+    def _occupied(self, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.groups[gi]
+        keys = self.slot_key[g.slot_lo:g.slot_hi]
+        slots = torch.nonzero(keys >= 0).squeeze(1)
+        keys_h = keys.index_select(0, slots).cpu()
+        return keys_h, slots + g.slot_lo
 
     def flush(self) -> None:
-        """Write every resident row back to host memory (the slots stay valid)."""
-        occupied = torch.nonzero(self.slot_row >= 0).squeeze(1)
-        if occupied.numel():
-            self._write_back(occupied)
+        """Write every resident row (weights and optimizer state) back to host memory; the slots stay valid."""
+        with self.lock:
+            self.mover.apply_pending()
+            if not self.fused:
+                return
+            for gi in range(len(self.groups)):
+                keys_h, slots = self._occupied(gi)
+                if keys_h.numel():
+                    self._copy_out(gi, keys_h, slots)
+            self.mover.apply_pending()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+                self.mover.apply_pending()
 
     def reload(self) -> None:
-        """Re-read every resident row (and its state) from host memory, after the host table changed."""
-        occupied = torch.nonzero(self.slot_row >= 0).squeeze(1)
-        if occupied.numel():
-            host_rows = self.slot_row.index_select(0, occupied).cpu()
-            w = gather_rows(self.host_weight.data, host_rows, validate=False)
-            scatter_rows(self.weight, occupied, self._to_device(w), validate=False)
-            if self.state.shape[1]:
-                st = gather_rows(self.host_state, host_rows, validate=False)
-                scatter_rows(self.state, occupied, self._to_device(st), validate=False)
-        self._dirty.clear()
-        self._seen_version = self.host_weight._version
+        """Re-read every resident row (and its state) from host memory, after the host tables changed."""
+        with self.lock:
+            self.mover.apply_pending()
+            for gi, g in enumerate(self.groups):
+                keys_h, slots = self._occupied(gi)
+                if keys_h.numel():
+                    self._copy_in(gi, keys_h, slots)
+                g.dirty.clear()
+            self.mark_host_changed()
 
-    def pin_host_memory(self) -> None:
-        """Page-lock the host table and state so host-to-device copies run asynchronously (CUDA only)."""
+    def resident_rows(self, name: str) -> torch.Tensor:
+        """Ids of table ``name`` now in the cache."""
+        i = self.index[name]
+        keys = self.slot_key[self.slot_key >= 0]
+        k0 = int(self._key_start[i])
+        return keys[(keys >= k0) & (keys < k0 + self.specs[i].rows)] - k0
+
+    def stats_table(self, name: str) -> dict[str, int]:
+        return self.counters.table(self.index[name])
+
+    def stats_total(self) -> dict[str, int]:
+        return self.counters.total()
+
+    def stats_last(self) -> dict[str, int]:
+        return self.counters.last()
+
+    def reset_stats(self) -> None:
+        self.counters.reset()
+
+    def _raise_out_of_range(self, values: torch.Tensor, tab: torch.Tensor) -> None:
+        bad = torch.nonzero((values < 0) | (values >= self._t_rows.index_select(0, tab))).squeeze(1)[0]
+        t = int(tab[bad])
+        raise out_of_range(self.names[t], int(values[bad]), self.specs[t].rows)
+
+    def pin_host_memory(self) -> bool:
+        """Page-lock the host tables and state so host-to-device copies run asynchronously (CUDA only)."""
         if not torch.cuda.is_available():
-            return
-        weight = self.host_weight
-        if not weight.is_pinned():
-            weight.data = weight.data.pin_memory()
-            self._seen_version = weight._version
-        if not self.host_state.is_pinned():
-            self.host_state = self.host_state.pin_memory()
+            return False
+        for g in self.groups:
+            if g.host.device.type == "cpu" and not g.host.is_pinned():
+                g.host = g.host.pin_memory()
+            if g.host_state.device.type == "cpu" and not g.host_state.is_pinned():
+                g.host_state = g.host_state.pin_memory()
+        return True
 
     def extra_repr(self) -> str:
-        return (f"table={self.name!r}, rows={self.num_rows}, dim={self.dim}, slots={self.capacity}, "
-                f"policy={self.policy!r}, optimizer={self.optimizer.kind if self.optimizer else None!r}")
+        return (f"tables={len(self.specs)}, slots={self.num_slots} in {self.num_sets} sets of {self.ways}, "
+                f"groups={len(self.groups)}, policy={self.policy!r}, "
+                f"optimizer={self.optimizer.kind if self.optimizer else None!r}")

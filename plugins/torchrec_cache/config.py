@@ -73,18 +73,24 @@ class CacheConfig:
     """How much of each table lives on the device, and which rows.
 
     Args:
-        capacity: the cache size. A float in (0, 1] is a ratio of each table's rows (``0.015`` keeps
-            1.5% of the rows of every table on the device); an int >= 1 is a row count per table;
-            a string such as ``"64MiB"`` is a byte budget for the whole collection (weights and
-            optimizer state), split across tables by :func:`tightfit.planner.cache.plan_cache` from
-            the frequency statistics when given (hottest rows first), by table size otherwise.
-        policy: which cached row leaves when a new one needs its slot. ``"lfu"``: the row used least
-            over its whole history (counts travel with the row and survive eviction; with frequency
-            statistics they start from the dataset counts); ``"lru"``: the row used longest ago;
-            ``"static"``: the row with the lowest dataset frequency (needs statistics).
+        capacity: the cache size. A float in (0, 1] is a ratio of the collection's rows (``0.015`` keeps
+            1.5% of all its rows on the device), split across tables by
+            :func:`tightfit.planner.cache.split_slots`: by frequency when statistics are given, else by
+            size, a small table whose rows all fit staying wholly on the device; an int >= 1 is a row
+            count per table; a string such as ``"64MiB"`` is a byte budget for the whole collection
+            (weights, optimizer state, index and frequency sketch), split across tables by
+            :func:`tightfit.planner.cache.plan_cache` (hottest rows first with statistics, by table size
+            otherwise). The index is set-associative and sized by the cache: no device memory per table row.
+        policy: which cached row leaves when a new one needs its slot (each row has one set of 32
+            slots). ``"lfu"``: the row used least (a count-min sketch sized by the cache remembers the
+            counts of rows that left, seeded with the dataset counts when given; counts age, and a
+            resident row's halves for every 2 steps it goes unused), and a miss is admitted only if it
+            is used more than the row it would evict (TinyLFU's admission); ``"lru"``: the row used
+            longest ago; ``"static"``: the row with the lowest dataset frequency (needs statistics).
         warmup: fill the cache with the hottest rows from the frequency statistics at construction.
-        prefetch: how many batches ahead :func:`torchrec_cache.prefetching` loads rows (0: off).
-            Prefetched rows are pinned in the cache until the batch that needs them has run.
+        prefetch: how many batches ahead :func:`torchrec_cache.prefetching` looks (0: off). It loads
+            the next batch's rows on a background thread and pins the cached rows of every batch in
+            the window until it has run (lookahead eviction).
         pin_memory: pin the host tables so host-to-device copies are asynchronous. ``None``: pin when
             the cache is on a CUDA device (pinning on a CPU-only machine buys nothing).
         reorder: store each table's rows in host memory by descending frequency (needs statistics),

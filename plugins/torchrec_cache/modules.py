@@ -1,15 +1,17 @@
 """Cache-backed drop-ins for TorchRec's ``EmbeddingBagCollection`` and ``EmbeddingCollection``.
 
 The full tables stay in host memory as the collection's parameters (same names as TorchRec's, so
-state dicts move both ways); a :class:`~torchrec_cache.cache.TableCache` per table keeps the hot
-rows on the device. A lookup gathers the batch's unique rows into a small (U x dim) block and pools
-over it with ``F.embedding_bag``; the backward pass sums each unique row's gradient and either
-applies the fused :class:`~torchrec_cache.config.RowOptimizer` to it where the row lives (slot or
-host), or hands a sparse gradient to the host table for a standard optimizer.
+state dicts move both ways; each is a view of one flat host tensor per embedding dim); one
+:class:`~torchrec_cache.cache.FusedCache` per collection keeps the hot rows of every table on the
+device. A lookup resolves the whole batch at once, gathers its unique rows into a (U x dim) block and
+pools every bag with one ``F.embedding_bag``; the backward pass sums each unique row's gradient and
+either applies the fused :class:`~torchrec_cache.config.RowOptimizer` to it where the row lives (slot
+or host), or hands a sparse gradient to the host tables for a standard optimizer.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -22,44 +24,58 @@ from torchrec.modules.embedding_configs import (
     PoolingType,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from tightfit.planner.cache import CacheTableSpec, plan_cache
+from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import STAT_KEYS, TableCache
+from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache, TableSpec
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
-from torchrec_cache.lookup import _CachedLookup, _offsets
+from torchrec_cache.keyed import CachedFusedOptimizer
+from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.optim import state_names
 
-__all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection"]
+__all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
+           "flush_before_state_dict", "cached_collection_forward"]
+
+_LIVE: weakref.WeakValueDictionary[int, CachedCollection] = weakref.WeakValueDictionary()
 
 
-class _HostTable(nn.Module):
+@torch.fx.wrap
+def cached_collection_forward(features: KeyedJaggedTensor, handle: int) -> Any:
+    """The whole lookup of a cached collection as one call: what ``torch.fx`` records as a leaf.
+
+    Cache misses are data-dependent, so the lookup cannot be traced through; wrapping it keeps a
+    traced model (and TorchRec's train pipelines, which look for the call) working. ``handle`` is
+    :meth:`CachedCollection.handle` of the calling collection.
+    """
+    return _LIVE[handle].lookup(features)
+
+
+class HostTable(nn.Module):
     """One full table in host memory. ``.to(device)`` leaves it where it is: only the cache moves."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, requires_grad: bool) -> None:
+    def __init__(self, weight: torch.Tensor, requires_grad: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=requires_grad)
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> _HostTable:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> HostTable:  # type: ignore[override]
         return self
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, host memory"
 
 
-class _CachedCollection(nn.Module):
-    """What both collections share: host tables, caches, state-dict hooks, stats, optimizer state."""
+class CachedCollection(FusedOptimizerModule, nn.Module):
+    """What both collections share: host tables, the fused cache, state-dict hooks, stats, optimizer state."""
 
     _tables_attr = "embedding_bags"
 
     def _setup(self, tables: list[Any], device: torch.device | str | None, cache: CacheConfig,
                frequencies: FrequencyStats | None) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "meta":
-            raise ValueError("a cached collection keeps its full tables in host memory and cannot be built on the "
-                             "meta device; build it with device='cpu' or 'cuda' (the cache's device)")
         if cache.needs_frequencies() and frequencies is None:
             raise ValueError(f"CacheConfig(policy={cache.policy!r}, reorder={cache.reorder}) needs frequency "
                              "statistics: pass frequencies=collect_frequencies(loader, tables)")
@@ -77,93 +93,212 @@ class _CachedCollection(nn.Module):
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
         slots = self._capacities(tables, cache, frequencies)
+        specs = [TableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
+                           dtype=torch.float32 if c.data_type == DataType.FP32 else torch.float16,
+                           capacity=slots[c.name]) for c in tables]
+        self._cache = FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
         host = nn.ModuleDict()
-        caches = nn.ModuleDict()
         for cfg in tables:
-            dtype = torch.float32 if cfg.data_type == DataType.FP32 else torch.float16
-            table = _HostTable(cfg.num_embeddings, cfg.embedding_dim, dtype, requires_grad=cache.optimizer is None)
-            if cfg.init_fn is not None:
-                with torch.no_grad():
-                    cfg.init_fn(table.weight)
-            host[cfg.name] = table
-            counts = frequencies.counts[cfg.name] if frequencies is not None else None
-            remap = order = None
-            if cache.reorder and counts is not None:
-                order = frequencies.order(cfg.name)  # type: ignore[union-attr]
-                remap = torch.empty_like(order)
-                remap[order] = torch.arange(order.numel())
-                with torch.no_grad():
-                    table.weight.copy_(table.weight.index_select(0, order))
-                counts = counts.index_select(0, order)
-            caches[cfg.name] = TableCache(
-                name=cfg.name, host_table=table, capacity=slots[cfg.name], policy=cache.policy,
-                optimizer=cache.optimizer, device=device, static_freq=counts,
-                prior_counts=counts if cache.policy == "lfu" else None, remap=remap)
-            caches[cfg.name].order = order
+            host[cfg.name] = HostTable(self._cache.host_view(cfg.name), requires_grad=cache.optimizer is None)
         setattr(self, self._tables_attr, host)
-        self._caches = caches
-        if frequencies is not None and cache.warmup:
-            for cfg in tables:
-                hot = frequencies.hottest(cfg.name, caches[cfg.name].capacity)
-                c = caches[cfg.name]
-                c.warm(c.remap.index_select(0, hot.to(device)) if c.remap is not None else hot)
-        if cache.pin_memory or (cache.pin_memory is None and device.type == "cuda"):
-            for c in caches.values():
-                c.pin_host_memory()
-        self.register_state_dict_pre_hook(_flush_before_state_dict)
-        self._register_state_dict_hook(_ids_order_state_dict)
-        self._register_load_state_dict_pre_hook(_positions_order_on_load, with_module=True)
-        self.register_load_state_dict_post_hook(_reload_after_load)
+        # Features in key order: the tables of one slot tensor are contiguous, so are their features.
+        order = [tables[i] for i in self._cache.layout]
+        self._fused_features = [f for c in order for f in c.feature_names]
+        self._feature_table_host = torch.tensor([self._cache.index[c.name] for c in order for _ in c.feature_names],
+                                                dtype=torch.int64)
+        self._mean_host = torch.tensor([getattr(c, "pooling", PoolingType.SUM) == PoolingType.MEAN
+                                        for c in order for _ in c.feature_names], dtype=torch.bool)
+        self._feature_table = self._feature_table_host.to(device)
+        self._mean = self._mean_host.to(device)
+        self._group_features: list[tuple[int, int]] = []
+        f = 0
+        for g in self._cache.groups:
+            n = sum(len(tables[i].feature_names) for i in g.tables)
+            self._group_features.append((f, f + n))
+            f += n
+        self._materialized = device.type != "meta"
+        if self._materialized:
+            self._initialise_host(tables)
+        self.register_state_dict_pre_hook(flush_before_state_dict)
+        self._register_state_dict_hook(ids_order_state_dict)
+        self._register_load_state_dict_pre_hook(positions_order_on_load, with_module=True)
+        self.register_load_state_dict_post_hook(reload_after_load)
+
+    def _initialise_host(self, tables: list[Any]) -> None:
+        """Run the tables' init functions, store rows in frequency order, seed the policy, warm the cache."""
+        cache, freq, cfg = self._cache, self._frequencies, self._cache_config
+        with torch.no_grad():
+            for t in tables:
+                if t.init_fn is not None:
+                    t.init_fn(self._host_tables()[t.name].weight)
+        if cfg.reorder and freq is not None:
+            for t in tables:
+                cache.set_reorder(t.name, freq.order(t.name))
+        if freq is not None and cfg.policy != "lru":
+            cache.seed_frequencies(freq.counts)
+        hottest = ({t.name: freq.hottest(t.name, cache.capacity[t.name]) for t in tables}
+                   if freq is not None and cfg.warmup else None)
+        cache.finish_setup(hottest)
+        if cfg.pin_memory or (cfg.pin_memory is None and self._device.type == "cuda"):
+            self._pin()
+
+    def _pin(self) -> None:
+        if self._cache.pin_host_memory():
+            for name, table in self._host_tables().items():
+                table.weight.data = self._cache.host_view(name)
+            self._cache.mark_host_changed()
+
+    def _host_tables(self) -> nn.ModuleDict:
+        return getattr(self, self._tables_attr)
+
+    def handle(self) -> int:
+        """This collection's key for :func:`cached_collection_forward` (registered at every call, so a
+        deep copy, e.g. inside ``DistributedModelParallel``, looks itself up, not its original). A traced
+        graph keeps the key of the collection it was traced from: keep that model alive beside it."""
+        key = id(self)
+        _LIVE[key] = self
+        return key
+
+    def host_tables(self) -> nn.ModuleDict:
+        """Table name -> :class:`HostTable` (the full tables in host memory)."""
+        return self._host_tables()
+
+    @property
+    def tables_attr(self) -> str:
+        """The attribute holding the host tables (``embedding_bags`` or ``embeddings``, as in TorchRec)."""
+        return self._tables_attr
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The fused optimizer's state as a TorchRec ``KeyedOptimizer`` (empty without a fused optimizer)."""
+        if self._cache_config.optimizer is None:
+            return EmptyFusedOptimizer()
+        return CachedFusedOptimizer(self)
+
+    def init_parameters(self) -> None:
+        """(Re)initialise the tables with their ``init_fn`` and empty the cache (after ``to_empty``)."""
+        self._initialise_host(self._configs())
+
+    reset_parameters = init_parameters
 
     @staticmethod
     def _capacities(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> dict[str, int]:
         kind = cache.capacity_kind()
-        if kind == "ratio":
-            return {c.name: max(1, int(round(c.num_embeddings * float(cache.capacity)))) for c in tables}
-        if kind == "rows":
-            return {c.name: min(int(cache.capacity), c.num_embeddings) for c in tables}
+        state = cache.optimizer.state_columns if cache.optimizer else (lambda d: 0)
         specs = [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
                                 weight_bytes=4 if c.data_type == DataType.FP32 else 2,
-                                state_columns=cache.optimizer.state_columns(c.embedding_dim) if cache.optimizer else 0)
+                                state_columns=state(c.embedding_dim),
+                                index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
                  for c in tables]
-        plan = plan_cache(specs, budget_bytes=parse_bytes(cache.capacity),
-                          frequencies=frequencies.counts if frequencies is not None else None)
-        return plan.slots
+        counts = frequencies.counts if frequencies is not None else None
+        if kind == "ratio":
+            # The ratio is the collection's: split by frequency and size, small tables wholly resident.
+            total = max(len(tables), int(round(sum(c.num_embeddings for c in tables) * float(cache.capacity))))
+            return split_slots(specs, total, frequencies=counts)
+        if kind == "rows":
+            return {c.name: min(int(cache.capacity), c.num_embeddings) for c in tables}
+        # The index is hashed: no device bytes per table row.
+        return plan_cache(specs, budget_bytes=parse_bytes(cache.capacity), frequencies=counts,
+                          index_bytes_per_row=0).slots
 
-    def _apply(self, fn: Any, recurse: bool = True) -> _CachedCollection:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> CachedCollection:  # type: ignore[override]
         super()._apply(fn, recurse)
         self._anchor = fn(self._anchor.detach()).requires_grad_(True)
         self._device = self._anchor.device
-        if self._device.type == "cuda" and self._cache_config.pin_memory is not False:
-            for c in self._caches.values():
-                c.pin_host_memory()
+        self._feature_table = self._feature_table_host.to(self._device)
+        self._mean = self._mean_host.to(self._device)
+        if not self._materialized and self._device.type != "meta":
+            # ``to_empty`` (or ``.to``) off the meta device: the host tables materialise, uninitialised,
+            # and the cache starts empty; ``init_parameters()`` or ``load_state_dict`` fills them.
+            self._cache.materialize_host()
+            for name, table in self._host_tables().items():
+                table.weight = nn.Parameter(self._cache.host_view(name), requires_grad=table.weight.requires_grad)
+            self._cache.finish_setup()
+            self._materialized = True
+        elif self._device.type == "cuda" and self._cache_config.pin_memory is not False:
+            self._pin()
         return self
 
     # ------------------------------------------------------------------ lookups
-    def _lookup(self, name: str, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-                mode: str) -> torch.Tensor:
-        cache: TableCache = self._caches[name]
-        batch = cache.prepare(values)
-        anchor = self._anchor if cache.fused else cache.host_weight
-        dev = cache.device
-        w = weights.to(dev) if weights is not None else None
-        return _CachedLookup.apply(anchor, cache, batch, offsets.to(dev), w, mode)
+    def _check_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if not self._materialized:
+            raise RuntimeError("the cached collection was built on the meta device; materialise it first with "
+                               "module.to_empty(device=...) and init_parameters() or load_state_dict(...)")
+        if features.variable_stride_per_key():
+            raise NotImplementedError("variable batch size per feature (VBE) is not supported by the cached "
+                                      "collection; give every feature the same stride")
+        values = features.values()
+        if values.is_floating_point() or values.dtype == torch.bool:
+            raise TypeError(f"KeyedJaggedTensor values must be integer ids, got dtype {values.dtype}; a float id "
+                            "such as 1.7 is not a row: cast the feature to int64 before the lookup")
+        keys = features.keys()
+        if keys != self._fused_features:
+            missing = [f for f in self._fused_features if f not in keys]
+            if missing:
+                raise KeyError(f"the batch has no feature(s) {missing}; this collection reads {self._fused_features}")
+            features = features.permute([keys.index(f) for f in self._fused_features])
+        return features
 
-    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1) -> None:
-        """Load the rows of a batch that runs ``ahead`` forwards from now, and pin them until then."""
-        jts = features.to_dict()
-        for cfg in self._configs():
-            values = [jts[f].values() for f in cfg.feature_names if f in jts]
-            if values:
-                c = self._caches[cfg.name]
-                c.prepare(torch.cat(values), pin_until=c.step + ahead, count=False)
+    def _prepare(self, kjt: KeyedJaggedTensor) -> Any:
+        return prepare_batch(self._cache, kjt.values(), kjt.lengths(), self._feature_table,
+                             value_bounds=self._bounds(kjt))
+
+    def _host_params(self) -> list[list[torch.Tensor]] | None:
+        if self._cache.fused:
+            return None
+        tables = self._host_tables()
+        return [[tables[self._cache.names[i]].weight for i in g.tables] for g in self._cache.groups]
+
+    def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
+                 window: list[tuple[int, KeyedJaggedTensor]] | None = None, load: bool = True) -> None:
+        """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
+        and pin them until then.
+
+        ``window``: ``(forward number, batch)`` of the batches that run after it; a missing row they need
+        again takes the slot of a row needed later (Belady inside the window). ``load=False`` only records
+        when the cached rows of a batch entering the window are used next.
+        """
+        kjt = self._check_features(features)
+        reuse = steps = None
+        if window:
+            keys = [self._cache.keys_of(w.values(), w.lengths(), self._feature_table)
+                    for w in (self._check_features(x) for _, x in window)]
+            base = min(s for s, _ in window)
+            # Sorted by key, then step: the first entry of a key is its first use in the window.
+            comp = torch.sort(torch.cat([k * 2**20 + (s - base) for k, (s, _) in zip(keys, window)])).values
+            reuse, steps = comp >> 20, (comp & (2**20 - 1)) + base
+        with torch.no_grad():
+            self._cache.prepare(kjt.values(), kjt.lengths(), self._feature_table, value_bounds=self._bounds(kjt),
+                                count=False, pin_until=until if until is not None else self._cache.step + ahead,
+                                reuse=reuse, reuse_steps=steps, load=load)
+
+    def _bounds(self, kjt: KeyedJaggedTensor) -> list[int]:
+        values = kjt.values()
+        if len(self._group_features) == 1:
+            return [0, values.numel()]
+        per_feature = kjt.length_per_key()  # KJT-side sizes (cached by from_lengths_sync)
+        bounds = [0]
+        for a, b in self._group_features:
+            bounds.append(bounds[-1] + sum(per_feature[a:b]))
+        return bounds
 
     # ------------------------------------------------------------------ stats and optimizer state
+    @property
+    def fused_cache(self) -> FusedCache:
+        """The collection's :class:`~torchrec_cache.cache.FusedCache` (one for all tables)."""
+        return self._cache
+
     def resident_rows(self, table: str) -> torch.Tensor:
-        """Ids of ``table`` now on the device (sorted)."""
-        c: TableCache = self._caches[table]
-        rows = c.resident_rows().cpu()
-        return torch.sort(c.order.index_select(0, rows) if c.order is not None else rows).values
+        """Ids of ``table`` now on the device."""
+        return self._cache.resident_rows(table)
+
+    def cache_capacity(self) -> dict[str, int]:
+        """Device slots of each table (the planner's split)."""
+        return dict(self._cache.capacity)
+
+    def is_reordered(self, table: str) -> bool:
+        """Whether ``table``'s rows are stored in frequency order in host memory."""
+        return self._cache.is_reordered(table)
 
     def cache_stats(self, per_table: bool = False) -> dict[str, Any]:
         """Totals since construction (or :meth:`reset_cache_stats`): hit rate, misses, rows and bytes moved.
@@ -172,62 +307,82 @@ class _CachedCollection(nn.Module):
         :data:`torchrec_cache.cache.STAT_KEYS`, ``last_*`` for the last step, and ``tables`` (per table)
         when ``per_table``.
         """
-        total = dict.fromkeys(STAT_KEYS, 0)
-        last = dict.fromkeys(STAT_KEYS, 0)
-        for c in self._caches.values():
-            for k in STAT_KEYS:
-                total[k] += c.stats[k]
-                last[k] += c.last_step[k]
-        total["steps"] = max((c.stats["steps"] for c in self._caches.values()), default=0)
+        total = self._cache.stats_total()
+        last = self._cache.stats_last()
         out: dict[str, Any] = {"hit_rate": total["hits"] / total["lookups"] if total["lookups"] else 0.0,
                                "last_hit_rate": last["hits"] / last["lookups"] if last["lookups"] else 0.0}
         out.update(total)
         out.update({f"last_{k}": v for k, v in last.items() if k != "steps"})
         if per_table:
-            out["tables"] = {n: dict(c.stats) for n, c in self._caches.items()}
+            out["tables"] = {n: self._cache.stats_table(n) for n in self._cache.names}
         return out
 
     def reset_cache_stats(self) -> None:
-        for c in self._caches.values():
-            c.stats = dict.fromkeys(STAT_KEYS, 0)
+        self._cache.reset_stats()
 
     def flush_cache(self) -> None:
-        """Write every cached row (weights, optimizer state, counts) back to host memory."""
-        for c in self._caches.values():
-            c.flush()
+        """Write every cached row (weights and optimizer state) back to host memory."""
+        self._cache.flush()
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Per table: the fused optimizer's state tensors in id order (names as in the PyTorch optimizer's
         state: ``sum`` for Adagrad, ``exp_avg``/``exp_avg_sq`` for Adam) and ``step``."""
         self.flush_cache()
         out: dict[str, dict[str, Any]] = {}
-        for name, c in self._caches.items():
+        c = self._cache
+        for name in c.names:
             cols = state_names(c.optimizer)
-            state = c.host_state if c.order is None else c.host_state.index_select(0, c.remap.cpu())
-            entry: dict[str, Any] = {"step": c.opt_step}
+            state = c.host_state_view(name)
+            if c.is_reordered(name):
+                state = state.index_select(0, self._id_to_pos(name))
+            dim = c.specs[c.index[name]].dim
+            entry: dict[str, Any] = {"step": c.groups[c.group_of(name)].opt_step}
             if cols:
-                parts = state.split(c.dim, dim=1) if len(cols) == 2 else (state,)
+                parts = state.split(dim, dim=1) if len(cols) == 2 else (state,)
                 entry.update({k: v.clone() for k, v in zip(cols, parts)})
             out[name] = entry
         return out
 
     def load_fused_optimizer_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Inverse of :meth:`fused_optimizer_state`."""
+        c = self._cache
+        self.flush_cache()
         for name, entry in state.items():
-            c = self._caches[name]
             cols = state_names(c.optimizer)
+            host = c.host_state_view(name)
             if cols:
-                full = torch.cat([entry[k].float() for k in cols], dim=1)
-                if full.shape != c.host_state.shape:
+                full = torch.cat([entry[k].float().reshape(host.shape[0], -1) for k in cols], dim=1)
+                if full.shape != host.shape:
                     raise ValueError(f"table {name!r}: optimizer state of shape {tuple(full.shape)} does not fit "
-                                     f"{tuple(c.host_state.shape)}; was it saved with another optimizer kind?")
-                c.host_state.copy_(full if c.order is None else full.index_select(0, c.order))
-            c.opt_step = int(entry.get("step", 0))
-            c.reload()
+                                     f"{tuple(host.shape)}; was it saved with another optimizer kind?")
+                host.copy_(full if not c.is_reordered(name) else full.index_select(0, self._pos_to_id(name)))
+            c.groups[c.group_of(name)].opt_step = int(entry.get("step", 0))
+        c.reload()
+
+    def _id_to_pos(self, name: str) -> torch.Tensor:
+        """Host position of each id of ``name`` (identity unless reordered)."""
+        c = self._cache
+        g = c.groups[c.group_of(name)]
+        first = c.key_start(name) - g.key_lo
+        n = c.specs[c.index[name]].rows
+        assert g.remap is not None
+        return g.remap[first:first + n] - first
+
+    def _pos_to_id(self, name: str) -> torch.Tensor:
+        c = self._cache
+        g = c.groups[c.group_of(name)]
+        first = c.key_start(name) - g.key_lo
+        n = c.specs[c.index[name]].rows
+        assert g.order is not None
+        return g.order[first:first + n] - first
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def frequencies(self) -> FrequencyStats | None:
+        """The frequency statistics the collection was built with."""
+        return self._frequencies
 
     def cache_config(self) -> CacheConfig:
         return self._cache_config
@@ -236,31 +391,34 @@ class _CachedCollection(nn.Module):
         raise NotImplementedError
 
 
-def _flush_before_state_dict(module: _CachedCollection, prefix: str, keep_vars: bool) -> None:
+def flush_before_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
+    """State-dict pre-hook: write the cached rows back so the host tables are current."""
     module.flush_cache()
 
 
-def _ids_order_state_dict(module: _CachedCollection, state_dict: dict[str, Any], prefix: str,
-                          local_metadata: Any) -> None:
-    for name, c in module._caches.items():
+def ids_order_state_dict(module: CachedCollection, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+    """State-dict hook: tables stored in frequency order are written in id order."""
+    for name in module.fused_cache.names:
         key = f"{prefix}{module._tables_attr}.{name}.weight"
-        if c.remap is not None and key in state_dict:
-            state_dict[key] = state_dict[key].detach().index_select(0, c.remap.cpu())
+        if module.is_reordered(name) and key in state_dict:
+            state_dict[key] = state_dict[key].detach().index_select(0, module._id_to_pos(name))
 
 
-def _positions_order_on_load(module: _CachedCollection, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    for name, c in module._caches.items():
+def positions_order_on_load(module: CachedCollection, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook: id-ordered checkpoints go to the host tables in their position order."""
+    for name in module.fused_cache.names:
         key = f"{prefix}{module._tables_attr}.{name}.weight"
-        if c.order is not None and key in state_dict:
-            state_dict[key] = state_dict[key].index_select(0, c.order.to(state_dict[key].device))
+        if module.is_reordered(name) and key in state_dict:
+            state_dict[key] = state_dict[key].index_select(0, module._pos_to_id(name).to(state_dict[key].device))
 
 
-def _reload_after_load(module: _CachedCollection, incompatible_keys: Any) -> None:
-    for c in module._caches.values():
-        c.reload()
+def reload_after_load(module: CachedCollection, incompatible_keys: Any) -> None:
+    """Load post-hook: the slots re-read the rows that were just loaded."""
+    module.fused_cache.reload()
 
 
-class CachedEmbeddingBagCollection(_CachedCollection, EmbeddingBagCollectionInterface):
+class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInterface):
     """``torchrec.EmbeddingBagCollection`` with the full tables in host memory and the hot rows cached on the device.
 
     Args:
@@ -292,31 +450,36 @@ class CachedEmbeddingBagCollection(_CachedCollection, EmbeddingBagCollectionInte
         self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._feature_names = [list(c.feature_names) for c in tables]
+        self._any_mean = any(c.pooling == PoolingType.MEAN for c in tables)
+        self._column_order = _column_order(tables, self._cache.layout)
         for cfg in tables:
             if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {cfg.name!r}: pooling {cfg.pooling} is not supported by a bag collection; "
                                  "use PoolingType.SUM or MEAN (or CachedEmbeddingCollection for unpooled lookups)")
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if features.variable_stride_per_key():
-            raise NotImplementedError("variable batch size per feature (VBE) is not supported by the cached "
-                                      "collection; give every feature the same stride")
-        jts = features.to_dict()
-        batch_size = features.stride()
-        pooled: list[torch.Tensor] = []
-        for cfg, names in zip(self._embedding_bag_configs, self._feature_names):
-            parts = [jts[f] for f in names]
-            values = torch.cat([p.values() for p in parts])
-            offsets = _offsets(torch.cat([p.lengths() for p in parts]))
-            weights = torch.cat([p.weights() for p in parts]) if self._is_weighted else None
-            mode = "mean" if cfg.pooling == PoolingType.MEAN else "sum"
-            out = self._lookup(cfg.name, values, offsets, weights, mode)
-            pooled.extend(out.split(batch_size))
-        return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
-                           length_per_key=self._lengths_per_embedding)
+        return cached_collection_forward(features, self.handle())
+
+    def lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The pooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""
+        kjt = self._check_features(features)
+        batch = self._prepare(kjt)
+        weights = kjt.weights() if self._is_weighted else None
+        parts = cached_pooled_lookup(self._cache, batch, kjt.lengths(), batch_size=kjt.stride(),
+                                     group_features=self._group_features, weights=weights,
+                                     mean=self._mean if self._any_mean else None, anchor=self._anchor,
+                                     host_params=self._host_params())
+        values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self._column_order is not None:
+            values = values.index_select(1, self._column_order.to(values.device))
+        return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
+
+    def embedding_names(self) -> list[str]:
+        """The output keys, in order (one per feature)."""
+        return list(self._embedding_names)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
@@ -325,7 +488,7 @@ class CachedEmbeddingBagCollection(_CachedCollection, EmbeddingBagCollectionInte
         return self._embedding_bag_configs
 
 
-class CachedEmbeddingCollection(_CachedCollection):
+class CachedEmbeddingCollection(CachedCollection):
     """``torchrec.EmbeddingCollection`` (unpooled lookups) backed by the same cache.
 
     Args:
@@ -354,18 +517,21 @@ class CachedEmbeddingCollection(_CachedCollection):
         self._feature_names = [list(c.feature_names) for c in tables]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        jts = features.to_dict()
+        return cached_collection_forward(features, self.handle())
+
+    def lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """The unpooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""
+        kjt = self._check_features(features)
+        batch = self._prepare(kjt)
+        rows = cached_unpooled_lookup(self._cache, batch, anchor=self._anchor, host_params=self._host_params())
+        looked = rows[0] if len(rows) == 1 else torch.cat(rows)
+        jts = kjt.to_dict()
         out: dict[str, JaggedTensor] = {}
-        for cfg, names, emb_names in zip(self._embedding_configs, self._feature_names,
-                                         self._embedding_names_by_table):
-            parts = [jts[f] for f in names]
-            values = torch.cat([p.values() for p in parts])
-            # One bag per id: an unpooled lookup is a pooled one over bags of length 1.
-            offsets = torch.arange(values.numel() + 1, device=values.device)
-            looked = self._lookup(cfg.name, values, offsets, None, "sum")
-            for part, emb_name, chunk in zip(parts, emb_names, looked.split([p.values().numel() for p in parts])):
-                out[emb_name] = JaggedTensor(values=chunk, lengths=part.lengths(),
-                                             weights=part.values() if self._need_indices else None)
+        per_feature = dict(zip(self._fused_features, looked.split(kjt.length_per_key())))
+        for names, emb_names in zip(self._feature_names, self._embedding_names_by_table):
+            for f, emb_name in zip(names, emb_names):
+                out[emb_name] = JaggedTensor(values=per_feature[f], lengths=jts[f].lengths(),
+                                             weights=jts[f].values() if self._need_indices else None)
         return out
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -382,6 +548,18 @@ class CachedEmbeddingCollection(_CachedCollection):
 
     def _configs(self) -> list[Any]:
         return self._embedding_configs
+
+
+def _column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
+    """Columns of the key-ordered output in the collection's order (``None`` when they already agree)."""
+    if layout == sorted(layout):
+        return None
+    starts, col = {}, 0
+    for i in layout:
+        starts[i] = col
+        col += tables[i].embedding_dim * len(tables[i].feature_names)
+    cols = [starts[i] + j for i, t in enumerate(tables) for j in range(t.embedding_dim * len(t.feature_names))]
+    return torch.tensor(cols, dtype=torch.int64)
 
 
 _ = BaseEmbeddingConfig  # re-exported type for annotations in swap.py

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchrec_cache.cache import STAT_KEYS
+from torchrec_cache.counters import STAT_KEYS
 from torchrec_cache.swap import cached_collections
 
 __all__ = ["model_cache_stats"]

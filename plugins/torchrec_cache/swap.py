@@ -7,13 +7,14 @@
 ``swap_in`` replaces every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` (at any depth,
 TorchRec's ``DLRM`` included) by its cached version built from the same table configs and loaded
 with the same weights, so the model's outputs do not change. ``prefetching`` wraps a data loader
-so each batch's rows are loaded ``k`` batches before the batch runs.
+so each batch's rows are loaded on a background thread up to ``k`` batches before the batch runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats, find_kjt
-from torchrec_cache.modules import CachedEmbeddingBagCollection, CachedEmbeddingCollection, _CachedCollection
+from torchrec_cache.modules import CachedCollection, CachedEmbeddingBagCollection, CachedEmbeddingCollection
 
 __all__ = ["swap_in", "swap_out", "cached_collections", "prefetching"]
 
@@ -39,7 +40,7 @@ def _subset(frequencies: FrequencyStats | None, names: list[str]) -> FrequencySt
 
 def _cached(module: nn.Module, cache: CacheConfig, frequencies: FrequencyStats | None,
             device: torch.device | str | None) -> nn.Module | None:
-    if isinstance(module, _CachedCollection):
+    if isinstance(module, CachedCollection):
         return None
     if isinstance(module, EmbeddingBagCollection):
         tables = module.embedding_bag_configs()
@@ -85,7 +86,7 @@ def swap_in(model: nn.Module, cache: CacheConfig | None = None, frequencies: Fre
     """
     cache = cache or CacheConfig()
     model, n = _replace(model, lambda m: _cached(m, cache, frequencies, device))
-    if n == 0 and not any(isinstance(m, _CachedCollection) for m in model.modules()):
+    if n == 0 and not any(isinstance(m, CachedCollection) for m in model.modules()):
         raise ValueError(f"swap_in found no EmbeddingBagCollection or EmbeddingCollection in {type(model).__name__}; "
                          "build the model with torchrec.EmbeddingBagCollection (or pass that module itself)")
     return model
@@ -114,18 +115,44 @@ def swap_out(model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Modu
     return model
 
 
-def cached_collections(model: nn.Module) -> list[_CachedCollection]:
+def cached_collections(model: nn.Module) -> list[CachedCollection]:
     """The cached collections inside ``model`` (in module order)."""
-    return [m for m in model.modules() if isinstance(m, _CachedCollection)]
+    return [m for m in model.modules() if isinstance(m, CachedCollection)]
+
+
+def _prefetch_job(collections: list[CachedCollection], start: list[int], entering: list[tuple[int, Any]],
+                  target: tuple[int, Any] | None, window: list[tuple[int, Any]], stream: Any) -> Any:
+    """One prefetch step (on the worker thread): pin what the batches entering the window already have cached,
+    then load the next batch's rows knowing which of them the rest of the window needs again."""
+
+    def run() -> None:
+        for c, s0 in zip(collections, start):
+            for j, kjt in entering:
+                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
+            if target is not None:
+                c.prefetch(target[1], until=s0 + target[0] + 1, window=[(s0 + j + 1, k) for j, k in window])
+
+    if stream is None:
+        run()
+        return None
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.default_stream(stream.device))  # slots the step wrote before
+        run()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None) -> Iterator[Any]:
-    """Yield ``data``'s batches unchanged, loading each batch's rows ``ahead`` batches before it runs.
+    """Yield ``data``'s batches unchanged while a background thread prepares the next ones (lookahead eviction).
 
-    Prefetched rows are pinned in the cache until their batch's forward pass, so the batches in
-    between cannot evict them. ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
-    model's cached collections. The copies are synchronous (they overlap nothing on a CPU); on a GPU
-    they are the same row moves a miss would make, done before the batch instead of inside it.
+    While batch ``i`` computes, a worker thread (and, on CUDA, a side stream whose event the step waits
+    for) loads the rows of batch ``i + 1`` and pins the cached rows of every batch up to ``i + ahead``
+    until their forward. So a row needed inside the window is never evicted; a missing row that the
+    window needs again is admitted even over a more frequent one (Belady inside the window); among the
+    other rows the cache's policy decides (frequency for ``lfu``). One forward per yielded batch is
+    assumed (the pins count forwards). ``ahead`` defaults to the largest ``CacheConfig.prefetch`` of the
+    model's cached collections.
     """
     collections = cached_collections(model)
     if ahead is None:
@@ -133,22 +160,46 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
     if ahead <= 0 or not collections:
         yield from data
         return
+    start = [c.fused_cache.step for c in collections]
+    cuda = [c for c in collections if c.device.type == "cuda"]
+    stream = torch.cuda.Stream(cuda[0].device) if cuda else None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-prefetch")
     it = iter(data)
-    window: deque[list[Any]] = deque()  # [batch, prefetched?]
-    for batch in it:
-        window.append([batch, False])
-        if len(window) > ahead:
-            break
-    while window:
-        head = window.popleft()[0]
-        for pos, entry in enumerate(window):
-            if not entry[1]:
-                kjt = find_kjt(entry[0])
-                for c in collections:
-                    # head runs at the next forward; window[pos] runs pos + 1 forwards after it
-                    c.prefetch(kjt, ahead=pos + 2)
-                entry[1] = True
-        yield head
-        nxt = next(it, None)
-        if nxt is not None:
-            window.append([nxt, False])
+    buf: deque[tuple[int, Any, Any]] = deque()  # (index, batch, its KeyedJaggedTensor)
+
+    def pull() -> tuple[int, Any] | None:
+        batch = next(it, _END)
+        if batch is _END:
+            return None
+        j = buf[-1][0] + 1 if buf else 0
+        buf.append((j, batch, find_kjt(batch)))
+        return j, buf[-1][2]
+
+    def submit(entering: list[tuple[int, Any]]) -> Future[Any]:
+        target = (buf[0][0], buf[0][2]) if buf else None
+        window = [(j, k) for j, _, k in list(buf)[1:]]
+        return pool.submit(_prefetch_job, collections, start, entering, target, window, stream)
+
+    try:
+        for _ in range(ahead + 1):
+            if pull() is None:
+                break
+        if not buf:
+            return
+        _, first, _ = buf.popleft()  # the first batch runs at once: its own forward loads its rows
+        pending = submit([(j, k) for j, _, k in buf])
+        yield first
+        while buf:
+            event = pending.result()  # the next batch's rows are in (on CUDA: queued before this event)
+            if event is not None:
+                torch.cuda.current_stream(stream.device).wait_event(event)  # type: ignore[union-attr]
+            _, batch, _ = buf.popleft()
+            new = pull()
+            pending = submit([new] if new is not None else [])
+            yield batch
+        pending.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_END = object()

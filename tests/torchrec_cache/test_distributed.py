@@ -43,7 +43,7 @@ def _model(cache):
     return swap_in(model, cache=cache)
 
 
-def _dmp_rank(rank: int, world: int, kind: str, policy: str) -> dict:
+def _dmp_rank(rank: int, world: int, kind: str, policy: str, sharding: str = "table_wise") -> dict:
     import logging
 
     import torch.distributed as dist
@@ -63,7 +63,8 @@ def _dmp_rank(rank: int, world: int, kind: str, policy: str) -> dict:
     cache = CacheConfig(capacity=6, policy=policy, optimizer=RowOptimizer(kind=kind, lr=0.05, eps=1e-8))
     reference = _model(cache)
     model = _model(cache)
-    plan = cached_sharding_plan(model, world, placement={"t0": 0, "t1": 1, "t2": 1})
+    plan = cached_sharding_plan(model, world, sharding=sharding,
+                                placement={"t0": 0, "t1": 1, "t2": 1} if sharding == "table_wise" else None)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan,
                                    sharders=[CachedEmbeddingBagCollectionSharder()])
@@ -94,10 +95,30 @@ def _dmp_rank(rank: int, world: int, kind: str, policy: str) -> dict:
     ref_sd = reference.state_dict()
     worst_weight = 0.0
     for key, value in local.items():
-        want = ref_sd[f"sparse_arch.embedding_bag_collection.{key}"]
+        first = sharded[0].row_offset(key.split(".")[1])  # row-wise: this rank's block of the table
+        want = ref_sd[f"sparse_arch.embedding_bag_collection.{key}"][first:first + value.shape[0]]
         worst_weight = max(worst_weight, float((value - want).abs().max() / (1 + want.abs().max())))
+    # The fused optimizer's state is in the DMP checkpoint (TorchRec's KeyedOptimizer), equal to the reference's,
+    # and loading it back restores it after more training.
+    saved = dmp.fused_optimizer.state_dict()["state"]
+    ref_state = reference.sparse_arch.embedding_bag_collection.fused_optimizer_state()
+    worst_state = 0.0
+    for key, entry in saved.items():
+        table = key.split(".")[-2]
+        for name, value in entry.items():
+            first = sharded[0].row_offset(table)
+            want = (torch.tensor(float(ref_state[table][name])) if name == "step"
+                    else ref_state[table][name][first:first + value.shape[0]])
+            worst_state = max(worst_state, float((value - want).abs().max()))
+    snapshot = {k: {n: v.clone() for n, v in e.items()} for k, e in saved.items()}
+    kjt = make_kjt(_tables(), BATCH, gen, max_len=4)
+    loss_fn(dmp(torch.randn(BATCH, 4, generator=gen), kjt).squeeze(1), torch.ones(BATCH)).backward()
+    dmp.fused_optimizer.load_state_dict({"state": snapshot})
+    restored = dmp.fused_optimizer.state_dict()["state"]
+    worst_restore = max(float((restored[k][n] - v).abs().max()) for k, e in snapshot.items() for n, v in e.items())
     return {"tables": sharded[0].local_tables(), "pred": worst_pred, "weight": worst_weight,
-            "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local)}
+            "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local), "state_keys": sorted(saved),
+            "state": worst_state, "restore": worst_restore}
 
 
 @pytest.mark.parametrize("kind,policy", [("adam", "lru"), ("sgd", "lfu")])
@@ -105,6 +126,18 @@ def test_dmp_table_wise_matches_unsharded_model(kind, policy):
     out = run_distributed(_dmp_rank, world_size=2, args=(kind, policy), timeout=400)
     assert out[0]["tables"] == ["t0"] and out[1]["tables"] == ["t1", "t2"]
     assert out[0]["keys"] == ["embedding_bags.t0.weight"]  # unsharded names, local tables only
+    assert out[0]["state_keys"] == ["sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"]
     for r in out:
         assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
         assert r["misses"] > 0  # 6 slots per table: the ranks evicted and reloaded rows
+        assert r["state"] <= 1e-6 and r["restore"] == 0.0, out
+
+
+def test_dmp_row_wise_matches_unsharded_model():
+    out = run_distributed(_dmp_rank, world_size=2, args=("rowwise_adagrad", "lfu", "row_wise"), timeout=400)
+    for r in out:
+        assert r["tables"] == ["t0", "t1", "t2"]  # every rank holds a block of rows of every table
+        assert r["keys"] == ["embedding_bags.t0.weight", "embedding_bags.t1.weight", "embedding_bags.t2.weight"]
+        assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
+        assert r["misses"] > 0
+        assert r["state"] <= 1e-6 and r["restore"] == 0.0, out

@@ -112,7 +112,7 @@ def test_fused_adam_every_policy_and_reordered_rows(policy):
     gen = torch.Generator().manual_seed(9)
     freq = collect_frequencies([make_kjt(tables(), 24, gen) for _ in range(4)], tables(), progress=False)
     ref, cached = _pair(CacheConfig(capacity=0.15, policy=policy, reorder=True, optimizer=opt), frequencies=freq)
-    assert cached._caches["t0"].remap is not None  # rows are stored in frequency order on the host
+    assert cached.is_reordered("t0")  # rows are stored in frequency order on the host
     ref_opt = reference_optimizer(ref, opt)
     _train(ref, cached, ref_opt, steps=6, seed=9)
     _assert_same_weights(ref, cached)
@@ -170,7 +170,7 @@ def test_frequency_file_round_trip_and_warmup(tmp_path):
     loaded = FrequencyStats.load(freq.save(tmp_path / "freq.safetensors"))
     assert loaded.batches == 5 and all(torch.equal(loaded.counts[k], v) for k, v in freq.counts.items())
     cached = CachedEmbeddingBagCollection(tables=tables(), cache=CacheConfig(capacity=10), frequencies=loaded)
-    resident = set(cached._caches["t0"].resident_rows().tolist())
+    resident = set(cached.resident_rows("t0").tolist())
     assert resident == set(freq.hottest("t0", 10).tolist())  # warmed with the 10 hottest rows
 
 
@@ -200,7 +200,7 @@ def test_byte_budget_splits_slots_by_frequency():
     gen = torch.Generator().manual_seed(8)
     freq = collect_frequencies([make_kjt(tables(), 32, gen) for _ in range(4)], tables(), progress=False)
     cached = CachedEmbeddingBagCollection(tables=tables(), cache=CacheConfig(capacity="8KiB"), frequencies=freq)
-    slots = {n: c.capacity for n, c in cached._caches.items()}
+    slots = cached.cache_capacity()
     index = sum(t.num_embeddings * 4 for t in tables())
     assert sum(slots[t.name] * (t.embedding_dim * 4 + 24) for t in tables()) + index <= 8 * 1024
     assert all(s >= 1 for s in slots.values())

