@@ -40,6 +40,8 @@ class FrequencySketch(nn.Module):
         device: where the counters live.
     """
 
+    table: torch.Tensor  # a registered buffer; annotated so type checkers do not read it as `Tensor | Module`
+
     def __init__(self, slots: int, device: torch.device | str = "cpu") -> None:
         super().__init__()
         width = 1 << max(6, math.ceil(math.log2(max(2, SKETCH_WIDTH_PER_SLOT * slots))))

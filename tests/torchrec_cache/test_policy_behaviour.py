@@ -8,8 +8,10 @@ from the policy rules (``CacheConfig.policy``), through the public API only: the
 Rules used below (LFU and static admit a miss only into the slot of a colder row, hottest misses against
 coldest victims; free slots are colder than anything; ties are not admitted; LRU always takes the
 least recently used unpinned slot; rows the batch hits are pinned for that batch):
-    * lfu: a row's score is its use count over its whole history (counts travel with it when evicted,
-      and a spilled row's uses are counted on the host);
+    * lfu: a row's score is its use count from the frequency sketch, which remembers rows that left the
+      cache or spilled; every count halves once the sketch has taken ``AGE_EVERY`` (5) uses per slot
+      (TinyLFU's reset: 15 with 3 slots), and a resident row's score halves again for every 2 steps it
+      went unused (so a hot set that moved on gives way);
     * lru: a row's score is the last step that used it;
     * static: a row's score is its dataset count.
 """
@@ -58,20 +60,23 @@ def test_lfu_keeps_the_hottest_rows_and_spills_a_colder_miss():
     #    warmer: row 3 spills (served from host memory, counted there: 1) and row 2 stays.
     assert _run(ebc, [0, 1, 3]) == _step(3, 2, 0, 1)
     assert _resident(ebc) == {0, 1, 2}
-    # 3: 3 misses with 1 + 3 = 4 uses, 4 with 1. Victims, coldest first: row 2 (2), row 1 (4). The hottest miss
-    #    meets the coldest victim: 4 > 2, row 3 replaces row 2; then 1 > 4 fails: row 4 spills.
+    # 3: 3 misses with 1 + 3 = 4 uses, 4 with 1: the sketch has now taken 9 + 3 + 4 = 16 > 15 uses, so every
+    #    count halves: rows 0..4 at 2, 2, 1, 2, 0 (resident scores 5, 4, 2 -> 2, 2, 1; row 2, idle 2 steps,
+    #    halves again to 0). Victims, coldest first: row 2 (0), rows 0/1 (2). The hottest miss meets the
+    #    coldest victim: 2 > 0, row 3 replaces row 2; then row 4 (0) is not warmer than 2: row 4 spills.
     assert _run(ebc, [3, 3, 3, 4]) == _step(2, 0, 1, 1)
     assert _resident(ebc) == {0, 1, 3}
-    # 4: row 2 comes back with the 2 uses it left with + 1 = 3; victims, coldest first: row 1 (4) -- 3 < 4,
-    #    so it spills although it was resident before: its history, not this batch, decides.
-    assert _run(ebc, [2]) == _step(1, 0, 0, 1)
-    assert _resident(ebc) == {0, 1, 3}
-    # 5: row 2 again, now 3 + 2 = 5 uses: warmer than the coldest residents (rows 1 and 3 at 4 each; which of
-    #    the two leaves is a tie), so it is admitted, and the hottest row 0 (5) stays.
-    assert _run(ebc, [2, 2]) == _step(1, 0, 1, 0)
-    assert {0, 2} <= _resident(ebc) and len(_resident(ebc)) == SLOTS
+    # 4: row 2 comes back with 1 + 1 = 2 uses; rows 0 and 1 (score 2) went unused for 2 steps and halve to
+    #    1, row 3 (used last step) keeps 2: row 2 is warmer than the coldest resident and replaces row 0 or
+    #    row 1 (a tie), while row 3 stays: recent use, not only the count, decides.
+    assert _run(ebc, [2]) == _step(1, 0, 1, 0)
+    resident = _resident(ebc)
+    assert {2, 3} <= resident and len(resident & {0, 1}) == 1
+    # 5: row 2 again: a hit.
+    assert _run(ebc, [2, 2]) == _step(1, 1, 0, 0)
+    assert _resident(ebc) == resident
     totals = ebc.cache_stats()
-    assert (totals["lookups"], totals["hits"], totals["rows_loaded"], totals["rows_spilled"]) == (10, 2, 5, 3)
+    assert (totals["lookups"], totals["hits"], totals["rows_loaded"], totals["rows_spilled"]) == (10, 3, 5, 2)
 
 
 def test_lru_keeps_the_most_recent_rows_whatever_their_counts():
