@@ -22,7 +22,14 @@ from typing import Any
 from energon_infer.delivery import Delivery
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import Free, Stats, StatsReport, Step, Tokens, Wake, WorkerError, WorkerInfo
-from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, QueueFullError, Request, Scheduler, StepPlan
+from energon_infer.scheduler import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    KV_ADMISSION,
+    QueueFullError,
+    Request,
+    Scheduler,
+    StepPlan,
+)
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
@@ -57,6 +64,11 @@ class EngineConfig:
         launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
             torchrun started, on one or many nodes; this process must be rank 0, the others call
             :func:`energon_infer.torchrun.run_worker`; no restarts).
+        kv_admission: ``"on_demand"`` (KV blocks taken as sequences grow; the newest request is preempted
+            and recomputed when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+        prefix_caching: share the KV blocks of equal prompt prefixes between requests.
+        chunked_prefill: split long prompts over steps so each step stays within ``max_batch_tokens``
+            (prompts longer than it are then accepted).
     """
 
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
@@ -71,6 +83,9 @@ class EngineConfig:
     threads_per_worker: int = 0
     backend: str | None = None
     launcher: str = "spawn"
+    kv_admission: str = "on_demand"
+    prefix_caching: bool = True
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
@@ -80,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
         if self.launcher not in ("spawn", "torchrun"):
             raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
+        if self.kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
@@ -203,7 +220,8 @@ class Controller:
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan in plans:
-                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params))
+                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
+                                         plan.starts, plan.copies))
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:

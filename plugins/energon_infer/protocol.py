@@ -32,12 +32,20 @@ __all__ = ["Step", "Free", "Stats", "Stop", "Command", "Ready", "Tokens", "Stats
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Free ``frees``, then run ``items`` (``(seq_id, new_tokens)``); ``new_params`` for sequences new in this step."""
+    """Free ``frees``, then run ``items`` (``(seq_id, new_tokens)``); ``new_params`` for sequences new in this step.
+
+    Block decisions of the scheduler, applied before the step runs: ``copies`` (``(src, dst)`` block
+    copies, copy-on-write of a shared prefix), ``blocks`` (blocks appended to each sequence's table;
+    a new sequence's whole table) and ``starts`` (a new sequence's tokens already cached).
+    """
 
     step_id: int
     frees: list[int]
     items: list[tuple[int, list[int]]]
     new_params: dict[int, SamplingParams]
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

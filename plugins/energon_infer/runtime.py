@@ -275,9 +275,9 @@ class ModelRunner:
         """
         for seq_id, _ in items:
             if seq_id not in self._params:
-                if seq_id in self.cache:
-                    raise ValueError(f"sequence {seq_id} is in the KV cache but has no sampling params")
                 p = params.get(seq_id) if isinstance(params, Mapping) else params
+                if p is None and seq_id in self.cache:
+                    raise ValueError(f"sequence {seq_id} is in the KV cache but has no sampling params")
                 if p is None:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
@@ -286,13 +286,23 @@ class ModelRunner:
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
-            tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids]),
+            positions = [self.cache.length(s) for s in ids]  # the context each token is drawn after
+            tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids], positions),
                                   dtype=torch.long, device=self.device)
         if not broadcast and self.grid.world > 1:
             return tokens.tolist() if self.grid.rank == self.grid.result_rank else []
         out = self.grid.broadcast_result(tokens).tolist()
         self._last.update(zip(ids, out))
         return out
+
+    def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
+                      copies: Sequence[tuple[int, int]] = ()) -> None:
+        """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduler.StepPlan`):
+        copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in)."""
+        self.cache.copy_blocks(copies)
+        starts = starts or {}
+        for seq_id, new in blocks.items():
+            self.cache.assign(seq_id, new, starts.get(seq_id))
 
     def prefill(self, prompts: Mapping[int, Sequence[int]], params: SamplingParams | Mapping[int, SamplingParams]
                 ) -> dict[int, int]:
@@ -331,12 +341,17 @@ class ModelRunner:
         return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Generation]:
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 kv_admission: str = "reserve", prefix_caching: bool = False, chunked_prefill: bool = False,
+                 stats: dict[str, int] | None = None) -> list[Generation]:
         """Generate for every prompt with continuous batching; results in prompt order.
 
-        New prompts join the running batch as soon as the KV cache can hold their prompt plus
-        ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
-        ``max_batch_tokens``; finished sequences leave at once and free their blocks.
+        By default new prompts join the running batch as soon as the KV cache can hold their prompt
+        plus ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
+        ``max_batch_tokens``; finished sequences leave at once and free their blocks. The engine's
+        other scheduling modes are here too: ``kv_admission="on_demand"`` (grow, preempt and
+        recompute), ``prefix_caching`` and ``chunked_prefill`` (see :class:`SchedulerConfig`).
+        ``stats`` (a dict) receives the scheduler's counters (preemptions, prefix-cache hits, steps).
         """
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -361,20 +376,31 @@ class ModelRunner:
         sched = Scheduler(
             SchedulerConfig(kv_blocks=self.cache.num_blocks, block_size=bs, max_context=self.max_context,
                             # a prompt longer than the budget still runs, alone in its step
-                            max_batch_tokens=max(self.runtime.max_batch_tokens, *map(len, encoded)),
-                            max_running=len(prompts), max_queue=len(prompts)),
+                            max_batch_tokens=(self.runtime.max_batch_tokens if chunked_prefill else
+                                              max(self.runtime.max_batch_tokens, *map(len, encoded))),
+                            max_running=len(prompts), max_queue=len(prompts), kv_admission=kv_admission,
+                            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill),
             eos_token_ids=self.eos_token_ids, decode=self.decode_text if self.tokenizer is not None else None,
-            seq_ids=self._ids)
+            seq_ids=self._ids, block_ids=self.cache.free_block_ids())
         requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
-        while sched.waiting or sched.running:
-            plan = sched.schedule(0)
-            if plan is None:
-                raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
-            for seq_id in plan.frees:
-                self.free(seq_id)
-            sched.complete(plan, self.step(plan.items, plan.new_params))
-        for seq_id in sched.take_frees():
-            self.free(seq_id)
+        steps = 0
+        try:
+            while sched.waiting or sched.running:
+                plan = sched.schedule(0)
+                if plan is None:
+                    raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
+                for seq_id in plan.frees:
+                    self.free(seq_id)
+                self.assign_blocks(plan.blocks, plan.starts, plan.copies)
+                sched.complete(plan, self.step(plan.items, plan.new_params))
+                steps += 1
+        finally:
+            for seq_id in [*sched.take_frees(), *sched.running]:
+                if seq_id in self.cache:
+                    self.free(seq_id)
+        if stats is not None:
+            stats.update(steps=steps, preemptions=sched.preemptions, prefix_hit_tokens=sched.blocks.hit_tokens,
+                         prefix_query_tokens=sched.blocks.query_tokens)
         return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:

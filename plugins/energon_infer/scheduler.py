@@ -40,16 +40,18 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from energon_infer.blocks import BlockManager
 from energon_infer.delivery import IncrementalDetokenizer
 from energon_infer.sampling import SamplingParams, stop_reason
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
 POLICIES = ("continuous", "static")
+KV_ADMISSION = ("on_demand", "reserve")
 
 
 #: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
@@ -83,6 +85,12 @@ class SchedulerConfig:
         groups: steps in flight at once (1: each step waits for the previous one's tokens).
         policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
             only when its whole batch has finished).
+        kv_admission: ``"on_demand"`` (blocks are taken as sequences grow; when none is left the newest
+            running request is preempted and recomputed later) or ``"reserve"`` (a request is admitted
+            only when its prompt plus ``max_tokens`` fit, so none is ever preempted; the baseline).
+        prefix_caching: share full KV blocks of equal prefixes between requests (:mod:`energon_infer.blocks`).
+        chunked_prefill: split prompts (and recomputes) so each step stays within ``max_batch_tokens``
+            while the running requests decode; prompts longer than the budget are then accepted.
     """
 
     kv_blocks: int
@@ -93,6 +101,9 @@ class SchedulerConfig:
     max_queue: int = 1024
     groups: int = 1
     policy: str = "continuous"
+    kv_admission: str = "on_demand"
+    prefix_caching: bool = False
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups"):
@@ -102,6 +113,8 @@ class SchedulerConfig:
             raise ValueError(f"max_queue={self.max_queue} must be >= 0 (0 accepts no waiting request)")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
+        if self.kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +135,8 @@ class Request:
     seq_id: int = 0
     reserve: int = 0
     generated: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens of prompt + generated whose keys/values the workers hold
+    preemptions: int = 0
     group: int = -1
     state: str = "new"  # new -> waiting -> running -> finished
     in_flight: bool = False
@@ -147,6 +162,10 @@ class StepPlan:
     new_params: dict[int, SamplingParams]
     requests: list[Request]
     started: float = 0.0
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # blocks appended to each sequence's table
+    starts: dict[int, int] = field(default_factory=dict)  # new sequences: tokens already cached (shared prefix)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, before the step
+    samples: list[bool] = field(default_factory=list)  # per item: does its sampled token count (last chunk)
 
     @property
     def n_tokens(self) -> int:
@@ -169,37 +188,45 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 seq_ids: Iterator[int] | None = None):
+                 seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None):
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
-        self.reserved = 0
+        self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
+                                   blocks=block_ids)
+        self.preemptions = 0
+        self._reserved = 0
         self._frees: list[int] = []
         self._busy = [False] * config.groups
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
+    @property
+    def reserved(self) -> int:
+        """KV blocks held for running requests: reserved up front, or (on demand) the blocks they hold."""
+        return self._reserved if self.config.kv_admission == "reserve" else self.blocks.used
+
     # ------------------------------------------------------------------ admission
 
     def blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
-        """KV blocks a request reserves: its prompt plus ``max_tokens``, capped at the context."""
+        """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context."""
         return -(-min(prompt_len + params.max_tokens, self.config.max_context) // self.config.block_size)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Raise ``ValueError`` if the request can never run here; return the blocks it reserves."""
+        """Raise ``ValueError`` if the request can never run here; return the blocks it needs at most."""
         cfg = self.config
         n = len(prompt)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
         if n > cfg.max_context:
             raise ValueError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
-        if n > cfg.max_batch_tokens:
+        if n > cfg.max_batch_tokens and not cfg.chunked_prefill:
             raise ValueError(
                 f"the prompt has {n} tokens, more than max_batch_tokens={cfg.max_batch_tokens} (the tokens one step "
-                "runs); shorten it or start the engine with a larger max_batch_tokens"
+                "runs); shorten it, or start the engine with a larger max_batch_tokens or chunked_prefill=True"
             )
         blocks = self.blocks_for(n, params)
         if blocks > cfg.kv_blocks:
@@ -243,39 +270,119 @@ class Scheduler:
     def idle_groups(self) -> list[int]:
         return [g for g, busy in enumerate(self._busy) if not busy]
 
-    def _fits(self, req: Request, budget: int, running: int) -> bool:
-        return (len(req.prompt) <= budget and running < self.config.max_running
-                and self.reserved + req.reserve <= self.config.kv_blocks)
+    @staticmethod
+    def _tokens(req: Request) -> list[int]:
+        return req.prompt + req.generated if req.generated else req.prompt
+
+    def _feed(self, plan: StepPlan, req: Request, n: int) -> None:
+        """Put ``req``'s next ``n`` uncomputed tokens into ``plan`` (its blocks grown first)."""
+        tokens = self._tokens(req)
+        new = self.blocks.grow(req.seq_id, req.computed + n)
+        if req.seq_id in plan.starts:  # new on the workers: its whole table
+            plan.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id])
+        elif new:
+            plan.blocks[req.seq_id] = new
+        plan.items.append((req.seq_id, tokens[req.computed:req.computed + n]))
+        req.computed += n
+        plan.samples.append(req.computed == len(tokens))
+        plan.requests.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it waits at the head of the queue and is recomputed when readmitted."""
+        del self.running[req.seq_id]
+        self.blocks.free(req.seq_id)
+        if self.config.kv_admission == "reserve":
+            self._reserved -= req.reserve
+        self._frees.append(req.seq_id)
+        req.state, req.group, req.computed = "waiting", -1, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)  # victims go newest first, so the queue keeps their age order
+
+    def _make_room(self, req: Request, n: int, plan: StepPlan) -> bool:
+        """Preempt the newest idle running requests until ``req`` can grow by ``n``; False if ``req`` itself went."""
+        while self.blocks.grow_cost(req.seq_id, req.computed + n) > self.blocks.num_free:
+            victims = [r for r in self.running.values()
+                       if r is not req and not r.in_flight and r not in plan.requests]
+            victim = victims[-1] if victims else req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
+        """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit)."""
+        cfg, mgr = self.config, self.blocks
+        if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
+            return 0
+        tokens = self._tokens(req)
+        shared, _, cow = mgr.lookup(tokens)
+        cached = len(shared) * cfg.block_size + (cow[1] if cow else 0)
+        n = len(tokens) - cached
+        if cfg.chunked_prefill:
+            n = min(n, budget)
+        if n < 1 or n > budget:
+            return 0
+        cost = mgr.start_cost(shared, cow, cached + n)
+        # On demand, leave ~1% of the cache free for the running requests' next blocks (fewer preemptions).
+        watermark = max(1, cfg.kv_blocks // 100) if self.running and cfg.kv_admission == "on_demand" else 0
+        if cost + watermark > mgr.num_free:
+            return 0
+        self.waiting.popleft()
+        hit = mgr.start(req.seq_id, tokens)
+        req.computed = hit.start
+        plan.starts[req.seq_id] = hit.start
+        plan.copies.extend(hit.copies)
+        req.state, req.group = "running", plan.group
+        self.running[req.seq_id] = req
+        if cfg.kv_admission == "reserve":
+            self._reserved += req.reserve
+        plan.new_params[req.seq_id] = req.params
+        self._feed(plan, req, n)
+        return n
 
     def schedule(self, group: int) -> StepPlan | None:
         """The next step of ``group`` (``None`` if it is busy or has nothing to run)."""
         if self._busy[group]:
             return None
+        cfg = self.config
+        plan = StepPlan(0, group, [], [], {}, [])
         mine = [r for r in self.running.values() if r.group == group]
-        items: list[tuple[int, list[int]]] = [(r.seq_id, [r.generated[-1]]) for r in mine]
-        reqs = list(mine)
-        new_params: dict[int, SamplingParams] = {}
-        admit = self.config.policy == "continuous" or not mine
-        if admit and self.waiting:
+        budget = cfg.max_batch_tokens
+        before = self.preemptions
+        for r in mine:  # the running requests first (oldest first): decode tokens, then prompt chunks
+            if r.state != "running":
+                continue  # preempted for an older one in this loop
+            n = len(r.prompt) + len(r.generated) - r.computed
+            if cfg.chunked_prefill:
+                n = min(n, budget)
+            if n < 1 or n > budget:
+                continue
+            if not self._make_room(r, n, plan):
+                continue
+            self._feed(plan, r, n)
+            budget -= n
+        admit = cfg.policy == "continuous" or not mine
+        if admit and self.waiting and self.preemptions == before:  # no readmitting what was just preempted
             # Spread requests over the groups: a group takes at most its share of all live requests.
-            share = math.ceil((len(self.running) + len(self.waiting)) / self.config.groups)
-            budget = self.config.max_batch_tokens - len(items)
-            while self.waiting and len(reqs) < share and self._fits(self.waiting[0], budget, len(self.running)):
-                req = self.waiting.popleft()
-                req.state, req.group = "running", group
-                self.running[req.seq_id] = req
-                self.reserved += req.reserve
-                budget -= len(req.prompt)
-                items.append((req.seq_id, list(req.prompt)))
-                new_params[req.seq_id] = req.params
-                reqs.append(req)
-        if not items:
+            share = math.ceil((len(self.running) + len(self.waiting)) / cfg.groups)
+            while (self.waiting and len(plan.requests) < share and len(self.running) < cfg.max_running
+                   and budget > 0):
+                took = self._admit(plan, self.waiting[0], budget)
+                if not took:
+                    break
+                budget -= took
+        if not plan.items:
             return None
-        frees, self._frees = self._frees, []
-        for r in reqs:
+        # Name the blocks this step fills only now: a block is shared from the next step on, once written.
+        for r in plan.requests:
+            self.blocks.commit(r.seq_id, self._tokens(r), r.computed)
+        plan.frees, self._frees = self._frees, []
+        for r in plan.requests:
             r.in_flight = True
         self._busy[group] = True
-        return StepPlan(next(self._step_ids), group, frees, items, new_params, reqs, self.clock())
+        plan.step_id, plan.started = next(self._step_ids), self.clock()
+        return plan
 
     def take_frees(self) -> list[int]:
         """Frees not yet sent with a step (the engine sends them alone when nothing else runs)."""
@@ -290,7 +397,9 @@ class Scheduler:
         elif req.detok is not None:
             req.text = req.detok.finish()
         if self.running.pop(req.seq_id, None) is not None:
-            self.reserved -= req.reserve
+            self.blocks.free(req.seq_id)
+            if self.config.kv_admission == "reserve":
+                self._reserved -= req.reserve
             self._frees.append(req.seq_id)
 
     def complete(self, plan: StepPlan, tokens: Sequence[int]) -> list[tuple[Request, int | None, bool]]:
@@ -300,13 +409,16 @@ class Scheduler:
         self._busy[plan.group] = False
         out: list[tuple[Request, int | None, bool]] = []
         now = self.clock()
-        for req, tok in zip(plan.requests, tokens):
+        samples = plan.samples or [True] * len(tokens)
+        for req, tok, sampled in zip(plan.requests, tokens, samples):
             req.in_flight = False
             if req.state == "finished":  # failed or aborted while the step ran
                 continue
             if req.aborted:
                 self._finish(req, "abort")
                 out.append((req, None, True))
+                continue
+            if not sampled:  # a chunk of a longer prompt (or recompute): its token is not the next one
                 continue
             req.generated.append(int(tok))
             if len(req.generated) == 1:
@@ -345,7 +457,8 @@ class Scheduler:
             req.state, req.in_flight, req.finished = "finished", False, self.clock()
             req.finish_reason = "error"
         self.running.clear()
-        self.reserved = 0
+        self.blocks.reset()
+        self._reserved = 0
         self._frees = []
         self._busy = [False] * self.config.groups
         return lost

@@ -198,6 +198,7 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
         if isinstance(cmd, Step):
             for seq_id in cmd.frees:
                 runner.free(seq_id)
+            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies)
             tokens = runner.step(cmd.items, cmd.new_params, broadcast=False)
             if rank == result_rank:
                 reply(Tokens(cmd.step_id, list(tokens)))
