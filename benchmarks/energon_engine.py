@@ -404,15 +404,17 @@ def _pool_case(path: Path, opts: dict[str, Any], vocab: int, layers: int, repeat
 
 
 def _pipeline_case(path: Path, opts: dict[str, Any], vocab: int, repeats: int, engine_cls: Any) -> dict[str, Any]:
-    print("[pipeline] pp=2: two steps in flight, two micro-batches per step, blocking", file=sys.stderr, flush=True)
+    print("[pipeline] pp=2: 2 groups x 2 or 1 steps in flight, two micro-batches per step, blocking", file=sys.stderr,
+          flush=True)
     g = random.Random(1)
     batch = [[g.randrange(3, vocab) for _ in range(g.randint(8, 96))] for _ in range(16)]
     new_tokens = 32
-    engines = {"2 steps in flight (engine)": engine_cls.from_pretrained(path, pp=2, **opts),
-               "2 micro-batches per step (runtime)": engine_cls.from_pretrained(path, pp=2, pipeline_groups=1,
-                                                                                microbatches=2, **opts),
-               "blocking (1 step, 1 micro-batch)": engine_cls.from_pretrained(path, pp=2, pipeline_groups=1,
-                                                                              microbatches=1, **opts)}
+    engines = {"2 groups x 2 steps in flight (engine)": engine_cls.from_pretrained(path, pp=2, **opts),
+               "2 groups x 1 step in flight": engine_cls.from_pretrained(path, pp=2, pipeline_depth=1, **opts),
+               "2 micro-batches per step (runtime)": engine_cls.from_pretrained(
+                   path, pp=2, pipeline_groups=1, pipeline_depth=1, microbatches=2, **opts),
+               "blocking (1 step, 1 micro-batch)": engine_cls.from_pretrained(
+                   path, pp=2, pipeline_groups=1, pipeline_depth=1, microbatches=1, **opts)}
 
     def pipe(name: str) -> dict[str, float]:
         engines[name].pipeline_stats(reset=True)

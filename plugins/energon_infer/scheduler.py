@@ -1,25 +1,19 @@
 """Iteration-level (continuous) batching: which requests run in the next step, and what their tokens mean.
 
-The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline is idle.
-A step is the decode token of every running request of that group plus, first come first served,
-the prompts of waiting requests while three limits hold: the step's token budget
-(``max_batch_tokens``: one token per running request, the whole prompt of a new one), the number
-of running sequences (``max_running``), and the KV cache: a request is admitted only when the
-blocks for its prompt plus ``max_tokens`` are free, so a running request is never evicted and the
-workers never run out of cache. Finished requests leave after the step that finished them, and
-their blocks are freed on the workers at the start of the next step (frees travel with it).
+The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline can take
+one. A step is the next tokens of every running request of that group (a decode token, or the next
+chunk of a prompt) plus, first come first served, waiting requests while the step's token budget
+(``max_batch_tokens``), ``max_running`` and the KV cache allow. The scheduler owns the KV blocks
+(:mod:`energon_infer.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
+the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
+tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
+only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step.
 
-Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead,
-so a long prompt cannot starve. Backpressure: the queue holds at most ``max_queue`` waiting
-requests; :meth:`Scheduler.add` raises :class:`QueueFullError` beyond that.
-
-With ``groups > 1`` (the engine uses one group per pipeline stage) running requests are split
-into groups whose steps are in flight at the same time: while the last stage samples group A's
-tokens, the first stage already runs group B (EnergonAI's non-blocking pipeline). New requests
-are spread so that no group holds more than its share of the work.
-
-``policy="static"`` is the baseline continuous batching replaces: a group takes new requests only
-when all of its previous batch has finished.
+Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead.
+Backpressure: :meth:`Scheduler.add` raises :class:`QueueFullError` beyond ``max_queue`` waiting.
+With ``groups > 1`` (one per pipeline stage) the groups' steps are in flight at the same time
+(EnergonAI's non-blocking pipeline); ``depth > 1`` keeps more than one step of a group in flight.
+``policy="static"`` is the baseline: a group admits only when all of its previous batch has finished.
 
 Example:
     >>> from energon_infer.sampling import SamplingParams
@@ -48,10 +42,12 @@ from energon_infer.blocks import BlockManager
 from energon_infer.delivery import IncrementalDetokenizer
 from energon_infer.sampling import SamplingParams, stop_reason
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
 POLICIES = ("continuous", "static")
 KV_ADMISSION = ("on_demand", "reserve")
+#: The token of a step planned before its input was sampled (``depth > 1``); workers fill it in.
+PLACEHOLDER = -1
 
 
 #: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
@@ -85,12 +81,12 @@ class SchedulerConfig:
         groups: steps in flight at once (1: each step waits for the previous one's tokens).
         policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
             only when its whole batch has finished).
-        kv_admission: ``"on_demand"`` (blocks are taken as sequences grow; when none is left the newest
-            running request is preempted and recomputed later) or ``"reserve"`` (a request is admitted
-            only when its prompt plus ``max_tokens`` fit, so none is ever preempted; the baseline).
+        kv_admission: ``"on_demand"`` (grow, preempt, recompute) or ``"reserve"`` (prompt + ``max_tokens`` at admission).
         prefix_caching: share full KV blocks of equal prefixes between requests (:mod:`energon_infer.blocks`).
-        chunked_prefill: split prompts (and recomputes) so each step stays within ``max_batch_tokens``
-            while the running requests decode; prompts longer than the budget are then accepted.
+        chunked_prefill: split prompts so each step stays within ``max_batch_tokens`` (longer prompts accepted).
+        depth: steps of a group in flight. Beyond 1 a step is planned before the previous one's tokens
+            are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
+            last stage sent it; a request that stopped meanwhile has that one token dropped.
     """
 
     kv_blocks: int
@@ -104,9 +100,10 @@ class SchedulerConfig:
     kv_admission: str = "on_demand"
     prefix_caching: bool = False
     chunked_prefill: bool = False
+    depth: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups"):
+        for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_queue < 0:
@@ -135,11 +132,14 @@ class Request:
     seq_id: int = 0
     reserve: int = 0
     generated: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens of prompt + generated whose keys/values the workers hold
+    computed: int = 0  # tokens of prompt + generated whose keys/values the workers hold (or will, in flight)
     preemptions: int = 0
+    pending: int = 0  # tokens being sampled by steps in flight
+    fed_unknown: int = 0  # of those, fed already as a placeholder input
+    last_sampled: int = 0  # the step that samples its latest token
     group: int = -1
     state: str = "new"  # new -> waiting -> running -> finished
-    in_flight: bool = False
+    in_flight: int = 0  # steps in flight that hold it
     aborted: bool = False
     finish_reason: str | None = None
     text: str | None = None
@@ -166,6 +166,8 @@ class StepPlan:
     starts: dict[int, int] = field(default_factory=dict)  # new sequences: tokens already cached (shared prefix)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, before the step
     samples: list[bool] = field(default_factory=list)  # per item: does its sampled token count (last chunk)
+    send_back: bool = False  # the last stage sends this step's tokens to the first (depth > 1)
+    take_back: bool = False  # the first stage receives the group's previous step's tokens before running
 
     @property
     def n_tokens(self) -> int:
@@ -200,16 +202,14 @@ class Scheduler:
         self.preemptions = 0
         self._reserved = 0
         self._frees: list[int] = []
-        self._busy = [False] * config.groups
+        self._busy, self._last_step = [0] * config.groups, [0] * config.groups
+        self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
     @property
-    def reserved(self) -> int:
-        """KV blocks held for running requests: reserved up front, or (on demand) the blocks they hold."""
+    def reserved(self) -> int:  # KV blocks held for running requests (reserved up front, or those they hold)
         return self._reserved if self.config.kv_admission == "reserve" else self.blocks.used
-
-    # ------------------------------------------------------------------ admission
 
     def blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
         """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context."""
@@ -250,8 +250,6 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
-    # ------------------------------------------------------------------ steps
-
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -267,24 +265,34 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._frees)
 
+    @property
+    def capacity(self) -> int:  # steps in flight at most
+        return self.config.groups * self.config.depth
+
     def idle_groups(self) -> list[int]:
-        return [g for g, busy in enumerate(self._busy) if not busy]
+        return [g for g, busy in enumerate(self._busy) if busy < self.config.depth]
 
     @staticmethod
     def _tokens(req: Request) -> list[int]:
         return req.prompt + req.generated if req.generated else req.prompt
 
     def _feed(self, plan: StepPlan, req: Request, n: int) -> None:
-        """Put ``req``'s next ``n`` uncomputed tokens into ``plan`` (its blocks grown first)."""
+        """``req``'s next ``n`` tokens into ``plan`` (blocks grown first); a token still sampled: a placeholder."""
         tokens = self._tokens(req)
         new = self.blocks.grow(req.seq_id, req.computed + n)
-        if req.seq_id in plan.starts:  # new on the workers: its whole table
-            plan.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id])
-        elif new:
-            plan.blocks[req.seq_id] = new
-        plan.items.append((req.seq_id, tokens[req.computed:req.computed + n]))
+        if req.seq_id in plan.starts or new:  # new on the workers: its whole table
+            plan.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in plan.starts else new
+        known = req.computed - req.fed_unknown
+        if known < len(tokens):
+            plan.items.append((req.seq_id, tokens[known:known + n]))
+        else:
+            plan.items.append((req.seq_id, [PLACEHOLDER]))
+            plan.take_back = True
+            req.fed_unknown += 1
         req.computed += n
-        plan.samples.append(req.computed == len(tokens))
+        sampled = req.computed == len(tokens) + req.fed_unknown
+        plan.samples.append(sampled)
+        req.pending += sampled
         plan.requests.append(req)
 
     def _preempt(self, req: Request) -> None:
@@ -304,6 +312,8 @@ class Scheduler:
         while self.blocks.grow_cost(req.seq_id, req.computed + n) > self.blocks.num_free:
             victims = [r for r in self.running.values()
                        if r is not req and not r.in_flight and r not in plan.requests]
+            if not victims and req.in_flight:
+                return False  # a step in flight holds it: it waits for that step's tokens
             victim = victims[-1] if victims else req
             self._preempt(victim)
             if victim is req:
@@ -343,17 +353,25 @@ class Scheduler:
 
     def schedule(self, group: int) -> StepPlan | None:
         """The next step of ``group`` (``None`` if it is busy or has nothing to run)."""
-        if self._busy[group]:
-            return None
         cfg = self.config
+        if self._busy[group] >= cfg.depth:
+            return None
         plan = StepPlan(0, group, [], [], {}, [])
         mine = [r for r in self.running.values() if r.group == group]
         budget = cfg.max_batch_tokens
         before = self.preemptions
         for r in mine:  # the running requests first (oldest first): decode tokens, then prompt chunks
-            if r.state != "running":
+            if r.state != "running" or r.in_flight >= cfg.depth:
                 continue  # preempted for an older one in this loop
-            n = len(r.prompt) + len(r.generated) - r.computed
+            known = len(r.prompt) + len(r.generated)
+            n = known - (r.computed - r.fed_unknown)
+            if n == 0 and r.pending > r.fed_unknown:
+                # Its token is still being sampled: feed it as a placeholder if the group's previous step
+                # samples it (that step's tokens come back to the first stage) and it cannot be the last.
+                if (r.last_sampled != self._last_step[group] or len(r.generated) + r.pending >= r.params.max_tokens
+                        or known + r.pending >= cfg.max_context):
+                    continue
+                n = 1
             if cfg.chunked_prefill:
                 n = min(n, budget)
             if n < 1 or n > budget:
@@ -374,14 +392,19 @@ class Scheduler:
                 budget -= took
         if not plan.items:
             return None
-        # Name the blocks this step fills only now: a block is shared from the next step on, once written.
+        # Name the blocks this step fills only now: a block is shared from the next step on, once written
+        # (and only blocks of known tokens: a placeholder's value comes later).
         for r in plan.requests:
-            self.blocks.commit(r.seq_id, self._tokens(r), r.computed)
-        plan.frees, self._frees = self._frees, []
-        for r in plan.requests:
-            r.in_flight = True
-        self._busy[group] = True
-        plan.step_id, plan.started = next(self._step_ids), self.clock()
+            self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
+        plan.frees, self._frees, plan.step_id, plan.started = self._frees, [], next(self._step_ids), self.clock()
+        for r, sampled in zip(plan.requests, plan.samples):
+            r.in_flight += 1
+            if sampled:
+                r.last_sampled = plan.step_id
+        if cfg.depth > 1:
+            plan.take_back = plan.take_back or self._owed[group]
+            plan.send_back = self._owed[group] = True
+        self._busy[group], self._last_step[group] = self._busy[group] + 1, plan.step_id
         return plan
 
     def take_frees(self) -> list[int]:
@@ -391,7 +414,6 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, text: str | None = None) -> None:
         req.state, req.finish_reason, req.finished = "finished", reason, self.clock()
-        req.in_flight = False
         if text is not None:
             req.text = text
         elif req.detok is not None:
@@ -406,13 +428,17 @@ class Scheduler:
         """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step."""
         if len(tokens) != len(plan.items):
             raise RuntimeError(f"step {plan.step_id} ran {len(plan.items)} sequences but returned {len(tokens)} tokens")
-        self._busy[plan.group] = False
+        self._busy[plan.group] -= 1
         out: list[tuple[Request, int | None, bool]] = []
         now = self.clock()
         samples = plan.samples or [True] * len(tokens)
         for req, tok, sampled in zip(plan.requests, tokens, samples):
-            req.in_flight = False
-            if req.state == "finished":  # failed or aborted while the step ran
+            req.in_flight -= 1
+            if sampled and req.pending:
+                req.pending -= 1
+                if req.fed_unknown:
+                    req.fed_unknown -= 1  # it was fed as a placeholder: now known, and computed
+            if req.state != "running":  # failed, aborted or stopped while the step ran
                 continue
             if req.aborted:
                 self._finish(req, "abort")
@@ -421,6 +447,7 @@ class Scheduler:
             if not sampled:  # a chunk of a longer prompt (or recompute): its token is not the next one
                 continue
             req.generated.append(int(tok))
+            self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
             if len(req.generated) == 1:
                 req.first_token = now
             if req.detok is not None:
@@ -454,13 +481,11 @@ class Scheduler:
         """The workers are gone: every running request (in flight or not) is lost; reset the step state."""
         lost = list(self.running.values())
         for req in lost:
-            req.state, req.in_flight, req.finished = "finished", False, self.clock()
-            req.finish_reason = "error"
+            req.state, req.in_flight, req.finished, req.finish_reason = "finished", 0, self.clock(), "error"
         self.running.clear()
         self.blocks.reset()
-        self._reserved = 0
-        self._frees = []
-        self._busy = [False] * self.config.groups
+        self._reserved, self._frees = 0, []
+        self._busy, self._owed = [0] * self.config.groups, [False] * self.config.groups
         return lost
 
     def drain_waiting(self) -> list[Request]:
