@@ -382,10 +382,11 @@ def _pool_case(path: Path, opts: dict[str, Any], vocab: int, layers: int, repeat
     try:
         runs = _rounds({k: (lambda e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
                        repeats, "pool")
-        layer_bytes = max(i.get("pool", {}).get("layer_bytes", 0) for e in engines.values() for i in e.worker_info)
-        pooled_layers = {k: len(e.worker_info[0].get("pool", {}).get("pooled", [])) for k, e in engines.items()}
-        device_bytes = {k: e.worker_info[0].get("pool", {}).get("device_bytes", e.worker_info[0]["weight_bytes"])
-                        for k, e in engines.items()}
+        layer_bytes = max(i.pool.layer_bytes if i.pool else 0 for e in engines.values() for i in e.worker_info)
+        pooled_layers = {k: len(e.worker_info[0].pool.pooled) if e.worker_info[0].pool else 0
+                         for k, e in engines.items()}
+        device_bytes = {k: e.worker_info[0].pool.device_bytes if e.worker_info[0].pool else
+                        e.worker_info[0].weight_bytes for k, e in engines.items()}
     finally:
         for e in engines.values():
             e.shutdown()
