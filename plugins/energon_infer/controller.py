@@ -3,9 +3,13 @@
 One thread per engine. Each turn it plans a step for every idle group of requests
 (:mod:`energon_infer.scheduler`), sends it to the workers (:mod:`energon_infer.protocol`
 messages), takes one reply from the result queue, and checks the workers: a worker that died, or
-a step without an answer after ``step_timeout_s``, fails the running requests with
-:class:`WorkerFailedError` and restarts the group (up to ``max_restarts``); waiting requests are
-kept. Results go out through :mod:`energon_infer.delivery`.
+a step without an answer after ``step_timeout_s`` (the watchdog; while idle, a :class:`Ping` that not every
+rank answers within it), fails the running requests with
+:class:`WorkerFailedError` and restarts the group (up to ``max_restarts`` within any
+``restart_window_s``, a :class:`~energon_infer.restart_budget.RestartBudget`); waiting requests
+are kept. A request that fails alone in a worker (its row could not be sampled) fails with
+:class:`~energon_infer.delivery.RequestFailedError` and nothing else is touched. Results go out
+through :mod:`energon_infer.delivery`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,19 @@ from typing import Any
 
 from energon_infer.delivery import Delivery
 from energon_infer.metrics import EngineMetrics
-from energon_infer.protocol import Free, Stats, StatsReport, Step, Tokens, Wake, WorkerError, WorkerInfo
+from energon_infer.protocol import (
+    Free,
+    Ping,
+    Pong,
+    Stats,
+    StatsReport,
+    Step,
+    Tokens,
+    Wake,
+    WorkerError,
+    WorkerInfo,
+)
+from energon_infer.restart_budget import RestartBudget
 from energon_infer.scheduler import (
     DEFAULT_MAX_BATCH_TOKENS,
     KV_ADMISSION,
@@ -56,8 +72,10 @@ class EngineConfig:
             step waits for the previous one).
         policy: ``"continuous"`` or ``"static"`` batching (see :mod:`energon_infer.scheduler`).
         restart_workers: restart the worker group after a failure.
-        max_restarts: restarts allowed over the engine's life; after that the engine fails closed.
-        step_timeout_s: a step without an answer after this long counts as a hung worker group.
+        max_restarts: restarts allowed within any ``restart_window_s``; a failure beyond that fails the engine
+            closed.
+        restart_window_s: the window of ``max_restarts`` (``float("inf")``: over the engine's life).
+        step_timeout_s: the watchdog: a step without an answer after this long counts as a hung worker group.
         start_timeout_s: how long loading may take.
         threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
         backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
@@ -80,6 +98,7 @@ class EngineConfig:
     policy: str = "continuous"
     restart_workers: bool = True
     max_restarts: int = 3
+    restart_window_s: float = 3600.0
     step_timeout_s: float = 300.0
     start_timeout_s: float = 600.0
     threads_per_worker: int = 0
@@ -96,7 +115,9 @@ class EngineConfig:
         if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
             raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
                              f"threads_per_worker={self.threads_per_worker} must be >= 0")
-        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0:
+        if not self.restart_window_s > 0:
+            raise ValueError(f"restart_window_s={self.restart_window_s} must be > 0 (inf: over the engine's life)")
+        if not self.step_timeout_s > 0 or not self.start_timeout_s > 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
         if self.launcher not in ("spawn", "torchrun"):
             raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
@@ -149,6 +170,12 @@ class Controller:
         self.closing = self.stop_now = False
         self.status = "ready"
         self.last_error = ""
+        self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
+        # Heartbeat while idle: a Ping every heartbeat_s without a step in flight; every rank must answer
+        # within step_timeout_s, so a frozen worker is found before the next request waits on it.
+        self.heartbeat_s = min(1.0, config.step_timeout_s / 4)
+        self.ping_seq, self.ping_sent, self.pongs = 0, None, set()
+        self.last_alive = time.monotonic()
         self.thread = threading.Thread(target=self.run, name="energon-controller", daemon=True)
 
     @property
@@ -182,6 +209,27 @@ class Controller:
                     self.check_open()
             self.live[req.request_id] = req
             wake = self.scheduler.in_flight < self.scheduler.capacity
+        if wake:
+            self.wake()
+
+    def add_all(self, reqs: list[Request]) -> None:
+        """Queue every request or none: validated first, then queued together if the queue has room for all."""
+        with self.lock:
+            self.check_open()
+            ids = [r.request_id for r in reqs]
+            dup = [i for i in ids if i in self.live] or [i for i in ids if ids.count(i) > 1]
+            if dup:
+                raise ValueError(f"request id {dup[0]!r} is already running; use unique ids")
+            for req in reqs:
+                self.scheduler.check(req.prompt, req.params)  # raises ValueError before anything is queued
+            if self.scheduler.num_waiting + len(reqs) > self.scheduler.config.max_queue:
+                self.metrics.record_rejected()
+                raise QueueFullError(self.scheduler.num_waiting, self.scheduler.config.max_queue,
+                                     asked=len(reqs))
+            for req in reqs:
+                self.scheduler.add(req)
+                self.live[req.request_id] = req
+            wake = self.scheduler.in_flight < self.groups
         if wake:
             self.wake()
 
@@ -229,7 +277,8 @@ class Controller:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan in plans:
                     self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
-                                         plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back))
+                                         plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back,
+                                         plan.history))
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:
@@ -239,6 +288,7 @@ class Controller:
                 if msg is not None:
                     self.handle(msg)
                 self.watch()
+                self.heartbeat()
         except BaseException as exc:  # the controller must never die silently
             self.last_error = f"controller crashed: {exc!r}\n{traceback.format_exc()}"
             self.status = "failed"
@@ -251,10 +301,11 @@ class Controller:
                 plan = self.inflight.pop(msg.step_id, None)
                 if plan is None:
                     return  # a step of a group that has since failed
-                events = self.scheduler.complete(plan, msg.tokens)
+                events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors)
                 for req, _, done in events:
                     if done:
                         self.live.pop(req.request_id, None)
+            self.last_alive = time.monotonic()
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
             self.delivery.notify(events)
         elif isinstance(msg, WorkerError):
@@ -271,6 +322,9 @@ class Controller:
                       else f"worker {msg.rank} failed: {last}")
             print(f"energon: worker {msg.rank} traceback:\n{msg.traceback}", file=sys.stderr, flush=True)
             self.group_failed(reason)
+        elif isinstance(msg, Pong):
+            if msg.seq == self.ping_seq:
+                self.pongs.add(msg.rank)
         elif isinstance(msg, StatsReport):
             with self.lock:
                 self.stats[msg.rank] = msg.stats
@@ -288,10 +342,28 @@ class Controller:
             self.group_failed(f"step {hung[0].step_id} got no answer within step_timeout_s="
                               f"{self.config.step_timeout_s:g} s (a worker hangs)")
 
+    def heartbeat(self) -> None:
+        if self.status != "ready":
+            return
+        now = time.monotonic()
+        if self.ping_sent is not None:
+            if len(self.pongs) >= self.group.world:
+                self.ping_sent, self.last_alive = None, now
+            elif now - self.ping_sent > self.config.step_timeout_s:
+                missing = sorted(set(range(self.group.world)) - self.pongs)
+                self.group_failed(f"worker(s) {missing} did not answer a heartbeat within step_timeout_s="
+                                  f"{self.config.step_timeout_s:g} s (a worker hangs)")
+        elif not self.inflight and now - self.last_alive >= self.heartbeat_s:
+            self.ping_seq += 1
+            self.ping_sent, self.pongs = now, set()
+            self.group.send(Ping(self.ping_seq))
+
     def group_failed(self, reason: str) -> None:
         self.metrics.worker_failures += 1
-        can_restart = (self.config.restart_workers and self.metrics.restarts < self.config.max_restarts
-                       and self.config.launcher == "spawn")  # a torchrun world's processes are torchrun's
+        can_restart = (self.config.restart_workers and self.config.launcher == "spawn"  # torchrun owns its world
+                       and self.budget.take())
+        if self.config.restart_workers and not can_restart and self.config.launcher == "spawn":
+            reason = f"{reason}; no restart left ({self.budget.describe()})"
         with self.lock:
             lost = self.scheduler.fail_running()
             self.inflight.clear()
@@ -310,6 +382,7 @@ class Controller:
             try:
                 self.group = self.restart()
                 with self.lock:
+                    self.ping_sent, self.last_alive = None, time.monotonic()
                     self.status = "ready"
                 return
             except Exception as exc:

@@ -8,6 +8,7 @@ whole output twice per token (the cost was quadratic in the output length).
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from energon_infer.scheduler import Request
 
-__all__ = ["Completion", "TokenEvent", "IncrementalDetokenizer", "Delivery", "completion_of"]
+__all__ = ["Completion", "TokenEvent", "IncrementalDetokenizer", "Delivery", "completion_of", "RequestFailedError"]
+
+# (logprob of the sampled token, [(token, logprob), ...] the most likely first)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside a worker (e.g. its sampling probabilities were not finite); the other
+    requests of the batch and the worker group were not affected."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +40,7 @@ class Completion:
     arrival: float
     first_token: float
     finished: float
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs was set
 
     @property
     def latency_s(self) -> float:
@@ -55,6 +65,7 @@ class TokenEvent:
     finish_reason: str | None = None
     completion: Completion | None = None
     error: BaseException | None = None
+    logprobs: TokenLogprobs | None = None  # this token's, when SamplingParams.logprobs was set
 
 
 class IncrementalDetokenizer:
@@ -105,7 +116,8 @@ class IncrementalDetokenizer:
 def completion_of(req: Request) -> Completion:
     """The :class:`Completion` of a finished request."""
     return Completion(req.request_id, list(req.prompt), list(req.generated), req.text, req.finish_reason or "abort",
-                      req.arrival, req.first_token, req.finished)
+                      req.arrival, req.first_token, req.finished,
+                      list(req.logprobs) if req.params.logprobs is not None else None)
 
 
 class Delivery:
@@ -140,10 +152,17 @@ class Delivery:
     def notify(self, events: list[tuple[Request, int | None, bool]]) -> None:
         """Per ``(request, token, finished)``: a token event to its listener; the completion when finished."""
         for req, tok, done in events:
+            if done and req.error is not None:  # failed alone in a worker: an error, not a completion
+                self.fail([req], RequestFailedError(f"this request failed in a worker ({req.error}); the other requests "
+                                                    "were not affected; resubmit it with other sampling settings"))
+                continue
+            if tok is not None:
+                self._timing(req)
             completion = completion_of(req) if done else None
             if req.listener is not None:
+                lp = req.logprobs[-1] if tok is not None and req.params.logprobs is not None and req.logprobs else None
                 event = TokenEvent(req.request_id, tok, self.delta(req, done), req.finish_reason if done else None,
-                                   completion)
+                                   completion, logprobs=lp)
                 try:
                     req.listener(event)
                 except Exception:  # a listener's bug must not stop the controller
@@ -152,12 +171,21 @@ class Delivery:
                 assert completion is not None
                 status = "aborted" if completion.finish_reason == "abort" else "ok"
                 self.metrics.record_finished(latency_s=completion.latency_s, ttft_s=completion.ttft_s,
-                                             tokens=len(completion.token_ids), status=status)
+                                             tokens=len(completion.token_ids), status=status, first_token_recorded=True)
                 if not req.future.done():
                     try:
                         req.future.set_result(completion)
                     except Exception:  # cancelled meanwhile
                         pass
+
+    def _timing(self, req: Request) -> None:
+        # Time to first token from the scheduler's own stamps; then each gap as the controller hands tokens out.
+        now = time.monotonic()
+        if req.last_token_at:
+            self.metrics.record_token_gap(now - req.last_token_at)
+        elif req.first_token:
+            self.metrics.record_first_token(req.first_token - req.arrival)
+        req.last_token_at = now
 
     def fail(self, requests: list[Request], error: BaseException) -> None:
         """Each request's listener gets an error event and its future the exception."""

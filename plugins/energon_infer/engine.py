@@ -17,8 +17,9 @@ pipeline); :meth:`Engine.pipeline_stats` reports each stage's measured utilisati
 
 Faults: a worker that dies (or a step that outlives ``step_timeout_s``) fails the requests that
 were running with :class:`WorkerFailedError`; waiting requests are kept; the group is restarted
-(up to ``max_restarts`` times) and serving goes on. No request is dropped without its future or
-stream receiving a result or an error.
+(up to ``max_restarts`` times within ``restart_window_s``) and serving goes on; a request that
+fails alone in a worker gets :class:`RequestFailedError` and nothing else is touched. No request
+is dropped without its future or stream receiving a result or an error.
 
 This module holds the factories and the request API; the loop is :mod:`energon_infer.controller`,
 the messages :mod:`energon_infer.protocol`, the results and their text :mod:`energon_infer.delivery`.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import sys
 import time
 import uuid
 import weakref
@@ -44,7 +46,8 @@ from energon_infer.controller import (
     WorkerFailedError,
     start_group,
 )
-from energon_infer.delivery import Completion, Delivery, TokenEvent
+from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
+from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import WorkerInfo
@@ -60,7 +63,7 @@ from energon_infer.scheduler import (
 from energon_infer.workers import ModelSource
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
-           "QueueFullError"]
+           "QueueFullError", "RequestFailedError"]
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)}
@@ -79,6 +82,19 @@ def _pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
         return MemoryPoolConfig(**memory_pool)
     raise TypeError(f"memory_pool={memory_pool!r}: give a fraction of layers (0.5), a device budget ('2GiB'), "
                     "a MemoryPoolConfig, or None")
+
+
+def _default_params(source: ModelSource) -> SamplingParams:
+    """What a request without SamplingParams gets: the model's generation_config.json defaults, if any."""
+    if source.kind != "pretrained":
+        return SamplingParams()
+    found = generation_defaults(source.path)
+    try:
+        return SamplingParams(**found)
+    except ValueError as exc:
+        print(f"energon: warning: ignoring generation_config.json's defaults {found}: {exc}", file=sys.stderr,
+              flush=True)
+        return SamplingParams()
 
 
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -101,8 +117,12 @@ class Engine:
         runtime: layout and cache of every worker (``tp``, ``pp``, ``dtype``, ``kv_cache_tokens``...).
         config: batching and fault handling.
         memory_pool: peer memory pooling of each stage's layers (``None``: off).
-        tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only).
+        tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only); a
+            ``tokenizers.Tokenizer`` or a transformers tokenizer (``AutoTokenizer.from_pretrained(...)``).
         model_name: the name the HTTP server reports.
+
+    Requests without :class:`SamplingParams` get :attr:`default_params`: the model's ``generation_config.json``
+    defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens; ``do_sample: false`` is greedy).
 
     Example:
         >>> with Engine.from_pretrained(model_dir, tp=2) as engine:              # doctest: +SKIP
@@ -114,9 +134,10 @@ class Engine:
         self.source, self.runtime = source, runtime
         self.config = config or EngineConfig()
         self.memory_pool = _pool_config(memory_pool)
-        self.tokenizer = tokenizer
+        self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
-        self.metrics = EngineMetrics()
+        self.default_params = _default_params(source)
+        self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.pipeline_groups or runtime.pp
         self._ctl: Controller | None = None
         group = self._start_group()
@@ -218,6 +239,7 @@ class Engine:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        dtype = resolve_dtype(path, dtype)  # "auto": the dtype config.json was saved in
         return cls._build(ModelSource("pretrained", str(path)), tp, pp, dtype, max_batch_tokens, memory_pool,
                           tokenizer, model_name, kwargs)
 
@@ -287,7 +309,7 @@ class Engine:
         Cancelling the future aborts the request.
         """
         ids = self.encode(prompt)
-        req = Request(request_id or uuid.uuid4().hex, ids, params or SamplingParams(), listener)
+        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params, listener)
         fut: Future[Completion] = Future()
         req.future = fut
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -296,12 +318,28 @@ class Engine:
         fut.add_done_callback(lambda f: f.cancelled() and self.abort(req.request_id))
         return fut
 
+    def submit_all(self, jobs: Sequence[tuple[str | Sequence[int], SamplingParams | None]], *,
+                   listeners: Sequence[Callable[[TokenEvent], None] | None] | None = None) -> list[Future[Completion]]:
+        """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
+        leaves nothing queued). Returns their futures in order; ``listeners``: one per job, as in :meth:`submit`."""
+        reqs: list[Request] = []
+        for i, (prompt, params) in enumerate(jobs):
+            listener = listeners[i] if listeners is not None else None
+            req = Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params, listener)
+            req.future = Future()
+            reqs.append(req)
+        self._controller.add_all(reqs)
+        for req in reqs:
+            self.metrics.record_submitted(len(req.prompt))
+            req.future.add_done_callback(lambda f, rid=req.request_id: f.cancelled() and self.abort(rid))
+        return [req.future for req in reqs]
+
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Run every prompt (continuously batched with whatever else is running); results in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params or self.default_params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
         futures = [self.submit(p, sp, block=True) for p, sp in zip(prompts, plist)]
@@ -336,12 +374,21 @@ class Engine:
     # ------------------------------------------------------------------ status
 
     def health(self) -> dict[str, Any]:
-        """Status (``ready``, ``restarting``, ``failed``, ``stopped``), workers, restarts, queue and last error."""
+        """Status, workers, restarts (and what is left of the budget), queue and last error.
+
+        ``ready``; ``degraded`` (serving, but a worker is gone or the group failed within ``restart_window_s``);
+        ``restarting`` (a failed or hung group is being replaced); ``failed`` (no workers, no restart left);
+        ``stopped``.
+        """
         group = self._group
         dead = group.dead()
-        return {"status": "degraded" if self.status == "ready" and dead else self.status,
+        budget = self._controller.budget
+        # degraded: serving, but a worker is gone or the group failed within the restart window (budget in use).
+        degraded = self.status == "ready" and (dead or budget.used > 0)
+        return {"status": "degraded" if degraded else self.status,
                 "workers": group.world, "alive": group.world - len(dead), "pids": group.pids,
                 "restarts": self.metrics.restarts, "worker_failures": self.metrics.worker_failures,
+                "restarts_left": budget.left, "restart_budget": budget.describe(),
                 "waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
                 "last_error": self.last_error, "model": self.model_name}
 

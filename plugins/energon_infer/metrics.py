@@ -1,145 +1,204 @@
-"""Engine counters and latency windows, rendered in the Prometheus text format (``/metrics``).
+"""The engine's metrics, kept and rendered by ``prometheus_client`` (``/metrics``), every series labelled by model.
 
-Latency percentiles come from the last ``window`` finished requests (a Prometheus *summary* with
-quantiles 0.5 / 0.9 / 0.99); tokens per second from the tokens generated in the last
-``rate_window_s`` seconds. Thread-safe: the controller thread records, the server thread renders.
+Histograms (so Prometheus computes any quantile over any window, and ``_sum`` / ``_count`` give means):
+time to first token, inter-token latency (one observation per generated token after the first) and
+end-to-end latency of requests that finished. Counters: prompt and generation tokens, finished
+requests by status (``ok``, ``error``, ``aborted``, ``rejected``), steps, worker failures and restarts.
+Gauges, read from the engine when scraped: waiting and running requests, KV-cache blocks in use and
+their share, whether the worker group serves. Process metrics (CPU seconds, resident memory, open
+files) come from ``prometheus_client``'s process collector. Rates (tokens per second) are
+Prometheus's job: ``rate(energon_generation_tokens_total[1m])``.
+
+Each :class:`EngineMetrics` has its own registry, so several engines in one process do not collide.
+Thread-safe: the controller thread records, the server thread renders.
 
 Example:
-    >>> m = EngineMetrics()
+    >>> m = EngineMetrics(model_name="tiny")
     >>> m.record_finished(latency_s=0.5, ttft_s=0.1, tokens=4, status="ok")
-    >>> "energon_request_latency_seconds{quantile=\\"0.5\\"} 0.5" in m.render(queue_depth=0, running=0)
+    >>> 'energon_e2e_request_latency_seconds_count{model_name="tiny"} 1.0' in m.render()
     True
 """
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-from collections import Counter, deque
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Iterator
 
-__all__ = ["EngineMetrics", "percentile"]
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-QUANTILES = (0.5, 0.9, 0.99)
+__all__ = ["EngineMetrics", "CONTENT_TYPE", "TTFT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS"]
 
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 1]); 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Buckets span a tiny CPU model (ms) to a large model under load (minutes); vLLM uses similar ranges.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+STATUSES = ("ok", "error", "aborted", "rejected")
 
 
 class EngineMetrics:
-    """What ``/metrics`` and ``Engine.health()`` report.
+    """What ``/metrics`` and ``Engine.health()`` report (see the module docstring).
 
     Args:
-        window: finished requests kept for the latency percentiles.
-        rate_window_s: seconds over which tokens per second is measured.
+        model_name: the ``model_name`` label of every series.
+        state: called at each scrape for the gauges: a dict with ``waiting``, ``running``, ``kv_blocks_used``,
+            ``kv_blocks_total`` and ``up`` (any may be missing); :meth:`bind` sets it later.
+        process: also export this process's CPU, memory and file descriptors.
     """
 
-    def __init__(self, window: int = 2048, rate_window_s: float = 10.0):
+    def __init__(self, model_name: str = "model", *, state: Callable[[], dict[str, float]] | None = None,
+                 process: bool = True):
         self._lock = threading.Lock()
-        self.started = time.monotonic()
-        self.requests: Counter[str] = Counter()  # by final status: ok, error, aborted, rejected
+        self.model_name = model_name
+        self._state = state
+        self._override: dict[str, float] = {}
+        self._render_lock = threading.Lock()
+        self.requests: Counter[str] = Counter()  # by final status, for quick reads (tests, the exit line)
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.steps = 0
-        self.step_tokens = 0
         self.worker_failures = 0
         self.restarts = 0
-        self._latency: deque[float] = deque(maxlen=window)
-        self._ttft: deque[float] = deque(maxlen=window)
-        self._recent: deque[tuple[float, int]] = deque()
-        self.rate_window_s = rate_window_s
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.ttft = Histogram("energon_time_to_first_token_seconds", "Time from arrival to the first generated "
+                              "token.", labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("energon_inter_token_latency_seconds", "Time between two consecutive generated tokens "
+                             "of a request.", labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("energon_e2e_request_latency_seconds", "Time from arrival to the last token, requests "
+                             "that finished (ok).", labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.prompt_counter = PromCounter("energon_prompt_tokens", "Prompt tokens of accepted requests.", labels,
+                                          registry=self.registry)
+        self.generation_counter = PromCounter("energon_generation_tokens", "Generated tokens.", labels,
+                                              registry=self.registry)
+        self.request_counter = PromCounter("energon_requests", "Finished requests by status (ok, error, aborted, "
+                                           "rejected).", [*labels, "status"], registry=self.registry)
+        self._touch()
+        self.registry.register(_EngineCollector(self))
+        if process:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+
+    def bind(self, *, model_name: str | None = None, state: Callable[[], dict[str, float]] | None = None) -> None:
+        """Set the model label and the gauges' source (the engine does, once it knows them)."""
+        if model_name is not None and model_name != self.model_name:
+            for metric in (self.ttft, self.itl, self.e2e, self.prompt_counter, self.generation_counter):
+                metric.clear()
+            self.request_counter.clear()
+            self.model_name = model_name
+            self._touch()
+        if state is not None:
+            self._state = state
+
+    def _touch(self) -> None:
+        # Every series exists from the start (at 0), so rate() and absent() work before the first request.
+        for metric in (self.ttft, self.itl, self.e2e, self.prompt_counter, self.generation_counter):
+            metric.labels(self.model_name)
+        for status in STATUSES:
+            self.request_counter.labels(self.model_name, status)
+
+    # ------------------------------------------------------------------ recording (controller thread)
 
     def record_step(self, n_tokens: int, n_generated: int) -> None:
-        now = time.monotonic()
         with self._lock:
             self.steps += 1
-            self.step_tokens += n_tokens
             self.generated_tokens += n_generated
-            self._recent.append((now, n_generated))
-            while self._recent and self._recent[0][0] < now - self.rate_window_s:
-                self._recent.popleft()
+        self.generation_counter.labels(self.model_name).inc(n_generated)
 
     def record_submitted(self, prompt_tokens: int) -> None:
         with self._lock:
             self.prompt_tokens += prompt_tokens
+        self.prompt_counter.labels(self.model_name).inc(prompt_tokens)
 
-    def record_finished(self, *, latency_s: float, ttft_s: float | None, tokens: int, status: str) -> None:
+    def record_first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def record_token_gap(self, seconds: float) -> None:
+        """One inter-token latency: the time since the same request's previous token."""
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def record_finished(self, *, latency_s: float, ttft_s: float | None, tokens: int, status: str,
+                        first_token_recorded: bool = False) -> None:
+        """A request left the engine; ``first_token_recorded``: its TTFT was observed at its first token."""
         with self._lock:
             self.requests[status] += 1
-            if status == "ok":
-                self._latency.append(latency_s)
-                if ttft_s is not None:
-                    self._ttft.append(ttft_s)
+        self.request_counter.labels(self.model_name, status).inc()
+        if status == "ok":
+            self.e2e.labels(self.model_name).observe(latency_s)
+            if ttft_s is not None and not first_token_recorded:
+                self.ttft.labels(self.model_name).observe(ttft_s)
 
     def record_rejected(self) -> None:
         with self._lock:
             self.requests["rejected"] += 1
+        self.request_counter.labels(self.model_name, "rejected").inc()
 
-    def tokens_per_second(self) -> float:
-        now = time.monotonic()
-        with self._lock:
-            recent = [(t, n) for t, n in self._recent if t >= now - self.rate_window_s]
-        if not recent:
-            return 0.0
-        span = min(self.rate_window_s, max(now - self.started, 1e-9))
-        return sum(n for _, n in recent) / span
+    # ------------------------------------------------------------------ rendering (any thread)
 
-    def latency_quantiles(self) -> dict[str, dict[float, float]]:
-        with self._lock:
-            lat, ttft = list(self._latency), list(self._ttft)
-        return {"latency": {q: percentile(lat, q) for q in QUANTILES},
-                "ttft": {q: percentile(ttft, q) for q in QUANTILES}}
+    def render(self, *, queue_depth: int | None = None, running: int | None = None, up: bool | None = None,
+               extra: dict[str, float] | None = None) -> str:
+        """The Prometheus text exposition format (version 0.0.4). Values given here override the bound state."""
+        given = {"waiting": queue_depth, "running": running, "up": None if up is None else float(up), **(extra or {})}
+        with self._render_lock:  # one render at a time: the overrides hold for this render only
+            self._override = {k: float(v) for k, v in given.items() if v is not None}
+            try:
+                return generate_latest(self.registry).decode()
+            finally:
+                self._override = {}
 
-    def snapshot(self) -> dict[str, Any]:
-        q = self.latency_quantiles()
-        with self._lock:
-            return {"requests": dict(self.requests), "generated_tokens": self.generated_tokens,
-                    "prompt_tokens": self.prompt_tokens, "steps": self.steps,
-                    "mean_step_tokens": self.step_tokens / self.steps if self.steps else 0.0,
-                    "worker_failures": self.worker_failures, "restarts": self.restarts,
-                    "latency_p50_s": q["latency"][0.5], "latency_p99_s": q["latency"][0.99],
-                    "ttft_p50_s": q["ttft"][0.5], "tokens_per_second": self.tokens_per_second()}
+    def gauges(self) -> dict[str, float]:
+        state = dict(self._state() if self._state is not None else {})
+        state.update(self._override)
+        return state
 
-    def render(self, *, queue_depth: int, running: int, up: bool = True, extra: dict[str, float] | None = None) -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
-        q = self.latency_quantiles()
-        tps = self.tokens_per_second()
-        with self._lock:
-            lines = [
-                "# HELP energon_up 1 while the worker group is serving.", "# TYPE energon_up gauge",
-                f"energon_up {1 if up else 0}",
-                "# HELP energon_queue_depth Requests waiting to be admitted.", "# TYPE energon_queue_depth gauge",
-                f"energon_queue_depth {queue_depth}",
-                "# HELP energon_running_requests Requests in the running batch.",
-                "# TYPE energon_running_requests gauge", f"energon_running_requests {running}",
-                "# HELP energon_requests_total Finished requests by status.", "# TYPE energon_requests_total counter",
-            ]
-            for status in sorted(set(self.requests) | {"ok", "error", "aborted", "rejected"}):
-                lines.append(f'energon_requests_total{{status="{status}"}} {self.requests.get(status, 0)}')
-            lines += [
-                "# HELP energon_generated_tokens_total Tokens generated.",
-                "# TYPE energon_generated_tokens_total counter", f"energon_generated_tokens_total {self.generated_tokens}",
-                "# HELP energon_prompt_tokens_total Prompt tokens accepted.",
-                "# TYPE energon_prompt_tokens_total counter", f"energon_prompt_tokens_total {self.prompt_tokens}",
-                f"# HELP energon_tokens_per_second Generated tokens per second over the last {self.rate_window_s:g} s.",
-                "# TYPE energon_tokens_per_second gauge", f"energon_tokens_per_second {tps:.6g}",
-                "# HELP energon_steps_total Batched steps run by the workers.", "# TYPE energon_steps_total counter",
-                f"energon_steps_total {self.steps}",
-                "# HELP energon_worker_failures_total Worker group failures.",
-                "# TYPE energon_worker_failures_total counter", f"energon_worker_failures_total {self.worker_failures}",
-                "# HELP energon_worker_restarts_total Worker group restarts.",
-                "# TYPE energon_worker_restarts_total counter", f"energon_worker_restarts_total {self.restarts}",
-            ]
-            for name, key, help_text in (("energon_request_latency_seconds", "latency", "End-to-end request latency."),
-                                         ("energon_time_to_first_token_seconds", "ttft", "Time to the first token.")):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} summary"]
-                lines += [f'{name}{{quantile="{qq}"}} {v:.6g}' for qq, v in q[key].items()]
-            for name, value in (extra or {}).items():
-                lines += [f"# TYPE {name} gauge", f"{name} {value:.6g}"]
-        return "\n".join(lines) + "\n"
+
+class _EngineCollector(Collector):
+    """Series read at scrape time: gauges from the engine's state, counters the controller increments."""
+
+    GAUGES = (("waiting", "energon_num_requests_waiting", "Requests waiting to be admitted."),
+              ("running", "energon_num_requests_running", "Requests in the running batch."),
+              ("kv_blocks_used", "energon_kv_cache_blocks_used", "KV-cache blocks reserved by running requests."),
+              ("kv_blocks_total", "energon_kv_cache_blocks_total", "KV-cache blocks of each worker."),
+              ("kv_usage", "energon_kv_cache_usage_ratio", "Share of the KV-cache blocks in use (0 to 1)."),
+              ("up", "energon_up", "1 while the worker group is serving."))
+
+    def __init__(self, metrics: EngineMetrics):
+        self.m = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # series appear only once there is a value; nothing to check for collisions
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        state = m.gauges()
+        if state.get("kv_blocks_total") and "kv_blocks_used" in state and "kv_usage" not in state:
+            state["kv_usage"] = state["kv_blocks_used"] / state["kv_blocks_total"]
+        for key, name, help_text in self.GAUGES:
+            if key in state:
+                g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+                g.add_metric([m.model_name], state[key])
+                yield g
+        for key, value in state.items():  # anything else the engine reports
+            if key not in {k for k, _, _ in self.GAUGES}:
+                g = GaugeMetricFamily(f"energon_{key}", f"{key} (engine state)", labels=["model_name"])
+                g.add_metric([m.model_name], value)
+                yield g
+        for name, help_text, value in (("energon_steps", "Batched steps run by the workers.", m.steps),
+                                       ("energon_worker_failures", "Worker group failures.", m.worker_failures),
+                                       ("energon_worker_restarts", "Worker group restarts.", m.restarts)):
+            c = CounterMetricFamily(name, help_text, labels=["model_name"])
+            c.add_metric([m.model_name], value)
+            yield c

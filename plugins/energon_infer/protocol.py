@@ -5,10 +5,11 @@ Commands go from the controller to every worker, in the same order to each (the 
 * :class:`Step`: free finished sequences, then run one packed step;
 * :class:`Free`: free sequences without a step (nothing else to run);
 * :class:`Stats`: every rank reports its stage's busy time;
+* :class:`Ping`: every rank answers :class:`Pong` (the controller's heartbeat when idle);
 * :class:`Stop`: leave the loop, destroy the process group, exit 0.
 
 Replies go from workers to the controller: :class:`Ready` (loaded, with a :class:`WorkerInfo`),
-:class:`Tokens` (the result rank's sampled tokens of a step), :class:`StatsReport`,
+:class:`Tokens` (the result rank's sampled tokens of a step), :class:`StatsReport`, :class:`Pong`,
 :class:`WorkerError` (a traceback; the worker then exits) and :class:`Bye` (a torchrun worker left).
 :class:`Wake` is the controller's own nudge to its result queue (a new request arrived).
 
@@ -23,8 +24,8 @@ from typing import Any
 
 from energon_infer.sampling import SamplingParams
 
-__all__ = ["Step", "Free", "Stats", "Stop", "Command", "Ready", "Tokens", "StatsReport", "WorkerError", "Bye", "Wake",
-           "Reply", "WorkerInfo", "PoolInfo"]
+__all__ = ["Step", "Free", "Stats", "Ping", "Stop", "Command", "Ready", "Tokens", "StatsReport", "Pong", "WorkerError",
+           "Bye", "Wake", "Reply", "WorkerInfo", "PoolInfo"]
 
 
 # ---------------------------------------------------------------------- commands (controller -> workers)
@@ -52,6 +53,7 @@ class Step:
     group: int = 0
     send_back: bool = False
     take_back: bool = False
+    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +71,19 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class Ping:
+    """Every rank answers :class:`Pong`: the controller's heartbeat while no step is in flight (a frozen
+    worker is then found without waiting for the next request)."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Leave the command loop."""
 
 
-Command = Step | Free | Stats | Stop
+Command = Step | Free | Stats | Ping | Stop
 
 
 # ---------------------------------------------------------------------- replies (workers -> controller)
@@ -127,8 +137,13 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
+    """A step's sampled tokens; by seq_id, the logprobs asked for and the rows that failed alone (see
+    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder)."""
+
     step_id: int
     tokens: list[int]
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +152,14 @@ class StatsReport:
 
     rank: int
     stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """A rank's answer to :class:`Ping` ``seq``."""
+
+    rank: int
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,4 +180,4 @@ class Wake:
     """Wake the controller loop (it waits on the result queue)."""
 
 
-Reply = Ready | Tokens | StatsReport | WorkerError | Bye | Wake
+Reply = Ready | Tokens | StatsReport | Pong | WorkerError | Bye | Wake

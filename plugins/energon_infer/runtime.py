@@ -154,6 +154,9 @@ class ModelRunner:
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, int]] = {}  # penalised seq -> (prompt length, tokens recorded)
+        # The latest step's extras on the result rank: ({seq_id: logprobs}, {seq_id: error}) (see Sampler).
+        self.last_sample: tuple[dict[int, Any], dict[int, str]] = ({}, {})
         self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -281,14 +284,19 @@ class ModelRunner:
                 if p is None:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
+        starts = {seq_id: self.cache.length(seq_id) for seq_id, _ in items}  # tokens cached before this step
         logits = self.forward(items)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
+            self._observe(items, starts)
             positions = [self.cache.length(s) for s in ids]  # the context each token is drawn after
-            tokens = torch.tensor(self.sampler.sample(logits, ids, [self._params[s] for s in ids], positions),
-                                  dtype=torch.long, device=self.device)
+            sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids], positions)
+            # By seq_id, for the engine's workers: logprobs asked for, and rows that failed alone.
+            self.last_sample = ({ids[r]: v for r, v in sampled.logprobs.items()},
+                                {ids[r]: v for r, v in sampled.errors.items()})
+            tokens = torch.tensor(sampled.tokens, dtype=torch.long, device=self.device)
         if not broadcast and self.grid.world > 1:
             return tokens.tolist() if self.grid.rank == self.grid.result_rank else []
         out = self.grid.broadcast_result(tokens).tolist()
@@ -296,13 +304,33 @@ class ModelRunner:
         return out
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
-                      copies: Sequence[tuple[int, int]] = ()) -> None:
+                      copies: Sequence[tuple[int, int]] = (),
+                      history: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None) -> None:
         """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduler.StepPlan`):
-        copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in)."""
+        copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in).
+        ``history``: a new penalised sequence's ``(prompt, generated so far)`` (its penalties count them even
+        when a shared prefix, a chunk or a preemption means they are not all fed in this step)."""
         self.cache.copy_blocks(copies)
         starts = starts or {}
         for seq_id, new in blocks.items():
             self.cache.assign(seq_id, new, starts.get(seq_id))
+        for seq_id, (prompt, generated) in (history or {}).items():
+            self.sampler.observe(seq_id, prompt, prompt=True)
+            self.sampler.observe(seq_id, generated, prompt=False)
+            self._seen[seq_id] = (len(prompt), len(prompt) + len(generated))
+
+    def _observe(self, items: Sequence[tuple[int, Sequence[int]]], starts: Mapping[int, int]) -> None:
+        """Record fed tokens for the penalties: positions below the prompt length are prompt, the rest output.
+        A sequence first seen here (no ``history``) takes its first feed as its prompt."""
+        for seq_id, fed in items:
+            if not self._params[seq_id].penalised:
+                continue
+            start = starts[seq_id]
+            plen, seen = self._seen.get(seq_id, (start + len(fed), start))
+            new = [(start + i, t) for i, t in enumerate(fed) if start + i >= seen]
+            self.sampler.observe(seq_id, [t for pos, t in new if pos < plen], prompt=True)
+            self.sampler.observe(seq_id, [t for pos, t in new if pos >= plen], prompt=False)
+            self._seen[seq_id] = (plen, max(seen, start + len(fed)))
 
     def prefill(self, prompts: Mapping[int, Sequence[int]], params: SamplingParams | Mapping[int, SamplingParams]
                 ) -> dict[int, int]:
@@ -323,6 +351,7 @@ class ModelRunner:
     def free(self, seq_id: int) -> None:
         """Drop a sequence: its KV blocks return to the pool, its sampling state is forgotten."""
         self.cache.free(seq_id)
+        self._seen.pop(seq_id, None)
         self._params.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self.sampler.forget(seq_id)
@@ -391,7 +420,7 @@ class ModelRunner:
                     raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
                 for seq_id in plan.frees:
                     self.free(seq_id)
-                self.assign_blocks(plan.blocks, plan.starts, plan.copies)
+                self.assign_blocks(plan.blocks, plan.starts, plan.copies, plan.history)
                 sched.complete(plan, self.step(plan.items, plan.new_params))
                 steps += 1
         finally:

@@ -4,7 +4,17 @@ Greedy is ``temperature=0``. Otherwise logits are divided by the temperature, fi
 then top-p (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
 likely token is always kept), and a token is drawn for the whole batch at once (Gumbel-max with
 counter-based noise of the request's seed and the token's position), so a request with a ``seed``
-gives the same tokens whatever else is in the batch.
+gives the same tokens whatever else is in the batch, and after a preemption or a chunked prefill.
+
+Penalties act on the logits first, in vLLM's order: ``repetition_penalty`` (Hugging Face's: a
+positive logit of a token seen in the prompt or the output is divided by it, a negative one
+multiplied), then ``frequency_penalty`` (times the token's count in the output) and
+``presence_penalty`` (once per token present in the output) are subtracted. ``logprobs=k`` returns
+the log-probability of the sampled token under the model (the raw logits, before penalties and
+temperature, as OpenAI reports them) and the ``k`` most likely tokens.
+
+Penalties, logprobs and the draw are tensor ops over the batch (no loop over rows). One row that cannot be sampled (its probabilities are not finite, e.g. a half-precision overflow)
+fails alone: :meth:`Sampler.sample_rows` reports it in ``errors`` and the others are unaffected.
 
 Example:
     >>> import torch
@@ -20,12 +30,22 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "filter_logits", "stop_reason", "uniform_noise"]
+__all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
+           "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
+
+# Below 1e-2, logits / temperature overflow float32 for ordinary logit gaps (a gap of 10 at 1e-40 is 1e41 >
+# 3.4e38) and softmax turns into NaN; 0 (greedy) is what such a request means. vLLM uses the same floor.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed takes 64 bits; a negative seed is taken modulo 2**64.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +62,11 @@ class SamplingParams:
             added unless ``ignore_eos``.
         stop: strings that end the request; the text is cut before the first one.
         ignore_eos: do not stop at the model's EOS tokens.
+        presence_penalty: subtracted once from the logit of every token already in the output ([-2, 2]).
+        frequency_penalty: subtracted from a token's logit once per time it is in the output ([-2, 2]).
+        repetition_penalty: > 1 discourages tokens of the prompt and the output (Hugging Face's; 1: off).
+        logprobs: ``None``: none; ``k``: the sampled token's log-probability and the ``k`` most likely tokens'
+            (at most ``MAX_LOGPROBS``).
     """
 
     temperature: float = 1.0
@@ -52,10 +77,31 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0; use 0 for greedy decoding")
+        if 0 < self.temperature < MIN_TEMPERATURE or self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                             f"{MAX_TEMPERATURE:g}]; smaller positive values overflow the logits to NaN")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed={self.seed!r} must be an integer that fits in 64 bits [-2^63, 2^64)")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"presence_penalty={self.presence_penalty} and frequency_penalty="
+                             f"{self.frequency_penalty} must be in [-2, 2] (OpenAI's range)")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in (0, 10]; 1 turns it off")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] (None: no logprobs)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0; 0 keeps every token")
         if not 0 < self.top_p <= 1:
@@ -71,6 +117,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What :meth:`Sampler.sample_rows` drew: a token per row, and by row the logprobs asked for and the errors.
+
+    ``logprobs[row]`` is ``(logprob of the token, [(token, logprob), ...] most likely first)``; a row in
+    ``errors`` got token 0 as a placeholder and must be failed by the caller.
+    """
+
+    tokens: list[int]
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 _M31 = 0x7FFFFFFF
@@ -105,11 +168,11 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 
 
 class Sampler:
-    """Draws one token per row of a logits batch: every sampled row at once (no loop over rows, one host sync).
+    """Draws one token per row of a logits batch: every row at once (no loop over rows, one host sync).
 
-    A row's draw is Gumbel-max over its filtered logits (exactly a draw from the softmax) with noise
-    from :func:`uniform_noise` of the request's seed and the token's position, so a seeded request
-    gives the same tokens whatever else is in the batch, and after being preempted and recomputed.
+    A sampled row's draw is Gumbel-max over its penalised, filtered logits (exactly a draw from the
+    softmax) with noise from :func:`uniform_noise` of the request's seed and the token's position, so
+    a seeded request gives the same tokens whatever else is in the batch, and after a preemption.
 
     Args:
         seed: requests without a ``seed`` get one derived from this and their sequence id.
@@ -118,10 +181,11 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._seeds: dict[int, int] = {}
+        self._history: dict[int, tuple[list[int], list[int]]] = {}  # seq_id -> (prompt, output) for penalties
 
     def seed_of(self, seq_id: int, params: SamplingParams) -> int:
         if params.seed is not None:
-            return int(params.seed) & ((1 << 62) - 1)
+            return int(params.seed) % (1 << 64) >> 2
         s = self._seeds.get(seq_id)
         if s is None:
             s = self._seeds[seq_id] = _splitmix64(_splitmix64(self.seed) ^ (seq_id & 0xFFFFFFFFFFFFFFFF)) >> 2
@@ -133,31 +197,114 @@ class Sampler:
 
     def forget(self, seq_id: int) -> None:
         self._seeds.pop(seq_id, None)
+        self._history.pop(seq_id, None)
+
+    def observe(self, seq_id: int, tokens: Sequence[int], *, prompt: bool) -> None:
+        """Record tokens fed to a sequence (its prompt, or the tokens it generated) for the penalties."""
+        hist = self._history.setdefault(seq_id, ([], []))
+        hist[0 if prompt else 1].extend(int(t) for t in tokens)
 
     def sample(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
                positions: Sequence[int] | None = None) -> list[int]:
         """One token per row; greedy rows take the argmax. ``positions``: each row's context length (default 0)."""
+        out = self.sample_rows(logits, seq_ids, params, positions)
+        if out.errors:
+            row, why = next(iter(out.errors.items()))
+            raise ValueError(f"sequence {seq_ids[row]}: {why}")
+        return out.tokens
+
+    def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
+                    positions: Sequence[int] | None = None) -> SampleOutput:
+        """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising."""
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
+        dev, vocab = logits.device, logits.shape[-1]
         out = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
+        rows = [i for i, p in enumerate(params) if not p.greedy or p.penalised or p.logprobs is not None]
+        if not rows:
+            return SampleOutput(out.tolist())
+        sub = [params[i] for i in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
+        raw = logits.index_select(0, index).float()
+        scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
+        greedy = torch.tensor([p.greedy for p in sub], device=dev)
+        choice = scores.argmax(dim=-1)
+        if not bool(greedy.all()):
             pos = positions if positions is not None else [0] * len(seq_ids)
-            sub = [params[i] for i in rows]
-            dev = logits.device
             seeds = torch.tensor([self.seed_of(seq_ids[i], params[i]) for i in rows], dtype=torch.long, device=dev)
             where = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=dev)
-            index = torch.tensor(rows, dtype=torch.long, device=dev)
-            filtered = filter_logits(logits.index_select(0, index).float(), sub)
-            gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, logits.shape[-1])))
-            out = out.index_copy(0, index, (filtered + gumbel).argmax(dim=-1))
-        return out.tolist()
+            filtered = filter_logits(scores, sub)
+            gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
+            choice = torch.where(greedy, choice, (filtered + gumbel).argmax(dim=-1))
+            usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~torch.isnan(filtered).any(dim=-1))
+        else:
+            usable = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        ok = torch.isfinite(raw).any(dim=-1) & usable
+        out = out.index_copy(0, index, torch.where(ok, choice, torch.zeros_like(choice)))
+        result = SampleOutput(out.tolist())
+        for j in (~ok).nonzero().flatten().tolist():  # rows that fail alone (empty in a healthy batch)
+            bad = not bool(torch.isfinite(raw[j]).any())
+            result.errors[rows[j]] = ("sampling failed: the model produced no finite logit (numerical overflow)"
+                                      if bad else "sampling failed: the sampling probabilities are not finite "
+                                      f"(temperature={sub[j].temperature:g})")
+        want = [j for j, p in enumerate(sub) if p.logprobs is not None and rows[j] not in result.errors]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            toks = torch.tensor([result.tokens[rows[j]] for j in want], dtype=torch.long, device=dev)
+            chosen = lp.gather(1, toks[:, None])[:, 0].tolist()
+            kmax = max(sub[j].logprobs or 0 for j in want)
+            top = torch.topk(lp, min(kmax, vocab), dim=-1) if kmax else None
+            ids = top.indices.tolist() if top is not None else []
+            vals = top.values.tolist() if top is not None else []
+            for n, j in enumerate(want):
+                k = sub[j].logprobs or 0
+                result.logprobs[rows[j]] = (chosen[n], list(zip(ids[n][:k], vals[n][:k])) if k else [])
+        return result
+
+    def apply_penalties(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> torch.Tensor:
+        """``logits`` (one row) with ``p``'s penalties for what :meth:`observe` recorded of ``seq_id`` (a copy)."""
+        return self.apply_penalties_batch(logits[None], [seq_id], [p])[0]
+
+    def apply_penalties_batch(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
+                              ) -> torch.Tensor:
+        """``(B, V)`` logits with each row's penalties (rows without any are returned as they are)."""
+        pen = [j for j, p in enumerate(params) if p.penalised]
+        if not pen:
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
+        logits = logits.clone()
+        hist = [self._history.get(seq_ids[j], ([], [])) for j in pen]
+        # Every row's seen tokens (prompt + output) and output tokens as (row, token) index pairs, one tensor each.
+        seen_r = [r for r, (pr, ou) in enumerate(hist) for _ in range(len(pr) + len(ou))]
+        seen_t = [t for pr, ou in hist for t in (*pr, *ou)]
+        out_r = [r for r, (_, ou) in enumerate(hist) for _ in ou]
+        out_t = [t for _, ou in hist for t in ou]
+        rows = torch.tensor(pen, dtype=torch.long, device=dev)
+        sub = logits.index_select(0, rows)
+        rep = torch.tensor([params[j].repetition_penalty for j in pen], dtype=logits.dtype, device=dev)
+        if seen_t:
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            t = torch.tensor(seen_t, dtype=torch.long, device=dev)
+            keep = t < vocab
+            seen[torch.tensor(seen_r, dtype=torch.long, device=dev)[keep], t[keep]] = True
+            scaled = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
+            sub = torch.where(seen & (rep[:, None] != 1), scaled, sub)
+        if out_t:
+            counts = torch.zeros_like(sub)
+            t = torch.tensor(out_t, dtype=torch.long, device=dev)
+            keep = t < vocab
+            counts.index_put_((torch.tensor(out_r, dtype=torch.long, device=dev)[keep], t[keep]),
+                              torch.ones(int(keep.sum()), dtype=sub.dtype, device=dev), accumulate=True)
+            freq = torch.tensor([params[j].frequency_penalty for j in pen], dtype=sub.dtype, device=dev)
+            pres = torch.tensor([params[j].presence_penalty for j in pen], dtype=sub.dtype, device=dev)
+            sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(sub.dtype)
+        return logits.index_copy(0, rows, sub)
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``(B, V)`` logits divided by each row's temperature, with tokens outside its top-k / top-p set to ``-inf``."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype, device=dev)  # 0: greedy rows
     logits = logits / temps[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):

@@ -41,78 +41,16 @@ from typing import Any
 from energon_infer.blocks import BlockManager
 from energon_infer.delivery import IncrementalDetokenizer
 from energon_infer.sampling import SamplingParams, stop_reason
+from energon_infer.scheduler_config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    KV_ADMISSION,
+    PLACEHOLDER,
+    POLICIES,
+    QueueFullError,
+    SchedulerConfig,
+)
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
-
-POLICIES = ("continuous", "static")
-KV_ADMISSION = ("on_demand", "reserve")
-#: The token of a step planned before its input was sampled (``depth > 1``); workers fill it in.
-PLACEHOLDER = -1
-
-
-#: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
-#: ``RuntimeConfig`` and the engine's factories (4096 was the engine's and the CLI's default; the
-#: runtime and the scheduler had 8192 before they shared this one).
-DEFAULT_MAX_BATCH_TOKENS = 4096
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; retry later (HTTP: 429)."""
-
-    def __init__(self, waiting: int, limit: int):
-        self.waiting, self.limit = waiting, limit
-        super().__init__(
-            f"the request queue is full ({waiting} waiting, max_queue={limit}); retry later, or start the engine "
-            "with a larger max_queue if the workers keep up"
-        )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SchedulerConfig:
-    """Limits of one step and of the queue.
-
-    Args:
-        kv_blocks: blocks in each worker's KV cache (all ranks have the same number).
-        block_size: tokens per block.
-        max_context: the model's context (tokens); a request stops with ``"length"`` there.
-        max_batch_tokens: tokens per step: one per running request plus each admitted prompt.
-        max_running: sequences running at once (all groups together).
-        max_queue: waiting requests at most; more raise :class:`QueueFullError`.
-        groups: steps in flight at once (1: each step waits for the previous one's tokens).
-        policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
-            only when its whole batch has finished).
-        kv_admission: ``"on_demand"`` (grow, preempt, recompute) or ``"reserve"`` (prompt + ``max_tokens`` at admission).
-        prefix_caching: share full KV blocks of equal prefixes between requests (:mod:`energon_infer.blocks`).
-        chunked_prefill: split prompts so each step stays within ``max_batch_tokens`` (longer prompts accepted).
-        depth: steps of a group in flight. Beyond 1 a step is planned before the previous one's tokens
-            are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
-            last stage sent it; a request that stopped meanwhile has that one token dropped.
-    """
-
-    kv_blocks: int
-    block_size: int
-    max_context: int
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_running: int = 256
-    max_queue: int = 1024
-    groups: int = 1
-    policy: str = "continuous"
-    kv_admission: str = "on_demand"
-    prefix_caching: bool = False
-    chunked_prefill: bool = False
-    depth: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups", "depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue={self.max_queue} must be >= 0 (0 accepts no waiting request)")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
-        if self.kv_admission not in KV_ADMISSION:
-            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
-
 
 @dataclass(eq=False, slots=True)
 class Request:
@@ -148,6 +86,9 @@ class Request:
     finished: float = 0.0
     sent_text: str = ""  # streamed so far
     detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer)
+    logprobs: list[Any] = field(default_factory=list)  # per generated token, when params.logprobs is set
+    error: str | None = None  # why it failed alone in a worker (finish_reason "error")
+    last_token_at: float = 0.0  # when the previous token was delivered (inter-token latency)
     future: Any = None
 
 
@@ -167,6 +108,7 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, before the step
     samples: list[bool] = field(default_factory=list)  # per item: does its sampled token count (last chunk)
     send_back: bool = False  # the last stage sends this step's tokens to the first (depth > 1)
+    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # new penalised: seen tokens
     take_back: bool = False  # the first stage receives the group's previous step's tokens before running
 
     @property
@@ -348,6 +290,8 @@ class Scheduler:
         if cfg.kv_admission == "reserve":
             self._reserved += req.reserve
         plan.new_params[req.seq_id] = req.params
+        if req.params.penalised:
+            plan.history[req.seq_id] = (list(req.prompt), list(req.generated))
         self._feed(plan, req, n)
         return n
 
@@ -424,8 +368,13 @@ class Scheduler:
                 self._reserved -= req.reserve
             self._frees.append(req.seq_id)
 
-    def complete(self, plan: StepPlan, tokens: Sequence[int]) -> list[tuple[Request, int | None, bool]]:
-        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step."""
+    def complete(self, plan: StepPlan, tokens: Sequence[int], logprobs: dict[int, Any] | None = None,
+                 errors: dict[int, str] | None = None) -> list[tuple[Request, int | None, bool]]:
+        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step.
+
+        ``logprobs`` / ``errors`` are by seq_id (see :class:`~energon_infer.protocol.Tokens`): a request in
+        ``errors`` finishes with ``finish_reason="error"`` and ``request.error`` set, its placeholder token dropped.
+        """
         if len(tokens) != len(plan.items):
             raise RuntimeError(f"step {plan.step_id} ran {len(plan.items)} sequences but returned {len(tokens)} tokens")
         self._busy[plan.group] -= 1
@@ -444,8 +393,15 @@ class Scheduler:
                 self._finish(req, "abort")
                 out.append((req, None, True))
                 continue
+            if errors and req.seq_id in errors:
+                req.error = errors[req.seq_id]
+                self._finish(req, "error")
+                out.append((req, None, True))
+                continue
             if not sampled:  # a chunk of a longer prompt (or recompute): its token is not the next one
                 continue
+            if logprobs and req.seq_id in logprobs:
+                req.logprobs.append(logprobs[req.seq_id])
             req.generated.append(int(tok))
             self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
             if len(req.generated) == 1:

@@ -32,6 +32,8 @@ import torch
 from energon_infer.protocol import (
     Command,
     Free,
+    Ping,
+    Pong,
     PoolInfo,
     Ready,
     Reply,
@@ -249,20 +251,23 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
         if isinstance(cmd, Step):
             for seq_id in cmd.frees:
                 runner.free(seq_id)
-            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies)
+            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies, cmd.history)
             items = feedback.take(cmd) if cmd.take_back else cmd.items
             tokens = runner.step(items, cmd.new_params, broadcast=False)
             if cmd.send_back:
                 feedback.give(cmd, tokens)
             if rank == result_rank:
-                reply(Tokens(cmd.step_id, list(tokens)))
+                logprobs, errors = runner.last_sample
+                reply(Tokens(cmd.step_id, list(tokens), logprobs, errors))
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
         elif isinstance(cmd, Stats):
             reply(StatsReport(rank, timer.snapshot(reset=cmd.reset)))
+        elif isinstance(cmd, Ping):
+            reply(Pong(rank, cmd.seq))
         else:
-            raise TypeError(f"unknown command {cmd!r}; the protocol's commands are Step, Free, Stats and Stop")
+            raise TypeError(f"unknown command {cmd!r}; the protocol's commands are Step, Free, Stats, Ping and Stop")
 
 
 def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime: Any, pool: Any, threads: int,

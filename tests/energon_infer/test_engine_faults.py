@@ -51,10 +51,12 @@ def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
         # The waiting request was not lost: it runs on the restarted group.
         assert waiting.result(timeout=180).token_ids == expected
         health = engine.health()
-        assert health["status"] == "ready" and health["restarts"] == 1 and health["worker_failures"] == 1
+        # Serving again, and saying truthfully that it failed within the restart window (1 of 1 restarts used).
+        assert health["status"] == "degraded" and health["restarts"] == 1 and health["worker_failures"] == 1
+        assert health["restarts_left"] == 0 and "1 of 1 restart(s) used" in health["restart_budget"]
         assert set(health["pids"]).isdisjoint(old_pids) and "worker 1 exited" in health["last_error"]
         assert engine.generate([[9, 8, 7]], SHORT)[0].token_ids == expected
-        assert 'energon_worker_restarts_total 1' in engine.render_metrics()
+        assert 'energon_worker_restarts_total{model_name="m"} 1.0' in engine.render_metrics()
 
         # No restarts left: the engine fails closed instead of hanging or accepting work it cannot do.
         doomed = _kill_while_running(engine, 0, "victim-2")
@@ -63,7 +65,7 @@ def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
         assert _wait(lambda: engine.health()["status"] == "failed")
         with pytest.raises(EngineClosedError, match="has no workers"):
             engine.submit([1, 2])
-        assert "energon_up 0" in engine.render_metrics()
+        assert 'energon_up{model_name="m"} 0.0' in engine.render_metrics()
         import httpx
 
         from energon_infer.server import BackgroundServer
@@ -93,7 +95,29 @@ def test_hung_worker_times_out_instead_of_hanging(tmp_path):
         with pytest.raises(WorkerFailedError, match=r"no answer within step_timeout_s=3 s \(a worker hangs\)"):
             fut.result(timeout=120)
         assert time.monotonic() - t0 < 60
-        assert _wait(lambda: engine.health()["status"] == "ready" and engine.health()["pids"][0] != pid)
+        assert _wait(lambda: engine.health()["status"] == "degraded" and engine.health()["pids"][0] != pid)
         assert len(engine.generate([[9, 8, 7]], SHORT)[0].token_ids) == 6
+    finally:
+        engine.shutdown(timeout=30)
+
+
+def test_a_request_that_fails_inside_a_worker_fails_alone(tmp_path):
+    from energon_infer.demo import write_random_llama
+    from energon_infer.engine import RequestFailedError
+
+    path = write_random_llama(tmp_path / "m", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    engine = Engine.from_pretrained(path, progress=False, threads_per_worker=1)
+    try:
+        expected = engine.generate([[9, 8, 7]], SHORT)[0].token_ids
+        bad = SamplingParams(temperature=1.0, max_tokens=4)
+        object.__setattr__(bad, "temperature", 1e-40)  # past the validation, as a bug could: it reaches a worker
+        for _ in range(4):  # four times took the server down for good before
+            good, doomed = engine.submit([9, 8, 7], SHORT), engine.submit([5, 6, 7], bad)
+            with pytest.raises(RequestFailedError, match="probabilities are not finite.*other requests were not"):
+                doomed.result(timeout=60)
+            assert good.result(timeout=60).token_ids == expected  # its batch-mate is unaffected
+        health = engine.health()
+        assert health["status"] == "ready" and health["worker_failures"] == 0 and health["restarts"] == 0
+        assert engine.metrics.requests["error"] == 4
     finally:
         engine.shutdown(timeout=30)

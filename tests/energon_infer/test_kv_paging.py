@@ -147,3 +147,21 @@ def test_engine_with_preemption_prefix_caching_and_chunks_equals_the_runtime(tin
         out = [c.token_ids for c in engine.generate(prompts, params)]
         assert out == ref
         assert engine.scheduler.preemptions > 0 and engine.scheduler.blocks.hit_tokens > 0
+
+
+def test_penalties_count_the_same_tokens_through_chunks_preemption_and_shared_prefixes(tiny_dirs):
+    # The penalties need every token of the prompt and the output even when a chunk, a shared prefix or a
+    # recompute means they are not all fed in one step: the scheduler sends a new sequence's history.
+    penalised = [SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, repetition_penalty=1.5,
+                                frequency_penalty=0.7, presence_penalty=0.4),
+                 SamplingParams(temperature=0.8, seed=3, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                                repetition_penalty=1.3, frequency_penalty=0.5)] * 2
+    prompts = SHARED
+    ref = _tokens(_runner(tiny_dirs["gpt2"]), prompts, penalised)[0]
+    plain = _tokens(_runner(tiny_dirs["gpt2"]), prompts, [SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS,
+                                                                        ignore_eos=True)] * 4)[0]
+    assert ref != plain  # the penalties change the tokens
+    tight = _runner(tiny_dirs["gpt2"], max_batch_tokens=8, kv_cache_tokens=48)
+    out, stats = _tokens(tight, prompts, penalised, chunked_prefill=True, prefix_caching=True,
+                         kv_admission="on_demand")
+    assert out == ref and stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0

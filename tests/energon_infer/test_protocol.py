@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from energon_infer.protocol import PoolInfo, Ready, Step, Stop, Tokens, WorkerInfo
+from energon_infer.protocol import Ping, Pong, PoolInfo, Ready, Step, Stop, Tokens, WorkerInfo
 from energon_infer.sampling import SamplingParams
 
 
@@ -18,7 +18,8 @@ def _info(pool: PoolInfo | None = None) -> WorkerInfo:
 
 def test_messages_survive_pickling_and_are_frozen():
     step = Step(7, [3], [(5, [1, 2, 3])], {5: SamplingParams(temperature=0, max_tokens=4)})
-    for msg in (step, Stop(), Tokens(7, [9]), Ready(1, _info(PoolInfo(pooled=(0, 2), layers=4, pool_bytes=10,
+    for msg in (step, Stop(), Tokens(7, [9]), Tokens(7, [9, 0], {5: (-0.5, [(9, -0.5)])}, {6: "sampling failed"}),
+                Ping(3), Pong(1, 3), Ready(1, _info(PoolInfo(pooled=(0, 2), layers=4, pool_bytes=10,
                                                                            slot_bytes=5, device_bytes=20,
                                                                            layer_bytes=5)))):
         assert pickle.loads(pickle.dumps(msg)) == msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from energon_infer import ModelRunner, SamplingParams
@@ -69,3 +70,65 @@ def test_stop_tokens_strings_and_eos(tiny_dirs):
     out = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, stop=(piece,)))[0]
     assert out.finish_reason == "stop" and out.text == text[: text.find(piece)]
     assert runner.cache.free_blocks == runner.cache.num_blocks
+
+
+def test_sampling_params_refuse_what_would_break_a_worker():
+    import math
+
+    for bad, match in (({"temperature": 1e-40}, "must be 0 \\(greedy\\) or in \\[0.01, 100\\]"),
+                       ({"temperature": math.nan}, "temperature=nan must be a finite number"),
+                       ({"temperature": math.inf}, "must be a finite number"),
+                       ({"seed": 2**70}, "fits in 64 bits"), ({"seed": True}, "fits in 64 bits"),
+                       ({"presence_penalty": 3}, "\\[-2, 2\\]"), ({"repetition_penalty": 0}, "\\(0, 10\\]"),
+                       ({"logprobs": 21}, "\\[0, 20\\]")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63) and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_logprobs_are_the_models_and_the_top_ones_come_sorted():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0], [0.0, 0.0, 5.0, 1.0]])
+    out = Sampler().sample_rows(logits, [1, 2], [SamplingParams(temperature=0, logprobs=2),
+                                                 SamplingParams(temperature=0.7, seed=0, logprobs=0)])
+    ref = torch.log_softmax(logits, dim=-1)
+    lp, top = out.logprobs[0]
+    assert out.tokens[0] == 3 and lp == approx(float(ref[0, 3]))
+    assert [t for t, _ in top] == [3, 0] and [v for _, v in top] == approx(ref[0, [3, 0]].tolist())
+    assert out.logprobs[1][0] == approx(float(ref[1, out.tokens[1]])) and out.logprobs[1][1] == []
+
+
+def test_penalties_follow_hugging_face_and_openai():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 3
+    sampler = Sampler()
+    sampler.observe(7, [1, 2, 2], prompt=True)
+    sampler.observe(7, [5, 5, 9], prompt=False)
+    p = SamplingParams(temperature=0, repetition_penalty=1.7)
+    # Hugging Face's processor over prompt + output is the reference for repetition_penalty.
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 2, 2, 5, 5, 9]]), logits.clone())
+    assert torch.allclose(sampler.apply_penalties(logits[0], 7, p), expected[0])
+    # OpenAI's: frequency x count + presence x (count > 0), over the output only.
+    q = SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=1.5)
+    want = logits[0].clone()
+    want[5] -= 0.5 * 2 + 1.5
+    want[9] -= 0.5 * 1 + 1.5
+    assert torch.allclose(sampler.apply_penalties(logits[0], 7, q), want)
+    # Strong enough, the penalty moves the greedy choice off a token already generated twice.
+    logits[0, 5] = 10.0
+    assert sampler.sample(logits, [7], [SamplingParams(temperature=0)]) == [5]
+    assert sampler.sample(logits, [7], [SamplingParams(temperature=0, frequency_penalty=2, presence_penalty=2,
+                                                       repetition_penalty=10)]) != [5]
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [float("nan")] * 3, [3.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=1.0, seed=0)] * 3
+    out = Sampler().sample_rows(logits, [1, 2, 3], params)
+    assert list(out.errors) == [1] and "no finite logit" in out.errors[1]
+    assert out.tokens[0] in (0, 1, 2) and out.tokens[2] in (0, 1, 2)
+
+
+def approx(value):
+    return pytest.approx(value, rel=1e-5, abs=1e-6)

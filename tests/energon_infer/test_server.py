@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on 127.0.0.1 with a real HTTP client (httpx): endpoints, streaming, limits,
-errors, 200 concurrent requests (none lost, none duplicated), 429 on a full queue, graceful shutdown."""
+errors, 200 concurrent requests (none lost, none duplicated), 429 on a full queue, graceful shutdown.
+Hostile clients, abandoned work and the official ``openai`` client: test_server_hostile.py, test_server_openai.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from energon_infer import SamplingParams
 from energon_infer.engine import Engine
-from energon_infer.server import BackgroundServer, ServerConfig, chat_prompt
+from energon_infer.hf_files import ChatTemplate
+from energon_infer.server import BackgroundServer, ServerConfig
 from tests.helpers.runif import RunIf
 
 KEY = "test-key"
@@ -61,11 +63,31 @@ def test_binds_loopback_and_reports_health_models_and_metrics(server, client):
     assert health.status_code == 200 and health.json()["status"] == "ready" and health.json()["alive"] == 1
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny-llama" and models["data"][0]["max_model_len"] == 128
-    client.post("/v1/completions", json={"prompt": "every rank", "max_tokens": 2})
-    text = client.get("/metrics").text
-    for name in ("energon_queue_depth", "energon_tokens_per_second", 'energon_request_latency_seconds{quantile="0.99"}',
-                 'energon_time_to_first_token_seconds{quantile="0.5"}', 'energon_requests_total{status="ok"}'):
-        assert name in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict:
+        text = client.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = samples()
+    r = client.post("/v1/completions", json={"prompt": "every rank", "max_tokens": 3, "ignore_eos": True})
+    after = samples()
+    model = (("model_name", "tiny-llama"),)
+    for name in ("energon_e2e_request_latency_seconds_count", "energon_time_to_first_token_seconds_count"):
+        assert after[(name, model)] == before[(name, model)] + 1
+    assert after[("energon_inter_token_latency_seconds_count", model)] == before[
+        ("energon_inter_token_latency_seconds_count", model)] + 2  # one per token after the first
+    assert after[("energon_generation_tokens_total", model)] - before[("energon_generation_tokens_total", model)] == 3
+    assert after[("energon_prompt_tokens_total", model)] - before[("energon_prompt_tokens_total", model)] == \
+        r.json()["usage"]["prompt_tokens"]
+    assert after[("energon_requests_total", (("model_name", "tiny-llama"), ("status", "ok")))] == \
+        before[("energon_requests_total", (("model_name", "tiny-llama"), ("status", "ok")))] + 1
+    for gauge in ("energon_num_requests_waiting", "energon_num_requests_running", "energon_kv_cache_usage_ratio",
+                  "energon_kv_cache_blocks_total", "energon_up"):
+        assert (gauge, model) in after
+    assert after[("energon_kv_cache_blocks_total", model)] == 4096 / 4  # kv_cache_tokens / block_size (OPTS)
+    assert any(name == "process_resident_memory_bytes" for name, _ in after)
 
 
 def test_completions_equal_the_engine(engine, client):
@@ -100,7 +122,7 @@ def test_completions_stream_server_sent_events(client):
 
 def test_chat_completions_and_chat_streaming(engine, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "every rank"}]
-    prompt = chat_prompt(messages)
+    prompt = ChatTemplate(None).render(messages)  # this model has no chat template
     assert prompt == "system: be brief\nuser: every rank\nassistant:"
     expected = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].text
     req = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -115,23 +137,16 @@ def test_chat_completions_and_chat_streaming(engine, client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_template_from_tokenizer_config():
-    cfg = {"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}"}
-    assert chat_prompt([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], cfg) == "<user>hi<assistant>"
-
-
 @pytest.mark.parametrize("payload,status,needle", [
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "must be a JSON object"),
     ({"prompt": "hi", "max_tokens": 65}, 400, "between 1 and 64"),
-    ({"prompt": "hi", "max_tokens": "9"}, 400, "'max_tokens' must be int"),
-    ({"prompt": "hi", "n": 2}, 400, "'n'=2 is not supported"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature=-1.0 must be >= 0"),
-    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": "hi", "max_tokens": "9"}, 400, "'max_tokens': Input should be a valid integer"),
+    ({"prompt": "hi", "temperature": -1}, 400, "'temperature': Input should be greater than or equal to 0"),
+    ({"prompt": ""}, 400, "'prompt' must be a non-empty string"),
     ({"prompt": [1, 999]}, 400, r"outside the vocabulary"),
     ({"prompt": 5}, 400, "'prompt' must be"),
-    ({"prompt": ["a", "b"], "stream": True}, 400, "one prompt per request"),
+    ({}, 400, "'prompt' is required"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "is not served here"),
     ({"prompt": "x" * 5000}, 413, "at most 4096"),
 ])
@@ -218,3 +233,14 @@ def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests(small_server
     assert engine.health()["status"] == "stopped"
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=5)
+
+
+def test_docs_show_the_request_schemas(server):
+    spec = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"} <= set(schemas)
+    temperature = schemas["CompletionRequest"]["properties"]["temperature"]
+    assert "0.01" in temperature["description"]
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/CompletionRequest")
+    assert httpx.get(server.url + "/docs", timeout=10).status_code == 200

@@ -1,4 +1,5 @@
-"""``tightfit serve PATH`` as a user runs it: a real process, core's CLI dispatching to the plugin, SIGTERM drains."""
+"""``tightfit serve PATH`` as a user runs it: a real process, core's CLI dispatching to the plugin, SIGTERM drains;
+a busy port fails before anything loads; a model without a tokenizer says so at start-up."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
     from energon_infer.demo import write_random_llama
 
     path = write_random_llama(tmp_path / "demo-model", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    (path / "tokenizer.json").unlink()  # token-id prompts only: the server must say so at start-up
     port = free_port()
     env = {**os.environ, "ENERGON_API_KEY": "k", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tightfit.cli", "serve", str(path), "--port", str(port),
-                             "--max-tokens-limit", "32", "--log-level", "warning"],
+                             "--max-tokens-limit", "32", "--log-level", "warning", "--step-timeout", "30",
+                             "--dtype", "auto"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -40,8 +43,10 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         assert httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == "demo-model"
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
-                       json={"prompt": "every rank", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                       json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        text = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "every rank"})
+        assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         # uvicorn drains, runs the shutdown hooks, then re-raises the signal so process managers see it.
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
@@ -49,5 +54,24 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
     log = proc.stdout.read()
-    assert "serving 'demo-model'" in log and f"127.0.0.1:{port}" in log
+    assert "serving 'demo-model' (llama, float32" in log and f"127.0.0.1:{port}" in log
+    assert "only token-id prompts work" in log
     assert "energon: stopped; 1 request(s) served, 0 failed, 0 rejected; workers stopped" in log
+
+
+@RunIf(serve=True)
+def test_a_busy_port_fails_before_the_model_loads(tmp_path):
+    import socket
+
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "demo-model", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tightfit.cli", "serve", str(path), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "pick another --port" in out.stderr
+    assert "energon: starting" not in out.stderr and "serving" not in out.stderr  # no worker was started

@@ -1,0 +1,162 @@
+"""What a Hugging Face model directory says besides the weights, read the way transformers reads it.
+
+* :class:`ChatTemplate`: the model's chat template through transformers' own loader
+  (``AutoTokenizer.from_pretrained`` finds ``chat_template.jinja``, ``chat_template.json`` or the
+  ``chat_template`` of ``tokenizer_config.json``, whichever the saving version wrote) and rendered
+  with its ``apply_chat_template`` (a sandboxed Jinja environment with the template helpers:
+  ``raise_exception``, ``strftime_now``, the special tokens); without one, ``"role: content"`` lines.
+* :func:`generation_defaults`: ``generation_config.json``'s sampling defaults as
+  :class:`~energon_infer.sampling.SamplingParams` fields (``do_sample: false`` means greedy).
+* :func:`resolve_dtype`: ``dtype="auto"``: the dtype ``config.json`` was saved in.
+* :class:`HFTokenizer`: a transformers tokenizer (``AutoTokenizer`` objects) behind the ``tokenizers``
+  interface the engine uses (``encode(text).ids``, ``decode(ids)``).
+
+Example:
+    >>> ChatTemplate(None).render([{"role": "user", "content": "hi"}])
+    'user: hi\\nassistant:'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChatTemplate", "HFTokenizer", "as_engine_tokenizer", "generation_defaults", "resolve_dtype",
+           "load_hf_tokenizer"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                    "tokenizer.model", "vocab.json")
+
+
+def load_hf_tokenizer(path: str | Path) -> Any | None:
+    """``AutoTokenizer.from_pretrained(path)`` when the directory has tokenizer files and transformers is
+    installed, else ``None`` (the caller falls back to ``tokenizer.json`` alone)."""
+    path = Path(path)
+    if not path.is_dir() or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a directory transformers cannot read: no template, not a failure
+        return None
+
+
+class HFTokenizer:
+    """A transformers tokenizer with the ``tokenizers`` interface (``encode(text).ids``, ``decode(ids)``).
+
+    Args:
+        tokenizer: a ``PreTrainedTokenizerBase`` (what ``AutoTokenizer.from_pretrained`` returns).
+    """
+
+    class _Encoding:
+        __slots__ = ("ids",)
+
+        def __init__(self, ids: list[int]):
+            self.ids = ids
+
+    def __init__(self, tokenizer: Any):
+        self.hf = tokenizer
+
+    def encode(self, text: str) -> HFTokenizer._Encoding:
+        return self._Encoding(list(self.hf.encode(text)))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+def as_engine_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer the engine keeps: a transformers tokenizer is wrapped in :class:`HFTokenizer`; a
+    ``tokenizers.Tokenizer`` (or anything whose ``encode`` returns an object with ``.ids``) is kept."""
+    if tokenizer is None or isinstance(tokenizer, HFTokenizer):
+        return tokenizer
+    if hasattr(tokenizer, "apply_chat_template") or hasattr(tokenizer, "convert_ids_to_tokens"):
+        return HFTokenizer(tokenizer)
+    return tokenizer
+
+
+class ChatTemplate:
+    """Turns chat messages into the prompt text (see the module docstring).
+
+    Args:
+        tokenizer: a transformers tokenizer (or :class:`HFTokenizer`) whose ``chat_template`` is used; ``None``
+            or one without a template: ``"role: content"`` lines ending with ``"assistant:"``.
+    """
+
+    def __init__(self, tokenizer: Any):
+        hf = tokenizer.hf if isinstance(tokenizer, HFTokenizer) else tokenizer
+        self.hf = hf if hf is not None and getattr(hf, "chat_template", None) else None
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> ChatTemplate:
+        """The engine's own transformers tokenizer if it has a template, else the model directory's."""
+        own = cls(engine.tokenizer if hasattr(engine.tokenizer, "apply_chat_template")
+                  or isinstance(engine.tokenizer, HFTokenizer) else None)
+        if own.hf is not None:
+            return own
+        return cls(load_hf_tokenizer(engine.source.path))
+
+    @property
+    def source(self) -> str:
+        return "the model's chat template" if self.hf is not None else "'role: content' lines (no chat template)"
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        if self.hf is None:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if
+                                                                                 add_generation_prompt else "")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+# generation_config.json key -> SamplingParams field
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: str | Path) -> dict[str, Any]:
+    """Sampling defaults from ``path/generation_config.json`` (``{}`` without one), as SamplingParams fields.
+
+    ``do_sample: false`` (greedy) gives ``temperature=0``; values transformers would ignore for greedy
+    decoding (``temperature``, ``top_p``, ``top_k``) are then left out.
+    """
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError:
+        return {}
+    out: dict[str, Any] = {}
+    for key, name in _GENERATION_KEYS.items():
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    if raw.get("do_sample") is False:
+        for name in ("temperature", "top_p", "top_k"):
+            out.pop(name, None)
+        out["temperature"] = 0.0
+    if out.get("top_k") == 50 and "do_sample" not in raw:
+        out.pop("top_k")  # transformers writes its own default 50 into every file; not the model's choice
+    return out
+
+
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "half": "float16"}
+
+
+def resolve_dtype(path: str | Path, dtype: str) -> str:
+    """``dtype`` itself, or for ``"auto"`` the dtype in ``path/config.json`` (``dtype`` or ``torch_dtype``;
+    float32 when it names none)."""
+    if dtype != "auto":
+        return dtype
+    file = Path(path) / "config.json"
+    raw = json.loads(file.read_text()) if file.is_file() else {}
+    named = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    named = str(named).removeprefix("torch.")
+    if named not in _DTYPE_NAMES:
+        raise ValueError(f"dtype='auto': {file} says dtype {named!r}, which this runtime does not run; pass "
+                         "dtype='float32', 'bfloat16' or 'float16'")
+    return _DTYPE_NAMES[named]

@@ -1,0 +1,106 @@
+"""OpenAI's response shapes for the server: choices, chunks, usage and the two logprobs formats.
+
+Completions report logprobs as four parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs``
+as ``{token: logprob}``, ``text_offset``); chat as ``content: [{token, logprob, bytes, top_logprobs}]``.
+A token's text is its decoded string (``"token_id:N"`` when the model has no tokenizer, as vLLM writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
+           "chat_choice", "completion_chunk", "chat_chunk"]
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (logprob of the token, [(token, logprob), ...])
+
+
+class Choice:
+    """One choice being streamed: its index, what it has sent, and its tokens' logprobs so far."""
+
+    __slots__ = ("index", "prompt_tokens", "completion_tokens", "finish_reason", "text_offset")
+
+    def __init__(self, index: int, prompt_tokens: int, text_offset: int = 0):
+        self.index, self.prompt_tokens, self.completion_tokens = index, prompt_tokens, 0
+        self.finish_reason: str | None = None
+        self.text_offset = text_offset
+
+
+def _lp(value: float) -> float:
+    # JSON has no -inf; OpenAI writes an impossible token's logprob as -9999.0.
+    return value if math.isfinite(value) else -9999.0
+
+
+def _token_text(decode: Callable[[list[int]], str] | None, token: int) -> str:
+    return decode([token]) if decode is not None else f"token_id:{token}"
+
+
+def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
+                        decode: Callable[[list[int]], str] | None, offset: int = 0) -> dict[str, Any] | None:
+    """The completions ``logprobs`` object of ``tokens`` (``offset``: characters before the first one)."""
+    if logprobs is None:
+        return None
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, (lp, top) in zip(tokens, logprobs):
+        text = _token_text(decode, tok)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(lp))
+        alternatives: dict[str, float] = {}
+        for t, v in top:  # most likely first; two tokens with the same text keep the likelier one's value
+            alternatives.setdefault(_token_text(decode, t), _lp(v))
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
+                  decode: Callable[[list[int]], str] | None) -> dict[str, Any] | None:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if logprobs is None:
+        return None
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text = _token_text(decode, tok)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                        for tok, (lp, top) in zip(tokens, logprobs)]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    # ensure_ascii: a model may emit text that is not valid UTF-8 on its own; escapes always encode.
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return b"data: " + data.encode() + b"\n\n"
+
+
+def error_event(message: str, *, type: str = "server_error", code: int = 500) -> bytes:
+    """The last data event of a stream that could not finish (before ``[DONE]``)."""
+    return sse({"error": {"message": message, "type": type, "param": None, "code": code}})
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def completion_chunk(rid: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
+
+
+def chat_chunk(rid: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": choices}
