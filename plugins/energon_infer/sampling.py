@@ -236,7 +236,9 @@ class Sampler:
             filtered = filter_logits(scores, sub)
             gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
             choice = torch.where(greedy, choice, (filtered + gumbel).argmax(dim=-1))
-            usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~torch.isnan(filtered).any(dim=-1))
+            # An overflow (logits / a tiny temperature reaching +inf, or NaN) would make softmax NaN: fail the row.
+            broken = torch.isnan(filtered).any(dim=-1) | torch.isposinf(filtered).any(dim=-1)
+            usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~broken)
         else:
             usable = torch.ones(len(rows), dtype=torch.bool, device=dev)
         ok = torch.isfinite(raw).any(dim=-1) & usable
