@@ -116,8 +116,9 @@ def run_vllm(model: Path, workloads: dict[str, list[tuple[float, list[int], int]
                                     "max_len": max_len, "prefix_caching": prefix_caching}))
         driver = Path(tmp) / "driver.py"
         driver.write_text(_DRIVER)
-        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all" if threads > 1 else "0",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin", "HOME": tmp}
+        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin", "HOME": tmp}
+        if threads == 1:  # one thread pinned to core 0 ran; "all" with 2 threads failed to start the engine core
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
         try:
             done = subprocess.run([str(py), str(driver), str(spec)], capture_output=True, text=True, env=env,
                                   timeout=timeout_s)
