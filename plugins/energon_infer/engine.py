@@ -151,7 +151,9 @@ class Engine:
         scheduler = Scheduler(
             SchedulerConfig(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.config.max_running,
-                            max_queue=self.config.max_queue, groups=self.groups, policy=self.config.policy),
+                            max_queue=self.config.max_queue, groups=self.groups, policy=self.config.policy,
+                            kv_admission=self.config.kv_admission, prefix_caching=self.config.prefix_caching,
+                            chunked_prefill=self.config.chunked_prefill, depth=self.config.pipeline_depth),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
         self._ctl = Controller(group, scheduler, self._start_group, self.config, self.metrics,
                                Delivery(self.metrics, has_text=self.tokenizer is not None), groups=self.groups,

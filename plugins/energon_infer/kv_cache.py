@@ -21,9 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +52,7 @@ class UnknownSequenceError(KeyError):
 class _Seq:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    owned: bool = True  # False: the engine's scheduler assigned the blocks (they are its to reuse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _Seq] = {}
+        self._pinned: torch.Tensor | None = None
+        self._copied: Any = None
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -112,6 +117,10 @@ class KVCache:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
+
+    def free_block_ids(self) -> list[int]:
+        """The blocks this cache's own allocator has not handed out (what a scheduler may assign)."""
+        return list(self._free)
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -150,7 +159,31 @@ class KVCache:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"cannot free sequence {seq_id!r}: it is not in the KV cache")
-        self._free.extend(seq.blocks)
+        if seq.owned:
+            self._free.extend(seq.blocks)
+
+    def assign(self, seq_id: int, blocks: Sequence[int], start: int | None = None) -> None:
+        """Append scheduler-chosen ``blocks`` to ``seq_id``'s table; a new sequence begins with ``start``
+        tokens already cached (a shared prefix, see :mod:`energon_infer.blocks`). Assigned blocks are the
+        scheduler's: :meth:`free` forgets them without putting them on this cache's own free list."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq(owned=False, length=start or 0)
+        elif seq.owned:
+            raise ValueError(f"sequence {seq_id} allocated its own blocks; it cannot also take assigned ones")
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"blocks {bad[:5]} are outside the cache's {self.num_blocks} blocks")
+        seq.blocks.extend(blocks)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared prefix block)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
     def reset(self) -> None:
         self._seqs.clear()
@@ -170,36 +203,72 @@ class KVCache:
         if need > len(self._free):
             raise KVCacheFullError(need, len(self._free), self.block_size, self.num_blocks)
         bs = self.block_size
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        cu, kv_lens = [0], []
         for seq_id, n in items:
             if n < 1:
                 raise ValueError(f"sequence {seq_id!r} has {n} new tokens in this step; give at least one")
+            seq_ = self._seqs.get(seq_id)
+            if seq_ is not None and not seq_.owned and len(seq_.blocks) * bs < seq_.length + n:
+                raise RuntimeError(f"sequence {seq_id} was assigned {len(seq_.blocks)} blocks, too few for "
+                                   f"{seq_.length + n} tokens; assign its blocks before the step")
+        starts, ns, tables = [], [], []
+        for seq_id, n in items:
             seq = self._seqs.setdefault(seq_id, _Seq())
-            start = seq.length
-            while len(seq.blocks) * bs < start + n:
+            while len(seq.blocks) * bs < seq.length + n:
                 seq.blocks.append(self._free.popleft())
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(seq.blocks[p // bs] * bs + p % bs)
-            seq.length = start + n
+            starts.append(seq.length)
+            ns.append(n)
             tables.append(seq.blocks)
-            cu.append(cu[-1] + n)
-            kv_lens.append(seq.length)
-        width = max(len(t) for t in tables)
-        table = torch.zeros((len(items), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
+            seq.length += n
+        return self._metadata(starts, ns, tables, device)
+
+    def _metadata(self, starts: list[int], ns: list[int], tables: list[list[int]],
+                  device: torch.device | str) -> StepMetadata:
+        # Tensor ops over the flattened step (no Python loop per token): one host buffer, one copy to the device.
+        b, bs = len(ns), self.block_size
+        widths = [len(t) for t in tables]
+        width = max(widths)
+        host = torch.tensor(starts + ns + widths + list(itertools.chain.from_iterable(tables)), dtype=torch.long)
+        start_t, n_t, w_t, flat = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:]
+        total = int(sum(ns))
+        cu = torch.zeros(b + 1, dtype=torch.long)
+        torch.cumsum(n_t, 0, out=cu[1:])
+        row = torch.repeat_interleave(torch.arange(b), n_t)
+        positions = torch.arange(total) - cu[:-1][row] + start_t[row]
+        table = torch.zeros((b, width), dtype=torch.long)
+        t_off = torch.zeros(b, dtype=torch.long)
+        torch.cumsum(w_t[:-1], 0, out=t_off[1:])
+        t_row = torch.repeat_interleave(torch.arange(b), w_t)
+        table[t_row, torch.arange(flat.numel()) - t_off[t_row]] = flat
+        slots = table[row, positions // bs] * bs + positions % bs
+        packed = torch.cat([positions, slots, cu, start_t + n_t, cu[1:] - 1, table.flatten()])
+        dev = torch.device(device)
+        if dev.type == "cuda":  # pinned staging: the copy runs asynchronously
+            packed = self._staged_copy(packed, dev)
+        else:
+            packed = packed.to(dev)
+        o = [0, total, 2 * total, 2 * total + b + 1, 2 * total + 2 * b + 1, 2 * total + 3 * b + 1]
         return StepMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=table.to(device),
-            cu_seqlens=cu_t.to(device),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-            last_index=(cu_t[1:] - 1).long().to(device),
-            max_q_len=max(n for _, n in items),
-            n_tokens=cu[-1],
+            positions=packed[o[0]:o[1]],
+            slot_mapping=packed[o[1]:o[2]],
+            block_tables=packed[o[5]:].view(b, width).to(torch.int32),
+            cu_seqlens=packed[o[2]:o[3]].to(torch.int32),
+            kv_lens=packed[o[3]:o[4]].to(torch.int32),
+            last_index=packed[o[4]:o[5]],
+            max_q_len=max(ns),
+            n_tokens=total,
         )
+
+    def _staged_copy(self, packed: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """Copy ``packed`` to ``dev`` through a reused pinned buffer (grown when too small); the buffer is
+        rewritten only after the previous copy out of it has finished."""
+        if self._pinned is None or self._pinned.numel() < packed.numel():
+            self._pinned = torch.empty(max(packed.numel(), 4096), dtype=torch.long, pin_memory=True)
+            self._copied = None
+        if self._copied is not None:
+            self._copied.synchronize()
+        buf = self._pinned[: packed.numel()]
+        buf.copy_(packed)
+        out = buf.to(dev, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out

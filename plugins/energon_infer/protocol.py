@@ -33,12 +33,27 @@ __all__ = ["Step", "Free", "Stats", "Ping", "Stop", "Command", "Ready", "Tokens"
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Free ``frees``, then run ``items`` (``(seq_id, new_tokens)``); ``new_params`` for sequences new in this step."""
+    """Free ``frees``, then run ``items`` (``(seq_id, new_tokens)``); ``new_params`` for sequences new in this step.
+
+    Block decisions of the scheduler, applied before the step runs: ``copies`` (``(src, dst)`` block
+    copies, copy-on-write of a shared prefix), ``blocks`` (blocks appended to each sequence's table;
+    a new sequence's whole table) and ``starts`` (a new sequence's tokens already cached).
+    With steps planned ahead (``depth > 1``): ``send_back`` has the last stage send this step's tokens
+    straight to the first stage's ranks; ``take_back`` has those receive the previous ``send_back`` step
+    of ``group``'s tokens and put them in place of the placeholders (``-1``) before running.
+    """
 
     step_id: int
     frees: list[int]
     items: list[tuple[int, list[int]]]
     new_params: dict[int, SamplingParams]
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    group: int = 0
+    send_back: bool = False
+    take_back: bool = False
+    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,6 +154,7 @@ class ModelRunner:
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, int]] = {}  # penalised seq -> (prompt length, tokens recorded)
         # The latest step's extras on the result rank: ({seq_id: logprobs}, {seq_id: error}) (see Sampler).
         self.last_sample: tuple[dict[int, Any], dict[int, str]] = ({}, {})
         self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
@@ -277,22 +278,21 @@ class ModelRunner:
         """
         for seq_id, _ in items:
             if seq_id not in self._params:
-                if seq_id in self.cache:
-                    raise ValueError(f"sequence {seq_id} is in the KV cache but has no sampling params")
                 p = params.get(seq_id) if isinstance(params, Mapping) else params
+                if p is None and seq_id in self.cache:
+                    raise ValueError(f"sequence {seq_id} is in the KV cache but has no sampling params")
                 if p is None:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
-        fresh = {seq_id for seq_id, _ in items if seq_id not in self.cache}
+        starts = {seq_id: self.cache.length(seq_id) for seq_id, _ in items}  # tokens cached before this step
         logits = self.forward(items)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
-            for seq_id, fed in items:
-                if self._params[seq_id].penalised:  # the penalties need what each sequence has seen
-                    self.sampler.observe(seq_id, fed, prompt=seq_id in fresh)
-            sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids])
+            self._observe(items, starts)
+            positions = [self.cache.length(s) for s in ids]  # the context each token is drawn after
+            sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids], positions)
             # By seq_id, for the engine's workers: logprobs asked for, and rows that failed alone.
             self.last_sample = ({ids[r]: v for r, v in sampled.logprobs.items()},
                                 {ids[r]: v for r, v in sampled.errors.items()})
@@ -302,6 +302,35 @@ class ModelRunner:
         out = self.grid.broadcast_result(tokens).tolist()
         self._last.update(zip(ids, out))
         return out
+
+    def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
+                      copies: Sequence[tuple[int, int]] = (),
+                      history: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None) -> None:
+        """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduler.StepPlan`):
+        copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in).
+        ``history``: a new penalised sequence's ``(prompt, generated so far)`` (its penalties count them even
+        when a shared prefix, a chunk or a preemption means they are not all fed in this step)."""
+        self.cache.copy_blocks(copies)
+        starts = starts or {}
+        for seq_id, new in blocks.items():
+            self.cache.assign(seq_id, new, starts.get(seq_id))
+        for seq_id, (prompt, generated) in (history or {}).items():
+            self.sampler.observe(seq_id, prompt, prompt=True)
+            self.sampler.observe(seq_id, generated, prompt=False)
+            self._seen[seq_id] = (len(prompt), len(prompt) + len(generated))
+
+    def _observe(self, items: Sequence[tuple[int, Sequence[int]]], starts: Mapping[int, int]) -> None:
+        """Record fed tokens for the penalties: positions below the prompt length are prompt, the rest output.
+        A sequence first seen here (no ``history``) takes its first feed as its prompt."""
+        for seq_id, fed in items:
+            if not self._params[seq_id].penalised:
+                continue
+            start = starts[seq_id]
+            plen, seen = self._seen.get(seq_id, (start + len(fed), start))
+            new = [(start + i, t) for i, t in enumerate(fed) if start + i >= seen]
+            self.sampler.observe(seq_id, [t for pos, t in new if pos < plen], prompt=True)
+            self.sampler.observe(seq_id, [t for pos, t in new if pos >= plen], prompt=False)
+            self._seen[seq_id] = (plen, max(seen, start + len(fed)))
 
     def prefill(self, prompts: Mapping[int, Sequence[int]], params: SamplingParams | Mapping[int, SamplingParams]
                 ) -> dict[int, int]:
@@ -322,6 +351,7 @@ class ModelRunner:
     def free(self, seq_id: int) -> None:
         """Drop a sequence: its KV blocks return to the pool, its sampling state is forgotten."""
         self.cache.free(seq_id)
+        self._seen.pop(seq_id, None)
         self._params.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self.sampler.forget(seq_id)
@@ -340,12 +370,17 @@ class ModelRunner:
         return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Generation]:
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 kv_admission: str = "reserve", prefix_caching: bool = False, chunked_prefill: bool = False,
+                 stats: dict[str, int] | None = None) -> list[Generation]:
         """Generate for every prompt with continuous batching; results in prompt order.
 
-        New prompts join the running batch as soon as the KV cache can hold their prompt plus
-        ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
-        ``max_batch_tokens``; finished sequences leave at once and free their blocks.
+        By default new prompts join the running batch as soon as the KV cache can hold their prompt
+        plus ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
+        ``max_batch_tokens``; finished sequences leave at once and free their blocks. The engine's
+        other scheduling modes are here too: ``kv_admission="on_demand"`` (grow, preempt and
+        recompute), ``prefix_caching`` and ``chunked_prefill`` (see :class:`SchedulerConfig`).
+        ``stats`` (a dict) receives the scheduler's counters (preemptions, prefix-cache hits, steps).
         """
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -370,20 +405,31 @@ class ModelRunner:
         sched = Scheduler(
             SchedulerConfig(kv_blocks=self.cache.num_blocks, block_size=bs, max_context=self.max_context,
                             # a prompt longer than the budget still runs, alone in its step
-                            max_batch_tokens=max(self.runtime.max_batch_tokens, *map(len, encoded)),
-                            max_running=len(prompts), max_queue=len(prompts)),
+                            max_batch_tokens=(self.runtime.max_batch_tokens if chunked_prefill else
+                                              max(self.runtime.max_batch_tokens, *map(len, encoded))),
+                            max_running=len(prompts), max_queue=len(prompts), kv_admission=kv_admission,
+                            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill),
             eos_token_ids=self.eos_token_ids, decode=self.decode_text if self.tokenizer is not None else None,
-            seq_ids=self._ids)
+            seq_ids=self._ids, block_ids=self.cache.free_block_ids())
         requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
-        while sched.waiting or sched.running:
-            plan = sched.schedule(0)
-            if plan is None:
-                raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
-            for seq_id in plan.frees:
-                self.free(seq_id)
-            sched.complete(plan, self.step(plan.items, plan.new_params))
-        for seq_id in sched.take_frees():
-            self.free(seq_id)
+        steps = 0
+        try:
+            while sched.waiting or sched.running:
+                plan = sched.schedule(0)
+                if plan is None:
+                    raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
+                for seq_id in plan.frees:
+                    self.free(seq_id)
+                self.assign_blocks(plan.blocks, plan.starts, plan.copies, plan.history)
+                sched.complete(plan, self.step(plan.items, plan.new_params))
+                steps += 1
+        finally:
+            for seq_id in [*sched.take_frees(), *sched.running]:
+                if seq_id in self.cache:
+                    self.free(seq_id)
+        if stats is not None:
+            stats.update(steps=steps, preemptions=sched.preemptions, prefix_hit_tokens=sched.blocks.hit_tokens,
+                         prefix_query_tokens=sched.blocks.query_tokens)
         return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -2,8 +2,9 @@
 
 Greedy is ``temperature=0``. Otherwise logits are divided by the temperature, filtered by top-k
 then top-p (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
-likely token is always kept), and a token is drawn with the request's own ``torch.Generator``, so a
-request with a ``seed`` gives the same tokens whatever else is in the batch.
+likely token is always kept), and a token is drawn for the whole batch at once (Gumbel-max with
+counter-based noise of the request's seed and the token's position), so a request with a ``seed``
+gives the same tokens whatever else is in the batch, and after a preemption or a chunked prefill.
 
 Penalties act on the logits first, in vLLM's order: ``repetition_penalty`` (Hugging Face's: a
 positive logit of a token seen in the prompt or the output is divided by it, a negative one
@@ -12,7 +13,7 @@ multiplied), then ``frequency_penalty`` (times the token's count in the output) 
 the log-probability of the sampled token under the model (the raw logits, before penalties and
 temperature, as OpenAI reports them) and the ``k`` most likely tokens.
 
-One row that cannot be sampled (its probabilities are not finite, e.g. a half-precision overflow)
+Penalties, logprobs and the draw are tensor ops over the batch (no loop over rows). One row that cannot be sampled (its probabilities are not finite, e.g. a half-precision overflow)
 fails alone: :meth:`Sampler.sample_rows` reports it in ``errors`` and the others are unaffected.
 
 Example:
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "SampleOutput", "stop_reason", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
+__all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
            "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
 
 # Below 1e-2, logits / temperature overflow float32 for ordinary logit gaps (a gap of 10 at 1e-40 is 1e41 >
@@ -135,29 +136,67 @@ class SampleOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+_M31 = 0x7FFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of 31-bit values (int64 tensors; products stay below 2**58, so nothing overflows)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
+    return x ^ (x >> 16)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(B, vocab)`` uniforms in (0, 1), a pure function of each row's ``(seed, position)`` and the token index.
+
+    Counter-based, so a request's draw for the token at ``position`` is the same whatever ran before it
+    (batch mates, a preemption and recompute, a prefill split into chunks), with no generator state to keep.
+    """
+    dev = seeds.device
+    key = _mix((seeds ^ (seeds >> 31)) & _M31)
+    key = _mix(key ^ _mix((positions * 0x2545F491) & _M31))
+    cols = (torch.arange(vocab, device=dev, dtype=torch.long) * 0x9E3779B1) & _M31
+    x = _mix(_mix((key[:, None] ^ cols[None, :]) & _M31) ^ key[:, None])
+    return (x.to(torch.float64) + 0.5).div_(2.0 ** 31).float()
+
+
 class Sampler:
-    """Draws one token per row of a logits batch, each row with its request's generator.
+    """Draws one token per row of a logits batch: every row at once (no loop over rows, one host sync).
+
+    A sampled row's draw is Gumbel-max over its penalised, filtered logits (exactly a draw from the
+    softmax) with noise from :func:`uniform_noise` of the request's seed and the token's position, so
+    a seeded request gives the same tokens whatever else is in the batch, and after a preemption.
 
     Args:
-        seed: seeds the generator that draws seeds for requests that give none.
+        seed: requests without a ``seed`` get one derived from this and their sequence id.
     """
 
     def __init__(self, seed: int = 0):
-        self._seeds = torch.Generator().manual_seed(seed)
-        self._generators: dict[int, torch.Generator] = {}
+        self.seed = seed
+        self._seeds: dict[int, int] = {}
         self._history: dict[int, tuple[list[int], list[int]]] = {}  # seq_id -> (prompt, output) for penalties
 
+    def seed_of(self, seq_id: int, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return int(params.seed) % (1 << 64) >> 2
+        s = self._seeds.get(seq_id)
+        if s is None:
+            s = self._seeds[seq_id] = _splitmix64(_splitmix64(self.seed) ^ (seq_id & 0xFFFFFFFFFFFFFFFF)) >> 2
+        return s
+
     def generator(self, seq_id: int, params: SamplingParams, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(seq_id)
-        if gen is None:
-            seed = params.seed % (1 << 64) if params.seed is not None else int(torch.randint(0, 2**62, (1,),
-                                                                                             generator=self._seeds))
-            gen = torch.Generator(device=device).manual_seed(seed)
-            self._generators[seq_id] = gen
-        return gen
+        """A ``torch.Generator`` seeded like this request's draws (for callers that draw their own)."""
+        return torch.Generator(device=device).manual_seed(self.seed_of(seq_id, params))
 
     def forget(self, seq_id: int) -> None:
-        self._generators.pop(seq_id, None)
+        self._seeds.pop(seq_id, None)
         self._history.pop(seq_id, None)
 
     def observe(self, seq_id: int, tokens: Sequence[int], *, prompt: bool) -> None:
@@ -165,75 +204,127 @@ class Sampler:
         hist = self._history.setdefault(seq_id, ([], []))
         hist[0 if prompt else 1].extend(int(t) for t in tokens)
 
-    def sample(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
-        """One token per row; rows with greedy params take the argmax (no generator used)."""
-        out = self.sample_rows(logits, seq_ids, params)
+    def sample(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
+               positions: Sequence[int] | None = None) -> list[int]:
+        """One token per row; greedy rows take the argmax. ``positions``: each row's context length (default 0)."""
+        out = self.sample_rows(logits, seq_ids, params, positions)
         if out.errors:
             row, why = next(iter(out.errors.items()))
             raise ValueError(f"sequence {seq_ids[row]}: {why}")
         return out.tokens
 
-    def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
-                    ) -> SampleOutput:
+    def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
+                    positions: Sequence[int] | None = None) -> SampleOutput:
         """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising."""
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
-        out = SampleOutput(logits.argmax(dim=-1).tolist())
-        for row, (seq_id, p) in enumerate(zip(seq_ids, params)):
-            if p.greedy and not p.penalised and p.logprobs is None:
-                continue  # the batched argmax above (NaN logits are caught by the finite check of others)
-            try:
-                raw = logits[row].float()
-                if not bool(torch.isfinite(raw).any()):
-                    raise ValueError("the model produced no finite logit (numerical overflow)")
-                scores = self.apply_penalties(raw, seq_id, p) if p.penalised else raw
-                if p.greedy:
-                    tok = int(scores.argmax())
-                else:
-                    probs = _filtered_probs(scores, p)
-                    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-                        raise ValueError(f"the sampling probabilities are not finite (temperature={p.temperature:g})")
-                    tok = int(torch.multinomial(probs, 1, generator=self.generator(seq_id, p, logits.device)))
-                out.tokens[row] = tok
-                if p.logprobs is not None:
-                    lp = torch.log_softmax(raw, dim=-1)
-                    top = torch.topk(lp, min(p.logprobs, lp.shape[-1])) if p.logprobs else None
-                    out.logprobs[row] = (float(lp[tok]), [] if top is None else
-                                         list(zip(top.indices.tolist(), top.values.tolist())))
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the batch
-                out.tokens[row] = 0
-                out.errors[row] = f"sampling failed: {exc}"
-        return out
+        dev, vocab = logits.device, logits.shape[-1]
+        out = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy or p.penalised or p.logprobs is not None]
+        if not rows:
+            return SampleOutput(out.tolist())
+        sub = [params[i] for i in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
+        raw = logits.index_select(0, index).float()
+        scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
+        greedy = torch.tensor([p.greedy for p in sub], device=dev)
+        choice = scores.argmax(dim=-1)
+        if not bool(greedy.all()):
+            pos = positions if positions is not None else [0] * len(seq_ids)
+            seeds = torch.tensor([self.seed_of(seq_ids[i], params[i]) for i in rows], dtype=torch.long, device=dev)
+            where = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=dev)
+            filtered = filter_logits(scores, sub)
+            gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
+            choice = torch.where(greedy, choice, (filtered + gumbel).argmax(dim=-1))
+            # An overflow (logits / a tiny temperature reaching +inf, or NaN) would make softmax NaN: fail the row.
+            broken = torch.isnan(filtered).any(dim=-1) | torch.isposinf(filtered).any(dim=-1)
+            usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~broken)
+        else:
+            usable = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        ok = torch.isfinite(raw).any(dim=-1) & usable
+        out = out.index_copy(0, index, torch.where(ok, choice, torch.zeros_like(choice)))
+        result = SampleOutput(out.tolist())
+        for j in (~ok).nonzero().flatten().tolist():  # rows that fail alone (empty in a healthy batch)
+            bad = not bool(torch.isfinite(raw[j]).any())
+            result.errors[rows[j]] = ("sampling failed: the model produced no finite logit (numerical overflow)"
+                                      if bad else "sampling failed: the sampling probabilities are not finite "
+                                      f"(temperature={sub[j].temperature:g})")
+        want = [j for j, p in enumerate(sub) if p.logprobs is not None and rows[j] not in result.errors]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            toks = torch.tensor([result.tokens[rows[j]] for j in want], dtype=torch.long, device=dev)
+            chosen = lp.gather(1, toks[:, None])[:, 0].tolist()
+            kmax = max(sub[j].logprobs or 0 for j in want)
+            top = torch.topk(lp, min(kmax, vocab), dim=-1) if kmax else None
+            ids = top.indices.tolist() if top is not None else []
+            vals = top.values.tolist() if top is not None else []
+            for n, j in enumerate(want):
+                k = sub[j].logprobs or 0
+                result.logprobs[rows[j]] = (chosen[n], list(zip(ids[n][:k], vals[n][:k])) if k else [])
+        return result
 
     def apply_penalties(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> torch.Tensor:
         """``logits`` (one row) with ``p``'s penalties for what :meth:`observe` recorded of ``seq_id`` (a copy)."""
-        prompt, output = self._history.get(seq_id, ([], []))
-        vocab = logits.shape[-1]
+        return self.apply_penalties_batch(logits[None], [seq_id], [p])[0]
+
+    def apply_penalties_batch(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
+                              ) -> torch.Tensor:
+        """``(B, V)`` logits with each row's penalties (rows without any are returned as they are)."""
+        pen = [j for j, p in enumerate(params) if p.penalised]
+        if not pen:
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
         logits = logits.clone()
-        if p.repetition_penalty != 1 and (prompt or output):
-            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
-            seen = seen[seen < vocab]
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if output and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab]
-            logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
-        return logits
+        hist = [self._history.get(seq_ids[j], ([], [])) for j in pen]
+        # Every row's seen tokens (prompt + output) and output tokens as (row, token) index pairs, one tensor each.
+        seen_r = [r for r, (pr, ou) in enumerate(hist) for _ in range(len(pr) + len(ou))]
+        seen_t = [t for pr, ou in hist for t in (*pr, *ou)]
+        out_r = [r for r, (_, ou) in enumerate(hist) for _ in ou]
+        out_t = [t for _, ou in hist for t in ou]
+        rows = torch.tensor(pen, dtype=torch.long, device=dev)
+        sub = logits.index_select(0, rows)
+        rep = torch.tensor([params[j].repetition_penalty for j in pen], dtype=logits.dtype, device=dev)
+        if seen_t:
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            t = torch.tensor(seen_t, dtype=torch.long, device=dev)
+            keep = t < vocab
+            seen[torch.tensor(seen_r, dtype=torch.long, device=dev)[keep], t[keep]] = True
+            scaled = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
+            sub = torch.where(seen & (rep[:, None] != 1), scaled, sub)
+        if out_t:
+            counts = torch.zeros_like(sub)
+            t = torch.tensor(out_t, dtype=torch.long, device=dev)
+            keep = t < vocab
+            counts.index_put_((torch.tensor(out_r, dtype=torch.long, device=dev)[keep], t[keep]),
+                              torch.ones(int(keep.sum()), dtype=sub.dtype, device=dev), accumulate=True)
+            freq = torch.tensor([params[j].frequency_penalty for j in pen], dtype=sub.dtype, device=dev)
+            pres = torch.tensor([params[j].presence_penalty for j in pen], dtype=sub.dtype, device=dev)
+            sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(sub.dtype)
+        return logits.index_copy(0, rows, sub)
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``(B, V)`` logits divided by each row's temperature, with tokens outside its top-k / top-p set to ``-inf``."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype, device=dev)  # 0: greedy rows
+    logits = logits / temps[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        kmax = max(ks)
+        top = torch.topk(logits, kmax, dim=-1).values
+        k_t = torch.tensor([(k or kmax) - 1 for k in ks], dtype=torch.long, device=dev)
+        kth = top.gather(1, k_t[:, None])
+        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of strictly more likely tokens
-        drop = before >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # one sort for the whole batch
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        drop = before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits
 
 
 def stop_reason(generated: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int],

@@ -1,25 +1,19 @@
 """Iteration-level (continuous) batching: which requests run in the next step, and what their tokens mean.
 
-The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline is idle.
-A step is the decode token of every running request of that group plus, first come first served,
-the prompts of waiting requests while three limits hold: the step's token budget
-(``max_batch_tokens``: one token per running request, the whole prompt of a new one), the number
-of running sequences (``max_running``), and the KV cache: a request is admitted only when the
-blocks for its prompt plus ``max_tokens`` are free, so a running request is never evicted and the
-workers never run out of cache. Finished requests leave after the step that finished them, and
-their blocks are freed on the workers at the start of the next step (frees travel with it).
+The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline can take
+one. A step is the next tokens of every running request of that group (a decode token, or the next
+chunk of a prompt) plus, first come first served, waiting requests while the step's token budget
+(``max_batch_tokens``), ``max_running`` and the KV cache allow. The scheduler owns the KV blocks
+(:mod:`energon_infer.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
+the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
+tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
+only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step.
 
-Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead,
-so a long prompt cannot starve. Backpressure: the queue holds at most ``max_queue`` waiting
-requests; :meth:`Scheduler.add` raises :class:`QueueFullError` beyond that.
-
-With ``groups > 1`` (the engine uses one group per pipeline stage) running requests are split
-into groups whose steps are in flight at the same time: while the last stage samples group A's
-tokens, the first stage already runs group B (EnergonAI's non-blocking pipeline). New requests
-are spread so that no group holds more than its share of the work.
-
-``policy="static"`` is the baseline continuous batching replaces: a group takes new requests only
-when all of its previous batch has finished.
+Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead.
+Backpressure: :meth:`Scheduler.add` raises :class:`QueueFullError` beyond ``max_queue`` waiting.
+With ``groups > 1`` (one per pipeline stage) the groups' steps are in flight at the same time
+(EnergonAI's non-blocking pipeline); ``depth > 1`` keeps more than one step of a group in flight.
+``policy="static"`` is the baseline: a group admits only when all of its previous batch has finished.
 
 Example:
     >>> from energon_infer.sampling import SamplingParams
@@ -40,70 +34,23 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from energon_infer.blocks import BlockManager
 from energon_infer.delivery import IncrementalDetokenizer
 from energon_infer.sampling import SamplingParams, stop_reason
+from energon_infer.scheduler_config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    KV_ADMISSION,
+    PLACEHOLDER,
+    POLICIES,
+    QueueFullError,
+    SchedulerConfig,
+)
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
-
-POLICIES = ("continuous", "static")
-
-
-#: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
-#: ``RuntimeConfig`` and the engine's factories (4096 was the engine's and the CLI's default; the
-#: runtime and the scheduler had 8192 before they shared this one).
-DEFAULT_MAX_BATCH_TOKENS = 4096
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; retry later (HTTP: 429)."""
-
-    def __init__(self, waiting: int, limit: int, *, asked: int = 1):
-        self.waiting, self.limit, self.asked = waiting, limit, asked
-        what = "the request queue is full" if asked == 1 else f"the request queue has no room for {asked} requests"
-        super().__init__(
-            f"{what} ({waiting} waiting, max_queue={limit}); retry later, or start the engine "
-            "with a larger max_queue if the workers keep up"
-        )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SchedulerConfig:
-    """Limits of one step and of the queue.
-
-    Args:
-        kv_blocks: blocks in each worker's KV cache (all ranks have the same number).
-        block_size: tokens per block.
-        max_context: the model's context (tokens); a request stops with ``"length"`` there.
-        max_batch_tokens: tokens per step: one per running request plus each admitted prompt.
-        max_running: sequences running at once (all groups together).
-        max_queue: waiting requests at most; more raise :class:`QueueFullError`.
-        groups: steps in flight at once (1: each step waits for the previous one's tokens).
-        policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
-            only when its whole batch has finished).
-    """
-
-    kv_blocks: int
-    block_size: int
-    max_context: int
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_running: int = 256
-    max_queue: int = 1024
-    groups: int = 1
-    policy: str = "continuous"
-
-    def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue={self.max_queue} must be >= 0 (0 accepts no waiting request)")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
-
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
 @dataclass(eq=False, slots=True)
 class Request:
@@ -123,9 +70,14 @@ class Request:
     seq_id: int = 0
     reserve: int = 0
     generated: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens of prompt + generated whose keys/values the workers hold (or will, in flight)
+    preemptions: int = 0
+    pending: int = 0  # tokens being sampled by steps in flight
+    fed_unknown: int = 0  # of those, fed already as a placeholder input
+    last_sampled: int = 0  # the step that samples its latest token
     group: int = -1
     state: str = "new"  # new -> waiting -> running -> finished
-    in_flight: bool = False
+    in_flight: int = 0  # steps in flight that hold it
     aborted: bool = False
     finish_reason: str | None = None
     text: str | None = None
@@ -151,6 +103,13 @@ class StepPlan:
     new_params: dict[int, SamplingParams]
     requests: list[Request]
     started: float = 0.0
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # blocks appended to each sequence's table
+    starts: dict[int, int] = field(default_factory=dict)  # new sequences: tokens already cached (shared prefix)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, before the step
+    samples: list[bool] = field(default_factory=list)  # per item: does its sampled token count (last chunk)
+    send_back: bool = False  # the last stage sends this step's tokens to the first (depth > 1)
+    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # new penalised: seen tokens
+    take_back: bool = False  # the first stage receives the group's previous step's tokens before running
 
     @property
     def n_tokens(self) -> int:
@@ -173,37 +132,43 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 seq_ids: Iterator[int] | None = None):
+                 seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None):
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
-        self.reserved = 0
+        self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
+                                   blocks=block_ids)
+        self.preemptions = 0
+        self._reserved = 0
         self._frees: list[int] = []
-        self._busy = [False] * config.groups
+        self._busy, self._last_step = [0] * config.groups, [0] * config.groups
+        self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
-    # ------------------------------------------------------------------ admission
+    @property
+    def reserved(self) -> int:  # KV blocks held for running requests (reserved up front, or those they hold)
+        return self._reserved if self.config.kv_admission == "reserve" else self.blocks.used
 
     def blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
-        """KV blocks a request reserves: its prompt plus ``max_tokens``, capped at the context."""
+        """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context."""
         return -(-min(prompt_len + params.max_tokens, self.config.max_context) // self.config.block_size)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Raise ``ValueError`` if the request can never run here; return the blocks it reserves."""
+        """Raise ``ValueError`` if the request can never run here; return the blocks it needs at most."""
         cfg = self.config
         n = len(prompt)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
         if n > cfg.max_context:
             raise ValueError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
-        if n > cfg.max_batch_tokens:
+        if n > cfg.max_batch_tokens and not cfg.chunked_prefill:
             raise ValueError(
                 f"the prompt has {n} tokens, more than max_batch_tokens={cfg.max_batch_tokens} (the tokens one step "
-                "runs); shorten it or start the engine with a larger max_batch_tokens"
+                "runs); shorten it, or start the engine with a larger max_batch_tokens or chunked_prefill=True"
             )
         blocks = self.blocks_for(n, params)
         if blocks > cfg.kv_blocks:
@@ -227,8 +192,6 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
-    # ------------------------------------------------------------------ steps
-
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -244,42 +207,149 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._frees)
 
-    def idle_groups(self) -> list[int]:
-        return [g for g, busy in enumerate(self._busy) if not busy]
+    @property
+    def capacity(self) -> int:  # steps in flight at most
+        return self.config.groups * self.config.depth
 
-    def _fits(self, req: Request, budget: int, running: int) -> bool:
-        return (len(req.prompt) <= budget and running < self.config.max_running
-                and self.reserved + req.reserve <= self.config.kv_blocks)
+    def idle_groups(self) -> list[int]:
+        return [g for g, busy in enumerate(self._busy) if busy < self.config.depth]
+
+    @staticmethod
+    def _tokens(req: Request) -> list[int]:
+        return req.prompt + req.generated if req.generated else req.prompt
+
+    def _feed(self, plan: StepPlan, req: Request, n: int) -> None:
+        """``req``'s next ``n`` tokens into ``plan`` (blocks grown first); a token still sampled: a placeholder."""
+        tokens = self._tokens(req)
+        new = self.blocks.grow(req.seq_id, req.computed + n)
+        if req.seq_id in plan.starts or new:  # new on the workers: its whole table
+            plan.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in plan.starts else new
+        known = req.computed - req.fed_unknown
+        if known < len(tokens):
+            plan.items.append((req.seq_id, tokens[known:known + n]))
+        else:
+            plan.items.append((req.seq_id, [PLACEHOLDER]))
+            plan.take_back = True
+            req.fed_unknown += 1
+        req.computed += n
+        sampled = req.computed == len(tokens) + req.fed_unknown
+        plan.samples.append(sampled)
+        req.pending += sampled
+        plan.requests.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it waits at the head of the queue and is recomputed when readmitted."""
+        del self.running[req.seq_id]
+        self.blocks.free(req.seq_id)
+        if self.config.kv_admission == "reserve":
+            self._reserved -= req.reserve
+        self._frees.append(req.seq_id)
+        req.state, req.group, req.computed = "waiting", -1, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)  # victims go newest first, so the queue keeps their age order
+
+    def _make_room(self, req: Request, n: int, plan: StepPlan) -> bool:
+        """Preempt the newest idle running requests until ``req`` can grow by ``n``; False if ``req`` itself went."""
+        while self.blocks.grow_cost(req.seq_id, req.computed + n) > self.blocks.num_free:
+            victims = [r for r in self.running.values()
+                       if r is not req and not r.in_flight and r not in plan.requests]
+            if not victims and req.in_flight:
+                return False  # a step in flight holds it: it waits for that step's tokens
+            victim = victims[-1] if victims else req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
+        """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit)."""
+        cfg, mgr = self.config, self.blocks
+        if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
+            return 0
+        tokens = self._tokens(req)
+        shared, _, cow = mgr.lookup(tokens)
+        cached = len(shared) * cfg.block_size + (cow[1] if cow else 0)
+        n = len(tokens) - cached
+        if cfg.chunked_prefill:
+            n = min(n, budget)
+        if n < 1 or n > budget:
+            return 0
+        cost = mgr.start_cost(shared, cow, cached + n)
+        # On demand, leave ~1% of the cache free for the running requests' next blocks (fewer preemptions).
+        watermark = max(1, cfg.kv_blocks // 100) if self.running and cfg.kv_admission == "on_demand" else 0
+        if cost + watermark > mgr.num_free:
+            return 0
+        self.waiting.popleft()
+        hit = mgr.start(req.seq_id, tokens)
+        req.computed = hit.start
+        plan.starts[req.seq_id] = hit.start
+        plan.copies.extend(hit.copies)
+        req.state, req.group = "running", plan.group
+        self.running[req.seq_id] = req
+        if cfg.kv_admission == "reserve":
+            self._reserved += req.reserve
+        plan.new_params[req.seq_id] = req.params
+        if req.params.penalised:
+            plan.history[req.seq_id] = (list(req.prompt), list(req.generated))
+        self._feed(plan, req, n)
+        return n
 
     def schedule(self, group: int) -> StepPlan | None:
         """The next step of ``group`` (``None`` if it is busy or has nothing to run)."""
-        if self._busy[group]:
+        cfg = self.config
+        if self._busy[group] >= cfg.depth:
             return None
+        plan = StepPlan(0, group, [], [], {}, [])
         mine = [r for r in self.running.values() if r.group == group]
-        items: list[tuple[int, list[int]]] = [(r.seq_id, [r.generated[-1]]) for r in mine]
-        reqs = list(mine)
-        new_params: dict[int, SamplingParams] = {}
-        admit = self.config.policy == "continuous" or not mine
-        if admit and self.waiting:
+        budget = cfg.max_batch_tokens
+        before = self.preemptions
+        for r in mine:  # the running requests first (oldest first): decode tokens, then prompt chunks
+            if r.state != "running" or r.in_flight >= cfg.depth:
+                continue  # preempted for an older one in this loop
+            known = len(r.prompt) + len(r.generated)
+            n = known - (r.computed - r.fed_unknown)
+            if n == 0 and r.pending > r.fed_unknown:
+                # Its token is still being sampled: feed it as a placeholder if the group's previous step
+                # samples it (that step's tokens come back to the first stage) and it cannot be the last.
+                if (r.last_sampled != self._last_step[group] or len(r.generated) + r.pending >= r.params.max_tokens
+                        or known + r.pending >= cfg.max_context):
+                    continue
+                n = 1
+            if cfg.chunked_prefill:
+                n = min(n, budget)
+            if n < 1 or n > budget:
+                continue
+            if not self._make_room(r, n, plan):
+                continue
+            self._feed(plan, r, n)
+            budget -= n
+        admit = cfg.policy == "continuous" or not mine
+        if admit and self.waiting and self.preemptions == before:  # no readmitting what was just preempted
             # Spread requests over the groups: a group takes at most its share of all live requests.
-            share = math.ceil((len(self.running) + len(self.waiting)) / self.config.groups)
-            budget = self.config.max_batch_tokens - len(items)
-            while self.waiting and len(reqs) < share and self._fits(self.waiting[0], budget, len(self.running)):
-                req = self.waiting.popleft()
-                req.state, req.group = "running", group
-                self.running[req.seq_id] = req
-                self.reserved += req.reserve
-                budget -= len(req.prompt)
-                items.append((req.seq_id, list(req.prompt)))
-                new_params[req.seq_id] = req.params
-                reqs.append(req)
-        if not items:
+            share = math.ceil((len(self.running) + len(self.waiting)) / cfg.groups)
+            while (self.waiting and len(plan.requests) < share and len(self.running) < cfg.max_running
+                   and budget > 0):
+                took = self._admit(plan, self.waiting[0], budget)
+                if not took:
+                    break
+                budget -= took
+        if not plan.items:
             return None
-        frees, self._frees = self._frees, []
-        for r in reqs:
-            r.in_flight = True
-        self._busy[group] = True
-        return StepPlan(next(self._step_ids), group, frees, items, new_params, reqs, self.clock())
+        # Name the blocks this step fills only now: a block is shared from the next step on, once written
+        # (and only blocks of known tokens: a placeholder's value comes later).
+        for r in plan.requests:
+            self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
+        plan.frees, self._frees, plan.step_id, plan.started = self._frees, [], next(self._step_ids), self.clock()
+        for r, sampled in zip(plan.requests, plan.samples):
+            r.in_flight += 1
+            if sampled:
+                r.last_sampled = plan.step_id
+        if cfg.depth > 1:
+            plan.take_back = plan.take_back or self._owed[group]
+            plan.send_back = self._owed[group] = True
+        self._busy[group], self._last_step[group] = self._busy[group] + 1, plan.step_id
+        return plan
 
     def take_frees(self) -> list[int]:
         """Frees not yet sent with a step (the engine sends them alone when nothing else runs)."""
@@ -288,13 +358,14 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, text: str | None = None) -> None:
         req.state, req.finish_reason, req.finished = "finished", reason, self.clock()
-        req.in_flight = False
         if text is not None:
             req.text = text
         elif req.detok is not None:
             req.text = req.detok.finish()
         if self.running.pop(req.seq_id, None) is not None:
-            self.reserved -= req.reserve
+            self.blocks.free(req.seq_id)
+            if self.config.kv_admission == "reserve":
+                self._reserved -= req.reserve
             self._frees.append(req.seq_id)
 
     def complete(self, plan: StepPlan, tokens: Sequence[int], logprobs: dict[int, Any] | None = None,
@@ -306,12 +377,17 @@ class Scheduler:
         """
         if len(tokens) != len(plan.items):
             raise RuntimeError(f"step {plan.step_id} ran {len(plan.items)} sequences but returned {len(tokens)} tokens")
-        self._busy[plan.group] = False
+        self._busy[plan.group] -= 1
         out: list[tuple[Request, int | None, bool]] = []
         now = self.clock()
-        for req, tok in zip(plan.requests, tokens):
-            req.in_flight = False
-            if req.state == "finished":  # failed or aborted while the step ran
+        samples = plan.samples or [True] * len(tokens)
+        for req, tok, sampled in zip(plan.requests, tokens, samples):
+            req.in_flight -= 1
+            if sampled and req.pending:
+                req.pending -= 1
+                if req.fed_unknown:
+                    req.fed_unknown -= 1  # it was fed as a placeholder: now known, and computed
+            if req.state != "running":  # failed, aborted or stopped while the step ran
                 continue
             if req.aborted:
                 self._finish(req, "abort")
@@ -322,9 +398,12 @@ class Scheduler:
                 self._finish(req, "error")
                 out.append((req, None, True))
                 continue
+            if not sampled:  # a chunk of a longer prompt (or recompute): its token is not the next one
+                continue
             if logprobs and req.seq_id in logprobs:
                 req.logprobs.append(logprobs[req.seq_id])
             req.generated.append(int(tok))
+            self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
             if len(req.generated) == 1:
                 req.first_token = now
             if req.detok is not None:
@@ -358,12 +437,11 @@ class Scheduler:
         """The workers are gone: every running request (in flight or not) is lost; reset the step state."""
         lost = list(self.running.values())
         for req in lost:
-            req.state, req.in_flight, req.finished = "finished", False, self.clock()
-            req.finish_reason = "error"
+            req.state, req.in_flight, req.finished, req.finish_reason = "finished", 0, self.clock(), "error"
         self.running.clear()
-        self.reserved = 0
-        self._frees = []
-        self._busy = [False] * self.config.groups
+        self.blocks.reset()
+        self._reserved, self._frees = 0, []
+        self._busy, self._owed = [0] * self.config.groups, [False] * self.config.groups
         return lost
 
     def drain_waiting(self) -> list[Request]:

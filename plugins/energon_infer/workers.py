@@ -147,6 +147,56 @@ class StageTimer:
         return out
 
 
+class TokenFeedback:
+    """Sampled tokens from the last stage straight to the first (steps planned ahead, ``Step.send_back``).
+
+    The result rank sends each ``send_back`` step's tokens to every first-stage rank (point to point,
+    tag ``100 + group``; kept in memory where it is a first-stage rank itself); the first stage keeps
+    that step's sequence ids, and at the group's next step (``take_back``) puts each sequence's token
+    in place of its placeholder. Ranks of other stages only need the token count: they feed zeros.
+    """
+
+    def __init__(self, grid: Any, device: torch.device):
+        self.grid, self.device = grid, device
+        self.ids: dict[int, list[int]] = {}
+        self.local: dict[int, list[int]] = {}
+        self.sends: dict[int, list[Any]] = {}
+        self.keep: dict[int, torch.Tensor] = {}
+
+    def give(self, cmd: Step, tokens: list[int]) -> None:
+        grid = self.grid
+        if grid.first:
+            self.ids[cmd.group] = [s for s, _ in cmd.items]
+        if grid.rank != grid.result_rank:
+            return
+        # The group's previous send was received when its next step (this one) started on the first stage.
+        for work in self.sends.pop(cmd.group, []):
+            work.wait()
+        out = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        works = []
+        for dst in range(grid.tp):  # the first stage's ranks
+            if dst == grid.rank:
+                self.local[cmd.group] = list(tokens)
+            else:
+                works.append(torch.distributed.isend(out, dst=dst, tag=100 + cmd.group))
+        self.sends[cmd.group] = works
+        self.keep[cmd.group] = out  # alive until its sends complete
+
+    def take(self, cmd: Step) -> list[tuple[int, list[int]]]:
+        grid = self.grid
+        if not grid.first:
+            return [(s, [0] if t == [-1] else t) for s, t in cmd.items]
+        ids = self.ids.pop(cmd.group)
+        if grid.rank == grid.result_rank:
+            got = self.local.pop(cmd.group)
+        else:
+            buf = torch.empty(len(ids), dtype=torch.long, device=self.device)
+            torch.distributed.recv(buf, src=grid.result_rank, tag=100 + cmd.group)
+            got = buf.tolist()
+        prev = dict(zip(ids, got))
+        return [(s, [prev[s]] if t == [-1] else t) for s, t in cmd.items]
+
+
 def _subtract(a: float, b: float) -> float:
     return b - a
 
@@ -193,6 +243,7 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
                    reply: Callable[[Reply], None]) -> None:
     """The worker loop (SPMD): obey commands in order until :class:`Stop` or ``next_command()`` gives ``None``."""
     result_rank = runner.grid.result_rank
+    feedback = TokenFeedback(runner.grid, runner.device)
     while True:
         cmd = next_command()
         if cmd is None or isinstance(cmd, Stop):
@@ -200,7 +251,11 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
         if isinstance(cmd, Step):
             for seq_id in cmd.frees:
                 runner.free(seq_id)
-            tokens = runner.step(cmd.items, cmd.new_params, broadcast=False)
+            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies, cmd.history)
+            items = feedback.take(cmd) if cmd.take_back else cmd.items
+            tokens = runner.step(items, cmd.new_params, broadcast=False)
+            if cmd.send_back:
+                feedback.give(cmd, tokens)
             if rank == result_rank:
                 logprobs, errors = runner.last_sample
                 reply(Tokens(cmd.step_id, list(tokens), logprobs, errors))

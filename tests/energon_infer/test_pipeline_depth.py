@@ -1,0 +1,83 @@
+"""Steps planned ahead (``pipeline_depth > 1``): placeholders filled from tokens the last stage sends straight to
+the first, outputs equal to the runtime's at pp=2 and tp=2, and both pp=2 stages busy at once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from energon_infer import ModelRunner, SamplingParams
+from energon_infer.scheduler import PLACEHOLDER, Request, Scheduler, SchedulerConfig
+from tests.energon_infer.tiny import PROMPTS
+from tests.helpers.runif import RunIf
+
+BASE = list(range(20, 41))
+MIXED = PROMPTS + [BASE + [5, 6], BASE + [7]]
+# Greedy to a fixed length, and seeded sampling that may stop at EOS (a step planned ahead is then wasted).
+PARAMS = ([SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(PROMPTS)
+          + [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=7) for i in range(2)])
+
+
+def test_a_step_planned_ahead_feeds_placeholders_and_drops_tokens_after_a_stop():
+    s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, depth=2), eos_token_ids=(2,))
+    a = s.add(Request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5)))
+    first = s.schedule(0)
+    ahead = s.schedule(0)  # planned before first's token is back
+    assert s.schedule(0) is None and s.in_flight == 2
+    assert ahead.items == [(a.seq_id, [PLACEHOLDER])] and ahead.take_back and first.send_back
+    assert not first.take_back
+    s.complete(first, [2])  # EOS: a stops; the token of the step ahead is dropped
+    assert a.finish_reason == "stop" and a.generated == [2]
+    assert s.complete(ahead, [9]) == [] and a.generated == [2]
+    assert s.schedule(0) is None and s.take_frees() == [a.seq_id]
+
+
+def test_no_placeholder_past_max_tokens():
+    s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, depth=3))
+    s.add(Request("a", [5], SamplingParams(temperature=0, max_tokens=2)))
+    plans = [s.schedule(0), s.schedule(0), s.schedule(0)]
+    assert plans[2] is None  # the second step samples the last token: nothing to plan past it
+    for plan, tok in zip(plans, [7, 8]):
+        s.complete(plan, [tok])
+    assert s.num_running == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], progress=False, block_size=4)
+    return [g.token_ids for g in runner.generate(MIXED, PARAMS)]
+
+
+def _engine_tokens(d: str, **layout) -> list[list[int]]:
+    from energon_infer.engine import Engine
+
+    with Engine.from_pretrained(d, pipeline_depth=3, block_size=4, kv_cache_tokens=64, max_batch_tokens=16,
+                                chunked_prefill=True, progress=False, threads_per_worker=1, **layout) as engine:
+        return [c.token_ids for c in engine.generate(MIXED, PARAMS)]
+
+
+@RunIf(min_world=2)
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}])
+def test_engine_with_steps_planned_ahead_equals_the_runtime(tiny_dirs, reference, layout):
+    assert _engine_tokens(tiny_dirs["llama"], **layout) == reference
+
+
+@RunIf(min_world=2)
+def test_pp2_stages_work_at_the_same_time(tmp_path):
+    # A stage's step must outweigh the controller's per-step work for the overlap to show: hidden 768.
+    from energon_infer.demo import write_random_llama
+    from energon_infer.engine import Engine
+
+    d = write_random_llama(tmp_path / "m", layers=4, hidden=768, heads=4, kv_heads=2, intermediate=1536,
+                           max_positions=128)
+    g = random.Random(0)
+    prompts = [[g.randrange(3, 250) for _ in range(g.randint(4, 24))] for _ in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with Engine.from_pretrained(d, pp=2, progress=False, threads_per_worker=1, block_size=16) as engine:
+        engine.generate(prompts[:2], greedy)
+        engine.pipeline_stats(reset=True)
+        engine.generate(prompts, greedy)
+        stages = engine.pipeline_stats()["stages"]
+    # A blocking pipeline cannot exceed 1: one stage waits while the other works.
+    assert sum(stages) > 1.0, stages
