@@ -169,7 +169,8 @@ class BlockManager:
 
         Read only. At least one token is always left to compute.
         """
-        bs, shared, parent = self.block_size, [], 0
+        bs, parent = self.block_size, 0
+        shared: list[int] = []
         if not self.prefix_caching:
             return shared, parent, None
         n_full = len(tokens) // bs
