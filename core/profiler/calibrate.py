@@ -1,0 +1,240 @@
+"""``calibrate_device``: the measurements that turn the device profile into a step-time model that matches.
+
+``profile_device`` measures peak rates; a training step also pays for what rates leave out. With a
+process group initialised, every rank calls :func:`calibrate_device` and gets its profile back with:
+
+* **collectives as latency + bandwidth**: all-gather, reduce-scatter and all-reduce timed over
+  message sizes from 4 KiB to a few MiB, fitted by least squares to ``t = alpha + S * (W-1)/W / busbw``
+  (all-reduce: twice the bandwidth term) per collective at this world size. On gloo over loopback
+  alpha is ~0.1-1 ms: a 64 KiB all-gather costs mostly latency, which the bandwidth table priced
+  at the 1 MiB rate (0.03 ms);
+* **FSDP2's per-unit overhead**: a stack of ``K`` tiny linear layers trained as ``K`` units and as
+  one unit; ``(t_K - t_1) / (K - 1)`` per phase (forward, backward, optimizer) is what one more unit
+  costs beyond its collectives (hooks, copy-in/copy-out, DTensor dispatch in ``optimizer.step``),
+  per mode (``reshard``, ``keep``, ``replicate``, ``offload``); the collectives' fitted latency is
+  subtracted, so the planner does not count it twice;
+* **overlap of communication with compute**: a matmul loop alone, an all-reduce alone, and both
+  at once; ``overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in ``[0, 1]``. On
+  gloo with one thread per rank the collective's copies and reductions run on the core the
+  matmuls need (overlap near 0); on NCCL with a copy engine it is near 1;
+* ``unified_memory`` for a CPU "device": offload copies cost nothing.
+
+Results are cached beside the device profile (``calibrated-...json``); ``refresh=True`` re-measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tightfit.profiler.types import DeviceProfile
+
+__all__ = ["calibrate_device", "fit_alpha_beta", "OVERHEAD_MODES"]
+
+OVERHEAD_MODES = ("reshard", "keep", "replicate", "offload")
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float], factor: float) -> tuple[float, float]:
+    """Least-squares ``t = alpha + x / busbw`` with ``x = factor * size``; returns ``(alpha >= 0, busbw > 0)``.
+
+    >>> a, bw = fit_alpha_beta([1e3, 1e6, 1e7], [1e-4 + 1e3 / 1e9, 1e-4 + 1e6 / 1e9, 1e-4 + 1e7 / 1e9], 1.0)
+    >>> round(a * 1e6), round(bw / 1e9, 3)
+    (100, 1.0)
+    """
+    xs = [factor * s for s in sizes]
+    mx, my = statistics.fmean(xs), statistics.fmean(seconds)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / var if var > 0 else 0.0
+    if slope <= 0:  # flat timings: all latency; the largest message bounds the bandwidth from below
+        slope = max(seconds) / max(xs) / 10 if max(xs) > 0 else 1e-12
+    alpha = my - slope * mx
+    if alpha < 0:  # refit through the origin: no negative latency
+        alpha = 0.0
+        slope = sum(x * y for x, y in zip(xs, seconds)) / sum(x * x for x in xs)
+    return alpha, 1.0 / slope
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    import torch.distributed as dist
+
+    out = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(out)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank paces a synchronous step
+    return float(t.item())
+
+
+def _collective_fits(device: torch.device, repeats: int, quick: bool) -> dict[str, dict[int, list[float]]]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    sizes = [2**12, 2**15, 2**18, 2**20, 2**22] + ([] if quick else [2**24])
+    fits: dict[str, dict[int, list[float]]] = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        times = []
+        for size in sizes:
+            numel = max(world, size // 4 // world * world)
+            full = torch.zeros(numel, device=device)
+            shard = torch.zeros(numel // world, device=device)
+            fn = {"all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+                  "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+                  "all_reduce": lambda f=full: dist.all_reduce(f)}[kind]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                times.append(_median_time(fn, device, repeats))
+        factor = (2.0 if kind == "all_reduce" else 1.0) * (world - 1) / world
+        alpha, bw = fit_alpha_beta([float(s) for s in sizes], times, factor)
+        fits[kind] = {world: [alpha, bw]}
+    return fits
+
+
+def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int, list[float]]],
+                    ) -> dict[str, list[float]]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    world = dist.get_world_size()
+    k, width = 8, 32
+    mesh = init_device_mesh(device.type, (world,))
+    hsdp = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    x = torch.randn(4, width, device=device)
+
+    def build(units: int, mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(k)]).to(device)
+        kw = dict(mesh=hsdp if mode == "replicate" else mesh, reshard_after_forward=mode != "keep",
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if mode == "offload"
+                  else OffloadPolicy())
+        if units > 1:
+            for layer in model:
+                fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def phases(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        box: dict[str, torch.Tensor] = {}
+
+        def fwd() -> None:
+            box["loss"] = model(x).square().mean()
+
+        def bwd() -> None:
+            fwd()
+            box["loss"].backward()
+
+        def step() -> None:
+            opt.step()
+
+        t_f = _median_time(fwd, device, repeats)
+        t_fb = _median_time(bwd, device, repeats)
+        t_o = _median_time(step, device, repeats)
+        opt.zero_grad(set_to_none=True)
+        return [t_f, max(0.0, t_fb - t_f), t_o]
+
+    def latency(kind: str) -> float:
+        return fits.get(kind, {}).get(world, [0.0, 1.0])[0]
+
+    out: dict[str, list[float]] = {}
+    for mode in OVERHEAD_MODES:
+        many = phases(*build(k, mode))
+        one = phases(*build(1, mode))
+        per = [max(0.0, (a - b) / (k - 1)) for a, b in zip(many, one)]
+        # Collectives one more unit issues, priced by their fitted latency (the planner adds them itself).
+        if mode == "replicate":
+            per[1] = max(0.0, per[1] - latency("all_reduce"))
+        else:
+            per[0] = max(0.0, per[0] - latency("all_gather"))
+            per[1] = max(0.0, per[1] - latency("reduce_scatter") - (latency("all_gather") if mode != "keep" else 0.0))
+        out[mode] = per
+    return out
+
+
+def _overlap(device: torch.device, repeats: int) -> float:
+    import torch.distributed as dist
+
+    n = 256 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device)
+    buf = torch.zeros((2**22 if device.type == "cpu" else 2**26) // 4, device=device)
+    reps = max(1, int(0.02 * (5e9 if device.type == "cpu" else 5e13) / (2 * n**3)))
+
+    def compute() -> None:
+        for _ in range(reps):
+            torch.mm(a, a)
+
+    def comm() -> None:
+        dist.all_reduce(buf)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_c = _median_time(compute, device, repeats)
+    t_n = _median_time(comm, device, repeats)
+    t_b = _median_time(both, device, repeats)
+    return float(min(1.0, max(0.0, (t_c + t_n - t_b) / max(1e-9, min(t_c, t_n)))))
+
+
+def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | None = None, quick: bool = False,
+                     refresh: bool = False, progress: bool = True) -> DeviceProfile:
+    """``profile`` with collective α–β fits, FSDP2 per-unit overheads, measured overlap and ``unified_memory``.
+
+    Every rank of the initialised process group must call it (the collectives are measured together);
+    without a group only ``unified_memory`` is set. Cached beside the device profile; rank 0 writes.
+    """
+    import torch.distributed as dist
+
+    from tightfit.profiler.device import cache_file
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    base = dataclasses.replace(profile, unified_memory=dev.type == "cpu")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return base
+    world = dist.get_world_size()
+    path = cache_file(f"calibrated | {profile.key} | world {world} | threads {torch.get_num_threads()}", quick)
+    cached = None
+    if not refresh and path.is_file():
+        try:
+            cached = DeviceProfile.from_json(path)
+        except (ValueError, TypeError, KeyError):
+            cached = None
+    flag = torch.tensor([1 if cached is not None else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # measure together or not at all
+    if int(flag.item()) and cached is not None:
+        return cached
+    say = (lambda m: print(f"[calibrate_device] {m}", file=sys.stderr, flush=True)) \
+        if progress and dist.get_rank() == 0 else (lambda m: None)
+    repeats = 5 if quick else 11
+    t0 = time.perf_counter()
+    say(f"1/3 collectives alpha-beta on {world} ranks ({dist.get_backend()})")
+    fits = _collective_fits(dev, repeats, quick)
+    say("2/3 FSDP2 per-unit overhead (8 tiny units vs 1)")
+    overhead = _unit_overheads(dev, repeats, fits)
+    say("3/3 overlap of an all-reduce with matmuls")
+    overlap = _overlap(dev, repeats)
+    out = dataclasses.replace(base, collective_fit=fits, unit_overhead_s=overhead, comm_overlap=overlap)
+    if dist.get_rank() == 0:
+        out.to_json(path)
+    dist.barrier()
+    say(f"done in {time.perf_counter() - t0:.1f} s: overlap {overlap:.2f}, all-gather alpha "
+        f"{fits['all_gather'][world][0] * 1e6:.0f} us, unit overhead (reshard) "
+        f"{sum(overhead['reshard']) * 1e3:.2f} ms; cached in {path}")
+    return out
