@@ -41,6 +41,8 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", type=int, default=1, help="number of devices (ranks); default 1")
     g.add_argument("--nodes", type=int, default=1, help="hosts the devices span (default 1)")
     g.add_argument("--device-memory", metavar="SIZE", help="memory per device, overriding the profile ('40GiB')")
+    g.add_argument("--host-memory", metavar="SIZE",
+                   help="memory per host, overriding the profile ('512GiB'): plan a cluster's offload from a laptop")
 
 
 def load_model_profile(args: argparse.Namespace):
@@ -82,6 +84,10 @@ def load_cluster(args: argparse.Namespace):
             mem = parse_bytes(args.device_memory)
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, memory_bytes=mem, free_bytes=mem) for d in cluster.devices))
+        if getattr(args, "host_memory", None):
+            hm = parse_bytes(args.host_memory)
+            cluster = dataclasses.replace(cluster, devices=tuple(
+                dataclasses.replace(d, host_memory_bytes=hm) for d in cluster.devices))
         return cluster
     if args.device_profile:
         device = DeviceProfile.from_json(args.device_profile)
@@ -92,12 +98,28 @@ def load_cluster(args: argparse.Namespace):
 
         print("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...", file=sys.stderr)
         device = profile_device(quick=True)
+        if device.kind == "cpu" and args.device_memory and parse_bytes(args.device_memory) < device.memory_bytes:
+            # A CPU's matmul rate priced a GPT-2 XL step on "4 x 24GiB" at 79,705 s: the memory said
+            # accelerator, the rates said laptop. Planning a CPU for less memory than it has is that case.
+            raise SystemExit(
+                f"tightfit plan: no --preset or --device-profile, so this machine's CPU profile ({device.name}) would "
+                f"price the step, but --device-memory {args.device_memory} describes another device; pass "
+                "--preset (one of: " + ", ".join(_preset_names()) + ") for accelerators you do not have, or "
+                "--device-profile PATH with a profile saved on the target machine (`tightfit profile device --json`)")
     if args.device_memory:
         mem = parse_bytes(args.device_memory)
         device = dataclasses.replace(device, memory_bytes=mem, free_bytes=mem)
+    if getattr(args, "host_memory", None):
+        device = dataclasses.replace(device, host_memory_bytes=parse_bytes(args.host_memory))
     if args.devices < 1:
         raise SystemExit(f"tightfit plan: --devices {args.devices} must be >= 1")
     return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
+
+
+def _preset_names() -> list[str]:
+    from tightfit.profiler.device import DATASHEETS
+
+    return list(DATASHEETS)
 
 
 def _preset(name: str):
@@ -145,6 +167,8 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
 def _elixir_run(args: argparse.Namespace) -> int:
     from tightfit.planner.elixir import BASELINES, ElixirConstraints, PlanInfeasibleError, baseline, search
 
+    if args.preset:
+        _preset(args.preset)  # an unknown preset fails now, not after profiling the model
     profile = load_model_profile(args)
     cluster = load_cluster(args)
     budget: int | float | str | None = args.budget

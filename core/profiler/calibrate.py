@@ -61,20 +61,24 @@ def fit_alpha_beta(sizes: list[float], seconds: list[float], factor: float) -> t
     return alpha, 1.0 / slope
 
 
+_NOW: list[Callable[[], float]] = [time.perf_counter]  # the clock of the calibration in progress
+
+
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
     import torch.distributed as dist
 
+    now = _NOW[0]
     out = []
     for i in range(warmup + repeats):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            out.append(time.perf_counter() - t0)
+            out.append(now() - t0)
     t = torch.tensor([statistics.median(out)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank paces a synchronous step
     return float(t.item())
@@ -191,16 +195,27 @@ def _overlap(device: torch.device, repeats: int) -> float:
     return float(min(1.0, max(0.0, (t_c + t_n - t_b) / max(1e-9, min(t_c, t_n)))))
 
 
+def _adam_rate(device: torch.device, repeats: int) -> float:
+    """AdamW (foreach, as ``torch.optim.AdamW`` defaults to) elements per second on the calibration clock."""
+    p = nn.Parameter(torch.randn(2**20, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    return float(p.numel() / max(1e-9, _median_time(opt.step, device, repeats)))
+
+
 def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | None = None, quick: bool = False,
-                     refresh: bool = False, progress: bool = True) -> DeviceProfile:
+                     refresh: bool = False, progress: bool = True, clock: str = "wall") -> DeviceProfile:
     """``profile`` with collective α–β fits, FSDP2 per-unit overheads, measured overlap and ``unified_memory``.
 
     Every rank of the initialised process group must call it (the collectives are measured together);
     without a group only ``unified_memory`` is set. Cached beside the device profile; rank 0 writes.
+    ``clock="cpu"`` times with process CPU time (CPU devices on a shared host; see
+    :func:`tightfit.profiler.timing.clock_of`); the optimizer rates are then re-measured on it too.
     """
     import torch.distributed as dist
 
     from tightfit.profiler.device import cache_file
+    from tightfit.profiler.timing import clock_of
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and dev.index is None:
@@ -209,7 +224,8 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return base
     world = dist.get_world_size()
-    path = cache_file(f"calibrated | {profile.key} | world {world} | threads {torch.get_num_threads()}", quick)
+    path = cache_file(f"calibrated | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
+                      quick)
     cached = None
     if not refresh and path.is_file():
         try:
@@ -223,6 +239,7 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     say = (lambda m: print(f"[calibrate_device] {m}", file=sys.stderr, flush=True)) \
         if progress and dist.get_rank() == 0 else (lambda m: None)
     repeats = 5 if quick else 11
+    _NOW[0] = clock_of(clock)
     t0 = time.perf_counter()
     say(f"1/3 collectives alpha-beta on {world} ranks ({dist.get_backend()})")
     fits = _collective_fits(dev, repeats, quick)
@@ -230,7 +247,12 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     overhead = _unit_overheads(dev, repeats, fits)
     say("3/3 overlap of an all-reduce with matmuls")
     overlap = _overlap(dev, repeats)
-    out = dataclasses.replace(base, collective_fit=fits, unit_overhead_s=overhead, comm_overlap=overlap)
+    adam = {}
+    if clock == "cpu":
+        rate = _adam_rate(dev, repeats)
+        adam = {"device_adam_elems_per_s": rate, "host_adam_elems_per_s": rate}
+    _NOW[0] = time.perf_counter
+    out = dataclasses.replace(base, collective_fit=fits, unit_overhead_s=overhead, comm_overlap=overlap, **adam)
     if dist.get_rank() == 0:
         out.to_json(path)
     dist.barrier()

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tightfit.profiler.types import ModelProfile
 
-__all__ = ["TIMING_SOURCE", "time_blocks", "block_inputs"]
+__all__ = ["TIMING_SOURCE", "time_blocks", "block_inputs", "clock_of"]
 
 TIMING_SOURCE = "measured block timings"
 
@@ -128,8 +128,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_of(name: str) -> Callable[[], float]:
+    """``"wall"``: ``time.perf_counter``; ``"cpu"``: this process's CPU time (user + system, every thread).
+
+    CPU time is what a step costs on cores of its own: on a host shared with other jobs (load 16
+    on 2 cores while this was written) wall times of one step varied 3x between repeats, its CPU
+    time by a few percent. Only for CPU devices; a GPU's work is not the host's CPU time.
+    """
+    if name == "wall":
+        return time.perf_counter
+    if name == "cpu":
+        return time.process_time
+    raise ValueError(f"clock={name!r}: use 'wall' (elapsed time) or 'cpu' (process CPU time, CPU devices only)")
+
+
 def _time_one(module: nn.Module, spec: tuple[tuple, dict], device: torch.device, dtype: torch.dtype | None,
-              warmup: int, repeats: int, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[float, float]:
+              warmup: int, repeats: int, loss_fn: Callable[[Any], torch.Tensor] | None,
+              now: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(forward s, backward s): medians over ``repeats`` after ``warmup`` rounds."""
     fwd: list[float] = []
     bwd: list[float] = []
@@ -137,20 +152,20 @@ def _time_one(module: nn.Module, spec: tuple[tuple, dict], device: torch.device,
         args, kwargs = _materialise(spec, device, dtype, grad=True)
         module.zero_grad(set_to_none=True)  # a real step's backward allocates fresh gradients too
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         out = module(*args, **kwargs)
         if loss_fn is not None:
             out = loss_fn(out)
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = now()
         leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
         if leaves:
             grads = [torch.ones_like(x) if x.dim() == 0 else torch.randn_like(x) for x in leaves]
             _sync(device)
-            t1b = time.perf_counter()
+            t1b = now()
             torch.autograd.backward(leaves, grads)
             _sync(device)
-            t2 = time.perf_counter() - t1b
+            t2 = now() - t1b
         else:
             t2 = 0.0
         if i >= warmup:
@@ -158,6 +173,21 @@ def _time_one(module: nn.Module, spec: tuple[tuple, dict], device: torch.device,
             bwd.append(t2)
         del out, leaves
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def _agree(measured: dict[str, list[float]], keys: list[str]) -> dict[str, list[float]]:
+    """With a process group every rank keeps the slowest rank's seconds: a synchronous step is paced by it,
+    and every rank must price (and so plan) from the same numbers. Every rank calls this once."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or not keys:
+        return measured
+    flat = torch.tensor([v for k in keys for v in measured[k]], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        flat = flat.cuda()
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    vals = flat.cpu().tolist()
+    return {k: vals[2 * i:2 * i + 2] for i, k in enumerate(keys)}
 
 
 def _cache_path(key: str) -> Any:
@@ -169,7 +199,7 @@ def _cache_path(key: str) -> Any:
 def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, repeats: int = 5,
                 warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, cache: bool = True,
-                refresh: bool = False, progress: bool = False) -> ModelProfile:
+                refresh: bool = False, progress: bool = False, clock: str = "wall") -> ModelProfile:
     """``profile`` with each block's measured ``fwd_s``, ``bwd_s`` and ``recompute_s`` filled in.
 
     Args:
@@ -183,7 +213,12 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         loss_fn: ``loss_fn(output) -> scalar`` timed with the last block (default: the profile's
             ``default_loss``; pass the training loss, e.g. cross-entropy, for its real cost).
         cache / refresh: read and write the on-disk cache / ignore what it holds.
+
+    With an initialised process group every rank must call it (same model and inputs): each rank
+    times its blocks, then all keep the slowest rank's numbers, so every rank plans the same way.
         progress: print each distinct block's time to stderr.
+        clock: ``"wall"`` (elapsed) or ``"cpu"`` (process CPU time: immune to other jobs on a shared
+            CPU host; use the same clock when measuring the steps it predicts), see :func:`clock_of`.
     """
     import sys
 
@@ -193,6 +228,9 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
     if repeats < 1 or warmup < 0:
         raise ValueError(f"time_blocks(repeats={repeats}, warmup={warmup}): need repeats >= 1 and warmup >= 0")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    now = clock_of(clock)
+    if clock == "cpu" and dev.type != "cpu":
+        raise ValueError(f"time_blocks(clock='cpu') on {dev}: a GPU's time is not host CPU time; use clock='wall'")
     specs = block_inputs(model, example_inputs)
     modules = {b.name: b.module for b in find_blocks(model) if b.module is not None}
     last = next((b.name for b in reversed(profile.blocks) if b.name in modules), None)
@@ -204,7 +242,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         return json.dumps([type(m).__name__, shapes, repr(specs.get(name)), name == last], default=str)
 
     env = f"{dev.type} | {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''} | threads " \
-          f"{torch.get_num_threads()} | torch {torch.__version__} | dtype {dtype} | loss {getattr(loss_fn, '__name__', loss_fn)}"
+          f"{torch.get_num_threads()} | torch {torch.__version__} | clock {clock} | dtype {dtype} | loss {getattr(loss_fn, '__name__', loss_fn)}"
     keys = {name: key_of(name) for name in modules if name in specs}
     path = _cache_path(env + "\n" + "\n".join(sorted(set(keys.values()))) + f"\n{repeats}/{warmup}")
     measured: dict[str, list[float]] = {}
@@ -218,7 +256,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         if k in measured:
             continue
         block = _init(modules[name], dev, dtype)
-        f, b = _time_one(block, specs[name], dev, dtype, warmup, repeats, loss if name == last else None)
+        f, b = _time_one(block, specs[name], dev, dtype, warmup, repeats, loss if name == last else None, now)
         measured[k] = [f, b]
         del block
         if progress:
@@ -228,6 +266,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
+    measured = _agree(measured, sorted(set(keys.values())))
     blocks = []
     for b in profile.blocks:
         if b.name in keys:
@@ -236,4 +275,4 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         blocks.append(b)
     return dataclasses.replace(profile, blocks=tuple(blocks),
                                notes=(*profile.notes, f"{TIMING_SOURCE} on {dev.type} ({torch.get_num_threads()} "
-                                                      f"threads), median of {repeats}"))
+                                                      f"threads, {clock} clock), median of {repeats}"))
