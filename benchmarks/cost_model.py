@@ -108,7 +108,10 @@ def _pick_others(frontier, chosen, budget):
     return out[:2]
 
 
-def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str, device_type: str = "cpu",
+          sizes: dict | None = None) -> None:
+    """One rank. ``device_type="cuda"`` (benchmarks/gpu/cost_model.py): NCCL, wall clock with CUDA
+    synchronisation, ``max_memory_allocated`` peaks; ``"cpu"``: gloo, process CPU time, profiler peaks."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import dataclasses
@@ -125,20 +128,26 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
     from tightfit.profiler import calibrate_device, profile_device, profile_model, time_blocks
     from tightfit.profiler.types import ClusterSpec
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    clock = "wall" if cuda else "cpu"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     say = (lambda m: print(f"[cost_model] {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
     from tightfit.distributed import decide_on_rank0
     from tightfit.profiler.types import DeviceProfile
 
     # Every rank must plan from the same numbers: rank 0's device profile for all.
-    measured = profile_device("cpu", quick=True, progress=rank == 0)  # every rank: collectives measured together
+    measured = profile_device(dev, quick=True, progress=rank == 0)  # every rank: collectives measured together
     raw_device = decide_on_rank0(lambda: measured, encode=lambda d: d.to_json(), decode=DeviceProfile.from_json)
-    device = calibrate_device(raw_device, quick=True, progress=rank == 0, clock="cpu")
+    device = calibrate_device(raw_device, device=dev, quick=True, progress=rank == 0, clock=clock)
     calibrated = ClusterSpec.uniform(device, world)
     uncalibrated = ClusterSpec.uniform(raw_device, world)
-    mesh = init_device_mesh("cpu", (world,))
-    cons = ElixirConstraints(fragmentation=0.0)
+    mesh = init_device_mesh(device_type, (world,))
+    cons = ElixirConstraints(fragmentation=0.0, reserved_bytes=0)  # compared with allocated bytes
     kw = dict(precision="32-true", optimizer="adamw")
     steps = 2
     results = {}
@@ -147,7 +156,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
         batch, seq = 4, 128
         g = torch.Generator().manual_seed(rank)
         data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-        x, y = data[:, :-1], data[:, 1:]
+        x, y = data[:, :-1].to(dev), data[:, 1:].to(dev)
 
         def loss_fn(out, y=y, v=cfg.vocab_size):
             return F.cross_entropy(out.reshape(-1, v), y.reshape(-1).to(out.device))
@@ -155,8 +164,8 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
         ids = torch.zeros(batch, seq, dtype=torch.long)
         flops_profile = profile_model(build_gpt(cfg, device="meta"), ids, loss_fn=loss_fn)
         t0 = time.perf_counter()
-        profile = time_blocks(build_gpt(cfg, device="meta"), ids, flops_profile, loss_fn=loss_fn,
-                              repeats=5, warmup=2, clock="cpu")
+        profile = time_blocks(build_gpt(cfg, device="meta"), ids, flops_profile, loss_fn=loss_fn, device=dev,
+                              repeats=5, warmup=2, clock=clock)
         say(f"{size}: {profile.param_numel / 1e6:.1f} M parameters; blocks timed in {time.perf_counter() - t0:.1f} s")
 
         def plans_for(cluster, prof):
@@ -186,7 +195,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
 
         def model():
             torch.manual_seed(0)
-            return build_gpt(cfg)
+            return build_gpt(cfg, device=dev)
 
         def trainer_of(module):
             opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -199,12 +208,12 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
             return step, lambda: [*module.parameters(), *(v for s in opt.state.values() for v in s.values()
                                                            if isinstance(v, torch.Tensor))]
 
-        runners = {"ddp": trainer_of(DDP(model()))}
+        runners = {"ddp": trainer_of(DDP(model(), device_ids=[rank] if cuda else None))}
         for name, p in priced.items():
             if name == "ddp":
                 continue
             m = model()
-            apply_plan(m, dataclasses.replace(p, world_size=world), mesh)
+            apply_plan(m, dataclasses.replace(p, world_size=world), mesh, device=dev)
             runners[name] = trainer_of(m)
 
         wall: dict[str, list[float]] = {n: [] for n in runners}
@@ -215,7 +224,10 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
                 start, cpu = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     step()
-                spent = torch.tensor([(time.process_time() - cpu) / steps])
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                elapsed = (time.perf_counter() - start if cuda else time.process_time() - cpu) / steps
+                spent = torch.tensor([elapsed], device=dev)
                 dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # the slower rank paces the step
                 dist.barrier()
                 wall[name].append((time.perf_counter() - start) / steps)
@@ -227,12 +239,20 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
         wall = {n: w[-repeats:] for n, w in wall.items()}
         peaks = {}
         for name, (step, state) in runners.items():
-            t = torch.tensor([float(_measure_peak(step, state))])
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                step()
+                torch.cuda.synchronize(dev)
+                value = torch.cuda.max_memory_allocated(dev)
+            else:
+                value = _measure_peak(step, state)
+            t = torch.tensor([float(value)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peaks[name] = int(t.item())
         results[size] = {
             "params": profile.param_numel, "budget": budget, "times": times, "wall_times": wall,
-            "measured_peak": peaks, "load_average": os.getloadavg(),
+            "measured_peak": peaks, "load_average": os.getloadavg(), "device": device_type,
             "predicted": {n: {"step_s": p.step_time_s, "peak_bytes": p.peak_bytes, "host_bytes": p.host_bytes_per_rank,
                               "units": len(p.units), "offloaded": len(p.offloaded_units),
                               "checkpointed": len(p.checkpointed_blocks),
@@ -244,7 +264,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
         }
         del runners
 
-    for size, shape in SIZES.items():
+    for size, shape in (sizes or SIZES).items():
         one(size, shape)
     if rank == 0:
         results["calibration"] = {"comm_overlap": device.comm_overlap, "collective_fit": device.collective_fit,
@@ -261,7 +281,8 @@ def analyse(res: dict) -> dict:
     for name in times:
         med = statistics.median(times[name])
         p = pred[name]
-        ppeak = p["peak_bytes"] + p["host_bytes"]
+        # On a CPU host state is in the same memory as the "device" state the profiler sees.
+        ppeak = p["peak_bytes"] + (p["host_bytes"] if res.get("device", "cpu") == "cpu" else 0)
         rows[name] = {"measured_s": med, "min_s": min(times[name]), "max_s": max(times[name]),
                       "predicted_s": p["step_s"], "time_err": p["step_s"] / med - 1,
                       "uncalibrated_s": res["uncalibrated_step_s"][name],

@@ -25,6 +25,7 @@ Results are cached beside the device profile (``calibrated-...json``); ``refresh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -96,9 +97,13 @@ def _collective_fits(device: torch.device, repeats: int, quick: bool) -> dict[st
             numel = max(world, size // 4 // world * world)
             full = torch.zeros(numel, device=device)
             shard = torch.zeros(numel // world, device=device)
-            fn = {"all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
-                  "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
-                  "all_reduce": lambda f=full: dist.all_reduce(f)}[kind]
+            fn: Callable[[], object]
+            if kind == "all_gather":
+                fn = functools.partial(dist.all_gather_into_tensor, full, shard)
+            elif kind == "reduce_scatter":
+                fn = functools.partial(dist.reduce_scatter_tensor, shard, full)
+            else:
+                fn = functools.partial(dist.all_reduce, full)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 times.append(_median_time(fn, device, repeats))
@@ -120,16 +125,18 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
     hsdp = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
     x = torch.randn(4, width, device=device)
 
-    def build(units: int, mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def build(units: int, mode: str, per_unit: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``k`` groups of ``per_unit`` tiny linear layers; ``units > 1``: one FSDP2 unit per group ("plain": no FSDP2)."""
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(k)]).to(device)
-        kw = dict(mesh=hsdp if mode == "replicate" else mesh, reshard_after_forward=mode != "keep",
-                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if mode == "offload"
-                  else OffloadPolicy())
-        if units > 1:
-            for layer in model:
-                fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_unit)])
+                                for _ in range(k)]).to(device)
+        if mode != "plain":
+            policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if mode == "offload" else OffloadPolicy()
+            on = hsdp if mode == "replicate" else mesh
+            if units > 1:
+                for layer in model:
+                    fully_shard(layer, mesh=on, reshard_after_forward=mode != "keep", offload_policy=policy)
+            fully_shard(model, mesh=on, reshard_after_forward=mode != "keep", offload_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def phases(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
@@ -155,9 +162,17 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
         return fits.get(kind, {}).get(world, [0.0, 1.0])[0]
 
     out: dict[str, list[float]] = {}
+    wide = 6  # a transformer layer has ~12 parameter tensors: 6 linear layers' weights and biases
+    plain1, plain6 = phases(*build(1, "plain")), phases(*build(1, "plain", wide))
     for mode in OVERHEAD_MODES:
         many = phases(*build(k, mode))
         one = phases(*build(1, mode))
+        one6 = phases(*build(1, mode, wide))
+        # Per parameter tensor beyond plain training (copy-in/out, DTensor dispatch in the optimizer):
+        # one unit of 12k tensors vs one of 2k, less what the same layers cost without FSDP2.
+        tensors = 2 * k * (wide - 1)
+        out[f"{mode}/tensor"] = [max(0.0, ((c - b) - (p6 - p1)) / tensors)
+                                 for b, c, p1, p6 in zip(one, one6, plain1, plain6)]
         per = [max(0.0, (a - b) / (k - 1)) for a, b in zip(many, one)]
         # Collectives one more unit issues, priced by their fitted latency (the planner adds them itself).
         if mode == "replicate":
@@ -166,7 +181,7 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
             per[0] = max(0.0, per[0] - latency("all_gather"))
             per[1] = max(0.0, per[1] - latency("reduce_scatter") - (latency("all_gather") if mode != "keep" else 0.0))
         out[mode] = per
-    return out
+    return out  # mode -> per unit, "mode/tensor" -> per parameter tensor; [forward, backward, optimizer] s
 
 
 def _overlap(device: torch.device, repeats: int) -> float:
@@ -221,10 +236,10 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     base = dataclasses.replace(profile, unified_memory=dev.type == "cpu")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()):
         return base
     world = dist.get_world_size()
-    path = cache_file(f"calibrated | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
+    path = cache_file(f"calibrated v3 | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
                       quick)
     cached = None
     if not refresh and path.is_file():
@@ -238,15 +253,17 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
         return cached
     say = (lambda m: print(f"[calibrate_device] {m}", file=sys.stderr, flush=True)) \
         if progress and dist.get_rank() == 0 else (lambda m: None)
-    repeats = 5 if quick else 11
+    repeats = 7 if quick else 11
     _NOW[0] = clock_of(clock)
     t0 = time.perf_counter()
     say(f"1/3 collectives alpha-beta on {world} ranks ({dist.get_backend()})")
-    fits = _collective_fits(dev, repeats, quick)
+    fits = _collective_fits(dev, repeats, quick) if world > 1 else {}  # one rank moves nothing
     say("2/3 FSDP2 per-unit overhead (8 tiny units vs 1)")
     overhead = _unit_overheads(dev, repeats, fits)
-    say("3/3 overlap of an all-reduce with matmuls")
-    overlap = _overlap(dev, repeats)
+    say("3/3 overlap of an all-reduce with matmuls" + (" (CPU clock: 0 by definition)" if clock == "cpu" else ""))
+    # CPU time adds up whatever runs concurrently: under clock="cpu" nothing is hidden by definition
+    # (measuring it anyway gave 0.00 in one run and 1.00 in the next on a host at load 16).
+    overlap = -1.0 if world == 1 else 0.0 if clock == "cpu" else _overlap(dev, repeats)
     adam = {}
     if clock == "cpu":
         rate = _adam_rate(dev, repeats)
@@ -257,6 +274,6 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
         out.to_json(path)
     dist.barrier()
     say(f"done in {time.perf_counter() - t0:.1f} s: overlap {overlap:.2f}, all-gather alpha "
-        f"{fits['all_gather'][world][0] * 1e6:.0f} us, unit overhead (reshard) "
+        f"{fits.get('all_gather', {}).get(world, [0.0])[0] * 1e6:.0f} us, unit overhead (reshard) "
         f"{sum(overhead['reshard']) * 1e3:.2f} ms; cached in {path}")
     return out
