@@ -107,3 +107,23 @@ def test_step_monitor_records_and_advises():
     assert mon.step_started() is None  # once per run
     with pytest.raises(ValueError, match="tolerance"):
         StepMonitor(planner="x", predicted_step_s=1, predicted_peak_bytes=0, tolerance=0)
+
+
+def test_plan_cli_refuses_cpu_profile_for_accelerator_memory_and_checks_presets_first(monkeypatch, capsys):
+    from tightfit.cli import main
+
+    profiled: list[str] = []
+
+    def no_model_profiling(*_a, **_k):
+        profiled.append("model")
+        raise AssertionError("the preset must be checked before the model is profiled")
+
+    monkeypatch.setattr("tightfit.profiler.profile_model", no_model_profiling)
+    with pytest.raises(SystemExit, match="unknown device preset 'a100-41g'"):
+        main(["plan", "elixir", "--model", "gpt2", "--preset", "a100-41g"])
+    assert not profiled
+    monkeypatch.undo()
+    # This machine's own (CPU) profile, measured or cached, asked to stand for 1 GiB accelerators: refused.
+    with pytest.raises(SystemExit, match="--preset .*--device-profile"):
+        main(["plan", "elixir", "--model", "gpt2", "--batch", "1", "--seq", "64", "--devices", "4",
+              "--device-memory", "1GiB"])
