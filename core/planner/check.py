@@ -7,7 +7,9 @@ the next ``steps`` (from one step's start to the next's: forward, backward, opti
 loader's share) and then hands back one :class:`PredictionRecord` with the median, the errors and,
 when an error is beyond ``tolerance``, what to do about it.
 
-Pure: no Lightning, no devices; the clock and the peak reading are injected.
+:class:`StepMonitor` is pure (the clock and the peak reading are injected); :func:`make_monitor` and
+:func:`on_step_start` are what the strategies call (a CUDA peak reader; print, log through any
+Lightning-style ``trainer.logger``, warn) and import no framework.
 
 Example:
     >>> ticks = iter([0.0, 1.0, 2.0, 3.1, 4.2, 5.3])
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PredictionRecord", "StepMonitor"]
+__all__ = ["PredictionRecord", "StepMonitor", "make_monitor", "on_step_start"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,3 +149,40 @@ class StepMonitor:
                                 predicted_peak_bytes=int(self.predicted_peak_bytes), measured_peak_bytes=peak,
                                 steps=steps, time_error=t_err, peak_error=p_err, tolerance=self.tolerance,
                                 within_tolerance=within, advice=advice)
+
+
+def make_monitor(plan: Any, device: Any, *, planner: str = "elixir", tolerance: float = 0.25,
+                 warmup: int = 2, steps: int = 5) -> StepMonitor:
+    """A monitor for ``plan`` (anything with ``step_time_s``, ``peak_bytes`` and ``cost_model``) on ``device``."""
+    peak: Callable[[], int] | None = None
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        def peak() -> int:
+            return int(torch.cuda.max_memory_allocated(device))
+    return StepMonitor(planner=planner, predicted_step_s=float(plan.step_time_s),
+                       predicted_peak_bytes=int(getattr(plan, "peak_bytes", 0)),
+                       cost_model=str(getattr(plan, "cost_model", "")), warmup=warmup, steps=steps,
+                       tolerance=tolerance, peak=peak)
+
+
+def on_step_start(monitor: StepMonitor | None, trainer: Any, *, verbose: bool = True) -> PredictionRecord | None:
+    """Tell ``monitor`` a step starts; when its record is ready, print, log and (beyond tolerance) warn."""
+    if monitor is None or monitor.done:
+        return None
+    record = monitor.step_started()
+    if record is None:
+        return None
+    rank0 = getattr(trainer, "global_rank", 0) == 0
+    if verbose and rank0:
+        print(record.summary(), flush=True)
+    logger = getattr(trainer, "logger", None)
+    if logger is not None:
+        try:
+            logger.log_metrics(record.metrics(), step=int(getattr(trainer, "global_step", 0)))
+        except Exception as e:  # noqa: BLE001 - a logger failing must not stop training
+            warnings.warn(f"[{record.planner}] could not log the prediction record: {e}", stacklevel=2)
+    if not record.within_tolerance and rank0:
+        warnings.warn(f"[{record.planner}] prediction off by more than {record.tolerance:.0%}: {record.advice}",
+                      stacklevel=2)
+    return record

@@ -32,11 +32,10 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
 from lightning_elixir.checkpoint import atomic_save, recover
-from lightning_elixir.monitor import make_monitor, on_step_start
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
-from tightfit.planner.check import PredictionRecord, StepMonitor
+from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
