@@ -127,3 +127,16 @@ def test_plan_cli_refuses_cpu_profile_for_accelerator_memory_and_checks_presets_
     with pytest.raises(SystemExit, match="--preset .*--device-profile"):
         main(["plan", "elixir", "--model", "gpt2", "--batch", "1", "--seq", "64", "--devices", "4",
               "--device-memory", "1GiB"])
+
+
+def test_calibrated_memory_model_frees_gradients_until_backward(flops_profile):
+    kw = dict(precision="32-true", optimizer="adamw")
+    dev = device_preset("a100-40g")
+    units = [UnitPlan(blocks=(b.name,), mode="reshard") for b in flops_profile.blocks]
+    plain = estimate(flops_profile, ClusterSpec.uniform(dev, 2), units, **kw)
+    calibrated = dataclasses.replace(dev, unit_overhead_s={"reshard": [0.0, 0.0, 0.0]})
+    assert calibrated.calibrated and not dev.calibrated
+    lazy = estimate(flops_profile, ClusterSpec.uniform(calibrated, 2), units, **kw)
+    grads = flops_profile.param_numel / 2 * 4  # this rank's fp32 gradient shard
+    assert lazy.step_time_s == pytest.approx(plain.step_time_s)  # zero overhead: same time
+    assert lazy.peak_bytes < plain.peak_bytes and plain.peak_bytes - lazy.peak_bytes <= grads * 1.1 + 1
