@@ -10,7 +10,10 @@ DDP's predicted peak, and two other plans from the Pareto frontier (mixed where 
 them). FSDP2 contenders are executed with ``apply_plan`` from the very plan that was priced.
 
 Timing: rounds alternate A B C ... after a warm-up round; each repeat times ``steps`` steps between
-barriers (the slower rank paces the step); the median is reported. Memory: resident state plus the
+barriers; the median is reported. The time is each rank's process CPU time per step (the slower rank's):
+this host is shared (load average 4-18 on 2 cores while this was written) and wall times of one step
+varied 3x between repeats, CPU times by a few percent; blocks, collectives and overheads are calibrated
+on the same clock (``clock="cpu"``). Wall-time medians are reported beside them. Memory: resident state plus the
 highest the step's allocations rise (torch.profiler allocator events), against the predicted device
 peak plus host state (on a CPU the host *is* the device). The plans are priced with a 0%
 fragmentation margin: glibc's allocator has no caching-allocator blocks to fragment; the default

@@ -410,14 +410,22 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
-        worst_act = 0.0
+        worst_act = worst_total = 0.0
         worst_i = a
+        # A sharded unit's gradient shard appears when its reduce-scatter lands (its unsharded gradients are
+        # in ``params``); an aliased replicate unit's gradients appear block by block, as autograd makes them.
+        local = terms[u].grad_state if ctx.grads_on_demand else 0.0
+        unit_numel = sum(ctx.numel[a:b]) or 1
+        alias = ctx.alias_replicated and not terms[u].grads and local > 0
+        before = 0.0  # numel of blocks a .. i-1: their gradients do not exist yet while block i runs backward
+        state_bwd = state_fwd + grads_after[u]
         for i in range(a, b):
             # A checkpointed block's backward first re-runs its forward: that forward's temporaries count too.
             act = prefix[i] + saved[i] + (max(tr[i], ftr[i]) if ckpt[i] else tr[i])
-            if act > worst_act:
-                worst_act, worst_i = act, i
-        state_bwd = state_fwd + grads_after[u]
+            g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
+            before += ctx.numel[i]
+            if state_fwd + g + act > worst_total:
+                worst_total, worst_act, worst_i, state_bwd = state_fwd + g + act, act, i, state_fwd + g
         total = state_bwd + params + worst_act
         if total > best:
             best = total
