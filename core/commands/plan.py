@@ -52,6 +52,8 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  "(default 1)")
     g.add_argument("--device-memory", metavar="SIZE", type=byte_size,
                    help="memory per device, overriding the profile ('40GiB')")
+    g.add_argument("--host-memory", metavar="SIZE", type=byte_size,
+                   help="memory per host, overriding the profile ('512GiB'): plan a cluster's offload from a laptop")
 
 
 def load_model_profile(args: argparse.Namespace):
@@ -107,6 +109,10 @@ def load_cluster(args: argparse.Namespace):
             mem = args.device_memory
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, memory_bytes=mem, free_bytes=mem) for d in cluster.devices))
+        if getattr(args, "host_memory", None):
+            hm = args.host_memory
+            cluster = dataclasses.replace(cluster, devices=tuple(
+                dataclasses.replace(d, host_memory_bytes=hm) for d in cluster.devices))
         return cluster
     if args.device_profile:
         try:
@@ -121,10 +127,26 @@ def load_cluster(args: argparse.Namespace):
 
         log.info("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...")
         device = profile_device(quick=True)
+        if device.kind == "cpu" and args.device_memory and args.device_memory < device.memory_bytes:
+            # A CPU's matmul rate priced a GPT-2 XL step on "4 x 24GiB" at 79,705 s: the memory said
+            # accelerator, the rates said laptop. Planning a CPU for less memory than it has is that case.
+            raise UsageError(
+                f"tightfit plan: no --preset or --device-profile, so this machine's CPU profile ({device.name}) would "
+                f"price the step, but --device-memory {args.device_memory} describes another device; pass "
+                "--preset (one of: " + ", ".join(_preset_names()) + ") for accelerators you do not have, or "
+                "--device-profile PATH with a profile saved on the target machine (`tightfit profile device --json`)")
     if args.device_memory:
         mem = args.device_memory
         device = dataclasses.replace(device, memory_bytes=mem, free_bytes=mem)
+    if getattr(args, "host_memory", None):
+        device = dataclasses.replace(device, host_memory_bytes=args.host_memory)
     return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
+
+
+def _preset_names() -> list[str]:
+    from tightfit.profiler.device import DATASHEETS
+
+    return list(DATASHEETS)
 
 
 def _preset(name: str):

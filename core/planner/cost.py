@@ -36,6 +36,7 @@ __all__ = [
     "matmul_rate",
     "bus_bandwidth",
     "collective_time",
+    "collective_fit",
     "copy_rate",
     "host_optimizer_rate",
     "device_optimizer_rate",
@@ -129,15 +130,45 @@ def collective_time(device: DeviceProfile, collective: str, size_bytes: float, w
 
     ``t = size * (W - 1) / W / busbw`` for all-gather and reduce-scatter; an all-reduce moves
     twice that (``2 * size * (W - 1) / W / busbw``). Across nodes the bus bandwidth is capped by
-    ``inter_node_bytes_per_s``. One rank: no traffic, 0 s.
+    ``inter_node_bytes_per_s``. One rank: no traffic, 0 s. With a measured latency + bandwidth fit
+    for this collective and world size (:func:`collective_fit`) its latency ``alpha`` is added and
+    its bandwidth replaces the size table.
     """
     if world_size <= 1 or size_bytes <= 0:
         return 0.0
+    fit = collective_fit(device, collective, world_size)
+    if fit is not None:
+        alpha, fit_bw = fit
+        if inter_node_bytes_per_s > 0:
+            fit_bw = min(fit_bw, inter_node_bytes_per_s)
+        factor = 2.0 if collective == "all_reduce" else 1.0
+        return alpha + factor * size_bytes * (world_size - 1) / world_size / fit_bw
     bw = bus_bandwidth(device, collective, size_bytes, notes)
     if inter_node_bytes_per_s > 0:
         bw = min(bw, inter_node_bytes_per_s)
     factor = 2.0 if collective == "all_reduce" else 1.0  # nccl-tests: all-reduce busbw = algbw * 2(W-1)/W
     return factor * size_bytes * (world_size - 1) / world_size / bw
+
+
+def collective_fit(device: DeviceProfile, collective: str, world_size: int) -> tuple[float, float] | None:
+    """``(alpha s, bus bytes/s)`` measured for ``collective`` at ``world_size`` ranks, or ``None``.
+
+    With a fit (:func:`tightfit.profiler.calibrate_device`) a collective costs
+    ``alpha + factor * S * (W-1)/W / busbw``; an all-reduce without its own fit is a reduce-scatter
+    then an all-gather (their alphas add, their bandwidths combine harmonically).
+    """
+    fits = device.collective_fit.get(collective)
+    if fits:
+        for w in (world_size, str(world_size)):
+            if w in fits:
+                alpha, bw = fits[w]  # type: ignore[index]
+                return float(alpha), float(bw)
+        return None
+    if collective == "all_reduce":
+        rs, ag = collective_fit(device, "reduce_scatter", world_size), collective_fit(device, "all_gather", world_size)
+        if rs is not None and ag is not None:
+            return rs[0] + ag[0], 2.0 / (1.0 / rs[1] + 1.0 / ag[1])
+    return None
 
 
 def copy_rate(device: DeviceProfile, direction: str, notes: list[str] | None = None) -> float:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from tightfit.profiler.calibrate import calibrate_device
 from tightfit.profiler.device import DATASHEETS, cluster_spec, device_preset, profile_device
 from tightfit.profiler.memory import PeakEstimate, estimate_peak, optimizer_state_bytes
 from tightfit.profiler.model import MetaProfilingError, profile_model
+from tightfit.profiler.timing import time_blocks
 from tightfit.profiler.types import (
     DTYPE_BYTES,
     BlockProfile,
@@ -17,6 +19,8 @@ from tightfit.profiler.types import (
 
 __all__ = [
     "profile_device",
+    "calibrate_device",
+    "time_blocks",
     "device_preset",
     "cluster_spec",
     "DATASHEETS",

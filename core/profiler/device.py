@@ -42,7 +42,7 @@ import torch
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.units import parse_bytes
 
-__all__ = ["DATASHEETS", "device_preset", "profile_device", "cluster_spec", "cache_dir", "add_cluster_arguments",
+__all__ = ["DATASHEETS", "device_preset", "profile_device", "cluster_spec", "cache_dir", "cache_file", "add_cluster_arguments",
            "cluster_from_args"]
 
 GiB = 2**30
@@ -148,7 +148,8 @@ def _key(device: torch.device, world: int) -> str:
     return f"{name} | {_driver(device)} | torch {torch.__version__} | world {world}"
 
 
-def _cache_file(key: str, quick: bool) -> Path:
+def cache_file(key: str, quick: bool) -> Path:
+    """The cache file of a measurement keyed ``key`` (device profile, calibration) under :func:`cache_dir`."""
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", key).strip("-").lower()
     return cache_dir() / f"device-{slug}{'-quick' if quick else ''}.json"
 
@@ -243,7 +244,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
     grouped = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if grouped else 1
     key = _key(dev, world)
-    files = [_cache_file(key, False)] + ([_cache_file(key, True)] if quick else [])
+    files = [cache_file(key, False)] + ([cache_file(key, True)] if quick else [])
     say = (lambda m: print(f"[profile_device] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
     cached = None
     if not refresh:

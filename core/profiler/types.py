@@ -84,6 +84,9 @@ class BlockProfile:
         checkpointable: whether activation checkpointing applies (has a pure forward).
         fwd_transient_bytes: forward: the peak while its forward runs above the level at its start,
             minus ``saved_bytes`` (temporaries freed before the forward ends).
+        fwd_s / bwd_s / recompute_s: measured seconds of its forward, its backward and its re-run
+            forward under checkpointing on the profiled micro-batch (:func:`tightfit.profiler.time_blocks`);
+            0.0 = not measured (planners then use FLOPs / matmul rate).
 
     The step model that combines these is in :func:`tightfit.profiler.memory.estimate_peak`.
     """
@@ -102,6 +105,9 @@ class BlockProfile:
     output_bytes: int
     checkpointable: bool = True
     fwd_transient_bytes: int = 0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,6 +177,12 @@ class ModelProfile:
     @property
     def param_bytes(self) -> int:
         return sum(p.bytes for p in self.params)
+
+    @property
+    def timed(self) -> bool:
+        """Whether every block with a forward carries measured seconds (:func:`tightfit.profiler.time_blocks`)."""
+        return bool(self.blocks) and any(b.fwd_s > 0 for b in self.blocks) and all(
+            b.fwd_s > 0 or (b.fwd_flops == 0 and b.bwd_flops == 0) for b in self.blocks)
 
     def block(self, name: str) -> BlockProfile:
         for b in self.blocks:
@@ -254,6 +266,17 @@ class DeviceProfile:
             and message size in bytes; measured with a process group, empty otherwise.
         world_size: size of the group the collectives were measured in (1: none).
         host_memory_bytes: memory of the host the device hangs off.
+        collective_fit: latency + bandwidth fit per collective and world size,
+            ``{"all_gather": {2: [alpha_s, bus_bytes_per_s]}}``: ``t = alpha + S * (W-1)/W / busbw``
+            (all-reduce: twice the bandwidth term); empty = not measured (the size table above is used).
+        unit_overhead_s: seconds one FSDP2 unit adds to a step by mode (``"reshard"``, ``"keep"``,
+            ``"replicate"``, ``"offload"``) as ``[forward, backward, optimizer]``: hooks, copy-in/out,
+            DTensor dispatch in the optimizer, collectives' latency excluded
+            (:func:`tightfit.profiler.calibrate_device`); empty = not modelled.
+        comm_overlap: measured fraction of a collective hidden behind compute running at the same
+            time (1.0: free, 0.0: serialised with it); negative = not measured (full overlap assumed).
+        unified_memory: host and device are the same memory (a CPU "device"): offload copies cost
+            nothing; ``False`` for old profiles (a host memcpy rate is then assumed).
         source: ``"measured"`` or ``"datasheet:<preset>"`` (presets are marked as such).
         key: cache key (device name, driver, torch version).
     """
@@ -272,6 +295,15 @@ class DeviceProfile:
     host_memory_bytes: int = 0
     source: str = "measured"
     key: str = ""
+    collective_fit: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    unit_overhead_s: dict[str, list[float]] = field(default_factory=dict)
+    comm_overlap: float = -1.0
+    unified_memory: bool = False
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether any measured calibration term (α–β fits, unit overhead, overlap) is present."""
+        return bool(self.collective_fit or self.unit_overhead_s) or self.comm_overlap >= 0
 
     def to_json(self, path: str | Path | None = None) -> str:
         return dump_json(self, path)

@@ -37,6 +37,7 @@ from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
 from tightfit.console import fit_text
+from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -104,6 +105,10 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan: ElixirPlan | None = None
         self.units: list[AppliedUnit] = []
         self.plan_path: Path | None = None
+        # Predicted vs measured: the first steps after warm-up are timed against the plan (monitor.py).
+        self.check_tolerance = 0.25
+        self.monitor: StepMonitor | None = None
+        self.prediction: PredictionRecord | None = None
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -191,6 +196,10 @@ class ElixirStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.plan is not None and self.monitor is None:
+            self.monitor = make_monitor(self.plan, self.root_device, tolerance=self.check_tolerance)
+        self.prediction = on_step_start(self.monitor, self.lightning_module.trainer,
+                                        verbose=self.options.verbose) or self.prediction
         return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     @override

@@ -173,10 +173,11 @@ def launch(fn, world: int, args: tuple, timeout: float = 600.0) -> list:
 
 
 def train_side_by_side(*, slowdown: float = 3.0, steps: int = 8, repeats: int = 1, width: int = 768,
-                       depth: int = 6, batch: int = 64, microbatches: int = 4) -> dict:
-    """Even vs balanced partition, 2 processes, rank 1 playing a ``slowdown``-times slower device."""
-    contenders = [{"name": "even", "kwargs": dict(partition="even", microbatches=microbatches)},
-                  {"name": "balanced", "kwargs": dict(partition="balanced", microbatches=microbatches)}]
+                       depth: int = 6, batch: int = 64, microbatches: int = 4,
+                       partitions: tuple[str, ...] = ("even", "balanced")) -> dict:
+    """Partitions side by side (default even vs balanced), 2 processes, rank 1 playing a ``slowdown``-times
+    slower device."""
+    contenders = [{"name": name, "kwargs": dict(partition=name, microbatches=microbatches)} for name in partitions]
     res = launch(_train_rank, 2, (contenders, [1.0, 1.0 / slowdown], steps, repeats, width, depth, batch))
     return res[0]
 

@@ -58,6 +58,7 @@ from sky_strategy.layers import call_layer, resolve_layers, split_batch
 from sky_strategy.profiling import RankProfile, measure_links, planner_inputs, profile_rank
 from sky_strategy.runtime import PipelineRuntime
 from tightfit.distributed import decide_on_rank0
+from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.optimizers import optimizer_states
 from tightfit.planner.pipeline import PartitionPlan, PipelineProblem, merge_replicas, plan_pipeline
 
@@ -103,6 +104,8 @@ class SkyStrategy(DDPStrategy):
         self._speed_factors = list(self.config.speed_factors) if self.config.speed_factors else None
         self.runtime: PipelineRuntime | None = None
         self.plan: PartitionPlan | None = None
+        self.monitor: StepMonitor | None = None          # predicted vs measured after warm-up
+        self.prediction: PredictionRecord | None = None
         self.profiles: list[RankProfile] = []
         self.replans: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         self._inputs: tuple | None = None
@@ -356,6 +359,10 @@ class SkyStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
+        # Predicted vs measured after warm-up (tightfit.planner.check): printed, logged, warned beyond 25%.
+        if self.plan is not None and self.monitor is None:
+            self.monitor = make_monitor(self.plan, self.root_device, planner="sky")
+        self.prediction = on_step_start(self.monitor, self.lightning_module.trainer) or self.prediction
         output, inputs = self._run(args[0] if args else kwargs["batch"], train=True)
         with self._forward_returns(output, inputs):
             return super().training_step(*args, **kwargs)

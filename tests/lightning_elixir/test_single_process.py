@@ -40,8 +40,17 @@ def _one_process(rank: int, world: int, tmp: str) -> dict:
     L.seed_everything(0)
     model = TinyGPT()
     strategy = ElixirStrategy(memory_budget=budget, device_profile=cpu_device(), verbose=False)
-    trainer(strategy, tmp_path / "elixir", devices=1, max_steps=20).fit(model)
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path / "logs"), name="elixir")
+    trainer(strategy, tmp_path / "elixir", devices=1, max_steps=20, logger=logger).fit(model)
     out["ref"], out["elixir"] = ref.losses, model.losses
+    # Predicted vs measured after warm-up: a record on the strategy and the same numbers in the logger.
+    rec = strategy.prediction
+    out["prediction"] = None if rec is None else (rec.predicted_step_s, rec.measured_step_s, rec.steps,
+                                                  rec.cost_model, rec.time_error)
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    out["logged"] = metrics.read_text().splitlines()[0].split(",") if metrics.is_file() else []
     out["mixed"] = strategy.plan.is_mixed
     out["offloaded_groups"] = sum(s.offload for s in inspect_units(model))
 
@@ -105,6 +114,10 @@ def _one_process(rank: int, world: int, tmp: str) -> dict:
 def test_one_process_matches_single_device_and_trains_demo_transformer(tmp_path):
     (r,) = run_distributed(_one_process, 1, args=(str(tmp_path),), timeout=300, env=ENV)
     assert r["mixed"] and r["offloaded_groups"] > 0
+    predicted, measured, steps, cost_model, error = r["prediction"]
+    assert steps == 5 and measured > 0 and predicted > 0 and abs(error - (predicted / measured - 1)) < 1e-9
+    assert cost_model.startswith("FLOPs / rate")  # cpu_device() has no block timings: the plan says so
+    assert {"elixir/predicted_step_s", "elixir/measured_step_s", "elixir/step_time_error"} <= set(r["logged"])
     assert len(r["ref"]) == len(r["elixir"]) == 20
     assert max(abs(a - b) for a, b in zip(r["ref"], r["elixir"])) <= LOSS_ATOL, (r["ref"], r["elixir"])
     # configure_model ran on meta; the plan materialised it with GPT-2's N(0, 0.02) initialisation.

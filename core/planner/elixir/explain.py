@@ -78,6 +78,7 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
              for r in plan.runner_ups],
             ("units", "step", "peak", "offloaded", "ckpt", "slower by / why"), align="lrrrrl"))
         lines.append(f"why this plan: it beats the runner-up by {plan.runner_ups[0].why}")
+    lines.append(f"cost model: {plan.cost_model}")
     lines.append(f"search: {plan.search_method}, {plan.candidates_evaluated:,} plans priced in "
                  f"{plan.search_seconds:.2f} s")
     for note in plan.notes:

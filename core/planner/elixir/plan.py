@@ -108,6 +108,8 @@ class ElixirPlan:
         search_method / search_seconds / candidates_evaluated: how it was found.
         device: the device it was planned for; notes: assumptions the cost model made.
         checkpointable_blocks: how many of the model's blocks can be checkpointed.
+        cost_model: how the step time was priced: ``"FLOPs / rate"`` or ``"measured block timings"``,
+            then the calibration terms used (collective latency, per-unit overhead, measured overlap).
     """
 
     model: str
@@ -136,6 +138,7 @@ class ElixirPlan:
     device: str = ""
     notes: tuple[str, ...] = ()
     checkpointable_blocks: int = 0
+    cost_model: str = "FLOPs / rate"
 
     # ---- views -------------------------------------------------------------------------------
     @property

@@ -154,7 +154,8 @@ class ElixirProblem:
             ctx = replace(ctx, saved=tuple(x * act_scale for x in ctx.saved), ckpt=tuple(x * act_scale for x in ctx.ckpt),
                           transient=tuple(x * act_scale for x in ctx.transient),
                           fwd_transient=tuple(x * act_scale for x in ctx.fwd_transient),
-                          fwd=tuple(x * act_scale for x in ctx.fwd), bwd=tuple(x * act_scale for x in ctx.bwd))
+                          fwd=tuple(x * act_scale for x in ctx.fwd), bwd=tuple(x * act_scale for x in ctx.bwd),
+                          rfwd=tuple(x * act_scale for x in ctx.rfwd))
         hosts = [d.host_memory_bytes for d in cluster.devices if d.host_memory_bytes > 0]
         host_budget = (min(hosts) * cons.host_memory_fraction / ctx.ranks_per_node) if hosts else float("inf")
         return cons, budget, ctx, host_budget

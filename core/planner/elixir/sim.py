@@ -31,15 +31,15 @@ MODES = ("reshard", "keep", "replicate")
 class UnitTerms:
     """Durations (s) and bytes of one unit under one (mode, offload) choice; checkpointing excluded."""
 
-    cf: float        # forward compute: sum(fwd_flops) / rate
-    cb: float        # backward compute without recompute: sum(bwd_flops) / rate
+    cf: float        # forward compute: sum(fwd_s) measured, else sum(fwd_flops) / rate; + the unit's forward overhead
+    cb: float        # backward compute without recompute, likewise; + the unit's backward overhead
     h2d_f: float     # forward fetch over PCIe (offloaded): E * m / h2d
     ag_f: float      # forward all-gather: collective(all_gather, P * c)
     h2d_b: float     # backward re-fetch (offloaded, not kept)
     ag_b: float      # backward re-gather (reshard only)
     red: float       # reduce-scatter P * r (sharded) or all-reduce P * r (replicate)
     d2h: float       # gradient shard to the host (offloaded): E * m / d2h
-    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate
+    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate; + the unit's optimizer overhead
     state: float     # device-resident sharded state: E * (m + m + o), 0 when offloaded
     host: float      # host-resident state per rank: E * (m + m + o) when offloaded
     gathered: float  # unsharded parameters while live: P * c
@@ -47,6 +47,7 @@ class UnitTerms:
     red_buf: float   # reduce buffer still in flight while the next unit's backward runs: P * r
     opt_tmp: float   # foreach temporaries inside optimizer.step() on the device: E * t
     kept: bool       # gathered parameters stay from forward to backward (mode "keep")
+    grad_state: float = 0.0  # the gradient part of ``state`` (E * m): absent until backward (calibrated model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,9 @@ class Context:
     names: tuple[str, ...]
     numel: tuple[int, ...]
     fwd: tuple[float, ...]           # per block forward seconds
+    tensors: tuple[int, ...]         # per block parameter tensors
     bwd: tuple[float, ...]           # per block backward seconds
+    rfwd: tuple[float, ...]          # per block re-run forward seconds under checkpointing
     saved: tuple[float, ...]         # activation bytes kept when not checkpointed
     ckpt: tuple[float, ...]          # activation bytes kept when checkpointed (<= saved)
     transient: tuple[float, ...]     # backward: bytes above everything saved by it and the blocks before it
@@ -77,6 +80,20 @@ class Context:
     notes: tuple[str, ...]
     device_name: str
     collective: object               # callable(kind, bytes) -> seconds (memoised)
+    compute_model: str = "FLOPs / rate"  # or "measured block timings"
+    overhead: tuple[tuple[str, tuple[float, float, float]], ...] = ()  # per-unit (fwd, bwd, opt) s by mode
+    overlap: float = -1.0            # measured comm/compute overlap; < 0: full overlap assumed
+    alias_replicated: bool = False   # replicate units hold no second copy of parameters / gradients (see unit_terms)
+    grads_on_demand: bool = False    # gradients exist from their backward on (zero_grad(set_to_none=True)), see peak
+
+    def unit_overhead(self, mode: str, offload: bool, tensors: int = 0) -> tuple[float, float, float]:
+        """Seconds one unit of ``mode`` holding ``tensors`` parameter tensors adds to forward, backward and the
+        optimizer step: a per-unit plus a per-tensor part (0 when not measured)."""
+        table = dict(self.overhead)
+        key = "offload" if offload else mode
+        unit = table.get(key, (0.0, 0.0, 0.0))
+        per = table.get(f"{key}/tensor", (0.0, 0.0, 0.0))
+        return unit[0] + tensors * per[0], unit[1] + tensors * per[1], unit[2] + tensors * per[2]
 
 
 def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, optimizer: str,
@@ -86,16 +103,24 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
     notes: list[str] = []
     devices = cluster.devices
     # The slowest rank paces a synchronous step: take the minimum rate over the ranks.
-    rate = min(cost.matmul_rate(d, spec.matmul_dtype, notes) for d in devices)
-    h2d = min(cost.copy_rate(d, "h2d", notes) for d in devices)
-    d2h = min(cost.copy_rate(d, "d2h", notes) for d in devices)
+    blocks = model.blocks
+    timed = model.timed
+    rate = 0.0 if timed else min(cost.matmul_rate(d, spec.matmul_dtype, notes) for d in devices)
+    unified = all(d.unified_memory for d in devices)
     ranks_per_node = cluster.world_size // cluster.nodes
-    host_opt = min(cost.host_optimizer_rate(d, ranks_per_node, notes) for d in devices)
     dev_opt = min(cost.device_optimizer_rate(d, notes) for d in devices)
+    if unified:
+        # Host and device are one memory (a CPU "device"): FSDP2's offload copies are no-ops, and the
+        # "host" optimizer is the device optimizer each rank already measured for itself.
+        h2d = d2h = float("inf")
+        host_opt = dev_opt
+    else:
+        h2d = min(cost.copy_rate(d, "h2d", notes) for d in devices)
+        d2h = min(cost.copy_rate(d, "d2h", notes) for d in devices)
+        host_opt = min(cost.host_optimizer_rate(d, ranks_per_node, notes) for d in devices)
     # Activations were profiled with parameters in ``model.param_dtype``; under mixed precision the
     # matmuls run in the compute dtype, so saved activations shrink by the same ratio (bf16: 1/2).
     act_scale = spec.compute_bytes / max(1, _dtype_bytes(model.param_dtype))
-    blocks = model.blocks
     memo: dict[tuple[str, int], float] = {}
     world = cluster.world_size
     ref = devices[0]
@@ -115,8 +140,10 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
     return Context(
         names=tuple(b.name for b in blocks),
         numel=tuple(b.param_numel for b in blocks),
-        fwd=tuple(b.fwd_flops / rate for b in blocks),
-        bwd=tuple(b.bwd_flops / rate for b in blocks),
+        tensors=tuple(len(b.params) for b in blocks),
+        fwd=tuple(b.fwd_s for b in blocks) if timed else tuple(b.fwd_flops / rate for b in blocks),
+        bwd=tuple(b.bwd_s for b in blocks) if timed else tuple(b.bwd_flops / rate for b in blocks),
+        rfwd=tuple(b.recompute_s or b.fwd_s for b in blocks) if timed else tuple(b.fwd_flops / rate for b in blocks),
         saved=tuple(b.saved_bytes * act_scale for b in blocks),
         ckpt=tuple(min(b.checkpoint_bytes, b.saved_bytes) * act_scale for b in blocks),
         transient=tuple(b.transient_bytes * act_scale for b in blocks),
@@ -133,7 +160,26 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         notes=tuple(dict.fromkeys(notes)),
         device_name=ref.name,
         collective=collective,
+        compute_model="measured block timings" if timed else "FLOPs / rate",
+        overhead=_overheads(devices),
+        overlap=min(d.comm_overlap for d in devices) if all(d.comm_overlap >= 0 for d in devices) else -1.0,
+        alias_replicated=all(d.calibrated for d in devices)
+        and spec.compute_bytes == spec.master_bytes == spec.reduce_bytes,
+        grads_on_demand=all(d.calibrated for d in devices),
     )
+
+
+def _overheads(devices: tuple) -> tuple[tuple[str, tuple[float, float, float]], ...]:
+    """Per-unit overheads by mode: the largest over the devices (the slowest rank paces the step)."""
+    if not all(d.unit_overhead_s for d in devices):
+        return ()
+    modes = set.intersection(*(set(d.unit_overhead_s) for d in devices))
+    out: list[tuple[str, tuple[float, float, float]]] = []
+    for m in sorted(modes):
+        vals = [d.unit_overhead_s[m] for d in devices]
+        f, b, o = (max(float(v[i]) for v in vals) for i in range(3))
+        out.append((m, (f, b, o)))
+    return tuple(out)
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -152,23 +198,30 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> 
     ag = coll("all_gather", p * spec.compute_bytes) if mode != "replicate" else 0.0  # type: ignore[operator]
     red = coll("reduce_scatter" if mode != "replicate" else "all_reduce", p * spec.reduce_bytes)  # type: ignore[operator]
     h2d = owned * spec.master_bytes / ctx.h2d if offload else 0.0
+    ovh_f, ovh_b, ovh_o = ctx.unit_overhead(mode, offload, sum(ctx.tensors[start:end]))
+    # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
+    # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
+    # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
+    # Only in the calibrated model, so uncalibrated numbers stay as they were.
+    alias = mode == "replicate" and ctx.alias_replicated
     return UnitTerms(
-        cf=sum(ctx.fwd[start:end]),
-        cb=sum(ctx.bwd[start:end]),
+        cf=sum(ctx.fwd[start:end]) + ovh_f,
+        cb=sum(ctx.bwd[start:end]) + ovh_b,
         h2d_f=h2d,
         ag_f=ag,
         h2d_b=h2d if mode != "keep" else 0.0,
         ag_b=ag if mode == "reshard" else 0.0,
         red=red,
         d2h=owned * spec.master_bytes / ctx.d2h if offload else 0.0,
-        opt=owned / (ctx.host_opt if offload else ctx.dev_opt),
+        opt=owned / (ctx.host_opt if offload else ctx.dev_opt) + ovh_o,
         state=0.0 if offload else owned * ctx.state_per_elem,
         host=owned * ctx.state_per_elem if offload else 0.0,
-        gathered=p * spec.compute_bytes,
-        grads=p * (spec.compute_bytes + spec.reduce_bytes),
-        red_buf=p * spec.reduce_bytes,
+        gathered=0.0 if alias else p * spec.compute_bytes,
+        grads=0.0 if alias else p * (spec.compute_bytes + spec.reduce_bytes),
+        red_buf=0.0 if alias else p * spec.reduce_bytes,
         opt_tmp=0.0 if offload else owned * ctx.temp_per_elem,
         kept=mode == "keep",
+        grad_state=0.0 if offload else owned * spec.master_bytes,
     )
 
 
@@ -204,14 +257,22 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     The optimizer runs when every reduction and copy has landed; host and device steps are
     added (torch's foreach step processes the device groups one after another).
     The schedule is max-plus, so the step time never decreases when any duration grows.
+
+    Measured overlap ``o`` (``ctx.overlap >= 0``): each collective of ``d`` seconds also takes
+    ``(1 - o) * d`` from the compute stream (gloo's copies and reductions run on the cores the
+    compute needs), paid before the next compute starts, less any time the compute stream sat
+    idle waiting since it was issued (the collective ran alone then). Unmeasured: full overlap,
+    as before.
     """
     n = len(units)
     comp = net = h2d_free = d2h_free = 0.0
+    serial = 1.0 - ctx.overlap if ctx.overlap >= 0 else 0.0
+    debt = 0.0  # compute-stream seconds owed to collectives issued and not yet paid
     fetch_end = [0.0] * n
     fwd_start = [0.0] * n
 
     def fetch(t: UnitTerms, issue: float, h2d_dur: float, ag_dur: float) -> float:
-        nonlocal net, h2d_free
+        nonlocal net, h2d_free, debt
         x = issue
         if h2d_dur > 0:
             h2d_free = max(h2d_free, x) + h2d_dur
@@ -219,7 +280,16 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
         if ag_dur > 0:
             net = max(net, x) + ag_dur
             x = net
+            debt += serial * ag_dur
         return x
+
+    def begin(ready: float) -> tuple[float, float]:
+        """(start, stall) of the next compute: after the stream is free, its input has landed and its debt is paid."""
+        nonlocal debt
+        stall = ready - comp if ready > comp else 0.0
+        start = (ready if ready > comp else comp) + max(0.0, debt - stall)
+        debt = 0.0
+        return start, stall
 
     issued = 0
     fetch_end[0] = fetch(terms[0], 0.0, terms[0].h2d_f, terms[0].ag_f)
@@ -228,12 +298,11 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
         rc = 0.0
         for i in range(a, b):
             if ckpt[i]:
-                rc += ctx.fwd[i]
+                rc += ctx.rfwd[i]
         recompute[u] = rc
     stall_f = [0.0] * n
     for u in range(n):
-        start = comp if comp >= fetch_end[u] else fetch_end[u]
-        stall_f[u] = start - comp
+        start, stall_f[u] = begin(fetch_end[u])
         fwd_start[u] = start
         while issued < n - 1 and issued < u + df:
             issued += 1
@@ -250,8 +319,7 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     for k in range(n):
         u = n - 1 - k
         t = terms[u]
-        start = comp if comp >= bfetch[k] else bfetch[k]
-        stall_b[u] = start - comp
+        start, stall_b[u] = begin(bfetch[k])
         while issued < n - 1 and issued < k + db:
             issued += 1
             tt = terms[n - 1 - issued]
@@ -261,9 +329,10 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
         if t.red > 0:
             net = max(net, y) + t.red
             y = net
+            debt += serial * t.red
         if t.d2h > 0:
             d2h_free = max(d2h_free, y) + t.d2h
-    opt_start = max(comp, net, d2h_free)
+    opt_start = max(comp + debt, net, d2h_free)
     opt = sum(t.opt for t in terms)
     total = opt_start + opt
     if detail is not None:
@@ -304,6 +373,15 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         kept_before[u + 1] = kept_before[u] + (terms[u].gathered if terms[u].kept else 0.0)
     best = state + opt_tmp
     where = ("optimizer", "", state, 0.0, 0.0)
+    # Calibrated model: Lightning and plain loops free gradients after the optimizer step
+    # (zero_grad(set_to_none=True)), so the forward runs without them and the backward of unit u holds
+    # only the gradients of units >= u (measured: DDP on 5.8 M fp32 parameters peaked 22 MiB, one
+    # gradient copy, under state + activations). Uncalibrated: every gradient always resident, as before.
+    grads_after = [0.0] * (n + 1)  # grads_after[u] = sum of grad_state over units >= u
+    if ctx.grads_on_demand:
+        for u in range(n - 1, -1, -1):
+            grads_after[u] = grads_after[u + 1] + terms[u].grad_state
+    state_fwd = state - grads_after[0]
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
@@ -320,10 +398,10 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             if act > worst_act:
                 worst_act, worst_i = act, i
             acc += ai
-        total = state + params + worst_act
+        total = state_fwd + params + worst_act
         if total > best:
             best = total
-            where = ("forward", ctx.names[worst_i], state, params, worst_act)
+            where = ("forward", ctx.names[worst_i], state_fwd, params, worst_act)
     for u in range(n - 1, -1, -1):
         a, b = units[u]
         params = terms[u].gathered + terms[u].grads + kept_before[u]
@@ -332,17 +410,26 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
-        worst_act = 0.0
+        worst_act = worst_total = 0.0
         worst_i = a
+        # A sharded unit's gradient shard appears when its reduce-scatter lands (its unsharded gradients are
+        # in ``params``); an aliased replicate unit's gradients appear block by block, as autograd makes them.
+        local = terms[u].grad_state if ctx.grads_on_demand else 0.0
+        unit_numel = sum(ctx.numel[a:b]) or 1
+        alias = ctx.alias_replicated and not terms[u].grads and local > 0
+        before = 0.0  # numel of blocks a .. i-1: their gradients do not exist yet while block i runs backward
+        state_bwd = state_fwd + grads_after[u]
         for i in range(a, b):
             # A checkpointed block's backward first re-runs its forward: that forward's temporaries count too.
             act = prefix[i] + saved[i] + (max(tr[i], ftr[i]) if ckpt[i] else tr[i])
-            if act > worst_act:
-                worst_act, worst_i = act, i
-        total = state + params + worst_act
+            g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
+            before += ctx.numel[i]
+            if state_fwd + g + act > worst_total:
+                worst_total, worst_act, worst_i, state_bwd = state_fwd + g + act, act, i, state_fwd + g
+        total = state_bwd + params + worst_act
         if total > best:
             best = total
-            where = ("backward", ctx.names[worst_i], state, params, worst_act)
+            where = ("backward", ctx.names[worst_i], state_bwd, params, worst_act)
     if detail is not None:
         detail.peak_phase, detail.peak_block, detail.peak_state, detail.peak_params, detail.peak_acts = where
         if where[0] == "optimizer":

@@ -19,7 +19,7 @@ from tightfit.planner.elixir.plan import (
     model_identity,
 )
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
-from tightfit.planner.elixir.sim import Detail, peak, step_time
+from tightfit.planner.elixir.sim import Context, Detail, peak, step_time
 from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.profiler.types import ClusterSpec, ModelProfile
 
@@ -150,7 +150,7 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
     units = []
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
         t = ev.terms(a, b, m, o)
-        rc = sum(ctx.fwd[i] for i in range(a, b) if c.ckpt[i])
+        rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
             blocks=ctx.names[a:b], mode=m, offload=o,
             checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
@@ -173,8 +173,22 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
                                params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
                                margin_bytes=int(c.peak - raw)),
         device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
-        checkpointable_blocks=sum(ctx.checkpointable),
+        checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster),
     )
+
+
+def describe_model(ctx: Context, cluster: ClusterSpec) -> str:
+    """Which cost model priced the plan: compute source, then each calibration term in use."""
+    parts = [ctx.compute_model]
+    if any(d.collective_fit for d in cluster.devices):
+        parts.append("collectives latency + bandwidth (measured)")
+    if ctx.overhead:
+        parts.append("FSDP2 per-unit overhead (measured)")
+    if ctx.overlap >= 0:
+        parts.append(f"comm/compute overlap {ctx.overlap:.2f} (measured)")
+    if all(d.unified_memory for d in cluster.devices):
+        parts.append("host = device memory (no copy cost)")
+    return "; ".join(parts)
 
 
 def _runner_up(ev: S.Evaluator, c: S.Candidate, best: S.Candidate, best_detail: Detail) -> RunnerUp:

@@ -165,7 +165,7 @@ def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms
     opts = [ev.terms(a, b, m, o) for m in space.modes for o in space.offload]
     mem = ev.terms(a, b, *least_memory_choice(ev, space, a, b))
     fast = UnitTerms(
-        cf=opts[0].cf, cb=opts[0].cb,
+        cf=min(t.cf for t in opts), cb=min(t.cb for t in opts),
         h2d_f=min(t.h2d_f for t in opts), ag_f=min(t.ag_f for t in opts), h2d_b=min(t.h2d_b for t in opts),
         ag_b=min(t.ag_b for t in opts), red=min(t.red for t in opts), d2h=min(t.d2h for t in opts),
         opt=min(t.opt for t in opts), state=0.0, host=0.0, gathered=0.0, grads=0.0, red_buf=0.0, opt_tmp=0.0,

@@ -1,0 +1,278 @@
+"""``time_blocks``: measured forward, backward and recompute seconds of each block, on the real device.
+
+FLOPs divided by one square-matmul rate ignore every non-matmul op (layer norms, GELU, softmax,
+attention's reshapes, the loss) and the shape-dependence of matmul speed; on 2 CPU ranks the
+FLOPs model predicted 88 ms for a step that took 161 ms. Timing the blocks themselves removes
+both errors, and stays affordable for models that do not fit the machine:
+
+* the model is traced on the meta device once, recording the shape and dtype of every block's
+  inputs (no memory);
+* each *distinct* block (same class, same parameter shapes, same input shapes: the 48 layers of
+  GPT-2 XL are one) is materialised alone on the device, fed random tensors of those shapes, and
+  timed: forward (with autograd recording, as in training), then backward from a random output
+  gradient, ``warmup`` untimed rounds then the median of ``repeats``; the re-run forward of a
+  checkpointed block costs its forward;
+* the loss (``loss_fn`` on the last block's output) is timed with the last block: it is part of the
+  step and not of any block;
+* results are cached under :func:`~tightfit.profiler.device.cache_dir` keyed on the block shapes,
+  the device, the thread count and torch's version, like the device profile.
+
+Planners use the seconds in place of FLOPs / matmul rate whenever a profile carries them
+(:attr:`ModelProfile.timed`), and say which model they used.
+
+Example:
+    >>> import torch
+    >>> from tightfit.models import GPTConfig, build_gpt
+    >>> from tightfit.profiler import profile_model
+    >>> cfg = GPTConfig(vocab_size=64, n_positions=16, hidden=32, layers=2, heads=2)
+    >>> ids = torch.zeros(2, 16, dtype=torch.long)
+    >>> prof = time_blocks(build_gpt(cfg, device="meta"), ids, profile_model(build_gpt(cfg, device="meta"), ids),
+    ...                    repeats=1, warmup=0, cache=False)
+    >>> prof.timed
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tightfit.profiler.types import ModelProfile
+
+__all__ = ["TIMING_SOURCE", "time_blocks", "block_inputs", "clock_of"]
+
+TIMING_SOURCE = "measured block timings"
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    return x
+
+
+def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple, dict]]:
+    """The (args, kwargs) each block's forward receives, as ``("tensor", shape, dtype)`` specs, from one meta forward.
+
+    ``model`` may be on any device; a deep copy is moved to meta, so nothing is allocated.
+    """
+    from tightfit.profiler.blocks import find_blocks
+    from tightfit.profiler.model import split_inputs
+
+    meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) else model
+    specs: dict[str, tuple[tuple, dict]] = {}
+    hooks = []
+    for b in find_blocks(meta):
+        if b.module is None:
+            continue
+
+        def hook(_m: nn.Module, args: tuple, kwargs: dict, name: str = b.name) -> None:
+            if name not in specs:  # first call: a block reused later (tied) is timed at its first use
+                specs[name] = (tree_map(_spec, args), tree_map(_spec, kwargs))
+        hooks.append(b.module.register_forward_pre_hook(hook, with_kwargs=True))
+    args, kwargs = split_inputs(example_inputs)
+    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+    try:
+        with torch.no_grad():
+            out = meta(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    finally:
+        for h in hooks:
+            h.remove()
+    leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    specs["__output__"] = ((tuple(_spec(x) for x in leaves[:1]),), {})
+    return specs
+
+
+def _materialise(spec: Any, device: torch.device, dtype: torch.dtype | None, grad: bool) -> Any:
+    def make(x: Any) -> Any:
+        if not (isinstance(x, tuple) and len(x) == 3 and x[0] == "tensor"):
+            return x
+        _, shape, name = x
+        dt = getattr(torch, name)
+        if dt.is_floating_point:
+            t = torch.randn(shape, device=device, dtype=dtype or dt)
+            return t.requires_grad_(grad)
+        if dt == torch.bool:
+            return torch.ones(shape, device=device, dtype=dt)
+        return torch.zeros(shape, device=device, dtype=dt)  # indices: 0 is valid for every embedding
+
+    return tree_map(make, spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "tensor")
+
+
+def _init(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    real = copy.deepcopy(module).to_empty(device=device)
+    for m in real.modules():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    with torch.no_grad():
+        for p in real.parameters():
+            if not torch.isfinite(p).all():  # modules without reset_parameters: small normal weights
+                p.normal_(0.0, 0.02)
+    if dtype is not None:
+        real = real.to(dtype)
+    return real
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock_of(name: str) -> Callable[[], float]:
+    """``"wall"``: ``time.perf_counter``; ``"cpu"``: this process's CPU time (user + system, every thread).
+
+    CPU time is what a step costs on cores of its own: on a host shared with other jobs (load 16
+    on 2 cores while this was written) wall times of one step varied 3x between repeats, its CPU
+    time by a few percent. Only for CPU devices; a GPU's work is not the host's CPU time.
+    """
+    if name == "wall":
+        return time.perf_counter
+    if name == "cpu":
+        return time.process_time
+    raise ValueError(f"clock={name!r}: use 'wall' (elapsed time) or 'cpu' (process CPU time, CPU devices only)")
+
+
+def _time_one(module: nn.Module, spec: tuple[tuple, dict], device: torch.device, dtype: torch.dtype | None,
+              warmup: int, repeats: int, loss_fn: Callable[[Any], torch.Tensor] | None,
+              now: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """(forward s, backward s): medians over ``repeats`` after ``warmup`` rounds."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        args, kwargs = _materialise(spec, device, dtype, grad=True)
+        module.zero_grad(set_to_none=True)  # a real step's backward allocates fresh gradients too
+        _sync(device)
+        t0 = now()
+        out = module(*args, **kwargs)
+        if loss_fn is not None:
+            out = loss_fn(out)
+        _sync(device)
+        t1 = now()
+        leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        if leaves:
+            grads = [torch.ones_like(x) if x.dim() == 0 else torch.randn_like(x) for x in leaves]
+            _sync(device)
+            t1b = now()
+            torch.autograd.backward(leaves, grads)
+            _sync(device)
+            t2 = now() - t1b
+        else:
+            t2 = 0.0
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2)
+        del out, leaves
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _agree(measured: dict[str, list[float]], keys: list[str]) -> dict[str, list[float]]:
+    """With a process group every rank keeps the slowest rank's seconds: a synchronous step is paced by it,
+    and every rank must price (and so plan) from the same numbers. Every rank calls this once."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or not keys:
+        return measured
+    flat = torch.tensor([v for k in keys for v in measured[k]], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        flat = flat.cuda()
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    vals = flat.cpu().tolist()
+    return {k: vals[2 * i:2 * i + 2] for i, k in enumerate(keys)}
+
+
+def _cache_path(key: str) -> Any:
+    from tightfit.profiler.device import cache_dir
+
+    return cache_dir() / f"blocks-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
+                device: str | torch.device | None = None, dtype: torch.dtype | None = None, repeats: int = 5,
+                warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, cache: bool = True,
+                refresh: bool = False, progress: bool = False, clock: str = "wall") -> ModelProfile:
+    """``profile`` with each block's measured ``fwd_s``, ``bwd_s`` and ``recompute_s`` filled in.
+
+    Args:
+        model: the model (meta is fine: only one block at a time is materialised on ``device``).
+        example_inputs: the profiled micro-batch (a tensor, a tuple or a dict, as for ``profile_model``).
+        profile: its :class:`ModelProfile` (from ``profile_model`` on the same inputs).
+        device: where to time (default: CUDA if available, else CPU).
+        dtype: run blocks and float inputs in this dtype (the compute dtype under ``*-true`` precisions;
+            default: the model's own).
+        repeats / warmup: timed and untimed rounds per distinct block (the median is kept).
+        loss_fn: ``loss_fn(output) -> scalar`` timed with the last block (default: the profile's
+            ``default_loss``; pass the training loss, e.g. cross-entropy, for its real cost).
+        cache / refresh: read and write the on-disk cache / ignore what it holds.
+
+    With an initialised process group every rank must call it (same model and inputs): each rank
+    times its blocks, then all keep the slowest rank's numbers, so every rank plans the same way.
+        progress: print each distinct block's time to stderr.
+        clock: ``"wall"`` (elapsed) or ``"cpu"`` (process CPU time: immune to other jobs on a shared
+            CPU host; use the same clock when measuring the steps it predicts), see :func:`clock_of`.
+    """
+    import sys
+
+    from tightfit.profiler.blocks import find_blocks
+    from tightfit.profiler.model import default_loss
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"time_blocks(repeats={repeats}, warmup={warmup}): need repeats >= 1 and warmup >= 0")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    now = clock_of(clock)
+    if clock == "cpu" and dev.type != "cpu":
+        raise ValueError(f"time_blocks(clock='cpu') on {dev}: a GPU's time is not host CPU time; use clock='wall'")
+    specs = block_inputs(model, example_inputs)
+    modules = {b.name: b.module for b in find_blocks(model) if b.module is not None}
+    last = next((b.name for b in reversed(profile.blocks) if b.name in modules), None)
+    out_spec = specs.pop("__output__")
+
+    def key_of(name: str) -> str:
+        m = modules[name]
+        shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()]
+        return json.dumps([type(m).__name__, shapes, repr(specs.get(name)), name == last], default=str)
+
+    env = f"{dev.type} | {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''} | threads " \
+          f"{torch.get_num_threads()} | torch {torch.__version__} | clock {clock} | dtype {dtype} | loss {getattr(loss_fn, '__name__', loss_fn)}"
+    keys = {name: key_of(name) for name in modules if name in specs}
+    path = _cache_path(env + "\n" + "\n".join(sorted(set(keys.values()))) + f"\n{repeats}/{warmup}")
+    measured: dict[str, list[float]] = {}
+    if cache and not refresh and path.is_file():
+        try:
+            measured = json.loads(path.read_text())
+        except (OSError, ValueError):
+            measured = {}
+    loss = loss_fn or default_loss
+    for name, k in keys.items():
+        if k in measured:
+            continue
+        block = _init(modules[name], dev, dtype)
+        f, b = _time_one(block, specs[name], dev, dtype, warmup, repeats, loss if name == last else None, now)
+        measured[k] = [f, b]
+        del block
+        if progress:
+            print(f"[time_blocks] {name} ({type(modules[name]).__name__}): forward {f * 1e3:.2f} ms, "
+                  f"backward {b * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    del out_spec
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured))
+    measured = _agree(measured, sorted(set(keys.values())))
+    blocks = []
+    for b in profile.blocks:
+        if b.name in keys:
+            f, bw = measured[keys[b.name]]
+            b = dataclasses.replace(b, fwd_s=max(f, 1e-9), bwd_s=max(bw, 0.0), recompute_s=max(f, 1e-9))
+        blocks.append(b)
+    return dataclasses.replace(profile, blocks=tuple(blocks),
+                               notes=(*profile.notes, f"{TIMING_SOURCE} on {dev.type} ({torch.get_num_threads()} "
+                                                      f"threads, {clock} clock), median of {repeats}"))
