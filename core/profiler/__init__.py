@@ -13,6 +13,7 @@ from tightfit.profiler.types import (
     MemoryEvent,
     ModelProfile,
     ParamInfo,
+    ProfileError,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "MemoryEvent",
     "ModelProfile",
     "ParamInfo",
+    "ProfileError",
 ]
