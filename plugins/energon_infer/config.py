@@ -69,11 +69,12 @@ def _real(value: Any, name: str, *, positive: bool = True) -> float:
     return float(value)
 
 
-def _need(raw: dict[str, Any], key: str) -> Any:
+def _int(raw: dict[str, Any], key: str) -> int:
+    """Required whole-number field ``key`` of config.json, named as config.json names it."""
     if key not in raw:
         raise ConfigError(f"config.json has no {key!r}, which model_type {raw.get('model_type')!r} needs; "
                           "save the config with transformers' save_pretrained")
-    return raw[key]
+    return _whole(raw[key], key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,30 +251,31 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     common = dict(model_type=model_type, family=family, bos_token_id=raw.get("bos_token_id"),
                   eos_token_ids=_eos(raw.get("eos_token_id")))
     if family == "gpt2":
-        h, heads = _whole(_need(raw, "n_embd"), "n_embd"), _whole(_need(raw, "n_head"), "n_head")
+        h, heads = _int(raw, "n_embd"), _int(raw, "n_head")
         _divides(h, heads, "n_embd", "n_head")
         if raw.get("add_cross_attention"):
             raise UnsupportedModelError("GPT-2 with add_cross_attention=True is an encoder-decoder; not supported")
         if not raw.get("scale_attn_weights", True):
             raise UnsupportedModelError("GPT-2 with scale_attn_weights=False is not supported")
         return ModelConfig(
-            **common, vocab_size=_need(raw, "vocab_size"), hidden_size=h, n_layers=_need(raw, "n_layer"),
-            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=raw.get("n_inner") or 4 * h,
-            max_positions=_need(raw, "n_positions"), norm="layer", norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+            **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "n_layer"),
+            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_whole(raw.get("n_inner") or 4 * h, "n_inner"),
+            max_positions=_int(raw, "n_positions"), norm="layer",
+            norm_eps=_real(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
             positions="learned", mlp="dense", activation=raw.get("activation_function", "gelu_new"),
             tie_embeddings=raw.get("tie_word_embeddings", True),
             attn_scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
         )
     if family == "opt":
-        h = _whole(_need(raw, "hidden_size"), "hidden_size")
-        heads = _whole(_need(raw, "num_attention_heads"), "num_attention_heads")
+        h = _int(raw, "hidden_size")
+        heads = _int(raw, "num_attention_heads")
         _divides(h, heads, "hidden_size", "num_attention_heads")
         pre = bool(raw.get("do_layer_norm_before", True))
         bias = bool(raw.get("enable_bias", True))
         return ModelConfig(
-            **common, vocab_size=_need(raw, "vocab_size"), hidden_size=h, n_layers=_need(raw, "num_hidden_layers"),
-            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_need(raw, "ffn_dim"),
-            max_positions=_need(raw, "max_position_embeddings"), norm="layer", norm_eps=1e-5,
+            **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "num_hidden_layers"),
+            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_int(raw, "ffn_dim"),
+            max_positions=_int(raw, "max_position_embeddings"), norm="layer", norm_eps=1e-5,
             norm_affine=bool(raw.get("layer_norm_elementwise_affine", True)), pre_norm=pre,
             final_norm=pre and not raw.get("_remove_final_layer_norm", False), positions="learned",
             position_offset=2, mlp="dense", activation=raw.get("activation_function", "relu"),
@@ -281,12 +283,12 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             tie_embeddings=raw.get("tie_word_embeddings", True),
         )
     # llama family
-    h = _whole(_need(raw, "hidden_size"), "hidden_size")
-    heads = _whole(_need(raw, "num_attention_heads"), "num_attention_heads")
+    h = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
     if not raw.get("head_dim"):
         _divides(h, heads, "hidden_size", "num_attention_heads")
     theta, scaling = _rope(raw)
-    max_positions = _whole(_need(raw, "max_position_embeddings"), "max_position_embeddings")
+    max_positions = _int(raw, "max_position_embeddings")
     window = raw.get("sliding_window")
     if window and (model_type == "mistral" or raw.get("use_sliding_window")):
         window = _whole(window, "sliding_window")
@@ -296,10 +298,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     qkv_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
     act = raw.get("hidden_act", "silu")
     return ModelConfig(
-        **common, vocab_size=_need(raw, "vocab_size"), hidden_size=h, n_layers=_need(raw, "num_hidden_layers"),
-        n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or h // heads, intermediate_size=_need(raw, "intermediate_size"),
-        max_positions=max_positions, norm="rms", norm_eps=raw.get("rms_norm_eps", 1e-6), positions="rotary",
+        **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "num_hidden_layers"),
+        n_heads=heads, n_kv_heads=_whole(raw.get("num_key_value_heads") or heads, "num_key_value_heads"),
+        head_dim=_whole(raw.get("head_dim") or h // heads, "head_dim"),
+        intermediate_size=_int(raw, "intermediate_size"), max_positions=max_positions, norm="rms",
+        norm_eps=_real(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps"), positions="rotary",
         rope_theta=theta, rope_scaling=scaling, mlp="swiglu", activation=act, qkv_bias=qkv_bias,
         o_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
         tie_embeddings=raw.get("tie_word_embeddings", False),
