@@ -21,7 +21,7 @@ CHECKS = [
     ("Lightning", "lightning", "lightning", 'Trainer(strategy="elixir" | "sky")'),
     ("TorchRec", "torchrec", "torchrec", "torchrec_cache"),
     ("FBGEMM (CPU)", "fbgemm-gpu-cpu", "fbgemm_gpu", "TorchRec's kernels"),
-    ("DeepSpeed", "deepspeed", "deepspeed", 'ElixirStrategy(backend="deepspeed"), baselines'),
+    ("DeepSpeed", "deepspeed", "deepspeed", 'ElixirDeepSpeedStrategy (strategy="elixir_deepspeed"), baselines'),
     ("transformers", "transformers", "transformers", "reference models for energon_infer tests"),
     ("safetensors", "safetensors", "safetensors", "loading model weights"),
     ("FastAPI", "fastapi", "fastapi", "tightfit serve"),

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
 
+from tightfit.planner.optimizers import OPTIMIZERS, PRECISIONS, PrecisionSpec, optimizer_spec, precision_spec
 from tightfit.profiler.types import DeviceProfile
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "OPTIMIZERS",
     "PrecisionSpec",
     "precision_spec",
+    "optimizer_spec",
     "optimizer_state_bytes",
     "optimizer_temp_bytes",
     "matmul_rate",
@@ -55,81 +56,17 @@ FALLBACK_HOST_ADAM_ELEMS_PER_S = 1e9
 FALLBACK_DEVICE_ADAM_ELEMS_PER_S = {"cuda": 5e10, "cpu": 1e9}
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PrecisionSpec:
-    """Bytes per parameter element under one Lightning precision string, as FSDP2 runs it.
-
-    Args:
-        name: the Lightning precision (``"bf16-mixed"``).
-        param_dtype: dtype of the gathered parameters compute runs in (``MixedPrecisionPolicy.param_dtype``).
-        reduce_dtype: dtype gradients are reduced in (``MixedPrecisionPolicy.reduce_dtype``).
-        master_bytes: bytes of a sharded (master) parameter element.
-        compute_bytes: bytes of a gathered parameter element, and of its unsharded gradient.
-        reduce_bytes: bytes of a gradient element in the reduce-scatter buffer and of the sharded gradient.
-        matmul_dtype: key of ``DeviceProfile.matmul_flops`` the compute rate is read from.
-    """
-
-    name: str
-    param_dtype: str
-    reduce_dtype: str
-    master_bytes: int
-    compute_bytes: int
-    reduce_bytes: int
-    matmul_dtype: str
-
-
-# Mixed precision keeps fp32 master weights and reduces gradients in fp32 (torchtitan's default:
-# bf16 reductions over 8+ ranks lose ~3 significant bits of the averaged gradient).
-PRECISIONS: dict[str, PrecisionSpec] = {
-    "32-true": PrecisionSpec(name="32-true", param_dtype="float32", reduce_dtype="float32", master_bytes=4,
-                             compute_bytes=4, reduce_bytes=4, matmul_dtype="float32"),
-    "bf16-mixed": PrecisionSpec(name="bf16-mixed", param_dtype="bfloat16", reduce_dtype="float32",
-                                master_bytes=4, compute_bytes=2, reduce_bytes=4, matmul_dtype="bfloat16"),
-    "16-mixed": PrecisionSpec(name="16-mixed", param_dtype="float16", reduce_dtype="float32", master_bytes=4,
-                              compute_bytes=2, reduce_bytes=4, matmul_dtype="float16"),
-    "bf16-true": PrecisionSpec(name="bf16-true", param_dtype="bfloat16", reduce_dtype="bfloat16",
-                               master_bytes=2, compute_bytes=2, reduce_bytes=2, matmul_dtype="bfloat16"),
-}
-
-# Optimizer state: (number of state tensors per parameter element, bytes of the foreach
-# temporaries per element during step()). AdamW keeps exp_avg and exp_avg_sq; torch's foreach
-# implementation materialises sqrt(exp_avg_sq) for every parameter of the group at once
-# (``torch._foreach_sqrt``), one more state-sized tensor while the step runs.
-OPTIMIZERS: dict[str, tuple[int, int]] = {
-    "adamw": (2, 1),
-    "adam": (2, 1),
-    "sgd": (1, 0),  # with momentum; plain SGD keeps nothing but costs the same to plan for
-    "adagrad": (1, 1),
-}
-
-
-def precision_spec(precision: str) -> PrecisionSpec:
-    """The :class:`PrecisionSpec` of a Lightning precision string; unknown ones raise listing the known."""
-    try:
-        return PRECISIONS[precision]
-    except KeyError:
-        raise ValueError(
-            f"precision {precision!r} is not one the planner models; use one of {', '.join(PRECISIONS)}"
-        ) from None
-
-
-def _optimizer(optimizer: str) -> tuple[int, int]:
-    try:
-        return OPTIMIZERS[optimizer.lower()]
-    except KeyError:
-        raise ValueError(
-            f"optimizer {optimizer!r} is not one the planner models; use one of {', '.join(OPTIMIZERS)}"
-        ) from None
-
-
 def optimizer_state_bytes(optimizer: str, master_bytes: int) -> int:
-    """Optimizer-state bytes per parameter element: ``states * master_bytes`` (state lives in the master dtype)."""
-    return _optimizer(optimizer)[0] * master_bytes
+    """Optimizer-state bytes per parameter element: ``states * master_bytes`` (state lives in the master dtype).
+
+    The states come from :data:`tightfit.planner.optimizers.OPTIMIZERS` (SGD planned with momentum).
+    """
+    return optimizer_spec(optimizer).planned_states * master_bytes
 
 
 def optimizer_temp_bytes(optimizer: str, master_bytes: int) -> int:
     """Peak temporary bytes per parameter element inside ``optimizer.step()`` (foreach implementation)."""
-    return _optimizer(optimizer)[1] * master_bytes
+    return optimizer_spec(optimizer).temp_states * master_bytes
 
 
 def matmul_rate(device: DeviceProfile, dtype: str, notes: list[str] | None = None) -> float:

@@ -45,9 +45,9 @@ class MeasuredPeak:
 def run_step(model: nn.Module, example_inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
              step: str = "train") -> None:
     """One step as :func:`~tightfit.profiler.profile_model` traces it: forward, loss, drop the output, backward."""
-    from tightfit.profiler.model import _split_inputs, default_loss
+    from tightfit.profiler.model import default_loss, split_inputs
 
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     if step == "forward":
         with torch.no_grad():
             model(*args, **kwargs)

@@ -25,17 +25,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tightfit.planner.optimizers import OPTIMIZERS as OPTIMIZER_TABLE
+from tightfit.planner.optimizers import PRECISION_ALIASES, STEP_TENSOR_BYTES, optimizer_spec
+
 if TYPE_CHECKING:
     from tightfit.profiler.types import ModelProfile, ParamInfo
 
 __all__ = ["PeakEstimate", "estimate_peak", "optimizer_state_bytes", "OPTIMIZERS", "PRECISIONS",
            "optimizer_bytes_per_element"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
-# precision -> (bytes per state element, bytes of an fp32 master copy per element)
-PRECISIONS = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0), "mixed": (4, 4), "mixed-bf16": (4, 4),
-              "mixed-fp16": (4, 4)}
-_STEP_TENSOR_BYTES = 4  # torch.optim keeps `step` as a float32 scalar tensor per parameter
+# One table for the whole project (tightfit.planner.optimizers); re-exported under the names this module had.
+OPTIMIZERS = tuple(OPTIMIZER_TABLE)
+PRECISIONS = PRECISION_ALIASES  # short name -> PrecisionSpec ("mixed": fp32 master copy and fp32 state)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,29 +110,24 @@ def estimate_peak(profile: ModelProfile, checkpointed: Iterable[str] | str | Non
                         phase=best[2], block=best[3])
 
 
-def _check_optimizer(optimizer: str, precision: str) -> str:
-    opt = optimizer.lower()
-    if opt not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)} "
-                         "('mixed' = low-precision parameters with an fp32 master copy and fp32 state)")
-    return opt
-
-
 def optimizer_bytes_per_element(optimizer: str = "adamw", *, precision: str = "fp32", momentum: float = 0.0,
                                 amsgrad: bool = False) -> tuple[int, int]:
     """``(bytes per trainable element, bytes per trainable parameter tensor)`` the optimizer keeps.
 
     Example: AdamW at fp32 -> ``(8, 4)``; mixed precision -> ``(12, 4)`` (master copy + two moments).
+    Row-wise optimizers (state per row, not per element) are priced by
+    :func:`tightfit.planner.optimizers.row_state_columns` and refused here.
     """
-    opt = _check_optimizer(optimizer, precision)
-    state, master = PRECISIONS[precision]
-    if opt == "sgd":
-        return (state if momentum else 0) + master, 0
-    if opt in ("adam", "adamw"):
-        return (3 if amsgrad else 2) * state + master, _STEP_TENSOR_BYTES
-    return state + master, _STEP_TENSOR_BYTES  # adagrad: the running sum of squares
+    spec = optimizer_spec(optimizer)
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)} "
+                         "('mixed' = low-precision parameters with an fp32 master copy and fp32 state)")
+    if spec.row_states:
+        raise ValueError(f"optimizer {optimizer!r} keeps its state per embedding row, not per element; price it "
+                         "with tightfit.planner.optimizers.row_state_columns(name, dim)")
+    prec = PRECISIONS[precision]
+    per_elem = spec.states(momentum=momentum, amsgrad=amsgrad) * prec.master_bytes + prec.master_copy_bytes
+    return per_elem, STEP_TENSOR_BYTES if spec.step_tensor else 0
 
 
 def optimizer_state_bytes(params: ModelProfile | Iterable[ParamInfo], optimizer: str = "adamw", *,

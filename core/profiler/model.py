@@ -36,7 +36,7 @@ from tightfit.profiler.memory import estimate_peak
 from tightfit.profiler.trace import StepTracer, levels
 from tightfit.profiler.types import BlockProfile, MemoryEvent, ModelProfile, ParamInfo
 
-__all__ = ["profile_model", "MetaProfilingError", "default_loss"]
+__all__ = ["profile_model", "MetaProfilingError", "default_loss", "split_inputs"]
 
 
 class MetaProfilingError(RuntimeError):
@@ -71,7 +71,9 @@ def default_loss(output: Any) -> torch.Tensor:
     )
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a forward call from example inputs: a dict is keyword arguments, a tuple
+    positional ones, anything else the single positional argument."""
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
@@ -307,7 +309,7 @@ def profile_model(
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             if isinstance(model_or_factory, nn.Module):

@@ -4,7 +4,9 @@ Importing this package registers ``"elixir"`` and its presets (``elixir_offload`
 ``elixir_no_offload``, ``elixir_checkpoint``, ``elixir_deepspeed``) in Lightning's
 ``StrategyRegistry`` when Lightning is installed, so ``Trainer(strategy="elixir")`` works.
 
-* :class:`ElixirStrategy` - the Lightning strategy (:mod:`lightning_elixir.strategy`);
+* :class:`ElixirStrategy` - the Lightning strategy (:mod:`lightning_elixir.strategy`), its options
+  :class:`ElixirOptions` (:mod:`lightning_elixir.options`);
+* :class:`ElixirDeepSpeedStrategy` - the plan run by DeepSpeed ZeRO (``strategy="elixir_deepspeed"``);
 * :class:`ElixirPrecision` - ``precision="16-mixed"`` with loss scaling for sharded gradients (:mod:`lightning_elixir.precision`);
 * :func:`apply_plan` - a plan onto a module with FSDP2, usable without Lightning (:mod:`lightning_elixir.apply`);
 * :func:`export_checkpoint` - a sharded checkpoint to one safetensors file (``python -m lightning_elixir.export``).
@@ -21,12 +23,13 @@ from typing import Any
 
 from tightfit.plugins import Plugin
 
-__all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "ElixirPrecision", "apply_plan",
-           "export_checkpoint"]
+__all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
+           "apply_plan", "export_checkpoint"]
 
 _LAZY = {
     "ElixirStrategy": ("lightning_elixir.strategy", "ElixirStrategy"),
     "ElixirDeepSpeedStrategy": ("lightning_elixir.deepspeed_backend", "ElixirDeepSpeedStrategy"),
+    "ElixirOptions": ("lightning_elixir.options", "ElixirOptions"),
     "ElixirPrecision": ("lightning_elixir.precision", "ElixirPrecision"),
     "apply_plan": ("lightning_elixir.apply", "apply_plan"),
     "export_checkpoint": ("lightning_elixir.export", "export_checkpoint"),
@@ -45,9 +48,8 @@ def register() -> None:
         from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
 
         ElixirDeepSpeedStrategy.register_strategies(StrategyRegistry)
-    from lightning_elixir.precision import install_trainer_hook
-
-    install_trainer_hook()  # Trainer(precision="16-mixed") -> ElixirPrecision for Elixir's FSDP2 strategies
+    # Registering patches nothing in Lightning: the 16-mixed precision hook is installed when an
+    # ElixirStrategy is constructed (lightning_elixir.precision.install_trainer_hook).
 
 
 def _demo(quick: bool) -> str:

@@ -1,4 +1,4 @@
-"""``ElixirStrategy(backend="deepspeed")``: the plan translated to a DeepSpeed ZeRO config, run by
+"""``ElixirDeepSpeedStrategy`` (``strategy="elixir_deepspeed"``): the plan translated to a DeepSpeed ZeRO config, run by
 Lightning's ``DeepSpeedStrategy``.
 
 The translation is the planner's (:meth:`ElixirPlan.to_deepspeed_config`, with
@@ -17,31 +17,30 @@ adapter adds what the runtime needs:
   it crashes on some machines, and gloo is what the CPU tests use). This is for tests and
   development; real DeepSpeed training is on GPUs.
 
-Parameters must be materialised before DeepSpeed partitions them (the plan, and with it the ZeRO
-stage, is only known after ``configure_model``, so ``deepspeed.zero.Init`` cannot be used).
+A model built in ``configure_model`` is first built on the meta device to profile it and decide the
+plan; when the plan is ZeRO-3 the real build then runs under ``deepspeed.zero.Init``, so every rank
+allocates only its partition of each parameter (a model larger than one device can start). A model
+built in ``__init__`` is already materialised on every rank; DeepSpeed partitions it at ``initialize``.
+Initialisation code that writes parameters after their module is constructed (``init_weights`` loops)
+must run under ``deepspeed.zero.GatheredParameters`` there, as with any ``zero.Init`` model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import sys
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.planning import (
-    example_batch,
-    load_plan,
-    local_device,
-    make_plan,
-    profile_module,
-    resolve_plan,
-    set_options,
-)
+from lightning_elixir.options import ElixirOptions
+from lightning_elixir.planning import decide_plan
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -64,6 +63,8 @@ def deepspeed_config(plan: ElixirPlan, user: dict[str, Any] | None = None) -> di
     cfg = plan.to_deepspeed_config()
     cfg.pop("activation_checkpointing", None)  # blocks are checkpointed by apply_activation_checkpointing
     cfg["zero_force_ds_cpu_optimizer"] = False
+    # The optimizer is the user's (configure_optimizers), any torch one: SGD etc. too, as Lightning's own default.
+    cfg["zero_allow_untested_optimizer"] = True
     offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {})
     if "ratio" in offload and "optimizer" not in (user or {}):
         # A partial offload ratio (ZeRO-Offload++) runs only DeepSpeedCPUAdam; the optimizer from
@@ -77,23 +78,28 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         memory_budget / plan / offload / activation_checkpointing / optimizer / cluster /
-            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`.
+            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`
+            (validated into :attr:`options`, an :class:`~lightning_elixir.options.ElixirOptions`).
         config: DeepSpeed config entries merged over the translated plan.
-        **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (e.g. ``process_group_backend``).
+        process_group_backend: as Lightning's ``DeepSpeedStrategy``.
+
+    Only these arguments are taken (no ``**kwargs``): every knob is a typed argument that
+    ``LightningCLI`` can set, and the ZeRO settings come from the plan (``config`` overrides them).
     """
 
     strategy_name = "elixir_deepspeed"
 
     def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
-                 offload: str = "auto", activation_checkpointing: str | bool = "auto", optimizer: str = "adamw",
-                 cluster: ClusterSpec | None = None, device_profile: DeviceProfile | None = None,
+                 offload: str = "auto", activation_checkpointing: bool | str = "auto", optimizer: str = "adamw",
+                 cluster: ClusterSpec | str | Path | None = None, device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True,
-                 config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 config: dict[str, Any] | None = None, process_group_backend: str | None = None) -> None:
+        self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
+                                     activation_checkpointing=activation_checkpointing, optimizer=optimizer,
+                                     cluster=cluster, device_profile=device_profile, constraints=constraints,
+                                     verbose=verbose, owner="ElixirDeepSpeedStrategy")
         # A placeholder config: the real one is translated from the plan in ``setup``.
-        set_options(self, name="ElixirDeepSpeedStrategy", memory_budget=memory_budget, plan=plan,
-                    offload=offload, activation_checkpointing=activation_checkpointing, optimizer=optimizer,
-                    cluster=cluster, device_profile=device_profile, constraints=constraints, verbose=verbose)
-        super().__init__(config={"zero_optimization": {"stage": 3}}, **kwargs)
+        super().__init__(config={"zero_optimization": {"stage": 3}}, process_group_backend=process_group_backend)
         self.user_config = config
         self.plan: ElixirPlan | None = None
 
@@ -136,12 +142,52 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
-        # Real tensors: DeepSpeed partitions materialised parameters (see the module docstring).
+        # Real tensors: under ZeRO-3, zero.Init (model_sharded_context) partitions each one as it is made.
         return super(DeepSpeedStrategy, self).tensor_init_context(empty_init=False)
 
+    @contextlib.contextmanager
     @override
-    def model_sharded_context(self):
-        return super(DeepSpeedStrategy, self).model_sharded_context()
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: decide the plan first (from a meta-device build), then build for
+        real under ``deepspeed.zero.Init`` when the plan shards parameters (ZeRO-3), so each rank only
+        ever holds its partition: a model larger than one device can start."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self.plan is None and trainer is not None:
+            self.plan = self._plan_from_meta_build(trainer)
+        config = deepspeed_config(self.plan, self.user_config) if self.plan is not None else {}
+        if config.get("zero_optimization", {}).get("stage", 0) != 3:
+            yield
+            return
+        import deepspeed
+
+        config.setdefault("train_micro_batch_size_per_gpu", 1)  # zero.Init parses the whole config
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            yield
+
+    def _plan_from_meta_build(self, trainer: Any) -> ElixirPlan:
+        """Run ``configure_model`` once on the meta device (nothing allocated), decide the plan from that
+        structure, then put the module's own attributes back so ``configure_model`` builds it for real.
+
+        Only the LightningModule's own attributes and child/parameter/buffer tables are restored: a
+        ``configure_model`` that changes submodules which existed before it runs is built on meta here
+        and its real build then sees meta submodules (such models should plan in ``setup``: build them
+        in ``__init__``)."""
+        module = self.lightning_module
+        assert module is not None
+        saved = dict(vars(module))
+        tables = {k: dict(saved[k]) for k in ("_modules", "_parameters", "_buffers")}
+        try:
+            # The dry run must not move the RNG the real build draws its initial weights from.
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                module.configure_model()
+            plan = decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+        finally:
+            vars(module).clear()
+            vars(module).update(saved)
+            for key, table in tables.items():
+                object.__setattr__(module, key, table)
+        return plan
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -149,39 +195,19 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
         module = self.lightning_module
         assert module is not None
-        if self.plan is None:
-            precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-            device = None
-            if self.plan_source is None and self.cluster is None and self.device_profile is None:
-                device = local_device(self.root_device)  # collective: every rank measures the collectives
-            self.plan = resolve_plan(lambda: self._decide(trainer, precision, device), rank=self.global_rank,
-                                     world_size=self.world_size)
-            apply_activation_checkpointing(module, self.plan)
+        if self.plan is None:  # no configure_model hook: plan here, on the model built in __init__
+            self.plan = decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+        apply_activation_checkpointing(module, self.plan)
         self.config = deepspeed_config(self.plan, self.user_config)
         if trainer.state.fn == TrainerFn.FITTING and "train_micro_batch_size_per_gpu" not in (self.user_config or {}):
             self.config["train_micro_batch_size_per_gpu"] = self.config.get("train_micro_batch_size_per_gpu", 1)
         self._config_initialized = False
-        if self.is_global_zero and self.verbose:
+        if self.is_global_zero and self.options.verbose:
             print(self.plan.explain(), flush=True)
             print("\nDeepSpeed config from the plan:", self.config, flush=True)
             for gap in self.plan.deepspeed_gaps():
                 print(f"[elixir/deepspeed] not expressible: {gap}", flush=True)
         super().setup(trainer)
-
-    def _decide(self, trainer: Any, precision: str, device: DeviceProfile | None) -> ElixirPlan:
-        module = self.lightning_module
-        profile = profile_module(module, example_batch(trainer))
-        if self.plan_source is not None:
-            plan = load_plan(self.plan_source)
-            plan.check_compatible(profile, self.world_size, precision=precision)
-            return plan
-        if self.verbose:
-            print(f"[elixir/deepspeed] planning {profile.model} for {self.world_size} ranks", file=sys.stderr)
-        cluster = self.cluster or ClusterSpec.uniform(self.device_profile or device,
-                                                      self.world_size, nodes=self.num_nodes)
-        return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
-                         optimizer=self.optimizer_name, offload=self.offload,
-                         activation_checkpointing=self.activation_checkpointing, constraints=self.constraints)
 
     @classmethod
     @override

@@ -9,15 +9,18 @@ inspected) outside a Trainer:
   module is not changed), or ``forward(example_input_array)`` when there is no batch;
 * :func:`local_device` - this rank's :class:`DeviceProfile` (``tightfit.profiler.profile_device``
   when the core provides it, otherwise a short local measurement);
-* :func:`make_plan` - the search with the strategy's knobs (``offload``, ``activation_checkpointing``);
-* :func:`resolve_plan` - rank 0 decides (search, or check a given plan), every rank gets the same
-  plan as JSON text through ``broadcast_object_list``; an error on rank 0 is raised on every rank.
+* :func:`make_plan` - core's search with the strategy's knobs (``offload``, ``activation_checkpointing``
+  become :class:`ElixirConstraints`; core decides forced choices, nothing is re-priced here);
+* :func:`decide_plan` - what both strategies call: rank 0 profiles and searches (or checks a given
+  plan), every rank gets the same plan as JSON through :func:`tightfit.distributed.decide_on_rank0`;
+  an error on rank 0 is raised on every rank with its type and numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,43 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit.planner.elixir import (
-    ElixirConstraints,
-    ElixirPlan,
-    PlanInfeasibleError,
-    PlanMismatchError,
-    estimate,
-    search,
-)
+from lightning_elixir.options import OFFLOAD_CHOICES, ElixirOptions
+from tightfit.distributed import decide_on_rank0
+from tightfit.planner.elixir import ElixirConstraints, ElixirPlan, search
 from tightfit.profiler import profile_model
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
-__all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "resolve_plan",
-           "OFFLOAD_CHOICES", "set_options"]
-
-OFFLOAD_CHOICES = ("auto", "none", "all")
-
-
-def set_options(strategy: Any, *, name: str, memory_budget: Any, plan: Any, offload: str,
-                activation_checkpointing: str | bool, optimizer: str, cluster: ClusterSpec | None,
-                device_profile: DeviceProfile | None, constraints: Any, verbose: bool) -> None:
-    """Validate the options both Elixir strategies (FSDP2 and DeepSpeed) take, and store them on ``strategy``."""
-    if offload not in OFFLOAD_CHOICES:
-        raise ValueError(f"{name}(offload={offload!r}): use one of {OFFLOAD_CHOICES}")
-    if activation_checkpointing not in ("auto", True, False):
-        raise ValueError(f"{name}(activation_checkpointing={activation_checkpointing!r}): use 'auto', "
-                         "True or False")
-    if cluster is not None and device_profile is not None:
-        raise ValueError(f"{name}: give cluster= or device_profile=, not both")
-    strategy.memory_budget = memory_budget
-    strategy.plan_source = plan
-    strategy.offload = offload
-    strategy.activation_checkpointing = activation_checkpointing
-    strategy.optimizer_name = optimizer
-    strategy.cluster = cluster
-    strategy.device_profile = device_profile
-    strategy.constraints = constraints
-    strategy.verbose = verbose
+__all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan",
+           "OFFLOAD_CHOICES", "STAGE_METHODS"]
 
 
 # ---- the batch -----------------------------------------------------------------------------------
@@ -207,34 +181,13 @@ def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, memory_budget: int
               precision: str = "32-true", optimizer: str = "adamw", offload: str = "auto",
               activation_checkpointing: str | bool = "auto", constraints: ElixirConstraints | None = None,
               progress: Callable[[int, int, str], None] | None = None) -> ElixirPlan:
-    """Search the plan; ``offload="all"`` / ``activation_checkpointing=True`` then force those choices
-    on every unit / checkpointable block and re-price the plan (``estimate``)."""
-    if offload not in OFFLOAD_CHOICES:
-        raise ValueError(f"offload={offload!r}: use one of {OFFLOAD_CHOICES}")
-    if activation_checkpointing not in ("auto", True, False):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: use 'auto', True or False")
-    cons = constraints or ElixirConstraints()
-    cons = dataclasses.replace(cons, allow_offload=cons.allow_offload and offload != "none",
-                               allow_checkpointing=cons.allow_checkpointing and activation_checkpointing is not False)
-    kwargs: dict[str, Any] = dict(optimizer=optimizer, precision=precision, memory_budget=memory_budget,
-                                  constraints=cons)
-    plan = search(profile, cluster, progress=progress, **kwargs)
-    if offload == "all" or activation_checkpointing is True:
-        ok = {b.name for b in profile.blocks if b.checkpointable}
-        units = [dataclasses.replace(u, offload=u.offload or offload == "all",
-                                     checkpoint=tuple(b for b in u.blocks if b in ok)
-                                     if activation_checkpointing is True else u.checkpoint) for u in plan.units]
-        forced = estimate(profile, cluster, units, forward_prefetch=plan.forward_prefetch,
-                          backward_prefetch=plan.backward_prefetch, **kwargs)
-        if not forced.fits:
-            raise PlanInfeasibleError(
-                f"offload={offload!r}, activation_checkpointing={activation_checkpointing!r} force a plan whose "
-                f"predicted peak ({forced.peak_bytes:,} bytes) exceeds the budget ({forced.budget_bytes:,}); use "
-                "offload='auto' and activation_checkpointing='auto' to let the search choose",
-                needed_bytes=forced.peak_bytes, budget_bytes=forced.budget_bytes)
-        plan = dataclasses.replace(forced, search_method=f"{plan.search_method}, then forced "
-                                   f"(offload={offload}, activation_checkpointing={activation_checkpointing})")
-    return plan
+    """Core's search with the strategy's knobs: ``offload="all"`` / ``activation_checkpointing=True`` are
+    forced choices of :class:`ElixirConstraints` (``"none"`` / ``False`` forbid them), decided by core."""
+    options = ElixirOptions(memory_budget=memory_budget, offload=offload, optimizer=optimizer,
+                            activation_checkpointing=activation_checkpointing, constraints=constraints,
+                            owner="make_plan")
+    return search(profile, cluster, optimizer=optimizer, precision=precision, memory_budget=memory_budget,
+                  constraints=options.planner_constraints(), progress=progress)
 
 
 def load_plan(plan: str | Path | ElixirPlan) -> ElixirPlan:
@@ -247,39 +200,49 @@ def load_plan(plan: str | Path | ElixirPlan) -> ElixirPlan:
     return ElixirPlan.from_json(path)
 
 
-def resolve_plan(decide: Callable[[], ElixirPlan], *, rank: int, world_size: int) -> ElixirPlan:
-    """``decide()`` on rank 0, the result on every rank (errors re-raised everywhere with their numbers)."""
-    payload: list[Any] = [None]
-    if rank == 0:
-        try:
-            payload = [("plan", decide().to_json())]
-        except (PlanInfeasibleError, PlanMismatchError) as exc:
-            payload = [("error", type(exc).__name__, str(exc), dict(vars(exc)))]
-            if world_size == 1:
-                raise
-        except Exception as exc:
-            if world_size == 1:
-                raise
-            payload = [("error", type(exc).__name__, f"{type(exc).__name__} on rank 0: {exc}", {})]
-            _broadcast(payload, world_size)
-            raise
-    _broadcast(payload, world_size)
-    kind, *rest = payload[0]
-    if kind == "plan":
-        return ElixirPlan.from_json(rest[0])
-    cls_name, message, attrs = rest
-    if cls_name == "PlanInfeasibleError":
-        raise PlanInfeasibleError(message, needed_bytes=attrs.get("needed_bytes", 0),
-                                  budget_bytes=attrs.get("budget_bytes", 0),
-                                  suggestions=tuple(attrs.get("suggestions", ())))
-    if cls_name == "PlanMismatchError":
-        raise PlanMismatchError(message, field=attrs.get("field", ""), expected=attrs.get("expected"),
-                                actual=attrs.get("actual"))
-    raise RuntimeError(message)
+STAGE_METHODS = {"fit": "training_step", "validate": "validation_step", "test": "test_step",
+                 "predict": "predict_step"}
 
 
-def _broadcast(payload: list[Any], world_size: int) -> None:
-    if world_size > 1:
-        import torch.distributed as dist
+def decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
+    """The plan every rank of ``strategy`` runs: gathered inputs, decided by core on rank 0, shared as JSON.
 
-        dist.broadcast_object_list(payload, src=0)
+    Collective: every rank calls it (the device measurement and the broadcast are collectives).
+    ``strategy`` provides ``options`` (:class:`ElixirOptions`), ``lightning_module``, ``root_device``,
+    ``world_size`` and ``num_nodes``.
+    """
+    options: ElixirOptions = strategy.options
+    module = strategy.lightning_module
+    method = STAGE_METHODS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), "training_step")
+    world = strategy.world_size
+    say = _say if options.verbose and strategy.global_rank == 0 else (lambda text: None)
+    device: DeviceProfile | None = None
+    if options.measures_device:
+        say("[elixir] profiling the device (cached after the first run) ...")
+        device = local_device(strategy.root_device)  # collective: every rank measures the collectives
+
+    def decide() -> ElixirPlan:
+        say(f"[elixir] profiling one {method} on the meta device ...")
+        profile = profile_module(module, example_batch(trainer), stage_method=method)
+        if options.plan is not None:
+            plan = load_plan(options.plan)
+            plan.check_compatible(profile, world, precision=precision)
+            return plan
+        given = options.cluster
+        assert given is None or isinstance(given, ClusterSpec)  # ElixirOptions resolved paths
+        profile_of_device = options.device_profile if isinstance(options.device_profile, DeviceProfile) else device
+        assert given is not None or profile_of_device is not None
+        cluster = given or ClusterSpec.uniform(profile_of_device, world, nodes=strategy.num_nodes)  # type: ignore[arg-type]
+        if cluster.world_size != world:
+            raise ValueError(f"{options.owner}(cluster=...) describes {cluster.world_size} devices, this run has "
+                             f"{world} ranks; give one DeviceProfile per rank")
+        say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in {len(profile.blocks)} "
+            f"blocks; searching a plan for {world} x {cluster.devices[0].name} ...")
+        return search(profile, cluster, optimizer=options.optimizer, precision=precision,
+                      memory_budget=options.memory_budget, constraints=options.planner_constraints())
+
+    return decide_on_rank0(decide, encode=lambda plan: plan.to_json(), decode=ElixirPlan.from_json)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

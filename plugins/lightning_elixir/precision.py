@@ -23,7 +23,7 @@ Three pieces make fp16 work on Elixir's FSDP2 units:
   inf/nan), and the scaler's state saved in and restored from checkpoints.
 
 ``Trainer(strategy="elixir" | ElixirStrategy(...), precision="16-mixed")`` selects the plugin:
-:func:`install_trainer_hook` (run when ``lightning_elixir`` is imported) lets Lightning's accelerator
+:func:`install_trainer_hook` (run when an ``ElixirStrategy`` is constructed, never on import) lets Lightning's accelerator
 connector hand Elixir strategies an :class:`ElixirPrecision` for ``"16-mixed"`` instead of refusing it
 (a strategy instance) or silently training bf16 (the strategy's name on a CPU). Passing the plugin
 yourself also works and sets the scaler's knobs: ``Trainer(strategy="elixir",

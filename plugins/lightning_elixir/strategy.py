@@ -20,7 +20,6 @@ Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``el
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,16 +32,9 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
 from lightning_elixir.checkpoint import atomic_save, recover
-from lightning_elixir.planning import (
-    example_batch,
-    load_plan,
-    local_device,
-    make_plan,
-    profile_module,
-    resolve_plan,
-    set_options,
-)
-from lightning_elixir.precision import ElixirPrecision
+from lightning_elixir.options import ElixirOptions
+from lightning_elixir.planning import decide_plan
+from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -57,15 +49,22 @@ class ElixirStrategy(ModelParallelStrategy):
             device's memory (``0.8``) or ``None`` for all of it.
         plan: ``None`` (search at fit start), a plan file written by ``tightfit plan elixir --json``
             or an :class:`ElixirPlan`; a given plan is checked against this model and world size.
-        backend: ``"fsdp2"`` or ``"deepspeed"`` (returns an :class:`~lightning_elixir.deepspeed_backend.ElixirDeepSpeedStrategy`).
+        backend: ``"fsdp2"`` only; the DeepSpeed backend is its own class,
+            :class:`~lightning_elixir.deepspeed_backend.ElixirDeepSpeedStrategy` (``strategy="elixir_deepspeed"``),
+            and ``backend="deepspeed"`` raises an error saying so.
         offload: ``"auto"`` (the search decides per unit), ``"none"`` or ``"all"``.
         activation_checkpointing: ``"auto"`` (the search decides per block), ``True`` (every block) or ``False``.
-        optimizer: the optimizer the plan prices (``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"``);
+        optimizer: the optimizer the plan prices (``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"`` ...);
             the one ``configure_optimizers`` returns is used unchanged.
-        cluster / device_profile: the devices to plan for instead of measuring this one.
+        cluster / device_profile: the devices to plan for instead of measuring this one (objects, JSON
+            paths, or a datasheet preset name for ``device_profile``).
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+
+    The options are validated once into :attr:`options` (:class:`~lightning_elixir.options.ElixirOptions`).
+    Every one is a typed keyword argument, so ``LightningCLI`` and YAML configs can set them
+    (``--trainer.strategy=lightning_elixir.ElixirStrategy --trainer.strategy.memory_budget=6GiB``).
 
     Precision: ``Trainer(precision=...)`` with ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or
     ``"16-mixed"`` (:class:`~lightning_elixir.precision.ElixirPrecision`: FSDP2
@@ -81,24 +80,23 @@ class ElixirStrategy(ModelParallelStrategy):
 
     strategy_name = "elixir"
 
-    def __new__(cls, *args: Any, backend: str = "fsdp2", **kwargs: Any):
-        if backend == "deepspeed" and cls is ElixirStrategy:
-            from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
-
-            return ElixirDeepSpeedStrategy(*args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
-                 backend: str = "fsdp2", offload: str = "auto", activation_checkpointing: str | bool = "auto",
-                 optimizer: str = "adamw", cluster: ClusterSpec | None = None,
-                 device_profile: DeviceProfile | None = None, constraints: ElixirConstraints | None = None,
-                 verbose: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
-        if backend not in ("fsdp2", "deepspeed"):
-            raise ValueError(f"ElixirStrategy(backend={backend!r}): use 'fsdp2' (default) or 'deepspeed'")
-        set_options(self, name="ElixirStrategy", memory_budget=memory_budget, plan=plan, offload=offload,
-                    activation_checkpointing=activation_checkpointing, optimizer=optimizer, cluster=cluster,
-                    device_profile=device_profile, constraints=constraints, verbose=verbose)
+                 backend: str = "fsdp2", offload: str = "auto", activation_checkpointing: bool | str = "auto",
+                 optimizer: str = "adamw", cluster: ClusterSpec | str | Path | None = None,
+                 device_profile: DeviceProfile | str | Path | None = None,
+                 constraints: ElixirConstraints | None = None, verbose: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+        if backend == "deepspeed":
+            raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
+                             "lightning_elixir.ElixirDeepSpeedStrategy(...) or Trainer(strategy='elixir_deepspeed')")
+        if backend != "fsdp2":
+            raise ValueError(f"ElixirStrategy(backend={backend!r}): use 'fsdp2' (default); for 'deepspeed' use "
+                             "ElixirDeepSpeedStrategy or strategy='elixir_deepspeed'")
+        self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
+                                     activation_checkpointing=activation_checkpointing, optimizer=optimizer,
+                                     cluster=cluster, device_profile=device_profile, constraints=constraints,
+                                     verbose=verbose, owner="ElixirStrategy")
+        install_trainer_hook()  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on (idempotent)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.plan: ElixirPlan | None = None
@@ -158,36 +156,7 @@ class ElixirStrategy(ModelParallelStrategy):
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def _decide_plan(self, trainer: Any) -> ElixirPlan:
-        module = self.lightning_module
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        method = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
-                  TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
-
-        device = None
-        if self.plan_source is None and self.cluster is None and self.device_profile is None:
-            self._say("[elixir] profiling the device (cached after the first run) ...")
-            device = local_device(self.root_device)  # collective: every rank measures the collectives
-
-        def decide() -> ElixirPlan:
-            self._say(f"[elixir] profiling one {method} on the meta device ...")
-            profile = profile_module(module, example_batch(trainer), stage_method=method)
-            if self.plan_source is not None:
-                plan = load_plan(self.plan_source)
-                plan.check_compatible(profile, self.world_size, precision=precision)
-                return plan
-            cluster = self.cluster or ClusterSpec.uniform(
-                self.device_profile or device, self.world_size, nodes=self.num_nodes)
-            if cluster.world_size != self.world_size:
-                raise ValueError(f"ElixirStrategy(cluster=...) describes {cluster.world_size} devices, this run has "
-                                 f"{self.world_size} ranks; give one DeviceProfile per rank")
-            self._say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in "
-                      f"{len(profile.blocks)} blocks; searching a plan for {self.world_size} x "
-                      f"{cluster.devices[0].name} ...")
-            return make_plan(profile, cluster, memory_budget=self.memory_budget, precision=precision,
-                             optimizer=self.optimizer_name, offload=self.offload,
-                             activation_checkpointing=self.activation_checkpointing, constraints=self.constraints)
-
-        return resolve_plan(decide, rank=self.global_rank, world_size=self.world_size)
+        return decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
 
     def _report(self, trainer: Any) -> None:
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # collective: Trainer.log_dir broadcasts
@@ -197,14 +166,10 @@ class ElixirStrategy(ModelParallelStrategy):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.plan_path = log_dir / "plan.json"
         self.plan.to_json(self.plan_path)
-        if self.verbose:
+        if self.options.verbose:
             print(self.plan.explain(), flush=True)
             print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
-
-    def _say(self, text: str) -> None:
-        if self.verbose and self.is_global_zero:
-            print(text, file=sys.stderr, flush=True)
 
     def _prefer_fused_host_step(self) -> None:
         """On a GPU, offloaded units step on the host: let Adam/AdamW use torch's fused CPU kernel there

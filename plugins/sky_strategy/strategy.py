@@ -58,11 +58,10 @@ from sky_strategy.layers import call_layer, resolve_layers, split_batch
 from sky_strategy.profiling import RankProfile, measure_links, planner_inputs, profile_rank
 from sky_strategy.runtime import PipelineRuntime
 from tightfit.distributed import decide_on_rank0
+from tightfit.planner.optimizers import optimizer_states
 from tightfit.planner.pipeline import PartitionPlan, PipelineProblem, merge_replicas, plan_pipeline
 
 __all__ = ["SkyStrategy"]
-
-_OPT_STATE = {"Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adagrad": 1.0, "RMSprop": 1.0}
 
 
 class SkyStrategy(DDPStrategy):
@@ -274,7 +273,7 @@ class SkyStrategy(DDPStrategy):
         cfg = self.config
         opt = cfg.optimizer_state_factor
         if opt is None:
-            opt = max((_OPT_STATE.get(type(o).__name__, 1.0 if o.defaults.get("momentum") else 0.0)
+            opt = max((float(optimizer_states(type(o).__name__, o.defaults, strict=False))
                        for o in self._raw_optimizers()), default=0.0)
         problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices,
                                   microbatches=cfg.microbatches, schedule=cfg.schedule, links=links,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tightfit.planner.optimizers import row_state_columns
 from tightfit.units import parse_bytes
 
 __all__ = ["POLICIES", "OPTIMIZERS", "CacheConfig", "RowOptimizer"]
@@ -64,7 +65,7 @@ class RowOptimizer:
 
     def state_columns(self, dim: int) -> int:
         """Floats of optimizer state stored beside each row of width ``dim``."""
-        return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[self.kind]
+        return row_state_columns(self.kind, dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

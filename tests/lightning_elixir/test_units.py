@@ -26,9 +26,11 @@ def test_registered_on_import_and_through_discovery():
     assert StrategyRegistry["elixir_checkpoint"]["init_params"] == {"activation_checkpointing": True}
     assert StrategyRegistry["elixir_deepspeed"]["strategy"] is ElixirDeepSpeedStrategy
     assert isinstance(StrategyRegistry.get("elixir_no_offload"), ElixirStrategy)
-    # backend="deepspeed" gives the DeepSpeed adapter with the same knobs.
-    ds = ElixirStrategy(memory_budget="1GiB", backend="deepspeed", offload="none")
-    assert isinstance(ds, ElixirDeepSpeedStrategy) and ds.memory_budget == "1GiB" and ds.offload == "none"
+    # The DeepSpeed adapter is its own class with the same knobs; backend="deepspeed" points to it.
+    ds = ElixirDeepSpeedStrategy(memory_budget="1GiB", offload="none")
+    assert isinstance(ds, ElixirDeepSpeedStrategy) and ds.options.memory_budget == "1GiB" and ds.options.offload == "none"
+    with pytest.raises(ValueError, match=r"backend='deepspeed'.*ElixirDeepSpeedStrategy.*'elixir_deepspeed'"):
+        ElixirStrategy(backend="deepspeed")
 
 
 @RunIf(lightning=True)
@@ -51,10 +53,10 @@ def test_bad_arguments_name_the_value_and_the_choices(kwargs, pattern):
     ({"cluster": object(), "device_profile": object()}, r"give cluster= or device_profile=, not both"),
 ])
 def test_deepspeed_backend_validates_the_same_arguments(kwargs, pattern):
-    from lightning_elixir import ElixirStrategy
+    from lightning_elixir import ElixirDeepSpeedStrategy
 
     with pytest.raises(ValueError, match=pattern):
-        ElixirStrategy(backend="deepspeed", **kwargs)
+        ElixirDeepSpeedStrategy(**kwargs)
 
 
 def _profile():

@@ -1,5 +1,5 @@
 """Human-readable views of an :class:`~tightfit.planner.elixir.ElixirPlan`: the plan table and the
-translation to the closest DeepSpeed ZeRO configuration. Private to :mod:`tightfit.planner.elixir`."""
+translation to the closest DeepSpeed ZeRO configuration (part of :mod:`tightfit.planner.elixir`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tightfit.units import format_bytes, format_table
 
 if TYPE_CHECKING:
-    from tightfit.planner.elixir import ElixirPlan, UnitPlan
+    from tightfit.planner.elixir.plan import ElixirPlan, UnitPlan
 
 __all__ = ["explain", "deepspeed_config"]
 

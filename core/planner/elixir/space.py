@@ -1,7 +1,7 @@
 """Elixir's search: exact branch and bound on small spaces, a greedy Pareto frontier on large ones.
 
-Private to :mod:`tightfit.planner.elixir`. Both produce :class:`Candidate` objects priced by
-:mod:`tightfit.planner._elixir_sim`.
+Part of :mod:`tightfit.planner.elixir` (the search space and its two searches). Both produce :class:`Candidate` objects priced by
+:mod:`tightfit.planner.elixir.sim`.
 
 * Exact (``exhaustive``): for every *family* (a grouping of blocks into units and a pair of
   prefetch depths) a depth-first search over the units' (mode, offload, checkpoint subset)
@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tightfit.planner._elixir_sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
+from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
 __all__ = ["Space", "Candidate", "Evaluator", "exhaustive", "greedy_pool", "pareto", "count_space", "groupings",
            "compositions", "least_memory_choice"]

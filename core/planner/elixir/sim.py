@@ -1,6 +1,6 @@
 """Elixir's cost model: one training step of an FSDP2 plan, priced from the profiles alone.
 
-Private to :mod:`tightfit.planner.elixir`; the search calls :func:`step_time` and :func:`peak`
+Part of :mod:`tightfit.planner.elixir`; the search calls :func:`step_time` and :func:`peak`
 tens of thousands of times, so both are plain loops over precomputed per-unit numbers.
 
 A plan is: units (contiguous runs of blocks, one ``fully_shard`` call each), a mode per unit

@@ -1,0 +1,71 @@
+"""Hand-picked configurations priced by the same cost model (:func:`baseline`), the budget-independent
+Pareto :func:`frontier`, and :func:`mixed_budget` (a budget that yields a mixed plan, for tests and demos)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tightfit.planner.elixir import space as S
+from tightfit.planner.elixir.plan import BASELINES, ElixirPlan, UnitPlan
+from tightfit.planner.elixir.problem import ElixirConstraints, prepare
+from tightfit.planner.elixir.solver import estimate, search, to_plan
+from tightfit.profiler.types import ClusterSpec, ModelProfile
+
+__all__ = ["baseline", "frontier", "mixed_budget"]
+
+
+def baseline(model: ModelProfile, cluster: ClusterSpec, name: str, *, checkpoint: bool | str = "auto",
+             **kwargs: object) -> ElixirPlan:
+    """A configuration users pick by hand, priced by the same cost model (one unit per block, merged
+    like the search merges tiny blocks): ``ddp`` (replicate), ``zero2`` (keep), ``zero3``
+    (reshard), ``-offload`` variants (every unit offloaded). ``checkpoint="auto"`` checkpoints every
+    block only when the plan does not fit otherwise (what a user does after an out-of-memory error)."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+    mode = {"ddp": "replicate", "zero2": "keep", "zero3": "reshard"}[name.split("-")[0]]
+    offload = name.endswith("-offload")
+    _, _, ctx, _ = prepare(model, cluster, str(kwargs.get("optimizer", "adamw")),
+                          str(kwargs.get("precision", "bf16-mixed")), None, None)
+    spans = S.groupings(ctx, (1,))[0]
+
+    def units(ck: bool) -> list[UnitPlan]:
+        return [UnitPlan(blocks=ctx.names[a:b], mode=mode, offload=offload,
+                         checkpoint=tuple(n for i, n in enumerate(ctx.names[a:b], a) if ck and ctx.checkpointable[i]))
+                for a, b in spans]
+
+    plan = estimate(model, cluster, units(checkpoint is True), **kwargs)  # type: ignore[arg-type]
+    if checkpoint == "auto" and not plan.fits:
+        plan = estimate(model, cluster, units(True), **kwargs)  # type: ignore[arg-type]
+    return replace(plan, search_method=f"baseline {name}")
+
+
+def frontier(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw", precision: str = "bf16-mixed",
+             constraints: ElixirConstraints | None = None) -> list[ElixirPlan]:
+    """The greedy search's Pareto frontier (peak ascending, time descending), budget-independent."""
+    _, budget, ctx, host_budget = prepare(model, cluster, optimizer, precision, None, constraints)
+    ev = S.Evaluator(ctx)
+    pool = S.greedy_pool(ev, (constraints or ElixirConstraints()).space(), host_budget)
+    return [to_plan(ev, c, model, budget, cluster) for c in S.pareto(pool)]
+
+
+def mixed_budget(model: ModelProfile, cluster: ClusterSpec, **kwargs: object) -> int:
+    """A per-device budget under which :func:`search` returns a *mixed* plan (:attr:`ElixirPlan.is_mixed`:
+    some units offloaded and some resident, some resharded, some blocks recomputed), preferring plans
+    where checkpointing and unit modes are mixed too (:attr:`ElixirPlan.variety`). It is the peak of
+    such a frontier plan, verified by searching with it; runtime tests use it to exercise every kind
+    of unit on a small model.
+
+    Raises:
+        ValueError: no budget gives a mixed plan for this model (e.g. a single unit); the message says why.
+    """
+    plans = frontier(model, cluster, **kwargs)  # type: ignore[arg-type]
+    mixed = [p for p in plans if p.is_mixed]
+    # Most varied first; among equals, the middle of the mixed range (furthest from both extremes).
+    middle = (len(mixed) - 1) / 2
+    order = sorted(range(len(mixed)), key=lambda i: (-mixed[i].variety, abs(i - middle)))
+    for p in (mixed[i] for i in order):
+        if search(model, cluster, memory_budget=p.peak_bytes, **kwargs).is_mixed:  # type: ignore[arg-type]
+            return p.peak_bytes
+    raise ValueError(f"no budget gives a mixed plan for {model.model!r} on {cluster.world_size} device(s): the "
+                     f"frontier has {len(plans)} plans, {len(mixed)} of them mixed; a model needs at least two "
+                     "units (two blocks with parameters) for a mixed plan")

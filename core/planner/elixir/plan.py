@@ -1,0 +1,239 @@
+"""Plan types of the Elixir planner: :class:`UnitPlan`, :class:`ElixirPlan` (JSON round trip, explain hooks)
+and what a plan is bound to (:func:`model_identity`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from tightfit.planner.elixir.sim import MODES
+from tightfit.planner.errors import PlanMismatchError
+from tightfit.profiler.types import ModelProfile
+from tightfit.serde import dump_json, load_json
+
+__all__ = ["MODES", "BASELINES", "UnitPlan", "StepBreakdown", "MemoryBreakdown", "RunnerUp", "ElixirPlan",
+           "model_identity"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitPlan:
+    """One FSDP2 unit of a plan.
+
+    Args:
+        blocks: block names, contiguous in first-use order.
+        mode: ``"reshard"``, ``"keep"`` or ``"replicate"``.
+        offload: parameters, gradients and optimizer state on the host (``CPUOffloadPolicy``).
+        checkpoint: blocks of this unit run under activation checkpointing.
+        param_numel: parameter elements of the unit.
+        device_bytes: sharded state (parameters, gradients, optimizer) resident on each device.
+        host_bytes: state each rank keeps in host memory.
+        gathered_bytes: unsharded parameters while the unit is live.
+        time_s: predicted share of the step (compute, recompute, waits on its fetches, its optimizer step).
+    """
+
+    blocks: tuple[str, ...]
+    mode: str = "reshard"
+    offload: bool = False
+    checkpoint: tuple[str, ...] = ()
+    param_numel: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    gathered_bytes: int = 0
+    time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("UnitPlan.blocks is empty: a unit holds at least one block")
+        if self.mode not in MODES:
+            raise ValueError(f"UnitPlan.mode={self.mode!r}: use one of {MODES}")
+        stray = [b for b in self.checkpoint if b not in self.blocks]
+        if stray:
+            raise ValueError(f"UnitPlan.checkpoint names {stray} that are not blocks of this unit {self.blocks}")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's flag: only ``keep`` units stay gathered between forward and backward."""
+        return self.mode != "keep"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepBreakdown:
+    """Where one predicted step's time goes (seconds): the parts add up to the step time."""
+
+    compute_s: float
+    recompute_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """The predicted peak, taken apart (bytes per device, before the margin)."""
+
+    phase: str
+    block: str
+    state_bytes: int
+    params_bytes: int
+    activation_bytes: int
+    margin_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunnerUp:
+    """The best plan of another family (grouping x prefetch depths) and why it lost."""
+
+    family: str
+    step_time_s: float
+    peak_bytes: int
+    units: int
+    offloaded: int
+    checkpointed: int
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElixirPlan:
+    """A plan FSDP2 can execute, with its predictions and the identity of what it was made for.
+
+    Args:
+        model / param_numel / blocks / blocks_hash / inputs / world_size: identity checked by
+            :meth:`check_compatible` before a runtime applies the plan.
+        precision / param_dtype / reduce_dtype / optimizer: what the plan was priced for.
+        units: the units in first-use order.
+        forward_prefetch / backward_prefetch: prefetch depths.
+        step_time_s / peak_bytes / budget_bytes / host_bytes_per_rank: predictions and the budget.
+        breakdown / memory: where the time and the peak memory go.
+        runner_ups: the best plans of other families (fastest first).
+        search_method / search_seconds / candidates_evaluated: how it was found.
+        device: the device it was planned for; notes: assumptions the cost model made.
+        checkpointable_blocks: how many of the model's blocks can be checkpointed.
+    """
+
+    model: str
+    param_numel: int
+    blocks: tuple[str, ...]
+    blocks_hash: str
+    inputs: dict[str, list[int]]
+    world_size: int
+    precision: str
+    param_dtype: str
+    reduce_dtype: str
+    optimizer: str
+    units: tuple[UnitPlan, ...]
+    forward_prefetch: int
+    backward_prefetch: int
+    step_time_s: float
+    peak_bytes: int
+    budget_bytes: int
+    host_bytes_per_rank: int
+    breakdown: StepBreakdown
+    memory: MemoryBreakdown
+    runner_ups: tuple[RunnerUp, ...] = ()
+    search_method: str = "estimate"
+    search_seconds: float = 0.0
+    candidates_evaluated: int = 0
+    device: str = ""
+    notes: tuple[str, ...] = ()
+    checkpointable_blocks: int = 0
+
+    # ---- views -------------------------------------------------------------------------------
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def offloaded_units(self) -> tuple[int, ...]:
+        return tuple(i for i, u in enumerate(self.units) if u.offload)
+
+    @property
+    def checkpointed_blocks(self) -> tuple[str, ...]:
+        return tuple(b for u in self.units for b in u.checkpoint)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Some units offloaded and some resident, some resharded, some blocks recomputed."""
+        off = self.offloaded_units
+        return (0 < len(off) < len(self.units) and any(u.mode == "reshard" for u in self.units)
+                and bool(self.checkpointed_blocks))
+
+    @property
+    def variety(self) -> int:
+        """How many of the plan's choices are mixed (0-3): offload, checkpointing, and modes."""
+        return (int(0 < len(self.offloaded_units) < len(self.units))
+                + int(0 < len(self.checkpointed_blocks) < self.checkpointable_blocks)
+                + int(len({u.mode for u in self.units}) > 1))
+
+    @property
+    def samples_per_step(self) -> int:
+        shapes = list(self.inputs.values())
+        return self.world_size * (shapes[0][0] if shapes and shapes[0] else 1)
+
+    @property
+    def tokens_per_step(self) -> int:
+        shapes = list(self.inputs.values())
+        per = shapes[0][0] * shapes[0][1] if shapes and len(shapes[0]) >= 2 else (shapes[0][0] if shapes and shapes[0] else 1)
+        return self.world_size * per
+
+    # ---- I/O -----------------------------------------------------------------------------------
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self, path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ElixirPlan:
+        return load_json(cls, source)
+
+    # ---- identity ------------------------------------------------------------------------------
+    def check_compatible(self, profile: ModelProfile, world_size: int, *, precision: str | None = None) -> None:
+        """Raise :class:`PlanMismatchError` unless this plan was made for ``profile`` on ``world_size`` ranks."""
+        fix = ("re-plan for this run (`tightfit plan elixir ...` with the same model, batch and --devices, "
+               "or ElixirStrategy(plan=None) to plan at fit start)")
+        if world_size != self.world_size:
+            raise PlanMismatchError(
+                f"plan was made for world size {self.world_size}, this run has {world_size} ranks; {fix}",
+                field="world_size", expected=self.world_size, actual=world_size)
+        if profile.param_numel != self.param_numel:
+            raise PlanMismatchError(
+                f"plan was made for a model with {self.param_numel:,} parameters ({self.model}), this model has "
+                f"{profile.param_numel:,} ({profile.model}); {fix}",
+                field="param_numel", expected=self.param_numel, actual=profile.param_numel)
+        names, digest = model_identity(profile)
+        if digest != self.blocks_hash:
+            diff = next((f"block {i}: plan {a!r} vs model {b!r}" for i, (a, b) in enumerate(zip(self.blocks, names))
+                         if a != b), f"plan has {len(self.blocks)} blocks, model has {len(names)}")
+            raise PlanMismatchError(f"plan's blocks do not match the model's ({diff}); {fix}",
+                                    field="blocks", expected=self.blocks_hash, actual=digest)
+        if precision is not None and precision != self.precision:
+            raise PlanMismatchError(f"plan was priced for precision {self.precision!r}, this run uses {precision!r}; "
+                                    f"{fix}", field="precision", expected=self.precision, actual=precision)
+
+    # ---- explanation --------------------------------------------------------------------------
+    def explain(self, *, full: bool = False) -> str:
+        """The plan as a table (runs of identical units folded unless ``full``), totals and runner-ups."""
+        from tightfit.planner.elixir.explain import explain
+
+        return explain(self, full=full)
+
+    # ---- DeepSpeed ----------------------------------------------------------------------------
+    def to_deepspeed_config(self) -> dict:
+        """The closest DeepSpeed ZeRO configuration; :meth:`deepspeed_gaps` says what it cannot express."""
+        from tightfit.planner.elixir.explain import deepspeed_config
+
+        return deepspeed_config(self)[0]
+
+    def deepspeed_gaps(self) -> tuple[str, ...]:
+        """What of this plan the DeepSpeed configuration cannot express (one sentence each)."""
+        from tightfit.planner.elixir.explain import deepspeed_config
+
+        return deepspeed_config(self)[1]
+
+
+BASELINES = ("ddp", "zero2", "zero2-offload", "zero3", "zero3-offload")
+
+
+def model_identity(profile: ModelProfile) -> tuple[tuple[str, ...], str]:
+    """Block names and a short hash of (name, parameter count) per block: what a plan is bound to."""
+    names = tuple(b.name for b in profile.blocks)
+    h = hashlib.sha256(";".join(f"{b.name}:{b.param_numel}" for b in profile.blocks).encode()).hexdigest()[:16]
+    return names, h
+

@@ -1,0 +1,168 @@
+"""The Elixir search input: :class:`ElixirConstraints` (limits, forced choices) and :class:`ElixirProblem`
+(profile, devices, optimizer, precision, budget), with the budget arithmetic (:func:`resolve_budget`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tightfit.planner.elixir.sim import MODES, Context, build_context
+from tightfit.planner.elixir.space import Space
+from tightfit.planner.optimizers import optimizer_spec, precision_spec
+from tightfit.profiler.types import ClusterSpec, ModelProfile
+from tightfit.units import parse_bytes
+
+__all__ = ["ElixirConstraints", "ElixirProblem", "resolve_budget", "prepare"]
+
+_CUDA_RESERVE = 1 << 30  # CUDA context + cuBLAS/NCCL workspaces: 0.8-1 GiB on A100/H100 with torch 2.x
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElixirConstraints:
+    """Limits on the search space and model margins.
+
+    Args:
+        modes: unit modes the search may use (subset of ``("reshard", "keep", "replicate")``).
+        allow_offload: whether units may be offloaded to host memory.
+        allow_checkpointing: whether blocks may be checkpointed.
+        force_offload: every unit offloaded (the search still picks units, modes and prefetch depths).
+        force_checkpointing: every checkpointable block checkpointed (the search picks the rest, then
+            the plan is priced with every block recomputed).
+        prefetch_depths: prefetch depths to try, forward and backward independently.
+        unit_blocks: blocks per unit the greedy search tries (``None``: 1, 2 and 4 after merging tiny blocks).
+        fragmentation: margin on the predicted peak for allocator fragmentation (0.10 = 10%).
+        reserved_bytes: per-device bytes the plan may not use (``None``: 1 GiB on CUDA, 0 on CPU).
+        host_memory_fraction: fraction of each host's memory offloaded state may take.
+        exhaustive: ``True`` exact search, ``False`` greedy, ``None`` exact when the space has at
+            most ``exhaustive_limit`` plans.
+        exhaustive_limit: see ``exhaustive``.
+    """
+
+    modes: tuple[str, ...] = MODES
+    allow_offload: bool = True
+    allow_checkpointing: bool = True
+    prefetch_depths: tuple[int, ...] = (1, 2)
+    unit_blocks: tuple[int, ...] | None = None
+    fragmentation: float = 0.10
+    reserved_bytes: int | None = None
+    host_memory_fraction: float = 0.8
+    exhaustive: bool | None = None
+    exhaustive_limit: int = 50_000
+    force_offload: bool = False
+    force_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"ElixirConstraints.modes={self.modes!r}: give a non-empty subset of {MODES}")
+        if not self.prefetch_depths or any(d < 1 for d in self.prefetch_depths):
+            raise ValueError(f"ElixirConstraints.prefetch_depths={self.prefetch_depths!r}: depths must be >= 1 "
+                             "(FSDP2 always fetches the next unit)")
+        if self.unit_blocks is not None and (not self.unit_blocks or any(k < 1 for k in self.unit_blocks)):
+            raise ValueError(f"ElixirConstraints.unit_blocks={self.unit_blocks!r}: give sizes >= 1 or None")
+        if not 0 <= self.fragmentation < 1:
+            raise ValueError(f"ElixirConstraints.fragmentation={self.fragmentation}: must be in [0, 1), e.g. 0.1")
+        if not 0 < self.host_memory_fraction <= 1:
+            raise ValueError(f"ElixirConstraints.host_memory_fraction={self.host_memory_fraction}: must be in (0, 1]")
+        if self.reserved_bytes is not None and self.reserved_bytes < 0:
+            raise ValueError(f"ElixirConstraints.reserved_bytes={self.reserved_bytes}: must be >= 0")
+        if self.force_offload and not self.allow_offload:
+            raise ValueError("ElixirConstraints(force_offload=True, allow_offload=False) contradict each other; "
+                             "drop one of them")
+        if self.force_checkpointing and not self.allow_checkpointing:
+            raise ValueError("ElixirConstraints(force_checkpointing=True, allow_checkpointing=False) contradict "
+                             "each other; drop one of them")
+
+    def space(self) -> Space:
+        """The search space these constraints leave (forced offload: every unit offloaded)."""
+        offload = (True,) if self.force_offload else (False, True) if self.allow_offload else (False,)
+        return Space(modes=tuple(self.modes), offload=offload,
+                       checkpointing=self.allow_checkpointing, depths=tuple(sorted(set(self.prefetch_depths))),
+                       unit_blocks=self.unit_blocks)
+
+
+
+def resolve_budget(memory_budget: int | float | str | None, cluster: ClusterSpec,
+                   constraints: ElixirConstraints | None = None) -> tuple[int, int]:
+    """(budget bytes per device, reserved bytes): ``None`` = the smallest device's memory; a float in
+    (0, 1] = that fraction of it; an int or ``"40GiB"`` = bytes. The reserve (CUDA context) is part of
+    the predicted peak, so a plan's peak is compared with the budget directly."""
+    constraints = constraints or ElixirConstraints()
+    smallest = min(d.memory_bytes for d in cluster.devices)
+    reserved = constraints.reserved_bytes
+    if reserved is None:
+        reserved = _CUDA_RESERVE if any(d.kind == "cuda" for d in cluster.devices) else 0
+    if memory_budget is None:
+        budget = smallest
+    elif isinstance(memory_budget, float) and 0 < memory_budget <= 1:
+        budget = int(smallest * memory_budget)
+    else:
+        budget = parse_bytes(memory_budget)
+    if budget <= 0:
+        raise ValueError(f"memory_budget={memory_budget!r} gives {budget} bytes; give a positive size like '20GiB' "
+                         "or a fraction like 0.8")
+    return budget, reserved
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElixirProblem:
+    """What the Elixir search is asked: one rank's training-step profile, the devices, the training
+    setup and the limits. Built once and validated here; :func:`~tightfit.planner.elixir.solve` answers it.
+
+    Args:
+        model: the training-step profile of one rank's micro-batch (``step="train"``, with blocks).
+        cluster: the devices, one per rank.
+        optimizer: a name of :data:`tightfit.planner.optimizers.OPTIMIZERS` (``"adamw"``).
+        precision: Lightning precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``, ``"bf16-true"``).
+        memory_budget: bytes per device (int, ``"40GiB"``), a fraction of the smallest device's
+            memory, or ``None`` for all of it.
+        constraints: :class:`ElixirConstraints` (``None``: the defaults).
+
+    Example:
+        >>> ElixirProblem(model=profile, cluster=cluster, memory_budget="6GiB")  # doctest: +SKIP
+    """
+
+    model: ModelProfile
+    cluster: ClusterSpec
+    optimizer: str = "adamw"
+    precision: str = "bf16-mixed"
+    memory_budget: int | float | str | None = None
+    constraints: ElixirConstraints | None = None
+
+    def __post_init__(self) -> None:
+        model = self.model
+        if model.step != "train":
+            raise ValueError(f"profile of {model.model!r} is a {model.step!r} profile; Elixir plans training steps: "
+                             "profile with step='train'")
+        if not model.blocks:
+            raise ValueError(f"profile of {model.model!r} has no blocks; profile_model finds them for nn.Module models")
+        precision_spec(self.precision)
+        optimizer_spec(self.optimizer)
+
+    @property
+    def limits(self) -> ElixirConstraints:
+        """The constraints in force (the defaults when none were given)."""
+        return self.constraints or ElixirConstraints()
+
+    def prepare(self, act_scale: float = 1.0) -> tuple[ElixirConstraints, int, Context, float]:
+        """(constraints, budget bytes, cost-model context, host budget per rank); ``act_scale`` scales activations
+        (the diagnosis prices smaller batches with it)."""
+        model, cluster = self.model, self.cluster
+        cons = self.limits
+        budget, reserved = resolve_budget(self.memory_budget, cluster, cons)
+        ctx = build_context(model, cluster, precision=self.precision, optimizer=self.optimizer,
+                            fragmentation=cons.fragmentation, reserved=reserved)
+        if act_scale != 1.0:
+            ctx = replace(ctx, saved=tuple(x * act_scale for x in ctx.saved), ckpt=tuple(x * act_scale for x in ctx.ckpt),
+                          transient=tuple(x * act_scale for x in ctx.transient),
+                          fwd_transient=tuple(x * act_scale for x in ctx.fwd_transient),
+                          fwd=tuple(x * act_scale for x in ctx.fwd), bwd=tuple(x * act_scale for x in ctx.bwd))
+        hosts = [d.host_memory_bytes for d in cluster.devices if d.host_memory_bytes > 0]
+        host_budget = (min(hosts) * cons.host_memory_fraction / ctx.ranks_per_node) if hosts else float("inf")
+        return cons, budget, ctx, host_budget
+
+
+def prepare(model: ModelProfile, cluster: ClusterSpec, optimizer: str, precision: str,
+            memory_budget: int | float | str | None, constraints: ElixirConstraints | None,
+            act_scale: float = 1.0) -> tuple[ElixirConstraints, int, Context, float]:
+    """:meth:`ElixirProblem.prepare` of the problem these arguments make."""
+    return ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
+                         memory_budget=memory_budget, constraints=constraints).prepare(act_scale)

@@ -1,0 +1,196 @@
+"""The Elixir solver: :func:`search` / :func:`solve` (the fastest plan that fits) and :func:`estimate`
+(price a given plan), turning the search's candidates into :class:`ElixirPlan` objects."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from tightfit.planner.elixir import space as S
+from tightfit.planner.elixir.diagnose import infeasible
+from tightfit.planner.elixir.plan import (
+    ElixirPlan,
+    MemoryBreakdown,
+    RunnerUp,
+    StepBreakdown,
+    UnitPlan,
+    model_identity,
+)
+from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
+from tightfit.planner.elixir.sim import Detail, peak, step_time
+from tightfit.planner.errors import PlanInfeasibleError
+from tightfit.profiler.types import ClusterSpec, ModelProfile
+
+__all__ = ["search", "solve", "estimate", "detail", "to_plan", "Progress"]
+
+Progress = Callable[[int, int, str], None]
+
+
+def search(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw", precision: str = "bf16-mixed",
+           memory_budget: int | float | str | None = None, constraints: ElixirConstraints | None = None,
+           progress: Progress | None = None) -> ElixirPlan:
+    """The fastest plan (by the cost model) whose predicted peak per device fits ``memory_budget``.
+
+    Args:
+        model: the training-step profile of one rank's micro-batch.
+        cluster: the devices, one per rank.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"adagrad"``.
+        precision: Lightning precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``, ``"bf16-true"``).
+        memory_budget: bytes per device (int, ``"40GiB"``), a fraction of the smallest device's
+            memory, or ``None`` for all of it.
+        constraints: :class:`ElixirConstraints`.
+        progress: ``progress(done, total, what)`` called while searching.
+
+    Raises:
+        PlanInfeasibleError: nothing fits; carries the smallest budget that does and the cheapest change.
+    """
+    return solve(ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
+                               memory_budget=memory_budget, constraints=constraints), progress=progress)
+
+
+def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> ElixirPlan:
+    """:func:`search` on a built :class:`ElixirProblem` (forced choices in its constraints are honoured)."""
+    model, cluster = problem.model, problem.cluster
+    optimizer, precision, memory_budget = problem.optimizer, problem.precision, problem.memory_budget
+    t0 = time.perf_counter()
+    cons, budget, ctx, host_budget = problem.prepare()
+    ev = S.Evaluator(ctx)
+    space = cons.space()
+    exact = cons.exhaustive if cons.exhaustive is not None else S.count_space(ctx, space) <= cons.exhaustive_limit
+    if exact:
+        per_family = S.exhaustive(ev, space, budget, host_budget, progress)
+        feasible = [c for c in per_family.values() if c is not None]
+    else:
+        pool = S.greedy_pool(ev, space, host_budget, progress)
+        feasible = [c for c in pool if c.peak <= budget]
+    best_of: dict[str, S.Candidate] = {}
+    for c in feasible:
+        if c.family not in best_of or c.key < best_of[c.family].key:
+            best_of[c.family] = c
+    feasible = list(best_of.values())
+    if not feasible:
+        raise infeasible(model, cluster, optimizer, precision, memory_budget, cons, budget, ctx, exact)
+    ranked = sorted(feasible, key=lambda c: c.key)
+    best = ranked[0]
+    plan = to_plan(ev, best, model, budget, cluster)
+    best_detail = detail(ev, best)
+    runner_ups = tuple(_runner_up(ev, c, best, best_detail) for c in ranked[1:4])
+    plan = replace(plan, runner_ups=runner_ups, search_method="exhaustive" if exact else "greedy frontier",
+                   search_seconds=time.perf_counter() - t0, candidates_evaluated=ev.evaluations)
+    if cons.force_checkpointing:
+        plan = _checkpoint_everything(problem, plan)
+    return plan
+
+
+def _checkpoint_everything(problem: ElixirProblem, plan: ElixirPlan) -> ElixirPlan:
+    """``force_checkpointing``: the searched plan with every checkpointable block recomputed, priced again."""
+    ok = {b.name for b in problem.model.blocks if b.checkpointable}
+    units = [replace(u, checkpoint=tuple(b for b in u.blocks if b in ok)) for u in plan.units]
+    forced = estimate(problem.model, problem.cluster, units, forward_prefetch=plan.forward_prefetch,
+                      backward_prefetch=plan.backward_prefetch, optimizer=problem.optimizer,
+                      precision=problem.precision, memory_budget=problem.memory_budget,
+                      constraints=problem.constraints)
+    if not forced.fits:
+        raise PlanInfeasibleError(
+            f"ElixirConstraints(force_checkpointing=True) forces a plan whose predicted peak "
+            f"({forced.peak_bytes:,} bytes) exceeds the budget ({forced.budget_bytes:,}); let the search choose "
+            "(force_checkpointing=False) or raise the budget",
+            needed_bytes=forced.peak_bytes, budget_bytes=forced.budget_bytes)
+    return replace(forced, runner_ups=plan.runner_ups, search_seconds=plan.search_seconds,
+                   candidates_evaluated=plan.candidates_evaluated,
+                   search_method=f"{plan.search_method}, every checkpointable block recomputed (forced)")
+
+
+def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan], *, forward_prefetch: int = 1,
+             backward_prefetch: int = 1, optimizer: str = "adamw", precision: str = "bf16-mixed",
+             memory_budget: int | float | str | None = None,
+             constraints: ElixirConstraints | None = None) -> ElixirPlan:
+    """Price a given plan (units with their blocks, mode, offload and checkpoint) on ``cluster``."""
+    _, budget, ctx, _ = prepare(model, cluster, optimizer, precision, memory_budget, constraints)
+    index = {name: i for i, name in enumerate(ctx.names)}
+    spans, modes, offs = [], [], []
+    ckpt = [False] * len(ctx.names)
+    expect = 0
+    for u in units:
+        try:
+            ids = [index[b] for b in u.blocks]
+        except KeyError as e:
+            raise ValueError(f"unit names block {e.args[0]!r}, which the profile of {model.model!r} does not have") from None
+        if ids != list(range(expect, expect + len(ids))):
+            raise ValueError(f"unit {u.blocks} is not the next contiguous run of blocks (expected to start at "
+                             f"{ctx.names[expect] if expect < len(ctx.names) else 'the end'!r}); units must cover "
+                             "the blocks in first-use order")
+        spans.append((ids[0], ids[-1] + 1))
+        modes.append(u.mode)
+        offs.append(u.offload)
+        for b in u.checkpoint:
+            ckpt[index[b]] = True
+        expect = ids[-1] + 1
+    if expect != len(ctx.names):
+        raise ValueError(f"units cover {expect} of {len(ctx.names)} blocks; add units for {list(ctx.names[expect:])}")
+    ev = S.Evaluator(ctx)
+    cand = ev.make(spans, modes, offs, ckpt, forward_prefetch, backward_prefetch)
+    return to_plan(ev, cand, model, budget, cluster)
+
+
+# ---- internals --------------------------------------------------------------------------------
+def detail(ev: S.Evaluator, c: S.Candidate) -> Detail:
+    d = Detail()
+    terms = [ev.terms(a, b, m, o) for (a, b), m, o in zip(c.units, c.modes, c.offload)]
+    step_time(ev.ctx, list(c.units), terms, list(c.ckpt), c.df, c.db, d)
+    peak(ev.ctx, list(c.units), terms, list(c.ckpt), c.df, c.db, d)
+    return d
+
+
+def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, cluster: ClusterSpec) -> ElixirPlan:
+    ctx = ev.ctx
+    d = detail(ev, c)
+    units = []
+    for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
+        t = ev.terms(a, b, m, o)
+        rc = sum(ctx.fwd[i] for i in range(a, b) if c.ckpt[i])
+        units.append(UnitPlan(
+            blocks=ctx.names[a:b], mode=m, offload=o,
+            checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
+            param_numel=sum(ctx.numel[a:b]), device_bytes=int(t.state), host_bytes=int(t.host),
+            gathered_bytes=int(t.gathered),
+            time_s=t.cf + t.cb + rc + d.stall_fwd[u] + d.stall_bwd[u] + t.opt,
+        ))
+    raw = d.peak_state + d.peak_params + d.peak_acts
+    names, digest = model_identity(model)
+    spec = ctx.precision
+    return ElixirPlan(
+        model=model.model, param_numel=model.param_numel, blocks=names, blocks_hash=digest,
+        inputs={k: list(v) for k, v in model.inputs.items()}, world_size=ctx.world, precision=spec.name,
+        param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, optimizer=ctx.optimizer, units=tuple(units),
+        forward_prefetch=c.df, backward_prefetch=c.db, step_time_s=c.time, peak_bytes=math.ceil(c.peak),
+        budget_bytes=int(budget), host_bytes_per_rank=int(c.host),
+        breakdown=StepBreakdown(compute_s=d.compute, recompute_s=d.recompute,
+                                exposed_comm_s=c.time - d.compute - d.recompute - d.optimizer, optimizer_s=d.optimizer),
+        memory=MemoryBreakdown(phase=d.peak_phase, block=d.peak_block, state_bytes=int(d.peak_state),
+                               params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
+                               margin_bytes=int(c.peak - raw)),
+        device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
+        checkpointable_blocks=sum(ctx.checkpointable),
+    )
+
+
+def _runner_up(ev: S.Evaluator, c: S.Candidate, best: S.Candidate, best_detail: Detail) -> RunnerUp:
+    d = detail(ev, c)
+    parts = {
+        "compute": (d.compute, best_detail.compute),
+        "recompute": (d.recompute, best_detail.recompute),
+        "exposed communication": (c.time - d.compute - d.recompute - d.optimizer,
+                                  best.time - best_detail.compute - best_detail.recompute - best_detail.optimizer),
+        "optimizer": (d.optimizer, best_detail.optimizer),
+    }
+    name, (mine, theirs) = max(parts.items(), key=lambda kv: kv[1][0] - kv[1][1])
+    slower = (c.time / best.time - 1) * 100 if best.time > 0 else 0.0
+    if mine - theirs > 0:
+        why = f"{slower:+.1f}%: {mine - theirs:.3g} s more {name} ({mine:.3g} s vs {theirs:.3g} s)"
+    else:
+        why = f"{slower:+.1f}%: same predicted time, but more offloading, recompute or memory"
+    return RunnerUp(family=c.family, step_time_s=c.time, peak_bytes=int(c.peak), units=len(c.units),
+                    offloaded=sum(c.offload), checkpointed=sum(c.ckpt), why=why)

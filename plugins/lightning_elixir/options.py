@@ -1,0 +1,113 @@
+"""``ElixirOptions``: the knobs both Elixir strategies (FSDP2 and DeepSpeed) take, validated once.
+
+The strategies keep their keyword arguments (so ``LightningCLI`` and YAML configs see every option
+by name, with types) and build one :class:`ElixirOptions` from them; everything after reads the
+options object. How the knobs map onto the planner is decided here, once
+(:meth:`ElixirOptions.planner_constraints`): ``offload="all"`` and ``activation_checkpointing=True``
+become forced choices that core's search honours, so the plugin never re-prices a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
+from tightfit.planner.optimizers import optimizer_spec
+from tightfit.profiler.types import ClusterSpec, DeviceProfile
+from tightfit.units import parse_bytes
+
+__all__ = ["ElixirOptions", "OFFLOAD_CHOICES"]
+
+OFFLOAD_CHOICES = ("auto", "none", "all")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElixirOptions:
+    """What an Elixir strategy plans with.
+
+    Args:
+        memory_budget: per-device memory the plan may use: bytes, ``"20GiB"``, a fraction of the
+            device's memory (``0.8``) or ``None`` for all of it.
+        plan: ``None`` (search at fit start), a plan file written by ``tightfit plan elixir --json``
+            or an :class:`ElixirPlan`; a given plan is checked against the model and world size.
+        offload: ``"auto"`` (the search decides per unit), ``"none"`` or ``"all"``.
+        activation_checkpointing: ``"auto"`` (the search decides per block), ``True`` (every block) or ``False``.
+        optimizer: the optimizer the plan prices (a name of :data:`tightfit.planner.optimizers.OPTIMIZERS`).
+        cluster: the devices to plan for (a :class:`ClusterSpec` or the path of its JSON) instead of measuring.
+        device_profile: this rank's device to plan for: a :class:`DeviceProfile`, a datasheet preset
+            name (``"a100-80g"``) or the path of a profile's JSON.
+        constraints: limits on the search (:class:`ElixirConstraints`).
+        verbose: print the plan table and what was applied (rank 0).
+        owner: the strategy's name, used in error messages.
+
+    Example:
+        >>> ElixirOptions(memory_budget="6GiB", offload="all").planner_constraints().force_offload
+        True
+    """
+
+    memory_budget: int | float | str | None = None
+    plan: str | Path | ElixirPlan | None = None
+    offload: str = "auto"
+    activation_checkpointing: str | bool = "auto"
+    optimizer: str = "adamw"
+    cluster: ClusterSpec | str | Path | None = None
+    device_profile: DeviceProfile | str | Path | None = None
+    constraints: ElixirConstraints | None = None
+    verbose: bool = True
+    owner: str = field(default="ElixirOptions", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        name = self.owner
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"{name}(offload={self.offload!r}): use one of {OFFLOAD_CHOICES}")
+        if self.activation_checkpointing not in ("auto", True, False):
+            raise ValueError(f"{name}(activation_checkpointing={self.activation_checkpointing!r}): use 'auto', "
+                             "True or False")
+        if self.cluster is not None and self.device_profile is not None:
+            raise ValueError(f"{name}: give cluster= or device_profile=, not both")
+        if self.memory_budget is not None and not (isinstance(self.memory_budget, float) and 0 < self.memory_budget <= 1):
+            try:
+                parse_bytes(self.memory_budget)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}(memory_budget={self.memory_budget!r}): give bytes, a size such as "
+                                 "'20GiB', a fraction in (0, 1] such as 0.8, or None") from exc
+        try:
+            optimizer_spec(self.optimizer)
+        except ValueError as exc:
+            raise ValueError(f"{name}(optimizer={self.optimizer!r}): {exc}") from None
+        if self.constraints is not None and not isinstance(self.constraints, ElixirConstraints):
+            raise ValueError(f"{name}(constraints={self.constraints!r}): give an ElixirConstraints")
+        # Files and preset names become objects here, so a bad path fails at construction, not at fit.
+        if isinstance(self.cluster, (str, Path)):
+            object.__setattr__(self, "cluster", ClusterSpec.from_json(self.cluster))
+        if isinstance(self.device_profile, (str, Path)):
+            object.__setattr__(self, "device_profile", _device(self.device_profile))
+
+    @property
+    def measures_device(self) -> bool:
+        """Whether planning needs this machine measured (no plan, cluster or device profile given)."""
+        return self.plan is None and self.cluster is None and self.device_profile is None
+
+    def planner_constraints(self) -> ElixirConstraints:
+        """The constraints the search runs with: the user's, with ``offload`` / ``activation_checkpointing`` applied."""
+        cons = self.constraints or ElixirConstraints()
+        return dataclasses.replace(
+            cons,
+            allow_offload=cons.allow_offload and self.offload != "none",
+            force_offload=cons.force_offload or self.offload == "all",
+            allow_checkpointing=cons.allow_checkpointing and self.activation_checkpointing is not False,
+            force_checkpointing=cons.force_checkpointing or self.activation_checkpointing is True,
+        )
+
+
+def _device(source: str | Path) -> DeviceProfile:
+    from tightfit.profiler.device import DATASHEETS, device_preset
+
+    if str(source).lower() in DATASHEETS:
+        return device_preset(str(source))
+    if not Path(source).is_file():
+        raise ValueError(f"device_profile={str(source)!r} is neither a datasheet preset ({', '.join(DATASHEETS)}) nor "
+                         "a profile JSON file; write one with `tightfit profile device --json FILE`")
+    return DeviceProfile.from_json(source)
