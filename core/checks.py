@@ -52,7 +52,8 @@ def check_number(value: Any, name: str, *, where: str, integer: bool = False, lo
     rule = _rule(integer, low, low_open, high)
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if ok:
-        v = float(value)
+        # Integers compare exactly (float(2**63 - 1) rounds up past a bound of 2**63 - 1).
+        v: float | int = int(value) if isinstance(value, numbers.Integral) else float(value)
         ok = math.isfinite(v)
         if ok and integer:
             ok = v == int(v)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tightfit.checks import check_number
+
 __all__ = ["SamplingParams", "Sampler", "stop_reason"]
 
 
@@ -53,6 +55,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # Type and finiteness first (a NaN temperature or top_k=2.5 would pass the range checks below).
+        for name in ("temperature", "top_p"):
+            check_number(getattr(self, name), name, where="SamplingParams", fix="give a finite number")
+        for name in ("top_k", "max_tokens"):
+            check_number(getattr(self, name), name, where="SamplingParams", integer=True, fix="give a whole number")
+        if self.seed is not None:
+            check_number(self.seed, "seed", where="SamplingParams", integer=True, low=0, high=2**63 - 1,
+                         fix="give a whole number in [0, 2**63), or None for a seed from the runner")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0; use 0 for greedy decoding")
         if self.top_k < 0:
@@ -63,6 +73,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+        for t in self.stop_token_ids:
+            check_number(t, "stop_token_ids entry", where="SamplingParams", integer=True, low=0,
+                         fix="token ids are whole numbers >= 0")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} contains an empty string, which would stop at once; remove it")
