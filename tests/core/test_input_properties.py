@@ -130,7 +130,8 @@ def test_invalid_pool_inputs_raise_plan_error(field, data):
         kw[field] = data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.floats(min_value=1.001, max_value=1e9),
                                         st.floats(max_value=-1e-9, allow_nan=False)))
     else:
-        kw[field] = data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.integers(max_value=-1), st.just(2.5)))
+        kw[field] = data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.integers(max_value=-1), st.just(2.5))
+                              .filter(lambda v: not (field == "budget_bytes" and v is None)))  # None: no budget
     with pytest.raises(PlanError):
         plan_pool(layers, **kw)  # type: ignore[arg-type]
 
@@ -213,3 +214,44 @@ def test_reported_case_a_fraction_is_not_a_byte_size():
     with pytest.raises(ValueError, match=r"memory size '1\.5' is not a whole number of bytes; add a unit \('1\.5GiB'\)"):
         parse_bytes("1.5")
     assert parse_bytes("1.5GiB") == 3 * 2**29
+
+
+# ---- the Elixir planner's knobs ------------------------------------------------------------------
+@FAST
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=3), st.floats(0.0, 0.99), st.floats(0.01, 1.0),
+       st.one_of(st.none(), st.integers(0, 2**34)), st.integers(1, 10**6))
+def test_valid_elixir_constraints(depths, fragmentation, host_fraction, reserved, limit):
+    from tightfit.planner.elixir import ElixirConstraints
+
+    cons = ElixirConstraints(prefetch_depths=tuple(depths), fragmentation=fragmentation,
+                             host_memory_fraction=host_fraction, reserved_bytes=reserved, exhaustive_limit=limit)
+    assert cons.space() is not None
+
+
+@FAST
+@given(st.sampled_from(["prefetch_depths", "fragmentation", "host_memory_fraction", "reserved_bytes",
+                        "exhaustive_limit"]), st.data())
+def test_invalid_elixir_constraints_raise_plan_error(field, data):
+    from tightfit.planner.elixir import ElixirConstraints
+
+    if field == "prefetch_depths":
+        bad = (data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.integers(max_value=0), st.just(1.5))),)
+    elif field in ("fragmentation", "host_memory_fraction"):
+        bad = data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.floats(min_value=1.001, max_value=9),
+                                  st.floats(max_value=-1e-9, allow_nan=False)))
+    else:
+        bad = data.draw(st.one_of(NON_FINITE, NOT_A_NUMBER, st.integers(max_value=-1), st.just(2.5))
+                        .filter(lambda v: not (field == "reserved_bytes" and v is None)))  # None: the default
+    with pytest.raises(PlanError):
+        ElixirConstraints(**{field: bad})
+
+
+def test_reported_case_a_budget_of_one_and_a_half_is_not_one_byte():
+    """Issue 18: ``plan elixir --budget 1.5`` was read as 1 byte ("no plan fits 1 B")."""
+    from tightfit.planner.elixir import resolve_budget
+
+    cluster = ClusterSpec.uniform(_profile(), 2)
+    assert resolve_budget(0.5, cluster)[0] == 2**33  # a fraction of the smallest device
+    for bad in (1.5, "1.5", float("nan"), "abc"):
+        with pytest.raises(PlanError, match=r"memory_budget: .*(whole number of bytes|finite|cannot read)"):
+            resolve_budget(bad, cluster)
