@@ -42,6 +42,7 @@ from energon_infer.parallel import Grid, local_rank_device, split_layers
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
 from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
+from tightfit.checks import check_number
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "ContextLengthError", "DTYPES"]
 
@@ -86,6 +87,10 @@ class RuntimeConfig:
     nonfinite_weights: str = "warn"
 
     def __post_init__(self) -> None:
+        for name in ("tp", "pp", "block_size", "kv_cache_tokens", "microbatches", "max_batch_tokens", "seed"):
+            check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
+                         fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
+            object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
         if self.nonfinite_weights not in ("warn", "error", "ignore"):
             raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
         if self.tp < 1 or self.pp < 1:

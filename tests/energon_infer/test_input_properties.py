@@ -104,3 +104,13 @@ def test_unknown_model_types_raise_unsupported_model_error():
     for model_type in (None, 3, "bert", ["gpt2"]):
         with pytest.raises(UnsupportedModelError):
             config_from_hf(_gpt2(model_type=model_type))
+
+
+@FAST
+@given(st.sampled_from(["tp", "pp", "block_size", "kv_cache_tokens", "microbatches", "max_batch_tokens", "seed"]),
+       st.one_of(JUNK, st.just(1.5)))
+def test_invalid_runtime_config_numbers_raise_value_error(field, bad):
+    from energon_infer.runtime import RuntimeConfig
+
+    with pytest.raises(ValueError, match=field):
+        RuntimeConfig(**{field: bad})
