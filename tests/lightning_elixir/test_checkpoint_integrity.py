@@ -105,3 +105,31 @@ def test_checksums_cover_every_file_and_old_checkpoints_still_load(tmp_path):
     assert listed == on_disk and {".metadata", ckpt.METADATA_FILENAME} <= listed
     (path / ckpt.CHECKSUMS_FILENAME).unlink()  # saved before checksums existed: nothing to verify, still loads
     assert ckpt.verify_checkpoint(path) is False and _load(path) == 1.0
+
+
+def test_files_and_directories_are_fsynced_before_the_swap_and_the_rename_after(tmp_path, monkeypatch):
+    """Issue 18: the rename was atomic but not durable (no fsync), so a power loss could still lose the save."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", f"{src} -> {dst}"))
+        return real_replace(src, dst)
+
+    path = tmp_path / "last.ckpt"
+    _save(path, 1.0)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _save(path, 2.0)
+    swap = next(i for i, (kind, what) in enumerate(events) if kind == "replace" and what.endswith(f"-> {path}"))
+    synced_before = {os.path.basename(p) for kind, p in events[:swap] if kind == "fsync"}
+    tmp_name = events[swap][1].split(" -> ")[0]
+    # every shard, meta.pt, checksums.json and the temporary directory itself, before it is renamed in
+    assert {ckpt.METADATA_FILENAME, ckpt.CHECKSUMS_FILENAME, os.path.basename(tmp_name)} <= synced_before
+    assert any(name.endswith(".distcp") for name in synced_before)
+    assert ("fsync", str(tmp_path)) in events[swap:]  # the parent directory: the rename itself is durable
+    assert _load(path) == 2.0
