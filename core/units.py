@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -26,12 +27,19 @@ def parse_bytes(value: str | int | float) -> int:
     """``"20GiB"``, ``"1.5 GB"``, ``"512MiB"``, ``4096`` -> bytes (int).
 
     Decimal suffixes (KB, MB, GB, TB) are powers of 10; binary ones (KiB, MiB, GiB, TiB) powers of 2.
+    A size without a unit must be whole bytes: ``1.5`` or ``"0.5"`` (a fraction, or a unit left out) raises
+    instead of being read as 1 or 0 bytes, as do NaN, infinities and negative sizes.
     """
     if isinstance(value, bool):
         raise ValueError(f"memory size {value!r} is a bool; give bytes or a string like '20GiB'")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"memory size {value!r} is not a finite number; give bytes or a string like '20GiB'")
         if value < 0:
             raise ValueError(f"memory size {value!r} is negative; give a size >= 0 such as '20GiB'")
+        if value != int(value):
+            raise ValueError(f"memory size {value!r} is not a whole number of bytes; add a unit ('{value}GiB') "
+                             "or, where a fraction of the device is meant, give it as a number in (0, 1]")
         return int(value)
     match = _PATTERN.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
@@ -39,7 +47,11 @@ def parse_bytes(value: str | int | float) -> int:
             f"cannot read memory size {value!r}: write a number and a unit such as '24GiB', '40GB', "
             f"'512MiB' (units: {', '.join(u for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'))})"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    exact = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not match.group(2) and exact != int(exact):  # with a unit, '1.3GiB' rounds down to whole bytes
+        raise ValueError(f"memory size {value!r} is not a whole number of bytes; add a unit ('{value}GiB') "
+                         "or, where a fraction of the device is meant, give it as a number in (0, 1]")
+    return int(exact)
 
 
 def format_bytes(n: float) -> str:

@@ -64,7 +64,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for field in ("vocab_size", "n_positions", "hidden", "layers", "heads", "mlp_ratio"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{field}={value!r} must be a positive integer")
         if self.hidden % self.heads:
             raise ValueError(
@@ -73,6 +73,10 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise ValueError(f"GPTConfig.layer_norm_eps={eps!r} must be a finite number > 0 (a norm divides by "
+                             "sqrt(var + eps)); use the trained model's value, e.g. 1e-5")
 
     @property
     def head_dim(self) -> int:

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tightfit.planner.errors import PlanInfeasibleError
+from tightfit.checks import check_number
+from tightfit.planner.errors import PlanError, PlanInfeasibleError
 from tightfit.units import format_bytes
 
 __all__ = ["PoolPlan", "PoolInfeasibleError", "plan_pool", "spread_layers"]
@@ -106,6 +107,19 @@ def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_byt
     Raises:
         PoolInfeasibleError: not even pooling every layer fits ``budget_bytes``.
     """
+    where = "plan_pool"
+    for i, b in enumerate(layer_bytes):
+        check_number(b, f"layer_bytes[{i}]", where=where, integer=True, low=0, error=PlanError,
+                     fix="give each layer's parameter bytes from its profile")
+    check_number(resident_bytes, "resident_bytes", where=where, integer=True, low=0, error=PlanError,
+                 fix="give the bytes that always stay on the device (embedding, head, norms), or 0")
+    if budget_bytes is not None:
+        check_number(budget_bytes, "budget_bytes", where=where, integer=True, low=0, error=PlanError,
+                     fix="give the device bytes the stage's weights may use, or None to pool `fraction` of the layers")
+    check_number(fraction, "fraction", where=where, low=0, high=1, error=PlanError,
+                 fix="the share of layers to pool without a budget, e.g. 0.5")
+    check_number(lookahead, "lookahead", where=where, integer=True, low=0, error=PlanError,
+                 fix="layers fetched ahead, e.g. 2")
     n = len(layer_bytes)
 
     def plan_for(k: int) -> PoolPlan:

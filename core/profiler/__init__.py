@@ -15,6 +15,7 @@ from tightfit.profiler.types import (
     MemoryEvent,
     ModelProfile,
     ParamInfo,
+    ProfileError,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "MemoryEvent",
     "ModelProfile",
     "ParamInfo",
+    "ProfileError",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from tightfit.checks import check_number
 from tightfit.serde import dump_json, load_json
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPE_BYTES",
+    "ProfileError",
     "ParamInfo",
     "BlockProfile",
     "MemoryEvent",
@@ -33,6 +35,10 @@ __all__ = [
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
                "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class ProfileError(ValueError):
+    """A device profile or cluster description holds a number no planner can use (NaN, negative, zero rate)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -305,6 +311,36 @@ class DeviceProfile:
         """Whether any measured calibration term (α–β fits, unit overhead, overlap) is present."""
         return bool(self.collective_fit or self.unit_overhead_s) or self.comm_overlap >= 0
 
+    def __post_init__(self) -> None:
+        # A NaN rate would price its work as free (x / NaN compares false everywhere) and a 0 rate
+        # divides by zero; both must fail here, naming the field, not as a wrong plan later.
+        where = f"device profile {self.name!r}"
+        fix = "re-measure with tightfit.profiler.profile_device(refresh=True) or use a datasheet preset"
+        if self.kind not in ("cuda", "cpu"):
+            raise ProfileError(f"{where}: kind={self.kind!r} must be 'cuda' or 'cpu'")
+        check_number(self.memory_bytes, "memory_bytes", where=where, integer=True, low=0, low_open=True,
+                     error=ProfileError, fix="give the device's memory in bytes, e.g. 24 * 2**30")
+        for name in ("free_bytes", "host_memory_bytes"):
+            check_number(getattr(self, name), name, where=where, integer=True, low=0, error=ProfileError,
+                         fix="give bytes (0 where unknown)")
+        for name in ("host_adam_elems_per_s", "device_adam_elems_per_s"):
+            check_number(getattr(self, name), name, where=where, low=0, error=ProfileError,
+                         fix="give elements per second (0 = not measured: the planner then assumes a rate)")
+        check_number(self.world_size, "world_size", where=where, integer=True, low=1, error=ProfileError,
+                     fix="the size of the group collectives were measured in (1: none)")
+        tables: list[tuple[str, dict[str, float]]] = [
+            ("matmul_flops", self.matmul_flops), ("h2d_bytes_per_s", self.h2d_bytes_per_s),
+            ("d2h_bytes_per_s", self.d2h_bytes_per_s)]
+        for coll, per_size in self.collective_bytes_per_s.items():
+            for size in per_size:
+                check_number(size, f"collective_bytes_per_s[{coll!r}] message size", where=where, integer=True,
+                             low=0, low_open=True, error=ProfileError, fix="sizes are message bytes > 0")
+            tables.append((f"collective_bytes_per_s[{coll!r}]", {str(k): v for k, v in per_size.items()}))
+        for table, values in tables:
+            for k, v in values.items():
+                check_number(v, f"{table}[{k!r}]", where=where, low=0, low_open=True, error=ProfileError,
+                             fix=f"leave the entry out when it was not measured (the planner then assumes a rate), or {fix}")
+
     def to_json(self, path: str | Path | None = None) -> str:
         return dump_json(self, path)
 
@@ -329,17 +365,25 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if not self.devices:
-            raise ValueError("ClusterSpec needs at least one device; e.g. ClusterSpec.uniform(profile, 4)")
-        if self.nodes < 1 or len(self.devices) % self.nodes:
-            raise ValueError(
+            raise ProfileError("ClusterSpec needs at least one device; e.g. ClusterSpec.uniform(profile, 4)")
+        for i, d in enumerate(self.devices):
+            if not isinstance(d, DeviceProfile):
+                raise ProfileError(f"ClusterSpec: devices[{i}]={d!r} is not a DeviceProfile; build one with "
+                                   "profile_device() or device_preset(name)")
+        check_number(self.nodes, "nodes", where="ClusterSpec", integer=True, low=1, error=ProfileError,
+                     fix="give the number of hosts the ranks span, e.g. 1")
+        check_number(self.inter_node_bytes_per_s, "inter_node_bytes_per_s", where="ClusterSpec", low=0,
+                     error=ProfileError, fix="give the bandwidth between nodes in bytes/s (0: single node)")
+        if len(self.devices) % self.nodes:
+            raise ProfileError(
                 f"ClusterSpec: {len(self.devices)} devices cannot be split evenly over nodes={self.nodes}; "
                 "give a node count that divides the device count"
             )
 
     @classmethod
     def uniform(cls, device: DeviceProfile, count: int, *, nodes: int = 1) -> ClusterSpec:
-        if count < 1:
-            raise ValueError(f"device count {count} must be >= 1")
+        check_number(count, "count", where="ClusterSpec.uniform", integer=True, low=1, error=ProfileError,
+                     fix="give the number of ranks, e.g. 4")
         return cls(devices=(device,) * count, nodes=nodes)
 
     @property

@@ -55,12 +55,20 @@ def read_gpt_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict
         raise FileNotFoundError(f"checkpoint {path} does not exist (give a Lightning .ckpt, a torch.save'd "
                                 "state_dict, or a .safetensors file)")
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        raw: Any = load_file(str(path))
+        try:
+            raw: Any = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                             "copy or export it again") from None
     else:
         try:
             raw = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, OSError) as exc:  # torch: "failed finding central directory"
+            raise ValueError(f"{path} is not a readable torch checkpoint ({str(exc).splitlines()[0]}); it is "
+                             "truncated or corrupt: copy or save it again") from None
         except pickle.UnpicklingError as exc:
             raise ValueError(
                 f"{path} holds objects other than tensors and plain containers, and loading them would mean "

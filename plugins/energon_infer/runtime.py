@@ -41,7 +41,8 @@ from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, split_layers
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
-from energon_infer.weights import CheckpointReader, hf_parts, load_stage_weights
+from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
+from tightfit.checks import check_number
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "ContextLengthError", "DTYPES"]
 
@@ -70,6 +71,7 @@ class RuntimeConfig:
             (default :data:`energon_infer.scheduler.DEFAULT_MAX_BATCH_TOKENS`; the engine sets it from its own).
         seed: seeds the generator that seeds requests without their own seed.
         progress: print loading progress on rank 0 (stderr).
+        nonfinite_weights: a NaN/inf weight at load: ``"warn"`` (naming the tensor), ``"error"``, ``"ignore"``.
     """
 
     tp: int = 1
@@ -82,8 +84,15 @@ class RuntimeConfig:
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     seed: int = 0
     progress: bool = True
+    nonfinite_weights: str = "warn"
 
     def __post_init__(self) -> None:
+        for name in ("tp", "pp", "block_size", "kv_cache_tokens", "microbatches", "max_batch_tokens", "seed"):
+            check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
+                         fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
+            object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
+        if self.nonfinite_weights not in ("warn", "error", "ignore"):
+            raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
         if self.dtype not in DTYPES:
@@ -146,8 +155,12 @@ class ModelRunner:
         self.grid = Grid.create(rt.tp, rt.pp, self.device)
         self._say(f"energon: {config.model_type} {config.n_params / 1e6:.1f}M params, {config.n_layers} layers "
                   f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
+        num_blocks = -(-rt.kv_cache_tokens // rt.block_size)
+        check_stage_fits(config, len(layers[self.grid.stage]), tp=rt.tp, itemsize=self.dtype.itemsize,
+                         kv_tokens=num_blocks * rt.block_size, device=self.device)
         self.stage = DecoderStage(config, self.grid, layers[self.grid.stage], dtype=self.dtype, device=self.device)
-        load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say)
+        load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
+                           nonfinite=rt.nonfinite_weights)
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=-(-rt.kv_cache_tokens // rt.block_size),
                              block_size=rt.block_size, n_kv_heads=config.n_kv_heads // rt.tp,
                              head_dim=config.head_dim, dtype=self.dtype, device=self.device)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tightfit.checks import check_number
+
 __all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
            "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
 
@@ -87,6 +89,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
+        for name in ("top_k", "max_tokens"):
+            check_number(getattr(self, name), name, where="SamplingParams", integer=True, fix="give a whole number")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0; use 0 for greedy decoding")
         if 0 < self.temperature < MIN_TEMPERATURE or self.temperature > MAX_TEMPERATURE:
@@ -110,6 +114,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+        for t in self.stop_token_ids:
+            check_number(t, "stop_token_ids entry", where="SamplingParams", integer=True, low=0,
+                         fix="token ids are whole numbers >= 0")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} contains an empty string, which would stop at once; remove it")

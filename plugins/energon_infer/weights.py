@@ -16,6 +16,7 @@ single tensor.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,27 +26,108 @@ import torch
 from energon_infer.config import ModelConfig
 from energon_infer.parallel import Grid, vocab_shard
 
-__all__ = ["CheckpointReader", "WeightError", "load_stage_weights", "hf_parts"]
+__all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",
+           "check_stage_fits", "available_bytes"]
 
 
 class WeightError(ValueError):
     """Weights are missing from the checkpoint or do not have the shape the config implies."""
 
 
+class ModelTooLargeError(ValueError):
+    """The stage's weights and KV cache cannot fit the memory available on this rank's device."""
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for a new allocation on ``device``: ``cudaMemGetInfo``'s free bytes, or the host's
+    ``MemAvailable`` for the CPU; ``None`` where it cannot be read (the check is then skipped)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, kv_tokens: int,
+                     device: torch.device) -> int:
+    """Raise :class:`ModelTooLargeError` if this rank's share of ``cfg`` cannot fit, before allocating it.
+
+    The estimate is a lower bound (its ``layers`` blocks' weights split ``tp`` ways, no embedding,
+    plus the KV cache), so it refuses only what surely does not fit: a config.json claiming
+    ``n_layer=1000000000`` fails here in microseconds instead of allocating until the process is
+    killed. Returns the estimate in bytes.
+    """
+    h, e = cfg.hidden_size, cfg.embed_dim
+    attn = h * cfg.head_dim * (cfg.n_heads * 2 + cfg.n_kv_heads * 2)
+    mlp = h * cfg.intermediate_size * (3 if cfg.mlp == "swiglu" else 2)
+    weights = layers * (attn + mlp) // tp * itemsize
+    cache = layers * kv_tokens * 2 * (cfg.n_kv_heads // tp) * cfg.head_dim * itemsize
+    need = weights + cache
+    free = available_bytes(device)
+    if free is not None and need > free:
+        gib = 2**30
+        raise ModelTooLargeError(
+            f"{cfg.model_type} with n_layers={cfg.n_layers}, hidden_size={cfg.hidden_size} (embedding {e}) needs at "
+            f"least {need / gib:.2f} GiB on this rank for {layers} layers ({weights / gib:.2f} GiB of weights + "
+            f"{cache / gib:.2f} GiB of KV cache) but {device} has {free / gib:.2f} GiB available; check config.json, "
+            "or use more ranks (tp/pp), dtype='bfloat16', or a smaller kv_cache_tokens")
+    return need
+
+
+def _open(file: Path) -> object:
+    """``safe_open`` of one shard; a truncated or garbage file raises :class:`WeightError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise WeightError(f"{file} is not a readable safetensors file ({err}); it is truncated or corrupt: "
+                          "copy it again from the original model directory") from None
+
+
+def _read_index(index: Path, root: Path) -> dict[str, Path]:
+    """``weight_map`` of a shard index, each shard confined to ``root`` (no ``../``, no absolute paths)."""
+    try:
+        raw = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise WeightError(f"{index} is not valid JSON ({err}); restore it from the original model directory") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise WeightError(f"{index} has no \"weight_map\" object of tensor name -> shard file name; restore it "
+                          "from the original model directory")
+    base = root.resolve()
+    where = {}
+    for name, file in weight_map.items():
+        shard = (root / file).resolve()
+        # A hostile index can name ../../other/model.safetensors or /etc/...: only files inside the
+        # model directory are ever opened.
+        if not shard.is_relative_to(base) or shard == base:
+            raise WeightError(f"{index} maps tensor {name!r} to {file!r}, which lies outside the model directory "
+                              f"{root}; shard files must sit inside it (e.g. model-00001-of-00002.safetensors)")
+        where[name] = shard
+    return where
+
+
 class CheckpointReader:
-    """Tensors of a safetensors checkpoint directory (single file or sharded with an index), by name."""
+    """Tensors of a safetensors checkpoint directory (single file or sharded with an index), by name.
+
+    Every error names the file it is about: a non-JSON index, a shard outside the directory, a
+    truncated or garbage shard (:class:`WeightError`), a missing shard (``FileNotFoundError``).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._where = {name: self.path / file for name, file in weight_map.items()}
+            self._where = _read_index(index, self.path)
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
+            with _open(single) as f:  # type: ignore[attr-defined]
                 self._where = {name: single for name in f.keys()}
         else:
             pickles = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
@@ -69,13 +151,17 @@ class CheckpointReader:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         file = self._where[name]
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = safe_open(str(file), framework="pt")
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+            handle = self._handles[file] = _open(file)
+        try:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise WeightError(f"{file}: cannot read tensor {name!r} ({err}); the index names a tensor the shard "
+                              "does not hold, or the shard is corrupt: copy it again") from None
 
     def close(self) -> None:
         self._handles.clear()
@@ -202,11 +288,29 @@ def _part_shapes(param: torch.Tensor, parts: list[Part]) -> list[tuple[int, ...]
     return [(rows, *param.shape[1:])] * n
 
 
+def _check_finite(t: torch.Tensor, name: str, mode: str) -> None:
+    bad = int(t.numel() - torch.isfinite(t).sum().item())
+    if not bad:
+        return
+    msg = (f"checkpoint tensor {name!r} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; the model "
+           "will produce NaN logits. Re-export the weights from a run whose loss stayed finite")
+    if mode == "error":
+        raise WeightError(msg)
+    warnings.warn(msg + " (pass nonfinite_weights='error' to refuse such checkpoints)", RuntimeWarning, stacklevel=3)
+
+
 def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
                        source: CheckpointReader | Mapping[str, torch.Tensor], *,
                        parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
-                       progress: Callable[[str], None] | None = None) -> None:
-    """Fill every parameter of ``stage`` from ``source``; raise :class:`WeightError` naming what is wrong."""
+                       progress: Callable[[str], None] | None = None, nonfinite: str = "warn") -> None:
+    """Fill every parameter of ``stage`` from ``source``; raise :class:`WeightError` naming what is wrong.
+
+    ``nonfinite``: what a NaN or infinite weight does: ``"warn"`` (a ``RuntimeWarning`` naming the
+    tensor and the count; the model would otherwise generate token 0 forever without a word),
+    ``"error"`` (a :class:`WeightError`), or ``"ignore"``.
+    """
+    if nonfinite not in ("warn", "error", "ignore"):
+        raise ValueError(f"nonfinite={nonfinite!r} must be 'warn', 'error' or 'ignore'")
     keys = set(source.keys())
     params = dict(stage.named_parameters())
     plan = {name: parts_fn(cfg, name, keys) for name in params}
@@ -238,6 +342,8 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
                     f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}); the weights and "
                     "config.json come from different models"
                 )
+            if nonfinite != "ignore" and t.is_floating_point():
+                _check_finite(t, part.source, nonfinite)
             pieces.append(_shard(t, part.split, grid))
         value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         with torch.no_grad():

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_elixir.checkpoint import METADATA_FILENAME, is_checkpoint_dir, recover
+from lightning_elixir.checkpoint import METADATA_FILENAME, is_checkpoint_dir, recover, verify_checkpoint
 
 __all__ = ["load_model_state", "export_checkpoint", "main"]
 
@@ -48,6 +48,7 @@ def load_model_state(path: str | Path, *, key: str = "state_dict") -> dict[str, 
             f"{path} is not a complete Elixir checkpoint directory (it needs the torch.distributed.checkpoint "
             f"'.metadata' and Lightning's '{METADATA_FILENAME}'); give the directory ModelCheckpoint wrote, e.g. "
             "runs/elixir_demo/last.ckpt")
+    verify_checkpoint(path)  # a flipped or truncated shard raises naming it, before any tensor is read
     reader = dcp.FileSystemReader(str(path))
     entries = reader.read_metadata().state_dict_metadata  # flattened names: "state_dict.model.wte.weight"
     head = key + "."

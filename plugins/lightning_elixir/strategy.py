@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
-from lightning_elixir.checkpoint import atomic_save, recover
+from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
@@ -234,9 +234,16 @@ class ElixirStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
+        problem = None
         if self.is_global_zero:
             recover(path)
-        self.barrier()
+            try:
+                verify_checkpoint(path)  # rank 0 re-hashes every shard; all ranks then agree to fail or load
+            except ValueError as err:
+                problem = str(err)
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tightfit.checks import check_number
 from tightfit.planner.pipeline import SCHEDULES, partitioners
 from tightfit.units import parse_bytes
 
@@ -63,10 +64,11 @@ class SkyConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"SkyStrategy: schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if self.microbatches < 1:
-            raise ValueError(f"SkyStrategy: microbatches={self.microbatches} must be >= 1")
-        if self.virtual_stages < 1:
-            raise ValueError(f"SkyStrategy: virtual_stages={self.virtual_stages} must be >= 1")
+        where = "SkyStrategy"
+        check_number(self.microbatches, "microbatches", where=where, integer=True, low=1,
+                     fix="give a whole count per step, e.g. microbatches=4 (1F1B needs at least one per stage)")
+        check_number(self.virtual_stages, "virtual_stages", where=where, integer=True, low=1,
+                     fix="give whole chunks per rank, e.g. virtual_stages=2")
         if isinstance(self.partition, str):
             if self.partition not in partitioners:
                 raise ValueError(f"SkyStrategy: partition={self.partition!r} is unknown; use one of "
@@ -78,23 +80,42 @@ class SkyConfig:
                                  "count, e.g. (0, 3, 8) for 8 layers on 2 stages")
         if self.order not in ("search", "given"):
             raise ValueError(f"SkyStrategy: order={self.order!r}; use 'search' or 'given'")
-        if self.speed_factors is not None and any(not (f > 0 and math.isfinite(f)) for f in self.speed_factors):
+        if self.speed_factors is not None and any(
+                isinstance(f, bool) or not isinstance(f, (int, float)) or not (f > 0 and math.isfinite(f))
+                for f in self.speed_factors):
             raise ValueError(f"SkyStrategy: speed_factors={list(self.speed_factors)} must all be finite and > 0 "
                              "(1.0 = full speed, 0.33 = three times slower)")
         if self.memory_caps is not None:
-            object.__setattr__(self, "memory_caps", tuple(parse_bytes(c) for c in self.memory_caps))
-        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
-            raise ValueError(f"SkyStrategy: link_bandwidth={self.link_bandwidth} bytes/s must be > 0")
-        if self.replan_every is not None and self.replan_every < 1:
-            raise ValueError(f"SkyStrategy: replan_every={self.replan_every} must be >= 1 step (or None)")
-        if not 0 < self.replan_threshold:
-            raise ValueError(f"SkyStrategy: replan_threshold={self.replan_threshold} must be > 0 (0.25 = 25% drift)")
-        if self.profile_repeats < 1:
-            raise ValueError(f"SkyStrategy: profile_repeats={self.profile_repeats} must be >= 1")
-        if not (self.data_parallel == "auto" or (isinstance(self.data_parallel, int) and self.data_parallel >= 1)):
+            caps = []
+            for i, c in enumerate(self.memory_caps):
+                try:
+                    caps.append(parse_bytes(c))
+                except ValueError as err:
+                    raise ValueError(f"SkyStrategy: memory_caps[{i}]: {err}") from None
+            object.__setattr__(self, "memory_caps", tuple(caps))
+        if self.memory_caps is not None and any(c <= 0 for c in self.memory_caps):
+            raise ValueError(f"SkyStrategy: memory_caps={list(self.memory_caps)} must all be > 0 bytes; give the "
+                             "memory a stage may use on each rank, e.g. ('2GiB', '2GiB'), or None to measure it")
+        if self.link_bandwidth is not None:
+            check_number(self.link_bandwidth, "link_bandwidth", where=where, low=0, low_open=True,
+                         fix="give bytes/s between ranks, e.g. 10e9, or None to measure the links")
+        if self.replan_every is not None:
+            check_number(self.replan_every, "replan_every", where=where, integer=True, low=1,
+                         fix="give a whole number of optimizer steps, or None to never re-plan")
+        check_number(self.replan_threshold, "replan_threshold", where=where, low=0, low_open=True,
+                     fix="a relative drift, e.g. 0.25 = 25%")
+        check_number(self.profile_repeats, "profile_repeats", where=where, integer=True, low=1,
+                     fix="give whole timed repeats per layer, e.g. 3")
+        if self.optimizer_state_factor is not None:
+            check_number(self.optimizer_state_factor, "optimizer_state_factor", where=where, low=0,
+                         fix="optimizer-state bytes per parameter byte: Adam 2, SGD+momentum 1, SGD 0; or None")
+        if not (self.data_parallel == "auto" or (isinstance(self.data_parallel, int)
+                                                 and not isinstance(self.data_parallel, bool)
+                                                 and self.data_parallel >= 1)):
             raise ValueError(f"SkyStrategy: data_parallel={self.data_parallel!r}; give a replica count >= 1 or 'auto'")
-        if self.pipeline_ranks is not None and self.pipeline_ranks < 1:
-            raise ValueError(f"SkyStrategy: pipeline_ranks={self.pipeline_ranks} must be >= 1 (or None)")
+        if self.pipeline_ranks is not None:
+            check_number(self.pipeline_ranks, "pipeline_ranks", where=where, integer=True, low=1,
+                         fix="give whole ranks per pipeline, or None")
 
     def layout(self, world: int) -> tuple[int, int]:
         """``(replicas, ranks per pipeline)`` for ``world`` ranks; raises if the world cannot be split so."""

@@ -194,10 +194,27 @@ class PipelineRuntime:
         else:
             with torch.no_grad():
                 out = sched.eval(*(args if first else ()), **kwargs)
-        box = [out.detach().cpu() if last and isinstance(out, torch.Tensor) else out if last else None]
-        dist.broadcast_object_list(box, group=self.group, group_src=last_rank)
-        result = box[0]
-        return result.to(self.device) if isinstance(result, torch.Tensor) else result
+        return self._share_output(out if last else None, last_rank)
+
+    def _share_output(self, out, last_rank: int):
+        """The last stage's output on every rank of the pipeline.
+
+        A tensor crosses as a tensor (its shape and dtype first, a few bytes pickled, then one
+        ``broadcast`` on the group's device), not pickled: the output of a whole batch (full logits
+        for a language model) was serialised, copied to the host and unpickled on every rank every
+        step. Other outputs (tuples, dicts) still go through ``broadcast_object_list``.
+        """
+        head = [("tensor", tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else ("object", out)]
+        dist.broadcast_object_list(head, group=self.group, group_src=last_rank)
+        kind, *rest = head[0]
+        if kind == "object":
+            return rest[0]
+        shape, dtype = rest
+        # gloo moves host tensors; NCCL device tensors: keep the tensor where the group's backend wants it
+        where = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        buf = out.detach().to(where).contiguous() if out is not None else torch.empty(shape, dtype=dtype, device=where)
+        dist.broadcast(buf, group=self.group, group_src=last_rank)
+        return buf.to(self.device)
 
     def take_gradients(self, scale: float = 1.0) -> None:
         """Add the gradients of the last :meth:`run` into ``p.grad`` (what ``loss.backward()`` would do)."""

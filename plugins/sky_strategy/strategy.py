@@ -11,6 +11,8 @@ How it fits Lightning's loop (automatic optimization, unchanged user code):
     * ``training_step``: the strategy runs the pipelined forward+backward over the batch's microbatches,
       broadcasts the model output from the last stage, then calls the module's own ``training_step``
       in which ``self(x)`` returns that output, so its loss and ``self.log`` calls run on every rank;
+      a step whose loss is not ``loss_fn(self(x), y)`` (an extra term the pipeline would not
+      backpropagate) is refused with an error rather than trained with silently wrong gradients;
     * ``backward``: the gradients computed by the schedule are added to ``p.grad`` (Lightning zeroes
       gradients between the two, so the schedule's gradients wait aside until then);
     * validation/test run the schedule forward-only the same way; checkpoints hold the full model and
@@ -40,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -113,6 +116,7 @@ class SkyStrategy(DDPStrategy):
         self._baseline: list[float] | None = None
         self._steps = 0
         self._checked = 0
+        self._target: Any = None
         self.device_mesh: Any = None  # DeviceMesh ("dp", "pp") when there are replicas
         self._pp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -355,7 +359,38 @@ class SkyStrategy(DDPStrategy):
         if train:
             self._maybe_replan()
         assert self.runtime is not None
+        self._target = target
         return self.runtime.run(inputs, target, train=train), inputs
+
+    def _check_loss(self, result: Any, output: Any) -> None:
+        """Refuse a ``training_step`` whose loss is not ``loss_fn(self(x), y)``.
+
+        The schedule backpropagates ``loss_fn`` per microbatch inside the pipeline; the step's own
+        loss is computed on the (detached) broadcast output, so any other term (an auxiliary loss,
+        a regulariser on the weights) would be silently left out of the gradients. A term on the
+        parameters shows as a loss that requires grad; one on the output or a constant as a value
+        that differs from ``loss_fn`` on the same output.
+        """
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if not isinstance(loss, torch.Tensor) or not isinstance(output, torch.Tensor):
+            return
+        module = self.lightning_module
+        fix = ("SkyStrategy backpropagates only `loss_fn(output, target)` through the pipeline, so the extra term "
+               "would be dropped from the gradients. Put the whole loss into `loss_fn` (it receives the last "
+               "stage's output and the target), or train this module with another strategy (ddp, elixir)")
+        if loss.requires_grad:
+            raise MisconfigurationException(
+                f"SkyStrategy: {type(module).__name__}.training_step returned a loss that depends on the parameters "
+                f"beyond the model output (it requires grad; value {float(loss.detach()):.6g}), e.g. a weight "
+                f"regulariser. {fix}")
+        with torch.no_grad():
+            expected = float(module.loss_fn(output, self._target))  # type: ignore[operator]
+        got = float(loss)
+        if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-7):
+            raise MisconfigurationException(
+                f"SkyStrategy: {type(module).__name__}.training_step returned loss {got:.6g} but loss_fn(output, "
+                f"target) on the same batch is {expected:.6g}: the step adds a term of {got - expected:+.6g} "
+                f"(an auxiliary loss, a regulariser). {fix}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
@@ -365,7 +400,9 @@ class SkyStrategy(DDPStrategy):
         self.prediction = on_step_start(self.monitor, self.lightning_module.trainer) or self.prediction
         output, inputs = self._run(args[0] if args else kwargs["batch"], train=True)
         with self._forward_returns(output, inputs):
-            return super().training_step(*args, **kwargs)
+            result = super().training_step(*args, **kwargs)
+        self._check_loss(result, output)
+        return result
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tightfit.checks import check_number
 from tightfit.planner.optimizers import row_state_columns
 from tightfit.units import parse_bytes
 
@@ -52,6 +53,8 @@ class RowOptimizer:
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"RowOptimizer kind {self.kind!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+        for name in ("lr", "eps", "beta1", "beta2", "initial_accumulator_value"):  # NaN and inf: no update is right
+            check_number(getattr(self, name), name, where="RowOptimizer", fix="give a finite number, e.g. lr=0.01")
         if not self.lr > 0:
             raise ValueError(f"RowOptimizer lr={self.lr} must be > 0 (e.g. 0.01)")
         if not self.eps >= 0:
@@ -119,7 +122,7 @@ class CacheConfig:
             raise ValueError(f"CacheConfig capacity={self.capacity!r} is an empty byte budget; give e.g. '64MiB'")
         if self.policy not in POLICIES:
             raise ValueError(f"CacheConfig policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ValueError(f"CacheConfig prefetch={self.prefetch!r} must be an int >= 0 (batches ahead)")
         if self.optimizer is not None and not isinstance(self.optimizer, RowOptimizer):
             raise ValueError(

@@ -268,9 +268,9 @@ def test_problem_is_validated_once_and_normalised():
     assert again == problem and hash(again) == hash(problem)
     interleaved = _problem([1.0] * 8, [1] * 8, devs, microbatches=4, schedule="interleaved", virtual_stages=2)
     assert (interleaved.chunks, interleaved.num_stages) == (2, 4)
-    with pytest.raises(PlanError, match="microbatches=0 must be >= 1"):
+    with pytest.raises(PlanError, match="microbatches=0 must be a whole number >= 1"):
         _problem([1.0] * 4, [1] * 4, devs, microbatches=0, schedule="1f1b")
-    with pytest.raises(PlanError, match="links=0 bytes/s must be > 0"):
+    with pytest.raises(PlanError, match="links=0 bytes/s must be a number > 0"):
         _problem([1.0] * 4, [1] * 4, devs, microbatches=1, schedule="1f1b", links=0)
     with pytest.raises(PlanError, match="is not a DeviceSpec"):
         _problem([1.0] * 4, [1] * 4, ["gpu0", "gpu1"], microbatches=1, schedule="1f1b")

@@ -112,6 +112,14 @@ def misuse(rank: int, world: int, cases: list[str]) -> dict[str, str]:
             net.pipeline_layers = ("embed", "head")  # the blocks' parameters belong to no layer
         elif case == "tied":
             net.blocks[1].fc.weight = net.blocks[0].fc.weight
+        elif case in ("aux-loss", "regulariser"):
+            def step(batch, batch_idx, net=net, case=case):  # issue 18: an extra term the pipeline would drop
+                x, y = batch
+                out = net(x)
+                if case == "aux-loss":
+                    return net.loss_fn(out, y) + 0.1 * out.pow(2).mean()
+                return net.loss_fn(out, y) + 1e-3 * sum(p.pow(2).sum() for p in net.parameters())
+            net.training_step = step
         replicas = {"data_parallel": 2} if case == "replicas" else {}  # 1 rank cannot hold 2 replicas
         try:
             t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2, **replicas), 1, **kwargs)

@@ -189,6 +189,10 @@ MISUSE = {
     "tied": r"tied parameters cannot be split across pipeline stages",
     "predict": r"does not run predict",
     "replicas": r"world size 1 is not a multiple of data_parallel=2",
+    "aux-loss": r"training_step returned loss [0-9.]+ but loss_fn\(output, target\) on the same batch is [0-9.]+: the "
+                r"step adds a term of \+[0-9.e-]+ .*Put the whole loss into `loss_fn`",
+    "regulariser": r"returned a loss that depends on the parameters beyond the model output .*would be dropped "
+                   r"from the gradients",
 }
 
 

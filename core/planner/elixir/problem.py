@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tightfit.checks import check_number
 from tightfit.planner.elixir.sim import MODES, Context, build_context
 from tightfit.planner.elixir.space import Space
+from tightfit.planner.errors import PlanError
 from tightfit.planner.optimizers import optimizer_spec, precision_spec
 from tightfit.profiler.types import ClusterSpec, ModelProfile
 from tightfit.units import parse_bytes
@@ -51,24 +53,35 @@ class ElixirConstraints:
     force_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        where = "ElixirConstraints"
+        for d in tuple(self.prefetch_depths) + tuple(self.unit_blocks or ()):
+            check_number(d, "prefetch_depths / unit_blocks entry", where=where, integer=True, low=1, error=PlanError,
+                         fix="give whole counts >= 1, e.g. prefetch_depths=(1, 2)")
+        for name in ("fragmentation", "host_memory_fraction"):
+            check_number(getattr(self, name), name, where=where, error=PlanError, fix="give a fraction, e.g. 0.1")
+        if self.reserved_bytes is not None:
+            check_number(self.reserved_bytes, "reserved_bytes", where=where, integer=True, low=0, error=PlanError,
+                         fix="give whole bytes per device, e.g. 2**30, or None for the default")
+        check_number(self.exhaustive_limit, "exhaustive_limit", where=where, integer=True, low=1, error=PlanError,
+                     fix="give the largest number of plans to search exactly, e.g. 50000")
         if not self.modes or any(m not in MODES for m in self.modes):
-            raise ValueError(f"ElixirConstraints.modes={self.modes!r}: give a non-empty subset of {MODES}")
+            raise PlanError(f"ElixirConstraints.modes={self.modes!r}: give a non-empty subset of {MODES}")
         if not self.prefetch_depths or any(d < 1 for d in self.prefetch_depths):
-            raise ValueError(f"ElixirConstraints.prefetch_depths={self.prefetch_depths!r}: depths must be >= 1 "
+            raise PlanError(f"ElixirConstraints.prefetch_depths={self.prefetch_depths!r}: depths must be >= 1 "
                              "(FSDP2 always fetches the next unit)")
         if self.unit_blocks is not None and (not self.unit_blocks or any(k < 1 for k in self.unit_blocks)):
-            raise ValueError(f"ElixirConstraints.unit_blocks={self.unit_blocks!r}: give sizes >= 1 or None")
+            raise PlanError(f"ElixirConstraints.unit_blocks={self.unit_blocks!r}: give sizes >= 1 or None")
         if not 0 <= self.fragmentation < 1:
-            raise ValueError(f"ElixirConstraints.fragmentation={self.fragmentation}: must be in [0, 1), e.g. 0.1")
+            raise PlanError(f"ElixirConstraints.fragmentation={self.fragmentation}: must be in [0, 1), e.g. 0.1")
         if not 0 < self.host_memory_fraction <= 1:
-            raise ValueError(f"ElixirConstraints.host_memory_fraction={self.host_memory_fraction}: must be in (0, 1]")
+            raise PlanError(f"ElixirConstraints.host_memory_fraction={self.host_memory_fraction}: must be in (0, 1]")
         if self.reserved_bytes is not None and self.reserved_bytes < 0:
-            raise ValueError(f"ElixirConstraints.reserved_bytes={self.reserved_bytes}: must be >= 0")
+            raise PlanError(f"ElixirConstraints.reserved_bytes={self.reserved_bytes}: must be >= 0")
         if self.force_offload and not self.allow_offload:
-            raise ValueError("ElixirConstraints(force_offload=True, allow_offload=False) contradict each other; "
+            raise PlanError("ElixirConstraints(force_offload=True, allow_offload=False) contradict each other; "
                              "drop one of them")
         if self.force_checkpointing and not self.allow_checkpointing:
-            raise ValueError("ElixirConstraints(force_checkpointing=True, allow_checkpointing=False) contradict "
+            raise PlanError("ElixirConstraints(force_checkpointing=True, allow_checkpointing=False) contradict "
                              "each other; drop one of them")
 
     def space(self) -> Space:
@@ -95,9 +108,12 @@ def resolve_budget(memory_budget: int | float | str | None, cluster: ClusterSpec
     elif isinstance(memory_budget, float) and 0 < memory_budget <= 1:
         budget = int(smallest * memory_budget)
     else:
-        budget = parse_bytes(memory_budget)
+        try:
+            budget = parse_bytes(memory_budget)
+        except ValueError as err:  # "1.5" is neither a fraction in (0, 1] nor whole bytes
+            raise PlanError(f"memory_budget: {err}") from None
     if budget <= 0:
-        raise ValueError(f"memory_budget={memory_budget!r} gives {budget} bytes; give a positive size like '20GiB' "
+        raise PlanError(f"memory_budget={memory_budget!r} gives {budget} bytes; give a positive size like '20GiB' "
                          "or a fraction like 0.8")
     return budget, reserved
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from tightfit.checks import check_number
 from tightfit.planner.errors import PlanError
 from tightfit.planner.pipeline.plan import PartitionPlan, StagePlan
 
@@ -63,8 +64,8 @@ class LayerMemory:
 
     def __post_init__(self) -> None:
         for name in ("param_bytes", "activation_bytes", "output_bytes"):
-            if getattr(self, name) < 0:
-                raise PlanError(f"LayerMemory.{name}={getattr(self, name)} is negative; give bytes >= 0")
+            check_number(getattr(self, name), name, where="LayerMemory", integer=True, low=0, error=PlanError,
+                         fix="give whole bytes >= 0 (a profile's numbers, or tightfit.units.parse_bytes('2GiB'))")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,11 +83,11 @@ class DeviceSpec:
     memory_bytes: int
 
     def __post_init__(self) -> None:
-        if not self.speed > 0 or not math.isfinite(self.speed):
-            raise PlanError(f"device {self.name!r}: speed={self.speed} must be a finite number > 0 "
-                            "(1.0 = the reference device the layer costs were measured on)")
-        if self.memory_bytes <= 0:
-            raise PlanError(f"device {self.name!r}: memory_bytes={self.memory_bytes} must be > 0")
+        where = f"device {self.name!r}"
+        check_number(self.speed, "speed", where=where, low=0, low_open=True, error=PlanError,
+                     fix="1.0 = the reference device the layer costs were measured on, 0.5 = twice as slow")
+        check_number(self.memory_bytes, "memory_bytes", where=where, integer=True, low=0, low_open=True,
+                     error=PlanError, fix="give the bytes a stage may use on it, e.g. parse_bytes('20GiB')")
 
 
 def _derived() -> Any:
@@ -143,20 +144,25 @@ class PipelineProblem:
         put = object.__setattr__
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if self.microbatches < 1:
-            raise PlanError(f"microbatches={self.microbatches} must be >= 1")
-        if self.virtual_stages < 1:
-            raise PlanError(f"virtual_stages={self.virtual_stages} must be >= 1")
+        check_number(self.microbatches, "microbatches", where="PipelineProblem", integer=True, low=1,
+                     error=PlanError, fix="give a whole count of microbatches per step, e.g. 4")
+        check_number(self.virtual_stages, "virtual_stages", where="PipelineProblem", integer=True, low=1,
+                     error=PlanError, fix="give whole chunks per device, e.g. 2")
+        check_number(self.optimizer_state_factor, "optimizer_state_factor", where="PipelineProblem", low=0,
+                     error=PlanError, fix="optimizer-state bytes per parameter byte: Adam 2, SGD+momentum 1, SGD 0")
         devices = tuple(self.devices)
         if not devices:
             raise PlanError("no devices given; pass one DeviceSpec per pipeline rank")
         for d in devices:
             if not isinstance(d, DeviceSpec):
                 raise PlanError(f"{d!r} is not a DeviceSpec; build DeviceSpec(name=..., speed=..., memory_bytes=...)")
-        costs = tuple(float(c) for c in self.layer_costs)
-        if not costs or any(c < 0 or not math.isfinite(c) for c in costs):
-            raise PlanError("layer_costs must be a non-empty sequence of finite seconds >= 0, one per layer")
-        mems = tuple(m if isinstance(m, LayerMemory) else LayerMemory(param_bytes=int(m)) for m in self.layer_memory)
+        costs = tuple(check_number(c, f"layer_costs[{i}]", where="PipelineProblem", low=0, error=PlanError,
+                                   fix="give measured forward+backward seconds per layer") for i, c in
+                      enumerate(self.layer_costs))
+        if not costs:
+            raise PlanError("PipelineProblem: layer_costs is empty; give finite seconds >= 0, one per layer")
+        costs = tuple(float(c) for c in costs)
+        mems = tuple(m if isinstance(m, LayerMemory) else LayerMemory(param_bytes=m) for m in self.layer_memory)
         if len(mems) != len(costs):
             raise PlanError(f"layer_memory has {len(mems)} entries but layer_costs has {len(costs)}; give one per layer")
         chunks = int(self.virtual_stages) if self.schedule == "interleaved" else 1
@@ -189,16 +195,24 @@ class PipelineProblem:
             put(self, "bandwidth", np.full((n, n), np.inf))
             return
         if isinstance(links, (int, float)):
-            if not links > 0:
-                raise PlanError(f"links={links} bytes/s must be > 0 (or None for free transfers)")
+            if not links > 0:  # NaN fails this too: a NaN bandwidth would price every transfer as free
+                raise PlanError(f"PipelineProblem: links={links} bytes/s must be a number > 0; give the measured "
+                                "bandwidth between ranks, e.g. 10e9, or None for free transfers")
             put(self, "links", float(links))
             put(self, "bandwidth", np.full((n, n), float(links)))
             return
-        bw = np.asarray(links, dtype=np.float64)
+        try:
+            bw = np.asarray(links, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise PlanError(f"PipelineProblem: links={links!r} is not a {n}x{n} matrix of numbers; give bytes/s "
+                            "between devices, one row per device") from None
         if bw.shape != (n, n):
             raise PlanError(f"links must be a {n}x{n} matrix of bytes/s (one row per device); got shape {bw.shape}")
-        if (bw[~np.eye(n, dtype=bool)] <= 0).any():
-            raise PlanError("links: every bandwidth between two devices must be > 0 bytes/s")
+        off = bw[~np.eye(n, dtype=bool)]
+        if not (off > 0).all():  # NaN fails too
+            bad = [float(x) for x in off if not x > 0]
+            raise PlanError(f"PipelineProblem: links has bandwidths {bad} between devices; every one must be a "
+                            "number > 0 bytes/s (inf = free); give the measured rates")
         put(self, "links", tuple(tuple(float(x) for x in row) for row in bw))
         put(self, "bandwidth", bw)
 
