@@ -22,7 +22,8 @@ from pathlib import Path
 
 RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
-__all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path"]
+__all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
+           "resident_bytes", "measure_peak"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -109,3 +110,31 @@ def write_result(name: str, *, title: str, params: dict, results: object, markdo
     tmp.replace(path)
     print(f"wrote {path}")
     return path
+
+
+def resident_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = local.untyped_storage().data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
+    return total
+
+
+def measure_peak(step, state) -> int:
+    """Resident state + the highest the step's CPU allocations rise (torch.profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = resident_bytes(state())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    level = peak = 0
+    for e in events:
+        level += e.nbytes()
+        peak = max(peak, level)
+    return base + peak

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import interleave, parser, plot_path, write_result
+from benchmarks.common import interleave, measure_peak, parser, plot_path, write_result
 
 NAME = "cost_model"
 SIZES = {"small": dict(hidden=128, layers=4), "medium": dict(hidden=256, layers=6)}
@@ -63,32 +63,6 @@ def spearman(a: list[float], b: list[float]) -> float:
     va = sum((x - ma) ** 2 for x in ra) ** 0.5
     vb = sum((y - mb) ** 2 for y in rb) ** 0.5
     return cov / (va * vb) if va > 0 and vb > 0 else 0.0
-
-
-def _resident_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = local.untyped_storage().data_ptr()
-        if key and key not in seen:
-            seen.add(key)
-            total += local.untyped_storage().nbytes()
-    return total
-
-
-def _measure_peak(step, state) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    base = _resident_bytes(state())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    level = peak = 0
-    for e in events:
-        level += e.nbytes()
-        peak = max(peak, level)
-    return base + peak
 
 
 def _pick_others(frontier, chosen, budget):
@@ -249,7 +223,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
                 torch.cuda.synchronize(dev)
                 value = torch.cuda.max_memory_allocated(dev)
             else:
-                value = _measure_peak(step, state)
+                value = measure_peak(step, state)
             t = torch.tensor([float(value)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peaks[name] = int(t.item())

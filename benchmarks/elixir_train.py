@@ -23,36 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import interleave, parser, plot_path, summarize, write_result
+from benchmarks.common import interleave, measure_peak, parser, plot_path, summarize, write_result
 
 NAME = "elixir_train"
-
-
-def _resident_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = local.untyped_storage().data_ptr()
-        if key and key not in seen:
-            seen.add(key)
-            total += local.untyped_storage().nbytes()
-    return total
-
-
-def _measure_peak(step, state) -> int:
-    """Resident state + the highest the step's CPU allocations rise (torch.profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    base = _resident_bytes(state())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    level = peak = 0
-    for e in events:
-        level += e.nbytes()
-        peak = max(peak, level)
-    return base + peak
 
 
 def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
@@ -158,7 +131,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
 
     times = interleave({n: timed(s) for n, (s, _) in steps_of.items()}, repeats=repeats, warmup=1,
                        progress=rank == 0)
-    peak = _measure_peak(*steps_of["elixir"])
+    peak = measure_peak(*steps_of["elixir"])
     if rank == 0:
         Path(out).write_text(json.dumps({
             "times": times, "elixir_measured_peak": peak, "budget": budget, "params": profile.param_numel,
