@@ -35,8 +35,11 @@ def test_cache_benchmark_smoke(tmp_path):
     r = _smoke("torchrec_cache", tmp_path)["results"]
     assert set(r["samples_per_s"]) == {"full_tables_sparseadam", "cached_1.5pct_fused_adam"}
     assert 0 < r["hit_rate"] <= 1 and r["cache_stats"]["lookups"] > 0
-    assert set(r["syncs_per_batch"]) == set(r["samples_per_s"])  # counted on a GPU; None on the CPU
-    assert len(r["cache_lookup_seconds"]["triton"]) >= 2
+    # host reads per cached step through the plugin's counted helper (<= 2 by design); CUDA's sync debug
+    # count is -1 off a GPU. The copy/compute overlap is timed both ways.
+    assert 0 <= r["host_reads_per_step"] <= 2 and isinstance(r["cuda_sync_debug_warnings"], int)
+    assert set(r["overlap_summary"]) == {"prefetch_then_step", "prefetch_beside_step"}
+    assert r["fused_uvm_caching"].startswith("skipped")
 
 
 @RunIf(lightning=True)
