@@ -23,7 +23,7 @@ from pathlib import Path
 RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 __all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
-           "resident_bytes", "measure_peak"]
+           "resident_bytes", "measure_peak", "run_two_ranks"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -138,3 +138,19 @@ def measure_peak(step, state) -> int:
         level += e.nbytes()
         peak = max(peak, level)
     return base + peak
+
+
+def run_two_ranks(rank_fn: Callable[..., None], quick: bool, repeats: int) -> dict:
+    """Spawn ``rank_fn(rank, 2, port, quick, repeats, out_path)`` on 2 gloo ranks (a free port on
+    127.0.0.1); rank 0 writes its results as JSON to ``out_path``, returned here."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp()) / "results.json"
+    mp.spawn(rank_fn, args=(2, port, quick, repeats, str(out)), nprocs=2, join=True)
+    return json.loads(out.read_text())

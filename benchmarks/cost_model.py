@@ -33,11 +33,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import interleave, measure_peak, parser, plot_path, write_result
+from benchmarks.common import interleave, measure_peak, parser, plot_path, run_two_ranks, write_result
 
 NAME = "cost_model"
 SIZES = {"small": dict(hidden=128, layers=4), "medium": dict(hidden=256, layers=6)}
@@ -305,18 +304,9 @@ def markdown_for(size: str, res: dict, a: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    import socket
-
-    import torch.multiprocessing as mp
-
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp()) / "cost_model.json"
-    mp.spawn(_rank, args=(2, port, args.quick, repeats, str(out)), nprocs=2, join=True)
-    res = json.loads(out.read_text())
+    res = run_two_ranks(_rank, args.quick, repeats)
     calib = res.pop("calibration")
     analysis = {size: analyse(r) for size, r in res.items()}
     markdown = []

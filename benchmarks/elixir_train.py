@@ -19,11 +19,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import interleave, measure_peak, parser, plot_path, summarize, write_result
+from benchmarks.common import (
+    interleave,
+    measure_peak,
+    parser,
+    plot_path,
+    run_two_ranks,
+    summarize,
+    write_result,
+)
 
 NAME = "elixir_train"
 
@@ -147,18 +154,9 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
 
 
 def main(argv=None) -> int:
-    import socket
-
-    import torch.multiprocessing as mp
-
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp()) / "elixir_train.json"
-    mp.spawn(_rank, args=(2, port, args.quick, repeats, str(out)), nprocs=2, join=True)
-    res = json.loads(out.read_text())
+    res = run_two_ranks(_rank, args.quick, repeats)
     times, pred = res["times"], res["predicted"]
     el = statistics.median(times["elixir"])
     rows = []
