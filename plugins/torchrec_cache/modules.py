@@ -361,20 +361,21 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     def _id_to_pos(self, name: str) -> torch.Tensor:
         """Host position of each id of ``name`` (identity unless reordered)."""
-        c = self._cache
-        g = c.groups[c.group_of(name)]
-        first = c.key_start(name) - g.key_lo
-        n = c.specs[c.index[name]].rows
-        assert g.remap is not None
-        return g.remap[first:first + n] - first
+        return self._table_permutation(name, "remap")
 
     def _pos_to_id(self, name: str) -> torch.Tensor:
+        """Id held at each host position of ``name`` (the inverse of :meth:`_id_to_pos`)."""
+        return self._table_permutation(name, "order")
+
+    def _table_permutation(self, name: str, which: str) -> torch.Tensor:
+        """``name``'s slice of its group's ``remap`` or ``order`` permutation, in table-local numbers."""
         c = self._cache
         g = c.groups[c.group_of(name)]
         first = c.key_start(name) - g.key_lo
         n = c.specs[c.index[name]].rows
-        assert g.order is not None
-        return g.order[first:first + n] - first
+        perm = getattr(g, which)
+        assert perm is not None
+        return perm[first:first + n] - first
 
     @property
     def device(self) -> torch.device:
