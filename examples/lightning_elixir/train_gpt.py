@@ -3,6 +3,7 @@
     python examples/lightning_elixir/train_gpt.py                      # 2 CPU processes (or every GPU)
     python examples/lightning_elixir/train_gpt.py --budget mixed       # a budget that forces a mixed plan
     python examples/lightning_elixir/train_gpt.py --hidden 256 --layers 8 --budget 200MiB --steps 500
+    python examples/lightning_elixir/train_gpt.py --steps 4 --hidden 32 --layers 2 --seq 32 --batch 4   # seconds
 
 The model reads raw UTF-8 bytes (a 256-token vocabulary, no tokenizer to download) from
 ``data/corpus.txt``. It is built in ``configure_model``, so it starts on the meta device: Elixir
@@ -20,12 +21,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import lightning as L
+# Importing torch and Lightning takes seconds (10 s on 2 busy cores), in rank 0 and again in the rank Lightning
+# spawns (LOCAL_RANK=1): say so rather than start silent.
+_WHO = "[train_gpt]" + ("" if os.environ.get("LOCAL_RANK", "0") == "0" else f" rank {os.environ['LOCAL_RANK']}:")
+print(f"{_WHO} importing PyTorch ...", flush=True)
 import torch
+
+print(f"{_WHO} importing Lightning ...", flush=True)
+import lightning as L
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntrained {args.steps} steps on {devices} x {'GPU' if gpu else 'CPU'} in {seconds:.1f} s: loss "
               f"{first:.2f} -> {last:.2f}; plan: {summary['units']} units, {summary['offloaded_units']} offloaded, "
               f"{summary['resharded_units']} resharded, {summary['checkpointed_blocks']} blocks recomputed")
-        print(f"checkpoint {out / 'last.ckpt'}, weights {weights} (+ config.json)")
+        print(f"artifacts in {out}/: checkpoint {out / 'last.ckpt'}, weights {weights} (+ config.json), "
+              f"{out / 'plan.json'}, {out / 'summary.json'}")
     return 0
 
 

@@ -4,6 +4,7 @@
                                                      # checkpoint: runs/sky_hetero/last.ckpt
     python examples/sky_strategy/train_hetero.py --partition even    # the even split, for comparison
     torchrun --nproc-per-node 2 examples/sky_strategy/train_hetero.py --slowdown 1   # launched by torchrun
+    python examples/sky_strategy/train_hetero.py --steps 4            # seconds (the tests)
 
 Lightning starts the second process itself (``devices=2``). On GPUs use ``--accelerator gpu`` and drop
 ``--slowdown``: real devices of unequal speed are measured, not injected. The module follows the
@@ -18,8 +19,14 @@ import os
 import time
 from pathlib import Path
 
-import lightning as L
+# Importing torch and Lightning takes seconds (10 s on 2 busy cores), in rank 0 and again in the rank Lightning
+# spawns (LOCAL_RANK=1): say so rather than start silent.
+_WHO = "[train_hetero]" + ("" if os.environ.get("LOCAL_RANK", "0") == "0" else f" rank {os.environ['LOCAL_RANK']}:")
+print(f"{_WHO} importing PyTorch ...", flush=True)
 import torch
+
+print(f"{_WHO} importing Lightning ...", flush=True)
+import lightning as L
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
