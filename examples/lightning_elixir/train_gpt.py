@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_elixir  # noqa: F401  (registers strategy="elixir")
 from lightning_elixir import ElixirStrategy
-from tightfit.console import drop_framework_tips
+from tightfit.console import drop_framework_tips, fit_text
 from tightfit.models import GPT, GPTConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -180,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         first, last = module.losses[0], module.losses[-1]
-        print(f"\ntrained {args.steps} steps on {devices} x {'GPU' if gpu else 'CPU'} in {seconds:.1f} s: loss "
-              f"{first:.2f} -> {last:.2f}; plan: {summary['units']} units, {summary['offloaded_units']} offloaded, "
-              f"{summary['resharded_units']} resharded, {summary['checkpointed_blocks']} blocks recomputed")
-        print(f"artifacts in {out}/: checkpoint {out / 'last.ckpt'}, weights {weights} (+ config.json), "
-              f"{out / 'plan.json'}, {out / 'summary.json'}")
+        print(fit_text(f"\ntrained {args.steps} steps on {devices} x {'GPU' if gpu else 'CPU'} in {seconds:.1f} s: "
+                       f"loss {first:.2f} -> {last:.2f}; plan: {summary['units']} units, {summary['offloaded_units']} "
+                       f"offloaded, {summary['resharded_units']} resharded, {summary['checkpointed_blocks']} blocks "
+                       "recomputed"))
+        print(fit_text(f"artifacts in {out}/: last.ckpt (checkpoint), {Path(weights).name} + config.json "
+                       "(weights), plan.json, summary.json"))
     return 0
 
 
