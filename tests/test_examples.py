@@ -27,7 +27,7 @@ EXAMPLES = {
                                      ["torchrec_dlrm/summary.json", "torchrec_dlrm/model.pt",
                                       "torchrec_dlrm/frequencies.safetensors"]),
     "lightning_elixir/train_gpt.py": (["--steps", "4", "--hidden", "32", "--layers", "2", "--seq", "32",
-                                       "--batch", "4"], "[elixir]",
+                                       "--batch", "4"], "step ",
                                       ["elixir_demo/summary.json", "elixir_demo/model.safetensors",
                                        "elixir_demo/plan.json", "elixir_demo/config.json"]),
     "sky_strategy/train_hetero.py": (["--steps", "4"], "[train_hetero] step",

@@ -17,12 +17,14 @@ import os
 import time
 from pathlib import Path
 
-if os.environ.get("RANK", "0") == "0":
-    print("[generate] importing PyTorch and energon_infer ...", flush=True)  # seconds of silence otherwise
-
+_SAY = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 talks
+if _SAY:
+    print("[generate] importing PyTorch ...", flush=True)  # each takes seconds to import: say so first
 import torch
 import torch.distributed as dist
 
+if _SAY:
+    print("[generate] importing energon_infer ...", flush=True)
 from energon_infer import ModelRunner, SamplingParams
 from energon_infer.demo import write_random_llama
 

@@ -86,8 +86,8 @@ class ByteGPT(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
         step, now = self.global_step, time.perf_counter()
-        # Every 10 steps, and at least every 3 s on a slow machine, so the run never goes quiet.
-        if self.global_rank == 0 and (step % 10 == 0 or step == self.trainer.max_steps
+        # The first step, every 10 steps, and at least every 3 s on a slow machine, so the run never goes quiet.
+        if self.global_rank == 0 and (step in (1, self.trainer.max_steps) or step % 10 == 0
                                       or now - getattr(self, "_last_print", now) >= 3.0):
             print(f"step {step:5d}  loss {self.losses[-1]:.3f}", flush=True)
             self._last_print = now

@@ -22,9 +22,10 @@ import logging
 import time
 from pathlib import Path
 
-print("[train_dlrm] importing PyTorch and TorchRec ...", flush=True)  # they take seconds to import: say so first
-
+print("[train_dlrm] importing PyTorch ...", flush=True)  # each takes seconds to import: say so first
 import torch
+
+print("[train_dlrm] importing TorchRec ...", flush=True)
 from torchrec import EmbeddingBagCollection
 from torchrec.models.dlrm import DLRM
 
