@@ -7,7 +7,7 @@ are commands and settings: ``--devices 4``, ``memory_pool="6GiB"``) that is one 
   (``MiB``, ``GB``...), a rate (``tokens/s``...) or a count in millions (``2.6 M``);
 - a decimal number (``0.86``): outside code, a number with a fractional part is a measurement or a setting, and
   settings go in code spans or the allow-list;
-- a number on either side of ``vs`` (``254 vs 3385 ms``, ``(32 vs 11)``);
+- a number on either side of ``vs`` (``254 vs 3385 ms``, ``(32 vs 11)``), a count out of a total (``32/32``);
 - any number in a Markdown table cell.
 
 Each figure is checked against the numbers of the benchmarks its paragraph names (``benchmarks.NAME``,
@@ -45,6 +45,8 @@ TOKEN = re.compile(
     rf"(?<![\w.\-–/])(?P<sign>[+-]?)(?P<num>{_NUM})(?:[-–](?P<hi>{_NUM}))?"
     rf"(?:(?P<tight>x|%)|\s?(?P<unit>{_UNIT_RE}))?(?![\w/]|\.\d)"
 )
+# "equal on 32/32 prompts": a count out of a total (a distribution such as 1/U[1,4) has no digit after the slash).
+_FRACTION = re.compile(r"(?<![\w./])(\d[\d,]*)/(\d[\d,]*)(?![\w/.])")
 _VS = re.compile(r"\bvs\.?\s+(?:[\w-]+\s+)?$")  # "254 vs 3385 ms", "194 tokens/s vs vLLM-cpu 718"
 _SOURCE = re.compile(r"benchmarks[./](?:results/)?(\w+)")
 
@@ -147,6 +149,10 @@ def figures(markdown: str, known: set[str]) -> list[Figure]:
         header = table and i + 1 < len(lines) and re.fullmatch(r"\s*\|[\s|:-]+", lines[i + 1]) is not None
         if header:
             continue
+        for m in _FRACTION.finditer(line):
+            out.append(Figure(text=m.group(), values=(_num(m.group(1)), _num(m.group(2))), decimals=0, signed=False,
+                              unit=None, line=i + 1, section=section, sources=block_sources,
+                              context=raw[max(0, m.start() - 40): m.end() + 30].strip()))
         for m, unit in _tokens(line):
             num, hi = m.group("num"), m.group("hi")
             if unit == "B" and not m.group().endswith(" B"):
