@@ -78,7 +78,7 @@ _SAY = ("import logging, sys\n{setup}\nfrom tightfit.console import reporter\n"
     ("logging.basicConfig(level=logging.WARNING)", ""),  # the application keeps warnings only: it is not shown
     ("logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')",
      "INFO tightfit.profiler.x [profile_x] step 1/2\n"),  # the application's format
-])
+], ids=["unconfigured", "application-keeps-warnings", "application-format"])
 def test_library_progress_is_logging_that_shows_when_nothing_is_configured(setup, expected):
     """core's progress lines (profile_model/profile_device/time_blocks/calibrate_device with progress=True) are
     log records, not prints: an application's logging configuration decides, and without one they still show."""
