@@ -132,7 +132,7 @@ def test_shown_outputs_are_what_the_commands_print(prefix, tmp_path):
 
 
 # Numbers of the prose that are settings, budgets or facts rather than measurements: (figure as written, a few
-# words around it that pin the place, why it is not in the report). Keep it short; a stale entry fails below.
+# words of its paragraph that pin the place, line breaks read as spaces; why it is not in the report). Keep it short; a stale entry fails below.
 NOT_MEASURED = [
     ("10%", "the bound is 10%", "the tolerance tests/core/test_profiler_model.py asserts"),
     ("40 GiB", "4 A100s of 40 GiB", "the device size of the paper's setting, a configuration"),
@@ -158,7 +158,7 @@ def _figures():
 
 
 def _allowed(fig) -> bool:
-    return any(fig.text == text and where in fig.context.replace("\n", " ") for text, where, _ in NOT_MEASURED)
+    return any(fig.text == text and where in fig.paragraph for text, where, _ in NOT_MEASURED)
 
 
 def test_numbers_in_the_prose_are_in_the_benchmark_report():
@@ -178,7 +178,7 @@ def test_numbers_in_the_prose_are_in_the_benchmark_report():
 def test_not_measured_list_is_current():
     figs, _ = _figures()
     stale = [entry for entry in NOT_MEASURED
-             if not any(f.text == entry[0] and entry[1] in f.context for f in figs)]
+             if not any(f.text == entry[0] and entry[1] in f.paragraph for f in figs)]
     assert not stale, f"NOT_MEASURED entries that match no README figure any more (remove them): {stale}"
 
 

@@ -64,6 +64,7 @@ class Figure:
     section: str
     sources: tuple[str, ...]   # benchmark names it is checked against (empty: every report)
     context: str
+    paragraph: str = ""  # the whole paragraph, whitespace collapsed: what an allow-list entry's words are found in
 
     def where(self) -> str:
         src = ", ".join(f"{s}.json" for s in self.sources) or "any benchmarks/results/*.json"
@@ -122,7 +123,7 @@ def figures(markdown: str, known: set[str]) -> list[Figure]:
     lines = text.splitlines()
     raw_lines = markdown.splitlines()
     out: list[Figure] = []
-    section, sources, block_sources = "(top)", (), ()
+    section, sources, block_sources, paragraph = "(top)", (), (), ""
     in_block = False
     for i, line in enumerate(lines):
         raw = raw_lines[i]
@@ -140,6 +141,7 @@ def figures(markdown: str, known: set[str]) -> list[Figure]:
                     break
                 para.append(nxt)
             named = tuple(dict.fromkeys(n for n in _SOURCE.findall("\n".join(para)) if n in known))
+            paragraph = " ".join(" ".join(para).split())
             block_sources = named or sources
             sources = block_sources
             in_block = True
@@ -152,7 +154,7 @@ def figures(markdown: str, known: set[str]) -> list[Figure]:
         for m in _FRACTION.finditer(line):
             out.append(Figure(text=m.group(), values=(_num(m.group(1)), _num(m.group(2))), decimals=0, signed=False,
                               unit=None, line=i + 1, section=section, sources=block_sources,
-                              context=raw[max(0, m.start() - 40): m.end() + 30].strip()))
+                              context=raw[max(0, m.start() - 40): m.end() + 30].strip(), paragraph=paragraph))
         for m, unit in _tokens(line):
             num, hi = m.group("num"), m.group("hi")
             if unit == "B" and not m.group().endswith(" B"):
@@ -168,7 +170,7 @@ def figures(markdown: str, known: set[str]) -> list[Figure]:
             out.append(Figure(
                 text=m.group().strip(), values=values, decimals=max(_decimals(num), _decimals(hi or "")),
                 signed=bool(sign), unit=unit, line=i + 1, section=section, sources=block_sources,
-                context=raw[max(0, m.start() - 40): m.end() + 30].strip()))
+                context=raw[max(0, m.start() - 40): m.end() + 30].strip(), paragraph=paragraph))
     return out
 
 
