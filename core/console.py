@@ -18,9 +18,11 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "fit_text", "drop_framework_tips", "log"]
+__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "fit_text", "drop_framework_tips", "log",
+           "reporter"]
 
 log = logging.getLogger("tightfit")
 
@@ -37,6 +39,45 @@ def setup_logging(verbosity: int = 0) -> None:
     log.handlers[:] = [handler]
     log.setLevel(level)
     log.propagate = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record is emitted (a test's capture, a redirect
+    made after import), not the stream that was current when the handler was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; the property wins
+        pass
+
+
+def reporter(logger: logging.Logger, label: str, enabled: bool = True) -> Callable[[str], None]:
+    """``say(msg)`` for a library call's ``progress=True``: logs ``[label] msg`` at INFO on ``logger``.
+
+    Asking for progress should show it, so when no handler would receive the record (nothing configured: not
+    the ``tightfit`` CLI's :func:`setup_logging`, not the application's ``logging.basicConfig``, not pytest),
+    ``logger`` gets a stderr handler at INFO once, as Lightning does for its own logger. Otherwise the
+    application's logging decides (its level, its format, its files). ``enabled=False`` gives a no-op.
+
+        >>> say = reporter(logging.getLogger("tightfit.doc"), "doc", enabled=False)
+        >>> say("nothing is logged")
+    """
+    if not enabled:
+        return lambda msg: None
+    if not logger.hasHandlers():
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+    return lambda msg: logger.info("[%s] %s", label, msg)
 
 
 def terminal_width() -> int:

@@ -8,8 +8,12 @@ tour order makes later parts reuse earlier ones: Elixir trains a checkpoint that
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import re
 import time
 import traceback
+import warnings
 
 from tightfit.console import fit_text, log, terminal_width
 from tightfit.plugins import discover
@@ -24,12 +28,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true", help="longer runs than the quick default")
 
 
+# Notices about the frameworks' own internals that a reader of the tour cannot act on, each one line of 200-290
+# characters: Lightning's pytree check under torch 2.13, and torch.fx's note printed when TorchRec imports.
+# Message prefixes (no commas: PYTHONWARNINGS is comma-separated).
+_FRAMEWORK_NOTICES = ("`isinstance(treespec",)
+_FRAMEWORK_LOGGERS = ("torch.fx._symbolic_trace",)
+
+
+def _quiet_framework_notices() -> None:
+    for message in _FRAMEWORK_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+    # Processes the demos start (Lightning's second rank, the examples) read the same filters from the environment.
+    extra = ",".join(f"ignore:{m}" for m in _FRAMEWORK_NOTICES)
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS", ""), extra]))
+    for name in _FRAMEWORK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _order(name: str) -> tuple[int, str]:
     return (TOUR_ORDER.index(name) if name in TOUR_ORDER else len(TOUR_ORDER), name)
 
 
 def run(args: argparse.Namespace) -> int:
     print("tightfit tour: models larger than the hardware comfortably holds\n")
+    _quiet_framework_notices()
     results = sorted(discover(), key=lambda r: _order(r.name))
     print(format_table(
         [(r.name, r.plugin.kind if r.plugin else "?", r.status()) for r in results],
@@ -49,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             why = r.status() if plugin is None or not plugin.is_usable() else "it has no demo yet"
             print(f"\n== {r.name}: skipped ({why})")
             continue
-        print(f"\n== {r.name}: {plugin.summary}", flush=True)
+        print("\n" + fit_text(f"== {r.name}: {plugin.summary}"), flush=True)
         start = time.perf_counter()
         try:
             summary = plugin.demo(not args.full)

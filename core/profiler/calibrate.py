@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -35,7 +35,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tightfit.console import reporter
 from tightfit.profiler.types import DeviceProfile
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["calibrate_device", "fit_alpha_beta", "OVERHEAD_MODES"]
 
@@ -251,8 +254,7 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # measure together or not at all
     if int(flag.item()) and cached is not None:
         return cached
-    say = (lambda m: print(f"[calibrate_device] {m}", file=sys.stderr, flush=True)) \
-        if progress and dist.get_rank() == 0 else (lambda m: None)
+    say = reporter(_log, "calibrate_device", enabled=progress and dist.get_rank() == 0)
     repeats = 7 if quick else 11
     _NOW[0] = clock_of(clock)
     t0 = time.perf_counter()

@@ -27,11 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import platform
 import re
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -39,8 +39,11 @@ from pathlib import Path
 
 import torch
 
+from tightfit.console import reporter
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.units import parse_bytes
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["DATASHEETS", "device_preset", "profile_device", "cluster_spec", "cache_dir", "cache_file", "add_cluster_arguments",
            "cluster_from_args"]
@@ -231,7 +234,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         quick: smaller problems and fewer repeats (under 10 s on a CPU).
         refresh: ignore the cache and measure again.
-        progress: print each step to stderr.
+        progress: log each step at INFO (on stderr unless logging is configured: :func:`tightfit.console.reporter`).
 
     With an initialised ``torch.distributed`` process group every rank must call this (the
     collectives are measured together); rank 0 writes the cache.
@@ -245,7 +248,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
     world = dist.get_world_size() if grouped else 1
     key = _key(dev, world)
     files = [cache_file(key, False)] + ([cache_file(key, True)] if quick else [])
-    say = (lambda m: print(f"[profile_device] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    say = reporter(_log, "profile_device", enabled=progress)
     cached = None
     if not refresh:
         for f in files:

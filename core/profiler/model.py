@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -31,10 +32,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tightfit.console import reporter
 from tightfit.profiler.blocks import BlockSpec, find_blocks
 from tightfit.profiler.memory import estimate_peak
 from tightfit.profiler.trace import StepTracer, levels
 from tightfit.profiler.types import BlockProfile, MemoryEvent, ModelProfile, ParamInfo
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["profile_model", "MetaProfilingError", "default_loss", "split_inputs"]
 
@@ -292,7 +296,7 @@ def profile_model(
             meta (data-dependent shapes); then the model is copied there, so use a small batch.
         param_dtype: profile with floating-point parameters cast to this dtype.
         name: the model's name in the profile (default: ``config.name``/``model_type``, or the class name).
-        progress: print what it is doing to stderr.
+        progress: log what it is doing at INFO (on stderr unless logging is configured: :func:`tightfit.console.reporter`).
         fallback: a real device (``"cpu"``) to profile on when the model cannot run on meta, instead
             of raising; the profile's notes say so. The model is copied there: keep the batch small.
 
@@ -302,7 +306,7 @@ def profile_model(
     if step not in ("train", "forward"):
         raise ValueError(f"step={step!r} must be 'train' or 'forward'")
     started = time.perf_counter()
-    say = (lambda msg: print(f"[profile_model] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    say = reporter(_log, "profile_model", enabled=progress)
     meta = torch.device(device).type == "meta"
     fake_mode = None
     if meta:

@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -47,7 +48,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tightfit.console import reporter
 from tightfit.profiler.types import ModelProfile
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["TIMING_SOURCE", "time_blocks", "block_inputs", "clock_of"]
 
@@ -216,11 +220,10 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
 
     With an initialised process group every rank must call it (same model and inputs): each rank
     times its blocks, then all keep the slowest rank's numbers, so every rank plans the same way.
-        progress: print each distinct block's time to stderr.
+        progress: log each distinct block's time at INFO (on stderr unless logging is configured).
         clock: ``"wall"`` (elapsed) or ``"cpu"`` (process CPU time: immune to other jobs on a shared
             CPU host; use the same clock when measuring the steps it predicts), see :func:`clock_of`.
     """
-    import sys
 
     from tightfit.profiler.blocks import find_blocks
     from tightfit.profiler.model import default_loss
@@ -252,6 +255,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         except (OSError, ValueError):
             measured = {}
     loss = loss_fn or default_loss
+    say = reporter(_log, "time_blocks", enabled=progress)
     for name, k in keys.items():
         if k in measured:
             continue
@@ -259,9 +263,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         f, b = _time_one(block, specs[name], dev, dtype, warmup, repeats, loss if name == last else None, now)
         measured[k] = [f, b]
         del block
-        if progress:
-            print(f"[time_blocks] {name} ({type(modules[name]).__name__}): forward {f * 1e3:.2f} ms, "
-                  f"backward {b * 1e3:.2f} ms", file=sys.stderr, flush=True)
+        say(f"{name} ({type(modules[name]).__name__}): forward {f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms")
     del out_spec
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)

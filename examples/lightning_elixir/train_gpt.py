@@ -3,6 +3,7 @@
     python examples/lightning_elixir/train_gpt.py                      # 2 CPU processes (or every GPU)
     python examples/lightning_elixir/train_gpt.py --budget mixed       # a budget that forces a mixed plan
     python examples/lightning_elixir/train_gpt.py --hidden 256 --layers 8 --budget 200MiB --steps 500
+    python examples/lightning_elixir/train_gpt.py --steps 4 --hidden 32 --layers 2 --seq 32 --batch 4   # seconds
 
 The model reads raw UTF-8 bytes (a 256-token vocabulary, no tokenizer to download) from
 ``data/corpus.txt``. It is built in ``configure_model``, so it starts on the meta device: Elixir
@@ -20,22 +21,47 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-import lightning as L
+# Importing torch and Lightning takes seconds (10 s on 2 busy cores), in rank 0 and again in the rank Lightning
+# spawns (LOCAL_RANK=1): say so rather than start silent.
+_WHO = "[train_gpt]" + ("" if os.environ.get("LOCAL_RANK", "0") == "0" else f" rank {os.environ['LOCAL_RANK']}:")
+print(f"{_WHO} importing PyTorch ...", flush=True)
 import torch
+
+print(f"{_WHO} importing Lightning ...", flush=True)
+import lightning as L
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elixir  # noqa: F401  (registers strategy="elixir")
 from lightning_elixir import ElixirStrategy
-from tightfit.console import drop_framework_tips
+from tightfit.console import drop_framework_tips, fit_text
 from tightfit.models import GPT, GPTConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+
+
+class Heartbeat(L.Callback):
+    """Rank 0 says it is alive every few seconds until fit's ``setup`` hook: until then Lightning starts the second
+    process, which imports torch and Lightning again (seconds of silence on a busy machine) before the group forms."""
+
+    def __init__(self, label: str, every_s: float = 3.0) -> None:
+        self._done, self._start = threading.Event(), time.perf_counter()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            threading.Thread(target=self._beat, args=(label, every_s), daemon=True).start()
+
+    def _beat(self, label: str, every_s: float) -> None:
+        while not self._done.wait(every_s):
+            print(f"[{label}] starting the second process ({time.perf_counter() - self._start:.0f} s)", flush=True)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self._done.set()
 
 
 class ByteWindows(Dataset):
@@ -78,8 +104,8 @@ class ByteGPT(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
         step, now = self.global_step, time.perf_counter()
-        # Every 10 steps, and at least every 3 s on a slow machine, so the run never goes quiet.
-        if self.global_rank == 0 and (step % 10 == 0 or step == self.trainer.max_steps
+        # The first step, every 10 steps, and at least every 3 s on a slow machine, so the run never goes quiet.
+        if self.global_rank == 0 and (step in (1, self.trainer.max_steps) or step % 10 == 0
                                       or now - getattr(self, "_last_print", now) >= 3.0):
             print(f"step {step:5d}  loss {self.losses[-1]:.3f}", flush=True)
             self._last_print = now
@@ -151,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if gpu else "cpu", devices=devices, precision=precision,
         max_steps=args.steps, default_root_dir=str(out), logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0,
+        enable_model_summary=False, callbacks=[Heartbeat("train_gpt"), ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0,
                                                                every_n_train_steps=max(1, args.steps // 2))])
     start = time.perf_counter()
     trainer.fit(module, ckpt_path=str(out / "last.ckpt") if args.resume else None)
@@ -172,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         first, last = module.losses[0], module.losses[-1]
-        print(f"\ntrained {args.steps} steps on {devices} x {'GPU' if gpu else 'CPU'} in {seconds:.1f} s: loss "
-              f"{first:.2f} -> {last:.2f}; plan: {summary['units']} units, {summary['offloaded_units']} offloaded, "
-              f"{summary['resharded_units']} resharded, {summary['checkpointed_blocks']} blocks recomputed")
-        print(f"checkpoint {out / 'last.ckpt'}, weights {weights} (+ config.json)")
+        print(fit_text(f"\ntrained {args.steps} steps on {devices} x {'GPU' if gpu else 'CPU'} in {seconds:.1f} s: "
+                       f"loss {first:.2f} -> {last:.2f}; plan: {summary['units']} units, {summary['offloaded_units']} "
+                       f"offloaded, {summary['resharded_units']} resharded, {summary['checkpointed_blocks']} blocks "
+                       "recomputed"))
+        print(fit_text(f"artifacts in {out}/: last.ckpt (checkpoint), {Path(weights).name} + config.json "
+                       "(weights), plan.json, summary.json"))
     return 0
 
 

@@ -4,6 +4,7 @@
                                                      # checkpoint: runs/sky_hetero/last.ckpt
     python examples/sky_strategy/train_hetero.py --partition even    # the even split, for comparison
     torchrun --nproc-per-node 2 examples/sky_strategy/train_hetero.py --slowdown 1   # launched by torchrun
+    python examples/sky_strategy/train_hetero.py --steps 4            # seconds (the tests)
 
 Lightning starts the second process itself (``devices=2``). On GPUs use ``--accelerator gpu`` and drop
 ``--slowdown``: real devices of unequal speed are measured, not injected. The module follows the
@@ -15,16 +16,40 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 from pathlib import Path
 
-import lightning as L
+# Importing torch and Lightning takes seconds (10 s on 2 busy cores), in rank 0 and again in the rank Lightning
+# spawns (LOCAL_RANK=1): say so rather than start silent.
+_WHO = "[train_hetero]" + ("" if os.environ.get("LOCAL_RANK", "0") == "0" else f" rank {os.environ['LOCAL_RANK']}:")
+print(f"{_WHO} importing PyTorch ...", flush=True)
 import torch
+
+print(f"{_WHO} importing Lightning ...", flush=True)
+import lightning as L
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import sky_strategy  # registers strategy="sky"
+
+
+class Heartbeat(L.Callback):
+    """Rank 0 says it is alive every few seconds until fit's ``setup`` hook: until then Lightning starts the second
+    process, which imports torch and Lightning again (seconds of silence on a busy machine) before the group forms."""
+
+    def __init__(self, label: str, every_s: float = 3.0) -> None:
+        self._done, self._start = threading.Event(), time.perf_counter()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            threading.Thread(target=self._beat, args=(label, every_s), daemon=True).start()
+
+    def _beat(self, label: str, every_s: float) -> None:
+        while not self._done.wait(every_s):
+            print(f"[{label}] starting the second process ({time.perf_counter() - self._start:.0f} s)", flush=True)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self._done.set()
 
 
 class Block(nn.Module):
@@ -129,7 +154,7 @@ def main() -> None:
     timer = Throughput()
     trainer = L.Trainer(accelerator=args.accelerator, devices=2, strategy=strategy, max_steps=args.steps,
                         val_check_interval=10, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Heartbeat("train_hetero"), timer])
     trainer.fit(TokenClassifier(), DataLoader(data(2048), batch_size=32), DataLoader(data(256), batch_size=32))
     # Every rank takes part (the full model is gathered on rank 0); weights_only=False keeps the optimizer
     # and loop state so the run can resume, and says so instead of letting Lightning warn about the default.

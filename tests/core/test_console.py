@@ -66,3 +66,40 @@ def test_tables_and_text_fit_the_width():
 ])
 def test_format_ratio(ratios, expected):
     assert format_ratio(ratios, "the samples/s") == expected
+
+
+_SAY = ("import logging, sys\n{setup}\nfrom tightfit.console import reporter\n"
+        "reporter(logging.getLogger('tightfit.profiler.x'), 'profile_x')('step 1/2')\n"
+        "reporter(logging.getLogger('tightfit.profiler.x'), 'profile_x', enabled=False)('never')\n")
+
+
+@pytest.mark.parametrize(("setup", "expected"), [
+    ("", "[profile_x] step 1/2\n"),  # nothing configured: asking for progress shows it, plainly
+    ("logging.basicConfig(level=logging.WARNING)", ""),  # the application keeps warnings only: it is not shown
+    ("logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')",
+     "INFO tightfit.profiler.x [profile_x] step 1/2\n"),  # the application's format
+], ids=["unconfigured", "application-keeps-warnings", "application-format"])
+def test_library_progress_is_logging_that_shows_when_nothing_is_configured(setup, expected):
+    """core's progress lines (profile_model/profile_device/time_blocks/calibrate_device with progress=True) are
+    log records, not prints: an application's logging configuration decides, and without one they still show."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SAY.format(setup=setup)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == expected and proc.stdout == ""
+
+
+def test_no_diagnostic_prints_to_stderr_in_core():
+    """Diagnostics in core/ go through logging; only the CLI's own output (core/commands, cli.py) and the terminal
+    layer (console.py: the tqdm bar on a terminal) write to stderr."""
+    import re
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parents[2] / "core"
+    offenders = [f"{p.relative_to(core.parent)}:{i}" for p in core.rglob("*.py")
+                 if p.parent.name != "commands" and p.name not in ("cli.py", "console.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"file=sys\.stderr|sys\.stderr\.write", line) and not line.lstrip().startswith("#")]
+    assert not offenders, f"print to stderr instead of logging: {offenders}"

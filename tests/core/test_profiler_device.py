@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 import torch
@@ -20,10 +21,11 @@ from tightfit.profiler.device import (
 )
 
 
-def test_quick_cpu_profile_is_measured_cached_and_refreshable(tmp_path, monkeypatch, capsys):
+def test_quick_cpu_profile_is_measured_cached_and_refreshable(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="tightfit")  # progress is logged (tests/core/test_console.py: shown)
     prof = profile_device("cpu", quick=True)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "[profile_device] 1/4 memory" in err and "matmul rate" in err and "cached in" in err
     assert prof.kind == "cpu" and prof.source == "measured" and prof.world_size == 1
     assert prof.memory_bytes >= prof.free_bytes > 0 and prof.host_memory_bytes == prof.memory_bytes
