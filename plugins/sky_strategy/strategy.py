@@ -71,7 +71,13 @@ from sky_strategy.runtime import PipelineRuntime
 from tightfit.distributed import decide_on_rank0
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.optimizers import optimizer_states
-from tightfit.planner.pipeline import PartitionPlan, PipelineProblem, merge_latency, merge_replicas, plan_pipeline
+from tightfit.planner.pipeline import (
+    PartitionPlan,
+    PipelineProblem,
+    merge_latency,
+    merge_replicas,
+    plan_pipeline,
+)
 
 __all__ = ["SkyStrategy"]
 
@@ -305,7 +311,9 @@ class SkyStrategy(DDPStrategy):
                                   link_latency=merge_latency(terms.get("link_latency"), replicas=self.replicas),
                                   step_overhead_s=terms.get("step_overhead_s", 0.0), replicas=self.replicas,
                                   allreduce=terms.get("allreduce"),
-                                  gradient_copies=2)  # the last step's gradients live until Lightning's zero_grad
+                                  # the last step's gradients live until Lightning's zero_grad; each
+                                  # microbatch's gradient is computed whole, then accumulated
+                                  gradient_copies=2, accumulation_buffer=True)
         plan = plan_pipeline(problem, cfg.partition, order=cfg.order)
         if not plan.feasible:
             self._say(f"WARNING: the {plan.method} partition exceeds a memory cap:\n{plan.explain()}")

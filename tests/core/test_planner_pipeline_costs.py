@@ -13,8 +13,8 @@ from tightfit.planner.pipeline import (
     PipelineProblem,
     balance,
     brute_force,
-    even,
     evaluate,
+    even,
     merge_latency,
     merge_replicas,
 )
@@ -138,3 +138,18 @@ def test_without_calibration_the_numbers_are_the_old_ones():
     t = [5.0 + 2 * 0 / 1e6, 20.0]  # 1000-byte params, no outputs: no transfer cost
     assert plan.step_time_s == pytest.approx(sum(t) + 7 * max(t)) and plan.step_tail_s == 0.0
     assert plan.stages[0].memory_bytes == 5 * 1000 * 4  # weights, gradients, Adam's two states
+
+
+def test_accumulating_microbatch_gradients_counts_the_largest_layer_once_more():
+    mems = [LayerMemory(param_bytes=b) for b in (100, 300, 200)]
+    args = dict(layer_costs=[1.0] * 3, layer_memory=mems, devices=_devices(None, None), schedule="gpipe",
+                optimizer_state_factor=0.0)
+    plain = evaluate(PipelineProblem(**args, microbatches=2), [0, 2, 3])
+    acc = evaluate(PipelineProblem(**args, microbatches=2, accumulation_buffer=True), [0, 2, 3])
+    assert [a.memory_bytes - p.memory_bytes for a, p in zip(acc.stages, plain.stages)] == [300, 200]
+    one = evaluate(PipelineProblem(**args, microbatches=1, accumulation_buffer=True), [0, 2, 3])
+    assert one.stages[0].memory_bytes == evaluate(PipelineProblem(**args, microbatches=1), [0, 2, 3]).stages[0].memory_bytes
+    # the solver sees the same memory as the pricing: a cap between the two excludes the split
+    problem = PipelineProblem(**args, microbatches=2, accumulation_buffer=True)
+    _, mem, _ = problem.matrices((0, 1))
+    assert mem[0, 0, 2] == acc.stages[0].memory_bytes and mem[1, 2, 3] == acc.stages[1].memory_bytes
