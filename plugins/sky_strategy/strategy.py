@@ -297,8 +297,11 @@ class SkyStrategy(DDPStrategy):
         """The plan for one pipeline; ``speeds`` are per global rank (core merges the replicas)."""
         assert self._inputs is not None
         costs, mems, devices, links = self._inputs
-        devices, links = merge_replicas([replace(d, speed=s) for d, s in zip(devices, speeds)], links,
-                                        replicas=self.replicas)
+        # a re-plan's speeds scale each rank's measured layer timings by the drift it saw
+        devices, links = merge_replicas(
+            [replace(d, speed=s, layer_seconds=None if d.layer_seconds is None else
+                     tuple(t * d.speed / s for t in d.layer_seconds)) for d, s in zip(devices, speeds)], links,
+            replicas=self.replicas)
         terms = self._step_terms
         cfg = self.config
         opt = cfg.optimizer_state_factor

@@ -60,18 +60,18 @@ def test_per_device_timings_stay_exact_against_brute_force():
         assert balance(problem).step_time_s == pytest.approx(brute_force(problem).step_time_s, rel=1e-9)
 
 
-def test_link_latency_is_paid_per_message_both_ways():
+def test_link_latency_delays_the_step_once_per_boundary_and_direction():
     mems = [LayerMemory(param_bytes=1, output_bytes=1000)] * 4
     devs = _devices(None, None)
     args = dict(layer_costs=[1.0] * 4, layer_memory=mems, devices=devs, microbatches=3, schedule="gpipe", links=1e4)
     bw_only = evaluate(PipelineProblem(**args), [0, 2, 4])
     with_alpha = evaluate(PipelineProblem(**args, link_latency=0.25), [0, 2, 4])
-    assert bw_only.stages[0].comm_s == pytest.approx(2 * 1000 / 1e4)
-    assert with_alpha.stages[0].comm_s == pytest.approx(2 * (1000 / 1e4 + 0.25))  # activation out, gradient back
-    assert with_alpha.stages[1].comm_s == 0.0
-    # stage times 2.2 / 2.0 (bandwidth only), 2.7 / 2.0 (with latency): sum + (M - 1) x max
+    # the bytes occupy the sending stage every microbatch (activation out, gradient back) ...
+    assert bw_only.stages[0].comm_s == with_alpha.stages[0].comm_s == pytest.approx(2 * 1000 / 1e4)
+    # ... the latency delays the step once per boundary and direction (fill and drain), 3x without pipelining
     assert bw_only.step_time_s == pytest.approx(4.2 + 2 * 2.2)
-    assert with_alpha.step_time_s == pytest.approx(4.7 + 2 * 2.7)
+    assert with_alpha.step_time_s == pytest.approx(4.2 + 2 * 2.2 + 2 * 0.25)
+    assert with_alpha.sequential_time_s == pytest.approx(bw_only.sequential_time_s + 3 * 2 * 0.25)
     assert "links alpha-beta" in with_alpha.cost_model and "bandwidth-only" in bw_only.cost_model
     with pytest.raises(PlanError, match="link_latency"):
         PipelineProblem(**args, link_latency=-1.0)

@@ -19,9 +19,13 @@ Cost model (one microbatch unless said otherwise; ``M`` microbatches, ``S`` stag
     * measured per device (``DeviceSpec.layer_seconds``, what each rank timed for itself): stage
       compute is the sum of *that device's* seconds for its layers, not one speed for all layer
       types (a slowed rank's embedding and its matmul blocks slow by different factors);
-    * link latency (``link_latency``, alpha of an alpha-beta fit): each transfer costs
-      ``alpha + bytes / bandwidth``; on gloo over loopback alpha is ~0.1-1 ms, the whole cost of a
-      48 KiB activation;
+    * link latency (``link_latency``, alpha of an alpha-beta fit): a transfer *delays* its microbatch
+      by alpha but does not occupy a rank (the sender goes on with its next microbatch), so it is paid
+      on the pipeline's critical path once per boundary and direction, ``2 x alpha`` per boundary per
+      step (the first activation forward, the last gradient back), and per microbatch without
+      pipelining; on gloo over loopback alpha is ~0.05-1 ms, most of what a 48 KiB activation costs.
+      Charged per microbatch to the sending stage instead, a loaded host's 1 ms alpha outweighed a small
+      model's whole compute and every plan put one layer on the first stage;
     * once per step, after the pipeline drains: ``step_overhead_s`` (what the runtime does per step
       whatever the partition: output broadcast, framework loop) plus, for the slowest device, its
       optimizer step (``param_bytes / optimizer_bytes_per_s``) and, with ``replicas > 1``, the
@@ -361,8 +365,8 @@ class PipelineProblem:
         a, b = self.device_at(order, position), self.device_at(order, position + 1)
         if a == b:
             return np.zeros(self.num_layers + 1)
-        # activation forward + its gradient back: two messages, each alpha + bytes / bandwidth
-        return 2.0 * (self.boundary_bytes / self.bandwidth[a, b] + self.latency[a, b])
+        # activation forward + its gradient back: the bytes occupy the ranks; latency is priced per step
+        return 2.0 * self.boundary_bytes / self.bandwidth[a, b]
 
     def matrices(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``time[k, i, j]``, ``memory[k, i, j]`` of a stage at position ``k`` holding layers ``i .. j - 1``,
@@ -427,11 +431,15 @@ class PipelineProblem:
             bottleneck = max(t)
             step = sum(t) + (self.microbatches - 1) * bottleneck
         tail = self.tail_seconds(stages)
+        # latency: each boundary's activation and gradient cross once on the fill / drain of a step
+        lat = sum(2.0 * float(self.latency[a.device, b.device]) for a, b in zip(stages, stages[1:])
+                  if a.device != b.device)
+        step += lat
         return PartitionPlan(
             method=method, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.chunks,
             devices=tuple(d.name for d in self.devices), order=tuple(int(o) for o in order),
             stages=tuple(stages), step_time_s=float(step + tail), bottleneck_s=float(bottleneck),
-            sequential_time_s=float(self.microbatches * sum(t) + tail), feasible=all(s.fits for s in stages),
+            sequential_time_s=float(self.microbatches * (sum(t) + lat) + tail), feasible=all(s.fits for s in stages),
             notes=tuple(notes), cost_model=self.cost_model, step_tail_s=float(tail))
 
     def tail_seconds(self, stages: Sequence[StagePlan]) -> float:
