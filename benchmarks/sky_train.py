@@ -12,10 +12,13 @@ strategy's own prediction record times it) after two warm-up steps.
 Predicted: the plan each fit made from its own profile (per-device, per-layer-kind timings, links
 as latency + bandwidth, the optimizer step, the per-step collectives). Measured: the wall time per
 step. Wall time, not CPU time: a pipeline's step is its critical path, which includes bubbles and
-the slowed rank's sleep, neither of which is CPU time. On a shared host the benchmark raises its
-processes' scheduling priority (``nice -20`` when permitted; the JSON records the niceness and the
-load average) so other jobs' processes do not stretch the steps it times; the plans are profiled in
-the same processes at the same priority. Peak memory: per rank, the owned parameters, gradients and
+the slowed rank's sleep, neither of which is CPU time (the layers themselves are profiled with
+``profile_clock="cpu"``, which other jobs do not inflate). On a shared host the benchmark raises its
+processes' scheduling priority while it runs (niceness and the session's autogroup niceness -20 when
+permitted, restored afterwards; the JSON records both and the load average) so other jobs' processes
+do not stretch the steps it times; the plans are profiled in the same processes at the same priority.
+Run-to-run spread on a host at load 15-20: the measured medians moved by up to 30% between runs of
+this command, the predictions by a few percent. Peak memory: per rank, the owned parameters, gradients and
 optimizer state at the step's start plus the highest the step's allocations rise (torch.profiler
 memory events, one extra step after the timed ones), against the plan's stage memory for that rank.
 
