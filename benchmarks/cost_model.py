@@ -25,6 +25,9 @@ budget (fits: predicted device peak <= budget, what the planner guarantees). Tar
 every step time within 20%, rank correlation >= 0.8, pick within 5%, peak within 10% and never
 under-predicted by more than 5%. Also compared: the uncalibrated model (FLOPs / rate, bandwidth-only
 collectives) on the same contenders, to show what calibration buys.
+
+The same table for Sky's planner (even / balanced / parameter-balanced on 2 ranks, one slowed 3x):
+``benchmarks/sky_train.py`` (``results/sky_train.json``), which shares :func:`spearman` from here.
 """
 
 from __future__ import annotations

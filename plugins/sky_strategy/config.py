@@ -31,6 +31,8 @@ class SkyConfig:
         replan_every: every N optimizer steps compare measured stage times and re-plan if they drifted.
         replan_threshold: relative drift of any rank's stage time that triggers a re-plan.
         profile_repeats: timed repeats per layer when profiling.
+        profile_clock: ``"wall"`` (elapsed time) or ``"cpu"`` (process CPU time, CPU devices only: immune
+            to other jobs on a shared host, see :func:`tightfit.profiler.timing.clock_of`).
         optimizer_state_factor: optimizer-state bytes per parameter byte; ``None``: from the optimizer
             (Adam/AdamW 2, SGD with momentum 1, otherwise 0).
         check_forward: verify once that ``forward`` equals the declared layers applied in order.
@@ -55,6 +57,7 @@ class SkyConfig:
     replan_every: int | None = None
     replan_threshold: float = 0.25
     profile_repeats: int = 3
+    profile_clock: str = "wall"
     optimizer_state_factor: float | None = None
     check_forward: bool = True
     verbose: bool = True
@@ -106,6 +109,9 @@ class SkyConfig:
                      fix="a relative drift, e.g. 0.25 = 25%")
         check_number(self.profile_repeats, "profile_repeats", where=where, integer=True, low=1,
                      fix="give whole timed repeats per layer, e.g. 3")
+        if self.profile_clock not in ("wall", "cpu"):
+            raise ValueError(f"SkyStrategy: profile_clock={self.profile_clock!r}; use 'wall' (elapsed time) or 'cpu' "
+                             "(process CPU time, for CPU ranks on a shared host)")
         if self.optimizer_state_factor is not None:
             check_number(self.optimizer_state_factor, "optimizer_state_factor", where=where, low=0,
                          fix="optimizer-state bytes per parameter byte: Adam 2, SGD+momentum 1, SGD 0; or None")

@@ -20,7 +20,7 @@ from tightfit.console import drop_framework_tips, fit_text
 from tightfit.planner.pipeline import DeviceSpec, LayerMemory, PipelineProblem, balance, even, sky_allocator
 from tightfit.units import format_ratio
 
-__all__ = ["run_demo", "simulated_cluster_plans", "train_side_by_side", "launch"]
+__all__ = ["run_demo", "simulated_cluster_plans", "train_side_by_side", "launch", "demo_module"]
 
 
 def simulated_cluster_plans() -> str:
@@ -41,7 +41,7 @@ def simulated_cluster_plans() -> str:
     return "\n".join(lines)
 
 
-def _demo_module(width: int, depth: int):
+def demo_module(width: int, depth: int):
     """Wide MLP blocks: enough compute per layer that a slowed rank shows on 1 CPU thread per rank."""
     import lightning as L
     import torch.nn.functional as F
@@ -112,7 +112,7 @@ def _train_rank(rank: int, world: int, contenders: list[dict], speed_factors: li
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 num_sanity_val_steps=0, callbacks=[timer], use_distributed_sampler=False)
             torch.manual_seed(0)
-            trainer.fit(_demo_module(width, depth), DataLoader(data, batch_size=batch))
+            trainer.fit(demo_module(width, depth), DataLoader(data, batch_size=batch))
             warm = timer.times[2:] or timer.times  # the first steps build schedules and profile
             results[c["name"]]["step_s"].append(sorted(warm)[len(warm) // 2])
             results[c["name"]]["counts"] = strategy.plan.layer_counts()

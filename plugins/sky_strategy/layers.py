@@ -22,6 +22,7 @@ defines it, else a ``(inputs, target)`` pair is expected.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -129,25 +130,33 @@ class StageModule(nn.Module):
 
 
 class _Elapsed:
-    """A finished host-clock interval."""
+    """A finished host-clock interval, with the CPU time this thread spent in it."""
 
-    __slots__ = ("_s",)
+    __slots__ = ("_s", "_cpu")
 
-    def __init__(self, seconds: float) -> None:
-        self._s = seconds
+    def __init__(self, seconds: float, cpu: float | None = None) -> None:
+        self._s, self._cpu = seconds, cpu
 
     def seconds(self) -> float:
         return self._s
+
+    def work_seconds(self) -> float:
+        """The compute itself: this thread's CPU time when torch computes on it alone (one intra-op
+        thread), else the elapsed time. On a host shared with other jobs the elapsed time also holds
+        their preemptions, which a slowed rank's sleep would multiply by its slowdown."""
+        return self._cpu if self._cpu is not None else self._s
 
 
 class HostTimer:
     """Times a stage's compute with the host clock: right where work is synchronous (CPU devices)."""
 
-    def start(self) -> float:
-        return time.perf_counter()
+    def start(self) -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
 
-    def stop(self, token: float) -> _Elapsed:
-        return _Elapsed(time.perf_counter() - token)
+    def stop(self, token) -> _Elapsed:
+        wall, cpu = token if isinstance(token, tuple) else (token, None)
+        single = cpu is not None and torch.get_num_threads() == 1
+        return _Elapsed(time.perf_counter() - wall, time.thread_time() - cpu if single else None)
 
 
 class _EventInterval:
@@ -191,7 +200,8 @@ def stage_timer(device: torch.device) -> HostTimer | EventTimer:
 class TimedStage(PipelineStage):
     """A :class:`PipelineStage` that times its compute per microbatch and, when this rank plays a slower
     device (``slowdown() > 1``), sleeps ``(slowdown - 1) x`` the compute it just did: the rank is busy
-    exactly as long as the slower device would be, without using the CPU that other ranks share.
+    exactly as long as the slower device would be, without using the CPU that other ranks share
+    (on a CPU computing on one thread, "the compute" is the thread's CPU time, see ``work_seconds``).
 
     On a GPU the time comes from CUDA events (:class:`EventTimer`): with no slowdown nothing waits
     per chunk (the intervals are read when ``busy_s`` is, once per step), and with one only this
@@ -228,8 +238,9 @@ class TimedStage(PipelineStage):
         factor = self._slowdown() - 1.0
         if factor > 0:
             elapsed = interval.seconds()
-            time.sleep(factor * elapsed)
-            self._busy += elapsed * (1.0 + factor)
+            work = interval.work_seconds() if hasattr(interval, "work_seconds") else elapsed
+            time.sleep(factor * work)
+            self._busy += elapsed + factor * work
         else:
             self._open.append(interval)
         return out
@@ -250,12 +261,16 @@ class LayerMeasurement:
         seconds: median forward+backward time (already divided by an injected speed factor).
         param_bytes: bytes of its parameters; activation_bytes: bytes autograd saved in its forward
             (parameters excluded); output_bytes: bytes of its output.
+        kind: the layer's type, parameter shapes and input shapes: layers of one kind do the same work.
+        samples: every timed repeat (seconds, divided by the speed factor like ``seconds``).
     """
 
     seconds: float
     param_bytes: int
     activation_bytes: int
     output_bytes: int
+    kind: str = ""
+    samples: tuple[float, ...] = ()
 
 
 def _nbytes(x) -> int:
@@ -264,6 +279,14 @@ def _nbytes(x) -> int:
     if isinstance(x, (tuple, list)):
         return sum(_nbytes(t) for t in x)
     return 0
+
+
+def _shapes(x):
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), str(x.dtype))
+    if isinstance(x, (tuple, list)):
+        return tuple(_shapes(t) for t in x)
+    return type(x).__name__
 
 
 def _detach(x):
@@ -283,18 +306,42 @@ def _grad_like(y):
     return outs, grads
 
 
+def _fwd_bwd(mod: nn.Module, xin, sync: Callable[[], None], clock: Callable[[], float], pack=None):
+    """(seconds, output) of one forward+backward of ``mod`` on ``xin``; ``pack`` records saved tensors."""
+    start = clock()
+    if pack is not None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = call_layer(mod, xin)
+    else:
+        y = call_layer(mod, xin)
+    outs, grads = _grad_like(y)
+    if outs:
+        torch.autograd.backward(outs, grads)
+    sync()
+    return clock() - start, y
+
+
 def measure_layers(layers: list[Layer], sample, *, device: torch.device, repeats: int = 3,
                    speed_factor: float = 1.0, sync: Callable[[], None] = lambda: None,
-                   progress: Callable[[str], None] | None = None, offload: bool = False) -> list[LayerMeasurement]:
+                   progress: Callable[[str], None] | None = None, offload: bool = False,
+                   clock: Callable[[], float] = time.perf_counter) -> list[LayerMeasurement]:
     """Time each layer's forward+backward on ``sample`` (one microbatch), layer after layer.
 
     Each layer is measured alone on the previous layer's real output, so a rank only ever needs
     one layer's weights on its device at a time. The median of ``repeats`` runs after one warm-up is
     reported, divided by ``speed_factor`` (a rank playing a device 3x slower reports 3x the time).
     With ``offload`` each layer is moved to ``device`` only while it is measured (the model waits in
-    host memory until it is partitioned).
+    host memory until it is partitioned), its repeats back to back. Without it the repeats go round
+    the layers in model order (layer 0..N-1, then again): in a pipeline a layer runs after its
+    stage's other layers and microbatches, not right after itself, and a layer timed back to back
+    finds its weights and gradients still in cache (on a 2-core host with a 32 MiB cache the
+    back-to-back timings were ~1.4x faster than the same layers inside the running pipeline).
+    ``clock``: ``time.perf_counter`` (elapsed) or a CPU clock (:func:`tightfit.profiler.timing.clock_of`,
+    CPU devices on a shared host).
     """
     out: list[LayerMeasurement] = []
+    inputs: list = []
+    times: list[list[float]] = []
     x = sample
     for n, layer in enumerate(layers):
         mod = layer.module
@@ -309,29 +356,25 @@ def measure_layers(layers: list[Layer], sample, *, device: torch.device, repeats
                 saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
             return t
 
-        times = []
-        y = None
-        for rep in range(repeats + 1):
-            xin = _detach(x) if n > 0 else x
-            start = time.perf_counter()
-            if rep == 0:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = call_layer(mod, xin)
-            else:
-                y = call_layer(mod, xin)
-            outs, grads = _grad_like(y)
-            if outs:
-                torch.autograd.backward(outs, grads)
-            sync()
-            if rep > 0:
-                times.append(time.perf_counter() - start)
-        mod.zero_grad(set_to_none=True)
+        inputs.append(x)
+        _, y = _fwd_bwd(mod, _detach(x) if n > 0 else x, sync, clock, pack)  # warm-up, records activations
+        mine = [_fwd_bwd(mod, _detach(x) if n > 0 else x, sync, clock)[0] for _ in range(repeats)] if offload else []
+        times.append(mine)
         if offload:
+            mod.zero_grad(set_to_none=True)
             mod.to("cpu")
-        assert y is not None
-        out.append(LayerMeasurement(seconds=statistics.median(times) / speed_factor, param_bytes=param_bytes,
-                                    activation_bytes=sum(saved.values()), output_bytes=_nbytes(y)))
+        kind = repr((type(mod).__qualname__, [(n_, tuple(p.shape), str(p.dtype)) for n_, p in mod.named_parameters()],
+                     _shapes(x)))
+        out.append(LayerMeasurement(seconds=0.0, param_bytes=param_bytes, activation_bytes=sum(saved.values()),
+                                    output_bytes=_nbytes(y), kind=kind))
         x = y.detach() if isinstance(y, torch.Tensor) else tuple(t.detach() for t in y)
         if progress is not None and (n + 1) % max(1, len(layers) // 4) == 0:
             progress(f"profiled {n + 1}/{len(layers)} layers")
-    return out
+    if not offload:
+        for _ in range(repeats):
+            for n, layer in enumerate(layers):
+                times[n].append(_fwd_bwd(layer.module, _detach(inputs[n]) if n > 0 else inputs[n], sync, clock)[0])
+        for layer in layers:
+            layer.module.zero_grad(set_to_none=True)
+    return [dataclasses.replace(m, seconds=statistics.median(t) / speed_factor,
+                                samples=tuple(v / speed_factor for v in t)) for m, t in zip(out, times)]

@@ -3,6 +3,19 @@
 Results are gathered on every rank (small: a few numbers per layer) and turned into the planner's
 inputs by :func:`planner_inputs`. Heterogeneity can be injected (``speed_factors``, ``memory_caps``,
 ``link_bandwidth``) so one homogeneous machine can play a heterogeneous cluster.
+
+What the step model gets from here (``tightfit.planner.pipeline.problem`` prices it):
+
+* per device, per layer *kind* (type, parameter and input shapes): layers of one kind are timed
+  together and share the median of all their repeats (6 identical blocks x 5 repeats = 30 samples:
+  one preempted 1 ms sample no longer moves a layer's cost; with 3 repeats per layer identical
+  blocks read 1.3-4.8 ms on one rank of a loaded 2-core host);
+* links as latency + bandwidth: ping-pongs at several sizes fitted by
+  :func:`tightfit.profiler.calibrate.fit_alpha_beta` (a 48 KiB activation on gloo over loopback is
+  mostly the ~0.2 ms latency that one bandwidth number cannot express);
+* the optimizer step's rate on this rank (the user's optimizer class and settings on a scratch tensor),
+  the data-parallel all-reduce's alpha-beta (replicas only), and the per-step collectives every step
+  pays whatever the partition (:func:`step_overhead`).
 """
 
 from __future__ import annotations
@@ -10,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +31,15 @@ import torch.distributed as dist
 
 from sky_strategy.layers import Layer, LayerMeasurement, measure_layers
 from tightfit.planner.pipeline import DeviceSpec, LayerMemory
+from tightfit.profiler.calibrate import fit_alpha_beta
+from tightfit.profiler.timing import clock_of
 
-__all__ = ["RankProfile", "profile_rank", "measure_links", "planner_inputs", "usable_memory"]
+__all__ = ["RankProfile", "profile_rank", "measure_links", "measure_link_fits", "fit_allreduce", "optimizer_rate",
+           "step_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES"]
+
+# Ping-pong sizes for the link fit: 4 KiB (latency-bound) to 1 MiB (bandwidth-bound), plus the model's
+# own activation size (added by the strategy).
+LINK_SIZES = (1 << 12, 1 << 16, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -29,6 +49,8 @@ class RankProfile:
     Args:
         rank: global rank; device: its device name; speed_factor: the injected factor (1.0: none).
         layers: one measurement per layer; memory_bytes: memory usable for a stage.
+        optimizer_bytes_per_s: parameter bytes the optimizer step updates per second here (``None``: not
+            measured).
     """
 
     rank: int
@@ -36,10 +58,66 @@ class RankProfile:
     speed_factor: float
     layers: tuple[LayerMeasurement, ...]
     memory_bytes: int
+    optimizer_bytes_per_s: float | None = None
+
+    @property
+    def layer_seconds(self) -> tuple[float, ...]:
+        """Each layer's seconds on this rank, pooled per layer kind (:func:`pooled_seconds`)."""
+        return pooled_seconds(self.layers)
 
     @property
     def total_s(self) -> float:
-        return sum(m.seconds for m in self.layers)
+        return sum(self.layer_seconds)
+
+
+def pooled_seconds(layers: tuple[LayerMeasurement, ...] | list[LayerMeasurement]) -> tuple[float, ...]:
+    """Per layer, the (trimmed) mean over every timed repeat of every layer of its kind (its own median
+    when the measurement carries no samples or kind)."""
+    pools: dict[str, list[float]] = {}
+    for m in layers:
+        if m.kind and m.samples:
+            pools.setdefault(m.kind, []).extend(m.samples)
+    means = {k: _trimmed_mean(v) for k, v in pools.items()}
+    return tuple(means.get(m.kind, m.seconds) if m.kind and m.samples else m.seconds for m in layers)
+
+
+def _trimmed_mean(samples: list[float], cut: float = 0.2) -> float:
+    """Mean of the middle ``1 - 2 cut`` of the samples: a pipeline runs at the layers' *average* speed,
+    which a median (the fastest half's edge) understates where the host's other work slows some runs."""
+    xs = sorted(samples)
+    # at least one sample off each end once there are three: one preempted repeat of a layer timed
+    # 3 times (14.9 ms for a 0.1 ms embedding on a loaded host) would otherwise set its cost
+    k = max(int(len(xs) * cut), 1 if len(xs) >= 3 else 0)
+    mid = xs[k:len(xs) - k] or xs
+    return statistics.fmean(mid)
+
+
+def optimizer_rate(optimizers: Sequence[torch.optim.Optimizer], *, device: torch.device, dtype: torch.dtype,
+                   numel: int = 1 << 18, repeats: int = 5, clock: Callable[[], float] = time.perf_counter,
+                   ) -> float | None:
+    """Parameter bytes per second the optimizers' step updates here: each optimizer's class and settings
+    rebuilt on a scratch tensor of ``numel`` elements, median of ``repeats`` steps after one warm-up.
+    ``None`` when there is no optimizer or one cannot be rebuilt so."""
+    total = 0.0
+    for opt in optimizers:
+        p = torch.nn.Parameter(torch.randn(numel, device=device, dtype=dtype))
+        p.grad = torch.randn_like(p)
+        try:
+            scratch = type(opt)([p], **opt.defaults)
+        except Exception:  # noqa: BLE001 - an optimizer with extra constructor arguments: leave it unpriced
+            return None
+        times = []
+        for rep in range(repeats + 1):
+            start = clock()
+            scratch.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep:
+                times.append(clock() - start)
+        total += statistics.median(times)
+    if not optimizers or total <= 0:
+        return None
+    return numel * torch.empty((), dtype=dtype).element_size() / total
 
 
 def usable_memory(device: torch.device, resident_bytes: int, local_world_size: int) -> int:
@@ -61,16 +139,24 @@ def usable_memory(device: torch.device, resident_bytes: int, local_world_size: i
 
 
 def profile_rank(layers: list[Layer], sample, *, rank: int, device: torch.device, speed_factor: float,
-                 memory_cap: int | None, local_world_size: int, repeats: int = 3, progress=None) -> RankProfile:
+                 memory_cap: int | None, local_world_size: int, repeats: int = 3, progress=None,
+                 optimizers: Sequence[torch.optim.Optimizer] = (), clock: str = "wall") -> RankProfile:
+    """What this rank measures: every layer (pooled per kind later), its usable memory, its optimizer's rate.
+    ``clock="cpu"`` times the layers with process CPU time (CPU devices only)."""
+    if clock == "cpu" and device.type != "cpu":
+        raise ValueError(f"profile_clock='cpu' on {device}: a GPU's time is not host CPU time; use 'wall'")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     measured = measure_layers(layers, sample, device=device, repeats=repeats, speed_factor=speed_factor, sync=sync,
-                              progress=progress, offload=device.type != "cpu")
+                              progress=progress, offload=device.type != "cpu", clock=clock_of(clock))
     resident = sum(m.param_bytes for m in measured)
     mem = usable_memory(device, resident, local_world_size)
     if memory_cap is not None:
         mem = min(mem, int(memory_cap))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return RankProfile(rank=rank, device=name, speed_factor=speed_factor, layers=tuple(measured), memory_bytes=mem)
+    dtype = next((p.dtype for layer in layers for _, p in layer.parameters() if p.is_floating_point()), torch.float32)
+    rate = optimizer_rate(optimizers, device=device, dtype=dtype, clock=clock_of(clock)) if optimizers else None
+    return RankProfile(rank=rank, device=name, speed_factor=speed_factor, layers=tuple(measured), memory_bytes=mem,
+                       optimizer_bytes_per_s=rate)
 
 
 def _rounds(world: int) -> list[list[tuple[int, int]]]:
@@ -127,19 +213,89 @@ def measure_links(nbytes: int, *, device: torch.device, repeats: int = 3,
             for a in range(world)]
 
 
+def measure_link_fits(sizes: tuple[int, ...] | list[int] = LINK_SIZES, *, device: torch.device, repeats: int = 3,
+                      sync: Callable[[], None] | None = None) -> tuple[list[list[float]], list[list[float]]]:
+    """``(bandwidth bytes/s, latency s)`` between every pair of ranks: one-way ping-pong times at each
+    size fitted to ``t = alpha + bytes / bandwidth`` (:func:`~tightfit.profiler.calibrate.fit_alpha_beta`).
+    Every rank returns the same matrices (diagonal: inf bandwidth, 0 latency)."""
+    sizes = sorted({int(x) for x in sizes})
+    mats = [measure_links(n, device=device, repeats=repeats, sync=sync) for n in sizes]
+    world = len(mats[0])
+    bw = [[float("inf")] * world for _ in range(world)]
+    lat = [[0.0] * world for _ in range(world)]
+    for a in range(world):
+        for b in range(world):
+            if a == b:
+                continue
+            one_way = [n / m[a][b] for n, m in zip(sizes, mats)]
+            lat[a][b], bw[a][b] = fit_alpha_beta([float(n) for n in sizes], one_way, 1.0)
+    return bw, lat
+
+
+def fit_allreduce(group: dist.ProcessGroup | None, *, device: torch.device,
+                  sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), repeats: int = 3) -> tuple[float, float]:
+    """``(alpha s, bus bandwidth bytes/s)`` of an all-reduce over ``group``: fp32 messages of ``sizes``
+    bytes, median of ``repeats`` after one warm-up, the slowest rank's time, fitted like the collectives
+    of :func:`tightfit.profiler.calibrate_device`."""
+    world = dist.get_world_size(group)
+    times = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+        samples = []
+        for rep in range(repeats + 1):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep:
+                samples.append(time.perf_counter() - start)
+        t = torch.tensor([statistics.median(samples)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(t.item()))
+    return fit_alpha_beta([float(n) for n in sizes], times, 2.0 * (world - 1) / max(1, world))
+
+
+# Collectives every SkyStrategy step runs whatever the partition: Lightning's per-step broadcast of its
+# stop flag, and the output's way to every rank (broadcast_object_list: a size and a payload, then the
+# tensor itself) - four latency-bound collectives.
+STEP_COLLECTIVES = 4
+
+
+def step_overhead(latency: list[list[float]] | None, bandwidth: list[list[float]] | float | None,
+                  output_bytes: int) -> float:
+    """Seconds per step outside the pipeline: :data:`STEP_COLLECTIVES` collectives at the slowest link's
+    latency plus the batch output's bytes over the slowest link (0 without measured links)."""
+    if not latency:
+        return 0.0
+    alpha = max(max(row) for row in latency)
+    if isinstance(bandwidth, (int, float)):
+        slowest = float(bandwidth)
+    elif bandwidth:
+        slowest = min(min(row) for row in bandwidth)
+    else:
+        slowest = float("inf")
+    return STEP_COLLECTIVES * alpha + output_bytes / slowest
+
+
 def planner_inputs(profiles: list[RankProfile]) -> tuple[list[float], list[LayerMemory], list[DeviceSpec]]:
     """Layer costs on the reference device (rank 0's speed = 1.0), per-layer memory, one device per rank.
 
-    A rank's speed is rank 0's total time over its own; a layer's cost is the mean over ranks of its
-    time scaled to the reference, which averages out timing noise of any one rank.
+    Each device carries its own measured seconds per layer (pooled per layer kind, see
+    :func:`pooled_seconds`); the planner prices a stage on a device with *those*. A rank's ``speed``
+    (rank 0's total time over its own) and the reference ``costs`` (the mean over ranks of a layer's
+    time scaled to the reference) remain for what sees one speed per device (Sky Computing's allocator).
     """
     ref = profiles[0].total_s
     speeds = [ref / p.total_s if p.total_s > 0 else 1.0 for p in profiles]
     n = len(profiles[0].layers)
-    costs = [statistics.fmean(p.layers[i].seconds * s for p, s in zip(profiles, speeds)) for i in range(n)]
+    pooled = [p.layer_seconds for p in profiles]
+    costs = [statistics.fmean(ps[i] * s for ps, s in zip(pooled, speeds)) for i in range(n)]
     first = profiles[0].layers
     mems = [LayerMemory(param_bytes=m.param_bytes, activation_bytes=m.activation_bytes, output_bytes=m.output_bytes)
             for m in first]
     devices = [DeviceSpec(name=f"rank{p.rank}:{p.device}" + (f"x{p.speed_factor:g}" if p.speed_factor != 1 else ""),
-                          speed=s, memory_bytes=max(1, p.memory_bytes)) for p, s in zip(profiles, speeds)]
+                          speed=s, memory_bytes=max(1, p.memory_bytes), layer_seconds=ps,
+                          optimizer_bytes_per_s=p.optimizer_bytes_per_s)
+               for p, s, ps in zip(profiles, speeds, pooled)]
     return costs, mems, devices

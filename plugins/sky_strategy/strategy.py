@@ -58,12 +58,26 @@ from typing_extensions import override
 
 from sky_strategy.config import SkyConfig
 from sky_strategy.layers import call_layer, resolve_layers, split_batch
-from sky_strategy.profiling import RankProfile, measure_links, planner_inputs, profile_rank
+from sky_strategy.profiling import (
+    LINK_SIZES,
+    RankProfile,
+    fit_allreduce,
+    measure_link_fits,
+    planner_inputs,
+    profile_rank,
+    step_overhead,
+)
 from sky_strategy.runtime import PipelineRuntime
 from tightfit.distributed import decide_on_rank0
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.optimizers import optimizer_states
-from tightfit.planner.pipeline import PartitionPlan, PipelineProblem, merge_replicas, plan_pipeline
+from tightfit.planner.pipeline import (
+    PartitionPlan,
+    PipelineProblem,
+    merge_latency,
+    merge_replicas,
+    plan_pipeline,
+)
 
 __all__ = ["SkyStrategy"]
 
@@ -85,7 +99,7 @@ class SkyStrategy(DDPStrategy):
                  partition: str | Sequence[int] = "balanced", order: str = "search",
                  speed_factors: Sequence[float] | None = None, memory_caps: Sequence[int | str] | None = None,
                  link_bandwidth: float | None = None, throttle: bool = True, replan_every: int | None = None,
-                 replan_threshold: float = 0.25, profile_repeats: int = 3,
+                 replan_threshold: float = 0.25, profile_repeats: int = 3, profile_clock: str = "wall",
                  optimizer_state_factor: float | None = None, check_forward: bool = True, verbose: bool = True,
                  data_parallel: int | str = 1, pipeline_ranks: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
@@ -101,7 +115,7 @@ class SkyStrategy(DDPStrategy):
             speed_factors=None if speed_factors is None else tuple(float(f) for f in speed_factors),
             memory_caps=None if memory_caps is None else tuple(memory_caps),  # type: ignore[arg-type]
             link_bandwidth=link_bandwidth, throttle=throttle, replan_every=replan_every,
-            replan_threshold=replan_threshold, profile_repeats=profile_repeats,
+            replan_threshold=replan_threshold, profile_repeats=profile_repeats, profile_clock=profile_clock,
             optimizer_state_factor=optimizer_state_factor, check_forward=check_forward, verbose=verbose,
             data_parallel=data_parallel, pipeline_ranks=pipeline_ranks)
         self._speed_factors = list(self.config.speed_factors) if self.config.speed_factors else None
@@ -112,6 +126,7 @@ class SkyStrategy(DDPStrategy):
         self.profiles: list[RankProfile] = []
         self.replans: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         self._inputs: tuple | None = None
+        self._step_terms: dict[str, Any] = {}  # link latency, all-reduce fit, per-step overhead (profiling.py)
         self._speeds: list[float] = []
         self._baseline: list[float] | None = None
         self._steps = 0
@@ -230,16 +245,23 @@ class SkyStrategy(DDPStrategy):
             mine = profile_rank(self._layers, sample, rank=self.global_rank, device=self.root_device,
                                 speed_factor=self.speed_factor(),
                                 memory_cap=None if cfg.memory_caps is None else cfg.memory_caps[self.global_rank],
-                                local_world_size=self.num_processes, repeats=cfg.profile_repeats, progress=self._say)
+                                local_world_size=self.num_processes, repeats=cfg.profile_repeats, progress=self._say,
+                                optimizers=self._raw_optimizers(), clock=cfg.profile_clock)
             links: Any = cfg.link_bandwidth
+            latency = None
             if links is None and self.world_size > 1:
-                links = measure_links(max(max(m.output_bytes for m in mine.layers), 1 << 16), device=self.root_device)
+                act = max(max(m.output_bytes for m in mine.layers), 1)
+                links, latency = measure_link_fits((*LINK_SIZES, act), device=self.root_device)
+            allreduce = fit_allreduce(self._dp_group, device=self.root_device) if self.replicas > 1 else None
         module.train(was_training)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
         self.profiles = gathered
         costs, mems, devices = planner_inputs(gathered)
         self._inputs = (costs, mems, devices, links)
+        batch_out = mine.layers[-1].output_bytes * cfg.microbatches
+        self._step_terms = {"link_latency": latency, "allreduce": allreduce,
+                            "step_overhead_s": step_overhead(latency, links, batch_out)}
         self._speeds = [d.speed for d in devices]
         self.plan = self._decide_plan(self._speeds)
         self.runtime = PipelineRuntime(module, self._layers, device=self.root_device, slowdown=self._slowdown,
@@ -275,8 +297,12 @@ class SkyStrategy(DDPStrategy):
         """The plan for one pipeline; ``speeds`` are per global rank (core merges the replicas)."""
         assert self._inputs is not None
         costs, mems, devices, links = self._inputs
-        devices, links = merge_replicas([replace(d, speed=s) for d, s in zip(devices, speeds)], links,
-                                        replicas=self.replicas)
+        # a re-plan's speeds scale each rank's measured layer timings by the drift it saw
+        devices, links = merge_replicas(
+            [replace(d, speed=s, layer_seconds=None if d.layer_seconds is None else
+                     tuple(t * d.speed / s for t in d.layer_seconds)) for d, s in zip(devices, speeds)], links,
+            replicas=self.replicas)
+        terms = self._step_terms
         cfg = self.config
         opt = cfg.optimizer_state_factor
         if opt is None:
@@ -284,7 +310,13 @@ class SkyStrategy(DDPStrategy):
                        for o in self._raw_optimizers()), default=0.0)
         problem = PipelineProblem(layer_costs=costs, layer_memory=mems, devices=devices,
                                   microbatches=cfg.microbatches, schedule=cfg.schedule, links=links,
-                                  virtual_stages=cfg.virtual_stages, optimizer_state_factor=opt)
+                                  virtual_stages=cfg.virtual_stages, optimizer_state_factor=opt,
+                                  link_latency=merge_latency(terms.get("link_latency"), replicas=self.replicas),
+                                  step_overhead_s=terms.get("step_overhead_s", 0.0), replicas=self.replicas,
+                                  allreduce=terms.get("allreduce"),
+                                  # the last step's gradients live until Lightning's zero_grad; each
+                                  # microbatch's gradient is computed whole, then accumulated
+                                  gradient_copies=2, accumulation_buffer=True)
         plan = plan_pipeline(problem, cfg.partition, order=cfg.order)
         if not plan.feasible:
             self._say(f"WARNING: the {plan.method} partition exceeds a memory cap:\n{plan.explain()}")

@@ -42,7 +42,7 @@ from tightfit.planner.pipeline.diagnose import diagnose_infeasible
 from tightfit.planner.pipeline.plan import PartitionPlan, StagePlan
 from tightfit.planner.pipeline.problem import SCHEDULES, DeviceSpec, LayerMemory, PipelineProblem
 from tightfit.planner.pipeline.registry import Partitioner, PartitionerRegistry, partitioners, plan_pipeline
-from tightfit.planner.pipeline.replicas import merge_replicas
+from tightfit.planner.pipeline.replicas import merge_latency, merge_replicas
 from tightfit.planner.pipeline.solve import EXACT_ORDER_LIMIT, balance, evaluate
 
 __all__ = [
@@ -66,4 +66,5 @@ __all__ = [
     "partitioners",
     "plan_pipeline",
     "merge_replicas",
+    "merge_latency",
 ]

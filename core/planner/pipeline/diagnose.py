@@ -26,7 +26,7 @@ def diagnose_infeasible(problem: PipelineProblem) -> PlanInfeasibleError:
     p = problem
     in_flight = max(p.in_flight(k) for k in range(p.num_stages))
     last = p.in_flight(p.num_stages - 1)  # the fewest microbatches any stage keeps
-    per_layer = [(p.param_prefix[i + 1] - p.param_prefix[i]) * (2 + p.optimizer_state_factor)
+    per_layer = [(p.param_prefix[i + 1] - p.param_prefix[i]) * p.state_factor
                  + (p.activation_prefix[i + 1] - p.activation_prefix[i]) * last for i in range(p.num_layers)]
     need_total = sum(per_layer)
     have = float(p.device_memory.sum())

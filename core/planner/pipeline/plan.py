@@ -72,6 +72,10 @@ class PartitionPlan:
         sequential_time_s: the same partition run stage after stage without pipelining.
         feasible: every stage fits its memory cap.
         notes: how the plan was found (order search, assumptions).
+        cost_model: what priced it (``"measured per-device layer timings; links alpha-beta; ..."`` or
+            ``"layer costs / device speed"``), as :class:`tightfit.planner.check.PredictionRecord` reports it.
+        step_tail_s: of ``step_time_s``, the seconds after the pipeline drains (per-step overhead,
+            optimizer step, gradient all-reduce over replicas).
     """
 
     method: str
@@ -86,6 +90,13 @@ class PartitionPlan:
     sequential_time_s: float
     feasible: bool
     notes: tuple[str, ...] = field(default=())
+    cost_model: str = ""
+    step_tail_s: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest predicted stage memory (each device's own peak is its stages' ``memory_bytes``)."""
+        return max(s.memory_bytes for s in self.stages)
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -121,8 +132,11 @@ class PartitionPlan:
                 for s in self.stages]
         table = format_table(rows, ("stage", "device", "layers", "n", "compute ms", "comm ms", "memory / cap"),
                              align="rllrrrl")
-        tail = [f"predicted step {self.step_time_s * 1e3:.3f} ms (bottleneck {self.bottleneck_s * 1e3:.3f} ms/mb); "
-                f"without pipelining {self.sequential_time_s * 1e3:.3f} ms"]
+        tail = [f"predicted step {self.step_time_s * 1e3:.3f} ms (bottleneck {self.bottleneck_s * 1e3:.3f} ms/mb"
+                + (f"; {self.step_tail_s * 1e3:.3f} ms per step after the pipeline" if self.step_tail_s else "")
+                + f"); without pipelining {self.sequential_time_s * 1e3:.3f} ms"]
+        if self.cost_model:
+            tail.append(f"cost model: {self.cost_model}")
         if not self.feasible:
             tail.append("INFEASIBLE: a stage exceeds its memory cap")
         return "\n".join([head, table, *tail, *self.notes])

@@ -16,7 +16,22 @@ Cost model (one microbatch unless said otherwise; ``M`` microbatches, ``S`` stag
       ``M - 1`` leave at the bottleneck's rate); interleaved, with per-rank load ``R_r`` summed over
       its ``V`` chunks: ``M * max(R) + (sum(R) - max(R)) / V`` (the bubble shrinks ``V``-fold);
       without pipelining (Sky Computing's runtime: stage after stage over RPC): ``M * sum(t_s)``;
-    * memory of a stage: ``param_bytes * (2 + optimizer_state_factor)`` (weights, gradients,
+    * measured per device (``DeviceSpec.layer_seconds``, what each rank timed for itself): stage
+      compute is the sum of *that device's* seconds for its layers, not one speed for all layer
+      types (a slowed rank's embedding and its matmul blocks slow by different factors);
+    * link latency (``link_latency``, alpha of an alpha-beta fit): a transfer *delays* its microbatch
+      by alpha but does not occupy a rank (the sender goes on with its next microbatch), so it is paid
+      on the pipeline's critical path once per boundary and direction, ``2 x alpha`` per boundary per
+      step (the first activation forward, the last gradient back), and per microbatch without
+      pipelining; on gloo over loopback alpha is ~0.05-1 ms, most of what a 48 KiB activation costs.
+      Charged per microbatch to the sending stage instead, a loaded host's 1 ms alpha outweighed a small
+      model's whole compute and every plan put one layer on the first stage;
+    * once per step, after the pipeline drains: ``step_overhead_s`` (what the runtime does per step
+      whatever the partition: output broadcast, framework loop) plus, for the slowest device, its
+      optimizer step (``param_bytes / optimizer_bytes_per_s``) and, with ``replicas > 1``, the
+      gradient all-reduce over its copies (``alpha + 2 (R-1)/R x param_bytes / busbw``, blocking as
+      ``SkyStrategy`` runs it). The DP balances the pipeline part; these terms are priced, not searched;
+    * memory of a stage: ``param_bytes * (1 + gradient_copies + optimizer_state_factor)`` (weights, gradients,
       optimizer state) + ``activation_bytes * in_flight`` + boundary buffers, where ``in_flight`` is
       ``M`` for GPipe, ``min(M, S - s)`` for 1F1B at position ``s``, and for interleaved the warm-up
       depth of ``ScheduleInterleaved1F1B`` spread over the rank's chunks (each chunk gets 1/V of the cap).
@@ -76,11 +91,17 @@ class DeviceSpec:
         name: for plans and messages (``"rank1"``, ``"A100-0"``).
         speed: relative compute speed; a stage's time is its layer costs divided by this.
         memory_bytes: memory usable for the stage (weights, gradients, optimizer state, activations).
+        layer_seconds: forward+backward seconds per microbatch of every layer *measured on this device*;
+            when given they replace ``layer_costs / speed`` for it (``None``: scale the reference costs).
+        optimizer_bytes_per_s: parameter bytes its optimizer step updates per second (measured);
+            ``None``: the optimizer step is not priced.
     """
 
     name: str
     speed: float = 1.0
     memory_bytes: int
+    layer_seconds: tuple[float, ...] | None = None
+    optimizer_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -88,6 +109,14 @@ class DeviceSpec:
                      fix="1.0 = the reference device the layer costs were measured on, 0.5 = twice as slow")
         check_number(self.memory_bytes, "memory_bytes", where=where, integer=True, low=0, low_open=True,
                      error=PlanError, fix="give the bytes a stage may use on it, e.g. parse_bytes('20GiB')")
+        if self.layer_seconds is not None:
+            secs = tuple(check_number(t, f"layer_seconds[{i}]", where=where, low=0, error=PlanError,
+                                      fix="give measured forward+backward seconds per layer on this device")
+                         for i, t in enumerate(self.layer_seconds))
+            object.__setattr__(self, "layer_seconds", tuple(float(t) for t in secs))
+        if self.optimizer_bytes_per_s is not None:
+            check_number(self.optimizer_bytes_per_s, "optimizer_bytes_per_s", where=where, low=0, low_open=True,
+                         error=PlanError, fix="give the measured parameter bytes per second, or None")
 
 
 def _derived() -> Any:
@@ -112,6 +141,19 @@ class PipelineProblem:
             row per device.
         virtual_stages: chunks per device for ``"interleaved"`` (other schedules use one).
         optimizer_state_factor: optimizer-state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0).
+        link_latency: seconds per message between devices (alpha): ``None`` or 0 (none), one number, or a
+            matrix like ``links``.
+        step_overhead_s: seconds every step costs whatever the partition (measured by the runtime).
+        replicas: data-parallel copies of the pipeline that average gradients every step.
+        allreduce: ``(alpha s, bus bandwidth bytes/s)`` of an all-reduce among the replicas.
+        gradient_copies: gradient buffers alive at a stage's peak: 1, or 2 where the previous step's
+            gradients are freed only after the pipeline ran (``SkyStrategy`` under Lightning, whose
+            ``zero_grad`` comes after the training step; measured: a 7.3 MB stage peaked at 3.3x its
+            parameters, not 2x).
+        accumulation_buffer: with more than one microbatch a layer's gradient for the next microbatch is
+            computed whole before it is added into the accumulated one, so the stage's largest layer's
+            parameters count once more (measured: 2.2-2.4 MiB above the model on every rank of a 768-wide
+            MLP, one block's weight). Off by default (the numbers pinned before it stay).
 
     Derived once (read by the solvers): ``num_layers``, ``num_devices``, ``chunks`` (chunks per
     device actually used), ``num_stages``; prefix sums ``cost_prefix``, ``param_prefix``,
@@ -127,6 +169,12 @@ class PipelineProblem:
     links: float | tuple[tuple[float, ...], ...] | None = None
     virtual_stages: int = 2
     optimizer_state_factor: float = 2.0
+    link_latency: float | tuple[tuple[float, ...], ...] | None = None
+    step_overhead_s: float = 0.0
+    replicas: int = 1
+    allreduce: tuple[float, float] | None = None
+    gradient_copies: int = 1
+    accumulation_buffer: bool = False
 
     num_layers: int = _derived()
     num_devices: int = _derived()
@@ -139,6 +187,9 @@ class PipelineProblem:
     speeds: np.ndarray = _derived()
     device_memory: np.ndarray = _derived()
     bandwidth: np.ndarray = _derived()
+    latency: np.ndarray = _derived()
+    device_cost_prefix: np.ndarray = _derived()
+    cost_model: str = _derived()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -187,6 +238,57 @@ class PipelineProblem:
         put(self, "speeds", np.array([d.speed for d in devices]))
         put(self, "device_memory", np.array([d.memory_bytes for d in devices], dtype=np.float64))
         self._set_links()
+        self._set_step_terms()
+
+    def _set_step_terms(self) -> None:
+        put, n, where = object.__setattr__, self.num_devices, "PipelineProblem"
+        lat = self.link_latency
+        if lat is None:
+            put(self, "latency", np.zeros((n, n)))
+        else:
+            arr = np.full((n, n), float(lat)) if isinstance(lat, (int, float)) else np.asarray(lat, dtype=np.float64)
+            if arr.shape != (n, n) or not (np.isfinite(arr).all() and (arr >= 0).all()):
+                raise PlanError(f"PipelineProblem: link_latency={lat!r} must be seconds >= 0, one number or a {n}x{n} "
+                                "matrix (one row per device); give the fitted alpha of the links, or None")
+            put(self, "link_latency", float(lat) if isinstance(lat, (int, float)) else
+                tuple(tuple(float(x) for x in row) for row in arr))
+            put(self, "latency", arr)
+        check_number(self.step_overhead_s, "step_overhead_s", where=where, low=0, error=PlanError,
+                     fix="give the measured seconds per step outside the pipeline, or 0")
+        check_number(self.replicas, "replicas", where=where, integer=True, low=1, error=PlanError,
+                     fix="give the data-parallel copies of the pipeline, 1 for none")
+        check_number(self.gradient_copies, "gradient_copies", where=where, integer=True, low=1, error=PlanError,
+                     fix="give the gradient buffers alive at a stage's peak: 1, or 2 if the last step's stay")
+        if self.allreduce is not None:
+            a, bw = self.allreduce
+            if not (a >= 0 and bw > 0):
+                raise PlanError(f"PipelineProblem: allreduce={self.allreduce!r} must be (alpha s >= 0, bus bandwidth "
+                                "bytes/s > 0); give an alpha-beta fit, or None")
+            put(self, "allreduce", (float(a), float(bw)))
+        prefix = np.empty((n, self.num_layers + 1))
+        for k, d in enumerate(self.devices):
+            if d.layer_seconds is None:
+                prefix[k] = self.cost_prefix / self.speeds[k]
+                continue
+            if len(d.layer_seconds) != self.num_layers:
+                raise PlanError(f"device {d.name!r} has {len(d.layer_seconds)} layer_seconds for {self.num_layers} "
+                                "layers; give one measured time per layer")
+            prefix[k] = np.concatenate([[0.0], np.cumsum(d.layer_seconds)])
+        put(self, "device_cost_prefix", prefix)
+        measured = [d.layer_seconds is not None for d in self.devices]
+        terms = ["measured per-device layer timings" if all(measured) else
+                 "layer costs / device speed" + (" (measured timings on some devices)" if any(measured) else "")]
+        if float(self.latency.max(initial=0.0)) > 0:
+            terms.append("links alpha-beta")
+        elif not np.isinf(self.bandwidth).all():
+            terms.append("links bandwidth-only")
+        if any(d.optimizer_bytes_per_s for d in self.devices):
+            terms.append("optimizer step")
+        if self.replicas > 1 and self.allreduce is not None:
+            terms.append(f"gradient all-reduce over {self.replicas} replicas")
+        if self.step_overhead_s > 0:
+            terms.append(f"{self.step_overhead_s * 1e3:.2f} ms per-step overhead")
+        put(self, "cost_model", "; ".join(terms))
 
     def _set_links(self) -> None:
         put, n = object.__setattr__, self.num_devices
@@ -217,6 +319,23 @@ class PipelineProblem:
         put(self, "bandwidth", bw)
 
     # -- the cost model ------------------------------------------------------------------------------
+    def _largest_layer(self) -> np.ndarray:
+        """``[i, j]``: the largest parameter bytes of one layer among layers ``i .. j - 1`` (0 when empty)."""
+        n = self.num_layers + 1
+        out = np.zeros((n, n))
+        sizes = [float(m.param_bytes) for m in self.layer_memory]
+        for i in range(n):
+            top = 0.0
+            for j in range(i + 1, n):
+                top = max(top, sizes[j - 1])
+                out[i, j] = top
+        return out
+
+    @property
+    def state_factor(self) -> float:
+        """Bytes of state per parameter byte: the weights, the live gradient buffers, the optimizer state."""
+        return 1.0 + self.gradient_copies + self.optimizer_state_factor
+
     def in_flight(self, position: int) -> float:
         """Microbatches whose activations stage ``position`` holds at its peak."""
         m = self.microbatches
@@ -244,8 +363,10 @@ class PipelineProblem:
         if position == self.num_stages - 1:
             return np.zeros(self.num_layers + 1)
         a, b = self.device_at(order, position), self.device_at(order, position + 1)
-        bw = self.bandwidth[a, b] if a != b else np.inf
-        return 2.0 * self.boundary_bytes / bw
+        if a == b:
+            return np.zeros(self.num_layers + 1)
+        # activation forward + its gradient back: the bytes occupy the ranks; latency is priced per step
+        return 2.0 * self.boundary_bytes / self.bandwidth[a, b]
 
     def matrices(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``time[k, i, j]``, ``memory[k, i, j]`` of a stage at position ``k`` holding layers ``i .. j - 1``,
@@ -255,17 +376,19 @@ class PipelineProblem:
         time = np.empty((stages, n, n))
         mem = np.empty((stages, n, n))
         caps = np.empty(stages)
-        static = (self.param_prefix[None, :] - self.param_prefix[:, None]) * (2.0 + self.optimizer_state_factor)
+        static = (self.param_prefix[None, :] - self.param_prefix[:, None]) * self.state_factor
         act = self.activation_prefix[None, :] - self.activation_prefix[:, None]
-        cost = self.cost_prefix[None, :] - self.cost_prefix[:, None]
         buf_in = 2.0 * self.boundary_bytes[:, None]  # received activation + its gradient, boundary i
+        if self.accumulation_buffer and self.microbatches > 1:
+            static = static + self._largest_layer()
         for k in range(stages):
             d = self.device_at(order, k)
             inflight = self.in_flight(k)
             buf_out = 2.0 * self.boundary_bytes[None, :] if k < stages - 1 else 0.0
             mem[k] = static + act * inflight + buf_in * inflight + buf_out
             caps[k] = self.device_memory[d] / self.chunks
-            time[k] = cost / self.speeds[d] + self.comm(order, k)[None, :]
+            pre = self.device_cost_prefix[d]
+            time[k] = (pre[None, :] - pre[:, None]) + self.comm(order, k)[None, :]
         idx = np.arange(n)
         time[:, ~(idx[:, None] < idx[None, :])] = np.inf  # a stage holds >= 1 layer
         time[np.ceil(mem) > np.floor(caps)[:, None, None]] = np.inf
@@ -286,13 +409,15 @@ class PipelineProblem:
         for k in range(self.num_stages):
             i, j, d = b[k], b[k + 1], self.device_at(order, k)
             inflight = self.in_flight(k)
-            mem = ((self.param_prefix[j] - self.param_prefix[i]) * (2.0 + self.optimizer_state_factor)
+            extra = (max(m.param_bytes for m in self.layer_memory[i:j])
+                     if self.accumulation_buffer and self.microbatches > 1 else 0.0)
+            mem = (extra + (self.param_prefix[j] - self.param_prefix[i]) * self.state_factor
                    + (self.activation_prefix[j] - self.activation_prefix[i]) * inflight
                    + 2.0 * self.boundary_bytes[i] * inflight
                    + (2.0 * self.boundary_bytes[j] if k < self.num_stages - 1 else 0.0))
             stages.append(StagePlan(
                 index=k, device=d, start=i, stop=j,
-                compute_s=float((self.cost_prefix[j] - self.cost_prefix[i]) / self.speeds[d]),
+                compute_s=float(self.device_cost_prefix[d][j] - self.device_cost_prefix[d][i]),
                 comm_s=float(self.comm(order, k)[j]), memory_bytes=int(math.ceil(mem)),
                 memory_cap_bytes=int(self.device_memory[d] / self.chunks)))
         t = [s.time_s for s in stages]
@@ -305,9 +430,33 @@ class PipelineProblem:
         else:
             bottleneck = max(t)
             step = sum(t) + (self.microbatches - 1) * bottleneck
+        tail = self.tail_seconds(stages)
+        # latency: each boundary's activation and gradient cross once on the fill / drain of a step
+        lat = sum(2.0 * float(self.latency[a.device, b.device]) for a, b in zip(stages, stages[1:])
+                  if a.device != b.device)
+        step += lat
         return PartitionPlan(
             method=method, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.chunks,
             devices=tuple(d.name for d in self.devices), order=tuple(int(o) for o in order),
-            stages=tuple(stages), step_time_s=float(step), bottleneck_s=float(bottleneck),
-            sequential_time_s=float(self.microbatches * sum(t)), feasible=all(s.fits for s in stages),
-            notes=tuple(notes))
+            stages=tuple(stages), step_time_s=float(step + tail), bottleneck_s=float(bottleneck),
+            sequential_time_s=float(self.microbatches * (sum(t) + lat) + tail), feasible=all(s.fits for s in stages),
+            notes=tuple(notes), cost_model=self.cost_model, step_tail_s=float(tail))
+
+    def tail_seconds(self, stages: Sequence[StagePlan]) -> float:
+        """Seconds per step after the pipeline drains: the per-step overhead plus the slowest device's
+        optimizer step and gradient all-reduce over the replicas (0 when none of them is given)."""
+        per_device: dict[int, float] = {}
+        for s in stages:
+            per_device[s.device] = per_device.get(s.device, 0.0) + float(self.param_prefix[s.stop] - self.param_prefix[s.start])
+        worst = 0.0
+        for d, nbytes in per_device.items():
+            t = 0.0
+            rate = self.devices[d].optimizer_bytes_per_s
+            if rate:
+                t += nbytes / rate
+            if self.replicas > 1 and self.allreduce is not None:
+                alpha, busbw = self.allreduce
+                # SkyStrategy: one all-reduce of per-parameter flags, then the gradients in fp32 buckets
+                t += 2 * alpha + 2.0 * (self.replicas - 1) / self.replicas * nbytes / busbw
+            worst = max(worst, t)
+        return self.step_overhead_s + worst

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from tightfit.planner.errors import PlanError
 from tightfit.planner.pipeline.problem import DeviceSpec
 
-__all__ = ["merge_replicas"]
+__all__ = ["merge_replicas", "merge_latency"]
 
 Links = float | Sequence[Sequence[float]] | None
 
@@ -38,7 +38,9 @@ def merge_replicas(devices: Sequence[DeviceSpec], links: Links, *,
 
     Returns ``(devices, links)`` per pipeline position: position ``j`` has the speed of the slowest of
     ranks ``j, j + P, j + 2P, ...``, the smallest of their memories, and their names joined by ``/``;
-    a link matrix keeps, for each pair of positions, the slowest of the replicas' links.
+    measured ``layer_seconds`` keep each layer's slowest copy, ``optimizer_bytes_per_s`` the slowest;
+    a link matrix keeps, for each pair of positions, the slowest of the replicas' links (a latency
+    matrix, :func:`merge_latency`, the largest).
     """
     world = len(devices)
     if replicas < 1 or world % replicas:
@@ -51,8 +53,12 @@ def merge_replicas(devices: Sequence[DeviceSpec], links: Links, *,
     for j in range(ranks):
         copies = [devices[k * ranks + j] for k in range(replicas)]
         slowest = min(copies, key=lambda d: d.speed)
-        merged.append(dataclasses.replace(slowest, name="/".join(d.name for d in copies),
-                                          memory_bytes=min(d.memory_bytes for d in copies)))
+        timed = [d.layer_seconds for d in copies if d.layer_seconds is not None]
+        rates = [d.optimizer_bytes_per_s for d in copies if d.optimizer_bytes_per_s is not None]
+        merged.append(dataclasses.replace(
+            slowest, name="/".join(d.name for d in copies), memory_bytes=min(d.memory_bytes for d in copies),
+            layer_seconds=tuple(max(ts) for ts in zip(*timed)) if len(timed) == len(copies) else None,
+            optimizer_bytes_per_s=min(rates) if len(rates) == len(copies) else None))
     if links is None or isinstance(links, (int, float)):
         return merged, links
     if len(links) != world or any(len(row) != world for row in links):
@@ -61,3 +67,16 @@ def merge_replicas(devices: Sequence[DeviceSpec], links: Links, *,
     merged_links = [[min(links[k * ranks + a][k * ranks + b] for k in range(replicas)) for b in range(ranks)]
                     for a in range(ranks)]
     return merged, merged_links
+
+
+def merge_latency(latency: Links, *, replicas: int) -> Links:
+    """Per-message latency between pipeline positions: the largest over the replicas (as for links,
+    where the slowest is kept); ``None`` or one number pass through."""
+    if latency is None or isinstance(latency, (int, float)) or replicas == 1:
+        return latency
+    world = len(latency)
+    if replicas < 1 or world % replicas:
+        raise PlanError(f"a {world}x{world} latency matrix cannot form {replicas} equal replicas")
+    ranks = world // replicas
+    return [[max(latency[k * ranks + a][k * ranks + b] for k in range(replicas)) for b in range(ranks)]
+            for a in range(ranks)]

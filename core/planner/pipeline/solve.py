@@ -176,8 +176,9 @@ def solve_order(problem: PipelineProblem, order: Sequence[int]) -> PartitionPlan
 
 def _distinct_orders(problem: PipelineProblem) -> list[tuple[int, ...]] | None:
     """All arrangements, identical devices collapsed; None when more than EXACT_ORDER_LIMIT."""
-    bw = problem.bandwidth
-    keys = [(d.speed, d.memory_bytes, tuple(bw[i]), tuple(bw[:, i])) for i, d in enumerate(problem.devices)]
+    bw, lat = problem.bandwidth, problem.latency
+    keys = [(d.speed, d.memory_bytes, d.layer_seconds, d.optimizer_bytes_per_s, tuple(bw[i]), tuple(bw[:, i]),
+             tuple(lat[i]), tuple(lat[:, i])) for i, d in enumerate(problem.devices)]
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
