@@ -46,6 +46,7 @@ from energon_infer.scheduler import (
     Scheduler,
     StepPlan,
 )
+from energon_infer.swap import PREEMPTION
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
@@ -83,7 +84,10 @@ class EngineConfig:
             torchrun started, on one or many nodes; this process must be rank 0, the others call
             :func:`energon_infer.torchrun.run_worker`; no restarts).
         kv_admission: ``"on_demand"`` (KV blocks taken as sequences grow; the newest request is preempted
-            and recomputed when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+            when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+        preemption: ``"auto"`` (a victim is swapped to host memory or recomputed, whichever the workers
+            measured cheaper for it; host memory is the workers' ``swap_space_tokens``, without it: recompute),
+            ``"swap"`` or ``"recompute"``.
         prefix_caching: share the KV blocks of equal prompt prefixes between requests.
         chunked_prefill: split long prompts over steps so each step stays within ``max_batch_tokens``
             (prompts longer than it are then accepted).
@@ -108,6 +112,7 @@ class EngineConfig:
     prefix_caching: bool = True
     chunked_prefill: bool = False
     pipeline_depth: int = 2
+    preemption: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -123,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
+        if self.preemption not in PREEMPTION:
+            raise ValueError(f"preemption={self.preemption!r} must be one of {PREEMPTION}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
@@ -280,7 +287,7 @@ class Controller:
                 for plan in plans:
                     self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
                                          plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back,
-                                         plan.history))
+                                         plan.history, plan.swap_out, plan.swap_in))
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:
