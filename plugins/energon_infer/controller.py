@@ -14,6 +14,7 @@ through :mod:`energon_infer.delivery`.
 
 from __future__ import annotations
 
+import logging
 import queue
 import sys
 import threading
@@ -50,6 +51,8 @@ from energon_infer.swap import PREEMPTION
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
+
+log = logging.getLogger("energon_infer")
 
 
 class WorkerFailedError(RuntimeError):
@@ -329,7 +332,7 @@ class Controller:
             reason = self.group.describe_death().strip() if [r for r in failed if r != msg.rank] else ""
             reason = (f"{reason}; worker {msg.rank} then failed: {last}" if reason
                       else f"worker {msg.rank} failed: {last}")
-            print(f"energon: worker {msg.rank} traceback:\n{msg.traceback}", file=sys.stderr, flush=True)
+            log.error("energon: worker %d traceback:\n%s", msg.rank, msg.traceback)
             self.group_failed(reason)
         elif isinstance(msg, Pong):
             if msg.seq == self.ping_seq:
@@ -381,8 +384,7 @@ class Controller:
             for req in lost:
                 self.live.pop(req.request_id, None)
         after = "the worker group is restarting" if can_restart else "the engine has no workers left"
-        print(f"energon: worker group failed: {reason}; {len(lost)} running request(s) failed; {after}",
-              file=sys.stderr, flush=True)
+        log.error("energon: worker group failed: %s; %d running request(s) failed; %s", reason, len(lost), after)
         self.delivery.fail(lost, WorkerFailedError(f"the worker group failed while this request ran ({reason}); "
                                                    f"{after}; resubmit the request"))
         self.group.kill()

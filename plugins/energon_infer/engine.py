@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import sys
+import logging
 import time
 import uuid
 import weakref
@@ -92,8 +92,8 @@ def _default_params(source: ModelSource) -> SamplingParams:
     try:
         return SamplingParams(**found)
     except ValueError as exc:
-        print(f"energon: warning: ignoring generation_config.json's defaults {found}: {exc}", file=sys.stderr,
-              flush=True)
+        logging.getLogger("energon_infer").warning("energon: ignoring generation_config.json's defaults %s: %s",
+                                                   found, exc)
         return SamplingParams()
 
 

@@ -273,7 +273,8 @@ class ModelRunner:
             else:
                 sends.append((dist.isend(y, dst=grid.next_rank), y))
         for work, _ in sends:
-            work.wait()
+            if work is not None:  # isend gives None only to ranks outside the group, never ours
+                work.wait()
         if grid.last:
             logits = (torch.cat(outputs) if len(outputs) > 1 else outputs[0]).contiguous()
         elif broadcast:
@@ -389,7 +390,10 @@ class ModelRunner:
         return [int(t) for t in prompt]
 
     def decode_text(self, token_ids: Sequence[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+        return None if self.tokenizer is None else self._decode_str(token_ids)
+
+    def _decode_str(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids)))
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
@@ -433,7 +437,7 @@ class ModelRunner:
                             max_running=len(prompts), max_queue=len(prompts), kv_admission=kv_admission,
                             prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
                             host_blocks=self.cache.host_k.shape[1], **swap_costs(self, preemption)),
-            eos_token_ids=self.eos_token_ids, decode=self.decode_text if self.tokenizer is not None else None,
+            eos_token_ids=self.eos_token_ids, decode=self._decode_str if self.tokenizer is not None else None,
             seq_ids=self._ids, block_ids=self.cache.free_block_ids())
         requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
         steps = 0

@@ -116,7 +116,7 @@ def measure_costs(runner: Any, *, tokens: int = 64, repeats: int = 3) -> tuple[f
     return swap, prefill
 
 
-def swap_costs(runner: Any, preemption: str) -> dict[str, float]:
+def swap_costs(runner: Any, preemption: str) -> dict[str, Any]:
     """``SchedulerConfig`` cost fields for ``runner`` (measured once, kept on it) when ``preemption="auto"``."""
     if preemption != "auto" or not runner.cache.host_k.shape[1]:
         return {}
