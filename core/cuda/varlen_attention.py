@@ -182,18 +182,22 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if max_q_len == 1 and q.shape[0] == batch:
         # Decode: one query per sequence. Gather every sequence's keys into (B, max_kv) with a
         # key mask; the padding here is only along the key axis of attention, never a linear layer.
+        # Whole pages are gathered with one index_select (not a per-slot index: 5.3 -> 0.9 ms for 32
+        # sequences of <= 232 keys, 4 kv heads x 32, one CPU thread), and the g query heads sharing a
+        # key head are that head's g queries (B, Hk, g, D): no copy of the keys per query head, as
+        # enable_gqa makes (2.7 -> 2.2 ms).
         max_kv = int(kv_lens.max())
         pos = torch.arange(max_kv, device=q.device)
         n_blocks = (max_kv + block_size - 1) // block_size
-        pages = block_tables[:, :n_blocks].long().gather(1, (pos // block_size).expand(batch, -1))
-        slots = pages * block_size + pos % block_size
+        pages = block_tables[:, :n_blocks].long().flatten()
+        shape = (batch, n_blocks * block_size, hk, k_cache.shape[3])
+        k = k_cache.index_select(0, pages).view(shape)[:, :max_kv].transpose(1, 2)  # (B, Hk, max_kv, D)
+        v = v_cache.index_select(0, pages).view(shape)[:, :max_kv].transpose(1, 2)
         mask = pos[None, :] < kv_lens[:, None].to(pos.device)
-        slots = torch.where(mask, slots, torch.zeros_like(slots))
-        k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # (B, Hk, max_kv, D)
-        v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
-                                             scale=scale, enable_gqa=gqa)
-        return out[:, :, 0, :]
+        group = q.shape[1] // hk
+        out = F.scaled_dot_product_attention(q.view(batch, hk, group, q.shape[2]), k, v,
+                                             attn_mask=mask[:, None, None, :], scale=scale)
+        return out.reshape(q.shape)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()

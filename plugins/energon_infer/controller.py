@@ -14,6 +14,7 @@ through :mod:`energon_infer.delivery`.
 
 from __future__ import annotations
 
+import logging
 import queue
 import sys
 import threading
@@ -46,9 +47,12 @@ from energon_infer.scheduler import (
     Scheduler,
     StepPlan,
 )
+from energon_infer.swap import PREEMPTION
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
+
+log = logging.getLogger("energon_infer")
 
 
 class WorkerFailedError(RuntimeError):
@@ -83,7 +87,10 @@ class EngineConfig:
             torchrun started, on one or many nodes; this process must be rank 0, the others call
             :func:`energon_infer.torchrun.run_worker`; no restarts).
         kv_admission: ``"on_demand"`` (KV blocks taken as sequences grow; the newest request is preempted
-            and recomputed when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+            when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
+        preemption: ``"auto"`` (a victim is swapped to host memory or recomputed, whichever the workers
+            measured cheaper for it; host memory is the workers' ``swap_space_tokens``, without it: recompute),
+            ``"swap"`` or ``"recompute"``.
         prefix_caching: share the KV blocks of equal prompt prefixes between requests.
         chunked_prefill: split long prompts over steps so each step stays within ``max_batch_tokens``
             (prompts longer than it are then accepted).
@@ -108,6 +115,7 @@ class EngineConfig:
     prefix_caching: bool = True
     chunked_prefill: bool = False
     pipeline_depth: int = 2
+    preemption: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -123,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
+        if self.preemption not in PREEMPTION:
+            raise ValueError(f"preemption={self.preemption!r} must be one of {PREEMPTION}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
@@ -280,7 +290,7 @@ class Controller:
                 for plan in plans:
                     self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
                                          plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back,
-                                         plan.history))
+                                         plan.history, plan.swap_out, plan.swap_in))
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:
@@ -322,7 +332,7 @@ class Controller:
             reason = self.group.describe_death().strip() if [r for r in failed if r != msg.rank] else ""
             reason = (f"{reason}; worker {msg.rank} then failed: {last}" if reason
                       else f"worker {msg.rank} failed: {last}")
-            print(f"energon: worker {msg.rank} traceback:\n{msg.traceback}", file=sys.stderr, flush=True)
+            log.error("energon: worker %d traceback:\n%s", msg.rank, msg.traceback)
             self.group_failed(reason)
         elif isinstance(msg, Pong):
             if msg.seq == self.ping_seq:
@@ -374,8 +384,7 @@ class Controller:
             for req in lost:
                 self.live.pop(req.request_id, None)
         after = "the worker group is restarting" if can_restart else "the engine has no workers left"
-        print(f"energon: worker group failed: {reason}; {len(lost)} running request(s) failed; {after}",
-              file=sys.stderr, flush=True)
+        log.error("energon: worker group failed: %s; %d running request(s) failed; %s", reason, len(lost), after)
         self.delivery.fail(lost, WorkerFailedError(f"the worker group failed while this request ran ({reason}); "
                                                    f"{after}; resubmit the request"))
         self.group.kill()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import sys
+import logging
 import time
 import uuid
 import weakref
@@ -92,8 +92,8 @@ def _default_params(source: ModelSource) -> SamplingParams:
     try:
         return SamplingParams(**found)
     except ValueError as exc:
-        print(f"energon: warning: ignoring generation_config.json's defaults {found}: {exc}", file=sys.stderr,
-              flush=True)
+        logging.getLogger("energon_infer").warning("energon: ignoring generation_config.json's defaults %s: %s",
+                                                   found, exc)
         return SamplingParams()
 
 
@@ -153,7 +153,10 @@ class Engine:
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.config.max_running,
                             max_queue=self.config.max_queue, groups=self.groups, policy=self.config.policy,
                             kv_admission=self.config.kv_admission, prefix_caching=self.config.prefix_caching,
-                            chunked_prefill=self.config.chunked_prefill, depth=self.config.pipeline_depth),
+                            chunked_prefill=self.config.chunked_prefill, depth=self.config.pipeline_depth,
+                            preemption=self.config.preemption if info.host_blocks else "recompute",
+                            host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
+                            recompute_s_per_token=info.recompute_s_per_token),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
         self._ctl = Controller(group, scheduler, self._start_group, self.config, self.metrics,
                                Delivery(self.metrics, has_text=self.tokenizer is not None), groups=self.groups,
@@ -212,6 +215,9 @@ class Engine:
         # The engine keeps pp steps in flight itself; splitting each step again only shrinks the matmuls.
         runtime_kw.setdefault("microbatches", 1 if groups > 1 else 0)
         runtime = RuntimeConfig(tp=tp, pp=pp, dtype=dtype, max_batch_tokens=max_batch_tokens, **runtime_kw)
+        if engine_cfg.preemption == "swap" and not runtime.swap_space_tokens:
+            raise ValueError("preemption='swap' needs host swap space: pass swap_space_tokens (e.g. 8192), or use "
+                             "preemption='auto' / 'recompute'")
         return cls(source, runtime, engine_cfg, memory_pool=memory_pool, tokenizer=tokenizer, model_name=model_name)
 
     @classmethod

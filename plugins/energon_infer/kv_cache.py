@@ -90,10 +90,11 @@ class KVCache:
         n_kv_heads: key/value heads on this rank (its tensor-parallel share).
         head_dim: width of one head.
         dtype / device: of the pools.
+        host_blocks: blocks of host swap space (``swap_out`` / ``swap_in``; 0: none).
     """
 
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", host_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -104,6 +105,12 @@ class KVCache:
         self._seqs: dict[int, _Seq] = {}
         self._pinned: torch.Tensor | None = None
         self._copied: Any = None
+        # Swap space: host blocks a preempted sequence's keys/values wait in (pinned, so copies to and
+        # from a GPU run at full bandwidth); see swap_out / swap_in.
+        host = (n_layers, host_blocks, block_size, n_kv_heads, head_dim)
+        pin = torch.device(device).type == "cuda"
+        self.host_k = torch.zeros(host, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros(host, dtype=dtype, pin_memory=pin)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -184,6 +191,22 @@ class KVCache:
         dst = torch.tensor([d for _, d in pairs], device=self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(device block, host block)`` to the swap space, every layer (a preemption by swap)."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+            dst = torch.tensor([d for _, d in pairs])
+            self.host_k[:, dst] = self.k[:, src].to("cpu")
+            self.host_v[:, dst] = self.v[:, src].to("cpu")
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(host block, device block)`` back from the swap space, every layer."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs])
+            dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+            self.k[:, dst] = self.host_k[:, src].to(self.k.device, non_blocking=True)
+            self.v[:, dst] = self.host_v[:, src].to(self.k.device, non_blocking=True)
 
     def reset(self) -> None:
         self._seqs.clear()

@@ -78,7 +78,9 @@ class MemoryPoolConfig:
 
 def stage_layer_bytes(stage: nn.Module) -> tuple[list[int], int]:
     """``(bytes of each layer, bytes of everything else)`` of a stage's parameters (works on meta tensors)."""
-    layers = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in stage.layers.values()]
+    blocks = stage.layers
+    assert isinstance(blocks, nn.ModuleDict), "a DecoderStage keeps its blocks in a ModuleDict"
+    layers = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks.values()]
     total = sum(p.numel() * p.element_size() for p in stage.parameters())
     return layers, total - sum(layers)
 
@@ -136,7 +138,9 @@ class LayerPool:
 
     def __init__(self, stage: nn.Module, pooled: Sequence[int], *, lookahead: int = 2, pool_device: str = "cpu",
                  cpu_prefetch: str = "thread"):
-        blocks = list(stage.layers.values())
+        layers = stage.layers
+        assert isinstance(layers, nn.ModuleDict), "a DecoderStage keeps its blocks in a ModuleDict"
+        blocks = list(layers.values())
         bad = [i for i in pooled if not 0 <= i < len(blocks)]
         if bad:
             raise ValueError(f"pooled layer positions {bad} are outside this stage's {len(blocks)} layers")
@@ -193,9 +197,9 @@ class LayerPool:
                 if event is not None:
                     self._stream.wait_event(event)  # the block that used this slot last has finished with it
                 dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            return done
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return event
         if self._executor is None:  # inline: in execution order, on this thread
             done: Future[torch.Tensor] = Future()
             done.set_result(dst.copy_(src))

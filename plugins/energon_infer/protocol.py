@@ -54,6 +54,8 @@ class Step:
     send_back: bool = False
     take_back: bool = False
     history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, before anything else
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks, after the assignments
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,9 @@ class WorkerInfo:
     device: str
     weight_bytes: int
     pool: PoolInfo | None = None
+    host_blocks: int = 0  # swap space (see energon_infer.swap) and its measured costs
+    swap_s_per_block: float = 0.0
+    recompute_s_per_token: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

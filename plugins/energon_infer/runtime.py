@@ -41,6 +41,7 @@ from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, split_layers
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
+from energon_infer.swap import swap_costs
 from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from tightfit.checks import check_number
 
@@ -65,6 +66,7 @@ class RuntimeConfig:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks ``cuda:<LOCAL_RANK>`` when CUDA is there.
         block_size: tokens per KV-cache block.
         kv_cache_tokens: cache capacity in tokens (rounded up to whole blocks), shared by all sequences.
+        swap_space_tokens: host memory for preempted sequences' keys/values, in tokens (0: preemption recomputes).
         microbatches: micro-batches per step with ``pp > 1`` (0: ``pp``); more shrink the pipeline
             bubble, fewer make each matmul larger.
         max_batch_tokens: :meth:`ModelRunner.generate` admits new prompts while a step stays under this
@@ -80,6 +82,7 @@ class RuntimeConfig:
     device: str | None = None
     block_size: int = 16
     kv_cache_tokens: int = 32768
+    swap_space_tokens: int = 0
     microbatches: int = 0
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     seed: int = 0
@@ -87,7 +90,8 @@ class RuntimeConfig:
     nonfinite_weights: str = "warn"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "block_size", "kv_cache_tokens", "microbatches", "max_batch_tokens", "seed"):
+        for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
+                     "max_batch_tokens", "seed"):
             check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
                          fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
             object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
@@ -102,8 +106,9 @@ class RuntimeConfig:
                 f"block_size={self.block_size} must be >= 1 and kv_cache_tokens={self.kv_cache_tokens} at least "
                 "one block"
             )
-        if self.microbatches < 0 or self.max_batch_tokens < 1:
-            raise ValueError(f"microbatches={self.microbatches} must be >= 0 and max_batch_tokens >= 1")
+        if self.microbatches < 0 or self.max_batch_tokens < 1 or self.swap_space_tokens < 0:
+            raise ValueError(f"microbatches={self.microbatches} and swap_space_tokens={self.swap_space_tokens} must "
+                             f"be >= 0 and max_batch_tokens={self.max_batch_tokens} >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,8 @@ class ModelRunner:
                            nonfinite=rt.nonfinite_weights)
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=-(-rt.kv_cache_tokens // rt.block_size),
                              block_size=rt.block_size, n_kv_heads=config.n_kv_heads // rt.tp,
-                             head_dim=config.head_dim, dtype=self.dtype, device=self.device)
+                             head_dim=config.head_dim, dtype=self.dtype, device=self.device,
+                             host_blocks=-(-rt.swap_space_tokens // rt.block_size))
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
@@ -267,7 +273,8 @@ class ModelRunner:
             else:
                 sends.append((dist.isend(y, dst=grid.next_rank), y))
         for work, _ in sends:
-            work.wait()
+            if work is not None:  # isend gives None only to ranks outside the group, never ours
+                work.wait()
         if grid.last:
             logits = (torch.cat(outputs) if len(outputs) > 1 else outputs[0]).contiguous()
         elif broadcast:
@@ -318,15 +325,18 @@ class ModelRunner:
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
                       copies: Sequence[tuple[int, int]] = (),
-                      history: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None) -> None:
+                      history: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None,
+                      swap_in: Sequence[tuple[int, int]] = ()) -> None:
         """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduler.StepPlan`):
         copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in).
         ``history``: a new penalised sequence's ``(prompt, generated so far)`` (its penalties count them even
-        when a shared prefix, a chunk or a preemption means they are not all fed in this step)."""
+        when a shared prefix, a chunk or a preemption means they are not all fed in this step); ``swap_in``:
+        ``(host, device)`` blocks of swapped-in sequences, copied back last."""
         self.cache.copy_blocks(copies)
         starts = starts or {}
         for seq_id, new in blocks.items():
             self.cache.assign(seq_id, new, starts.get(seq_id))
+        self.cache.swap_in(swap_in)
         for seq_id, (prompt, generated) in (history or {}).items():
             self.sampler.observe(seq_id, prompt, prompt=True)
             self.sampler.observe(seq_id, generated, prompt=False)
@@ -380,19 +390,23 @@ class ModelRunner:
         return [int(t) for t in prompt]
 
     def decode_text(self, token_ids: Sequence[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+        return None if self.tokenizer is None else self._decode_str(token_ids)
+
+    def _decode_str(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids)))
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
                  kv_admission: str = "reserve", prefix_caching: bool = False, chunked_prefill: bool = False,
-                 stats: dict[str, int] | None = None) -> list[Generation]:
+                 preemption: str = "recompute", stats: dict[str, int] | None = None) -> list[Generation]:
         """Generate for every prompt with continuous batching; results in prompt order.
 
         By default new prompts join the running batch as soon as the KV cache can hold their prompt
         plus ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
         ``max_batch_tokens``; finished sequences leave at once and free their blocks. The engine's
         other scheduling modes are here too: ``kv_admission="on_demand"`` (grow, preempt and
-        recompute), ``prefix_caching`` and ``chunked_prefill`` (see :class:`SchedulerConfig`).
+        recompute; ``preemption="swap"``/``"auto"`` swap victims to host memory, see :mod:`energon_infer.swap`),
+        ``prefix_caching`` and ``chunked_prefill`` (see :class:`SchedulerConfig`).
         ``stats`` (a dict) receives the scheduler's counters (preemptions, prefix-cache hits, steps).
         """
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -421,8 +435,9 @@ class ModelRunner:
                             max_batch_tokens=(self.runtime.max_batch_tokens if chunked_prefill else
                                               max(self.runtime.max_batch_tokens, *map(len, encoded))),
                             max_running=len(prompts), max_queue=len(prompts), kv_admission=kv_admission,
-                            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill),
-            eos_token_ids=self.eos_token_ids, decode=self.decode_text if self.tokenizer is not None else None,
+                            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
+                            host_blocks=self.cache.host_k.shape[1], **swap_costs(self, preemption)),
+            eos_token_ids=self.eos_token_ids, decode=self._decode_str if self.tokenizer is not None else None,
             seq_ids=self._ids, block_ids=self.cache.free_block_ids())
         requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
         steps = 0
@@ -431,9 +446,10 @@ class ModelRunner:
                 plan = sched.schedule(0)
                 if plan is None:
                     raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
+                self.cache.swap_out(plan.swap_out)
                 for seq_id in plan.frees:
                     self.free(seq_id)
-                self.assign_blocks(plan.blocks, plan.starts, plan.copies, plan.history)
+                self.assign_blocks(plan.blocks, plan.starts, plan.copies, plan.history, plan.swap_in)
                 sched.complete(plan, self.step(plan.items, plan.new_params))
                 steps += 1
         finally:
@@ -441,7 +457,8 @@ class ModelRunner:
                 if seq_id in self.cache:
                     self.free(seq_id)
         if stats is not None:
-            stats.update(steps=steps, preemptions=sched.preemptions, prefix_hit_tokens=sched.blocks.hit_tokens,
+            stats.update(steps=steps, preemptions=sched.preemptions, swaps=sched.swap.swaps,
+                         prefix_hit_tokens=sched.blocks.hit_tokens,
                          prefix_query_tokens=sched.blocks.query_tokens)
         return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]
 

@@ -49,6 +49,7 @@ from energon_infer.scheduler_config import (
     QueueFullError,
     SchedulerConfig,
 )
+from energon_infer.swap import SwapSpace
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
@@ -88,6 +89,7 @@ class Request:
     detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer)
     logprobs: list[Any] = field(default_factory=list)  # per generated token, when params.logprobs is set
     error: str | None = None  # why it failed alone in a worker (finish_reason "error")
+    swapped: list[int] = field(default_factory=list)  # host blocks holding its keys/values while preempted
     last_token_at: float = 0.0  # when the previous token was delivered (inter-token latency)
     future: Any = None
 
@@ -110,6 +112,8 @@ class StepPlan:
     send_back: bool = False  # the last stage sends this step's tokens to the first (depth > 1)
     history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # new penalised: seen tokens
     take_back: bool = False  # the first stage receives the group's previous step's tokens before running
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, first of all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) copies, after the assignments
 
     @property
     def n_tokens(self) -> int:
@@ -142,6 +146,9 @@ class Scheduler:
         self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
                                    blocks=block_ids)
         self.preemptions = 0
+        self.swap = SwapSpace(config.host_blocks, mode=config.preemption, swap_s_per_block=config.swap_s_per_block,
+                              recompute_s_per_token=config.recompute_s_per_token)
+        self._swap_out: list[tuple[int, int]] = []
         self._reserved = 0
         self._frees: list[int] = []
         self._busy, self._last_step = [0] * config.groups, [0] * config.groups
@@ -238,13 +245,22 @@ class Scheduler:
         plan.requests.append(req)
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's blocks; it waits at the head of the queue and is recomputed when readmitted."""
+        """Free a running request's blocks; it waits at the head of the queue and, when readmitted, is
+        recomputed or (when swapping its blocks to host memory is cheaper) swapped back in."""
         del self.running[req.seq_id]
+        table = self.blocks.tables.get(req.seq_id, [])
+        if self.swap.choose(blocks=len(table), tokens=req.computed):
+            req.swapped = self.swap.take(len(table))
+            self._swap_out.extend(zip(table, req.swapped))
+            self.swap.swaps += 1
+        else:
+            self.swap.recomputes += 1
         self.blocks.free(req.seq_id)
         if self.config.kv_admission == "reserve":
             self._reserved -= req.reserve
         self._frees.append(req.seq_id)
-        req.state, req.group, req.computed = "waiting", -1, 0
+        req.state, req.group = "waiting", -1
+        req.computed = req.computed if req.swapped else 0
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)  # victims go newest first, so the queue keeps their age order
@@ -268,23 +284,30 @@ class Scheduler:
         if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
             return 0
         tokens = self._tokens(req)
-        shared, _, cow = mgr.lookup(tokens)
-        cached = len(shared) * cfg.block_size + (cow[1] if cow else 0)
+        shared, _, cow = mgr.lookup(tokens) if not req.swapped else ([], 0, None)
+        cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
         if cfg.chunked_prefill:
             n = min(n, budget)
         if n < 1 or n > budget:
             return 0
-        cost = mgr.start_cost(shared, cow, cached + n)
+        cost = mgr.blocks_for(cached + n) if req.swapped else mgr.start_cost(shared, cow, cached + n)
         # On demand, leave ~1% of the cache free for the running requests' next blocks (fewer preemptions).
         watermark = max(1, cfg.kv_blocks // 100) if self.running and cfg.kv_admission == "on_demand" else 0
         if cost + watermark > mgr.num_free:
             return 0
         self.waiting.popleft()
-        hit = mgr.start(req.seq_id, tokens)
-        req.computed = hit.start
-        plan.starts[req.seq_id] = hit.start
-        plan.copies.extend(hit.copies)
+        if req.swapped:  # its keys/values come back from host memory into fresh blocks
+            table = mgr.grow(req.seq_id, req.computed)
+            plan.swap_in.extend(zip(req.swapped, table))
+            self.swap.give(req.swapped)
+            req.swapped = []
+            plan.starts[req.seq_id] = req.computed
+        else:
+            hit = mgr.start(req.seq_id, tokens)
+            req.computed = hit.start
+            plan.starts[req.seq_id] = hit.start
+            plan.copies.extend(hit.copies)
         req.state, req.group = "running", plan.group
         self.running[req.seq_id] = req
         if cfg.kv_admission == "reserve":
@@ -341,6 +364,7 @@ class Scheduler:
         for r in plan.requests:
             self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
         plan.frees, self._frees, plan.step_id, plan.started = self._frees, [], next(self._step_ids), self.clock()
+        plan.swap_out, self._swap_out = self._swap_out, []
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
             if sampled:
@@ -422,6 +446,7 @@ class Scheduler:
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                self.swap.give(req.swapped)
                 req.state, req.finish_reason, req.finished = "finished", "abort", self.clock()
                 return req
         for req in self.running.values():
@@ -440,6 +465,10 @@ class Scheduler:
             req.state, req.in_flight, req.finished, req.finish_reason = "finished", 0, self.clock(), "error"
         self.running.clear()
         self.blocks.reset()
+        self.swap.reset()
+        self._swap_out = []
+        for req in self.waiting:  # swapped out to workers that are gone: recompute
+            req.swapped, req.computed = [], 0
         self._reserved, self._frees = 0, []
         self._busy, self._owed = [0] * self.config.groups, [False] * self.config.groups
         return lost

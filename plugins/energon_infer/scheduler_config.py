@@ -50,6 +50,9 @@ class SchedulerConfig:
         depth: steps of a group in flight. Beyond 1 a step is planned before the previous one's tokens
             are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
             last stage sent it; a request that stopped meanwhile has that one token dropped.
+        preemption: how an on-demand victim gives its blocks back: ``"recompute"``, ``"swap"`` (to
+            ``host_blocks`` of host memory when they have room) or ``"auto"`` (whichever the measured
+            ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper; see :mod:`energon_infer.swap`).
     """
 
     kv_blocks: int
@@ -64,6 +67,10 @@ class SchedulerConfig:
     prefix_caching: bool = False
     chunked_prefill: bool = False
     depth: int = 1
+    preemption: str = "recompute"
+    host_blocks: int = 0
+    swap_s_per_block: float = 0.0
+    recompute_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups", "depth"):
@@ -75,3 +82,6 @@ class SchedulerConfig:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
+        if self.preemption == "swap" and self.host_blocks < 1:
+            raise ValueError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
+                             "(host_blocks=0 here), or use preemption='recompute'")

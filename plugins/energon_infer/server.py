@@ -216,9 +216,9 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
             while True:
                 done, pending = await asyncio.wait(waiting, timeout=cfg.disconnect_poll_s,
                                                    return_when=asyncio.FIRST_EXCEPTION)
-                failed = next((d for d in done if not d.cancelled() and d.exception() is not None), None)
+                failed = next((exc for d in done if not d.cancelled() and (exc := d.exception()) is not None), None)
                 if failed is not None:
-                    raise engine_error(failed.exception())
+                    raise engine_error(failed)
                 if not pending:
                     return [w.result() for w in waiting]
                 if await request.is_disconnected():

@@ -229,9 +229,10 @@ def hf_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
         kind = rest.split(".")[-1]
         if rest.startswith("qkv."):
             return [Part(f"{p}self_attn.{x}_proj.{kind}", "col") for x in "qkv"]
-        table = {"attn_norm": (f"{p}self_attn_layer_norm", None), "mlp_norm": (f"{p}final_layer_norm", None),
-                 "o": (f"{p}self_attn.out_proj", "row"), "up": (f"{p}fc1", "col"), "down": (f"{p}fc2", "row")}
-        src, split = table[rest.split(".")[0]]
+        splits: dict[str, tuple[str, str | None]] = {
+            "attn_norm": (f"{p}self_attn_layer_norm", None), "mlp_norm": (f"{p}final_layer_norm", None),
+            "o": (f"{p}self_attn.out_proj", "row"), "up": (f"{p}fc1", "col"), "down": (f"{p}fc2", "row")}
+        src, split = splits[rest.split(".")[0]]
         if kind == "bias" and split == "row":
             split = None
         return [Part(f"{src}.{kind}", split)]
@@ -249,9 +250,10 @@ def hf_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
         return [Part(f"{p}self_attn.{x}_proj.{kind}", "col") for x in "qkv"]
     if rest.startswith("up."):
         return [Part(f"{p}mlp.{x}_proj.{kind}", "col") for x in ("gate", "up")]
-    table = {"attn_norm": (f"{p}input_layernorm", None), "mlp_norm": (f"{p}post_attention_layernorm", None),
-             "o": (f"{p}self_attn.o_proj", "row"), "down": (f"{p}mlp.down_proj", "row")}
-    src, split = table[rest.split(".")[0]]
+    llama_splits: dict[str, tuple[str, str | None]] = {
+        "attn_norm": (f"{p}input_layernorm", None), "mlp_norm": (f"{p}post_attention_layernorm", None),
+        "o": (f"{p}self_attn.o_proj", "row"), "down": (f"{p}mlp.down_proj", "row")}
+    src, split = llama_splits[rest.split(".")[0]]
     return [Part(f"{src}.{kind}", None if kind == "bias" and split == "row" else split)]
 
 

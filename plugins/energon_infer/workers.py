@@ -16,6 +16,7 @@ own (it polls), so no orphan holds a device.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -236,6 +237,13 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=sum(p.numel() * p.element_size() for p in runner.stage.parameters()), pool=pool_info)
     _warm_up(runner)
+    host_blocks = runner.cache.host_k.shape[1]
+    if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
+        from energon_infer.swap import measure_costs
+
+        swap_s, prefill_s = measure_costs(runner)
+        info = dataclasses.replace(info, host_blocks=host_blocks, swap_s_per_block=swap_s,
+                                   recompute_s_per_token=prefill_s)
     return runner, StageTimer(runner.stage, runner.device), info
 
 
@@ -249,9 +257,10 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
         if cmd is None or isinstance(cmd, Stop):
             return
         if isinstance(cmd, Step):
+            runner.cache.swap_out(cmd.swap_out)
             for seq_id in cmd.frees:
                 runner.free(seq_id)
-            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies, cmd.history)
+            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies, cmd.history, cmd.swap_in)
             items = feedback.take(cmd) if cmd.take_back else cmd.items
             tokens = runner.step(items, cmd.new_params, broadcast=False)
             if cmd.send_back:

@@ -165,3 +165,49 @@ def test_penalties_count_the_same_tokens_through_chunks_preemption_and_shared_pr
     out, stats = _tokens(tight, prompts, penalised, chunked_prefill=True, prefix_caching=True,
                          kv_admission="on_demand")
     assert out == ref and stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_preemption_by_swap_to_host_keeps_greedy_and_seeded_outputs(tiny_dirs, hf_refs, mode):
+    # The same small cache as above, with host swap space: victims' blocks go to host memory and come
+    # back into fresh blocks; they resume where they stopped, so the tokens are those of an unpreempted run.
+    small = _runner(tiny_dirs["gpt2"], kv_cache_tokens=40, swap_space_tokens=64)
+    greedy, stats = _tokens(small, PROMPTS, GREEDY, kv_admission="on_demand", preemption=mode)
+    assert greedy == hf_refs["gpt2"]["greedy"] and stats["preemptions"] > 0
+    if mode == "swap":
+        assert stats["swaps"] == stats["preemptions"]
+    big = _runner(tiny_dirs["gpt2"])
+    alone = [_tokens(big, [p], sp)[0][0] for p, sp in zip(PROMPTS, SEEDED)]
+    seeded, stats = _tokens(small, PROMPTS, SEEDED, kv_admission="on_demand", preemption=mode)
+    assert seeded == alone and stats["preemptions"] > 0
+
+
+def test_swap_or_recompute_is_chosen_by_the_measured_costs():
+    from energon_infer.swap import SwapSpace
+
+    space = SwapSpace(4, mode="auto", swap_s_per_block=1e-3, recompute_s_per_token=1e-4)
+    assert space.choose(blocks=2, tokens=64)  # 2 ms of copies < 6.4 ms of prefill
+    assert not space.choose(blocks=2, tokens=8)  # 0.8 ms of prefill is cheaper
+    assert not space.choose(blocks=5, tokens=1000)  # more blocks than the swap space holds
+    assert SwapSpace(4, mode="swap").choose(blocks=1, tokens=1)
+    assert not SwapSpace(4, mode="recompute").choose(blocks=1, tokens=10**6)
+    with pytest.raises(ValueError, match="preemption='swap' needs host swap space"):
+        from energon_infer.scheduler import SchedulerConfig
+
+        SchedulerConfig(kv_blocks=8, block_size=4, max_context=64, preemption="swap")
+
+
+def test_engine_swaps_preempted_requests_out_and_back_with_the_same_tokens(tiny_dirs, hf_refs):
+    # Through the worker process (steps planned two ahead): swap-out copies run before the step that
+    # reuses the victim's blocks, swap-in copies before the step that resumes it.
+    from energon_infer.engine import Engine
+
+    big = _runner(tiny_dirs["gpt2"])
+    alone = [_tokens(big, [p], sp)[0][0] for p, sp in zip(PROMPTS, SEEDED)]
+    with Engine.from_pretrained(tiny_dirs["gpt2"], block_size=4, kv_cache_tokens=40, swap_space_tokens=64,
+                                preemption="swap", progress=False, threads_per_worker=1) as engine:
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == hf_refs["gpt2"]["greedy"]
+        assert [c.token_ids for c in engine.generate(PROMPTS, SEEDED)] == alone
+        assert engine.scheduler.swap.swaps == engine.scheduler.preemptions > 0
+    with pytest.raises(ValueError, match="needs host swap space"):
+        Engine.from_pretrained(tiny_dirs["gpt2"], preemption="swap", progress=False)
