@@ -40,12 +40,18 @@ from torchrec_cache.transfer import RowMover
 __all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "FusedCache"]
 
 
-# Measured at 1.5% of a 100k-row Zipf(1.05) table (traffic hit rate, stationary / drifting trace):
-# no idle halving 0.318 / 0.144, every 4 steps 0.315 / 0.157, every 2 steps 0.304 / 0.185 (LRU: 0.223 / 0.185).
-IDLE_HALVING = 2  # steps
-# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last and next use 4 + 4,
-# sketch.
-SLOT_OVERHEAD_BYTES = 32 + SKETCH_BYTES_PER_SLOT
+# Drift reset (lfu): a batch whose traffic hit rate (hit uses / uses) falls below DRIFT_DROP of its recent
+# level (an average halving its weight per batch) means the hot set moved: every count, sketch and resident
+# scores, is shifted right by DRIFT_SHIFT bits, so the new hot rows win their slots within a batch. A
+# stationary trace never triggers it and keeps its counts (aged only every AGE_EVERY increments per slot).
+# Measured at 0.5 / 1.5 / 5% of a 100k-row Zipf(1.05) table (traffic hit rate): stationary 0.168 / 0.332 /
+# 0.500 (static 0.147 / 0.317 / 0.459); drifting 0.092 / 0.212 / 0.339 (LRU 0.081 / 0.185 / 0.334). The rule
+# it replaces (a resident row's count halved for every 2 steps it went unused) lost to static when stationary
+# (0.304 at 1.5%) and to LRU when drifting (0.185 vs 0.1851).
+DRIFT_DROP = 0.7
+DRIFT_SHIFT = 8
+# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, next use 4, sketch.
+SLOT_OVERHEAD_BYTES = 28 + SKETCH_BYTES_PER_SLOT
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
 FREE, DISABLED, TRASH_KEY = -1, -2, -3
 _INF = 2**62
@@ -88,6 +94,8 @@ class FusedCache(nn.Module):
         self.names = [t.name for t in tables]
         self.index = {t.name: i for i, t in enumerate(tables)}
         self.lock = threading.RLock()  # the prefetch thread and the training thread share the cache
+        self._gathered_cv = threading.Condition()
+        self.gathered_step = 0  # the step of the last batch whose lookup has read its rows
         self.step = 0
         self._next_batch = 0
         self._spill_held: dict[int, torch.Tensor] = {}
@@ -144,11 +152,11 @@ class FusedCache(nn.Module):
         self.register_buffer("slot_key", torch.full((C + 1,), DISABLED, dtype=torch.int64, device=dev),
                              persistent=False)
         self.register_buffer("slot_score", torch.zeros(C + 1, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("last_used", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("next_use", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
                              persistent=False)
         self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("hit_level", torch.zeros(1, device=dev), persistent=False)  # recent traffic hit rate
         self.sketch = FrequencySketch(C, device=dev)
         # Slot tensors and host tensors per group.
         self.groups: list[SlotGroup] = []
@@ -255,7 +263,7 @@ class FusedCache(nn.Module):
             self.slot_key.fill_(DISABLED)
             self.slot_key[self.num_slots] = TRASH_KEY
             self.slot_score.zero_()
-            self.last_used.zero_()
+            self.hit_level.zero_()
             self.next_use.zero_()
             self.pinned_until.fill_(-1)
             self.hold.zero_()
@@ -389,6 +397,8 @@ class FusedCache(nn.Module):
         self._release_dead()
         self._refresh_if_changed()
         dev = self.device
+        if not count and dev.type == "cuda":  # a prefetch's loads wait for every lookup queued before it
+            torch.cuda.current_stream(dev).wait_stream(torch.cuda.default_stream(dev))
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor, got dtype {values.dtype}; a float id such as 1.7 is "
                             "not a row: cast the feature to int64 before the lookup (as TorchRec requires)")
@@ -441,7 +451,6 @@ class FusedCache(nn.Module):
         # Touch the hits: policy score, and a pin for this step so no miss of the batch evicts them.
         if count and self.policy == "lfu":
             self.slot_score.index_add_(0, hit_or_trash, counts)
-            self.last_used.index_fill_(0, hit_or_trash, step)
         elif count and self.policy == "lru":
             self.slot_score.index_fill_(0, hit_or_trash, step)
         until = max(step, pin_until)
@@ -455,7 +464,23 @@ class FusedCache(nn.Module):
         if not load:
             return Batch(uniq=uniq, inv=inv, slots=hit_or_trash, key_bounds=kb, value_bounds=value_bounds,
                          spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
+        # When the window needs each row again (its step there), or never as far as it knows. A prefetched
+        # batch's hits learn their next use too: after this batch they would look unneeded to the window.
+        if reuse is not None and reuse_steps is not None and reuse.numel():
+            at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
+            miss_next = torch.where(reuse.index_select(0, at) == uniq, reuse_steps.index_select(0, at), _NEVER)
+        else:
+            miss_next = torch.full_like(uniq, _NEVER)
+        reused = miss_next < _NEVER
+        if reuse is not None:
+            self.next_use.index_copy_(0, hit_or_trash, torch.where(reused, miss_next, 0).int())
         if count and not self._frozen_sketch:
+            if self.policy == "lfu":  # the drift reset, decided on the device (no host read)
+                traffic_hit = (counts * hit).sum().float() / max(1, L)
+                shift = (traffic_hit < DRIFT_DROP * self.hit_level).long() * DRIFT_SHIFT
+                self.sketch.table.bitwise_right_shift_(shift.int())
+                self.slot_score.bitwise_right_shift_(shift)
+                self.hit_level.mul_(0.5).add_(traffic_hit, alpha=0.5)
             self.sketch.add(uniq, counts)
             self._increments += L
             if self._increments > AGE_EVERY * max(1, C):  # TinyLFU's reset: halve every count, old traffic fades
@@ -466,13 +491,11 @@ class FusedCache(nn.Module):
         prio = self.sketch.estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
         # Victims: per set, its ways by key (free first, pinned/held/disabled never), misses by priority.
         key = self.slot_score[:C]
-        if self.policy == "lfu" and IDLE_HALVING:
-            # A resident row's count halves for every IDLE_HALVING steps it went unused: a hot set that moved
-            # on gives way within a few batches (the sketch alone ages every AGE_EVERY increments per slot).
-            idle = ((step - self.last_used[:C]) // IDLE_HALVING).clamp(0, 62).long()
-            key = key >> idle
         sk = self.slot_key[:C]
-        blocked = (sk == DISABLED) | (self.pinned_until[:C] >= step) | (self.hold[:C] > 0)
+        # A lookup pins its own rows for its step; a prefetch (for a later step) may take the slots of the
+        # current step's rows once its lookup has read them (they are held until then, or until the backward).
+        pinned = self.pinned_until[:C] >= step if count else self.pinned_until[:C] > step
+        blocked = (sk == DISABLED) | pinned | (self.hold[:C] > 0)
         # Rows a later batch of the prefetch window needs rank above every other row, the one needed last lowest.
         nxt = self.next_use[:C].long()
         key = torch.where(nxt > step, _WINDOW - nxt, key)
@@ -485,13 +508,6 @@ class FusedCache(nn.Module):
             miss_ok = miss & (held.index_select(0, at) != uniq)
         else:
             miss_ok = miss
-        # When the window needs a miss again (its step there), or never as far as it knows.
-        if reuse is not None and reuse_steps is not None and reuse.numel():
-            at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
-            miss_next = torch.where(reuse.index_select(0, at) == uniq, reuse_steps.index_select(0, at), _NEVER)
-        else:
-            miss_next = torch.full_like(uniq, _NEVER)
-        reused = miss_next < _NEVER
         rank_prio = torch.where(reused, 2**31 + (2**30 - (miss_next - step)).clamp(0, 2**30),
                                 prio.clamp(0, 2**31 - 1))
         comp = torch.where(miss, sets * 2**32 + (2**32 - 1 - rank_prio), torch.full_like(sets, self.num_sets * 2**32))
@@ -562,7 +578,6 @@ class FusedCache(nn.Module):
             self._copy_in(gi, keys_h[a:b], vs)
         self.slot_key.index_copy_(0, victims, keys)
         self.slot_score.index_copy_(0, victims, torch.full_like(keys, step) if self.policy == "lru" else prio)
-        self.last_used.index_fill_(0, victims, until)
         self.pinned_until.index_fill_(0, victims, until)
 
     # ------------------------------------------------------------------ rows, gradients, release
@@ -659,6 +674,25 @@ class FusedCache(nn.Module):
                 batch.finalizer.detach()
             self._spill_held.pop(batch.id, None)
             self.hold.index_add_(0, batch.slots, torch.full_like(batch.slots, -1, dtype=torch.int32))
+
+    def gathered(self, batch: Batch) -> None:
+        """The lookup has read the batch's rows: an eval batch's rows may move now; a prefetch waiting for this
+        step goes on (its loads may then evict them, as Belady may evict the rows of the previous batch)."""
+        if not batch.train:
+            self.release(batch)
+        with self._gathered_cv:
+            self.gathered_step = max(self.gathered_step, batch.step)
+            self._gathered_cv.notify_all()
+
+    def wait_gathered(self, step: int, stop: threading.Event) -> None:
+        """Block until the lookup of forward ``step`` has read its rows, or ``stop`` is set (see :meth:`wake`)."""
+        with self._gathered_cv:
+            self._gathered_cv.wait_for(lambda: self.gathered_step >= step or stop.is_set())
+
+    def wake(self) -> None:
+        """Wake :meth:`wait_gathered` callers to re-check their ``stop`` event."""
+        with self._gathered_cv:
+            self._gathered_cv.notify_all()
 
     def _release_dead(self) -> None:
         while self._released:

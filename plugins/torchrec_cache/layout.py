@@ -92,6 +92,7 @@ class Batch:
     id: int = 0
     groups_left: int = 0  # slot-tensor groups whose backward has not run yet
     held: bool = False
+    train: bool = True  # the rows stay held until the backward (else until the lookup gathered them)
     finalizer: Any = None
 
 
