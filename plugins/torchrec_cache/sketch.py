@@ -26,7 +26,7 @@ SKETCH_DEPTH = 2
 SKETCH_WIDTH_PER_SLOT = 8
 # Sketch increments per slot between halvings (TinyLFU's reset, after ~10x the sketch's counters: 8-16 per
 # slot). A stationary trace wants counts that do not forget; a moving hot set is followed by the cache's
-# drift reset instead (:data:`torchrec_cache.cache.DRIFT_DROP`). Measured at 1.5% of a 100k-row Zipf(1.05)
+# drift reset instead (:data:`torchrec_cache.policy.DRIFT_DROP`). Measured at 1.5% of a 100k-row Zipf(1.05)
 # table with that reset (LFU traffic hit rate, stationary / drifting trace): every 5 increments 0.318 / 0.202,
 # every 40: 0.332 / 0.212 (static 0.317, LRU 0.185 on the drifting trace).
 AGE_EVERY = 40
@@ -53,6 +53,8 @@ class FrequencySketch(nn.Module):
         self.register_buffer("table", torch.zeros(SKETCH_DEPTH, width, dtype=torch.int32, device=device),
                              persistent=False)
         self.mask = width - 1
+        self.slots = slots
+        self.increments = 0  # uses added since the last halving (host-side: batch sizes are host ints)
 
     def _hashes(self, keys: torch.Tensor) -> list[torch.Tensor]:
         return [mix_hash(keys * (2 * d + 0x9E3779B1) + d) & self.mask for d in range(SKETCH_DEPTH)]
@@ -70,6 +72,17 @@ class FrequencySketch(nn.Module):
         for d in range(1, SKETCH_DEPTH):
             est = torch.minimum(est, self.table[d].index_select(0, hs[d]))
         return est.long()
+
+    def record(self, keys: torch.Tensor, counts: torch.Tensor, uses: int) -> bool:
+        """:meth:`add` (``uses``: the counts' sum, known on the host), then halve every count once ``AGE_EVERY``
+        uses per slot came in (TinyLFU's reset: old traffic fades). Returns whether it halved."""
+        self.add(keys, counts)
+        self.increments += uses
+        if self.increments <= AGE_EVERY * max(1, self.slots):
+            return False
+        self.halve()
+        self.increments = 0
+        return True
 
     def halve(self) -> None:
         self.table.bitwise_right_shift_(1)

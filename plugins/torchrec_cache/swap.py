@@ -124,18 +124,19 @@ def cached_collections(model: nn.Module) -> list[CachedCollection]:
 def _prefetch_job(collections: list[CachedCollection], start: list[int], entering: list[tuple[int, Any]],
                   target: tuple[int, Any] | None, window: list[tuple[int, Any]], stream: Any,
                   resumed: threading.Event) -> Any:
-    """One prefetch step (on the worker thread): pin what the batches entering the window already have cached,
-    then, once the current batch's lookup has read its rows (or the loop moved on without one), load the next
-    batch's rows knowing which of them the rest of the window needs again."""
+    """One prefetch step (on the worker thread), once the current batch's lookup has read its rows (or the loop
+    moved on without one): note when the batches entering the window need the rows already cached, then
+    load the next batch's rows knowing which of them the rest of the window needs again."""
 
     def run() -> None:
         for c, s0 in zip(collections, start):
-            for j, kjt in entering:
-                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
             if target is not None:
                 # Loading before the current lookup has read its rows could not evict them: the same loads
                 # then cost more misses, and the hit rate would depend on the threads' timing.
-                c.fused_cache.wait_gathered(s0 + target[0], resumed)
+                c.fused_cache.clock.wait(s0 + target[0], resumed)
+            for j, kjt in entering:
+                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
+            if target is not None:
                 c.prefetch(target[1], until=s0 + target[0] + 1, window=[(s0 + j + 1, k) for j, k in window])
 
     if stream is None:
@@ -193,7 +194,7 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
     def resume() -> None:
         resumed.set()
         for c in collections:
-            c.fused_cache.wake()
+            c.fused_cache.clock.wake()
 
     try:
         for _ in range(ahead + 1):

@@ -24,7 +24,13 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, FrequencyStats, RowOptimizer, prefetching
+from torchrec_cache import (
+    CacheConfig,
+    CachedEmbeddingBagCollection,
+    FrequencyStats,
+    RowOptimizer,
+    prefetching,
+)
 
 ROWS, SLOTS = 10, 3
 TABLE = "t"
