@@ -97,6 +97,7 @@ class FusedCache(nn.Module):
         self.index = {t.name: i for i, t in enumerate(tables)}
         self.lock = threading.RLock()  # the prefetch thread and the training thread share the cache
         self.clock = StepClock()  # the step of the last batch whose lookup has read its rows
+        self.step_trains = False  # whether that lookup's rows are held for a backward
         self.step = 0
         self._next_batch = 0
         self._spill_held: dict[int, torch.Tensor] = {}
@@ -451,8 +452,11 @@ class FusedCache(nn.Module):
         miss = ~hit
         # Rows a held batch spilled stay out of the cache until its backward.
         miss_ok = miss & ~layout.isin_sorted(uniq, list(self._spill_held.values())) if self._spill_held else miss
+        # A lookup keeps its own rows. An eval lookup's rows are free for the prefetch once it read them (held
+        # until then): as Belady may, the next batch's loads may evict them. A training step's rows are held
+        # until its backward, which the prefetch overlaps: they stay whatever the timing, so it is reproducible.
         vkey = rules.victim_keys(self.slot_key[:C], self.slot_score[:C], self.pinned_until[:C], self.hold[:C],
-                           self.next_use[:C], step, count)
+                                 self.next_use[:C], step, count or self.step_trains)
         admit, victim = rules.choose_slots(self.policy, vkey, W, sets, miss, prio, miss_next, step, allowed=miss_ok)
         spill = miss & ~admit if count else torch.zeros_like(miss)
         # Compact loads then spills (order kept) and read them on the host with the evicted keys.
@@ -601,6 +605,7 @@ class FusedCache(nn.Module):
     def gathered(self, batch: Batch) -> None:
         """The lookup has read the batch's rows: an eval batch's rows may move now; a prefetch waiting for this
         step goes on (its loads may then evict them, as Belady may evict the rows of the previous batch)."""
+        self.step_trains = batch.train
         if not batch.train:
             self.release(batch)
         self.clock.advance(batch.step)

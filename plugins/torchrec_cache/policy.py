@@ -74,12 +74,11 @@ def drift_reset(sketch_table: torch.Tensor, slot_score: torch.Tensor, hit_level:
 
 
 def victim_keys(slot_key: torch.Tensor, slot_score: torch.Tensor, pinned_until: torch.Tensor, hold: torch.Tensor,
-                next_use: torch.Tensor, step: int, count: bool) -> torch.Tensor:
+                next_use: torch.Tensor, step: int, keep_step: bool) -> torch.Tensor:
     """Per slot, how costly it is to evict (lowest first): free ``-inf``, a row the window needs above every
-    count (the one needed last lowest of those), unavailable ``+inf``."""
-    # A lookup pins its own rows for its step; a prefetch (for a later step) may take the slots of the
-    # current step's rows once its lookup has read them (they are held until then, or until the backward).
-    pinned = pinned_until >= step if count else pinned_until > step
+    count (the one needed last lowest of those), unavailable ``+inf``. ``keep_step``: the rows pinned for
+    ``step`` are unavailable too."""
+    pinned = pinned_until >= step if keep_step else pinned_until > step
     blocked = (slot_key == DISABLED) | pinned | (hold > 0)
     nxt = next_use.long()
     key = torch.where(nxt > step, _WINDOW - nxt, slot_score)
