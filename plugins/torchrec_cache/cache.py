@@ -10,15 +10,14 @@ exactly. Tables of one embedding dim and dtype share one slot tensor (a DLRM has
 the policy and the per-batch work are one for the whole collection.
 
 Every batch goes through :meth:`FusedCache.prepare` once for all tables: unique keys (sort based,
-fixed sizes), one set lookup, one victim choice for all misses (per set: the coldest unpinned ways
-go to the hottest misses, which must beat them: TinyLFU-style admission from a count-min sketch
-sized by the cache), one write-back and one load per slot tensor. It reads device values on the host
+fixed sizes), one set lookup, one victim choice for all misses (:mod:`torchrec_cache.policy`), one
+write-back and one load per slot tensor. It reads device values on the host
 twice (:func:`torchrec_cache.sync.read_host`): the batch's sizes, then the keys to load and spill.
 The backward reads none. A batch with more distinct rows in a set than the set can give is not an
 error: those rows are read from host memory for this batch (a logged "spill") and updated there.
 
-Rows a batch reads are held until its backward (a per-slot count), so gradient accumulation and a
-prefetch thread cannot move them; rows it spilled stay out of the cache until then.
+Rows a batch reads are held (a per-slot count) until its backward, or in eval until its lookup read
+them, so gradient accumulation and a prefetch thread cannot move them; rows it spilled stay out until then.
 """
 
 from __future__ import annotations
@@ -29,29 +28,23 @@ import weakref
 import torch
 from torch import nn
 
+from torchrec_cache import layout
+from torchrec_cache import policy as rules
 from torchrec_cache.config import RowOptimizer
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
-from torchrec_cache.layout import Batch, SlotGroup, TableSpec, mix_hash, out_of_range, spill_notice
+from torchrec_cache.layout import Batch, SlotGroup, TableSpec, mix_hash
 from torchrec_cache.optim import apply_update, initial_state
-from torchrec_cache.sketch import AGE_EVERY, SKETCH_BYTES_PER_SLOT, FrequencySketch
-from torchrec_cache.sync import read_host
+from torchrec_cache.policy import DISABLED, FREE, TRASH_KEY
+from torchrec_cache.sketch import SKETCH_BYTES_PER_SLOT, FrequencySketch
+from torchrec_cache.sync import StepClock, read_host
 from torchrec_cache.transfer import RowMover
 
 __all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "FusedCache"]
 
 
-# Measured at 1.5% of a 100k-row Zipf(1.05) table (traffic hit rate, stationary / drifting trace):
-# no idle halving 0.318 / 0.144, every 4 steps 0.315 / 0.157, every 2 steps 0.304 / 0.185 (LRU: 0.223 / 0.185).
-IDLE_HALVING = 2  # steps
-# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, last and next use 4 + 4,
-# sketch.
-SLOT_OVERHEAD_BYTES = 32 + SKETCH_BYTES_PER_SLOT
+# Device bytes per slot besides the row and its state: key 8, score 8, pin 4, hold 4, next use 4, sketch.
+SLOT_OVERHEAD_BYTES = 28 + SKETCH_BYTES_PER_SLOT
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
-FREE, DISABLED, TRASH_KEY = -1, -2, -3
-_INF = 2**62
-_WINDOW = 2**61  # victim keys of rows a prefetch window needs: _WINDOW - next step (above any count)
-_NEVER = 2**40  # "no known next use"
-_SENTINEL = 2**62  # pads the fixed-size unique array: above every key
 _POLICIES = ("lfu", "lru", "static")
 
 
@@ -75,6 +68,21 @@ class FusedCache(nn.Module):
         ([5, 7], 2)
     """
 
+    # Registered buffers, annotated so type checkers do not read them as ``Tensor | Module``.
+    slot_key: torch.Tensor
+    slot_score: torch.Tensor
+    next_use: torch.Tensor
+    pinned_until: torch.Tensor
+    hold: torch.Tensor
+    hit_level: torch.Tensor
+    _t_key_off: torch.Tensor
+    _t_rows: torch.Tensor
+    _t_set_off: torch.Tensor
+    _t_sets: torch.Tensor
+    _t_direct: torch.Tensor
+    _key_bounds: torch.Tensor
+    _key_table: torch.Tensor
+
     def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
                  device: torch.device | str, ways: int | None = None) -> None:
         super().__init__()
@@ -88,12 +96,12 @@ class FusedCache(nn.Module):
         self.names = [t.name for t in tables]
         self.index = {t.name: i for i, t in enumerate(tables)}
         self.lock = threading.RLock()  # the prefetch thread and the training thread share the cache
+        self.clock = StepClock()  # the step of the last batch whose lookup has read its rows
+        self.step_trains = False  # whether that lookup's rows are held for a backward
         self.step = 0
         self._next_batch = 0
         self._spill_held: dict[int, torch.Tensor] = {}
-        self._released: list[torch.Tensor] = []  # holds of batches whose graph died without a backward
-        self._increments = 0
-        self._frozen_sketch = policy == "static"
+        self._released: list[tuple[int, torch.Tensor]] = []  # holds of batches whose graph died without a backward
         # Key space and sets, tables grouped by (dim, dtype) in first-appearance order.
         groups: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, t in enumerate(tables):
@@ -127,28 +135,22 @@ class FusedCache(nn.Module):
         self._kpos = {i: p for p, i in enumerate(order_key)}  # table index -> position in key order
         C = self.num_slots
         dev = device
-        self.register_buffer("_t_key_off", torch.tensor(key_off[:-1], dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("_t_rows", torch.tensor([t.rows for t in tables], dtype=torch.int64, device=dev),
-                             persistent=False)
-        self.register_buffer("_t_set_off", torch.tensor(set_off, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("_t_sets", torch.tensor(n_sets, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("_t_direct", torch.tensor(direct, dtype=torch.bool, device=dev), persistent=False)
-        self.register_buffer("_key_bounds", self._key_sorted_starts.to(dev), persistent=False)
-        self.register_buffer("_key_table", torch.tensor(order_key, dtype=torch.int64, device=dev), persistent=False)
         # Host copies of the constant index tensors: ``to_empty`` off the meta device leaves garbage in buffers.
         self._constants = {name: torch.tensor(v, dtype=dt) for name, v, dt in (
             ("_t_key_off", key_off[:-1], torch.int64), ("_t_rows", [t.rows for t in tables], torch.int64),
             ("_t_set_off", set_off, torch.int64), ("_t_sets", n_sets, torch.int64), ("_t_direct", direct, torch.bool),
             ("_key_bounds", self._key_sorted_starts.tolist(), torch.int64), ("_key_table", order_key, torch.int64))}
-        # Per slot (+1 trash slot at index C that absorbs writes for rows without a slot): 24 bytes.
+        for name, value in self._constants.items():
+            self.register_buffer(name, value.to(dev), persistent=False)
+        # Per slot (+1 trash slot at index C that absorbs writes for rows without a slot): 28 bytes.
         self.register_buffer("slot_key", torch.full((C + 1,), DISABLED, dtype=torch.int64, device=dev),
                              persistent=False)
         self.register_buffer("slot_score", torch.zeros(C + 1, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("last_used", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("next_use", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("pinned_until", torch.full((C + 1,), -1, dtype=torch.int32, device=dev),
                              persistent=False)
         self.register_buffer("hold", torch.zeros(C + 1, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("hit_level", torch.zeros(1, device=dev), persistent=False)  # recent traffic hit rate
         self.sketch = FrequencySketch(C, device=dev)
         # Slot tensors and host tensors per group.
         self.groups: list[SlotGroup] = []
@@ -255,7 +257,7 @@ class FusedCache(nn.Module):
             self.slot_key.fill_(DISABLED)
             self.slot_key[self.num_slots] = TRASH_KEY
             self.slot_score.zero_()
-            self.last_used.zero_()
+            self.hit_level.zero_()
             self.next_use.zero_()
             self.pinned_until.fill_(-1)
             self.hold.zero_()
@@ -271,13 +273,7 @@ class FusedCache(nn.Module):
                 elif hottest is not None and t.name in hottest:
                     ids = hottest[t.name].long()[: self.capacity[t.name]].to(self.device)
                     keys = ids + key0
-                    sets = self._sets(keys)
-                    order = torch.sort(sets, stable=True).indices
-                    s_sorted = sets.index_select(0, order)
-                    rank = torch.arange(s_sorted.numel(), device=self.device) - torch.searchsorted(s_sorted, s_sorted)
-                    free = (self.slot_key.index_select(0, s_sorted * W + rank.clamp(max=W - 1)) == FREE) & (rank < W)
-                    chosen = order[free]
-                    slots = (s_sorted * W + rank)[free]
+                    chosen, slots = rules.free_ways(self.slot_key, self._sets(keys), W)
                     self._load_direct(keys.index_select(0, chosen).cpu(), slots)
             self.counters.reset()
 
@@ -389,6 +385,8 @@ class FusedCache(nn.Module):
         self._release_dead()
         self._refresh_if_changed()
         dev = self.device
+        if not count and dev.type == "cuda":  # a prefetch's loads wait for every lookup queued before it
+            torch.cuda.current_stream(dev).wait_stream(torch.cuda.default_stream(dev))
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor, got dtype {values.dtype}; a float id such as 1.7 is "
                             "not a row: cast the feature to int64 before the lookup (as TorchRec requires)")
@@ -404,16 +402,7 @@ class FusedCache(nn.Module):
         tab = per_bag_table.repeat_interleave(lengths.to(dev), output_size=L)
         keys = values + self._t_key_off.index_select(0, tab)
         bad = ((values < 0) | (values >= self._t_rows.index_select(0, tab))).any()
-        # Unique keys in fixed-size arrays (a plain torch.unique would read the count on the host).
-        sorted_keys, perm = torch.sort(keys)
-        new = torch.ones(L, dtype=torch.bool, device=dev)
-        if L > 1:
-            torch.ne(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
-        seg = torch.cumsum(new, 0) - 1
-        inv = torch.empty_like(seg).scatter_(0, perm, seg)
-        uniq_pad = torch.full((L + 1,), _SENTINEL, dtype=torch.int64, device=dev).scatter_(0, seg, sorted_keys)
-        counts_pad = torch.zeros(L + 1, dtype=torch.int64, device=dev).index_add_(
-            0, seg, torch.ones(L, dtype=torch.int64, device=dev))
+        uniq_pad, counts_pad, inv, seg = layout.unique_padded(keys)
         bounds = torch.searchsorted(uniq_pad, self._key_bounds)  # per key-ordered table, its run in uniq
         head = torch.cat([torch.stack([seg[-1] + 1 if L else seg.new_zeros(()), bad.long()]), bounds])
         sizes = read_host(head)  # sync 1 of 2: the number of unique keys and each table's share
@@ -438,12 +427,7 @@ class FusedCache(nn.Module):
         slot = self.find(uniq, sets)
         hit = slot >= 0
         hit_or_trash = torch.where(hit, slot, C)
-        # Touch the hits: policy score, and a pin for this step so no miss of the batch evicts them.
-        if count and self.policy == "lfu":
-            self.slot_score.index_add_(0, hit_or_trash, counts)
-            self.last_used.index_fill_(0, hit_or_trash, step)
-        elif count and self.policy == "lru":
-            self.slot_score.index_fill_(0, hit_or_trash, step)
+        # Pin the hits for this step (a prefetch: until its batch runs) so no miss of the batch evicts them.
         until = max(step, pin_until)
         if not load:  # a batch entering the window: remember when its cached rows are used next
             nu = self.next_use.index_select(0, hit_or_trash)
@@ -455,69 +439,28 @@ class FusedCache(nn.Module):
         if not load:
             return Batch(uniq=uniq, inv=inv, slots=hit_or_trash, key_bounds=kb, value_bounds=value_bounds,
                          spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64), step=step, id=bid)
-        if count and not self._frozen_sketch:
-            self.sketch.add(uniq, counts)
-            self._increments += L
-            if self._increments > AGE_EVERY * max(1, C):  # TinyLFU's reset: halve every count, old traffic fades
-                self.sketch.halve()
-                if self.policy == "lfu":
-                    self.slot_score.bitwise_right_shift_(1)
-                self._increments = 0
+        # When the window needs each row again (its step there), or never as far as it knows. A prefetched
+        # batch's hits learn their next use too: after this batch they would look unneeded to the window.
+        miss_next = rules.window_next_use(uniq, reuse, reuse_steps)
+        reused = miss_next < rules.NEVER
+        if reuse is not None:
+            self.next_use.index_copy_(0, hit_or_trash, torch.where(reused, miss_next, 0).int())
+        if count:  # policy scores of the hits, drift reset, sketch counts and their ageing
+            rules.observe(self.policy, self.sketch, self.slot_score, self.hit_level, hit_or_trash, hit, uniq, counts,
+                          step, L)
         prio = self.sketch.estimate(uniq) if self.policy != "lru" else torch.zeros_like(uniq)
-        # Victims: per set, its ways by key (free first, pinned/held/disabled never), misses by priority.
-        key = self.slot_score[:C]
-        if self.policy == "lfu" and IDLE_HALVING:
-            # A resident row's count halves for every IDLE_HALVING steps it went unused: a hot set that moved
-            # on gives way within a few batches (the sketch alone ages every AGE_EVERY increments per slot).
-            idle = ((step - self.last_used[:C]) // IDLE_HALVING).clamp(0, 62).long()
-            key = key >> idle
-        sk = self.slot_key[:C]
-        blocked = (sk == DISABLED) | (self.pinned_until[:C] >= step) | (self.hold[:C] > 0)
-        # Rows a later batch of the prefetch window needs rank above every other row, the one needed last lowest.
-        nxt = self.next_use[:C].long()
-        key = torch.where(nxt > step, _WINDOW - nxt, key)
-        vkey = torch.where(blocked, torch.full_like(key, _INF), torch.where(sk == FREE, torch.full_like(key, -_INF), key))
-        vk_sorted, vway = vkey.view(self.num_sets, W).sort(dim=1)
         miss = ~hit
-        if self._spill_held:
-            held = torch.sort(torch.cat(list(self._spill_held.values()))).values
-            at = torch.searchsorted(held, uniq).clamp(max=held.numel() - 1)
-            miss_ok = miss & (held.index_select(0, at) != uniq)
-        else:
-            miss_ok = miss
-        # When the window needs a miss again (its step there), or never as far as it knows.
-        if reuse is not None and reuse_steps is not None and reuse.numel():
-            at = torch.searchsorted(reuse, uniq).clamp(max=reuse.numel() - 1)
-            miss_next = torch.where(reuse.index_select(0, at) == uniq, reuse_steps.index_select(0, at), _NEVER)
-        else:
-            miss_next = torch.full_like(uniq, _NEVER)
-        reused = miss_next < _NEVER
-        rank_prio = torch.where(reused, 2**31 + (2**30 - (miss_next - step)).clamp(0, 2**30),
-                                prio.clamp(0, 2**31 - 1))
-        comp = torch.where(miss, sets * 2**32 + (2**32 - 1 - rank_prio), torch.full_like(sets, self.num_sets * 2**32))
-        comp_sorted, order = torch.sort(comp)
-        set_sorted = comp_sorted >> 32
-        rank = torch.empty_like(order).scatter_(
-            0, order, torch.arange(U, device=dev) - torch.searchsorted(set_sorted, set_sorted))
-        r = rank.clamp(max=W - 1)
-        vk = vk_sorted[sets, r]
-        admit = miss_ok & (rank < W) & (vk < _INF)
-        in_window = vk >= _WINDOW - 2**31
-        if self.policy != "lru":
-            # Belady inside the window, frequency beyond: a victim the window needs leaves only for a miss
-            # needed sooner; any other victim for a miss the window needs, or one used more often.
-            better = torch.where(in_window, miss_next < _WINDOW - vk, (vk == -_INF) | reused | (prio > vk))
-            admit &= better
-        else:
-            admit &= ~in_window | (miss_next < _WINDOW - vk)
-        victim = sets * W + vway[sets, r]
+        # Rows a held batch spilled stay out of the cache until its backward.
+        miss_ok = miss & ~layout.isin_sorted(uniq, list(self._spill_held.values())) if self._spill_held else miss
+        # A lookup keeps its own rows. An eval lookup's rows are free for the prefetch once it read them (held
+        # until then): as Belady may, the next batch's loads may evict them. A training step's rows are held
+        # until its backward, which the prefetch overlaps: they stay whatever the timing, so it is reproducible.
+        vkey = rules.victim_keys(self.slot_key[:C], self.slot_score[:C], self.pinned_until[:C], self.hold[:C],
+                                 self.next_use[:C], step, count or self.step_trains)
+        admit, victim = rules.choose_slots(self.policy, vkey, W, sets, miss, prio, miss_next, step, allowed=miss_ok)
         spill = miss & ~admit if count else torch.zeros_like(miss)
         # Compact loads then spills (order kept) and read them on the host with the evicted keys.
-        ca = torch.cumsum(admit, 0)
-        cs = torch.cumsum(spill, 0)
-        na_d, ns_d = ca[-1], cs[-1]
-        dest = torch.where(admit, ca - 1, torch.where(spill, na_d + cs - 1, torch.full_like(ca, U)))
-        ordr = torch.zeros(U + 1, dtype=torch.int64, device=dev).scatter_(0, dest, torch.arange(U, device=dev))[:U]
+        ordr, na_d, ns_d = layout.compact(admit, spill)
         evict = torch.where(admit, self.slot_key.index_select(0, torch.where(admit, victim, C)), -1)
         packed = read_host(torch.cat([torch.stack([na_d, ns_d]), uniq.index_select(0, ordr),
                                       evict.index_select(0, ordr)]))  # sync 2 of 2
@@ -541,7 +484,7 @@ class FusedCache(nn.Module):
             batch.finalizer = weakref.finalize(batch, self._released.append, (bid, slots))
         self.counters.account(count, kb, load_keys_h, spill_keys_h, evict_h if self.fused else evict_h[:0])
         if ns and count:
-            spill_notice(U, ns, self.num_slots)
+            layout.spill_notice(U, ns, self.num_slots)
         return batch
 
     def _evict_and_load(self, keys_h: torch.Tensor, evict_h: torch.Tensor, victims: torch.Tensor,
@@ -562,7 +505,6 @@ class FusedCache(nn.Module):
             self._copy_in(gi, keys_h[a:b], vs)
         self.slot_key.index_copy_(0, victims, keys)
         self.slot_score.index_copy_(0, victims, torch.full_like(keys, step) if self.policy == "lru" else prio)
-        self.last_used.index_fill_(0, victims, until)
         self.pinned_until.index_fill_(0, victims, until)
 
     # ------------------------------------------------------------------ rows, gradients, release
@@ -570,7 +512,7 @@ class FusedCache(nn.Module):
         """The (U_g, dim) rows of group ``gi``'s unique keys: from slots, and from host memory for spilled rows."""
         g = self.groups[gi]
         a, b = self.group_range(batch, gi)
-        local = self._local_slots(batch, gi, a, b)
+        local = self._local_slots(batch.slots[a:b], gi)
         out = self.weight(gi).index_select(0, local)
         sa, sb, spos = self._group_spills(batch, gi, a)
         if sb > sa:
@@ -588,9 +530,9 @@ class FusedCache(nn.Module):
         k = self._kpos[self.index[name]]
         return batch.key_bounds[k], batch.key_bounds[k + 1]
 
-    def _local_slots(self, batch: Batch, gi: int, a: int, b: int) -> torch.Tensor:
+    def _local_slots(self, s: torch.Tensor, gi: int) -> torch.Tensor:
+        """Slots ``s`` as rows of group ``gi``'s slot tensor (the trash slot C is its last row)."""
         g = self.groups[gi]
-        s = batch.slots[a:b]
         if len(self.groups) == 1:
             return s  # slot_lo is 0 and the trash slot C is the last row of the only slot tensor
         return torch.where(s == self.num_slots, torch.full_like(s, g.slot_hi - g.slot_lo), s - g.slot_lo)
@@ -611,7 +553,7 @@ class FusedCache(nn.Module):
             a, b = self.group_range(batch, gi)
             if b == a:
                 return
-            local = self._local_slots(batch, gi, a, b)
+            local = self._local_slots(batch.slots[a:b], gi)
             w, st = apply_update(self.optimizer, self.weight(gi).index_select(0, local),
                                  self.state(gi).index_select(0, local), grad_rows, g.opt_step)
             self.weight(gi).index_copy_(0, local, w)
@@ -660,6 +602,14 @@ class FusedCache(nn.Module):
             self._spill_held.pop(batch.id, None)
             self.hold.index_add_(0, batch.slots, torch.full_like(batch.slots, -1, dtype=torch.int32))
 
+    def gathered(self, batch: Batch) -> None:
+        """The lookup has read the batch's rows: an eval batch's rows may move now; a prefetch waiting for this
+        step goes on (its loads may then evict them, as Belady may evict the rows of the previous batch)."""
+        self.step_trains = batch.train
+        if not batch.train:
+            self.release(batch)
+        self.clock.advance(batch.step)
+
     def _release_dead(self) -> None:
         while self._released:
             bid, slots = self._released.pop()
@@ -682,12 +632,8 @@ class FusedCache(nn.Module):
             g.dirty.clear()
             slots = self.find(keys)
             trash = torch.full_like(slots, self.num_slots)
-            local = self._local_slots_all(torch.where(slots >= 0, slots, trash), gi)
+            local = self._local_slots(torch.where(slots >= 0, slots, trash), gi)
             self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
-
-    def _local_slots_all(self, s: torch.Tensor, gi: int) -> torch.Tensor:
-        g = self.groups[gi]
-        return torch.where(s == self.num_slots, torch.full_like(s, g.slot_hi - g.slot_lo), s - g.slot_lo)
 
     def mark_host_changed(self) -> None:
         for g in self.groups:
@@ -734,22 +680,14 @@ class FusedCache(nn.Module):
         k0 = int(self._key_start[i])
         return keys[(keys >= k0) & (keys < k0 + self.specs[i].rows)] - k0
 
-    def stats_table(self, name: str) -> dict[str, int]:
-        return self.counters.table(self.index[name])
-
     def stats_total(self) -> dict[str, int]:
+        """Counters since construction (per table and last step: :attr:`counters`)."""
         return self.counters.total()
-
-    def stats_last(self) -> dict[str, int]:
-        return self.counters.last()
-
-    def reset_stats(self) -> None:
-        self.counters.reset()
 
     def _raise_out_of_range(self, values: torch.Tensor, tab: torch.Tensor) -> None:
         bad = torch.nonzero((values < 0) | (values >= self._t_rows.index_select(0, tab))).squeeze(1)[0]
         t = int(tab[bad])
-        raise out_of_range(self.names[t], int(values[bad]), self.specs[t].rows)
+        raise layout.out_of_range(self.names[t], int(values[bad]), self.specs[t].rows)
 
     def pin_host_memory(self) -> bool:
         """Page-lock the host tables and state so host-to-device copies run asynchronously (CUDA only)."""

@@ -86,8 +86,9 @@ class CacheConfig:
             otherwise). The index is set-associative and sized by the cache: no device memory per table row.
         policy: which cached row leaves when a new one needs its slot (each row has one set of 32
             slots). ``"lfu"``: the row used least (a count-min sketch sized by the cache remembers the
-            counts of rows that left, seeded with the dataset counts when given; counts age, and a
-            resident row's halves for every 2 steps it goes unused), and a miss is admitted only if it
+            counts of rows that left, seeded with the dataset counts when given; counts age slowly, and
+            drop at once when a batch's hit rate falls well below its recent level, i.e. the hot set
+            moved), and a miss is admitted only if it
             is used more than the row it would evict (TinyLFU's admission); ``"lru"``: the row used
             longest ago; ``"static"``: the row with the lowest dataset frequency (needs statistics).
         warmup: fill the cache with the hottest rows from the frequency statistics at construction.

@@ -34,6 +34,7 @@ class CacheCounters:
         self.to_key_order = torch.tensor([key_order.index(i) for i in range(self.n)], dtype=torch.int64)
         self.totals = torch.zeros(self.n, len(STAT_KEYS), dtype=torch.int64)
         self.latest = torch.zeros_like(self.totals)
+        self.prefetched = torch.zeros_like(self.totals)  # prefetch traffic since the last counted step
 
     def _per_table(self, keys_h: torch.Tensor) -> torch.Tensor:
         if keys_h.numel() == 0:
@@ -58,10 +59,12 @@ class CacheCounters:
             last[:, _K["misses"]] = nl + nsp
             last[:, _K["hits"]] = lookups - nl - nsp
             last[:, _K["rows_spilled"]] = nsp
-            self.latest = last
+            self.totals += last
+            self.latest = last + self.prefetched  # a prefetch's traffic belongs to the step it precedes
+            self.prefetched.zero_()
         else:
-            self.latest += last  # a prefetch's traffic belongs to the step it precedes
-        self.totals += last
+            self.totals += last
+            self.prefetched += last
 
     def table(self, i: int) -> dict[str, int]:
         return dict(zip(STAT_KEYS, self.totals[i].tolist()))
@@ -77,3 +80,4 @@ class CacheCounters:
     def reset(self) -> None:
         self.totals.zero_()
         self.latest.zero_()
+        self.prefetched.zero_()

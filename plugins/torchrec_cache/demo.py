@@ -5,6 +5,7 @@ The full-size script is ``examples/torchrec_cache/train_dlrm.py``; this is its s
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,6 +22,18 @@ __all__ = ["run_demo"]
 
 
 def run_demo(quick: bool = True) -> str:
+    # TorchRec's KeyedJaggedTensor calls torch.fx's deprecated ``is_fx_tracing``, whose one-off 285-column
+    # warning is addressed to TorchRec, not to the demo's reader: quiet it for the demo only.
+    fx_log = logging.getLogger("torch.fx._symbolic_trace")
+    level = fx_log.level
+    fx_log.setLevel(logging.ERROR)
+    try:
+        return _run(quick)
+    finally:
+        fx_log.setLevel(level)
+
+
+def _run(quick: bool) -> str:
     torch.manual_seed(0)
     scale, steps, batch = (0.002, 60, 256) if quick else (0.02, 300, 1024)
     tables = criteo_like_tables(scale=scale, dim=16)

@@ -10,7 +10,7 @@ memory by descending count. The file is safetensors (plain tensors, nothing unpi
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +21,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = ["FrequencyStats", "collect_frequencies", "find_kjt"]
+
+log = logging.getLogger("torchrec_cache")
 
 
 @dataclass
@@ -121,7 +123,7 @@ def collect_frequencies(data: Iterable[Any], tables: Any, *, max_batches: int | 
             e.g. a DataLoader.
         tables: the ``EmbeddingBagConfig`` / ``EmbeddingConfig`` list, or a collection module.
         max_batches: stop after this many batches.
-        progress: print a line to stderr every 10 s.
+        progress: log a progress line (INFO, logger ``torchrec_cache``) every 10 s.
     """
     configs = _table_configs(tables)
     counts = {cfg.name: torch.zeros(cfg.num_embeddings, dtype=torch.int64) for cfg in configs}
@@ -148,5 +150,5 @@ def collect_frequencies(data: Iterable[Any], tables: Any, *, max_batches: int | 
         n += 1
         if progress and time.monotonic() - last > 10:
             last = time.monotonic()
-            print(f"collect_frequencies: {n} batches in {last - start:.0f} s", file=sys.stderr, flush=True)
+            log.info("collect_frequencies: %d batches in %.0f s", n, last - start)
     return FrequencyStats(counts=counts, batches=n)

@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TableSpec", "SlotGroup", "Batch", "mix_hash", "out_of_range", "spill_notice"]
+__all__ = ["TableSpec", "SlotGroup", "Batch", "mix_hash", "unique_padded", "isin_sorted", "compact", "out_of_range",
+           "spill_notice"]
 
 log = logging.getLogger("torchrec_cache")
 _SPILL_WARNED = False
 
 _M32 = 0xFFFFFFFF
+_SENTINEL = 2**62  # pads the fixed-size unique array: above every key
 
 
 def mix_hash(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +30,45 @@ def mix_hash(x: torch.Tensor) -> torch.Tensor:
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
     return (x >> 16) ^ x
+
+
+def unique_padded(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unique keys in fixed-size arrays (``torch.unique`` would read their number on the host).
+
+    Returns ``(uniq, counts, inv, seg)``: the sorted unique keys padded to ``L + 1`` with a sentinel above
+    every key, their use counts (padded with 0), each key's index in ``uniq``, and the same in sorted order
+    (``seg[-1] + 1`` is the number of unique keys).
+    """
+    L, dev = keys.numel(), keys.device
+    sorted_keys, perm = torch.sort(keys)
+    new = torch.ones(L, dtype=torch.bool, device=dev)
+    if L > 1:
+        torch.ne(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
+    seg = torch.cumsum(new, 0) - 1
+    inv = torch.empty_like(seg).scatter_(0, perm, seg)
+    uniq = torch.full((L + 1,), _SENTINEL, dtype=torch.int64, device=dev).scatter_(0, seg, sorted_keys)
+    counts = torch.zeros(L + 1, dtype=torch.int64, device=dev).index_add_(0, seg, torch.ones(L, dtype=torch.int64,
+                                                                                             device=dev))
+    return uniq, counts, inv, seg
+
+
+def isin_sorted(keys: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Whether each of ``keys`` is in one of ``parts`` (non-empty list), without a host read."""
+    pool = torch.sort(torch.cat(parts)).values
+    at = torch.searchsorted(pool, keys).clamp(max=pool.numel() - 1)
+    return pool.index_select(0, at) == keys
+
+
+def compact(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions of the ``first`` flags, then of the ``second`` (disjoint), each in order, then the rest:
+    ``(order, number first, number second)``, the numbers as device scalars."""
+    n = first.numel()
+    ca, cs = torch.cumsum(first, 0), torch.cumsum(second, 0)
+    na, ns = ca[-1], cs[-1]
+    dest = torch.where(first, ca - 1, torch.where(second, na + cs - 1, torch.full_like(ca, n)))
+    order = torch.zeros(n + 1, dtype=torch.int64, device=first.device).scatter_(
+        0, dest, torch.arange(n, device=first.device))[:n]
+    return order, na, ns
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +133,7 @@ class Batch:
     id: int = 0
     groups_left: int = 0  # slot-tensor groups whose backward has not run yet
     held: bool = False
+    train: bool = True  # the rows stay held until the backward (else until the lookup gathered them)
     finalizer: Any = None
 
 
@@ -102,14 +144,13 @@ def out_of_range(table: str, value: int, rows: int) -> IndexError:
 
 
 def spill_notice(unique: int, spilled: int, slots: int) -> None:
-    """Log (once per process, then at DEBUG) that a batch read rows from host memory."""
-    msg = (f"the batch has {unique} unique rows; {spilled} found no free or colder slot in their set (the cache "
-           f"holds {slots} slots, some pinned) and are read from and updated in host memory for this batch. "
-           "Raise CacheConfig.capacity or use smaller batches to avoid the host round trip.")
+    """Log (once per process, then at DEBUG) that a batch read rows from host memory; lines fit 110 columns."""
+    msg = (f"{spilled} of a batch's {unique} unique rows found no free or colder slot in their set\n"
+           f"  (the cache holds {slots} slots, some pinned): they are read from and updated in host memory\n"
+           "  for this batch. Raise CacheConfig.capacity or use smaller batches to avoid the round trip.")
     global _SPILL_WARNED
     if not _SPILL_WARNED:
-        log.warning(msg + " (logged once per process; later spills at DEBUG level, counted in cache_stats()"
-                    "['rows_spilled'])")
+        log.warning(msg + "\n  (logged once per process; later spills at DEBUG, counted in cache_stats()['rows_spilled'])")
         _SPILL_WARNED = True
     else:
         log.debug(msg)

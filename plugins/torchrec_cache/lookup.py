@@ -54,9 +54,10 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
 
 def prepare_batch(cache: FusedCache, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                   value_bounds: list[int] | None = None, train: bool | None = None) -> Batch:
-    """:meth:`FusedCache.prepare` for a training or eval lookup; rows are held for the backward when grad is on."""
-    hold = torch.is_grad_enabled() if train is None else train
-    batch = cache.prepare(values, lengths, feature_table, value_bounds=value_bounds, hold=hold)
+    """:meth:`FusedCache.prepare` for a training or eval lookup. Rows are held until the lookup has gathered
+    them (eval) or until the backward (when grad is on), so a prefetch thread cannot move them before."""
+    batch = cache.prepare(values, lengths, feature_table, value_bounds=value_bounds, hold=True)
+    batch.train = torch.is_grad_enabled() if train is None else train
     batch.groups_left = len(cache.groups)
     return batch
 
@@ -108,6 +109,7 @@ def cached_pooled_lookup(cache: FusedCache, batch: Batch, lengths: torch.Tensor,
             pooled = pooled * scale.unsqueeze(1)
         dim = rows.shape[1]
         out.append(pooled.float().view(fb - fa, B, dim).transpose(0, 1).reshape(B, (fb - fa) * dim))
+    cache.gathered(batch)
     return out
 
 
@@ -121,4 +123,5 @@ def cached_unpooled_lookup(cache: FusedCache, batch: Batch, *, anchor: torch.Ten
         rows = CachedRows.apply(cache, batch, gi, *_anchors(cache, gi, anchor, host_params))
         inv = batch.inv[va:vb] if ua == 0 else batch.inv[va:vb] - ua
         out.append(rows.index_select(0, inv).float())
+    cache.gathered(batch)
     return out

@@ -12,7 +12,7 @@ or host), or hands a sparse gradient to the host tables for a standard optimizer
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -151,6 +151,10 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def _host_tables(self) -> nn.ModuleDict:
         return getattr(self, self._tables_attr)
 
+    def lookup(self, features: KeyedJaggedTensor) -> Any:
+        """The cached lookup (each collection type defines it)."""
+        raise NotImplementedError
+
     def handle(self) -> int:
         """This collection's key for :func:`cached_collection_forward` (registered at every call, so a
         deep copy, e.g. inside ``DistributedModelParallel``, looks itself up, not its original). A traced
@@ -212,7 +216,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
             # and the cache starts empty; ``init_parameters()`` or ``load_state_dict`` fills them.
             self._cache.materialize_host()
             for name, table in self._host_tables().items():
-                table.weight = nn.Parameter(self._cache.host_view(name), requires_grad=table.weight.requires_grad)
+                table.weight = nn.Parameter(self._cache.host_view(name), requires_grad=bool(table.weight.requires_grad))
             self._cache.finish_setup()
             self._materialized = True
         elif self._device.type == "cuda" and self._cache_config.pin_memory is not False:
@@ -247,7 +251,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         if self._cache.fused:
             return None
         tables = self._host_tables()
-        return [[tables[self._cache.names[i]].weight for i in g.tables] for g in self._cache.groups]
+        return [[cast(torch.Tensor, tables[self._cache.names[i]].weight) for i in g.tables] for g in self._cache.groups]
 
     def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
                  window: list[tuple[int, KeyedJaggedTensor]] | None = None, load: bool = True) -> None:
@@ -308,17 +312,17 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         when ``per_table``.
         """
         total = self._cache.stats_total()
-        last = self._cache.stats_last()
+        last = self._cache.counters.last()
         out: dict[str, Any] = {"hit_rate": total["hits"] / total["lookups"] if total["lookups"] else 0.0,
                                "last_hit_rate": last["hits"] / last["lookups"] if last["lookups"] else 0.0}
         out.update(total)
         out.update({f"last_{k}": v for k, v in last.items() if k != "steps"})
         if per_table:
-            out["tables"] = {n: self._cache.stats_table(n) for n in self._cache.names}
+            out["tables"] = {n: self._cache.counters.table(i) for i, n in enumerate(self._cache.names)}
         return out
 
     def reset_cache_stats(self) -> None:
-        self._cache.reset_stats()
+        self._cache.counters.reset()
 
     def flush_cache(self) -> None:
         """Write every cached row (weights and optimizer state) back to host memory."""

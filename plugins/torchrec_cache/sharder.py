@@ -25,7 +25,7 @@ unsharded cached collection fails; trace the model with TorchRec's tracer instea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -259,7 +259,8 @@ class CachedEmbeddingBagCollectionSharder(ModuleSharder[CachedEmbeddingBagCollec
         return CachedEmbeddingBagCollection
 
     def shardable_parameters(self, module: CachedEmbeddingBagCollection) -> dict[str, nn.Parameter]:
-        return {name: table.weight for name, table in module.embedding_bags.items()}
+        tables = cast(nn.ModuleDict, module.embedding_bags)
+        return {name: cast(nn.Parameter, table.weight) for name, table in tables.items()}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value]

@@ -12,6 +12,7 @@ so each batch's rows are loaded on a background thread up to ``k`` batches befor
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,12 +122,18 @@ def cached_collections(model: nn.Module) -> list[CachedCollection]:
 
 
 def _prefetch_job(collections: list[CachedCollection], start: list[int], entering: list[tuple[int, Any]],
-                  target: tuple[int, Any] | None, window: list[tuple[int, Any]], stream: Any) -> Any:
-    """One prefetch step (on the worker thread): pin what the batches entering the window already have cached,
-    then load the next batch's rows knowing which of them the rest of the window needs again."""
+                  target: tuple[int, Any] | None, window: list[tuple[int, Any]], stream: Any,
+                  resumed: threading.Event) -> Any:
+    """One prefetch step (on the worker thread), once the current batch's lookup has read its rows (or the loop
+    moved on without one): note when the batches entering the window need the rows already cached, then
+    load the next batch's rows knowing which of them the rest of the window needs again."""
 
     def run() -> None:
         for c, s0 in zip(collections, start):
+            if target is not None:
+                # Loading before the current lookup has read its rows could not evict them: the same loads
+                # then cost more misses, and the hit rate would depend on the threads' timing.
+                c.fused_cache.clock.wait(s0 + target[0], resumed)
             for j, kjt in entering:
                 c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
             if target is not None:
@@ -175,10 +182,19 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
         buf.append((j, batch, find_kjt(batch)))
         return j, buf[-1][2]
 
+    resumed = threading.Event()  # set when the loop asks for the next batch: a job stops waiting for a lookup
+
     def submit(entering: list[tuple[int, Any]]) -> Future[Any]:
+        nonlocal resumed
+        resumed = threading.Event()
         target = (buf[0][0], buf[0][2]) if buf else None
         window = [(j, k) for j, _, k in list(buf)[1:]]
-        return pool.submit(_prefetch_job, collections, start, entering, target, window, stream)
+        return pool.submit(_prefetch_job, collections, start, entering, target, window, stream, resumed)
+
+    def resume() -> None:
+        resumed.set()
+        for c in collections:
+            c.fused_cache.clock.wake()
 
     try:
         for _ in range(ahead + 1):
@@ -190,6 +206,7 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
         pending = submit([(j, k) for j, _, k in buf])
         yield first
         while buf:
+            resume()
             event = pending.result()  # the next batch's rows are in (on CUDA: queued before this event)
             if event is not None:
                 torch.cuda.current_stream(stream.device).wait_event(event)  # type: ignore[union-attr]
@@ -197,8 +214,10 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
             new = pull()
             pending = submit([new] if new is not None else [])
             yield batch
+        resume()
         pending.result()
     finally:
+        resume()
         pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-__all__ = ["SyncCounter", "SYNCS", "read_host"]
+__all__ = ["SyncCounter", "SYNCS", "read_host", "StepClock"]
 
 
 class SyncCounter:
@@ -44,3 +44,25 @@ def read_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the host, counted as one synchronisation (a CPU tensor is returned as it is)."""
     SYNCS.add()
     return t if t.device.type == "cpu" else t.to("cpu")
+
+
+class StepClock:
+    """A step number other threads can wait for (the cache's last step whose lookup has read its rows)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._cv = threading.Condition()
+
+    def advance(self, step: int) -> None:
+        with self._cv:
+            self.step = max(self.step, step)
+            self._cv.notify_all()
+
+    def wait(self, step: int, stop: threading.Event) -> None:
+        """Block until the clock reaches ``step`` or ``stop`` is set (then :meth:`wake`)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.step >= step or stop.is_set())
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()

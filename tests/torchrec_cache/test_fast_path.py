@@ -120,7 +120,7 @@ def test_device_memory_follows_the_cache_not_the_tables():
     slots = ebc.cache_capacity()["huge"]
     assert slots == rows // 100
     device_bytes = sum(b.numel() * b.element_size() for b in ebc.fused_cache.buffers())
-    per_slot = 16 * 4 + 4 + 32 + 128  # weights, row-wise state, key/score/pin/hold/last+next use, sketch (bound)
+    per_slot = 16 * 4 + 4 + 28 + 128  # weights, row-wise state, key/score/pin/hold/next use, sketch (bound)
     assert device_bytes <= 1.01 * slots * per_slot, device_bytes / slots
     assert max(max(b.shape) for b in ebc.fused_cache.buffers()) < rows // 4  # no entry per table row
 

@@ -9,9 +9,11 @@ Rules used below (LFU and static admit a miss only into the slot of a colder row
 coldest victims; free slots are colder than anything; ties are not admitted; LRU always takes the
 least recently used unpinned slot; rows the batch hits are pinned for that batch):
     * lfu: a row's score is its use count from the frequency sketch, which remembers rows that left the
-      cache or spilled; every count halves once the sketch has taken ``AGE_EVERY`` (5) uses per slot
-      (TinyLFU's reset: 15 with 3 slots), and a resident row's score halves again for every 2 steps it
-      went unused (so a hot set that moved on gives way);
+      cache or spilled; every count halves once the sketch has taken ``AGE_EVERY`` (40) uses per slot
+      (TinyLFU's reset: 120 with 3 slots, not reached here), and every count is shifted right by
+      ``DRIFT_SHIFT`` (8) bits when a batch's traffic hit rate (hit uses / uses) falls below ``DRIFT_DROP``
+      (0.7) of its recent level (an average that halves its weight per batch, starting at 0): the hot set
+      moved;
     * lru: a row's score is the last step that used it;
     * static: a row's score is its dataset count.
 """
@@ -22,7 +24,13 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, FrequencyStats, RowOptimizer
+from torchrec_cache import (
+    CacheConfig,
+    CachedEmbeddingBagCollection,
+    FrequencyStats,
+    RowOptimizer,
+    prefetching,
+)
 
 ROWS, SLOTS = 10, 3
 TABLE = "t"
@@ -53,30 +61,30 @@ def _step(lookups: int, hits: int, loaded: int, spilled: int) -> dict:
 
 def test_lfu_keeps_the_hottest_rows_and_spills_a_colder_miss():
     ebc = _collection("lfu")
-    # 1: rows 0, 1, 2 used 4, 3, 2 times; three free slots take them (scores 4, 3, 2).
+    # 1: rows 0, 1, 2 used 4, 3, 2 times; three free slots take them (scores 4, 3, 2). Hit level 0 -> 0.
     assert _run(ebc, [0, 0, 0, 0, 1, 1, 1, 2, 2]) == _step(3, 0, 3, 0)
     assert _resident(ebc) == {0, 1, 2}
     # 2: 0 and 1 hit (scores 5, 4, pinned); 3 misses with 1 use; the only victim is row 2 (score 2), which is
-    #    warmer: row 3 spills (served from host memory, counted there: 1) and row 2 stays.
+    #    warmer: row 3 spills (served from host memory, counted there: 1) and row 2 stays. Traffic hit rate
+    #    2/3 is no drop (the level was 0); the level becomes 1/3.
     assert _run(ebc, [0, 1, 3]) == _step(3, 2, 0, 1)
     assert _resident(ebc) == {0, 1, 2}
-    # 3: 3 misses with 1 + 3 = 4 uses, 4 with 1: the sketch has now taken 9 + 3 + 4 = 16 > 15 uses, so every
-    #    count halves: rows 0..4 at 2, 2, 1, 2, 0 (resident scores 5, 4, 2 -> 2, 2, 1; row 2, idle 2 steps,
-    #    halves again to 0). Victims, coldest first: row 2 (0), rows 0/1 (2). The hottest miss meets the
-    #    coldest victim: 2 > 0, row 3 replaces row 2; then row 4 (0) is not warmer than 2: row 4 spills.
-    assert _run(ebc, [3, 3, 3, 4]) == _step(2, 0, 1, 1)
-    assert _resident(ebc) == {0, 1, 3}
-    # 4: row 2 comes back with 1 + 1 = 2 uses; rows 0 and 1 (score 2) went unused for 2 steps and halve to
-    #    1, row 3 (used last step) keeps 2: row 2 is warmer than the coldest resident and replaces row 0 or
-    #    row 1 (a tie), while row 3 stays: recent use, not only the count, decides.
-    assert _run(ebc, [2]) == _step(1, 0, 1, 0)
+    # 3: no use hits (0 < 0.7 * 1/3): the hot set moved, every count drops to 0 before this batch counts.
+    #    Row 3 (3 uses, 1 remembered from step 2 is gone) and row 4 (1) are warmer than the resident rows
+    #    (0): both replace one each, although rows 0 and 1 had 5 and 4 uses a batch ago.
+    assert _run(ebc, [3, 3, 3, 4]) == _step(2, 0, 2, 0)
     resident = _resident(ebc)
-    assert {2, 3} <= resident and len(resident & {0, 1}) == 1
-    # 5: row 2 again: a hit.
-    assert _run(ebc, [2, 2]) == _step(1, 1, 0, 0)
-    assert _resident(ebc) == resident
+    assert {3, 4} <= resident and len(resident & {0, 1, 2}) == 1
+    # 4: 3 and 4 hit (3 of 4 uses, no drop; scores 5, 2); row 5, used once, is warmer than the coldest
+    #    resident (0) and takes its slot.
+    assert _run(ebc, [3, 3, 4, 5]) == _step(3, 2, 1, 0)
+    assert _resident(ebc) == {3, 4, 5}
+    # 5: all hit; row 6 (1 use) is not warmer than row 5 (1 + 1 = 2): it spills. Counts persist while the
+    #    hit rate holds (3/4 >= 0.7 * its level).
+    assert _run(ebc, [3, 4, 5, 6]) == _step(4, 3, 0, 1)
+    assert _resident(ebc) == {3, 4, 5}
     totals = ebc.cache_stats()
-    assert (totals["lookups"], totals["hits"], totals["rows_loaded"], totals["rows_spilled"]) == (10, 3, 5, 2)
+    assert (totals["lookups"], totals["hits"], totals["rows_loaded"], totals["rows_spilled"]) == (15, 7, 6, 2)
 
 
 def test_lru_keeps_the_most_recent_rows_whatever_their_counts():
@@ -135,3 +143,20 @@ def test_hit_and_load_counts_on_a_repeating_trace(policy):
     totals = ebc.cache_stats()
     assert (totals["lookups"], totals["hits"], totals["misses"], totals["rows_loaded"]) == (12, 9, 3, 3)
     assert totals["hit_rate"] == pytest.approx(9 / 12)
+
+
+def test_prefetch_takes_the_slots_of_the_previous_batch_once_its_lookup_has_read_them():
+    # 3 slots, eval lookups, a window of 2: batch 0 loads rows 0, 1, 2 itself. While it is the current batch,
+    # the prefetch of batch 1 waits for its lookup, then evicts those rows (no later batch needs them) for
+    # rows 3, 4, 5, which batch 2 needs again: batch 1 finds them all on the device and batch 2 hits too.
+    ebc = _collection("lfu")
+    batches = [KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(b), torch.tensor([len(b)]))
+               for b in ([0, 1, 2], [3, 4, 5], [3, 4, 5])]
+    seen = []
+    with torch.no_grad():
+        for kjt in prefetching(batches, ebc, ahead=2):
+            seen.append(_resident(ebc))
+            ebc(kjt)
+            stats = ebc.cache_stats()
+            seen.append((stats["last_hits"], stats["last_rows_loaded"]))
+    assert seen == [set(), (0, 3), {3, 4, 5}, (3, 3), {3, 4, 5}, (3, 0)]
