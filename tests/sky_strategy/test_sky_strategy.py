@@ -284,3 +284,18 @@ def test_registered_as_sky_and_discovered():
     found = {r.name: r for r in discover(into=PluginRegistry())}
     assert found["sky"].ok and found["sky"].plugin.status() == "available"
     assert found["sky"].plugin.demo is not None
+
+
+def test_diagnostics_go_through_logging(caplog):
+    import logging
+
+    import sky_strategy
+
+    quiet, chatty = sky_strategy.SkyStrategy(verbose=False), sky_strategy.SkyStrategy(verbose=True)
+    with caplog.at_level(logging.INFO, logger="sky_strategy"):
+        quiet._say("profiling 8 layers")
+        chatty._say("profiling 8 layers")
+        quiet._say("the balanced partition exceeds a memory cap", logging.WARNING)
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("sky_strategy", "INFO", "[sky] profiling 8 layers"),
+        ("sky_strategy", "WARNING", "[sky] the balanced partition exceeds a memory cap")]
