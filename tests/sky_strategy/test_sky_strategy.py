@@ -192,8 +192,18 @@ def test_extra_loss_terms_are_backpropagated_like_one_process():
     configs = [(dict(schedule="gpipe", microbatches=4, partition="even"), extra),
                (dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)), extra),
                (dict(schedule="1f1b", microbatches=4, partition="even"), dict(l2=1e-3))]
-    results = run_distributed(ranks.fit_extra_terms, 2, args=(configs, steps), timeout=600)
-    for i, (cfg, net_kwargs) in enumerate(configs):  # the last result is the refused coupled loss
+    # with dropout: the auxiliary term in training_step (two passes) or inside loss_fn (one pass) trains
+    # alike only if the second pass replays the first one's dropout masks (same RNG state)
+    dropout = [(dict(schedule="1f1b", microbatches=4, partition="even"), dict(aux=0.1, dropout=0.2, **moved))
+               for moved in ({}, {"aux_in_loss_fn": True})]
+    results = run_distributed(ranks.fit_extra_terms, 2, args=(configs + dropout, steps), timeout=600)
+    for r in results:
+        two, one = r[3], r[4]
+        assert (two["second_passes"], one["second_passes"]) == (steps, 0)
+        assert two["losses"] == pytest.approx(one["losses"], abs=ATOL)
+        for name, value in one["state"].items():
+            torch.testing.assert_close(two["state"][name], value, atol=ATOL, rtol=1e-5, msg=name)
+    for i, (cfg, net_kwargs) in enumerate(configs):  # results[r][5] is the refused coupled loss
         ref = reference_training(steps, **net_kwargs)
         r0, r1 = results[0][i], results[1][i]
         _assert_matches(r0, ref, steps)
@@ -205,7 +215,7 @@ def test_extra_loss_terms_are_backpropagated_like_one_process():
     assert [r["second_passes"] for r in results[1][:3]] == [steps, steps, 0]
     # the first stage's rank finds that the terms on its weights change with the output, and says so
     assert re.search(r"mixes the model output with parameters of pipeline rank 0's layers .* keep such terms "
-                     r"separate", results[0][3]), results[0][3]
+                     r"separate", results[0][5]), results[0][5]
 
 
 def test_only_scalars_cross_ranks_whatever_the_output_size():
