@@ -250,12 +250,15 @@ class PipelineRuntime:
         """Shape and dtype of the model output for a batch of ``batch_size``, on every rank (the last stage
         sends them once per batch size: a few pickled bytes, so the other ranks can build a stand-in)."""
         if batch_size not in self._output_meta:
-            if self.is_last and not isinstance(output, torch.Tensor):
-                raise TypeError(f"the last pipeline layer returned a {type(output).__name__}; SkyStrategy needs the "
-                                "model output to be one tensor (return a tensor from the last layer and unpack the "
-                                "rest in loss_fn / training_step)")
-            head: list[Any] = [(tuple(output.shape), output.dtype) if self.is_last else None]
+            head: list[Any] = [None]
+            if self.is_last:
+                head = [(tuple(output.shape), output.dtype) if isinstance(output, torch.Tensor) else
+                        f"the last pipeline layer returned a {type(output).__name__}; SkyStrategy needs the model "
+                        "output to be one tensor (return a tensor from the last layer and unpack the rest in "
+                        "loss_fn / training_step)"]
             dist.broadcast_object_list(head, group=self.group, group_src=self.last_rank)
+            if isinstance(head[0], str):  # raised on every rank, so none waits for the others
+                raise TypeError(head[0])
             self._output_meta[batch_size] = head[0]
         return self._output_meta[batch_size]
 

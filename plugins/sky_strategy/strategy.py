@@ -427,20 +427,33 @@ class SkyStrategy(DDPStrategy):
                 else torch.zeros(shape, dtype=dtype, device=self.root_device))
         if train:
             leaf.requires_grad_(True)
-        result, calls = self._call_step(step, args, kwargs, leaf, inputs)
-        numbers, logged = _scalars(result), [_logged_value(name, value) for name, value, _, _ in calls]
-        if not runtime.is_last:
-            with torch.no_grad(), _emptied(runtime.owned_parameters()):
-                base, base_calls = self._call_step(step, args, kwargs, leaf.detach(), inputs)
-            if train and self._coupling_checks < 2:
-                self._coupling_checks += 1
-                self._check_separable(step, args, kwargs, leaf, inputs, _minus(numbers, _scalars(base)))
-            numbers = _minus(numbers, _scalars(base))
-            logged = [_delta(a, _logged_value(name, value)) for a, (name, value, _, _) in zip(logged, base_calls)]
+        error: Exception | None = None
+        numbers: dict[str, float] | None = None
+        logged: list[float] = []
+        calls: list[tuple[str, Any, tuple, dict]] = []
+        try:  # an error on one rank is raised on every rank (after the exchange), not left to hang the others
+            result, calls = self._call_step(step, args, kwargs, leaf, inputs)
+            numbers, logged = _scalars(result), [_logged_value(name, value) for name, value, _, _ in calls]
+            if not runtime.is_last:
+                with torch.no_grad(), _emptied(runtime.owned_parameters()):
+                    base, base_calls = self._call_step(step, args, kwargs, leaf.detach(), inputs)
+                numbers = _minus(numbers, _scalars(base))
+                logged = [_delta(a, _logged_value(name, value)) for a, (name, value, _, _) in zip(logged, base_calls)]
+                if train and self._coupling_checks < 2:
+                    self._coupling_checks += 1
+                    self._check_separable(step, args, kwargs, leaf, inputs, numbers)
+        except Exception as exc:
+            error = exc
         parts: list[Any] = [None] * runtime.world
-        dist.all_gather_object(parts, (numbers, logged), group=self._pp_group)
-        last_numbers, last_logged = parts[runtime.last_rank]
-        for rank, (their_numbers, their_logged) in enumerate(parts):
+        dist.all_gather_object(parts, (numbers, logged, None if error is None else f"{type(error).__name__}: {error}"),
+                               group=self._pp_group)
+        if error is not None:
+            raise error
+        failed = next(((rank, p[2]) for rank, p in enumerate(parts) if p[2] is not None), None)
+        if failed is not None:
+            raise MisconfigurationException(f"SkyStrategy: pipeline rank {failed[0]} stopped the step: {failed[1]}")
+        last_numbers, last_logged, _ = parts[runtime.last_rank]
+        for rank, (their_numbers, their_logged, _) in enumerate(parts):
             if len(their_logged) != len(last_logged) or (last_numbers is not None and (
                     their_numbers is None or set(their_numbers) != set(last_numbers))):
                 raise MisconfigurationException(
