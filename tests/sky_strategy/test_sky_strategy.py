@@ -224,11 +224,11 @@ def test_extra_loss_terms_are_backpropagated_like_one_process():
 def test_only_scalars_cross_ranks_whatever_the_output_size():
     """Issue 18: the output of a batch (16 x 512 logits at the wide head) stays on the last stage; the
     collectives of a training step (counted by the profiler's gloo records, the pipeline's send/recv
-    aside) move the same few hundred elements at 4 and at 512 classes."""
+    aside) move the same few dozen elements of pickled scalars at 4 and at 512 classes (48 measured)."""
     results = run_distributed(ranks.collective_elements, 2, args=([4, 512], 0.1), timeout=600)
     for narrow, wide in results:
         assert narrow == wide, (narrow, wide)
-        assert 0 < sum(wide.values()) < 1000, wide
+        assert 0 < sum(wide.values()) < 100, wide  # the old broadcast of the output alone: 16 x 512 = 8192
 
 
 MISUSE = {
