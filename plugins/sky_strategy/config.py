@@ -36,7 +36,7 @@ class SkyConfig:
         optimizer_state_factor: optimizer-state bytes per parameter byte; ``None``: from the optimizer
             (Adam/AdamW 2, SGD with momentum 1, otherwise 0).
         check_forward: verify once that ``forward`` equals the declared layers applied in order.
-        verbose: print profiling progress and the plan on rank 0.
+        verbose: log profiling progress, the plan and re-plans on rank 0 (logger ``sky_strategy``, INFO).
         data_parallel: replicas of the pipeline. ``1``: one pipeline over all ranks; ``N``: the world is
             ``N`` replicas x ``world / N`` pipeline ranks (world must be a multiple of ``N``); ``"auto"``:
             ``world / pipeline_ranks`` replicas (``pipeline_ranks`` given, or read from explicit

@@ -6,6 +6,11 @@ elements), so optimizers built over all parameters stay valid, skip what a rank 
 (no gradient) and keep one parameter index space on every rank. Moving a layer (first placement,
 re-planning) sends its weights and optimizer state from the old owner to the new one.
 
+The model output stays on the last stage (:meth:`run` returns it there only). The schedule's
+per-microbatch loss is the module's ``loss_fn``, whose gradient at the output is kept on the side;
+:meth:`backprop_output` pushes any further output gradient the user's loss needs back through the
+pipeline (a second pass of the same schedule, same RNG state, loss ``<output, gradient>``).
+
 With data-parallel replicas the runtime works inside its replica's pipeline group (``group``: ranks
 and stage devices are ranks *in that group*), and :meth:`average_gradients` averages each owned
 parameter's gradient over the ``replicas`` group (the same stage in every replica).
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +38,7 @@ class PipelineRuntime:
     """One rank's view of the pipeline: which layers it owns, its stages and schedules.
 
     Args:
-        module: the LightningModule (its ``loss_fn`` is the per-microbatch loss).
+        module: the LightningModule (its ``loss_fn`` is the schedule's per-microbatch loss).
         layers: the declared layer sequence.
         device: this rank's device.
         slowdown: returns this rank's injected slowdown (1 / speed factor) at call time.
@@ -57,6 +63,10 @@ class PipelineRuntime:
         self.owner: list[int] = [0] * len(layers)  # before the first plan, rank 0's weights are the truth
         self._cache: dict[tuple, tuple] = {}
         self._pending: dict[nn.Parameter, torch.Tensor] = {}
+        self._grad_target = False  # the schedule's loss: loss_fn (False) or <output, given gradient> (True)
+        self._output_grads: list[torch.Tensor | None] = []  # d loss_fn / d output per microbatch, last pass
+        self._rng: tuple | None = None  # the RNG state the last training pass started from
+        self._output_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
 
     # -- placement --------------------------------------------------------------------------------
     def owns(self, index: int) -> bool:
@@ -146,7 +156,7 @@ class PipelineRuntime:
         key = (batch_size, train, n_mb, kind)
         if key not in self._cache:
             mapping = {s.index: s.device for s in plan.stages}
-            stages = []
+            stages: list[Any] = []  # TimedStage; the interleaved schedule's list[_PipelineStageBase] is invariant
             for s in plan.stages:
                 if s.device != self.rank:
                     continue
@@ -155,7 +165,8 @@ class PipelineRuntime:
                                 group=self.group)
                 st.stage_index_to_group_rank = dict(mapping)
                 stages.append(st)
-            loss_fn = self.module.loss_fn
+            loss_fn = self._loss
+            sched: ScheduleInterleaved1F1B | ScheduleGPipe | Schedule1F1B
             if kind == "interleaved":
                 sched = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn)
                 sched.stage_index_to_group_rank = mapping
@@ -173,48 +184,127 @@ class PipelineRuntime:
         last_rank = self.plan.stages[-1].device
         return first, last_rank == self.rank, last_rank
 
+    @property
+    def last_rank(self) -> int:
+        """The rank (in the pipeline group) that holds the last stage: it alone sees the model output."""
+        return self._roles()[2]
+
+    @property
+    def is_last(self) -> bool:
+        return self._roles()[1]
+
+    def _loss(self, output, target):
+        """The schedule's per-microbatch loss on the last stage.
+
+        Normally the module's ``loss_fn``; the gradient that reaches ``output`` is kept (a hook, no extra
+        compute) so the strategy can compare it with what the user's ``training_step`` loss asks for.
+        In a gradient pass (:meth:`backprop_output`) ``target`` is the gradient to push into ``output``
+        and the "loss" is their inner product, whose gradient with respect to ``output`` is ``target``.
+        """
+        if self._grad_target:
+            return (output * target).sum()
+        loss = self.module.loss_fn(output, target)  # type: ignore[operator]
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            index = len(self._output_grads)
+            self._output_grads.append(None)
+
+            def keep(grad: torch.Tensor, index: int = index) -> None:
+                self._output_grads[index] = grad
+            output.register_hook(keep)
+        return loss
+
     def run(self, inputs, target: torch.Tensor, *, train: bool):
-        """One pipelined forward (+ backward when ``train``) over the batch; returns the model output
-        on every rank (broadcast from the last stage). Gradients wait in :meth:`take_gradients`."""
+        """One pipelined forward (+ backward of ``loss_fn`` when ``train``) over the batch.
+
+        Returns the model output on the last stage's rank and ``None`` on the others: nothing of the
+        output crosses ranks (the strategy runs the user's step there and shares only scalars).
+        Gradients wait in :meth:`take_gradients`.
+        """
         batch_size = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0]
         sched, _ = self._schedule(batch_size, train)
-        first, last, last_rank = self._roles()
+        first, last, _ = self._roles()
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         kwargs = {"target": target} if last else {}
         if train:
-            owned = self.owned_parameters()
-            before = [p.grad for p in owned]
-            for p in owned:
-                p.grad = None
-            out = sched.step(*(args if first else ()), **kwargs)
-            for p, g in zip(owned, before):
-                if p.grad is not None:
-                    self._pending[p] = self._pending[p] + p.grad if p in self._pending else p.grad
-                p.grad = g
+            self._rng = _rng_state(self.device)
+            self._output_grads = []
+            out = self._train_pass(sched, args if first else (), kwargs)
         else:
             with torch.no_grad():
                 out = sched.eval(*(args if first else ()), **kwargs)
-        return self._share_output(out if last else None, last_rank)
+        return out if last else None
 
-    def _share_output(self, out, last_rank: int):
-        """The last stage's output on every rank of the pipeline.
+    def _train_pass(self, sched, args: tuple, kwargs: dict):
+        owned = self.owned_parameters()
+        before = [p.grad for p in owned]
+        for p in owned:
+            p.grad = None
+        out = sched.step(*args, **kwargs)
+        for p, g in zip(owned, before):
+            if p.grad is not None:
+                self._pending[p] = self._pending[p] + p.grad if p in self._pending else p.grad
+            p.grad = g
+        return out
 
-        A tensor crosses as a tensor (its shape and dtype first, a few bytes pickled, then one
-        ``broadcast`` on the group's device), not pickled: the output of a whole batch (full logits
-        for a language model) was serialised, copied to the host and unpickled on every rank every
-        step. Other outputs (tuples, dicts) still go through ``broadcast_object_list``.
-        """
-        head = [("tensor", tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else ("object", out)]
-        dist.broadcast_object_list(head, group=self.group, group_src=last_rank)
-        kind, *rest = head[0]
-        if kind == "object":
-            return rest[0]
-        shape, dtype = rest
-        # gloo moves host tensors; NCCL device tensors: keep the tensor where the group's backend wants it
-        where = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        buf = out.detach().to(where).contiguous() if out is not None else torch.empty(shape, dtype=dtype, device=where)
-        dist.broadcast(buf, group=self.group, group_src=last_rank)
-        return buf.to(self.device)
+    def output_meta(self, output, batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the model output for a batch of ``batch_size``, on every rank (the last stage
+        sends them once per batch size: a few pickled bytes, so the other ranks can build a stand-in)."""
+        if batch_size not in self._output_meta:
+            head: list[Any] = [None]
+            if self.is_last:
+                head = [(tuple(output.shape), output.dtype) if isinstance(output, torch.Tensor) else
+                        f"the last pipeline layer returned a {type(output).__name__}; SkyStrategy needs the model "
+                        "output to be one tensor (return a tensor from the last layer and unpack the rest in "
+                        "loss_fn / training_step)"]
+            dist.broadcast_object_list(head, group=self.group, group_src=self.last_rank)
+            if isinstance(head[0], str):  # raised on every rank, so none waits for the others
+                raise TypeError(head[0])
+            self._output_meta[batch_size] = head[0]
+        return self._output_meta[batch_size]
+
+    def loss_fn_output_grad(self) -> torch.Tensor | None:
+        """What the last training pass backpropagated into the model output (the last stage only):
+        ``d loss_fn / d output`` per microbatch, divided by the microbatch count as the schedule
+        divides the gradients (``scale_grads``). ``None`` if a microbatch's gradient was not seen."""
+        assert self.plan is not None
+        n = self.plan.microbatches
+        # the microbatches are the last n calls: a schedule's first step also calls loss_fn once before them,
+        # on a sample, to infer the gradients' shapes
+        grads = self._output_grads[-n:]
+        if len(grads) < n or any(g is None for g in grads):
+            return None
+        return torch.cat([g for g in grads if g is not None]) / n
+
+    def backprop_output(self, inputs, grad: torch.Tensor | None) -> None:
+        """Push ``grad`` (the extra gradient the model output needs, on the last stage; ``None`` elsewhere)
+        back through the pipeline: one more forward+backward of the same schedule whose per-microbatch
+        loss is ``<output, grad>``, from the RNG state the training pass started from, so dropout draws
+        the same masks and the two passes add up to one backward of the full loss. The gradients join
+        :meth:`take_gradients`."""
+        batch_size = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0]
+        sched, _ = self._schedule(batch_size, True)
+        first, last, _ = self._roles()
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        # the schedule divides gradients by the microbatch count (scale_grads): undo it on the target
+        assert self.plan is not None
+        kwargs = {"target": grad * self.plan.microbatches} if last else {}
+        after = _rng_state(self.device)
+        if self._rng is not None:
+            _set_rng_state(self._rng, self.device)
+        self._grad_target = True
+        try:
+            self._train_pass(sched, args if first else (), kwargs)
+        finally:
+            self._grad_target = False
+            _set_rng_state(after, self.device)
+
+    def drop_foreign_gradients(self) -> None:
+        """Forget gradients that a step left on other ranks' placeholders (empty tensors): only the owner's
+        gradient counts, and an optimizer would otherwise create state for a parameter it does not hold."""
+        for i, layer in enumerate(self.layers):
+            if not self.owns(i):
+                for _, p in layer.parameters():
+                    p.grad = None
 
     def take_gradients(self, scale: float = 1.0) -> None:
         """Add the gradients of the last :meth:`run` into ``p.grad`` (what ``loss.backward()`` would do)."""
@@ -313,3 +403,14 @@ class PipelineRuntime:
                    for k, _ in [*layer.parameters(), *layer.buffers()]}
         keep = {k: v for k, v in state.items() if k in owned or k not in foreign}
         self.module.load_state_dict(keep, strict=False)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

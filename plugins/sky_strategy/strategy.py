@@ -8,15 +8,25 @@ Flow (one short path): on the first batch every rank measures the declared layer
 parameter names) and trains with a ``torch.distributed.pipelining`` schedule.
 
 How it fits Lightning's loop (automatic optimization, unchanged user code):
-    * ``training_step``: the strategy runs the pipelined forward+backward over the batch's microbatches,
-      broadcasts the model output from the last stage, then calls the module's own ``training_step``
-      in which ``self(x)`` returns that output, so its loss and ``self.log`` calls run on every rank;
-      a step whose loss is not ``loss_fn(self(x), y)`` (an extra term the pipeline would not
-      backpropagate) is refused with an error rather than trained with silently wrong gradients;
+    * ``training_step``: the strategy runs the pipelined forward+backward of ``loss_fn`` over the batch's
+      microbatches, then the module's own ``training_step`` on every rank of the pipeline. There
+      ``self(x)`` returns the model output on the last stage (it stays there: nothing of it is sent) and
+      zeros of its shape on the other ranks, where the layers of other ranks hold empty parameters.
+    * the loss ``training_step`` returns is the one trained, extra terms included: a term on parameters
+      (a regulariser) reaches them on the rank that holds them; on the last stage, the gradient the loss
+      puts on the output is compared with what the pipeline backpropagated for ``loss_fn``, and any
+      difference (an auxiliary term on the output, a loss not split by microbatch) goes back through
+      the pipeline in a second pass from the same RNG state (backpropagation is linear in that gradient,
+      so the passes add up; ``second_passes`` counts them). A term mixing the output with an earlier
+      stage's parameters cannot be split this way and is refused (checked on the first two steps), as is
+      manual optimization (at setup).
+    * what the step returns and logs: the last stage's numbers plus what each other rank's own parameters
+      add (its step run again with them emptied); only these scalars cross ranks;
     * ``backward``: the gradients computed by the schedule are added to ``p.grad`` (Lightning zeroes
-      gradients between the two, so the schedule's gradients wait aside until then);
-    * validation/test run the schedule forward-only the same way; checkpoints hold the full model and
-      optimizer state under the original names, as a single process would save them.
+      gradients between the two, so the schedule's gradients wait aside until then), then the loss's own
+      backward runs and the second pass if needed;
+    * validation/test run the schedule forward-only and the step the same way; checkpoints hold the full
+      model and optimizer state under the original names, as a single process would save them.
 
 Data-parallel replicas (``data_parallel=N`` or ``"auto"``): the world is a 2-D ``DeviceMesh``
 ``("dp", "pp")`` of ``N`` replicas x ``world / N`` pipeline ranks, global rank = replica x ranks per
@@ -42,14 +52,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -81,6 +94,21 @@ from tightfit.planner.pipeline import (
 
 __all__ = ["SkyStrategy"]
 
+log = logging.getLogger("sky_strategy")
+
+
+def _visible() -> None:
+    """Give the ``sky_strategy`` logger a stderr handler at INFO when the application configured no logging
+    (Lightning does the same for its own logger), so ``verbose=True`` shows progress and the plan; an
+    application's own handlers or levels take precedence."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
 
 class SkyStrategy(DDPStrategy):
     """Pipeline stages sized to each rank's measured speed and memory (see :class:`SkyConfig` for the knobs).
@@ -104,11 +132,12 @@ class SkyStrategy(DDPStrategy):
                  data_parallel: int | str = 1, pipeline_ranks: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
                  precision_plugin=None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = None, start_method: str = "popen") -> None:
+                 timeout: timedelta | None = None,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         start_method=start_method, **({"timeout": timeout} if timeout is not None else {}))
+                         start_method=start_method, timeout=default_pg_timeout if timeout is None else timeout)
         self.config = SkyConfig(
             schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
             partition=partition if isinstance(partition, str) else tuple(int(b) for b in partition), order=order,
@@ -131,10 +160,21 @@ class SkyStrategy(DDPStrategy):
         self._baseline: list[float] | None = None
         self._steps = 0
         self._checked = 0
-        self._target: Any = None
+        self._coupling_checks = 0
+        self.second_passes = 0  # steps whose loss needed a second pipeline pass (terms beyond loss_fn on the output)
+        self._step_leaf: torch.Tensor | None = None  # the output (stand-in elsewhere) the step's loss saw
+        self._step_inputs: Any = None
         self.device_mesh: Any = None  # DeviceMesh ("dp", "pp") when there are replicas
         self._pp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def _module(self) -> LightningModule:
+        """The LightningModule (Lightning types ``lightning_module`` as optional; these hooks run once it is set)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("SkyStrategy: no LightningModule is attached yet (call trainer.fit first)")
+        return module
 
     # -- layout: replicas x pipeline ranks -----------------------------------------------------------
     @property
@@ -201,7 +241,13 @@ class SkyStrategy(DDPStrategy):
             raise MisconfigurationException(
                 "SkyStrategy: gradient_clip_algorithm='norm' would clip each stage by its own partial norm; use "
                 "gradient_clip_algorithm='value' (element-wise, exact under pipelining)")
-        self._layers = resolve_layers(self.lightning_module)
+        if not self._module.automatic_optimization:
+            raise MisconfigurationException(
+                f"SkyStrategy: {type(self._module).__name__} sets automatic_optimization=False; the strategy "
+                "backpropagates the step's loss through the pipeline itself (per microbatch, then the rest of the "
+                "output's gradient) and cannot follow manual_backward calls. Return the loss from training_step with "
+                "automatic optimization, or train this module with another strategy (ddp, elixir)")
+        self._layers = resolve_layers(self._module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -223,15 +269,17 @@ class SkyStrategy(DDPStrategy):
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
-    def _say(self, text: str) -> None:
-        if self.config.verbose and self.global_rank == 0:
-            print(f"[sky] {text}", flush=True)
+    def _say(self, text: str, level: int = logging.INFO) -> None:
+        # rank 0 speaks for the group; warnings are logged whatever `verbose` says
+        if self.global_rank == 0 and (self.config.verbose or level >= logging.WARNING):
+            _visible()
+            log.log(level, "[sky] %s", text)
 
     # -- profiling and planning ----------------------------------------------------------------------
     def _ensure_plan(self, inputs, target) -> None:
         if self.runtime is not None:
             return
-        module = self.lightning_module
+        module = self._module
         cfg = self.config
         mb = max(1, (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0] // cfg.microbatches)
         was_training = module.training
@@ -272,7 +320,7 @@ class SkyStrategy(DDPStrategy):
         self._say(self.plan.explain())
 
     def _check_forward(self, sample) -> None:
-        module = self.lightning_module
+        module = self._module
         module.eval()
         with torch.no_grad():
             ref = module(*sample) if isinstance(sample, tuple) else module(sample)
@@ -319,7 +367,7 @@ class SkyStrategy(DDPStrategy):
                                   gradient_copies=2, accumulation_buffer=True)
         plan = plan_pipeline(problem, cfg.partition, order=cfg.order)
         if not plan.feasible:
-            self._say(f"WARNING: the {plan.method} partition exceeds a memory cap:\n{plan.explain()}")
+            self._say(f"the {plan.method} partition exceeds a memory cap:\n{plan.explain()}", logging.WARNING)
         return plan
 
     def _maybe_replan(self) -> None:
@@ -351,7 +399,7 @@ class SkyStrategy(DDPStrategy):
     # -- steps ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _forward_returns(self, output, inputs):
-        module = self.lightning_module
+        module = self._module
         expected = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape
 
         def forward(*args, **kwargs):
@@ -383,7 +431,7 @@ class SkyStrategy(DDPStrategy):
                 "rank the same data order (no unseeded shuffling)")
 
     def _run(self, batch, train: bool):
-        inputs, target = split_batch(self.lightning_module, batch)
+        inputs, target = split_batch(self._module, batch)
         if self._checked < 3:
             self._check_same_batch(inputs, target)
             self._checked += 1
@@ -391,59 +439,181 @@ class SkyStrategy(DDPStrategy):
         if train:
             self._maybe_replan()
         assert self.runtime is not None
-        self._target = target
         return self.runtime.run(inputs, target, train=train), inputs
 
-    def _check_loss(self, result: Any, output: Any) -> None:
-        """Refuse a ``training_step`` whose loss is not ``loss_fn(self(x), y)``.
+    def _user_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, output: Any, inputs: Any, *,
+                   train: bool) -> Any:
+        """Run the module's own step on every rank of the pipeline (see the module docstring).
 
-        The schedule backpropagates ``loss_fn`` per microbatch inside the pipeline; the step's own
-        loss is computed on the (detached) broadcast output, so any other term (an auxiliary loss,
-        a regulariser on the weights) would be silently left out of the gradients. A term on the
-        parameters shows as a loss that requires grad; one on the output or a constant as a value
-        that differs from ``loss_fn`` on the same output.
+        Only the last stage holds the model output: there ``self(x)`` returns it (a leaf, so the step's
+        loss can be differentiated with respect to it), elsewhere zeros of its shape. Every rank's step
+        runs, so a term on the parameters a rank holds reaches them there. The numbers the step returns
+        and logs are the last stage's plus, from every other rank, what its own parameters add (its step
+        run again with them emptied, as the other ranks see them): a handful of floats cross ranks.
         """
-        loss = result.get("loss") if isinstance(result, dict) else result
-        if not isinstance(loss, torch.Tensor) or not isinstance(output, torch.Tensor):
-            return
-        module = self.lightning_module
-        fix = ("SkyStrategy backpropagates only `loss_fn(output, target)` through the pipeline, so the extra term "
-               "would be dropped from the gradients. Put the whole loss into `loss_fn` (it receives the last "
-               "stage's output and the target), or train this module with another strategy (ddp, elixir)")
-        if loss.requires_grad:
-            raise MisconfigurationException(
-                f"SkyStrategy: {type(module).__name__}.training_step returned a loss that depends on the parameters "
-                f"beyond the model output (it requires grad; value {float(loss.detach()):.6g}), e.g. a weight "
-                f"regulariser. {fix}")
+        runtime = self.runtime
+        assert runtime is not None
+        batch_size = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).shape[0]
+        shape, dtype = runtime.output_meta(output, batch_size)
+        leaf = (output.detach() if runtime.is_last
+                else torch.zeros(shape, dtype=dtype, device=self.root_device))
+        if train:
+            leaf.requires_grad_(True)
+        error: Exception | None = None
+        numbers: dict[str, float] | None = None
+        logged: list[float] = []
+        calls: list[tuple[str, Any, tuple, dict]] = []
+        try:  # an error on one rank is raised on every rank (after the exchange), not left to hang the others
+            result, calls = self._call_step(step, args, kwargs, leaf, inputs)
+            numbers, logged = _scalars(result), [_logged_value(name, value) for name, value, _, _ in calls]
+            if not runtime.is_last:
+                with torch.no_grad(), _emptied(runtime.owned_parameters()):
+                    base, base_calls = self._call_step(step, args, kwargs, leaf.detach(), inputs)
+                numbers = _minus(numbers, _scalars(base))
+                logged = [_delta(a, _logged_value(name, value)) for a, (name, value, _, _) in zip(logged, base_calls)]
+                if train and self._coupling_checks < 2:
+                    self._coupling_checks += 1
+                    self._check_separable(step, args, kwargs, leaf, inputs, numbers)
+        except Exception as exc:
+            error = exc
+        parts: list[Any] = [None] * runtime.world
+        dist.all_gather_object(parts, (numbers, logged, None if error is None else f"{type(error).__name__}: {error}"),
+                               group=self._pp_group)
+        if error is not None:
+            raise error
+        failed = next(((rank, p[2]) for rank, p in enumerate(parts) if p[2] is not None), None)
+        if failed is not None:
+            raise MisconfigurationException(f"SkyStrategy: pipeline rank {failed[0]} stopped the step: {failed[1]}")
+        last_numbers, last_logged, _ = parts[runtime.last_rank]
+        for rank, (their_numbers, their_logged, _) in enumerate(parts):
+            if len(their_logged) != len(last_logged) or (last_numbers is not None and (
+                    their_numbers is None or set(their_numbers) != set(last_numbers))):
+                raise MisconfigurationException(
+                    f"SkyStrategy: {type(self._module).__name__}.{step.__name__} returned or logged "
+                    f"different things on the last stage ({sorted(last_numbers or {})}, {len(last_logged)} values "
+                    f"logged) and on pipeline rank {rank} ({sorted(their_numbers or {})}, {len(their_logged)} "
+                    "logged), where `self(x)` returns zeros: make what the step returns and logs independent of the "
+                    "output's values (log a NaN rather than skip a value)")
+        totals = None if last_numbers is None else {
+            k: v + sum(p[0][k] for r, p in enumerate(parts) if r != runtime.last_rank) for k, v in last_numbers.items()}
+        logged_totals = [v + sum(p[1][i] for r, p in enumerate(parts) if r != runtime.last_rank)
+                         for i, v in enumerate(last_logged)]
+        for (name, value, rest, kw), number in zip(calls, logged_totals):
+            value = torch.tensor(number, device=self.root_device) if isinstance(value, torch.Tensor) else number
+            self._module.log(name, value, *rest, **kw)
+        if train:
+            self._step_leaf, self._step_inputs = leaf, inputs
+        return _with_values(result, totals)
+
+    def _check_separable(self, step: Callable[..., Any], args: tuple, kwargs: dict, leaf: torch.Tensor, inputs: Any,
+                         own: dict[str, float] | None) -> None:
+        """Refuse a loss whose terms on this rank's parameters depend on the model output (a product of the
+        output and an earlier stage's weights): they would be differentiated at the stand-in output here.
+        What the parameters add must not change when the stand-in does (zeros vs ones; first two steps)."""
+        runtime = self.runtime
+        assert runtime is not None
+        ones = torch.ones_like(leaf)
         with torch.no_grad():
-            expected = float(module.loss_fn(output, self._target))  # type: ignore[operator]
-        got = float(loss)
-        if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-7):
-            raise MisconfigurationException(
-                f"SkyStrategy: {type(module).__name__}.training_step returned loss {got:.6g} but loss_fn(output, "
-                f"target) on the same batch is {expected:.6g}: the step adds a term of {got - expected:+.6g} "
-                f"(an auxiliary loss, a regulariser). {fix}")
+            with_own, _ = self._call_step(step, args, kwargs, ones, inputs)
+            with _emptied(runtime.owned_parameters()):
+                without, _ = self._call_step(step, args, kwargs, ones, inputs)
+        other = _minus(_scalars(with_own), _scalars(without))
+        for key, value in (own or {}).items():
+            again = (other or {}).get(key, value)
+            if not math.isclose(value, again, rel_tol=1e-4, abs_tol=1e-6):
+                raise MisconfigurationException(
+                    f"SkyStrategy: the loss {type(self._module).__name__}.{step.__name__} returns mixes the "
+                    f"model output with parameters of pipeline rank {runtime.rank}'s layers (their terms add {value:.6g} "
+                    f"with one stand-in output and {again:.6g} with another). Only the last stage sees the output, so "
+                    "a term on an earlier stage's parameters must not depend on it: keep such terms separate "
+                    "(`loss_fn(self(x), y) + aux(self(x)) + reg(params)`), or train this module with another "
+                    "strategy (ddp, elixir)")
+
+    def _call_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, leaf: torch.Tensor,
+                   inputs: Any) -> tuple[Any, list[tuple[str, Any, tuple, dict]]]:
+        calls: list[tuple[str, Any, tuple, dict]] = []
+        with self._forward_returns(leaf, inputs), self._deferred_log(calls):
+            try:
+                return step(*args, **kwargs), calls
+            except MisconfigurationException:
+                raise
+            except Exception as exc:
+                raise RuntimeError(
+                    f"SkyStrategy: {type(self._module).__name__}.{step.__name__} failed on pipeline rank "
+                    f"{self.runtime.rank if self.runtime else '?'}: it runs on every rank, where the parameters of "
+                    "the layers other ranks hold are empty tensors and, off the last stage, `self(x)` returns zeros "
+                    "of the output's shape (the output stays on the last stage). Write the step as a function of "
+                    "`self(x)` and the batch, plus terms on parameters that also work for an empty tensor (e.g. "
+                    f"`sum(p.pow(2).sum() for p in self.parameters())`): {type(exc).__name__}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _deferred_log(self, calls: list[tuple[str, Any, tuple, dict]]) -> Iterator[None]:
+        # `self.log` (and `log_dict`, which calls it) only records during the step: the values logged on
+        # ranks without the output are replaced by the last stage's before they reach Lightning
+        module = self._module
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            calls.append((name, value, args, kwargs))
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         # Predicted vs measured after warm-up (tightfit.planner.check): printed, logged, warned beyond 25%.
         if self.plan is not None and self.monitor is None:
             self.monitor = make_monitor(self.plan, self.root_device, planner="sky")
-        self.prediction = on_step_start(self.monitor, self.lightning_module.trainer) or self.prediction
+        self.prediction = on_step_start(self.monitor, self._module.trainer) or self.prediction
         output, inputs = self._run(args[0] if args else kwargs["batch"], train=True)
-        with self._forward_returns(output, inputs):
-            result = super().training_step(*args, **kwargs)
-        self._check_loss(result, output)
-        return result
+        return self._user_step(super().training_step, args, kwargs, output, inputs, train=True)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        assert self.runtime is not None and self.lightning_module is not None
-        # the schedule already ran backward; hand its gradients over now (after Lightning's zero_grad),
-        # scaled like Lightning scales the loss under gradient accumulation
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.runtime.take_gradients(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        assert self.runtime is not None
+        module = self._module
+        scale = 1.0 / module.trainer.accumulate_grad_batches  # Lightning divides the closure loss alike
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # 1. what the schedule already backpropagated, loss_fn per microbatch (it ran before Lightning's
+        #    zero_grad, so its gradients waited aside until now)
+        self.runtime.take_gradients(scale)
+        # 2. the user's loss itself: its terms on this rank's parameters reach them directly, and the
+        #    stand-in output (a leaf) receives d loss / d output
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self.runtime.drop_foreign_gradients()
+        # 3. the part of d loss / d output that loss_fn did not account for goes back through the pipeline
+        self._backprop_rest(scale)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _backprop_rest(self, scale: float) -> None:
+        """Compare, on the last stage, the gradient the step's loss puts on the output with the one the
+        schedule backpropagated (``loss_fn`` per microbatch); if they differ (an auxiliary term on the
+        output, a loss not split by microbatch), backpropagate the difference through the pipeline in a
+        second pass. Backpropagation is linear in the output gradient, so the two passes add up to the
+        gradient of the user's loss. Only a flag crosses ranks."""
+        runtime = self.runtime
+        assert runtime is not None and self._step_leaf is not None
+        leaf, rest, differs = self._step_leaf, None, False
+        if runtime.is_last:
+            wanted = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            done = runtime.loss_fn_output_grad()
+            done = torch.zeros_like(wanted) if done is None else done.to(wanted.dtype) * scale
+            rest = wanted - done
+            # within a few rounding steps of the largest gradient: the same gradient (splitting the batch
+            # into microbatches reorders sums; fp32 CE on 16 rows agrees to ~1e-7 relative). The bound is the
+            # output dtype's: 8 ulps is ~1e-6 of the largest element in fp32 but ~6% in bf16, where a smaller
+            # output term is taken for rounding and not backpropagated (put it in loss_fn to be sure)
+            tol = 8 * torch.finfo(wanted.dtype).eps * float(wanted.abs().max()) if wanted.numel() else 0.0
+            differs = not bool((rest.abs() <= tol).all())  # NaN differs: propagated as one process would
+        flag = [differs]
+        dist.broadcast_object_list(flag, group=self._pp_group, group_src=runtime.last_rank)
+        self._step_leaf = None
+        if flag[0]:
+            runtime.backprop_output(self._step_inputs, rest)
+            runtime.take_gradients(1.0)
+            self.second_passes += 1
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -461,14 +631,12 @@ class SkyStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
         output, inputs = self._run(args[0] if args else kwargs["batch"], train=False)
-        with self._forward_returns(output, inputs):
-            return super().validation_step(*args, **kwargs)
+        return self._user_step(super().validation_step, args, kwargs, output, inputs, train=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any):
         output, inputs = self._run(args[0] if args else kwargs["batch"], train=False)
-        with self._forward_returns(output, inputs):
-            return super().test_step(*args, **kwargs)
+        return self._user_step(super().test_step, args, kwargs, output, inputs, train=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
@@ -505,3 +673,84 @@ class SkyStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("sky", cls, description="Sky: load-balanced pipeline parallelism (tightfit)")
+
+
+@contextlib.contextmanager
+def _emptied(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    """These parameters hold no data for a while, as on the ranks that do not own them."""
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        yield
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def _delta(with_own: float, without: float) -> float:
+    """What a rank's own parameters add to a number. Equal values (the same NaN or infinity from the
+    stand-in output included) add nothing; a NaN that appears only with the parameters is kept."""
+    if with_own == without or (math.isnan(with_own) and math.isnan(without)):
+        return 0.0
+    return with_own - without
+
+
+def _minus(numbers: dict[str, float] | None, base: dict[str, float] | None) -> dict[str, float] | None:
+    if numbers is None:
+        return None
+    return {k: _delta(v, (base or {}).get(k, 0.0)) for k, v in numbers.items()}
+
+
+def _scalars(result: Any) -> dict[str, float] | None:
+    """The numbers a step returned: a loss tensor, or a dict's one-element tensors (``None``: no result)."""
+    if result is None:
+        return None
+    if isinstance(result, torch.Tensor):
+        return {"": float(result.detach())} if result.numel() == 1 else {}
+    if isinstance(result, Mapping):
+        return {str(k): float(v.detach()) for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    return {}
+
+
+def _logged_value(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    raise MisconfigurationException(
+        f"SkyStrategy: self.log({name!r}, ...) got a {type(value).__name__}; only the last stage sees the model "
+        "output, so logged values are shared from it as numbers: log a number or a one-element tensor (for a "
+        "torchmetrics Metric, log `metric.compute()`)")
+
+
+class _ValueOf(torch.autograd.Function):
+    """``value`` in the forward, gradient straight to ``loss`` in the backward: a rank's loss carries the
+    last stage's number (what the user sees) and this rank's own graph (what reaches its parameters)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _with_value(tensor: torch.Tensor, number: float) -> torch.Tensor:
+    value = torch.tensor(number, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
+    if tensor.requires_grad:
+        return _ValueOf.apply(tensor, value)  # type: ignore[no-any-return]
+    return value
+
+
+def _with_values(result: Any, numbers: dict[str, float] | None) -> Any:
+    """A non-last rank's step result with the last stage's numbers (its graph kept for the backward)."""
+    if numbers is None or result is None:
+        return None
+    if isinstance(result, torch.Tensor):
+        return _with_value(result, numbers[""]) if "" in numbers else result
+    if isinstance(result, Mapping):
+        return {k: _with_value(v, numbers[str(k)]) if str(k) in numbers and isinstance(v, torch.Tensor) else v
+                for k, v in result.items()}
+    return result

@@ -58,3 +58,32 @@ def test_first_failure_propagates_with_traceback():
 def test_hang_times_out_instead_of_blocking():
     with pytest.raises(DistributedTestError, match="timed out after 15 s"):
         run_distributed(_hangs, 2, timeout=15)
+
+
+_KEPT: list = []
+
+
+def _leaves_gloo_state(rank: int, world_size: int, marker_dir: str) -> int:
+    import atexit
+    from pathlib import Path
+
+    # State that interpreter finalization would have to tear down in C++: a subgroup kept alive by a
+    # Python reference, and a receive no rank will ever match (a gloo thread stays blocked on it).
+    sub = dist.new_group([0, 1])
+    t = torch.ones(1 << 12)
+    dist.all_reduce(t, group=sub)
+    _KEPT.extend([sub, dist.irecv(torch.empty(4), src=1 - rank, group=sub)])
+    atexit.register(lambda: (Path(marker_dir) / f"finalized-{rank}").write_text("atexit ran"))
+    return rank
+
+
+@RunIf(min_world=2)
+def test_ranks_leave_without_interpreter_finalization(tmp_path):
+    """Issue 18's flaky abort ("terminate called without an active exception", SIGABRT, once in
+    test_collectives_measured_with_a_process_group): libstdc++ raises it when a joinable std::thread is
+    destroyed, which happens in C++ destructors run during interpreter finalization (torch's gloo and
+    store threads torn down in module-clearing order). Ranks now leave with os._exit once their result is
+    delivered and the group destroyed: no atexit hook and no finalization run, whatever gloo state the
+    test left alive, and every rank exits with 0."""
+    assert run_distributed(_leaves_gloo_state, 2, args=(str(tmp_path),), timeout=120) == [0, 1]
+    assert list(tmp_path.iterdir()) == []

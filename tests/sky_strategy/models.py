@@ -10,12 +10,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Block(nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, dropout: float = 0.0):
         super().__init__()
         self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        return x + torch.tanh(self.fc(x))
+        return x + self.drop(torch.tanh(self.fc(x)))
 
 
 class Net(L.LightningModule):
@@ -23,10 +24,14 @@ class Net(L.LightningModule):
 
     pipeline_layers = ("embed", "blocks", "head")  # the SkyStrategy convention: layers in forward order
 
-    def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2, sync_dist: bool = False):
+    def __init__(self, depth: int = 6, width: int = 32, classes: int = 4, lr: float = 1e-2, sync_dist: bool = False,
+                 aux: float = 0.0, l2: float = 0.0, dropout: float = 0.0, aux_in_loss_fn: bool = False):
         super().__init__()
+        # extra terms of the training loss beyond loss_fn (issue 18); `aux_in_loss_fn` moves the auxiliary
+        # term into loss_fn itself (the pipeline then backpropagates it per microbatch, in one pass)
+        self.aux, self.l2, self.aux_in_loss_fn = aux, l2, aux_in_loss_fn
         self.embed = nn.Linear(16, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, dropout) for _ in range(depth))
         self.head = nn.Linear(width, classes)
         self.lr = lr
         self.sync_dist = sync_dist  # data-parallel replicas: log the mean over replicas (the global batch's)
@@ -38,11 +43,22 @@ class Net(L.LightningModule):
         return self.head(x)
 
     def loss_fn(self, output, target):
-        return F.cross_entropy(output, target)
+        loss = F.cross_entropy(output, target)
+        return loss + self.aux * output.pow(2).mean() if self.aux_in_loss_fn else loss
+
+    def step_loss(self, output, target):
+        """The loss training_step returns: loss_fn plus, when asked, an auxiliary term on the output and an
+        L2 regulariser on every parameter (the layers of every stage)."""
+        loss = self.loss_fn(output, target)
+        if self.aux and not self.aux_in_loss_fn:
+            loss = loss + self.aux * output.pow(2).mean()
+        if self.l2:
+            loss = loss + self.l2 * sum(p.pow(2).sum() for p in self.parameters())
+        return loss
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.loss_fn(self(x), y)
+        loss = self.step_loss(self(x), y)
         self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
 
@@ -96,7 +112,7 @@ def reference_training(steps: int, batch_size: int = 16, seed: int = 0, *, shuff
         else:
             x, y = data[step % len(data)]
         opt.zero_grad()
-        loss = net.loss_fn(net(x), y)
+        loss = net.step_loss(net(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())

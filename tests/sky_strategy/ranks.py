@@ -39,6 +39,68 @@ def fit_configs(rank: int, world: int, configs: list[dict], steps: int, net_kwar
     return out
 
 
+def fit_extra_terms(rank: int, world: int, configs: list[tuple[dict, dict]], steps: int) -> list[dict]:
+    """Train each (strategy config, model kwargs) pair: a training_step loss with terms beyond loss_fn."""
+    out = []
+    for cfg, net_kwargs in configs:
+        strategy = sky_strategy.SkyStrategy(verbose=False, **cfg)
+        rec = LossRecorder()
+        t = trainer(world, strategy, steps, [rec])
+        t.fit(make_net(**net_kwargs), loader())
+        out.append({"losses": rec.losses, "state": portable(strategy.lightning_module_state_dict()),
+                    "logged": float(t.callback_metrics["train_loss"]), "second_passes": strategy.second_passes})
+    # a term mixing the output with the first stage's weights cannot be split by rank: refused, not mis-trained
+    net = make_net()
+
+    def coupled(batch, batch_idx, net=net):
+        x, y = batch
+        out = net(x)
+        return net.loss_fn(out, y) + 1e-2 * out.mean() * net.embed.weight.sum()
+    net.training_step = coupled
+    try:
+        trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=4, partition="even"), 1).fit(net, loader())
+        out.append("no error")
+    except Exception as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+class CollectiveCounter(L.Callback):
+    """Counts the elements every collective except the pipeline's own send/recv moved during one training
+    batch, read from the PyTorch profiler's record of the gloo calls (``gloo:broadcast [[n]]``...)."""
+
+    def __init__(self, batch: int):
+        self.batch, self.counts, self._prof = batch, {}, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self._prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch and self._prof is not None:
+            import math
+
+            self._prof.__exit__(None, None, None)
+            for e in self._prof.events():
+                if e.name.startswith("gloo:") and e.name not in ("gloo:send", "gloo:recv"):
+                    elements = sum(math.prod(shape) for shape in e.input_shapes if shape)
+                    self.counts[e.name] = self.counts.get(e.name, 0) + elements
+
+
+def collective_elements(rank: int, world: int, classes: list[int], aux: float) -> list[dict]:
+    """Elements moved by collectives in the 4th training batch, for each output width."""
+    out = []
+    for n in classes:
+        counter = CollectiveCounter(batch=3)
+        t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=4), 4, [counter])
+        t.fit(make_net(classes=n, aux=aux), loader())
+        out.append(counter.counts)
+    return out
+
+
 def fit_replicas(rank: int, world: int, configs: list[dict], steps: int, path: str) -> list[dict]:
     """Data-parallel replicas of the pipeline: each config trains a fresh model on a local batch of 8
     (Lightning's distributed sampler splits the data by replica), logs with sync_dist, validates, and
@@ -98,6 +160,14 @@ def replan_run(rank: int, world: int, steps: int, factors: tuple = (1.0, 0.1), d
             "counts": strategy.plan.layer_counts()}
 
 
+class BatchesStarted(L.Callback):
+    def __init__(self):
+        self.count = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.count += 1
+
+
 def misuse(rank: int, world: int, cases: list[str]) -> dict[str, str]:
     """Run each misconfiguration in turn; return the error message of each."""
     out = {}
@@ -112,21 +182,17 @@ def misuse(rank: int, world: int, cases: list[str]) -> dict[str, str]:
             net.pipeline_layers = ("embed", "head")  # the blocks' parameters belong to no layer
         elif case == "tied":
             net.blocks[1].fc.weight = net.blocks[0].fc.weight
-        elif case in ("aux-loss", "regulariser"):
-            def step(batch, batch_idx, net=net, case=case):  # issue 18: an extra term the pipeline would drop
-                x, y = batch
-                out = net(x)
-                if case == "aux-loss":
-                    return net.loss_fn(out, y) + 0.1 * out.pow(2).mean()
-                return net.loss_fn(out, y) + 1e-3 * sum(p.pow(2).sum() for p in net.parameters())
-            net.training_step = step
+        elif case == "manual":
+            net.automatic_optimization = False
         replicas = {"data_parallel": 2} if case == "replicas" else {}  # 1 rank cannot hold 2 replicas
+        started = BatchesStarted()
         try:
-            t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2, **replicas), 1, **kwargs)
+            t = trainer(world, sky_strategy.SkyStrategy(verbose=False, microbatches=2, **replicas), 1,
+                        callbacks=[started], **kwargs)
             t.fit(net, loader())
             if case == "predict":
                 t.predict(net, loader())
             out[case] = "no error"
         except Exception as exc:  # the message is what the test checks
-            out[case] = f"{type(exc).__name__}: {exc}"
+            out[case] = f"{type(exc).__name__}: {exc} [batches started: {started.count}]"
     return out
