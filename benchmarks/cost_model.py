@@ -15,7 +15,10 @@ this host is shared (load average 4-18 on 2 cores while this was written) and wa
 varied 3x between repeats, CPU times by a few percent; blocks, collectives and overheads are calibrated
 on the same clock (``clock="cpu"``). Wall-time medians are reported beside them. Memory: resident state plus the
 highest the step's allocations rise (torch.profiler allocator events), against the predicted device
-peak plus host state (on a CPU the host *is* the device). The plans are priced with a 0%
+peak (on a CPU the host *is* the device: the calibrated profile says ``unified_memory`` and the model counts
+offloaded state in the device peak). DDP is priced as one replicated unit without FSDP2's measured
+overheads (it runs plain tensors). Blocks are re-timed in the run (``refresh=True``), so the prediction
+sees the load the steps see. The plans are priced with a 0%
 fragmentation margin: glibc's allocator has no caching-allocator blocks to fragment; the default
 10% is for CUDA.
 
