@@ -252,7 +252,10 @@ def shard_units(module: nn.Module, plan: ElixirPlan, units: list[AppliedUnit], m
 # ---- 4. prefetch ---------------------------------------------------------------------------------
 def apply_prefetch(units: list[AppliedUnit], forward: int, backward: int) -> None:
     """Unit ``i`` all-gathers the next ``forward`` units in forward and the previous ``backward`` in backward."""
-    sharded = [u.modules[0] for u in units if u.modules]
+    from torch.distributed.fsdp import FSDPModule
+
+    # The first module of each group carries the group's FSDP2 state (every module of a group is an FSDPModule).
+    sharded: list[FSDPModule] = [m for m in (u.modules[0] for u in units if u.modules) if isinstance(m, FSDPModule)]
     if len(sharded) < 2:
         return
     for i, m in enumerate(sharded):

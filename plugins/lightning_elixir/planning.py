@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import random
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +38,8 @@ from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "forked_rng",
            "OFFLOAD_CHOICES", "STAGE_METHODS"]
+
+log = logging.getLogger(__name__)
 
 
 # ---- the batch -----------------------------------------------------------------------------------
@@ -282,4 +284,6 @@ def _decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
 
 
 def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    # Progress of planning (rank 0, verbose): the "lightning_elixir.planning" logger at INFO, so an
+    # application routes or silences it like any other library's diagnostics.
+    log.info(text)

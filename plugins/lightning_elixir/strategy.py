@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -186,7 +187,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan.to_json(self.plan_path)
         if self.options.verbose:
             print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
-            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
+            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self._module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 
     def _prefer_fused_host_step(self) -> None:
@@ -198,8 +199,16 @@ class ElixirStrategy(ModelParallelStrategy):
             step_per_mesh(opt, fused_on_host=fused)
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
-    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def _module(self) -> LightningModule:
+        """The LightningModule: Lightning types it optional; every hook here runs once it is attached."""
         module = self.lightning_module
+        if module is None:
+            raise RuntimeError("ElixirStrategy: no LightningModule attached yet (call trainer.fit(model) first)")
+        return module
+
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
         with context:
             # The LightningModule is FSDP2's root; ``training_step`` calling ``self.model(x)`` directly would
             # skip the root's forward hook (lazy init, root all-gather), so redirect it through ``module(...)``.
@@ -207,7 +216,7 @@ class ElixirStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if self.replanner is not None and self.replanner.due(trainer):
             self._switch_plan(trainer, "epoch")
         if self.plan is not None and self.monitor is None:
@@ -249,7 +258,7 @@ class ElixirStrategy(ModelParallelStrategy):
                     broadcast=self.broadcast)
         if self.replanner is not None and self.replanner.pending is not None:
             # A checkpoint boundary: the state just written is valid under both plans.
-            self._switch_plan(self.lightning_module.trainer, "checkpoint")
+            self._switch_plan(self._module.trainer, "checkpoint")
 
     def _switch_plan(self, trainer: Any, boundary: str) -> None:
         assert self.replanner is not None
