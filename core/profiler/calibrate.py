@@ -12,7 +12,9 @@ process group initialised, every rank calls :func:`calibrate_device` and gets it
   one unit; ``(t_K - t_1) / (K - 1)`` per phase (forward, backward, optimizer) is what one more unit
   costs beyond its collectives (hooks, copy-in/copy-out, DTensor dispatch in ``optimizer.step``),
   per mode (``reshard``, ``keep``, ``replicate``, ``offload``); the collectives' fitted latency is
-  subtracted, so the planner does not count it twice;
+  subtracted, so the planner does not count it twice. Also per parameter tensor (``mode/tensor``) and
+  per unsharded parameter byte (``mode/byte``: the same unit with 36x larger layers; copy-in/copy-out and,
+  on a CPU, page faults of the unsharded buffers FSDP2 allocates every step);
 * **overlap of communication with compute**: a matmul loop alone, an all-reduce alone, and both
   at once; ``overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in ``[0, 1]``. On
   gloo with one thread per rank the collective's copies and reductions run on the core the
@@ -123,15 +125,18 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     world = dist.get_world_size()
-    k, width = 8, 32
+    # 16 units: the per-unit difference is ~1 ms on gloo; with 8, keep's backward came out 1.3 ms dearer than
+    # reshard's (which does strictly more), noise at load 15 on 2 cores.
+    k, width, big = 16, 32, 192
     mesh = init_device_mesh(device.type, (world,))
     hsdp = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
-    x = torch.randn(4, width, device=device)
+    xs = {w: torch.randn(4, w, device=device) for w in (width, big)}
 
-    def build(units: int, mode: str, per_unit: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """``k`` groups of ``per_unit`` tiny linear layers; ``units > 1``: one FSDP2 unit per group ("plain": no FSDP2)."""
+    def build(units: int, mode: str, per_unit: int = 1, w: int = width) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``k`` groups of ``per_unit`` linear layers of width ``w``; ``units > 1``: one FSDP2 unit per group
+        ("plain": no FSDP2)."""
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(per_unit)])
+        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(w, w) for _ in range(per_unit)])
                                 for _ in range(k)]).to(device)
         if mode != "plain":
             policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if mode == "offload" else OffloadPolicy()
@@ -144,6 +149,8 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
 
     def phases(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
         box: dict[str, torch.Tensor] = {}
+
+        x = xs[next(model.parameters()).shape[-1]]
 
         def fwd() -> None:
             box["loss"] = model(x).square().mean()
@@ -164,18 +171,41 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
     def latency(kind: str) -> float:
         return fits.get(kind, {}).get(world, [0.0, 1.0])[0]
 
+    def bandwidth_s(kind: str, size: float) -> float:
+        """The bandwidth part of a collective's fitted time (the planner prices it itself)."""
+        bw = fits.get(kind, {}).get(world, [0.0, 0.0])[1]
+        factor = (2.0 if kind == "all_reduce" else 1.0) * (world - 1) / world
+        return factor * size / bw if bw > 0 and world > 1 else 0.0
+
     out: dict[str, list[float]] = {}
     wide = 6  # a transformer layer has ~12 parameter tensors: 6 linear layers' weights and biases
     plain1, plain6 = phases(*build(1, "plain")), phases(*build(1, "plain", wide))
+    plain_big = phases(*build(1, "plain", wide, big))
+    extra_bytes = 4.0 * k * wide * (big * big + big - width * width - width)  # fp32, big unit less the small one
     for mode in OVERHEAD_MODES:
         many = phases(*build(k, mode))
         one = phases(*build(1, mode))
         one6 = phases(*build(1, mode, wide))
+        one_big = phases(*build(1, mode, wide, big))
         # Per parameter tensor beyond plain training (copy-in/out, DTensor dispatch in the optimizer):
         # one unit of 12k tensors vs one of 2k, less what the same layers cost without FSDP2.
         tensors = 2 * k * (wide - 1)
         out[f"{mode}/tensor"] = [max(0.0, ((c - b) - (p6 - p1)) / tensors)
                                  for b, c, p1, p6 in zip(one, one6, plain1, plain6)]
+        # Per unsharded parameter byte: the same tensors 36x larger (3.6 M parameters). What grows with the
+        # bytes beyond the compute and the collectives' bandwidth: copy-in/copy-out, and on a CPU the page
+        # faults of the unsharded buffers FSDP2 allocates and frees every step (measured on 2 gloo ranks:
+        # ~0.5 ms per MB gathered, which tiny units cannot show). The optimizer runs on the shard it owns.
+        owned = 1.0 if mode == "replicate" else 1.0 / world
+        comm_f = bandwidth_s("all_gather", extra_bytes) if mode != "replicate" else 0.0
+        comm_b = (bandwidth_s("all_reduce", extra_bytes) if mode == "replicate"
+                  else bandwidth_s("reduce_scatter", extra_bytes)
+                  + (bandwidth_s("all_gather", extra_bytes) if mode != "keep" else 0.0))
+        grow = [c - b for b, c in zip(one6, one_big)]
+        plain_grow = [c - b for b, c in zip(plain6, plain_big)]
+        out[f"{mode}/byte"] = [max(0.0, (grow[0] - plain_grow[0] - comm_f) / extra_bytes),
+                               max(0.0, (grow[1] - plain_grow[1] - comm_b) / extra_bytes),
+                               max(0.0, (grow[2] - owned * plain_grow[2]) / extra_bytes)]
         per = [max(0.0, (a - b) / (k - 1)) for a, b in zip(many, one)]
         # Collectives one more unit issues, priced by their fitted latency (the planner adds them itself).
         if mode == "replicate":
@@ -242,7 +272,7 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     if not (dist.is_available() and dist.is_initialized()):
         return base
     world = dist.get_world_size()
-    path = cache_file(f"calibrated v3 | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
+    path = cache_file(f"calibrated v5 | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
                       quick)
     cached = None
     if not refresh and path.is_file():
@@ -260,8 +290,8 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     t0 = time.perf_counter()
     say(f"1/3 collectives alpha-beta on {world} ranks ({dist.get_backend()})")
     fits = _collective_fits(dev, repeats, quick) if world > 1 else {}  # one rank moves nothing
-    say("2/3 FSDP2 per-unit overhead (8 tiny units vs 1)")
-    overhead = _unit_overheads(dev, repeats, fits)
+    say("2/3 FSDP2 per-unit overhead (16 tiny units vs 1)")
+    overhead = _unit_overheads(dev, 2 * repeats + 1, fits)
     say("3/3 overlap of an all-reduce with matmuls" + (" (CPU clock: 0 by definition)" if clock == "cpu" else ""))
     # CPU time adds up whatever runs concurrently: under clock="cpu" nothing is hidden by definition
     # (measuring it anyway gave 0.00 in one run and 1.00 in the next on a host at load 16).

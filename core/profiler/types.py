@@ -277,7 +277,8 @@ class DeviceProfile:
             (all-reduce: twice the bandwidth term); empty = not measured (the size table above is used).
         unit_overhead_s: seconds one FSDP2 unit adds to a step by mode (``"reshard"``, ``"keep"``,
             ``"replicate"``, ``"offload"``) as ``[forward, backward, optimizer]``: hooks, copy-in/out,
-            DTensor dispatch in the optimizer, collectives' latency excluded
+            DTensor dispatch in the optimizer, collectives' latency excluded; ``"<mode>/tensor"`` and
+            ``"<mode>/byte"``: the same per parameter tensor and per unsharded parameter byte
             (:func:`tightfit.profiler.calibrate_device`); empty = not modelled.
         comm_overlap: measured fraction of a collective hidden behind compute running at the same
             time (1.0: free, 0.0: serialised with it); negative = not measured (full overlap assumed).

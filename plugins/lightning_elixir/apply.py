@@ -39,6 +39,7 @@ __all__ = [
     "apply_plan",
     "resolve_units",
     "apply_activation_checkpointing",
+    "set_checkpointing",
     "shard_units",
     "apply_prefetch",
     "materialize",
@@ -160,18 +161,39 @@ def resolve_units(module: nn.Module, plan: ElixirPlan) -> list[AppliedUnit]:
 
 
 # ---- 2. activation checkpointing -----------------------------------------------------------------
-def apply_activation_checkpointing(module: nn.Module, plan: ElixirPlan) -> list[str]:
-    """Composable activation checkpointing on the plan's recomputed blocks; returns their names."""
+def apply_activation_checkpointing(module: nn.Module, plan: ElixirPlan, *, switchable: bool = False) -> list[str]:
+    """Composable activation checkpointing on the plan's recomputed blocks; returns their names.
+
+    ``switchable``: every block of the plan gets the checkpoint hooks now, before sharding (the hook order
+    of a fresh plan), switched off where the plan does not recompute: :func:`set_checkpointing` can then
+    turn recomputation on or off between steps (``ElixirStrategy(replan=True)``)."""
     from torch.distributed._composable import checkpoint
 
     done = []
-    for name in plan.checkpointed_blocks:
+    wanted = set(plan.checkpointed_blocks)
+    blocks = [b for u in plan.units for b in u.blocks]
+    names = [b for b in blocks if b and not any(o.startswith(b + ".") for o in blocks)] if switchable \
+        else list(plan.checkpointed_blocks)
+    for name in names:
         sub = module.get_submodule(name)
-        if _is_checkpointed(sub):
-            continue
-        checkpoint(sub)
-        done.append(name)
-    return done
+        if not _is_checkpointed(sub):
+            checkpoint(sub)
+            done.append(name)
+        if name not in wanted:
+            checkpoint.state(sub).enable_hook = False
+    return [n for n in done if n in wanted]
+
+
+def set_checkpointing(module: nn.Module, name: str, on: bool) -> None:
+    """Turn recomputation of block ``name`` on or off between steps (its hooks were installed by
+    ``apply_activation_checkpointing(..., switchable=True)``; the parameters are untouched)."""
+    from torch.distributed._composable import checkpoint
+
+    sub = module.get_submodule(name)
+    if not _is_checkpointed(sub):
+        raise ValueError(f"block {name!r} has no checkpoint hooks to switch; apply the plan with "
+                         "switchable checkpointing (ElixirStrategy(replan=True) does)")
+    checkpoint.state(sub).enable_hook = on
 
 
 def _is_checkpointed(sub: nn.Module) -> bool:
@@ -230,7 +252,10 @@ def shard_units(module: nn.Module, plan: ElixirPlan, units: list[AppliedUnit], m
 # ---- 4. prefetch ---------------------------------------------------------------------------------
 def apply_prefetch(units: list[AppliedUnit], forward: int, backward: int) -> None:
     """Unit ``i`` all-gathers the next ``forward`` units in forward and the previous ``backward`` in backward."""
-    sharded = [u.modules[0] for u in units if u.modules]
+    from torch.distributed.fsdp import FSDPModule
+
+    # The first module of each group carries the group's FSDP2 state (every module of a group is an FSDPModule).
+    sharded: list[FSDPModule] = [m for m in (u.modules[0] for u in units if u.modules) if isinstance(m, FSDPModule)]
     if len(sharded) < 2:
         return
     for i, m in enumerate(sharded):
@@ -293,8 +318,8 @@ def _initialise(module: nn.Module) -> None:
 
 
 # ---- the whole thing -----------------------------------------------------------------------------
-def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.device | None = None
-               ) -> list[AppliedUnit]:
+def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.device | None = None,
+               switchable: bool = False) -> list[AppliedUnit]:
     """Apply ``plan`` to ``module`` in place on the 1-D data-parallel ``mesh``; returns the applied units.
 
     Args:
@@ -302,6 +327,8 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
         plan: an :class:`ElixirPlan` for this model and ``mesh.size()`` ranks.
         mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
         device: where resident units live (default: the mesh's device for this rank).
+        switchable: checkpoint hooks on every block, off where the plan does not recompute
+            (:func:`set_checkpointing` switches them later; used by re-planning).
     """
     if plan.world_size != mesh.size():
         raise ValueError(f"plan was made for world size {plan.world_size}, the mesh has {mesh.size()} ranks; "
@@ -310,7 +337,7 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
         device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(
             mesh.device_type, torch.cuda.current_device())
     units = resolve_units(module, plan)                     # 1. which modules each unit shards
-    apply_activation_checkpointing(module, plan)            # 2. recompute before sharding (hooks order)
+    apply_activation_checkpointing(module, plan, switchable=switchable)  # 2. recompute before sharding (hooks order)
     shard_units(module, plan, units, mesh)                  # 3. fully_shard per unit, then the root
     apply_prefetch(units, plan.forward_prefetch, plan.backward_prefetch)  # 4. explicit prefetch
     materialize(module, units, device)                      # 5. allocate + initialise meta parameters

@@ -40,6 +40,8 @@ class ElixirOptions:
             name (``"a100-80g"``) or the path of a profile's JSON.
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
+        replan: re-plan from the measured step when it is off the prediction by more than the tolerance,
+            applied at the next checkpoint boundary (:mod:`lightning_elixir.replan`; FSDP2 strategy only).
         owner: the strategy's name, used in error messages.
 
     Example:
@@ -56,6 +58,7 @@ class ElixirOptions:
     device_profile: DeviceProfile | str | Path | None = None
     constraints: ElixirConstraints | None = None
     verbose: bool = True
+    replan: bool = False
     owner: str = field(default="ElixirOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class ElixirOptions:
         if self.activation_checkpointing not in ("auto", True, False):
             raise ValueError(f"{name}(activation_checkpointing={self.activation_checkpointing!r}): use 'auto', "
                              "True or False")
+        if not isinstance(self.replan, bool):
+            raise ValueError(f"{name}(replan={self.replan!r}): use True or False")
         if self.cluster is not None and self.device_profile is not None:
             raise ValueError(f"{name}: give cluster= or device_profile=, not both")
         if self.memory_budget is not None and not (isinstance(self.memory_budget, float) and 0 < self.memory_budget <= 1):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import random
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +38,8 @@ from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "forked_rng",
            "OFFLOAD_CHOICES", "STAGE_METHODS"]
+
+log = logging.getLogger(__name__)
 
 
 # ---- the batch -----------------------------------------------------------------------------------
@@ -251,22 +253,25 @@ def _decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
     world = strategy.world_size
     say = _say if options.verbose and strategy.global_rank == 0 else (lambda text: None)
     device: DeviceProfile | None = None
-    if options.measures_device:
+    # Re-planning (replan=True) prices plans on a cluster even when the plan itself was given.
+    if options.measures_device or (options.replan and options.cluster is None and options.device_profile is None):
         say("[elixir] profiling the device (cached after the first run) ...")
         device = local_device(strategy.root_device)  # collective: every rank measures the collectives
 
     def decide() -> ElixirPlan:
         say(f"[elixir] profiling one {method} on the meta device ...")
         profile = profile_module(module, example_batch(trainer), stage_method=method)
+        given = options.cluster
+        assert given is None or isinstance(given, ClusterSpec)  # ElixirOptions resolved paths
+        profile_of_device = options.device_profile if isinstance(options.device_profile, DeviceProfile) else device
+        cluster = given or (ClusterSpec.uniform(profile_of_device, world, nodes=strategy.num_nodes)
+                            if profile_of_device is not None else None)
+        strategy.planned_from = (profile, cluster)  # rank 0: what re-planning (replan=True) starts from
         if options.plan is not None:
             plan = load_plan(options.plan)
             plan.check_compatible(profile, world, precision=precision)
             return plan
-        given = options.cluster
-        assert given is None or isinstance(given, ClusterSpec)  # ElixirOptions resolved paths
-        profile_of_device = options.device_profile if isinstance(options.device_profile, DeviceProfile) else device
-        assert given is not None or profile_of_device is not None
-        cluster = given or ClusterSpec.uniform(profile_of_device, world, nodes=strategy.num_nodes)  # type: ignore[arg-type]
+        assert cluster is not None
         if cluster.world_size != world:
             raise ValueError(f"{options.owner}(cluster=...) describes {cluster.world_size} devices, this run has "
                              f"{world} ranks; give one DeviceProfile per rank")
@@ -279,4 +284,6 @@ def _decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
 
 
 def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    # Progress of planning (rank 0, verbose): the "lightning_elixir.planning" logger at INFO, so an
+    # application routes or silences it like any other library's diagnostics.
+    log.info(text)

@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -36,10 +37,11 @@ from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
+from lightning_elixir.replan import Replanner
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
-from tightfit.profiler.types import ClusterSpec, DeviceProfile
+from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
 __all__ = ["ElixirStrategy"]
 
@@ -63,6 +65,9 @@ class ElixirStrategy(ModelParallelStrategy):
             paths, or a datasheet preset name for ``device_profile``).
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
+        replan: when the steps after warm-up are off the prediction by more than ``check_tolerance``, re-plan
+            from the measurement and switch to the new plan at the next checkpoint boundary (after the next
+            checkpoint is saved, or at the next epoch's first step): :mod:`lightning_elixir.replan`.
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
 
     The options are validated once into :attr:`options` (:class:`~lightning_elixir.options.ElixirOptions`).
@@ -87,7 +92,7 @@ class ElixirStrategy(ModelParallelStrategy):
                  backend: str = "fsdp2", offload: str = "auto", activation_checkpointing: bool | str = "auto",
                  optimizer: str = "adamw", cluster: ClusterSpec | str | Path | None = None,
                  device_profile: DeviceProfile | str | Path | None = None,
-                 constraints: ElixirConstraints | None = None, verbose: bool = True,
+                 constraints: ElixirConstraints | None = None, verbose: bool = True, replan: bool = False,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
         if backend == "deepspeed":
             raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
@@ -98,7 +103,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, owner="ElixirStrategy")
+                                     verbose=verbose, replan=replan, owner="ElixirStrategy")
         install_trainer_hook()  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on (idempotent)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -109,6 +114,8 @@ class ElixirStrategy(ModelParallelStrategy):
         self.check_tolerance = 0.25
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
+        self.planned_from: tuple[ModelProfile, ClusterSpec | None] | None = None  # set by decide_plan (rank 0)
+        self.replanner: Replanner | None = None
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -141,8 +148,13 @@ class ElixirStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if not any(is_sharded(m) for m in module.modules()):
             self.plan = self._decide_plan(trainer)
-            self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device)
+            self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
+                                    switchable=self.options.replan)
             self._report(trainer)
+            if self.options.replan:
+                profile, cluster = self.planned_from or (None, None)
+                self.replanner = Replanner(profile, cluster, self.options.memory_budget,
+                                           self.options.planner_constraints())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -175,7 +187,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan.to_json(self.plan_path)
         if self.options.verbose:
             print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
-            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self.lightning_module), flush=True)
+            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self._module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 
     def _prefer_fused_host_step(self) -> None:
@@ -187,8 +199,16 @@ class ElixirStrategy(ModelParallelStrategy):
             step_per_mesh(opt, fused_on_host=fused)
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
-    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def _module(self) -> LightningModule:
+        """The LightningModule: Lightning types it optional; every hook here runs once it is attached."""
         module = self.lightning_module
+        if module is None:
+            raise RuntimeError("ElixirStrategy: no LightningModule attached yet (call trainer.fit(model) first)")
+        return module
+
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
         with context:
             # The LightningModule is FSDP2's root; ``training_step`` calling ``self.model(x)`` directly would
             # skip the root's forward hook (lazy init, root all-gather), so redirect it through ``module(...)``.
@@ -196,10 +216,16 @@ class ElixirStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._module.trainer
+        if self.replanner is not None and self.replanner.due(trainer):
+            self._switch_plan(trainer, "epoch")
         if self.plan is not None and self.monitor is None:
             self.monitor = make_monitor(self.plan, self.root_device, tolerance=self.check_tolerance)
-        self.prediction = on_step_start(self.monitor, self.lightning_module.trainer,
-                                        verbose=self.options.verbose) or self.prediction
+        record = on_step_start(self.monitor, trainer, verbose=self.options.verbose)
+        if record is not None:
+            self.prediction = record
+            if self.replanner is not None and self.plan is not None:
+                self.replanner.decide(self, self.plan, record, trainer)
         return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     @override
@@ -230,6 +256,16 @@ class ElixirStrategy(ModelParallelStrategy):
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
                     broadcast=self.broadcast)
+        if self.replanner is not None and self.replanner.pending is not None:
+            # A checkpoint boundary: the state just written is valid under both plans.
+            self._switch_plan(self._module.trainer, "checkpoint")
+
+    def _switch_plan(self, trainer: Any, boundary: str) -> None:
+        assert self.replanner is not None
+        new = self.replanner.apply(self, trainer, boundary)
+        if new is not None:
+            self.plan = new
+            self.monitor = None  # the new plan's prediction is checked against its own steps
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -142,3 +142,41 @@ def test_calibrated_memory_model_frees_gradients_until_backward(flops_profile):
     grads = flops_profile.param_numel / 2 * 4  # this rank's fp32 gradient shard
     assert lazy.step_time_s == pytest.approx(plain.step_time_s)  # zero overhead: same time
     assert lazy.peak_bytes < plain.peak_bytes and plain.peak_bytes - lazy.peak_bytes <= grads * 1.1 + 1
+
+
+def test_replan_in_place_prices_the_measured_speed_and_keeps_units(flops_profile):
+    from tightfit.planner.elixir.replan import replan_in_place, scale_profile
+
+    kw = dict(precision="32-true", optimizer="adamw")
+    dev = device_preset("a100-40g")
+    units = [UnitPlan(blocks=(b.name,), mode="keep", offload=i == 0, checkpoint=(b.name,) if b.checkpointable else ())
+             for i, b in enumerate(flops_profile.blocks)]
+    plan = estimate(flops_profile, ClusterSpec.uniform(dev, 2), units, **kw)
+    slow = scale_profile(flops_profile, time_ratio=1000.0)
+    assert slow.blocks[2].fwd_flops == pytest.approx(1000 * flops_profile.blocks[2].fwd_flops)
+    assert slow.blocks[2].saved_bytes == flops_profile.blocks[2].saved_bytes  # memory untouched
+    new = replan_in_place(slow, ClusterSpec.uniform(dev, 2), plan)
+    assert new is not None and new.search_method == "replan in place"
+    # Units, offload and replication are what the running model has; recomputation, now 1000x dearer, is gone.
+    assert [(u.blocks, u.offload) for u in new.units] == [(u.blocks, u.offload) for u in plan.units]
+    assert not new.checkpointed_blocks and plan.checkpointed_blocks
+    assert new.step_time_s < estimate(slow, ClusterSpec.uniform(dev, 2), units, **kw).step_time_s
+    # A budget below the least-memory plan: nothing to switch to.
+    assert replan_in_place(slow, ClusterSpec.uniform(dev, 2), plan, memory_budget=1) is None
+    with pytest.raises(ValueError, match="time_ratio"):
+        scale_profile(flops_profile, time_ratio=0)
+
+
+def test_unified_memory_counts_offloaded_state_in_the_device_peak(flops_profile):
+    # A CPU "device" is the host: offloading moves nothing, so the peak must not drop by the offloaded state.
+    kw = dict(precision="32-true", optimizer="adamw")
+    cpu = dataclasses.replace(device_preset("a100-40g"), kind="cpu", name="cpu", h2d_bytes_per_s={},
+                              d2h_bytes_per_s={}, unified_memory=True, unit_overhead_s={"reshard": [0.0, 0.0, 0.0]})
+    split = [UnitPlan(blocks=(b.name,), mode="reshard") for b in flops_profile.blocks]
+    off = [dataclasses.replace(u, offload=True) for u in split]
+    resident = estimate(flops_profile, ClusterSpec.uniform(cpu, 2), split, **kw)
+    offloaded = estimate(flops_profile, ClusterSpec.uniform(cpu, 2), off, **kw)
+    assert offloaded.peak_bytes == resident.peak_bytes and offloaded.host_bytes_per_rank > 0
+    discrete = dataclasses.replace(cpu, unified_memory=False)
+    assert estimate(flops_profile, ClusterSpec.uniform(discrete, 2), off, **kw).peak_bytes < resident.peak_bytes
+

@@ -194,13 +194,6 @@ def test_the_only_plan_that_fits_is_found_at_its_exact_peak():
                memory_budget=75_999, constraints=cons)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, left for the Elixir search's owner: the branch and bound (tightfit.planner.elixir.space, "
-    "_branch_and_bound's ck_mem) prices undecided blocks as "
-    "checkpointed and takes that as a lower bound on the peak, but recomputing a block whose forward "
-    "transient exceeds its backward transient raises its own backward peak (max(transient, fwd_transient)), "
-    "so the 76_000 B plan (layers.0 checkpointed, layers.1 not) is pruned at layers.0's decision (bound "
-    "78_000 with layers.1 checkpointed) and search() reports 'least-memory plan needs 78_000'"))
 def test_search_finds_the_plan_when_recompute_raises_a_blocks_own_peak():
     # Same as above with layers.1's forward transient at 5000: peaks 85_000 / 76_000 / 87_000 / 78_000.
     cons = ElixirConstraints(allow_offload=False, **EXACT)

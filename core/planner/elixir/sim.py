@@ -17,6 +17,7 @@ parameter, the gathered (compute) parameter and the reduced gradient; ``o`` opti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tightfit.planner import cost
@@ -85,15 +86,21 @@ class Context:
     overlap: float = -1.0            # measured comm/compute overlap; < 0: full overlap assumed
     alias_replicated: bool = False   # replicate units hold no second copy of parameters / gradients (see unit_terms)
     grads_on_demand: bool = False    # gradients exist from their backward on (zero_grad(set_to_none=True)), see peak
+    unified: bool = False            # host and device are one memory: offloaded state counts in the device peak
 
-    def unit_overhead(self, mode: str, offload: bool, tensors: int = 0) -> tuple[float, float, float]:
-        """Seconds one unit of ``mode`` holding ``tensors`` parameter tensors adds to forward, backward and the
-        optimizer step: a per-unit plus a per-tensor part (0 when not measured)."""
+    def unit_overhead(self, mode: str, offload: bool, tensors: int = 0,
+                      nbytes: float = 0.0) -> tuple[float, float, float]:
+        """Seconds one unit of ``mode`` holding ``tensors`` parameter tensors of ``nbytes`` unsharded bytes adds
+        to forward, backward and the optimizer step: per unit + per tensor + per byte (0 when not measured)."""
         table = dict(self.overhead)
-        key = "offload" if offload else mode
+        # Where host and device are one memory, CPUOffloadPolicy's copies are no-ops and an offloaded unit runs
+        # reshard's code path (measured, 1.3 M parameters on 2 CPU ranks, full shard vs + offload: 150 vs 143,
+        # 143 vs 140, 135 vs 138 ms); its tiny-unit calibration came out up to 3x dearer, which is noise.
+        key = "offload" if offload and not self.unified else mode
         unit = table.get(key, (0.0, 0.0, 0.0))
         per = table.get(f"{key}/tensor", (0.0, 0.0, 0.0))
-        return unit[0] + tensors * per[0], unit[1] + tensors * per[1], unit[2] + tensors * per[2]
+        byte = table.get(f"{key}/byte", (0.0, 0.0, 0.0))
+        return tuple(unit[i] + tensors * per[i] + nbytes * byte[i] for i in range(3))  # type: ignore[return-value]
 
 
 def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, optimizer: str,
@@ -166,6 +173,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         alias_replicated=all(d.calibrated for d in devices)
         and spec.compute_bytes == spec.master_bytes == spec.reduce_bytes,
         grads_on_demand=all(d.calibrated for d in devices),
+        unified=unified,
     )
 
 
@@ -198,7 +206,12 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> 
     ag = coll("all_gather", p * spec.compute_bytes) if mode != "replicate" else 0.0  # type: ignore[operator]
     red = coll("reduce_scatter" if mode != "replicate" else "all_reduce", p * spec.reduce_bytes)  # type: ignore[operator]
     h2d = owned * spec.master_bytes / ctx.h2d if offload else 0.0
-    ovh_f, ovh_b, ovh_o = ctx.unit_overhead(mode, offload, sum(ctx.tensors[start:end]))
+    ovh_f, ovh_b, ovh_o = ctx.unit_overhead(mode, offload, sum(ctx.tensors[start:end]), p * spec.compute_bytes)
+    # Where host and device are one memory (a CPU "device"), an offloaded unit's state still occupies it:
+    # FSDP2's CPUOffloadPolicy moves nothing (measured, 1.3 M parameters on 2 CPU ranks: full shard and
+    # full shard + offload peak at the same 48.2 MiB; counting the offloaded state as host-only let the
+    # planner "fit" a budget by offloading and under-priced the real peak by the whole state).
+    on_device = not offload or ctx.unified
     # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
     # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
     # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
@@ -214,14 +227,14 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> 
         red=red,
         d2h=owned * spec.master_bytes / ctx.d2h if offload else 0.0,
         opt=owned / (ctx.host_opt if offload else ctx.dev_opt) + ovh_o,
-        state=0.0 if offload else owned * ctx.state_per_elem,
+        state=owned * ctx.state_per_elem if on_device else 0.0,
         host=owned * ctx.state_per_elem if offload else 0.0,
         gathered=0.0 if alias else p * spec.compute_bytes,
         grads=0.0 if alias else p * (spec.compute_bytes + spec.reduce_bytes),
         red_buf=0.0 if alias else p * spec.reduce_bytes,
-        opt_tmp=0.0 if offload else owned * ctx.temp_per_elem,
+        opt_tmp=owned * ctx.temp_per_elem if on_device else 0.0,
         kept=mode == "keep",
-        grad_state=0.0 if offload else owned * spec.master_bytes,
+        grad_state=owned * spec.master_bytes if on_device else 0.0,
     )
 
 
@@ -345,7 +358,7 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     return total
 
 
-def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckpt: list[bool],
+def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckpt: Sequence[bool | None],
          df: int, db: int, detail: Detail | None = None) -> float:
     """Predicted peak bytes on one device, with the fragmentation margin and the reserve.
 
@@ -393,7 +406,7 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         worst_i = a
         for i in range(a, b):
             prefix[i] = acc
-            ai = ck[i] if ckpt[i] else saved[i]
+            ai = ck[i] if ckpt[i] or ckpt[i] is None else saved[i]  # None: undecided, least memory (a bound)
             act = acc + saved[i] + ftr[i]
             if act > worst_act:
                 worst_act, worst_i = act, i
@@ -410,7 +423,21 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
-        worst_act = worst_total = 0.0
+        # Calibrated model: the parameter-free blocks a unit ends with (the loss, folded into the last block by
+        # the profiler; a tied head whose weight another unit owns) run their backward before any module of
+        # the unit with parameters does, i.e. before FSDP2's pre-backward hook gathers the unit, prefetches
+        # the next one or allocates its gradients (measured, 1.3 M parameters on 2 CPU ranks: full shard
+        # peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; pricing the last unit's
+        # gathered parameters and gradients there gave 51.2 MiB). Before the hook only what stays gathered
+        # is live: kept units, and this unit if an earlier backward prefetched it.
+        last_param = max((i for i in range(a, b) if ctx.numel[i] > 0), default=a - 1) if ctx.grads_on_demand else b
+        if last_param < b - 1:
+            early = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
+            if u + 1 < n:
+                early += terms[u + 1].red_buf
+        else:
+            early = params
+        worst_total = worst_act = worst_params = 0.0
         worst_i = a
         # A sharded unit's gradient shard appears when its reduce-scatter lands (its unsharded gradients are
         # in ``params``); an aliased replicate unit's gradients appear block by block, as autograd makes them.
@@ -424,8 +451,11 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             act = prefix[i] + saved[i] + (max(tr[i], ftr[i]) if ckpt[i] else tr[i])
             g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
             before += ctx.numel[i]
-            if state_fwd + g + act > worst_total:
-                worst_total, worst_act, worst_i, state_bwd = state_fwd + g + act, act, i, state_fwd + g
+            par = early if i > last_param else params
+            if state_fwd + g + act + par > worst_total:
+                worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + par, act, i,
+                                                                            state_fwd + g, par)
+        params = worst_params
         total = state_bwd + params + worst_act
         if total > best:
             best = total

@@ -188,14 +188,20 @@ def _branch_and_bound(ev: Evaluator, space: Space, units: tuple[tuple[int, int],
     fast: list[UnitTerms] = [bounds[u][1] for u in range(k)]
     modes: list[str] = [""] * k
     offs: list[bool] = [False] * k
-    ck_mem = list(ck_all)   # undecided blocks checkpointed (least memory)
+    # Undecided blocks are None: peak() prices them at their least memory at every point (checkpointed
+    # in the prefix the later blocks see, not recomputed at their own backward), a true lower bound.
+    # Pricing them as checkpointed was not one: recompute raises a block's own backward peak when its
+    # forward transient exceeds its backward one, which pruned feasible plans.
+    undecided: list[bool | None] = [None if f else False for f in ck_all]
+    ck_mem: list[bool | None] = list(undecided)
     ck_time = [False] * n_blocks  # undecided blocks not recomputed (least time)
     ul = list(units)
 
     def visit(u: int, host: float) -> None:
         if u == k:
-            cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(ck_mem), df=df, db=db,
-                             time=step_time(ctx, ul, terms, ck_mem, df, db), peak=peak(ctx, ul, terms, ck_mem, df, db),
+            decided = [bool(x) for x in ck_mem]  # every unit chose its subset: no None left
+            cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(decided), df=df, db=db,
+                             time=step_time(ctx, ul, terms, decided, df, db), peak=peak(ctx, ul, terms, decided, df, db),
                              host=host)
             ev.evaluations += 1
             if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
@@ -224,7 +230,7 @@ def _branch_and_bound(ev: Evaluator, space: Space, units: tuple[tuple[int, int],
         terms[u] = bounds[u][0]
         fast[u] = bounds[u][1]
         for i in range(a, b):
-            ck_mem[i] = ck_all[i]
+            ck_mem[i] = undecided[i]
             ck_time[i] = False
 
     visit(0, 0.0)
