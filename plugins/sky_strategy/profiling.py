@@ -313,7 +313,7 @@ class _Scale(torch.nn.Module):
 
 
 def pipeline_overhead(microbatches: int, schedule: str, *, device: torch.device, group: dist.ProcessGroup | None,
-                      warmup: int = 2, repeats: int = 5) -> float:
+                      slowdown: Callable[[], float] = lambda: 1.0, warmup: int = 2, repeats: int = 5) -> float:
     """Seconds one step of the real pipeline schedule costs when the stages compute nothing.
 
     One stand-in stage per rank of ``group`` (a scalar multiply on a ``2 x 8`` float microbatch: its
@@ -324,6 +324,8 @@ def pipeline_overhead(microbatches: int, schedule: str, *, device: torch.device,
     and backward calls) and its per-step fixed cost. ``"interleaved"`` is timed as 1F1B with one stage
     per rank (its stand-in would need ``virtual_stages`` stages per rank). Starts are aligned by a
     barrier; the result is the slowest rank's median over ``repeats`` (0 for a pipeline of one rank).
+    ``slowdown`` is the rank's injected one: a slowed rank stretches a chunk's bookkeeping as it
+    stretches its compute (everything inside ``forward_one_chunk`` / ``backward_one_chunk`` is timed).
     """
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -333,7 +335,7 @@ def pipeline_overhead(microbatches: int, schedule: str, *, device: torch.device,
     if world < 2:
         return 0.0
     rank = dist.get_rank(group)
-    stage = TimedStage(StageModule([_Scale().to(device)]), rank, world, device, slowdown=lambda: 1.0,
+    stage = TimedStage(StageModule([_Scale().to(device)]), rank, world, device, slowdown=slowdown,
                        timer=stage_timer(device), group=group)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     sched = cls(stage, n_microbatches=microbatches, loss_fn=lambda out, y: (out - y).square().mean())

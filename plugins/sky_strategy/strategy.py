@@ -257,7 +257,7 @@ class SkyStrategy(DDPStrategy):
             # the schedule's own cost per step (stand-in stages that compute nothing, real schedule class,
             # planned microbatches): 1F1B's bookkeeping was ~8 ms of a 114 ms step here, missed by the layers
             schedule_s = pipeline_overhead(cfg.microbatches, cfg.schedule, device=self.root_device,
-                                           group=self._pp_group) if self.pipeline_ranks > 1 else 0.0
+                                           group=self._pp_group, slowdown=self._slowdown) if self.pipeline_ranks > 1 else 0.0
         module.train(was_training)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
