@@ -10,7 +10,8 @@ parameter-balanced, even, ...) inside the same processes; each repeat is a fresh
 strategy's own prediction record times it) after two warm-up steps.
 
 Predicted: the plan each fit made from its own profile (per-device, per-layer-kind timings, links
-as latency + bandwidth, the optimizer step, the per-step collectives). Measured: the wall time per
+as latency + bandwidth, the optimizer step, the per-step collectives, the schedule's own cost timed by
+a stand-in step of trivial stages). Measured: the wall time per
 step. Wall time, not CPU time: a pipeline's step is its critical path, which includes bubbles and
 the slowed rank's sleep, neither of which is CPU time (the layers themselves are profiled with
 ``profile_clock="cpu"``, which other jobs do not inflate). On a shared host the benchmark raises its

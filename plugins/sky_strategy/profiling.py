@@ -35,7 +35,7 @@ from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.timing import clock_of
 
 __all__ = ["RankProfile", "profile_rank", "measure_links", "measure_link_fits", "fit_allreduce", "optimizer_rate",
-           "step_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES"]
+           "step_overhead", "pipeline_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES"]
 
 # Ping-pong sizes for the link fit: 4 KiB (latency-bound) to 1 MiB (bandwidth-bound), plus the model's
 # own activation size (added by the strategy).
@@ -299,3 +299,62 @@ def planner_inputs(profiles: list[RankProfile]) -> tuple[list[float], list[Layer
                           optimizer_bytes_per_s=p.optimizer_bytes_per_s)
                for p, s, ps in zip(profiles, speeds, pooled)]
     return costs, mems, devices
+
+
+class _Scale(torch.nn.Module):
+    """A stand-in stage: one scalar weight, so the schedule runs a real (trivial) backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def pipeline_overhead(microbatches: int, schedule: str, *, device: torch.device, group: dist.ProcessGroup | None,
+                      slowdown: Callable[[], float] = lambda: 1.0, warmup: int = 2, repeats: int = 5) -> float:
+    """Seconds one step of the real pipeline schedule costs when the stages compute nothing.
+
+    One stand-in stage per rank of ``group`` (a scalar multiply on a ``2 x 8`` float microbatch: its
+    bytes are negligible, the links' alpha-beta prices real activations), run by the same
+    :class:`~sky_strategy.layers.TimedStage` and ``torch.distributed.pipelining`` schedule class the
+    runtime uses, at the planned microbatch count. What it measures is what the step model otherwise
+    misses: the schedule's per-microbatch bookkeeping (stage setup, p2p posting and waits, the loss
+    and backward calls) and its per-step fixed cost. ``"interleaved"`` is timed as 1F1B with one stage
+    per rank (its stand-in would need ``virtual_stages`` stages per rank). Starts are aligned by a
+    barrier; the result is the slowest rank's median over ``repeats`` (0 for a pipeline of one rank).
+    ``slowdown`` is the rank's injected one: a slowed rank stretches a chunk's bookkeeping as it
+    stretches its compute (everything inside ``forward_one_chunk`` / ``backward_one_chunk`` is timed).
+    """
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from sky_strategy.layers import StageModule, TimedStage, stage_timer
+
+    world = dist.get_world_size(group)
+    if world < 2:
+        return 0.0
+    rank = dist.get_rank(group)
+    stage = TimedStage(StageModule([_Scale().to(device)]), rank, world, device, slowdown=slowdown,
+                       timer=stage_timer(device), group=group)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=microbatches, loss_fn=lambda out, y: (out - y).square().mean())
+    x = torch.randn(2 * microbatches, 8, device=device)
+    y = torch.zeros_like(x)
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        worst = worst.to(device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return float(worst.item())

@@ -95,6 +95,19 @@ def test_step_tail_prices_optimizer_all_reduce_and_per_step_overhead():
     assert dp.sequential_time_s == pytest.approx(2 * (1 + 3) + dp.step_tail_s)
 
 
+def test_schedule_overhead_from_a_stand_in_step_adds_to_the_step_and_is_named():
+    mems = [LayerMemory(param_bytes=400)] * 4
+    base = dict(layer_costs=[1.0] * 4, layer_memory=mems, devices=_devices(None, None), microbatches=2,
+                schedule="1f1b")
+    plain = evaluate(PipelineProblem(**base), [0, 1, 4])
+    with_it = evaluate(PipelineProblem(**base, pipeline_overhead_s=0.25), [0, 1, 4])
+    # inside the pipeline (not the tail after it), once per step whatever the partition
+    assert with_it.step_time_s == pytest.approx(plain.step_time_s + 0.25) and with_it.step_tail_s == 0.0
+    assert "0.25" not in plain.cost_model and "250.00 ms schedule overhead (stand-in step)" in with_it.cost_model
+    with pytest.raises(PlanError, match="pipeline_overhead_s"):
+        PipelineProblem(**base, pipeline_overhead_s=-1.0)
+
+
 def test_a_gradient_kept_from_the_last_step_is_counted_in_memory():
     mems = [LayerMemory(param_bytes=100, activation_bytes=10)] * 2
     args = dict(layer_costs=[1.0] * 2, layer_memory=mems, devices=_devices(None), microbatches=1, schedule="gpipe",

@@ -37,6 +37,7 @@ def test_ranks_price_their_own_stages_and_a_prediction_record_is_produced():
     model = r0["cost_model"]
     assert model.startswith("measured per-device layer timings"), model
     assert "links alpha-beta" in model and "optimizer step" in model and "per-step overhead" in model
+    assert "schedule overhead (stand-in step)" in model  # the stand-in pipeline step was timed and priced
     seconds = r0["layer_seconds"]
     # identical blocks (layers 1..6) share one pooled time per rank; the embedding and head have their own
     for per_rank in seconds:
@@ -50,6 +51,22 @@ def test_ranks_price_their_own_stages_and_a_prediction_record_is_produced():
     assert rec["planner"] == "sky" and rec["cost_model"] == model and rec["steps"] == 5
     assert rec["predicted"] == pytest.approx(r0["step_time_s"]) and rec["measured"] > 0
     assert rec["error"] == pytest.approx(rec["predicted"] / rec["measured"] - 1)
+
+
+def _stand_in(rank: int, world: int) -> float:
+    import torch
+
+    from sky_strategy.profiling import pipeline_overhead
+
+    return pipeline_overhead(3, "1f1b", device=torch.device("cpu"), group=None,
+                             slowdown=lambda: 3.0 if rank == 1 else 1.0, warmup=1, repeats=2)
+
+
+@RunIf(min_world=2)
+def test_stand_in_step_times_the_real_schedule_on_every_rank():
+    out = run_distributed(_stand_in, 2, timeout=300)
+    # one number everywhere (the slowest rank's median), and a real schedule step takes time
+    assert out[0] == out[1] and 0 < out[0] < 5.0
 
 
 def test_pooled_seconds_share_one_time_per_layer_kind():

@@ -144,6 +144,8 @@ class PipelineProblem:
         link_latency: seconds per message between devices (alpha): ``None`` or 0 (none), one number, or a
             matrix like ``links``.
         step_overhead_s: seconds every step costs whatever the partition (measured by the runtime).
+        pipeline_overhead_s: seconds a step of the schedule itself costs with stages that compute
+            nothing (per-microbatch bookkeeping, p2p posting; measured by a stand-in step), added to the step.
         replicas: data-parallel copies of the pipeline that average gradients every step.
         allreduce: ``(alpha s, bus bandwidth bytes/s)`` of an all-reduce among the replicas.
         gradient_copies: gradient buffers alive at a stage's peak: 1, or 2 where the previous step's
@@ -171,6 +173,7 @@ class PipelineProblem:
     optimizer_state_factor: float = 2.0
     link_latency: float | tuple[tuple[float, ...], ...] | None = None
     step_overhead_s: float = 0.0
+    pipeline_overhead_s: float = 0.0
     replicas: int = 1
     allreduce: tuple[float, float] | None = None
     gradient_copies: int = 1
@@ -255,6 +258,8 @@ class PipelineProblem:
             put(self, "latency", arr)
         check_number(self.step_overhead_s, "step_overhead_s", where=where, low=0, error=PlanError,
                      fix="give the measured seconds per step outside the pipeline, or 0")
+        check_number(self.pipeline_overhead_s, "pipeline_overhead_s", where=where, low=0, error=PlanError,
+                     fix="give the measured seconds of a stand-in step of the schedule, or 0")
         check_number(self.replicas, "replicas", where=where, integer=True, low=1, error=PlanError,
                      fix="give the data-parallel copies of the pipeline, 1 for none")
         check_number(self.gradient_copies, "gradient_copies", where=where, integer=True, low=1, error=PlanError,
@@ -288,6 +293,8 @@ class PipelineProblem:
             terms.append(f"gradient all-reduce over {self.replicas} replicas")
         if self.step_overhead_s > 0:
             terms.append(f"{self.step_overhead_s * 1e3:.2f} ms per-step overhead")
+        if self.pipeline_overhead_s > 0:
+            terms.append(f"{self.pipeline_overhead_s * 1e3:.2f} ms schedule overhead (stand-in step)")
         put(self, "cost_model", "; ".join(terms))
 
     def _set_links(self) -> None:
@@ -434,7 +441,7 @@ class PipelineProblem:
         # latency: each boundary's activation and gradient cross once on the fill / drain of a step
         lat = sum(2.0 * float(self.latency[a.device, b.device]) for a, b in zip(stages, stages[1:])
                   if a.device != b.device)
-        step += lat
+        step += lat + self.pipeline_overhead_s
         return PartitionPlan(
             method=method, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.chunks,
             devices=tuple(d.name for d in self.devices), order=tuple(int(o) for o in order),
