@@ -48,47 +48,9 @@ def bench_module(width: int, depth: int, vocab: int):
     """Token embedding (``vocab`` x ``width``: most of the parameters, almost no compute), ``depth``
     residual blocks (the compute), head. Layer counts and parameter bytes disagree here, so the even
     and the parameter-balanced splits differ (with uniform blocks both are 4 + 4)."""
-    import lightning as L
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    from sky_strategy.demo import demo_module
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-
-        def forward(self, x):
-            return x + torch.relu(self.fc(x))
-
-    class Net(L.LightningModule):
-        pipeline_layers = ("embed", "blocks", "head")
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(vocab, width)
-            self.blocks = nn.ModuleList(Block() for _ in range(depth))
-            self.head = nn.Linear(width, 10)
-
-        def forward(self, x):
-            x = self.embed(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
-
-        def loss_fn(self, out, y):
-            return F.cross_entropy(out, y)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = self.loss_fn(self(x), y)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    return Net()
+    return demo_module(width, depth, vocab=vocab)
 
 
 def _rank(rank: int, world: int, steps: int, repeats: int, width: int, depth: int) -> dict:

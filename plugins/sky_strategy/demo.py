@@ -41,8 +41,12 @@ def simulated_cluster_plans() -> str:
     return "\n".join(lines)
 
 
-def demo_module(width: int, depth: int):
-    """Wide MLP blocks: enough compute per layer that a slowed rank shows on 1 CPU thread per rank."""
+def demo_module(width: int, depth: int, *, vocab: int | None = None):
+    """Wide MLP blocks: enough compute per layer that a slowed rank shows on 1 CPU thread per rank.
+
+    The first layer reads 64 features, or, with ``vocab``, token ids through a ``vocab x width`` embedding
+    (most of the parameters and almost no compute: what the cost-model benchmark uses so that layer
+    counts and parameter bytes disagree)."""
     import lightning as L
     import torch.nn.functional as F
 
@@ -59,7 +63,7 @@ def demo_module(width: int, depth: int):
 
         def __init__(self):
             super().__init__()
-            self.embed = nn.Linear(64, width)
+            self.embed = nn.Linear(64, width) if vocab is None else nn.Embedding(vocab, width)
             self.blocks = nn.ModuleList(Block() for _ in range(depth))
             self.head = nn.Linear(width, 10)
 
