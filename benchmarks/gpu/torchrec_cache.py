@@ -74,6 +74,7 @@ def fused_uvm_skip_reason() -> str | None:
 
 
 def torchrec_setup(rows: list[int], dim: int, ratio: float, *, lr: float, eps: float, batch: int,
+                   betas: tuple[float, float] = (0.9, 0.999),
                    hbm_cap_bytes: int, algorithm: str = "lru", kernel: str = "fused_uvm_caching",
                    compute_device: str = "cuda", optimizer: str = "adam") -> dict:
     """TorchRec's side, built as a user would: tables on the meta device, constraints, sharder, planner.
@@ -119,7 +120,8 @@ def torchrec_setup(rows: list[int], dim: int, ratio: float, *, lr: float, eps: f
     # FBGEMM's fused optimizer (applied inside the backward, as TorchRec users train); the UVM cache
     # statistics are gathered so the hit rate can be read (a few counter adds per batch).
     opt = EmbOptimType[optimizer.upper()]
-    fused_params = {"optimizer": opt, "learning_rate": lr, "eps": eps, "gather_uvm_cache_stats": True}
+    fused_params = {"optimizer": opt, "learning_rate": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1],
+                    "gather_uvm_cache_stats": True}
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     topology = TopologyFactory.create_topology(TrainerConfig(world_size=1, hbm_cap_bytes=hbm_cap_bytes),
                                                kernel_config=KernelConfig(compute_device=compute_device))
@@ -128,7 +130,7 @@ def torchrec_setup(rows: list[int], dim: int, ratio: float, *, lr: float, eps: f
                                        storage_reservation=FixedPercentageStorageReservation(0.15))
     config = {"compute_kernel": EmbeddingComputeKernel(kernel).value,
               "sharding_type": ShardingType.TABLE_WISE.value, "load_factor": ratio, "algorithm": algo.name,
-              "optimizer": opt.name, "lr": lr, "eps": eps, "world_size": 1}
+              "optimizer": opt.name, "lr": lr, "eps": eps, "betas": list(betas), "world_size": 1}
     return {"model": model, "tables": tables, "constraints": constraints, "sharder": sharder,
             "topology": topology, "planner": planner, "config": config}
 
@@ -274,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         import torchrec  # noqa: F401
 
         hbm = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 80 << 30
-        tr_setup = torchrec_setup(rows, dim, ratio, lr=opt.lr, eps=opt.eps, batch=batch, hbm_cap_bytes=hbm,
+        tr_setup = torchrec_setup(rows, dim, ratio, lr=opt.lr, eps=opt.eps, betas=(opt.beta1, opt.beta2),
+                                  batch=batch, hbm_cap_bytes=hbm,
                                   algorithm=args.torchrec_cache_algorithm)
         uvm["config"] = tr_setup["config"]
     except Exception as e:  # no torchrec here: the skip reason already says so

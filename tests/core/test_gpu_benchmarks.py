@@ -101,6 +101,7 @@ def test_fused_uvm_caching_contender_config_builds_and_plans():
         assert c.cache_params.load_factor == ratio
     fp = setup["sharder"].fused_params
     assert fp["optimizer"] == EmbOptimType.ADAM and fp["learning_rate"] == 1e-3 and fp["eps"] == 1e-8
+    assert (fp["beta1"], fp["beta2"]) == (0.9, 0.999)
     assert setup["topology"].world_size == 1 and setup["topology"].compute_device == "cuda"
     plan = setup["planner"].plan(setup["model"], [setup["sharder"]])
     shards = plan.get_plan_for_module("ebc")
@@ -131,6 +132,9 @@ def test_torchrec_contender_trains_through_dmp_on_cpu():
                             torch.device("cpu"), state)
     try:
         assert "fused" in tr["plan"] and len(tr["tbes"]) == 1
+        tbe = tr["tbes"][0]  # the sharder's fused_params reached FBGEMM's module
+        assert tbe.optimizer.name == "EXACT_SGD" and tbe.get_learning_rate() == pytest.approx(0.1)
+        assert tbe.gather_uvm_cache_stats
         before = [w.clone() for w in tr["tbes"][0].split_embedding_weights()]
         tr["step"]()
         after = tr["tbes"][0].split_embedding_weights()
