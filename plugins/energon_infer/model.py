@@ -61,10 +61,11 @@ class _Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = h.to(dtype)
+        if x.dtype == torch.float32:
+            # One fused op instead of five (pow, mean, add, rsqrt, mul): a decode step runs 2 norms per
+            # layer, so at small batches these launches are a visible part of the step.
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        h = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)  # fp32, cast, then the weight (HF)
         return h * self.weight if self.weight is not None else h
 
 
@@ -84,6 +85,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def step_rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``cos, sin`` as ``(T, 1, head_dim)`` in ``dtype``: computed and shaped once per step, not per layer."""
+    if cfg.positions != "rotary":
+        return None
+    cos, sin = rotary_cos_sin(cfg, positions)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class Block(nn.Module):
@@ -113,14 +123,17 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qkv = self.qkv(x)
+        n_q, n_k = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        v = qkv[:, n_q + n_k:].view(t, self.kv_heads, self.head_dim)
         if rope is not None:
-            cos, sin = (r.to(q.dtype)[:, None, :] for r in rope)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            # Queries and keys rotated together (heads + kv_heads rows of head_dim): one rotation's
+            # ops per layer instead of two.
+            qk = _rotate(qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim), *rope)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
+        else:
+            q = qkv[:, :n_q].view(t, self.heads, self.head_dim)
+            k = qkv[:, n_q:n_q + n_k].view(t, self.kv_heads, self.head_dim)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens,
                               scale=self.scale, max_q_len=meta.max_q_len)
@@ -178,7 +191,7 @@ class DecoderStage(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
-        rope = rotary_cos_sin(self.cfg, meta.positions) if self.cfg.positions == "rotary" else None
+        rope = step_rope(self.cfg, meta.positions, x.dtype)
         for i, block in enumerate(self.layers.values()):
             x = block(x, meta, cache.k[i], cache.v[i], rope)
         return x
@@ -203,6 +216,6 @@ class DecoderStage(nn.Module):
         x = self.run_layers(x, meta, cache)
         if not self.last:
             return x
-        if not all_logits:
+        if not all_logits and meta.n_tokens != meta.last_index.shape[0]:  # a decode-only step: every row is last
             x = x.index_select(0, meta.last_index)
         return self.head(x)

@@ -4,6 +4,7 @@ the first, outputs equal to the runtime's at pp=2 and tp=2, and both pp=2 stages
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -41,6 +42,38 @@ def test_no_placeholder_past_max_tokens():
     for plan, tok in zip(plans, [7, 8]):
         s.complete(plan, [tok])
     assert s.num_running == 0
+
+
+def test_a_request_arriving_while_two_steps_are_in_flight_joins_the_next_step_beside_the_decodes():
+    # A stream: "b" arrives while "a" decodes with two steps in flight. It must not wait for the pipeline
+    # to drain: the step planned when the first of them answers carries b's prompt and a's next decode.
+    s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, depth=2))
+    a = s.add(Request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    first, second = s.schedule(0), s.schedule(0)
+    b = s.add(Request("b", [9, 10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    assert s.schedule(0) is None  # both slots busy: b waits for the next step boundary, not longer
+    s.complete(first, [20])
+    third = s.schedule(0)
+    assert third.items == [(a.seq_id, [PLACEHOLDER]), (b.seq_id, [9, 10, 11, 12, 13])]
+    assert b.state == "running" and b.seq_id in third.new_params
+    s.complete(second, [21])
+    s.complete(third, [22, 30])  # a's placeholder was second's token; b's first token
+    assert a.generated == [20, 21, 22] and b.generated == [30]
+    fourth = s.schedule(0)
+    assert [seq for seq, _ in fourth.items] == [a.seq_id, b.seq_id]  # both decode together from here on
+
+
+def test_engine_requests_arriving_mid_stream_equal_the_runtime(tiny_dirs, reference):
+    from energon_infer.engine import Engine
+
+    with Engine.from_pretrained(tiny_dirs["llama"], block_size=4, kv_cache_tokens=256, progress=False,
+                                threads_per_worker=1) as engine:
+        started = threading.Event()
+        first = engine.submit(MIXED[0], PARAMS[0], listener=lambda event: started.set())
+        assert started.wait(60)  # the first request is decoding when the others arrive
+        rest = [engine.submit(p, sp) for p, sp in zip(MIXED[1:], PARAMS[1:])]
+        got = [f.result(timeout=60).token_ids for f in [first, *rest]]
+    assert got == reference
 
 
 @pytest.fixture(scope="module")
