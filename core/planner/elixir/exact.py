@@ -36,8 +36,7 @@ from tightfit.planner.elixir.space import (
     Progress,
     Space,
     compositions,
-    least_memory_choice,
-)
+    )
 
 __all__ = ["exhaustive", "family_of"]
 
@@ -88,9 +87,24 @@ def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float, p
 
 
 def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms, UnitTerms]:
-    """(least-memory terms, shortest-duration terms) over the allowed choices of one unit."""
+    """(least-memory terms, shortest-duration terms) over the allowed choices of one unit.
+
+    Both are field-wise minima, so at every point of the step the unit adds no more than any real choice.
+    The memory one is not one real choice: with calibrated costs a replicated unit on one rank's shard group
+    holds no gathered copy or unsharded gradients (aliased) while a resharded one holds less state, and the
+    single least-state choice priced the gathered copy where the replicated plan has none (found by the
+    property test: a feasible plan pruned at world size 1). ``state - grad_state`` (the state the forward
+    holds when gradients exist only from their backward on) takes its own minimum through ``grad_state``;
+    ``kept=False`` is the least at every point for the same gathered bytes.
+    """
     opts = [ev.terms(a, b, m, o) for m in space.modes for o in space.offload]
-    mem = ev.terms(a, b, *least_memory_choice(ev, space, a, b))
+    state = min(t.state for t in opts)
+    mem = UnitTerms(
+        cf=0.0, cb=0.0, h2d_f=0.0, ag_f=0.0, h2d_b=0.0, ag_b=0.0, red=0.0, d2h=0.0, opt=0.0,
+        state=state, host=0.0, gathered=min(t.gathered for t in opts), grads=min(t.grads for t in opts),
+        red_buf=min(t.red_buf for t in opts), opt_tmp=min(t.opt_tmp for t in opts), kept=False,
+        grad_state=state - min(t.state - t.grad_state for t in opts),
+    )
     fast = UnitTerms(
         cf=min(t.cf for t in opts), cb=min(t.cb for t in opts),
         h2d_f=min(t.h2d_f for t in opts), ag_f=min(t.ag_f for t in opts), h2d_b=min(t.h2d_b for t in opts),
