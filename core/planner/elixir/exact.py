@@ -3,9 +3,9 @@
 Part of :mod:`tightfit.planner.elixir`. A *family* is a grouping of blocks into units and a pair of
 prefetch depths; inside one, a depth-first search over the units' (mode, offload, checkpoint subset)
 choices, pruned by two lower bounds that are valid because the cost model is monotone: the memory
-bound prices every undecided unit at its least-memory choice and every undecided block at its least
-memory at every point (see :func:`tightfit.planner.elixir.sim.peak`), the time bound at the shortest
-of each duration with nothing recomputed. The result equals brute-force enumeration (tests check it
+bound prices every undecided unit at the field-wise least bytes over its choices and every undecided
+block at its least memory at every point (see :func:`tightfit.planner.elixir.sim.peak`), the time
+bound at the shortest of each duration with nothing recomputed. The result equals brute-force enumeration (tests check it
 on random small instances, and a property test on random problems).
 
 What keeps it fast without giving up exactness:
