@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
+from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
     MemoryBreakdown,
@@ -60,7 +61,8 @@ def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> Elixir
     space = cons.space()
     exact = cons.exhaustive if cons.exhaustive is not None else S.count_space(ctx, space) <= cons.exhaustive_limit
     if exact:
-        per_family = S.exhaustive(ev, space, budget, host_budget, progress)
+        # keep=4: the best plan and the three runner-up families below are exact; the rest may be cut off.
+        per_family = exhaustive(ev, space, budget, host_budget, progress, keep=4)
         feasible = [c for c in per_family.values() if c is not None]
     else:
         pool = S.greedy_pool(ev, space, host_budget, progress)

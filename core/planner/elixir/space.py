@@ -1,14 +1,10 @@
-"""Elixir's search: exact branch and bound on small spaces, a greedy Pareto frontier on large ones.
+"""Elixir's search space and its greedy Pareto frontier (the exact search is in ``exact``).
 
 Part of :mod:`tightfit.planner.elixir` (the search space and its two searches). Both produce :class:`Candidate` objects priced by
 :mod:`tightfit.planner.elixir.sim`.
 
-* Exact (``exhaustive``): for every *family* (a grouping of blocks into units and a pair of
-  prefetch depths) a depth-first search over the units' (mode, offload, checkpoint subset)
-  choices, pruned by two lower bounds that are valid because the cost model is monotone: the
-  memory bound prices every undecided unit at its least-memory choice (offloaded, resharded,
-  every block checkpointed), the time bound at the shortest of each of its durations. The result
-  equals brute-force enumeration (tests check it on random small instances).
+* Exact: branch and bound over every family of plans, in :mod:`tightfit.planner.elixir.exact`
+  (its result equals brute-force enumeration).
 * Greedy frontier (large spaces, e.g. GPT-2 20B: 26 blocks): for each grouping, start from the
   fastest plan (best mode per unit, nothing offloaded or recomputed) and repeatedly apply the
   change that loses the least time per byte saved (lazy re-evaluation), recording every plan on
@@ -26,7 +22,7 @@ from dataclasses import dataclass
 
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
-__all__ = ["Space", "Candidate", "Evaluator", "exhaustive", "greedy_pool", "pareto", "count_space", "groupings",
+__all__ = ["Space", "Candidate", "Evaluator", "greedy_pool", "pareto", "count_space", "groupings",
            "compositions", "least_memory_choice"]
 
 Progress = Callable[[int, int, str], None]
@@ -124,117 +120,11 @@ def count_space(ctx: Context, space: Space) -> int:
     return sum(comb(n - 1, k - 1) * per_unit ** k for k in range(1, n + 1)) * ck * len(space.depths) ** 2
 
 
-def _subsets(ctx: Context, a: int, b: int, allow: bool) -> list[tuple[bool, ...]]:
-    flags = [ctx.checkpointable[i] and allow for i in range(a, b)]
-    choices = [(False, True) if f else (False,) for f in flags]
-    return list(itertools.product(*choices))
-
-
-def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float,
-               progress: Progress | None = None) -> dict[str, Candidate | None]:
-    """Best feasible candidate of every family (``None`` where nothing fits), by branch and bound."""
-    ctx = ev.ctx
-    n = len(ctx.numel)
-    groups = list(compositions(n))
-    families = [(g, df, db) for g in groups for df in space.depths for db in space.depths]
-    out: dict[str, Candidate | None] = {}
-    for f_i, (units, df, db) in enumerate(families):
-        if progress:
-            progress(f_i, len(families), "exhaustive search")
-        best = _branch_and_bound(ev, space, units, df, db, budget, host_budget)
-        label = _family_label(units, df, db)
-        out[label] = best
-    if progress:
-        progress(len(families), len(families), "exhaustive search")
-    return out
-
-
-def _family_label(units: Sequence[tuple[int, int]], df: int, db: int) -> str:
-    return "|".join(f"{a}-{b}" for a, b in units) + f"@{df}/{db}"
-
-
 def least_memory_choice(ev: Evaluator, space: Space, a: int, b: int) -> tuple[str, bool]:
     """The allowed (mode, offload) of blocks ``[a, b)`` that uses the least memory at every point of the step
     (resharded and offloaded when allowed: nothing resident, gathered only while live)."""
     return min(((m, o) for m in space.modes for o in space.offload),
                key=lambda mo: (lambda t: (t.state, t.opt_tmp, t.kept))(ev.terms(a, b, *mo)))
-
-
-def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms, UnitTerms]:
-    """(least-memory terms, shortest-duration terms) over the allowed choices of one unit."""
-    opts = [ev.terms(a, b, m, o) for m in space.modes for o in space.offload]
-    mem = ev.terms(a, b, *least_memory_choice(ev, space, a, b))
-    fast = UnitTerms(
-        cf=min(t.cf for t in opts), cb=min(t.cb for t in opts),
-        h2d_f=min(t.h2d_f for t in opts), ag_f=min(t.ag_f for t in opts), h2d_b=min(t.h2d_b for t in opts),
-        ag_b=min(t.ag_b for t in opts), red=min(t.red for t in opts), d2h=min(t.d2h for t in opts),
-        opt=min(t.opt for t in opts), state=0.0, host=0.0, gathered=0.0, grads=0.0, red_buf=0.0, opt_tmp=0.0,
-        kept=False,
-    )
-    return mem, fast
-
-
-def _branch_and_bound(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
-                      budget: float, host_budget: float) -> Candidate | None:
-    ctx = ev.ctx
-    n_blocks = len(ctx.numel)
-    k = len(units)
-    bounds = [_bound_terms(ev, space, a, b) for a, b in units]
-    ck_all = [ctx.checkpointable[i] and space.checkpointing for i in range(n_blocks)]
-    choices = [[(m, o, s) for m in space.modes for o in space.offload for s in _subsets(ctx, a, b, space.checkpointing)]
-               for a, b in units]
-    best: list[Candidate | None] = [None]
-    terms: list[UnitTerms] = [bounds[u][0] for u in range(k)]
-    fast: list[UnitTerms] = [bounds[u][1] for u in range(k)]
-    modes: list[str] = [""] * k
-    offs: list[bool] = [False] * k
-    # Undecided blocks are None: peak() prices them at their least memory at every point (checkpointed
-    # in the prefix the later blocks see, not recomputed at their own backward), a true lower bound.
-    # Pricing them as checkpointed was not one: recompute raises a block's own backward peak when its
-    # forward transient exceeds its backward one, which pruned feasible plans.
-    undecided: list[bool | None] = [None if f else False for f in ck_all]
-    ck_mem: list[bool | None] = list(undecided)
-    ck_time = [False] * n_blocks  # undecided blocks not recomputed (least time)
-    ul = list(units)
-
-    def visit(u: int, host: float) -> None:
-        if u == k:
-            decided = [bool(x) for x in ck_mem]  # every unit chose its subset: no None left
-            cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(decided), df=df, db=db,
-                             time=step_time(ctx, ul, terms, decided, df, db), peak=peak(ctx, ul, terms, decided, df, db),
-                             host=host)
-            ev.evaluations += 1
-            if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
-                best[0] = cand
-            return
-        a, b = units[u]
-        for m, o, subset in choices[u]:
-            t = ev.terms(a, b, m, o)
-            if host + t.host > host_budget:
-                continue
-            terms[u] = t
-            fast[u] = t
-            for i, flag in zip(range(a, b), subset):
-                ck_mem[i] = flag
-                ck_time[i] = flag
-            ev.evaluations += 1
-            if u + 1 < k:
-                if peak(ctx, ul, terms, ck_mem, df, db) > budget:
-                    continue
-                inc = best[0]
-                if inc is not None and step_time(ctx, ul, fast, ck_time, df, db) > inc.time * (1 + 1e-9):
-                    continue
-            modes[u], offs[u] = m, o
-            visit(u + 1, host + t.host)
-        # restore the bounds of this unit for the siblings above
-        terms[u] = bounds[u][0]
-        fast[u] = bounds[u][1]
-        for i in range(a, b):
-            ck_mem[i] = undecided[i]
-            ck_time[i] = False
-
-    visit(0, 0.0)
-    return best[0]
 
 
 def groupings(ctx: Context, unit_blocks: tuple[int, ...] | None) -> list[tuple[tuple[int, int], ...]]:
