@@ -23,12 +23,17 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tightfit.console import reporter
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["PredictionRecord", "StepMonitor", "make_monitor", "on_step_start"]
 
@@ -174,8 +179,8 @@ def on_step_start(monitor: StepMonitor | None, trainer: Any, *, verbose: bool = 
     if record is None:
         return None
     rank0 = getattr(trainer, "global_rank", 0) == 0
-    if verbose and rank0:
-        print(record.summary(), flush=True)
+    if verbose and rank0:  # an INFO record (stderr when the application configured no logging)
+        reporter(_log, record.planner)(record.summary().removeprefix(f"[{record.planner}] "))
     logger = getattr(trainer, "logger", None)
     if logger is not None:
         try:

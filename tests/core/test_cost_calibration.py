@@ -5,6 +5,7 @@ produces a prediction-vs-measurement record with advice when it is off."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -108,6 +109,22 @@ def test_step_monitor_records_and_advises():
     assert mon.step_started() is None  # once per run
     with pytest.raises(ValueError, match="tolerance"):
         StepMonitor(planner="x", predicted_step_s=1, predicted_peak_bytes=0, tolerance=0)
+
+
+def test_prediction_record_is_logged_once_and_warns_beyond_tolerance(caplog):
+    import types
+
+    from tightfit.planner.check import on_step_start
+
+    ticks = iter(float(i) * 0.2 for i in range(20))
+    mon = StepMonitor(planner="sky", predicted_step_s=0.1, predicted_peak_bytes=0, cost_model="measured",
+                      warmup=0, steps=2, clock=lambda: next(ticks))
+    trainer = types.SimpleNamespace(global_rank=0, logger=None, global_step=3)  # what on_step_start reads
+    with caplog.at_level(logging.INFO, logger="tightfit.planner.check"), pytest.warns(UserWarning, match="off by"):
+        records = [on_step_start(mon, trainer) for _ in range(4)]
+    assert records[:2] == [None, None] and records[2] is not None and records[3] is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "tightfit.planner.check"]
+    assert lines == ["[sky] predicted vs measured over 2 steps: step 100.0 ms vs 200.0 ms (-50%); cost model: measured"]
 
 
 def test_plan_cli_refuses_cpu_profile_for_accelerator_memory_and_checks_presets_first(monkeypatch, capsys):
