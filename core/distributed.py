@@ -24,7 +24,7 @@ import torch
 
 from tightfit.planner.errors import PlanError, PlanInfeasibleError, PlanMismatchError
 
-__all__ = ["decide_on_rank0", "broadcast_text"]
+__all__ = ["decide_on_rank0", "broadcast_text", "slowest"]
 
 T = TypeVar("T")
 
@@ -37,6 +37,16 @@ def _group_device(group: Any) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def slowest(seconds: float, *, group: Any = None) -> float:
+    """The largest of every rank's ``seconds``: the slowest rank paces a synchronous step, so timings are
+    agreed on as the maximum (on the group's device: NCCL moves only CUDA tensors)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(seconds)], dtype=torch.float64, device=_group_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def broadcast_text(text: str | None, *, src: int = 0, group: Any = None) -> str:

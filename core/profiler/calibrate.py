@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from tightfit.console import reporter
+from tightfit.distributed import slowest
 from tightfit.profiler.types import DeviceProfile
 
 _log = logging.getLogger(__name__)
@@ -85,9 +86,7 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, w
             torch.cuda.synchronize(device)
         if i >= warmup:
             out.append(now() - t0)
-    t = torch.tensor([statistics.median(out)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank paces a synchronous step
-    return float(t.item())
+    return slowest(statistics.median(out))
 
 
 def _collective_fits(device: torch.device, repeats: int, quick: bool) -> dict[str, dict[int, list[float]]]:

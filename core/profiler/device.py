@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from tightfit.console import reporter
+from tightfit.distributed import slowest
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.units import parse_bytes
 
@@ -220,9 +221,8 @@ def _collectives(device: torch.device, sizes: list[int], repeats: int) -> dict[s
             dist.barrier()
             with warnings.catch_warnings():  # torch 2.13 renames these (*_single); 2.11 has only these names
                 warnings.simplefilter("ignore", FutureWarning)
-                seconds = torch.tensor([_best(fn, device, repeats)], device=device)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # every rank reports the slowest rank's time
-            out[name][numel * 4] = (world - 1) / world * numel * 4 / float(seconds.item())
+                seconds = slowest(_best(fn, device, repeats))  # every rank reports the slowest rank's time
+            out[name][numel * 4] = (world - 1) / world * numel * 4 / seconds
     return out
 
 

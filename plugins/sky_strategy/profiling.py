@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from sky_strategy.layers import Layer, LayerMeasurement, measure_layers
+from tightfit.distributed import slowest
 from tightfit.planner.pipeline import DeviceSpec, LayerMemory
 from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.timing import clock_of
@@ -250,9 +251,7 @@ def fit_allreduce(group: dist.ProcessGroup | None, *, device: torch.device,
                 torch.cuda.synchronize(device)
             if rep:
                 samples.append(time.perf_counter() - start)
-        t = torch.tensor([statistics.median(samples)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times.append(float(t.item()))
+        times.append(slowest(statistics.median(samples), group=group))
     return fit_alpha_beta([float(n) for n in sizes], times, 2.0 * (world - 1) / max(1, world))
 
 
@@ -353,8 +352,4 @@ def pipeline_overhead(microbatches: int, schedule: str, *, device: torch.device,
             sched.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        worst = worst.to(device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return float(worst.item())
+    return slowest(statistics.median(times), group=group)
