@@ -117,13 +117,18 @@ def closed_batch(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict
 
 
 def _rounds(contenders: dict[str, Any], repeats: int, label: str) -> dict[str, list[dict[str, float]]]:
-    """Warm-up once, then ``repeats`` rounds alternating the contenders; every run kept."""
+    """Warm-up once, then ``repeats`` rounds alternating the contenders; every run kept.
+
+    A contender is called with the round's number (0 for the warm-up) so that a workload can be fresh in
+    every round: replaying the same prompts would let each engine's prefix cache serve the later rounds,
+    and the engine with the finer cache blocks would win the comparison for that reason alone.
+    """
     for fn in contenders.values():
-        fn()
+        fn(0)
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in contenders}
     for i in range(repeats):
         for name, fn in contenders.items():
-            runs[name].append(fn())
+            runs[name].append(fn(i + 1))
         print(f"  {label} repeat {i + 1}/{repeats}: " + ", ".join(
             f"{n} {r[-1]['tokens_per_s']:.0f} tok/s" for n, r in runs.items()), file=sys.stderr, flush=True)
     return runs
@@ -229,18 +234,18 @@ def kv_budget_case(path: Path, prompts: list[list[int]], *, kv_tokens: int, stop
                 "generated": float(tokens), "seconds": seconds}
 
     outs = {m: run(m)["generated"] for m in ("reserve", "on_demand")}
-    runs = _rounds({"reserve (prompt + max_tokens)": lambda: run("reserve"),
-                    "on demand + preemption": lambda: run("on_demand")}, repeats, "kv budget")
+    runs = _rounds({"reserve (prompt + max_tokens)": lambda _k: run("reserve"),
+                    "on demand + preemption": lambda _k: run("on_demand")}, repeats, "kv budget")
     return {"runs": runs, "summary": _summary(runs), "same_tokens": outs["reserve"] == outs["on_demand"],
             "kv_tokens": kv_tokens}
 
 
-def _shared_trace(n: int, rate: float, *, system: int, user: tuple[int, int], output: int, vocab: int
-                  ) -> list[tuple[float, list[int], int]]:
-    rng = random.Random(5)
+def _shared_trace(n: int, rate: float, *, system: int, user: tuple[int, int], output: int, vocab: int,
+                  seed: int = 0) -> list[tuple[float, list[int], int]]:
+    rng = random.Random(5 + 1000 * seed)
     head = [rng.randrange(3, vocab) for _ in range(system)]
     return [(t, head + p, output) for t, p, _ in make_trace(n, rate, prompt=user, output=(output, output),
-                                                          vocab=vocab, seed=6)]
+                                                          vocab=vocab, seed=6 + 1000 * seed)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,9 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048)
     results: dict[str, Any] = {"peak_flops": peak_flops(), "flops_per_token": flops_per_token(hidden, layers, vocab)}
     g = random.Random(1)
-    offline = [[g.randrange(3, vocab) for _ in range(g.randint(8, 200))] for _ in range(n_offline)]
-    trace = make_trace(n_requests, rate, prompt=(8, 200), output=(8, 64), vocab=vocab)
-    shared = _shared_trace(n_requests, rate, system=192, user=(8, 40), output=16, vocab=vocab)
+    # One fresh workload per round (index 0: the warm-up), the same for every contender of that round.
+    offline_sets = [[[g.randrange(3, vocab) for _ in range(g.randint(8, 200))] for _ in range(n_offline)]
+                    for _ in range(repeats + 1)]
+    offline = offline_sets[0]
+    traces = [make_trace(n_requests, rate, prompt=(8, 200), output=(8, 64), vocab=vocab, seed=k)
+              for k in range(repeats + 1)]
+    shared_traces = [_shared_trace(n_requests, rate, system=192, user=(8, 40), output=16, vocab=vocab, seed=k)
+                     for k in range(repeats + 1)]
     with tempfile.TemporaryDirectory(prefix="energon-bench-") as tmp:
         path = save_model(Path(tmp) / "llama", hidden=hidden, layers=layers, vocab=vocab)
         peer: Any = None
@@ -288,12 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         results["vllm_note"] = why
         vllm_tokens: list[list[int]] = []
 
-        def with_vllm(contenders: dict[str, Any], work: list[tuple[float, list[int], int]]) -> dict[str, Any]:
+        def with_vllm(contenders: dict[str, Any], work: list[list[tuple[float, list[int], int]]]) -> dict[str, Any]:
             if peer is None:
                 return contenders
 
-            def run() -> dict[str, Any]:
-                out = peer.run(work)
+            def run(k: int) -> dict[str, Any]:
+                out = peer.run(work[k])
                 toks = out.pop("tokens")
                 if not vllm_tokens:
                     vllm_tokens.extend(toks)
@@ -309,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
                 ours = [c.token_ids for c in cont.generate(offline, _greedy(offline_tokens))]
                 vllm_tokens.clear()
                 runs = _rounds(with_vllm({
-                    "energon": lambda: closed_batch(cont, offline, offline_tokens),
-                    "energon static batching": lambda: closed_batch(st, offline, offline_tokens),
-                    "transformers generate (batched)": lambda: transformers_batched(hf, offline, offline_tokens)},
-                    [(0.0, q, offline_tokens) for q in offline]), repeats, "offline")
+                    "energon": lambda k: closed_batch(cont, offline_sets[k], offline_tokens),
+                    "energon static batching": lambda k: closed_batch(st, offline_sets[k], offline_tokens),
+                    "transformers generate (batched)": lambda k: transformers_batched(hf, offline_sets[k],
+                                                                                      offline_tokens)},
+                    [[(0.0, q, offline_tokens) for q in o] for o in offline_sets]), repeats, "offline")
             hf = None
-            res: dict[str, Any] = {"runs": runs, "summary": _summary(runs), "prompt_tokens": sum(map(len, offline)),
+            res: dict[str, Any] = {"runs": runs, "summary": _summary(runs), "prompt_tokens": statistics.mean(sum(map(len, o)) for o in offline_sets[1:]),
                                    "new_tokens": n_offline * offline_tokens}
             if vllm_tokens:
                 res["vllm_same_greedy"] = sum(a == b for a, b in zip(ours, vllm_tokens))
@@ -325,19 +336,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             with Engine.from_pretrained(path, **opts) as cont, Engine.from_pretrained(path, policy="static",
                                                                                       **opts) as st:
-                runs = _rounds(with_vllm({"energon": lambda: replay_engine(cont, trace),
-                                          "energon static batching": lambda: replay_engine(st, trace)}, trace),
+                runs = _rounds(with_vllm({"energon": lambda k: replay_engine(cont, traces[k]),
+                                          "energon static batching": lambda k: replay_engine(st, traces[k])}, traces),
                                repeats, "stream")
-            results["stream"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(trace)}
+            results["stream"] = {"runs": runs, "summary": _summary(runs),
+                                 "work_ratio": statistics.mean(_work(t) for t in traces[1:])}
 
         if "prefix" in sections:
             print(f"[prefix] {n_requests} requests sharing a 192-token system prompt", file=sys.stderr, flush=True)
             with Engine.from_pretrained(path, **opts) as on, Engine.from_pretrained(path, prefix_caching=False,
                                                                                     **opts) as off:
-                runs = _rounds(with_vllm({"energon prefix caching": lambda: replay_prefix(on, shared),
-                                          "energon no prefix caching": lambda: replay_prefix(off, shared)}, shared),
-                               repeats, "prefix")
-            results["prefix"] = {"runs": runs, "summary": _summary(runs), "work_ratio": _work(shared)}
+                runs = _rounds(with_vllm({"energon prefix caching": lambda k: replay_prefix(on, shared_traces[k]),
+                                          "energon no prefix caching": lambda k: replay_prefix(off, shared_traces[k])},
+                                         shared_traces), repeats, "prefix")
+            results["prefix"] = {"runs": runs, "summary": _summary(runs),
+                                 "work_ratio": statistics.mean(_work(t) for t in shared_traces[1:])}
         if peer is not None:
             peer.close()
 
@@ -385,7 +398,7 @@ def _pool_case(path: Path, opts: dict[str, Any], vocab: int, layers: int, repeat
     engines = {f"pool {int(f * 100)}%": engine_cls.from_pretrained(
         path, memory_pool=pool_cls(fraction=f, lookahead=1) if f else None, **opts) for f in (0.0, 0.5, 1.0)}
     try:
-        runs = _rounds({k: (lambda e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
+        runs = _rounds({k: (lambda _k, e=e: closed_batch(e, batch, new_tokens)) for k, e in engines.items()},
                        repeats, "pool")
         layer_bytes = max(i.pool.layer_bytes if i.pool else 0 for e in engines.values() for i in e.worker_info)
         pooled_layers = {k: len(e.worker_info[0].pool.pooled) if e.worker_info[0].pool else 0
@@ -429,7 +442,7 @@ def _pipeline_case(path: Path, opts: dict[str, Any], vocab: int, repeats: int, e
         return {**out, "stage0_util": stages[0], "stage1_util": stages[1]}
 
     try:
-        runs = _rounds({k: (lambda k=k: pipe(k)) for k in engines}, repeats, "pipeline")
+        runs = _rounds({k: (lambda _k, k=k: pipe(k)) for k in engines}, repeats, "pipeline")
     finally:
         for e in engines.values():
             e.shutdown()
@@ -465,7 +478,8 @@ def _ratio(summ: dict[str, Any], a: str, b: str, key: str = "tokens_per_s") -> s
 def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, repeats: int) -> str:
     lines = [
         f"Random LLaMA (hidden {hidden}, {layers} layers, fp32), one thread per process, median of {repeats} "
-        "interleaved repeats (min-max). Compute limit: the model's matmul FLOPs per token x tokens processed "
+        "interleaved repeats (min-max); the offline, stream and shared-prompt sections draw fresh prompts every "
+        "round (the same for every contender), so no engine's prefix cache serves a repeat. Compute limit: the model's matmul FLOPs per token x tokens processed "
         f"(prompt + generated) / the measured one-thread matmul rate ({r['peak_flops'] / 1e9:.1f} GFLOP/s).",
     ]
     if r.get("vllm_note"):

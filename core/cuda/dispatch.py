@@ -1,16 +1,19 @@
-"""Pick a kernel's Triton implementation or its pure-PyTorch reference, per call.
+"""Pick a kernel's Triton implementation, its native CPU implementation or its pure-PyTorch reference, per call.
 
 The rule (``choose_backend``):
 
 1. ``backend=`` given to the call wins, then the environment variable ``TIGHTFIT_KERNELS``
-   (``reference`` or ``triton``; unset or ``auto`` means decide).
-2. ``auto``: Triton when every tensor argument is on a CUDA device and Triton imports; the reference
-   otherwise (CPU tensors, no Triton, a Triton that fails to import).
+   (``reference``, ``triton`` or ``native``; unset or ``auto`` means decide).
+2. ``auto``: Triton when every tensor argument is on a CUDA device and Triton imports; the native CPU
+   backend when no tensor is on CUDA and the kernel has one that builds here (C compiled on first use,
+   :mod:`tightfit.cuda.native`); the reference otherwise.
 3. A forced ``triton`` with CPU tensors is allowed only under Triton's interpreter
    (``TRITON_INTERPRET=1``, how the tests run kernels on CPU); otherwise it raises, naming the fix.
+4. A forced ``native`` raises when the library cannot be built or a tensor is on CUDA; through the
+   environment it applies only to kernels that have a native backend (the others decide as ``auto``).
 
 Self-check (``TIGHTFIT_KERNEL_CHECK``, on unless set to ``0``): the first time a kernel is sent to
-Triton by the rule above (``auto`` on CUDA tensors, or ``TIGHTFIT_KERNELS=triton``) for a given
+Triton or native code by the rule above (``auto``, or ``TIGHTFIT_KERNELS=triton|native``) for a given
 *shape class* (dtypes, ranks and the kernel's own layout keys, e.g. the column count) on a given
 device, both backends run on a small probe input of that class and their results are compared
 (``atol = rtol`` = 1e-4 fp32, 1e-2 fp16, 5e-2 bf16: loose enough for another summation order, while a
@@ -67,8 +70,8 @@ __all__ = [
 
 ENV_VAR = "TIGHTFIT_KERNELS"
 CHECK_ENV_VAR = "TIGHTFIT_KERNEL_CHECK"
-BACKENDS = ("reference", "triton")
-Backend = Literal["reference", "triton"]
+BACKENDS = ("reference", "triton", "native")
+Backend = Literal["reference", "triton", "native"]
 
 
 class KernelError(RuntimeError):
@@ -76,7 +79,7 @@ class KernelError(RuntimeError):
 
 
 class KernelCheckWarning(RuntimeWarning):
-    """A Triton kernel disagreed with its reference on its first-use probe; the reference runs instead."""
+    """A Triton or native kernel disagreed with its reference on its first-use probe; the reference runs instead."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,7 +90,7 @@ class KernelCheck:
         kernel: the kernel's registry name.
         shape_class: the class of inputs it covers (see :class:`Kernel` ``shape_class``).
         device: the device of the inputs (``"cuda:0"``).
-        passed: Triton agreed with the reference on the probe: calls of this class run Triton.
+        passed: the kernel agreed with the reference on the probe: calls of this class run it.
         error: why it failed (the first mismatch or the exception), ``""`` when it passed.
     """
 
@@ -100,6 +103,8 @@ class KernelCheck:
 
 # (kernel name, shape class, device) -> verdict; filled on first use, read by every later call.
 _CHECKS: dict[tuple[str, Hashable, str], KernelCheck] = {}
+# (kernel name, (environment, tensor device types)) -> the backend the rule picked for that combination.
+_DECIDED: dict[tuple[str, tuple], Backend] = {}
 
 
 def check_enabled() -> bool:
@@ -156,14 +161,39 @@ def forced_backend() -> Backend | None:
     return value  # type: ignore[return-value]
 
 
-def choose_backend(*tensors: torch.Tensor, backend: str | None = None, name: str = "kernel") -> Backend:
-    """The backend a kernel call on ``tensors`` uses (see the module docstring for the rule)."""
+def choose_backend(*tensors: torch.Tensor, backend: str | None = None, name: str = "kernel",
+                   native_error: Callable[[], str] | None = None, has_triton: bool = True) -> Backend:
+    """The backend a kernel call on ``tensors`` uses (see the module docstring for the rule).
+
+    ``native_error`` is the kernel's "why its native library is unavailable" ('' when it is); ``None``: the
+    kernel has no native backend. ``has_triton=False``: the kernel has no Triton backend (CUDA tensors then
+    take the reference, and forcing Triton on it raises).
+    """
     if backend is not None and backend not in (*BACKENDS, "auto"):
         raise KernelError(f"{name}: backend={backend!r} is not one of {', '.join(BACKENDS)}, 'auto'")
-    wanted = forced_backend() if backend in (None, "auto") else backend
+    from_env = backend in (None, "auto")
+    wanted = forced_backend() if from_env else backend
     on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+    any_cuda = any(t.is_cuda for t in tensors)
     if wanted == "reference":
         return "reference"
+    if wanted == "native" and not (from_env and (native_error is None or any_cuda)):
+        if native_error is None:
+            raise KernelError(f"{name}: backend='native' was asked for but this kernel has no native CPU backend; "
+                              "use 'reference' or 'auto'")
+        if any_cuda:
+            raise KernelError(f"{name}: the native backend runs on CPU tensors only; these are on CUDA. Use "
+                              "'triton', 'reference' or 'auto'")
+        why = native_error()
+        if why:
+            raise KernelError(f"{name}: the native backend was forced ({ENV_VAR} or backend=) but it cannot be "
+                              f"built here ({why}); use {ENV_VAR}=reference or install a C compiler")
+        return "native"
+    if wanted == "triton" and not has_triton:
+        if not from_env:
+            raise KernelError(f"{name}: backend='triton' was asked for but this kernel has no Triton backend; use "
+                              "'reference', 'native' or 'auto'")
+        wanted = None
     if wanted == "triton":
         if not triton_available():
             raise KernelError(
@@ -179,19 +209,26 @@ def choose_backend(*tensors: torch.Tensor, backend: str | None = None, name: str
                 f"them on the CPU interpreter (slow; for tests), or {ENV_VAR}=reference"
             )
         return "triton"
-    return "triton" if on_cuda and triton_available() else "reference"
+    if on_cuda and has_triton and triton_available():
+        return "triton"
+    if not any_cuda and native_error is not None and not native_error():
+        return "native"
+    return "reference"
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One op with two implementations of the same signature; calling it dispatches.
+    """One op with two or three implementations of the same signature; calling it dispatches.
 
     Args:
         name: registry key (``"gather_rows"``).
         reference: the pure-PyTorch implementation (any device; the ground truth in tests).
         triton: the Triton launcher; it imports Triton itself (inside the function), so defining a
-            :class:`Kernel` never imports Triton.
+            :class:`Kernel` never imports Triton. ``None`` for a kernel with only a native CPU backend
+            (CUDA tensors then take the reference).
         doc: one line for listings.
+        native: the native CPU launcher (optional; see :mod:`tightfit.cuda.native`).
+        native_error: ``() -> str``, why the native library is unavailable ('' when it is); required with ``native``.
 
         shape_class: ``(*args, **kwargs) -> hashable``: which inputs one self-check covers. Default:
             each tensor argument's dtype and rank, and every non-tensor argument.
@@ -204,58 +241,83 @@ class Kernel:
 
     name: str
     reference: Callable[..., Any]
-    triton: Callable[..., Any]
+    triton: Callable[..., Any] | None
     doc: str = ""
     shape_class: Callable[..., Hashable] | None = None
     probe: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    native: Callable[..., Any] | None = None
+    native_error: Callable[[], str] | None = None
 
     def backend_for(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Backend:
         """The backend a call with these arguments would use."""
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-        return choose_backend(*tensors, backend=backend, name=self.name)
+        return choose_backend(*tensors, backend=backend, name=self.name,
+                              native_error=self.native_error if self.native is not None else None,
+                              has_triton=self.triton is not None)
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
-        chosen = self.backend_for(*args, backend=backend, **kwargs)
-        if chosen == "triton" and backend in (None, "auto") and check_enabled() and not self._verified(args, kwargs):
-            chosen = "reference"
-        impl = self.triton if chosen == "triton" else self.reference
-        return impl(*args, **kwargs)
+        if backend in (None, "auto"):
+            # The rule's inputs are the environment and the tensors' device types (Triton's and the native
+            # library's availability are fixed per process): its answer is remembered per combination.
+            # A model calls a handful of kernels per layer, and deciding afresh cost ~15 us a call (0.45 ms
+            # of a 7 ms decode step of the benchmark's 6-layer model).
+            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            key = (os.environ.get(ENV_VAR), os.environ.get(CHECK_ENV_VAR), os.environ.get("TRITON_INTERPRET"),
+                   *(t.device.type for t in tensors))
+            chosen = _DECIDED.get((self.name, key))
+            if chosen is None:
+                chosen = _DECIDED[(self.name, key)] = choose_backend(
+                    *tensors, name=self.name, native_error=self.native_error if self.native is not None else None,
+                    has_triton=self.triton is not None)
+            if chosen != "reference" and check_enabled() and not self._verified(chosen, args, kwargs):
+                chosen = "reference"
+        else:
+            chosen = self.backend_for(*args, backend=backend, **kwargs)
+        return self._impl(chosen)(*args, **kwargs)
+
+    def _impl(self, backend: str) -> Callable[..., Any]:
+        if backend == "native" and self.native is not None:
+            return self.native
+        if backend == "triton" and self.triton is not None:
+            return self.triton
+        return self.reference
 
     # ---- first-use self-check ----------------------------------------------------------------------
-    def _verified(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether Triton may run this call's class (checking it now if it is the first of its class)."""
+    def _verified(self, backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether ``backend`` may run this call's class (checking it now if it is the first of its class)."""
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         device = str(tensors[0].device) if tensors else "none"
         cls = self.shape_class(*args, **kwargs) if self.shape_class is not None else _default_class(args, kwargs)
         key = (self.name, cls, device)
         verdict = _CHECKS.get(key)
         if verdict is None:
-            error = self._compare_on_probe(args, kwargs)
+            error = self._compare_on_probe(args, kwargs, backend)
             verdict = _CHECKS[key] = KernelCheck(kernel=self.name, shape_class=cls, device=device,
                                                  passed=not error, error=error)
             if error:
                 warnings.warn(
-                    f"kernel {self.name!r}: the Triton result differs from the reference on its first-use check "
+                    f"kernel {self.name!r}: the {backend} result differs from the reference on its first-use check "
                     f"(class {cls}, {device}): {error}; using the reference for this class from now on. Report it "
                     f"with this message; {ENV_VAR}=reference silences the check, {CHECK_ENV_VAR}=0 skips it",
                     KernelCheckWarning, stacklevel=3)
         return verdict.passed
 
-    def _compare_on_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def _compare_on_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any], backend: str = "triton") -> str:
         """'' when both backends agree on a probe of this call's class, else what went wrong."""
         try:
             p_args, p_kwargs = (self.probe(*args, **kwargs) if self.probe is not None
                                 else ([_clone(a) for a in args], {k: _clone(v) for k, v in kwargs.items()}))
             t_args, t_kwargs = [_clone(a) for a in p_args], {k: _clone(v) for k, v in p_kwargs.items()}
             r_args, r_kwargs = [_clone(a) for a in p_args], {k: _clone(v) for k, v in p_kwargs.items()}
-            got = self.triton(*t_args, **t_kwargs)
+            got = self._impl(backend)(*t_args, **t_kwargs)
             want = self.reference(*r_args, **r_kwargs)
             pairs = [("result", got, want), *((f"argument {i}", a, b) for i, (a, b) in enumerate(zip(t_args, r_args))),
                      *((f"argument {k!r}", t_kwargs[k], r_kwargs[k]) for k in r_kwargs)]
             for what, a, b in pairs:
                 for x, y in zip(_tensors(a), _tensors(b)):
                     if x.shape != y.shape or x.dtype != y.dtype:
-                        return f"{what}: triton gave {x.dtype} {tuple(x.shape)}, reference {y.dtype} {tuple(y.shape)}"
+                        return (f"{what}: {backend} gave {x.dtype} {tuple(x.shape)}, reference {y.dtype} "
+                                f"{tuple(y.shape)}")
                     tol = _CHECK_TOL.get(y.dtype, 0.0)
                     close = torch.isclose(x, y, atol=tol, rtol=tol, equal_nan=True)
                     if not bool(close.all()):
@@ -294,16 +356,22 @@ def _default_class(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
 _REGISTRY: dict[str, Kernel] = {}
 
 
-def register_kernel(name: str, *, reference: Callable[..., Any], triton: Callable[..., Any], doc: str = "",
+def register_kernel(name: str, *, reference: Callable[..., Any], triton: Callable[..., Any] | None, doc: str = "",
                     shape_class: Callable[..., Hashable] | None = None,
-                    probe: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None) -> Kernel:
+                    probe: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+                    native: Callable[..., Any] | None = None,
+                    native_error: Callable[[], str] | None = None) -> Kernel:
     """Create and register a :class:`Kernel`; a second kernel under the same name raises.
 
-    ``shape_class`` and ``probe`` shape its first-use self-check (see :class:`Kernel`).
+    ``shape_class`` and ``probe`` shape its first-use self-check (see :class:`Kernel`); ``native`` and
+    ``native_error`` give it a native CPU backend.
     """
     if name in _REGISTRY:
         raise KernelError(f"a kernel named {name!r} is already registered; pick another name")
-    kernel = Kernel(name, reference=reference, triton=triton, doc=doc, shape_class=shape_class, probe=probe)
+    if (native is None) != (native_error is None):
+        raise KernelError(f"kernel {name!r}: give native and native_error together (or neither)")
+    kernel = Kernel(name, reference=reference, triton=triton, doc=doc, shape_class=shape_class, probe=probe,
+                    native=native, native_error=native_error)
     _REGISTRY[name] = kernel
     return kernel
 

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,8 +46,10 @@ import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import interpreter_enabled, register_kernel
 from tightfit.cuda.index_rows import scatter_rows
+from tightfit.cuda.varlen_attention_cpu import native_attention_error, paged_attention_native
 
 __all__ = [
+    "attend_sequences",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",
@@ -176,7 +179,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Pure PyTorch: ``scaled_dot_product_attention`` per sequence (one batched call for decode steps)."""
     batch = kv_lens.shape[0]
     block_size, hk = k_cache.shape[1], k_cache.shape[2]
-    gqa = q.shape[1] != hk
     if batch == 0:
         return torch.empty_like(q)
     if max_q_len == 1 and q.shape[0] == batch:
@@ -199,9 +201,21 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                              attn_mask=mask[:, None, None, :], scale=scale)
         return out.reshape(q.shape)
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = kv_lens.tolist()
-    for b in range(batch):
+    attend_sequences(q, k_cache, v_cache, block_tables, cu_seqlens_q.tolist(), kv_lens.tolist(), range(batch), out,
+                     scale=scale)
+    return out
+
+
+def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     cu: list[int], lens: list[int], seqs: Iterable[int], out: torch.Tensor, *, scale: float) -> None:
+    """Write the attention of sequences ``seqs`` into their rows of ``out``, one sdpa call per sequence.
+
+    ``cu`` and ``lens`` are ``cu_seqlens_q`` and ``kv_lens`` as host lists. The reference's general case,
+    and the native backend's path for long prefill chunks.
+    """
+    block_size = k_cache.shape[1]
+    gqa = q.shape[1] != k_cache.shape[2]
+    for b in seqs:
         n, kv = cu[b + 1] - cu[b], lens[b]
         if n == 0:
             continue
@@ -216,7 +230,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             mask = torch.arange(kv, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
-    return out
 
 
 def _attention_class(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -256,7 +269,8 @@ def _attention_probe(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 _paged = register_kernel("paged_attention", reference=paged_attention_reference, triton=paged_attention_triton,
                          doc="causal attention of packed variable-length queries over a paged KV cache",
-                         shape_class=_attention_class, probe=_attention_probe)
+                         shape_class=_attention_class, probe=_attention_probe,
+                         native=paged_attention_native, native_error=native_attention_error)
 
 
 # --------------------------------------------------------------------------- public API
@@ -268,7 +282,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of packed queries over paged keys/values (layout in the module docstring).
 
     ``max_q_len`` (the longest ``q_len`` in the batch, a host integer) sizes the Triton grid and
-    picks the decode fast path of the reference; ``backend`` overrides ``TIGHTFIT_KERNELS``.
+    picks the decode fast path of the reference; ``backend`` overrides ``TIGHTFIT_KERNELS``. On CPU the
+    native backend (:mod:`tightfit.cuda.varlen_attention_cpu`, fp32) runs where a C compiler built it.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(

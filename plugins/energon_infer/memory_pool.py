@@ -85,12 +85,18 @@ def stage_layer_bytes(stage: nn.Module) -> tuple[list[int], int]:
     return layers, total - sum(layers)
 
 
+def _view(flat: torch.Tensor, shape: torch.Size, transposed: bool) -> torch.Tensor:
+    return flat.view(shape[1], shape[0]).t() if transposed else flat.view(shape)
+
+
 class _Packed:
     """One pooled block: its parameters packed into one flat pool tensor, and where each one sits in it."""
 
     def __init__(self, block: nn.Module, pool_device: torch.device, pin: bool):
         self.block = block
-        self.entries: list[tuple[nn.Module, str, int, torch.Size]] = []
+        # (module, name, offset, shape, stored transposed): input-major linear weights
+        # (parallel.linear_weight) keep that layout in the pool and in every slot.
+        self.entries: list[tuple[nn.Module, str, int, torch.Size, bool]] = []
         params = [(m, name, p) for m in block.modules() for name, p in m._parameters.items() if p is not None]
         dtypes = {p.dtype for _, _, p in params}
         if len(dtypes) != 1:
@@ -100,28 +106,29 @@ class _Packed:
         flat = torch.empty(self.numel, dtype=self.dtype, device=pool_device, pin_memory=pin)
         offset = 0
         for module, name, p in params:
-            flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
-            self.entries.append((module, name, offset, p.shape))
+            transposed = p.dim() == 2 and not p.is_contiguous() and p.t().is_contiguous()
+            flat[offset: offset + p.numel()].copy_((p.detach().t() if transposed else p.detach()).reshape(-1))
+            self.entries.append((module, name, offset, p.shape, transposed))
             # The device copy goes away; a meta placeholder makes any use outside the hooks fail loudly.
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                     requires_grad=False)
             offset += p.numel()
         self.flat = flat
-        self.placeholders = [m._parameters[n] for m, n, _, _ in self.entries]
+        self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]
         self.views: dict[int, list[nn.Parameter]] = {}
 
     def bind(self, slot_id: int, slot: torch.Tensor) -> None:
         views = self.views.get(slot_id)
         if views is None:  # built once per slot, outside any inference-mode region's lifetime concerns
             with torch.inference_mode(False):
-                views = [nn.Parameter(slot[off: off + shape.numel()].view(shape), requires_grad=False)
-                         for _, _, off, shape in self.entries]
+                views = [nn.Parameter(_view(slot[off: off + shape.numel()], shape, transposed), requires_grad=False)
+                         for _, _, off, shape, transposed in self.entries]
             self.views[slot_id] = views
-        for (module, name, _, _), view in zip(self.entries, views):
+        for (module, name, _, _, _), view in zip(self.entries, views):
             module._parameters[name] = view
 
     def unbind(self) -> None:
-        for (module, name, _, _), ph in zip(self.entries, self.placeholders):
+        for (module, name, _, _, _), ph in zip(self.entries, self.placeholders):
             module._parameters[name] = ph
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from energon_infer.config import ModelConfig
 from energon_infer.kv_cache import KVCache, StepMetadata
 from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding, VocabHead
+from tightfit.cuda.elementwise import rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
 
 __all__ = ["DecoderStage", "Block", "check_tp"]
@@ -81,12 +82,6 @@ def rotary_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Ten
     return emb.cos(), emb.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def step_rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``cos, sin`` as ``(T, 1, head_dim)`` in ``dtype``: computed and shaped once per step, not per layer."""
@@ -119,6 +114,7 @@ class Block(nn.Module):
         self.up = ColumnLinear(h, inter * (2 if self.gated else 1), cfg.mlp_bias, dtype, device)
         self.down = RowLinear(inter, h, cfg.mlp_bias, grid, dtype, device)
         self.act = _activation(cfg.activation)
+        self.silu = cfg.activation == "silu"
 
     def attention(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -127,9 +123,9 @@ class Block(nn.Module):
         n_q, n_k = self.heads * self.head_dim, self.kv_heads * self.head_dim
         v = qkv[:, n_q + n_k:].view(t, self.kv_heads, self.head_dim)
         if rope is not None:
-            # Queries and keys rotated together (heads + kv_heads rows of head_dim): one rotation's
-            # ops per layer instead of two.
-            qk = _rotate(qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim), *rope)
+            # Queries and keys rotated together (heads + kv_heads rows of head_dim), in place in the
+            # QKV output: one fused pass on CPU (tightfit.cuda.elementwise), one rotation's ops elsewhere.
+            qk = rotary_(qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim), *rope)
             q, k = qk[:, :self.heads], qk[:, self.heads:]
         else:
             q = qkv[:, :n_q].view(t, self.heads, self.head_dim)
@@ -140,6 +136,8 @@ class Block(nn.Module):
         return self.o(out.reshape(t, self.heads * self.head_dim))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated and self.silu:
+            return self.down(silu_mul(self.up(x)))  # one fused pass on CPU (tightfit.cuda.elementwise)
         if self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
             return self.down(self.act(gate) * up)

@@ -135,12 +135,26 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def linear_weight(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device | str
+                  ) -> nn.Parameter:
+    """An ``(out, in)`` weight stored input-major (the transpose of a contiguous ``(in, out)`` tensor).
+
+    ``F.linear`` then multiplies by a contiguous ``(in, out)`` matrix, a plain product instead of one with
+    a transposed operand, which BLAS runs faster at the few rows a decode step has: measured on one thread
+    here, the benchmark model's 25 projections per step (21 MB of fp32 weights, more than the caches keep
+    between steps) took 2.17 -> 1.08 ms at 1 row, 3.64 -> 2.84 at 8, 4.71 -> 4.20 at 16, 62.4 -> 60.7 at 512.
+    Loading (``copy_``) and the shape are unchanged.
+    """
+    return nn.Parameter(torch.empty((in_features, out_features), dtype=dtype, device=device).t(),
+                        requires_grad=False)
+
+
 class ColumnLinear(nn.Module):
     """``y = x W_local^T + b_local``: this rank's slice of the output features (no communication)."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.weight = _empty((out_local, in_features), dtype, device)
+        self.weight = linear_weight(out_local, in_features, dtype, device)
         self.bias = _empty((out_local,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +168,7 @@ class RowLinear(nn.Module):
                  device: torch.device | str):
         super().__init__()
         self.grid = grid
-        self.weight = _empty((out_features, in_local), dtype, device)
+        self.weight = linear_weight(out_features, in_local, dtype, device)
         self.bias = _empty((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +208,7 @@ class VocabHead(nn.Module):
         super().__init__()
         self.grid = grid
         self.vocab_size = vocab_size
-        self.weight = _empty((vocab_shard(vocab_size, grid.tp), dim), dtype, device)
+        self.weight = linear_weight(vocab_shard(vocab_size, grid.tp), dim, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.grid.all_gather_last_dim(F.linear(x, self.weight))

@@ -17,6 +17,7 @@ from tightfit.cuda.packing import pack, unpack
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
 
 BACKENDS = ["reference", pytest.param("triton", marks=RunIf(triton=True))]
+ATTENTION_BACKENDS = [*BACKENDS, pytest.param("native", marks=RunIf(native=True))]
 
 
 def _naive(q, keys, values, q_lens, scale):
@@ -64,7 +65,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=["prefill", "decode", "mixed", "long"])
 def test_paged_attention_matches_the_definition(backend, case):
     q_lens, kv_lens, hq, hk, d, block = case
@@ -74,7 +75,7 @@ def test_paged_attention_matches_the_definition(backend, case):
     assert (out.double() - _naive(q, keys, values, q_lens, d ** -0.5)).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_attention_half_precision(backend, dtype):
     q_lens, kv_lens = [5, 1, 17], [5, 30, 20]
@@ -93,11 +94,12 @@ def test_paged_attention_checks_shapes():
         paged_attention(q, kc, vc, bt, cu[:1], kl, scale=1.0, max_q_len=3)
 
 
-def test_cpu_tensors_use_the_reference_unless_forced(monkeypatch):
+@RunIf(native=True)
+def test_cpu_tensors_use_the_native_kernel_unless_forced(monkeypatch):
     kernel = get_kernel("paged_attention")
     q = torch.zeros(1, 1, 8)
     monkeypatch.delenv("TIGHTFIT_KERNELS", raising=False)
-    assert kernel.backend_for(q) == "reference"
+    assert kernel.backend_for(q) == "native"
     monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")
     assert kernel.backend_for(q) == "reference"
 

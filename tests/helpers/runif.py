@@ -19,7 +19,7 @@ __all__ = ["RunIf"]
 def RunIf(  # noqa: N802 - a marker factory, named like Lightning's
     *, cuda: bool = False, min_cuda_gpus: int = 0, triton: bool = False, lightning: bool = False,
     torchrec: bool = False, deepspeed: bool = False, transformers: bool = False, serve: bool = False,
-    min_world: int = 0, min_cpus: int = 0,
+    min_world: int = 0, min_cpus: int = 0, native: bool = False,
 ) -> pytest.MarkDecorator:
     """Skip unless every condition holds.
 
@@ -30,6 +30,7 @@ def RunIf(  # noqa: N802 - a marker factory, named like Lightning's
         lightning / torchrec / deepspeed / transformers / serve: needs that host framework.
         min_world: needs gloo and this many processes can be spawned (always true on CPU; documents intent).
         min_cpus: needs at least this many CPU cores.
+        native: needs the native CPU kernels to build here (a C compiler; tightfit.cuda.native).
     """
     import torch
 
@@ -48,4 +49,10 @@ def RunIf(  # noqa: N802 - a marker factory, named like Lightning's
         reasons.append("needs torch.distributed with gloo")
     if min_cpus and (os.cpu_count() or 1) < min_cpus:
         reasons.append(f"needs {min_cpus} CPUs, found {os.cpu_count()}")
+    if native:
+        from tightfit.cuda.varlen_attention_cpu import native_attention_error
+
+        why = native_attention_error()
+        if why:
+            reasons.append(f"needs the native CPU kernels ({why})")
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "runs here")

@@ -1,0 +1,114 @@
+"""Compile a small C source with the system's C compiler on first use and load it with ``ctypes``.
+
+The CPU backend of a kernel (``backend="native"``, see :mod:`tightfit.cuda.dispatch`) is plain C99
+on raw pointers: no PyTorch headers, so a build takes well under a second (a ``torch.utils.cpp_extension``
+build takes about a minute on 2 cores and serialises processes on a file lock), and ``ctypes`` releases the GIL
+during the call.
+
+    lib = load_library("paged_attention", SOURCE)    # ctypes.CDLL, or None where it cannot be built
+    native_error("paged_attention")                  # why not ('' when it loaded)
+
+Where the library lives: ``$TIGHTFIT_CACHE/native/`` (default ``~/.cache/tightfit/native/``), one file per
+hash of the source, the compiler's version, the flags and this CPU's instruction-set flags, so a cache
+shared between machines never loads code built for another CPU. A build goes to a temporary file renamed
+into place, so processes that build at once cannot load a half-written library.
+
+The compiler is ``$CC`` (default ``cc``), called with ``-O3 -march=native -ffast-math``; ``TIGHTFIT_NATIVE=0``
+disables every native library (each kernel then runs its PyTorch reference). A missing or failing compiler is
+not an error: :func:`load_library` returns ``None``, logs the reason once on ``tightfit.cuda.native`` and
+the dispatcher uses the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "native_error", "cache_dir"]
+
+NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c99")
+LIBS = ("-lm", "-lpthread")
+log = logging.getLogger(__name__)
+_ERRORS: dict[str, str] = {}
+
+
+def native_enabled() -> bool:
+    """Whether native CPU kernels may be used (``TIGHTFIT_NATIVE``, default on; ``0`` turns them off)."""
+    return os.environ.get(NATIVE_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (``$TIGHTFIT_CACHE/native`` or ``~/.cache/tightfit/native``)."""
+    root = os.environ.get("TIGHTFIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tightfit")
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    # -march=native bakes this CPU's instruction set in: the cache key must change with it.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def _compiler() -> tuple[str, str] | None:
+    """``(path, version line)`` of ``$CC`` (default ``cc``), or ``None`` when there is none."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return None
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cc, (out.stdout.splitlines() or [""])[0]
+
+
+def native_error(name: str) -> str:
+    """Why the library ``name`` is unavailable ('' when it loaded or was never asked for)."""
+    return _ERRORS.get(name, "")
+
+
+@functools.cache
+def load_library(name: str, source: str) -> ctypes.CDLL | None:
+    """The library built from ``source`` (built on first use, then cached on disk); ``None`` if it cannot be."""
+    if not native_enabled():
+        _ERRORS[name] = f"{NATIVE_ENV_VAR}=0"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _ERRORS[name] = (f"no C compiler ({os.environ.get('CC', 'cc')} not found); install gcc or clang, or set "
+                         "CC, to use the native CPU kernels")
+        log.info("native kernel %s unavailable: %s", name, _ERRORS[name])
+        return None
+    cc, version = compiler
+    key = hashlib.sha256("\0".join((source, version, *FLAGS, *LIBS, _cpu_flags())).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
+                src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+                src.write_text(source)
+                done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src), *LIBS], capture_output=True,
+                                      text=True, timeout=120)
+                if done.returncode != 0:
+                    raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+                os.replace(out, path)  # atomic: a concurrent builder's identical file may win; both are fine
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _ERRORS[name] = f"{type(exc).__name__}: {exc}"
+        log.info("native kernel %s unavailable: %s", name, _ERRORS[name])
+        return None

@@ -1,0 +1,210 @@
+"""The native CPU backend: building and caching C libraries, the dispatcher's rule for it, and each native
+kernel against its PyTorch reference (paged attention, silu_mul, rotary_) over hypothesis-drawn shapes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers.runif import RunIf
+from tightfit.cuda import native
+from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
+from tightfit.cuda.elementwise import rotary_, silu_mul
+from tightfit.cuda.varlen_attention import paged_attention, store_kv
+from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
+
+_ADD = "#include <stdint.h>\nint64_t tf_add(int64_t a, int64_t b) {{ return a + b + {k}; }}\n"
+
+
+def _fresh(tmp_path, monkeypatch, k: int) -> str:
+    """A source no earlier call has built (load_library is cached per (name, source))."""
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    return _ADD.format(k=k)
+
+
+@RunIf(native=True)
+def test_a_library_is_built_once_into_the_cache_and_loaded(tmp_path, monkeypatch):
+    source = _fresh(tmp_path, monkeypatch, 1)
+    lib = native.load_library("t_add", source)
+    assert lib is not None
+    lib.tf_add.restype = ctypes.c_int64
+    assert lib.tf_add(ctypes.c_int64(2), ctypes.c_int64(3)) == 6
+    built = list((tmp_path / "native").glob("t_add-*.so"))
+    assert len(built) == 1 and native.native_error("t_add") == ""
+    # Another process (a fresh cache of load_library) finds the file and does not rebuild it.
+    stamp = built[0].stat().st_mtime_ns
+    native.load_library.cache_clear()
+    assert native.load_library("t_add", source) is not None
+    assert built[0].stat().st_mtime_ns == stamp
+    assert not [p for p in (tmp_path / "native").iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_no_compiler_means_no_library_and_a_reason(tmp_path, monkeypatch):
+    source = _fresh(tmp_path, monkeypatch, 2)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    native._compiler.cache_clear()
+    try:
+        assert native.load_library("t_nocc", source) is None
+        assert "no C compiler (/nonexistent/cc not found)" in native.native_error("t_nocc")
+    finally:
+        native._compiler.cache_clear()
+
+
+@RunIf(native=True)
+def test_a_source_that_does_not_compile_gives_the_compiler_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    assert native.load_library("t_broken", "int f( {") is None
+    assert "failed" in native.native_error("t_broken")
+    assert not list((tmp_path / "native").glob("*.so"))
+
+
+def test_switched_off_by_environment(tmp_path, monkeypatch):
+    source = _fresh(tmp_path, monkeypatch, 3)
+    monkeypatch.setenv("TIGHTFIT_NATIVE", "0")
+    assert native.load_library("t_off", source) is None
+    assert native.native_error("t_off") == "TIGHTFIT_NATIVE=0"
+
+
+def test_rule_for_the_native_backend(monkeypatch):
+    monkeypatch.delenv("TIGHTFIT_KERNELS", raising=False)
+    cpu = torch.ones(2)
+    assert choose_backend(cpu, native_error=lambda: "") == "native"
+    assert choose_backend(cpu, native_error=lambda: "no compiler") == "reference"
+    assert choose_backend(cpu) == "reference"  # a kernel without a native backend
+    with pytest.raises(KernelError, match="has no native CPU backend"):
+        choose_backend(cpu, backend="native")
+    with pytest.raises(KernelError, match=r"cannot be built here \(no compiler\).*TIGHTFIT_KERNELS=reference"):
+        choose_backend(cpu, backend="native", native_error=lambda: "no compiler")
+    with pytest.raises(KernelError, match="has no Triton backend"):
+        choose_backend(cpu, backend="triton", has_triton=False)
+    # Forced through the environment, native applies where a kernel has it; the others decide as auto.
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "native")
+    assert choose_backend(cpu) == "reference"
+    assert choose_backend(cpu, native_error=lambda: "") == "native"
+
+
+@RunIf(native=True)
+def test_the_environment_still_decides_after_a_call_was_remembered(monkeypatch):
+    x = torch.randn(3, 8)
+    monkeypatch.delenv("TIGHTFIT_KERNELS", raising=False)
+    assert get_kernel("silu_mul").backend_for(x) == "native"
+    silu_mul(x)
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")
+    calls = []
+    kernel = get_kernel("silu_mul")
+    monkeypatch.setattr(type(kernel), "_impl", lambda self, b: calls.append(b) or self.reference)
+    silu_mul(x)
+    assert calls == ["reference"]
+
+
+# --------------------------------------------------------------------------- kernels against references
+
+
+def _paged_case(draw_lens: list[tuple[int, int]], hq: int, hk: int, d: int, block: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [kv for _, kv in draw_lens]
+    q_lens = [q for q, _ in draw_lens]
+    n_blocks = sum(-(-k // block) for k in kv_lens) + 2
+    kc, vc = torch.zeros(n_blocks, block, hk, d), torch.zeros(n_blocks, block, hk, d)
+    free = torch.randperm(n_blocks, generator=g).tolist()
+    tables = torch.zeros(len(kv_lens), max(-(-k // block) for k in kv_lens), dtype=torch.int32)
+    for b, kv in enumerate(kv_lens):
+        blocks = [free.pop() for _ in range(-(-kv // block))]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[p // block] * block + p % block for p in range(kv)])
+        store_kv(torch.randn(kv, hk, d, generator=g), torch.randn(kv, hk, d, generator=g), kc, vc, slots)
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kc, vc, tables, cu, torch.tensor(kv_lens, dtype=torch.int32)
+
+
+@st.composite
+def _sequences(draw):
+    n = draw(st.integers(1, 5))
+    out = []
+    for _ in range(n):
+        q = draw(st.sampled_from([0, 1, 1, 2, 7, NATIVE_MAX_Q, NATIVE_MAX_Q + 1, 50]))
+        out.append((q, q + draw(st.integers(0 if q else 1, 40))))
+    return out
+
+
+@RunIf(native=True)
+@settings(max_examples=40, deadline=None)
+@given(lens=_sequences(), heads=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]), d=st.sampled_from([4, 12, 32]),
+       block=st.sampled_from([1, 3, 16]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_native_paged_attention_equals_the_reference(lens, heads, d, block, threads, seed):
+    q, kc, vc, bt, cu, kl = _paged_case(lens, heads[0], heads[1], d, block, seed)
+    max_q = max(n for n, _ in lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the native kernel splits sequences over this many threads
+    try:
+        got = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max_q, backend="native")
+    finally:
+        torch.set_num_threads(before)
+    want = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max_q, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@RunIf(native=True)
+def test_native_paged_attention_splits_work_over_threads_on_a_large_call():
+    # ~3 M multiply-adds: enough for the kernel to start threads (it starts none for small calls).
+    q, kc, vc, bt, cu, kl = _paged_case([(1, 300)] * 24, 8, 4, 32, 16, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=1, backend="native")
+    finally:
+        torch.set_num_threads(before)
+    want = paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=1, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@RunIf(native=True)
+def test_native_paged_attention_hands_other_dtypes_to_the_reference():
+    q, kc, vc, bt, cu, kl = _paged_case([(3, 9), (1, 5)], 4, 2, 8, 4, seed=1)
+    half = [t.to(torch.bfloat16) for t in (q, kc, vc)]
+    got = paged_attention(*half, bt, cu, kl, scale=0.3, max_q_len=3, backend="native")
+    want = paged_attention(*half, bt, cu, kl, scale=0.3, max_q_len=3, backend="reference")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@RunIf(native=True)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), half=st.integers(1, 70), extra=st.integers(0, 3), lead=st.booleans())
+def test_native_silu_mul_equals_the_reference(rows, half, extra, lead):
+    g = torch.Generator().manual_seed(rows * 100 + half)
+    wide = torch.randn(rows, 2 * half + extra, generator=g) * 4
+    x = wide[:, :2 * half]  # rows further apart than their width, as a slice of a wider output
+    if lead:
+        x = x.reshape(1, rows, 2 * half) if rows else x
+    got = silu_mul(x, backend="native")
+    torch.testing.assert_close(got, silu_mul(x, backend="reference"), atol=1e-5, rtol=1e-5)
+    assert got.shape == (*x.shape[:-1], half)
+
+
+@RunIf(native=True)
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(0, 30), h=st.integers(1, 6), d=st.sampled_from([2, 8, 32, 64]), extra=st.integers(0, 2))
+def test_native_rotary_equals_the_reference_in_place(t, h, d, extra):
+    g = torch.Generator().manual_seed(t * 10 + h)
+    wide = torch.randn(t, (h + extra) * d, generator=g)
+    angles = torch.rand(t, 1, d, generator=g) * 7
+    a, b = wide.clone(), wide.clone()
+    xa, xb = a[:, :h * d].view(t, h, d), b[:, :h * d].view(t, h, d)  # strided views, as in a fused QKV output
+    out = rotary_(xa, angles.cos(), angles.sin(), backend="native")
+    rotary_(xb, angles.cos(), angles.sin(), backend="reference")
+    assert out.data_ptr() == xa.data_ptr()
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the columns past h * d are untouched by both
+
+
+def test_elementwise_inputs_are_checked():
+    with pytest.raises(ValueError, match=r"last dimension \(5\) must be even"):
+        silu_mul(torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"even head_dim.*got x \(2, 3, 5\)"):
+        rotary_(torch.ones(2, 3, 5), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
+    with pytest.raises(ValueError, match="one head_dim row per token"):
+        rotary_(torch.ones(2, 3, 4), torch.ones(3, 1, 4), torch.ones(3, 1, 4))
