@@ -15,6 +15,8 @@ from energon_infer import ModelRunner, SamplingParams
 from energon_infer.cuda_graphs import DecodeGraphs, default_buckets
 from energon_infer.runtime import RuntimeConfig
 from energon_infer.workers import StageTimer
+from tests.helpers.multiprocess import run_distributed
+from tests.helpers.runif import RunIf
 
 BUCKETS = (1, 2, 4, 8)
 # Seven sequences of unequal lengths: several spanning more than one block of 4 tokens.
@@ -23,16 +25,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(20, 41)), [50], [3, 4, 
 STEPS = [[0], [0, 1, 2], [0, 1, 2, 3, 4], [1, 2], list(range(7)), [6, 5, 4, 3, 2, 1], [3], [0, 2, 4, 6, 1]]
 
 
-def _pair(path: str, *, capture: bool = False) -> tuple[ModelRunner, ModelRunner]:
-    eager = ModelRunner.from_pretrained(path, block_size=4, kv_cache_tokens=256, progress=False)
-    padded = ModelRunner.from_pretrained(path, block_size=4, kv_cache_tokens=256, progress=False)
+def _pair(path: str, *, capture: bool = False, **kw) -> tuple[ModelRunner, ModelRunner]:
+    eager = ModelRunner.from_pretrained(path, block_size=4, kv_cache_tokens=256, progress=False, **kw)
+    padded = ModelRunner.from_pretrained(path, block_size=4, kv_cache_tokens=256, progress=False, **kw)
     assert eager.decode_graphs is None  # CPU: graphs off by default
     padded.decode_graphs = DecodeGraphs(padded.stage, padded.cache, buckets=BUCKETS, max_context=padded.max_context,
                                         capture=capture)
     return eager, padded
 
 
-def _run_both(eager: ModelRunner, padded: ModelRunner, steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_both(eager: ModelRunner, padded: ModelRunner, steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill PROMPTS on both, then the decode ``steps`` fed the eager runner's greedy tokens."""
     prompts = list(enumerate(PROMPTS))
     outs = [(eager.forward(prompts), padded.forward(prompts))]
@@ -48,7 +50,7 @@ def _run_both(eager: ModelRunner, padded: ModelRunner, steps) -> list[tuple[torc
 @pytest.mark.parametrize("family", ["gpt2", "llama"])  # learned positions; rotary with grouped key/value heads
 def test_padded_decode_equals_the_unpadded_step_and_leaves_other_kv_alone(tiny_dirs, family):
     eager, padded = _pair(tiny_dirs[family])
-    outs = _run_both(eager, padded, STEPS)
+    outs = run_both(eager, padded, STEPS)
     for i, (want, got) in enumerate(outs):
         assert got.shape == want.shape, i
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"step {i}")
@@ -74,7 +76,7 @@ def test_steps_outside_the_buckets_run_eagerly(tiny_dirs):
     eager, padded = _pair(tiny_dirs["gpt2"])
     graphs = padded.decode_graphs
     assert isinstance(graphs, DecodeGraphs)
-    _run_both(eager, padded, [])
+    run_both(eager, padded, [])
     nine = [(i + 100, [i + 3]) for i in range(2)] + [(s, [4]) for s in range(7)]  # 9 one-token rows > 8
     mixed = [(200, [5, 6, 7]), (0, [8])]  # a prompt beside a decode row
     for items in (nine, mixed):
@@ -100,7 +102,7 @@ def test_a_failed_capture_warns_once_and_decodes_eagerly(tiny_dirs):
     # capture=True on a CPU: no CUDA stream to capture on; the step must still come out right.
     eager, padded = _pair(tiny_dirs["gpt2"], capture=True)
     with pytest.warns(RuntimeWarning, match="CUDA graph capture of the decode step at batch 1 failed"):
-        outs = _run_both(eager, padded, STEPS[:2])
+        outs = run_both(eager, padded, STEPS[:2])
     for want, got in outs:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     graphs = padded.decode_graphs
@@ -134,3 +136,41 @@ def test_config_rules_name_the_value_and_the_fix(tiny_dirs):
             ModelRunner.from_pretrained(tiny_dirs["gpt2"], cuda_graphs=True, progress=False)
     assert default_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96)
     assert default_buckets(1) == (1,)
+
+
+def _pp2(rank: int, world: int, path: str) -> dict:
+    # Two micro-batches per step: a decode step of 5 runs as 3 + 2 rows (buckets 4 and 2) on each stage,
+    # token ids into stage 0's buffers, received hidden states into stage 1's.
+    eager, padded = _pair(path, pp=2, microbatches=2)
+    outs = run_both_pp(eager, padded)
+    graphs = padded.decode_graphs
+    assert isinstance(graphs, DecodeGraphs)
+    err = max((w - g).abs().max().item() for w, g in outs) if outs else None  # logits: last stage only
+    same = all(w.argmax(-1).tolist() == g.argmax(-1).tolist() for w, g in outs)
+    n = padded.cache.num_blocks
+    kv_err = (padded.cache.k[:, :n] - eager.cache.k[:, :n]).abs().max().item()
+    return {"first": padded.grid.first, "err": err, "same": same, "kv_err": kv_err, "padded": graphs.padded_steps}
+
+
+def run_both_pp(eager: ModelRunner, padded: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Both ranks run the same calls; the greedy feed comes from a broadcast so stage 0 knows it too.
+    prompts = list(enumerate(PROMPTS))
+    want, got = eager.forward(prompts, broadcast=True), padded.forward(prompts, broadcast=True)
+    outs = [(want, got)]
+    last = dict(zip(range(len(PROMPTS)), want.argmax(-1).tolist()))
+    for seqs in STEPS:
+        items = [(s, [last[s]]) for s in seqs]
+        want, got = eager.forward(items, broadcast=True), padded.forward(items, broadcast=True)
+        outs.append((want, got))
+        last.update(zip(seqs, want.argmax(-1).tolist()))
+    return outs if eager.grid.last else []
+
+
+@RunIf(min_world=2)
+def test_padded_decode_at_pp2_feeds_hidden_states_through_the_static_buffers(tiny_dirs):
+    first, last = run_distributed(_pp2, 2, args=(tiny_dirs["llama"],), timeout=300)
+    assert first["first"] and not last["first"]
+    assert last["err"] <= 1e-5 and last["same"], last
+    assert first["kv_err"] <= 1e-5 and last["kv_err"] <= 1e-5, (first, last)
+    # Every decode step was split in two micro-batches, each padded to its bucket, on both stages.
+    assert first["padded"] == last["padded"] and sum(last["padded"].values()) == 2 * len(STEPS) - 2  # [0], [3]
