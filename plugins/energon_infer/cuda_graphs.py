@@ -211,16 +211,17 @@ class DecodeGraphs(nn.Module):
         so cannot happen inside a capture) on a side stream, then capture; ``False`` if that failed."""
         x, meta, stage, cache = self._x[:size], self._meta[size], self.stage, self.cache
         try:
-            current = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    stage(x, meta, cache)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = stage(x, meta, cache)
+            with torch.cuda.device(cache.k.device):  # the graph's own capture stream is on the current device
+                current = torch.cuda.current_stream()
+                side = torch.cuda.Stream()
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        stage(x, meta, cache)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = stage(x, meta, cache)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves decode eager, said once
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"CUDA graph capture of the decode step at batch {size} failed ({self.failed}); decode "
