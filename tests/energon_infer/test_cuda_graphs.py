@@ -174,3 +174,17 @@ def test_padded_decode_at_pp2_feeds_hidden_states_through_the_static_buffers(tin
     assert first["kv_err"] <= 1e-5 and last["kv_err"] <= 1e-5, (first, last)
     # Every decode step was split in two micro-batches, each padded to its bucket, on both stages.
     assert first["padded"] == last["padded"] and sum(last["padded"].values()) == 2 * len(STEPS) - 2  # [0], [3]
+
+
+def test_pooling_layers_in_host_memory_turns_graphs_off(tiny_dirs):
+    # A graph would replay the weights' old addresses; pooled layers are copied into slots every step.
+    from energon_infer.memory_pool import MemoryPoolConfig, apply_memory_pool
+
+    eager, padded = _pair(tiny_dirs["gpt2"])
+    pool, plan = apply_memory_pool(padded, MemoryPoolConfig(fraction=1.0, lookahead=1))
+    try:
+        assert plan.pooled and padded.decode_graphs is None
+        for want, got in run_both(eager, padded, STEPS[:2]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        pool.close()
