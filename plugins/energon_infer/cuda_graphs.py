@@ -22,7 +22,8 @@ The bucketing and buffers are separate from the capture: with ``capture=False`` 
 buffers run through :class:`~energon_infer.model.DecoderStage` eagerly. That is how the CPU tests check
 the padding (same logits and tokens as the unpadded step, no other sequence's KV touched); only the
 capture itself needs a GPU. Graphs are captured lazily, the first time a bucket is used (one eager
-warm-up run, then the capture; both write only the scratch block), into one shared memory pool.
+warm-up run, then the capture; both write only the scratch block), into one shared memory pool; the
+engine's workers capture every bucket at load instead (:meth:`DecodeGraphs.capture_all`).
 
 Tensor parallelism: ``tp > 1`` is not captured. Each block all-reduces twice across the tensor-parallel
 ranks, and a collective inside a graph needs NCCL's graph-safe mode on every rank (registered buffers,
@@ -172,7 +173,7 @@ class DecodeGraphs(nn.Module):
             self.eager_steps += 1
             return self.stage(x, meta, cache, all_logits=all_logits)
         if self.capture and size not in self._graphs:
-            self._fill(0, x, meta)  # all rows padding: warm-up and capture touch only the scratch block
+            self._pad_from(0)  # all rows padding: warm-up and capture touch only the scratch block
             if not self._capture(size):
                 self.eager_steps += 1
                 return self.stage(x, meta, cache)
@@ -189,14 +190,19 @@ class DecodeGraphs(nn.Module):
         return out[:b].clone()
 
     def _fill(self, b: int, x: torch.Tensor, meta: StepMetadata) -> None:
-        """Rows ``0..b-1`` from the step; rows that held an earlier step's sequences back to padding."""
-        if b:
-            w = meta.block_tables.shape[1]
-            self._x[:b].copy_(x)
-            self._positions[:b].copy_(meta.positions)
-            self._slots[:b].copy_(meta.slot_mapping)
-            self._tables[:b, :w].copy_(meta.block_tables)
-            self._kv_lens[:b].copy_(meta.kv_lens)
+        """Rows ``0..b-1`` from the step, the rows after them padding. Block-table columns past the step's
+        width keep earlier (valid) block ids: they lie past the row's context, so attention masks them out
+        as it does the zero columns of an eager step's table."""
+        w = meta.block_tables.shape[1]
+        self._x[:b].copy_(x)
+        self._positions[:b].copy_(meta.positions)
+        self._slots[:b].copy_(meta.slot_mapping)
+        self._tables[:b, :w].copy_(meta.block_tables)
+        self._kv_lens[:b].copy_(meta.kv_lens)
+        self._pad_from(b)
+
+    def _pad_from(self, b: int) -> None:
+        """Rows from ``b`` on that held an earlier step's sequences back to padding."""
         if self._real > b:
             rows = slice(b, self._real)
             self._x[rows].zero_()
@@ -232,6 +238,18 @@ class DecodeGraphs(nn.Module):
             self._pool = graph.pool()  # later buckets share the first one's memory pool
         self._graphs[size], self._outputs[size] = graph, out
         return True
+
+    def capture_all(self) -> tuple[int, ...]:
+        """Capture every bucket now (the engine's workers do, at load, so no request waits for a capture);
+        largest first, so the smaller graphs reuse its memory. Returns the captured buckets."""
+        if self.capture:
+            for size in reversed(self.buckets):
+                if self.failed:
+                    break
+                if size not in self._graphs:
+                    self._pad_from(0)
+                    self._capture(size)
+        return self.captured
 
     @property
     def captured(self) -> tuple[int, ...]:

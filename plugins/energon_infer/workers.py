@@ -219,6 +219,8 @@ def _warm_up(runner: Any) -> None:
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2))
     runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
     runner.free(_WARMUP_SEQ)
+    if runner.decode_graphs is not None:  # every decode bucket captured now, not while a request waits
+        runner.decode_graphs.capture_all()
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:

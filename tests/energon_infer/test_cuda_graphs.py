@@ -188,3 +188,14 @@ def test_pooling_layers_in_host_memory_turns_graphs_off(tiny_dirs):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
         pool.close()
+
+
+def test_capture_all_is_a_no_op_without_capture_and_fails_softly_on_a_cpu(tiny_dirs):
+    _, padded = _pair(tiny_dirs["gpt2"])
+    assert padded.decode_graphs is not None and padded.decode_graphs.capture_all() == ()
+    _, capturing = _pair(tiny_dirs["gpt2"], capture=True)
+    graphs = capturing.decode_graphs
+    assert graphs is not None
+    with pytest.warns(RuntimeWarning, match="at batch 8 failed") as caught:  # largest first
+        assert graphs.capture_all() == ()
+    assert graphs.failed and len(caught) == 1  # one warning, then no more attempts
