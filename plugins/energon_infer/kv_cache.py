@@ -91,14 +91,17 @@ class KVCache:
         head_dim: width of one head.
         dtype / device: of the pools.
         host_blocks: blocks of host swap space (``swap_out`` / ``swap_in``; 0: none).
+        scratch: one more block after the ``num_blocks`` (:attr:`scratch_block`) that no sequence is ever
+            given: the padding rows of a CUDA-graph decode step write there (:mod:`energon_infer.cuda_graphs`).
     """
 
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", host_blocks: int = 0):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", host_blocks: int = 0, scratch: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        self.scratch_block: int | None = num_blocks if scratch else None  # outside range(num_blocks): never allocated
+        shape = (n_layers, num_blocks + int(scratch), block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: deque[int] = deque(range(num_blocks))

@@ -289,4 +289,6 @@ def apply_memory_pool(runner: Any, config: MemoryPoolConfig) -> tuple[LayerPool,
                      fraction=config.fraction, lookahead=config.lookahead)
     pool = LayerPool(runner.stage, plan.pooled, lookahead=config.lookahead, pool_device=config.pool_device,
                      cpu_prefetch=config.cpu_prefetch)
+    if plan.pooled:  # a CUDA graph replays the weights' old addresses; pooled layers move every step
+        runner.decode_graphs = None
     return pool, plan

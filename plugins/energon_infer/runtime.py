@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from energon_infer.config import ModelConfig, load_config
+from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
 from energon_infer.kv_cache import KVCache
 from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, split_layers
@@ -74,6 +75,7 @@ class RuntimeConfig:
         seed: seeds the generator that seeds requests without their own seed.
         progress: print loading progress on rank 0 (stderr).
         nonfinite_weights: a NaN/inf weight at load: ``"warn"`` (naming the tensor), ``"error"``, ``"ignore"``.
+        cuda_graphs: decode from CUDA graphs: None on for CUDA at tp=1; True/[sizes] insist; False off (cuda_graphs.py).
     """
 
     tp: int = 1
@@ -88,6 +90,7 @@ class RuntimeConfig:
     seed: int = 0
     progress: bool = True
     nonfinite_weights: str = "warn"
+    cuda_graphs: bool | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
@@ -95,6 +98,7 @@ class RuntimeConfig:
             check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
                          fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
             object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
+        object.__setattr__(self, "cuda_graphs", check_cuda_graphs(self.cuda_graphs, device=self.device, tp=self.tp))
         if self.nonfinite_weights not in ("warn", "error", "ignore"):
             raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
         if self.tp < 1 or self.pp < 1:
@@ -162,14 +166,14 @@ class ModelRunner:
                   f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
         num_blocks = -(-rt.kv_cache_tokens // rt.block_size)
         check_stage_fits(config, len(layers[self.grid.stage]), tp=rt.tp, itemsize=self.dtype.itemsize,
-                         kv_tokens=num_blocks * rt.block_size, device=self.device)
+                         kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device)  # + the scratch block
         self.stage = DecoderStage(config, self.grid, layers[self.grid.stage], dtype=self.dtype, device=self.device)
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
-        self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=-(-rt.kv_cache_tokens // rt.block_size),
-                             block_size=rt.block_size, n_kv_heads=config.n_kv_heads // rt.tp,
-                             head_dim=config.head_dim, dtype=self.dtype, device=self.device,
-                             host_blocks=-(-rt.swap_space_tokens // rt.block_size))
+        self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
+                             n_kv_heads=config.n_kv_heads // rt.tp, head_dim=config.head_dim, dtype=self.dtype,
+                             device=self.device, host_blocks=-(-rt.swap_space_tokens // rt.block_size), scratch=True)
+        self.decode_graphs = decode_graphs_for(self)  # None: every step runs on self.stage eagerly
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
@@ -267,7 +271,7 @@ class ModelRunner:
             else:
                 x = torch.empty((meta.n_tokens, self.config.hidden_size), dtype=self.dtype, device=self.device)
                 dist.recv(x, src=grid.prev_rank)
-            y = stage(x, meta, self.cache, all_logits=all_logits)
+            y = (self.decode_graphs or stage)(x, meta, self.cache, all_logits=all_logits)
             if grid.last:
                 outputs.append(y)
             else:

@@ -219,6 +219,8 @@ def _warm_up(runner: Any) -> None:
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2))
     runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
     runner.free(_WARMUP_SEQ)
+    if runner.decode_graphs is not None:  # every decode bucket captured now, not while a request waits
+        runner.decode_graphs.capture_all()
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
@@ -244,7 +246,8 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
         swap_s, prefill_s = measure_costs(runner)
         info = dataclasses.replace(info, host_blocks=host_blocks, swap_s_per_block=swap_s,
                                    recompute_s_per_token=prefill_s)
-    return runner, StageTimer(runner.stage, runner.device), info
+    # The decode graphs' module when there is one: a replayed step never calls the stage's own hooks.
+    return runner, StageTimer(runner.decode_graphs or runner.stage, runner.device), info
 
 
 def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], Command | None],

@@ -59,14 +59,19 @@ def test_elixir_benchmark_smoke(tmp_path):
     assert "predicted" in data["summary"]
 
 
+# energon: packed prefill and generate tokens/s beside batched transformers; the engine: the request stream
+# (continuous / static / transformers per request) and the pooling sweep; graphs: decode steps with and without
+ENERGON_FIELDS = {"energon": {"prefill", "generate", "attention_kernel"}, "energon_engine": {"stream", "pool"},
+                  "energon_graphs": {"batches", "captured", "step_floor_s"}}
+
+
 @RunIf(triton=True, transformers=True)
-@pytest.mark.parametrize("name", ["energon", "energon_engine"])
+@pytest.mark.parametrize("name", list(ENERGON_FIELDS))
 def test_energon_benchmarks_smoke(tmp_path, name):
     results = _smoke(name, tmp_path)["results"]
-    # energon: packed prefill and generate tokens/s beside batched transformers; the engine: the request
-    # stream (continuous / static / transformers per request) and the pooling sweep
-    assert {"prefill", "generate", "attention_kernel"} <= set(results) if name == "energon" else \
-        {"stream", "pool"} <= set(results), results
+    assert ENERGON_FIELDS[name] <= set(results), results
+    if name == "energon_graphs":  # batch 5 ran padded to the bucket of 8, with the eager step's tokens
+        assert results["batches"]["5"]["bucket"] == 8 and results["batches"]["5"]["greedy_agreement"] == 1.0
 
 
 def test_fused_uvm_skip_reason_names_what_is_missing(monkeypatch):
