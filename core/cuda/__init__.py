@@ -1,12 +1,15 @@
-"""tightfit's kernel toolkit: Triton kernels, each beside a pure-PyTorch reference, and one dispatcher.
+"""tightfit's kernel toolkit: Triton and native CPU kernels, each beside a pure-PyTorch reference, and one dispatcher.
 
-A call runs the Triton kernel when every tensor argument is on CUDA and Triton imports, the
-reference otherwise; ``TIGHTFIT_KERNELS=reference|triton`` (or ``backend=`` on a call) forces
-either (see :mod:`tightfit.cuda.dispatch`). The first Triton call of each shape class on a device is
+A call runs the Triton kernel when every tensor argument is on CUDA and Triton imports, the native
+CPU kernel (C compiled on first use, :mod:`tightfit.cuda.native`) when no tensor is on CUDA and the
+kernel has one, the reference otherwise; ``TIGHTFIT_KERNELS=reference|triton|native`` (or ``backend=``
+on a call) forces one (see :mod:`tightfit.cuda.dispatch`). The first Triton call of each shape class on a device is
 checked against the reference on a small probe; a disagreement falls back to the reference with a
 :class:`KernelCheckWarning` (:func:`kernel_checks` lists the verdicts). Importing this package never imports Triton.
 
-Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``).
+Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``),
+:mod:`tightfit.cuda.varlen_attention` (``paged_attention``, ``store_kv``; native: :mod:`~tightfit.cuda.varlen_attention_cpu`),
+:mod:`tightfit.cuda.elementwise` (``silu_mul``, ``rotary_``: native and reference only).
 
 How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layout):
 

@@ -13,7 +13,8 @@ hash of the source, the compiler's version, the flags and this CPU's instruction
 shared between machines never loads code built for another CPU. A build goes to a temporary file renamed
 into place, so processes that build at once cannot load a half-written library.
 
-The compiler is ``$CC`` (default ``cc``), called with ``-O3 -march=native -ffast-math``; ``TIGHTFIT_NATIVE=0``
+The compiler is ``$CC`` (default ``cc``), compiling with ``-O3 -march=native -ffast-math`` and linking
+without it (so loading a library never switches the process to flush-to-zero); ``TIGHTFIT_NATIVE=0``
 disables every native library (each kernel then runs its PyTorch reference). A missing or failing compiler is
 not an error: :func:`load_library` returns ``None``, logs the reason once on ``tightfit.cuda.native`` and
 the dispatcher uses the reference.
@@ -35,7 +36,10 @@ from pathlib import Path
 __all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "native_error", "cache_dir"]
 
 NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c99")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
+# Linked in a second command without -ffast-math: given at link time it adds crtfastmath.o, whose
+# constructor sets flush-to-zero for the whole process once the library loads (subnormals vanish from
+# every later float operation, PyTorch's and Python's included).
 LIBS = ("-lm", "-lpthread")
 log = logging.getLogger(__name__)
 _ERRORS: dict[str, str] = {}
@@ -100,12 +104,12 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
-                src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+                src, obj, out = (Path(tmp) / f"{name}{ext}" for ext in (".c", ".o", ".so"))
                 src.write_text(source)
-                done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src), *LIBS], capture_output=True,
-                                      text=True, timeout=120)
-                if done.returncode != 0:
-                    raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+                for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(src)], [cc, "-shared", "-o", str(out), str(obj), *LIBS]):
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                    if done.returncode != 0:
+                        raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
                 os.replace(out, path)  # atomic: a concurrent builder's identical file may win; both are fine
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:

@@ -208,3 +208,17 @@ def test_elementwise_inputs_are_checked():
         rotary_(torch.ones(2, 3, 5), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
     with pytest.raises(ValueError, match="one head_dim row per token"):
         rotary_(torch.ones(2, 3, 4), torch.ones(3, 1, 4), torch.ones(3, 1, 4))
+
+
+@RunIf(native=True)
+def test_loading_the_native_kernels_keeps_subnormal_floats(tmp_path, monkeypatch):
+    # A library linked with -ffast-math would set flush-to-zero for the whole process when it loads.
+    import sys
+
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))  # a fresh build with today's flags
+    assert native.load_library("t_subnormal", _ADD.format(k=4)) is not None
+    silu_mul(torch.randn(2, 4), backend="native")
+    tiny = sys.float_info.min
+    assert tiny / 2 > 0.0
+    assert torch.tensor([tiny], dtype=torch.float64).div(2).item() > 0.0
+    assert torch.tensor([1e-40], dtype=torch.float32).item() != 0.0
