@@ -49,6 +49,11 @@ class ConfigError(ValueError):
     """``config.json`` (or a :class:`ModelConfig`) holds a value of the wrong type or out of range."""
 
 
+def _or_default(value: object, default: int) -> object:
+    """GPT-2's "null or 0 means the default" (an empty string or False is a mistake, not a default)."""
+    return default if value is None or (type(value) is int and value == 0) else value
+
+
 def _whole(value: Any, name: str, *, low: int = 1) -> int:
     """``value`` as a whole number >= ``low``; a bool, a string or ``2.5`` raises naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
@@ -259,7 +264,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             raise UnsupportedModelError("GPT-2 with scale_attn_weights=False is not supported")
         return ModelConfig(
             **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "n_layer"),
-            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_whole(raw.get("n_inner") or 4 * h, "n_inner"),
+            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_whole(_or_default(raw.get("n_inner"), 4 * h), "n_inner"),
             max_positions=_int(raw, "n_positions"), norm="layer",
             norm_eps=_real(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
             positions="learned", mlp="dense", activation=raw.get("activation_function", "gelu_new"),

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.helpers.runif import RunIf
 from tightfit.cuda import native
 from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
-from tightfit.cuda.elementwise import rotary_, silu_mul
+from tightfit.cuda.elementwise import NATIVE_MIN_ROWS, rms_norm, rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
 from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
 
@@ -201,11 +201,36 @@ def test_native_rotary_equals_the_reference_in_place(t, h, d, extra):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the columns past h * d are untouched by both
 
 
+@RunIf(native=True)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 80), n=st.integers(1, 300), weighted=st.booleans(), extra=st.integers(0, 3),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_native_rms_norm_equals_the_reference(rows, n, weighted, extra, scale):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = (torch.randn(rows, n + extra, generator=g) * scale)[:, :n]  # rows further apart than their width
+    w = torch.randn(n, generator=g) if weighted else None
+    got = rms_norm(x, w, 1e-6, backend="native")
+    torch.testing.assert_close(got, rms_norm(x, w, 1e-6, backend="reference"), atol=1e-5, rtol=1e-5)
+
+
+@RunIf(native=True)
+def test_rms_norm_of_few_rows_skips_the_dispatcher(monkeypatch):
+    kernel = get_kernel("rms_norm")
+    calls = []
+    monkeypatch.setattr(type(kernel), "_impl", lambda self, b: calls.append(b) or self.reference)
+    rms_norm(torch.randn(NATIVE_MIN_ROWS - 1, 8), None, 1e-6)
+    assert calls == []
+    rms_norm(torch.randn(NATIVE_MIN_ROWS, 8), None, 1e-6)
+    assert calls and set(calls) == {"native"}  # (its first call of a class is also checked on a probe)
+
+
 def test_elementwise_inputs_are_checked():
     with pytest.raises(ValueError, match=r"last dimension \(5\) must be even"):
         silu_mul(torch.ones(2, 5))
     with pytest.raises(ValueError, match=r"even head_dim.*got x \(2, 3, 5\)"):
         rotary_(torch.ones(2, 3, 5), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
+    with pytest.raises(ValueError, match=r"weight of shape \(3,\) does not match the last dimension of x \(2, 4\)"):
+        rms_norm(torch.ones(2, 4), torch.ones(3), 1e-6)
     with pytest.raises(ValueError, match="one head_dim row per token"):
         rotary_(torch.ones(2, 3, 4), torch.ones(3, 1, 4), torch.ones(3, 1, 4))
 
