@@ -103,8 +103,11 @@ class KernelCheck:
 
 # (kernel name, shape class, device) -> verdict; filled on first use, read by every later call.
 _CHECKS: dict[tuple[str, Hashable, str], KernelCheck] = {}
-# (kernel name, (environment, tensor device types)) -> the backend the rule picked for that combination.
-_DECIDED: dict[tuple[str, tuple], Backend] = {}
+# (kernel name, TIGHTFIT_KERNELS, TIGHTFIT_KERNEL_CHECK, each tensor's is_cuda) -> (the backend the rule
+# picked for that combination, whether self-checks are on).
+_DECIDED: dict[tuple, tuple[Backend, bool]] = {}
+# (kernel name, shape class, torch.device) -> the verdict's ``passed``: _CHECKS without formatting the device.
+_PASSED: dict[tuple, bool] = {}
 
 
 def check_enabled() -> bool:
@@ -120,6 +123,7 @@ def kernel_checks() -> list[KernelCheck]:
 def reset_kernel_checks() -> None:
     """Forget every verdict (the next call of each class is checked again); for tests and benchmarks."""
     _CHECKS.clear()
+    _PASSED.clear()
 
 
 @functools.cache
@@ -257,19 +261,23 @@ class Kernel:
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         if backend in (None, "auto"):
-            # The rule's inputs are the environment and the tensors' device types (Triton's and the native
-            # library's availability are fixed per process): its answer is remembered per combination.
-            # A model calls a handful of kernels per layer, and deciding afresh cost ~15 us a call (0.45 ms
-            # of a 7 ms decode step of the benchmark's 6-layer model).
-            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-            key = (os.environ.get(ENV_VAR), os.environ.get(CHECK_ENV_VAR), os.environ.get("TRITON_INTERPRET"),
-                   *(t.device.type for t in tensors))
-            chosen = _DECIDED.get((self.name, key))
-            if chosen is None:
-                chosen = _DECIDED[(self.name, key)] = choose_backend(
-                    *tensors, name=self.name, native_error=self.native_error if self.native is not None else None,
-                    has_triton=self.triton is not None)
-            if chosen != "reference" and check_enabled() and not self._verified(chosen, args, kwargs):
+            # The rule's inputs are the environment and where the tensors are (Triton's and the native
+            # library's availability are fixed per process; Triton reads TRITON_INTERPRET at import): its
+            # answer is remembered per combination. A model calls a handful of kernels per layer, and
+            # deciding afresh cost ~15 us a call (0.45 ms of a 7 ms decode step of the benchmark's model).
+            env = os.environ
+            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)] if kwargs else \
+                [x for x in args if isinstance(x, torch.Tensor)]
+            key = (self.name, env.get(ENV_VAR), env.get(CHECK_ENV_VAR), *(t.is_cuda for t in tensors))
+            decided = _DECIDED.get(key)
+            if decided is None:
+                decided = _DECIDED[key] = (
+                    choose_backend(*tensors, name=self.name,
+                                   native_error=self.native_error if self.native is not None else None,
+                                   has_triton=self.triton is not None),
+                    check_enabled())
+            chosen, check = decided
+            if chosen != "reference" and check and not self._verified(chosen, args, kwargs, tensors):
                 chosen = "reference"
         else:
             chosen = self.backend_for(*args, backend=backend, **kwargs)
@@ -283,11 +291,16 @@ class Kernel:
         return self.reference
 
     # ---- first-use self-check ----------------------------------------------------------------------
-    def _verified(self, backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _verified(self, backend: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether ``backend`` may run this call's class (checking it now if it is the first of its class)."""
-        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-        device = str(tensors[0].device) if tensors else "none"
+        if tensors is None:
+            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         cls = self.shape_class(*args, **kwargs) if self.shape_class is not None else _default_class(args, kwargs)
+        passed = _PASSED.get((self.name, cls, tensors[0].device if tensors else None))
+        if passed is not None:  # the common case, without formatting the device's name
+            return passed
+        device = str(tensors[0].device) if tensors else "none"
         key = (self.name, cls, device)
         verdict = _CHECKS.get(key)
         if verdict is None:
@@ -300,6 +313,7 @@ class Kernel:
                     f"(class {cls}, {device}): {error}; using the reference for this class from now on. Report it "
                     f"with this message; {ENV_VAR}=reference silences the check, {CHECK_ENV_VAR}=0 skips it",
                     KernelCheckWarning, stacklevel=3)
+        _PASSED[(self.name, cls, tensors[0].device if tensors else None)] = verdict.passed
         return verdict.passed
 
     def _compare_on_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any], backend: str = "triton") -> str:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import interpreter_enabled, register_kernel
 from tightfit.cuda.index_rows import scatter_rows
-from tightfit.cuda.varlen_attention_cpu import native_attention_error, paged_attention_native
+from tightfit.cuda.varlen_attention_cpu import native_attention_error, paged_attention_native, store_kv_native
 
 __all__ = [
     "attend_sequences",
@@ -305,17 +305,51 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                   backend=backend)
 
 
+def _store_kv_with(backend: str) -> Any:
+    def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        rows = k_cache.shape[0] * k_cache.shape[1]
+        width = k_cache.shape[2] * k_cache.shape[3]
+        scatter_rows(k_cache.view(rows, width), slot_mapping, k.reshape(-1, width).to(k_cache.dtype),
+                     validate=False, backend=backend)
+        scatter_rows(v_cache.view(rows, width), slot_mapping, v.reshape(-1, width).to(v_cache.dtype),
+                     validate=False, backend=backend)
+    store.__name__ = f"store_kv_{backend}"
+    return store
+
+
+store_kv_reference = _store_kv_with("reference")
+store_kv_triton = _store_kv_with("triton")
+
+
+def _store_class(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple:
+    return (str(k.dtype), str(k_cache.dtype), k_cache.shape[2] * k_cache.shape[3], str(slot_mapping.dtype))
+
+
+def _store_probe(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[tuple, dict]:
+    gen = torch.Generator(device=k.device).manual_seed(0)
+    shape = (6, 2, *k_cache.shape[2:])
+    kc, vc = torch.zeros(shape, dtype=k_cache.dtype, device=k.device), torch.zeros(shape, dtype=v_cache.dtype,
+                                                                                  device=k.device)
+    new = torch.randn(3, *k_cache.shape[2:], generator=gen, device=k.device).to(k.dtype)
+    slots = torch.tensor([7, 0, 4], dtype=slot_mapping.dtype, device=k.device)
+    return (new, new * 2, kc, vc, slots), {}
+
+
+_store = register_kernel("store_kv", reference=store_kv_reference, triton=store_kv_triton,
+                         doc="write new keys and values to their paged-cache slots",
+                         shape_class=_store_class, probe=_store_probe,
+                         native=store_kv_native, native_error=native_attention_error)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
     """Write new keys/values ``(T, Hk, D)`` to cache slots (``slot = block * block_size + offset``).
 
     A row scatter (:func:`tightfit.cuda.index_rows.scatter_rows`) on the caches viewed as
-    ``(blocks * block_size, Hk * D)``; slots come from the runtime's own block tables, so they are
-    not validated again (that would cost a host sync per layer).
+    ``(blocks * block_size, Hk * D)``, or on CPU one native call for keys and values; slots come from
+    the runtime's own block tables, so they are not validated again (that would cost a host sync per layer).
     """
-    rows = k_cache.shape[0] * k_cache.shape[1]
-    width = k_cache.shape[2] * k_cache.shape[3]
-    scatter_rows(k_cache.view(rows, width), slot_mapping, k.reshape(-1, width).to(k_cache.dtype),
-                 validate=False, backend=backend)
-    scatter_rows(v_cache.view(rows, width), slot_mapping, v.reshape(-1, width).to(v_cache.dtype),
-                 validate=False, backend=backend)
+    _store(k, v, k_cache, v_cache, slot_mapping, backend=backend)

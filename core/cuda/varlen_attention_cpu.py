@@ -30,7 +30,7 @@ import torch
 
 from tightfit.cuda.native import load_library, native_error
 
-__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error"]
+__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
 
 NATIVE_MAX_Q = 32  # new tokens per sequence up to which the native loop beats sdpa's blocked matmuls
 
@@ -126,6 +126,15 @@ static void *run_range(void *arg) {
     return NULL;
 }
 
+/* Rows t of k and v (row strides k_row, v_row; width floats each) to cache slots slots[t]. */
+void tf_store_kv_f32(const float *k, int64_t k_row, const float *v, int64_t v_row, float *kc, float *vc,
+                     const int64_t *slots, int64_t T, int64_t width) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(kc + slots[t] * width, k + t * k_row, sizeof(float) * (size_t)width);
+        memcpy(vc + slots[t] * width, v + t * v_row, sizeof(float) * (size_t)width);
+    }
+}
+
 #define MAX_THREADS 256
 
 /* Returns 0 on success, 1 when memory could not be had, 2 when Hk does not divide Hq. */
@@ -172,19 +181,37 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
-def _function() -> Any:
+def _library() -> Any:
     lib = load_library("paged_attention", _SOURCE)
     if lib is None:
         return None
-    fn = lib.tf_paged_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
-    return fn
+    lib.tf_paged_attention_f32.restype = ctypes.c_int
+    lib.tf_paged_attention_f32.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
+    lib.tf_store_kv_f32.restype = None
+    lib.tf_store_kv_f32.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
+    return lib
 
 
 def native_attention_error() -> str:
     """Why the native kernel cannot run here ('' when it can; builds it on the first call)."""
-    return "" if _function() is not None else native_error("paged_attention") or "not built"
+    return "" if _library() is not None else native_error("paged_attention") or "not built"
+
+
+def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Native launcher of :func:`~tightfit.cuda.varlen_attention.store_kv` (one call for keys and values)."""
+    from tightfit.cuda.varlen_attention import store_kv_reference
+
+    width = k_cache.shape[2] * k_cache.shape[3]
+    k2, v2 = k.reshape(-1, width), v.reshape(-1, width)
+    if (k_cache.dtype != torch.float32 or k2.dtype != torch.float32 or v2.dtype != torch.float32
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k2.stride(1) != 1 or v2.stride(1) != 1):
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _library().tf_store_kv_f32(
+        k2.data_ptr(), k2.stride(0), v2.data_ptr(), v2.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), k2.shape[0], width)
 
 
 def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,8 +220,8 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Native launcher (no argument checks; call :func:`~tightfit.cuda.varlen_attention.paged_attention`)."""
     from tightfit.cuda.varlen_attention import attend_sequences, paged_attention_reference
 
-    fn = _function()
-    if (fn is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.is_cuda
+    lib = _library()
+    if (lib is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.is_cuda
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, scale=scale,
                                          max_q_len=max_q_len)
@@ -205,7 +232,7 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
-    failed = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
+    failed = lib.tf_paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
                 cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                 float(scale), NATIVE_MAX_Q, torch.get_num_threads())
     if failed:

@@ -164,6 +164,24 @@ def test_native_paged_attention_splits_work_over_threads_on_a_large_call():
 
 
 @RunIf(native=True)
+@settings(max_examples=20, deadline=None)
+@given(t=st.integers(0, 20), hk=st.integers(1, 4), d=st.sampled_from([1, 8, 32]), strided=st.booleans(),
+       slot_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_native_store_kv_equals_the_reference(t, hk, d, strided, slot_dtype):
+    g = torch.Generator().manual_seed(t * 31 + hk * 7 + d)
+    shape = (5, 4, hk, d)
+    fresh = torch.randn(t, 3 * hk, d, generator=g)  # k and v as views into a fused projection's output
+    k, v = (fresh[:, :hk], fresh[:, hk:2 * hk]) if strided else (fresh[:, :hk].clone(), fresh[:, hk:2 * hk].clone())
+    slots = torch.randperm(20, generator=g)[:t].to(slot_dtype)
+    caches = {b: (torch.randn(shape, generator=torch.Generator().manual_seed(1)),
+                  torch.randn(shape, generator=torch.Generator().manual_seed(2))) for b in ("native", "reference")}
+    for b, (kc, vc) in caches.items():
+        store_kv(k, v, kc, vc, slots, backend=b)
+    assert torch.equal(caches["native"][0], caches["reference"][0])
+    assert torch.equal(caches["native"][1], caches["reference"][1])
+
+
+@RunIf(native=True)
 def test_native_paged_attention_hands_other_dtypes_to_the_reference():
     q, kc, vc, bt, cu, kl = _paged_case([(3, 9), (1, 5)], 4, 2, 8, 4, seed=1)
     half = [t.to(torch.bfloat16) for t in (q, kc, vc)]
