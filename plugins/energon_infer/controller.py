@@ -96,6 +96,9 @@ class EngineConfig:
             (prompts longer than it are then accepted).
         pipeline_depth: steps of each group in flight (> 1: planned before the previous step's tokens
             are back; the last stage sends them straight to the first, see ``SchedulerConfig.depth``).
+            0 (the default): 2 at pp=1, where it hides the controller's round trip between steps, and 1 at
+            pp > 1, where the groups already keep every stage busy and planning ahead only adds the token
+            messages (measured at pp=2, 64 sequences: 3228 tokens/s at depth 1, 2872 at depth 2, 2946 blocking).
     """
 
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
@@ -114,12 +117,13 @@ class EngineConfig:
     kv_admission: str = "on_demand"
     prefix_caching: bool = True
     chunked_prefill: bool = False
-    pipeline_depth: int = 2
+    pipeline_depth: int = 0
     preemption: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.pipeline_depth < 1:
-            raise ValueError(f"pipeline_depth={self.pipeline_depth} must be >= 1 (steps of a group in flight)")
+        if self.pipeline_depth < 0:
+            raise ValueError(f"pipeline_depth={self.pipeline_depth} must be >= 1 (steps of a group in flight), or 0 "
+                             "for the default (2 at pp=1, 1 at pp > 1)")
         if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
             raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
                              f"threads_per_worker={self.threads_per_worker} must be >= 0")

@@ -97,7 +97,8 @@ def test_engine_with_steps_planned_ahead_equals_the_runtime(tiny_dirs, reference
 
 
 @RunIf(min_world=2)
-def test_pp2_stages_work_at_the_same_time(tmp_path):
+@pytest.mark.parametrize("depth", [1, 2], ids=["one step per group", "steps planned ahead"])
+def test_pp2_stages_work_at_the_same_time(tmp_path, depth):
     # A stage's step must outweigh the controller's per-step work for the overlap to show: hidden 768.
     from energon_infer.demo import write_random_llama
     from energon_infer.engine import Engine
@@ -107,7 +108,8 @@ def test_pp2_stages_work_at_the_same_time(tmp_path):
     g = random.Random(0)
     prompts = [[g.randrange(3, 250) for _ in range(g.randint(4, 24))] for _ in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with Engine.from_pretrained(d, pp=2, progress=False, threads_per_worker=1, block_size=16) as engine:
+    with Engine.from_pretrained(d, pp=2, pipeline_depth=depth, progress=False, threads_per_worker=1,
+                                block_size=16) as engine:
         engine.generate(prompts[:2], greedy)
         engine.pipeline_stats(reset=True)
         engine.generate(prompts, greedy)
