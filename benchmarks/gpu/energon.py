@@ -36,14 +36,15 @@ from benchmarks.gpu.common import (
 NAME, TITLE = "energon", "energon_infer vs transformers on one GPU (~1B LLaMA-arch, bf16)"
 
 
-def _ensure_energon() -> None:
+def ensure_energon() -> None:
     # The tree is copied, not installed, onto the GPU machine: plugins/ holds the energon_infer package.
     ensure_tightfit()
     if str(ROOT / "plugins") not in sys.path:
         sys.path.insert(0, str(ROOT / "plugins"))
 
 
-def _model(smoke: bool, device, dtype):
+def llama_model(smoke: bool, device, dtype):
+    """The ~0.89B LLaMA-architecture model (random weights) these GPU benchmarks run, or a tiny one for --smoke."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers  # noqa: F401
     except ImportError:
         return skip(NAME, TITLE, "transformers is not installed (the peer)")
-    _ensure_energon()
+    ensure_energon()
     from tightfit.cuda.dispatch import triton_available, triton_import_error
 
     if not triton_available():
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     n, lo, hi = (4, 4, 24) if args.smoke else (32, 16, 512)
     gen_n, gen_lo, gen_hi, new = (2, 4, 8, 3) if args.smoke else ((16, 64, 256, 64) if args.quick else (32, 64, 512, 128))
     t0 = time.perf_counter()
-    hf = _model(args.smoke, device, dtype)
+    hf = llama_model(args.smoke, device, dtype)
     params = sum(p.numel() for p in hf.parameters())
     runner = ModelRunner(config_from_hf(hf.config.to_dict()), hf.state_dict(),
                          RuntimeConfig(dtype="float32" if args.smoke else "bfloat16", device=str(device),

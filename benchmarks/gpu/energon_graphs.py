@@ -17,44 +17,19 @@ reaches is reported beside it. ``--smoke`` runs a tiny model on the CPU with the
 
 from __future__ import annotations
 
-import sys
 import time
 
 from benchmarks.gpu.common import (
-    ROOT,
-    ensure_tightfit,
     interleave_cuda,
     parser,
     skip,
     summarize,
     write_result,
 )
+from benchmarks.gpu.energon import ensure_energon, llama_model
 
 NAME, TITLE = "energon_graphs", "energon_infer decode steps: CUDA graphs vs eager on one GPU (~0.9B LLaMA, bf16)"
 CONTEXT = 256
-
-
-def _ensure_energon() -> None:
-    ensure_tightfit()
-    if str(ROOT / "plugins") not in sys.path:
-        sys.path.insert(0, str(ROOT / "plugins"))
-
-
-def _hf_model(smoke: bool, device, dtype):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if smoke:
-        cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
-    else:  # 0.89B: 16 layers of width 2048, GQA 16/8, vocabulary 32000 (the shape of benchmarks/gpu/energon.py)
-        cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                          intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
-                          tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval()
 
 
 def _copy_bandwidth(device) -> float:
@@ -85,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers  # noqa: F401
     except ImportError:
         return skip(NAME, TITLE, "transformers is not installed (it builds the random model)")
-    _ensure_energon()
+    ensure_energon()
     from energon_infer.config import config_from_hf
     from energon_infer.cuda_graphs import DecodeGraphs, default_buckets
     from energon_infer.runtime import ModelRunner, RuntimeConfig
@@ -96,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (1, 5) if args.smoke else (1, 16, 64) if args.quick else (1, 5, 16, 64)
     context = 16 if args.smoke else CONTEXT
     t0 = time.perf_counter()
-    hf = _hf_model(args.smoke, device, getattr(torch, dtype))
+    hf = llama_model(args.smoke, device, getattr(torch, dtype))
     config, weights = config_from_hf(hf.config.to_dict()), hf.state_dict()
     opts = dict(dtype=dtype, device=str(device), kv_cache_tokens=max(sizes) * (context + 256) + 1024, progress=False)
     eager = ModelRunner(config, weights, RuntimeConfig(cuda_graphs=False, **opts))

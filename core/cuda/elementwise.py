@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_library, native_error
+from tightfit.cuda.native import load_functions, native_error
 
 __all__ = ["NATIVE_MIN_ROWS", "silu_mul", "silu_mul_reference", "rotary_", "rotary_reference", "rms_norm",
            "rms_norm_reference"]
@@ -81,16 +81,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _library() -> Any:
-    lib = load_library("elementwise", _SOURCE)
-    if lib is None:
-        return None
-    lib.tf_silu_mul_f32.restype = None
-    lib.tf_silu_mul_f32.argtypes = [_P, _I, _P, _I, _I]
-    lib.tf_rms_norm_f32.restype = None
-    lib.tf_rms_norm_f32.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float]
-    lib.tf_rotary_f32.restype = None
-    lib.tf_rotary_f32.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I]
-    return lib
+    return load_functions("elementwise", _SOURCE, (
+        ("tf_silu_mul_f32", None, (_P, _I, _P, _I, _I)),
+        ("tf_rms_norm_f32", None, (_P, _I, _P, _P, _I, _I, ctypes.c_float)),
+        ("tf_rotary_f32", None, (_P, _I, _I, _P, _P, _I, _I, _I, _I))))
 
 
 def _native_error() -> str:

@@ -31,9 +31,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "native_error", "cache_dir"]
+__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir"]
 
 NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
@@ -116,3 +118,14 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
         _ERRORS[name] = f"{type(exc).__name__}: {exc}"
         log.info("native kernel %s unavailable: %s", name, _ERRORS[name])
         return None
+
+
+def load_functions(name: str, source: str, signatures: Sequence[tuple[str, Any, Sequence[Any]]]) -> Any:
+    """:func:`load_library`, with each ``(function, restype, argtypes)`` of ``signatures`` declared; ``None``
+    where the library cannot be built."""
+    lib = load_library(name, source)
+    if lib is not None:
+        for fn, restype, argtypes in signatures:
+            getattr(lib, fn).restype = restype
+            getattr(lib, fn).argtypes = list(argtypes)
+    return lib

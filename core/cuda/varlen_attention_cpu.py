@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.native import load_library, native_error
+from tightfit.cuda.native import load_functions, native_error
 
 __all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
 
@@ -182,14 +182,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _library() -> Any:
-    lib = load_library("paged_attention", _SOURCE)
-    if lib is None:
-        return None
-    lib.tf_paged_attention_f32.restype = ctypes.c_int
-    lib.tf_paged_attention_f32.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
-    lib.tf_store_kv_f32.restype = None
-    lib.tf_store_kv_f32.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
-    return lib
+    return load_functions("paged_attention", _SOURCE, (
+        ("tf_paged_attention_f32", ctypes.c_int, (_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I)),
+        ("tf_store_kv_f32", None, (_P, _I, _P, _I, _P, _P, _P, _I, _I))))
 
 
 def native_attention_error() -> str:
