@@ -111,6 +111,36 @@ def _gpus() -> list[str]:
     return [ln.strip() for ln in out.stdout.splitlines() if ln.startswith("GPU")]
 
 
+def _native(imports: bool) -> tuple[str, bool, str]:
+    """``(compiler version, usable, detail)`` for the native CPU kernels (:mod:`tightfit.cuda.native`).
+
+    Without ``--imports`` only the compiler is looked for (importing ``tightfit.cuda`` imports torch); with
+    it the kernels are built (or found in the cache) as a first call would.
+    """
+    import os
+
+    if os.environ.get("TIGHTFIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "-", False, "turned off (TIGHTFIT_NATIVE=0): the PyTorch reference runs on CPU"
+    name = os.environ.get("CC", "cc")
+    cc = shutil.which(name)
+    if cc is None:
+        return "-", False, f"no C compiler ({name} not found): install gcc or clang, or set CC; else the reference runs"
+    try:
+        line = (subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+                or [""])[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return "-", False, f"{cc} --version failed ({exc})"
+    found = re.search(r"\d+\.\d+(\.\d+)?", line)
+    version = found.group(0) if found else "?"
+    if imports:
+        from tightfit.cuda.varlen_attention_cpu import native_attention_error
+
+        why = native_attention_error()
+        if why:
+            return version, False, f"the kernels do not build: {why}"
+    return version, True, "native CPU kernels: paged attention, SwiGLU, RMSNorm, rotary, KV store"
+
+
 def _torch_facts() -> dict[str, object]:
     import torch
 
@@ -146,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
             detail = "installed" if ok else f"metadata says {version} but `import {module}` finds nothing"
         rows.append((label, version or "-", "yes" if ok else "no", enables if ok else detail))
         report[label] = {"version": version, "usable": ok, "detail": detail}
+    cc_version, cc_ok, cc_detail = _native(args.imports)
+    rows.append(("C compiler", cc_version, "yes" if cc_ok else "no", cc_detail))
+    report["C compiler"] = {"version": cc_version, "usable": cc_ok, "detail": cc_detail}
     if args.imports:
         report.update(_torch_facts())
     else:

@@ -10,9 +10,11 @@ import pytest
 from tightfit.cli import main
 
 
-def _tightfit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _tightfit(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
     return subprocess.run([sys.executable, "-m", "tightfit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_console_script_installed():
@@ -53,6 +55,17 @@ def test_doctor_json_reports_versions():
     quick = json.loads(fast.stdout)
     assert quick["torch"] == report["torch"] and quick["imports_checked"] is False
     assert quick["tokenizers"]["version"] and quick["Jinja2"]["version"]
+    # With --imports the native kernels are built, as a first call would; a C compiler is on these machines.
+    from tightfit.cuda.varlen_attention_cpu import native_attention_error
+
+    assert report["C compiler"]["usable"] is (native_attention_error() == ""), report["C compiler"]
+
+
+def test_doctor_says_why_the_native_kernels_are_off():
+    missing = json.loads(_tightfit("doctor", "--json", env={"CC": "no-such-cc"}).stdout)["C compiler"]
+    assert missing["usable"] is False and "no-such-cc not found" in missing["detail"]
+    off = json.loads(_tightfit("doctor", "--json", env={"TIGHTFIT_NATIVE": "0"}).stdout)["C compiler"]
+    assert off["usable"] is False and "TIGHTFIT_NATIVE=0" in off["detail"]
 
 
 def test_demo_runs_the_tour_within_120_columns():
