@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "fit_text", "drop_framework_tips", "log",
+__all__ = ["setup_logging", "progress", "Progress", "terminal_width", "fit_text", "drop_framework_tips", "heartbeat", "log",
            "reporter"]
 
 log = logging.getLogger("tightfit")
@@ -101,6 +101,34 @@ def drop_framework_tips() -> None:
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoTips) for f in logger.filters):
         logger.addFilter(_NoTips())
+
+
+def heartbeat(label: str, every_s: float = 3.0) -> Any:
+    """A Lightning callback: rank 0 says it is alive every ``every_s`` seconds until fit's ``setup`` hook.
+
+    Until then Lightning starts the second process, which imports torch and Lightning again (seconds of
+    silence on a busy machine) before the group forms. Lightning is imported here, on call, so that core
+    keeps importing without it.
+    """
+    import threading
+
+    import lightning as L
+
+    class Heartbeat(L.Callback):
+        def __init__(self) -> None:
+            self._done, self._start = threading.Event(), time.perf_counter()
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                threading.Thread(target=self._beat, daemon=True).start()
+
+        def _beat(self) -> None:
+            while not self._done.wait(every_s):
+                print(f"[{label}] starting the second process ({time.perf_counter() - self._start:.0f} s)",
+                      flush=True)
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self._done.set()
+
+    return Heartbeat()
 
 
 def fit_text(text: str, width: int | None = None) -> str:

@@ -254,7 +254,9 @@ class Kernel:
 
     def backend_for(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Backend:
         """The backend a call with these arguments would use."""
-        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        return self._rule(_tensors_of(args, kwargs), backend)
+
+    def _rule(self, tensors: list[torch.Tensor], backend: str | None) -> Backend:
         return choose_backend(*tensors, backend=backend, name=self.name,
                               native_error=self.native_error if self.native is not None else None,
                               has_triton=self.triton is not None)
@@ -266,21 +268,16 @@ class Kernel:
             # answer is remembered per combination. A model calls a handful of kernels per layer, and
             # deciding afresh cost ~15 us a call (0.45 ms of a 7 ms decode step of the benchmark's model).
             env = os.environ
-            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)] if kwargs else \
-                [x for x in args if isinstance(x, torch.Tensor)]
+            tensors = _tensors_of(args, kwargs)
             key = (self.name, env.get(ENV_VAR), env.get(CHECK_ENV_VAR), *(t.is_cuda for t in tensors))
             decided = _DECIDED.get(key)
             if decided is None:
-                decided = _DECIDED[key] = (
-                    choose_backend(*tensors, name=self.name,
-                                   native_error=self.native_error if self.native is not None else None,
-                                   has_triton=self.triton is not None),
-                    check_enabled())
+                decided = _DECIDED[key] = (self._rule(tensors, None), check_enabled())
             chosen, check = decided
             if chosen != "reference" and check and not self._verified(chosen, args, kwargs, tensors):
                 chosen = "reference"
         else:
-            chosen = self.backend_for(*args, backend=backend, **kwargs)
+            chosen = self._rule(_tensors_of(args, kwargs), backend)
         return self._impl(chosen)(*args, **kwargs)
 
     def _impl(self, backend: str) -> Callable[..., Any]:
@@ -292,12 +289,11 @@ class Kernel:
 
     # ---- first-use self-check ----------------------------------------------------------------------
     def _verified(self, backend: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  tensors: list[torch.Tensor] | None = None) -> bool:
+                  tensors: list[torch.Tensor]) -> bool:
         """Whether ``backend`` may run this call's class (checking it now if it is the first of its class)."""
-        if tensors is None:
-            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         cls = self.shape_class(*args, **kwargs) if self.shape_class is not None else _default_class(args, kwargs)
-        passed = _PASSED.get((self.name, cls, tensors[0].device if tensors else None))
+        fast_key = (self.name, cls, tensors[0].device if tensors else None)
+        passed = _PASSED.get(fast_key)
         if passed is not None:  # the common case, without formatting the device's name
             return passed
         device = str(tensors[0].device) if tensors else "none"
@@ -313,7 +309,7 @@ class Kernel:
                     f"(class {cls}, {device}): {error}; using the reference for this class from now on. Report it "
                     f"with this message; {ENV_VAR}=reference silences the check, {CHECK_ENV_VAR}=0 skips it",
                     KernelCheckWarning, stacklevel=3)
-        _PASSED[(self.name, cls, tensors[0].device if tensors else None)] = verdict.passed
+        _PASSED[fast_key] = verdict.passed
         return verdict.passed
 
     def _compare_on_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any], backend: str = "triton") -> str:
@@ -345,6 +341,13 @@ class Kernel:
 
 # atol = rtol of the self-check per dtype (integers and bools: exact).
 _CHECK_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments of a call, positional then keyword (the ones the backend rule looks at)."""
+    if kwargs:
+        return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    return [x for x in args if isinstance(x, torch.Tensor)]
 
 
 def _clone(x: Any) -> Any:

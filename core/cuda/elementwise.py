@@ -102,9 +102,7 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
 def _silu_mul_native(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         return silu_mul_reference(x)
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if rows.stride(-1) != 1:
-        return silu_mul_reference(x)
+    rows = x.reshape(-1, x.shape[-1])  # a view where it can be; a copy keeps the last dimension contiguous too
     half = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], half), dtype=x.dtype, device=x.device)
     _library().tf_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], half)
@@ -197,9 +195,8 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def _rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     t, h, d = x.shape
-    cs = cos.reshape(t, d) if cos.numel() == t * d else None
-    sn = sin.reshape(t, d) if sin.numel() == t * d else None
-    if (x.dtype != torch.float32 or cs is None or sn is None or cs.dtype != torch.float32 or x.stride(-1) != 1
+    cs, sn = cos.reshape(t, d), sin.reshape(t, d)  # rotary_ checked one head_dim row per token
+    if (x.dtype != torch.float32 or cs.dtype != torch.float32 or x.stride(-1) != 1
             or cs.stride(-1) != 1 or cs.stride() != sn.stride()):
         return rotary_reference(x, cos, sin)
     _library().tf_rotary_f32(x.data_ptr(), x.stride(0), x.stride(1), cs.data_ptr(), sn.data_ptr(), cs.stride(0),

@@ -82,6 +82,11 @@ def _compiler() -> tuple[str, str] | None:
     return cc, (out.stdout.splitlines() or [""])[0]
 
 
+def _unavailable(name: str, why: str) -> None:
+    _ERRORS[name] = why
+    log.info("native kernel %s unavailable: %s", name, why)
+
+
 def native_error(name: str) -> str:
     """Why the library ``name`` is unavailable ('' when it loaded or was never asked for)."""
     return _ERRORS.get(name, "")
@@ -95,9 +100,8 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        _ERRORS[name] = (f"no C compiler ({os.environ.get('CC', 'cc')} not found); install gcc or clang, or set "
-                         "CC, to use the native CPU kernels")
-        log.info("native kernel %s unavailable: %s", name, _ERRORS[name])
+        _unavailable(name, f"no C compiler ({os.environ.get('CC', 'cc')} not found); install gcc or clang, or set "
+                           "CC, to use the native CPU kernels")
         return None
     cc, version = compiler
     key = hashlib.sha256("\0".join((source, version, *FLAGS, *LIBS, _cpu_flags())).encode()).hexdigest()[:16]
@@ -115,8 +119,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
                 os.replace(out, path)  # atomic: a concurrent builder's identical file may win; both are fine
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        _ERRORS[name] = f"{type(exc).__name__}: {exc}"
-        log.info("native kernel %s unavailable: %s", name, _ERRORS[name])
+        _unavailable(name, f"{type(exc).__name__}: {exc}")
         return None
 
 

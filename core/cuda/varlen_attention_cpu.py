@@ -227,9 +227,10 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
-    failed = lib.tf_paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
-                cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-                float(scale), NATIVE_MAX_Q, torch.get_num_threads())
+    failed = lib.tf_paged_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
+        cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+        float(scale), NATIVE_MAX_Q, torch.get_num_threads())
     if failed:
         raise MemoryError(f"paged_attention (native): could not allocate its score buffer (code {failed})")
     if max_q_len > NATIVE_MAX_Q:

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,27 +40,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_elixir  # noqa: F401  (registers strategy="elixir")
 from lightning_elixir import ElixirStrategy
-from tightfit.console import drop_framework_tips, fit_text
+from tightfit.console import drop_framework_tips, fit_text, heartbeat
 from tightfit.models import GPT, GPTConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-
-
-class Heartbeat(L.Callback):
-    """Rank 0 says it is alive every few seconds until fit's ``setup`` hook: until then Lightning starts the second
-    process, which imports torch and Lightning again (seconds of silence on a busy machine) before the group forms."""
-
-    def __init__(self, label: str, every_s: float = 3.0) -> None:
-        self._done, self._start = threading.Event(), time.perf_counter()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            threading.Thread(target=self._beat, args=(label, every_s), daemon=True).start()
-
-    def _beat(self, label: str, every_s: float) -> None:
-        while not self._done.wait(every_s):
-            print(f"[{label}] starting the second process ({time.perf_counter() - self._start:.0f} s)", flush=True)
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        self._done.set()
 
 
 class ByteWindows(Dataset):
@@ -177,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if gpu else "cpu", devices=devices, precision=precision,
         max_steps=args.steps, default_root_dir=str(out), logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[Heartbeat("train_gpt"), ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0,
+        enable_model_summary=False, callbacks=[heartbeat("train_gpt"), ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0,
                                                                every_n_train_steps=max(1, args.steps // 2))])
     start = time.perf_counter()
     trainer.fit(module, ckpt_path=str(out / "last.ckpt") if args.resume else None)

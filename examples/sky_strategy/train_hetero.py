@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -33,23 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import sky_strategy  # registers strategy="sky"
-
-
-class Heartbeat(L.Callback):
-    """Rank 0 says it is alive every few seconds until fit's ``setup`` hook: until then Lightning starts the second
-    process, which imports torch and Lightning again (seconds of silence on a busy machine) before the group forms."""
-
-    def __init__(self, label: str, every_s: float = 3.0) -> None:
-        self._done, self._start = threading.Event(), time.perf_counter()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            threading.Thread(target=self._beat, args=(label, every_s), daemon=True).start()
-
-    def _beat(self, label: str, every_s: float) -> None:
-        while not self._done.wait(every_s):
-            print(f"[{label}] starting the second process ({time.perf_counter() - self._start:.0f} s)", flush=True)
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        self._done.set()
+from tightfit.console import heartbeat
 
 
 class Block(nn.Module):
@@ -154,7 +137,7 @@ def main() -> None:
     timer = Throughput()
     trainer = L.Trainer(accelerator=args.accelerator, devices=2, strategy=strategy, max_steps=args.steps,
                         val_check_interval=10, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Heartbeat("train_hetero"), timer])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[heartbeat("train_hetero"), timer])
     trainer.fit(TokenClassifier(), DataLoader(data(2048), batch_size=32), DataLoader(data(256), batch_size=32))
     # Every rank takes part (the full model is gathered on rank 0); weights_only=False keeps the optimizer
     # and loop state so the run can resume, and says so instead of letting Lightning warn about the default.
