@@ -112,6 +112,8 @@ class _Packed:
             # The device copy goes away; a meta placeholder makes any use outside the hooks fail loudly.
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                     requires_grad=False)
+            if getattr(module, "packed", None) is not None:
+                module.packed = None  # its oneDNN copy (parallel._Projection) would keep the weight resident
             offset += p.numel()
         self.flat = flat
         self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]

@@ -25,7 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers"]
+from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
+
+__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights",
+           "microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +152,40 @@ def linear_weight(out_features: int, in_features: int, dtype: torch.dtype, devic
                         requires_grad=False)
 
 
-class ColumnLinear(nn.Module):
+class _Projection(nn.Module):
+    """A ``weight`` (:func:`linear_weight`) with, on the CPU, an optional oneDNN-packed copy (:meth:`pack`).
+
+    The copy is used for inputs of at least ``MIN_ROWS`` rows (fewer run as fast through ``F.linear``), and
+    only while ``weight`` is the same tensor at the same version it was packed from: a memory pool
+    rebinding the parameter, or anything writing to it, makes :meth:`matmul` drop the copy for good.
+    """
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+    _packed_from: tuple[int, int] = (0, -1)
+
+    def pack(self) -> int:
+        """Keep a packed copy of the weight (:mod:`tightfit.cuda.packed_linear`); its bytes, 0 where none."""
+        w = self.weight
+        self.packed = pack_linear_weight(w)
+        self._packed_from = (id(w), w._version)
+        return 0 if self.packed is None else w.numel() * w.element_size()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed, w = self.packed, self.weight
+        if packed is not None and x.shape[0] >= MIN_ROWS:
+            if (id(w), w._version) == self._packed_from:
+                return packed_linear(x, packed, bias)
+            self.packed = None  # stale: the weight was replaced or written since
+        return F.linear(x, w, bias)
+
+
+def pack_weights(module: nn.Module) -> int:
+    """Pack every projection weight in ``module`` for the CPU (see :class:`_Projection`); bytes added."""
+    return sum(m.pack() for m in module.modules() if isinstance(m, _Projection))
+
+
+class ColumnLinear(_Projection):
     """``y = x W_local^T + b_local``: this rank's slice of the output features (no communication)."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
@@ -158,10 +194,10 @@ class ColumnLinear(nn.Module):
         self.bias = _empty((out_local,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowLinear(nn.Module):
+class RowLinear(_Projection):
     """``y = all_reduce(x_local W_local^T) + b``: this rank's slice of the input features; bias added once."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, grid: Grid, dtype: torch.dtype,
@@ -172,7 +208,7 @@ class RowLinear(nn.Module):
         self.bias = _empty((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.grid.all_reduce(F.linear(x, self.weight))
+        y = self.grid.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 
 
@@ -201,7 +237,7 @@ class VocabEmbedding(nn.Module):
         return self.grid.all_reduce(out)
 
 
-class VocabHead(nn.Module):
+class VocabHead(_Projection):
     """Output projection split by vocabulary rows; logits all-gathered and trimmed to the true vocabulary."""
 
     def __init__(self, vocab_size: int, dim: int, grid: Grid, dtype: torch.dtype, device: torch.device | str):
@@ -211,7 +247,7 @@ class VocabHead(nn.Module):
         self.weight = linear_weight(vocab_shard(vocab_size, grid.tp), dim, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.grid.all_gather_last_dim(F.linear(x, self.weight))
+        logits = self.grid.all_gather_last_dim(self.matmul(x))
         return logits[..., : self.vocab_size]
 
 
@@ -220,3 +256,20 @@ def local_rank_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def microbatches(items: list, m: int) -> list[list]:
+    """``items`` (``(seq_id, tokens)``) in at most ``m`` contiguous chunks of roughly equal token counts
+    (a pipeline stage's time grows with its tokens)."""
+    if m <= 1:
+        return [items]
+    total = sum(len(t) for _, t in items)
+    chunks: list[list] = [[]]
+    acc = 0
+    for i, item in enumerate(items):
+        left_items, left_chunks = len(items) - i, m - len(chunks)
+        if chunks[-1] and (acc >= total * len(chunks) / m or left_items <= left_chunks):
+            chunks.append([])
+        chunks[-1].append(item)
+        acc += len(item[1])
+    return chunks

@@ -39,7 +39,7 @@ from energon_infer.config import ModelConfig, load_config
 from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
 from energon_infer.kv_cache import KVCache
 from energon_infer.model import DecoderStage, check_tp
-from energon_infer.parallel import Grid, local_rank_device, split_layers
+from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
 from energon_infer.swap import swap_costs
@@ -76,6 +76,8 @@ class RuntimeConfig:
         progress: print loading progress on rank 0 (stderr).
         nonfinite_weights: a NaN/inf weight at load: ``"warn"`` (naming the tensor), ``"error"``, ``"ignore"``.
         cuda_graphs: decode from CUDA graphs: None on for CUDA at tp=1; True/[sizes] insist; False off (cuda_graphs.py).
+        packed_weights: on the CPU, also keep each projection weight in oneDNN's blocked layout: decode-step
+            matmuls ~1.5x faster, for a second copy of those weights (tightfit.cuda.packed_linear).
     """
 
     tp: int = 1
@@ -91,6 +93,7 @@ class RuntimeConfig:
     progress: bool = True
     nonfinite_weights: str = "warn"
     cuda_graphs: bool | tuple[int, ...] | None = None
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
@@ -99,6 +102,8 @@ class RuntimeConfig:
                          fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
             object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
         object.__setattr__(self, "cuda_graphs", check_cuda_graphs(self.cuda_graphs, device=self.device, tp=self.tp))
+        if not isinstance(self.packed_weights, bool):
+            raise ValueError(f"packed_weights={self.packed_weights!r} must be True or False")
         if self.nonfinite_weights not in ("warn", "error", "ignore"):
             raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
         if self.tp < 1 or self.pp < 1:
@@ -170,6 +175,8 @@ class ModelRunner:
         self.stage = DecoderStage(config, self.grid, layers[self.grid.stage], dtype=self.dtype, device=self.device)
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
+        if rt.packed_weights and (packed := pack_weights(self.stage)):
+            self._say(f"energon: projection weights packed for oneDNN (+{packed / 2**20:.1f} MiB)")
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
                              n_kv_heads=config.n_kv_heads // rt.tp, head_dim=config.head_dim, dtype=self.dtype,
                              device=self.device, host_blocks=-(-rt.swap_space_tokens // rt.block_size), scratch=True)
@@ -234,22 +241,6 @@ class ModelRunner:
             if bad:
                 raise ValueError(f"sequence {seq_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-    def _microbatches(self, items: list[tuple[int, Sequence[int]]]) -> list[list[tuple[int, Sequence[int]]]]:
-        m = min(len(items), self.runtime.microbatches or self.runtime.pp)
-        if m <= 1:
-            return [items]
-        # Contiguous chunks of roughly equal token counts (stage time grows with tokens).
-        total = sum(len(t) for _, t in items)
-        chunks: list[list[tuple[int, Sequence[int]]]] = [[]]
-        acc = 0
-        for i, item in enumerate(items):
-            left_items, left_chunks = len(items) - i, m - len(chunks)
-            if chunks[-1] and (acc >= total * len(chunks) / m or left_items <= left_chunks):
-                chunks.append([])
-            chunks[-1].append(item)
-            acc += len(item[1])
-        return chunks
-
     def forward(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
                 broadcast: bool = False) -> torch.Tensor | None:
         """Run one packed step; append the tokens to each sequence's cache; return logits.
@@ -264,7 +255,7 @@ class ModelRunner:
             self.cache.prepare([(s, len(t)) for s, t in items], self.device)  # raises KVCacheFullError
         grid, stage = self.grid, self.stage
         outputs, sends = [], []
-        for chunk in self._microbatches(items):
+        for chunk in microbatches(items, min(len(items), self.runtime.microbatches or self.runtime.pp)):
             meta = self.cache.prepare([(s, len(t)) for s, t in chunk], self.device)
             if grid.first:
                 x = torch.tensor([tok for _, t in chunk for tok in t], dtype=torch.long, device=self.device)

@@ -1,0 +1,48 @@
+"""oneDNN-packed CPU linear weights (tightfit.cuda.packed_linear) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tightfit.cuda.packed_linear import pack_linear_weight, packed_linear, packing_available
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+
+
+@needs_onednn
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), inp=st.integers(1, 70), out=st.integers(1, 90), bias=st.booleans(),
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_linear_equals_f_linear_fp32(rows, inp, out, bias, transposed, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Input-major storage (energon's linear_weight) is packed from the same logical (out, in) matrix.
+    w = torch.randn(inp, out, generator=g).t() if transposed else torch.randn(out, inp, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    x = torch.randn(rows, inp, generator=g)
+    packed = pack_linear_weight(w)
+    assert packed is not None
+    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_bf16_and_batched_inputs():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 32, generator=g).bfloat16(), torch.randn(2, 5, 32, generator=g).bfloat16()
+    packed = pack_linear_weight(w)
+    assert packed is not None
+    torch.testing.assert_close(packed_linear(x, packed).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn
+def test_what_is_not_packed(monkeypatch):
+    assert pack_linear_weight(torch.randn(4, 4, dtype=torch.float64)) is None  # oneDNN has no fp64 matmul
+    assert pack_linear_weight(torch.randn(4)) is None
+    assert pack_linear_weight(torch.empty(0, 4)) is None
+    assert pack_linear_weight(torch.empty(4, 4, device="meta")) is None
+    assert pack_linear_weight(torch.tensor([[1.0, float("nan")], [0.0, 1.0]])) is None  # F.linear keeps NaN's spread
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")  # the A/B switch turns packing off with the CPU kernels
+    assert not packing_available() and pack_linear_weight(torch.randn(4, 4)) is None

@@ -1,0 +1,75 @@
+"""oneDNN-packed projection weights on the CPU (RuntimeConfig.packed_weights, parallel._Projection)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from energon_infer import ModelRunner, RuntimeConfig, SamplingParams
+from energon_infer.memory_pool import MemoryPoolConfig, apply_memory_pool
+from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
+from tests.energon_infer.tiny import FAMILIES, PROMPTS
+from tightfit.cuda.packed_linear import packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+
+
+def _projections(runner: ModelRunner) -> list[torch.nn.Module]:
+    return [m for m in runner.stage.modules() if isinstance(m, ColumnLinear | RowLinear | VocabHead)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_and_plain_runners_agree(family, tiny_dirs):
+    plain = ModelRunner.from_pretrained(tiny_dirs[family], block_size=4, progress=False, packed_weights=False)
+    packed = ModelRunner.from_pretrained(tiny_dirs[family], block_size=4, progress=False)
+    assert all(m.packed is not None for m in _projections(packed))  # on by default on the CPU
+    assert all(m.packed is None for m in _projections(plain))
+    items = list(enumerate(PROMPTS))
+    torch.testing.assert_close(packed.forward(items, all_logits=True), plain.forward(items, all_logits=True),
+                               rtol=0, atol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [g.token_ids for g in packed.generate(PROMPTS, params)] == \
+        [g.token_ids for g in plain.generate(PROMPTS, params)]
+    # Decode steps of 1 and 2 rows run F.linear (as fast there), wider ones the packed copy: both paths agree.
+    for rows in (1, 2, 4):
+        step = [(100 + i, [7 + i, 9]) for i in range(rows)]
+        torch.testing.assert_close(packed.forward(step), plain.forward(step), rtol=0, atol=1e-4)
+
+
+def test_a_weight_written_after_packing_is_used_not_its_stale_copy(tiny_dirs):
+    plain = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False, packed_weights=False)
+    packed = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False)
+    for runner in (plain, packed):
+        with torch.no_grad():
+            runner.stage.layers["0"].up.weight.mul_(-2.0)
+    proj = packed.stage.layers["0"].up
+    items = list(enumerate(PROMPTS))
+    torch.testing.assert_close(packed.forward(items, all_logits=True), plain.forward(items, all_logits=True),
+                               rtol=0, atol=1e-4)
+    assert proj.packed is None  # dropped for good, not re-checked every step
+    assert packed.stage.layers["1"].up.packed is not None
+
+
+def test_pooled_layers_drop_their_packed_copies(tiny_dirs):
+    ref = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False)
+    runner = ModelRunner.from_pretrained(tiny_dirs["llama"], block_size=4, progress=False)
+    pool, plan = apply_memory_pool(runner, MemoryPoolConfig(fraction=0.5, lookahead=1))
+    try:
+        pooled = {str(i) for i in plan.pooled}
+        assert pooled and len(pooled) < len(runner.stage.layers)
+        for name, block in runner.stage.layers.items():
+            copies = [m.packed is not None for m in block.modules() if isinstance(m, ColumnLinear | RowLinear)]
+            assert copies and (not any(copies) if name in pooled else all(copies))
+        items = list(enumerate(PROMPTS))
+        torch.testing.assert_close(runner.forward(items, all_logits=True), ref.forward(items, all_logits=True),
+                                   rtol=0, atol=1e-4)
+    finally:
+        pool.close()
+
+
+def test_packed_weights_is_validated_and_can_be_turned_off(tiny_dirs, monkeypatch):
+    with pytest.raises(ValueError, match=r"packed_weights='no' must be True or False"):
+        RuntimeConfig(packed_weights="no")  # type: ignore[arg-type]
+    monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")  # plain PyTorch everywhere, packing included
+    runner = ModelRunner.from_pretrained(tiny_dirs["gpt2"], block_size=4, progress=False)
+    assert all(m.packed is None for m in _projections(runner))
