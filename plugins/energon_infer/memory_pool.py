@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from energon_infer.parallel import drop_packed
 from tightfit.planner.pool import PoolInfeasibleError, PoolPlan, plan_pool
 
 __all__ = ["MemoryPoolConfig", "PoolPlan", "PoolInfeasibleError", "LayerPool", "plan_pool", "stage_layer_bytes",
@@ -112,10 +113,9 @@ class _Packed:
             # The device copy goes away; a meta placeholder makes any use outside the hooks fail loudly.
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                     requires_grad=False)
-            if getattr(module, "packed", None) is not None:
-                module.packed = None  # its oneDNN copy (parallel._Projection) would keep the weight resident
             offset += p.numel()
         self.flat = flat
+        drop_packed(block)  # oneDNN copies of the weights would keep them resident (and go stale)
         self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]
         self.views: dict[int, list[nn.Parameter]] = {}
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
 
-__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights",
+__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
            "microbatches"]
 
 
@@ -183,6 +183,13 @@ class _Projection(nn.Module):
 def pack_weights(module: nn.Module) -> int:
     """Pack every projection weight in ``module`` for the CPU (see :class:`_Projection`); bytes added."""
     return sum(m.pack() for m in module.modules() if isinstance(m, _Projection))
+
+
+def drop_packed(module: nn.Module) -> None:
+    """Free the packed copies in ``module`` (its projections run ``F.linear`` from then on)."""
+    for m in module.modules():
+        if isinstance(m, _Projection):
+            m.packed = None
 
 
 class ColumnLinear(_Projection):
