@@ -11,7 +11,11 @@ the energon benchmark model's 25 projections per step (21 MB of fp32 weights):
     packed    1.18  1.44  2.00  2.53  4.16  7.42  27.7  103.2 ms
 
 At one or two rows the BLAS's matrix-vector path is as fast or faster (another run: 0.75 vs 1.04 ms at 1 row,
-1.43 vs 1.48 at 2, 2.29 vs 1.42 at 3), so callers keep ``F.linear`` below :data:`MIN_ROWS` rows.
+1.43 vs 1.48 at 2, 2.29 vs 1.42 at 3), so callers keep ``F.linear`` below :data:`MIN_ROWS` rows. Each packed
+call also pays ~11 us of fixed oneDNN overhead, which small weights do not earn back (one projection, weights
+in cache, F.linear / packed us at 4 and 16 rows: 64x64 2.8/14.1, 15.6/14.7; 256x256 12.4/17.7, 28.0/32.3;
+256x512 28.5/25.4, 62.2/59.1; 256x1344 62.3/45.0, 143/117; 256x4096 252/100, 508/319), so weights of fewer
+than :data:`MIN_NUMEL` elements are not packed.
 
 The same reorder and op back ``torch.compile``'s CPU weight freezing (``mkldnn::_reorder_linear_weight``,
 ``mkldnn::_linear_pointwise``); they are PyTorch-internal, so everything here degrades to ``None``
@@ -35,10 +39,11 @@ import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import forced_backend
 
-__all__ = ["MIN_ROWS", "PACKABLE_DTYPES", "packing_available", "pack_linear_weight", "packed_linear"]
+__all__ = ["MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "packing_available", "pack_linear_weight", "packed_linear"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 3  # fewer rows: F.linear is as fast (see the module docstring)
+MIN_NUMEL = 1 << 17  # smaller weights: F.linear is as fast (see the module docstring)
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 
@@ -57,16 +62,18 @@ def _warn_once(key: str, msg: str) -> None:
         log.warning(msg)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) -> torch.Tensor | None:
     """The ``(out, in)`` ``weight`` reordered for :func:`packed_linear`, or ``None`` where that cannot help.
 
-    ``None`` for a weight that is not a 2-D CPU tensor of a :data:`PACKABLE_DTYPES` dtype, where
+    ``None`` for a weight of fewer than ``min_numel`` elements (default :data:`MIN_NUMEL`), one that is
+    not a 2-D CPU tensor of a :data:`PACKABLE_DTYPES` dtype, where
     :func:`packing_available` says no, for a weight with NaN or infinite entries (which no probe can check),
     or where the packed copy disagrees with ``F.linear`` on a probe (logged once per dtype on
     ``tightfit.cuda.packed_linear``; the caller then keeps ``F.linear``).
     """
     if (weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
-            or weight.is_mkldnn or 0 in weight.shape or not packing_available()):
+            or weight.is_mkldnn or weight.numel() < max(1, MIN_NUMEL if min_numel is None else min_numel)
+            or not packing_available()):
         return None
     w = weight.detach()
     if not bool(torch.isfinite(w).all()):
@@ -74,7 +81,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         probe = torch.linspace(-1.0, 1.0, 3 * w.shape[1], dtype=torch.float32).view(3, -1).to(w.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
+        got = packed_linear(probe, packed).float()
     except (RuntimeError, TypeError) as exc:
         _warn_once(f"error:{w.dtype}", f"oneDNN weight packing failed for {w.dtype} ({exc}); F.linear is used")
         return None
@@ -89,4 +96,4 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` from the weight :func:`pack_linear_weight` returned (``x``: ``(..., in)``)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tightfit.cuda.packed_linear import pack_linear_weight, packed_linear, packing_available
+from tightfit.cuda.packed_linear import MIN_NUMEL, pack_linear_weight, packed_linear, packing_available
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
 
@@ -23,7 +23,7 @@ def test_packed_linear_equals_f_linear_fp32(rows, inp, out, bias, transposed, se
     w = torch.randn(inp, out, generator=g).t() if transposed else torch.randn(out, inp, generator=g)
     b = torch.randn(out, generator=g) if bias else None
     x = torch.randn(rows, inp, generator=g)
-    packed = pack_linear_weight(w)
+    packed = pack_linear_weight(w, min_numel=0)
     assert packed is not None
     torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
@@ -32,17 +32,21 @@ def test_packed_linear_equals_f_linear_fp32(rows, inp, out, bias, transposed, se
 def test_packed_linear_bf16_and_batched_inputs():
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 32, generator=g).bfloat16(), torch.randn(2, 5, 32, generator=g).bfloat16()
-    packed = pack_linear_weight(w)
+    packed = pack_linear_weight(w, min_numel=0)
     assert packed is not None
     torch.testing.assert_close(packed_linear(x, packed).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn
 def test_what_is_not_packed(monkeypatch):
-    assert pack_linear_weight(torch.randn(4, 4, dtype=torch.float64)) is None  # oneDNN has no fp64 matmul
-    assert pack_linear_weight(torch.randn(4)) is None
-    assert pack_linear_weight(torch.empty(0, 4)) is None
-    assert pack_linear_weight(torch.empty(4, 4, device="meta")) is None
-    assert pack_linear_weight(torch.tensor([[1.0, float("nan")], [0.0, 1.0]])) is None  # F.linear keeps NaN's spread
+    # Small weights are left to F.linear by default: oneDNN's fixed cost per call outweighs the gain there.
+    assert pack_linear_weight(torch.randn(256, 256)) is None
+    assert pack_linear_weight(torch.randn(MIN_NUMEL // 256, 256)) is not None
+    assert pack_linear_weight(torch.randn(4, 4, dtype=torch.float64), min_numel=0) is None  # no fp64 matmul
+    assert pack_linear_weight(torch.randn(4), min_numel=0) is None
+    assert pack_linear_weight(torch.empty(0, 4), min_numel=0) is None
+    assert pack_linear_weight(torch.empty(4, 4, device="meta"), min_numel=0) is None
+    nan = torch.tensor([[1.0, float("nan")], [0.0, 1.0]])
+    assert pack_linear_weight(nan, min_numel=0) is None  # F.linear keeps NaN's spread
     monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")  # the A/B switch turns packing off with the CPU kernels
-    assert not packing_available() and pack_linear_weight(torch.randn(4, 4)) is None
+    assert not packing_available() and pack_linear_weight(torch.randn(4, 4), min_numel=0) is None

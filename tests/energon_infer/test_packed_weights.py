@@ -14,6 +14,12 @@ from tightfit.cuda.packed_linear import packing_available
 pytestmark = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def pack_small_weights(monkeypatch):
+    """The tiny test models' weights are all below the size worth packing: pack them anyway."""
+    monkeypatch.setattr("tightfit.cuda.packed_linear.MIN_NUMEL", 0)
+
+
 def _projections(runner: ModelRunner) -> list[torch.nn.Module]:
     return [m for m in runner.stage.modules() if isinstance(m, ColumnLinear | RowLinear | VocabHead)]
 
@@ -65,6 +71,20 @@ def test_pooled_layers_drop_their_packed_copies(tiny_dirs):
                                    rtol=0, atol=1e-4)
     finally:
         pool.close()
+
+
+def test_only_weights_worth_packing_are_packed(tmp_path, monkeypatch):
+    from energon_infer.demo import write_random_llama
+
+    monkeypatch.undo()  # the real size rule
+    path = write_random_llama(tmp_path / "m", layers=1, hidden=256, heads=4, kv_heads=2, intermediate=512,
+                              vocab=600, max_positions=64)
+    runner = ModelRunner.from_pretrained(path, block_size=4, progress=False)
+    block = runner.stage.layers["0"]
+    # (256 x 512 qkv, 256 x 256 out, 256 x 1024 gate/up, 512 x 256 down, 256 x 600 head): the out projection
+    # (65536 elements) is under MIN_NUMEL and keeps F.linear; the others are packed.
+    assert block.o.packed is None
+    assert all(m.packed is not None for m in (block.qkv, block.up, block.down, runner.stage.lm_head))
 
 
 def test_packed_weights_is_validated_and_can_be_turned_off(tiny_dirs, monkeypatch):
