@@ -44,6 +44,7 @@ from tightfit.cuda.dispatch import (
     kernel_checks,
     kernel_names,
     register_kernel,
+    repeated_calls,
     triton_available,
 )
 from tightfit.cuda.index_rows import gather_rows, scatter_add_rows, scatter_rows
@@ -59,6 +60,7 @@ __all__ = [
     "kernel_checks",
     "kernel_names",
     "register_kernel",
+    "repeated_calls",
     "triton_available",
     "gather_rows",
     "scatter_rows",

@@ -24,6 +24,11 @@ tests and benchmarks compare the raw kernel with its reference. :func:`kernel_ch
 verdict (``make gpu-check`` reports them). The check costs one small launch of each backend per
 class and one host sync; a class has a handful of members in practice (dtypes x layouts).
 
+A model whose layers repeat the same calls (same kernels, shapes, dtypes and devices in every layer of a
+step) can run them under :func:`repeated_calls`: there each kernel decides (and self-checks) on its first
+call only and later calls go straight to that implementation, which saves the per-call decision (~4 us;
+two dozen calls a decode step).
+
 Triton is never imported by this module at import time: :func:`triton_available` imports it on
 first use and caches the answer, so ``import tightfit`` works where Triton is not installed.
 
@@ -37,10 +42,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -66,6 +73,7 @@ __all__ = [
     "check_enabled",
     "kernel_checks",
     "reset_kernel_checks",
+    "repeated_calls",
 ]
 
 ENV_VAR = "TIGHTFIT_KERNELS"
@@ -108,6 +116,30 @@ _CHECKS: dict[tuple[str, Hashable, str], KernelCheck] = {}
 _DECIDED: dict[tuple, tuple[Backend, bool]] = {}
 # (kernel name, shape class, torch.device) -> the verdict's ``passed``: _CHECKS without formatting the device.
 _PASSED: dict[tuple, bool] = {}
+
+
+class _Repeat(threading.local):
+    # kernel name -> the implementation its first call under repeated_calls() chose (None: not in a block).
+    chosen: dict[str, Callable[..., Any]] | None = None
+
+
+_REPEAT = _Repeat()
+
+
+@contextlib.contextmanager
+def repeated_calls() -> Iterator[None]:
+    """Within this block (on this thread), each kernel reuses its first call's implementation.
+
+    For callers that repeat the same calls, e.g. every layer of a model in one step: tensors of the same
+    dtypes, shapes and devices, and the environment unchanged. A call with ``backend=`` still decides
+    for itself. Blocks nest; the inner one starts afresh.
+    """
+    outer = _REPEAT.chosen
+    _REPEAT.chosen = {}
+    try:
+        yield
+    finally:
+        _REPEAT.chosen = outer
 
 
 def check_enabled() -> bool:
@@ -262,23 +294,34 @@ class Kernel:
                               has_triton=self.triton is not None)
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+        repeat = _REPEAT.chosen
+        if backend is None and repeat is not None:
+            impl = repeat.get(self.name)
+            if impl is None:
+                impl = repeat[self.name] = self._impl(self._decide(args, kwargs))
+            return impl(*args, **kwargs)
         if backend in (None, "auto"):
-            # The rule's inputs are the environment and where the tensors are (Triton's and the native
-            # library's availability are fixed per process; Triton reads TRITON_INTERPRET at import): its
-            # answer is remembered per combination. A model calls a handful of kernels per layer, and
-            # deciding afresh cost ~15 us a call (0.45 ms of a 7 ms decode step of the benchmark's model).
-            env = os.environ
-            tensors = _tensors_of(args, kwargs)
-            key = (self.name, env.get(ENV_VAR), env.get(CHECK_ENV_VAR), *(t.is_cuda for t in tensors))
-            decided = _DECIDED.get(key)
-            if decided is None:
-                decided = _DECIDED[key] = (self._rule(tensors, None), check_enabled())
-            chosen, check = decided
-            if chosen != "reference" and check and not self._verified(chosen, args, kwargs, tensors):
-                chosen = "reference"
+            chosen = self._decide(args, kwargs)
         else:
             chosen = self._rule(_tensors_of(args, kwargs), backend)
         return self._impl(chosen)(*args, **kwargs)
+
+    def _decide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
+        """The backend ``auto`` gives this call (the environment's choice, self-checked on first use)."""
+        # The rule's inputs are the environment and where the tensors are (Triton's and the native
+        # library's availability are fixed per process; Triton reads TRITON_INTERPRET at import): its
+        # answer is remembered per combination. A model calls a handful of kernels per layer, and
+        # deciding afresh cost ~15 us a call (0.45 ms of a 7 ms decode step of the benchmark's model).
+        env = os.environ
+        tensors = _tensors_of(args, kwargs)
+        key = (self.name, env.get(ENV_VAR), env.get(CHECK_ENV_VAR), *(t.is_cuda for t in tensors))
+        decided = _DECIDED.get(key)
+        if decided is None:
+            decided = _DECIDED[key] = (self._rule(tensors, None), check_enabled())
+        chosen, check = decided
+        if chosen != "reference" and check and not self._verified(chosen, args, kwargs, tensors):
+            chosen = "reference"
+        return chosen
 
     def _impl(self, backend: str) -> Callable[..., Any]:
         if backend == "native" and self.native is not None:

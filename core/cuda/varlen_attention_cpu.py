@@ -45,7 +45,7 @@ typedef struct {
     const float *q, *kc, *vc;
     float *out;
     const int32_t *bt, *cu, *kv_lens;
-    int64_t bt_stride, B, Hq, Hk, D, BS, max_q, max_kv, begin, end;
+    int64_t bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, begin, end;
     float scale;
     int failed;
 } job_t;
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
     const int32_t *table = j->bt + b * j->bt_stride;
     for (int64_t i = 0; i < qlen; i++) {
         const int64_t seen = kv - qlen + i + 1; /* causal: keys 0 .. kv - qlen + i */
-        const float *qrow = j->q + (q0 + i) * Hq * D;
+        const float *qrow = j->q + (q0 + i) * j->q_row;
         for (int64_t hq = 0; hq < Hq; hq++) acc[hq] = -INFINITY; /* acc[0:Hq] holds the running maxima first */
         for (int64_t p0 = 0; p0 < seen; p0 += BS) {
             const float *k = j->kc + (int64_t)table[p0 / BS] * BS * row;
@@ -138,8 +138,8 @@ void tf_store_kv_f32(const float *k, int64_t k_row, const float *v, int64_t v_ro
 #define MAX_THREADS 256
 
 /* Returns 0 on success, 1 when memory could not be had, 2 when Hk does not divide Hq. */
-int tf_paged_attention_f32(const float *q, const float *kc, const float *vc, float *out, const int32_t *bt,
-                           int64_t bt_stride, const int32_t *cu, const int32_t *kv_lens, int64_t B, int64_t Hq,
+int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const float *vc, float *out,
+                           const int32_t *bt, int64_t bt_stride, const int32_t *cu, const int32_t *kv_lens, int64_t B, int64_t Hq,
                            int64_t Hk, int64_t D, int64_t BS, float scale, int64_t max_q, int64_t threads) {
     if (Hq % Hk) return 2;
     int64_t max_kv = 0, work = 0;
@@ -148,7 +148,7 @@ int tf_paged_attention_f32(const float *q, const float *kc, const float *vc, flo
         if (kv_lens[b] > max_kv) max_kv = kv_lens[b];
         if (qlen <= max_q) work += qlen * kv_lens[b];
     }
-    job_t base = {q, kc, vc, out, bt, cu, kv_lens, bt_stride, B, Hq, Hk, D, BS, max_q, max_kv, 0, B, scale, 0};
+    job_t base = {q, kc, vc, out, bt, cu, kv_lens, bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, 0, B, scale, 0};
     const int64_t tasks = B, enough = 1 + work * Hq * D / 200000; /* ~200k multiply-adds a thread */
     if (threads > enough) threads = enough;
     if (threads > tasks) threads = tasks;
@@ -183,7 +183,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @functools.cache
 def _library() -> Any:
     return load_functions("paged_attention", _SOURCE, (
-        ("tf_paged_attention_f32", ctypes.c_int, (_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I)),
+        ("tf_paged_attention_f32", ctypes.c_int,
+         (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I)),
         ("tf_store_kv_f32", None, (_P, _I, _P, _I, _P, _P, _P, _I, _I))))
 
 
@@ -220,15 +221,16 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, scale=scale,
                                          max_q_len=max_q_len)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # heads side by side in each token's row; the rows may be apart (a view of a QKV output)
+    out = torch.empty(q.shape, dtype=q.dtype)
     batch = kv_lens.shape[0]
     if batch == 0 or q.shape[0] == 0:
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
     failed = lib.tf_paged_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
         cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
         float(scale), NATIVE_MAX_Q, torch.get_num_threads())
     if failed:

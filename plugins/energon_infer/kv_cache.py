@@ -249,24 +249,13 @@ class KVCache:
 
     def _metadata(self, starts: list[int], ns: list[int], tables: list[list[int]],
                   device: torch.device | str) -> StepMetadata:
-        # Tensor ops over the flattened step (no Python loop per token): one host buffer, one copy to the device.
-        b, bs = len(ns), self.block_size
+        b, total = len(ns), sum(ns)
         widths = [len(t) for t in tables]
         width = max(widths)
-        host = torch.tensor(starts + ns + widths + list(itertools.chain.from_iterable(tables)), dtype=torch.long)
-        start_t, n_t, w_t, flat = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:]
-        total = int(sum(ns))
-        cu = torch.zeros(b + 1, dtype=torch.long)
-        torch.cumsum(n_t, 0, out=cu[1:])
-        row = torch.repeat_interleave(torch.arange(b), n_t)
-        positions = torch.arange(total) - cu[:-1][row] + start_t[row]
-        table = torch.zeros((b, width), dtype=torch.long)
-        t_off = torch.zeros(b, dtype=torch.long)
-        torch.cumsum(w_t[:-1], 0, out=t_off[1:])
-        t_row = torch.repeat_interleave(torch.arange(b), w_t)
-        table[t_row, torch.arange(flat.numel()) - t_off[t_row]] = flat
-        slots = table[row, positions // bs] * bs + positions % bs
-        packed = torch.cat([positions, slots, cu, start_t + n_t, cu[1:] - 1, table.flatten()])
+        if total == b:
+            packed = self._decode_metadata(starts, tables, width)
+        else:
+            packed = self._packed_metadata(starts, ns, tables, widths, width)
         dev = torch.device(device)
         if dev.type == "cuda":  # pinned staging: the copy runs asynchronously
             packed = self._staged_copy(packed, dev)
@@ -283,6 +272,40 @@ class KVCache:
             max_q_len=max(ns),
             n_tokens=total,
         )
+
+    def _decode_metadata(self, starts: list[int], tables: list[list[int]], width: int) -> torch.Tensor:
+        """:meth:`_packed_metadata` of a step where every sequence has one new token, from host lists.
+
+        Here tokens are sequences, so a pass over the sequences builds the whole layout; that beats the ~25
+        small tensor ops of the general path (measured 132 -> ~30 us a step at 4 sequences).
+        """
+        bs, b = self.block_size, len(starts)
+        slots = [t[p // bs] * bs + p % bs for p, t in zip(starts, tables)]
+        flat = list(itertools.chain.from_iterable(t + [0] * (width - len(t)) for t in tables))
+        return torch.tensor([*starts, *slots, *range(b + 1), *(p + 1 for p in starts), *range(b), *flat],
+                            dtype=torch.long)
+
+    def _packed_metadata(self, starts: list[int], ns: list[int], tables: list[list[int]], widths: list[int],
+                         width: int) -> torch.Tensor:
+        """``[positions, slots, cu_seqlens, kv_lens, last_index, block table]`` of a step in one tensor.
+
+        Tensor ops over the flattened step (no Python loop per token): one host buffer, one copy to the device.
+        """
+        b, bs = len(ns), self.block_size
+        host = torch.tensor(starts + ns + widths + list(itertools.chain.from_iterable(tables)), dtype=torch.long)
+        start_t, n_t, w_t, flat = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:]
+        total = int(sum(ns))
+        cu = torch.zeros(b + 1, dtype=torch.long)
+        torch.cumsum(n_t, 0, out=cu[1:])
+        row = torch.repeat_interleave(torch.arange(b), n_t)
+        positions = torch.arange(total) - cu[:-1][row] + start_t[row]
+        table = torch.zeros((b, width), dtype=torch.long)
+        t_off = torch.zeros(b, dtype=torch.long)
+        torch.cumsum(w_t[:-1], 0, out=t_off[1:])
+        t_row = torch.repeat_interleave(torch.arange(b), w_t)
+        table[t_row, torch.arange(flat.numel()) - t_off[t_row]] = flat
+        slots = table[row, positions // bs] * bs + positions % bs
+        return torch.cat([positions, slots, cu, start_t + n_t, cu[1:] - 1, table.flatten()])
 
     def _staged_copy(self, packed: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """Copy ``packed`` to ``dev`` through a reused pinned buffer (grown when too small); the buffer is

@@ -22,6 +22,7 @@ from torch import nn
 from energon_infer.config import ModelConfig
 from energon_infer.kv_cache import KVCache, StepMetadata
 from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding, VocabHead
+from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
 
@@ -212,9 +213,10 @@ class DecoderStage(nn.Module):
         """
         if self.first:
             x = self.embed_tokens(x, meta)
-        x = self.run_layers(x, meta, cache)
-        if not self.last:
-            return x
-        if not all_logits and meta.n_tokens != meta.last_index.shape[0]:  # a decode-only step: every row is last
-            x = x.index_select(0, meta.last_index)
-        return self.head(x)
+        with repeated_calls():  # every layer makes the same kernel calls: decided once per step
+            x = self.run_layers(x, meta, cache)
+            if not self.last:
+                return x
+            if not all_logits and meta.n_tokens != meta.last_index.shape[0]:  # decode-only step: every row is last
+                x = x.index_select(0, meta.last_index)
+            return self.head(x)

@@ -22,7 +22,7 @@ from tightfit.cuda import (
     scatter_rows,
     triton_available,
 )
-from tightfit.cuda.dispatch import interpreter_enabled
+from tightfit.cuda.dispatch import CHECK_ENV_VAR, interpreter_enabled, repeated_calls
 from tightfit.cuda.testing import FLOAT_DTYPES, ODD_SHAPES, assert_matches_reference
 
 triton_interp = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
@@ -98,6 +98,24 @@ def test_env_var_routes_calls(monkeypatch):
         monkeypatch.setenv(ENV_VAR, "triton")
         k(torch.ones(1))
         assert seen[-1] == "triton"
+
+
+def test_repeated_calls_decide_once_per_block(monkeypatch):
+    """Under repeated_calls() a kernel keeps its first call's implementation; outside, the environment rules."""
+    seen = []
+    k = register_kernel("_repeat_kernel_for_test", reference=lambda x: seen.append("reference") or x, triton=None,
+                        native=lambda x: seen.append("native") or x, native_error=lambda: "")
+    monkeypatch.setenv(CHECK_ENV_VAR, "0")
+    x = torch.ones(1)
+    with repeated_calls():
+        k(x)
+        monkeypatch.setenv(ENV_VAR, "reference")  # a caller of repeated_calls promises not to do this...
+        k(x)  # ...so the block's first decision still holds
+        assert k(x, backend="reference") is x  # an explicit backend decides for itself
+        with repeated_calls():  # a nested block starts afresh
+            k(x)
+    k(x)
+    assert seen == ["native", "native", "reference", "reference", "reference"]
 
 
 def test_core_cuda_imports_without_triton():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from energon_infer import ModelRunner, SamplingParams
 from energon_infer.blocks import BlockManager
@@ -211,3 +213,27 @@ def test_engine_swaps_preempted_requests_out_and_back_with_the_same_tokens(tiny_
         assert engine.scheduler.swap.swaps == engine.scheduler.preemptions > 0
     with pytest.raises(ValueError, match="needs host swap space"):
         Engine.from_pretrained(tiny_dirs["gpt2"], preemption="swap", progress=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 3)), min_size=1, max_size=20), st.sampled_from([1, 4, 16]),
+       st.integers(0, 2**16))
+def test_decode_step_metadata_equals_the_general_layout(seqs, block_size, seed):
+    """A decode-only step's metadata is built from host lists; it must equal the general tensor-op layout."""
+    import random
+
+    from energon_infer.kv_cache import KVCache
+
+    g = random.Random(seed)
+    cache = KVCache(n_layers=1, num_blocks=64, block_size=block_size, n_kv_heads=1, head_dim=2,
+                    dtype=torch.float32, device="cpu")
+    starts = [start for start, _ in seqs]
+    # Each table covers its token at `start`, sometimes with blocks to spare (assigned ahead).
+    tables = [[g.randrange(64) for _ in range(start // block_size + 1 + extra)] for start, extra in seqs]
+    width = max(len(t) for t in tables)
+    general = cache._packed_metadata(starts, [1] * len(seqs), tables, [len(t) for t in tables], width)
+    assert torch.equal(cache._decode_metadata(starts, tables, width), general)
+    meta = cache._metadata(starts, [1] * len(seqs), tables, "cpu")
+    assert meta.n_tokens == len(seqs) and meta.max_q_len == 1
+    assert meta.slot_mapping.tolist() == [t[s // block_size] * block_size + s % block_size
+                                          for s, t in zip(starts, tables)]
