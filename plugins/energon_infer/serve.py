@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
     m.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly (on a GPU at tp=1 they are replayed from CUDA graphs by default)")
+    m.add_argument("--no-packed-weights", action="store_true",
+                   help="keep one copy of the weights on a CPU (by default the projections also keep a oneDNN-packed "
+                        "copy, which decodes faster)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
     b.add_argument("--max-batch-tokens", type=positive_int, default=4096, help="tokens per batched step (default 4096)")
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                   kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running, max_queue=args.max_queue,
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,
-                  step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None)
+                  step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,
+                  packed_weights=not args.no_packed_weights)
     try:
         if path.is_dir():
             engine = Engine.from_pretrained(path, **common)

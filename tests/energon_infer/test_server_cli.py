@@ -25,7 +25,7 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
     env = {**os.environ, "ENERGON_API_KEY": "k", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tightfit.cli", "serve", str(path), "--port", str(port),
                              "--max-tokens-limit", "32", "--log-level", "warning", "--step-timeout", "30",
-                             "--dtype", "auto"],
+                             "--dtype", "auto", "--no-packed-weights"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
