@@ -144,6 +144,8 @@ def _native(imports: bool) -> tuple[str, bool, str]:
 def _torch_facts() -> dict[str, object]:
     import torch
 
+    from tightfit.cuda.packed_linear import packing_available
+
     facts: dict[str, object] = {
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
@@ -151,6 +153,8 @@ def _torch_facts() -> dict[str, object]:
         "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
         "nccl": torch.distributed.is_available() and torch.distributed.is_nccl_available(),
         "cpu_threads": torch.get_num_threads(),
+        # oneDNN-packed CPU linear weights (energon's projections): PyTorch built with oneDNN, not turned off
+        "onednn_packing": packing_available(),
         "devices": [],
     }
     if torch.cuda.is_available():
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if args.imports:
         print(f"python {report['python']}, torch {report['torch']}, CUDA available: {report['cuda_available']}"
               f" (CUDA {report['cuda_version']}), gloo: {report['gloo']}, NCCL: {report['nccl']},"
-              f" CPU threads: {report['cpu_threads']}")
+              f" CPU threads: {report['cpu_threads']}, oneDNN weight packing: {report['onednn_packing']}")
     else:
         print(f"python {report['python']}, torch {report['torch']} (CUDA build: {report['cuda_version'] or 'none'}),"
               f" GPUs found by nvidia-smi: {len(report['devices'])}")  # type: ignore[arg-type]

@@ -48,6 +48,9 @@ def test_doctor_json_reports_versions():
     report = json.loads(out.stdout)
     assert report["torch"].startswith("2.")
     assert report["gloo"] is True
+    from tightfit.cuda.packed_linear import packing_available
+
+    assert report["onednn_packing"] is packing_available()
     assert report["torch"] and report["Lightning"]["usable"] in (True, False)
     assert "importing torch" in out.stderr  # progress is shown while it probes
     fast = _tightfit("doctor", "--json")
