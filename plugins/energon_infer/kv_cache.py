@@ -255,7 +255,7 @@ class KVCache:
         if total == b:
             packed = self._decode_metadata(starts, tables, width)
         else:
-            packed = self._packed_metadata(starts, ns, tables, widths, width)
+            packed = self._packed_metadata(starts, ns, tables, widths, width, total)
         dev = torch.device(device)
         if dev.type == "cuda":  # pinned staging: the copy runs asynchronously
             packed = self._staged_copy(packed, dev)
@@ -286,7 +286,7 @@ class KVCache:
                             dtype=torch.long)
 
     def _packed_metadata(self, starts: list[int], ns: list[int], tables: list[list[int]], widths: list[int],
-                         width: int) -> torch.Tensor:
+                         width: int, total: int) -> torch.Tensor:
         """``[positions, slots, cu_seqlens, kv_lens, last_index, block table]`` of a step in one tensor.
 
         Tensor ops over the flattened step (no Python loop per token): one host buffer, one copy to the device.
@@ -294,7 +294,6 @@ class KVCache:
         b, bs = len(ns), self.block_size
         host = torch.tensor(starts + ns + widths + list(itertools.chain.from_iterable(tables)), dtype=torch.long)
         start_t, n_t, w_t, flat = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:]
-        total = int(sum(ns))
         cu = torch.zeros(b + 1, dtype=torch.long)
         torch.cumsum(n_t, 0, out=cu[1:])
         row = torch.repeat_interleave(torch.arange(b), n_t)

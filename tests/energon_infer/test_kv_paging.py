@@ -231,7 +231,7 @@ def test_decode_step_metadata_equals_the_general_layout(seqs, block_size, seed):
     # Each table covers its token at `start`, sometimes with blocks to spare (assigned ahead).
     tables = [[g.randrange(64) for _ in range(start // block_size + 1 + extra)] for start, extra in seqs]
     width = max(len(t) for t in tables)
-    general = cache._packed_metadata(starts, [1] * len(seqs), tables, [len(t) for t in tables], width)
+    general = cache._packed_metadata(starts, [1] * len(seqs), tables, [len(t) for t in tables], width, len(seqs))
     assert torch.equal(cache._decode_metadata(starts, tables, width), general)
     meta = cache._metadata(starts, [1] * len(seqs), tables, "cpu")
     assert meta.n_tokens == len(seqs) and meta.max_q_len == 1
