@@ -349,7 +349,17 @@ class Engine:
         plist = list(params) if isinstance(params, Sequence) else [params or self.default_params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        futures = [self.submit(p, sp, block=True) for p, sp in zip(prompts, plist)]
+        jobs = list(zip(prompts, plist))
+        futures: list[Future[Completion]] = []
+        # Queued together where the queue has room, so the first step sees every prompt however fast the
+        # workers run; otherwise (or if another caller filled it meanwhile) fed to the queue as it drains.
+        if len(jobs) <= self.scheduler.config.max_queue - self.scheduler.num_waiting:
+            try:
+                futures = self.submit_all(jobs)
+            except QueueFullError:
+                pass
+        if not futures:
+            futures = [self.submit(p, sp, block=True) for p, sp in jobs]
         return [f.result() for f in futures]
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -111,9 +111,11 @@ def test_bounded_queue_rejects_or_waits(engine, alone):
             rejected += 1
     assert rejected >= 8 and len(accepted) + rejected == 20
     assert all(len(f.result(timeout=120).token_ids) == 120 for f in accepted)
-    # block=True waits for room instead of raising: all 20 complete.
+    # generate waits for room instead of raising: all 20 complete, and none counts as rejected.
+    before = engine.metrics.requests["rejected"]
     outs = engine.generate([PROMPTS[3]] * 20, GREEDY)
     assert [c.token_ids for c in outs] == [alone["greedy"][3]] * 20
+    assert engine.metrics.requests["rejected"] == before
 
 
 def test_invalid_requests_fail_in_the_caller(engine):
