@@ -217,19 +217,25 @@ class Controller:
                     self.scheduler.add(req)
                     break
                 except QueueFullError:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if not block or (left is not None and left <= 0):
-                        self.metrics.record_rejected()
-                        raise
-                    self.space.wait(0.5 if left is None else min(left, 0.5))
-                    self.check_open()
+                    self._wait_for_room(block, deadline)
             self.live[req.request_id] = req
             wake = self.scheduler.in_flight < self.scheduler.capacity
         if wake:
             self.wake()
 
-    def add_all(self, reqs: list[Request]) -> None:
-        """Queue every request or none: validated first, then queued together if the queue has room for all."""
+    def _wait_for_room(self, block: bool, deadline: float | None, asked: int = 1) -> None:
+        """The queue is full for ``asked`` more (lock held): wait a while for room with ``block``, else record a
+        rejection and raise :class:`QueueFullError` (also once ``deadline`` has passed)."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if not block or (left is not None and left <= 0):
+            self.metrics.record_rejected()
+            raise QueueFullError(self.scheduler.num_waiting, self.scheduler.config.max_queue, asked=asked)
+        self.space.wait(0.5 if left is None else min(left, 0.5))
+        self.check_open()
+
+    def add_all(self, reqs: list[Request], *, block: bool = False, deadline: float | None = None) -> None:
+        """Queue every request or none: validated first, then queued together once the queue has room for all
+        (without ``block`` a full queue raises :class:`QueueFullError`; with it, waits until ``deadline``)."""
         with self.lock:
             self.check_open()
             ids = [r.request_id for r in reqs]
@@ -238,10 +244,9 @@ class Controller:
                 raise ValueError(f"request id {dup[0]!r} is already running; use unique ids")
             for req in reqs:
                 self.scheduler.check(req.prompt, req.params)  # raises ValueError before anything is queued
-            if self.scheduler.num_waiting + len(reqs) > self.scheduler.config.max_queue:
-                self.metrics.record_rejected()
-                raise QueueFullError(self.scheduler.num_waiting, self.scheduler.config.max_queue,
-                                     asked=len(reqs))
+            limit = self.scheduler.config.max_queue
+            while self.scheduler.num_waiting + len(reqs) > limit:  # more than max_queue never fit: no wait
+                self._wait_for_room(block and len(reqs) <= limit, deadline, asked=len(reqs))
             for req in reqs:
                 self.scheduler.add(req)
                 self.live[req.request_id] = req

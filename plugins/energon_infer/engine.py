@@ -326,16 +326,18 @@ class Engine:
         return fut
 
     def submit_all(self, jobs: Sequence[tuple[str | Sequence[int], SamplingParams | None]], *,
-                   listeners: Sequence[Callable[[TokenEvent], None] | None] | None = None) -> list[Future[Completion]]:
+                   listeners: Sequence[Callable[[TokenEvent], None] | None] | None = None, block: bool = False,
+                   timeout: float | None = None) -> list[Future[Completion]]:
         """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
-        leaves nothing queued). Returns their futures in order; ``listeners``: one per job, as in :meth:`submit`."""
+        leaves nothing queued). Returns their futures in order; ``listeners``: one per job, and ``block`` /
+        ``timeout`` (wait for room for all of them), as in :meth:`submit`."""
         reqs: list[Request] = []
         for i, (prompt, params) in enumerate(jobs):
             listener = listeners[i] if listeners is not None else None
             req = Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params, listener)
             req.future = Future()
             reqs.append(req)
-        self._controller.add_all(reqs)
+        self._controller.add_all(reqs, block=block, deadline=None if timeout is None else time.monotonic() + timeout)
         for req in reqs:
             self.metrics.record_submitted(len(req.prompt))
             req.future.add_done_callback(lambda f, rid=req.request_id: f.cancelled() and self.abort(rid))
@@ -350,15 +352,11 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
         jobs = list(zip(prompts, plist))
-        futures: list[Future[Completion]] = []
-        # Queued together where the queue has room, so the first step sees every prompt however fast the
-        # workers run; otherwise (or if another caller filled it meanwhile) fed to the queue as it drains.
-        if len(jobs) <= self.scheduler.config.max_queue - self.scheduler.num_waiting:
-            try:
-                futures = self.submit_all(jobs)
-            except QueueFullError:
-                pass
-        if not futures:
+        if len(jobs) <= self.scheduler.config.max_queue:
+            # Queued together (once there is room for all), so the first step sees every prompt however fast
+            # the workers run.
+            futures = self.submit_all(jobs, block=True)
+        else:  # more than the queue holds: fed to it as it drains
             futures = [self.submit(p, sp, block=True) for p, sp in jobs]
         return [f.result() for f in futures]
 

@@ -110,7 +110,15 @@ def test_bounded_queue_rejects_or_waits(engine, alone):
             assert "max_queue=6" in str(exc)
             rejected += 1
     assert rejected >= 8 and len(accepted) + rejected == 20
+    # Several at once: all or none; block=True waits until there is room for all of them (more than
+    # max_queue never fit, so they are refused at once).
+    with pytest.raises(QueueFullError, match="no room for 7 requests"):
+        engine.submit_all([(PROMPTS[3], GREEDY)] * 7, block=True)
+    before = engine.metrics.requests["rejected"]
+    together = engine.submit_all([(PROMPTS[3], GREEDY)] * 3, block=True)
+    assert engine.metrics.requests["rejected"] == before
     assert all(len(f.result(timeout=120).token_ids) == 120 for f in accepted)
+    assert [f.result(timeout=120).token_ids for f in together] == [alone["greedy"][3]] * 3
     # generate waits for room instead of raising: all 20 complete, and none counts as rejected.
     before = engine.metrics.requests["rejected"]
     outs = engine.generate([PROMPTS[3]] * 20, GREEDY)
