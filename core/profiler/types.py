@@ -29,6 +29,7 @@ __all__ = [
     "BlockProfile",
     "MemoryEvent",
     "ModelProfile",
+    "DiskProfile",
     "DeviceProfile",
     "ClusterSpec",
 ]
@@ -255,6 +256,85 @@ class ModelProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DiskProfile:
+    """The disk tier: a local directory (NVMe/SSD), its free space and its measured read and write speed.
+
+    A transfer of ``n`` bytes is priced ``latency + n / bandwidth`` from the fits (the collectives' α–β
+    model), with requests of ``request_bytes`` kept ``queue_depth`` deep, as :mod:`tightfit.storage` issues them.
+
+    Args:
+        path: the directory the tier lives in (absolute).
+        free_bytes: bytes free there when measured (what the disk budget defaults to).
+        total_bytes: size of the filesystem.
+        filesystem: its type (``"ext4"``, ``"xfs"``, ``"tmpfs"``...); ``""`` when unknown.
+        read_fit: ``[latency_s, bytes_per_s]`` of sequential reads at ``request_bytes`` and ``queue_depth``.
+        write_fit: the same for writes (buffered writes included in the time only once flushed to the device).
+        read_bytes_per_s: measured read bandwidth by request size then queue depth (``{4194304: {4: 1.2e9}}``).
+        write_bytes_per_s: likewise for writes.
+        request_bytes: the request size the store uses (the smallest measured size within 5% of the best).
+        queue_depth: requests the store keeps in flight.
+        direct: whether the store opens files with ``O_DIRECT`` (where that measured faster than buffered I/O).
+        source: ``"measured"`` or ``"datasheet:<preset>"``.
+        key: cache key (device and filesystem of the path).
+    """
+
+    path: str
+    free_bytes: int
+    total_bytes: int = 0
+    filesystem: str = ""
+    read_fit: tuple[float, float] = (0.0, 1.0e9)
+    write_fit: tuple[float, float] = (0.0, 1.0e9)
+    read_bytes_per_s: dict[int, dict[int, float]] = field(default_factory=dict)
+    write_bytes_per_s: dict[int, dict[int, float]] = field(default_factory=dict)
+    request_bytes: int = 4 * 2**20
+    queue_depth: int = 4
+    direct: bool = True
+    source: str = "measured"
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"disk profile {self.path!r}"
+        fix = "re-measure with tightfit.profiler.profile_disk(path, refresh=True) or use a disk preset"
+        for name in ("free_bytes", "total_bytes"):
+            check_number(getattr(self, name), name, where=where, integer=True, low=0, error=ProfileError,
+                         fix="give bytes (0 where unknown)")
+        for name in ("request_bytes", "queue_depth"):
+            check_number(getattr(self, name), name, where=where, integer=True, low=1, error=ProfileError, fix=fix)
+        for name in ("read_fit", "write_fit"):
+            fit = tuple(getattr(self, name))
+            if len(fit) != 2:
+                raise ProfileError(f"{where}: {name}={fit!r} must be [latency_s, bytes_per_s]; {fix}")
+            check_number(fit[0], f"{name}[0] (latency)", where=where, low=0, error=ProfileError, fix=fix)
+            check_number(fit[1], f"{name}[1] (bandwidth)", where=where, low=0, low_open=True, error=ProfileError,
+                         fix=fix)
+        for table in ("read_bytes_per_s", "write_bytes_per_s"):
+            for size, per_depth in getattr(self, table).items():
+                for depth, rate in per_depth.items():
+                    check_number(rate, f"{table}[{size}][{depth}]", where=where, low=0, low_open=True,
+                                 error=ProfileError, fix=f"leave unmeasured entries out; {fix}")
+
+    @property
+    def in_memory(self) -> bool:
+        """The directory is RAM (tmpfs, ramfs): it saves no memory, whatever it measures."""
+        return self.filesystem in ("tmpfs", "ramfs")
+
+    def read_seconds(self, nbytes: float) -> float:
+        """Seconds to read ``nbytes`` sequentially (0 bytes: free)."""
+        return self.read_fit[0] + nbytes / self.read_fit[1] if nbytes > 0 else 0.0
+
+    def write_seconds(self, nbytes: float) -> float:
+        """Seconds to write ``nbytes`` sequentially (0 bytes: free)."""
+        return self.write_fit[0] + nbytes / self.write_fit[1] if nbytes > 0 else 0.0
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self, path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> DiskProfile:
+        return load_json(cls, source)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceProfile:
     """One device's measured (or datasheet) capabilities.
 
@@ -286,6 +366,7 @@ class DeviceProfile:
             nothing; ``False`` for old profiles (a host memcpy rate is then assumed).
         source: ``"measured"`` or ``"datasheet:<preset>"`` (presets are marked as such).
         key: cache key (device name, driver, torch version).
+        disk: the disk tier this rank may use (:func:`tightfit.profiler.profile_disk`); ``None``: no disk tier.
     """
 
     name: str
@@ -306,6 +387,7 @@ class DeviceProfile:
     unit_overhead_s: dict[str, list[float]] = field(default_factory=dict)
     comm_overlap: float = -1.0
     unified_memory: bool = False
+    disk: DiskProfile | None = None
 
     @property
     def calibrated(self) -> bool:
