@@ -80,7 +80,7 @@ def _error_record(exc: BaseException) -> dict[str, Any]:
     rec: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
     if isinstance(exc, PlanInfeasibleError):
         rec["attrs"] = {"needed_bytes": exc.needed_bytes, "budget_bytes": exc.budget_bytes,
-                        "suggestions": list(exc.suggestions)}
+                        "suggestions": list(exc.suggestions), "tier": exc.tier}
     elif isinstance(exc, PlanMismatchError):
         rec["attrs"] = {"field": exc.field, "expected": _jsonable(exc.expected), "actual": _jsonable(exc.actual)}
     return rec
@@ -99,7 +99,8 @@ def _raise_record(rec: dict[str, Any]) -> None:
     if name == "PlanInfeasibleError":
         raise PlanInfeasibleError(message, needed_bytes=attrs.get("needed_bytes", 0),
                                   budget_bytes=attrs.get("budget_bytes", 0),
-                                  suggestions=tuple(attrs.get("suggestions", ())))
+                                  suggestions=tuple(attrs.get("suggestions", ())),
+                                  tier=attrs.get("tier", "device"))
     if name == "PlanMismatchError":
         raise PlanMismatchError(message, field=attrs.get("field", ""), expected=attrs.get("expected"),
                                 actual=attrs.get("actual"))

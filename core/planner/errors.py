@@ -8,7 +8,9 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "PlanInfeasibleError", "PlanMismatchError"]
+__all__ = ["TIERS", "PlanError", "PlanInfeasibleError", "PlanMismatchError"]
+
+TIERS = ("device", "host", "disk")  # the three memory tiers every memory planner sees (docs/architecture.md)
 
 
 class PlanError(ValueError):
@@ -20,17 +22,26 @@ class PlanInfeasibleError(PlanError):
 
     Args:
         message: the full explanation (numbers, the smallest budget that fits, the cheapest change).
-        needed_bytes: the smallest per-device budget under which some plan fits (0 when unknown).
-        budget_bytes: the per-device budget that was given.
+        needed_bytes: the smallest budget of ``tier`` under which some plan fits (0 when unknown).
+        budget_bytes: the budget of ``tier`` that was given.
         suggestions: changes that would make a plan fit, cheapest first (one sentence each).
+        tier: the memory tier that is short: ``"device"`` (per device), ``"host"`` or ``"disk"``.
     """
 
     def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int,
-                 suggestions: tuple[str, ...] = ()) -> None:
+                 suggestions: tuple[str, ...] = (), tier: str = "device") -> None:
         super().__init__(message)
+        if tier not in TIERS:
+            raise ValueError(f"PlanInfeasibleError: tier={tier!r} must be one of {TIERS}")
         self.needed_bytes = int(needed_bytes)
         self.budget_bytes = int(budget_bytes)
         self.suggestions = tuple(suggestions)
+        self.tier = tier
+
+    @property
+    def short_bytes(self) -> int:
+        """How many bytes the tier is short by."""
+        return max(0, self.needed_bytes - self.budget_bytes)
 
 
 class PlanMismatchError(PlanError):
