@@ -119,8 +119,10 @@ def _train_rank(rank: int, world: int, contenders: list[dict], speed_factors: li
             trainer.fit(demo_module(width, depth), DataLoader(data, batch_size=batch))
             warm = timer.times[2:] or timer.times  # the first steps build schedules and profile
             results[c["name"]]["step_s"].append(sorted(warm)[len(warm) // 2])
-            results[c["name"]]["counts"] = strategy.plan.layer_counts()
-            results[c["name"]]["predicted_step_s"] = strategy.plan.step_time_s
+            plan = strategy.plan
+            assert plan is not None  # planned on the first batch
+            results[c["name"]]["counts"] = plan.layer_counts()
+            results[c["name"]]["predicted_step_s"] = plan.step_time_s
     return results
 
 

@@ -258,6 +258,9 @@ class Replanner:
 
     def __init__(self, inputs: PlanInputs, plan: PartitionPlan, *, every: int | None, threshold: float,
                  say: Say) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"Replanner(every={every}): give a whole number of optimizer steps >= 1, or None to "
+                             "never re-plan")
         self.inputs = inputs
         self.state = PlanState(plan=plan, speeds=inputs.speeds)
         self.every = every
@@ -271,7 +274,7 @@ class Replanner:
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` ends a measurement window."""
-        return bool(self.every) and step > 0 and step % int(self.every) == 0
+        return self.every is not None and step > 0 and step % self.every == 0
 
     def observe(self, step: int, stage_seconds: Sequence[float]) -> Replan | None:
         """Take one window's stage seconds per rank; a :class:`Replan` whose plan the ranks must apply now,

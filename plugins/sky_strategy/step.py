@@ -156,7 +156,10 @@ class PipelineStep:
         if train:
             leaf.requires_grad_(True)
         error: Exception | None = None
-        result, numbers, logged, calls = None, None, [], []
+        result: Any = None
+        numbers: dict[str, float] | None = None
+        logged: list[float] = []
+        calls: list[LogCall] = []
         try:  # an error on one rank is raised on every rank (after the exchange), not left to hang the others
             result, numbers, logged, calls = self._own_numbers(step, args, kwargs, leaf, inputs, train=train)
         except Exception as exc:
