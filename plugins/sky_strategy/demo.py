@@ -93,7 +93,7 @@ def _train_rank(rank: int, world: int, contenders: list[dict], speed_factors: li
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    import sky_strategy
+    from sky_strategy.strategy import SkyStrategy
 
     class StepTimer(L.Callback):
         def __init__(self):
@@ -111,7 +111,7 @@ def _train_rank(rank: int, world: int, contenders: list[dict], speed_factors: li
     for _ in range(repeats):
         for c in contenders:  # interleaved: A B A B ...
             timer = StepTimer()
-            strategy = sky_strategy.SkyStrategy(verbose=False, speed_factors=speed_factors, **c["kwargs"])
+            strategy = SkyStrategy(verbose=False, speed_factors=speed_factors, **c["kwargs"])
             trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 num_sanity_val_steps=0, callbacks=[timer], use_distributed_sampler=False)
@@ -119,8 +119,10 @@ def _train_rank(rank: int, world: int, contenders: list[dict], speed_factors: li
             trainer.fit(demo_module(width, depth), DataLoader(data, batch_size=batch))
             warm = timer.times[2:] or timer.times  # the first steps build schedules and profile
             results[c["name"]]["step_s"].append(sorted(warm)[len(warm) // 2])
-            results[c["name"]]["counts"] = strategy.plan.layer_counts()
-            results[c["name"]]["predicted_step_s"] = strategy.plan.step_time_s
+            plan = strategy.plan
+            assert plan is not None  # planned on the first batch
+            results[c["name"]]["counts"] = plan.layer_counts()
+            results[c["name"]]["predicted_step_s"] = plan.step_time_s
     return results
 
 

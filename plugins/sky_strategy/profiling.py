@@ -35,12 +35,50 @@ from tightfit.planner.pipeline import DeviceSpec, LayerMemory
 from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.timing import clock_of
 
-__all__ = ["RankProfile", "profile_rank", "measure_links", "measure_link_fits", "fit_allreduce", "optimizer_rate",
+__all__ = ["InjectedSpeeds", "RankProfile", "profile_rank", "measure_links", "measure_link_fits", "fit_allreduce", "optimizer_rate",
            "step_overhead", "pipeline_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES"]
 
 # Ping-pong sizes for the link fit: 4 KiB (latency-bound) to 1 MiB (bandwidth-bound), plus the model's
 # own activation size (added by the strategy).
 LINK_SIZES = (1 << 12, 1 << 16, 1 << 20)
+
+
+class InjectedSpeeds:
+    """The speed each rank plays (``speed_factors``: ``0.33`` is three times slower), changeable mid-run.
+
+    With ``throttle`` a slowed rank's stages sleep for the time it would lack (:meth:`slowdown`), so the
+    injected heterogeneity is real to the profiler, the schedule and the re-planner alike.
+
+    Args:
+        factors: one factor per global rank, or ``None`` (every rank at 1.0).
+        throttle: make the factors real (``False``: the planner sees them, nothing sleeps).
+
+    Example:
+        >>> speeds = InjectedSpeeds((1.0, 0.25), throttle=True)
+        >>> speeds.factor(1), speeds.slowdown(1)
+        (0.25, 4.0)
+    """
+
+    def __init__(self, factors: Sequence[float] | None, *, throttle: bool) -> None:
+        self._factors = None if factors is None else [float(f) for f in factors]
+        self.throttle = throttle
+
+    def factor(self, rank: int) -> float:
+        return 1.0 if self._factors is None else self._factors[rank]
+
+    def slowdown(self, rank: int) -> float:
+        """How many times longer this rank's compute takes (1.0 without throttling)."""
+        return 1.0 / self.factor(rank) if self.throttle else 1.0
+
+    def slowdown_of(self, rank: int) -> Callable[[], float]:
+        """``rank``'s slowdown read at call time, so a later :meth:`set` reaches running stages."""
+        return lambda: self.slowdown(rank)
+
+    def set(self, factors: Sequence[float], *, world: int) -> None:
+        """Play other speeds from now on (e.g. one device slows down mid-run)."""
+        if len(factors) != world or any(f <= 0 for f in factors):
+            raise ValueError(f"set_speed_factors({list(factors)}): give {world} factors > 0")
+        self._factors = [float(f) for f in factors]
 
 
 @dataclass(frozen=True)
