@@ -167,11 +167,10 @@ class ElixirStrategy(ModelParallelStrategy):
 
     def _decide_plan(self, trainer: Any) -> PlanDecision:
         """The plan for this run (collective): what planning needs, taken from this strategy and the trainer."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         return decide_plan(self.options, self._module, first_batch=lambda: example_batch(trainer),
-                           method=stage_method(trainer), precision=str(getattr(self.precision_plugin, "precision",
-                                                                               "32-true")),
-                           device=self.root_device, world_size=self.world_size, num_nodes=self.num_nodes,
-                           rank=self.global_rank)
+                           method=stage_method(trainer), precision=precision, device=self.root_device,
+                           world_size=self.world_size, num_nodes=self.num_nodes, rank=self.global_rank)
 
     def _report(self, trainer: Any) -> None:
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # collective: Trainer.log_dir broadcasts
