@@ -164,9 +164,9 @@ def with_mesh_clipping(plugin: Precision) -> Precision:
     kind = type(plugin)  # exactly Lightning's classes: a subclass may carry state a copy would lose
     if kind is Precision:
         return ClipAcrossMeshes()
-    if kind is HalfPrecision:
-        return ElixirHalfPrecision(plugin.precision)  # type: ignore[arg-type]
-    if kind is MixedPrecision:
+    if kind is HalfPrecision and isinstance(plugin, HalfPrecision):
+        return ElixirHalfPrecision(plugin.precision)
+    if kind is MixedPrecision and isinstance(plugin, MixedPrecision):
         return ElixirMixedPrecision(plugin.precision, plugin.device, plugin.scaler)  # type: ignore[arg-type]
     return plugin
 
