@@ -40,7 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_elixir.options import ElixirOptions
-from lightning_elixir.planning import decide_plan
+from lightning_elixir.planning import decide_plan, example_batch, stage_method
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
@@ -181,13 +181,23 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
             # The dry run must not move the RNG the real build draws its initial weights from.
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 module.configure_model()
-            plan = decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+            plan = self._decide_plan(trainer)
         finally:
             vars(module).clear()
             vars(module).update(saved)
             for key, table in tables.items():
                 object.__setattr__(module, key, table)
         return plan
+
+    def _decide_plan(self, trainer: Any) -> ElixirPlan:
+        """The plan for this run (collective), from what planning needs of this strategy and the trainer."""
+        module = self.lightning_module
+        assert module is not None
+        return decide_plan(self.options, module, first_batch=lambda: example_batch(trainer),
+                           method=stage_method(trainer),
+                           precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+                           device=self.root_device, world_size=self.world_size, num_nodes=self.num_nodes,
+                           rank=self.global_rank).plan
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -196,7 +206,7 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         if self.plan is None:  # no configure_model hook: plan here, on the model built in __init__
-            self.plan = decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+            self.plan = self._decide_plan(trainer)
         apply_activation_checkpointing(module, self.plan)
         self.config = deepspeed_config(self.plan, self.user_config)
         if trainer.state.fn == TrainerFn.FITTING and "train_micro_batch_size_per_gpu" not in (self.user_config or {}):

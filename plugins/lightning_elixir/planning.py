@@ -11,9 +11,12 @@ inspected) outside a Trainer:
   when the core provides it, otherwise a short local measurement);
 * :func:`make_plan` - core's search with the strategy's knobs (``offload``, ``activation_checkpointing``
   become :class:`ElixirConstraints`; core decides forced choices, nothing is re-priced here);
-* :func:`decide_plan` - what both strategies call: rank 0 profiles and searches (or checks a given
-  plan), every rank gets the same plan as JSON through :func:`tightfit.distributed.decide_on_rank0`;
-  an error on rank 0 is raised on every rank with its type and numbers.
+* :func:`decide_plan` - what both strategies call, with what it needs (the options, the module, a
+  way to the first batch, the precision, this rank's device and the world's shape; never the
+  strategy): rank 0 profiles and searches (or checks a given plan), every rank gets the same plan as
+  JSON through :func:`tightfit.distributed.decide_on_rank0`; it returns a :class:`PlanDecision` (the
+  plan, and on rank 0 the profile and cluster re-planning starts from) and the strategy stores it.
+  An error on rank 0 is raised on every rank with its type and numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import random
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +40,8 @@ from tightfit.planner.elixir import ElixirConstraints, ElixirPlan, search
 from tightfit.profiler import profile_model
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
-__all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "forked_rng",
-           "OFFLOAD_CHOICES", "STAGE_METHODS"]
+__all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "PlanDecision",
+           "stage_method", "forked_rng", "OFFLOAD_CHOICES", "STAGE_METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -234,53 +238,90 @@ def forked_rng(device: torch.device) -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-def decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
-    """The plan every rank of ``strategy`` runs: gathered inputs, decided by core on rank 0, shared as JSON.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanDecision:
+    """What :func:`decide_plan` returns; the strategy stores it.
+
+    Args:
+        plan: the plan every rank runs (equal objects on every rank, decoded from the same JSON).
+        profile / cluster: what the plan was searched from or checked against, on rank 0 (``None`` on
+            the other ranks, and ``cluster`` also where no device was measured or given); re-planning
+            (``replan=True``) starts from them.
+    """
+
+    plan: ElixirPlan
+    profile: ModelProfile | None = None
+    cluster: ClusterSpec | None = None
+
+
+def stage_method(trainer: Any) -> str:
+    """The LightningModule method the trainer's current stage runs (``"training_step"`` while fitting)."""
+    return STAGE_METHODS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), "training_step")
+
+
+def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Callable[[], Any], precision: str,
+                device: torch.device, world_size: int, num_nodes: int = 1, rank: int = 0,
+                method: str = "training_step") -> PlanDecision:
+    """The plan every rank runs: gathered inputs, decided by core on rank 0, shared as JSON.
+
+    Args:
+        options: the strategy's validated options (budget, given plan or cluster, forced choices).
+        module: the LightningModule (on the meta device or real); profiled, never changed.
+        first_batch: returns the batch to profile (:func:`example_batch`); called on rank 0 only, so
+            only one rank reads the dataloader.
+        precision: the Trainer's precision flag the plan is priced for (``"bf16-mixed"`` ...).
+        device / world_size / num_nodes / rank: this rank's device and the run's shape.
+        method: the step to profile (:func:`stage_method`).
 
     Collective: every rank calls it (the device measurement and the broadcast are collectives).
-    ``strategy`` provides ``options`` (:class:`ElixirOptions`), ``lightning_module``, ``root_device``,
-    ``world_size`` and ``num_nodes``. Runs under :func:`forked_rng`: planning leaves the RNG streams
-    as it found them, so seeded runs match DDP's.
+    Runs under :func:`forked_rng`: planning leaves the RNG streams as it found them, so seeded runs
+    match DDP's. An error on rank 0 is raised on every rank with its type and numbers.
     """
-    with forked_rng(strategy.root_device):
-        return _decide_plan(strategy, trainer, precision=precision)
+    say = _say if options.verbose and rank == 0 else (lambda text: None)
+    with forked_rng(device):
+        measured: DeviceProfile | None = None
+        # Re-planning (replan=True) prices plans on a cluster even when the plan itself was given.
+        if options.measures_device or (options.replan and options.cluster is None and options.device_profile is None):
+            say("[elixir] profiling the device (cached after the first run) ...")
+            measured = local_device(device)  # collective: every rank measures the collectives
+        planned_from: list[tuple[ModelProfile, ClusterSpec | None]] = []  # filled on rank 0 only
+
+        def decide() -> ElixirPlan:
+            say(f"[elixir] profiling one {method} on the meta device ...")
+            profile = profile_module(module, first_batch(), stage_method=method)
+            cluster = _cluster(options, measured, world_size, num_nodes)
+            planned_from.append((profile, cluster))
+            return _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say)
+
+        plan = decide_on_rank0(decide, encode=lambda plan: plan.to_json(), decode=ElixirPlan.from_json)
+    profile, cluster = planned_from[0] if planned_from else (None, None)
+    return PlanDecision(plan=plan, profile=profile, cluster=cluster)
 
 
-def _decide_plan(strategy: Any, trainer: Any, *, precision: str) -> ElixirPlan:
-    options: ElixirOptions = strategy.options
-    module = strategy.lightning_module
-    method = STAGE_METHODS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), "training_step")
-    world = strategy.world_size
-    say = _say if options.verbose and strategy.global_rank == 0 else (lambda text: None)
-    device: DeviceProfile | None = None
-    # Re-planning (replan=True) prices plans on a cluster even when the plan itself was given.
-    if options.measures_device or (options.replan and options.cluster is None and options.device_profile is None):
-        say("[elixir] profiling the device (cached after the first run) ...")
-        device = local_device(strategy.root_device)  # collective: every rank measures the collectives
+def _cluster(options: ElixirOptions, measured: DeviceProfile | None, world_size: int,
+             num_nodes: int) -> ClusterSpec | None:
+    """The devices to plan for: the given cluster, else the given or measured device on every rank."""
+    given = options.cluster
+    assert given is None or isinstance(given, ClusterSpec)  # ElixirOptions resolved paths
+    device = options.device_profile if isinstance(options.device_profile, DeviceProfile) else measured
+    return given or (ClusterSpec.uniform(device, world_size, nodes=num_nodes) if device is not None else None)
 
-    def decide() -> ElixirPlan:
-        say(f"[elixir] profiling one {method} on the meta device ...")
-        profile = profile_module(module, example_batch(trainer), stage_method=method)
-        given = options.cluster
-        assert given is None or isinstance(given, ClusterSpec)  # ElixirOptions resolved paths
-        profile_of_device = options.device_profile if isinstance(options.device_profile, DeviceProfile) else device
-        cluster = given or (ClusterSpec.uniform(profile_of_device, world, nodes=strategy.num_nodes)
-                            if profile_of_device is not None else None)
-        strategy.planned_from = (profile, cluster)  # rank 0: what re-planning (replan=True) starts from
-        if options.plan is not None:
-            plan = load_plan(options.plan)
-            plan.check_compatible(profile, world, precision=precision)
-            return plan
-        assert cluster is not None
-        if cluster.world_size != world:
-            raise ValueError(f"{options.owner}(cluster=...) describes {cluster.world_size} devices, this run has "
-                             f"{world} ranks; give one DeviceProfile per rank")
-        say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in {len(profile.blocks)} "
-            f"blocks; searching a plan for {world} x {cluster.devices[0].name} ...")
-        return search(profile, cluster, optimizer=options.optimizer, precision=precision,
-                      memory_budget=options.memory_budget, constraints=options.planner_constraints())
 
-    return decide_on_rank0(decide, encode=lambda plan: plan.to_json(), decode=ElixirPlan.from_json)
+def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpec | None, *, world_size: int,
+              precision: str, say: Callable[[str], None]) -> ElixirPlan:
+    """Rank 0's decision: the given plan checked against this model and world, or core's search."""
+    if options.plan is not None:
+        plan = load_plan(options.plan)
+        plan.check_compatible(profile, world_size, precision=precision)
+        return plan
+    assert cluster is not None
+    if cluster.world_size != world_size:
+        raise ValueError(f"{options.owner}(cluster=...) describes {cluster.world_size} devices, this run has "
+                         f"{world_size} ranks; give one DeviceProfile per rank")
+    say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in {len(profile.blocks)} "
+        f"blocks; searching a plan for {world_size} x {cluster.devices[0].name} ...")
+    return search(profile, cluster, optimizer=options.optimizer, precision=precision,
+                  memory_budget=options.memory_budget, constraints=options.planner_constraints())
 
 
 def _say(text: str) -> None:

@@ -29,6 +29,12 @@ connector hand Elixir strategies an :class:`ElixirPrecision` for ``"16-mixed"`` 
 yourself also works and sets the scaler's knobs: ``Trainer(strategy="elixir",
 plugins=[ElixirPrecision(init_scale=2.0**12)])``.
 
+Gradient clipping by norm is an override, :meth:`ClipAcrossMeshes.clip_grad_by_norm`, which every
+Elixir plugin inherits: torch's ``clip_grad_norm_`` refuses gradients on several meshes and devices.
+For the other precisions, :meth:`ElixirStrategy.setup` swaps Lightning's plugin for the Elixir
+subclass with the same settings (:func:`with_mesh_clipping`: ``ElixirHalfPrecision``,
+``ElixirMixedPrecision``, ``ClipAcrossMeshes`` for ``"32-true"``).
+
 Example:
     >>> import lightning as L
     >>> import lightning_elixir
@@ -42,10 +48,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from typing_extensions import override
 
-__all__ = ["ElixirGradScaler", "ElixirPrecision", "install_trainer_hook"]
+from lightning_elixir.apply import clip_grad_norm_
+
+__all__ = ["ElixirGradScaler", "ElixirPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
+           "with_mesh_clipping", "install_trainer_hook"]
 
 
 class ElixirGradScaler(torch.amp.GradScaler):
@@ -118,7 +127,51 @@ class ElixirGradScaler(torch.amp.GradScaler):
         found_inf.copy_(flag)
 
 
-class ElixirPrecision(Precision):
+class ClipAcrossMeshes(Precision):
+    """Lightning's ``Precision`` whose norm clipping counts every unit, whatever mesh or device it lives on.
+
+    ``Precision.clip_grad_by_norm`` calls ``torch.nn.utils.clip_grad_norm_``, which refuses gradients
+    on several meshes (``replicate`` units sit on a 2-D mesh, the others on the 1-D one) and needs
+    them on one device (offloaded units keep theirs on the host); this override calls
+    :func:`lightning_elixir.apply.clip_grad_norm_` instead, on the same parameters. As a plugin of its
+    own it is ``precision="32-true"``; the Elixir plugins below derive from it, and a custom
+    precision plugin for :class:`~lightning_elixir.strategy.ElixirStrategy` should too.
+    """
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float | int) -> None:
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+
+
+class ElixirHalfPrecision(ClipAcrossMeshes, HalfPrecision):
+    """Lightning's ``HalfPrecision`` (``"bf16-true"`` / ``"16-true"``) with :class:`ClipAcrossMeshes`' norm clipping."""
+
+
+class ElixirMixedPrecision(ClipAcrossMeshes, MixedPrecision):
+    """Lightning's ``MixedPrecision`` (``"bf16-mixed"``) with :class:`ClipAcrossMeshes`' norm clipping."""
+
+
+def with_mesh_clipping(plugin: Precision) -> Precision:
+    """``plugin`` as the Elixir plugin with the same settings whose norm clipping works across meshes.
+
+    Lightning picks its own plugin for the Trainer's precision flag (``Precision`` for ``"32-true"``,
+    ``HalfPrecision``, ``MixedPrecision``); :meth:`ElixirStrategy.setup` hands it here and keeps what
+    comes back. Plugins that already clip across meshes (:class:`ElixirPrecision`, any
+    :class:`ClipAcrossMeshes`) and classes this does not know (a user's own) are returned unchanged.
+    """
+    if isinstance(plugin, ClipAcrossMeshes):
+        return plugin
+    kind = type(plugin)  # exactly Lightning's classes: a subclass may carry state a copy would lose
+    if kind is Precision:
+        return ClipAcrossMeshes()
+    if kind is HalfPrecision and isinstance(plugin, HalfPrecision):
+        return ElixirHalfPrecision(plugin.precision)
+    if kind is MixedPrecision and isinstance(plugin, MixedPrecision):
+        return ElixirMixedPrecision(plugin.precision, plugin.device, plugin.scaler)  # type: ignore[arg-type]
+    return plugin
+
+
+class ElixirPrecision(ClipAcrossMeshes):
     """Lightning precision plugin for ``precision="16-mixed"`` under :class:`ElixirStrategy` (see the module docstring).
 
     Args:
@@ -197,14 +250,16 @@ class ElixirPrecision(Precision):
         self.scaler.load_state_dict(state_dict)
 
 
-def install_trainer_hook() -> None:
-    """Make ``Trainer(precision="16-mixed")`` give Elixir's FSDP2 strategies an :class:`ElixirPrecision` (idempotent).
+def install_trainer_hook(strategy_type: type) -> None:
+    """Make ``Trainer(precision="16-mixed")`` give ``strategy_type`` (Elixir's FSDP2 strategy, which passes
+    itself: this module never imports the strategy) an :class:`ElixirPrecision` (idempotent).
 
     Lightning decides the precision plugin in ``_AcceleratorConnector._check_and_init_precision``,
     which has no extension point: it refuses ``"16-mixed"`` for a ``ModelParallelStrategy`` instance
     and replaces it with ``"bf16-mixed"`` on a CPU. The wrapper below answers first for exactly one
-    case - an :class:`ElixirStrategy` (not its DeepSpeed backend, which has its own fp16 engine), the
-    ``"16-mixed"`` flag, no precision plugin given - and leaves every other case to Lightning.
+    case - an instance of ``strategy_type`` (:class:`ElixirStrategy`; not its DeepSpeed backend, which
+    has its own fp16 engine), the ``"16-mixed"`` flag, no precision plugin given - and leaves every
+    other case to Lightning.
     """
     from lightning.pytorch.accelerators import CUDAAccelerator
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -214,9 +269,7 @@ def install_trainer_hook() -> None:
         return
 
     def _check_and_init_precision(self: Any) -> Precision:
-        from lightning_elixir.strategy import ElixirStrategy
-
-        if (isinstance(self.strategy, ElixirStrategy) and self._precision_plugin_flag is None
+        if (isinstance(self.strategy, strategy_type) and self._precision_plugin_flag is None
                 and self._precision_flag == "16-mixed"):
             return ElixirPrecision("16-mixed", "cuda" if isinstance(self.accelerator, CUDAAccelerator) else "cpu")
         return original(self)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.planner.elixir.replan import replan_in_place, scale_profile
 from tightfit.profiler.types import ClusterSpec, ModelProfile
 
-__all__ = ["ReplanRecord", "Replanner", "switch_plan"]
+__all__ = ["PlanState", "ReplanRecord", "Replanner", "switch_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,24 @@ def _changes(old: ElixirPlan, new: ElixirPlan) -> tuple[str, ...]:
     return tuple(out)
 
 
-def switch_plan(module: Any, units: list[AppliedUnit], old: ElixirPlan, new: ElixirPlan) -> None:
-    """Switch the running model from ``old`` to ``new`` in place, between steps (see the module docstring)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanState:
+    """The running plan and the FSDP2 units it is applied to: what a switch reads and returns.
+
+    Args:
+        plan: the plan the model runs now.
+        units: what :func:`lightning_elixir.apply.apply_plan` built for it, one per planned unit, in order.
+    """
+
+    plan: ElixirPlan
+    units: tuple[AppliedUnit, ...]
+
+
+def switch_plan(module: Any, state: PlanState, new: ElixirPlan) -> PlanState:
+    """Switch the running model from ``state.plan`` to ``new`` in place, between steps (see the module
+    docstring); returns the new state (``new`` and the units relabelled with its unit plans)."""
+    old = state.plan
+    units = list(state.units)
     for i, (a, b) in enumerate(zip(old.units, new.units)):
         if (a.blocks, a.offload, a.mode == "replicate") != (b.blocks, b.offload, b.mode == "replicate"):
             raise ValueError(f"unit {i} of the new plan changes its blocks, offload or replication ({a} -> {b}); "
@@ -90,21 +107,29 @@ def switch_plan(module: Any, units: list[AppliedUnit], old: ElixirPlan, new: Eli
             for m in targets:  # one fully_shard group shares one state: its first module sets it
                 if isinstance(m, FSDPModule):
                     m.set_reshard_after_forward(b.reshard_after_forward, recurse=False)
-        applied_unit = units[i]
-        units[i] = dataclasses.replace(applied_unit, plan=b)
+        units[i] = dataclasses.replace(units[i], plan=b)
     was, now = set(old.checkpointed_blocks), set(new.checkpointed_blocks)
     for name in sorted(was ^ now):
         set_checkpointing(module, name, name in now)
     if (old.forward_prefetch, old.backward_prefetch) != (new.forward_prefetch, new.backward_prefetch):
         apply_prefetch(units, new.forward_prefetch, new.backward_prefetch)
+    return PlanState(plan=new, units=tuple(units))
 
 
 class Replanner:
-    """The re-planning state of one strategy: inputs kept from setup, the pending plan, the records.
+    """One fit's re-planning: the inputs kept from setup, the plan decided but not yet applied, the records.
+
+    It never reads or writes the strategy: it is given the running :class:`PlanState` and what it
+    needs of the trainer (step, epoch, rank 0 or not, the broadcast), and returns what changed; the
+    strategy keeps the returned state.
 
     Args:
         profile / cluster: what the running plan was searched from (rank 0; ``None`` on the other ranks).
         memory_budget / constraints: the strategy's.
+
+    Attributes:
+        pending: the decided plan, applied at the next checkpoint boundary (``None``: nothing to switch).
+        records: one :class:`ReplanRecord` per re-plan (at most one per fit).
     """
 
     def __init__(self, profile: ModelProfile | None, cluster: ClusterSpec | None,
@@ -115,25 +140,31 @@ class Replanner:
         self.pending_epoch = -1
         self.records: list[ReplanRecord] = []
 
-    def decide(self, strategy: Any, plan: ElixirPlan, record: PredictionRecord, trainer: Any) -> None:
-        """Collective, at the step the prediction record arrives: rank 0 decides, every rank learns it."""
+    def _propose(self, plan: ElixirPlan, record: PredictionRecord) -> dict[str, Any]:
+        """Rank 0: the measured / predicted ratios and the plan searched from the scaled profile (or ``None``)."""
+        assert self.profile is not None and self.cluster is not None
+        time_ratio = record.measured_step_s / record.predicted_step_s if record.predicted_step_s > 0 else 1.0
+        memory_ratio = (record.measured_peak_bytes / record.predicted_peak_bytes
+                        if record.measured_peak_bytes > 0 and record.predicted_peak_bytes > 0 else 1.0)
+        scaled = scale_profile(self.profile, time_ratio=time_ratio, memory_ratio=memory_ratio)
+        new = replan_in_place(scaled, self.cluster, plan, memory_budget=self.memory_budget,
+                              constraints=self.constraints)
+        return {"time_ratio": time_ratio, "memory_ratio": memory_ratio, "plan": None if new is None else new.to_json()}
+
+    def decide(self, state: PlanState, record: PredictionRecord, *, step: int, epoch: int, rank_zero: bool,
+               broadcast: Callable[[Any], Any]) -> ReplanRecord | None:
+        """Collective, at the step the prediction record arrives: rank 0 decides, every rank learns it
+        through ``broadcast`` (the strategy's, from rank 0). Returns the new record (``None``: no re-plan);
+        a plan that changes something becomes :attr:`pending`."""
         if self.records:
-            return  # one re-plan per fit
+            return None  # one re-plan per fit
+        plan = state.plan
         proposal = None
-        if strategy.is_global_zero and not record.within_tolerance and self.profile is not None \
-                and self.cluster is not None:
-            time_ratio = record.measured_step_s / record.predicted_step_s if record.predicted_step_s > 0 else 1.0
-            memory_ratio = (record.measured_peak_bytes / record.predicted_peak_bytes
-                            if record.measured_peak_bytes > 0 and record.predicted_peak_bytes > 0 else 1.0)
-            scaled = scale_profile(self.profile, time_ratio=time_ratio, memory_ratio=memory_ratio)
-            new = replan_in_place(scaled, self.cluster, plan, memory_budget=self.memory_budget,
-                                  constraints=self.constraints)
-            proposal = {"time_ratio": time_ratio, "memory_ratio": memory_ratio,
-                        "plan": None if new is None else new.to_json()}
-        proposal = strategy.broadcast(proposal)
+        if rank_zero and not record.within_tolerance and self.profile is not None and self.cluster is not None:
+            proposal = self._propose(plan, record)
+        proposal = broadcast(proposal)
         if proposal is None:
-            return
-        step = int(getattr(trainer, "global_step", 0))
+            return None
         new_plan = None if proposal["plan"] is None else ElixirPlan.from_json(proposal["plan"])
         changes = _changes(plan, new_plan) if new_plan is not None else ()
         rec = ReplanRecord(measured_at_step=step, time_ratio=float(proposal["time_ratio"]),
@@ -143,38 +174,38 @@ class Replanner:
         self.records.append(rec)
         if new_plan is not None and changes:
             self.pending = new_plan
-            self.pending_epoch = int(getattr(trainer, "current_epoch", 0))
-        if strategy.is_global_zero:
+            self.pending_epoch = epoch
+        if rank_zero:
             what = ", ".join(changes) if changes else "the running plan is still the fastest that fits; nothing changes"
             log.info("[elixir] re-planned from the measurement (step x%.2f): predicted %.1f ms -> %.1f ms; %s%s",
                      rec.time_ratio, rec.old_step_s * 1e3, rec.new_step_s * 1e3, what,
                      "; applied at the next checkpoint boundary" if self.pending is not None else "")
+        return rec
 
-    def due(self, trainer: Any) -> bool:
-        """Whether a pending plan should be applied at the start of this step (a new epoch began)."""
-        return self.pending is not None and int(getattr(trainer, "current_epoch", 0)) > self.pending_epoch
+    def due(self, epoch: int) -> bool:
+        """Whether a pending plan should be applied at the start of a step of ``epoch`` (a new epoch began)."""
+        return self.pending is not None and epoch > self.pending_epoch
 
-    def apply(self, strategy: Any, trainer: Any, boundary: str) -> ElixirPlan | None:
-        """Switch to the pending plan (every rank, between steps); returns it, or ``None`` when none is pending."""
+    def apply(self, module: Any, state: PlanState, *, step: int, boundary: str, rank_zero: bool,
+              plan_path: Path | None = None, logger: Any = None) -> PlanState | None:
+        """Switch ``module`` to the pending plan (every rank, between steps); returns the new state for the
+        strategy to keep, or ``None`` when none is pending. Rank 0 writes the plan beside ``plan_path``."""
         new = self.pending
         if new is None:
             return None
-        old = strategy.plan
-        switch_plan(strategy.lightning_module, strategy.units, old, new)
+        switched = switch_plan(module, state, new)
         self.pending = None
         path = ""
-        if strategy.is_global_zero and strategy.plan_path is not None:
-            target = Path(strategy.plan_path).with_name("plan-replan.json")
+        if rank_zero and plan_path is not None:
+            target = Path(plan_path).with_name("plan-replan.json")
             new.to_json(target)
             path = str(target)
-        step = int(getattr(trainer, "global_step", 0))
         self.records[-1] = dataclasses.replace(self.records[-1], applied_at_step=step, boundary=boundary,
                                                plan_path=path)
-        logger = getattr(trainer, "logger", None)
         if logger is not None:
             logger.log_metrics({"elixir/replanned": 1.0, "elixir/replan_predicted_step_s": new.step_time_s},
                                step=step)
-        if strategy.is_global_zero:
+        if rank_zero:
             log.info("[elixir] new plan applied at step %d (%s boundary)%s", step, boundary,
                      f"; written to {path}" if path else "")
-        return new
+        return switched

@@ -31,17 +31,17 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.apply import AppliedUnit, apply_plan, clip_grad_norm_, describe_units, is_sharded
+from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
-from lightning_elixir.planning import decide_plan
-from lightning_elixir.precision import ElixirPrecision, install_trainer_hook
-from lightning_elixir.replan import Replanner
+from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
+from lightning_elixir.precision import ElixirPrecision, install_trainer_hook, with_mesh_clipping
+from lightning_elixir.replan import PlanState, Replanner
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
-from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
+from tightfit.profiler.types import ClusterSpec, DeviceProfile
 
 __all__ = ["ElixirStrategy"]
 
@@ -104,7 +104,7 @@ class ElixirStrategy(ModelParallelStrategy):
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
                                      verbose=verbose, replan=replan, owner="ElixirStrategy")
-        install_trainer_hook()  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on (idempotent)
+        install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.plan: ElixirPlan | None = None
@@ -114,7 +114,6 @@ class ElixirStrategy(ModelParallelStrategy):
         self.check_tolerance = 0.25
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
-        self.planned_from: tuple[ModelProfile, ClusterSpec | None] | None = None  # set by decide_plan (rank 0)
         self.replanner: Replanner | None = None
 
     # ---- processes and mesh ------------------------------------------------------------------------
@@ -144,16 +143,19 @@ class ElixirStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        # Lightning's plugin for the precision flag, as the Elixir subclass whose norm clipping counts units
+        # on every mesh and device (precision.ClipAcrossMeshes); before anything below uses the plugin.
+        self.precision_plugin = with_mesh_clipping(self.precision_plugin)
         # "-true" precisions cast the weights themselves; do it before sharding (meta casts are free).
         self.model = self.precision_plugin.convert_module(self.model)
         if not any(is_sharded(m) for m in module.modules()):
-            self.plan = self._decide_plan(trainer)
+            decision = self._decide_plan(trainer)
+            self.plan = decision.plan
             self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
                                     switchable=self.options.replan)
             self._report(trainer)
             if self.options.replan:
-                profile, cluster = self.planned_from or (None, None)
-                self.replanner = Replanner(profile, cluster, self.options.memory_budget,
+                self.replanner = Replanner(decision.profile, decision.cluster, self.options.memory_budget,
                                            self.options.planner_constraints())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -162,20 +164,13 @@ class ElixirStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
-        self._install_clipping()
 
-    def _install_clipping(self) -> None:
-        """Norm clipping through :func:`lightning_elixir.apply.clip_grad_norm_`: torch's refuses gradients
-        on several meshes (replicate units) and needs them on one device (offloaded units)."""
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float | int) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _decide_plan(self, trainer: Any) -> ElixirPlan:
-        return decide_plan(self, trainer, precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+    def _decide_plan(self, trainer: Any) -> PlanDecision:
+        """The plan for this run (collective): what planning needs, taken from this strategy and the trainer."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        return decide_plan(self.options, self._module, first_batch=lambda: example_batch(trainer),
+                           method=stage_method(trainer), precision=precision, device=self.root_device,
+                           world_size=self.world_size, num_nodes=self.num_nodes, rank=self.global_rank)
 
     def _report(self, trainer: Any) -> None:
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # collective: Trainer.log_dir broadcasts
@@ -217,7 +212,7 @@ class ElixirStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self._module.trainer
-        if self.replanner is not None and self.replanner.due(trainer):
+        if self.replanner is not None and self.replanner.due(int(getattr(trainer, "current_epoch", 0))):
             self._switch_plan(trainer, "epoch")
         if self.plan is not None and self.monitor is None:
             self.monitor = make_monitor(self.plan, self.root_device, tolerance=self.check_tolerance)
@@ -225,7 +220,9 @@ class ElixirStrategy(ModelParallelStrategy):
         if record is not None:
             self.prediction = record
             if self.replanner is not None and self.plan is not None:
-                self.replanner.decide(self, self.plan, record, trainer)
+                self.replanner.decide(self._plan_state(), record, step=int(getattr(trainer, "global_step", 0)),
+                                      epoch=int(getattr(trainer, "current_epoch", 0)),
+                                      rank_zero=self.is_global_zero, broadcast=self.broadcast)
         return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     @override
@@ -260,11 +257,18 @@ class ElixirStrategy(ModelParallelStrategy):
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
 
+    def _plan_state(self) -> PlanState:
+        assert self.plan is not None
+        return PlanState(plan=self.plan, units=tuple(self.units))
+
     def _switch_plan(self, trainer: Any, boundary: str) -> None:
+        """Switch to the re-planned plan at a checkpoint boundary and keep the state the switch returns."""
         assert self.replanner is not None
-        new = self.replanner.apply(self, trainer, boundary)
-        if new is not None:
-            self.plan = new
+        state = self.replanner.apply(self._module, self._plan_state(), step=int(getattr(trainer, "global_step", 0)),
+                                     boundary=boundary, rank_zero=self.is_global_zero, plan_path=self.plan_path,
+                                     logger=getattr(trainer, "logger", None))
+        if state is not None:
+            self.plan, self.units = state.plan, list(state.units)
             self.monitor = None  # the new plan's prediction is checked against its own steps
 
     @override
