@@ -111,12 +111,12 @@ class StoreModel(RuleBasedStateMachine):
                 assert self.store.nbytes(name) == len(data)
 
 
-StoreModel.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+StoreModel.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 test_store_against_model = StoreModel.TestCase
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(writes=st.lists(st.tuples(st.integers(0, 3 * E), st.binary(min_size=1, max_size=2 * E), st.booleans()),
                        min_size=1, max_size=12),
