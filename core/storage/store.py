@@ -171,11 +171,10 @@ class TensorStore:
                 self._tails[(name, k)] = job.future
             self._inflight.add(job.future)
         for i, prev in enumerate(after):
-            self._engine.acquire()  # backpressure: the caller waits here while max_inflight are outstanding
-            if prev is None or job.whole(i):
-                self._engine.submit(job.run, i, held=True)
-            else:  # a partial extent merges with the previous write's result: it runs after it
-                prev.add_done_callback(lambda _f, i=i: self._engine.submit(job.run, i, held=True))
+            if prev is None or job.whole(i):  # backpressure: the caller waits here while max_inflight are out
+                self._engine.submit(job.run, i)
+            else:  # a partial extent merges with the previous write's result: it runs after it, unbounded
+                prev.add_done_callback(lambda _f, i=i: self._engine.submit(job.run, i, bounded=False))
         job.start()
         return job.future
 
