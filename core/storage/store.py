@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import fcntl
+import functools
 import os
 import threading
 from concurrent.futures import Future
@@ -174,9 +175,12 @@ class TensorStore:
             if prev is None or job.whole(i):  # backpressure: the caller waits here while max_inflight are out
                 self._engine.submit(job.run, i)
             else:  # a partial extent merges with the previous write's result: it runs after it, unbounded
-                prev.add_done_callback(lambda _f, i=i: self._engine.submit(job.run, i, bounded=False))
+                prev.add_done_callback(functools.partial(self._resume, job, i))
         job.start()
         return job.future
+
+    def _resume(self, job: _WriteJob, i: int, _older: Future[int]) -> None:
+        self._engine.submit(job.run, i, bounded=False)
 
     # ------------------------------------------------------------------ synchronous helpers
 
