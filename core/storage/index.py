@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,9 +199,12 @@ class Slots:
             self.unreferenced.discard(slot)
             self.release(slot)
 
-    def synced(self, referenced: set[int]) -> None:
-        """The index referencing ``referenced`` is now durable: what was pending and is no longer used frees."""
+    def synced(self, referenced: set[int], give_back: Callable[[int], object] | None = None) -> None:
+        """The index referencing ``referenced`` is now durable: what was pending and is no longer used frees.
+        ``give_back(slot)`` runs first for each slot no read is using (to return its blocks to the filesystem)."""
         self.durable = set(referenced)
         pending, self.pending = self.pending - referenced, self.pending & referenced
-        for slot in pending:
+        for slot in sorted(pending):
+            if give_back is not None and not self.readers.get(slot):
+                give_back(slot)
             self.release(slot)

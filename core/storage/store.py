@@ -243,8 +243,9 @@ class TensorStore:
             if isinstance(err, StorageError) or err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise disk_full(self.path / INDEX, len(text), "syncing the index") from err
-        with self._mutex:
-            self._slots.synced(referenced)
+        size = self.extent_bytes
+        with self._mutex:  # deleted and overwritten extents' blocks go back to the filesystem now
+            self._slots.synced(referenced, lambda slot: punch_hole(self._fd, slot * size, size))
 
     def wait(self) -> None:
         """Wait until every read and write submitted so far is done (their errors stay in their futures)."""

@@ -332,3 +332,16 @@ def test_close_is_idempotent_and_waits(tmp_path):
     with TensorStore(tmp_path) as again:
         assert torch.equal(again.get("x9"), torch.full((3000,), 9.0))
     time.sleep(0)  # nothing left running
+
+
+def test_delete_gives_the_space_back_at_sync(tmp_path):
+    with TensorStore(tmp_path, extent_bytes=64 * 1024) as store:
+        store.put("big", torch.ones(2**20))  # 4 MiB
+        store.sync()
+        used = os.stat(tmp_path / "data.bin").st_blocks * 512
+        store.delete("big")
+        store.sync()
+        after = os.stat(tmp_path / "data.bin").st_blocks * 512
+        assert used >= 4 * 2**20 and after < 2**20, (used, after)
+        store.put("again", torch.full((1000,), 2.0))  # a punched slot is reused and reads back right
+        assert torch.equal(store.get("again"), torch.full((1000,), 2.0))
