@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,15 +26,18 @@ from typing import Any
 from tightfit.storage.errors import StorageError
 from tightfit.storage.fs import ALIGN
 
-__all__ = ["INDEX", "DATA", "LOCK", "DTYPES", "CHECKSUM", "Extent", "Entry", "Index", "Slots", "fsync_dir"]
+__all__ = ["INDEX", "DATA", "LOCK", "DTYPES", "DTYPE_SIZES", "CHECKSUM", "Extent", "Entry", "Index", "Slots", "fsync_dir"]
 
 INDEX, DATA, LOCK = "index.json", "data.bin", "LOCK"
 _FORMAT, _VERSION = "tightfit-store", 1
 # zlib's CRC-32: in the standard library, so every store reads anywhere; 1.7-5 GB/s on this project's loaded
 # 2-core machine (crc32c 9-10 GB/s and xxh3 ~34 GB/s from PyPI were not worth a dependency at ~1 GB/s of disk).
 CHECKSUM = "crc32"
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
+# dtype name -> bytes per element (the names torch prints without "torch.")
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+               "float8_e5m2": 1}
+DTYPES = tuple(DTYPE_SIZES)
 
 
 @dataclass(slots=True)
@@ -144,6 +148,9 @@ def _entry(name: str, e: Any, size: int, seen: set[int], path: Path, fix: str) -
         raise StorageError(f"{where}: dtype={dtype!r} is not one of {', '.join(DTYPES)}; {fix}")
     if shape is not None and not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise StorageError(f"{where}: shape={shape!r} must be a list of whole numbers >= 0; {fix}")
+    if (dtype is None) != (shape is None) or shape is not None and math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
+        raise StorageError(f"{where}: dtype={dtype!r} and shape={shape!r} must both be given (or both null) and "
+                           f"describe its {nbytes} bytes; {fix}")
     if not isinstance(extents, list) or len(extents) != -(-nbytes // size):
         raise StorageError(f"{where}: needs {-(-nbytes // size)} extents of {size} bytes for {nbytes} bytes; {fix}")
     out: list[Extent | None] = []

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import errno
 import fcntl
 import functools
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -28,7 +29,7 @@ import torch
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, open_data, punch_hole
-from tightfit.storage.index import DATA, INDEX, LOCK, Entry, Extent, Index, Slots
+from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots
 
 if TYPE_CHECKING:
     from tightfit.profiler.types import DiskProfile
@@ -481,5 +482,5 @@ class _WriteJob(_Job):
         del e.extents[-(-end // size):]
         e.extents.extend([None] * (-(-end // size) - len(e.extents)))
         if e.dtype is not None and e.shape is not None:
-            if int(np.prod(e.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, e.dtype)).element_size() != end:
+            if math.prod(e.shape) * DTYPE_SIZES[e.dtype] != end:
                 e.dtype, e.shape = None, None  # resized by a byte-range write: now a flat buffer
