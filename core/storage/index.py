@@ -148,7 +148,8 @@ def _entry(name: str, e: Any, size: int, seen: set[int], path: Path, fix: str) -
         raise StorageError(f"{where}: dtype={dtype!r} is not one of {', '.join(DTYPES)}; {fix}")
     if shape is not None and not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise StorageError(f"{where}: shape={shape!r} must be a list of whole numbers >= 0; {fix}")
-    if (dtype is None) != (shape is None) or shape is not None and math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
+    itemsize = DTYPE_SIZES.get(dtype, 0) if isinstance(dtype, str) else 0
+    if (dtype is None) != (shape is None) or shape is not None and math.prod(shape) * itemsize != nbytes:
         raise StorageError(f"{where}: dtype={dtype!r} and shape={shape!r} must both be given (or both null) and "
                            f"describe its {nbytes} bytes; {fix}")
     if not isinstance(extents, list) or len(extents) != -(-nbytes // size):
