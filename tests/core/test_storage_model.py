@@ -27,6 +27,8 @@ class StoreModel(RuleBasedStateMachine):
         self.direct, self.workers = direct, workers
         self.store = TensorStore(self.dir, extent_bytes=E, direct=direct, workers=workers, max_inflight=2)
         self.model: dict[str, bytes] = {}
+        self.synced: dict[str, bytes] = {}  # what a crash now would leave
+        self.synced_damaged: set[str] = set()  # names damaged in that state
         self.damaged: set[str] = set()
 
     def teardown(self) -> None:
@@ -78,18 +80,38 @@ class StoreModel(RuleBasedStateMachine):
     @rule()
     def sync(self) -> None:
         self.store.sync()
+        self.synced, self.synced_damaged = dict(self.model), set(self.damaged)
 
     @rule()
     def reopen(self) -> None:
         self.store.close()
+        self.synced, self.synced_damaged = dict(self.model), set(self.damaged)
         self.store = TensorStore(self.dir, direct=self.direct, workers=self.workers, max_inflight=2)
 
-    @precondition(lambda self: any(self.model.values()))
+    @rule()
+    def crash(self) -> None:
+        """What a killed process leaves (its files as they are now, unsynced writes included) opens at the last sync."""
+        self.store.wait()
+        copy = Path(tempfile.mkdtemp(prefix="tightfit-store-crash-"))
+        try:
+            for f in ("index.json", "data.bin"):
+                if (self.dir / f).exists():
+                    shutil.copyfile(self.dir / f, copy / f)
+            with TensorStore(copy, extent_bytes=E, direct=self.direct) as crashed:
+                assert crashed.names() == sorted(self.synced)
+                for name, data in self.synced.items():
+                    if name not in self.synced_damaged:
+                        assert bytes(crashed.get(name).numpy()) == data
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    @precondition(lambda self: any(v and n not in self.damaged for n, v in self.model.items()))
     @rule(pick=st.data())
     def corrupt(self, pick: st.DataObject) -> None:
         """Flip one bit of one extent on disk (store closed), then expect reads of that name to fail."""
-        name = pick.draw(st.sampled_from(sorted(n for n, v in self.model.items() if v)))
+        name = pick.draw(st.sampled_from(sorted(n for n, v in self.model.items() if v and n not in self.damaged)))
         self.store.close()
+        self.synced = dict(self.model)
         index = json.loads((self.dir / "index.json").read_text())
         extents = [x for x in index["entries"][name]["extents"] if x is not None]
         if extents:
@@ -101,6 +123,7 @@ class StoreModel(RuleBasedStateMachine):
                 f.seek(at)
                 f.write(bytes([byte ^ (1 << pick.draw(st.integers(0, 7)))]))
             self.damaged.add(name)
+        self.synced_damaged = set(self.damaged)
         self.store = TensorStore(self.dir, direct=self.direct, workers=self.workers, max_inflight=2)
 
     @invariant()
