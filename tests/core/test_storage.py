@@ -362,3 +362,45 @@ def test_inconsistent_index_is_refused_naming_the_field(tmp_path, edit, match):
     (tmp_path / "index.json").write_text(json.dumps(index))
     with pytest.raises(StorageError, match=match):
         TensorStore(tmp_path)
+
+
+def test_reads_in_flight_keep_their_extents_through_overwrites(tmp_path):
+    """A read returns the data as of its submission even when the name is overwritten (and the space
+    reused by another tensor) before it runs."""
+    a, b = _rand((6 * E // 4,), torch.float32, 7), _rand((6 * E // 4,), torch.float32, 8)
+    with TensorStore(tmp_path, extent_bytes=E, workers=4, max_inflight=64) as store:
+        store.put("x", a)
+        store.sync()
+        store.put("x", b)  # a's slots are durable: kept until the next sync
+        outs = [torch.empty_like(b) for _ in range(40)]
+        reads = [store.read_into("x", o) for o in outs]
+        store.put("x", a)  # b's slots are not durable: free as soon as no read uses them
+        store.put("y", _rand((12 * E // 4,), torch.float32, 9))  # takes any slot that is free
+        for r, o in zip(reads, outs):
+            assert r.result() is o and torch.equal(o, b)
+        assert torch.equal(store.get("x"), a)
+
+
+def test_slot_rules_never_hand_out_a_slot_in_use():
+    """The allocator's two rules: a slot the synced index references waits for the next sync; a slot a read in
+    flight uses waits for the read."""
+    from tightfit.storage.index import Slots
+
+    slots = Slots({0, 1})  # 0 and 1 are in the synced index
+    assert slots.alloc() == 2
+    slots.release(0)  # overwritten: still what a crash would reopen
+    assert slots.alloc() == 3
+    slots.read_begin(2)
+    slots.release(2)  # never synced, but being read
+    assert slots.alloc() == 4
+    slots.read_end(2)
+    assert slots.alloc() == 2  # the read ended: free now
+    given_back: list[int] = []
+    slots.synced({1, 3, 4}, given_back.append)  # the new index no longer has 0
+    assert given_back == [0] and slots.alloc() == 0
+    slots.release(1)
+    slots.read_begin(1)
+    slots.synced({3, 4}, given_back.append)  # 1 left the index but is being read: no hole punched, not free
+    assert given_back == [0] and slots.alloc() == 5
+    slots.read_end(1)
+    assert slots.alloc() == 1
