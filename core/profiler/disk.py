@@ -40,7 +40,7 @@ from tightfit.storage.fs import open_data
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["profile_disk", "disk_cache_file", "disk_key"]
+__all__ = ["profile_disk", "disk_cache_file", "disk_key", "smallest_within"]
 
 KiB, MiB = 2**10, 2**20
 _SIZES, _QUICK_SIZES = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB], [256 * KiB, MiB, 4 * MiB]
@@ -99,10 +99,14 @@ class _Bench:
             os.close(fd)
 
 
-def _pick(score: dict[int, float]) -> int:
-    """The smallest key whose score is within 5% of the best (scores are bandwidths: higher is better)."""
+def smallest_within(score: dict[int, float], within: float = _WITHIN) -> int:
+    """The smallest key whose score (a bandwidth: higher is better) is within ``within`` of the best.
+
+    >>> smallest_within({65536: 0.90e9, 262144: 0.97e9, 1048576: 1.0e9, 4194304: 0.99e9})
+    262144
+    """
     best = max(score.values())
-    return min(k for k, v in score.items() if v >= (1 - _WITHIN) * best)
+    return min(k for k, v in score.items() if v >= (1 - within) * best)
 
 
 def _both(r: float, w: float) -> float:
@@ -125,8 +129,8 @@ def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
                 for op in ("write", "read"):
                     t = bench.run(size=size, depth=depth, nbytes=moved, write=op == "write", direct=True)
                     rates[op].setdefault(size, {})[depth] = moved // size * size / t
-        request = _pick({s: _both(max(rates["read"][s].values()), max(rates["write"][s].values())) for s in sizes})
-        depth = _pick({q: _both(rates["read"][request][q], rates["write"][request][q]) for q in depths})
+        request = smallest_within({s: _both(max(rates["read"][s].values()), max(rates["write"][s].values())) for s in sizes})
+        depth = smallest_within({q: _both(rates["read"][request][q], rates["write"][request][q]) for q in depths})
         log(f"3/4 buffered against O_DIRECT at {request // KiB} KiB x {depth}")
         direct_bw = _both(rates["read"][request][depth], rates["write"][request][depth])
         moved = max(pass_bytes, 4 * request * depth)

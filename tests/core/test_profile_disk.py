@@ -63,3 +63,12 @@ def test_store_follows_the_profile(measured, tmp_path):
 def test_bad_directory_is_refused_before_measuring(tmp_path):
     with pytest.raises(StorageError, match="does not exist"):
         profile_disk(tmp_path / "nope", quick=True, progress=False)
+
+
+def test_request_size_and_depth_rule_by_hand():
+    from tightfit.profiler.disk import smallest_within
+
+    rates = {65536: 0.50e9, 262144: 0.96e9, 1048576: 1.00e9, 4194304: 0.99e9}
+    assert smallest_within(rates) == 262144  # 0.96 >= 0.95 x the best 1.00
+    assert smallest_within(rates, within=0.02) == 1048576
+    assert smallest_within({1: 0.7e9, 2: 1.2e9, 4: 1.19e9, 8: 1.21e9}) == 2
