@@ -35,10 +35,13 @@ if TYPE_CHECKING:
     from tightfit.profiler.types import DiskProfile
 from tightfit.storage.buffers import aligned_empty, readable, writable
 
-__all__ = ["TensorStore", "TensorInfo", "DEFAULT_EXTENT_BYTES"]
+__all__ = ["TensorStore", "TensorInfo", "DEFAULT_EXTENT_BYTES", "MIN_PROFILE_EXTENT_BYTES"]
 
 # 4 MiB requests reach the disk's bandwidth (docs/storage.md); smaller ones pay the per-request latency.
 DEFAULT_EXTENT_BYTES = 4 * 2**20
+# A profile's request size becomes the extent size, but not below 1 MiB: the index holds ~30 bytes of JSON per
+# extent, 30 KB per GiB at 1 MiB, 480 KB per GiB at 64 KiB (rewritten at every sync).
+MIN_PROFILE_EXTENT_BYTES = 2**20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +79,8 @@ class TensorStore:
             extent size), queue depth (at least that many workers) and O_DIRECT or buffered.
         workers: I/O threads (each keeps one request at the device).
         max_inflight: requests queued or running before ``write``/``read_into`` block (default ``2 * workers``).
-        extent_bytes: extent size of a new store (default: the profile's request size, else 4 MiB); an
-            existing store keeps the size its index records.
+        extent_bytes: extent size of a new store (default: the profile's request size but at least 1 MiB,
+            else 4 MiB); an existing store keeps the size its index records.
         direct: force O_DIRECT on or off (default: the profile's choice, else on); a filesystem that
             refuses O_DIRECT (tmpfs) gets buffered I/O silently.
 
@@ -98,7 +101,8 @@ class TensorStore:
             if (self.path / INDEX).exists():
                 self._index = Index.load(self.path / INDEX)
             else:
-                size = extent_bytes or (profile.request_bytes if profile is not None else DEFAULT_EXTENT_BYTES)
+                size = extent_bytes or (max(profile.request_bytes, MIN_PROFILE_EXTENT_BYTES) if profile is not None
+                                        else DEFAULT_EXTENT_BYTES)
                 self._index = Index(extent_bytes=max(ALIGN, -(-int(size) // ALIGN) * ALIGN))
             want = direct if direct is not None else (profile.direct if profile is not None else True)
             self._fd, self.direct = open_data(self.path / DATA, direct=want)
