@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from energon_infer.delivery import Delivery
+from energon_infer.errors import UnavailableError
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import (
     Free,
@@ -55,11 +56,11 @@ __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError
 log = logging.getLogger("energon_infer")
 
 
-class WorkerFailedError(RuntimeError):
+class WorkerFailedError(UnavailableError, RuntimeError):
     """The worker group failed while this request ran (a worker died or a step hung)."""
 
 
-class EngineClosedError(RuntimeError):
+class EngineClosedError(UnavailableError, RuntimeError):
     """The engine is shut down (or has no workers left) and takes no more requests."""
 
 

@@ -47,6 +47,7 @@ from energon_infer.controller import (
     start_group,
 )
 from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
+from energon_infer.errors import InvalidRequestError
 from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
@@ -290,13 +291,13 @@ class Engine:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer, so prompts must be token ids; put tokenizer.json in "
+                raise InvalidRequestError("this engine has no tokenizer, so prompts must be token ids; put tokenizer.json in "
                                  "the model directory or pass tokenizer=...")
             return list(self.tokenizer.encode(prompt).ids)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from energon_infer.config import ModelConfig, load_config
 from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
+from energon_infer.errors import BadInputError
 from energon_infer.kv_cache import KVCache
 from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
@@ -52,7 +53,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(BadInputError, ValueError):
     """A sequence would grow past the model's context."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from energon_infer.errors import BusyError
+
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig"]
 
 POLICIES = ("continuous", "static")
@@ -18,7 +20,7 @@ PLACEHOLDER = -1
 DEFAULT_MAX_BATCH_TOKENS = 4096
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(BusyError, RuntimeError):
     """The waiting queue is at its bound; retry later (HTTP: 429)."""
 
     def __init__(self, waiting: int, limit: int, *, asked: int = 1):
