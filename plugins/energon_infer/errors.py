@@ -23,7 +23,10 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["EnergonError", "BadInputError", "BusyError", "UnavailableError", "InvalidRequestError"]
+from typing import Any, get_args
+
+__all__ = ["EnergonError", "BadInputError", "BusyError", "UnavailableError", "InvalidRequestError", "OptionError",
+           "UnknownOptionError", "check_choice"]
 
 
 class EnergonError(Exception):
@@ -52,3 +55,27 @@ class UnavailableError(EnergonError):
 
 class InvalidRequestError(BadInputError, ValueError):
     """A request that can never run as given: an empty or too long prompt, token ids outside the vocabulary."""
+
+
+class OptionError(BadInputError, ValueError):
+    """An engine option (a field of :class:`~energon_infer.engine_config.EngineConfig` or one of its parts)
+    breaks a rule; the message names the field, the value and what it may be."""
+
+
+class UnknownOptionError(BadInputError, TypeError):
+    """A keyword that names no option; the message lists the known ones."""
+
+
+def check_choice(name: str, value: Any, choices: Any) -> None:
+    """Raise :class:`OptionError` in one line unless ``value`` is one of ``choices`` (a ``Literal[...]`` or a tuple).
+
+    Example:
+        >>> from typing import Literal
+        >>> check_choice("policy", "greedy", Literal["continuous", "static"])
+        Traceback (most recent call last):
+        ...
+        energon_infer.errors.OptionError: policy='greedy' must be one of ('continuous', 'static')
+    """
+    allowed = get_args(choices) or tuple(choices)
+    if value not in allowed:
+        raise OptionError(f"{name}={value!r} must be one of {allowed}")
