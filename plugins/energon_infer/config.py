@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from energon_infer.errors import BadInputError
+from energon_infer.errors import BadInputError, MissingFileError
 
 __all__ = [
     "ACTIVATIONS",
@@ -326,10 +326,8 @@ def load_config(path: str | Path) -> ModelConfig:
     """Read ``<path>/config.json`` (a Hugging Face model directory); every error names the file."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(
-            f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
-            "(save one with transformers' save_pretrained)"
-        )
+        raise MissingFileError(f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
+                               "(save one with transformers' save_pretrained)")
     try:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -46,7 +46,7 @@ from energon_infer.controller import (
 )
 from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
 from energon_infer.engine_config import EngineConfig, engine_config
-from energon_infer.errors import InvalidRequestError
+from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
@@ -200,15 +200,18 @@ class Engine:
 
         path = Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist; give a directory saved with "
-                                    "save_pretrained (config.json + *.safetensors)")
+            raise MissingFileError(f"model directory {path} does not exist; give a directory saved with "
+                                   "save_pretrained (config.json + *.safetensors)")
         if "dtype" in options:
             options["dtype"] = resolve_dtype(path, options["dtype"])  # "auto": the dtype config.json was saved in
         cfg = engine_config(config, **options)
         # Fail here, in the caller's process, before any worker is spawned.
         model = load_config(path)
-        check_tp(model, cfg.runtime.tp)
-        split_layers(model.n_layers, cfg.runtime.pp)
+        try:  # both only check the layout the caller asked for against the model's shape
+            check_tp(model, cfg.runtime.tp)
+            split_layers(model.n_layers, cfg.runtime.pp)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
         if tokenizer is None and (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
@@ -230,8 +233,8 @@ class Engine:
         if not path.is_file():
             hint = (" (a directory: a sharded checkpoint? export it first with `python -m lightning_elixir.export "
                     f"{path}`)") if path.is_dir() else ""
-            raise FileNotFoundError(f"checkpoint {path} is not a file{hint}; give a Lightning .ckpt, a torch.save'd "
-                                    "state_dict, or a .safetensors file")
+            raise MissingFileError(f"checkpoint {path} is not a file{hint}; give a Lightning .ckpt, a torch.save'd "
+                                   "state_dict, or a .safetensors file")
         beside = path.parent / "config.json"
         if gpt_config is None and heads is None and path.suffix == ".safetensors" and beside.is_file():
             # The Elixir example writes its GPTConfig as config.json next to the exported weights.

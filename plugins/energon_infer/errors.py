@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, get_args
 
 __all__ = ["EnergonError", "BadInputError", "BusyError", "UnavailableError", "InvalidRequestError", "OptionError",
-           "UnknownOptionError", "check_choice"]
+           "UnknownOptionError", "MissingFileError", "check_choice"]
 
 
 class EnergonError(Exception):
@@ -64,6 +64,10 @@ class OptionError(BadInputError, ValueError):
 
 class UnknownOptionError(BadInputError, TypeError):
     """A keyword that names no option; the message lists the known ones."""
+
+
+class MissingFileError(BadInputError, FileNotFoundError):
+    """A model directory, checkpoint or ``config.json`` the caller named is not there."""
 
 
 def check_choice(name: str, value: Any, choices: Any) -> None:
