@@ -41,8 +41,8 @@ class ApiError(EnergonError, HTTPException):
 
 
 # OpenAI's error "type" and the Retry-After (seconds) a client gets for each status energon answers.
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
 _RETRY_AFTER = {429: "1", 503: "5"}  # a full queue drains in about a second; a restart takes several
 
 
