@@ -18,6 +18,13 @@ rather than a cut connection; then the engine drains and stops its workers.
 Safe defaults: it binds 127.0.0.1; with an API key every ``/v1`` call needs ``Authorization:
 Bearer <key>``.
 
+:class:`EnergonServer` owns the state (the engine, its limits, the model's defaults, whether it is
+shutting down) and its methods are the endpoints; completions and chat differ only in how they read
+their body and write their answer (:mod:`energon_infer.openai_format`'s replies) and share one
+submit / stream / wait path (:mod:`energon_infer.streaming`). Errors are answered by class
+(:func:`~energon_infer.http_guard.engine_error`): an :class:`~energon_infer.errors.EnergonError` with its
+status, anything else with 500, logged with its traceback.
+
 Example:
     >>> engine = Engine.from_pretrained(model_dir)                          # doctest: +SKIP
     >>> serve(engine, ServerConfig(port=8000))                              # doctest: +SKIP
