@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from energon_infer.errors import BadInputError, MissingFileError
+
 __all__ = [
     "ACTIVATIONS",
     "SUPPORTED_MODEL_TYPES",
@@ -41,11 +43,11 @@ ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu")
 SUPPORTED_MODEL_TYPES = {"gpt2": "gpt2", "opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(BadInputError, ValueError):
     """The checkpoint's architecture or one of its options is not one this runtime implements."""
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInputError, ValueError):
     """``config.json`` (or a :class:`ModelConfig`) holds a value of the wrong type or out of range."""
 
 
@@ -324,10 +326,8 @@ def load_config(path: str | Path) -> ModelConfig:
     """Read ``<path>/config.json`` (a Hugging Face model directory); every error names the file."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(
-            f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
-            "(save one with transformers' save_pretrained)"
-        )
+        raise MissingFileError(f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
+                               "(save one with transformers' save_pretrained)")
     try:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -21,10 +21,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from energon_infer.delivery import Delivery
+from energon_infer.engine_config import EngineConfig
+from energon_infer.errors import UnavailableError
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import (
     Free,
@@ -40,14 +41,11 @@ from energon_infer.protocol import (
 )
 from energon_infer.restart_budget import RestartBudget
 from energon_infer.scheduler import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    KV_ADMISSION,
     QueueFullError,
     Request,
     Scheduler,
     StepPlan,
 )
-from energon_infer.swap import PREEMPTION
 from energon_infer.workers import ModelSource, WorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
@@ -55,106 +53,28 @@ __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError
 log = logging.getLogger("energon_infer")
 
 
-class WorkerFailedError(RuntimeError):
+class WorkerFailedError(UnavailableError, RuntimeError):
     """The worker group failed while this request ran (a worker died or a step hung)."""
 
 
-class EngineClosedError(RuntimeError):
+class EngineClosedError(UnavailableError, RuntimeError):
     """The engine is shut down (or has no workers left) and takes no more requests."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    """How the controller batches and how it treats failures.
-
-    Args:
-        max_batch_tokens: tokens per step (one per running request plus each admitted prompt); the
-            default is :data:`energon_infer.scheduler.DEFAULT_MAX_BATCH_TOKENS`.
-        max_running: sequences in the running batch at most.
-        max_queue: waiting requests at most; ``submit`` raises :class:`QueueFullError` beyond.
-        pipeline_groups: steps in flight at once (0: one per pipeline stage, the non-blocking pipeline; 1: each
-            step waits for the previous one).
-        policy: ``"continuous"`` or ``"static"`` batching (see :mod:`energon_infer.scheduler`).
-        restart_workers: restart the worker group after a failure.
-        max_restarts: restarts allowed within any ``restart_window_s``; a failure beyond that fails the engine
-            closed.
-        restart_window_s: the window of ``max_restarts`` (``float("inf")``: over the engine's life).
-        step_timeout_s: the watchdog: a step without an answer after this long counts as a hung worker group.
-        start_timeout_s: how long loading may take.
-        threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
-        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
-        launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
-            torchrun started, on one or many nodes; this process must be rank 0, the others call
-            :func:`energon_infer.torchrun.run_worker`; no restarts).
-        kv_admission: ``"on_demand"`` (KV blocks taken as sequences grow; the newest request is preempted
-            when they run out) or ``"reserve"`` (prompt + ``max_tokens`` reserved at admission).
-        preemption: ``"auto"`` (a victim is swapped to host memory or recomputed, whichever the workers
-            measured cheaper for it; host memory is the workers' ``swap_space_tokens``, without it: recompute),
-            ``"swap"`` or ``"recompute"``.
-        prefix_caching: share the KV blocks of equal prompt prefixes between requests.
-        chunked_prefill: split long prompts over steps so each step stays within ``max_batch_tokens``
-            (prompts longer than it are then accepted).
-        pipeline_depth: steps of each group in flight (> 1: planned before the previous step's tokens
-            are back; the last stage sends them straight to the first, see ``SchedulerConfig.depth``).
-            0 (the default): 2 at pp=1, where it hides the controller's round trip between steps, and 1 at
-            pp > 1, where the groups already keep every stage busy and planning ahead only adds the token
-            messages (measured at pp=2, 64 sequences: 3228 tokens/s at depth 1, 2872 at depth 2, 2946 blocking).
-    """
-
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_running: int = 256
-    max_queue: int = 1024
-    pipeline_groups: int = 0
-    policy: str = "continuous"
-    restart_workers: bool = True
-    max_restarts: int = 3
-    restart_window_s: float = 3600.0
-    step_timeout_s: float = 300.0
-    start_timeout_s: float = 600.0
-    threads_per_worker: int = 0
-    backend: str | None = None
-    launcher: str = "spawn"
-    kv_admission: str = "on_demand"
-    prefix_caching: bool = True
-    chunked_prefill: bool = False
-    pipeline_depth: int = 0
-    preemption: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.pipeline_depth < 0:
-            raise ValueError(f"pipeline_depth={self.pipeline_depth} must be >= 1 (steps of a group in flight), or 0 "
-                             "for the default (2 at pp=1, 1 at pp > 1)")
-        if self.pipeline_groups < 0 or self.max_restarts < 0 or self.threads_per_worker < 0:
-            raise ValueError(f"pipeline_groups={self.pipeline_groups}, max_restarts={self.max_restarts} and "
-                             f"threads_per_worker={self.threads_per_worker} must be >= 0")
-        if not self.restart_window_s > 0:
-            raise ValueError(f"restart_window_s={self.restart_window_s} must be > 0 (inf: over the engine's life)")
-        if not self.step_timeout_s > 0 or not self.start_timeout_s > 0:
-            raise ValueError(f"step_timeout_s={self.step_timeout_s} and start_timeout_s={self.start_timeout_s} must be > 0")
-        if self.launcher not in ("spawn", "torchrun"):
-            raise ValueError(f"launcher={self.launcher!r} must be 'spawn' (local worker processes) or 'torchrun'")
-        if self.kv_admission not in KV_ADMISSION:
-            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
-        if self.preemption not in PREEMPTION:
-            raise ValueError(f"preemption={self.preemption!r} must be one of {PREEMPTION}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r} must be 'gloo', 'nccl' or None (automatic)")
 
 
 def start_group(source: ModelSource, runtime: Any, config: EngineConfig, pool: Any,
                 cancelled: Callable[[], bool] = lambda: False) -> Any:
-    """Start the worker group ``config.launcher`` names and wait until every worker has loaded."""
-    if config.launcher == "torchrun":
+    """Start the worker group ``config.launch.launcher`` names and wait until every worker has loaded."""
+    if config.launch.launcher == "torchrun":
         from energon_infer.torchrun import TorchrunWorkerGroup
 
         tgroup = TorchrunWorkerGroup(source, runtime, pool=pool)
-        tgroup.start(config.start_timeout_s)
+        tgroup.start(config.faults.start_timeout_s)
         return tgroup
-    group = WorkerGroup(source, runtime, pool=pool, threads=config.threads_per_worker, backend=config.backend)
+    group = WorkerGroup(source, runtime, pool=pool, threads=config.launch.threads_per_worker, backend=config.launch.backend)
     if runtime.progress:
         print(f"energon: starting {group.world} worker(s) ({group.backend}, tp={runtime.tp} x pp={runtime.pp}) for "
               f"{source.path}", file=sys.stderr, flush=True)
-    group.start(config.start_timeout_s, cancelled=cancelled)
+    group.start(config.faults.start_timeout_s, cancelled=cancelled)
     return group
 
 
@@ -184,10 +104,10 @@ class Controller:
         self.closing = self.stop_now = False
         self.status = "ready"
         self.last_error = ""
-        self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
+        self.budget = RestartBudget(config.faults.max_restarts, config.faults.restart_window_s)
         # Heartbeat while idle: a Ping every heartbeat_s without a step in flight; every rank must answer
         # within step_timeout_s, so a frozen worker is found before the next request waits on it.
-        self.heartbeat_s = min(1.0, config.step_timeout_s / 4)
+        self.heartbeat_s = min(1.0, config.faults.step_timeout_s / 4)
         self.ping_seq = 0
         self.ping_sent: float | None = None
         self.pongs: set[int] = set()
@@ -358,10 +278,10 @@ class Controller:
             self.group_failed(self.group.describe_death().strip())
             return
         now = time.monotonic()
-        hung = [p for p in self.inflight.values() if now - p.started > self.config.step_timeout_s]
+        hung = [p for p in self.inflight.values() if now - p.started > self.config.faults.step_timeout_s]
         if hung:
             self.group_failed(f"step {hung[0].step_id} got no answer within step_timeout_s="
-                              f"{self.config.step_timeout_s:g} s (a worker hangs)")
+                              f"{self.config.faults.step_timeout_s:g} s (a worker hangs)")
 
     def heartbeat(self) -> None:
         if self.status != "ready":
@@ -370,10 +290,10 @@ class Controller:
         if self.ping_sent is not None:
             if len(self.pongs) >= self.group.world:
                 self.ping_sent, self.last_alive = None, now
-            elif now - self.ping_sent > self.config.step_timeout_s:
+            elif now - self.ping_sent > self.config.faults.step_timeout_s:
                 missing = sorted(set(range(self.group.world)) - self.pongs)
                 self.group_failed(f"worker(s) {missing} did not answer a heartbeat within step_timeout_s="
-                                  f"{self.config.step_timeout_s:g} s (a worker hangs)")
+                                  f"{self.config.faults.step_timeout_s:g} s (a worker hangs)")
         elif not self.inflight and now - self.last_alive >= self.heartbeat_s:
             self.ping_seq += 1
             self.ping_sent, self.pongs = now, set()
@@ -381,9 +301,9 @@ class Controller:
 
     def group_failed(self, reason: str) -> None:
         self.metrics.worker_failures += 1
-        can_restart = (self.config.restart_workers and self.config.launcher == "spawn"  # torchrun owns its world
+        can_restart = (self.config.faults.restart_workers and self.config.launch.launcher == "spawn"  # torchrun owns its world
                        and self.budget.take())
-        if self.config.restart_workers and not can_restart and self.config.launcher == "spawn":
+        if self.config.faults.restart_workers and not can_restart and self.config.launch.launcher == "spawn":
             reason = f"{reason}; no restart left ({self.budget.describe()})"
         with self.lock:
             lost = self.scheduler.fail_running()

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from energon_infer.errors import EnergonError
+
 if TYPE_CHECKING:
     from energon_infer.scheduler import Request
 
@@ -23,7 +25,7 @@ __all__ = ["Completion", "TokenEvent", "IncrementalDetokenizer", "Delivery", "co
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
-class RequestFailedError(RuntimeError):
+class RequestFailedError(EnergonError, RuntimeError):
     """This request failed inside a worker (e.g. its sampling probabilities were not finite); the other
     requests of the batch and the worker group were not affected."""
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import logging
 import time
 import uuid
@@ -42,31 +41,23 @@ from typing import Any
 from energon_infer.controller import (
     Controller,
     EngineClosedError,
-    EngineConfig,
     WorkerFailedError,
     start_group,
 )
 from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
+from energon_infer.engine_config import EngineConfig, engine_config
+from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import WorkerInfo
 from energon_infer.runtime import RuntimeConfig
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    QueueFullError,
-    Request,
-    Scheduler,
-    SchedulerConfig,
-)
+from energon_infer.scheduler import QueueFullError, Request, Scheduler
 from energon_infer.workers import ModelSource
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
            "QueueFullError", "RequestFailedError"]
-
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)}
 
 
 def _pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
@@ -114,8 +105,8 @@ class Engine:
 
     Args:
         source: what the workers load.
-        runtime: layout and cache of every worker (``tp``, ``pp``, ``dtype``, ``kv_cache_tokens``...).
-        config: batching and fault handling.
+        config: the whole configuration (:class:`~energon_infer.engine_config.EngineConfig`: batching, each
+            worker's layout and cache, faults, launch); the factories build it from flat keywords.
         memory_pool: peer memory pooling of each stage's layers (``None``: off).
         tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only); a
             ``tokenizers.Tokenizer`` or a transformers tokenizer (``AutoTokenizer.from_pretrained(...)``).
@@ -129,16 +120,17 @@ class Engine:
         ...     print(engine.generate(["Hello"])[0].text)
     """
 
-    def __init__(self, source: ModelSource, runtime: RuntimeConfig, config: EngineConfig | None = None, *,
+    def __init__(self, source: ModelSource, config: EngineConfig | None = None, *,
                  memory_pool: Any = None, tokenizer: Any = None, model_name: str | None = None):
-        self.source, self.runtime = source, runtime
+        self.source = source
         self.config = config or EngineConfig()
+        self.runtime: RuntimeConfig = self.config.runtime
         self.memory_pool = _pool_config(memory_pool)
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
         self.default_params = _default_params(source)
         self.metrics = EngineMetrics(model_name=self.model_name)
-        self.groups = self.config.pipeline_groups or runtime.pp
+        self.groups = self.config.groups
         self._ctl: Controller | None = None
         group = self._start_group()
         info: WorkerInfo = group.info[0]
@@ -149,19 +141,13 @@ class Engine:
 
             self.tokenizer = ByteTokenizer()
         scheduler = Scheduler(
-            SchedulerConfig(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
-                            max_batch_tokens=self.config.max_batch_tokens, max_running=self.config.max_running,
-                            max_queue=self.config.max_queue, groups=self.groups, policy=self.config.policy,
-                            kv_admission=self.config.kv_admission, prefix_caching=self.config.prefix_caching,
-                            chunked_prefill=self.config.chunked_prefill,
-                            depth=self.config.pipeline_depth or (2 if runtime.pp == 1 else 1),
-                            preemption=self.config.preemption if info.host_blocks else "recompute",
-                            host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
-                            recompute_s_per_token=info.recompute_s_per_token),
+            self.config.scheduler_for(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
+                                      host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
+                                      recompute_s_per_token=info.recompute_s_per_token),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
         self._ctl = Controller(group, scheduler, self._start_group, self.config, self.metrics,
                                Delivery(self.metrics, has_text=self.tokenizer is not None), groups=self.groups,
-                               tp=runtime.tp, pp=runtime.pp)
+                               tp=self.runtime.tp, pp=self.runtime.pp)
         self._ctl.thread.start()
         _LIVE.add(self)
 
@@ -198,37 +184,15 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
 
-    @staticmethod
-    def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        unknown = sorted(set(kwargs) - _ENGINE_FIELDS - _RUNTIME_FIELDS)
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; the engine takes EngineConfig fields "
-                            f"{sorted(_ENGINE_FIELDS)} and RuntimeConfig fields {sorted(_RUNTIME_FIELDS)}")
-        return ({k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS},
-                {k: v for k, v in kwargs.items() if k in _RUNTIME_FIELDS})
-
     @classmethod
-    def _build(cls, source: ModelSource, tp: int, pp: int, dtype: str, max_batch_tokens: int, memory_pool: Any,
-               tokenizer: Any, model_name: str | None, kwargs: dict[str, Any]) -> Engine:
-        engine_kw, runtime_kw = cls._split(kwargs)
-        engine_cfg = EngineConfig(max_batch_tokens=max_batch_tokens, **engine_kw)
-        groups = engine_cfg.pipeline_groups or pp
-        # The engine keeps pp steps in flight itself; splitting each step again only shrinks the matmuls.
-        runtime_kw.setdefault("microbatches", 1 if groups > 1 else 0)
-        runtime = RuntimeConfig(tp=tp, pp=pp, dtype=dtype, max_batch_tokens=max_batch_tokens, **runtime_kw)
-        if engine_cfg.preemption == "swap" and not runtime.swap_space_tokens:
-            raise ValueError("preemption='swap' needs host swap space: pass swap_space_tokens (e.g. 8192), or use "
-                             "preemption='auto' / 'recompute'")
-        return cls(source, runtime, engine_cfg, memory_pool=memory_pool, tokenizer=tokenizer, model_name=model_name)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, memory_pool: Any = None, tokenizer: Any = None,
-                        model_name: str | None = None, **kwargs: Any) -> Engine:
+    def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None, memory_pool: Any = None,
+                        tokenizer: Any = None, model_name: str | None = None, **options: Any) -> Engine:
         """Start ``tp * pp`` workers on a Hugging Face directory (``config.json`` + ``*.safetensors``).
 
-        ``kwargs`` are :class:`EngineConfig` fields (``max_queue=64``) and :class:`RuntimeConfig` fields
-        (``kv_cache_tokens=8192``). The directory's ``tokenizer.json`` is used when there is one.
+        ``options`` are flat keywords, each naming one field of the :class:`EngineConfig` tree (``tp=2``,
+        ``max_batch_tokens=4096``, ``max_queue=64``, ``kv_cache_tokens=8192``, ``dtype="auto"``: the dtype
+        config.json names; see :data:`~energon_infer.engine_config.FLAT_OPTIONS`), set on ``config`` (default:
+        every default). The directory's ``tokenizer.json`` is used when there is one.
         """
         from energon_infer.config import load_config
         from energon_infer.model import check_tp
@@ -236,37 +200,41 @@ class Engine:
 
         path = Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist; give a directory saved with "
-                                    "save_pretrained (config.json + *.safetensors)")
+            raise MissingFileError(f"model directory {path} does not exist; give a directory saved with "
+                                   "save_pretrained (config.json + *.safetensors)")
+        if "dtype" in options:
+            options["dtype"] = resolve_dtype(path, options["dtype"])  # "auto": the dtype config.json was saved in
+        cfg = engine_config(config, **options)
         # Fail here, in the caller's process, before any worker is spawned.
         model = load_config(path)
-        check_tp(model, tp)
-        split_layers(model.n_layers, pp)
+        try:  # both only check the layout the caller asked for against the model's shape
+            check_tp(model, cfg.runtime.tp)
+            split_layers(model.n_layers, cfg.runtime.pp)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
         if tokenizer is None and (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        dtype = resolve_dtype(path, dtype)  # "auto": the dtype config.json was saved in
-        return cls._build(ModelSource("pretrained", str(path)), tp, pp, dtype, max_batch_tokens, memory_pool,
-                          tokenizer, model_name, kwargs)
+        return cls(ModelSource("pretrained", str(path)), cfg, memory_pool=memory_pool, tokenizer=tokenizer,
+                   model_name=model_name)
 
     @classmethod
-    def from_lightning_checkpoint(cls, path: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, memory_pool: Any = None, gpt_config: Any = None,
-                                  heads: int | None = None, tokenizer: Any = None, model_name: str | None = None,
-                                  **kwargs: Any) -> Engine:
+    def from_lightning_checkpoint(cls, path: str | Path, *, config: EngineConfig | None = None, memory_pool: Any = None,
+                                  gpt_config: Any = None, heads: int | None = None, tokenizer: Any = None,
+                                  model_name: str | None = None, **options: Any) -> Engine:
         """Serve the tightfit example GPT from a training checkpoint (Lightning ``.ckpt``, ``state_dict``
         file or ``.safetensors``), e.g. the one ``strategy="elixir"`` trained. A 256-token vocabulary gets
         the byte tokenizer. ``gpt_config``/``heads``: see :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`;
         a ``.safetensors`` file with a GPTConfig ``config.json`` beside it (what the Elixir example exports)
-        needs neither.
+        needs neither. ``config`` / ``options``: as in :meth:`from_pretrained`.
         """
         path = Path(path)
         if not path.is_file():
             hint = (" (a directory: a sharded checkpoint? export it first with `python -m lightning_elixir.export "
                     f"{path}`)") if path.is_dir() else ""
-            raise FileNotFoundError(f"checkpoint {path} is not a file{hint}; give a Lightning .ckpt, a torch.save'd "
-                                    "state_dict, or a .safetensors file")
+            raise MissingFileError(f"checkpoint {path} is not a file{hint}; give a Lightning .ckpt, a torch.save'd "
+                                   "state_dict, or a .safetensors file")
         beside = path.parent / "config.json"
         if gpt_config is None and heads is None and path.suffix == ".safetensors" and beside.is_file():
             # The Elixir example writes its GPTConfig as config.json next to the exported weights.
@@ -277,9 +245,10 @@ class Engine:
             raw = json.loads(beside.read_text())
             if "model_type" not in raw:  # not a Hugging Face config
                 gpt_config = GPTConfig.from_dict(raw)
-        options = {k: v for k, v in (("gpt_config", gpt_config), ("heads", heads)) if v is not None}
-        return cls._build(ModelSource("tightfit_gpt", str(path), options), tp, pp, dtype, max_batch_tokens,
-                          memory_pool, tokenizer, model_name or path.stem, kwargs)
+        gpt_options = {k: v for k, v in (("gpt_config", gpt_config), ("heads", heads)) if v is not None}
+        cfg = engine_config(config, **options)  # before anything loads: an unknown keyword fails at once
+        return cls(ModelSource("tightfit_gpt", str(path), gpt_options), cfg, memory_pool=memory_pool,
+                   tokenizer=tokenizer, model_name=model_name or path.stem)
 
     def _start_group(self) -> Any:
         return start_group(self.source, self.runtime, self.config, self.memory_pool,
@@ -290,13 +259,13 @@ class Engine:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer, so prompts must be token ids; put tokenizer.json in "
+                raise InvalidRequestError("this engine has no tokenizer, so prompts must be token ids; put tokenizer.json in "
                                  "the model directory or pass tokenizer=...")
             return list(self.tokenizer.encode(prompt).ids)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -1,7 +1,8 @@
 """What the server does before and after an endpoint: the error shape, reading bodies safely, JSON that always encodes.
 
 * :class:`ApiError`: OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` with its status;
-  :func:`engine_error` maps the engine's exceptions (queue full: 429, no workers: 503, bad input: 400).
+  :func:`engine_error` maps an :class:`~energon_infer.errors.EnergonError` to its class's status (queue full: 429,
+  no workers: 503, bad input: 400) and anything else to 500, logged with its traceback.
 * :func:`guarded_route`: endpoints read their body through :class:`GuardedRequest`: at most ``limit`` bytes
   (413), JSON that nests too deep or is not an object gets 400 instead of a recursion error (500).
 * :class:`SafeJSONResponse`: ASCII escapes and no NaN, so no text can make a response unencodable.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,35 +20,43 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from energon_infer.engine import EngineClosedError, RequestFailedError, WorkerFailedError
-from energon_infer.scheduler import QueueFullError
+from energon_infer.errors import EnergonError
+
+log = logging.getLogger("energon_infer")
 
 __all__ = ["ApiError", "engine_error", "ClientGone", "SafeJSONResponse", "GuardedRequest", "guarded_route"]
 
 
-class ApiError(HTTPException):
+class ApiError(EnergonError, HTTPException):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(status, message, headers)
+        self.http_status = status  # this instance's, unlike the other EnergonErrors' class-wide one
         self.status, self.message, self.type, self.param = status, message, type, param
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+# OpenAI's error "type" and the Retry-After (seconds) a client gets for each status energon answers.
+_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+_RETRY_AFTER = {429: "1", 503: "5"}  # a full queue drains in about a second; a restart takes several
+
+
 def engine_error(exc: BaseException) -> ApiError:
+    """The answer to ``exc``: an :class:`EnergonError` gets its class's ``http_status``; anything else is a
+    bug in energon (even a ``ValueError``), answered 500 and logged with its traceback."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, QueueFullError):
-        return ApiError(429, str(exc), type="rate_limit_error", headers={"Retry-After": "1"})
-    if isinstance(exc, (EngineClosedError, WorkerFailedError)):
-        return ApiError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"})
-    if isinstance(exc, ValueError):
-        return ApiError(400, str(exc))
-    if isinstance(exc, RequestFailedError):
-        return ApiError(500, str(exc), type="server_error")
+    if isinstance(exc, EnergonError):
+        status = exc.http_status
+        retry = _RETRY_AFTER.get(status)
+        return ApiError(status, str(exc), type=_TYPES.get(status, "server_error"),
+                        headers={"Retry-After": retry} if retry else None)
+    log.error("energon: unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
     return ApiError(500, f"internal error: {exc!r}", type="server_error")
 
 

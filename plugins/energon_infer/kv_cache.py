@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from energon_infer.errors import EnergonError
+
 __all__ = ["KVCache", "KVCacheFullError", "StepMetadata", "UnknownSequenceError"]
 
 
-class KVCacheFullError(RuntimeError):
+class KVCacheFullError(EnergonError, RuntimeError):
     """Not enough free blocks for a step; carries how many it needed and how many were free."""
 
     def __init__(self, needed: int, free: int, block_size: int, total: int):
@@ -44,7 +46,7 @@ class KVCacheFullError(RuntimeError):
         )
 
 
-class UnknownSequenceError(KeyError):
+class UnknownSequenceError(EnergonError, KeyError):
     """A step or free names a sequence the cache does not hold."""
 
 

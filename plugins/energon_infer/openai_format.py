@@ -11,9 +11,11 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
+from energon_infer.delivery import Completion
+
+__all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
            "chat_choice", "completion_chunk", "chat_chunk"]
 
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (logprob of the token, [(token, logprob), ...])
@@ -104,3 +106,68 @@ def completion_chunk(rid: str, model: str, choices: list[dict[str, Any]]) -> dic
 def chat_chunk(rid: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices}
+
+
+# ---------------------------------------------------------------------- one reply, two shapes
+
+
+class Reply(Protocol):
+    """How one endpoint writes its answer; the server's one submit / stream / wait path calls these."""
+
+    def chunk(self, index: int, text: str, reason: str | None, lps: tuple[list[int], list[TokenLogprobs]] | None
+              ) -> dict[str, Any]:
+        """The stream chunk of choice ``index``'s new ``text`` (and its tokens' logprobs, when asked)."""
+
+    def first(self, choices: int) -> list[dict[str, Any]]:
+        """The chunks a stream starts with, before any token."""
+
+    def response(self, done: list[Completion], prompt_tokens: int) -> dict[str, Any]:
+        """The whole answer of a request that did not stream."""
+
+
+class CompletionReply:
+    """``/v1/completions``: ``echo[i]`` (the prompt's text, or ``""``) before each choice of prompt ``i``."""
+
+    def __init__(self, rid: str, model: str, echo: list[str], n: int, decode: Callable[[list[int]], str] | None):
+        self.rid, self.model, self.echo, self.n, self.decode = rid, model, echo, n, decode
+
+    def chunk(self, index: int, text: str, reason: str | None, lps: Any) -> dict[str, Any]:
+        logprobs = None if lps is None else completion_logprobs(lps[0], lps[1], self.decode)
+        return completion_chunk(self.rid, self.model, [completion_choice(index, text, reason, logprobs)])
+
+    def first(self, choices: int) -> list[dict[str, Any]]:
+        return [completion_chunk(self.rid, self.model, [completion_choice(i, self.echo[i // self.n], None, None)])
+                for i in range(choices) if self.echo[i // self.n]]
+
+    def response(self, done: list[Completion], prompt_tokens: int) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(done):
+            echo = self.echo[i // self.n]
+            choices.append(completion_choice(i, echo + (c.text or ""), c.finish_reason,
+                                             completion_logprobs(c.token_ids, c.logprobs, self.decode, len(echo))))
+        return {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done))}
+
+
+class ChatReply:
+    """``/v1/chat/completions``: a stream opens each choice with the assistant's role."""
+
+    def __init__(self, rid: str, model: str, decode: Callable[[list[int]], str] | None):
+        self.rid, self.model, self.decode = rid, model, decode
+
+    def chunk(self, index: int, text: str, reason: str | None, lps: Any) -> dict[str, Any]:
+        delta = {"content": text} if text or reason is None else {}
+        logprobs = None if lps is None else chat_logprobs(lps[0], lps[1], self.decode)
+        return chat_chunk(self.rid, self.model, [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                  "finish_reason": reason}])
+
+    def first(self, choices: int) -> list[dict[str, Any]]:
+        return [chat_chunk(self.rid, self.model, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])
+                for i in range(choices)]
+
+    def response(self, done: list[Completion], prompt_tokens: int) -> dict[str, Any]:
+        choices = [chat_choice(i, c.text or "", c.finish_reason, chat_logprobs(c.token_ids, c.logprobs, self.decode))
+                   for i, c in enumerate(done)]
+        return {"id": self.rid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done))}

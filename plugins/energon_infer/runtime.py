@@ -37,11 +37,13 @@ import torch.distributed as dist
 
 from energon_infer.config import ModelConfig, load_config
 from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
+from energon_infer.errors import BadInputError
 from energon_infer.kv_cache import KVCache
 from energon_infer.model import DecoderStage, check_tp
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
+from energon_infer.scheduler_config import KVAdmission, Preemption
 from energon_infer.swap import swap_costs
 from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from tightfit.checks import check_number
@@ -52,7 +54,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(BadInputError, ValueError):
     """A sequence would grow past the model's context."""
 
 
@@ -392,8 +394,8 @@ class ModelRunner:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-                 kv_admission: str = "reserve", prefix_caching: bool = False, chunked_prefill: bool = False,
-                 preemption: str = "recompute", stats: dict[str, int] | None = None) -> list[Generation]:
+                 kv_admission: KVAdmission = "reserve", prefix_caching: bool = False, chunked_prefill: bool = False,
+                 preemption: Preemption = "recompute", stats: dict[str, int] | None = None) -> list[Generation]:
         """Generate for every prompt with continuous batching; results in prompt order.
 
         By default new prompts join the running batch as soon as the KV cache can hold their prompt

@@ -40,6 +40,7 @@ from typing import Any
 
 from energon_infer.blocks import BlockManager
 from energon_infer.delivery import IncrementalDetokenizer
+from energon_infer.errors import InvalidRequestError
 from energon_infer.sampling import SamplingParams, stop_reason
 from energon_infer.scheduler_config import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -165,21 +166,21 @@ class Scheduler:
         return -(-min(prompt_len + params.max_tokens, self.config.max_context) // self.config.block_size)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Raise ``ValueError`` if the request can never run here; return the blocks it needs at most."""
+        """Raise :class:`InvalidRequestError` if the request can never run here; return the blocks it needs at most."""
         cfg = self.config
         n = len(prompt)
         if n == 0:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise InvalidRequestError("the prompt is empty; give at least one token")
         if n > cfg.max_context:
-            raise ValueError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
+            raise InvalidRequestError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
         if n > cfg.max_batch_tokens and not cfg.chunked_prefill:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {n} tokens, more than max_batch_tokens={cfg.max_batch_tokens} (the tokens one step "
                 "runs); shorten it, or start the engine with a larger max_batch_tokens or chunked_prefill=True"
             )
         blocks = self.blocks_for(n, params)
         if blocks > cfg.kv_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens={params.max_tokens} needs {blocks} KV blocks of {cfg.block_size} "
                 f"tokens but the cache has {cfg.kv_blocks}; lower max_tokens or load with a larger kv_cache_tokens"
             )

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig"]
+from energon_infer.errors import BusyError, OptionError, check_choice
 
-POLICIES = ("continuous", "static")
-KV_ADMISSION = ("on_demand", "reserve")
+__all__ = ["AUTO", "DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "PREEMPTIONS", "KVAdmission",
+           "Policy", "Preemption", "QueueFullError", "SchedulerConfig"]
+
+Policy = Literal["continuous", "static"]
+KVAdmission = Literal["on_demand", "reserve"]
+Preemption = Literal["auto", "swap", "recompute"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+KV_ADMISSION: tuple[str, ...] = get_args(KVAdmission)
+PREEMPTIONS: tuple[str, ...] = get_args(Preemption)
+#: ``groups`` / ``depth``: chosen from the pipeline stages by the engine (a scheduler of its own: 1).
+AUTO = -1
 #: The token of a step planned before its input was sampled (``depth > 1``); workers fill it in.
 PLACEHOLDER = -1
 
 
-#: Tokens per step unless told otherwise: the one default of ``SchedulerConfig``, ``EngineConfig``,
-#: ``RuntimeConfig`` and the engine's factories (4096 was the engine's and the CLI's default; the
-#: runtime and the scheduler had 8192 before they shared this one).
+#: Tokens per step unless told otherwise: the default of ``SchedulerConfig.max_batch_tokens`` (the engine's one
+#: budget: ``tightfit serve --max-batch-tokens`` shows it) and of a lone ``ModelRunner``'s ``RuntimeConfig``; an
+#: engine's ``RuntimeConfig`` takes its scheduler's (4096 was the engine's and the CLI's default; the runtime
+#: and the scheduler had 8192 before they shared this one).
 DEFAULT_MAX_BATCH_TOKENS = 4096
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(BusyError, RuntimeError):
     """The waiting queue is at its bound; retry later (HTTP: 429)."""
 
     def __init__(self, waiting: int, limit: int, *, asked: int = 1):
@@ -32,7 +43,13 @@ class QueueFullError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
-    """Limits of one step and of the queue.
+    """Limits of one step and of the queue: ``EngineConfig.scheduler``, and what a :class:`Scheduler` runs by.
+
+    Two kinds of fields. The batching options (every one with its one default: the engine's) are what
+    a user sets. The cache's shape (``kv_blocks``, ``block_size``, ``max_context``, ``host_blocks`` and
+    the measured costs) is what the workers report after loading: 0 in an engine's options, filled in by
+    :meth:`EngineConfig.scheduler_for <energon_infer.engine_config.EngineConfig.scheduler_for>`. A
+    scheduler of its own (tests, :meth:`ModelRunner.generate`) gives all three of the shape's sizes.
 
     Args:
         kv_blocks: blocks in each worker's KV cache (all ranks have the same number).
@@ -42,6 +59,8 @@ class SchedulerConfig:
         max_running: sequences running at once (all groups together).
         max_queue: waiting requests at most; more raise :class:`QueueFullError`.
         groups: steps in flight at once (1: each step waits for the previous one's tokens).
+            :data:`AUTO` (the default): one per pipeline stage in an engine (the non-blocking pipeline), 1 for a
+            scheduler of its own.
         policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
             only when its whole batch has finished).
         kv_admission: ``"on_demand"`` (grow, preempt, recompute) or ``"reserve"`` (prompt + ``max_tokens`` at admission).
@@ -49,39 +68,63 @@ class SchedulerConfig:
         chunked_prefill: split prompts so each step stays within ``max_batch_tokens`` (longer prompts accepted).
         depth: steps of a group in flight. Beyond 1 a step is planned before the previous one's tokens
             are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
-            last stage sent it; a request that stopped meanwhile has that one token dropped.
+            last stage sent it; a request that stopped meanwhile has that one token dropped. :data:`AUTO` (the
+            default): in an engine 2 at pp=1, where it hides the controller's round trip between steps, and 1 at pp > 1, where
+            the groups already keep every stage busy and planning ahead only adds the token messages
+            (measured at pp=2, 64 sequences: 3228 tokens/s at depth 1, 2872 at depth 2, 2946 blocking);
+            1 for a scheduler of its own.
         preemption: how an on-demand victim gives its blocks back: ``"recompute"``, ``"swap"`` (to
             ``host_blocks`` of host memory when they have room) or ``"auto"`` (whichever the measured
-            ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper; see :mod:`energon_infer.swap`).
+            ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper, recompute without host blocks;
+            see :mod:`energon_infer.swap`).
+        host_blocks / swap_s_per_block / recompute_s_per_token: the workers' host swap space and measured
+            costs (reported, not set).
     """
 
-    kv_blocks: int
-    block_size: int
-    max_context: int
+    kv_blocks: int = 0
+    block_size: int = 0
+    max_context: int = 0
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_running: int = 256
     max_queue: int = 1024
-    groups: int = 1
-    policy: str = "continuous"
-    kv_admission: str = "on_demand"
-    prefix_caching: bool = False
+    groups: int = AUTO
+    policy: Policy = "continuous"
+    kv_admission: KVAdmission = "on_demand"
+    prefix_caching: bool = True
     chunked_prefill: bool = False
-    depth: int = 1
-    preemption: str = "recompute"
+    depth: int = AUTO
+    preemption: Preemption = "auto"
     host_blocks: int = 0
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
 
+    @property
+    def bound(self) -> bool:
+        """Whether the cache's shape is known (a scheduler's limits), not only the options (an engine's)."""
+        return self.kv_blocks > 0
+
     def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_context", "max_batch_tokens", "max_running", "groups", "depth"):
+        shape = {"kv_blocks": self.kv_blocks, "block_size": self.block_size, "max_context": self.max_context}
+        if any(shape.values()) and min(shape.values()) < 1:
+            raise OptionError(f"{shape} must all be >= 1 (a scheduler of its own) or all 0 (an engine's options: "
+                              "the workers report them)")
+        for name in ("max_batch_tokens", "max_running"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise OptionError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("groups", "depth"):
+            value = getattr(self, name)
+            if value != AUTO and value < 1:
+                raise OptionError(f"{name}={value} must be >= 1 (or AUTO: chosen from the pipeline stages)")
+            if value == AUTO and self.bound:
+                object.__setattr__(self, name, 1)  # a scheduler of its own has no pipeline to choose from
         if self.max_queue < 0:
-            raise ValueError(f"max_queue={self.max_queue} must be >= 0 (0 accepts no waiting request)")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
-        if self.kv_admission not in KV_ADMISSION:
-            raise ValueError(f"kv_admission={self.kv_admission!r} must be one of {KV_ADMISSION}")
-        if self.preemption == "swap" and self.host_blocks < 1:
-            raise ValueError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
-                             "(host_blocks=0 here), or use preemption='recompute'")
+            raise OptionError(f"max_queue={self.max_queue} must be >= 0 (0 accepts no waiting request)")
+        check_choice("policy", self.policy, Policy)
+        check_choice("kv_admission", self.kv_admission, KVAdmission)
+        check_choice("preemption", self.preemption, Preemption)
+        if self.host_blocks < 0 or self.swap_s_per_block < 0 or self.recompute_s_per_token < 0:
+            raise OptionError(f"host_blocks={self.host_blocks}, swap_s_per_block={self.swap_s_per_block} and "
+                              f"recompute_s_per_token={self.recompute_s_per_token} must be >= 0")
+        if self.bound and self.preemption == "swap" and self.host_blocks < 1:
+            raise OptionError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
+                              "(host_blocks=0 here), or use preemption='recompute'")

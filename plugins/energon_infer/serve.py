@@ -17,10 +17,13 @@ worker group hung (``/health`` answers 503), fails its requests and restarts it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
+import traceback
 from pathlib import Path
+from typing import Any, get_args
 
 from tightfit.cli import Parser
 from tightfit.commands.args import (
@@ -35,16 +38,29 @@ from tightfit.commands.args import (
 __all__ = ["build_parser", "main", "bind_socket"]
 
 
+def _defaults(kind: type) -> dict[str, Any]:
+    """A config class's defaults: the one place each flag's default comes from (``--help`` shows it)."""
+    return {f.name: f.default for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from energon_infer.engine_config import FaultConfig, LaunchConfig, Launcher
+    from energon_infer.runtime import RuntimeConfig
+    from energon_infer.scheduler_config import SchedulerConfig
+    from energon_infer.server_config import ServerConfig
+
+    rt, sched, faults = _defaults(RuntimeConfig), _defaults(SchedulerConfig), _defaults(FaultConfig)
+    launch, http = _defaults(LaunchConfig), _defaults(ServerConfig)
     p = Parser(prog="tightfit serve", description="Serve a model over an OpenAI-compatible HTTP API.",
                epilog=(__doc__ or "").replace("``", "") + "\n" + exit_codes_help())  # plain text, not reST
     p.add_argument("path", help="Hugging Face model directory, or a tightfit GPT checkpoint file")
     m = p.add_argument_group("model layout")
-    m.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel workers per stage (default 1)")
-    m.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default 1)")
-    m.add_argument("--dtype", default="float32",
-                   help="float32, bfloat16, float16, or auto: the dtype config.json names (default float32)")
-    m.add_argument("--kv-cache-tokens", type=positive_int, default=32768, help="KV cache capacity in tokens per worker")
+    m.add_argument("--tp", type=positive_int, default=rt["tp"], help="tensor-parallel workers per stage")
+    m.add_argument("--pp", type=positive_int, default=rt["pp"], help="pipeline stages")
+    m.add_argument("--dtype", default=rt["dtype"],
+                   help="float32, bfloat16, float16, or auto: the dtype config.json names")
+    m.add_argument("--kv-cache-tokens", type=positive_int, default=rt["kv_cache_tokens"],
+                   help="KV cache capacity in tokens per worker")
     m.add_argument("--memory-pool", default=None,
                    help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
     m.add_argument("--no-cuda-graphs", action="store_true",
@@ -54,30 +70,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "copy, which decodes faster)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
-    b.add_argument("--max-batch-tokens", type=positive_int, default=4096, help="tokens per batched step (default 4096)")
-    b.add_argument("--max-running", type=positive_int, default=256, help="requests in the running batch at most")
-    b.add_argument("--max-queue", type=positive_int, default=1024, help="waiting requests at most; more get HTTP 429")
-    b.add_argument("--max-restarts", type=nonnegative_int, default=3,
-                   help="worker group restarts allowed within --restart-window (default 3)")
-    b.add_argument("--restart-window", type=positive_float, default=3600.0,
-                   help="seconds over which --max-restarts counts (default 3600); older failures are forgiven")
+    b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
+                   help="tokens per batched step")
+    b.add_argument("--max-running", type=positive_int, default=sched["max_running"],
+                   help="requests in the running batch at most")
+    b.add_argument("--max-queue", type=positive_int, default=sched["max_queue"],
+                   help="waiting requests at most; more get HTTP 429")
+    b.add_argument("--max-restarts", type=nonnegative_int, default=faults["max_restarts"],
+                   help="worker group restarts allowed within --restart-window")
+    b.add_argument("--restart-window", type=positive_float, default=faults["restart_window_s"],
+                   help="seconds over which --max-restarts counts; older failures are forgiven")
     b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
-    b.add_argument("--step-timeout", type=positive_float, default=300.0,
-                   help="seconds a step may take before the worker group counts as hung and restarts (default 300)")
-    b.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
-                   help="spawn: start tp*pp local workers (default); torchrun: every torchrun rank runs this command, "
+    b.add_argument("--step-timeout", type=positive_float, default=faults["step_timeout_s"],
+                   help="seconds a step may take before the worker group counts as hung and restarts")
+    b.add_argument("--launcher", choices=get_args(Launcher), default=launch["launcher"],
+                   help="spawn: start tp*pp local workers; torchrun: every torchrun rank runs this command, "
                         "rank 0 serves HTTP and the others are workers (multi-node)")
     s = p.add_argument_group("HTTP")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    s.add_argument("--host", default=http["host"], help="address to bind (127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=http["port"], help="TCP port to listen on")
     s.add_argument("--api-key", default=os.environ.get("ENERGON_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $ENERGON_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the path's name)")
-    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
-    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt) a request may ask for")
-    s.add_argument("--drain-timeout", type=nonnegative_float, default=30.0, help="seconds in-flight requests get on shutdown")
-    s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    s.add_argument("--max-tokens-limit", type=int, default=http["max_tokens_limit"],
+                   help="largest max_tokens a request may ask for")
+    s.add_argument("--max-request-bytes", type=int, default=http["max_request_bytes"], help="largest request body")
+    s.add_argument("--max-n", type=int, default=http["max_n"], help="largest n (choices per prompt) a request may ask for")
+    s.add_argument("--drain-timeout", type=nonnegative_float, default=http["drain_timeout_s"],
+                   help="seconds in-flight requests get on shutdown")
+    # The command logs each request (info); ServerConfig's own "warning" keeps in-process servers (tests) quiet.
+    s.add_argument("--log-level", default="info", help="uvicorn log level")
     return p
 
 
@@ -99,21 +121,42 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return sock
 
 
-def _memory_pool(value: str | None) -> float | str | None:
+def _memory_pool(value: str | None) -> Any:
+    """``--memory-pool`` as a :class:`~energon_infer.memory_pool.MemoryPoolConfig` (checked now, before any worker)."""
     if value is None:
         return None
+    from energon_infer.memory_pool import MemoryPoolConfig
+
     try:
-        return float(value)
+        fraction = float(value)
     except ValueError:
-        return value  # a byte budget such as "2GiB"
+        return MemoryPoolConfig(device_budget=value)  # a byte budget such as "2GiB"
+    return MemoryPoolConfig(fraction=fraction)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``tightfit serve ARGV``: 0 after a clean stop; 2 and one line for bad input (a flag, a file, a model or
+    layout energon refuses: an :class:`~energon_infer.errors.EnergonError`); anything else is a bug in energon:
+    its traceback, and 1."""
+    from energon_infer.errors import EnergonError
+
     try:
-        args = build_parser().parse_args(argv)
+        return _serve(argv)
     except UsageError as e:  # one line naming the value, the rule and the fix; exit code 2
         print(e, file=sys.stderr)
         return 2
+    except EnergonError as e:
+        print(f"tightfit serve: {e}", file=sys.stderr)
+        return 2
+    except Exception:  # noqa: BLE001 - a bug: show where, and say it is not the user's input
+        traceback.print_exc()
+        print("tightfit serve: failed with the error above (a bug in energon, not in the input: please report it)",
+              file=sys.stderr)
+        return 1
+
+
+def _serve(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     if args.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
         from energon_infer.torchrun import run_worker
 
@@ -131,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from energon_infer.engine import Engine
     from energon_infer.hf_files import resolve_dtype
-    from energon_infer.server import ServerConfig, serve
+    from energon_infer.server import serve
+    from energon_infer.server_config import ServerConfig
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"tightfit serve: warning: binding {args.host} without --api-key lets anyone who can reach this "
@@ -139,15 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                   max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
-                                  default_max_tokens=min(16, args.max_tokens_limit), max_n=args.max_n,
+                                  default_max_tokens=min(_defaults(ServerConfig)["default_max_tokens"], args.max_tokens_limit), max_n=args.max_n,
                                   drain_timeout_s=args.drain_timeout, log_level=args.log_level)
         dtype = resolve_dtype(path, args.dtype) if path.is_dir() else ("float32" if args.dtype == "auto" else args.dtype)
-    except ValueError as exc:
+        pool = _memory_pool(args.memory_pool)
+    except ValueError as exc:  # the values of these flags were checked by their own classes
         sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)
         return 2
     common = dict(tp=args.tp, pp=args.pp, dtype=dtype, max_batch_tokens=args.max_batch_tokens,
-                  memory_pool=_memory_pool(args.memory_pool), model_name=args.served_model_name,
+                  memory_pool=pool, model_name=args.served_model_name,
                   kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running, max_queue=args.max_queue,
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,

@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 
 from energon_infer.config import ModelConfig
+from energon_infer.errors import BadInputError
 from energon_infer.parallel import Grid, vocab_shard
 
 __all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",
            "check_stage_fits", "available_bytes"]
 
 
-class WeightError(ValueError):
+class WeightError(BadInputError, ValueError):
     """Weights are missing from the checkpoint or do not have the shape the config implies."""
 
 
-class ModelTooLargeError(ValueError):
+class ModelTooLargeError(BadInputError, ValueError):
     """The stage's weights and KV cache cannot fit the memory available on this rank's device."""
 
 

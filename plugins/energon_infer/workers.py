@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from energon_infer.errors import UnavailableError
 from energon_infer.protocol import (
     Command,
     Free,
@@ -51,7 +52,7 @@ __all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "lo
            "StageTimer"]
 
 
-class WorkerStartError(RuntimeError):
+class WorkerStartError(UnavailableError, RuntimeError):
     """The worker group could not start (a worker failed to load, died, or took too long)."""
 
 

@@ -57,7 +57,7 @@ def test_off_switch_shares_nothing():
 
 
 def test_preemption_takes_the_newest_request_which_resumes_first_with_its_tokens():
-    s = Scheduler(SchedulerConfig(kv_blocks=5, block_size=2, max_context=64, max_batch_tokens=32))
+    s = Scheduler(SchedulerConfig(kv_blocks=5, block_size=2, max_context=64, max_batch_tokens=32, prefix_caching=False))
     greedy = SamplingParams(temperature=0, max_tokens=4)
     a = s.add(Request("a", [1, 2, 3], greedy))
     b = s.add(Request("b", [4, 5, 6], greedy))

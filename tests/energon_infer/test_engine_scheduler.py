@@ -11,7 +11,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
 
 def _sched(**kw) -> Scheduler:
-    base = dict(kv_blocks=64, block_size=4, max_context=64, max_batch_tokens=16)
+    # Prefix caching off (its default is on, the engine's): these tests count every prompt token a step runs.
+    base = dict(kv_blocks=64, block_size=4, max_context=64, max_batch_tokens=16, prefix_caching=False)
     return Scheduler(SchedulerConfig(**{**base, **kw}))
 
 

@@ -1,0 +1,43 @@
+"""``tightfit serve --help`` shows the real defaults: each one is the default of the config field it sets."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from energon_infer.engine_config import FaultConfig, LaunchConfig
+from energon_infer.runtime import RuntimeConfig
+from energon_infer.scheduler_config import SchedulerConfig
+from energon_infer.serve import build_parser
+from energon_infer.server_config import ServerConfig
+
+# flag -> (config class, field) it sets
+FLAGS = {
+    "--tp": (RuntimeConfig, "tp"), "--pp": (RuntimeConfig, "pp"), "--dtype": (RuntimeConfig, "dtype"),
+    "--kv-cache-tokens": (RuntimeConfig, "kv_cache_tokens"),
+    "--max-batch-tokens": (SchedulerConfig, "max_batch_tokens"), "--max-running": (SchedulerConfig, "max_running"),
+    "--max-queue": (SchedulerConfig, "max_queue"),
+    "--max-restarts": (FaultConfig, "max_restarts"), "--restart-window": (FaultConfig, "restart_window_s"),
+    "--step-timeout": (FaultConfig, "step_timeout_s"), "--launcher": (LaunchConfig, "launcher"),
+    "--host": (ServerConfig, "host"), "--port": (ServerConfig, "port"),
+    "--max-tokens-limit": (ServerConfig, "max_tokens_limit"), "--max-request-bytes": (ServerConfig, "max_request_bytes"),
+    "--max-n": (ServerConfig, "max_n"), "--drain-timeout": (ServerConfig, "drain_timeout_s"),
+}
+
+
+def _default(kind: type, name: str) -> object:
+    return next(f.default for f in dataclasses.fields(kind) if f.name == name)
+
+
+def test_the_help_text_shows_each_flags_config_default():
+    parser = build_parser()
+    text = " ".join(parser.format_help().split("options:", 1)[1].split())  # past the usage; argparse wraps lines
+    shown = {}
+    for flag, (kind, name) in FLAGS.items():
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        metavar = "{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper()
+        found = re.search(re.escape(f"{flag} {metavar} ") + r".*?\(default: ([^)]+)\)", text)
+        shown[flag] = found.group(1) if found else None
+        assert shown[flag] == str(_default(kind, name)), (flag, shown[flag], _default(kind, name))
+        assert action.default == _default(kind, name), flag
+    assert shown["--max-batch-tokens"] == "4096"  # the engine's budget (the help once said 4096 where it ran 2048)
