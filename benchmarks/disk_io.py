@@ -23,7 +23,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
