@@ -1,0 +1,183 @@
+"""The store's I/O engine: a few worker threads issuing ``os.preadv`` / ``os.pwritev``, a bound on
+requests in flight, and the extent-level read and write with alignment and checksums.
+
+Why threads: measured in ``docs/storage.md`` against libaio and io_uring on this project's machine;
+each blocking ``preadv``/``pwritev`` releases the GIL, so ``workers`` threads keep ``workers``
+requests at the device, and at MiB-sized requests the system-call cost is noise.
+
+O_DIRECT needs aligned buffers, offsets and lengths (:data:`~tightfit.storage.fs.ALIGN`). Extents
+start at aligned file offsets; an aligned caller buffer is read into / written from directly, and
+what is not aligned (an unaligned caller buffer, the tail of an extent whose length is not a multiple
+of the alignment) goes through the worker's own aligned bounce buffer, allocated once and reused.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tightfit.storage.errors import ChecksumError, StorageError
+from tightfit.storage.fs import ALIGN, address, aligned_buffer, pread_full, pwrite_full
+
+__all__ = ["IOEngine", "ExtentIO", "checksum"]
+
+T = TypeVar("T")
+
+
+def checksum(view: memoryview, start: int = 0) -> int:
+    """CRC-32 of ``view`` (zlib's; 4-5 GB/s on this machine's CPU, it releases the GIL on large buffers)."""
+    return zlib.crc32(view, start) & 0xFFFFFFFF
+
+
+class IOEngine:
+    """A pool of ``workers`` I/O threads with at most ``max_inflight`` requests queued or running.
+
+    :meth:`submit` blocks the caller while ``max_inflight`` requests are outstanding (backpressure);
+    :meth:`drain` waits until none are.
+    """
+
+    def __init__(self, *, workers: int, max_inflight: int) -> None:
+        if workers < 1 or max_inflight < 1:
+            raise StorageError(f"IOEngine: workers={workers}, max_inflight={max_inflight} must both be >= 1; "
+                               f"give at least one worker and one request in flight")
+        self.workers = workers
+        self.max_inflight = max_inflight
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tightfit-io")
+        self._room = threading.Semaphore(max_inflight)
+        self._idle = threading.Condition()
+        self._outstanding = 0
+
+    def submit(self, fn: Callable[..., T], *args: Any, held: bool = False) -> Future[T]:
+        """Run ``fn(*args)`` on a worker, first waiting for a place unless the caller ``held`` one
+        (:meth:`acquire`); the place is given back when ``fn`` returns. A continuation submitted from a
+        worker must hold its place already: a worker never blocks on the bound."""
+        if not held:
+            self._room.acquire()
+        with self._idle:
+            self._outstanding += 1
+        try:
+            fut = self._pool.submit(fn, *args)
+        except BaseException:
+            self._done()
+            raise
+        fut.add_done_callback(lambda _f: self._done())
+        return fut
+
+    def acquire(self) -> None:
+        """Wait for, and take, one place for a request submitted later with ``submit(..., held=True)``."""
+        self._room.acquire()
+
+    def _done(self) -> None:
+        self._room.release()
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Wait until no request is queued or running."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._outstanding == 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class ExtentIO:
+    """Reads and writes whole extents of one data file, checksummed, on any worker thread.
+
+    Args:
+        fd: the open data file.
+        path: its path (for messages).
+        direct: whether ``fd`` was opened with ``O_DIRECT``.
+        extent_bytes: the largest extent (the size of each worker's bounce buffer).
+    """
+
+    def __init__(self, fd: int, path: Path, *, direct: bool, extent_bytes: int) -> None:
+        self.fd = fd
+        self.path = path
+        self.direct = direct
+        self.extent_bytes = extent_bytes
+        self._local = threading.local()
+
+    def bounce(self) -> memoryview:
+        """This thread's aligned bounce buffer of ``extent_bytes``."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = aligned_buffer(self.extent_bytes)
+        return buf
+
+    def write(self, src: memoryview, file_offset: int) -> int:
+        """Write ``src`` (at most one extent) at an aligned ``file_offset``; returns its checksum."""
+        crc = checksum(src)
+        n = src.nbytes
+        if not self.direct:
+            pwrite_full(self.fd, src, file_offset, self.path)
+            return crc
+        head = n // ALIGN * ALIGN if address(src) % ALIGN == 0 else 0
+        if head:
+            pwrite_full(self.fd, src[:head], file_offset, self.path)
+        rest = n - head
+        if rest:
+            buf = self.bounce()
+            padded = -(-rest // ALIGN) * ALIGN
+            buf[:rest] = src[head:]
+            buf[rest:padded] = bytes(padded - rest)  # the pad stays inside this extent's own slot
+            pwrite_full(self.fd, buf[:padded], file_offset + head, self.path)
+        return crc
+
+    def scratch(self) -> memoryview:
+        """A second aligned buffer of ``extent_bytes`` for this thread (merging a partial extent: the old
+        extent is read into it while :meth:`read` may use the bounce buffer)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None:
+            buf = self._local.scratch = aligned_buffer(self.extent_bytes)
+        return buf
+
+    def write_padded(self, buf: memoryview, length: int, file_offset: int) -> int:
+        """Write ``buf[:length]`` (an aligned buffer of ``extent_bytes``) at ``file_offset``, zero-padded to the
+        alignment in place; returns the checksum of the ``length`` bytes."""
+        crc = checksum(buf[:length])
+        padded = -(-length // ALIGN) * ALIGN if self.direct else length
+        buf[length:padded] = bytes(padded - length)
+        pwrite_full(self.fd, buf[:padded], file_offset, self.path)
+        return crc
+
+    def read(self, dst: memoryview, file_offset: int, length: int, crc: int, skip: int = 0) -> None:
+        """Read the extent of ``length`` bytes at ``file_offset``, verify ``crc``, and place its bytes
+        ``[skip, skip + len(dst))`` in ``dst``."""
+        n = dst.nbytes
+        whole = skip == 0 and n == length
+        if whole and not self.direct:
+            pread_full(self.fd, dst, file_offset, self.path)
+            self._verify(checksum(dst), crc, file_offset, length)
+            return
+        head = length // ALIGN * ALIGN if whole and address(dst) % ALIGN == 0 else 0
+        got = 0
+        if head:
+            pread_full(self.fd, dst[:head], file_offset, self.path)
+            got = checksum(dst[:head])
+        if head < length:
+            buf = self.bounce()
+            rest = length - head
+            padded = -(-rest // ALIGN) * ALIGN if self.direct else rest
+            pread_full(self.fd, buf[:padded], file_offset + head, self.path, need=rest)
+            got = checksum(buf[:rest], got)
+            if whole:
+                dst[head:] = buf[:rest]
+            else:
+                self._verify(got, crc, file_offset, length)
+                dst[:] = buf[skip:skip + n]
+                return
+        self._verify(got, crc, file_offset, length)
+
+    def _verify(self, got: int, want: int, offset: int, length: int) -> None:
+        if got != want:
+            raise ChecksumError(f"{self.path}: checksum mismatch in the extent at byte offset {offset} "
+                                f"({length} bytes; crc32 {got:08x}, index says {want:08x}): the data on disk "
+                                f"changed since it was written; restore the store from a checkpoint or rewrite "
+                                f"the tensor", path=str(self.path), offset=offset)

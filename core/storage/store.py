@@ -1,0 +1,478 @@
+"""``TensorStore``: tensors and flat buffers in files of a directory, read and written asynchronously.
+
+Example:
+    >>> import tempfile, torch
+    >>> with TensorStore(tempfile.mkdtemp()) as store:
+    ...     store.put("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    ...     store.get("w").tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tightfit.storage.engine import ExtentIO, IOEngine
+from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
+from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, open_data
+from tightfit.storage.index import DATA, INDEX, LOCK, Entry, Extent, Index, Slots
+
+if TYPE_CHECKING:
+    from tightfit.profiler.types import DiskProfile
+from tightfit.storage.buffers import aligned_empty, readable, writable
+
+__all__ = ["TensorStore", "TensorInfo", "DEFAULT_EXTENT_BYTES"]
+
+# 4 MiB requests reach the disk's bandwidth (docs/storage.md); smaller ones pay the per-request latency.
+DEFAULT_EXTENT_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorInfo:
+    """What the index records about one name: its bytes, and dtype and shape (``None`` for a flat buffer)."""
+
+    nbytes: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        pid = int(text) if text.isdigit() else 0
+        raise StoreLockedError(f"{path} is in use by process {pid or '?'} (lock {path / LOCK}): one TensorStore "
+                               f"owns a directory; close the other store, or give each process its own "
+                               f"directory (TensorStore.for_rank(path, rank))", path=str(path), pid=pid) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class TensorStore:
+    """Tensors and flat buffers in one directory, with asynchronous checksummed reads and writes.
+
+    Args:
+        path: an existing, writable directory (:func:`~tightfit.storage.check_disk_dir`); the store owns
+            it while open (a lock file: a second owner gets :class:`StoreLockedError`).
+        profile: the disk's :class:`~tightfit.profiler.types.DiskProfile`: request size (a new store's
+            extent size), queue depth (at least that many workers) and O_DIRECT or buffered.
+        workers: I/O threads (each keeps one request at the device).
+        max_inflight: requests queued or running before ``write``/``read_into`` block (default ``2 * workers``).
+        extent_bytes: extent size of a new store (default: the profile's request size, else 4 MiB); an
+            existing store keeps the size its index records.
+        direct: force O_DIRECT on or off (default: the profile's choice, else on); a filesystem that
+            refuses O_DIRECT (tmpfs) gets buffered I/O silently.
+
+    Writes are durable only after :meth:`sync` (or :meth:`close`); after a crash the store reopens at
+    its last ``sync()``. Overwrites go to fresh extents, so a failed write (ENOSPC) leaves the previous
+    contents readable. A buffer handed to :meth:`write` must not change until its future is done.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, profile: DiskProfile | None = None, workers: int = 2,
+                 max_inflight: int | None = None, extent_bytes: int | None = None,
+                 direct: bool | None = None) -> None:
+        self.path = check_disk_dir(path)
+        if profile is not None:
+            workers = max(workers, profile.queue_depth)
+        self._lock_fd = _lock(self.path)
+        self._fd = -1
+        try:
+            if (self.path / INDEX).exists():
+                self._index = Index.load(self.path / INDEX)
+            else:
+                size = extent_bytes or (profile.request_bytes if profile is not None else DEFAULT_EXTENT_BYTES)
+                self._index = Index(extent_bytes=max(ALIGN, -(-int(size) // ALIGN) * ALIGN))
+            want = direct if direct is not None else (profile.direct if profile is not None else True)
+            self._fd, self.direct = open_data(self.path / DATA, direct=want)
+            self._engine = IOEngine(workers=workers, max_inflight=max_inflight or 2 * workers)
+        except BaseException:
+            self._release_files()
+            raise
+        self.extent_bytes = self._index.extent_bytes
+        self._io = ExtentIO(self._fd, self.path / DATA, direct=self.direct, extent_bytes=self.extent_bytes)
+        self._slots = Slots(self._index.slots())
+        self._mutex = threading.Lock()
+        self._seq = 0
+        self._tails: dict[tuple[str, int], Future[int]] = {}  # the last write touching (name, extent)
+        self._inflight: set[Future[Any]] = set()
+        self._closed = False
+
+    @classmethod
+    def for_rank(cls, path: str | os.PathLike[str], rank: int, **kwargs: Any) -> TensorStore:
+        """The store of one rank: the sub-directory ``rank<rank>`` of ``path`` (created), so ranks never share one."""
+        base = check_disk_dir(path)
+        if not isinstance(rank, int) or rank < 0:
+            raise StorageError(f"for_rank: rank={rank!r} must be a whole number >= 0; pass the process's rank")
+        sub = base / f"rank{rank}"
+        sub.mkdir(exist_ok=True)
+        return cls(sub, **kwargs)
+
+    # ------------------------------------------------------------------ asynchronous I/O
+
+    def write(self, name: str, data: Any, offset: int = 0) -> Future[int]:
+        """Write ``data`` (a CPU tensor or any buffer) at byte ``offset`` of ``name``; the future gives the bytes
+        written. A new name written at offset 0 with a tensor records its dtype and shape."""
+        view, meta = readable(data, f"write({name!r})")
+        return self._write(name, view, offset, meta if offset == 0 else None, replace=False)
+
+    def read_into(self, name: str, out: Any, offset: int = 0) -> Future[Any]:
+        """Read ``len(out)`` bytes of ``name`` from byte ``offset`` into ``out`` (a CPU tensor or writable
+        buffer; pinned memory on CUDA machines); nothing is allocated. The future gives ``out`` back."""
+        what = f"read_into({name!r})"
+        view = writable(out, what)
+        self._check(name, offset, what)
+        size = self.extent_bytes
+        with self._mutex:
+            entry = self._entry(name)
+            if offset + view.nbytes > entry.nbytes:
+                raise StorageError(f"{what}: bytes [{offset}, {offset + view.nbytes}) are past its end "
+                                   f"({entry.nbytes} bytes); read a smaller range")
+            parts = []
+            for k in range(offset // size, -(-(offset + view.nbytes) // size)):
+                x = entry.extents[k]
+                if x is not None:
+                    self._slots.read_begin(x.slot)
+                a, b = max(offset, k * size) - k * size, min(offset + view.nbytes, (k + 1) * size) - k * size
+                parts.append((k, x, a, b))
+            job = _ReadJob(self, name, view, offset, parts, result=out)
+            self._inflight.add(job.future)
+        for i in range(len(parts)):
+            self._engine.submit(job.run, i)
+        job.start()
+        return job.future
+
+    def _write(self, name: str, view: memoryview, offset: int, meta: tuple[str, tuple[int, ...]] | None,
+               *, replace: bool) -> Future[int]:
+        what = f"write({name!r})"
+        self._check(name, offset, what)
+        size, end = self.extent_bytes, offset + view.nbytes
+        with self._mutex:
+            self._seq += 1
+            chunks = [(k, self._slots.alloc()) for k in range(offset // size, -(-end // size))]
+            job = _WriteJob(self, name, view, offset, chunks, seq=self._seq, meta=meta, replace=replace)
+            after = [self._tails.get((name, k)) for k, _ in chunks]
+            for k, _ in chunks:
+                self._tails[(name, k)] = job.future
+            self._inflight.add(job.future)
+        for i, prev in enumerate(after):
+            self._engine.acquire()  # backpressure: the caller waits here while max_inflight are outstanding
+            if prev is None or job.whole(i):
+                self._engine.submit(job.run, i, held=True)
+            else:  # a partial extent merges with the previous write's result: it runs after it
+                prev.add_done_callback(lambda _f, i=i: self._engine.submit(job.run, i, held=True))
+        job.start()
+        return job.future
+
+    # ------------------------------------------------------------------ synchronous helpers
+
+    def put(self, name: str, tensor: Any) -> None:
+        """Store ``tensor`` (or a buffer) under ``name``, replacing what was there; returns when written."""
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        view, meta = readable(tensor, f"put({name!r})")
+        self._write(name, view, 0, meta, replace=True).result()
+
+    def get(self, name: str, out: Any = None) -> Any:
+        """Read all of ``name`` into ``out``, or into a new (4 KiB-aligned) tensor of its dtype and shape."""
+        if out is None:
+            info = self.info(name)
+            dtype = getattr(torch, info.dtype) if info.dtype else torch.uint8
+            out = aligned_empty(info.nbytes, dtype, info.shape if info.dtype else None)
+        return self.read_into(name, out).result()
+
+    def info(self, name: str) -> TensorInfo:
+        with self._mutex:
+            e = self._entry(name)
+            return TensorInfo(nbytes=e.nbytes, dtype=e.dtype, shape=e.shape)
+
+    def names(self) -> list[str]:
+        with self._mutex:
+            return sorted(self._index.entries)
+
+    def nbytes(self, name: str) -> int:
+        return self.info(name).nbytes
+
+    def __contains__(self, name: object) -> bool:
+        with self._mutex:
+            return name in self._index.entries
+
+    def delete(self, name: str) -> None:
+        """Forget ``name`` (after its writes in flight finish); its space is reused after the next :meth:`sync`."""
+        with self._mutex:
+            self._entry(name)
+            waits = {f for (n, _), f in self._tails.items() if n == name}
+        cf.wait(waits)
+        with self._mutex:
+            entry = self._index.entries.pop(name, None)
+            for x in entry.extents if entry else ():
+                if x is not None:
+                    self._slots.release(x.slot)
+
+    def sync(self) -> None:
+        """Make everything written so far durable: wait for requests in flight, fsync the data file, then
+        replace the index atomically (temp file, fsync, rename, fsync of the directory)."""
+        self._check_open()
+        self.wait()
+        try:
+            os.fsync(self._fd)
+            with self._mutex:
+                text = self._index.to_json()
+                referenced = self._index.slots()
+                self._slots.durable |= referenced  # until the new index is on disk, both must survive
+            Index.write_text(self.path, text)
+        except OSError as err:
+            if isinstance(err, StorageError) or err.errno not in (28, 122):  # ENOSPC, EDQUOT
+                raise
+            raise disk_full(self.path / INDEX, len(text) if "text" in locals() else 0, "syncing") from err
+        with self._mutex:
+            self._slots.synced(referenced)
+
+    def wait(self) -> None:
+        """Wait until every read and write submitted so far is done (their errors stay in their futures)."""
+        while True:
+            with self._mutex:
+                pending = set(self._inflight)
+            if not pending:
+                return
+            cf.wait(pending)
+
+    def close(self) -> None:
+        """Sync, stop the workers and release the directory. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.sync()
+        finally:
+            self._closed = True
+            self._engine.close()
+            self._release_files()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"TensorStore({str(self.path)!r}, {len(self._index.entries)} names, extent {self.extent_bytes} B, "
+                f"{'O_DIRECT' if self.direct else 'buffered'}, {self._engine.workers} workers)")
+
+    # ------------------------------------------------------------------ internals used by the jobs
+
+    def _release_files(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"{self.path}: the store is closed; open a new TensorStore")
+
+    def _check(self, name: str, offset: int, what: str) -> None:
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise StorageError(f"{what}: the name must be a non-empty string, got {name!r}")
+        if not isinstance(offset, int) or offset < 0:
+            raise StorageError(f"{what}: offset={offset!r} must be a whole number >= 0")
+
+    def _entry(self, name: str) -> Entry:
+        try:
+            return self._index.entries[name]
+        except KeyError:
+            known = sorted(self._index.entries)
+            shown = ", ".join(known[:5]) + (f" and {len(known) - 5} more" if len(known) > 5 else "")
+            raise KeyError(f"no tensor named {name!r} in {self.path}; names: {shown or '(none)'}") from None
+
+
+def _zero(view: memoryview) -> None:
+    if view.nbytes:
+        np.frombuffer(view, dtype=np.uint8)[:] = 0
+
+
+class _Job:
+    """What reads and writes share: a future completed when the last of its extents is done."""
+
+    def __init__(self, store: TensorStore, parts: int) -> None:
+        self.store = store
+        self.future: Future[Any] = Future()
+        self.error: BaseException | None = None
+        self._left = parts
+        self._count = threading.Lock()
+
+    def start(self) -> None:
+        if self._left == 0:  # nothing to move (an empty tensor): complete now
+            self.finish()
+
+    def part_done(self) -> None:
+        with self._count:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.finish()
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class _ReadJob(_Job):
+    def __init__(self, store: TensorStore, name: str, view: memoryview, offset: int,
+                 parts: list[tuple[int, Extent | None, int, int]], result: Any) -> None:
+        super().__init__(store, len(parts))
+        self.name, self.view, self.offset, self.parts, self.result = name, view, offset, parts, result
+
+    def run(self, i: int) -> None:
+        st, (k, x, a, b) = self.store, self.parts[i]
+        size = st.extent_bytes
+        dst = self.view[k * size + a - self.offset:k * size + b - self.offset]
+        try:
+            valid = min(b, x.length) if x is not None else 0
+            if x is not None and a < valid:
+                st._io.read(dst[:valid - a], x.slot * size, x.length, x.crc, skip=a)
+            _zero(dst[max(a, valid) - a:])  # never-written bytes read as zeros
+        except ChecksumError as err:
+            self.error = self.error or ChecksumError(f"{err} [extent {k} of {self.name!r}]", path=err.path,
+                                                     offset=err.offset)
+        except BaseException as err:
+            self.error = self.error or err
+        finally:
+            if x is not None:
+                with st._mutex:
+                    st._slots.read_end(x.slot)
+            self.part_done()
+
+    def finish(self) -> None:
+        with self.store._mutex:
+            self.store._inflight.discard(self.future)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.result)
+
+
+class _WriteJob(_Job):
+    def __init__(self, store: TensorStore, name: str, view: memoryview, offset: int, chunks: list[tuple[int, int]],
+                 *, seq: int, meta: tuple[str, tuple[int, ...]] | None, replace: bool) -> None:
+        super().__init__(store, len(chunks))
+        self.name, self.view, self.offset, self.chunks = name, view, offset, chunks
+        self.seq, self.meta, self.replace = seq, meta, replace
+        self.written: list[tuple[int, Extent]] = []
+
+    def _range(self, k: int) -> tuple[int, int]:
+        size = self.store.extent_bytes
+        return max(self.offset, k * size) - k * size, min(self.offset + self.view.nbytes, (k + 1) * size) - k * size
+
+    def whole(self, i: int) -> bool:
+        """Whether extent ``i`` is written without the old bytes (so it need not wait for older writes)."""
+        a, b = self._range(self.chunks[i][0])
+        return a == 0 and (self.replace or b == self.store.extent_bytes)
+
+    def run(self, i: int) -> None:
+        st, (k, slot) = self.store, self.chunks[i]
+        size, (a, b) = st.extent_bytes, self._range(k)
+        src = self.view[k * size + a - self.offset:k * size + b - self.offset]
+        old = None
+        try:
+            if not self.replace:
+                with st._mutex:
+                    e = st._index.entries.get(self.name)
+                    old = e.extents[k] if e is not None and k < len(e.extents) else None
+                    if old is not None and a == 0 and b >= old.length:
+                        old = None  # fully overwritten: no merge
+                    if old is not None:
+                        st._slots.read_begin(old.slot)
+            if old is None and a == 0:
+                crc, length = st._io.write(src, slot * size), b
+            else:  # merge with the extent's current bytes (zeros where never written)
+                buf, have = st._io.scratch(), 0
+                if old is not None:
+                    st._io.read(buf[:old.length], old.slot * size, old.length, old.crc)
+                    have = old.length
+                _zero(buf[have:a])
+                buf[a:b] = src
+                length = max(have, b)
+                crc = st._io.write_padded(buf, length, slot * size)
+            self.written.append((k, Extent(slot=slot, length=length, crc=crc, seq=self.seq)))
+        except BaseException as err:
+            self.error = self.error or err
+        finally:
+            if old is not None:
+                with st._mutex:
+                    st._slots.read_end(old.slot)
+            self.part_done()
+
+    def finish(self) -> None:
+        st = self.store
+        with st._mutex:
+            for k, _ in self.chunks:
+                if st._tails.get((self.name, k)) is self.future:
+                    del st._tails[(self.name, k)]
+            st._inflight.discard(self.future)
+            if self.error is None:
+                self._apply(st._index.entries, st._slots)
+            else:  # nothing was committed: the new slots were never referenced
+                for _, slot in self.chunks:
+                    st._slots.release(slot)
+        if isinstance(self.error, DiskFullError):
+            err = disk_full(st.path / DATA, self.view.nbytes, f"writing {self.view.nbytes} bytes of {self.name!r}")
+            err.__cause__ = self.error
+            self.future.set_exception(err)
+        elif self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.view.nbytes)
+
+    def _apply(self, entries: dict[str, Entry], slots: Slots) -> None:
+        """Switch the index to the new extents (under the store's mutex); a newer write to an extent wins."""
+        size, e = self.store.extent_bytes, entries.get(self.name)
+        if e is not None and self.seq < e.replace_seq:  # a newer put() replaced the tensor meanwhile
+            for _, slot in self.chunks:
+                slots.release(slot)
+            return
+        if e is None:
+            e = entries[self.name] = Entry(nbytes=0, dtype=self.meta[0] if self.meta else None,
+                                           shape=self.meta[1] if self.meta else None)
+        end = max(e.nbytes, self.offset + self.view.nbytes)
+        if self.replace:
+            e.replace_seq, end = self.seq, self.view.nbytes
+            e.dtype, e.shape = (self.meta[0], self.meta[1]) if self.meta else (None, None)
+            for k in range(-(-end // size), len(e.extents)):
+                x = e.extents[k]
+                if x is not None and x.seq < self.seq:
+                    slots.release(x.slot)
+                    e.extents[k] = None
+        for k, x in self.written:
+            e.extents.extend([None] * (k + 1 - len(e.extents)))
+            cur = e.extents[k]
+            if cur is None or cur.seq < self.seq:
+                if cur is not None:
+                    slots.release(cur.slot)
+                e.extents[k] = x
+            else:
+                slots.release(x.slot)
+        for k, x in enumerate(e.extents):
+            if x is not None:
+                end = max(end, k * size + x.length)
+        e.nbytes = end
+        del e.extents[-(-end // size):]
+        e.extents.extend([None] * (-(-end // size) - len(e.extents)))
+        if e.dtype is not None and e.shape is not None:
+            if int(np.prod(e.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, e.dtype)).element_size() != end:
+                e.dtype, e.shape = None, None  # resized by a byte-range write: now a flat buffer
