@@ -111,14 +111,17 @@ def drop_cache(root: Path) -> int:
 
 
 class StoreContender:
-    """One store in its own sub-directory, holding the run's bytes as tensors of ``tensor_mib`` MiB."""
+    """One store in its own sub-directory, holding the run's bytes as float32 tensors of ``tensor_mib`` MiB,
+    written from views of ``src`` and read into views of ``out``."""
 
-    def __init__(self, root: Path, tensor_mib: int, src: torch.Tensor, out: torch.Tensor, profile: object) -> None:
+    def __init__(self, root: Path, label: str, tensor_mib: int, src: torch.Tensor, out: torch.Tensor,
+                 profile: object) -> None:
         from tightfit.storage import TensorStore
 
-        self.dir = root / f"store_{tensor_mib}mib"
+        self.dir = root / label.replace(" ", "_")
         self.dir.mkdir()
         self.store = TensorStore(self.dir, profile=profile)  # type: ignore[arg-type]
+        self.out = out
         numel = tensor_mib * MiB // 4
         flat_src, flat_out = src.view(torch.float32), out.view(torch.float32)
         self.sources = [flat_src[i:i + numel] for i in range(0, flat_src.numel(), numel)]
@@ -152,15 +155,27 @@ def _disk_profile(root: Path, quick: bool):
 # ---------------------------------------------------------------------------- the run
 
 
+ALIGNED = "store 4 MiB, aligned buffers"
+
+
 def run_repeats(root: Path, nbytes: int, repeats: int, sizes: tuple[int, ...], profile: object) -> dict:
-    """Interleaved repeats: every contender writes, then the caches are dropped, then every contender reads."""
+    """Interleaved repeats: every contender writes, then the caches are dropped, then every contender reads.
+
+    The ``store T MiB`` contenders move ordinary torch tensors (64-byte aligned, as model state is: every
+    O_DIRECT request then goes through the store's bounce buffer); the diagnostic ``store 4 MiB, aligned
+    buffers`` moves 4 KiB-aligned ones (``tightfit.storage.aligned_empty``, what a plugin's own buffers can be).
+    """
+    from tightfit.storage import aligned_empty
+
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     out = torch.empty(nbytes, dtype=torch.uint8)
     raw_buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT requires
     raw_view = torch.frombuffer(raw_buf, dtype=torch.uint8)
     raw_file = root / "raw.bin"
-    stores = {f"store {t} MiB": StoreContender(root, t, src, out, profile) for t in sizes}
+    stores = {f"store {t} MiB": StoreContender(root, f"store {t} MiB", t, src, out, profile) for t in sizes}
+    if 4 in sizes:  # written from the raw buffer (aligned, this repeat's contents), read into an aligned one
+        stores[ALIGNED] = StoreContender(root, "aligned", 4, raw_view, aligned_empty(nbytes), profile)
     names = ["raw", *stores]
     samples: dict[str, dict[str, list[float]]] = {
         n: {"write_s": [], "write_cpu_s": [], "read_s": [], "read_cpu_s": []} for n in names}
@@ -178,17 +193,16 @@ def run_repeats(root: Path, nbytes: int, repeats: int, sizes: tuple[int, ...], p
                     samples[name]["write_cpu_s"].append(cpu)
             resident.append(drop_cache(root))
             for name in names:
-                out.zero_()
-                raw_view.zero_()
+                back = raw_view if name == "raw" else stores[name].out
+                back.zero_()
                 fn = (lambda: raw_read(raw_file, raw_buf, nbytes)) if name == "raw" else stores[name].read
                 wall, cpu = _timed(fn)
-                back = raw_view if name == "raw" else out
                 checked.append(bool(torch.equal(back[:4096], src[:4096]) and torch.equal(back[-4096:], src[-4096:])))
                 if i:
                     samples[name]["read_s"].append(wall)
                     samples[name]["read_cpu_s"].append(cpu)
             if i:
-                line = ", ".join(f"{n} w {nbytes / samples[n]['write_s'][-1] / GB:.2f} r "
+                line = ", ".join(f"{n.split(',')[0]} w {nbytes / samples[n]['write_s'][-1] / GB:.2f} r "
                                  f"{nbytes / samples[n]['read_s'][-1] / GB:.2f}" for n in names)
                 print(f"  repeat {i}/{repeats} (GB/s): {line}", file=sys.stderr, flush=True)
     finally:
@@ -197,6 +211,25 @@ def run_repeats(root: Path, nbytes: int, repeats: int, sizes: tuple[int, ...], p
         del raw_view
         raw_buf.close()
     return {"samples": samples, "resident_bytes_before_reads": resident, "data_checked": all(checked)}
+
+
+def cpu_costs(repeats: int = 5) -> dict[str, float]:
+    """One core's rate (GB/s) for the CPU work the store adds per byte: CRC-32 (zlib, what it checksums each
+    extent with) and the copy into an aligned bounce buffer (an O_DIRECT request from an unaligned tensor)."""
+    import zlib
+
+    src = memoryview(os.urandom(64 * MiB))
+    bounce = memoryview(mmap.mmap(-1, RAW_REQUEST))
+    best_crc = best_copy = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        zlib.crc32(src)
+        best_crc = min(best_crc, time.perf_counter() - start)
+        start = time.perf_counter()
+        for off in range(0, src.nbytes, RAW_REQUEST):
+            bounce[:] = src[off:off + RAW_REQUEST]
+        best_copy = min(best_copy, time.perf_counter() - start)
+    return {"crc32_gb_per_s": src.nbytes / best_crc / GB, "bounce_copy_gb_per_s": src.nbytes / best_copy / GB}
 
 
 def analyse(samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict:
@@ -218,7 +251,7 @@ def analyse(samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict:
 
 
 def _markdown(stats: dict, run: dict, params: dict) -> tuple[str, dict]:
-    stores = {n: v for n, v in stats.items() if n != "raw"}
+    stores = {n: v for n, v in stats.items() if n not in ("raw", ALIGNED)}
     worst = {d: min(stores.items(), key=lambda kv: kv[1][d]["vs_raw"]["median"]) for d in ("write", "read")}
     busiest = max(v[d]["cores_busy"]["median"] for v in stores.values() for d in ("write", "read"))
     headline = {d: {"worst_size": n, "vs_raw": v[d]["vs_raw"]["median"]} for d, (n, v) in worst.items()}
@@ -252,7 +285,11 @@ def _markdown(stats: dict, run: dict, params: dict) -> tuple[str, dict]:
     resident = run["resident_bytes_before_reads"]
     lines += ["", f"Page cache before the reads (fincore, every repeat): {max(resident)} bytes resident at most"
               + (" (fincore missing: not checked)" if min(resident) < 0 else "")
-              + f"; data read back checked: {run['data_checked']}; filesystem {params['filesystem']}."]
+              + f"; data read back checked: {run['data_checked']}; filesystem {params['filesystem']}.",
+              f"CPU work the store adds per byte, one core: CRC-32 {run['cpu_costs']['crc32_gb_per_s']:.2f} GB/s, "
+              f"copy through the aligned bounce buffer {run['cpu_costs']['bounce_copy_gb_per_s']:.2f} GB/s "
+              f"(load average {params['load_average_before'][0]:.1f} before, "
+              f"{params['load_average_after'][0]:.1f} after, on {os.cpu_count()} cores)."]
     return "\n".join(lines), headline
 
 
@@ -284,19 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory)")
     p.add_argument("--mib", type=int, default=None, help="MiB each contender moves per repeat (default 256 quick, "
-                                                         "1024 full)")
+                                                         "512 full)")
     p.add_argument("--sizes", default=",".join(map(str, TENSOR_MIB)), help="tensor sizes in MiB (default 1,4,16,64)")
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
-    mib = args.mib or (256 if args.quick else 1024)
+    mib = args.mib or (256 if args.quick else 512)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     if any(mib % s for s in sizes) or mib < 4:
         p.error(f"--mib {mib} must be a multiple of every tensor size {sizes} and of the raw 4 MiB request")
-    from tightfit.profiler.disk_presets import filesystem_of
+    from tightfit.storage import mount_of
 
     base = Path(args.dir or tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="tightfit-disk-io-", dir=base))
-    fs = filesystem_of(root)
+    fs = mount_of(root).filesystem
     if fs in ("tmpfs", "ramfs"):
         shutil.rmtree(root)
         p.error(f"{base} is {fs} (RAM): it has no device to measure and refuses O_DIRECT; pass --dir on a disk")
@@ -309,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[disk_io] {mib} MiB x {1 + len(sizes)} contenders x {repeats} repeats in {root} ({fs}); "
               f"store: {settings}", file=sys.stderr, flush=True)
         run = run_repeats(root, mib * MiB, repeats, sizes, profile)
+        run["cpu_costs"] = cpu_costs()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     stats = analyse(run["samples"], mib * MiB)

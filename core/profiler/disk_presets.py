@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 
 from tightfit.profiler.types import ClusterSpec, DiskProfile, ProfileError
 from tightfit.units import parse_bytes
 
 __all__ = ["DISK_DATASHEETS", "disk_preset", "preset_label", "disk_tier", "with_disk", "add_disk_arguments",
-           "disk_from_args", "filesystem_of"]
+           "disk_from_args"]
 
 GB = 10**9
 MiB = 2**20
@@ -106,25 +105,6 @@ def preset_label(name: str) -> str:
     return _SHEETS[name.lower()].label
 
 
-def filesystem_of(path: str | Path) -> str:
-    """The filesystem type of the mount holding ``path`` (``"ext4"``, ``"tmpfs"``), ``""`` when unknown."""
-    target = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, kind = mount, fields[2]
-    except OSError:
-        return ""
-    return kind
-
-
 def disk_tier(*, path: str | Path | None = None, preset: str | None = None, space: str | int | None = None,
               quick: bool = True, refresh: bool = False, progress: bool = False) -> DiskProfile | None:
     """The disk tier a plan may use, or ``None`` when nothing names one.
@@ -158,13 +138,13 @@ def disk_tier(*, path: str | Path | None = None, preset: str | None = None, spac
         assert preset is not None
         disk = disk_preset(preset, path=str(path or ""), free_bytes=budget)
     else:
-        from tightfit.storage import check_disk_dir
+        from tightfit.storage import check_disk_dir, free_bytes, mount_of
 
         where = check_disk_dir(path)
-        usage = shutil.disk_usage(where)
+        free, total = free_bytes(where)
         assert preset is not None
-        disk = disk_preset(preset, path=str(where), free_bytes=usage.free, total_bytes=usage.total,
-                           filesystem=filesystem_of(where))
+        disk = disk_preset(preset, path=str(where), free_bytes=free, total_bytes=total,
+                           filesystem=mount_of(where).filesystem)
     if budget is not None:
         disk = dataclasses.replace(disk, free_bytes=budget)
     return disk
