@@ -1,9 +1,10 @@
-"""Model profiler (meta device) and device profiler. See :mod:`tightfit.profiler.types`."""
+"""Model profiler (meta device), device profiler and disk profiler. See :mod:`tightfit.profiler.types`."""
 
 from __future__ import annotations
 
 from tightfit.profiler.calibrate import calibrate_device
 from tightfit.profiler.device import DATASHEETS, cluster_spec, device_preset, profile_device
+from tightfit.profiler.disk import profile_disk
 from tightfit.profiler.memory import PeakEstimate, estimate_peak, optimizer_state_bytes
 from tightfit.profiler.model import MetaProfilingError, profile_model
 from tightfit.profiler.timing import time_blocks
@@ -12,6 +13,7 @@ from tightfit.profiler.types import (
     BlockProfile,
     ClusterSpec,
     DeviceProfile,
+    DiskProfile,
     MemoryEvent,
     ModelProfile,
     ParamInfo,
@@ -20,6 +22,7 @@ from tightfit.profiler.types import (
 
 __all__ = [
     "profile_device",
+    "profile_disk",
     "calibrate_device",
     "time_blocks",
     "device_preset",
@@ -34,6 +37,7 @@ __all__ = [
     "BlockProfile",
     "ClusterSpec",
     "DeviceProfile",
+    "DiskProfile",
     "MemoryEvent",
     "ModelProfile",
     "ParamInfo",

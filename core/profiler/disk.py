@@ -1,0 +1,194 @@
+"""``profile_disk``: the disk tier's measured speed, through the store's own I/O engine.
+
+Measured (``source="measured"``) on a scratch file in the directory, cached under
+``$TIGHTFIT_CACHE_DIR`` (or ``~/.cache/tightfit/``) keyed on the filesystem device of the path
+(``st_dev``, filesystem type, mounted source, kernel), so a second call on the same disk is instant
+(free space is read again each call); ``refresh=True`` re-measures:
+
+* sequential O_DIRECT read and write bandwidth for request sizes 64 KiB .. 16 MiB at queue depths
+  1, 2, 4, 8 (``quick``: 256 KiB .. 4 MiB at 1, 2, 4), each request checksummed as the store does;
+* ``request_bytes``: the smallest size within 5% of the best (read and write time together), and
+  ``queue_depth``: the smallest depth within 5% of the best at that size;
+* ``direct``: O_DIRECT against buffered I/O at that size and depth, whichever moves the bytes faster
+  (buffered reads come after ``fsync`` + ``POSIX_FADV_DONTNEED``, so not from the page cache; buffered
+  writes are timed until ``fsync`` returns);
+* ``read_fit`` / ``write_fit``: least squares of ``t = latency + bytes / bandwidth`` over transfers of
+  1 .. 32 requests at that size, depth and mode (the collectives' alpha-beta fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import re
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from tightfit.console import reporter
+from tightfit.profiler.calibrate import fit_alpha_beta
+from tightfit.profiler.device import cache_dir
+from tightfit.profiler.types import DiskProfile
+from tightfit.storage import ExtentIO, IOEngine, aligned_empty, check_disk_dir, checksum, free_bytes, mount_of
+from tightfit.storage.fs import open_data
+
+_log = logging.getLogger(__name__)
+
+__all__ = ["profile_disk", "disk_cache_file", "disk_key"]
+
+KiB, MiB = 2**10, 2**20
+_SIZES, _QUICK_SIZES = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB], [256 * KiB, MiB, 4 * MiB]
+_DEPTHS, _QUICK_DEPTHS = [1, 2, 4, 8], [1, 2, 4]
+_WITHIN = 0.05  # "as good as the best" for request size and depth: within 5%
+
+
+def disk_key(path: str | os.PathLike[str]) -> str:
+    """The cache key of the disk holding ``path``: its device number, filesystem, source and the kernel."""
+    m = mount_of(path)
+    return f"disk {m.device} | {m.filesystem or 'unknown'} {m.source or '?'} | kernel {platform.release()}"
+
+
+def disk_cache_file(key: str, quick: bool) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", key).strip("-").lower()
+    return cache_dir() / f"{slug}{'-quick' if quick else ''}.json"
+
+
+class _Bench:
+    """Passes of sequential requests over one scratch file through an :class:`IOEngine` of ``depth`` workers."""
+
+    def __init__(self, path: Path, max_size: int, file_bytes: int) -> None:
+        self.path, self.file_bytes = path, file_bytes
+        self.src = aligned_empty(max_size)  # random bytes: a compressing or deduplicating device gains nothing
+        self.src.copy_(torch.randint(0, 256, (max_size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+        self.crc: dict[int, int] = {}  # request size -> checksum of the pattern's first ``size`` bytes
+        self.view = memoryview(self.src.numpy())
+
+    def run(self, *, size: int, depth: int, nbytes: int, write: bool, direct: bool) -> float:
+        """Seconds to move ``nbytes`` (whole requests of ``size``) with ``depth`` in flight; buffered writes
+        until fsync returns, buffered reads with the file's pages dropped first."""
+        fd, got_direct = open_data(self.path, direct=direct)
+        io = ExtentIO(fd, self.path, direct=got_direct, extent_bytes=size)
+        engine = IOEngine(workers=depth, max_inflight=depth)
+        crc = self.crc.setdefault(size, checksum(self.view[:size]))
+        count = max(1, nbytes // size)
+        try:
+            if not write and not got_direct:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            futures: list[Future[object]] = []
+            for i in range(count):
+                off = i * size % (self.file_bytes - self.file_bytes % size or size)
+                if write:
+                    futures.append(engine.submit(io.write, self.view[:size], off))
+                else:
+                    futures.append(engine.submit(lambda off=off: io.read(io.scratch()[:size], off, size, crc)))
+            for f in futures:
+                f.result()
+            if write and not got_direct:
+                os.fsync(fd)
+            return time.perf_counter() - start
+        finally:
+            engine.close()
+            os.close(fd)
+
+
+def _pick(score: dict[int, float]) -> int:
+    """The smallest key whose score is within 5% of the best (scores are bandwidths: higher is better)."""
+    best = max(score.values())
+    return min(k for k, v in score.items() if v >= (1 - _WITHIN) * best)
+
+
+def _both(r: float, w: float) -> float:
+    return 1.0 / (1.0 / r + 1.0 / w)  # bytes/s of reading and writing the same bytes one after the other
+
+
+def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
+    sizes, depths = (_QUICK_SIZES, _QUICK_DEPTHS) if quick else (_SIZES, _DEPTHS)
+    pass_bytes = 64 * MiB if quick else 256 * MiB
+    scratch = d / f".tightfit-disk-profile-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    bench = _Bench(scratch, max(sizes), pass_bytes)
+    try:
+        log(f"1/4 writing a {pass_bytes // MiB} MiB scratch file in {d}")
+        bench.run(size=max(sizes), depth=2, nbytes=pass_bytes, write=True, direct=True)
+        rates: dict[str, dict[int, dict[int, float]]] = {"read": {}, "write": {}}
+        log(f"2/4 sequential read/write, O_DIRECT, sizes {sizes[0] // KiB} KiB..{sizes[-1] // MiB} MiB, depths {depths}")
+        for size in sizes:
+            for depth in depths:
+                moved = max(pass_bytes, 4 * size * depth)
+                for op in ("write", "read"):
+                    t = bench.run(size=size, depth=depth, nbytes=moved, write=op == "write", direct=True)
+                    rates[op].setdefault(size, {})[depth] = moved // size * size / t
+        request = _pick({s: _both(max(rates["read"][s].values()), max(rates["write"][s].values())) for s in sizes})
+        depth = _pick({q: _both(rates["read"][request][q], rates["write"][request][q]) for q in depths})
+        log(f"3/4 buffered against O_DIRECT at {request // KiB} KiB x {depth}")
+        direct_bw = _both(rates["read"][request][depth], rates["write"][request][depth])
+        moved = max(pass_bytes, 4 * request * depth)
+        buffered = {op: moved / bench.run(size=request, depth=depth, nbytes=moved, write=op == "write", direct=False)
+                    for op in ("write", "read")}  # write first: reads check what this size wrote
+        direct = direct_bw >= _both(buffered["read"], buffered["write"])
+        log(f"4/4 latency + bandwidth fits ({'O_DIRECT' if direct else 'buffered'})")
+        fits: dict[str, tuple[float, float]] = {}
+        for op in ("write", "read"):
+            counts = [1, depth, 4 * depth, 8 * depth, 32 * depth] if not quick else [1, depth, 4 * depth, 8 * depth]
+            xs, ts = [], []
+            for n in counts:
+                ts.append(bench.run(size=request, depth=depth, nbytes=n * request, write=op == "write", direct=direct))
+                xs.append(float(n * request))
+            fits[op] = fit_alpha_beta(xs, ts, 1.0)
+    finally:
+        scratch.unlink(missing_ok=True)
+    free, total = free_bytes(d)
+    return DiskProfile(path=str(d), free_bytes=free, total_bytes=total, filesystem=mount_of(d).filesystem,
+                       read_fit=fits["read"], write_fit=fits["write"], read_bytes_per_s=rates["read"],
+                       write_bytes_per_s=rates["write"], request_bytes=request, queue_depth=depth, direct=direct,
+                       source="measured", key=disk_key(d))
+
+
+def profile_disk(path: str | os.PathLike[str], *, quick: bool = False, refresh: bool = False,
+                 progress: bool = True) -> DiskProfile:
+    """Measure (or load from the cache) the disk tier of directory ``path``.
+
+    Args:
+        path: an existing, writable directory (:func:`tightfit.storage.check_disk_dir` refuses others
+            before any work); the measurement writes a scratch file there (256 MiB, ``quick``: 64 MiB)
+            and removes it.
+        quick: fewer sizes and depths, smaller passes (under ~10 s on this project's disk).
+        refresh: ignore the cache and measure again.
+        progress: log each step at INFO (:func:`tightfit.console.reporter`).
+
+    Example:
+        >>> import tempfile
+        >>> p = profile_disk(tempfile.gettempdir(), quick=True, progress=False)  # doctest: +SKIP
+        >>> p.read_seconds(2**30) > 0  # doctest: +SKIP
+        True
+    """
+    d = check_disk_dir(path, need_bytes=(64 if quick else 256) * MiB)
+    key = disk_key(d)
+    files = [disk_cache_file(key, False)] + ([disk_cache_file(key, True)] if quick else [])
+    say = reporter(_log, "profile_disk", enabled=progress)
+    if not refresh:
+        for f in files:
+            if f.is_file():
+                try:
+                    cached = DiskProfile.from_json(f)
+                except (ValueError, TypeError, KeyError):
+                    say(f"ignoring unreadable cache file {f}")
+                    continue
+                free, total = free_bytes(d)
+                say(f"cached: {f}")
+                return dataclasses.replace(cached, path=str(d), free_bytes=free, total_bytes=total)
+    start = time.perf_counter()
+    profile = _measure(d, quick, say)
+    files[-1].parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(files[-1])
+    say(f"done in {time.perf_counter() - start:.1f} s: read {profile.read_fit[1] / 1e9:.2f} GB/s, write "
+        f"{profile.write_fit[1] / 1e9:.2f} GB/s at {profile.request_bytes // KiB} KiB x {profile.queue_depth}, "
+        f"{'O_DIRECT' if profile.direct else 'buffered'}; cached in {files[-1]}")
+    return profile
