@@ -88,9 +88,14 @@ def _read_disk_profile(f: Path, device: int) -> dict | None:
         if '"DiskProfile"' not in text[:200]:
             return None
         data = json.loads(text)
-        path = data["path"]
-        if not isinstance(path, str) or not path or os.stat(path).st_dev != device:
-            return None  # measured elsewhere, or in a directory that is gone
+        path, key = data["path"], data.get("key", "")
+        if not isinstance(path, str) or not path or not isinstance(key, str):
+            return None
+        # profile_disk's key starts with the filesystem's device ("disk 254:0 | ext4 ..."): it still names the
+        # disk when the measured directory is gone (a temporary one)
+        if not key.startswith(f"disk {os.major(device)}:{os.minor(device)} |") and (
+                not os.path.exists(path) or os.stat(path).st_dev != device):
+            return None  # measured on another disk
         read, write = float(data["read_fit"][1]), float(data["write_fit"][1])
         fs = data.get("filesystem", "")
     except (OSError, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
