@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory)")
     p.add_argument("--mib", type=int, default=None, help="MiB each contender moves per repeat (default 256 quick, "
                                                          "512 full)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="the store's built-in defaults (4 MiB extents, 2 workers, O_DIRECT) instead of the settings "
+                        "the disk's measured profile chooses (profile_disk, cached)")
     p.add_argument("--sizes", default=",".join(map(str, TENSOR_MIB)), help="tensor sizes in MiB (default 1,4,16,64)")
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{base} is {fs} (RAM): it has no device to measure and refuses O_DIRECT; pass --dir on a disk")
     load_before = os.getloadavg()
     try:
-        profile = _disk_profile(root, args.quick)
+        profile = None if args.no_profile else _disk_profile(root, args.quick)
         settings = "defaults" if profile is None else (
             f"measured profile: {profile.request_bytes // MiB} MiB requests, queue depth {profile.queue_depth}, "
             f"{'O_DIRECT' if profile.direct else 'buffered'}")
