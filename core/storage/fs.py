@@ -13,7 +13,9 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import mmap
 import os
 import tempfile
@@ -27,7 +29,7 @@ from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError
 from tightfit.units import format_bytes
 
 __all__ = ["ALIGN", "Mount", "mount_of", "free_bytes", "check_disk_dir", "open_data", "aligned_buffer",
-           "address", "pread_full", "pwrite_full", "disk_full"]
+           "address", "pread_full", "pwrite_full", "disk_full", "punch_hole"]
 
 # O_DIRECT needs buffer addresses, file offsets and lengths aligned to the device's logical block
 # (512 B or 4 KiB); 4 KiB is safe on every device and costs nothing at MiB-sized requests.
@@ -127,6 +129,21 @@ def open_data(path: Path, *, direct: bool) -> tuple[int, bool]:
             if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     return os.open(path, flags, 0o644), False
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the blocks of ``[offset, offset + length)`` back to the filesystem (``FALLOC_FL_PUNCH_HOLE``), the
+    file's size unchanged; False where the filesystem or platform cannot (the space then stays allocated)."""
+    try:
+        libc = _libc()
+        return libc.fallocate(fd, 3, ctypes.c_int64(offset), ctypes.c_int64(length)) == 0  # KEEP_SIZE | PUNCH_HOLE
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def aligned_buffer(nbytes: int) -> memoryview:

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import fcntl
 import os
 import threading
@@ -25,7 +26,7 @@ import torch
 
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
-from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, open_data
+from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, open_data, punch_hole
 from tightfit.storage.index import DATA, INDEX, LOCK, Entry, Extent, Index, Slots
 
 if TYPE_CHECKING:
@@ -228,17 +229,17 @@ class TensorStore:
         replace the index atomically (temp file, fsync, rename, fsync of the directory)."""
         self._check_open()
         self.wait()
+        with self._mutex:
+            text = self._index.to_json()
+            referenced = self._index.slots()
+            self._slots.durable |= referenced  # until the new index is on disk, both must survive
         try:
             os.fsync(self._fd)
-            with self._mutex:
-                text = self._index.to_json()
-                referenced = self._index.slots()
-                self._slots.durable |= referenced  # until the new index is on disk, both must survive
             Index.write_text(self.path, text)
         except OSError as err:
-            if isinstance(err, StorageError) or err.errno not in (28, 122):  # ENOSPC, EDQUOT
+            if isinstance(err, StorageError) or err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise disk_full(self.path / INDEX, len(text) if "text" in locals() else 0, "syncing") from err
+            raise disk_full(self.path / INDEX, len(text), "syncing the index") from err
         with self._mutex:
             self._slots.synced(referenced)
 
@@ -315,10 +316,11 @@ class _Job:
         self.future: Future[Any] = Future()
         self.error: BaseException | None = None
         self._left = parts
+        self._empty = parts == 0
         self._count = threading.Lock()
 
     def start(self) -> None:
-        if self._left == 0:  # nothing to move (an empty tensor): complete now
+        if self._empty:  # nothing to move (an empty tensor): complete now
             self.finish()
 
     def part_done(self) -> None:
@@ -427,8 +429,9 @@ class _WriteJob(_Job):
             st._inflight.discard(self.future)
             if self.error is None:
                 self._apply(st._index.entries, st._slots)
-            else:  # nothing was committed: the new slots were never referenced
+            else:  # nothing was committed: the new slots were never referenced; give their blocks back
                 for _, slot in self.chunks:
+                    punch_hole(st._fd, slot * st.extent_bytes, st.extent_bytes)
                     st._slots.release(slot)
         if isinstance(self.error, DiskFullError):
             err = disk_full(st.path / DATA, self.view.nbytes, f"writing {self.view.nbytes} bytes of {self.name!r}")
