@@ -7,10 +7,12 @@ the cores the model needs? Target (issue 27): >= 80% of the raw read and write b
 Contenders, interleaved in every repeat (raw, store 1 MiB, store 4 MiB, ... then the same order again):
     * raw: one thread, ``O_DIRECT``, 4 MiB requests (``os.pwrite``/``os.preadv`` on a page-aligned buffer),
       ``fsync`` after writing: what ``dd bs=4M oflag=direct`` / ``iflag=direct`` measures.
-    * store T MiB: ``TensorStore(dir)`` (defaults; the disk's measured profile when it has one), the same bytes
-      as float32 tensors of T MiB: every write submitted (``store.write``), waited, then ``store.sync()``
-      (durable, as a checkpoint); reads with ``store.read_into`` into buffers allocated once, all submitted,
-      then waited.
+    * store T MiB: ``TensorStore(dir)`` at its defaults (``--profile``: with the disk's measured profile), the
+      same bytes as float32 tensors of T MiB (ordinary torch tensors): every write submitted (``store.write``),
+      waited, then ``store.sync()`` (durable, as a checkpoint); reads with ``store.read_into`` into tensors
+      allocated once, all submitted, then waited.
+    * diagnostics, not in the headline: ``store 4 MiB, aligned buffers`` (4 KiB-aligned tensors: no bounce
+      copy) and ``store 4 MiB, checksums off`` (the CRC-32 replaced by a constant): where the time goes.
 Fresh data: every repeat overwrites the files with new contents (a random buffer plus the repeat number), and
 before the reads every file's page cache is dropped (``posix_fadvise(DONTNEED)`` after the fsync); the bytes
 still resident are counted with ``fincore`` and recorded (0 expected), so no read is served from RAM.
@@ -20,6 +22,7 @@ seconds (every thread, kernel time included) per GB moved, and cores busy (CPU s
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -110,14 +113,32 @@ def drop_cache(root: Path) -> int:
 # ---------------------------------------------------------------------------- the store
 
 
+@contextlib.contextmanager
+def _checksums(on: bool) -> Iterator[None]:
+    """With ``on=False``, the store's per-extent CRC-32 replaced by a constant while the block runs: a diagnostic
+    that shows what the checksum costs (the store's extents then verify trivially; never done outside here)."""
+    if on:
+        yield
+        return
+    import tightfit.storage.engine as engine
+
+    real = engine.checksum
+    engine.checksum = lambda view, start=0: 0
+    try:
+        yield
+    finally:
+        engine.checksum = real
+
+
 class StoreContender:
     """One store in its own sub-directory, holding the run's bytes as float32 tensors of ``tensor_mib`` MiB,
     written from views of ``src`` and read into views of ``out``."""
 
     def __init__(self, root: Path, label: str, tensor_mib: int, src: torch.Tensor, out: torch.Tensor,
-                 profile: object) -> None:
+                 profile: object, *, checksums: bool = True) -> None:
         from tightfit.storage import TensorStore
 
+        self.checksums = checksums
         self.dir = root / label.replace(" ", "_")
         self.dir.mkdir()
         self.store = TensorStore(self.dir, profile=profile)  # type: ignore[arg-type]
@@ -129,15 +150,17 @@ class StoreContender:
         self.names = [f"t{i}" for i in range(len(self.sources))]
 
     def write(self) -> None:
-        futures = [self.store.write(n, t) for n, t in zip(self.names, self.sources)]
-        for f in futures:
-            f.result()
-        self.store.sync()
+        with _checksums(self.checksums):
+            futures = [self.store.write(n, t) for n, t in zip(self.names, self.sources)]
+            for f in futures:
+                f.result()
+            self.store.sync()
 
     def read(self) -> None:
-        futures = [self.store.read_into(n, o) for n, o in zip(self.names, self.outs)]
-        for f in futures:
-            f.result()
+        with _checksums(self.checksums):
+            futures = [self.store.read_into(n, o) for n, o in zip(self.names, self.outs)]
+            for f in futures:
+                f.result()
 
     def close(self) -> None:
         self.store.close()
@@ -156,6 +179,8 @@ def _disk_profile(root: Path, quick: bool):
 
 
 ALIGNED = "store 4 MiB, aligned buffers"
+NO_CRC = "store 4 MiB, checksums off"
+DIAGNOSTICS = (ALIGNED, NO_CRC)  # not the store as users run it: where its time goes
 
 
 def run_repeats(root: Path, nbytes: int, repeats: int, sizes: tuple[int, ...], profile: object) -> dict:
@@ -176,6 +201,7 @@ def run_repeats(root: Path, nbytes: int, repeats: int, sizes: tuple[int, ...], p
     stores = {f"store {t} MiB": StoreContender(root, f"store {t} MiB", t, src, out, profile) for t in sizes}
     if 4 in sizes:  # written from the raw buffer (aligned, this repeat's contents), read into an aligned one
         stores[ALIGNED] = StoreContender(root, "aligned", 4, raw_view, aligned_empty(nbytes), profile)
+        stores[NO_CRC] = StoreContender(root, "nocrc", 4, src, out, profile, checksums=False)
     names = ["raw", *stores]
     samples: dict[str, dict[str, list[float]]] = {
         n: {"write_s": [], "write_cpu_s": [], "read_s": [], "read_cpu_s": []} for n in names}
@@ -251,7 +277,7 @@ def analyse(samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict:
 
 
 def _markdown(stats: dict, run: dict, params: dict) -> tuple[str, dict]:
-    stores = {n: v for n, v in stats.items() if n not in ("raw", ALIGNED)}
+    stores = {n: v for n, v in stats.items() if n != "raw" and n not in DIAGNOSTICS}
     worst = {d: min(stores.items(), key=lambda kv: kv[1][d]["vs_raw"]["median"]) for d in ("write", "read")}
     busiest = max(v[d]["cores_busy"]["median"] for v in stores.values() for d in ("write", "read"))
     headline = {d: {"worst_size": n, "vs_raw": v[d]["vs_raw"]["median"]} for d, (n, v) in worst.items()}
@@ -322,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory)")
     p.add_argument("--mib", type=int, default=None, help="MiB each contender moves per repeat (default 256 quick, "
                                                          "512 full)")
-    p.add_argument("--no-profile", action="store_true",
-                   help="the store's built-in defaults (4 MiB extents, 2 workers, O_DIRECT) instead of the settings "
-                        "the disk's measured profile chooses (profile_disk, cached)")
+    p.add_argument("--profile", action="store_true",
+                   help="open the stores with the disk's measured profile (profile_disk, cached: its request size "
+                        "as extent size, its queue depth as workers) instead of the defaults (4 MiB extents, 2 "
+                        "workers, O_DIRECT)")
     p.add_argument("--sizes", default=",".join(map(str, TENSOR_MIB)), help="tensor sizes in MiB (default 1,4,16,64)")
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
@@ -342,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{base} is {fs} (RAM): it has no device to measure and refuses O_DIRECT; pass --dir on a disk")
     load_before = os.getloadavg()
     try:
-        profile = None if args.no_profile else _disk_profile(root, args.quick)
-        settings = "defaults" if profile is None else (
+        profile = _disk_profile(root, args.quick) if args.profile else None
+        settings = "defaults (4 MiB extents, 2 workers, O_DIRECT)" if profile is None else (
             f"measured profile: {profile.request_bytes // MiB} MiB requests, queue depth {profile.queue_depth}, "
             f"{'O_DIRECT' if profile.direct else 'buffered'}")
         print(f"[disk_io] {mib} MiB x {1 + len(sizes)} contenders x {repeats} repeats in {root} ({fs}); "

@@ -41,13 +41,14 @@ def test_disk_io_benchmark_quick_mode_writes_its_result(tmp_path):
     env = {**os.environ, "TIGHTFIT_BENCH_RESULTS": str(tmp_path / "results"),
            "TIGHTFIT_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-m", "benchmarks.disk_io", "--quick", "--mib", "16", "--sizes", "1,4",
-                          "--repeats", "2", "--dir", str(tmp_path), "--no-profile"], cwd=ROOT, env=env, capture_output=True,
+                          "--repeats", "2", "--dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     data = json.loads((tmp_path / "results" / "disk_io.json").read_text())
     assert data["machine"]["cpu_count"] and data["params"]["commit"] and data["params"]["mib"] == 16
     results = data["results"]
-    assert set(results["samples"]) == {"raw", "store 1 MiB", "store 4 MiB", "store 4 MiB, aligned buffers"}
+    assert set(results["samples"]) == {"raw", "store 1 MiB", "store 4 MiB",
+                                          "store 4 MiB, aligned buffers", "store 4 MiB, checksums off"}
     assert all(len(s[k]) == 2 for s in results["samples"].values() for k in ("write_s", "read_s", "read_cpu_s"))
     assert results["data_checked"] is True and max(results["resident_bytes_before_reads"]) <= 0
     assert results["headline"]["read"]["vs_raw"] > 0 and results["headline"]["max_cores_busy"] > 0
