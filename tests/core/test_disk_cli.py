@@ -199,3 +199,19 @@ def test_doctor_prefers_the_profile_of_the_directory_itself(tmp_path, monkeypatc
     assert _doctor(capsys, "--disk-dir", str(tmp_path))["read_bytes_per_s"] == 7e9
     assert _doctor(capsys, "--disk-dir", str(other))["read_bytes_per_s"] == 0.55e9
     assert disk_tier() is None and Path(_doctor(capsys)["path"]).exists()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_profile_disk_on_tmpfs_warns_that_it_is_ram(capsys):
+    import tempfile
+
+    from tightfit.storage import mount_of
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        if mount_of(d).filesystem != "tmpfs":
+            pytest.skip("/dev/shm is not tmpfs here")
+        assert main(["profile", "disk", d, "--preset", "nvme-gen4"]) == 0
+        captured = capsys.readouterr()
+    assert "tmpfs (RAM: a disk tier here saves no memory)" in captured.out
+    [warning] = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert warning.startswith("tightfit profile disk:") and "RAM" in warning and "Traceback" not in warning
