@@ -33,14 +33,14 @@ def readable(data: Any, what: str) -> tuple[memoryview, tuple[str, tuple[int, ..
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in DTYPES:
             raise StorageError(f"{what}: dtype {dtype} is not stored; dtypes: {', '.join(DTYPES)}")
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy()), (dtype, tuple(t.shape))
+        return t.reshape(-1).view(torch.uint8).numpy().data, (dtype, tuple(t.shape))
     try:
         view = memoryview(data)
     except TypeError:
         raise StorageError(f"{what}: {type(data).__name__} is neither a tensor nor a buffer; pass a CPU tensor, "
                            f"bytes, bytearray, memoryview or numpy array") from None
     if not view.c_contiguous:
-        view = memoryview(np.ascontiguousarray(view))
+        view = np.ascontiguousarray(view).data
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view, None
 
 
@@ -50,7 +50,7 @@ def writable(out: Any, what: str) -> memoryview:
         if not t.is_contiguous():
             raise StorageError(f"{what}: the output tensor is not contiguous; pass a contiguous buffer "
                                f"(reads land in place, there is no copy to make it contiguous)")
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return t.reshape(-1).view(torch.uint8).numpy().data
     try:
         view = memoryview(out)
     except TypeError:

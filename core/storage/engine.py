@@ -51,28 +51,28 @@ class IOEngine:
         self._idle = threading.Condition()
         self._outstanding = 0
 
-    def submit(self, fn: Callable[..., T], *args: Any, held: bool = False) -> Future[T]:
-        """Run ``fn(*args)`` on a worker, first waiting for a place unless the caller ``held`` one
-        (:meth:`acquire`); the place is given back when ``fn`` returns. A continuation submitted from a
-        worker must hold its place already: a worker never blocks on the bound."""
-        if not held:
+    def submit(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> Future[T]:
+        """Run ``fn(*args)`` on a worker, first waiting for a place among ``max_inflight`` (backpressure).
+
+        ``bounded=False`` skips the wait and takes no place: for a continuation submitted from a worker
+        (a partial extent that runs after an older write), which must never block on the bound, or
+        two callers could each hold the places the other's continuation needs.
+        """
+        if bounded:
             self._room.acquire()
         with self._idle:
             self._outstanding += 1
         try:
             fut = self._pool.submit(fn, *args)
         except BaseException:
-            self._done()
+            self._done(bounded)
             raise
-        fut.add_done_callback(lambda _f: self._done())
+        fut.add_done_callback(lambda _f: self._done(bounded))
         return fut
 
-    def acquire(self) -> None:
-        """Wait for, and take, one place for a request submitted later with ``submit(..., held=True)``."""
-        self._room.acquire()
-
-    def _done(self) -> None:
-        self._room.release()
+    def _done(self, bounded: bool) -> None:
+        if bounded:
+            self._room.release()
         with self._idle:
             self._outstanding -= 1
             if self._outstanding == 0:

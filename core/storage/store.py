@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import fcntl
+import functools
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -27,7 +29,7 @@ import torch
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, open_data, punch_hole
-from tightfit.storage.index import DATA, INDEX, LOCK, Entry, Extent, Index, Slots
+from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots
 
 if TYPE_CHECKING:
     from tightfit.profiler.types import DiskProfile
@@ -171,13 +173,15 @@ class TensorStore:
                 self._tails[(name, k)] = job.future
             self._inflight.add(job.future)
         for i, prev in enumerate(after):
-            self._engine.acquire()  # backpressure: the caller waits here while max_inflight are outstanding
-            if prev is None or job.whole(i):
-                self._engine.submit(job.run, i, held=True)
-            else:  # a partial extent merges with the previous write's result: it runs after it
-                prev.add_done_callback(lambda _f, i=i: self._engine.submit(job.run, i, held=True))
+            if prev is None or job.whole(i):  # backpressure: the caller waits here while max_inflight are out
+                self._engine.submit(job.run, i)
+            else:  # a partial extent merges with the previous write's result: it runs after it, unbounded
+                prev.add_done_callback(functools.partial(self._resume, job, i))
         job.start()
         return job.future
+
+    def _resume(self, job: _WriteJob, i: int, _older: Future[int]) -> None:
+        self._engine.submit(job.run, i, bounded=False)
 
     # ------------------------------------------------------------------ synchronous helpers
 
@@ -240,8 +244,9 @@ class TensorStore:
             if isinstance(err, StorageError) or err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise disk_full(self.path / INDEX, len(text), "syncing the index") from err
-        with self._mutex:
-            self._slots.synced(referenced)
+        size = self.extent_bytes
+        with self._mutex:  # deleted and overwritten extents' blocks go back to the filesystem now
+            self._slots.synced(referenced, lambda slot: punch_hole(self._fd, slot * size, size))
 
     def wait(self) -> None:
         """Wait until every read and write submitted so far is done (their errors stay in their futures)."""
@@ -477,5 +482,5 @@ class _WriteJob(_Job):
         del e.extents[-(-end // size):]
         e.extents.extend([None] * (-(-end // size) - len(e.extents)))
         if e.dtype is not None and e.shape is not None:
-            if int(np.prod(e.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, e.dtype)).element_size() != end:
+            if math.prod(e.shape) * DTYPE_SIZES[e.dtype] != end:
                 e.dtype, e.shape = None, None  # resized by a byte-range write: now a flat buffer

@@ -332,3 +332,33 @@ def test_close_is_idempotent_and_waits(tmp_path):
     with TensorStore(tmp_path) as again:
         assert torch.equal(again.get("x9"), torch.full((3000,), 9.0))
     time.sleep(0)  # nothing left running
+
+
+def test_delete_gives_the_space_back_at_sync(tmp_path):
+    with TensorStore(tmp_path, extent_bytes=64 * 1024) as store:
+        store.put("big", torch.ones(2**20))  # 4 MiB
+        store.sync()
+        used = os.stat(tmp_path / "data.bin").st_blocks * 512
+        store.delete("big")
+        store.sync()
+        after = os.stat(tmp_path / "data.bin").st_blocks * 512
+        assert used >= 4 * 2**20 and after < 2**20, (used, after)
+        store.put("again", torch.full((1000,), 2.0))  # a punched slot is reused and reads back right
+        assert torch.equal(store.get("again"), torch.full((1000,), 2.0))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda i: i["entries"]["w"].update(shape=[3]), "must both be given .* describe its 40 bytes"),
+    (lambda i: i["entries"]["w"]["extents"][0].__setitem__(1, 99999), r"extent 0=.* must be \[slot, 1\.\.40"),
+    (lambda i: i.update(extent_bytes=1000), "extent_bytes=1000 must be a positive multiple of 4096"),
+    (lambda i: i.update(checksum="md5"), "checksum 'md5' is not 'crc32'"),
+    (lambda i: i["entries"]["w"].update(dtype="object"), "dtype='object' is not one of"),
+])
+def test_inconsistent_index_is_refused_naming_the_field(tmp_path, edit, match):
+    with TensorStore(tmp_path, extent_bytes=E) as store:
+        store.put("w", torch.ones(10))
+    index = json.loads((tmp_path / "index.json").read_text())
+    edit(index)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StorageError, match=match):
+        TensorStore(tmp_path)
