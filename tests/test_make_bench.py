@@ -48,9 +48,11 @@ def test_disk_io_benchmark_quick_mode_writes_its_result(tmp_path):
     assert data["machine"]["cpu_count"] and data["params"]["commit"] and data["params"]["mib"] == 16
     results = data["results"]
     assert set(results["samples"]) == {"raw", "store 1 MiB", "store 4 MiB",
-                                          "store 4 MiB, aligned buffers", "store 4 MiB, checksums off"}
+                                          "store 4 MiB, aligned buffers", "store 4 MiB, checksums off",
+                                          "store 4 MiB, no hole punching"}
     assert all(len(s[k]) == 2 for s in results["samples"].values() for k in ("write_s", "read_s", "read_cpu_s"))
     assert results["data_checked"] is True and max(results["resident_bytes_before_reads"]) <= 0
     assert results["headline"]["read"]["vs_raw"] > 0 and results["headline"]["max_cores_busy"] > 0
     assert "| store 4 MiB |" in data["markdown"] and "Store / raw bandwidth" in data["markdown"]
+    assert "Where the time goes" in data["markdown"]
     assert not list(tmp_path.glob("tightfit-disk-io-*"))  # its files are removed
