@@ -381,7 +381,7 @@ def _plot(stats: dict) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory)")
-    p.add_argument("--mib", type=int, default=None, help="MiB each contender moves per repeat (default 256 quick, "
+    p.add_argument("--mib", type=int, default=None, help="MiB each contender moves per repeat (default 128 quick, "
                                                          "512 full)")
     p.add_argument("--profile", action="store_true",
                    help="open the stores with the disk's measured profile (profile_disk, cached: its request size "
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(map(str, TENSOR_MIB)), help="tensor sizes in MiB (default 1,4,16,64)")
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 9)
-    mib = args.mib or (256 if args.quick else 512)
+    mib = args.mib or (128 if args.quick else 512)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     if any(mib % s for s in sizes) or mib < 4:
         p.error(f"--mib {mib} must be a multiple of every tensor size {sizes} and of the raw 4 MiB request")
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = "defaults (4 MiB extents, 2 workers, O_DIRECT)" if profile is None else (
             f"measured profile: {profile.request_bytes // MiB} MiB requests, queue depth {profile.queue_depth}, "
             f"{'O_DIRECT' if profile.direct else 'buffered'}")
-        print(f"[disk_io] {mib} MiB x {1 + len(sizes)} contenders x {repeats} repeats in {root} ({fs}); "
+        print(f"[disk_io] {mib} MiB per contender (raw, store at {sizes} MiB tensors, diagnostics) x {repeats} repeats in {root} ({fs}); "
               f"store: {settings}", file=sys.stderr, flush=True)
         run = run_repeats(root, mib * MiB, repeats, sizes, profile)
         run["cpu_costs"] = cpu_costs()
