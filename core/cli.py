@@ -30,8 +30,8 @@ CORE_COMMANDS: dict[str, tuple[str, str]] = {
                          "packages, and what is usable"),
     "demo": ("demo", "run the tour: each available plugin's demo on embedded defaults"),
     "bench": ("bench", "run the benchmark suite of the current checkout into a run directory"),
-    "profile": ("profile", "profile a model on the meta device (`profile model`) or this machine's device "
-                           "(`profile device`)"),
+    "profile": ("profile", "profile a model on the meta device (`profile model`), this machine's device "
+                           "(`profile device`) or a disk directory (`profile disk PATH`)"),
     "plan": ("plan", "compute a plan from profiles (`plan elixir`, `plan sky`) and write the plan file"),
 }
 # Listed in `tightfit --help` although they come from plugins (the plugin must be installed and usable).

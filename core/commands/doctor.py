@@ -5,6 +5,10 @@ module finders, the CUDA build from ``torch/version.py``, GPUs from ``nvidia-smi
 in about a second. ``--imports`` also imports each framework in a child process with a time limit
 (a library that crashes on import, such as a CUDA build of FBGEMM on a CPU torch, is reported, not
 fatal) and asks torch for CUDA, gloo and NCCL: thorough, and about 30 s on a 2-core machine.
+
+The disk tier's row shows the cached disk profile (``tightfit profile disk PATH``) of the disk holding the
+cache directory, or of ``--disk-dir D``: read and write speed, filesystem, free space now. Nothing is measured
+here; without a cached profile the row says how to measure one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,8 +24,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from tightfit.commands.args import UsageError
 from tightfit.console import log, terminal_width
-from tightfit.units import format_table
+from tightfit.units import format_bytes, format_table
 
 __all__ = ["CHECKS", "add_arguments", "run"]
 
@@ -56,6 +62,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also import each package in a child process and ask torch about CUDA, gloo and "
                              "NCCL (thorough; about 30 s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per import with --imports")
+    parser.add_argument("--disk-dir", default=None, metavar="DIR",
+                        help="show the cached disk profile of this directory's disk (default: the cache "
+                             "directory's, ~/.cache/tightfit or $TIGHTFIT_CACHE_DIR)")
+
+
+def _cache_dir() -> Path:
+    # tightfit.profiler.device.cache_dir, repeated: importing tightfit.profiler imports torch (~3 s).
+    env = os.environ.get("TIGHTFIT_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tightfit"
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (the cache directory may not exist yet: its disk does)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _read_disk_profile(f: Path, device: int) -> dict | None:
+    """The fields the row shows from a cached DiskProfile file measured on ``device``; None for any other file."""
+    try:
+        text = f.read_text()
+        if '"DiskProfile"' not in text[:200]:
+            return None
+        data = json.loads(text)
+        path, key = data["path"], data.get("key", "")
+        if not isinstance(path, str) or not path or not isinstance(key, str):
+            return None
+        # profile_disk's key starts with the filesystem's device ("disk 254:0 | ext4 ..."): it still names the
+        # disk when the measured directory is gone (a temporary one)
+        if not key.startswith(f"disk {os.major(device)}:{os.minor(device)} |") and (
+                not os.path.exists(path) or os.stat(path).st_dev != device):
+            return None  # measured on another disk
+        read, write = float(data["read_fit"][1]), float(data["write_fit"][1])
+        fs = data.get("filesystem", "")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        return None  # unreadable: a cache file is skipped, never a crash
+    if not (0 < read < float("inf") and 0 < write < float("inf")) or not isinstance(fs, str):
+        return None
+    return {"path": path, "read": read, "write": write, "filesystem": fs}
+
+
+def _cached_disk(target: Path) -> tuple[dict | None, Path | None]:
+    """The newest cached DiskProfile measured on the same filesystem as ``target`` (that directory's first)."""
+    cache = _cache_dir()
+    device = os.stat(target).st_dev
+    found: list[tuple[bool, float, dict, Path]] = []
+    for f in sorted(cache.glob("*.json")) if cache.is_dir() else ():
+        data = _read_disk_profile(f, device)
+        if data is not None:
+            exact = os.path.realpath(data["path"]) == os.path.realpath(target)
+            found.append((exact, f.stat().st_mtime, data, f))
+    if not found:
+        return None, None
+    _, _, data, f = max(found, key=lambda x: (x[0], x[1]))
+    return data, f
+
+
+def _disk(disk_dir: str | None) -> tuple[tuple[str, str, str, str], dict[str, object]]:
+    """The disk tier's row and JSON entry: a cached profile of ``disk_dir`` (default: the cache dir), or how to get one."""
+    if disk_dir is not None and not Path(disk_dir).is_dir():
+        raise UsageError(f"tightfit doctor: --disk-dir {disk_dir!r} is not a directory; give an existing directory "
+                         "on the disk to report")
+    target = _existing(Path(disk_dir) if disk_dir else _cache_dir())
+    free = shutil.disk_usage(target).free
+    data, f = _cached_disk(target)
+    entry: dict[str, object] = {"path": str(target), "free_bytes": free, "measured": data is not None}
+    if data is None:
+        detail = (f"{format_bytes(free)} free in {target}; not measured: `tightfit profile disk {target} --quick` "
+                  "(a few seconds) caches its speed")
+        return ("disk tier", "-", "no", detail), {**entry, "detail": detail}
+    fs, read, write = data["filesystem"] or "?", data["read"], data["write"]
+    ram = ", RAM: saves no memory" if fs in ("tmpfs", "ramfs") else ""
+    detail = (f"read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s, {fs}{ram}, {format_bytes(free)} free "
+              f"in {target} (profile {f})")
+    entry.update({"filesystem": fs, "read_bytes_per_s": read, "write_bytes_per_s": write, "profile": str(f),
+                  "profiled_path": data["path"], "detail": detail})
+    return ("disk tier", fs, "yes", detail), entry
 
 
 def _version(dist: str) -> str | None:
@@ -183,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     cc_version, cc_ok, cc_detail = _native(args.imports)
     rows.append(("C compiler", cc_version, "yes" if cc_ok else "no", cc_detail))
     report["C compiler"] = {"version": cc_version, "usable": cc_ok, "detail": cc_detail}
+    disk_row, report["disk"] = _disk(args.disk_dir)
+    rows.append(disk_row)
     if args.imports:
         report.update(_torch_facts())
     else:

@@ -1,9 +1,11 @@
-"""``tightfit profile model|device``: print (and optionally save) a model or device profile.
+"""``tightfit profile model|device|disk``: print (and optionally save) a model, device or disk profile.
 
     tightfit profile model --model gpt2-xl --batch 8 --seq 1024 [--json out.json] [--checkpointing all]
     tightfit profile model --model path/to/config.json      # ours, or a Hugging Face config.json
     tightfit profile device [--quick] [--refresh] [--json out.json]
     tightfit profile device --preset a100-40g               # a datasheet preset, nothing measured
+    tightfit profile disk /mnt/nvme [--quick] [--refresh] [--json [out.json]]   # the disk tier (cached)
+    tightfit profile disk /mnt/nvme --preset nvme-gen4      # typical speed, that directory's free space
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tightfit.commands.args import UsageError, nonnegative_int, positive_int
 from tightfit.console import fit_text, log, terminal_width
 from tightfit.units import format_bytes, format_table
 
-__all__ = ["add_arguments", "run", "format_device"]
+__all__ = ["add_arguments", "run", "format_device", "format_disk"]
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -56,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--preset", default=None, help="show a datasheet preset instead of measuring")
     d.add_argument("--list-presets", action="store_true", help="list the datasheet presets")
     d.add_argument("--json", default=None, metavar="PATH", help="write the DeviceProfile as JSON")
+    k = sub.add_parser("disk", help="measure a directory's disk for the disk tier (cached) or show a disk preset",
+                       description="Measure sequential read and write bandwidth of the disk under a directory over "
+                                   "request sizes and queue depths, fit latency + bandwidth, and choose the request "
+                                   "size, queue depth and O_DIRECT or buffered I/O the store will use (cached under "
+                                   "~/.cache/tightfit). It writes temporary files there (deleted after).")
+    k.add_argument("path", nargs="?", default=None, metavar="PATH", help="a directory on the disk to measure")
+    k.add_argument("--quick", action="store_true", help="fewer sizes and smaller files (a few seconds)")
+    k.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    k.add_argument("--preset", default=None, metavar="NAME",
+                   help="show a datasheet disk preset with PATH's free space instead of measuring")
+    k.add_argument("--list-presets", action="store_true", help="list the datasheet disk presets")
+    k.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the DiskProfile as JSON to PATH; --json alone prints it instead of the table")
 
 
 def _checkpointing(text: str) -> str | list[str]:
@@ -193,10 +208,80 @@ def _run_device(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_disk(d: Any) -> str:
+    """A disk profile as a two-column table, then its bandwidth by request size and queue depth."""
+    fs = d.filesystem or "unknown"
+    if d.in_memory:
+        fs += " (RAM: a disk tier here saves no memory)"
+    free = format_bytes(d.free_bytes) + (f" of {format_bytes(d.total_bytes)}" if d.total_bytes else "")
+    rows: list[tuple[str, str]] = [
+        ("path", d.path or "(not a local directory)"), ("source", d.source), ("filesystem", fs), ("free", free)]
+    for what, fit in (("read", d.read_fit), ("write", d.write_fit)):
+        rows.append((f"{what} fit", f"{fit[0] * 1e6:.0f} us + bytes / {fit[1] / 1e9:.2f} GB/s"))
+    rows += [("request size", format_bytes(d.request_bytes)), ("queue depth", str(d.queue_depth)),
+             ("I/O", "O_DIRECT" if d.direct else "buffered (page cache)")]
+    if d.key and d.source == "measured":
+        rows.append(("cache key", d.key))
+    text = format_table(rows, ("what", "value"))
+    cells = sorted({(size, depth) for table in (d.read_bytes_per_s, d.write_bytes_per_s)
+                    for size, per_depth in table.items() for depth in per_depth})
+    if cells:
+        def rate(table: dict, size: int, depth: int) -> str:
+            value = table.get(size, {}).get(depth)
+            return "-" if value is None else f"{value / 1e9:.2f}"
+
+        chosen = (d.request_bytes, d.queue_depth)
+        bw = [(format_bytes(size), str(depth), rate(d.read_bytes_per_s, size, depth),
+               rate(d.write_bytes_per_s, size, depth), "<- chosen" if (size, depth) == chosen else "")
+              for size, depth in cells]
+        text += "\n" + format_table(bw, ("request", "depth", "read GB/s", "write GB/s", ""), align="rrrrl")
+    return text
+
+
+def _run_disk(args: argparse.Namespace) -> int:
+    import warnings
+
+    from tightfit.profiler.disk_presets import DISK_DATASHEETS, disk_tier, preset_label
+
+    if args.list_presets:
+        print(format_table([(n, preset_label(n), f"{p.read_fit[1] / 1e9:.2f}", f"{p.write_fit[1] / 1e9:.2f}",
+                             f"{p.read_fit[0] * 1e6:.0f}") for n, p in DISK_DATASHEETS.items()],
+                           ("preset", "disk", "read GB/s", "write GB/s", "latency us"), align="llrrr",
+                           max_width=terminal_width()))
+        return 0
+    if args.path is None:
+        raise UsageError("tightfit profile disk: give the directory to measure, e.g. `tightfit profile disk "
+                         "/mnt/nvme --quick` (or --list-presets)")
+    from tightfit.storage import StorageError
+
+    with warnings.catch_warnings(record=True) as caught:  # the tmpfs warning as one log line, not a warnings dump
+        warnings.simplefilter("always")
+        try:
+            prof = disk_tier(path=args.path, preset=args.preset, quick=args.quick, refresh=args.refresh,
+                             progress=log.isEnabledFor(logging.INFO))
+        except KeyError as exc:
+            raise UsageError(f"tightfit profile disk: --preset: {exc.args[0]}") from None
+        except (StorageError, OSError) as exc:
+            raise UsageError(f"tightfit profile disk: {exc}") from None
+    for w in caught:
+        log.warning("tightfit profile disk: %s", w.message)
+    assert prof is not None
+    if args.json == "-":
+        print(prof.to_json())
+        return 0
+    print(format_disk(prof))
+    if args.json:
+        prof.to_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.what == "model":
         return _run_model(args)
     if args.what == "device":
         return _run_device(args)
-    raise UsageError("tightfit profile: say what to profile: `tightfit profile model --model gpt2-xl` or "
-                     "`tightfit profile device`")
+    if args.what == "disk":
+        return _run_disk(args)
+    raise UsageError("tightfit profile: say what to profile: `tightfit profile model --model gpt2-xl`, "
+                     "`tightfit profile device` or `tightfit profile disk PATH`")

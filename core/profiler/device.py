@@ -14,7 +14,8 @@ when collectives were measured), so a second call is instant; ``refresh=True`` r
 
 Presets (:data:`DATASHEETS`, ``source="datasheet:<name>"``) are vendor datasheet numbers (dense
 tensor-core rates, theoretical link bandwidth) for planning hardware you do not have; the host
-numbers in them are typical-server assumptions, stated next to each.
+numbers in them are typical-server assumptions, stated next to each. Disk presets (typical NVMe/SATA
+figures) and the disk tier of a cluster are in :mod:`tightfit.profiler.disk_presets`.
 
 Example:
     >>> spec = cluster_spec(devices=4, preset="a100-40g")
@@ -41,7 +42,8 @@ import torch
 
 from tightfit.console import reporter
 from tightfit.distributed import slowest
-from tightfit.profiler.types import ClusterSpec, DeviceProfile
+from tightfit.profiler.disk_presets import add_disk_arguments, disk_tier, with_disk
+from tightfit.profiler.types import ClusterSpec, DeviceProfile, DiskProfile
 from tightfit.units import parse_bytes
 
 _log = logging.getLogger(__name__)
@@ -327,7 +329,9 @@ def _parse_presets(text: str, devices: int | None) -> list[DeviceProfile]:
 
 def cluster_spec(*, devices: int | None = None, device_memory: str | int | None = None, preset: str | None = None,
                  profile: str | Path | DeviceProfile | ClusterSpec | None = None, nodes: int | None = None,
-                 host_memory: str | int | None = None, inter_node_bytes_per_s: float = 0.0) -> ClusterSpec:
+                 host_memory: str | int | None = None, inter_node_bytes_per_s: float = 0.0,
+                 disk: DiskProfile | None = None, disk_dir: str | Path | None = None, disk_preset: str | None = None,
+                 disk_space: str | int | None = None) -> ClusterSpec:
     """Describe the devices to plan for.
 
     Args:
@@ -338,6 +342,11 @@ def cluster_spec(*, devices: int | None = None, device_memory: str | int | None 
             ``tightfit profile device --json``); default when no preset: this machine's cached profile.
         nodes: hosts the ranks span (default: the profile file's, else 1). host_memory: override each host's memory. inter_node_bytes_per_s:
             bandwidth between nodes.
+        disk: the disk tier of every host (:class:`DiskProfile`); or ``disk_dir`` (measured with
+            :func:`~tightfit.profiler.profile_disk`, cached) and/or ``disk_preset`` (typical speed) with
+            ``disk_space`` (the budget, overriding the free space): see :func:`~tightfit.profiler.disk_presets.disk_tier`.
+            None of them: the profile's own disk tier (a profile file's), else none. ``disk_space`` alone
+            resizes the profile's disk tier.
     """
     if devices is not None and devices < 1:
         raise ValueError(f"devices={devices} must be >= 1")
@@ -368,14 +377,37 @@ def cluster_spec(*, devices: int | None = None, device_memory: str | int | None 
     if host_memory is not None:
         hm = parse_bytes(host_memory)
         base = [dataclasses.replace(d, host_memory_bytes=hm) for d in base]
+    base = _apply_disk(base, disk, disk_dir, disk_preset, disk_space)
     if isinstance(profile, ClusterSpec):
         nodes = profile.nodes if nodes is None else nodes
         inter_node_bytes_per_s = inter_node_bytes_per_s or profile.inter_node_bytes_per_s
     return ClusterSpec(devices=tuple(base), nodes=nodes or 1, inter_node_bytes_per_s=inter_node_bytes_per_s)
 
 
+def _apply_disk(base: list[DeviceProfile], disk: DiskProfile | None, path: str | Path | None, preset: str | None,
+                space: str | int | None) -> list[DeviceProfile]:
+    if disk is not None and (path is not None or preset is not None):
+        raise ValueError("give either disk= (a DiskProfile) or disk_dir=/disk_preset=, not both")
+    if disk is None and path is None and preset is None:
+        if space is None:
+            return base
+        budget, out = parse_bytes(space), []
+        for d in base:
+            if d.disk is None:
+                raise ValueError(f"disk space {space!r} without a disk tier: name the directory (--disk-dir DIR) or "
+                                 "a disk preset (--disk-preset NAME) with it")
+            out.append(dataclasses.replace(d, disk=dataclasses.replace(d.disk, free_bytes=budget)))
+        return out
+    if disk is None:
+        disk = disk_tier(path=path, preset=preset, space=space)
+    elif space is not None:
+        disk = dataclasses.replace(disk, free_bytes=parse_bytes(space))
+    return list(with_disk(ClusterSpec(devices=tuple(base)), disk).devices)
+
+
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--devices/--device-memory/--preset/--cluster/--nodes/--host-memory`` options planners' CLIs share."""
+    """The ``--devices/--device-memory/--preset/--cluster/--nodes/--host-memory`` options planners' CLIs share,
+    and the disk tier's ``--disk-dir/--disk-preset/--disk-space`` (:func:`~tightfit.profiler.disk_presets.add_disk_arguments`)."""
     g = parser.add_argument_group("devices to plan for")
     g.add_argument("--devices", type=int, default=None, help="number of ranks (default 1)")
     g.add_argument("--device-memory", default=None, help="memory per device, e.g. 24GiB (overrides the preset)")
@@ -384,9 +416,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default=None, help="a DeviceProfile or ClusterSpec JSON file")
     g.add_argument("--nodes", type=int, default=None, help="hosts the ranks span (default 1)")
     g.add_argument("--host-memory", default=None, help="memory per host, e.g. 512GiB")
+    add_disk_arguments(parser)
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     """A :class:`ClusterSpec` from :func:`add_cluster_arguments`' options."""
     return cluster_spec(devices=args.devices, device_memory=args.device_memory, preset=args.preset,
-                        profile=args.cluster, nodes=args.nodes, host_memory=args.host_memory)
+                        profile=args.cluster, nodes=args.nodes, host_memory=args.host_memory,
+                        disk_dir=getattr(args, "disk_dir", None), disk_preset=getattr(args, "disk_preset", None),
+                        disk_space=getattr(args, "disk_space", None))
