@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from energon_infer.delivery import IncrementalDetokenizer
+from energon_infer.detokenizer import IncrementalDetokenizer
 from energon_infer.gpt_checkpoint import ByteTokenizer
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
