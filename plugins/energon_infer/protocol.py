@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from energon_infer.sampling import SamplingParams
 
@@ -196,6 +196,7 @@ Reply = Ready | Tokens | StatsReport | Pong | WorkerError | Bye | Wake
 # ---------------------------------------------------------------------- the group the controller drives
 
 
+@runtime_checkable
 class WorkerGroup(Protocol):
     """A started ``tp x pp`` group of workers, as the controller sees it: commands in, replies out.
 
