@@ -346,8 +346,12 @@ class Engine:
             raise
         for req, fut in zip(reqs, futures):
             self.metrics.record_submitted(len(req.prompt))
-            fut.add_done_callback(lambda f, rid=req.request_id: f.cancelled() and self.abort(rid))
+            fut.add_done_callback(functools.partial(self._abort_if_cancelled, req.request_id))
         return futures
+
+    def _abort_if_cancelled(self, request_id: str, fut: Future[Completion]) -> None:
+        if fut.cancelled():
+            self.abort(request_id)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:

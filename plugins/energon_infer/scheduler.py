@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -102,14 +101,12 @@ class StepPlan:
         requests: the request of each item.
         samples: per item: does its sampled token count (the last chunk of a prompt, or a decode).
         started: when it was planned (the watchdog's clock).
-        placeholder: an item was fed a placeholder (its token comes back from the group's previous step).
     """
 
     step: Step
     requests: list[Request] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     started: float = 0.0
-    placeholder: bool = False
 
     def __getattr__(self, name: str) -> Any:  # only for names StepPlan lacks: the step's fields read through
         if name == "step":  # not set yet (being copied): no recursion
@@ -235,8 +232,7 @@ class Scheduler:
         if known < len(tokens):
             step.items.append((req.seq_id, tokens[known:known + n]))
         else:
-            step.items.append((req.seq_id, [PLACEHOLDER]))
-            plan.placeholder = True
+            step.items.append((req.seq_id, [PLACEHOLDER]))  # the step's take_back fills it in on the first stage
             req.fed_unknown += 1
         req.computed += n
         sampled = req.computed == len(tokens) + req.fed_unknown
@@ -324,7 +320,12 @@ class Scheduler:
         cfg = self.config
         if self._busy[group] >= cfg.depth:
             return None
-        plan = StepPlan(Step(0, [], [], {}, group=group))
+        # The step is built once, here, and sent as it is: frees and swap-outs (preemptions below add to them)
+        # go with it; planned ahead (depth > 1), the last stage sends its tokens back and the group's next step
+        # takes them (a placeholder is only ever fed after such a step, so take_back covers it).
+        ahead = cfg.depth > 1
+        plan = StepPlan(Step(next(self._step_ids), self._frees, [], {}, group=group, send_back=ahead,
+                             take_back=ahead and self._owed[group], swap_out=self._swap_out))
         mine = [r for r in self.running.values() if r.group == group]
         budget = cfg.max_batch_tokens
         before = self.preemptions
@@ -364,11 +365,7 @@ class Scheduler:
         # (and only blocks of known tokens: a placeholder's value comes later).
         for r in plan.requests:
             self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
-        ahead = cfg.depth > 1  # planned ahead: the last stage sends its tokens back, the next step takes them
-        plan.step = dataclasses.replace(plan.step, step_id=next(self._step_ids), frees=self._frees,
-                                        swap_out=self._swap_out, send_back=ahead,
-                                        take_back=plan.placeholder or (ahead and self._owed[group]))
-        self._frees, self._swap_out, plan.started = [], [], self.clock()
+        self._frees, self._swap_out, plan.started = [], [], self.clock()  # they left with the step
         step_id = plan.step.step_id
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
