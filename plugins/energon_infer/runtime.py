@@ -353,7 +353,7 @@ class ModelRunner:
         for seq_id in step.frees:
             self.free(seq_id)
         self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
-        run = step.items if items is None else items
+        run = step.items if items is None else items  # the default call keeps step's two-argument shape for wrappers
         return self.step(run, step.new_params) if broadcast else self.step(run, step.new_params, broadcast=False)
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
