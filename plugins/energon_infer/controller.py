@@ -10,6 +10,11 @@ rank answers within it), fails the running requests with
 are kept. A request that fails alone in a worker (its row could not be sampled) fails with
 :class:`~energon_infer.delivery.RequestFailedError` and nothing else is touched. Results go out
 through :mod:`energon_infer.delivery`.
+
+Data moves one way: the controller calls the scheduler, the worker group and delivery, and none of
+them calls it back. A restart is the controller's own job: it is given the factory that starts a
+group (:func:`start_group` with the engine's source and layout bound) and calls it again, with its own
+``cancelled`` test, after a failure.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ from energon_infer.protocol import (
     Pong,
     Stats,
     StatsReport,
-    Step,
     Tokens,
     Wake,
     WorkerError,
+    WorkerGroup,
     WorkerInfo,
 )
 from energon_infer.restart_budget import RestartBudget
@@ -46,7 +51,7 @@ from energon_infer.scheduler import (
     Scheduler,
     StepPlan,
 )
-from energon_infer.workers import ModelSource, WorkerGroup
+from energon_infer.workers import ModelSource, SpawnedWorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
 
@@ -62,7 +67,7 @@ class EngineClosedError(UnavailableError, RuntimeError):
 
 
 def start_group(source: ModelSource, runtime: Any, config: EngineConfig, pool: Any,
-                cancelled: Callable[[], bool] = lambda: False) -> Any:
+                cancelled: Callable[[], bool] = lambda: False) -> WorkerGroup:
     """Start the worker group ``config.launch.launcher`` names and wait until every worker has loaded."""
     if config.launch.launcher == "torchrun":
         from energon_infer.torchrun import TorchrunWorkerGroup
@@ -70,7 +75,8 @@ def start_group(source: ModelSource, runtime: Any, config: EngineConfig, pool: A
         tgroup = TorchrunWorkerGroup(source, runtime, pool=pool)
         tgroup.start(config.faults.start_timeout_s)
         return tgroup
-    group = WorkerGroup(source, runtime, pool=pool, threads=config.launch.threads_per_worker, backend=config.launch.backend)
+    group = SpawnedWorkerGroup(source, runtime, pool=pool, threads=config.launch.threads_per_worker,
+                               backend=config.launch.backend)
     if runtime.progress:
         print(f"energon: starting {group.world} worker(s) ({group.backend}, tp={runtime.tp} x pp={runtime.pp}) for "
               f"{source.path}", file=sys.stderr, flush=True)
@@ -82,18 +88,19 @@ class Controller:
     """Owns the worker group, the scheduler's lock and the requests in flight (see the module docstring).
 
     Args:
-        group: a started worker group (:func:`start_group`).
+        group: a started worker group (``start()`` once).
         scheduler: plans the steps.
-        restart: starts a fresh group after a failure.
+        start: the factory of a fresh group (``start(cancelled=...)``, e.g. :func:`start_group` with the
+            engine's source, layout and pool bound), called to restart after a failure.
         config: batching and fault handling.
         metrics: counters the engine reports.
         groups: steps in flight at most.
         tp, pp: the layout (for per-stage statistics).
     """
 
-    def __init__(self, group: Any, scheduler: Scheduler, restart: Callable[[], Any], config: EngineConfig,
-                 metrics: EngineMetrics, delivery: Delivery, *, groups: int, tp: int, pp: int):
-        self.group, self.scheduler, self.restart, self.config = group, scheduler, restart, config
+    def __init__(self, group: WorkerGroup, scheduler: Scheduler, start: Callable[..., WorkerGroup],
+                 config: EngineConfig, metrics: EngineMetrics, delivery: Delivery, *, groups: int, tp: int, pp: int):
+        self.group, self.scheduler, self.start_group, self.config = group, scheduler, start, config
         self.metrics, self.delivery, self.groups, self.tp, self.pp = metrics, delivery, groups, tp, pp
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
@@ -217,9 +224,7 @@ class Controller:
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan in plans:
-                    self.group.send(Step(plan.step_id, plan.frees, plan.items, plan.new_params, plan.blocks,
-                                         plan.starts, plan.copies, plan.group, plan.send_back, plan.take_back,
-                                         plan.history, plan.swap_out, plan.swap_in))
+                    self.group.send(plan.step)
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:
@@ -320,7 +325,7 @@ class Controller:
         if can_restart:
             self.metrics.restarts += 1
             try:
-                self.group = self.restart()
+                self.group = self.start_group(cancelled=lambda: self.stop_now)
                 with self.lock:
                     self.ping_sent, self.last_alive = None, time.monotonic()
                     self.status = "ready"

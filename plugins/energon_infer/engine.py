@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import time
 import uuid
@@ -50,7 +51,7 @@ from energon_infer.errors import InvalidRequestError, MissingFileError, OptionEr
 from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.memory_pool import MemoryPoolConfig
 from energon_infer.metrics import EngineMetrics
-from energon_infer.protocol import WorkerInfo
+from energon_infer.protocol import WorkerGroup, WorkerInfo
 from energon_infer.runtime import RuntimeConfig
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduler import QueueFullError, Request, Scheduler
@@ -132,7 +133,9 @@ class Engine:
         self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.groups
         self._ctl: Controller | None = None
-        group = self._start_group()
+        # The controller restarts a failed group with this factory itself (no call back into the engine).
+        start = functools.partial(start_group, source, self.runtime, self.config, self.memory_pool)
+        group = start()
         info: WorkerInfo = group.info[0]
         self.vocab_size, self.max_context = int(info.config["vocab_size"]), int(info.config["max_positions"])
         self.eos_token_ids = info.eos_token_ids
@@ -145,8 +148,8 @@ class Engine:
                                       host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
                                       recompute_s_per_token=info.recompute_s_per_token),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
-        self._ctl = Controller(group, scheduler, self._start_group, self.config, self.metrics,
-                               Delivery(self.metrics, has_text=self.tokenizer is not None), groups=self.groups,
+        self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None)  # the frontend: outputs
+        self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,
                                tp=self.runtime.tp, pp=self.runtime.pp)
         self._ctl.thread.start()
         _LIVE.add(self)
@@ -179,7 +182,7 @@ class Engine:
         return self._controller.live
 
     @property
-    def _group(self) -> Any:
+    def _group(self) -> WorkerGroup:
         return self._controller.group
 
     # ------------------------------------------------------------------ construction
@@ -250,10 +253,6 @@ class Engine:
         return cls(ModelSource("tightfit_gpt", str(path), gpt_options), cfg, memory_pool=memory_pool,
                    tokenizer=tokenizer, model_name=model_name or path.stem)
 
-    def _start_group(self) -> Any:
-        return start_group(self.source, self.runtime, self.config, self.memory_pool,
-                           cancelled=lambda: self._ctl is not None and self._ctl.stop_now)
-
     # ------------------------------------------------------------------ tokens
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -285,11 +284,14 @@ class Engine:
         Cancelling the future aborts the request.
         """
         ids = self.encode(prompt)
-        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params, listener)
-        fut: Future[Completion] = Future()
-        req.future = fut
+        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._controller.add(req, block=block, deadline=deadline)
+        fut = self._delivery.open(req.request_id, listener)  # the caller's side first: no token can come before it
+        try:
+            self._controller.add(req, block=block, deadline=deadline)
+        except BaseException:
+            self._delivery.close(req.request_id)
+            raise
         self.metrics.record_submitted(len(ids))
         fut.add_done_callback(lambda f: f.cancelled() and self.abort(req.request_id))
         return fut
@@ -300,17 +302,25 @@ class Engine:
         """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
         leaves nothing queued). Returns their futures in order; ``listeners``: one per job, and ``block`` /
         ``timeout`` (wait for room for all of them), as in :meth:`submit`."""
-        reqs: list[Request] = []
-        for i, (prompt, params) in enumerate(jobs):
-            listener = listeners[i] if listeners is not None else None
-            req = Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params, listener)
-            req.future = Future()
-            reqs.append(req)
-        self._controller.add_all(reqs, block=block, deadline=None if timeout is None else time.monotonic() + timeout)
-        for req in reqs:
+        reqs = [Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params) for prompt, params in jobs]
+        futures: list[Future[Completion]] = []
+        try:
+            for i, req in enumerate(reqs):
+                futures.append(self._delivery.open(req.request_id, listeners[i] if listeners is not None else None))
+            self._controller.add_all(reqs, block=block,
+                                     deadline=None if timeout is None else time.monotonic() + timeout)
+        except BaseException:
+            for req in reqs[:len(futures)]:  # only those opened here
+                self._delivery.close(req.request_id)
+            raise
+        for req, fut in zip(reqs, futures):
             self.metrics.record_submitted(len(req.prompt))
-            req.future.add_done_callback(lambda f, rid=req.request_id: f.cancelled() and self.abort(rid))
-        return [req.future for req in reqs]
+            fut.add_done_callback(functools.partial(self._abort_if_cancelled, req.request_id))
+        return futures
+
+    def _abort_if_cancelled(self, request_id: str, fut: Future[Completion]) -> None:
+        if fut.cancelled():
+            self.abort(request_id)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:

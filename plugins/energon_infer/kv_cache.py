@@ -1,20 +1,23 @@
 """A paged key/value cache: one pool of fixed-size blocks shared by every running sequence.
 
 Only keys and values are kept (``2 x layers x kv_heads x head_dim`` numbers per token per rank);
-a sequence owns a list of blocks (its block table) that grows one block at a time, so sequences of
+a sequence has a list of blocks (its block table) that grows one block at a time, so sequences of
 any length share one pool and the only waste is the unfilled tail of each sequence's last block
-(``< block_size`` tokens per sequence). Freeing a sequence returns its blocks to the free list at once.
+(``< block_size`` tokens per sequence).
 
-Every rank holds the pool of its own stage's layers and its own key/value heads; the bookkeeping
-(block tables, lengths) is replicated and deterministic, so ranks that are given the same steps in
-the same order allocate the same blocks without talking to each other.
+The cache holds block tables only: it never chooses a block. Whoever allocates uses
+:class:`~energon_infer.blocks.BlockManager` (the engine's scheduler, or the runner's own for its
+step-level API) and hands the cache the tables (:meth:`KVCache.assign`); a step then writes where
+the tables say. Every rank holds the pool of its own stage's layers and its own key/value heads and
+is given the same tables, so the ranks agree without talking to each other.
 
 Example:
     >>> import torch
     >>> cache = KVCache(n_layers=1, num_blocks=8, block_size=4, n_kv_heads=1, head_dim=2, dtype=torch.float32)
-    >>> meta = cache.prepare([(7, 6)], device="cpu")     # sequence 7, 6 new tokens
-    >>> cache.length(7), len(cache.block_table(7)), cache.free_blocks
-    (6, 2, 6)
+    >>> cache.assign(7, [3, 5])                          # sequence 7's table, chosen by a BlockManager
+    >>> meta = cache.prepare([(7, 6)], device="cpu")     # 6 new tokens
+    >>> cache.length(7), cache.block_table(7), cache.free_blocks
+    (6, [3, 5], 6)
     >>> cache.free(7); cache.free_blocks
     8
 """
@@ -22,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +56,6 @@ class UnknownSequenceError(EnergonError, KeyError):
 class _Seq:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
-    owned: bool = True  # False: the engine's scheduler assigned the blocks (they are its to reuse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class StepMetadata:
 
 
 class KVCache:
-    """Block pools for ``n_layers`` layers and the bookkeeping of which sequence owns which blocks.
+    """Block pools for ``n_layers`` layers and each sequence's block table (assigned, never chosen here).
 
     Args:
         n_layers: layers on this rank (its pipeline stage).
@@ -106,7 +107,6 @@ class KVCache:
         shape = (n_layers, num_blocks + int(scratch), block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._free: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _Seq] = {}
         self._pinned: torch.Tensor | None = None
         self._copied: Any = None
@@ -121,7 +121,8 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks in no sequence's table."""
+        return self.num_blocks - len({b for seq in self._seqs.values() for b in seq.blocks})
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +132,9 @@ class KVCache:
         return seq_id in self._seqs
 
     def free_block_ids(self) -> list[int]:
-        """The blocks this cache's own allocator has not handed out (what a scheduler may assign)."""
-        return list(self._free)
+        """The blocks in no sequence's table (what an allocator may hand out), lowest first."""
+        held = {b for seq in self._seqs.values() for b in seq.blocks}
+        return [b for b in range(self.num_blocks) if b not in held]
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -154,35 +156,17 @@ class KVCache:
                 "first, and do not use it after free()"
             ) from None
 
-    def blocks_needed(self, items: Sequence[tuple[int, int]]) -> int:
-        """Extra blocks a step with ``(seq_id, new_tokens)`` items would allocate."""
-        need = 0
-        for seq_id, n in items:
-            seq = self._seqs.get(seq_id)
-            have, length = (len(seq.blocks), seq.length) if seq else (0, 0)
-            need += max(0, -(-(length + n) // self.block_size) - have)
-        return need
-
-    def can_fit(self, items: Sequence[tuple[int, int]]) -> bool:
-        return self.blocks_needed(items) <= len(self._free)
-
     def free(self, seq_id: int) -> None:
-        """Return ``seq_id``'s blocks to the pool."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
+        """Forget ``seq_id``'s table (its allocator takes the blocks back)."""
+        if self._seqs.pop(seq_id, None) is None:
             raise UnknownSequenceError(f"cannot free sequence {seq_id!r}: it is not in the KV cache")
-        if seq.owned:
-            self._free.extend(seq.blocks)
 
     def assign(self, seq_id: int, blocks: Sequence[int], start: int | None = None) -> None:
-        """Append scheduler-chosen ``blocks`` to ``seq_id``'s table; a new sequence begins with ``start``
-        tokens already cached (a shared prefix, see :mod:`energon_infer.blocks`). Assigned blocks are the
-        scheduler's: :meth:`free` forgets them without putting them on this cache's own free list."""
+        """Append allocator-chosen ``blocks`` to ``seq_id``'s table; a new sequence begins with ``start``
+        tokens already cached (a shared prefix, see :mod:`energon_infer.blocks`)."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            seq = self._seqs[seq_id] = _Seq(owned=False, length=start or 0)
-        elif seq.owned:
-            raise ValueError(f"sequence {seq_id} allocated its own blocks; it cannot also take assigned ones")
+            seq = self._seqs[seq_id] = _Seq(length=start or 0)
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"blocks {bad[:5]} are outside the cache's {self.num_blocks} blocks")
@@ -215,34 +199,28 @@ class KVCache:
 
     def reset(self) -> None:
         self._seqs.clear()
-        self._free = deque(range(self.num_blocks))
 
     # ------------------------------------------------------------------ one step
 
     def prepare(self, items: Sequence[tuple[int, int]], device: torch.device | str) -> StepMetadata:
-        """Reserve room for ``(seq_id, new_tokens)`` items (new ids start a sequence) and describe the step.
+        """Append ``(seq_id, new_tokens)`` items to their sequences and describe the step.
 
-        Checks the whole step fits before changing anything, so a :class:`KVCacheFullError` leaves the
-        cache as it was.
+        Every sequence's table must already hold its new tokens (:meth:`assign`); the whole step is checked
+        before anything changes.
         """
         if len({s for s, _ in items}) != len(items):
             raise ValueError(f"a step lists a sequence twice: {[s for s, _ in items]}; give each sequence once")
-        need = self.blocks_needed(items)
-        if need > len(self._free):
-            raise KVCacheFullError(need, len(self._free), self.block_size, self.num_blocks)
-        bs = self.block_size
+        bs, seqs = self.block_size, []
         for seq_id, n in items:
             if n < 1:
                 raise ValueError(f"sequence {seq_id!r} has {n} new tokens in this step; give at least one")
-            seq_ = self._seqs.get(seq_id)
-            if seq_ is not None and not seq_.owned and len(seq_.blocks) * bs < seq_.length + n:
-                raise RuntimeError(f"sequence {seq_id} was assigned {len(seq_.blocks)} blocks, too few for "
-                                   f"{seq_.length + n} tokens; assign its blocks before the step")
+            seq = self._get(seq_id)
+            if len(seq.blocks) * bs < seq.length + n:
+                raise RuntimeError(f"sequence {seq_id} was assigned {len(seq.blocks)} blocks, too few for "
+                                   f"{seq.length + n} tokens; assign its blocks before the step")
+            seqs.append(seq)
         starts, ns, tables = [], [], []
-        for seq_id, n in items:
-            seq = self._seqs.setdefault(seq_id, _Seq())
-            while len(seq.blocks) * bs < seq.length + n:
-                seq.blocks.append(self._free.popleft())
+        for seq, (_, n) in zip(seqs, items):
             starts.append(seq.length)
             ns.append(n)
             tables.append(seq.blocks)

@@ -15,17 +15,22 @@ Replies go from workers to the controller: :class:`Ready` (loaded, with a :class
 
 Every message is a frozen dataclass of plain values, cheap to pickle; readers dispatch with
 ``isinstance``, so a misspelt kind is a type error, not a silently ignored string.
+
+:class:`WorkerGroup` is what the controller drives: the local worker processes
+(:class:`energon_infer.workers.SpawnedWorkerGroup`) and the ranks of a torchrun world
+(:class:`energon_infer.torchrun.TorchrunWorkerGroup`) both implement it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from energon_infer.sampling import SamplingParams
 
 __all__ = ["Step", "Free", "Stats", "Ping", "Stop", "Command", "Ready", "Tokens", "StatsReport", "Pong", "WorkerError",
-           "Bye", "Wake", "Reply", "WorkerInfo", "PoolInfo"]
+           "Bye", "Wake", "Reply", "WorkerInfo", "PoolInfo", "WorkerGroup"]
 
 
 # ---------------------------------------------------------------------- commands (controller -> workers)
@@ -186,3 +191,42 @@ class Wake:
 
 
 Reply = Ready | Tokens | StatsReport | Pong | WorkerError | Bye | Wake
+
+
+# ---------------------------------------------------------------------- the group the controller drives
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """A started ``tp x pp`` group of workers, as the controller sees it: commands in, replies out.
+
+    ``results`` is the one queue every reply arrives on (and the controller's own :class:`Wake`);
+    ``send`` gives a command to every rank, in order.
+    """
+
+    world: int  # ranks
+    backend: str  # "gloo" or "nccl"
+    info: list[WorkerInfo]  # what each rank reported once loaded, by rank
+    results: Any  # a queue of Reply: get(timeout=...), put(...)
+    procs: list[Any]  # the processes this group owns (none for a torchrun world)
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    def start(self, timeout_s: float = 600.0, cancelled: Callable[[], bool] | None = None) -> list[WorkerInfo]:
+        """Start every rank and wait until each has loaded (``cancelled()`` true: give up)."""
+        ...
+
+    def send(self, cmd: Command) -> None: ...
+
+    def dead(self) -> list[tuple[int, int]]:
+        """``(rank, exit code)`` of every rank that has gone."""
+        ...
+
+    def describe_death(self) -> str: ...
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask every rank to leave its loop, then make sure it has."""
+        ...
+
+    def kill(self) -> None: ...

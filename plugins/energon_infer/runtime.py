@@ -7,7 +7,7 @@ controller broadcasts each step's arguments to its workers); results come back o
     runner = ModelRunner.from_pretrained("path/to/hf-dir", tp=2, pp=2)    # in each of 4 processes
     first = runner.prefill({0: prompt_a, 1: prompt_b}, SamplingParams(temperature=0))   # {seq_id: token}
     nxt = runner.decode([0, 1])            # one token for each running sequence (feeds the last token)
-    nxt = runner.step([(2, prompt_c), (0, [nxt[0]])], {2: params})   # continuous batching: mix both
+    res = runner.step([(2, prompt_c), (0, [nxt[0]])], {2: params})   # mix both: res.tokens, one per item
     runner.free(1)                         # its KV blocks go back to the pool
     outs = runner.generate(["Hello", "Hi there"], SamplingParams(max_tokens=8))   # the whole loop
 
@@ -15,11 +15,8 @@ A step packs the new tokens of all its sequences back to back (a prompt for a ne
 token for a running one, or any chunk) and runs them with no padding; with ``pp > 1`` the
 sequences are split into micro-batches that flow through the stages concurrently (stage ``s``
 works on micro-batch ``m`` while stage ``s+1`` works on ``m-1``), and only packed hidden states
-travel between stages.
-
-Example:
-    >>> runner = ModelRunner.from_pretrained(model_dir)                   # doctest: +SKIP
-    >>> runner.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=4))[0].text  # doctest: +SKIP
+travel between stages. A step of the engine (:class:`~energon_infer.protocol.Step`) is applied by
+:meth:`ModelRunner.run_step`, which returns a :class:`StepResult`.
 """
 
 from __future__ import annotations
@@ -28,27 +25,29 @@ import itertools
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from energon_infer.blocks import BlockManager
 from energon_infer.config import ModelConfig, load_config
 from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
 from energon_infer.errors import BadInputError
-from energon_infer.kv_cache import KVCache
+from energon_infer.kv_cache import KVCache, KVCacheFullError
 from energon_infer.model import DecoderStage, check_tp
+from energon_infer.offline import Generation, run_offline
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
+from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
-from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS, Request, Scheduler, SchedulerConfig
+from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS
 from energon_infer.scheduler_config import KVAdmission, Preemption
-from energon_infer.swap import swap_costs
 from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from tightfit.checks import check_number
 
-__all__ = ["RuntimeConfig", "ModelRunner", "Generation", "ContextLengthError", "DTYPES"]
+__all__ = ["RuntimeConfig", "ModelRunner", "Generation", "StepResult", "ContextLengthError", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -123,13 +122,13 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Generation:
-    """One finished request of :meth:`ModelRunner.generate`."""
+class StepResult:
+    """What one step sampled: a token per item (``[]`` off the result rank when not broadcast) and, on the
+    result rank, by seq_id, the logprobs asked for and the rows that failed alone (their token is a placeholder)."""
 
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
+    tokens: list[int]
+    logprobs: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -182,13 +181,14 @@ class ModelRunner:
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
                              n_kv_heads=config.n_kv_heads // rt.tp, head_dim=config.head_dim, dtype=self.dtype,
                              device=self.device, host_blocks=-(-rt.swap_space_tokens // rt.block_size), scratch=True)
+        # Blocks for the sequences of the step-level API (prefill/decode/step/forward without assign_blocks);
+        # the engine's scheduler assigns its own, and the cache only holds tables.
+        self.allocator = BlockManager(num_blocks, rt.block_size, prefix_caching=False)
         self.decode_graphs = decode_graphs_for(self)  # None: every step runs on self.stage eagerly
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
         self._seen: dict[int, tuple[int, int]] = {}  # penalised seq -> (prompt length, tokens recorded)
-        # The latest step's extras on the result rank: ({seq_id: logprobs}, {seq_id: error}) (see Sampler).
-        self.last_sample: tuple[dict[int, Any], dict[int, str]] = ({}, {})
         self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -243,6 +243,29 @@ class ModelRunner:
             if bad:
                 raise ValueError(f"sequence {seq_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    def _allocate(self, items: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Grow the tables of this runner's own sequences from :attr:`allocator` (a sequence whose blocks were
+        assigned is the scheduler's to grow); a step that does not fit raises before anything changes."""
+        cache, own = self.cache, self.allocator
+        grow = []
+        for seq_id, tokens in items:
+            mine = seq_id in own.tables
+            if seq_id in cache:
+                if not mine:
+                    continue  # assigned (assign_blocks): the engine's scheduler grows it
+            elif mine:
+                own.free(seq_id)  # the cache forgot it (cache.free): so does the allocator
+            length = cache.length(seq_id) + len(tokens)
+            if own.grow_cost(seq_id, length):
+                grow.append((seq_id, length))
+        if not grow:
+            return
+        need = sum(own.grow_cost(s, n) for s, n in grow)
+        if need > own.num_free:
+            raise KVCacheFullError(need, own.num_free, own.block_size, own.num_blocks)
+        for seq_id, length in grow:
+            cache.assign(seq_id, own.grow(seq_id, length))
+
     def forward(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
                 broadcast: bool = False) -> torch.Tensor | None:
         """Run one packed step; append the tokens to each sequence's cache; return logits.
@@ -253,8 +276,7 @@ class ModelRunner:
         """
         items = [(s, list(t)) for s, t in items]
         self._validate(items)
-        if not self.cache.can_fit([(s, len(t)) for s, t in items]):
-            self.cache.prepare([(s, len(t)) for s, t in items], self.device)  # raises KVCacheFullError
+        self._allocate(items)
         grid, stage = self.grid, self.stage
         outputs, sends = [], []
         for chunk in microbatches(items, min(len(items), self.runtime.microbatches or self.runtime.pp)):
@@ -285,8 +307,8 @@ class ModelRunner:
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]],
              params: SamplingParams | Mapping[int, SamplingParams] | None = None, *,
-             broadcast: bool = True) -> list[int]:
-        """Run a step and sample one next token per item (on every rank, identical).
+             broadcast: bool = True) -> StepResult:
+        """Run a step and sample one next token per item (on every rank, identical): ``.tokens``.
 
         New sequences need sampling ``params`` (one for all, or per ``seq_id``); running ones keep theirs.
         With ``broadcast=False`` the tokens stay on :attr:`Grid.result_rank` (the others get ``[]``), so
@@ -305,20 +327,36 @@ class ModelRunner:
         logits = self.forward(items)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
+        logprobs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
             self._observe(items, starts)
             positions = [self.cache.length(s) for s in ids]  # the context each token is drawn after
             sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids], positions)
             # By seq_id, for the engine's workers: logprobs asked for, and rows that failed alone.
-            self.last_sample = ({ids[r]: v for r, v in sampled.logprobs.items()},
-                                {ids[r]: v for r, v in sampled.errors.items()})
+            logprobs = {ids[r]: v for r, v in sampled.logprobs.items()}
+            errors = {ids[r]: v for r, v in sampled.errors.items()}
             tokens = torch.tensor(sampled.tokens, dtype=torch.long, device=self.device)
         if not broadcast and self.grid.world > 1:
-            return tokens.tolist() if self.grid.rank == self.grid.result_rank else []
+            return StepResult(tokens.tolist() if self.grid.rank == self.grid.result_rank else [], logprobs, errors)
         out = self.grid.broadcast_result(tokens).tolist()
         self._last.update(zip(ids, out))
-        return out
+        return StepResult(out, logprobs, errors)
+
+    def run_step(self, step: Step, items: Sequence[tuple[int, Sequence[int]]] | None = None, *,
+                 broadcast: bool = True) -> StepResult:
+        """Apply one :class:`~energon_infer.protocol.Step` in its order: swap-outs, frees, the block decisions,
+        then run ``items`` (default the step's own; the worker fills placeholders first) and sample.
+
+        The one way a step is applied: the engine's worker loop and :meth:`generate` both call it.
+        """
+        self.cache.swap_out(step.swap_out)
+        for seq_id in step.frees:
+            self.free(seq_id)
+        self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
+        run = step.items if items is None else items  # the default call keeps step's two-argument shape for wrappers
+        return self.step(run, step.new_params) if broadcast else self.step(run, step.new_params, broadcast=False)
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
                       copies: Sequence[tuple[int, int]] = (),
@@ -358,7 +396,7 @@ class ModelRunner:
         for seq_id in prompts:
             if seq_id in self.cache:
                 raise ValueError(f"sequence {seq_id} is already running; free it or use another id")
-        return dict(zip(prompts, self.step(list(prompts.items()), params)))
+        return dict(zip(prompts, self.step(list(prompts.items()), params).tokens))
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | None = None) -> dict[int, int]:
         """One decode step for running sequences, fed their last sampled token (or ``tokens``)."""
@@ -366,11 +404,12 @@ class ModelRunner:
             if s not in self.cache:
                 raise ValueError(f"sequence {s} is not running; prefill it first")
         feed = list(tokens) if tokens is not None else [self._last[s] for s in seq_ids]
-        return dict(zip(seq_ids, self.step([(s, [t]) for s, t in zip(seq_ids, feed)])))
+        return dict(zip(seq_ids, self.step([(s, [t]) for s, t in zip(seq_ids, feed)]).tokens))
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence: its KV blocks return to the pool, its sampling state is forgotten."""
         self.cache.free(seq_id)
+        self.allocator.free(seq_id)
         self._seen.pop(seq_id, None)
         self._params.pop(seq_id, None)
         self._last.pop(seq_id, None)
@@ -425,39 +464,9 @@ class ModelRunner:
                 )
         if not prompts:
             return []
-        # The engine's scheduler, driven in this process: one batching policy for both.
-        sched = Scheduler(
-            SchedulerConfig(kv_blocks=self.cache.num_blocks, block_size=bs, max_context=self.max_context,
-                            # a prompt longer than the budget still runs, alone in its step
-                            max_batch_tokens=(self.runtime.max_batch_tokens if chunked_prefill else
-                                              max(self.runtime.max_batch_tokens, *map(len, encoded))),
-                            max_running=len(prompts), max_queue=len(prompts), kv_admission=kv_admission,
-                            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
-                            host_blocks=self.cache.host_k.shape[1], **swap_costs(self, preemption)),
-            eos_token_ids=self.eos_token_ids, decode=self._decode_str if self.tokenizer is not None else None,
-            seq_ids=self._ids, block_ids=self.cache.free_block_ids())
-        requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, plist))]
-        steps = 0
-        try:
-            while sched.waiting or sched.running:
-                plan = sched.schedule(0)
-                if plan is None:
-                    raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
-                self.cache.swap_out(plan.swap_out)
-                for seq_id in plan.frees:
-                    self.free(seq_id)
-                self.assign_blocks(plan.blocks, plan.starts, plan.copies, plan.history, plan.swap_in)
-                sched.complete(plan, self.step(plan.items, plan.new_params))
-                steps += 1
-        finally:
-            for seq_id in [*sched.take_frees(), *sched.running]:
-                if seq_id in self.cache:
-                    self.free(seq_id)
-        if stats is not None:
-            stats.update(steps=steps, preemptions=sched.preemptions, swaps=sched.swap.swaps,
-                         prefix_hit_tokens=sched.blocks.hit_tokens,
-                         prefix_query_tokens=sched.blocks.query_tokens)
-        return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]
+        return run_offline(self, encoded, plist, seq_ids=self._ids, decode=self._decode_str if self.tokenizer else None,
+                           kv_admission=kv_admission, prefix_caching=prefix_caching, chunked_prefill=chunked_prefill,
+                           preemption=preemption, stats=stats)
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``(B, L, vocab)`` for a padded batch (left, right or mixed padding); zeros at pad positions.
@@ -487,6 +496,6 @@ class ModelRunner:
         finally:
             for s in ids:
                 if s in self.cache:
-                    self.cache.free(s)
+                    self.free(s)
         assert logits is not None
         return unpack(logits, starts.to(logits.device), lengths.to(logits.device), input_ids.shape[1])

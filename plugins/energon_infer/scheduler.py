@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from energon_infer.blocks import BlockManager
-from energon_infer.delivery import IncrementalDetokenizer
+from energon_infer.detokenizer import IncrementalDetokenizer
 from energon_infer.errors import InvalidRequestError
+from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
 from energon_infer.scheduler_config import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -56,19 +57,20 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES"
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """One request's state as it moves from waiting to running to finished.
+    """What batching needs of one request as it moves from waiting to running to finished; written here only.
+
+    The caller's side of a request (its future, listener, streamed text and timings) is the frontend's
+    (:class:`energon_infer.delivery.Output`), which reads this one and never writes it.
 
     Args:
         request_id: the caller's id (unique among live requests).
         prompt: prompt token ids.
         params: how it samples and stops.
-        listener: called from the controller thread with each new token (see the engine).
     """
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    listener: Callable[..., None] | None = None
     seq_id: int = 0
     reserve: int = 0
     generated: list[int] = field(default_factory=list)
@@ -82,43 +84,39 @@ class Request:
     in_flight: int = 0  # steps in flight that hold it
     aborted: bool = False
     finish_reason: str | None = None
-    text: str | None = None
-    arrival: float = 0.0
-    first_token: float = 0.0
-    finished: float = 0.0
-    sent_text: str = ""  # streamed so far
-    detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer)
+    text: str | None = None  # the final text (cut at a stop string)
+    detok: IncrementalDetokenizer | None = None  # its text, decoded once per token (with a tokenizer): the stop rule
     logprobs: list[Any] = field(default_factory=list)  # per generated token, when params.logprobs is set
     error: str | None = None  # why it failed alone in a worker (finish_reason "error")
     swapped: list[int] = field(default_factory=list)  # host blocks holding its keys/values while preempted
-    last_token_at: float = 0.0  # when the previous token was delivered (inter-token latency)
-    future: Any = None
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step for the workers: frees first, then the packed items (``(seq_id, new_tokens)``)."""
+    """One planned step: the :class:`~energon_infer.protocol.Step` the workers run (sent as it is) and what the
+    scheduler needs back when its tokens arrive. The step's fields read through (``plan.items`` is
+    ``plan.step.items``): frees first, then the packed items (``(seq_id, new_tokens)``).
 
-    step_id: int
-    group: int
-    frees: list[int]
-    items: list[tuple[int, list[int]]]
-    new_params: dict[int, SamplingParams]
-    requests: list[Request]
+    Args:
+        step: the workers' command (frees, items, block decisions, feedback flags).
+        requests: the request of each item.
+        samples: per item: does its sampled token count (the last chunk of a prompt, or a decode).
+        started: when it was planned (the watchdog's clock).
+    """
+
+    step: Step
+    requests: list[Request] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     started: float = 0.0
-    blocks: dict[int, list[int]] = field(default_factory=dict)  # blocks appended to each sequence's table
-    starts: dict[int, int] = field(default_factory=dict)  # new sequences: tokens already cached (shared prefix)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, before the step
-    samples: list[bool] = field(default_factory=list)  # per item: does its sampled token count (last chunk)
-    send_back: bool = False  # the last stage sends this step's tokens to the first (depth > 1)
-    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # new penalised: seen tokens
-    take_back: bool = False  # the first stage receives the group's previous step's tokens before running
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, first of all
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) copies, after the assignments
+
+    def __getattr__(self, name: str) -> Any:  # only for names StepPlan lacks: the step's fields read through
+        if name == "step":  # not set yet (being copied): no recursion
+            raise AttributeError(name)
+        return getattr(self.step, name)
 
     @property
     def n_tokens(self) -> int:
-        return sum(len(t) for _, t in self.items)
+        return sum(len(t) for _, t in self.step.items)
 
 
 class Scheduler:
@@ -128,9 +126,9 @@ class Scheduler:
         config: limits.
         eos_token_ids: the model's end tokens (requests stop there unless ``ignore_eos``).
         decode: token ids -> text, for stop strings and each request's text (``None``: token ids only, stop
-            strings are not checked). Each request gets one :class:`~energon_infer.delivery.IncrementalDetokenizer`
-            (``request.detok``) that delivery streams from too.
-        clock: time source for request timings.
+            strings are not checked). Each request gets one :class:`~energon_infer.detokenizer.IncrementalDetokenizer`
+            (``request.detok``) that the frontend streams from too.
+        clock: time source of when each step was planned (the controller's watchdog).
         seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
             negative ones, which never collide with a caller's).
     """
@@ -194,7 +192,6 @@ class Scheduler:
         request.reserve = reserve
         request.seq_id = next(self._seq_ids)
         request.state = "waiting"
-        request.arrival = request.arrival or self.clock()
         if self.decode is not None and request.detok is None:
             request.detok = IncrementalDetokenizer(self.decode)
         self.waiting.append(request)
@@ -228,16 +225,15 @@ class Scheduler:
 
     def _feed(self, plan: StepPlan, req: Request, n: int) -> None:
         """``req``'s next ``n`` tokens into ``plan`` (blocks grown first); a token still sampled: a placeholder."""
-        tokens = self._tokens(req)
+        tokens, step = self._tokens(req), plan.step
         new = self.blocks.grow(req.seq_id, req.computed + n)
-        if req.seq_id in plan.starts or new:  # new on the workers: its whole table
-            plan.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in plan.starts else new
+        if req.seq_id in step.starts or new:  # new on the workers: its whole table
+            step.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in step.starts else new
         known = req.computed - req.fed_unknown
         if known < len(tokens):
-            plan.items.append((req.seq_id, tokens[known:known + n]))
+            step.items.append((req.seq_id, tokens[known:known + n]))
         else:
-            plan.items.append((req.seq_id, [PLACEHOLDER]))
-            plan.take_back = True
+            step.items.append((req.seq_id, [PLACEHOLDER]))  # the step's take_back fills it in on the first stage
             req.fed_unknown += 1
         req.computed += n
         sampled = req.computed == len(tokens) + req.fed_unknown
@@ -298,24 +294,25 @@ class Scheduler:
         if cost + watermark > mgr.num_free:
             return 0
         self.waiting.popleft()
+        step = plan.step
         if req.swapped:  # its keys/values come back from host memory into fresh blocks
             table = mgr.grow(req.seq_id, req.computed)
-            plan.swap_in.extend(zip(req.swapped, table))
+            step.swap_in.extend(zip(req.swapped, table))
             self.swap.give(req.swapped)
             req.swapped = []
-            plan.starts[req.seq_id] = req.computed
+            step.starts[req.seq_id] = req.computed
         else:
             hit = mgr.start(req.seq_id, tokens)
             req.computed = hit.start
-            plan.starts[req.seq_id] = hit.start
-            plan.copies.extend(hit.copies)
-        req.state, req.group = "running", plan.group
+            step.starts[req.seq_id] = hit.start
+            step.copies.extend(hit.copies)
+        req.state, req.group = "running", step.group
         self.running[req.seq_id] = req
         if cfg.kv_admission == "reserve":
             self._reserved += req.reserve
-        plan.new_params[req.seq_id] = req.params
+        step.new_params[req.seq_id] = req.params
         if req.params.penalised:
-            plan.history[req.seq_id] = (list(req.prompt), list(req.generated))
+            step.history[req.seq_id] = (list(req.prompt), list(req.generated))
         self._feed(plan, req, n)
         return n
 
@@ -324,7 +321,12 @@ class Scheduler:
         cfg = self.config
         if self._busy[group] >= cfg.depth:
             return None
-        plan = StepPlan(0, group, [], [], {}, [])
+        # The step is built once, here, and sent as it is: frees and swap-outs (preemptions below add to them)
+        # go with it; planned ahead (depth > 1), the last stage sends its tokens back and the group's next step
+        # takes them (a placeholder is only ever fed after such a step, so take_back covers it).
+        ahead = cfg.depth > 1
+        plan = StepPlan(Step(next(self._step_ids), self._frees, [], {}, group=group, send_back=ahead,
+                             take_back=ahead and self._owed[group], swap_out=self._swap_out))
         mine = [r for r in self.running.values() if r.group == group]
         budget = cfg.max_batch_tokens
         before = self.preemptions
@@ -358,22 +360,21 @@ class Scheduler:
                 if not took:
                     break
                 budget -= took
-        if not plan.items:
+        if not plan.step.items:
             return None
         # Name the blocks this step fills only now: a block is shared from the next step on, once written
         # (and only blocks of known tokens: a placeholder's value comes later).
         for r in plan.requests:
             self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
-        plan.frees, self._frees, plan.step_id, plan.started = self._frees, [], next(self._step_ids), self.clock()
-        plan.swap_out, self._swap_out = self._swap_out, []
+        self._frees, self._swap_out, plan.started = [], [], self.clock()  # they left with the step
+        step_id = plan.step.step_id
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
             if sampled:
-                r.last_sampled = plan.step_id
-        if cfg.depth > 1:
-            plan.take_back = plan.take_back or self._owed[group]
-            plan.send_back = self._owed[group] = True
-        self._busy[group], self._last_step[group] = self._busy[group] + 1, plan.step_id
+                r.last_sampled = step_id
+        if ahead:
+            self._owed[group] = True
+        self._busy[group], self._last_step[group] = self._busy[group] + 1, step_id
         return plan
 
     def take_frees(self) -> list[int]:
@@ -382,7 +383,7 @@ class Scheduler:
         return frees
 
     def _finish(self, req: Request, reason: str, text: str | None = None) -> None:
-        req.state, req.finish_reason, req.finished = "finished", reason, self.clock()
+        req.state, req.finish_reason = "finished", reason
         if text is not None:
             req.text = text
         elif req.detok is not None:
@@ -400,11 +401,11 @@ class Scheduler:
         ``logprobs`` / ``errors`` are by seq_id (see :class:`~energon_infer.protocol.Tokens`): a request in
         ``errors`` finishes with ``finish_reason="error"`` and ``request.error`` set, its placeholder token dropped.
         """
-        if len(tokens) != len(plan.items):
-            raise RuntimeError(f"step {plan.step_id} ran {len(plan.items)} sequences but returned {len(tokens)} tokens")
-        self._busy[plan.group] -= 1
+        step = plan.step
+        if len(tokens) != len(step.items):
+            raise RuntimeError(f"step {step.step_id} ran {len(step.items)} sequences but returned {len(tokens)} tokens")
+        self._busy[step.group] -= 1
         out: list[tuple[Request, int | None, bool]] = []
-        now = self.clock()
         samples = plan.samples or [True] * len(tokens)
         for req, tok, sampled in zip(plan.requests, tokens, samples):
             req.in_flight -= 1
@@ -429,8 +430,6 @@ class Scheduler:
                 req.logprobs.append(logprobs[req.seq_id])
             req.generated.append(int(tok))
             self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
-            if len(req.generated) == 1:
-                req.first_token = now
             if req.detok is not None:
                 req.detok.add(int(tok))
             reason, text = stop_reason(req.generated, req.params, self.eos_token_ids,
@@ -448,7 +447,7 @@ class Scheduler:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 self.swap.give(req.swapped)
-                req.state, req.finish_reason, req.finished = "finished", "abort", self.clock()
+                req.state, req.finish_reason = "finished", "abort"
                 return req
         for req in self.running.values():
             if req.request_id == request_id:
@@ -463,7 +462,7 @@ class Scheduler:
         """The workers are gone: every running request (in flight or not) is lost; reset the step state."""
         lost = list(self.running.values())
         for req in lost:
-            req.state, req.in_flight, req.finished, req.finish_reason = "finished", 0, self.clock(), "error"
+            req.state, req.in_flight, req.finish_reason = "finished", 0, "error"
         self.running.clear()
         self.blocks.reset()
         self.swap.reset()
@@ -479,5 +478,5 @@ class Scheduler:
         out = list(self.waiting)
         self.waiting.clear()
         for req in out:
-            req.state, req.finished = "finished", self.clock()
+            req.state = "finished"
         return out

@@ -109,7 +109,7 @@ def run_worker(timeout_s: float = 600.0) -> None:
 
 
 class TorchrunWorkerGroup:
-    """The :class:`~energon_infer.workers.WorkerGroup` interface over a torchrun world (see the module docstring).
+    """A :class:`~energon_infer.protocol.WorkerGroup` over a torchrun world (see the module docstring).
 
     Args:
         source: what every rank loads (broadcast from rank 0).

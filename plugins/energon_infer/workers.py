@@ -48,7 +48,7 @@ from energon_infer.protocol import (
     WorkerInfo,
 )
 
-__all__ = ["ModelSource", "WorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
+__all__ = ["ModelSource", "SpawnedWorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
            "StageTimer"]
 
 
@@ -217,7 +217,7 @@ def _warm_up(runner: Any) -> None:
     initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine)."""
     from energon_infer.sampling import SamplingParams
 
-    first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2))
+    first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2)).tokens
     runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
     runner.free(_WARMUP_SEQ)
     if runner.decode_graphs is not None:  # every decode bucket captured now, not while a request waits
@@ -261,17 +261,12 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
         if cmd is None or isinstance(cmd, Stop):
             return
         if isinstance(cmd, Step):
-            runner.cache.swap_out(cmd.swap_out)
-            for seq_id in cmd.frees:
-                runner.free(seq_id)
-            runner.assign_blocks(cmd.blocks, cmd.starts, cmd.copies, cmd.history, cmd.swap_in)
-            items = feedback.take(cmd) if cmd.take_back else cmd.items
-            tokens = runner.step(items, cmd.new_params, broadcast=False)
+            # take_back: the placeholders' tokens arrive from the last stage (received before anything runs).
+            result = runner.run_step(cmd, feedback.take(cmd) if cmd.take_back else None, broadcast=False)
             if cmd.send_back:
-                feedback.give(cmd, tokens)
+                feedback.give(cmd, result.tokens)
             if rank == result_rank:
-                logprobs, errors = runner.last_sample
-                reply(Tokens(cmd.step_id, list(tokens), logprobs, errors))
+                reply(Tokens(cmd.step_id, result.tokens, result.logprobs, result.errors))
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
@@ -321,8 +316,9 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
             dist.destroy_process_group()
 
 
-class WorkerGroup:
-    """Start, command, watch and stop the ``tp x pp`` worker processes (see the module docstring).
+class SpawnedWorkerGroup:
+    """Start, command, watch and stop the ``tp x pp`` worker processes (see the module docstring); a
+    :class:`~energon_infer.protocol.WorkerGroup`.
 
     Args:
         source: what to load.

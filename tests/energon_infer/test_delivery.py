@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from energon_infer.delivery import IncrementalDetokenizer
+from energon_infer.detokenizer import IncrementalDetokenizer
 from energon_infer.gpt_checkpoint import ByteTokenizer
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
@@ -69,3 +69,45 @@ def test_scheduler_and_stream_share_one_detokeniser():
     # One window of at most 2 tokens (+ the 1-token one before it) per token: 1 + 6 * 3 = 19 ids; the scheduler
     # and the stream each decoding the whole output per token took 2 * (1 + 2 + ... + 7) = 56.
     assert decode.tokens == 19
+
+
+def test_the_frontend_owns_the_output_state_and_leaves_the_schedulers_request_alone():
+    from concurrent.futures import Future
+
+    import pytest
+
+    from energon_infer.delivery import Delivery
+    from energon_infer.metrics import EngineMetrics
+
+    # The scheduler's request carries what batching needs, nothing of the caller's side.
+    fields = set(Request.__dataclass_fields__)
+    assert not fields & {"future", "listener", "sent_text", "arrival", "first_token", "finished", "last_token_at"}
+    t = [10.0]
+    frontend = Delivery(EngineMetrics(model_name="m"), has_text=True, clock=lambda: t[0])
+    events = []
+    fut = frontend.open("r", events.append)
+    assert isinstance(fut, Future)
+    with pytest.raises(ValueError, match="request id 'r' is already running"):
+        frontend.open("r")
+    s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, max_batch_tokens=16),
+                  decode=ByteTokenizer().decode)
+    req = s.add(Request("r", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))
+    for ch, now in (("h", 10.5), ("i", 11.0)):
+        t[0] = now
+        out = s.complete(s.schedule(0), [ord(ch)])
+        before = (list(req.generated), req.text, req.state, req.finish_reason)
+        frontend.notify(out)
+        assert (list(req.generated), req.text, req.state, req.finish_reason) == before  # read, never written
+    done = fut.result(timeout=0)
+    assert [e.text for e in events] == ["h", "i"] and events[-1].finish_reason == "length"
+    assert (done.arrival, done.first_token, done.finished, done.text) == (10.0, 10.5, 11.0, "hi")
+    assert "r" not in frontend.outputs  # forgotten once finished: the id can be used again
+    frontend.open("r")
+
+
+def test_the_scheduler_never_imports_the_frontend():
+    from tests.test_layout import import_graph
+
+    graph = import_graph("energon_infer")
+    assert "energon_infer.delivery" not in graph["energon_infer.scheduler"]
+    assert "energon_infer.scheduler" not in graph["energon_infer.delivery"]

@@ -237,3 +237,22 @@ def test_decode_step_metadata_equals_the_general_layout(seqs, block_size, seed):
     assert meta.n_tokens == len(seqs) and meta.max_q_len == 1
     assert meta.slot_mapping.tolist() == [t[s // block_size] * block_size + s % block_size
                                           for s, t in zip(starts, tables)]
+
+
+def test_the_cache_holds_block_tables_and_the_runner_allocates_with_a_block_manager(tiny_dirs):
+    from energon_infer.kv_cache import KVCache, UnknownSequenceError
+
+    cache = KVCache(n_layers=1, num_blocks=4, block_size=4, n_kv_heads=1, head_dim=2, dtype=torch.float32)
+    with pytest.raises(UnknownSequenceError):
+        cache.prepare([(1, 2)], "cpu")  # no table given: the cache never picks a block itself
+    cache.assign(1, [2])
+    assert cache.prepare([(1, 4)], "cpu").slot_mapping.tolist() == [8, 9, 10, 11]
+    with pytest.raises(RuntimeError, match="assigned 1 blocks, too few for 5 tokens"):
+        cache.prepare([(1, 1)], "cpu")
+    assert cache.free_block_ids() == [0, 1, 3] and cache.free_blocks == 3
+    runner = _runner(tiny_dirs["gpt2"], kv_cache_tokens=16)
+    assert isinstance(runner.allocator, BlockManager)
+    runner.prefill({0: [1] * 6}, SamplingParams(temperature=0))  # the step-level API: the runner's own blocks
+    assert runner.cache.block_table(0) == runner.allocator.tables[0] == [0, 1]
+    runner.free(0)
+    assert runner.allocator.num_free == runner.cache.free_blocks == 4

@@ -34,3 +34,27 @@ def test_worker_info_reads_like_the_dict_it_replaced():
     assert _info()["pool"] is None
     with pytest.raises(KeyError):
         info["nope"]
+
+
+def test_both_worker_groups_implement_the_declared_protocol():
+    from energon_infer.protocol import WorkerGroup
+    from energon_infer.runtime import RuntimeConfig
+    from energon_infer.torchrun import TorchrunWorkerGroup
+    from energon_infer.workers import ModelSource, SpawnedWorkerGroup
+
+    source, runtime = ModelSource("pretrained", "/nowhere"), RuntimeConfig(tp=1, pp=1, progress=False)
+    spawned = SpawnedWorkerGroup(source, runtime, backend="gloo")
+    for group in (spawned, TorchrunWorkerGroup(source, runtime)):
+        assert isinstance(group, WorkerGroup) and group.world == 1
+    spawned.kill()  # closes its queues
+
+
+def test_a_planned_step_is_the_message_the_workers_get():
+    from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(kv_blocks=8, block_size=4, max_context=32, max_batch_tokens=16))
+    req = s.add(Request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3)))
+    plan = s.schedule(0)
+    assert isinstance(plan.step, Step) and pickle.loads(pickle.dumps(plan.step)) == plan.step
+    assert plan.items is plan.step.items == [(req.seq_id, [1, 2, 3, 4, 5])]
+    assert plan.step.blocks == {req.seq_id: [0, 1]} and plan.step.new_params == {req.seq_id: req.params}
