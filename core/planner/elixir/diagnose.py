@@ -5,10 +5,12 @@ fits; a disk directory for the optimizer state, more devices) or the disk (its f
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import ON_DISK, ON_HOST
+from tightfit.planner.elixir.disk import ON_DISK
+from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.sim import Context
 from tightfit.planner.errors import PlanInfeasibleError
@@ -60,7 +62,7 @@ def infeasible(problem: ElixirProblem, cons: ElixirConstraints, tiers: MemoryTie
     suggestions: list[str] = []
     if not (cons.allow_checkpointing and cons.allow_offload):
         full = replace(cons, allow_checkpointing=True, allow_offload=True)
-        need_full = least_memory(ctx, full.space(), exact)
+        need_full = least_memory(ctx, full.space(disk=tiers.has_disk), exact)
         if need_full <= budget:
             suggestions.append(f"allow activation checkpointing and offloading (ElixirConstraints(allow_checkpointing"
                                f"=True, allow_offload=True)): the least-memory plan then needs {format_bytes(need_full)}")
@@ -105,38 +107,33 @@ def infeasible(problem: ElixirProblem, cons: ElixirConstraints, tiers: MemoryTie
 
 
 def _short_tier(ctx: Context, space: S.Space, tiers: MemoryTiers, exact: bool) -> PlanInfeasibleError | None:
-    """With the disk tier: the host error when even every offloaded unit's optimizer state on disk leaves the
-    least-memory plan over the host budget, else the disk error when the host's overflow does not fit the
-    disk; ``None`` without a disk tier or where neither is short (the host message then explains)."""
+    """With the disk tier: the disk error when the same search with an unbounded disk finds a plan (the disk
+    is what binds: that plan's disk bytes are what it needs), else the host error when even the least-memory
+    plan with every offloaded unit's optimizer state on disk overfills the host; ``None`` without a disk tier."""
     if not tiers.has_disk or ON_DISK not in space.offload:
+        return None
+    budget = int(tiers.device_bytes or 0)
+    host_budget = float("inf") if tiers.host_bytes is None else float(tiers.host_bytes)
+    ev = S.Evaluator(ctx)
+    if exact:
+        found = [c for c in exhaustive(ev, space, budget, host_budget, keep=1).values() if c is not None]
+    else:
+        found = [c for c in S.greedy_pool(ev, space, host_budget) if c.peak <= budget]
+    if found:
+        best = min(found, key=lambda c: c.key)
+        if best.disk > tiers.disk_bytes:
+            return tier_error(tiers, "disk", needed=math.ceil(best.disk),
+                              what="the fastest plan within the device and host budgets")
         return None
     lm = _least_memory_plan(ctx, space, exact)
     if lm is None:
         return None
-    ev = S.Evaluator(ctx)
     # The least-host version of the least-memory plan: every offloaded unit's optimizer state on disk.
     least_host = ev.make(lm.units, lm.modes, [ON_DISK if o else o for o in lm.offload], lm.ckpt, lm.df, lm.db)
-    host_budget = tiers.host_bytes
-    if host_budget is not None and least_host.host > host_budget:
-        return tier_error(tiers, "host", needed=int(least_host.host) + 1,
-                          what="the least-memory plan (optimizer state of every offloaded unit on disk)",
-                          suggestions=("raise host_budget", "use more devices (sharded state per rank shrinks as "
-                                       "1/devices)"))
-    # Fill the host first (the faster tier), the rest of the optimizer state goes to disk; where host and device
-    # are one memory, the least-memory plan fits the device only with its optimizer state on disk.
-    room = 0.0 if ctx.unified else float("inf") if host_budget is None else host_budget - least_host.host
-    need_disk = 0.0
-    for (a, b), m, o in zip(lm.units, lm.modes, lm.offload):
-        t_disk, t_host = ev.terms(a, b, m, ON_DISK), ev.terms(a, b, m, ON_HOST)
-        if o and t_disk.disk > 0:
-            if t_host.host - t_disk.host <= room:
-                room -= t_host.host - t_disk.host
-            else:
-                need_disk += t_disk.disk
-    if need_disk > tiers.disk_bytes:
-        return tier_error(tiers, "disk", needed=int(need_disk) + 1,
-                          what="the optimizer state the host budget cannot hold")
-    return None
+    return tier_error(tiers, "host", needed=math.ceil(max(least_host.host, host_budget + 1)),
+                      what="the least-memory plan (the optimizer state of every offloaded unit on disk)",
+                      suggestions=("raise host_budget", "use more devices (sharded state per rank shrinks as "
+                                   "1/devices)"))
 
 
 def _host_infeasible(model: ModelProfile, cluster: ClusterSpec, precision: str, optimizer: str,
@@ -147,7 +144,7 @@ def _host_infeasible(model: ModelProfile, cluster: ClusterSpec, precision: str, 
     # Sharded training state per rank (parameters, gradients, optimizer state): whatever the
     # device does not hold must sit in host memory, so device budget + host budget must exceed it.
     state = sum(ctx.numel) * ctx.state_per_elem / ctx.world
-    devices_needed = ctx.world
+    devices_needed = ctx.world * 2  # at least one doubling: the devices there are do not fit
     while devices_needed < ctx.world * 1024 and \
             sum(ctx.numel) * ctx.state_per_elem / devices_needed > host_budget + budget * 0.5:
         devices_needed *= 2

@@ -340,19 +340,13 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
     return out if out.fits(host_budget, disk_budget) else None
 
 
-def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
-             host_budget: float, disk_budget: float = math.inf) -> list[Candidate]:
-    ctx = ev.ctx
-    k = len(units)
-    n_blocks = len(ctx.numel)
-    off0 = space.offload[0]
-    modes = ["keep" if "keep" in space.modes else space.modes[0]] * k
-    offs = [off0] * k
-    ckpt = [False] * n_blocks
-    # Fastest modes by coordinate descent (two passes settle: a unit's best mode depends only on its neighbours).
+def _fastest_modes(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], offs: list[int],
+                   ckpt: list[bool], df: int, db: int) -> Candidate:
+    """Fastest modes by coordinate descent (two passes settle: a unit's best mode depends only on its neighbours)."""
+    modes = ["keep" if "keep" in space.modes else space.modes[0]] * len(units)
     cur = ev.make(units, modes, offs, ckpt, df, db)
     for _ in range(2):
-        for u in range(k):
+        for u in range(len(units)):
             for m in space.modes:
                 if m == modes[u]:
                     continue
@@ -361,6 +355,16 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                 c = ev.make(units, trial, offs, ckpt, df, db)
                 if c.key < cur.key:
                     cur, modes = c, trial
+    return cur
+
+
+def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
+             host_budget: float, disk_budget: float = math.inf) -> list[Candidate]:
+    ctx = ev.ctx
+    k = len(units)
+    n_blocks = len(ctx.numel)
+    off0 = space.offload[0]
+    cur = _fastest_modes(ev, space, units, [off0] * k, [False] * n_blocks, df, db)
     visited = [cur]
 
     def moves(c: Candidate) -> list[tuple[str, int, object]]:
