@@ -15,15 +15,19 @@ write 5e8 B/s. Two blocks of P = 1e8 and 2e8 parameters on two ranks of one node
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.core.test_planner_elixir import device as exact_device
+from tests.core.test_planner_elixir_exact import block as exact_block
 from tightfit.planner.elixir import (
     ElixirConstraints,
     ElixirPlan,
+    ElixirProblem,
     PlanInfeasibleError,
     UnitPlan,
     baseline,
@@ -31,6 +35,9 @@ from tightfit.planner.elixir import (
     search,
 )
 from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, slowest_disk
+from tightfit.planner.elixir.exact import exhaustive
+from tightfit.planner.elixir.sim import MODES
+from tightfit.planner.elixir.space import Evaluator, compositions
 from tightfit.planner.errors import PlanError
 from tightfit.profiler.types import (
     BlockProfile,
@@ -346,3 +353,66 @@ def test_a_disk_tier_never_makes_the_best_plan_slower(b):
     if with_disk is not None:
         assert with_disk.fits and with_disk.host_bytes_per_rank <= b["host"]
         assert with_disk.disk_bytes_per_rank <= b["disk"]
+
+
+def _random_profile(blocks: list[dict]) -> ModelProfile:
+    """A profile from ``test_planner_elixir_exact``'s random blocks (a parameter-free block where numel is 0)."""
+    params, bps = [], []
+    for i, b in enumerate(blocks):
+        name, n = f"layers.{i}", b["numel"]
+        if n:
+            params.append(ParamInfo(name=f"{name}.weight", shape=(n,), dtype="float32", numel=n, bytes=4 * n,
+                                    block=name))
+        ck = int(b["saved"] * b["ckpt_frac"])
+        bps.append(BlockProfile(
+            name=name, type="Block", index=i, params=(f"{name}.weight",) if n else (), param_numel=n,
+            param_bytes=4 * n, fwd_flops=b["fwd"], bwd_flops=2 * b["fwd"], saved_bytes=b["saved"],
+            checkpoint_bytes=ck, transient_bytes=b["transient"], output_bytes=ck, checkpointable=b["checkpointable"],
+            fwd_transient_bytes=b["fwd_transient"]))
+    return ModelProfile(
+        model="random", step="train", inputs={"x": [1, 1]}, params=tuple(params), blocks=tuple(bps),
+        forward_order=tuple(p.name for p in params), backward_order=tuple(p.name for p in reversed(params)),
+        timeline=(), activation_peak_bytes=sum(b.saved_bytes for b in bps), peak_bytes=0,
+        fwd_flops=sum(b.fwd_flops for b in bps), bwd_flops=sum(b.bwd_flops for b in bps), param_dtype="float32")
+
+
+@settings(max_examples=20, deadline=None, phases=(Phase.explicit, Phase.generate), database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.lists(exact_block, min_size=1, max_size=3), world=st.sampled_from([1, 2]), unified=st.booleans(),
+       q=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)))
+def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, unified, q):
+    # Every plan of the space with three state tiers priced without pruning; budgets drawn among their bytes so
+    # the host and the disk bind as often as the device. The exact search must find each family's best.
+    dev = dataclasses.replace(exact_device(), unified_memory=unified, disk=DISK)
+    cons = ElixirConstraints(reserved_bytes=0, prefetch_depths=(1,), exhaustive=True)
+    problem = ElixirProblem(model=_random_profile(blocks), cluster=ClusterSpec.uniform(dev, world), optimizer="adamw",
+                            precision="32-true", constraints=cons)
+    _, ctx, tiers = problem.prepare_tiers()
+    space = cons.space(disk=tiers.has_disk)
+    assert space.offload == (False, True, 2)
+    ev = Evaluator(ctx)
+    everything = []
+    ck_ids = [i for i in range(len(blocks)) if ctx.checkpointable[i]]
+    for units in compositions(len(blocks)):
+        for choice in itertools.product(itertools.product(MODES, space.offload), repeat=len(units)):
+            for bits in itertools.product((False, True), repeat=len(ck_ids)):
+                ck = [False] * len(blocks)
+                for i, bit in zip(ck_ids, bits):
+                    ck[i] = bit
+                everything.append(ev.make(units, [m for m, _ in choice], [o for _, o in choice], ck, 1, 1))
+
+    def pick(values, x):
+        values = sorted(values)
+        return values[int(x * (len(values) - 1))]
+
+    budget, host, disk = (pick([c.peak for c in everything], q[0]), pick([c.host for c in everything], q[1]),
+                          pick([c.disk for c in everything], q[2]))
+    fitting = [c for c in everything if c.peak <= budget and c.fits(host, disk)]
+    per_family = exhaustive(Evaluator(ctx), space, budget, host, disk_budget=disk)
+    for label, found in per_family.items():
+        mine = [c for c in fitting if "|".join(f"{a}-{b}" for a, b in c.units) + "@1/1" == label]
+        if not mine:
+            assert found is None, label
+        else:
+            assert found is not None and found.peak <= budget and found.fits(host, disk), label
+            assert found.key == min(c.key for c in mine), label

@@ -1,6 +1,6 @@
 """The Elixir search input: :class:`ElixirConstraints` (limits, forced choices) and :class:`ElixirProblem`
 (profile, devices, optimizer, precision, the device, host and disk budgets), with the budget arithmetic
-(:func:`resolve_budget`, :meth:`ElixirProblem.tiers`)."""
+(:func:`resolve_budget`, :meth:`ElixirProblem.prepare_tiers`)."""
 
 from __future__ import annotations
 

@@ -189,7 +189,6 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
     )
 
 
-
 def _overheads(devices: tuple) -> tuple[tuple[str, tuple[float, float, float]], ...]:
     """Per-unit overheads by mode: the largest over the devices (the slowest rank paces the step)."""
     if not all(d.unit_overhead_s for d in devices):
@@ -264,7 +263,6 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
         disk=owned * ctx.opt_state_per_elem if on_disk else 0.0,
         disk_io=io,
     )
-
 
 
 @dataclass(slots=True)

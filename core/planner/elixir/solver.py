@@ -197,12 +197,13 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
                                params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
                                margin_bytes=int(c.peak - raw)),
         device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
-        checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster),
+        checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster, disk=c.disk > 0),
     )
 
 
-def describe_model(ctx: Context, cluster: ClusterSpec) -> str:
-    """Which cost model priced the plan: compute source, then each calibration term in use."""
+def describe_model(ctx: Context, cluster: ClusterSpec, *, disk: bool = False) -> str:
+    """Which cost model priced the plan: compute source, then each calibration term in use (``disk``: the plan
+    has disk units, priced from the disk profile)."""
     parts = [ctx.compute_model]
     if any(d.collective_fit for d in cluster.devices):
         parts.append("collectives latency + bandwidth (measured)")
@@ -212,7 +213,7 @@ def describe_model(ctx: Context, cluster: ClusterSpec) -> str:
         parts.append(f"comm/compute overlap {ctx.overlap:.2f} (measured)")
     if all(d.unified_memory for d in cluster.devices):
         parts.append("host = device memory (no copy cost)")
-    if ctx.disk is not None:
+    if disk and ctx.disk is not None:
         overlap = "measured" if ctx.disk.compute_overlap >= 0 else "unmeasured: full"
         parts.append(f"disk tier {ctx.disk.path} latency + bandwidth ({ctx.disk.source}), I/O overlap with the "
                      f"optimizer step {ctx.disk_overlap:.2f} ({overlap})")
