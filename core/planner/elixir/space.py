@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, ON_DISK, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
-__all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space", "groupings",
-           "compositions", "least_memory_choice"]
+__all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
+           "groupings", "compositions", "least_memory_choice"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -328,6 +328,8 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
                 order.append(((disk.opt - host.opt) / saved, u, saved))
     order.sort()
     over = c.host - host_budget
+    if c.disk == 0 and not ev.ctx.unified:
+        over += DISK_STAGING_BYTES  # the first disk unit brings the staging area to the host
     tiers = list(c.offload)
     for _, u, saved in order:
         if over <= 0:
