@@ -289,13 +289,13 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
         ck_on = _spread([i for i, f in enumerate(c.ckpt) if f], 8)
         ck_off = _spread([i for i, f in enumerate(c.ckpt) if not f and ctx.checkpointable[i]], 8)
         for i in ck_on:
-            flip = list(c.ckpt)
-            flip[i] = False
-            add(c, c.modes, c.offload, flip, c.df, c.db)
+            ck_flip = list(c.ckpt)
+            ck_flip[i] = False
+            add(c, c.modes, c.offload, ck_flip, c.df, c.db)
             for j in ck_off:
-                swap = list(flip)
-                swap[j] = True
-                add(c, c.modes, c.offload, swap, c.df, c.db)
+                ck_swap = list(ck_flip)
+                ck_swap[j] = True
+                add(c, c.modes, c.offload, ck_swap, c.df, c.db)
     return out
 
 
