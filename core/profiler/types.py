@@ -276,6 +276,8 @@ class DiskProfile:
         direct: whether the store opens files with ``O_DIRECT`` (where that measured faster than buffered I/O).
         source: ``"measured"`` or ``"datasheet:<preset>"``.
         key: cache key (device and filesystem of the path).
+        compute_overlap: measured fraction of disk I/O hidden behind compute running at the same time (1.0: free,
+            0.0: serialised with it); negative = not measured (full overlap assumed, as ``comm_overlap``).
     """
 
     path: str
@@ -291,6 +293,7 @@ class DiskProfile:
     direct: bool = True
     source: str = "measured"
     key: str = ""
+    compute_overlap: float = -1.0
 
     def __post_init__(self) -> None:
         where = f"disk profile {self.path!r}"
@@ -312,6 +315,9 @@ class DiskProfile:
                 for depth, rate in per_depth.items():
                     check_number(rate, f"{table}[{size}][{depth}]", where=where, low=0, low_open=True,
                                  error=ProfileError, fix=f"leave unmeasured entries out; {fix}")
+        if not self.compute_overlap < 0:  # NaN must fail here, not read as "not measured"
+            check_number(self.compute_overlap, "compute_overlap", where=where, low=0, high=1, error=ProfileError,
+                         fix="give a fraction in [0, 1], or -1 for not measured")
 
     @property
     def in_memory(self) -> bool:

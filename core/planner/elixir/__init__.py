@@ -10,7 +10,9 @@
   ZeRO-2-like) or ``"replicate"`` (every rank holds the full unit: ``fully_shard`` on a
   ``(world, 1)`` replicate x shard mesh, gradients all-reduced); and an **offload** flag
   (``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and optimizer state on
-  the host, the optimizer step on the host);
+  the host, the optimizer step on the host); where every device has a disk profile
+  (``DeviceProfile.disk``), an offloaded unit may keep its optimizer state on disk instead
+  (``UnitPlan.disk``, priced by :mod:`.disk`, within ``host_budget`` and ``disk_budget``);
 * per block **activation checkpointing**; **prefetch depths** for forward and backward
   (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` with the next
   ``k`` units); **mixed precision** dtypes (``MixedPrecisionPolicy(param_dtype, reduce_dtype)``).
@@ -40,6 +42,7 @@ from __future__ import annotations
 from tightfit.planner.elixir.baselines import baseline, frontier, mixed_budget
 from tightfit.planner.elixir.plan import (
     BASELINES,
+    DISK_BASELINES,
     MODES,
     ElixirPlan,
     MemoryBreakdown,
@@ -55,6 +58,7 @@ from tightfit.planner.errors import PlanInfeasibleError, PlanMismatchError
 __all__ = [
     "MODES",
     "BASELINES",
+    "DISK_BASELINES",
     "ElixirConstraints",
     "ElixirProblem",
     "UnitPlan",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.plan import BASELINES, ElixirPlan, UnitPlan
-from tightfit.planner.elixir.problem import ElixirConstraints, prepare
+from tightfit.planner.elixir.plan import BASELINES, DISK_BASELINES, ElixirPlan, UnitPlan
+from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.solver import estimate, search, to_plan
 from tightfit.profiler.types import ClusterSpec, ModelProfile
 
@@ -18,18 +18,21 @@ def baseline(model: ModelProfile, cluster: ClusterSpec, name: str, *, checkpoint
              **kwargs: object) -> ElixirPlan:
     """A configuration users pick by hand, priced by the same cost model (one unit per block, merged
     like the search merges tiny blocks): ``ddp`` (replicate), ``zero2`` (keep), ``zero3``
-    (reshard), ``-offload`` variants (every unit offloaded). ``checkpoint="auto"`` checkpoints every
-    block only when the plan does not fit otherwise (what a user does after an out-of-memory error)."""
-    if name not in BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+    (reshard), ``-offload`` variants (every unit offloaded), ``zero3-offload-nvme`` (ZeRO-Infinity's
+    optimizer state on NVMe: every unit offloaded with its optimizer state on disk; needs the disk tier,
+    a disk profile on every device). ``checkpoint="auto"`` checkpoints every block only when the plan
+    does not fit otherwise (what a user does after an out-of-memory error)."""
+    if name not in BASELINES + DISK_BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES + DISK_BASELINES)}")
     mode = {"ddp": "replicate", "zero2": "keep", "zero3": "reshard"}[name.split("-")[0]]
-    offload = name.endswith("-offload")
+    disk = name.endswith("-nvme")
+    offload = name.endswith("-offload") or disk
     _, _, ctx, _ = prepare(model, cluster, str(kwargs.get("optimizer", "adamw")),
                           str(kwargs.get("precision", "bf16-mixed")), None, None)
     spans = S.groupings(ctx, (1,))[0]
 
     def units(ck: bool) -> list[UnitPlan]:
-        return [UnitPlan(blocks=ctx.names[a:b], mode=mode, offload=offload,
+        return [UnitPlan(blocks=ctx.names[a:b], mode=mode, offload=offload, disk=disk,
                          checkpoint=tuple(n for i, n in enumerate(ctx.names[a:b], a) if ck and ctx.checkpointable[i]))
                 for a, b in spans]
 
@@ -41,11 +44,15 @@ def baseline(model: ModelProfile, cluster: ClusterSpec, name: str, *, checkpoint
 
 def frontier(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw", precision: str = "bf16-mixed",
              constraints: ElixirConstraints | None = None) -> list[ElixirPlan]:
-    """The greedy search's Pareto frontier (peak ascending, time descending), budget-independent."""
-    _, budget, ctx, host_budget = prepare(model, cluster, optimizer, precision, None, constraints)
+    """The greedy search's Pareto frontier (peak ascending, time descending), budget-independent (within the
+    default host and disk budgets)."""
+    cons, ctx, tiers = ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
+                                     constraints=constraints).prepare_tiers()
     ev = S.Evaluator(ctx)
-    pool = S.greedy_pool(ev, (constraints or ElixirConstraints()).space(), host_budget)
-    return [to_plan(ev, c, model, budget, cluster) for c in S.pareto(pool)]
+    host = float("inf") if tiers.host_bytes is None else float(tiers.host_bytes)
+    pool = S.greedy_pool(ev, cons.space(disk=tiers.has_disk), host, disk_budget=float(tiers.disk_bytes))
+    path = tiers.disk.path if tiers.disk is not None else ""
+    return [to_plan(ev, c, model, int(tiers.device_bytes or 0), cluster, disk_path=path) for c in S.pareto(pool)]
 
 
 def mixed_budget(model: ModelProfile, cluster: ClusterSpec, **kwargs: object) -> int:

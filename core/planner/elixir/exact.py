@@ -16,6 +16,8 @@ What keeps it fast without giving up exactness:
   and device are one memory (a CPU "device"), offloading is exactly that (copies are no-ops), which
   halves the choices per unit. Likewise checkpointing a block whose checkpoint keeps as many bytes
   as it saves (a parameter-free dropout or head) only adds recompute time.
+  With a disk tier, a unit's host and disk choices of equal durations are both kept unless one
+  uses no more host bytes, no more disk bytes and no more changes than the other (Pareto).
 * **Fast choices first**, so the first complete plan is a good incumbent.
 * **Only the families that can be shown matter.** The solver reports the best plan and the next
   ``keep - 1`` families (by :attr:`Candidate.family`); families are searched in order of their
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tightfit.planner.elixir.disk import DISK_STAGING_BYTES
 from tightfit.planner.elixir.sim import UnitTerms, peak, step_time
 from tightfit.planner.elixir.space import (
     Candidate,
@@ -50,8 +53,9 @@ def family_of(units: Sequence[tuple[int, int]]) -> str:
 
 
 def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float, progress: Progress | None = None,
-               keep: int | None = None) -> dict[str, Candidate | None]:
-    """Best feasible candidate of every family (``None`` where nothing fits), by branch and bound.
+               keep: int | None = None, *, disk_budget: float = math.inf) -> dict[str, Candidate | None]:
+    """Best feasible candidate of every family (``None`` where nothing fits), by branch and bound: peak within
+    ``budget`` per device, host bytes within ``host_budget`` and disk bytes within ``disk_budget`` per rank.
 
     With ``keep``, exact only for the ``keep`` best families by :attr:`Candidate.family` (the best plan
     and its runner-ups); any other family may come back ``None`` or with a plan that is not its best.
@@ -77,7 +81,7 @@ def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float, p
                 cutoff = min(cutoff, others[keep - 1])
         best = None
         if fam.root_peak <= budget and fam.root_time <= cutoff * _TOL:
-            best = fam.search(host_budget, cutoff)
+            best = fam.search(host_budget, cutoff, disk_budget)
         out[fam.label] = best
         if best is not None and (best.family not in best_of or best.key < best_of[best.family].key):
             best_of[best.family] = best
@@ -115,23 +119,29 @@ def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms
     return mem, fast
 
 
-def _choices(ev: Evaluator, space: Space, a: int, b: int) -> list[tuple[str, bool, tuple[bool, ...], UnitTerms]]:
+_OFF_DEVICE = ("host", "disk", "disk_io")  # UnitTerms fields that do not act on the device or the step time
+
+
+def _choices(ev: Evaluator, space: Space, a: int, b: int) -> list[tuple[str, int, tuple[bool, ...], UnitTerms]]:
     """The unit's undominated (mode, offload, checkpoint subset) choices, fastest first."""
     ctx = ev.ctx
-    kept: dict[tuple, tuple[int, float, str, bool]] = {}
+    kept: dict[tuple, list[tuple[int, float, float, str, int]]] = {}
     for m in space.modes:
         for o in space.offload:
             t = ev.terms(a, b, m, o)
-            # Everything but the host bytes: equal signatures behave identically on the device.
-            sig = tuple(getattr(t, f) for f in UnitTerms.__slots__ if f != "host")  # type: ignore[attr-defined]
-            mine = (int(o), t.host, m, o)
-            if sig not in kept or mine[:2] < kept[sig][:2]:
-                kept[sig] = mine
+            # Everything but the host and disk bytes: equal signatures behave identically on the device.
+            sig = tuple(getattr(t, f) for f in UnitTerms.__slots__ if f not in _OFF_DEVICE)  # type: ignore[attr-defined]
+            mine = (int(o), t.host, t.disk, m, o)
+            same = kept.setdefault(sig, [])
+            if any(all(x <= y for x, y in zip(other[:3], mine[:3])) for other in same):
+                continue  # another choice is no worse in changes, host bytes and disk bytes
+            same[:] = [other for other in same if not all(x <= y for x, y in zip(mine[:3], other[:3]))]
+            same.append(mine)
     # Checkpointing a block that keeps as many bytes as it saves only adds recompute (and a change).
     flags: list[tuple[bool, ...]] = [(False, True) if space.checkpointing and ctx.checkpointable[i] and ctx.ckpt[i] < ctx.saved[i]
              else (False,) for i in range(a, b)]
     out = []
-    for _, _, m, o in kept.values():
+    for _, _, _, m, o in (c for same in kept.values() for c in same):
         t = ev.terms(a, b, m, o)
         base = t.cf + t.cb + t.opt + t.h2d_f + t.ag_f + t.h2d_b + t.ag_b + t.red + t.d2h
         for subset in _product(flags):
@@ -170,7 +180,7 @@ class _Family:
         self.root_peak = peak(ctx, ul, [m for m, _ in self.bounds], self.undecided, df, db)
         self.root_time = step_time(ctx, ul, [f for _, f in self.bounds], [False] * n_blocks, df, db)
 
-    def search(self, host_budget: float, cutoff: float) -> Candidate | None:
+    def search(self, host_budget: float, cutoff: float, disk_budget: float = math.inf) -> Candidate | None:
         ev, units, df, db, budget = self.ev, self.units, self.df, self.db, self.budget
         ctx = ev.ctx
         k = len(units)
@@ -179,25 +189,28 @@ class _Family:
         terms: list[UnitTerms] = [bounds[u][0] for u in range(k)]
         fast: list[UnitTerms] = [bounds[u][1] for u in range(k)]
         modes: list[str] = [""] * k
-        offs: list[bool] = [False] * k
+        offs: list[int] = [0] * k
+        # The disk tier's staging area is host memory once any unit is on disk (in the device peak when unified).
+        staging = 0.0 if ctx.unified else DISK_STAGING_BYTES
         undecided = self.undecided
         ck_mem: list[bool | None] = list(undecided)
         ck_time = [False] * len(ctx.numel)  # undecided blocks not recomputed (least time)
         ul = list(units)
 
-        def visit(u: int, host: float) -> None:
+        def visit(u: int, host: float, disk: float) -> None:
             if u == k:
                 decided = [bool(x) for x in ck_mem]  # every unit chose its subset: no None left
                 cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(decided), df=df,
                                  db=db, time=step_time(ctx, ul, terms, decided, df, db),
-                                 peak=peak(ctx, ul, terms, decided, df, db), host=host)
+                                 peak=peak(ctx, ul, terms, decided, df, db), host=host, disk=disk)
                 ev.evaluations += 1
                 if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
                     best[0] = cand
                 return
             a, b = units[u]
             for m, o, subset, t in choices[u]:
-                if host + t.host > host_budget:
+                extra = staging if t.disk > 0 and disk == 0 else 0.0
+                if host + t.host + extra > host_budget or disk + t.disk > disk_budget:
                     continue
                 terms[u] = t
                 fast[u] = t
@@ -213,7 +226,7 @@ class _Family:
                     if peak(ctx, ul, terms, ck_mem, df, db) > budget:
                         continue
                 modes[u], offs[u] = m, o
-                visit(u + 1, host + t.host)
+                visit(u + 1, host + t.host + extra, disk + t.disk)
             # restore the bounds of this unit for the siblings above
             terms[u] = bounds[u][0]
             fast[u] = bounds[u][1]
@@ -221,5 +234,5 @@ class _Family:
                 ck_mem[i] = undecided[i]
                 ck_time[i] = False
 
-        visit(0, 0.0)
+        visit(0, 0.0, 0.0)
         return best[0]

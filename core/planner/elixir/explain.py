@@ -33,7 +33,10 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         f"{plan.device}, {plan.precision} (params {plan.param_dtype}, reduce {plan.reduce_dtype}), {plan.optimizer}",
         f"predicted step {step:.3f} s ({tokens / step:,.0f} tokens/s over {plan.world_size} rank(s)), peak "
         f"{format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} per device, host state "
-        f"{format_bytes(plan.host_bytes_per_rank)} per rank; prefetch {plan.forward_prefetch} (forward) / "
+        f"{format_bytes(plan.host_bytes_per_rank)} per rank"
+        + (f", disk state {format_bytes(plan.disk_bytes_per_rank)} per rank in {plan.disk_path or 'the disk tier'}"
+           if plan.disk_units else "")
+        + f"; prefetch {plan.forward_prefetch} (forward) / "
         f"{plan.backward_prefetch} (backward) units",
         "",
     ]
@@ -44,6 +47,7 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
             groups[-1].append(u)
         else:
             groups.append([u])
+    disk = bool(plan.disk_units)
     rows = []
     index = 0
     for g in groups:
@@ -52,16 +56,19 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         blocks = sum(len(u.blocks) for u in g)
         ck = sum(len(u.checkpoint) for u in g)
         share = sum(u.time_s for u in g) / step * 100 if step > 0 else 0.0
-        rows.append((ids, _span(g), g[0].mode, "host" if g[0].offload else "device", f"{ck}/{blocks}",
+        rows.append((ids, _span(g), g[0].mode, g[0].tier, f"{ck}/{blocks}",
                      _count(sum(u.param_numel for u in g)), format_bytes(sum(u.device_bytes for u in g)),
-                     format_bytes(sum(u.host_bytes for u in g)), format_bytes(g[0].gathered_bytes),
-                     f"{share:.1f}%"))
+                     format_bytes(sum(u.host_bytes for u in g)),
+                     *((format_bytes(sum(u.disk_bytes for u in g)),) if disk else ()),
+                     format_bytes(g[0].gathered_bytes), f"{share:.1f}%"))
     rows.append(("total", f"{sum(len(u.blocks) for u in plan.units)} blocks", "", "",
                  f"{len(plan.checkpointed_blocks)}", _count(plan.param_numel),
                  format_bytes(sum(u.device_bytes for u in plan.units)), format_bytes(plan.host_bytes_per_rank),
+                 *((format_bytes(plan.disk_bytes_per_rank),) if disk else ()),
                  "", f"{sum(u.time_s for u in plan.units) / step * 100:.1f}%" if step > 0 else ""))
-    lines.append(format_table(rows, ("unit", "blocks", "mode", "state on", "ckpt", "params", "device state",
-                                     "host state", "gathered", "time"), align="llllrrrrrr"))
+    header = ("unit", "blocks", "mode", "state on", "ckpt", "params", "device state", "host state",
+              *(("disk state",) if disk else ()), "gathered", "time")
+    lines.append(format_table(rows, header, align="llll" + "r" * (len(header) - 4)))
     m, b = plan.memory, plan.breakdown
     lines += [
         "",
@@ -69,7 +76,9 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         f"and gradients {format_bytes(m.params_bytes)} + activations {format_bytes(m.activation_bytes)} + margin "
         f"{format_bytes(m.margin_bytes)} (fragmentation, reserve) = {format_bytes(plan.peak_bytes)}",
         f"step time: compute {b.compute_s:.3f} s + recompute {b.recompute_s:.3f} s + exposed communication "
-        f"{b.exposed_comm_s:.3f} s + optimizer {b.optimizer_s:.3f} s = {step:.3f} s",
+        f"{b.exposed_comm_s:.3f} s + optimizer {b.optimizer_s:.3f} s"
+        + (f" (disk I/O {b.disk_io_s:.3f} s of reads and write-backs, overlapped with the host step)"
+           if disk else "") + f" = {step:.3f} s",
     ]
     if plan.runner_ups:
         lines += ["", "runner-ups (the best plan of each other grouping into units):"]
@@ -87,7 +96,8 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
 
 
 def _sig(u: UnitPlan) -> tuple[object, ...]:
-    return (u.mode, u.offload, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks), u.param_numel)
+    return (u.mode, u.offload, u.disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
+            u.param_numel)
 
 
 def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
@@ -116,6 +126,13 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
     zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if off_elems:
         opt: dict[str, object] = {"device": "cpu", "pin_memory": True}
+        disk_elems = sum(u.param_numel for u in units if u.disk)
+        if disk_elems:
+            # ZeRO-Infinity puts all offloaded optimizer state on NVMe or none of it.
+            opt = {"device": "nvme", "nvme_path": plan.disk_path or "<disk_dir>", "pin_memory": True}
+            if disk_elems < off_elems:
+                gaps.append(f"optimizer state on disk for {disk_elems / off_elems:.2f} of the offloaded parameters: "
+                            "DeepSpeed puts all offloaded optimizer state on NVMe; all of it goes there")
         if frac < 1:
             if stage == 3:
                 opt["ratio"] = round(frac, 4)

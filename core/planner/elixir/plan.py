@@ -7,12 +7,13 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_HOST, TIERS
 from tightfit.planner.elixir.sim import MODES
 from tightfit.planner.errors import PlanMismatchError
 from tightfit.profiler.types import ModelProfile
 from tightfit.serde import dump_json, load_json
 
-__all__ = ["MODES", "BASELINES", "UnitPlan", "StepBreakdown", "MemoryBreakdown", "RunnerUp", "ElixirPlan",
+__all__ = ["MODES", "BASELINES", "DISK_BASELINES", "UnitPlan", "StepBreakdown", "MemoryBreakdown", "RunnerUp", "ElixirPlan",
            "model_identity"]
 
 
@@ -30,6 +31,9 @@ class UnitPlan:
         host_bytes: state each rank keeps in host memory.
         gathered_bytes: unsharded parameters while the unit is live.
         time_s: predicted share of the step (compute, recompute, waits on its fetches, its optimizer step).
+        disk: the unit's optimizer state waits on disk between steps and is streamed through the host in its
+            optimizer step (needs ``offload``: master parameters and gradients stay on the host).
+        disk_bytes: optimizer state each rank keeps on disk for this unit.
     """
 
     blocks: tuple[str, ...]
@@ -41,8 +45,14 @@ class UnitPlan:
     host_bytes: int = 0
     gathered_bytes: int = 0
     time_s: float = 0.0
+    disk: bool = False
+    disk_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.disk and not self.offload:
+            raise ValueError(f"UnitPlan(blocks={self.blocks}, disk=True, offload=False): a unit with its optimizer "
+                             "state on disk is offloaded (its master parameters and gradients live on the host); "
+                             "give offload=True too")
         if not self.blocks:
             raise ValueError("UnitPlan.blocks is empty: a unit holds at least one block")
         if self.mode not in MODES:
@@ -50,6 +60,16 @@ class UnitPlan:
         stray = [b for b in self.checkpoint if b not in self.blocks]
         if stray:
             raise ValueError(f"UnitPlan.checkpoint names {stray} that are not blocks of this unit {self.blocks}")
+
+    @property
+    def state_tier(self) -> int:
+        """Where the unit's state lives, as the planner's code: 0 device, 1 host, 2 optimizer state on disk."""
+        return ON_DISK if self.disk else ON_HOST if self.offload else ON_DEVICE
+
+    @property
+    def tier(self) -> str:
+        """``"device"``, ``"host"`` or ``"disk"`` (:attr:`state_tier` by name)."""
+        return TIERS[self.state_tier]
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -65,6 +85,7 @@ class StepBreakdown:
     recompute_s: float
     exposed_comm_s: float
     optimizer_s: float
+    disk_io_s: float = 0.0  # disk reads and writes of the optimizer step before overlap (part of optimizer_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +131,8 @@ class ElixirPlan:
         checkpointable_blocks: how many of the model's blocks can be checkpointed.
         cost_model: how the step time was priced: ``"FLOPs / rate"`` or ``"measured block timings"``,
             then the calibration terms used (collective latency, per-unit overhead, measured overlap).
+        disk_bytes_per_rank: optimizer state each rank keeps on disk (units with ``disk``).
+        disk_path: the disk tier's directory the plan was priced for (``""``: no disk tier).
     """
 
     model: str
@@ -139,6 +162,8 @@ class ElixirPlan:
     notes: tuple[str, ...] = ()
     checkpointable_blocks: int = 0
     cost_model: str = "FLOPs / rate"
+    disk_bytes_per_rank: int = 0
+    disk_path: str = ""
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -148,6 +173,11 @@ class ElixirPlan:
     @property
     def offloaded_units(self) -> tuple[int, ...]:
         return tuple(i for i, u in enumerate(self.units) if u.offload)
+
+    @property
+    def disk_units(self) -> tuple[int, ...]:
+        """Units whose optimizer state lives on disk (a subset of :attr:`offloaded_units`)."""
+        return tuple(i for i, u in enumerate(self.units) if u.disk)
 
     @property
     def checkpointed_blocks(self) -> tuple[str, ...]:
@@ -232,6 +262,8 @@ class ElixirPlan:
 
 
 BASELINES = ("ddp", "zero2", "zero2-offload", "zero3", "zero3-offload")
+# ZeRO-Infinity's optimizer state on NVMe (offload_optimizer device "nvme"): needs a disk tier, so apart.
+DISK_BASELINES = ("zero3-offload-nvme",)
 
 
 def model_identity(profile: ModelProfile) -> tuple[tuple[str, ...], str]:

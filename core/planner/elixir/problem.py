@@ -1,15 +1,18 @@
 """The Elixir search input: :class:`ElixirConstraints` (limits, forced choices) and :class:`ElixirProblem`
-(profile, devices, optimizer, precision, budget), with the budget arithmetic (:func:`resolve_budget`)."""
+(profile, devices, optimizer, precision, the device, host and disk budgets), with the budget arithmetic
+(:func:`resolve_budget`, :meth:`ElixirProblem.prepare_tiers`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from tightfit.checks import check_number
+from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, build_context
 from tightfit.planner.elixir.space import Space
 from tightfit.planner.errors import PlanError
 from tightfit.planner.optimizers import optimizer_spec, precision_spec
+from tightfit.planner.tiers import MemoryTiers, memory_tiers
 from tightfit.profiler.types import ClusterSpec, ModelProfile
 from tightfit.units import parse_bytes
 
@@ -25,8 +28,11 @@ class ElixirConstraints:
     Args:
         modes: unit modes the search may use (subset of ``("reshard", "keep", "replicate")``).
         allow_offload: whether units may be offloaded to host memory.
+        allow_disk: whether offloaded units may keep their optimizer state on disk (only where every device
+            has a disk profile, ``DeviceProfile.disk``; without one there is no disk tier).
         allow_checkpointing: whether blocks may be checkpointed.
         force_offload: every unit offloaded (the search still picks units, modes and prefetch depths).
+        force_disk: every unit offloaded with its optimizer state on disk (needs the disk tier).
         force_checkpointing: every checkpointable block checkpointed (the search picks the rest, then
             the plan is priced with every block recomputed).
         prefetch_depths: prefetch depths to try, forward and backward independently.
@@ -51,6 +57,8 @@ class ElixirConstraints:
     exhaustive_limit: int = 50_000
     force_offload: bool = False
     force_checkpointing: bool = False
+    allow_disk: bool = True
+    force_disk: bool = False
 
     def __post_init__(self) -> None:
         where = "ElixirConstraints"
@@ -80,13 +88,20 @@ class ElixirConstraints:
         if self.force_offload and not self.allow_offload:
             raise PlanError("ElixirConstraints(force_offload=True, allow_offload=False) contradict each other; "
                              "drop one of them")
+        if self.force_disk and not (self.allow_disk and self.allow_offload):
+            raise PlanError("ElixirConstraints(force_disk=True) needs allow_disk=True and allow_offload=True (a disk "
+                            "unit is offloaded, with its optimizer state on disk); drop one of them")
         if self.force_checkpointing and not self.allow_checkpointing:
             raise PlanError("ElixirConstraints(force_checkpointing=True, allow_checkpointing=False) contradict "
                              "each other; drop one of them")
 
-    def space(self) -> Space:
-        """The search space these constraints leave (forced offload: every unit offloaded)."""
-        offload = (True,) if self.force_offload else (False, True) if self.allow_offload else (False,)
+    def space(self, disk: bool = False) -> Space:
+        """The search space these constraints leave (forced offload: every unit offloaded); ``disk``: there is a
+        disk tier, so offloaded units may keep their optimizer state on disk (where ``allow_disk``)."""
+        tiers = (ON_HOST,) if self.force_offload else (ON_DEVICE, ON_HOST) if self.allow_offload else (ON_DEVICE,)
+        if disk and self.allow_disk and self.allow_offload:
+            tiers = (ON_DISK,) if self.force_disk else tiers + (ON_DISK,)
+        offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as before
         return Space(modes=tuple(self.modes), offload=offload,
                        checkpointing=self.allow_checkpointing, depths=tuple(sorted(set(self.prefetch_depths))),
                        unit_blocks=self.unit_blocks)
@@ -131,6 +146,11 @@ class ElixirProblem:
         memory_budget: bytes per device (int, ``"40GiB"``), a fraction of the smallest device's
             memory, or ``None`` for all of it.
         constraints: :class:`ElixirConstraints` (``None``: the defaults).
+        host_budget: host bytes per rank (int, ``"4GiB"``); ``None``: the host's memory x
+            ``host_memory_fraction`` / ranks per node (unbounded where the profile does not say).
+        disk_budget: disk bytes per rank for optimizer state (int, ``"100GiB"``, at most what is free);
+            ``None``: the disk's free bytes / ranks per node. The disk tier exists only where every
+            device has a disk profile (``DeviceProfile.disk``).
 
     Example:
         >>> ElixirProblem(model=profile, cluster=cluster, memory_budget="6GiB")  # doctest: +SKIP
@@ -142,6 +162,8 @@ class ElixirProblem:
     precision: str = "bf16-mixed"
     memory_budget: int | float | str | None = None
     constraints: ElixirConstraints | None = None
+    host_budget: int | str | None = None
+    disk_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         model = self.model
@@ -152,6 +174,14 @@ class ElixirProblem:
             raise ValueError(f"profile of {model.model!r} has no blocks; profile_model finds them for nn.Module models")
         precision_spec(self.precision)
         optimizer_spec(self.optimizer)
+        for name in ("host_budget", "disk_budget"):
+            value = getattr(self, name)
+            try:
+                if value is not None and (isinstance(value, bool) or parse_bytes(value) < 0):
+                    raise ValueError(f"{value!r} is not a size")
+            except ValueError as err:
+                raise PlanError(f"ElixirProblem.{name}={value!r}: {err}; give bytes (an int or '4GiB'), or None for "
+                                "the default") from None
 
     @property
     def limits(self) -> ElixirConstraints:
@@ -161,6 +191,12 @@ class ElixirProblem:
     def prepare(self, act_scale: float = 1.0) -> tuple[ElixirConstraints, int, Context, float]:
         """(constraints, budget bytes, cost-model context, host budget per rank); ``act_scale`` scales activations
         (the diagnosis prices smaller batches with it)."""
+        cons, ctx, tiers = self.prepare_tiers(act_scale)
+        return cons, int(tiers.device_bytes or 0), ctx, _or_inf(tiers.host_bytes)
+
+    def prepare_tiers(self, act_scale: float = 1.0) -> tuple[ElixirConstraints, Context, MemoryTiers]:
+        """(constraints, cost-model context, the three tiers' budgets per device / rank): :meth:`prepare` with the
+        disk tier (``disk_bytes`` 0 and ``disk`` ``None`` where there is none or ``allow_disk`` is off)."""
         model, cluster = self.model, self.cluster
         cons = self.limits
         budget, reserved = resolve_budget(self.memory_budget, cluster, cons)
@@ -172,14 +208,32 @@ class ElixirProblem:
                           fwd_transient=tuple(x * act_scale for x in ctx.fwd_transient),
                           fwd=tuple(x * act_scale for x in ctx.fwd), bwd=tuple(x * act_scale for x in ctx.bwd),
                           rfwd=tuple(x * act_scale for x in ctx.rfwd))
-        hosts = [d.host_memory_bytes for d in cluster.devices if d.host_memory_bytes > 0]
-        host_budget = (min(hosts) * cons.host_memory_fraction / ctx.ranks_per_node) if hosts else float("inf")
-        return cons, budget, ctx, host_budget
+        host: int | str | None = self.host_budget
+        if host is None:
+            hosts = [d.host_memory_bytes for d in cluster.devices if d.host_memory_bytes > 0]
+            host = int(min(hosts) * cons.host_memory_fraction / ctx.ranks_per_node) if hosts else None
+        if self.disk_budget is not None and ctx.disk is None:
+            raise PlanError(f"ElixirProblem.disk_budget={self.disk_budget!r} but there is no disk tier: give every "
+                            "device a disk profile (DeviceProfile.disk, tightfit.profiler.profile_disk(disk_dir)), or "
+                            "drop disk_budget")
+        disk = ctx.disk if cons.allow_disk and cons.allow_offload else None
+        tiers = memory_tiers(device_bytes=budget, host_bytes=host, disk=disk, disk_bytes=self.disk_budget,
+                             unified=ctx.unified, sharers=ctx.ranks_per_node)
+        if cons.force_disk and not tiers.has_disk:
+            raise PlanError("ElixirConstraints(force_disk=True) but there is no disk tier: give every device a disk "
+                            "profile (DeviceProfile.disk, tightfit.profiler.profile_disk(disk_dir)) with free space")
+        return cons, ctx, tiers
+
+
+def _or_inf(value: int | None) -> float:
+    return float("inf") if value is None else float(value)
 
 
 def prepare(model: ModelProfile, cluster: ClusterSpec, optimizer: str, precision: str,
             memory_budget: int | float | str | None, constraints: ElixirConstraints | None,
-            act_scale: float = 1.0) -> tuple[ElixirConstraints, int, Context, float]:
+            act_scale: float = 1.0, *, host_budget: int | str | None = None,
+            disk_budget: int | str | None = None) -> tuple[ElixirConstraints, int, Context, float]:
     """:meth:`ElixirProblem.prepare` of the problem these arguments make."""
     return ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
-                         memory_budget=memory_budget, constraints=constraints).prepare(act_scale)
+                         memory_budget=memory_budget, constraints=constraints, host_budget=host_budget,
+                         disk_budget=disk_budget).prepare(act_scale)

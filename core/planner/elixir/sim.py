@@ -5,10 +5,11 @@ tens of thousands of times, so both are plain loops over precomputed per-unit nu
 
 A plan is: units (contiguous runs of blocks, one ``fully_shard`` call each), a mode per unit
 (``reshard``: ZeRO-3-like, ``keep``: sharded but kept gathered from forward to backward,
-``replicate``: every rank holds the full state), an offload flag per unit (FSDP2
-``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the host, optimizer
-step on the host), a checkpoint flag per block, and prefetch depths (``df``, ``db``: how many units
-ahead FSDP2 all-gathers in forward / backward).
+``replicate``: every rank holds the full state), a state tier per unit (``offload``: 0 = on the
+device; 1 = FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the
+host, optimizer step on the host; 2 = the same with the optimizer state on disk between steps,
+streamed through a host staging area during the host optimizer step), a checkpoint flag per block,
+and prefetch depths (``df``, ``db``: how many units ahead FSDP2 all-gathers in forward / backward).
 
 Notation (per rank): ``P`` parameter elements of a unit, ``W`` world size, ``E = P/W`` (sharded
 modes) or ``P`` (replicate) the elements a rank owns; ``m, c, r`` bytes per element of the master
@@ -21,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tightfit.planner import cost
-from tightfit.profiler.types import ClusterSpec, ModelProfile
+from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, ON_DISK, disk_optimizer_seconds, slowest_disk
+from tightfit.profiler.types import ClusterSpec, DiskProfile, ModelProfile
 
 __all__ = ["MODES", "Context", "UnitTerms", "build_context", "unit_terms", "step_time", "peak", "Detail"]
 
@@ -40,15 +42,18 @@ class UnitTerms:
     ag_b: float      # backward re-gather (reshard only)
     red: float       # reduce-scatter P * r (sharded) or all-reduce P * r (replicate)
     d2h: float       # gradient shard to the host (offloaded): E * m / d2h
-    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate; + the unit's optimizer overhead
-    state: float     # device-resident sharded state: E * (m + m + o), 0 when offloaded
-    host: float      # host-resident state per rank: E * (m + m + o) when offloaded
+    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate; + the unit's optimizer overhead;
+                     # on disk: compute + io - f * min(compute, io) (io: read and write E * o, f: disk overlap)
+    state: float     # device-resident sharded state: E * (m + m + o), 0 when offloaded (unified: E * (m + m) on disk)
+    host: float      # host-resident state per rank: E * (m + m + o) when offloaded, E * (m + m) on disk
     gathered: float  # unsharded parameters while live: P * c
     grads: float     # unsharded gradients + reduce buffer while its backward runs: P * (c + r)
     red_buf: float   # reduce buffer still in flight while the next unit's backward runs: P * r
     opt_tmp: float   # foreach temporaries inside optimizer.step() on the device: E * t
     kept: bool       # gathered parameters stay from forward to backward (mode "keep")
     grad_state: float = 0.0  # the gradient part of ``state`` (E * m): absent until backward (calibrated model)
+    disk: float = 0.0        # optimizer state on disk per rank: E * o (state tier 2)
+    disk_io: float = 0.0     # seconds of disk I/O in ``opt`` before overlap: read + write of ``disk`` bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +92,11 @@ class Context:
     alias_replicated: bool = False   # replicate units hold no second copy of parameters / gradients (see unit_terms)
     grads_on_demand: bool = False    # gradients exist from their backward on (zero_grad(set_to_none=True)), see peak
     unified: bool = False            # host and device are one memory: offloaded state counts in the device peak
+    disk: DiskProfile | None = None  # the disk tier's profile (the slowest over the ranks); None: no disk tier
+    disk_overlap: float = 1.0        # fraction of disk I/O hidden behind the host optimizer step (1.0: unmeasured)
+    opt_state_per_elem: float = 0.0  # o: optimizer-state bytes per owned element (what a disk unit keeps on disk)
 
-    def unit_overhead(self, mode: str, offload: bool, tensors: int = 0,
+    def unit_overhead(self, mode: str, offload: int, tensors: int = 0,
                       nbytes: float = 0.0) -> tuple[float, float, float]:
         """Seconds one unit of ``mode`` holding ``tensors`` parameter tensors of ``nbytes`` unsharded bytes adds
         to forward, backward and the optimizer step: per unit + per tensor + per byte (0 when not measured)."""
@@ -144,6 +152,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
     if world > 1:
         collective("all_gather", 1 << 20)
         collective("reduce_scatter", 1 << 20)
+    disk = slowest_disk(devices)
     return Context(
         names=tuple(b.name for b in blocks),
         numel=tuple(b.param_numel for b in blocks),
@@ -174,6 +183,9 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         and spec.compute_bytes == spec.master_bytes == spec.reduce_bytes,
         grads_on_demand=all(d.calibrated for d in devices),
         unified=unified,
+        disk=disk,
+        disk_overlap=disk.compute_overlap if disk is not None and disk.compute_overlap >= 0 else 1.0,
+        opt_state_per_elem=cost.optimizer_state_bytes(optimizer, spec.master_bytes),
     )
 
 
@@ -196,8 +208,12 @@ def _dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
-def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> UnitTerms:
-    """Price blocks ``[start, end)`` as one unit; the formulas are on :class:`UnitTerms`' fields."""
+def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> UnitTerms:
+    """Price blocks ``[start, end)`` as one unit in state tier ``offload`` (0 device, 1 host, 2 disk; bools
+    read as 0 and 1); the formulas are on :class:`UnitTerms`' fields."""
+    if offload == ON_DISK and ctx.disk is None:
+        raise ValueError("a unit with its optimizer state on disk needs a disk tier: give every device a disk "
+                         "profile (DeviceProfile.disk, from tightfit.profiler.profile_disk(disk_dir))")
     p = sum(ctx.numel[start:end])
     w = ctx.world
     spec = ctx.precision
@@ -212,6 +228,15 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> 
     # full shard + offload peak at the same 48.2 MiB; counting the offloaded state as host-only let the
     # planner "fit" a budget by offloading and under-priced the real peak by the whole state).
     on_device = not offload or ctx.unified
+    on_disk = offload == ON_DISK
+    # A disk unit keeps its master parameters and gradients (2m) where a host unit keeps all its state; the
+    # optimizer state (o) waits on disk and is read in and written back during its host optimizer step.
+    kept_state = ctx.state_per_elem - ctx.opt_state_per_elem if on_disk else ctx.state_per_elem
+    opt = owned / (ctx.host_opt if offload else ctx.dev_opt)
+    io = 0.0
+    if on_disk and ctx.disk is not None:
+        opt, io = disk_optimizer_seconds(ctx.disk, owned * ctx.opt_state_per_elem, compute=opt,
+                                         sharers=ctx.ranks_per_node, overlap=ctx.disk_overlap)
     # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
     # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
     # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
@@ -226,15 +251,17 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: bool) -> 
         ag_b=ag if mode == "reshard" else 0.0,
         red=red,
         d2h=owned * spec.master_bytes / ctx.d2h if offload else 0.0,
-        opt=owned / (ctx.host_opt if offload else ctx.dev_opt) + ovh_o,
-        state=owned * ctx.state_per_elem if on_device else 0.0,
-        host=owned * ctx.state_per_elem if offload else 0.0,
+        opt=opt + ovh_o,
+        state=owned * kept_state if on_device else 0.0,
+        host=owned * kept_state if offload else 0.0,
         gathered=0.0 if alias else p * spec.compute_bytes,
         grads=0.0 if alias else p * (spec.compute_bytes + spec.reduce_bytes),
         red_buf=0.0 if alias else p * spec.reduce_bytes,
         opt_tmp=owned * ctx.temp_per_elem if on_device else 0.0,
         kept=mode == "keep",
         grad_state=owned * spec.master_bytes if on_device else 0.0,
+        disk=owned * ctx.opt_state_per_elem if on_disk else 0.0,
+        disk_io=io,
     )
 
 
@@ -373,7 +400,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         saved_i + transient_i (a checkpointed block is recomputed to its full saved size, and its
         re-run forward's temporaries count: ``max(transient_i, fwd_transient_i)``); this is the step
         model of :func:`tightfit.profiler.memory.estimate_peak`, plus the parameter terms;
-      * the optimizer step: params = 0, acts = 0, plus the foreach temporaries of resident units.
+      * the optimizer step: params = 0, acts = 0, plus the foreach temporaries of resident units, plus the
+        disk tier's staging area (:data:`DISK_STAGING_BYTES`) where host and device are one memory.
     """
     n = len(units)
     state = 0.0
@@ -384,6 +412,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     kept_before = [0.0] * (n + 1)  # kept_before[u] = sum of gathered over kept units v < u
     for u in range(n):
         kept_before[u + 1] = kept_before[u] + (terms[u].gathered if terms[u].kept else 0.0)
+    if ctx.unified and any(t.disk > 0 for t in terms):
+        opt_tmp += DISK_STAGING_BYTES
     best = state + opt_tmp
     where = ("optimizer", "", state, 0.0, 0.0)
     # Calibrated model: Lightning and plain loops free gradients after the optimizer step

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
+from tightfit.planner.elixir.disk import ON_DISK, ON_HOST
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
@@ -19,7 +20,7 @@ from tightfit.planner.elixir.plan import (
     UnitPlan,
     model_identity,
 )
-from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
+from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem
 from tightfit.planner.elixir.sim import Context, Detail, peak, step_time
 from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.profiler.types import ClusterSpec, ModelProfile
@@ -31,7 +32,8 @@ Progress = Callable[[int, int, str], None]
 
 def search(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw", precision: str = "bf16-mixed",
            memory_budget: int | float | str | None = None, constraints: ElixirConstraints | None = None,
-           progress: Progress | None = None) -> ElixirPlan:
+           progress: Progress | None = None, host_budget: int | str | None = None,
+           disk_budget: int | str | None = None) -> ElixirPlan:
     """The fastest plan (by the cost model) whose predicted peak per device fits ``memory_budget``.
 
     Args:
@@ -43,29 +45,34 @@ def search(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw
             memory, or ``None`` for all of it.
         constraints: :class:`ElixirConstraints`.
         progress: ``progress(done, total, what)`` called while searching.
+        host_budget / disk_budget: host and disk bytes per rank (:class:`ElixirProblem`; ``None``: the defaults).
 
     Raises:
-        PlanInfeasibleError: nothing fits; carries the smallest budget that does and the cheapest change.
+        PlanInfeasibleError: nothing fits; names the tier that is short (``tier``), the smallest budget that
+            fits and the cheapest change.
     """
     return solve(ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
-                               memory_budget=memory_budget, constraints=constraints), progress=progress)
+                               memory_budget=memory_budget, constraints=constraints, host_budget=host_budget,
+                               disk_budget=disk_budget), progress=progress)
 
 
 def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> ElixirPlan:
     """:func:`search` on a built :class:`ElixirProblem` (forced choices in its constraints are honoured)."""
     model, cluster = problem.model, problem.cluster
-    optimizer, precision, memory_budget = problem.optimizer, problem.precision, problem.memory_budget
     t0 = time.perf_counter()
-    cons, budget, ctx, host_budget = problem.prepare()
+    cons, ctx, tiers = problem.prepare_tiers()
+    budget = int(tiers.device_bytes or 0)
+    host_budget = math.inf if tiers.host_bytes is None else float(tiers.host_bytes)
+    disk_budget = float(tiers.disk_bytes)
     ev = S.Evaluator(ctx)
-    space = cons.space()
+    space = cons.space(disk=tiers.has_disk)
     exact = cons.exhaustive if cons.exhaustive is not None else S.count_space(ctx, space) <= cons.exhaustive_limit
     if exact:
         # keep=4: the best plan and the three runner-up families below are exact; the rest may be cut off.
-        per_family = exhaustive(ev, space, budget, host_budget, progress, keep=4)
+        per_family = exhaustive(ev, space, budget, host_budget, progress, keep=4, disk_budget=disk_budget)
         feasible = [c for c in per_family.values() if c is not None]
     else:
-        pool = S.greedy_pool(ev, space, host_budget, progress)
+        pool = S.greedy_pool(ev, space, host_budget, progress, disk_budget=disk_budget)
         feasible = [c for c in pool if c.peak <= budget]
     best_of: dict[str, S.Candidate] = {}
     for c in feasible:
@@ -73,10 +80,10 @@ def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> Elixir
             best_of[c.family] = c
     feasible = list(best_of.values())
     if not feasible:
-        raise infeasible(model, cluster, optimizer, precision, memory_budget, cons, budget, ctx, exact)
+        raise infeasible(problem, cons, tiers, ctx, exact)
     ranked = sorted(feasible, key=lambda c: c.key)
     best = ranked[0]
-    plan = to_plan(ev, best, model, budget, cluster)
+    plan = to_plan(ev, best, model, budget, cluster, disk_path=tiers.disk.path if tiers.disk else "")
     best_detail = detail(ev, best)
     runner_ups = tuple(_runner_up(ev, c, best, best_detail) for c in ranked[1:4])
     plan = replace(plan, runner_ups=runner_ups, search_method="exhaustive" if exact else "greedy frontier",
@@ -93,7 +100,8 @@ def _checkpoint_everything(problem: ElixirProblem, plan: ElixirPlan) -> ElixirPl
     forced = estimate(problem.model, problem.cluster, units, forward_prefetch=plan.forward_prefetch,
                       backward_prefetch=plan.backward_prefetch, optimizer=problem.optimizer,
                       precision=problem.precision, memory_budget=problem.memory_budget,
-                      constraints=problem.constraints)
+                      constraints=problem.constraints, host_budget=problem.host_budget,
+                      disk_budget=problem.disk_budget)
     if not forced.fits:
         raise PlanInfeasibleError(
             f"ElixirConstraints(force_checkpointing=True) forces a plan whose predicted peak "
@@ -108,9 +116,15 @@ def _checkpoint_everything(problem: ElixirProblem, plan: ElixirPlan) -> ElixirPl
 def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan], *, forward_prefetch: int = 1,
              backward_prefetch: int = 1, optimizer: str = "adamw", precision: str = "bf16-mixed",
              memory_budget: int | float | str | None = None,
-             constraints: ElixirConstraints | None = None) -> ElixirPlan:
-    """Price a given plan (units with their blocks, mode, offload and checkpoint) on ``cluster``."""
-    _, budget, ctx, _ = prepare(model, cluster, optimizer, precision, memory_budget, constraints)
+             constraints: ElixirConstraints | None = None, host_budget: int | str | None = None,
+             disk_budget: int | str | None = None) -> ElixirPlan:
+    """Price a given plan (units with their blocks, mode, offload, disk and checkpoint) on ``cluster``
+    (units with ``disk`` need a disk profile on every device)."""
+    problem = ElixirProblem(model=model, cluster=cluster, optimizer=optimizer, precision=precision,
+                            memory_budget=memory_budget, constraints=constraints, host_budget=host_budget,
+                            disk_budget=disk_budget)
+    _, ctx, tiers = problem.prepare_tiers()
+    budget = int(tiers.device_bytes or 0)
     index = {name: i for i, name in enumerate(ctx.names)}
     spans, modes, offs = [], [], []
     ckpt = [False] * len(ctx.names)
@@ -126,7 +140,10 @@ def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan
                              "the blocks in first-use order")
         spans.append((ids[0], ids[-1] + 1))
         modes.append(u.mode)
-        offs.append(u.offload)
+        if u.disk and ctx.disk is None:
+            raise ValueError(f"unit {u.blocks} keeps its optimizer state on disk (disk=True), but there is no disk "
+                             "tier: give every device a disk profile (DeviceProfile.disk)")
+        offs.append(u.state_tier if u.disk else u.offload)
         for b in u.checkpoint:
             ckpt[index[b]] = True
         expect = ids[-1] + 1
@@ -134,7 +151,7 @@ def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan
         raise ValueError(f"units cover {expect} of {len(ctx.names)} blocks; add units for {list(ctx.names[expect:])}")
     ev = S.Evaluator(ctx)
     cand = ev.make(spans, modes, offs, ckpt, forward_prefetch, backward_prefetch)
-    return to_plan(ev, cand, model, budget, cluster)
+    return to_plan(ev, cand, model, budget, cluster, disk_path=ctx.disk.path if ctx.disk else "")
 
 
 # ---- internals --------------------------------------------------------------------------------
@@ -146,15 +163,18 @@ def detail(ev: S.Evaluator, c: S.Candidate) -> Detail:
     return d
 
 
-def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, cluster: ClusterSpec) -> ElixirPlan:
+def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, cluster: ClusterSpec, *,
+            disk_path: str = "") -> ElixirPlan:
     ctx = ev.ctx
     d = detail(ev, c)
     units = []
+    disk_io = 0.0
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
         t = ev.terms(a, b, m, o)
+        disk_io += t.disk_io
         rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
-            blocks=ctx.names[a:b], mode=m, offload=o,
+            blocks=ctx.names[a:b], mode=m, offload=bool(o), disk=o == ON_DISK, disk_bytes=int(t.disk),
             checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
             param_numel=sum(ctx.numel[a:b]), device_bytes=int(t.state), host_bytes=int(t.host),
             gathered_bytes=int(t.gathered),
@@ -168,19 +188,22 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
         inputs={k: list(v) for k, v in model.inputs.items()}, world_size=ctx.world, precision=spec.name,
         param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, optimizer=ctx.optimizer, units=tuple(units),
         forward_prefetch=c.df, backward_prefetch=c.db, step_time_s=c.time, peak_bytes=math.ceil(c.peak),
-        budget_bytes=int(budget), host_bytes_per_rank=int(c.host),
+        budget_bytes=int(budget), host_bytes_per_rank=int(c.host), disk_bytes_per_rank=int(c.disk),
+        disk_path=disk_path if c.disk > 0 else "",
         breakdown=StepBreakdown(compute_s=d.compute, recompute_s=d.recompute,
-                                exposed_comm_s=c.time - d.compute - d.recompute - d.optimizer, optimizer_s=d.optimizer),
+                                exposed_comm_s=c.time - d.compute - d.recompute - d.optimizer, optimizer_s=d.optimizer,
+                                disk_io_s=disk_io),
         memory=MemoryBreakdown(phase=d.peak_phase, block=d.peak_block, state_bytes=int(d.peak_state),
                                params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
                                margin_bytes=int(c.peak - raw)),
         device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
-        checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster),
+        checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster, disk=c.disk > 0),
     )
 
 
-def describe_model(ctx: Context, cluster: ClusterSpec) -> str:
-    """Which cost model priced the plan: compute source, then each calibration term in use."""
+def describe_model(ctx: Context, cluster: ClusterSpec, *, disk: bool = False) -> str:
+    """Which cost model priced the plan: compute source, then each calibration term in use (``disk``: the plan
+    has disk units, priced from the disk profile)."""
     parts = [ctx.compute_model]
     if any(d.collective_fit for d in cluster.devices):
         parts.append("collectives latency + bandwidth (measured)")
@@ -190,6 +213,10 @@ def describe_model(ctx: Context, cluster: ClusterSpec) -> str:
         parts.append(f"comm/compute overlap {ctx.overlap:.2f} (measured)")
     if all(d.unified_memory for d in cluster.devices):
         parts.append("host = device memory (no copy cost)")
+    if disk and ctx.disk is not None:
+        overlap = "measured" if ctx.disk.compute_overlap >= 0 else "unmeasured: full"
+        parts.append(f"disk tier {ctx.disk.path} latency + bandwidth ({ctx.disk.source}), I/O overlap with the "
+                     f"optimizer step {ctx.disk_overlap:.2f} ({overlap})")
     return "; ".join(parts)
 
 
@@ -209,4 +236,4 @@ def _runner_up(ev: S.Evaluator, c: S.Candidate, best: S.Candidate, best_detail: 
     else:
         why = f"{slower:+.1f}%: same predicted time, but more offloading, recompute or memory"
     return RunnerUp(family=c.family, step_time_s=c.time, peak_bytes=int(c.peak), units=len(c.units),
-                    offloaded=sum(c.offload), checkpointed=sum(c.ckpt), why=why)
+                    offloaded=sum(1 for o in c.offload if o in (ON_HOST, ON_DISK)), checkpointed=sum(c.ckpt), why=why)

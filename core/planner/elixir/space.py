@@ -12,18 +12,25 @@ Part of :mod:`tightfit.planner.elixir` (the search space and its two searches). 
   and their "stripped" variants (offload and recompute removed), does not depend on the budget:
   the answer for a budget is the fastest pool plan under it, so a smaller budget can never give
   a faster plan.
+
+With a disk tier (state tier 2 in :attr:`Space.offload`) the greedy pool also holds every plan of the
+same search without it, so adding the tier never makes the answer slower; its descents add a "to disk"
+move, and an offload the host cannot hold is repaired by moving host units' optimizer state to disk,
+the least time lost per host byte saved first.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, ON_DISK, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
-__all__ = ["Space", "Candidate", "Evaluator", "greedy_pool", "pareto", "count_space", "groupings",
-           "compositions", "least_memory_choice"]
+__all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
+           "groupings", "compositions", "least_memory_choice"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -33,7 +40,7 @@ class Space:
     """What the search may choose from (built from ``ElixirConstraints``)."""
 
     modes: tuple[str, ...]
-    offload: tuple[bool, ...]          # (False,), (True,) or (False, True)
+    offload: tuple[int, ...]           # state tiers a unit may take: (0,), (1,), (0, 1), (0, 1, 2), (1, 2), (2,)
     checkpointing: bool
     depths: tuple[int, ...]
     unit_blocks: tuple[int, ...] | None  # blocks per unit to try in greedy mode (None: auto)
@@ -43,16 +50,22 @@ class Space:
 class Candidate:
     units: tuple[tuple[int, int], ...]
     modes: tuple[str, ...]
-    offload: tuple[bool, ...]
+    offload: tuple[int, ...]  # state tier per unit: 0 device, 1 host, 2 optimizer state on disk (bools read as 0/1)
     ckpt: tuple[bool, ...]
     df: int
     db: int
     time: float
     peak: float
     host: float
+    disk: float = 0.0
+
+    def fits(self, host_budget: float, disk_budget: float) -> bool:
+        """Within the host and disk budgets (the device budget is the caller's)."""
+        return self.host <= host_budget and self.disk <= disk_budget
 
     @property
     def changes(self) -> int:
+        # A disk unit counts as two changes (host offload, then its state to disk): equal times prefer the host.
         return sum(self.offload) + sum(self.ckpt)
 
     @property
@@ -71,22 +84,34 @@ class Candidate:
         return f"{len(self.units)} units of {sizes[0]}-{sizes[-1]} blocks"
 
 
+def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
+    """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
+    not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
+    staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
+    return sum(t.host for t in terms) + staging
+
+
+def disk_bytes(terms: Sequence[UnitTerms]) -> float:
+    """Disk bytes per rank of a plan: its units' optimizer state on disk."""
+    return sum(t.disk for t in terms)
+
+
 class Evaluator:
     """Prices candidates, caching each unit's terms."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self._terms: dict[tuple[int, int, str, bool], UnitTerms] = {}
+        self._terms: dict[tuple[int, int, str, int], UnitTerms] = {}
         self.evaluations = 0
 
-    def terms(self, a: int, b: int, mode: str, off: bool) -> UnitTerms:
+    def terms(self, a: int, b: int, mode: str, off: int) -> UnitTerms:
         key = (a, b, mode, off)
         t = self._terms.get(key)
         if t is None:
             t = self._terms[key] = unit_terms(self.ctx, a, b, mode, off)
         return t
 
-    def make(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[bool],
+    def make(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[int],
              ckpt: Sequence[bool], df: int, db: int) -> Candidate:
         self.evaluations += 1
         u = list(units)
@@ -94,7 +119,7 @@ class Evaluator:
         ck = list(ckpt)
         return Candidate(units=tuple(u), modes=tuple(modes), offload=tuple(offload), ckpt=tuple(ck), df=df, db=db,
                          time=step_time(self.ctx, u, terms, ck, df, db), peak=peak(self.ctx, u, terms, ck, df, db),
-                         host=sum(t.host for t in terms))
+                         host=host_bytes(self.ctx, terms), disk=disk_bytes(terms))
 
 
 def compositions(n: int) -> Iterator[tuple[tuple[int, int], ...]]:
@@ -120,7 +145,7 @@ def count_space(ctx: Context, space: Space) -> int:
     return sum(comb(n - 1, k - 1) * per_unit ** k for k in range(1, n + 1)) * ck * len(space.depths) ** 2
 
 
-def least_memory_choice(ev: Evaluator, space: Space, a: int, b: int) -> tuple[str, bool]:
+def least_memory_choice(ev: Evaluator, space: Space, a: int, b: int) -> tuple[str, int]:
     """The allowed (mode, offload) of blocks ``[a, b)`` that uses the least memory at every point of the step
     (resharded and offloaded when allowed: nothing resident, gathered only while live)."""
     return min(((m, o) for m in space.modes for o in space.offload),
@@ -164,7 +189,7 @@ def groupings(ctx: Context, unit_blocks: tuple[int, ...] | None) -> list[tuple[t
 
 
 def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progress | None = None,
-                rounds: int = 2, max_points: int = 32) -> list[Candidate]:
+                rounds: int = 2, max_points: int = 32, *, disk_budget: float = math.inf) -> list[Candidate]:
     """Every plan visited by the greedy descents plus their neighbourhoods (budget-independent).
 
     After the descents, ``rounds`` times: every plan on the current Pareto frontier (at most
@@ -172,7 +197,19 @@ def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progr
     more memory), each swap of two changes of a kind (offload unit ``v`` instead of ``u``,
     checkpoint block ``j`` instead of ``i``: which ones matters), other modes and prefetch depths.
     They fill the gaps between the descent's steps, where a budget may fall.
+
+    With the disk tier in ``space``, the pool of the same search without it comes first (a superset: the
+    tier can only add faster plans under the same budgets), then this search's own plans.
     """
+    base: list[Candidate] = []
+    if ON_DISK in space.offload and len(space.offload) > 1:
+        without = replace(space, offload=tuple(o for o in space.offload if o != ON_DISK))
+        base = greedy_pool(ev, without, host_budget, progress, rounds, max_points)
+    return base + _pool(ev, space, host_budget, disk_budget, progress, rounds, max_points)
+
+
+def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, progress: Progress | None,
+          rounds: int, max_points: int) -> list[Candidate]:
     seen: set[tuple] = set()
     ctx = ev.ctx
     pool: list[Candidate] = []
@@ -181,13 +218,14 @@ def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progr
     for g_i, units in enumerate(gs):
         if progress:
             progress(g_i, len(gs) + rounds + 1, f"greedy descent over {len(units)} units")
-        pool.extend(c for c in _descend(ev, space, units, d0, d0, host_budget) if c.host <= host_budget)
+        pool.extend(c for c in _descend(ev, space, units, d0, d0, host_budget, disk_budget)
+                    if c.fits(host_budget, disk_budget))
     seen.update(_config(c) for c in pool)
     for r in range(rounds):
         if progress:
             progress(len(gs) + r, len(gs) + rounds + 1, f"refining the frontier ({r + 1}/{rounds})")
         pool.extend(c for c in _neighbours(ev, space, _spread(pareto(pool), max_points), seen)
-                    if c.host <= host_budget)
+                    if c.fits(host_budget, disk_budget))
     stripped = []
     no_off = False in space.offload
     for c in pareto(pool):
@@ -197,7 +235,7 @@ def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progr
     pool.extend(stripped)
     if progress:
         progress(len(gs) + rounds + 1, len(gs) + rounds + 1, "done")
-    return [c for c in pool if c.host <= host_budget]
+    return [c for c in pool if c.fits(host_budget, disk_budget)]
 
 
 def _config(c: Candidate) -> tuple:
@@ -214,7 +252,7 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
     ctx = ev.ctx
     out: list[Candidate] = []
 
-    def add(c: Candidate, modes: Sequence[str], offs: Sequence[bool], ck: Sequence[bool], df: int, db: int) -> None:
+    def add(c: Candidate, modes: Sequence[str], offs: Sequence[int], ck: Sequence[bool], df: int, db: int) -> None:
         key = (c.units, tuple(modes), tuple(offs), tuple(ck), df, db)
         if key not in seen:
             seen.add(key)
@@ -242,16 +280,22 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
                     swap = list(flip)
                     swap[v] = True
                     add(c, c.modes, swap, c.ckpt, c.df, c.db)
+        if ON_DISK in space.offload:  # between the host and the disk: which units keep their state on the host
+            for u in _spread([u for u in range(k) if c.offload[u] in (ON_HOST, ON_DISK)], 16):
+                tier = list(c.offload)
+                tier[u] = ON_HOST if c.offload[u] == ON_DISK else ON_DISK
+                if tier[u] in space.offload:
+                    add(c, c.modes, tier, c.ckpt, c.df, c.db)
         ck_on = _spread([i for i, f in enumerate(c.ckpt) if f], 8)
         ck_off = _spread([i for i, f in enumerate(c.ckpt) if not f and ctx.checkpointable[i]], 8)
         for i in ck_on:
-            flip = list(c.ckpt)
-            flip[i] = False
-            add(c, c.modes, c.offload, flip, c.df, c.db)
+            ck_flip = list(c.ckpt)
+            ck_flip[i] = False
+            add(c, c.modes, c.offload, ck_flip, c.df, c.db)
             for j in ck_off:
-                swap = list(flip)
-                swap[j] = True
-                add(c, c.modes, c.offload, swap, c.df, c.db)
+                ck_swap = list(ck_flip)
+                ck_swap[j] = True
+                add(c, c.modes, c.offload, ck_swap, c.df, c.db)
     return out
 
 
@@ -267,19 +311,44 @@ def _proxy(ev: Evaluator, c: Candidate) -> float:
     return total
 
 
-def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
-             host_budget: float) -> list[Candidate]:
-    ctx = ev.ctx
-    k = len(units)
-    n_blocks = len(ctx.numel)
-    off0 = space.offload[0]
-    modes = ["keep" if "keep" in space.modes else space.modes[0]] * k
-    offs = [off0] * k
-    ckpt = [False] * n_blocks
-    # Fastest modes by coordinate descent (two passes settle: a unit's best mode depends only on its neighbours).
+def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: float) -> Candidate | None:
+    """``c`` with host units' optimizer state moved to disk until its host bytes fit, the least time lost per
+    host byte saved first; ``None`` where even that does not fit both budgets.
+
+    Moving unit ``u`` from the host to the disk changes only its optimizer step (the schedule adds the
+    optimizer steps after everything else), so each unit's loss per byte is independent of the others: one
+    ordering, one pricing at the end.
+    """
+    order = []
+    for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
+        if o == ON_HOST:
+            host, disk = ev.terms(a, b, m, ON_HOST), ev.terms(a, b, m, ON_DISK)
+            saved = host.host - disk.host
+            if saved > 0:
+                order.append(((disk.opt - host.opt) / saved, u, saved))
+    order.sort()
+    over = c.host - host_budget
+    if c.disk == 0 and not ev.ctx.unified:
+        over += DISK_STAGING_BYTES  # the first disk unit brings the staging area to the host
+    tiers = list(c.offload)
+    for _, u, saved in order:
+        if over <= 0:
+            break
+        tiers[u] = ON_DISK
+        over -= saved
+    if tiers == list(c.offload):
+        return None
+    out = ev.make(c.units, c.modes, tiers, c.ckpt, c.df, c.db)
+    return out if out.fits(host_budget, disk_budget) else None
+
+
+def _fastest_modes(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], offs: list[int],
+                   ckpt: list[bool], df: int, db: int) -> Candidate:
+    """Fastest modes by coordinate descent (two passes settle: a unit's best mode depends only on its neighbours)."""
+    modes = ["keep" if "keep" in space.modes else space.modes[0]] * len(units)
     cur = ev.make(units, modes, offs, ckpt, df, db)
     for _ in range(2):
-        for u in range(k):
+        for u in range(len(units)):
             for m in space.modes:
                 if m == modes[u]:
                     continue
@@ -288,6 +357,16 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                 c = ev.make(units, trial, offs, ckpt, df, db)
                 if c.key < cur.key:
                     cur, modes = c, trial
+    return cur
+
+
+def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df: int, db: int,
+             host_budget: float, disk_budget: float = math.inf) -> list[Candidate]:
+    ctx = ev.ctx
+    k = len(units)
+    n_blocks = len(ctx.numel)
+    off0 = space.offload[0]
+    cur = _fastest_modes(ev, space, units, [off0] * k, [False] * n_blocks, df, db)
     visited = [cur]
 
     def moves(c: Candidate) -> list[tuple[str, int, object]]:
@@ -298,6 +377,8 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                     out.append(("mode", u, m))
             if not c.offload[u] and True in space.offload:
                 out.append(("offload", u, True))
+            if c.offload[u] != ON_DISK and ON_DISK in space.offload:
+                out.append(("disk", u, ON_DISK))
         if space.checkpointing:
             for i in range(n_blocks):
                 if ctx.checkpointable[i] and not c.ckpt[i]:
@@ -311,6 +392,8 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
             md[idx] = str(val)
         elif kind == "offload":
             of[idx] = True
+        elif kind == "disk":
+            of[idx] = ON_DISK
         else:
             ck[idx] = True
         return ev.make(units, md, of, ck, df, db)
@@ -330,10 +413,12 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
             if fresh and min(v[0] for v in fresh.values()) <= stale.get(mv, float("-inf")):
                 break
             c = apply(cur, mv)
+            if ON_DISK in space.offload and not c.fits(host_budget, disk_budget):
+                c = _host_to_disk(ev, c, host_budget, disk_budget) or c  # the host binds: the disk makes room
             proxy = _proxy(ev, c)
             d_peak = cur.peak - c.peak
             d_mem = d_peak if d_peak > 1e-6 * cur.peak else 0.01 * (cur_proxy - proxy)
-            if d_mem <= 0 or c.host > host_budget:
+            if d_mem <= 0 or not c.fits(host_budget, disk_budget):
                 stale[mv] = float("inf")
                 continue
             score = (c.time - cur.time) / d_mem

@@ -1,0 +1,62 @@
+"""The disk tier in Elixir's cost model: state-tier codes, the host staging area, the disk a synchronous step
+sees, and the price of a disk unit's optimizer step (part of :mod:`tightfit.planner.elixir`).
+
+A unit's ``offload`` is a state-tier code, backward compatible with the bools it was: ``0``/``False`` = state on
+the device, ``1``/``True`` = on the host (FSDP2 ``CPUOffloadPolicy``), ``2`` = like ``1`` but the optimizer state
+(``o`` bytes per owned element, 8 of the 16 of fp32 AdamW) waits on disk between steps and is streamed through
+the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first).
+
+Example:
+    >>> from tightfit.profiler.types import DiskProfile
+    >>> disk = DiskProfile(path="/nvme", free_bytes=2**40, read_fit=(1e-3, 1e9), write_fit=(1e-3, 5e8))
+    >>> opt, io = disk_optimizer_seconds(disk, 1e9, compute=1.0, sharers=1, overlap=1.0)
+    >>> round(io, 3), round(opt, 3)   # read 1.001 s + write 2.001 s, the 1 s update hidden behind it
+    (3.002, 3.002)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tightfit.planner.errors import TIERS
+from tightfit.planner.tiers import disk_seconds
+from tightfit.profiler.types import DiskProfile
+
+__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "DISK_STAGING_BYTES", "slowest_disk",
+           "disk_optimizer_seconds"]
+
+# A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
+ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
+# Host staging area of the disk tier: the optimizer step of a disk unit streams its optimizer state in and out
+# in chunks (AdamW is elementwise), one chunk updating while the next is read: two 64 MiB chunks, counted once
+# per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's
+# default request size), enough to keep its queue full, and small beside the gigabytes it saves.
+DISK_STAGING_BYTES = 2 * 64 * 2**20
+
+
+def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:
+    """The disk tier of a synchronous step: ``None`` unless every rank has one (``DeviceProfile.disk``); else the
+    least free space and the slowest fits over the ranks (the slowest rank paces the step), and the least
+    compute overlap where every rank measured one."""
+    disks: list[DiskProfile | None] = [getattr(d, "disk", None) for d in devices]
+    have = [d for d in disks if d is not None]
+    if not have or len(have) < len(disks):
+        return None
+    first = min(have, key=lambda d: d.free_bytes)
+    overlaps = [d.compute_overlap for d in have]
+    return replace(
+        first,
+        read_fit=(max(d.read_fit[0] for d in have), min(d.read_fit[1] for d in have)),
+        write_fit=(max(d.write_fit[0] for d in have), min(d.write_fit[1] for d in have)),
+        compute_overlap=min(overlaps) if all(o >= 0 for o in overlaps) else -1.0)
+
+
+def disk_optimizer_seconds(disk: DiskProfile, nbytes: float, *, compute: float, sharers: int,
+                           overlap: float) -> tuple[float, float]:
+    """(optimizer seconds, disk I/O seconds) of a host optimizer step of ``compute`` seconds whose ``nbytes`` of
+    optimizer state are read from disk and written back, ``sharers`` ranks of a node on the same disk:
+    ``io = read + write`` (:func:`~tightfit.planner.tiers.disk_seconds`), ``opt = compute + io - overlap *
+    min(compute, io)`` (chunked streaming hides the I/O behind the elementwise update as far as measured)."""
+    io = disk_seconds(disk, nbytes, sharers=sharers) + disk_seconds(disk, nbytes, write=True, sharers=sharers)
+    return compute + io - overlap * min(compute, io), io
