@@ -113,7 +113,7 @@ def load_cluster(args: argparse.Namespace):
             hm = args.host_memory
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, host_memory_bytes=hm) for d in cluster.devices))
-        return cluster
+        return _with_disk_tier(cluster, args)
     if args.device_profile:
         try:
             device = DeviceProfile.from_json(args.device_profile)
@@ -140,7 +140,19 @@ def load_cluster(args: argparse.Namespace):
         device = dataclasses.replace(device, memory_bytes=mem, free_bytes=mem)
     if getattr(args, "host_memory", None):
         device = dataclasses.replace(device, host_memory_bytes=args.host_memory)
-    return ClusterSpec.uniform(device, args.devices, nodes=args.nodes)
+    return _with_disk_tier(ClusterSpec.uniform(device, args.devices, nodes=args.nodes), args)
+
+
+def _with_disk_tier(cluster, args: argparse.Namespace):
+    """``cluster`` with the disk tier ``--disk-dir/--disk-preset/--disk-space`` name (unchanged without them)."""
+    from tightfit.profiler.disk_presets import disk_from_args, with_disk
+
+    if not hasattr(args, "disk_dir"):
+        return cluster
+    try:
+        return with_disk(cluster, disk_from_args(args))
+    except (ValueError, KeyError, OSError) as e:  # a missing or read-only directory, an unknown preset, a bad size
+        raise UsageError(f"tightfit plan: {e.args[0] if isinstance(e, KeyError) else e}") from None
 
 
 def _preset_names() -> list[str]:
@@ -183,6 +195,9 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
                                                                                  "bf16-mixed)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer whose state is planned "
                                                                             "(default adamw)")
+    g.add_argument("--host-budget", metavar="SIZE", type=byte_size,
+                   help="host memory offloaded state may use per rank ('4GiB'); default: the host's memory x 0.8 "
+                        "/ ranks per node")
     g.add_argument("--no-offload", action="store_true", help="never offload units to host memory")
     g.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
     g.add_argument("--exhaustive", action="store_true", help="exact search (small models only)")
@@ -192,6 +207,9 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="PATH", help="write the plan file ElixirStrategy(plan=PATH) accepts")
     g.add_argument("--plot", metavar="FILE", help="draw the units (where their state lives, recompute, predicted "
                                                   "time and memory) into this PNG/SVG/PDF (needs matplotlib)")
+    from tightfit.profiler.disk_presets import add_disk_arguments
+
+    add_disk_arguments(parser)  # units may keep their optimizer state on that disk
 
 
 def _elixir_run(args: argparse.Namespace) -> int:
@@ -206,7 +224,7 @@ def _elixir_run(args: argparse.Namespace) -> int:
                                     exhaustive=True if args.exhaustive else None)
     try:
         plan = search(profile, cluster, optimizer=args.optimizer, precision=args.precision, memory_budget=args.budget,
-                      constraints=constraints, progress=progress_bar("plan elixir"))
+                      host_budget=args.host_budget, constraints=constraints, progress=progress_bar("plan elixir"))
     except PlanInfeasibleError as e:
         log.error("tightfit plan elixir: %s", e)
         return 3

@@ -1,0 +1,35 @@
+"""`tightfit plan elixir` with the three tiers: `--host-budget` and a disk tier (`--disk-dir`, `--disk-preset`,
+`--disk-space`) reach the search; a short host names itself and the disk that would fix it."""
+
+from __future__ import annotations
+
+from tightfit.cli import main
+from tightfit.planner.elixir import ElixirPlan
+
+# GPT-2 small (124 M parameters, ~1.9 GiB of fp32 AdamW state) on a 1.5 GiB device with a 1.5 GiB host budget:
+# offloading every unit still leaves 1.85 GiB on the host, so only a disk for the optimizer state makes it fit.
+BASE = ["plan", "elixir", "--model", "gpt2", "--preset", "a100-40g", "--device-memory", "1536MiB",
+        "--host-budget", "1536MiB", "--batch", "1", "--seq", "128"]
+
+
+def test_a_short_host_names_the_host_tier_and_the_disk_fix(capsys):
+    assert main(BASE) == 3
+    err = capsys.readouterr().err
+    assert "host memory budget is 1.50 GiB, the least-memory plan needs 1.85 GiB" in err
+    assert "give a disk directory (disk_dir)" in err
+
+
+def test_a_disk_preset_lets_units_keep_their_optimizer_state_on_disk(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([*BASE, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--json", str(out)]) == 0
+    plan = ElixirPlan.from_json(out)
+    assert plan.disk_units and plan.disk_bytes_per_rank > 0
+    assert all(plan.units[i].offload and plan.units[i].tier == "disk" for i in plan.disk_units)
+    assert "disk I/O" in capsys.readouterr().out
+
+
+def test_disk_flags_are_checked_before_any_planning(tmp_path, capsys):
+    assert main([*BASE, "--disk-dir", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main([*BASE, "--host-budget", "lots"]) == 2
+    assert "argument --host-budget: cannot read memory size 'lots'" in capsys.readouterr().err
