@@ -135,7 +135,7 @@ def _prefetch_job(collections: list[CachedCollection], start: list[int], enterin
                 # then cost more misses, and the hit rate would depend on the threads' timing.
                 c.fused_cache.clock.wait(s0 + target[0], resumed)
             for j, kjt in entering:
-                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
+                c.enter_window(kjt, step=s0 + j + 1)  # batch j is the (j + 1)-th forward
             if target is not None:
                 c.prefetch(target[1], until=s0 + target[0] + 1, window=[(s0 + j + 1, k) for j, k in window])
 
