@@ -50,6 +50,7 @@ __all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "Wi
 SLOT_OVERHEAD_BYTES = 28 + SKETCH_BYTES_PER_SLOT
 WAYS = 32  # slots per set: FBGEMM's GPU cache uses 32 (one warp compares a key with every way at once)
 _POLICIES = ("lfu", "lru", "static")
+_NO_KEYS = torch.empty(0, dtype=torch.int64)  # a batch's host spill keys until it has some (read only)
 
 
 class _Moves(NamedTuple):
@@ -335,7 +336,7 @@ class FusedCache(nn.Module):
         self._next_batch += 1
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         batch = Batch(uniq=uniq_pad[:U], inv=inv, slots=empty, key_bounds=sizes[2:].tolist(),
-                      value_bounds=value_bounds, spill_pos=empty, spill_keys=torch.empty(0, dtype=torch.int64),
+                      value_bounds=value_bounds, spill_pos=empty, spill_keys=_NO_KEYS,
                       step=self.step, id=bid)
         return batch, counts_pad[:U]
 
