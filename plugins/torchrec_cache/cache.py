@@ -273,9 +273,10 @@ class FusedCache(nn.Module):
                 value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
                 hold: bool = False, reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
                 load: bool = True) -> Batch:
-        """The entry points in their older flag form (kept for callers outside the plugin): ``count`` a
-        lookup (held when ``hold``), else ``load`` a :meth:`prefetch` until ``pin_until`` with the window
-        ``reuse`` (keys) / ``reuse_steps``, else :meth:`enter_window` at ``pin_until``."""
+        """The entry points in their older flag form, kept for callers outside the plugin (``tests/gpu``,
+        ``benchmarks/gpu``): ``count`` a lookup (held when ``hold``; no pin or window applies), else ``load``
+        a :meth:`prefetch` until ``pin_until`` with the window ``reuse`` (keys) / ``reuse_steps``, else
+        :meth:`enter_window` at ``pin_until``."""
         if count:
             with self.lock:
                 return self._counted(values, lengths, feature_table, value_bounds, hold=hold)

@@ -26,7 +26,7 @@ __all__ = ["Window"]
 _STEP_BITS = 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Window:
     """Sorted ``keys`` the later batches of a window need, each with the step of its first use there."""
 
