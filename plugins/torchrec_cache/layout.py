@@ -1,27 +1,36 @@
-"""The shapes a :class:`~torchrec_cache.cache.FusedCache` is made of: its tables, its slot-tensor groups,
-the batches it resolves, and the hash that places a row in its set.
+"""The key space of a :class:`~torchrec_cache.cache.FusedCache`: where each table's keys, sets and slots
+lie, computed once (:class:`KeySpace`) and mirrored on the device for per-key arithmetic without a host
+read (:class:`KeyIndex`); and the shapes the cache is made of (its slot-tensor groups, its batches).
+
+Every table of a collection has one run of *keys* (id ``v`` of table ``t`` is key ``key_start[t] + v``),
+one run of *sets* of ``ways`` slots, and a group: tables of one (dim, dtype) are contiguous in key order
+(first-appearance order of their (dim, dtype)) and share one slot tensor and one flat host tensor. A
+table whose rows all fit is direct-mapped (row ``i`` in slot ``i`` of its run); the others place a row
+in the set a hash of its id picks, with ways beyond the table's planned capacity disabled.
 
 Example:
-    >>> TableSpec(name="t", rows=1000, dim=16, capacity=15).capacity
-    15
+    >>> space = KeySpace.of([TableSpec(name="a", rows=100, dim=4, capacity=40),
+    ...                      TableSpec(name="b", rows=10, dim=8, capacity=10)], ways=8)
+    >>> space.key_start, space.sets, space.direct, space.enabled[0], space.num_slots
+    ((0, 100), (5, 2), (False, True), (8, 8, 8, 8, 8), 56)
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+from torch import nn
 
-__all__ = ["TableSpec", "SlotGroup", "Batch", "mix_hash", "unique_padded", "isin_sorted", "compact", "out_of_range",
+__all__ = ["TableSpec", "GroupSpan", "KeySpace", "KeyIndex", "SlotGroup", "Batch", "mix_hash", "out_of_range",
            "spill_notice"]
 
 log = logging.getLogger("torchrec_cache")
 _SPILL_WARNED = False
 
 _M32 = 0xFFFFFFFF
-_SENTINEL = 2**62  # pads the fixed-size unique array: above every key
 
 
 def mix_hash(x: torch.Tensor) -> torch.Tensor:
@@ -30,45 +39,6 @@ def mix_hash(x: torch.Tensor) -> torch.Tensor:
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
     return (x >> 16) ^ x
-
-
-def unique_padded(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unique keys in fixed-size arrays (``torch.unique`` would read their number on the host).
-
-    Returns ``(uniq, counts, inv, seg)``: the sorted unique keys padded to ``L + 1`` with a sentinel above
-    every key, their use counts (padded with 0), each key's index in ``uniq``, and the same in sorted order
-    (``seg[-1] + 1`` is the number of unique keys).
-    """
-    L, dev = keys.numel(), keys.device
-    sorted_keys, perm = torch.sort(keys)
-    new = torch.ones(L, dtype=torch.bool, device=dev)
-    if L > 1:
-        torch.ne(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
-    seg = torch.cumsum(new, 0) - 1
-    inv = torch.empty_like(seg).scatter_(0, perm, seg)
-    uniq = torch.full((L + 1,), _SENTINEL, dtype=torch.int64, device=dev).scatter_(0, seg, sorted_keys)
-    counts = torch.zeros(L + 1, dtype=torch.int64, device=dev).index_add_(0, seg, torch.ones(L, dtype=torch.int64,
-                                                                                             device=dev))
-    return uniq, counts, inv, seg
-
-
-def isin_sorted(keys: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Whether each of ``keys`` is in one of ``parts`` (non-empty list), without a host read."""
-    pool = torch.sort(torch.cat(parts)).values
-    at = torch.searchsorted(pool, keys).clamp(max=pool.numel() - 1)
-    return pool.index_select(0, at) == keys
-
-
-def compact(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions of the ``first`` flags, then of the ``second`` (disjoint), each in order, then the rest:
-    ``(order, number first, number second)``, the numbers as device scalars."""
-    n = first.numel()
-    ca, cs = torch.cumsum(first, 0), torch.cumsum(second, 0)
-    na, ns = ca[-1], cs[-1]
-    dest = torch.where(first, ca - 1, torch.where(second, na + cs - 1, torch.full_like(ca, n)))
-    order = torch.zeros(n + 1, dtype=torch.int64, device=first.device).scatter_(
-        0, dest, torch.arange(n, device=first.device))[:n]
-    return order, na, ns
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +68,196 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: capacity={self.capacity} slots must be >= 1")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupSpan:
+    """The tables of one (dim, dtype): contiguous keys ``[key_lo, key_hi)`` and slots ``[slot_lo, slot_hi)``."""
+
+    dim: int
+    dtype: torch.dtype
+    tables: tuple[int, ...]  # table indices, in key order
+    key_lo: int
+    key_hi: int
+    slot_lo: int
+    slot_hi: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeySpace:
+    """Where every table's keys, sets and slots lie (per-table tuples in the collection's table order).
+
+    Build it with :meth:`of`. Args:
+        tables: the tables, in the collection's order.
+        ways: slots per set.
+        order: table indices in key order.
+        key_start, set_start, sets: per table, its first key, its first set and its number of sets.
+        direct: per table, whether all its rows fit (direct-mapped, wholly on the device).
+        enabled: per table, the ways of each of its sets that may hold a row (its capacity exactly).
+        capacity: per table, its slots (``min(capacity, rows)``).
+        groups: the slot-tensor groups, in key order.
+        positions, group_index: per table, its place in key order and its group.
+        num_keys, num_sets: totals.
+    """
+
+    tables: tuple[TableSpec, ...]
+    ways: int
+    order: tuple[int, ...]
+    key_start: tuple[int, ...]
+    set_start: tuple[int, ...]
+    sets: tuple[int, ...]
+    direct: tuple[bool, ...]
+    enabled: tuple[tuple[int, ...], ...]
+    capacity: tuple[int, ...]
+    groups: tuple[GroupSpan, ...]
+    positions: tuple[int, ...]
+    group_index: tuple[int, ...]
+    num_keys: int
+    num_sets: int
+
+    def __post_init__(self) -> None:
+        if self.ways < 1:
+            raise ValueError(f"ways={self.ways}: a set needs at least one slot; pass ways >= 1 (or None for 32)")
+        if not self.tables:
+            raise ValueError("a FusedCache needs at least one table")
+
+    @staticmethod
+    def of(tables: list[TableSpec], ways: int) -> KeySpace:
+        """The key space of ``tables``: grouped by (dim, dtype), each table's sets sized to its capacity."""
+        by_kind: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tables):
+            by_kind.setdefault((t.dim, t.dtype), []).append(i)
+        order = [i for members in by_kind.values() for i in members]
+        n = len(tables)
+        key_start, set_start, sets, direct = [0] * n, [0] * n, [0] * n, [False] * n
+        enabled: list[tuple[int, ...]] = [()] * n
+        capacity = [0] * n
+        k = s = 0
+        for i in order:
+            t = tables[i]
+            cap = capacity[i] = min(t.capacity, t.rows)
+            key_start[i], set_start[i], direct[i] = k, s, cap >= t.rows
+            sets[i] = -(-(t.rows if direct[i] else cap) // ways)
+            if direct[i]:
+                enabled[i] = tuple(min(ways, t.rows - j * ways) for j in range(sets[i]))
+            else:
+                enabled[i] = tuple(cap // sets[i] + (j < cap % sets[i]) for j in range(sets[i]))
+            k += t.rows
+            s += sets[i]
+        groups = tuple(GroupSpan(dim=dim, dtype=dtype, tables=tuple(m), key_lo=key_start[m[0]],
+                                 key_hi=key_start[m[-1]] + tables[m[-1]].rows, slot_lo=set_start[m[0]] * ways,
+                                 slot_hi=(set_start[m[-1]] + sets[m[-1]]) * ways)
+                       for (dim, dtype), m in by_kind.items())
+        group_index = [0] * n
+        for gi, g in enumerate(groups):
+            for i in g.tables:
+                group_index[i] = gi
+        return KeySpace(tables=tuple(tables), ways=ways, order=tuple(order), key_start=tuple(key_start),
+                        set_start=tuple(set_start), sets=tuple(sets), direct=tuple(direct), enabled=tuple(enabled),
+                        capacity=tuple(capacity), groups=groups, positions=tuple(order.index(i) for i in range(n)),
+                        group_index=tuple(group_index), num_keys=k, num_sets=s)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_sets * self.ways
+
+    @property
+    def key_bounds(self) -> list[int]:
+        """The first key of each table in key order, then the number of keys (T + 1)."""
+        return [self.key_start[i] for i in self.order] + [self.num_keys]
+
+    def host_offset(self, table: int) -> int:
+        """Table ``table``'s first row in its group's flat host tensor."""
+        return self.key_start[table] - self.groups[self.group_index[table]].key_lo
+
+    def table_run(self, key_bounds: list[int], table: int) -> tuple[int, int]:
+        """Table ``table``'s run in a batch's unique keys (``key_bounds``: :attr:`Batch.key_bounds`)."""
+        k = self.positions[table]
+        return key_bounds[k], key_bounds[k + 1]
+
+    def group_run(self, key_bounds: list[int], gi: int) -> tuple[int, int]:
+        """Group ``gi``'s run in a batch's unique keys (its tables are contiguous in key order)."""
+        g = self.groups[gi]
+        return key_bounds[self.positions[g.tables[0]]], key_bounds[self.positions[g.tables[-1]] + 1]
+
+    def group_split(self, keys_h: torch.Tensor) -> list[int]:
+        """Bounds of each group's run in sorted host keys (G + 1)."""
+        if len(self.groups) == 1:
+            return [0, keys_h.numel()]
+        los = torch.tensor([g.key_lo for g in self.groups] + [self.num_keys], dtype=torch.int64)
+        return torch.searchsorted(keys_h, los).tolist()
+
+    def host_constants(self) -> dict[str, torch.Tensor]:
+        """The per-table numbers :class:`KeyIndex` keeps on the device, as host tensors."""
+        i64 = torch.int64
+        return {"key_start": torch.tensor(self.key_start, dtype=i64),
+                "rows": torch.tensor([t.rows for t in self.tables], dtype=i64),
+                "set_start": torch.tensor(self.set_start, dtype=i64), "sets": torch.tensor(self.sets, dtype=i64),
+                "direct": torch.tensor(self.direct, dtype=torch.bool),
+                "bounds": torch.tensor(self.key_bounds, dtype=i64), "table_at": torch.tensor(self.order, dtype=i64)}
+
+
+class KeyIndex(nn.Module):
+    """A :class:`KeySpace`'s per-table numbers on the device: a batch's keys, tables and sets, no host read.
+
+    Args:
+        space: the key space.
+        device: where the batches' ids live.
+    """
+
+    # Registered buffers (non-persistent: :meth:`restore` rewrites them), annotated for type checkers.
+    key_start: torch.Tensor
+    rows: torch.Tensor
+    set_start: torch.Tensor
+    sets: torch.Tensor
+    direct: torch.Tensor
+    bounds: torch.Tensor
+    table_at: torch.Tensor
+
+    def __init__(self, space: KeySpace, device: torch.device) -> None:
+        super().__init__()
+        self.space = space
+        for name, value in space.host_constants().items():
+            self.register_buffer(name, value.to(device), persistent=False)
+
+    def restore(self) -> None:
+        """Rewrite the buffers (``to_empty`` off the meta device leaves garbage in them)."""
+        for name, value in self.space.host_constants().items():
+            getattr(self, name).copy_(value)
+
+    def keys(self, values: torch.Tensor, lengths: torch.Tensor,
+             feature_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, tables)`` of a batch's int64 ids on the device: features are contiguous runs of bags
+        in ``lengths`` (F * B), ``feature_table`` (F,) the table of each feature."""
+        F = feature_table.numel()
+        per_bag_table = feature_table.repeat_interleave(lengths.numel() // max(1, F)) if F else feature_table
+        tab = per_bag_table.repeat_interleave(lengths.to(values.device), output_size=values.numel())
+        return values + self.key_start.index_select(0, tab), tab
+
+    def sorted_keys(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor) -> torch.Tensor:
+        """A batch's keys, sorted (a prefetch window's reuse set)."""
+        return torch.sort(self.keys(values.to(self.key_start.device, torch.int64), lengths, feature_table)[0]).values
+
+    def out_of_range(self, values: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Whether any id is outside its table (a device bool, read with the batch's sizes)."""
+        return ((values < 0) | (values >= self.rows.index_select(0, tables))).any()
+
+    def raise_out_of_range(self, values: torch.Tensor, tables: torch.Tensor) -> NoReturn:
+        bad = torch.nonzero((values < 0) | (values >= self.rows.index_select(0, tables))).squeeze(1)[0]
+        t = self.space.tables[int(tables[bad])]
+        raise out_of_range(t.name, int(values[bad]), t.rows)
+
+    def tables_of(self, keys: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(self.bounds, keys, right=True) - 1
+        return self.table_at.index_select(0, pos.clamp(0, len(self.space.tables) - 1))
+
+    def sets_of(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
+        """The set of each key: its row's own set in a direct-mapped table, a hash of the id in the others."""
+        t = self.tables_of(keys) if tables is None else tables
+        ids = keys - self.key_start.index_select(0, t)
+        hashed = mix_hash(ids) % self.sets.index_select(0, t)
+        local = torch.where(self.direct.index_select(0, t), ids // self.space.ways, hashed)
+        return self.set_start.index_select(0, t) + local
+
+
 @dataclass
 class SlotGroup:
     """Tables of one (dim, dtype): one slot tensor on the device, one flat host tensor."""
@@ -120,7 +280,7 @@ class SlotGroup:
 
 @dataclass
 class Batch:
-    """What :meth:`FusedCache.prepare` resolved for one batch (all tables)."""
+    """What :meth:`FusedCache.lookup` (or a prefetch) resolved for one batch (all tables)."""
 
     uniq: torch.Tensor  # (U,) unique keys, sorted
     inv: torch.Tensor  # (L,) index of each id in uniq

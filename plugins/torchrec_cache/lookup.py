@@ -1,7 +1,7 @@
 """The differentiable lookup over a :class:`~torchrec_cache.cache.FusedCache` (no TorchRec import: the GPU
 benchmark uses it on a bare torch install).
 
-Forward: one :meth:`FusedCache.prepare` for all tables, then per slot tensor (one for tables of one
+Forward: one :meth:`FusedCache.lookup` for all tables, then per slot tensor (one for tables of one
 dim) the batch's unique rows (U x dim) come out of :class:`CachedRows` and one ``F.embedding_bag``
 pools every bag of every feature. Backward: ``embedding_bag``'s own backward sums each unique row's
 gradient (per-id weights and mean pooling included); :class:`CachedRows` then applies the fused
@@ -26,7 +26,7 @@ class CachedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, cache: FusedCache, batch: Batch, group: int, *anchors: torch.Tensor) -> torch.Tensor:
         ctx.cache, ctx.batch, ctx.group, ctx.n = cache, batch, group, len(anchors)
-        return cache.rows(batch, group)
+        return cache.store.gather(batch, group)
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:
@@ -35,10 +35,10 @@ class CachedRows(torch.autograd.Function):
         grads: tuple[Any, ...]
         if cache.fused:
             with torch.no_grad():
-                cache.apply_grad(batch, ctx.group, grad_rows)
+                cache.store.apply_grad(batch, ctx.group, grad_rows)
             grads = (None,) * ctx.n
         else:
-            grads = tuple(cache.sparse_grads(batch, ctx.group, grad_rows))
+            grads = tuple(cache.store.sparse_grads(batch, ctx.group, grad_rows))
         batch.groups_left -= 1
         if batch.groups_left == 0:
             cache.release(batch)
@@ -54,12 +54,11 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
 
 def prepare_batch(cache: FusedCache, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                   value_bounds: list[int] | None = None, train: bool | None = None) -> Batch:
-    """:meth:`FusedCache.prepare` for a training or eval lookup. Rows are held until the lookup has gathered
-    them (eval) or until the backward (when grad is on), so a prefetch thread cannot move them before."""
-    batch = cache.prepare(values, lengths, feature_table, value_bounds=value_bounds, hold=True)
-    batch.train = torch.is_grad_enabled() if train is None else train
-    batch.groups_left = len(cache.groups)
-    return batch
+    """:meth:`FusedCache.lookup` for a training or eval lookup (``train``: whether grad is on, unless given).
+    Rows are held until the lookup has gathered them (eval) or until the backward (train), so a prefetch
+    thread cannot move them before."""
+    return cache.lookup(values, lengths, feature_table, value_bounds=value_bounds,
+                        train=torch.is_grad_enabled() if train is None else train)
 
 
 def _anchors(cache: FusedCache, group: int, anchor: torch.Tensor | None,
@@ -95,7 +94,7 @@ def cached_pooled_lookup(cache: FusedCache, batch: Batch, lengths: torch.Tensor,
     out = []
     for gi, (fa, fb) in enumerate(group_features):
         va, vb = batch.value_bounds[gi], batch.value_bounds[gi + 1]
-        ua = cache.group_range(batch, gi)[0]
+        ua = cache.space.group_run(batch.key_bounds, gi)[0]
         rows = CachedRows.apply(cache, batch, gi, *_anchors(cache, gi, anchor, host_params))
         inv = batch.inv[va:vb] if ua == 0 else batch.inv[va:vb] - ua
         offs = offsets[fa * B: fb * B + 1]
@@ -119,7 +118,7 @@ def cached_unpooled_lookup(cache: FusedCache, batch: Batch, *, anchor: torch.Ten
     out = []
     for gi in range(len(cache.groups)):
         va, vb = batch.value_bounds[gi], batch.value_bounds[gi + 1]
-        ua = cache.group_range(batch, gi)[0]
+        ua = cache.space.group_run(batch.key_bounds, gi)[0]
         rows = CachedRows.apply(cache, batch, gi, *_anchors(cache, gi, anchor, host_params))
         inv = batch.inv[va:vb] if ua == 0 else batch.inv[va:vb] - ua
         out.append(rows.index_select(0, inv).float())

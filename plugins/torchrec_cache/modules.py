@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
-    DataType,
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
@@ -28,17 +27,17 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
-from tightfit.units import parse_bytes
-from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache, TableSpec
+import torchrec_cache.checkpoint as checkpoint
+from torchrec_cache.cache import FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
-from torchrec_cache.optim import state_names
+from torchrec_cache.planning import table_specs
+from torchrec_cache.window import Window
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
-           "flush_before_state_dict", "cached_collection_forward"]
+           "cached_collection_forward"]
 
 _LIVE: weakref.WeakValueDictionary[int, CachedCollection] = weakref.WeakValueDictionary()
 
@@ -92,14 +91,11 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._frequencies = frequencies
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
-        slots = self._capacities(tables, cache, frequencies)
-        specs = [TableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
-                           dtype=torch.float32 if c.data_type == DataType.FP32 else torch.float16,
-                           capacity=slots[c.name]) for c in tables]
-        self._cache = FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
+        self._cache = FusedCache(table_specs(tables, cache, frequencies), policy=cache.policy,
+                                 optimizer=cache.optimizer, device=device)
         host = nn.ModuleDict()
         for cfg in tables:
-            host[cfg.name] = HostTable(self._cache.host_view(cfg.name), requires_grad=cache.optimizer is None)
+            host[cfg.name] = HostTable(self._cache.store.host_view(cfg.name), requires_grad=cache.optimizer is None)
         setattr(self, self._tables_attr, host)
         # Features in key order: the tables of one slot tensor are contiguous, so are their features.
         order = [tables[i] for i in self._cache.layout]
@@ -119,10 +115,10 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._materialized = device.type != "meta"
         if self._materialized:
             self._initialise_host(tables)
-        self.register_state_dict_pre_hook(flush_before_state_dict)
-        self._register_state_dict_hook(ids_order_state_dict)
-        self._register_load_state_dict_pre_hook(positions_order_on_load, with_module=True)
-        self.register_load_state_dict_post_hook(reload_after_load)
+        self.register_state_dict_pre_hook(checkpoint.flush_before_state_dict)
+        self._register_state_dict_hook(checkpoint.ids_order_state_dict)
+        self._register_load_state_dict_pre_hook(checkpoint.positions_order_on_load, with_module=True)
+        self.register_load_state_dict_post_hook(checkpoint.reload_after_load)
 
     def _initialise_host(self, tables: list[Any]) -> None:
         """Run the tables' init functions, store rows in frequency order, seed the policy, warm the cache."""
@@ -133,7 +129,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
                     t.init_fn(self._host_tables()[t.name].weight)
         if cfg.reorder and freq is not None:
             for t in tables:
-                cache.set_reorder(t.name, freq.order(t.name))
+                cache.store.set_reorder(t.name, freq.order(t.name))
         if freq is not None and cfg.policy != "lru":
             cache.seed_frequencies(freq.counts)
         hottest = ({t.name: freq.hottest(t.name, cache.capacity[t.name]) for t in tables}
@@ -145,8 +141,8 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def _pin(self) -> None:
         if self._cache.pin_host_memory():
             for name, table in self._host_tables().items():
-                table.weight.data = self._cache.host_view(name)
-            self._cache.mark_host_changed()
+                table.weight.data = self._cache.store.host_view(name)
+            self._cache.store.mark_host_changed()
 
     def _host_tables(self) -> nn.ModuleDict:
         return getattr(self, self._tables_attr)
@@ -185,26 +181,6 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     reset_parameters = init_parameters
 
-    @staticmethod
-    def _capacities(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> dict[str, int]:
-        kind = cache.capacity_kind()
-        state = cache.optimizer.state_columns if cache.optimizer else (lambda d: 0)
-        specs = [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
-                                weight_bytes=4 if c.data_type == DataType.FP32 else 2,
-                                state_columns=state(c.embedding_dim),
-                                index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
-                 for c in tables]
-        counts = frequencies.counts if frequencies is not None else None
-        if kind == "ratio":
-            # The ratio is the collection's: split by frequency and size, small tables wholly resident.
-            total = max(len(tables), int(round(sum(c.num_embeddings for c in tables) * float(cache.capacity))))
-            return split_slots(specs, total, frequencies=counts)
-        if kind == "rows":
-            return {c.name: min(int(cache.capacity), c.num_embeddings) for c in tables}
-        # The index is hashed: no device bytes per table row.
-        return plan_cache(specs, budget_bytes=parse_bytes(cache.capacity), frequencies=counts,
-                          index_bytes_per_row=0).slots
-
     def _apply(self, fn: Any, recurse: bool = True) -> CachedCollection:  # type: ignore[override]
         super()._apply(fn, recurse)
         self._anchor = fn(self._anchor.detach()).requires_grad_(True)
@@ -216,7 +192,8 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
             # and the cache starts empty; ``init_parameters()`` or ``load_state_dict`` fills them.
             self._cache.materialize_host()
             for name, table in self._host_tables().items():
-                table.weight = nn.Parameter(self._cache.host_view(name), requires_grad=bool(table.weight.requires_grad))
+                table.weight = nn.Parameter(self._cache.store.host_view(name),
+                                            requires_grad=bool(table.weight.requires_grad))
             self._cache.finish_setup()
             self._materialized = True
         elif self._device.type == "cuda" and self._cache_config.pin_memory is not False:
@@ -254,27 +231,31 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         return [[cast(torch.Tensor, tables[self._cache.names[i]].weight) for i in g.tables] for g in self._cache.groups]
 
     def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
-                 window: list[tuple[int, KeyedJaggedTensor]] | None = None, load: bool = True) -> None:
+                 window: list[tuple[int, KeyedJaggedTensor]] | None = None) -> None:
         """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
         and pin them until then.
 
         ``window``: ``(forward number, batch)`` of the batches that run after it; a missing row they need
-        again takes the slot of a row needed later (Belady inside the window). ``load=False`` only records
-        when the cached rows of a batch entering the window are used next.
+        again takes the slot of a row needed later (Belady inside the window).
         """
         kjt = self._check_features(features)
-        reuse = steps = None
+        at = until if until is not None else self._cache.step + ahead
+        later = None
         if window:
-            keys = [self._cache.keys_of(w.values(), w.lengths(), self._feature_table)
-                    for w in (self._check_features(x) for _, x in window)]
-            base = min(s for s, _ in window)
-            # Sorted by key, then step: the first entry of a key is its first use in the window.
-            comp = torch.sort(torch.cat([k * 2**20 + (s - base) for k, (s, _) in zip(keys, window)])).values
-            reuse, steps = comp >> 20, (comp & (2**20 - 1)) + base
+            later = Window.of([(s, self._cache.key_index.sorted_keys(k.values(), k.lengths(), self._feature_table))
+                               for s, k in ((s, self._check_features(x)) for s, x in window)])
         with torch.no_grad():
-            self._cache.prepare(kjt.values(), kjt.lengths(), self._feature_table, value_bounds=self._bounds(kjt),
-                                count=False, pin_until=until if until is not None else self._cache.step + ahead,
-                                reuse=reuse, reuse_steps=steps, load=load)
+            self._cache.prefetch(kjt.values(), kjt.lengths(), self._feature_table, until=at,
+                                 value_bounds=self._bounds(kjt), window=later)
+
+    def enter_window(self, features: KeyedJaggedTensor, step: int) -> None:
+        """A batch enters the prefetch window, to run at forward number ``step``: its cached rows learn that
+        step as their next use (the earliest one they know is kept), so inside the window the row used last
+        leaves first. Nothing is loaded."""
+        kjt = self._check_features(features)
+        with torch.no_grad():
+            self._cache.enter_window(kjt.values(), kjt.lengths(), self._feature_table, step=step,
+                                     value_bounds=self._bounds(kjt))
 
     def _bounds(self, kjt: KeyedJaggedTensor) -> list[int]:
         values = kjt.values()
@@ -302,7 +283,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     def is_reordered(self, table: str) -> bool:
         """Whether ``table``'s rows are stored in frequency order in host memory."""
-        return self._cache.is_reordered(table)
+        return self._cache.store.is_reordered(table)
 
     def cache_stats(self, per_table: bool = False) -> dict[str, Any]:
         """Totals since construction (or :meth:`reset_cache_stats`): hit rate, misses, rows and bytes moved.
@@ -331,55 +312,11 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def fused_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Per table: the fused optimizer's state tensors in id order (names as in the PyTorch optimizer's
         state: ``sum`` for Adagrad, ``exp_avg``/``exp_avg_sq`` for Adam) and ``step``."""
-        self.flush_cache()
-        out: dict[str, dict[str, Any]] = {}
-        c = self._cache
-        for name in c.names:
-            cols = state_names(c.optimizer)
-            state = c.host_state_view(name)
-            if c.is_reordered(name):
-                state = state.index_select(0, self._id_to_pos(name))
-            dim = c.specs[c.index[name]].dim
-            entry: dict[str, Any] = {"step": c.groups[c.group_of(name)].opt_step}
-            if cols:
-                parts = state.split(dim, dim=1) if len(cols) == 2 else (state,)
-                entry.update({k: v.clone() for k, v in zip(cols, parts)})
-            out[name] = entry
-        return out
+        return checkpoint.fused_optimizer_state(self._cache)
 
     def load_fused_optimizer_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Inverse of :meth:`fused_optimizer_state`."""
-        c = self._cache
-        self.flush_cache()
-        for name, entry in state.items():
-            cols = state_names(c.optimizer)
-            host = c.host_state_view(name)
-            if cols:
-                full = torch.cat([entry[k].float().reshape(host.shape[0], -1) for k in cols], dim=1)
-                if full.shape != host.shape:
-                    raise ValueError(f"table {name!r}: optimizer state of shape {tuple(full.shape)} does not fit "
-                                     f"{tuple(host.shape)}; was it saved with another optimizer kind?")
-                host.copy_(full if not c.is_reordered(name) else full.index_select(0, self._pos_to_id(name)))
-            c.groups[c.group_of(name)].opt_step = int(entry.get("step", 0))
-        c.reload()
-
-    def _id_to_pos(self, name: str) -> torch.Tensor:
-        """Host position of each id of ``name`` (identity unless reordered)."""
-        return self._table_permutation(name, "remap")
-
-    def _pos_to_id(self, name: str) -> torch.Tensor:
-        """Id held at each host position of ``name`` (the inverse of :meth:`_id_to_pos`)."""
-        return self._table_permutation(name, "order")
-
-    def _table_permutation(self, name: str, which: str) -> torch.Tensor:
-        """``name``'s slice of its group's ``remap`` or ``order`` permutation, in table-local numbers."""
-        c = self._cache
-        g = c.groups[c.group_of(name)]
-        first = c.key_start(name) - g.key_lo
-        n = c.specs[c.index[name]].rows
-        perm = getattr(g, which)
-        assert perm is not None
-        return perm[first:first + n] - first
+        checkpoint.load_fused_optimizer_state(self._cache, state)
 
     @property
     def device(self) -> torch.device:
@@ -394,33 +331,6 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     def _configs(self) -> list[Any]:  # pragma: no cover - overridden
         raise NotImplementedError
-
-
-def flush_before_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
-    """State-dict pre-hook: write the cached rows back so the host tables are current."""
-    module.flush_cache()
-
-
-def ids_order_state_dict(module: CachedCollection, state_dict: dict[str, Any], prefix: str,
-                         local_metadata: Any) -> None:
-    """State-dict hook: tables stored in frequency order are written in id order."""
-    for name in module.fused_cache.names:
-        key = f"{prefix}{module._tables_attr}.{name}.weight"
-        if module.is_reordered(name) and key in state_dict:
-            state_dict[key] = state_dict[key].detach().index_select(0, module._id_to_pos(name))
-
-
-def positions_order_on_load(module: CachedCollection, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load pre-hook: id-ordered checkpoints go to the host tables in their position order."""
-    for name in module.fused_cache.names:
-        key = f"{prefix}{module._tables_attr}.{name}.weight"
-        if module.is_reordered(name) and key in state_dict:
-            state_dict[key] = state_dict[key].index_select(0, module._pos_to_id(name).to(state_dict[key].device))
-
-
-def reload_after_load(module: CachedCollection, incompatible_keys: Any) -> None:
-    """Load post-hook: the slots re-read the rows that were just loaded."""
-    module.fused_cache.reload()
 
 
 class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInterface):

@@ -49,11 +49,9 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_cache.checkpoint import flush_before_state_dict
 from torchrec_cache.frequency import FrequencyStats
-from torchrec_cache.modules import (
-    CachedEmbeddingBagCollection,
-    flush_before_state_dict,
-)
+from torchrec_cache.modules import CachedEmbeddingBagCollection
 
 __all__ = ["CachedEmbeddingBagCollectionSharder", "ShardedCachedEmbeddingBagCollection", "cached_sharding_plan"]
 

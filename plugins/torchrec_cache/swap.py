@@ -135,7 +135,7 @@ def _prefetch_job(collections: list[CachedCollection], start: list[int], enterin
                 # then cost more misses, and the hit rate would depend on the threads' timing.
                 c.fused_cache.clock.wait(s0 + target[0], resumed)
             for j, kjt in entering:
-                c.prefetch(kjt, until=s0 + j + 1, load=False)  # batch j is the (j + 1)-th forward
+                c.enter_window(kjt, step=s0 + j + 1)  # batch j is the (j + 1)-th forward
             if target is not None:
                 c.prefetch(target[1], until=s0 + target[0] + 1, window=[(s0 + j + 1, k) for j, k in window])
 
@@ -174,11 +174,16 @@ def prefetching(data: Iterable[Any], model: nn.Module, ahead: int | None = None)
     it = iter(data)
     buf: deque[tuple[int, Any, Any]] = deque()  # (index, batch, its KeyedJaggedTensor)
 
+    pulled = 0  # batches taken from ``data``: a batch's index, its forward number after ``start``
+
     def pull() -> tuple[int, Any] | None:
+        nonlocal pulled
         batch = next(it, _END)
         if batch is _END:
             return None
-        j = buf[-1][0] + 1 if buf else 0
+        # Numbered by the stream, not by the buffer: with ahead=1 the buffer is empty here, and a batch
+        # numbered 0 again neither waited for the current lookup nor stayed pinned until its own forward.
+        j, pulled = pulled, pulled + 1
         buf.append((j, batch, find_kjt(batch)))
         return j, buf[-1][2]
 

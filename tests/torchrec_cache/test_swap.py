@@ -92,6 +92,25 @@ def test_prefetching_loads_rows_before_their_batch_and_changes_nothing():
         torch.testing.assert_close(cached.state_dict()[k], v, atol=TOL, rtol=TOL)
 
 
+def test_prefetching_pins_each_batch_until_its_own_forward():
+    """With ahead=1 the look-ahead buffer is empty whenever a batch is yielded; the next batch must still be
+    numbered by its place in the stream, so its prefetch waits for the current lookup and pins its rows
+    until its own forward (numbered 0 again, it raced that lookup and its pins had expired: a flaky miss)."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [make_kjt(tables(), 8, gen, max_len=3) for _ in range(6)]
+    cached = swap_in(EmbeddingBagCollection(tables=tables()),
+                     cache=CacheConfig(capacity=0.6, policy="lru", optimizer=RowOptimizer(kind="sgd", lr=0.1)))
+    c = cached.fused_cache
+    owner = {f: cfg.name for cfg in tables() for f in cfg.feature_names}
+    for j, kjt in enumerate(prefetching(batches, cached, ahead=1)):
+        if j > 0:  # its rows were prefetched while batch j - 1 ran: resident, pinned until forward j + 1
+            keys = torch.cat([v.values() + c.key_start(owner[f]) for f, v in kjt.to_dict().items()])
+            slots = c.find(keys)
+            assert bool((slots >= 0).all()), j
+            assert int(c.pinned_until.index_select(0, slots).min()) >= c.step + 1 == j + 1, j
+        cached(kjt).values().sum().backward()
+
+
 def test_model_stats_count_lookups_and_traffic():
     model = swap_in(_dlrm(), cache=CacheConfig(capacity=10, optimizer=RowOptimizer(kind="sgd")))
     gen = torch.Generator().manual_seed(1)

@@ -1,0 +1,52 @@
+"""How many device slots each table of a collection gets: the planner's split of a :class:`CacheConfig`.
+
+A ratio is the collection's (split by frequency and size, small tables wholly resident), a row count is
+per table, a byte budget goes to :func:`tightfit.planner.cache.plan_cache` (hottest rows across all
+tables first). The result is the :class:`~torchrec_cache.layout.TableSpec` list a
+:class:`~torchrec_cache.cache.FusedCache` is built from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrec.modules.embedding_configs import DataType
+
+from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
+from tightfit.units import parse_bytes
+from torchrec_cache.cache import SLOT_OVERHEAD_BYTES
+from torchrec_cache.config import CacheConfig
+from torchrec_cache.frequency import FrequencyStats
+from torchrec_cache.layout import TableSpec
+
+__all__ = ["table_specs", "slot_split"]
+
+
+def table_specs(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> list[TableSpec]:
+    """The cache's tables (TorchRec ``EmbeddingBagConfig`` / ``EmbeddingConfig``), each with its slots."""
+    slots = slot_split(tables, cache, frequencies)
+    return [TableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
+                      dtype=torch.float32 if c.data_type == DataType.FP32 else torch.float16,
+                      capacity=slots[c.name]) for c in tables]
+
+
+def slot_split(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> dict[str, int]:
+    """Table name -> its device slots under ``cache.capacity``."""
+    kind = cache.capacity_kind()
+    state = cache.optimizer.state_columns if cache.optimizer else (lambda d: 0)
+    specs = [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
+                            weight_bytes=4 if c.data_type == DataType.FP32 else 2,
+                            state_columns=state(c.embedding_dim),
+                            index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
+             for c in tables]
+    counts = frequencies.counts if frequencies is not None else None
+    if kind == "ratio":
+        # The ratio is the collection's: split by frequency and size, small tables wholly resident.
+        total = max(len(tables), int(round(sum(c.num_embeddings for c in tables) * float(cache.capacity))))
+        return split_slots(specs, total, frequencies=counts)
+    if kind == "rows":
+        return {c.name: min(int(cache.capacity), c.num_embeddings) for c in tables}
+    # The index is hashed: no device bytes per table row.
+    return plan_cache(specs, budget_bytes=parse_bytes(cache.capacity), frequencies=counts,
+                      index_bytes_per_row=0).slots
