@@ -32,12 +32,13 @@ def _exception_classes() -> dict[str, str]:
     import importlib
 
     found = {}
-    for path in sorted(PLUGIN.glob("*.py")):
+    for path in sorted(PLUGIN.rglob("*.py")):  # the role folders too (loading/, worker/, ...)
+        module = ".".join(("energon_infer", *path.relative_to(PLUGIN).with_suffix("").parts))
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
-                obj = getattr(importlib.import_module(f"energon_infer.{path.stem}"), node.name)
+                obj = getattr(importlib.import_module(module), node.name)
                 if isinstance(obj, type) and issubclass(obj, BaseException):
-                    found[node.name] = path.stem
+                    found[node.name] = module
     return found
 
 
@@ -49,7 +50,7 @@ def test_every_exception_class_is_an_energon_error_with_its_builtin_base_and_sta
     family = {"EnergonError", "BadInputError", "BusyError", "UnavailableError"}
     assert set(found) - family == set(EXPECTED)
     for name, (builtin, status) in EXPECTED.items():
-        cls = getattr(importlib.import_module(f"energon_infer.{found[name]}"), name)
+        cls = getattr(importlib.import_module(found[name]), name)
         assert issubclass(cls, EnergonError) and issubclass(cls, builtin), name
         assert cls.http_status == status, name
     from energon_infer.serving.http_guard import ApiError
