@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.peers import VLLM_VERSION, VllmPeer
-    from energon_infer.engine import Engine
-    from energon_infer.memory_pool import MemoryPoolConfig
+    from energon_infer.engine.engine import Engine
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
 
     opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048)
     results: dict[str, Any] = {"peak_flops": peak_flops(), "flops_per_token": flops_per_token(hidden, layers, vocab)}

@@ -130,3 +130,34 @@ def test_plugin_functions_stay_under_80_lines(plugin):
                 if n > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+# energon_infer is grouped by role, bottom to top; a group imports only groups below it and the shared modules
+# at the package's root (docs/architecture.md). The root's entry modules (the package, the demos) may import any.
+ENERGON_GROUPS = ("loading", "scheduling", "worker", "engine", "serving")
+ENERGON_SHARED = ("errors", "sampling", "protocol", "parallel")
+ENERGON_ENTRY = ("", "demo", "engine_demo")
+
+
+def _energon_level(module: str) -> tuple[str, int]:
+    """(where, rank): shared modules rank -1, groups 0..4 bottom to top, entry modules above them all."""
+    rest = module.removeprefix("energon_infer").removeprefix(".")
+    head = rest.split(".")[0]
+    if head in ENERGON_GROUPS:
+        return head, ENERGON_GROUPS.index(head)
+    if head in ENERGON_SHARED:
+        return head, -1
+    assert head in ENERGON_ENTRY, f"energon_infer.{rest} is in no group: add it to a role folder or to the lists here"
+    return head or "energon_infer", len(ENERGON_GROUPS)
+
+
+def test_energon_groups_import_one_way():
+    back = []
+    for module, targets in import_graph("energon_infer").items():
+        where, rank = _energon_level(module)
+        for target in targets:
+            there, level = _energon_level(target)
+            shared_to_shared = rank == -1 and level == -1
+            if (level > rank or (rank == -1 and not shared_to_shared)) and module != "energon_infer":
+                back.append(f"{module} ({where}) -> {target} ({there})")
+    assert not back, "imports against the groups' order (" + " < ".join(ENERGON_GROUPS) + "): " + "; ".join(back)

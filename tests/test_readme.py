@@ -100,7 +100,7 @@ def test_commands_parse(command):
 
     argv = shlex.split(command, comments=True)[1:]
     if argv[0] == "serve":
-        from energon_infer.serve import build_parser as serve_parser
+        from energon_infer.serving.serve import build_parser as serve_parser
 
         serve_parser().parse_args(argv[1:])
         return

@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not triton_available():
         return skip(NAME, TITLE, f"Triton does not import ({triton_import_error()})")
-    from energon_infer.config import config_from_hf
-    from energon_infer.runtime import ModelRunner, RuntimeConfig
+    from energon_infer.loading.config import config_from_hf
     from energon_infer.sampling import SamplingParams
+    from energon_infer.worker.runtime import ModelRunner, RuntimeConfig
     from tightfit.cuda.varlen_attention import paged_attention
 
     device = torch.device("cpu" if args.smoke else "cuda")

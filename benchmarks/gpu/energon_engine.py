@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         replay_transformers,
         save_model,
     )
-    from energon_infer.engine import Engine
-    from energon_infer.memory_pool import MemoryPoolConfig
+    from energon_infer.engine.engine import Engine
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
 
     smoke, quick = args.smoke, args.quick or args.smoke
     repeats = args.repeats or (1 if smoke else 3 if quick else 5)

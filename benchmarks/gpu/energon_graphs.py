@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         return skip(NAME, TITLE, "transformers is not installed (it builds the random model)")
     ensure_energon()
-    from energon_infer.config import config_from_hf
-    from energon_infer.cuda_graphs import DecodeGraphs, default_buckets
-    from energon_infer.runtime import ModelRunner, RuntimeConfig
+    from energon_infer.loading.config import config_from_hf
+    from energon_infer.worker.cuda_graphs import DecodeGraphs, default_buckets
+    from energon_infer.worker.runtime import ModelRunner, RuntimeConfig
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = "float32" if args.smoke else "bfloat16"

@@ -1,6 +1,6 @@
 """The weight-pool planner: which layers of a pipeline stage live off the device, and in which tier.
 
-Energon's peer memory pool (``energon_infer.memory_pool``) keeps some layers' weights outside the
+Energon's peer memory pool (``energon_infer.worker.memory_pool``) keeps some layers' weights outside the
 computing device and copies each one into one of ``lookahead + 1`` device slots just before it
 runs. This planner decides which: from the stage's per-layer parameter bytes (its profile), the
 bytes that always stay (embedding, head, norms) and a device budget, it pools the fewest layers

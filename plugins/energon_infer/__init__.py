@@ -53,31 +53,31 @@ __all__ = [
 ]
 
 _LAZY = {
-    "ModelRunner": "energon_infer.runtime",
-    "RuntimeConfig": "energon_infer.runtime",
-    "Generation": "energon_infer.runtime",
-    "ContextLengthError": "energon_infer.runtime",
+    "ModelRunner": "energon_infer.worker.runtime",
+    "RuntimeConfig": "energon_infer.worker.runtime",
+    "Generation": "energon_infer.worker.runtime",
+    "ContextLengthError": "energon_infer.worker.runtime",
     "SamplingParams": "energon_infer.sampling",
-    "ModelConfig": "energon_infer.config",
-    "UnsupportedModelError": "energon_infer.config",
-    "WeightError": "energon_infer.weights",
-    "KVCacheFullError": "energon_infer.kv_cache",
-    "load_tightfit_gpt": "energon_infer.gpt_checkpoint",
-    "Engine": "energon_infer.engine",
-    "EngineConfig": "energon_infer.engine_config",
-    "SchedulerConfig": "energon_infer.scheduler_config",
-    "FaultConfig": "energon_infer.engine_config",
-    "LaunchConfig": "energon_infer.engine_config",
+    "ModelConfig": "energon_infer.loading.config",
+    "UnsupportedModelError": "energon_infer.loading.config",
+    "WeightError": "energon_infer.loading.weights",
+    "KVCacheFullError": "energon_infer.worker.kv_cache",
+    "load_tightfit_gpt": "energon_infer.worker.gpt_checkpoint",
+    "Engine": "energon_infer.engine.engine",
+    "EngineConfig": "energon_infer.engine.engine_config",
+    "SchedulerConfig": "energon_infer.scheduling.scheduler_config",
+    "FaultConfig": "energon_infer.engine.engine_config",
+    "LaunchConfig": "energon_infer.engine.engine_config",
     "EnergonError": "energon_infer.errors",
-    "Completion": "energon_infer.delivery",
-    "TokenEvent": "energon_infer.delivery",
-    "WorkerFailedError": "energon_infer.controller",
-    "EngineClosedError": "energon_infer.controller",
-    "RequestFailedError": "energon_infer.delivery",
-    "QueueFullError": "energon_infer.scheduler",
-    "MemoryPoolConfig": "energon_infer.memory_pool",
-    "ServerConfig": "energon_infer.server",
-    "run_worker": "energon_infer.torchrun",
+    "Completion": "energon_infer.engine.delivery",
+    "TokenEvent": "energon_infer.engine.delivery",
+    "WorkerFailedError": "energon_infer.engine.controller",
+    "EngineClosedError": "energon_infer.engine.controller",
+    "RequestFailedError": "energon_infer.engine.delivery",
+    "QueueFullError": "energon_infer.scheduling.scheduler",
+    "MemoryPoolConfig": "energon_infer.worker.memory_pool",
+    "ServerConfig": "energon_infer.serving.server",
+    "run_worker": "energon_infer.worker.torchrun",
 }
 
 
@@ -97,7 +97,7 @@ def _demo(quick: bool) -> str:
 
 
 def _serve(argv: list[str]) -> int:
-    from energon_infer.serve import main
+    from energon_infer.serving.serve import main
 
     return main(argv)
 

@@ -87,8 +87,8 @@ def _tp2_worker(rank: int, world: int, path: str, port: int, expected: list[list
 
     import torch.distributed as dist
 
-    from energon_infer.runtime import ModelRunner
     from energon_infer.sampling import SamplingParams
+    from energon_infer.worker.runtime import ModelRunner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -103,8 +103,8 @@ def _tp2_worker(rank: int, world: int, path: str, port: int, expected: list[list
 
 
 def run_demo(quick: bool = True) -> str:
-    from energon_infer.runtime import ModelRunner
     from energon_infer.sampling import SamplingParams
+    from energon_infer.worker.runtime import ModelRunner
 
     with tempfile.TemporaryDirectory(prefix="energon-demo-") as tmp:
         path = write_random_llama(tmp)

@@ -39,9 +39,9 @@ def find_elixir_checkpoint() -> Path | None:
 def run_engine_demo(quick: bool = True) -> str:
     import httpx
 
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
     from energon_infer.sampling import SamplingParams
-    from energon_infer.server import BackgroundServer, ServerConfig
+    from energon_infer.serving.server import BackgroundServer, ServerConfig
 
     ckpt = find_elixir_checkpoint()
     with tempfile.TemporaryDirectory(prefix="energon-engine-demo-") as tmp:

@@ -15,7 +15,7 @@ The statuses, by what went wrong:
 * 500 :class:`EnergonError` itself: energon's own side failed (a worker could not finish one request).
 
 Example:
-    >>> from energon_infer.scheduler_config import QueueFullError
+    >>> from energon_infer.scheduling.scheduler_config import QueueFullError
     >>> err = QueueFullError(4, 4)
     >>> isinstance(err, EnergonError), isinstance(err, RuntimeError), err.http_status
     (True, True, 429)
@@ -58,7 +58,7 @@ class InvalidRequestError(BadInputError, ValueError):
 
 
 class OptionError(BadInputError, ValueError):
-    """An engine option (a field of :class:`~energon_infer.engine_config.EngineConfig` or one of its parts)
+    """An engine option (a field of :class:`~energon_infer.engine.engine_config.EngineConfig` or one of its parts)
     breaks a rule; the message names the field, the value and what it may be."""
 
 

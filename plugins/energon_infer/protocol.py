@@ -17,8 +17,8 @@ Every message is a frozen dataclass of plain values, cheap to pickle; readers di
 ``isinstance``, so a misspelt kind is a type error, not a silently ignored string.
 
 :class:`WorkerGroup` is what the controller drives: the local worker processes
-(:class:`energon_infer.workers.SpawnedWorkerGroup`) and the ranks of a torchrun world
-(:class:`energon_infer.torchrun.TorchrunWorkerGroup`) both implement it.
+(:class:`energon_infer.worker.workers.SpawnedWorkerGroup`) and the ranks of a torchrun world
+(:class:`energon_infer.worker.torchrun.TorchrunWorkerGroup`) both implement it.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ Command = Step | Free | Stats | Ping | Stop
 
 @dataclass(frozen=True, slots=True)
 class PoolInfo:
-    """What a worker's layer pool holds (see :mod:`energon_infer.memory_pool`)."""
+    """What a worker's layer pool holds (see :mod:`energon_infer.worker.memory_pool`)."""
 
     pooled: tuple[int, ...]
     layers: int
@@ -124,7 +124,7 @@ class WorkerInfo:
     device: str
     weight_bytes: int
     pool: PoolInfo | None = None
-    host_blocks: int = 0  # swap space (see energon_infer.swap) and its measured costs
+    host_blocks: int = 0  # swap space (see energon_infer.scheduling.swap) and its measured costs
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
 

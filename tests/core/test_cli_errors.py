@@ -126,7 +126,7 @@ def _subparsers(parser):
 
 
 def test_every_subcommand_and_flag_has_help():
-    from energon_infer.serve import build_parser as serve_parser
+    from energon_infer.serving.serve import build_parser as serve_parser
 
     missing = []
     for name, sub in [*_subparsers(build_parser()), ("serve", serve_parser())]:

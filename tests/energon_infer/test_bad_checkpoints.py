@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from energon_infer import ModelRunner, WeightError
-from energon_infer.config import ConfigError, config_from_hf
-from energon_infer.weights import ModelTooLargeError
+from energon_infer.loading.config import ConfigError, config_from_hf
+from energon_infer.loading.weights import ModelTooLargeError
 
 
 def _copy(src, dst):
@@ -129,7 +129,7 @@ def test_non_finite_weights_warn_naming_the_tensor_or_fail_when_strict(tiny_dirs
 
 
 def test_a_truncated_gpt_checkpoint_is_named(tmp_path):
-    from energon_infer.gpt_checkpoint import read_gpt_checkpoint
+    from energon_infer.worker.gpt_checkpoint import read_gpt_checkpoint
 
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"model.wte.weight": torch.zeros(4, 2)}}, ckpt)

@@ -3,9 +3,9 @@ prefix blocks, copy-on-write, the off switch, and which request is preempted and
 
 from __future__ import annotations
 
-from energon_infer.blocks import BlockManager
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
+from energon_infer.scheduling.blocks import BlockManager
+from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
 
 
 def _run(m: BlockManager, seq: int, tokens: list[int]):

@@ -10,10 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from energon_infer.engine_config import FLAT_OPTIONS, EngineConfig, FaultConfig, LaunchConfig, engine_config
+from energon_infer.engine.engine_config import (
+    FLAT_OPTIONS,
+    EngineConfig,
+    FaultConfig,
+    LaunchConfig,
+    engine_config,
+)
 from energon_infer.errors import EnergonError, OptionError, UnknownOptionError
-from energon_infer.runtime import RuntimeConfig
-from energon_infer.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
+from energon_infer.scheduling.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
+from energon_infer.worker.runtime import RuntimeConfig
 
 PARTS = {"scheduler": SchedulerConfig, "runtime": RuntimeConfig, "faults": FaultConfig, "launch": LaunchConfig}
 

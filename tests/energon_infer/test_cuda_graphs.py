@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.cuda_graphs import DecodeGraphs, default_buckets
-from energon_infer.runtime import RuntimeConfig
-from energon_infer.workers import StageTimer
+from energon_infer.worker.cuda_graphs import DecodeGraphs, default_buckets
+from energon_infer.worker.runtime import RuntimeConfig
+from energon_infer.worker.workers import StageTimer
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
 
@@ -178,7 +178,7 @@ def test_padded_decode_at_pp2_feeds_hidden_states_through_the_static_buffers(tin
 
 def test_pooling_layers_in_host_memory_turns_graphs_off(tiny_dirs):
     # A graph would replay the weights' old addresses; pooled layers are copied into slots every step.
-    from energon_infer.memory_pool import MemoryPoolConfig, apply_memory_pool
+    from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool
 
     eager, padded = _pair(tiny_dirs["gpt2"])
     pool, plan = apply_memory_pool(padded, MemoryPoolConfig(fraction=1.0, lookahead=1))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from energon_infer.detokenizer import IncrementalDetokenizer
-from energon_infer.gpt_checkpoint import ByteTokenizer
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
+from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
+from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
+from energon_infer.worker.gpt_checkpoint import ByteTokenizer
 
 from .tiny import CORPUS, build_tokenizer
 
@@ -76,8 +76,8 @@ def test_the_frontend_owns_the_output_state_and_leaves_the_schedulers_request_al
 
     import pytest
 
-    from energon_infer.delivery import Delivery
-    from energon_infer.metrics import EngineMetrics
+    from energon_infer.engine.delivery import Delivery
+    from energon_infer.engine.metrics import EngineMetrics
 
     # The scheduler's request carries what batching needs, nothing of the caller's side.
     fields = set(Request.__dataclass_fields__)
@@ -109,5 +109,5 @@ def test_the_scheduler_never_imports_the_frontend():
     from tests.test_layout import import_graph
 
     graph = import_graph("energon_infer")
-    assert "energon_infer.delivery" not in graph["energon_infer.scheduler"]
-    assert "energon_infer.scheduler" not in graph["energon_infer.delivery"]
+    assert "energon_infer.engine.delivery" not in graph["energon_infer.scheduling.scheduler"]
+    assert "energon_infer.scheduling.scheduler" not in graph["energon_infer.engine.delivery"]

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.engine import Engine, EngineClosedError, QueueFullError
+from energon_infer.engine.engine import Engine, EngineClosedError, QueueFullError
 from tests.helpers.runif import RunIf
 
 # Unequal lengths, one long prompt spanning several KV blocks, one single-token prompt.

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.engine import Engine, EngineClosedError, WorkerFailedError
+from energon_infer.engine.engine import Engine, EngineClosedError, WorkerFailedError
 from tests.helpers.runif import RunIf
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -68,7 +68,7 @@ def test_killed_worker_fails_running_requests_then_the_group_restarts(tmp_path):
         assert 'energon_up{model_name="m"} 0.0' in engine.render_metrics()
         import httpx
 
-        from energon_infer.server import BackgroundServer
+        from energon_infer.serving.server import BackgroundServer
 
         with BackgroundServer(engine) as server:  # the HTTP view of the same state
             health = httpx.get(server.url + "/health", timeout=10)
@@ -103,7 +103,7 @@ def test_hung_worker_times_out_instead_of_hanging(tmp_path):
 
 def test_a_request_that_fails_inside_a_worker_fails_alone(tmp_path):
     from energon_infer.demo import write_random_llama
-    from energon_infer.engine import RequestFailedError
+    from energon_infer.engine.engine import RequestFailedError
 
     path = write_random_llama(tmp_path / "m", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
     engine = Engine.from_pretrained(path, progress=False, threads_per_worker=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.memory_pool import (
+from energon_infer.worker.memory_pool import (
     LayerPool,
     MemoryPoolConfig,
     apply_memory_pool,
@@ -90,8 +90,8 @@ def test_pool_config_is_validated():
 
 
 def test_engine_plans_the_pool_from_a_device_budget(model_dir):
-    from energon_infer.engine import Engine
-    from energon_infer.workers import WorkerStartError
+    from energon_infer.engine.engine import Engine
+    from energon_infer.worker.workers import WorkerStartError
 
     runner = _runner(model_dir)
     layers, resident = stage_layer_bytes(runner.stage)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import QueueFullError, Request, Scheduler, SchedulerConfig
+from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 

@@ -14,7 +14,7 @@ from tests.helpers.runif import RunIf
 SCRIPT = '''
 import json, os, sys
 from energon_infer import Engine, SamplingParams
-from energon_infer.torchrun import run_worker
+from energon_infer.worker.torchrun import run_worker
 
 path, expected = sys.argv[1], json.loads(sys.argv[2])
 if int(os.environ["RANK"]) == 0:

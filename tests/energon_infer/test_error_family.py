@@ -32,12 +32,13 @@ def _exception_classes() -> dict[str, str]:
     import importlib
 
     found = {}
-    for path in sorted(PLUGIN.glob("*.py")):
+    for path in sorted(PLUGIN.rglob("*.py")):  # the role folders too (loading/, worker/, ...)
+        module = ".".join(("energon_infer", *path.relative_to(PLUGIN).with_suffix("").parts))
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
-                obj = getattr(importlib.import_module(f"energon_infer.{path.stem}"), node.name)
+                obj = getattr(importlib.import_module(module), node.name)
                 if isinstance(obj, type) and issubclass(obj, BaseException):
-                    found[node.name] = path.stem
+                    found[node.name] = module
     return found
 
 
@@ -49,18 +50,18 @@ def test_every_exception_class_is_an_energon_error_with_its_builtin_base_and_sta
     family = {"EnergonError", "BadInputError", "BusyError", "UnavailableError"}
     assert set(found) - family == set(EXPECTED)
     for name, (builtin, status) in EXPECTED.items():
-        cls = getattr(importlib.import_module(f"energon_infer.{found[name]}"), name)
+        cls = getattr(importlib.import_module(found[name]), name)
         assert issubclass(cls, EnergonError) and issubclass(cls, builtin), name
         assert cls.http_status == status, name
-    from energon_infer.http_guard import ApiError
+    from energon_infer.serving.http_guard import ApiError
 
     assert issubclass(ApiError, EnergonError) and ApiError(413, "too big").http_status == 413
 
 
 def test_engine_error_answers_by_class_and_an_unknown_error_is_a_logged_500(caplog):
-    from energon_infer.controller import WorkerFailedError
-    from energon_infer.http_guard import engine_error
-    from energon_infer.scheduler_config import QueueFullError
+    from energon_infer.engine.controller import WorkerFailedError
+    from energon_infer.scheduling.scheduler_config import QueueFullError
+    from energon_infer.serving.http_guard import engine_error
 
     full = engine_error(QueueFullError(3, 3))
     assert (full.status, full.type, full.headers) == (429, "rate_limit_error", {"Retry-After": "1"})
@@ -84,9 +85,9 @@ def test_engine_error_answers_by_class_and_an_unknown_error_is_a_logged_500(capl
 def test_the_server_maps_errors_raised_in_an_endpoint(tmp_path, caplog):
     from fastapi.testclient import TestClient
 
-    from energon_infer.engine import Engine
-    from energon_infer.scheduler_config import QueueFullError
-    from energon_infer.server import EnergonServer, ServerConfig
+    from energon_infer.engine.engine import Engine
+    from energon_infer.scheduling.scheduler_config import QueueFullError
+    from energon_infer.serving.server import EnergonServer, ServerConfig
 
     with Engine.from_pretrained(_model(tmp_path), progress=False, threads_per_worker=1, max_queue=2) as engine:
         server = EnergonServer(engine, ServerConfig(port=0))
@@ -120,7 +121,7 @@ def _model(tmp_path):
 
 @RunIf(serve=True)
 def test_tightfit_serve_ends_bad_input_with_one_line_and_2(tmp_path, capsys):
-    from energon_infer.serve import main
+    from energon_infer.serving.serve import main
 
     assert main([str(_model(tmp_path)), "--tp", "3", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
@@ -131,8 +132,8 @@ def test_tightfit_serve_ends_bad_input_with_one_line_and_2(tmp_path, capsys):
 
 @RunIf(serve=True)
 def test_tightfit_serve_ends_a_bug_with_its_traceback_and_1(tmp_path, capsys, monkeypatch):
-    from energon_infer.engine import Engine
-    from energon_infer.serve import main
+    from energon_infer.engine.engine import Engine
+    from energon_infer.serving.serve import main
 
     def broken(*args, **kwargs):  # stands for a bug anywhere below the command
         raise ZeroDivisionError("division by zero deep in the engine")

@@ -16,7 +16,7 @@ from energon_infer import (
     UnsupportedModelError,
     WeightError,
 )
-from energon_infer.config import config_from_hf
+from energon_infer.loading.config import config_from_hf
 
 
 def _copy(src, dst):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from energon_infer import SamplingParams
-from energon_infer.config import ConfigError, UnsupportedModelError, config_from_hf
+from energon_infer.loading.config import ConfigError, UnsupportedModelError, config_from_hf
 from energon_infer.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
 FAST = settings(max_examples=80, deadline=None)
@@ -112,7 +112,7 @@ def test_unknown_model_types_raise_unsupported_model_error():
 @given(st.sampled_from(["tp", "pp", "block_size", "kv_cache_tokens", "microbatches", "max_batch_tokens", "seed"]),
        st.one_of(JUNK, st.just(1.5)))
 def test_invalid_runtime_config_numbers_raise_value_error(field, bad):
-    from energon_infer.runtime import RuntimeConfig
+    from energon_infer.worker.runtime import RuntimeConfig
 
     with pytest.raises(ValueError, match=field):
         RuntimeConfig(**{field: bad})

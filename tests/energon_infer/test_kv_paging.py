@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.blocks import BlockManager
+from energon_infer.scheduling.blocks import BlockManager
 from tests.energon_infer.conftest import GREEDY_TOKENS
 from tests.energon_infer.tiny import PROMPTS, hf_logits
 from tests.helpers.runif import RunIf
@@ -138,7 +138,7 @@ def test_batched_sampling_draws_each_row_as_if_alone(rows):
 
 @pytest.mark.parametrize("pp", [1, pytest.param(2, marks=RunIf(min_world=2))])
 def test_engine_with_preemption_prefix_caching_and_chunks_equals_the_runtime(tiny_dirs, pp):
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
 
     prompts = PROMPTS + SHARED
     params = [GREEDY] * len(PROMPTS) + SEEDED
@@ -185,7 +185,7 @@ def test_preemption_by_swap_to_host_keeps_greedy_and_seeded_outputs(tiny_dirs, h
 
 
 def test_swap_or_recompute_is_chosen_by_the_measured_costs():
-    from energon_infer.swap import SwapSpace
+    from energon_infer.scheduling.swap import SwapSpace
 
     space = SwapSpace(4, mode="auto", swap_s_per_block=1e-3, recompute_s_per_token=1e-4)
     assert space.choose(blocks=2, tokens=64)  # 2 ms of copies < 6.4 ms of prefill
@@ -194,7 +194,7 @@ def test_swap_or_recompute_is_chosen_by_the_measured_costs():
     assert SwapSpace(4, mode="swap").choose(blocks=1, tokens=1)
     assert not SwapSpace(4, mode="recompute").choose(blocks=1, tokens=10**6)
     with pytest.raises(ValueError, match="preemption='swap' needs host swap space"):
-        from energon_infer.scheduler import SchedulerConfig
+        from energon_infer.scheduling.scheduler import SchedulerConfig
 
         SchedulerConfig(kv_blocks=8, block_size=4, max_context=64, preemption="swap")
 
@@ -202,7 +202,7 @@ def test_swap_or_recompute_is_chosen_by_the_measured_costs():
 def test_engine_swaps_preempted_requests_out_and_back_with_the_same_tokens(tiny_dirs, hf_refs):
     # Through the worker process (steps planned two ahead): swap-out copies run before the step that
     # reuses the victim's blocks, swap-in copies before the step that resumes it.
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
 
     big = _runner(tiny_dirs["gpt2"])
     alone = [_tokens(big, [p], sp)[0][0] for p, sp in zip(PROMPTS, SEEDED)]
@@ -222,7 +222,7 @@ def test_decode_step_metadata_equals_the_general_layout(seqs, block_size, seed):
     """A decode-only step's metadata is built from host lists; it must equal the general tensor-op layout."""
     import random
 
-    from energon_infer.kv_cache import KVCache
+    from energon_infer.worker.kv_cache import KVCache
 
     g = random.Random(seed)
     cache = KVCache(n_layers=1, num_blocks=64, block_size=block_size, n_kv_heads=1, head_dim=2,
@@ -240,7 +240,7 @@ def test_decode_step_metadata_equals_the_general_layout(seqs, block_size, seed):
 
 
 def test_the_cache_holds_block_tables_and_the_runner_allocates_with_a_block_manager(tiny_dirs):
-    from energon_infer.kv_cache import KVCache, UnknownSequenceError
+    from energon_infer.worker.kv_cache import KVCache, UnknownSequenceError
 
     cache = KVCache(n_layers=1, num_blocks=4, block_size=4, n_kv_heads=1, head_dim=2, dtype=torch.float32)
     with pytest.raises(UnknownSequenceError):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from energon_infer import ModelRunner, RuntimeConfig, SamplingParams
-from energon_infer.memory_pool import MemoryPoolConfig, apply_memory_pool
 from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
+from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool
 from tests.energon_infer.tiny import FAMILIES, PROMPTS
 from tightfit.cuda.packed_linear import packing_available
 

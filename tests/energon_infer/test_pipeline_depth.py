@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from energon_infer import ModelRunner, SamplingParams
-from energon_infer.scheduler import PLACEHOLDER, Request, Scheduler, SchedulerConfig
+from energon_infer.scheduling.scheduler import PLACEHOLDER, Request, Scheduler, SchedulerConfig
 from tests.energon_infer.tiny import PROMPTS
 from tests.helpers.runif import RunIf
 
@@ -64,7 +64,7 @@ def test_a_request_arriving_while_two_steps_are_in_flight_joins_the_next_step_be
 
 
 def test_engine_requests_arriving_mid_stream_equal_the_runtime(tiny_dirs, reference):
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
 
     with Engine.from_pretrained(tiny_dirs["llama"], block_size=4, kv_cache_tokens=256, progress=False,
                                 threads_per_worker=1) as engine:
@@ -83,7 +83,7 @@ def reference(tiny_dirs):
 
 
 def _engine_tokens(d: str, **layout) -> list[list[int]]:
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
 
     with Engine.from_pretrained(d, pipeline_depth=3, block_size=4, kv_cache_tokens=64, max_batch_tokens=16,
                                 chunked_prefill=True, progress=False, threads_per_worker=1, **layout) as engine:
@@ -101,7 +101,7 @@ def test_engine_with_steps_planned_ahead_equals_the_runtime(tiny_dirs, reference
 def test_pp2_stages_work_at_the_same_time(tmp_path, depth):
     # A stage's step must outweigh the controller's per-step work for the overlap to show: hidden 768.
     from energon_infer.demo import write_random_llama
-    from energon_infer.engine import Engine
+    from energon_infer.engine.engine import Engine
 
     d = write_random_llama(tmp_path / "m", layers=4, hidden=768, heads=4, kv_heads=2, intermediate=1536,
                            max_positions=128)

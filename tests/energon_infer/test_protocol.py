@@ -38,9 +38,9 @@ def test_worker_info_reads_like_the_dict_it_replaced():
 
 def test_both_worker_groups_implement_the_declared_protocol():
     from energon_infer.protocol import WorkerGroup
-    from energon_infer.runtime import RuntimeConfig
-    from energon_infer.torchrun import TorchrunWorkerGroup
-    from energon_infer.workers import ModelSource, SpawnedWorkerGroup
+    from energon_infer.worker.runtime import RuntimeConfig
+    from energon_infer.worker.torchrun import TorchrunWorkerGroup
+    from energon_infer.worker.workers import ModelSource, SpawnedWorkerGroup
 
     source, runtime = ModelSource("pretrained", "/nowhere"), RuntimeConfig(tp=1, pp=1, progress=False)
     spawned = SpawnedWorkerGroup(source, runtime, backend="gloo")
@@ -50,7 +50,7 @@ def test_both_worker_groups_implement_the_declared_protocol():
 
 
 def test_a_planned_step_is_the_message_the_workers_get():
-    from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
+    from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
 
     s = Scheduler(SchedulerConfig(kv_blocks=8, block_size=4, max_context=32, max_batch_tokens=16))
     req = s.add(Request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from energon_infer.restart_budget import RestartBudget
+from energon_infer.engine.restart_budget import RestartBudget
 
 
 def test_budget_is_per_window_and_recovers_as_failures_age():

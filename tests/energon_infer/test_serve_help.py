@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from energon_infer.engine_config import FaultConfig, LaunchConfig
-from energon_infer.runtime import RuntimeConfig
-from energon_infer.scheduler_config import SchedulerConfig
-from energon_infer.serve import build_parser
-from energon_infer.server_config import ServerConfig
+from energon_infer.engine.engine_config import FaultConfig, LaunchConfig
+from energon_infer.scheduling.scheduler_config import SchedulerConfig
+from energon_infer.serving.serve import build_parser
+from energon_infer.serving.server_config import ServerConfig
+from energon_infer.worker.runtime import RuntimeConfig
 
 # flag -> (config class, field) it sets
 FLAGS = {

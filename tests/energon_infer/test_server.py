@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from energon_infer import SamplingParams
-from energon_infer.engine import Engine
-from energon_infer.hf_files import ChatTemplate
-from energon_infer.server import BackgroundServer, ServerConfig
+from energon_infer.engine.engine import Engine
+from energon_infer.loading.hf_files import ChatTemplate
+from energon_infer.serving.server import BackgroundServer, ServerConfig
 from tests.helpers.runif import RunIf
 
 KEY = "test-key"

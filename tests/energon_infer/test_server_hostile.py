@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from energon_infer import SamplingParams
-from energon_infer.engine import Engine
-from energon_infer.server import BackgroundServer, ServerConfig
+from energon_infer.engine.engine import Engine
+from energon_infer.serving.server import BackgroundServer, ServerConfig
 from tests.helpers.runif import RunIf
 
 pytestmark = RunIf(serve=True)

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from energon_infer import SamplingParams
-from energon_infer.engine import Engine
-from energon_infer.hf_files import ChatTemplate, generation_defaults, resolve_dtype
-from energon_infer.server import BackgroundServer, ServerConfig
+from energon_infer.engine.engine import Engine
+from energon_infer.loading.hf_files import ChatTemplate, generation_defaults, resolve_dtype
+from energon_infer.serving.server import BackgroundServer, ServerConfig
 from tests.helpers.runif import RunIf
 
 pytestmark = RunIf(serve=True)

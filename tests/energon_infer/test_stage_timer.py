@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from energon_infer.workers import StageTimer
+from energon_infer.worker.workers import StageTimer
 
 
 def test_busy_span_and_utilisation_from_one_clock():

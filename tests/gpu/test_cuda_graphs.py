@@ -63,7 +63,7 @@ def test_captured_decode_tracks_eager_bf16(llama_dir):
 
 def test_graphs_on_by_default_and_generate_gives_the_eager_tokens(llama_dir):
     from energon_infer import SamplingParams
-    from energon_infer.cuda_graphs import default_buckets
+    from energon_infer.worker.cuda_graphs import default_buckets
 
     eager, graphed = _runners(llama_dir, cuda(), "float32", None)
     graphs = graphed.decode_graphs

@@ -86,7 +86,7 @@ def test_runtime_bf16_tracks_transformers_bf16_on_cuda(llama_dir):
 
 def check_pooled_weights(path, device: torch.device) -> None:
     from energon_infer import ModelRunner
-    from energon_infer.memory_pool import MemoryPoolConfig, apply_memory_pool
+    from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool
 
     ref = runner_outputs(ModelRunner.from_pretrained(path, device=str(device), block_size=4, progress=False))
     runner = ModelRunner.from_pretrained(path, device=str(device), block_size=4, progress=False)
@@ -107,8 +107,8 @@ def test_weights_pooled_in_pinned_host_memory_give_the_same_outputs(llama_dir):
 
 def test_engine_worker_on_cuda_equals_transformers(llama_dir):
     from energon_infer import SamplingParams
-    from energon_infer.engine import Engine
-    from energon_infer.memory_pool import MemoryPoolConfig
+    from energon_infer.engine.engine import Engine
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
 
     ref = hf_reference(llama_dir, cuda(), torch.float32)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

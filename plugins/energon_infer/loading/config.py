@@ -230,7 +230,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, tuple[str, float] | None]:
         return theta, ("linear", _real(params.get("factor", scaling.get("factor", 1.0)), "rope factor"))
     raise UnsupportedModelError(
         f"rope_type {kind!r} is not supported (supported: 'default', 'linear'); use a checkpoint without "
-        "rope scaling or add the scaling rule to energon_infer.model.rotary_cos_sin"
+        "rope scaling or add the scaling rule to energon_infer.worker.model.rotary_cos_sin"
     )
 
 
@@ -252,7 +252,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} (architectures {archs}) is not supported; supported model types: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}. Convert the checkpoint to one of them or add a "
-            "family to energon_infer.config"
+            "family to energon_infer.loading.config"
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
     common: dict[str, Any] = dict(model_type=model_type, family=family, bos_token_id=raw.get("bos_token_id"),

@@ -5,7 +5,7 @@ host memory) and copies each one into a small set of device buffers ("slots") a 
 it runs, on a side stream, so a stage whose weights do not fit on its device still runs at the
 cost of the copies that compute does not hide.
 
-Here a :class:`LayerPool` does that for one :class:`~energon_infer.model.DecoderStage`:
+Here a :class:`LayerPool` does that for one :class:`~energon_infer.worker.model.DecoderStage`:
 
 * each pooled block's parameters are packed into one flat tensor in the pool (pinned host memory,
   a peer GPU, or on a CPU-only machine a separate host allocation) and removed from the device;
@@ -138,7 +138,7 @@ class LayerPool:
     """Pool some blocks of a stage and prefetch them ahead of use (see the module docstring).
 
     Args:
-        stage: a loaded :class:`~energon_infer.model.DecoderStage` (its weights are moved into the pool).
+        stage: a loaded :class:`~energon_infer.worker.model.DecoderStage` (its weights are moved into the pool).
         pooled: positions (within ``stage.layers``) of the blocks to pool.
         lookahead: pooled blocks fetched ahead of the running one.
         pool_device: where the pool lives (``"cpu"`` or a peer ``"cuda:N"``).
@@ -284,7 +284,7 @@ class LayerPool:
 
 
 def apply_memory_pool(runner: Any, config: MemoryPoolConfig) -> tuple[LayerPool, PoolPlan]:
-    """Plan and install a :class:`LayerPool` on a loaded :class:`~energon_infer.runtime.ModelRunner`'s stage."""
+    """Plan and install a :class:`LayerPool` on a loaded :class:`~energon_infer.worker.runtime.ModelRunner`'s stage."""
     layers, resident = stage_layer_bytes(runner.stage)
     budget = config.device_budget
     plan = plan_pool(layers, resident_bytes=resident, budget_bytes=budget if isinstance(budget, int) else None,

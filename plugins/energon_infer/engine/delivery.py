@@ -1,6 +1,6 @@
 """The frontend: each request's output state, and what the controller hands back per step (vLLM's OutputProcessor).
 
-The scheduler's :class:`~energon_infer.scheduler.Request` holds what batching needs (tokens, blocks,
+The scheduler's :class:`~energon_infer.scheduling.scheduler.Request` holds what batching needs (tokens, blocks,
 why it stopped); everything the caller of the engine sees lives here, in one :class:`Output` per
 request, written only by this module: its future, its listener, the text streamed so far and its
 timings (arrival, first token, last token, finish). The data moves one way: the engine opens an
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from energon_infer.errors import EnergonError
 
 if TYPE_CHECKING:
-    from energon_infer.scheduler import Request
+    from energon_infer.scheduling.scheduler import Request
 
 __all__ = ["Completion", "TokenEvent", "Output", "Delivery", "completion_of", "RequestFailedError"]
 
@@ -98,7 +98,7 @@ class Delivery:
     """Opens each request's :class:`Output`, hands results to futures and listeners, counts them in ``metrics``.
 
     Args:
-        metrics: the engine's :class:`~energon_infer.metrics.EngineMetrics`.
+        metrics: the engine's :class:`~energon_infer.engine.metrics.EngineMetrics`.
         has_text: whether requests carry text (the engine has a tokenizer).
         clock: the time source of the timings.
     """

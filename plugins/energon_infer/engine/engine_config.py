@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from energon_infer.errors import OptionError, UnknownOptionError, check_choice
-from energon_infer.runtime import RuntimeConfig
-from energon_infer.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
+from energon_infer.scheduling.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
+from energon_infer.worker.runtime import RuntimeConfig
 
 __all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "Launcher", "Backend"]
 
@@ -74,7 +74,7 @@ class LaunchConfig:
     Args:
         launcher: ``"spawn"`` (start ``tp * pp`` local worker processes) or ``"torchrun"`` (join the world
             torchrun started, on one or many nodes; this process must be rank 0, the others call
-            :func:`energon_infer.torchrun.run_worker`; no restarts).
+            :func:`energon_infer.worker.torchrun.run_worker`; no restarts).
         backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL with CUDA, else gloo).
         threads_per_worker: intra-op threads of each worker (0: CPU cores / workers).
     """
@@ -92,12 +92,12 @@ class LaunchConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
-    """Everything an :class:`~energon_infer.engine.Engine` is started with, one part per concern.
+    """Everything an :class:`~energon_infer.engine.engine.Engine` is started with, one part per concern.
 
     Args:
-        scheduler: batching options (:class:`~energon_infer.scheduler_config.SchedulerConfig`; its cache
+        scheduler: batching options (:class:`~energon_infer.scheduling.scheduler_config.SchedulerConfig`; its cache
             shape comes from the workers, so it is left 0 here).
-        runtime: each worker's layout and cache (:class:`~energon_infer.runtime.RuntimeConfig`); its
+        runtime: each worker's layout and cache (:class:`~energon_infer.worker.runtime.RuntimeConfig`); its
             ``max_batch_tokens`` is the scheduler's, and ``microbatches=0`` becomes 1 while more than one
             group is in flight (the engine already keeps a step per stage in flight; splitting each step again
             only shrinks the matmuls).

@@ -1,8 +1,8 @@
-"""Load a rank's slice of a checkpoint into a :class:`~energon_infer.model.DecoderStage`, without unpickling.
+"""Load a rank's slice of a checkpoint into a :class:`~energon_infer.worker.model.DecoderStage`, without unpickling.
 
 Sources: a Hugging Face directory (``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) read with ``safetensors.safe_open``; or any ``{name: tensor}``
-mapping already in memory (how :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt` feeds a
+mapping already in memory (how :func:`energon_infer.worker.gpt_checkpoint.load_tightfit_gpt` feeds a
 tightfit/Lightning checkpoint). ``*.bin`` / ``*.pt`` pickles are refused.
 
 Each runtime parameter is built from one or more checkpoint tensors (GPT-2's fused, transposed
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from energon_infer.config import ModelConfig
 from energon_infer.errors import BadInputError
+from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import Grid, vocab_shard
 
 __all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",

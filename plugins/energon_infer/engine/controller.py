@@ -1,15 +1,15 @@
 """The controller: the loop that drives the worker group, watches it and restarts it.
 
 One thread per engine. Each turn it plans a step for every idle group of requests
-(:mod:`energon_infer.scheduler`), sends it to the workers (:mod:`energon_infer.protocol`
+(:mod:`energon_infer.scheduling.scheduler`), sends it to the workers (:mod:`energon_infer.protocol`
 messages), takes one reply from the result queue, and checks the workers: a worker that died, or
 a step without an answer after ``step_timeout_s`` (the watchdog; while idle, a :class:`Ping` that not every
 rank answers within it), fails the running requests with
 :class:`WorkerFailedError` and restarts the group (up to ``max_restarts`` within any
-``restart_window_s``, a :class:`~energon_infer.restart_budget.RestartBudget`); waiting requests
+``restart_window_s``, a :class:`~energon_infer.engine.restart_budget.RestartBudget`); waiting requests
 are kept. A request that fails alone in a worker (its row could not be sampled) fails with
-:class:`~energon_infer.delivery.RequestFailedError` and nothing else is touched. Results go out
-through :mod:`energon_infer.delivery`.
+:class:`~energon_infer.engine.delivery.RequestFailedError` and nothing else is touched. Results go out
+through :mod:`energon_infer.engine.delivery`.
 
 Data moves one way: the controller calls the scheduler, the worker group and delivery, and none of
 them calls it back. A restart is the controller's own job: it is given the factory that starts a
@@ -28,10 +28,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from energon_infer.delivery import Delivery
-from energon_infer.engine_config import EngineConfig
+from energon_infer.engine.delivery import Delivery
+from energon_infer.engine.engine_config import EngineConfig
+from energon_infer.engine.metrics import EngineMetrics
+from energon_infer.engine.restart_budget import RestartBudget
 from energon_infer.errors import UnavailableError
-from energon_infer.metrics import EngineMetrics
 from energon_infer.protocol import (
     Free,
     Ping,
@@ -44,14 +45,13 @@ from energon_infer.protocol import (
     WorkerGroup,
     WorkerInfo,
 )
-from energon_infer.restart_budget import RestartBudget
-from energon_infer.scheduler import (
+from energon_infer.scheduling.scheduler import (
     QueueFullError,
     Request,
     Scheduler,
     StepPlan,
 )
-from energon_infer.workers import ModelSource, SpawnedWorkerGroup
+from energon_infer.worker.workers import ModelSource, SpawnedWorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
 
@@ -70,7 +70,7 @@ def start_group(source: ModelSource, runtime: Any, config: EngineConfig, pool: A
                 cancelled: Callable[[], bool] = lambda: False) -> WorkerGroup:
     """Start the worker group ``config.launch.launcher`` names and wait until every worker has loaded."""
     if config.launch.launcher == "torchrun":
-        from energon_infer.torchrun import TorchrunWorkerGroup
+        from energon_infer.worker.torchrun import TorchrunWorkerGroup
 
         tgroup = TorchrunWorkerGroup(source, runtime, pool=pool)
         tgroup.start(config.faults.start_timeout_s)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from energon_infer.config import ModelConfig
-from energon_infer.runtime import ModelRunner, RuntimeConfig
-from energon_infer.weights import Part
+from energon_infer.loading.config import ModelConfig
+from energon_infer.loading.weights import Part
+from energon_infer.worker.runtime import ModelRunner, RuntimeConfig
 
 __all__ = ["ByteTokenizer", "load_tightfit_gpt", "gpt_model_config", "read_gpt_checkpoint"]
 

@@ -6,7 +6,7 @@ strict (``"9"`` is not a number, ``true`` is not a token id), every number is fi
 strings with lone UTF-16 surrogates are refused (no tokenizer can encode them), and OpenAI fields this
 server does not implement (``tools``, ``response_format``, ``logit_bias``...) get a 400 that names the
 field instead of being ignored. Limits that depend on the server (``max_tokens``, prompts per request,
-``n``) are checked by the server with its :class:`~energon_infer.server.ServerConfig`.
+``n``) are checked by the server with its :class:`~energon_infer.serving.server.ServerConfig`.
 
 Example:
     >>> CompletionRequest.model_validate({"prompt": "hi", "temperature": 0.7}).temperature

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from energon_infer.delivery import Completion
+from energon_infer.engine.delivery import Completion
 
 __all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
            "chat_choice", "completion_chunk", "chat_chunk"]

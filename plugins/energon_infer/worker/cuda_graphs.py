@@ -6,7 +6,7 @@ records one step's launches once and replays them with a single call. A graph re
 at fixed addresses, so :class:`DecodeGraphs` keeps every input of a step in static buffers sized for
 its largest bucket, and runs a step of ``b`` sequences in the smallest bucket ``B >= b``:
 
-* rows ``0..b-1`` are copied from the step's :class:`~energon_infer.kv_cache.StepMetadata` (token
+* rows ``0..b-1`` are copied from the step's :class:`~energon_infer.worker.kv_cache.StepMetadata` (token
   ids, or hidden states on a later pipeline stage; positions, slots, block tables, context lengths);
 * rows ``b..B-1`` are padding: position 0, one token of context, and their slot and block table in
   the KV cache's *scratch block* (``KVCache(scratch=True)``: a block outside ``range(num_blocks)``,
@@ -19,7 +19,7 @@ What runs eagerly as before: steps with prefill or chunked tokens (``max_q_len >
 sequences than the largest bucket, ``all_logits`` steps, and every step when graphs are off.
 
 The bucketing and buffers are separate from the capture: with ``capture=False`` the same padded
-buffers run through :class:`~energon_infer.model.DecoderStage` eagerly. That is how the CPU tests check
+buffers run through :class:`~energon_infer.worker.model.DecoderStage` eagerly. That is how the CPU tests check
 the padding (same logits and tokens as the unpadded step, no other sequence's KV touched); only the
 capture itself needs a GPU. Graphs are captured lazily, the first time a bucket is used (one eager
 warm-up run, then the capture; both write only the scratch block), into one shared memory pool; the
@@ -29,7 +29,7 @@ Tensor parallelism: ``tp > 1`` is not captured. Each block all-reduces twice acr
 ranks, and a collective inside a graph needs NCCL's graph-safe mode on every rank (registered buffers,
 the same capture order everywhere); that is not done here, so graphs need ``tp == 1`` (any ``pp``: stages
 exchange hidden states outside the stage's forward). Layers pooled in host memory
-(:mod:`energon_infer.memory_pool`) move between steps, so pooling turns graphs off.
+(:mod:`energon_infer.worker.memory_pool`) move between steps, so pooling turns graphs off.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from energon_infer.kv_cache import KVCache, StepMetadata
-from energon_infer.model import DecoderStage
+from energon_infer.worker.kv_cache import KVCache, StepMetadata
+from energon_infer.worker.model import DecoderStage
 
 __all__ = ["DecodeGraphs", "DEFAULT_MAX_GRAPH_BATCH", "default_buckets", "check_cuda_graphs", "decode_graphs_for"]
 
@@ -66,7 +66,7 @@ def default_buckets(limit: int = DEFAULT_MAX_GRAPH_BATCH) -> tuple[int, ...]:
 
 
 def check_cuda_graphs(value: Any, *, device: str | None, tp: int) -> bool | tuple[int, ...] | None:
-    """Validate :attr:`RuntimeConfig.cuda_graphs <energon_infer.runtime.RuntimeConfig>`; returns it normalised
+    """Validate :attr:`RuntimeConfig.cuda_graphs <energon_infer.worker.runtime.RuntimeConfig>`; returns it normalised
     (a bucket list as a sorted tuple of distinct ints)."""
     if value is None or value is False:
         return value
@@ -92,7 +92,7 @@ def check_cuda_graphs(value: Any, *, device: str | None, tp: int) -> bool | tupl
 
 
 def decode_graphs_for(runner: Any) -> DecodeGraphs | None:
-    """The :class:`DecodeGraphs` a :class:`~energon_infer.runtime.ModelRunner` asks for, or ``None``."""
+    """The :class:`DecodeGraphs` a :class:`~energon_infer.worker.runtime.ModelRunner` asks for, or ``None``."""
     rt, device = runner.runtime, runner.device
     wanted = rt.cuda_graphs
     if wanted is False or (wanted is None and (device.type != "cuda" or rt.tp > 1)):
@@ -112,7 +112,7 @@ class DecodeGraphs(nn.Module):
     Being a module, its forward hooks see every step, replayed or not (the workers' stage timer).
 
     Args:
-        stage: the :class:`~energon_infer.model.DecoderStage` to run.
+        stage: the :class:`~energon_infer.worker.model.DecoderStage` to run.
         cache: its KV cache, built with ``scratch=True``.
         buckets: decode batch sizes to pad to (each captured once, when first used).
         max_context: the model's context; block tables are padded to ``ceil(max_context / block_size)``.

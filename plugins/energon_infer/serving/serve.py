@@ -1,8 +1,8 @@
-"""``tightfit serve PATH`` / ``python -m energon_infer.serve PATH``: start an engine and its HTTP server.
+"""``tightfit serve PATH`` / ``python -m energon_infer.serving.serve PATH``: start an engine and its HTTP server.
 
     tightfit serve path/to/hf-dir --tp 2 --port 8000
     tightfit serve runs/elixir_demo/last.ckpt             # a tightfit GPT training checkpoint
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m energon_infer.serve DIR --tp 8 --pp 2 --launcher torchrun
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m energon_infer.serving.serve DIR --tp 8 --pp 2 --launcher torchrun
     ENERGON_API_KEY=secret tightfit serve path/to/hf-dir --host 0.0.0.0
 
 ``PATH`` is a Hugging Face directory (``config.json`` + ``*.safetensors``) or a training
@@ -44,10 +44,10 @@ def _defaults(kind: type) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from energon_infer.engine_config import FaultConfig, LaunchConfig, Launcher
-    from energon_infer.runtime import RuntimeConfig
-    from energon_infer.scheduler_config import SchedulerConfig
-    from energon_infer.server_config import ServerConfig
+    from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
+    from energon_infer.scheduling.scheduler_config import SchedulerConfig
+    from energon_infer.serving.server_config import ServerConfig
+    from energon_infer.worker.runtime import RuntimeConfig
 
     rt, sched, faults = _defaults(RuntimeConfig), _defaults(SchedulerConfig), _defaults(FaultConfig)
     launch, http = _defaults(LaunchConfig), _defaults(ServerConfig)
@@ -122,10 +122,10 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
 
 
 def _memory_pool(value: str | None) -> Any:
-    """``--memory-pool`` as a :class:`~energon_infer.memory_pool.MemoryPoolConfig` (checked now, before any worker)."""
+    """``--memory-pool`` as a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig` (checked now, before any worker)."""
     if value is None:
         return None
-    from energon_infer.memory_pool import MemoryPoolConfig
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
 
     try:
         fraction = float(value)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
-        from energon_infer.torchrun import run_worker
+        from energon_infer.worker.torchrun import run_worker
 
         run_worker()  # until rank 0's server shuts down
         return 0
@@ -172,10 +172,10 @@ def _serve(argv: list[str] | None) -> int:
     except OSError as exc:
         print(f"tightfit serve: {exc.strerror}", file=sys.stderr)
         return 2
-    from energon_infer.engine import Engine
-    from energon_infer.hf_files import resolve_dtype
-    from energon_infer.server import serve
-    from energon_infer.server_config import ServerConfig
+    from energon_infer.engine.engine import Engine
+    from energon_infer.loading.hf_files import resolve_dtype
+    from energon_infer.serving.server import serve
+    from energon_infer.serving.server_config import ServerConfig
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"tightfit serve: warning: binding {args.host} without --api-key lets anyone who can reach this "

@@ -1,7 +1,7 @@
 """The scheduler's KV block allocator: on-demand blocks, reference counts and content-addressed prefix caching.
 
 The scheduler owns every decision about blocks; the workers only write where they are told
-(:meth:`energon_infer.kv_cache.KVCache.assign`). A sequence's table grows one block at a time as
+(:meth:`energon_infer.worker.kv_cache.KVCache.assign`). A sequence's table grows one block at a time as
 its tokens are computed (:meth:`BlockManager.grow`), so a request holds the blocks it has filled,
 not the worst case of its ``max_tokens``.
 

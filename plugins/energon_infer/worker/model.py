@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from energon_infer.config import ModelConfig
-from energon_infer.kv_cache import KVCache, StepMetadata
+from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding, VocabHead
+from energon_infer.worker.kv_cache import KVCache, StepMetadata
 from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
@@ -158,7 +158,7 @@ class DecoderStage(nn.Module):
     """The layers ``layers`` of a model, plus the embedding (first stage) and final norm + head (last stage).
 
     Parameter names are the runtime's own (``embed.weight``, ``layers.3.qkv.weight``, ...);
-    :mod:`energon_infer.weights` maps each checkpoint format onto them.
+    :mod:`energon_infer.loading.weights` maps each checkpoint format onto them.
     """
 
     def __init__(self, cfg: ModelConfig, grid: Grid, layers: range, *, dtype: torch.dtype,

@@ -2,7 +2,7 @@
 
 Both free the workers when the answer cannot be delivered: a client that goes away, a choice that
 fails, or a stream cut by shutdown cancel every future still running (which aborts its request and
-frees its KV blocks). Used by :class:`energon_infer.server.EnergonServer` for completions and chat alike.
+frees its KV blocks). Used by :class:`energon_infer.serving.server.EnergonServer` for completions and chat alike.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi import Request
 
-from energon_infer.delivery import Completion, TokenEvent
-from energon_infer.http_guard import ClientGone, engine_error
-from energon_infer.openai_format import Reply, error_event, sse, usage
+from energon_infer.engine.delivery import Completion, TokenEvent
+from energon_infer.serving.http_guard import ClientGone, engine_error
+from energon_infer.serving.openai_format import Reply, error_event, sse, usage
 
 __all__ = ["wait_all", "TokenStream"]
 

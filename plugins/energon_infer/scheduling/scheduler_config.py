@@ -1,4 +1,4 @@
-"""The scheduler's limits and its errors (:class:`SchedulerConfig`, :class:`QueueFullError`); see :mod:`energon_infer.scheduler`."""
+"""The scheduler's limits and its errors (:class:`SchedulerConfig`, :class:`QueueFullError`); see :mod:`energon_infer.scheduling.scheduler`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class SchedulerConfig:
     Two kinds of fields. The batching options (every one with its one default: the engine's) are what
     a user sets. The cache's shape (``kv_blocks``, ``block_size``, ``max_context``, ``host_blocks`` and
     the measured costs) is what the workers report after loading: 0 in an engine's options, filled in by
-    :meth:`EngineConfig.scheduler_for <energon_infer.engine_config.EngineConfig.scheduler_for>`. A
+    :meth:`EngineConfig.scheduler_for <energon_infer.engine.engine_config.EngineConfig.scheduler_for>`. A
     scheduler of its own (tests, :meth:`ModelRunner.generate`) gives all three of the shape's sizes.
 
     Args:
@@ -64,7 +64,7 @@ class SchedulerConfig:
         policy: ``"continuous"`` (requests join at the next step) or ``"static"`` (a group admits
             only when its whole batch has finished).
         kv_admission: ``"on_demand"`` (grow, preempt, recompute) or ``"reserve"`` (prompt + ``max_tokens`` at admission).
-        prefix_caching: share full KV blocks of equal prefixes between requests (:mod:`energon_infer.blocks`).
+        prefix_caching: share full KV blocks of equal prefixes between requests (:mod:`energon_infer.scheduling.blocks`).
         chunked_prefill: split prompts so each step stays within ``max_batch_tokens`` (longer prompts accepted).
         depth: steps of a group in flight. Beyond 1 a step is planned before the previous one's tokens
             are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
@@ -76,7 +76,7 @@ class SchedulerConfig:
         preemption: how an on-demand victim gives its blocks back: ``"recompute"``, ``"swap"`` (to
             ``host_blocks`` of host memory when they have room) or ``"auto"`` (whichever the measured
             ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper, recompute without host blocks;
-            see :mod:`energon_infer.swap`).
+            see :mod:`energon_infer.scheduling.swap`).
         host_blocks / swap_s_per_block / recompute_s_per_token: the workers' host swap space and measured
             costs (reported, not set).
     """

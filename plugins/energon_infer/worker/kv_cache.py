@@ -6,7 +6,7 @@ any length share one pool and the only waste is the unfilled tail of each sequen
 (``< block_size`` tokens per sequence).
 
 The cache holds block tables only: it never chooses a block. Whoever allocates uses
-:class:`~energon_infer.blocks.BlockManager` (the engine's scheduler, or the runner's own for its
+:class:`~energon_infer.scheduling.blocks.BlockManager` (the engine's scheduler, or the runner's own for its
 step-level API) and hands the cache the tables (:meth:`KVCache.assign`); a step then writes where
 the tables say. Every rank holds the pool of its own stage's layers and its own key/value heads and
 is given the same tables, so the ranks agree without talking to each other.
@@ -95,7 +95,7 @@ class KVCache:
         dtype / device: of the pools.
         host_blocks: blocks of host swap space (``swap_out`` / ``swap_in``; 0: none).
         scratch: one more block after the ``num_blocks`` (:attr:`scratch_block`) that no sequence is ever
-            given: the padding rows of a CUDA-graph decode step write there (:mod:`energon_infer.cuda_graphs`).
+            given: the padding rows of a CUDA-graph decode step write there (:mod:`energon_infer.worker.cuda_graphs`).
     """
 
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
@@ -163,7 +163,7 @@ class KVCache:
 
     def assign(self, seq_id: int, blocks: Sequence[int], start: int | None = None) -> None:
         """Append allocator-chosen ``blocks`` to ``seq_id``'s table; a new sequence begins with ``start``
-        tokens already cached (a shared prefix, see :mod:`energon_infer.blocks`)."""
+        tokens already cached (a shared prefix, see :mod:`energon_infer.scheduling.blocks`)."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._seqs[seq_id] = _Seq(length=start or 0)

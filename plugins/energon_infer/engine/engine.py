@@ -1,8 +1,8 @@
 """The engine's front door: one controller in your process drives a ``tp x pp`` worker group (EnergonAI's hierarchy).
 
 You program against :class:`Engine` as if the model were one serial object; behind it the
-controller thread batches requests step by step (:mod:`energon_infer.scheduler`), sends each step
-to the worker processes (:mod:`energon_infer.workers`), which run the tensor/pipeline-parallel
+controller thread batches requests step by step (:mod:`energon_infer.scheduling.scheduler`), sends each step
+to the worker processes (:mod:`energon_infer.worker.workers`), which run the tensor/pipeline-parallel
 runtime SPMD, and hands the sampled tokens back to futures, token listeners and async streams.
 
     with Engine.from_pretrained("path/to/hf-dir", tp=2, max_batch_tokens=4096) as engine:
@@ -21,8 +21,8 @@ were running with :class:`WorkerFailedError`; waiting requests are kept; the gro
 fails alone in a worker gets :class:`RequestFailedError` and nothing else is touched. No request
 is dropped without its future or stream receiving a result or an error.
 
-This module holds the factories and the request API; the loop is :mod:`energon_infer.controller`,
-the messages :mod:`energon_infer.protocol`, the results and their text :mod:`energon_infer.delivery`.
+This module holds the factories and the request API; the loop is :mod:`energon_infer.engine.controller`,
+the messages :mod:`energon_infer.protocol`, the results and their text :mod:`energon_infer.engine.delivery`.
 """
 
 from __future__ import annotations
@@ -39,23 +39,23 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from energon_infer.controller import (
+from energon_infer.engine.controller import (
     Controller,
     EngineClosedError,
     WorkerFailedError,
     start_group,
 )
-from energon_infer.delivery import Completion, Delivery, RequestFailedError, TokenEvent
-from energon_infer.engine_config import EngineConfig, engine_config
+from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
+from energon_infer.engine.engine_config import EngineConfig, engine_config
+from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
-from energon_infer.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
-from energon_infer.memory_pool import MemoryPoolConfig
-from energon_infer.metrics import EngineMetrics
+from energon_infer.loading.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
 from energon_infer.protocol import WorkerGroup, WorkerInfo
-from energon_infer.runtime import RuntimeConfig
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import QueueFullError, Request, Scheduler
-from energon_infer.workers import ModelSource
+from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
+from energon_infer.worker.memory_pool import MemoryPoolConfig
+from energon_infer.worker.runtime import RuntimeConfig
+from energon_infer.worker.workers import ModelSource
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
            "QueueFullError", "RequestFailedError"]
@@ -106,7 +106,7 @@ class Engine:
 
     Args:
         source: what the workers load.
-        config: the whole configuration (:class:`~energon_infer.engine_config.EngineConfig`: batching, each
+        config: the whole configuration (:class:`~energon_infer.engine.engine_config.EngineConfig`: batching, each
             worker's layout and cache, faults, launch); the factories build it from flat keywords.
         memory_pool: peer memory pooling of each stage's layers (``None``: off).
         tokenizer: turns text prompts into ids and ids into text (``None``: token-id prompts only); a
@@ -140,7 +140,7 @@ class Engine:
         self.vocab_size, self.max_context = int(info.config["vocab_size"]), int(info.config["max_positions"])
         self.eos_token_ids = info.eos_token_ids
         if self.tokenizer is None and source.kind == "tightfit_gpt" and self.vocab_size == 256:
-            from energon_infer.gpt_checkpoint import ByteTokenizer
+            from energon_infer.worker.gpt_checkpoint import ByteTokenizer
 
             self.tokenizer = ByteTokenizer()
         scheduler = Scheduler(
@@ -194,12 +194,12 @@ class Engine:
 
         ``options`` are flat keywords, each naming one field of the :class:`EngineConfig` tree (``tp=2``,
         ``max_batch_tokens=4096``, ``max_queue=64``, ``kv_cache_tokens=8192``, ``dtype="auto"``: the dtype
-        config.json names; see :data:`~energon_infer.engine_config.FLAT_OPTIONS`), set on ``config`` (default:
+        config.json names; see :data:`~energon_infer.engine.engine_config.FLAT_OPTIONS`), set on ``config`` (default:
         every default). The directory's ``tokenizer.json`` is used when there is one.
         """
-        from energon_infer.config import load_config
-        from energon_infer.model import check_tp
+        from energon_infer.loading.config import load_config
         from energon_infer.parallel import split_layers
+        from energon_infer.worker.model import check_tp
 
         path = Path(path)
         if not path.is_dir():
@@ -228,7 +228,7 @@ class Engine:
                                   model_name: str | None = None, **options: Any) -> Engine:
         """Serve the tightfit example GPT from a training checkpoint (Lightning ``.ckpt``, ``state_dict``
         file or ``.safetensors``), e.g. the one ``strategy="elixir"`` trained. A 256-token vocabulary gets
-        the byte tokenizer. ``gpt_config``/``heads``: see :func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`;
+        the byte tokenizer. ``gpt_config``/``heads``: see :func:`energon_infer.worker.gpt_checkpoint.load_tightfit_gpt`;
         a ``.safetensors`` file with a GPTConfig ``config.json`` beside it (what the Elixir example exports)
         needs neither. ``config`` / ``options``: as in :meth:`from_pretrained`.
         """

@@ -32,93 +32,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from energon_infer.blocks import BlockManager
-from energon_infer.config import ModelConfig, load_config
-from energon_infer.cuda_graphs import check_cuda_graphs, decode_graphs_for
 from energon_infer.errors import BadInputError
-from energon_infer.kv_cache import KVCache, KVCacheFullError
-from energon_infer.model import DecoderStage, check_tp
-from energon_infer.offline import Generation, run_offline
+from energon_infer.loading.config import ModelConfig, load_config
+from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
 from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
-from energon_infer.scheduler import DEFAULT_MAX_BATCH_TOKENS
-from energon_infer.scheduler_config import KVAdmission, Preemption
-from energon_infer.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
-from tightfit.checks import check_number
+from energon_infer.scheduling.blocks import BlockManager
+from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
+from energon_infer.worker.cuda_graphs import decode_graphs_for
+from energon_infer.worker.kv_cache import KVCache, KVCacheFullError
+from energon_infer.worker.model import DecoderStage, check_tp
+from energon_infer.worker.offline import Generation, run_offline
+from energon_infer.worker.runtime_config import DTYPES, RuntimeConfig
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "StepResult", "ContextLengthError", "DTYPES"]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
 class ContextLengthError(BadInputError, ValueError):
     """A sequence would grow past the model's context."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RuntimeConfig:
-    """How a model is laid out and cached.
-
-    Args:
-        tp: tensor-parallel ranks per stage (must divide the heads, key/value heads and MLP width).
-        pp: pipeline stages (contiguous, even layer ranges).
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and the cache).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks ``cuda:<LOCAL_RANK>`` when CUDA is there.
-        block_size: tokens per KV-cache block.
-        kv_cache_tokens: cache capacity in tokens (rounded up to whole blocks), shared by all sequences.
-        swap_space_tokens: host memory for preempted sequences' keys/values, in tokens (0: preemption recomputes).
-        microbatches: micro-batches per step with ``pp > 1`` (0: ``pp``); more shrink the pipeline
-            bubble, fewer make each matmul larger.
-        max_batch_tokens: :meth:`ModelRunner.generate` admits new prompts while a step stays under this
-            (default :data:`energon_infer.scheduler.DEFAULT_MAX_BATCH_TOKENS`; the engine sets it from its own).
-        seed: seeds the generator that seeds requests without their own seed.
-        progress: print loading progress on rank 0 (stderr).
-        nonfinite_weights: a NaN/inf weight at load: ``"warn"`` (naming the tensor), ``"error"``, ``"ignore"``.
-        cuda_graphs: decode from CUDA graphs: None on for CUDA at tp=1; True/[sizes] insist; False off (cuda_graphs.py).
-        packed_weights: on the CPU, also keep each projection weight in oneDNN's blocked layout: decode-step
-            matmuls ~1.5x faster, for a second copy of those weights (tightfit.cuda.packed_linear).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dtype: str = "float32"
-    device: str | None = None
-    block_size: int = 16
-    kv_cache_tokens: int = 32768
-    swap_space_tokens: int = 0
-    microbatches: int = 0
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    seed: int = 0
-    progress: bool = True
-    nonfinite_weights: str = "warn"
-    cuda_graphs: bool | tuple[int, ...] | None = None
-    packed_weights: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
-                     "max_batch_tokens", "seed"):
-            check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
-                         fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
-            object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
-        object.__setattr__(self, "cuda_graphs", check_cuda_graphs(self.cuda_graphs, device=self.device, tp=self.tp))
-        if not isinstance(self.packed_weights, bool):
-            raise ValueError(f"packed_weights={self.packed_weights!r} must be True or False")
-        if self.nonfinite_weights not in ("warn", "error", "ignore"):
-            raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
-            raise ValueError(
-                f"block_size={self.block_size} must be >= 1 and kv_cache_tokens={self.kv_cache_tokens} at least "
-                "one block"
-            )
-        if self.microbatches < 0 or self.max_batch_tokens < 1 or self.swap_space_tokens < 0:
-            raise ValueError(f"microbatches={self.microbatches} and swap_space_tokens={self.swap_space_tokens} must "
-                             f"be >= 0 and max_batch_tokens={self.max_batch_tokens} >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +84,7 @@ class ModelRunner:
 
     Args:
         config: the model.
-        source: checkpoint tensors: a :class:`~energon_infer.weights.CheckpointReader` or a ``{name: tensor}`` map.
+        source: checkpoint tensors: a :class:`~energon_infer.loading.weights.CheckpointReader` or a ``{name: tensor}`` map.
         runtime: layout and cache settings.
         tokenizer: a ``tokenizers.Tokenizer`` (for string prompts, stop strings and output text), or ``None``.
         parts_fn: maps runtime parameter names to checkpoint tensors (default: Hugging Face names).
@@ -362,7 +293,7 @@ class ModelRunner:
                       copies: Sequence[tuple[int, int]] = (),
                       history: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None,
                       swap_in: Sequence[tuple[int, int]] = ()) -> None:
-        """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduler.StepPlan`):
+        """Take a scheduler's block decisions for the next step (:class:`~energon_infer.scheduling.scheduler.StepPlan`):
         copy-on-write copies first, then each sequence's new blocks (a new one starts ``starts[seq]`` tokens in).
         ``history``: a new penalised sequence's ``(prompt, generated so far)`` (its penalties count them even
         when a shared prefix, a chunk or a preemption means they are not all fed in this step); ``swap_in``:
@@ -441,7 +372,7 @@ class ModelRunner:
         plus ``max_tokens`` (so no running sequence is ever evicted) and the step stays under
         ``max_batch_tokens``; finished sequences leave at once and free their blocks. The engine's
         other scheduling modes are here too: ``kv_admission="on_demand"`` (grow, preempt and
-        recompute; ``preemption="swap"``/``"auto"`` swap victims to host memory, see :mod:`energon_infer.swap`),
+        recompute; ``preemption="swap"``/``"auto"`` swap victims to host memory, see :mod:`energon_infer.scheduling.swap`),
         ``prefix_caching`` and ``chunked_prefill`` (see :class:`SchedulerConfig`).
         ``stats`` (a dict) receives the scheduler's counters (preemptions, prefix-cache hits, steps).
         """

@@ -1,9 +1,9 @@
-"""An OpenAI-compatible HTTP server for an :class:`~energon_infer.engine.Engine`, on FastAPI + uvicorn.
+"""An OpenAI-compatible HTTP server for an :class:`~energon_infer.engine.engine.Engine`, on FastAPI + uvicorn.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true`` answers
 with server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200
 while serving, ``ready`` or ``degraded``; 503 otherwise) and ``GET /metrics`` (Prometheus, see
-:mod:`energon_infer.metrics`). Request bodies are the pydantic models of :mod:`energon_infer.api_schema`,
+:mod:`energon_infer.engine.metrics`). Request bodies are the pydantic models of :mod:`energon_infer.serving.api_schema`,
 so ``/docs`` shows them.
 
 No client can break it: every field is validated before anything reaches a worker (400 naming the
@@ -20,9 +20,9 @@ Bearer <key>``.
 
 :class:`EnergonServer` owns the state (the engine, its limits, the model's defaults, whether it is
 shutting down) and its methods are the endpoints; completions and chat differ only in how they read
-their body and write their answer (:mod:`energon_infer.openai_format`'s replies) and share one
-submit / stream / wait path (:mod:`energon_infer.streaming`). Errors are answered by class
-(:func:`~energon_infer.http_guard.engine_error`): an :class:`~energon_infer.errors.EnergonError` with its
+their body and write their answer (:mod:`energon_infer.serving.openai_format`'s replies) and share one
+submit / stream / wait path (:mod:`energon_infer.serving.streaming`). Errors are answered by class
+(:func:`~energon_infer.serving.http_guard.engine_error`): an :class:`~energon_infer.errors.EnergonError` with its
 status, anything else with 500, logged with its traceback.
 
 Example:
@@ -50,16 +50,22 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
-from energon_infer.api_schema import ChatCompletionRequest, CompletionRequest, describe_errors
-from energon_infer.engine import Engine
+from energon_infer.engine.engine import Engine
+from energon_infer.engine.metrics import CONTENT_TYPE
 from energon_infer.errors import EnergonError, InvalidRequestError
-from energon_infer.hf_files import ChatTemplate, generation_defaults
-from energon_infer.http_guard import ApiError, ClientGone, SafeJSONResponse, engine_error, guarded_route
-from energon_infer.metrics import CONTENT_TYPE
-from energon_infer.openai_format import ChatReply, CompletionReply, Reply
+from energon_infer.loading.hf_files import ChatTemplate, generation_defaults
 from energon_infer.sampling import SamplingParams
-from energon_infer.server_config import ServerConfig
-from energon_infer.streaming import TokenStream, wait_all
+from energon_infer.serving.api_schema import ChatCompletionRequest, CompletionRequest, describe_errors
+from energon_infer.serving.http_guard import (
+    ApiError,
+    ClientGone,
+    SafeJSONResponse,
+    engine_error,
+    guarded_route,
+)
+from energon_infer.serving.openai_format import ChatReply, CompletionReply, Reply
+from energon_infer.serving.server_config import ServerConfig
+from energon_infer.serving.streaming import TokenStream, wait_all
 
 __all__ = ["ServerConfig", "ApiError", "EnergonServer", "build_app", "serve", "BackgroundServer"]
 

@@ -4,7 +4,7 @@ The controller asks :meth:`Scheduler.schedule` for a step whenever a group of th
 one. A step is the next tokens of every running request of that group (a decode token, or the next
 chunk of a prompt) plus, first come first served, waiting requests while the step's token budget
 (``max_batch_tokens``), ``max_running`` and the KV cache allow. The scheduler owns the KV blocks
-(:mod:`energon_infer.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
+(:mod:`energon_infer.scheduling.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
 the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
 tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
 only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step.
@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from energon_infer.blocks import BlockManager
-from energon_infer.detokenizer import IncrementalDetokenizer
 from energon_infer.errors import InvalidRequestError
 from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
-from energon_infer.scheduler_config import (
+from energon_infer.scheduling.blocks import BlockManager
+from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
+from energon_infer.scheduling.scheduler_config import (
     DEFAULT_MAX_BATCH_TOKENS,
     KV_ADMISSION,
     PLACEHOLDER,
@@ -51,7 +51,7 @@ from energon_infer.scheduler_config import (
     QueueFullError,
     SchedulerConfig,
 )
-from energon_infer.swap import SwapSpace
+from energon_infer.scheduling.swap import SwapSpace
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
 
@@ -60,7 +60,7 @@ class Request:
     """What batching needs of one request as it moves from waiting to running to finished; written here only.
 
     The caller's side of a request (its future, listener, streamed text and timings) is the frontend's
-    (:class:`energon_infer.delivery.Output`), which reads this one and never writes it.
+    (:class:`energon_infer.engine.delivery.Output`), which reads this one and never writes it.
 
     Args:
         request_id: the caller's id (unique among live requests).
@@ -126,7 +126,7 @@ class Scheduler:
         config: limits.
         eos_token_ids: the model's end tokens (requests stop there unless ``ignore_eos``).
         decode: token ids -> text, for stop strings and each request's text (``None``: token ids only, stop
-            strings are not checked). Each request gets one :class:`~energon_infer.detokenizer.IncrementalDetokenizer`
+            strings are not checked). Each request gets one :class:`~energon_infer.scheduling.detokenizer.IncrementalDetokenizer`
             (``request.detok``) that the frontend streams from too.
         clock: time source of when each step was planned (the controller's watchdog).
         seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own

@@ -1,4 +1,4 @@
-"""The worker group: ``tp x pp`` processes, each holding one :class:`~energon_infer.runtime.ModelRunner`.
+"""The worker group: ``tp x pp`` processes, each holding one :class:`~energon_infer.worker.runtime.ModelRunner`.
 
 The engine's controller (in the user's process) starts the group with ``torch.multiprocessing``
 (spawn), and every worker joins one ``torch.distributed`` process group (gloo on CPUs, NCCL on
@@ -62,7 +62,7 @@ class ModelSource:
 
     Args:
         kind: ``"pretrained"`` (:meth:`ModelRunner.from_pretrained`) or ``"tightfit_gpt"``
-            (:func:`energon_infer.gpt_checkpoint.load_tightfit_gpt`).
+            (:func:`energon_infer.worker.gpt_checkpoint.load_tightfit_gpt`).
         path: the directory or checkpoint file.
         options: extra keyword arguments of the loader (``gpt_config``, ``heads``).
     """
@@ -77,12 +77,12 @@ class ModelSource:
 
 
 def build_runner(source: ModelSource, runtime: Any) -> Any:
-    """Load ``source`` on this rank with ``runtime`` (a :class:`~energon_infer.runtime.RuntimeConfig`)."""
+    """Load ``source`` on this rank with ``runtime`` (a :class:`~energon_infer.worker.runtime.RuntimeConfig`)."""
     if source.kind == "pretrained":
-        from energon_infer.runtime import ModelRunner
+        from energon_infer.worker.runtime import ModelRunner
 
         return ModelRunner.from_pretrained(source.path, runtime)
-    from energon_infer.gpt_checkpoint import load_tightfit_gpt
+    from energon_infer.worker.gpt_checkpoint import load_tightfit_gpt
 
     return load_tightfit_gpt(source.path, runtime, **source.options)
 
@@ -229,7 +229,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
     runner = build_runner(source, runtime)
     pool_info = None
     if pool is not None:
-        from energon_infer.memory_pool import apply_memory_pool
+        from energon_infer.worker.memory_pool import apply_memory_pool
 
         layer_pool, plan = apply_memory_pool(runner, pool)
         pool_info = PoolInfo(pooled=tuple(plan.pooled), layers=plan.n_layers, pool_bytes=layer_pool.pool_bytes,
@@ -242,7 +242,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
     _warm_up(runner)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
-        from energon_infer.swap import measure_costs
+        from energon_infer.scheduling.swap import measure_costs
 
         swap_s, prefill_s = measure_costs(runner)
         info = dataclasses.replace(info, host_blocks=host_blocks, swap_s_per_block=swap_s,
@@ -322,8 +322,8 @@ class SpawnedWorkerGroup:
 
     Args:
         source: what to load.
-        runtime: the :class:`~energon_infer.runtime.RuntimeConfig` every worker loads with.
-        pool: a :class:`~energon_infer.memory_pool.MemoryPoolConfig`, or ``None``.
+        runtime: the :class:`~energon_infer.worker.runtime.RuntimeConfig` every worker loads with.
+        pool: a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig`, or ``None``.
         threads: intra-op threads per worker (0: the CPU cores divided among the workers).
         backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL when CUDA is available, else gloo).
         collective_timeout_s: how long a collective may wait for a peer before the worker fails.

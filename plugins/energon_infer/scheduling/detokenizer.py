@@ -1,7 +1,7 @@
 """One request's text, decoded a few tokens at a time.
 
 The scheduler keeps one :class:`IncrementalDetokenizer` per request (its stop-string rule reads the
-text) and the frontend (:mod:`energon_infer.delivery`) streams from the same text, so each token is
+text) and the frontend (:mod:`energon_infer.engine.delivery`) streams from the same text, so each token is
 decoded once, over a window of a few tokens, instead of the whole output twice per token (the cost
 was quadratic in the output length). A leaf module: both sides import it, neither imports the other.
 """

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from energon_infer.protocol import Bye, Command, Reply, Stop, WorkerError, WorkerInfo
-from energon_infer.workers import ModelSource, load_worker, serve_commands
+from energon_infer.worker.workers import ModelSource, load_worker, serve_commands
 
 __all__ = ["TorchrunWorkerGroup", "run_worker", "in_torchrun"]
 
@@ -114,7 +114,7 @@ class TorchrunWorkerGroup:
     Args:
         source: what every rank loads (broadcast from rank 0).
         runtime: the layout; ``tp * pp`` must equal the world size.
-        pool: a :class:`~energon_infer.memory_pool.MemoryPoolConfig` or ``None``.
+        pool: a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig` or ``None``.
         collective_timeout_s: timeout of the world's and the control groups' collectives.
     """
 

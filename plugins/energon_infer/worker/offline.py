@@ -1,7 +1,7 @@
 """Offline generation: the engine's scheduler driven in this process over one runner (``ModelRunner.generate``).
 
-The same batching policy as the engine (one :class:`~energon_infer.scheduler.Scheduler`), and each
-planned step applied the one way a step is applied, :meth:`~energon_infer.runtime.ModelRunner.run_step`
+The same batching policy as the engine (one :class:`~energon_infer.scheduling.scheduler.Scheduler`), and each
+planned step applied the one way a step is applied, :meth:`~energon_infer.worker.runtime.ModelRunner.run_step`
 (the engine's worker loop calls it too); only the transport differs: no controller, no queues.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from energon_infer.sampling import SamplingParams
-from energon_infer.scheduler import Request, Scheduler, SchedulerConfig
-from energon_infer.scheduler_config import KVAdmission, Preemption
-from energon_infer.swap import swap_costs
+from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
+from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
+from energon_infer.scheduling.swap import swap_costs
 
 if TYPE_CHECKING:
-    from energon_infer.runtime import ModelRunner
+    from energon_infer.worker.runtime import ModelRunner
 
 __all__ = ["Generation", "run_offline"]
 

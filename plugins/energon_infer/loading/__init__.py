@@ -1,0 +1,1 @@
+"""Reading checkpoints: model configs (config.json -> ModelConfig), the file layouts transformers writes, and each rank's slice of the safetensors weights. Imports only the package's shared modules (errors, parallel)."""

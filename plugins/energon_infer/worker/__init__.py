@@ -1,0 +1,1 @@
+"""What a worker rank runs: the model, its paged KV cache, memory pooling, CUDA graphs, applying a step (ModelRunner.run_step) and the worker processes themselves. Imports scheduling, loading and the shared modules."""
