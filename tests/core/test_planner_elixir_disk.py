@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from tests.core.test_planner_elixir import device as exact_device
 from tests.core.test_planner_elixir_exact import block as exact_block
+from tests.core.test_planner_elixir_exact import random_profile
 from tightfit.planner.elixir import (
     ElixirConstraints,
     ElixirPlan,
@@ -355,27 +356,6 @@ def test_a_disk_tier_never_makes_the_best_plan_slower(b):
         assert with_disk.disk_bytes_per_rank <= b["disk"]
 
 
-def _random_profile(blocks: list[dict]) -> ModelProfile:
-    """A profile from ``test_planner_elixir_exact``'s random blocks (a parameter-free block where numel is 0)."""
-    params, bps = [], []
-    for i, b in enumerate(blocks):
-        name, n = f"layers.{i}", b["numel"]
-        if n:
-            params.append(ParamInfo(name=f"{name}.weight", shape=(n,), dtype="float32", numel=n, bytes=4 * n,
-                                    block=name))
-        ck = int(b["saved"] * b["ckpt_frac"])
-        bps.append(BlockProfile(
-            name=name, type="Block", index=i, params=(f"{name}.weight",) if n else (), param_numel=n,
-            param_bytes=4 * n, fwd_flops=b["fwd"], bwd_flops=2 * b["fwd"], saved_bytes=b["saved"],
-            checkpoint_bytes=ck, transient_bytes=b["transient"], output_bytes=ck, checkpointable=b["checkpointable"],
-            fwd_transient_bytes=b["fwd_transient"]))
-    return ModelProfile(
-        model="random", step="train", inputs={"x": [1, 1]}, params=tuple(params), blocks=tuple(bps),
-        forward_order=tuple(p.name for p in params), backward_order=tuple(p.name for p in reversed(params)),
-        timeline=(), activation_peak_bytes=sum(b.saved_bytes for b in bps), peak_bytes=0,
-        fwd_flops=sum(b.fwd_flops for b in bps), bwd_flops=sum(b.bwd_flops for b in bps), param_dtype="float32")
-
-
 @settings(max_examples=20, deadline=None, phases=(Phase.explicit, Phase.generate), database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(blocks=st.lists(exact_block, min_size=1, max_size=3), world=st.sampled_from([1, 2]), unified=st.booleans(),
@@ -385,7 +365,7 @@ def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, u
     # the host and the disk bind as often as the device. The exact search must find each family's best.
     dev = dataclasses.replace(exact_device(), unified_memory=unified, disk=DISK)
     cons = ElixirConstraints(reserved_bytes=0, prefetch_depths=(1,), exhaustive=True)
-    problem = ElixirProblem(model=_random_profile(blocks), cluster=ClusterSpec.uniform(dev, world), optimizer="adamw",
+    problem = ElixirProblem(model=random_profile(blocks), cluster=ClusterSpec.uniform(dev, world), optimizer="adamw",
                             precision="32-true", constraints=cons)
     _, ctx, tiers = problem.prepare_tiers()
     space = cons.space(disk=tiers.has_disk)

@@ -37,7 +37,8 @@ block = st.fixed_dictionaries({
 })
 
 
-def _profile(blocks: list[dict]) -> ModelProfile:
+def random_profile(blocks: list[dict]) -> ModelProfile:
+    """A training-step profile of the drawn ``block`` dicts (a parameter-free block where numel is 0)."""
     params, bps = [], []
     for i, b in enumerate(blocks):
         name = f"layers.{i}"
@@ -89,7 +90,7 @@ SMALL = {"numel": 100_000, "fwd": 1e9, "saved": 10**6, "ckpt_frac": 0.05, "trans
 def test_branch_and_bound_equals_brute_force(blocks, world, unified, overlap, q):
     dev = dataclasses.replace(device(), unified_memory=unified, comm_overlap=overlap)
     cons = ElixirConstraints(reserved_bytes=0, prefetch_depths=DEPTHS, exhaustive=True)
-    problem = ElixirProblem(model=_profile(blocks), cluster=ClusterSpec.uniform(dev, world), optimizer="adamw",
+    problem = ElixirProblem(model=random_profile(blocks), cluster=ClusterSpec.uniform(dev, world), optimizer="adamw",
                             precision="32-true", constraints=cons)
     _, _, ctx, host_budget = problem.prepare()
     ev = Evaluator(ctx)
