@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from tightfit.storage.buffers import aligned_empty
+from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
@@ -34,6 +35,7 @@ __all__ = [
     "IOEngine",
     "ExtentIO",
     "checksum",
+    "DEFAULT_CHECKSUM",
     "ALIGN",
     "DEFAULT_EXTENT_BYTES",
 ]
