@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          "512 full)")
     p.add_argument("--profile", action="store_true",
                    help="open the stores with the disk's measured profile (profile_disk, cached: its request size "
-                        "as extent size, its queue depth as workers) instead of the defaults (4 MiB extents, 2 "
+                        "as extent size, its queue depth as workers) instead of the defaults (4 MiB extents, 4 "
                         "workers, O_DIRECT)")
     p.add_argument("--sizes", default=",".join(map(str, TENSOR_MIB)), help="tensor sizes in MiB (default 1,4,16,64)")
     args = p.parse_args(argv)
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     try:
         profile = _disk_profile(root, args.quick) if args.profile else None
-        settings = "defaults (4 MiB extents, 2 workers, O_DIRECT)" if profile is None else (
+        settings = "defaults (4 MiB extents, 4 workers, O_DIRECT)" if profile is None else (
             f"measured profile: {profile.request_bytes // MiB} MiB requests, queue depth {profile.queue_depth}, "
             f"{'O_DIRECT' if profile.direct else 'buffered'}")
         print(f"[disk_io] {mib} MiB per contender (raw, store at {sizes} MiB tensors, diagnostics) x {repeats} repeats in {root} ({fs}); "
