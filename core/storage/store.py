@@ -257,8 +257,8 @@ class TensorStore:
     def _give_back(self, slot: int) -> None:
         """A slot the new index dropped: a deleted name's blocks go back to the filesystem; an overwritten
         extent's stay allocated for the next write to reuse. Measured (docs/storage.md, 4 MiB tensors):
-        punching every freed slot made each overwrite allocate its blocks again, 0.29x of raw write
-        bandwidth against 0.85x reusing them (benchmarks/disk_io.py, 15 repeats)."""
+        punching every freed slot made each overwrite allocate its blocks again, 0.46x of raw write
+        bandwidth against 0.99x reusing them (benchmarks/disk_io.py, 15 repeats)."""
         if slot in self._deleted:
             self._deleted.discard(slot)
             punch_hole(self._fd, slot * self.extent_bytes, self.extent_bytes)
