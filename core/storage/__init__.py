@@ -18,7 +18,7 @@ from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
-from tightfit.storage.store import DEFAULT_EXTENT_BYTES, TensorInfo, TensorStore
+from tightfit.storage.store import DEFAULT_EXTENT_BYTES, DEFAULT_WORKERS, TensorInfo, TensorStore
 
 __all__ = [
     "TensorStore",
@@ -38,4 +38,5 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "ALIGN",
     "DEFAULT_EXTENT_BYTES",
+    "DEFAULT_WORKERS",
 ]
