@@ -14,10 +14,11 @@ Example:
 from __future__ import annotations
 
 from tightfit.storage.buffers import aligned_empty
+from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
-from tightfit.storage.store import DEFAULT_EXTENT_BYTES, TensorInfo, TensorStore
+from tightfit.storage.store import DEFAULT_EXTENT_BYTES, DEFAULT_WORKERS, TensorInfo, TensorStore
 
 __all__ = [
     "TensorStore",
@@ -34,6 +35,8 @@ __all__ = [
     "IOEngine",
     "ExtentIO",
     "checksum",
+    "DEFAULT_CHECKSUM",
     "ALIGN",
     "DEFAULT_EXTENT_BYTES",
+    "DEFAULT_WORKERS",
 ]

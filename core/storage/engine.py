@@ -14,12 +14,12 @@ of the alignment) goes through the worker's own aligned bounce buffer, allocated
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.errors import ChecksumError, StorageError
 from tightfit.storage.fs import ALIGN, address, aligned_buffer, pread_full, pwrite_full
 
@@ -29,8 +29,9 @@ T = TypeVar("T")
 
 
 def checksum(view: memoryview, start: int = 0) -> int:
-    """CRC-32 of ``view`` (zlib's; 4-5 GB/s on this machine's CPU, it releases the GIL on large buffers)."""
-    return zlib.crc32(view, start) & 0xFFFFFFFF
+    """The default checksum of ``view`` (:data:`~tightfit.storage.checksums.DEFAULT_CHECKSUM`: CRC-32C where
+    ``crc32c`` is installed, else zlib's CRC-32), what a new store's extents get."""
+    return checksum_function(DEFAULT_CHECKSUM)(view, start)
 
 
 class IOEngine:
@@ -95,9 +96,14 @@ class ExtentIO:
         path: its path (for messages).
         direct: whether ``fd`` was opened with ``O_DIRECT``.
         extent_bytes: the largest extent (the size of each worker's bounce buffer).
+        algorithm: the checksum (``"crc32c"`` or ``"crc32"``), computed on the worker thread that moves the
+            extent, so it overlaps the other workers' I/O.
     """
 
-    def __init__(self, fd: int, path: Path, *, direct: bool, extent_bytes: int) -> None:
+    def __init__(self, fd: int, path: Path, *, direct: bool, extent_bytes: int,
+                 algorithm: str = DEFAULT_CHECKSUM) -> None:
+        self.algorithm = algorithm
+        self.checksum = checksum_function(algorithm, str(path))
         self.fd = fd
         self.path = path
         self.direct = direct
@@ -113,19 +119,23 @@ class ExtentIO:
 
     def write(self, src: memoryview, file_offset: int) -> int:
         """Write ``src`` (at most one extent) at an aligned ``file_offset``; returns its checksum."""
-        crc = checksum(src)
         n = src.nbytes
         if not self.direct:
             pwrite_full(self.fd, src, file_offset, self.path)
-            return crc
+            return self.checksum(src)
         head = n // ALIGN * ALIGN if address(src) % ALIGN == 0 else 0
+        crc = 0
         if head:
+            crc = self.checksum(src[:head])
             pwrite_full(self.fd, src[:head], file_offset, self.path)
         rest = n - head
         if rest:
             buf = self.bounce()
             padded = -(-rest // ALIGN) * ALIGN
             buf[:rest] = src[head:]
+            # checksummed after the copy, from the bounce buffer the copy left in cache: 4.7-5.8 GB/s for copy
+            # + CRC-32C of 4 MiB extents here, 3.6-4.5 GB/s checksumming the source first
+            crc = self.checksum(buf[:rest], crc)
             buf[rest:padded] = bytes(padded - rest)  # the pad stays inside this extent's own slot
             pwrite_full(self.fd, buf[:padded], file_offset + head, self.path)
         return crc
@@ -141,7 +151,7 @@ class ExtentIO:
     def write_padded(self, buf: memoryview, length: int, file_offset: int) -> int:
         """Write ``buf[:length]`` (an aligned buffer of ``extent_bytes``) at ``file_offset``, zero-padded to the
         alignment in place; returns the checksum of the ``length`` bytes."""
-        crc = checksum(buf[:length])
+        crc = self.checksum(buf[:length])
         padded = -(-length // ALIGN) * ALIGN if self.direct else length
         buf[length:padded] = bytes(padded - length)
         pwrite_full(self.fd, buf[:padded], file_offset, self.path)
@@ -154,19 +164,19 @@ class ExtentIO:
         whole = skip == 0 and n == length
         if whole and not self.direct:
             pread_full(self.fd, dst, file_offset, self.path)
-            self._verify(checksum(dst), crc, file_offset, length)
+            self._verify(self.checksum(dst), crc, file_offset, length)
             return
         head = length // ALIGN * ALIGN if whole and address(dst) % ALIGN == 0 else 0
         got = 0
         if head:
             pread_full(self.fd, dst[:head], file_offset, self.path)
-            got = checksum(dst[:head])
+            got = self.checksum(dst[:head])
         if head < length:
             buf = self.bounce()
             rest = length - head
             padded = -(-rest // ALIGN) * ALIGN if self.direct else rest
             pread_full(self.fd, buf[:padded], file_offset + head, self.path, need=rest)
-            got = checksum(buf[:rest], got)
+            got = self.checksum(buf[:rest], got)
             if whole:
                 dst[head:] = buf[:rest]
             else:
@@ -178,6 +188,6 @@ class ExtentIO:
     def _verify(self, got: int, want: int, offset: int, length: int) -> None:
         if got != want:
             raise ChecksumError(f"{self.path}: checksum mismatch in the extent at byte offset {offset} "
-                                f"({length} bytes; crc32 {got:08x}, index says {want:08x}): the data on disk "
+                                f"({length} bytes; {self.algorithm} {got:08x}, index says {want:08x}): the data on disk "
                                 f"changed since it was written; restore the store from a checkpoint or rewrite "
                                 f"the tensor", path=str(self.path), offset=offset)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -25,11 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError
+from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.units import format_bytes
 
 __all__ = ["ALIGN", "Mount", "mount_of", "free_bytes", "check_disk_dir", "open_data", "aligned_buffer",
-           "address", "pread_full", "pwrite_full", "disk_full", "punch_hole"]
+           "address", "pread_full", "pwrite_full", "disk_full", "punch_hole",
+           "lock_directory"]
 
 # O_DIRECT needs buffer addresses, file offsets and lengths aligned to the device's logical block
 # (512 B or 4 KiB); 4 KiB is safe on every device and costs nothing at MiB-sized requests.
@@ -129,6 +131,24 @@ def open_data(path: Path, *, direct: bool) -> tuple[int, bool]:
             if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     return os.open(path, flags, 0o644), False
+
+
+def lock_directory(path: Path, name: str) -> int:
+    """Take the owner's lock of store directory ``path`` (``fcntl.flock`` of ``path / name``, which holds the pid);
+    a second owner gets :class:`StoreLockedError` naming the holder. Closing the descriptor releases it."""
+    fd = os.open(path / name, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        pid = int(text) if text.isdigit() else 0
+        raise StoreLockedError(f"{path} is in use by process {pid or '?'} (lock {path / name}): one TensorStore "
+                               f"owns a directory; close the other store, or give each process its own "
+                               f"directory (TensorStore.for_rank(path, rank))", path=str(path), pid=pid) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:

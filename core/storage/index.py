@@ -7,7 +7,8 @@ Layout of a store directory::
     data.bin      extents in fixed-size slots: slot ``i`` starts at byte ``i * extent_bytes``
 
 A tensor of ``n`` bytes is ``ceil(n / extent_bytes)`` extents; extent ``k`` holds its bytes
-``[k * extent_bytes, ...)`` in some slot, with the CRC-32 of exactly those bytes. A write goes to fresh
+``[k * extent_bytes, ...)`` in some slot, with the checksum (CRC-32C, or zlib's CRC-32 where ``crc32c`` is
+not installed; the index records which) of exactly those bytes. A write goes to fresh
 slots and switches the index only once complete; a slot the last synced index references is never
 reused before the next ``sync()``, so a crash, or ENOSPC, leaves the synced state intact.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.errors import StorageError
 from tightfit.storage.fs import ALIGN
 
@@ -30,9 +32,10 @@ __all__ = ["INDEX", "DATA", "LOCK", "DTYPES", "DTYPE_SIZES", "CHECKSUM", "Extent
 
 INDEX, DATA, LOCK = "index.json", "data.bin", "LOCK"
 _FORMAT, _VERSION = "tightfit-store", 1
-# zlib's CRC-32: in the standard library, so every store reads anywhere; 1.7-5 GB/s on this project's loaded
-# 2-core machine (crc32c 9-10 GB/s and xxh3 ~34 GB/s from PyPI were not worth a dependency at ~1 GB/s of disk).
-CHECKSUM = "crc32"
+# A new store's checksum (tightfit.storage.checksums): CRC-32C where PyPI's crc32c is installed, else zlib's
+# CRC-32; an index without the field predates the choice and was written with "crc32".
+CHECKSUM = DEFAULT_CHECKSUM
+_LEGACY_CHECKSUM = "crc32"
 # dtype name -> bytes per element (the names torch prints without "torch.")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
@@ -42,7 +45,7 @@ DTYPES = tuple(DTYPE_SIZES)
 
 @dataclass(slots=True)
 class Extent:
-    """One extent: ``length`` bytes in slot ``slot`` with CRC-32 ``crc``; ``seq`` orders writes (not saved)."""
+    """One extent: ``length`` bytes in slot ``slot`` with checksum ``crc``; ``seq`` orders writes (not saved)."""
 
     slot: int
     length: int
@@ -66,13 +69,14 @@ class Entry:
 class Index:
     extent_bytes: int
     entries: dict[str, Entry] = field(default_factory=dict)
+    checksum: str = CHECKSUM  # the algorithm of every extent's ``crc`` (one per store)
 
     def to_json(self) -> str:
         entries = {name: {"nbytes": e.nbytes, "dtype": e.dtype, "shape": None if e.shape is None else list(e.shape),
                           "extents": [None if x is None else [x.slot, x.length, x.crc] for x in e.extents]}
                    for name, e in self.entries.items()}
         return json.dumps({"format": _FORMAT, "version": _VERSION, "extent_bytes": self.extent_bytes,
-                           "checksum": CHECKSUM, "entries": entries}, separators=(",", ":"))
+                           "checksum": self.checksum, "entries": entries}, separators=(",", ":"))
 
     @classmethod
     def load(cls, path: Path) -> Index:
@@ -84,13 +88,12 @@ class Index:
             raise StorageError(f"{path}: cannot read the store index ({err}); {fix}") from err
         if not isinstance(raw, dict) or raw.get("format") != _FORMAT or raw.get("version") != _VERSION:
             raise StorageError(f"{path}: not a tightfit store index of version {_VERSION}; {fix}")
-        if raw.get("checksum", CHECKSUM) != CHECKSUM:
-            raise StorageError(f"{path}: checksum {raw.get('checksum')!r} is not {CHECKSUM!r}, the one this version "
-                               f"verifies; open it with the tightfit version that wrote it")
+        algorithm = raw.get("checksum", _LEGACY_CHECKSUM)
+        checksum_function(algorithm if isinstance(algorithm, str) else repr(algorithm), str(path))
         size = raw.get("extent_bytes")
         if not isinstance(size, int) or size < ALIGN or size % ALIGN:
             raise StorageError(f"{path}: extent_bytes={size!r} must be a positive multiple of {ALIGN}; {fix}")
-        index = cls(extent_bytes=size)
+        index = cls(extent_bytes=size, checksum=algorithm)
         seen: set[int] = set()
         for name, e in _field(raw, "entries", dict, path, fix).items():
             index.entries[name] = _entry(name, e, size, seen, path, fix)
@@ -162,7 +165,7 @@ def _entry(name: str, e: Any, size: int, seen: set[int], path: Path, fix: str) -
         want = min(size, nbytes - k * size)
         ok = isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) and v >= 0 for v in x)
         if not ok or not 0 < x[1] <= want or x[0] in seen:  # shorter: the rest of the extent was never written
-            raise StorageError(f"{where}: extent {k}={x!r} must be [slot, 1..{want}, crc32] with a slot no other "
+            raise StorageError(f"{where}: extent {k}={x!r} must be [slot, 1..{want}, checksum] with a slot no other "
                                f"extent uses; {fix}")
         seen.add(x[0])
         out.append(Extent(slot=x[0], length=x[1], crc=x[2]))
