@@ -26,7 +26,26 @@ from pathlib import Path
 from tightfit.units import parse_bytes
 
 __all__ = ["UsageError", "EXIT_CODES", "exit_codes_help", "positive_int", "nonnegative_int", "positive_float",
-           "nonnegative_float", "byte_size", "budget", "json_file", "float_list", "size_list"]
+           "nonnegative_float", "byte_size", "budget", "json_file", "float_list", "size_list", "DISK_PRESETS",
+           "add_disk_arguments"]
+
+# The datasheet disk presets' names (tightfit.profiler.disk_presets.DISK_DATASHEETS), kept here so the parsers
+# build without importing the profiler (which imports torch); tests/core/test_disk_cli.py holds the two equal.
+DISK_PRESETS = ("nvme-gen4", "nvme-gen3", "sata-ssd", "hdd")
+
+
+def add_disk_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--disk-dir/--disk-preset/--disk-space``: the disk tier of the hosts to plan for (absent: none);
+    :func:`tightfit.profiler.disk_presets.disk_from_args` reads them."""
+    g = parser.add_argument_group("disk tier (absent: none)")
+    g.add_argument("--disk-dir", default=None, metavar="DIR",
+                   help="a local directory (NVMe/SSD) the plan may spill to: measured once with "
+                        "`tightfit profile disk DIR --quick` and cached (default: no disk tier)")
+    g.add_argument("--disk-preset", default=None, metavar="NAME",
+                   help=f"typical disk speed instead of measuring: one of {', '.join(DISK_PRESETS)} (with "
+                        "--disk-dir, its free space; else give --disk-space)")
+    g.add_argument("--disk-space", default=None, metavar="SIZE",
+                   help="disk budget per host, overriding the free space, e.g. 500GiB")
 
 
 class UsageError(ValueError):

@@ -13,7 +13,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from tightfit.commands.args import UsageError, budget, byte_size, exit_codes_help, json_file, positive_int
+from tightfit.commands.args import (
+    UsageError,
+    add_disk_arguments,
+    budget,
+    byte_size,
+    exit_codes_help,
+    json_file,
+    positive_int,
+)
 from tightfit.console import Progress, fit_text, log, terminal_width
 from tightfit.planner.optimizers import OPTIMIZERS as _OPTIMIZER_TABLE
 from tightfit.planner.optimizers import PRECISIONS as _PRECISION_TABLE
@@ -207,8 +215,6 @@ def _elixir_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="PATH", help="write the plan file ElixirStrategy(plan=PATH) accepts")
     g.add_argument("--plot", metavar="FILE", help="draw the units (where their state lives, recompute, predicted "
                                                   "time and memory) into this PNG/SVG/PDF (needs matplotlib)")
-    from tightfit.profiler.disk_presets import add_disk_arguments
-
     add_disk_arguments(parser)  # units may keep their optimizer state on that disk
 
 

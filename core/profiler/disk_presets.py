@@ -23,6 +23,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from tightfit.commands.args import add_disk_arguments  # re-exported: the parsers' half of the disk tier
 from tightfit.profiler.types import ClusterSpec, DiskProfile, ProfileError
 from tightfit.units import parse_bytes
 
@@ -158,19 +159,6 @@ def with_disk(spec: ClusterSpec, disk: DiskProfile | None) -> ClusterSpec:
         raise ProfileError(f"with_disk: {disk!r} is not a DiskProfile; build one with profile_disk(path) or "
                            "disk_preset(name, path=..., free_bytes=...)")
     return dataclasses.replace(spec, devices=tuple(dataclasses.replace(d, disk=disk) for d in spec.devices))
-
-
-def add_disk_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--disk-dir/--disk-preset/--disk-space``: the disk tier of the hosts to plan for (absent: none)."""
-    g = parser.add_argument_group("disk tier (absent: none)")
-    g.add_argument("--disk-dir", default=None, metavar="DIR",
-                   help="a local directory (NVMe/SSD) the plan may spill to: measured once with "
-                        "`tightfit profile disk DIR --quick` and cached (default: no disk tier)")
-    g.add_argument("--disk-preset", default=None, metavar="NAME",
-                   help=f"typical disk speed instead of measuring: one of {', '.join(_SHEETS)} (with "
-                        "--disk-dir, its free space; else give --disk-space)")
-    g.add_argument("--disk-space", default=None, metavar="SIZE",
-                   help="disk budget per host, overriding the free space, e.g. 500GiB")
 
 
 def disk_from_args(args: argparse.Namespace) -> DiskProfile | None:

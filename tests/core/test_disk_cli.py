@@ -215,3 +215,10 @@ def test_profile_disk_on_tmpfs_warns_that_it_is_ram(capsys):
     assert "tmpfs (RAM: a disk tier here saves no memory)" in captured.out
     [warning] = [ln for ln in captured.err.splitlines() if ln.strip()]
     assert warning.startswith("tightfit profile disk:") and "RAM" in warning and "Traceback" not in warning
+
+
+def test_the_parsers_disk_preset_names_are_the_presets():
+    from tightfit.commands.args import DISK_PRESETS
+    from tightfit.profiler.disk_presets import DISK_DATASHEETS
+
+    assert DISK_PRESETS == tuple(DISK_DATASHEETS)
