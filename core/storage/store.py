@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import threading
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
@@ -328,7 +329,7 @@ def _zero(view: memoryview) -> None:
         np.frombuffer(view, dtype=np.uint8)[:] = 0
 
 
-class _Job:
+class _Job(ABC):
     """What reads and writes share: a future completed when the last of its extents is done."""
 
     def __init__(self, store: TensorStore, parts: int) -> None:
@@ -350,8 +351,9 @@ class _Job:
         if last:
             self.finish()
 
+    @abstractmethod
     def finish(self) -> None:
-        raise NotImplementedError
+        """Complete the future (each kind commits or reports its own way)."""
 
 
 class _ReadJob(_Job):
