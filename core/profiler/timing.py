@@ -61,7 +61,27 @@ TIMING_SOURCE = "measured block timings"
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    if _holds_tensors(x):
+        # An object carrying tensors of the meta forward (Hugging Face passes its KV cache, a ``DynamicCache``,
+        # to every decoder layer even in training): replaying it would mix meta and real tensors, and its repr
+        # (an address) would change the cache key every run. A training step discards such state; so do we.
+        return None
     return x
+
+
+def _holds_tensors(x: Any, depth: int = 4) -> bool:
+    """Whether a non-tensor leaf holds tensors in its attributes (searched ``depth`` levels down: a
+    ``DynamicCache`` holds a list of layers holding tensors)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth == 0 or x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device, type)):
+        return False
+    if isinstance(x, (list, tuple, set)):
+        return any(_holds_tensors(v, depth - 1) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v, depth - 1) for v in x.values())
+    attrs = getattr(x, "__dict__", None)
+    return isinstance(attrs, dict) and any(_holds_tensors(v, depth - 1) for v in attrs.values())
 
 
 def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple, dict]]:
@@ -69,10 +89,23 @@ def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple
 
     ``model`` may be on any device; a deep copy is moved to meta, so nothing is allocated.
     """
+    real = any(p.device.type != "meta" for p in model.parameters())
+    try:
+        return _block_inputs_on(copy.deepcopy(model).to("meta") if real else model, example_inputs, "meta")
+    except Exception as exc:
+        from tightfit.profiler.model import _is_meta_failure
+
+        if not real or not _is_meta_failure(exc):
+            raise
+    # A step that cannot run on meta (``loss.item()``, a value-dependent op): a copy on the CPU records the
+    # shapes instead, as profile_model's fallback does (the copy keeps the user's module untouched).
+    return _block_inputs_on(copy.deepcopy(model).to("cpu"), example_inputs, "cpu")
+
+
+def _block_inputs_on(meta: nn.Module, example_inputs: Any, device: str) -> dict[str, tuple[tuple, dict]]:
     from tightfit.profiler.blocks import find_blocks
     from tightfit.profiler.model import split_inputs
 
-    meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) else model
     specs: dict[str, tuple[tuple, dict]] = {}
     hooks = []
     for b in find_blocks(meta):
@@ -84,7 +117,7 @@ def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple
                 specs[name] = (tree_map(_spec, args), tree_map(_spec, kwargs))
         hooks.append(b.module.register_forward_pre_hook(hook, with_kwargs=True))
     args, kwargs = split_inputs(example_inputs)
-    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+    to_meta = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
     try:
         with torch.no_grad():
             out = meta(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
@@ -92,6 +125,11 @@ def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple
         for h in hooks:
             h.remove()
     leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    # Objects that filled up with tensors during the forward (a KV cache that was empty at the first layer's
+    # hook) are state of the meta run: dropped, as _spec drops those that held tensors already.
+    is_spec = lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "tensor"  # noqa: E731
+    specs = {name: tree_map(lambda x: None if not is_spec(x) and _holds_tensors(x) else x, spec, is_leaf=is_spec)
+             for name, spec in specs.items()}
     specs["__output__"] = ((tuple(_spec(x) for x in leaves[:1]),), {})
     return specs
 
@@ -222,7 +260,7 @@ def _cache_path(key: str) -> Any:
 def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, repeats: int = 5,
                 warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, cache: bool = True,
-                refresh: bool = False, progress: bool = False, clock: str = "wall") -> ModelProfile:
+                refresh: bool = False, progress: bool = False, clock: str = "wall", agree: bool = True) -> ModelProfile:
     """``profile`` with each block's measured ``fwd_s``, ``bwd_s`` and ``recompute_s`` filled in.
 
     Args:
@@ -242,6 +280,8 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         progress: log each distinct block's time at INFO (on stderr unless logging is configured).
         clock: ``"wall"`` (elapsed) or ``"cpu"`` (process CPU time: immune to other jobs on a shared
             CPU host; use the same clock when measuring the steps it predicts), see :func:`clock_of`.
+        agree: with a process group, keep the slowest rank's numbers (a collective: every rank calls);
+            ``False`` times on the calling rank alone (a rank that plans for the others and shares the plan).
     """
 
     from tightfit.profiler.blocks import find_blocks
@@ -275,6 +315,7 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
             measured = {}
     loss = loss_fn or default_loss
     say = reporter(_log, "time_blocks", enabled=progress)
+    cached = len(measured)
     for name, k in keys.items():
         if k in measured:
             continue
@@ -284,10 +325,11 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         del block
         say(f"{name} ({type(modules[name]).__name__}): forward {f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms")
     del out_spec
-    if cache:
+    if cache and len(measured) > cached:  # a run that found everything cached writes nothing
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
-    measured = _agree(measured, sorted(set(keys.values())))
+    if agree:
+        measured = _agree(measured, sorted(set(keys.values())))
     blocks = []
     for b in profile.blocks:
         if b.name in keys:

@@ -78,7 +78,7 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         memory_budget / plan / offload / activation_checkpointing / optimizer / cluster /
-            device_profile / constraints / verbose: as :class:`~lightning_elixir.strategy.ElixirStrategy`
+            device_profile / constraints / verbose / calibrate: as :class:`~lightning_elixir.strategy.ElixirStrategy`
             (validated into :attr:`options`, an :class:`~lightning_elixir.options.ElixirOptions`).
         config: DeepSpeed config entries merged over the translated plan.
         process_group_backend: as Lightning's ``DeepSpeedStrategy``.
@@ -92,12 +92,12 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
     def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
                  offload: str = "auto", activation_checkpointing: bool | str = "auto", optimizer: str = "adamw",
                  cluster: ClusterSpec | str | Path | None = None, device_profile: DeviceProfile | str | Path | None = None,
-                 constraints: ElixirConstraints | None = None, verbose: bool = True,
+                 constraints: ElixirConstraints | None = None, verbose: bool = True, calibrate: bool = True,
                  config: dict[str, Any] | None = None, process_group_backend: str | None = None) -> None:
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, owner="ElixirDeepSpeedStrategy")
+                                     verbose=verbose, calibrate=calibrate, owner="ElixirDeepSpeedStrategy")
         # A placeholder config: the real one is translated from the plan in ``setup``.
         super().__init__(config={"zero_optimization": {"stage": 3}}, process_group_backend=process_group_backend)
         self.user_config = config

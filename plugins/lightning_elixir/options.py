@@ -42,6 +42,10 @@ class ElixirOptions:
         verbose: print the plan table and what was applied (rank 0).
         replan: re-plan from the measured step when it is off the prediction by more than the tolerance,
             applied at the next checkpoint boundary (:mod:`lightning_elixir.replan`; FSDP2 strategy only).
+        calibrate: price the plan from measurements of this hardware (default): time the first batch's
+            blocks one at a time and fit the collectives and FSDP2's per-unit overheads, cached per device,
+            block shapes, world size and precision so the next run starts without measuring. ``False``:
+            FLOPs / rate. Only when planning for this machine (no plan, cluster or device profile given).
         owner: the strategy's name, used in error messages.
 
     Example:
@@ -59,6 +63,7 @@ class ElixirOptions:
     constraints: ElixirConstraints | None = None
     verbose: bool = True
     replan: bool = False
+    calibrate: bool = True
     owner: str = field(default="ElixirOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +75,9 @@ class ElixirOptions:
                              "True or False")
         if not isinstance(self.replan, bool):
             raise ValueError(f"{name}(replan={self.replan!r}): use True or False")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"{name}(calibrate={self.calibrate!r}): use True (measure this hardware, cached) or "
+                             "False (price from FLOPs / rate)")
         if self.cluster is not None and self.device_profile is not None:
             raise ValueError(f"{name}: give cluster= or device_profile=, not both")
         if self.memory_budget is not None and not (isinstance(self.memory_budget, float) and 0 < self.memory_budget <= 1):
@@ -94,6 +102,11 @@ class ElixirOptions:
     def measures_device(self) -> bool:
         """Whether planning needs this machine measured (no plan, cluster or device profile given)."""
         return self.plan is None and self.cluster is None and self.device_profile is None
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether planning times the blocks and calibrates this machine (``calibrate`` and nothing given)."""
+        return self.calibrate and self.measures_device
 
     def planner_constraints(self) -> ElixirConstraints:
         """The constraints the search runs with: the user's, with ``offload`` / ``activation_checkpointing`` applied."""

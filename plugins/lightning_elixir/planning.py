@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,11 +38,11 @@ from torch import nn
 from lightning_elixir.options import OFFLOAD_CHOICES, ElixirOptions
 from tightfit.distributed import decide_on_rank0
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan, search
-from tightfit.profiler import profile_model
+from tightfit.profiler import calibrate_device, profile_model
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "PlanDecision",
-           "stage_method", "forked_rng", "OFFLOAD_CHOICES", "STAGE_METHODS"]
+           "stage_method", "forked_rng", "time_module_blocks", "OFFLOAD_CHOICES", "STAGE_METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,29 @@ def _model_name(module: nn.Module) -> str:
     return type(module).__name__
 
 
+def time_module_blocks(module: nn.Module, batch: Any, profile: ModelProfile, *, device: torch.device,
+                       precision: str = "32-true", stage_method: str = "training_step") -> ModelProfile:
+    """``profile`` with each block's forward and backward measured on ``device``, one block at a time
+    (:func:`tightfit.profiler.time_blocks`: random inputs of the shapes the batch gives each block, cached
+    per block shapes, device, thread count and dtype). Only the planning rank times (``agree=False``): the
+    others wait for the plan it shares. Under ``*-true`` precisions the blocks run in that dtype; mixed
+    precisions are timed in the parameters' dtype (autocast is not replayed), which the plan's notes say.
+    """
+    from tightfit.profiler import time_blocks
+
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(precision)
+    # What profile_module traced: the step on the batch, else forward on example_input_array.
+    target: nn.Module = _StepModule(module, stage_method) if batch is not None else module
+    inputs = (batch,) if batch is not None else getattr(module, "example_input_array", None)
+    with warnings.catch_warnings(), _plain_attributes_on_meta(module):
+        warnings.simplefilter("ignore")  # self.log() without a Trainer, as in profile_module
+        timed = time_blocks(target, inputs, profile, device=device, dtype=dtype, loss_fn=_loss_of, agree=False)
+    if "mixed" in precision:
+        timed = dataclasses.replace(timed, notes=(*timed.notes, f"blocks timed in the parameters' dtype, not "
+                                                                f"under {precision} autocast"))
+    return timed
+
+
 # ---- the device ----------------------------------------------------------------------------------
 def local_device(device: torch.device) -> DeviceProfile:
     """This rank's device profile, measured by ``tightfit.profiler.profile_device`` (cached per machine).
@@ -280,18 +304,39 @@ def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Calla
     say = _say if options.verbose and rank == 0 else (lambda text: None)
     with forked_rng(device):
         measured: DeviceProfile | None = None
+        calibration_s = 0.0
         # Re-planning (replan=True) prices plans on a cluster even when the plan itself was given.
         if options.measures_device or (options.replan and options.cluster is None and options.device_profile is None):
             say("[elixir] profiling the device (cached after the first run) ...")
             measured = local_device(device)  # collective: every rank measures the collectives
+            if options.calibrates:
+                say("[elixir] calibrating collectives and FSDP2's per-unit overheads (cached after the first run) ...")
+                start = time.perf_counter()
+                measured = calibrate_device(measured, device=device, quick=True, progress=False)  # collective
+                calibration_s = time.perf_counter() - start
         planned_from: list[tuple[ModelProfile, ClusterSpec | None]] = []  # filled on rank 0 only
 
         def decide() -> ElixirPlan:
             say(f"[elixir] profiling one {method} on the meta device ...")
-            profile = profile_module(module, first_batch(), stage_method=method)
+            batch = first_batch()
+            profile = profile_module(module, batch, stage_method=method)
+            blocks_s = 0.0
+            if options.calibrates:
+                say("[elixir] timing each distinct block on this device (cached after the first run) ...")
+                start = time.perf_counter()
+                profile = time_module_blocks(module, batch, profile, device=device, precision=precision,
+                                             stage_method=method)
+                blocks_s = time.perf_counter() - start
             cluster = _cluster(options, measured, world_size, num_nodes)
             planned_from.append((profile, cluster))
-            return _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say)
+            plan = _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say)
+            if options.calibrates:
+                note = (f"calibrated on this hardware in {calibration_s + blocks_s:.1f} s (blocks {blocks_s:.1f} s, "
+                        f"collectives and FSDP2 overheads {calibration_s:.1f} s; cached: a second run re-measures "
+                        "nothing that did not change)")
+                say(f"[elixir] {note}")
+                plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+            return plan
 
         plan = decide_on_rank0(decide, encode=lambda plan: plan.to_json(), decode=ElixirPlan.from_json)
     profile, cluster = planned_from[0] if planned_from else (None, None)

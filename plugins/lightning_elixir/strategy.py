@@ -68,6 +68,9 @@ class ElixirStrategy(ModelParallelStrategy):
         replan: when the steps after warm-up are off the prediction by more than ``check_tolerance``, re-plan
             from the measurement and switch to the new plan at the next checkpoint boundary (after the next
             checkpoint is saved, or at the next epoch's first step): :mod:`lightning_elixir.replan`.
+        calibrate: ``True`` (default): when planning for this machine, time the first batch's blocks and fit
+            the collectives and FSDP2's overheads here, cached for the next run, so the plan is priced from
+            measurements; ``False``: from FLOPs / rate. The plan's ``cost_model`` says which priced it.
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
 
     The options are validated once into :attr:`options` (:class:`~lightning_elixir.options.ElixirOptions`).
@@ -93,7 +96,8 @@ class ElixirStrategy(ModelParallelStrategy):
                  optimizer: str = "adamw", cluster: ClusterSpec | str | Path | None = None,
                  device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True, replan: bool = False,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 calibrate: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
         if backend == "deepspeed":
             raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
                              "lightning_elixir.ElixirDeepSpeedStrategy(...) or Trainer(strategy='elixir_deepspeed')")
@@ -103,7 +107,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, replan=replan, owner="ElixirStrategy")
+                                     verbose=verbose, replan=replan, calibrate=calibrate, owner="ElixirStrategy")
         install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)

@@ -36,7 +36,7 @@ def _seeded_runs(rank: int, world: int, tmp: str) -> dict:
 @RunIf(lightning=True)
 def test_seeded_elixir_and_ddp_give_the_same_losses_with_dropout(tmp_path):
     env = {"GROUP_RANK": "0", "TIGHTFIT_CACHE_DIR": str(tmp_path / "cache")}
-    (r,) = run_distributed(_seeded_runs, 1, args=(str(tmp_path),), timeout=300, env=env)
+    (r,) = run_distributed(_seeded_runs, 1, args=(str(tmp_path),), timeout=600, env=env)
     assert len(r["ddp"]) == len(r["elixir"]) == 3
     assert max(abs(a - b) for a, b in zip(r["ddp"], r["elixir"])) <= LOSS_ATOL, r
 
