@@ -9,8 +9,7 @@ either applies the fused :class:`~torchrec_cache.config.RowOptimizer` to it wher
 or host), or hands a sparse gradient to the host tables for a standard optimizer.
 """
 
-# No ``from __future__ import annotations`` here: torch.fx and TorchScript read the annotations of the
-# collections' ``forward`` and of the fx leaf functions as objects (a string type breaks the traced code).
+# No ``from __future__ import annotations``: torch.fx and TorchScript read ``forward``'s and the leaves' types.
 
 import weakref
 from typing import Any, cast
@@ -33,6 +32,7 @@ from torchrec_cache.cache import FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
+from torchrec_cache.layout import column_order
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.meta import meta_pooled, meta_sequence
 from torchrec_cache.planning import table_specs
@@ -383,7 +383,7 @@ class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInter
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._feature_names = [list(c.feature_names) for c in tables]
         self._any_mean = any(c.pooling == PoolingType.MEAN for c in tables)
-        self._column_order = _column_order(tables, self._cache.layout)
+        self._column_order = column_order(tables, self._cache.layout)
         for cfg in tables:
             if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {cfg.name!r}: pooling {cfg.pooling} is not supported by a bag collection; "
@@ -488,18 +488,6 @@ class CachedEmbeddingCollection(CachedCollection):
 
     def _configs(self) -> list[Any]:
         return self._embedding_configs
-
-
-def _column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
-    """Columns of the key-ordered output in the collection's order (``None`` when they already agree)."""
-    if layout == sorted(layout):
-        return None
-    starts, col = {}, 0
-    for i in layout:
-        starts[i] = col
-        col += tables[i].embedding_dim * len(tables[i].feature_names)
-    cols = [starts[i] + j for i, t in enumerate(tables) for j in range(t.embedding_dim * len(t.feature_names))]
-    return torch.tensor(cols, dtype=torch.int64)
 
 
 _ = BaseEmbeddingConfig  # re-exported type for annotations in swap.py
