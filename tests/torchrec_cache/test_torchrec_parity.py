@@ -244,3 +244,22 @@ def test_scripting_the_collection_itself_is_refused_by_torchscript(kind):
             tables=[EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=30, feature_names=["x"])])
     with pytest.raises((RuntimeError, ValueError)):
         torch.jit.script(module)
+
+
+def test_torch_export_of_a_model_with_a_meta_collection_gives_torchrecs_output_shape():
+    class Pooled(torch.nn.Module):
+        def __init__(self, ebc: torch.nn.Module) -> None:
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return self.ebc(kjt).values()
+
+    kjt = make_kjt(tables(), 6, torch.Generator().manual_seed(8))
+    shapes = []
+    for ebc in (EmbeddingBagCollection(tables=tables(), device="meta"),
+                CachedEmbeddingBagCollection(tables=tables(), device="meta", cache=CacheConfig(capacity=0.1))):
+        program = torch.export.export(Pooled(ebc), (kjt,), strict=False)
+        (out,) = next(n for n in program.graph.nodes if n.op == "output").args[0]
+        shapes.append(tuple(out.meta["val"].shape))
+    assert shapes[0] == shapes[1] == (6, 8 * 2 + 4 + 16)
