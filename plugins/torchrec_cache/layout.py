@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-__all__ = ["TableSpec", "GroupSpan", "KeySpace", "KeyIndex", "SlotGroup", "Batch", "mix_hash", "out_of_range",
+__all__ = ["column_order", "TableSpec", "GroupSpan", "KeySpace", "KeyIndex", "SlotGroup", "Batch", "mix_hash", "out_of_range",
            "spill_notice"]
 
 log = logging.getLogger("torchrec_cache")
@@ -314,3 +314,15 @@ def spill_notice(unique: int, spilled: int, slots: int) -> None:
         _SPILL_WARNED = True
     else:
         log.debug(msg)
+
+
+def column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
+    """Columns of the key-ordered output in the collection's order (``None`` when they already agree)."""
+    if layout == sorted(layout):
+        return None
+    starts, col = {}, 0
+    for i in layout:
+        starts[i] = col
+        col += tables[i].embedding_dim * len(tables[i].feature_names)
+    cols = [starts[i] + j for i, t in enumerate(tables) for j in range(t.embedding_dim * len(t.feature_names))]
+    return torch.tensor(cols, dtype=torch.int64)

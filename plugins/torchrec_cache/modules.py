@@ -9,7 +9,7 @@ either applies the fused :class:`~torchrec_cache.config.RowOptimizer` to it wher
 or host), or hands a sparse gradient to the host tables for a standard optimizer.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torch.fx and TorchScript read ``forward``'s and the leaves' types.
 
 import weakref
 from typing import Any, cast
@@ -32,24 +32,34 @@ from torchrec_cache.cache import FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
+from torchrec_cache.layout import column_order
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
+from torchrec_cache.meta import meta_pooled, meta_sequence
 from torchrec_cache.planning import table_specs
 from torchrec_cache.window import Window
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
-           "cached_collection_forward"]
+           "cached_collection_forward", "cached_sequence_forward"]
 
-_LIVE: weakref.WeakValueDictionary[int, CachedCollection] = weakref.WeakValueDictionary()
+_LIVE: "weakref.WeakValueDictionary[int, CachedCollection]" = weakref.WeakValueDictionary()
 
 
 @torch.fx.wrap
-def cached_collection_forward(features: KeyedJaggedTensor, handle: int) -> Any:
-    """The whole lookup of a cached collection as one call: what ``torch.fx`` records as a leaf.
+@torch.jit.ignore
+def cached_collection_forward(features: KeyedJaggedTensor, handle: int) -> KeyedTensor:
+    """A :class:`CachedEmbeddingBagCollection`'s whole lookup as one call, the leaf ``torch.fx`` records.
 
-    Cache misses are data-dependent, so the lookup cannot be traced through; wrapping it keeps a
-    traced model (and TorchRec's train pipelines, which look for the call) working. ``handle`` is
-    :meth:`CachedCollection.handle` of the calling collection.
-    """
+    The cache's decisions are data-dependent and its state (index, policy, host store) is Python-side, so
+    tracing stops here (TorchRec's train pipelines look for the call); ``torch.jit.script`` of a traced
+    graph keeps it as a Python call (``torch.jit.ignore``): it runs in this process, it cannot be saved.
+    ``handle``: :meth:`CachedCollection.handle` of the calling collection."""
+    return _LIVE[handle].lookup(features)
+
+
+@torch.fx.wrap
+@torch.jit.ignore
+def cached_sequence_forward(features: KeyedJaggedTensor, handle: int) -> dict[str, JaggedTensor]:
+    """:func:`cached_collection_forward` for a :class:`CachedEmbeddingCollection` (unpooled lookups)."""
     return _LIVE[handle].lookup(features)
 
 
@@ -60,7 +70,7 @@ class HostTable(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> HostTable:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> "HostTable":  # type: ignore[override]
         return self
 
     def extra_repr(self) -> str:
@@ -74,7 +84,14 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     def _setup(self, tables: list[Any], device: torch.device | str | None, cache: CacheConfig,
                frequencies: FrequencyStats | None) -> None:
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        # No device: the default one, as TorchRec's collections take it (``with torch.device("meta"):``).
+        # The host-side state is then built on the CPU whatever the default device is.
+        resolved = torch.device(device) if device is not None else torch.get_default_device()
+        with torch.device("cpu"):
+            self._build(tables, resolved, cache, frequencies)
+
+    def _build(self, tables: list[Any], device: torch.device, cache: CacheConfig,
+               frequencies: FrequencyStats | None) -> None:
         if cache.needs_frequencies() and frequencies is None:
             raise ValueError(f"CacheConfig(policy={cache.policy!r}, reorder={cache.reorder}) needs frequency "
                              "statistics: pass frequencies=collect_frequencies(loader, tables)")
@@ -181,7 +198,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
 
     reset_parameters = init_parameters
 
-    def _apply(self, fn: Any, recurse: bool = True) -> CachedCollection:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> "CachedCollection":  # type: ignore[override]
         super()._apply(fn, recurse)
         self._anchor = fn(self._anchor.detach()).requires_grad_(True)
         self._device = self._anchor.device
@@ -366,7 +383,7 @@ class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInter
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._feature_names = [list(c.feature_names) for c in tables]
         self._any_mean = any(c.pooling == PoolingType.MEAN for c in tables)
-        self._column_order = _column_order(tables, self._cache.layout)
+        self._column_order = column_order(tables, self._cache.layout)
         for cfg in tables:
             if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {cfg.name!r}: pooling {cfg.pooling} is not supported by a bag collection; "
@@ -376,7 +393,11 @@ class CachedEmbeddingBagCollection(CachedCollection, EmbeddingBagCollectionInter
         return cached_collection_forward(features, self.handle())
 
     def lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """The pooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""
+        """The pooled lookup of every feature through the fused cache (what :meth:`forward` calls); on the
+        meta device, the output's shape only (:func:`~torchrec_cache.meta.meta_pooled`)."""
+        if not self._materialized:
+            values = meta_pooled(features, self._host_tables(), self._embedding_bag_configs, self._is_weighted)
+            return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
         kjt = self._check_features(features)
         batch = self._prepare(kjt)
         weights = kjt.weights() if self._is_weighted else None
@@ -432,10 +453,14 @@ class CachedEmbeddingCollection(CachedCollection):
         self._feature_names = [list(c.feature_names) for c in tables]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return cached_collection_forward(features, self.handle())
+        return cached_sequence_forward(features, self.handle())
 
     def lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        """The unpooled lookup of every feature through the fused cache (what :meth:`forward` calls)."""
+        """The unpooled lookup of every feature through the fused cache (what :meth:`forward` calls); on
+        the meta device, the outputs' shapes only (:func:`~torchrec_cache.meta.meta_sequence`)."""
+        if not self._materialized:
+            return meta_sequence(features, self._host_tables(), self._embedding_configs, self._embedding_names_by_table,
+                                 self._need_indices)
         kjt = self._check_features(features)
         batch = self._prepare(kjt)
         rows = cached_unpooled_lookup(self._cache, batch, anchor=self._anchor, host_params=self._host_params())
@@ -463,18 +488,6 @@ class CachedEmbeddingCollection(CachedCollection):
 
     def _configs(self) -> list[Any]:
         return self._embedding_configs
-
-
-def _column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
-    """Columns of the key-ordered output in the collection's order (``None`` when they already agree)."""
-    if layout == sorted(layout):
-        return None
-    starts, col = {}, 0
-    for i in layout:
-        starts[i] = col
-        col += tables[i].embedding_dim * len(tables[i].feature_names)
-    cols = [starts[i] + j for i, t in enumerate(tables) for j in range(t.embedding_dim * len(t.feature_names))]
-    return torch.tensor(cols, dtype=torch.int64)
 
 
 _ = BaseEmbeddingConfig  # re-exported type for annotations in swap.py

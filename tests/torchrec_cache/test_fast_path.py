@@ -157,7 +157,9 @@ def test_meta_construction_materialises_on_the_host():
     assert meta.embedding_bags["t0"].weight.device.type == "meta"
     kjt = make_kjt(tables(), 8, torch.Generator().manual_seed(1))
     with pytest.raises(RuntimeError, match="built on the meta device; materialise it first"):
-        meta(kjt)
+        meta.prefetch(kjt)
+    shape = meta(kjt).values()  # the forward on the meta device propagates shapes (see test_torchrec_parity.py)
+    assert shape.device.type == "meta" and shape.shape == ref(kjt).values().shape
     meta.to_empty(device="cpu")
     meta.load_state_dict(ref.state_dict())
     assert meta.embedding_bags["t0"].weight.device.type == "cpu"
