@@ -43,6 +43,9 @@ class ElixirConstraints:
         exhaustive: ``True`` exact search, ``False`` greedy, ``None`` exact when the space has at
             most ``exhaustive_limit`` plans.
         exhaustive_limit: see ``exhaustive``.
+        replication_margin: with memory to spare, the plan DDP would run (one unit, replicated, nothing
+            offloaded or recomputed) is kept unless another is predicted faster by more than this fraction
+            (0.10 = 10%, about the calibrated model's error; 0 = the fastest prediction always wins).
     """
 
     modes: tuple[str, ...] = MODES
@@ -59,6 +62,7 @@ class ElixirConstraints:
     force_checkpointing: bool = False
     allow_disk: bool = True
     force_disk: bool = False
+    replication_margin: float = 0.10
 
     def __post_init__(self) -> None:
         where = "ElixirConstraints"
@@ -79,6 +83,9 @@ class ElixirConstraints:
                              "(FSDP2 always fetches the next unit)")
         if self.unit_blocks is not None and (not self.unit_blocks or any(k < 1 for k in self.unit_blocks)):
             raise PlanError(f"ElixirConstraints.unit_blocks={self.unit_blocks!r}: give sizes >= 1 or None")
+        if not (isinstance(self.replication_margin, (int, float)) and 0 <= self.replication_margin < 1):
+            raise PlanError(f"ElixirConstraints.replication_margin={self.replication_margin!r}: must be in [0, 1), "
+                            "e.g. 0.1 (0: always take the fastest prediction)")
         if not 0 <= self.fragmentation < 1:
             raise PlanError(f"ElixirConstraints.fragmentation={self.fragmentation}: must be in [0, 1), e.g. 0.1")
         if not 0 < self.host_memory_fraction <= 1:
