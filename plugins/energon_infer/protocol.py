@@ -106,6 +106,8 @@ class PoolInfo:
     slot_bytes: int
     device_bytes: int
     layer_bytes: int
+    plan: str = ""  # the PoolPlan as JSON (tiers, disk layers, bytes and seconds per pass)
+    first_layer: int = 0  # the stage's first layer number (plan positions are within the stage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,7 @@ class StatsReport:
     """A rank's stage timing: ``busy_s``, ``span_s``, ``steps``, ``utilisation``."""
 
     rank: int
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
