@@ -176,10 +176,12 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class WorkerError:
-    """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where."""
+    """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where. ``fatal``: a
+    restart would not help or must not happen (the checkpoint changed under the server): the engine stops."""
 
     rank: int
     traceback: str
+    fatal: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -184,7 +184,7 @@ class TensorFiles:
 
     def read_bytes(self, file: Path, start: int, buf: torch.Tensor) -> None:
         """Fill the contiguous ``uint8`` tensor ``buf`` from ``file`` at byte ``start`` (short reads continue)."""
-        fd, view, done = self._fds[file], memoryview(buf.numpy()), 0
+        fd, view, done = self._fds[file], memoryview(buf.numpy()), 0  # type: ignore[arg-type]
         total = len(view)
         while done < total:
             got = os.preadv(fd, [view[done:]], start + done)

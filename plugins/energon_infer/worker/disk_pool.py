@@ -93,6 +93,7 @@ class DiskLayer(SlotLayer):
         self.index, self.files, self.cfg, self.grid, self.scratch = index, files, cfg, grid, scratch
         self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
         self.nonfinite = nonfinite
+        self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
         self.reads = 0
         self.bytes_read = 0
         self.read_s = 0.0
@@ -105,9 +106,14 @@ class DiskLayer(SlotLayer):
             rows = ext.shape[0] // grid.tp  # this rank's rows only: a contiguous byte range
             t = self.files.read(part.source, (grid.tp_rank * rows, (grid.tp_rank + 1) * rows), out=buf)
             self.bytes_read += t.numel() * t.element_size()
+            self._last = None
             return t, ext.shape, True
-        t = self.files.read(part.source, out=buf)
-        self.bytes_read += ext.nbytes
+        if self._last is not None and self._last[0] == part.source:
+            t = self._last[1]  # GPT-2's fused c_attn feeds q, k and v: read once (still in the buffer)
+        else:
+            t = self.files.read(part.source, out=buf)
+            self.bytes_read += ext.nbytes
+            self._last = (part.source, t)
         if part.transform is not None:
             t = part.transform(t)
         return t, tuple(t.shape), False
@@ -115,6 +121,7 @@ class DiskLayer(SlotLayer):
     def fill(self, dst: torch.Tensor) -> None:
         start = time.perf_counter()
         self.files.check(self.used)
+        self._last = None
         nonfinite = self.nonfinite if self.reads == 0 else "ignore"  # checked once, as loading does
         for (_, _, off, shape, transposed), (name, parts) in zip(self.entries, self.recipe):
             view = _view(dst[off: off + shape.numel()], shape, transposed)

@@ -269,7 +269,8 @@ class LayerPool:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(p.flat.numel() * p.flat.element_size() for p in self.packed)
+        """Bytes held in the pool (host or peer memory); disk layers hold none."""
+        return sum(p.flat.numel() * p.flat.element_size() for p in self.packed if isinstance(p, _Packed))
 
     @property
     def slot_bytes(self) -> int:

@@ -345,8 +345,10 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                         return None
 
         serve_commands(runner, timer, rank, next_command, out_q.put)
-    except BaseException:
-        out_q.put(WorkerError(rank, traceback.format_exc()))
+    except BaseException as exc:
+        from energon_infer.loading.safetensors_files import CheckpointChangedError
+
+        out_q.put(WorkerError(rank, traceback.format_exc(), fatal=isinstance(exc, CheckpointChangedError)))
         out_q.close()
         out_q.join_thread()  # make sure the report leaves before we exit
         raise SystemExit(1) from None
