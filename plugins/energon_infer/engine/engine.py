@@ -404,7 +404,7 @@ class Engine:
         """Where each layer lives and what the memory pool did (:mod:`energon_infer.engine.memory_report`): per rank
         the tier of every layer, disk reads by layer and bytes read; since the previous report, tokens/s against
         the I/O roofline (``batch x disk bandwidth / bytes streamed per step``)."""
-        stats = self.pipeline_stats(timeout=timeout)["ranks"]
+        stats = self.pipeline_stats(reset=True, timeout=timeout)["ranks"]  # each report times its own interval
         report, self._mark = memory_report(self.worker_info, stats, steps=self.metrics.steps,
                                            generated=self.metrics.generated_tokens, since=self._mark)
         self._last_report = report

@@ -7,7 +7,7 @@ counters (in order with the steps, as :meth:`~energon_infer.engine.engine.Engine
 * per rank: the tier of every layer of its stage (model layer numbers), the disk layers, how many times
   each was read and the bytes read;
 * for the interval since the previous report: steps, generated tokens, the mean batch (tokens per step),
-  measured tokens/s, the bytes streamed per step, and the I/O roofline ``batch × disk bandwidth ÷ bytes
+  measured tokens/s (over the busiest stage's span of steps), the bytes streamed per step, and the I/O roofline ``batch × disk bandwidth ÷ bytes
   streamed per step`` (``batch / io_seconds`` of the slowest rank's plan, from the measured disk), with
   the fraction of it reached.
 
@@ -73,7 +73,9 @@ def memory_report(infos: list[WorkerInfo], stats: list[dict[str, Any]], *, steps
     now = time.monotonic()
     read = sum(int(r.get("disk_bytes_read", 0)) for r in ranks)
     d_steps, d_gen = steps - since.steps, generated - since.generated
-    seconds = now - since.at if since.at else 0.0
+    # The stages' span (first step's start to last step's end since the previous report): idle time before
+    # the first request or after the last does not dilute tokens/s.
+    seconds = max((float(st.get("span_s", 0.0)) for st in stats), default=0.0)
     batch = d_gen / d_steps if d_steps else 0.0
     io = max((p.io_seconds for p in plans), default=0.0)
     roofline = batch / io if io > 0 else float("inf")

@@ -65,7 +65,7 @@ class MemoryPoolConfig:
             reads' staging slots (``None``: what is free, ``MemAvailable``). Ignored on a CPU-only machine.
         disk: the disk the checkpoint is read from: ``None`` measures the model directory with
             :func:`tightfit.profiler.disk.profile_disk` (quick, cached per filesystem), a preset name
-            (:func:`tightfit.profiler.disk_presets.disk_preset`, e.g. ``"nvme"``) or a
+            (:func:`tightfit.profiler.disk_presets.disk_preset`, e.g. ``"nvme-gen4"``) or a
             :class:`~tightfit.profiler.types.DiskProfile`.
         lookahead: pooled layers fetched ahead of the one running (slots = lookahead + 1).
         pool_device: where pooled weights live: ``"cpu"`` (host memory, pinned when the compute
@@ -112,7 +112,7 @@ class MemoryPoolConfig:
                 raise ValueError(f"{name}={value!r} must be a byte count >= 0 or a size such as '2GiB'")
         if self.disk is not None and not isinstance(self.disk, str) and not hasattr(self.disk, "read_fit"):
             raise ValueError(f"disk={self.disk!r} must be None (measure the model directory), a preset name such as "
-                             "'nvme', or a DiskProfile")
+                             "'nvme-gen4', or a DiskProfile")
 
     @property
     def tiered(self) -> bool:
@@ -253,7 +253,11 @@ class LayerPool:
             self._stream = torch.cuda.Stream(device=self.device)
         if (not self.cuda and cpu_prefetch == "thread") or self._threaded:
             workers = max(1, min(io_threads if self._threaded else 1, n_slots))
-            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="energon-prefetch")
+            # One intra-op thread each: a copy on a thread of its own would otherwise start a second OpenMP
+            # team as wide as the compute's, and the teams' spinning barriers fight over the cores (profiled
+            # with two intra-op threads on 2 busy cores: 32 ms per F.linear of a 64-wide layer while copies ran).
+            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="energon-prefetch",
+                                                initializer=torch.set_num_threads, initargs=(1,))
         self.copies = 0
         self.waits = 0  # times a block had to wait for its copy (it was not prefetched in time or at all)
         self.wait_s = 0.0  # compute thread's time spent waiting for copies
