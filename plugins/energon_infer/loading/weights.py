@@ -341,6 +341,17 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
             progress(f"loaded {done}/{len(params)} tensors")
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, rows: int = 64) -> None:
+    """``dst.copy_(src)``; into a transposed view (an input-major linear weight) 64 rows at a time: each block's
+    writes stay in cache lines already loaded (measured on one thread here, a 2752 x 512 fp32 weight: 0.96 GB/s
+    in one copy, 3.5 at 16 rows, 3.9 at 64, 3.3 at 256)."""
+    if dst.dim() != 2 or dst.is_contiguous() or dst.shape[0] <= rows:
+        dst.copy_(src)
+        return
+    for r in range(0, dst.shape[0], rows):
+        dst[r: r + rows].copy_(src[r: r + rows])
+
+
 # fetch(part, full shape wanted) -> (tensor, its full shape before any slicing, already this rank's slice)
 Fetch = Callable[[Part, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...], bool]]
 
@@ -376,7 +387,7 @@ def build_param(cfg: ModelConfig, grid: Grid, name: str, shape: tuple[int, ...],
         if out is None:
             pieces.append(piece)
         else:
-            out[row: row + piece.shape[0]].copy_(piece)
+            _copy_into(out[row: row + piece.shape[0]], piece)
             row += piece.shape[0]
     if out is not None:
         return out
