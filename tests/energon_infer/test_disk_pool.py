@@ -36,18 +36,23 @@ def _disk(path) -> DiskProfile:
     return DiskProfile(path=str(path), free_bytes=10**12, read_fit=(1e-4, 2e9))
 
 
-def _budget(path, keep: int, *, lookahead: int = 1, threads: int = 2, tp: int = 1) -> tuple[int, list[int], int]:
-    """A unified (CPU) budget that holds the resident weights, ``keep`` layers, the slots and the read buffers."""
+def _budget(path, keep: int, *, lookahead: int = 1, threads: int = 2, tp: int = 1, pp: int = 1
+            ) -> tuple[int, list[int], int]:
+    """A unified (CPU) budget that holds the resident weights, ``keep`` layers, the slots and the read buffers
+    (of the largest stage at ``pp`` > 1); with it that stage's layers and resident bytes."""
     from energon_infer.loading.safetensors_files import TensorFiles
     from energon_infer.worker.disk_pool import _meta_stage, read_buffer_bytes
 
     cfg = load_config(path)
-    stage = _meta_stage(cfg, tp, 1, 0, torch.float32)
-    layers, resident = stage_layer_bytes(stage)
     files = TensorFiles(path)
-    buffers = read_buffer_bytes(stage, cfg, files) * threads
+    best = (0, [], 0)
+    for s in range(pp):
+        stage = _meta_stage(cfg, tp, pp, s, torch.float32)
+        layers, resident = stage_layer_bytes(stage)
+        buffers = read_buffer_bytes(stage, cfg, files) * threads
+        best = max(best, (resident + buffers + (keep + lookahead + 1) * max(layers), layers, resident))
     files.close()
-    return resident + buffers + (keep + lookahead + 1) * max(layers), layers, resident
+    return best
 
 
 def _tiered(path, memory_budget, **kw):
@@ -191,12 +196,12 @@ def test_engine_serves_beyond_its_budget_and_reports_the_disk_tier(tmp_path):
     assert err.value.tier == "device"
 
 
-def _tp2_reads(rank: int, world: int, path: str, budget: int) -> dict:
+def _tp2_reads(rank: int, world: int, path: str, budget: int, tp: int = 2, pp: int = 1) -> dict:
     from energon_infer.worker.runtime import RuntimeConfig
     from energon_infer.worker.workers import ModelSource, load_worker
 
     pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
-    runner, timer, info = load_worker(ModelSource("pretrained", path), RuntimeConfig(tp=2, **OPTS), pool, rank)
+    runner, timer, info = load_worker(ModelSource("pretrained", path), RuntimeConfig(tp=tp, pp=pp, **OPTS), pool, rank)
     gen = [g.token_ids for g in runner.generate(PROMPTS, GREEDY)]
     return {"gen": gen, "stats": timer.snapshot(), "plan": info.pool.plan}
 
@@ -235,3 +240,32 @@ def test_readme_serving_beyond_memory_snippet_runs(tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "'disk'" in out.stdout and "I/O roofline" in out.stdout
+
+
+@pytest.mark.slow
+@RunIf(min_world=2)
+def test_pp2_stages_each_stream_their_own_layers_and_equal_the_loaded_model(tmp_path):
+    from tests.helpers.multiprocess import run_distributed
+
+    path = save_tiny("llama", tmp_path / "m", shard="40KB", num_hidden_layers=6)
+    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, **OPTS).generate(PROMPTS, GREEDY)]
+    budget, _, _ = _budget(path, keep=0, pp=2)
+    out = run_distributed(_tp2_reads, 2, args=(str(path), budget, 1, 2))
+    assert out[0]["gen"] == ref and out[1]["gen"] == ref
+    # Stage 0 holds layers 0-2, stage 1 layers 3-5: each reads only its own (model layer numbers).
+    assert out[0]["stats"]["disk_layers"] == [0, 1, 2] and out[1]["stats"]["disk_layers"] == [3, 4, 5]
+
+
+def test_serve_flags_build_the_tiered_pool():
+    from energon_infer.serving.serve import _memory_pool, build_parser
+
+    args = build_parser().parse_args(["dir", "--memory-budget", "2GiB", "--host-budget", "8GiB", "--lookahead", "3"])
+    pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead)
+    assert pool.tiered and pool.memory_budget == 2 * 2**30 and pool.host_budget == 8 * 2**30 and pool.lookahead == 3
+    assert _memory_pool("0.5") == MemoryPoolConfig(fraction=0.5)
+    with pytest.raises(ValueError, match="not both"):
+        _memory_pool("0.5", "2GiB")
+    with pytest.raises(ValueError, match="needs --memory-budget"):
+        _memory_pool(None, None, "8GiB")
+    with pytest.raises(ValueError, match="device_budget .* or memory_budget"):
+        MemoryPoolConfig(device_budget="1GiB", memory_budget="1GiB")
