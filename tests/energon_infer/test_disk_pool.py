@@ -269,3 +269,26 @@ def test_serve_flags_build_the_tiered_pool():
         _memory_pool(None, None, "8GiB")
     with pytest.raises(ValueError, match="device_budget .* or memory_budget"):
         MemoryPoolConfig(device_budget="1GiB", memory_budget="1GiB")
+
+
+@pytest.mark.slow
+@RunIf(min_world=2)
+def test_pp2_engine_streaming_from_disk_runs_one_group_per_pass(tmp_path):
+    """The plan's policy (streaming_groups): with disk layers one group of requests is in flight, so each pass of
+    reads serves the whole running batch; outputs still equal the loaded model's."""
+    from energon_infer.engine.engine import Engine
+
+    path = save_tiny("llama", tmp_path / "m", shard=None, num_hidden_layers=6)
+    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, **OPTS).generate(PROMPTS, GREEDY)]
+    budget, _, _ = _budget(path, keep=0, pp=2)
+    pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
+    with Engine.from_pretrained(path, memory_pool=pool, pp=2, progress=False, threads_per_worker=1, block_size=4,
+                                packed_weights=False, kv_cache_tokens=512) as engine:
+        assert engine.groups == 1 and engine.scheduler.config.groups == 1
+        out = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+        report = engine.memory_report()
+    assert out == ref
+    assert [r["disk_layers"] for r in report["ranks"]] == [[0, 1, 2], [3, 4, 5]]
+    with Engine.from_pretrained(path, pp=2, progress=False, threads_per_worker=1, block_size=4,
+                                kv_cache_tokens=512) as engine:
+        assert engine.groups == 2  # nothing streamed: one group per stage (the non-blocking pipeline)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import functools
 import logging
 import time
@@ -54,9 +55,11 @@ from energon_infer.loading.hf_files import as_engine_tokenizer, generation_defau
 from energon_infer.protocol import WorkerGroup, WorkerInfo
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
+from energon_infer.scheduling.scheduler_config import AUTO
 from energon_infer.worker.memory_pool import MemoryPoolConfig
 from energon_infer.worker.runtime import RuntimeConfig
 from energon_infer.worker.workers import ModelSource
+from tightfit.planner.pool import PoolPlan, streaming_groups
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
            "QueueFullError", "RequestFailedError"]
@@ -146,6 +149,12 @@ class Engine:
             from energon_infer.worker.gpt_checkpoint import ByteTokenizer
 
             self.tokenizer = ByteTokenizer()
+        if self.config.scheduler.groups == AUTO:  # the plan's policy when stages stream from disk (streaming_groups)
+            plans = [PoolPlan.from_json(i.pool.plan) for i in group.info if i.pool is not None and i.pool.plan]
+            self.groups = streaming_groups(plans, self.groups)
+            if self.groups != self.config.groups:
+                self.config = dataclasses.replace(
+                    self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
         scheduler = Scheduler(
             self.config.scheduler_for(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
                                       host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
