@@ -265,6 +265,11 @@ class Engine:
                 gpt_config = GPTConfig.from_dict(raw)
         gpt_options = {k: v for k, v in (("gpt_config", gpt_config), ("heads", heads)) if v is not None}
         cfg = engine_config(config, **options)  # before anything loads: an unknown keyword fails at once
+        pool = _pool_config(memory_pool)
+        if pool is not None and pool.tiered:
+            raise OptionError(f"memory_budget streams layers from a Hugging Face safetensors directory; {path} is a "
+                              "training checkpoint: export it with save_pretrained and use from_pretrained, or pool "
+                              "with device_budget")
         return cls(ModelSource("tightfit_gpt", str(path), gpt_options), cfg, memory_pool=memory_pool,
                    tokenizer=tokenizer, model_name=model_name or path.stem)
 
