@@ -47,7 +47,7 @@ from tightfit.planner.tiers import MemoryTiers, disk_seconds, tier_error
 from tightfit.profiler.types import DiskProfile
 from tightfit.units import format_bytes
 
-__all__ = ["PoolPlan", "PoolInfeasibleError", "plan_pool", "spread_layers"]
+__all__ = ["PoolPlan", "PoolInfeasibleError", "plan_pool", "spread_layers", "streaming_groups"]
 
 
 class PoolInfeasibleError(PlanInfeasibleError):
@@ -140,6 +140,20 @@ class PoolPlan:
     def from_json(cls, text: str) -> PoolPlan:
         raw = json.loads(text)
         return cls(**{**raw, "pooled": tuple(raw["pooled"]), "tiers": tuple(raw.get("tiers", ()))})
+
+
+def streaming_groups(plans: Sequence[PoolPlan], groups: int) -> int:
+    """The scheduler policy for stages that stream layers from disk: how many groups of requests to keep in flight.
+
+    Without disk layers: ``groups`` unchanged (one group per pipeline stage keeps every stage busy). With disk
+    layers in any stage a step's cost is mostly its pass of reads, and each group's step reads every disk layer
+    again: ``G`` groups read the checkpoint ``G`` times per round of the running batch on a disk the ranks share.
+    One group makes one pass of reads serve the whole running batch (the largest batch per pass), so: 1.
+
+    >>> streaming_groups([plan_pool([100] * 4, lookahead=0)], 2)
+    2
+    """
+    return 1 if any(p.disk_bytes > 0 for p in plans) else groups
 
 
 def spread_layers(n_layers: int, k: int) -> tuple[int, ...]:
