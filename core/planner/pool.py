@@ -53,13 +53,17 @@ __all__ = ["PoolPlan", "PoolInfeasibleError", "plan_pool", "spread_layers", "str
 class PoolInfeasibleError(PlanInfeasibleError):
     """Even with every layer pooled the stage does not fit the budget (``needed_bytes`` > ``budget_bytes``)."""
 
-    def __init__(self, needed: int, budget: int):
+    def __init__(self, needed: int, budget: int, unified: bool = False):
+        where = ("in memory with every layer streamed from disk (on a CPU the device and the host are one memory: "
+                 "embedding, head, norms, the prefetch slots and read buffers)" if unified else
+                 "on the device with every layer pooled (embedding, head, norms and the prefetch slots)")
         super().__init__(
-            f"the stage needs at least {format_bytes(needed)} on the device with every layer pooled (embedding, "
-            f"head, norms and the prefetch slots) but the budget is {format_bytes(budget)}; raise the budget, lower "
-            "lookahead, or split the model over more ranks (tp/pp)",
+            f"the stage needs at least {format_bytes(needed)} {where} but the budget is {format_bytes(budget)}; "
+            "raise the budget, lower lookahead, or split the model over more ranks (tp/pp)",
             needed_bytes=needed, budget_bytes=budget,
-            suggestions=("raise the device budget", "lower lookahead", "split the model over more ranks (tp/pp)"))
+            suggestions=("raise the memory budget" if unified else "raise the device budget", "lower lookahead",
+                         "split the model over more ranks (tp/pp)"))
+        self.unified = unified
 
     @property
     def needed(self) -> int:
@@ -70,7 +74,7 @@ class PoolInfeasibleError(PlanInfeasibleError):
         return self.budget_bytes
 
     def __reduce__(self) -> tuple[Any, ...]:  # keeps its numbers across processes (the workers raise it)
-        return (type(self), (self.needed_bytes, self.budget_bytes))
+        return (type(self), (self.needed_bytes, self.budget_bytes, self.unified))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,4 +270,4 @@ def _unified_plan(plan_for: Callable[..., PoolPlan], n: int, budget: int) -> Poo
         if total <= budget:
             return plan
         best = total if best is None else min(best, total)
-    raise PoolInfeasibleError(int(best or 0), budget)
+    raise PoolInfeasibleError(int(best or 0), budget, unified=True)

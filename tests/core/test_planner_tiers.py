@@ -136,6 +136,11 @@ def test_pool_on_one_memory_reads_from_disk_exactly_what_does_not_fit():
         plan_pool([100] * 6, resident_bytes=50, budget_bytes=200, lookahead=1, disk=DISK, unified=True)
     assert (info.value.needed_bytes, info.value.budget_bytes) == (250, 200)
     assert pickle.loads(pickle.dumps(info.value)).needed_bytes == 250
+    # One memory: the message says so rather than naming a device the machine does not have.
+    assert "on a CPU the device and the host are one memory" in str(info.value)
+    assert pickle.loads(pickle.dumps(info.value)).unified
+    with pytest.raises(PoolInfeasibleError, match="on the device with every layer pooled"):
+        plan_pool([100] * 6, resident_bytes=50, budget_bytes=10, lookahead=1)
 
 
 @settings(max_examples=60, deadline=None)
