@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
+from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
@@ -124,6 +125,10 @@ class ElixirStrategy(ModelParallelStrategy):
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
         self.replanner: Replanner | None = None
+        # The disk tier's runtime (units whose optimizer state is on disk), made at fit start; its chunk size
+        # (elements per state tensor per staging set) may be lowered before fit, as the tests do.
+        self.disk_state: DiskOptimizerState | None = None
+        self.disk_chunk_elements = CHUNK_ELEMENTS
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -170,6 +175,9 @@ class ElixirStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._prefer_fused_host_step()
+            self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
+                                                self.options.disk_dir, rank=self.global_rank,
+                                                chunk_elements=self.disk_chunk_elements)
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
@@ -201,6 +209,14 @@ class ElixirStrategy(ModelParallelStrategy):
         fused = self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
         for opt in self.optimizers:
             step_per_mesh(opt, fused_on_host=fused)
+
+    @override
+    def teardown(self) -> None:
+        if self.disk_state is not None:
+            self.disk_state.close()
+            self.disk_state.store.close()
+            self.disk_state = None
+        super().teardown()
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
     @property
