@@ -87,9 +87,11 @@ def _align(n: int) -> int:
     return -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
-def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int) -> tuple[list[_Chunk], dict[int, int]]:
+def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int,
+            where: dict[int, tuple[int, int]]) -> tuple[list[_Chunk], dict[int, int]]:
     """Each unit's local shards laid out flat (aligned starts), cut into chunks of at most ``chunk`` elements;
-    returns the chunks in plan order and each unit's flat length."""
+    returns the chunks in plan order and each unit's flat length, and fills ``where`` (parameter id ->
+    (unit, first element))."""
     out: list[_Chunk] = []
     lengths: dict[int, int] = {}
     for unit, params in units:
@@ -100,6 +102,7 @@ def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int) -> 
                 continue
             start = _align(end)
             layout.append((p, start, n))
+            where[id(p)] = (unit, start)
             end = start + n
         lengths[unit] = end
         for lo in range(0, end, chunk):
@@ -136,7 +139,11 @@ class DiskOptimizerState:
             raise ValueError(f"disk units hold parameters of several dtypes {sorted(map(str, dtypes))}; the disk "
                              "tier streams one dtype (fp32 master weights): keep such units on the host")
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        self.chunks, self.lengths = _chunks(units, chunk_elements)
+        self.where: dict[int, tuple[int, int]] = {}
+        self.chunks, self.lengths = _chunks(units, chunk_elements, self.where)
+        # optimizer.state keeps, for each streamed key of a disk parameter, a placeholder of the state's shape
+        # backed by one element (so state dicts and checkpoints see every key); storage address -> (param, key).
+        self.placeholders: dict[int, tuple[nn.Parameter, str]] = {}
         self.chunk_elements = min(chunk_elements, _align(max((c.hi - c.lo for c in self.chunks), default=0)))
         self.keys: tuple[str, ...] | None = None  # streamed state keys, known after the first step
         self.bytes_read = 0
@@ -197,7 +204,7 @@ class DiskOptimizerState:
         """Step every disk parameter that has a gradient, chunk by chunk in plan order (called by the post-hook)."""
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.params}
         before = {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()
-                        if k not in (self.keys or ())}
+                        if k not in (self.keys or ()) and not self.is_placeholder(v)}
                   for pid, p in self.params.items() if p in self.optimizer.state}
         first = self.keys is None
         if not first:
@@ -318,12 +325,67 @@ class DiskOptimizerState:
             self._keep_scalars(piece.param, state[q])
 
     def _keep_scalars(self, p: nn.Parameter, new: dict[str, Any]) -> None:
-        """The small per-parameter state (AdamW's ``step``) stays in ``optimizer.state`` (checkpoints see it)."""
+        """The small per-parameter state (AdamW's ``step``) stays in ``optimizer.state`` (checkpoints see it),
+        beside a placeholder per streamed key."""
         assert self.keys is not None
         slot = self.optimizer.state[p]
         for k, v in new.items():
             if k not in self.keys:
                 slot[k] = v
+            elif not self.is_placeholder(slot.get(k)):
+                slot[k] = self._placeholder(p, k)
+
+    # ---- placeholders and whole-tensor access (checkpoints: lightning_elixir.disk_checkpoint) ----------
+    def _placeholder(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        local = local_of(p)
+        stub = torch.zeros((), dtype=self.dtype).expand(local.shape)  # one element of memory
+        self.placeholders[stub.untyped_storage().data_ptr()] = (p, key)
+        if local is p:
+            return stub
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(stub, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=p.shape, stride=p.stride())
+
+    def adopt_placeholders(self) -> None:
+        """After ``optimizer.load_state_dict``: every streamed key of a disk parameter is a registered placeholder
+        again (loading may have copied them), and the keys are those the state dict brought."""
+        for p in self.params.values():
+            slot = self.optimizer.state.get(p, {})
+            keys = self.keys or tuple(k for k, v in slot.items() if torch.is_tensor(v) and v.ndim > 0
+                                      and v.shape == p.shape)
+            if keys and self.keys is None:
+                self.keys = keys
+            for k in keys:
+                if k in slot and not self.is_placeholder(slot[k]):
+                    slot[k] = self._placeholder(p, k)
+
+    def is_placeholder(self, t: Any) -> bool:
+        return torch.is_tensor(t) and local_of(t).untyped_storage().data_ptr() in self.placeholders
+
+    def owner(self, t: torch.Tensor) -> tuple[nn.Parameter, str]:
+        """(parameter, key) of a placeholder (a DTensor's, or its local shard's)."""
+        return self.placeholders[local_of(t).untyped_storage().data_ptr()]
+
+    def read_state(self, t: torch.Tensor) -> torch.Tensor:
+        """The state a placeholder stands for, read from the store into a new tensor of its local shape."""
+        p, key = self.owner(t)
+        unit, start = self.where[id(p)]
+        local = local_of(p)
+        out = aligned_empty(local.numel() * self.dtype.itemsize, self.dtype, tuple(local.shape))
+        if local.numel():
+            self.store.read_into(self.name(unit, key), out, start * self.dtype.itemsize).result()
+            self.bytes_read += out.nbytes
+        return out
+
+    def write_state(self, t: torch.Tensor, values: torch.Tensor, element: int = 0) -> None:
+        """Write ``values`` (contiguous) over the state a placeholder stands for, from its local ``element``."""
+        p, key = self.owner(t)
+        unit, start = self.where[id(p)]
+        if values.numel():
+            self.store.write(self.name(unit, key), values.contiguous(), (start + element) * self.dtype.itemsize
+                             ).result()
+            self.bytes_written += values.nbytes
 
 
 def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list[nn.Parameter]:

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
+from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
 from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
@@ -276,8 +277,9 @@ class ElixirStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        planner = DiskSavePlanner(self.disk_state) if self.disk_state is not None else None
         atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
-                    broadcast=self.broadcast)
+                    broadcast=self.broadcast, planner=planner)
         if self.replanner is not None and self.replanner.pending is not None:
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
@@ -309,6 +311,10 @@ class ElixirStrategy(ModelParallelStrategy):
         problem = self.broadcast(problem)
         if problem is not None:
             raise CheckpointCorruptError(problem)
+        if self.disk_state is not None and path.is_dir():
+            # The disk units' optimizer state goes from the checkpoint to the store item by item.
+            return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
+                                strict=self._module.strict_loading, weights_only=weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @classmethod

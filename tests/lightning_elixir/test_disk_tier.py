@@ -18,10 +18,11 @@ def _fit(strategy, root: Path, *, devices: int, steps: int = 6, **kwargs):
     from tests.lightning_elixir.common import TinyGPT, trainer
 
     L.seed_everything(0)
-    model = TinyGPT(samples=48)
+    model = TinyGPT(samples=kwargs.pop("samples", 48))
+    ckpt_path = kwargs.pop("ckpt_path", None)
     t = trainer(strategy, root, devices=devices, max_steps=steps, accumulate_grad_batches=2,
                 gradient_clip_val=0.05, **kwargs)
-    t.fit(model)
+    t.fit(model, ckpt_path=ckpt_path)
     from lightning_elixir.disk_state import local_of
 
     weights = {n: local_of(p).detach().clone() for n, p in model.named_parameters()}
@@ -56,3 +57,63 @@ def test_disk_tier_matches_ram_on_two_ranks(tmp_path):
         assert out["disk_units"]
         assert out["losses"] == out["ref_losses"] and len(out["losses"]) == 12
         assert out["equal"]
+
+
+def _disk_strategy(disk: Path, **kwargs):
+    from lightning_elixir import ElixirStrategy
+    from tests.lightning_elixir.common import cpu_device
+    from tightfit.planner.elixir import ElixirConstraints
+
+    disk.mkdir(parents=True, exist_ok=True)
+    s = ElixirStrategy(disk_dir=disk, device_profile=cpu_device(), verbose=False,
+                       constraints=ElixirConstraints(force_disk=True), **kwargs)
+    s.disk_chunk_elements = CHUNK
+    return s
+
+
+def _ram(plan):
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
+
+
+def test_one_rank_disk_bytes_checkpoint_and_resume_equal_uninterrupted(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.checkpoint import verify_checkpoint
+    from lightning_elixir.disk_state import DiskOptimizerState
+    from tightfit.storage import TensorStore
+
+    seen: list[DiskOptimizerState] = []
+    strategy = _disk_strategy(tmp_path / "disk")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="s{step}",
+                           auto_insert_metric_name=False)
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
+    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, callbacks=[ckpt], enable_checkpointing=True,
+                              samples=24)  # 3 steps per epoch: the checkpoint at step 3 ends epoch 0
+    state = seen[0]
+    assert state is not None and state.steps == 6 and strategy.plan is not None
+    # Every disk parameter's AdamW state went to disk, each of its 2 keys at aligned offsets; the first step
+    # wrote it, every later step read and wrote all of it; each checkpoint read it once more.
+    assert state.keys == ("exp_avg", "exp_avg_sq")
+    numel = sum(n for n in state.lengths.values())
+    layout = numel * 4 * 2
+    params = sum(p.numel() for p in state.params.values())
+    assert state.disk_bytes() == layout >= params * 4 * 2
+    assert state.bytes_written == params * 8 + 5 * layout + 0  # first step: the parameters' own bytes
+    assert state.bytes_read == 5 * layout + 2 * params * 8  # 5 streamed steps + 2 checkpoints
+    assert state.staging_bytes == 2 * 2 * CHUNK * 4  # two staging sets of CHUNK elements per key: no whole-model buffer
+    with TensorStore(tmp_path / "disk" / "rank0") as store:
+        assert sorted(store.names()) == sorted(state.name(u, k) for u in state.lengths for k in state.keys)
+        assert sum(store.nbytes(n) for n in store.names()) == layout
+    # The checkpoint at step 3 is a checksummed DCP directory; resumed with the disk tier, or all in RAM, it ends
+    # where the uninterrupted run did, bit for bit.
+    step3 = tmp_path / "ckpt" / "s3.ckpt"
+    assert verify_checkpoint(step3)
+    resumed = _disk_strategy(tmp_path / "disk2")
+    losses_b, weights_b, _ = _fit(resumed, tmp_path / "b", devices=1, ckpt_path=step3, samples=24)
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(strategy.plan), verbose=False), tmp_path / "c",
+                                      devices=1, ckpt_path=step3, samples=24)
+    assert losses_b == ram_losses == losses[6:]
+    for n in weights:
+        assert weights_b[n].equal(weights[n]) and ram_weights[n].equal(weights[n]), n
