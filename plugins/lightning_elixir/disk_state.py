@@ -215,7 +215,7 @@ class DiskOptimizerState:
                 if not first and i + 1 < len(self.chunks):
                     self._read(i + 1)  # unit i+1's state comes in while chunk i updates
                 if first:
-                    self._first_chunk(chunk, groups)
+                    self._first_chunk(chunk, groups, i)
                 else:
                     s = self._staging[i % 2]
                     self._wait(s.reads)
@@ -225,6 +225,9 @@ class DiskOptimizerState:
             for s in self._staging:
                 self._wait(s.reads)
                 self._wait(s.writes)
+        # A durability point each step: the store writes to fresh slots and reuses the replaced ones only after
+        # a sync, so without it the state's footprint on disk would grow by a copy every step.
+        self.store.sync()
         self.steps += 1
 
     def _allocate(self) -> None:
@@ -286,8 +289,9 @@ class DiskOptimizerState:
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
 
-    def _first_chunk(self, chunk: _Chunk, groups: dict[int, dict[str, Any]]) -> None:
-        """The first step: the optimizer initialises the chunk's state itself; it is written and dropped."""
+    def _first_chunk(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
+        """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
+        (gaps zeroed) and written back like any later step's."""
         pairs = self._surrogates(chunk, groups)
         state: dict[nn.Parameter, dict[str, Any]] = {}
         self._run(pairs, groups, state)
@@ -297,15 +301,17 @@ class DiskOptimizerState:
             q0 = pairs[0][1]
             self.keys = tuple(k for k, v in state[q0].items() if torch.is_tensor(v) and v.shape == q0.shape
                               and v.ndim > 0)
-        size = self.dtype.itemsize
-        futures = []
+            self._allocate()
+        s = self._staging[i % 2]
+        self._wait(s.writes)
+        n = chunk.hi - chunk.lo
+        for k in self.keys:
+            s.buffers[k][:n].zero_()
         for piece, q in pairs:
             for k in self.keys:
-                futures.append(self.store.write(self.name(chunk.unit, k), state[q][k].contiguous(),
-                                                piece.offset * size))
-                self.bytes_written += q.numel() * size
+                s.buffers[k][piece.offset - chunk.lo:piece.offset - chunk.lo + q.numel()].copy_(state[q][k])
             self._keep_scalars(piece.param, state[q])
-        self._wait(futures)
+        self._write(chunk, s)
 
     def _chunk_step(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
                     buffers: dict[str, torch.Tensor]) -> None:
