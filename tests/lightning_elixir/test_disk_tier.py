@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.multiprocess import run_distributed
 
@@ -123,3 +126,66 @@ def test_one_rank_disk_bytes_checkpoint_and_resume_equal_uninterrupted(tmp_path)
     assert losses_b == ram_losses == losses[6:]
     for n in weights:
         assert weights_b[n].equal(weights[n]) and ram_weights[n].equal(weights[n]), n
+
+
+def _plan_with_disk(tmp_path):
+    """A forced-disk plan priced from a stated disk profile (a 4 MiB tmpfs cannot be profiled)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_elixir.options import ElixirOptions
+    from lightning_elixir.planning import decide_plan
+    from tests.lightning_elixir.common import TinyGPT, cpu_device, token_data
+    from tightfit.planner.elixir import ElixirConstraints
+    from tightfit.profiler.types import DiskProfile
+
+    disk = DiskProfile(path=str(tmp_path), free_bytes=2**30, read_fit=(1e-4, 1e9), write_fit=(1e-4, 1e9))
+    options = ElixirOptions(device_profile=dataclasses.replace(cpu_device(), disk=disk), disk_dir=tmp_path,
+                            constraints=ElixirConstraints(force_disk=True), verbose=False)
+    batch = next(iter(DataLoader(token_data(8), batch_size=4)))
+    return decide_plan(options, TinyGPT(), first_batch=lambda: batch, precision="32-true",
+                       device=torch.device("cpu"), world_size=1).plan
+
+
+def test_disk_full_in_a_step_is_a_clear_error_and_the_last_checkpoint_survives(tmp_path, mount_tmpfs):
+    import pytest
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.checkpoint import verify_checkpoint
+    from tightfit.storage import DiskFullError
+
+    plan = _plan_with_disk(tmp_path)
+    small = mount_tmpfs("4m")  # the state is 2.8 MB: step 1 fits, step 2 needs a second copy beside it
+    strategy = ElixirStrategy(plan=plan, disk_dir=small, verbose=False)
+    strategy.disk_chunk_elements = 2**20  # one write per unit and key: the footprint is exactly known
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="s{step}",
+                           auto_insert_metric_name=False)
+    with pytest.raises(DiskFullError, match=r"data\.bin.*free") as err:
+        _fit(strategy, tmp_path / "a", devices=1, steps=3, callbacks=[ckpt], enable_checkpointing=True)
+    step1 = tmp_path / "ckpt" / "s1.ckpt"
+    assert verify_checkpoint(step1) and not (tmp_path / "ckpt" / "s2.ckpt").exists()
+    # The last checkpoint resumes (here all in RAM) and trains on.
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
+    losses, _, t = _fit(ElixirStrategy(plan=ram, verbose=False), tmp_path / "b", devices=1, steps=3, ckpt_path=step1)
+    assert t.global_step == 3 and len(losses) == 4
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """Mount a tmpfs of the given size on a fresh directory (root only; skipped where mounting is refused)."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        d = tmp_path / f"tmpfs{len(mounted)}"
+        d.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or out.returncode}): needs root")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
