@@ -161,7 +161,7 @@ def test_disk_full_in_a_step_is_a_clear_error_and_the_last_checkpoint_survives(t
     strategy.disk_chunk_elements = 2**20  # one write per unit and key: the footprint is exactly known
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="s{step}",
                            auto_insert_metric_name=False)
-    with pytest.raises(DiskFullError, match=r"data\.bin.*free") as err:
+    with pytest.raises(DiskFullError, match=r"data\.bin.*free"):
         _fit(strategy, tmp_path / "a", devices=1, steps=3, callbacks=[ckpt], enable_checkpointing=True)
     step1 = tmp_path / "ckpt" / "s1.ckpt"
     assert verify_checkpoint(step1) and not (tmp_path / "ckpt" / "s2.ckpt").exists()
