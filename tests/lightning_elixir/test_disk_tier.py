@@ -189,3 +189,34 @@ def mount_tmpfs(tmp_path):
     yield mount
     for d in mounted:
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def disk_checkpoint_two_ranks(rank: int, world: int, tmp: str) -> bool:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = Path(tmp)
+    ckpt = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="s{step}",
+                           auto_insert_metric_name=False)
+    _, weights, _ = _fit(_disk_strategy(root / "disk"), root / "a", devices=world, steps=4, samples=16,
+                         callbacks=[ckpt], enable_checkpointing=True)
+    _, resumed, _ = _fit(_disk_strategy(root / "disk_b"), root / "b", devices=world, steps=4, samples=16,
+                         ckpt_path=root / "ckpt" / "s2.ckpt")
+    return all(weights[n].equal(resumed[n]) for n in weights)
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path):
+    # Two ranks: the disk state of uneven DTensor shards goes through the checkpoint and back, bit for bit.
+    assert all(run_distributed(disk_checkpoint_two_ranks, world_size=2, args=(str(tmp_path),), env=ENV,
+                               timeout=300))
+    # Another world size: one rank resumes the two-rank checkpoint with its state on disk, and all in RAM.
+    from lightning_elixir import ElixirStrategy
+
+    step2 = tmp_path / "ckpt" / "s2.ckpt"
+    disk = _disk_strategy(tmp_path / "disk1")
+    _, on_disk, _ = _fit(disk, tmp_path / "c", devices=1, steps=4, samples=16, ckpt_path=step2)
+    assert disk.plan is not None
+    _, in_ram, _ = _fit(ElixirStrategy(plan=_ram(disk.plan), verbose=False), tmp_path / "d", devices=1, steps=4,
+                        samples=16, ckpt_path=step2)
+    for n in on_disk:
+        assert on_disk[n].equal(in_ram[n]), n
