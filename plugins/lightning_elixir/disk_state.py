@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -45,7 +46,7 @@ from lightning_elixir.optim import host_group
 from tightfit.planner.elixir import ElixirPlan
 from tightfit.storage import TensorStore, aligned_empty
 
-__all__ = ["DiskOptimizerState", "attach_disk_state", "unit_parameters", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
+__all__ = ["DiskOptimizerState", "StepIO", "attach_disk_state", "unit_parameters", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
 
 # 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
 # the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
@@ -58,6 +59,31 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (a DTensor's local tensor; a plain tensor is its own)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepIO:
+    """One streamed optimizer step, as measured (the benchmark's optimizer-phase bandwidth reads it).
+
+    Args:
+        seconds: wall time of the disk units' step, reads, updates, write-backs and the sync included.
+        bytes_read / bytes_written: state moved from and to the store.
+        wait_seconds: time blocked on the store (I/O the updates did not hide).
+        sync_seconds: the store's ``sync()`` at the end of the step (part of ``seconds``).
+        chunks: chunks streamed.
+    """
+
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    wait_seconds: float
+    sync_seconds: float
+    chunks: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes moved (read + written) per second of the step."""
+        return (self.bytes_read + self.bytes_written) / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +175,8 @@ class DiskOptimizerState:
         self.bytes_read = 0
         self.bytes_written = 0
         self.steps = 0
+        self.last_step: StepIO | None = None  # what the latest streamed step moved, and how long it took
+        self._waited = 0.0
         self._staging: list[_Staging] = []
         self._saved: list[dict[str, Any]] | None = None
         self._filtered: list[dict[str, Any]] | None = None
@@ -207,6 +235,7 @@ class DiskOptimizerState:
                         if k not in (self.keys or ()) and not self.is_placeholder(v)}
                   for pid, p in self.params.items() if p in self.optimizer.state}
         first = self.keys is None
+        t0, read0, written0, self._waited = time.perf_counter(), self.bytes_read, self.bytes_written, 0.0
         if not first:
             self._allocate()
             self._read(0)
@@ -227,8 +256,13 @@ class DiskOptimizerState:
                 self._wait(s.writes)
         # A durability point each step: the store writes to fresh slots and reuses the replaced ones only after
         # a sync, so without it the state's footprint on disk would grow by a copy every step.
+        t1 = time.perf_counter()
         self.store.sync()
+        now = time.perf_counter()
         self.steps += 1
+        self.last_step = StepIO(seconds=now - t0, bytes_read=self.bytes_read - read0,
+                                bytes_written=self.bytes_written - written0, wait_seconds=self._waited,
+                                sync_seconds=now - t1, chunks=len(self.chunks))
 
     def _allocate(self) -> None:
         if not self._staging:
@@ -252,11 +286,12 @@ class DiskOptimizerState:
                     for k in self.keys]
         self.bytes_written += n * size * len(self.keys)
 
-    @staticmethod
-    def _wait(futures: list[Future[Any]]) -> None:
+    def _wait(self, futures: list[Future[Any]]) -> None:
         pending, futures[:] = list(futures), []
+        t0 = time.perf_counter()
         for f in pending:
             f.result()  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
+        self._waited += time.perf_counter() - t0
 
     def _surrogates(self, chunk: _Chunk, groups: dict[int, dict[str, Any]]) -> list[tuple[_Piece, nn.Parameter]]:
         out = []

@@ -76,6 +76,9 @@ def test_streamed_step_grows_host_memory_by_the_staging_area_only(tmp_path):
             assert grown <= state.staging_bytes + margin(), (grown, state.staging_bytes)
             print(f"streamed step: RSS +{grown / MiB:.1f} MiB, staging {state.staging_bytes / MiB:.1f} MiB")
         assert state.staging_bytes == 2 * 2 * chunk * 4
+        io = state.last_step
+        assert io is not None and io.bytes_read == io.bytes_written == state.disk_bytes()
+        assert io.chunks == len(state.chunks) and 0 < io.wait_seconds <= io.seconds and io.bytes_per_s > 0
         on_disk = state.disk_bytes()
     # The same model all in RAM: its first step alone allocates the whole state (8 bytes per element).
     ram_params = _model()
