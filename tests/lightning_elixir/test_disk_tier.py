@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.multiprocess import run_distributed
 
@@ -220,3 +221,20 @@ def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path):
                         samples=16, ckpt_path=step2)
     for n in on_disk:
         assert on_disk[n].equal(in_ram[n]), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_disk_tier_matches_ram(tmp_path, precision):
+    # bf16/fp16 compute, fp32 master weights and optimizer state: the disk tier streams the same fp32 state, so
+    # the run is bit-equal to RAM here too (16-mixed: ElixirPrecision unscales, then steps without a closure).
+    from lightning_elixir import ElixirStrategy
+
+    disk = _disk_strategy(tmp_path / "disk")
+    losses, weights, _ = _fit(disk, tmp_path / "a", devices=1, steps=4, precision=precision)
+    assert disk.plan is not None and disk.plan.disk_units and disk.plan.precision == precision
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(disk.plan), verbose=False), tmp_path / "b",
+                                      devices=1, steps=4, precision=precision)
+    assert losses == ram_losses
+    for n in weights:
+        assert weights[n].dtype == torch.float32 and weights[n].equal(ram_weights[n]), n
