@@ -179,6 +179,10 @@ class ElixirStrategy(ModelParallelStrategy):
             self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
                                                 self.options.disk_dir, rank=self.global_rank,
                                                 chunk_elements=self.disk_chunk_elements)
+            if self.disk_state is not None and self.is_global_zero and self.options.verbose:
+                print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
+                      f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",
+                      flush=True)
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
