@@ -33,6 +33,8 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
+from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
+from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
@@ -72,6 +74,11 @@ class ElixirStrategy(ModelParallelStrategy):
             the collectives and FSDP2's overheads here, cached for the next run, so the plan is priced from
             measurements; ``False``: from FLOPs / rate. The plan's ``cost_model`` says which priced it.
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+        host_budget: host memory per rank for offloaded state (``"4GiB"``; ``None``: what the host has).
+        disk_dir: a directory on a local SSD/NVMe for the disk tier (``None``: none). Units the plan puts there
+            keep their fp32 optimizer state in a :class:`tightfit.storage.TensorStore` under
+            ``<disk_dir>/rank<r>``, streamed through a fixed staging area in each optimizer step
+            (:mod:`lightning_elixir.disk_state`); checkpoints stream it too.
 
     The options are validated once into :attr:`options` (:class:`~lightning_elixir.options.ElixirOptions`).
     Every one is a typed keyword argument, so ``LightningCLI`` and YAML configs can set them
@@ -87,6 +94,8 @@ class ElixirStrategy(ModelParallelStrategy):
         >>> import lightning_elixir  # registers "elixir"
         >>> trainer = L.Trainer(strategy="elixir", devices=2, accelerator="cpu", max_steps=10)  # doctest: +SKIP
         >>> trainer = L.Trainer(strategy=lightning_elixir.ElixirStrategy(memory_budget="20GiB"))  # doctest: +SKIP
+        >>> lightning_elixir.ElixirStrategy(memory_budget="20GiB", host_budget="4GiB",
+        ...                                 disk_dir="/nvme/tightfit")  # doctest: +SKIP
     """
 
     strategy_name = "elixir"
@@ -97,7 +106,8 @@ class ElixirStrategy(ModelParallelStrategy):
                  device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True, replan: bool = False,
                  calibrate: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, host_budget: int | str | None = None,
+                 disk_dir: str | Path | None = None) -> None:
         if backend == "deepspeed":
             raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
                              "lightning_elixir.ElixirDeepSpeedStrategy(...) or Trainer(strategy='elixir_deepspeed')")
@@ -107,7 +117,8 @@ class ElixirStrategy(ModelParallelStrategy):
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, replan=replan, calibrate=calibrate, owner="ElixirStrategy")
+                                     verbose=verbose, replan=replan, calibrate=calibrate, host_budget=host_budget,
+                                     disk_dir=disk_dir, owner="ElixirStrategy")
         install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -119,6 +130,10 @@ class ElixirStrategy(ModelParallelStrategy):
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
         self.replanner: Replanner | None = None
+        # The disk tier's runtime (units whose optimizer state is on disk), made at fit start; its chunk size
+        # (elements per state tensor per staging set) may be lowered before fit, as the tests do.
+        self.disk_state: DiskOptimizerState | None = None
+        self.disk_chunk_elements = CHUNK_ELEMENTS
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -165,6 +180,13 @@ class ElixirStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._prefer_fused_host_step()
+            self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
+                                                self.options.disk_dir, rank=self.global_rank,
+                                                chunk_elements=self.disk_chunk_elements)
+            if self.disk_state is not None and self.is_global_zero and self.options.verbose:
+                print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
+                      f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",
+                      flush=True)
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
@@ -196,6 +218,14 @@ class ElixirStrategy(ModelParallelStrategy):
         fused = self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
         for opt in self.optimizers:
             step_per_mesh(opt, fused_on_host=fused)
+
+    @override
+    def teardown(self) -> None:
+        if self.disk_state is not None:
+            self.disk_state.close()
+            self.disk_state.store.close()
+            self.disk_state = None
+        super().teardown()
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
     @property
@@ -255,8 +285,9 @@ class ElixirStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        planner = DiskSavePlanner(self.disk_state) if self.disk_state is not None else None
         atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
-                    broadcast=self.broadcast)
+                    broadcast=self.broadcast, planner=planner)
         if self.replanner is not None and self.replanner.pending is not None:
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
@@ -288,6 +319,10 @@ class ElixirStrategy(ModelParallelStrategy):
         problem = self.broadcast(problem)
         if problem is not None:
             raise CheckpointCorruptError(problem)
+        if self.disk_state is not None and path.is_dir():
+            # The disk units' optimizer state goes from the checkpoint to the store item by item.
+            return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
+                                strict=self._module.strict_loading, weights_only=weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @classmethod
