@@ -18,3 +18,26 @@ def _destroy_process_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """Mount a tmpfs of the given size on a fresh directory: a real small disk that fills up (root only; skipped
+    where mounting is refused). Shared by the disk-tier tests of core and the plugins."""
+    import subprocess
+
+    mounted: list = []
+
+    def mount(size: str):
+        d = tmp_path / f"tmpfs{len(mounted)}"
+        d.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or out.returncode}): needs root with mount rights")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

@@ -48,26 +48,6 @@ def _extent_offset(store_dir: Path, name: str, k: int = 0) -> tuple[int, int]:
     return slot * index["extent_bytes"], length
 
 
-@pytest.fixture
-def mount_tmpfs(tmp_path):
-    """Mount a tmpfs of the given size on a fresh directory (root only; skipped where mounting is refused)."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        d = tmp_path / f"tmpfs{len(mounted)}"
-        d.mkdir()
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
-                             text=True)
-        if out.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or out.returncode}): needs root with mount rights")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_round_trip_dtypes_and_odd_sizes(tmp_path, direct):
     with TensorStore(tmp_path, extent_bytes=E, direct=direct) as store:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -170,26 +169,6 @@ def test_disk_full_in_a_step_is_a_clear_error_and_the_last_checkpoint_survives(t
     ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
     losses, _, t = _fit(ElixirStrategy(plan=ram, verbose=False), tmp_path / "b", devices=1, steps=3, ckpt_path=step1)
     assert t.global_step == 3 and len(losses) == 4
-
-
-@pytest.fixture
-def mount_tmpfs(tmp_path):
-    """Mount a tmpfs of the given size on a fresh directory (root only; skipped where mounting is refused)."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        d = tmp_path / f"tmpfs{len(mounted)}"
-        d.mkdir()
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
-                             text=True)
-        if out.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or out.returncode}): needs root")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def disk_checkpoint_two_ranks(rank: int, world: int, tmp: str) -> bool:
