@@ -183,9 +183,18 @@ def time_module_blocks(module: nn.Module, batch: Any, profile: ModelProfile, *, 
     # What profile_module traced: the step on the batch, else forward on example_input_array.
     target: nn.Module = _StepModule(module, stage_method) if batch is not None else module
     inputs = (batch,) if batch is not None else getattr(module, "example_input_array", None)
-    with warnings.catch_warnings(), _plain_attributes_on_meta(module):
-        warnings.simplefilter("ignore")  # self.log() without a Trainer, as in profile_module
-        timed = time_blocks(target, inputs, profile, device=device, dtype=dtype, loss_fn=_loss_of, agree=False)
+    # The shapes are recorded on a copy of the module: detach the Trainer first, so the copy does not drag it
+    # along and the step's self.log() warns and skips (no Trainer) instead of raising (a Trainer mid-setup).
+    trainer = module.__dict__.get("_trainer")
+    try:
+        if trainer is not None:
+            module.__dict__["_trainer"] = None
+        with warnings.catch_warnings(), _plain_attributes_on_meta(module):
+            warnings.simplefilter("ignore")  # self.log() without a Trainer, as in profile_module
+            timed = time_blocks(target, inputs, profile, device=device, dtype=dtype, loss_fn=_loss_of, agree=False)
+    finally:
+        if trainer is not None:
+            module.__dict__["_trainer"] = trainer
     if "mixed" in precision:
         timed = dataclasses.replace(timed, notes=(*timed.notes, f"blocks timed in the parameters' dtype, not "
                                                                 f"under {precision} autocast"))
