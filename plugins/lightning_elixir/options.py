@@ -39,6 +39,11 @@ class ElixirOptions:
         device_profile: this rank's device to plan for: a :class:`DeviceProfile`, a datasheet preset
             name (``"a100-80g"``) or the path of a profile's JSON.
         constraints: limits on the search (:class:`ElixirConstraints`).
+        host_budget: host memory per rank the plan may keep state in: bytes, ``"4GiB"``, or ``None`` (what the
+            host has: its memory x ``ElixirConstraints.host_memory_fraction`` / ranks per node).
+        disk_dir: an existing, writable directory for the disk tier (each rank keeps its store in
+            ``<disk_dir>/rank<r>``): offloaded units may keep their optimizer state there, priced from
+            ``profile_disk(disk_dir)`` (measured once per filesystem, then cached). ``None``: no disk tier.
         verbose: print the plan table and what was applied (rank 0).
         replan: re-plan from the measured step when it is off the prediction by more than the tolerance,
             applied at the next checkpoint boundary (:mod:`lightning_elixir.replan`; FSDP2 strategy only).
@@ -57,6 +62,8 @@ class ElixirOptions:
     cluster: ClusterSpec | str | Path | None = None
     device_profile: DeviceProfile | str | Path | None = None
     constraints: ElixirConstraints | None = None
+    host_budget: int | str | None = None
+    disk_dir: str | Path | None = None
     verbose: bool = True
     replan: bool = False
     owner: str = field(default="ElixirOptions", compare=False, repr=False)
@@ -82,13 +89,38 @@ class ElixirOptions:
             optimizer_spec(self.optimizer)
         except ValueError as exc:
             raise ValueError(f"{name}(optimizer={self.optimizer!r}): {exc}") from None
+        if self.host_budget is not None:
+            try:
+                if isinstance(self.host_budget, bool) or parse_bytes(self.host_budget) <= 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}(host_budget={self.host_budget!r}): give bytes > 0 (an int or a size such "
+                                 "as '4GiB'), or None for what the host has free") from None
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, Path)) or not str(self.disk_dir):
+                raise ValueError(f"{name}(disk_dir={self.disk_dir!r}): give the path of an existing, writable "
+                                 "directory (str or Path), or None for no disk tier")
+            from tightfit.storage import StorageError, check_disk_dir
+
+            try:
+                object.__setattr__(self, "disk_dir", check_disk_dir(self.disk_dir))
+            except StorageError as exc:
+                raise ValueError(f"{name}(disk_dir=...): {exc}") from None
         if self.constraints is not None and not isinstance(self.constraints, ElixirConstraints):
             raise ValueError(f"{name}(constraints={self.constraints!r}): give an ElixirConstraints")
+        if self.constraints is not None and self.constraints.force_disk and self.disk_dir is None:
+            raise ValueError(f"{name}(constraints=ElixirConstraints(force_disk=True)) needs a disk tier: give "
+                             "disk_dir='/path/on/nvme' or drop force_disk")
         # Files and preset names become objects here, so a bad path fails at construction, not at fit.
         if isinstance(self.cluster, (str, Path)):
             object.__setattr__(self, "cluster", ClusterSpec.from_json(self.cluster))
         if isinstance(self.device_profile, (str, Path)):
             object.__setattr__(self, "device_profile", _device(self.device_profile))
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """:attr:`host_budget` in bytes (``None``: what the host has)."""
+        return None if self.host_budget is None else parse_bytes(self.host_budget)
 
     @property
     def measures_device(self) -> bool:
@@ -101,6 +133,8 @@ class ElixirOptions:
         return dataclasses.replace(
             cons,
             allow_offload=cons.allow_offload and self.offload != "none",
+            # No disk_dir, no disk tier: a given cluster's disk profiles are not a directory this run can use.
+            allow_disk=cons.allow_disk and self.disk_dir is not None,
             force_offload=cons.force_offload or self.offload == "all",
             allow_checkpointing=cons.allow_checkpointing and self.activation_checkpointing is not False,
             force_checkpointing=cons.force_checkpointing or self.activation_checkpointing is True,

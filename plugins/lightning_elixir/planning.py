@@ -289,7 +289,7 @@ def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Calla
         def decide() -> ElixirPlan:
             say(f"[elixir] profiling one {method} on the meta device ...")
             profile = profile_module(module, first_batch(), stage_method=method)
-            cluster = _cluster(options, measured, world_size, num_nodes)
+            cluster = _with_disk_tier(options, _cluster(options, measured, world_size, num_nodes), say)
             planned_from.append((profile, cluster))
             return _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say)
 
@@ -307,12 +307,33 @@ def _cluster(options: ElixirOptions, measured: DeviceProfile | None, world_size:
     return given or (ClusterSpec.uniform(device, world_size, nodes=num_nodes) if device is not None else None)
 
 
+def _with_disk_tier(options: ElixirOptions, cluster: ClusterSpec | None,
+                    say: Callable[[str], None]) -> ClusterSpec | None:
+    """The cluster with ``options.disk_dir`` measured as every device's disk tier (rank 0 only: the ranks of a node
+    share the directory; ``profile_disk`` caches per filesystem). A device that already carries a disk profile
+    (a given cluster) keeps it. Without ``disk_dir`` or a plan to search: unchanged."""
+    if options.disk_dir is None or cluster is None or options.plan is not None:
+        return cluster
+    if all(getattr(d, "disk", None) is not None for d in cluster.devices):
+        return cluster
+    from tightfit.profiler import profile_disk
+
+    say(f"[elixir] profiling the disk tier {options.disk_dir} (cached after the first run) ...")
+    disk = profile_disk(options.disk_dir, quick=True, progress=False)
+    return dataclasses.replace(cluster, devices=tuple(d if d.disk is not None else dataclasses.replace(d, disk=disk)
+                                                      for d in cluster.devices))
+
+
 def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpec | None, *, world_size: int,
               precision: str, say: Callable[[str], None]) -> ElixirPlan:
     """Rank 0's decision: the given plan checked against this model and world, or core's search."""
     if options.plan is not None:
         plan = load_plan(options.plan)
         plan.check_compatible(profile, world_size, precision=precision)
+        if plan.disk_units and options.disk_dir is None:
+            raise ValueError(f"{options.owner}(plan=...) keeps the optimizer state of units {list(plan.disk_units)} "
+                             "on disk, but no disk_dir was given: pass disk_dir='/path/on/nvme' (or re-plan without "
+                             "a disk tier)")
         return plan
     assert cluster is not None
     if cluster.world_size != world_size:
@@ -321,7 +342,8 @@ def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpe
     say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in {len(profile.blocks)} "
         f"blocks; searching a plan for {world_size} x {cluster.devices[0].name} ...")
     return search(profile, cluster, optimizer=options.optimizer, precision=precision,
-                  memory_budget=options.memory_budget, constraints=options.planner_constraints())
+                  memory_budget=options.memory_budget, constraints=options.planner_constraints(),
+                  host_budget=options.host_budget)
 
 
 def _say(text: str) -> None:

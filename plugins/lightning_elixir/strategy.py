@@ -69,6 +69,11 @@ class ElixirStrategy(ModelParallelStrategy):
             from the measurement and switch to the new plan at the next checkpoint boundary (after the next
             checkpoint is saved, or at the next epoch's first step): :mod:`lightning_elixir.replan`.
         process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+        host_budget: host memory per rank for offloaded state (``"4GiB"``; ``None``: what the host has).
+        disk_dir: a directory on a local SSD/NVMe for the disk tier (``None``: none). Units the plan puts there
+            keep their fp32 optimizer state in a :class:`tightfit.storage.TensorStore` under
+            ``<disk_dir>/rank<r>``, streamed through a fixed staging area in each optimizer step
+            (:mod:`lightning_elixir.disk_state`); checkpoints stream it too.
 
     The options are validated once into :attr:`options` (:class:`~lightning_elixir.options.ElixirOptions`).
     Every one is a typed keyword argument, so ``LightningCLI`` and YAML configs can set them
@@ -84,6 +89,8 @@ class ElixirStrategy(ModelParallelStrategy):
         >>> import lightning_elixir  # registers "elixir"
         >>> trainer = L.Trainer(strategy="elixir", devices=2, accelerator="cpu", max_steps=10)  # doctest: +SKIP
         >>> trainer = L.Trainer(strategy=lightning_elixir.ElixirStrategy(memory_budget="20GiB"))  # doctest: +SKIP
+        >>> lightning_elixir.ElixirStrategy(memory_budget="20GiB", host_budget="4GiB",
+        ...                                 disk_dir="/nvme/tightfit")  # doctest: +SKIP
     """
 
     strategy_name = "elixir"
@@ -93,7 +100,8 @@ class ElixirStrategy(ModelParallelStrategy):
                  optimizer: str = "adamw", cluster: ClusterSpec | str | Path | None = None,
                  device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True, replan: bool = False,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 host_budget: int | str | None = None, disk_dir: str | Path | None = None) -> None:
         if backend == "deepspeed":
             raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
                              "lightning_elixir.ElixirDeepSpeedStrategy(...) or Trainer(strategy='elixir_deepspeed')")
@@ -103,7 +111,8 @@ class ElixirStrategy(ModelParallelStrategy):
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, replan=replan, owner="ElixirStrategy")
+                                     verbose=verbose, replan=replan, host_budget=host_budget, disk_dir=disk_dir,
+                                     owner="ElixirStrategy")
         install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)

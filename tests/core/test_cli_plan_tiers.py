@@ -1,4 +1,4 @@
-"""`tightfit plan elixir` with the three tiers: `--host-budget` and a disk tier (`--disk-dir`, `--disk-preset`,
+"""`tightfit plan elixir` with the three tiers: `--host-budget` (or `--host-memory`, the host's memory) and a disk tier (`--disk-dir`, `--disk-preset`,
 `--disk-space`) reach the search; a short host names itself and the disk that would fix it."""
 
 from __future__ import annotations
@@ -33,3 +33,16 @@ def test_disk_flags_are_checked_before_any_planning(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
     assert main([*BASE, "--host-budget", "lots"]) == 2
     assert "argument --host-budget: cannot read memory size 'lots'" in capsys.readouterr().err
+
+
+def test_host_memory_as_the_issue_spells_it_plans_the_disk_tier(tmp_path, capsys):
+    # `--host-memory 4GiB` is the host's memory (the budget is x0.8 / ranks per node, as for a measured host):
+    # 1.9 GiB of AdamW state on a 1.5 GiB device and a 1.5 GiB host needs the disk; without a disk tier it fails.
+    spelled = [x if x != "--host-budget" else "--host-memory" for x in BASE]
+    spelled[spelled.index("--host-memory") + 1] = "1920MiB"
+    assert main(spelled) == 3
+    assert "give a disk directory (disk_dir)" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main([*spelled, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--json", str(out)]) == 0
+    plan = ElixirPlan.from_json(out)
+    assert plan.disk_units and plan.host_bytes_per_rank <= int(1920 * 2**20 * 0.8)
