@@ -175,13 +175,14 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
                  constraints: ElixirConstraints | None = None, verbose: bool = True,
                  host_budget: int | str | None = None, disk_dir: str | Path | None = None,
                  config: dict[str, Any] | None = None, process_group_backend: str | None = None) -> None:
-        self.host_budget, self.disk_dir = _tier_knobs(host_budget, disk_dir)
-        tiers: dict[str, Any] = {} if host_budget is None and disk_dir is None else {"host_budget": host_budget, "disk_dir": disk_dir}
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, owner="ElixirDeepSpeedStrategy",
-                                     **(tiers if _options_take_tiers() else {}))
+                                     verbose=verbose, host_budget=host_budget, disk_dir=disk_dir,
+                                     owner="ElixirDeepSpeedStrategy")
+        # Validated by ElixirOptions; kept in bytes / as a Path for the NVMe translation.
+        self.host_budget = None if host_budget is None else parse_bytes(host_budget)
+        self.disk_dir = None if self.options.disk_dir is None else Path(self.options.disk_dir)
         # A placeholder config: the real one is translated from the plan in ``setup``.
         super().__init__(config={"zero_optimization": {"stage": 3}}, process_group_backend=process_group_backend)
         self.user_config = config
@@ -327,29 +328,3 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         strategy_registry.register("elixir_deepspeed", cls,
                                    description="Elixir's plan translated to DeepSpeed ZeRO (Lightning DeepSpeedStrategy)")
 
-
-def _options_take_tiers() -> bool:
-    """Whether :class:`ElixirOptions` carries the disk tier's knobs into planning (``host_budget``, ``disk_dir``)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(ElixirOptions)}
-    return {"host_budget", "disk_dir"} <= names
-
-
-def _tier_knobs(host_budget: int | str | None, disk_dir: str | Path | None) -> tuple[int | None, Path | None]:
-    """``host_budget`` in bytes and ``disk_dir`` checked (a writable directory), or one-line errors."""
-    budget = None
-    if host_budget is not None:
-        try:
-            budget = parse_bytes(host_budget)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"ElixirDeepSpeedStrategy(host_budget={host_budget!r}): give bytes or a size such as "
-                             "'4GiB', or None for what the host has free") from exc
-        if budget <= 0:
-            raise ValueError(f"ElixirDeepSpeedStrategy(host_budget={host_budget!r}): must be positive")
-    path = None
-    if disk_dir is not None:
-        from tightfit.storage import check_disk_dir
-
-        path = check_disk_dir(disk_dir)
-    return budget, path
