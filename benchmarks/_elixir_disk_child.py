@@ -143,9 +143,12 @@ def aio_unavailable() -> str | None:
 
 def run_deepspeed(spec: dict) -> dict:
     """ZeRO-3, ``offload_optimizer`` and ``offload_param`` on ``device: nvme``, one process over gloo."""
+    import importlib
     import socket
 
-    import deepspeed.comm.torch as ds_torch
+
+    # import_module, not `import deepspeed.comm.torch as`: that binds deepspeed.comm's attribute `torch`, PyTorch
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
 
     ds_torch.build_shm_op = lambda: None  # its CPU shared-memory op crashes on these machines (SETUP_NOTES.md)
     reason = aio_unavailable()

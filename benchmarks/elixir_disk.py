@@ -79,7 +79,7 @@ def interpreter_baseline() -> int:
 def deepspeed_unavailable(say) -> str | None:
     """Why the DeepSpeed NVMe peer cannot run here, or None; builds its ``async_io`` op first (outside the limit:
     a one-time JIT build of about 4 minutes on 2 cores, cached under ``~/.cache/torch_extensions``)."""
-    code = ("import json, deepspeed.comm.torch as t; t.build_shm_op = lambda: None\n"
+    code = ("import json, importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None\n"
             "from benchmarks._elixir_disk_child import aio_unavailable\nprint(json.dumps(aio_unavailable()))")
     say("checking DeepSpeed's async_io op (JIT-builds once, ~4 min on 2 cores, then cached) ...")
     try:

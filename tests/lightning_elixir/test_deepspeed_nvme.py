@@ -145,7 +145,10 @@ def test_bad_tier_knobs_fail_at_construction_in_one_line(kwargs, match):
 
 def _aio_available() -> bool:
     try:
-        import deepspeed.comm.torch as ds_torch
+        import importlib
+
+        # import_module, not `import deepspeed.comm.torch as`: that binds deepspeed.comm's attribute `torch`, PyTorch
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except ImportError:
         return False
