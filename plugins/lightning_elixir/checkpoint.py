@@ -129,10 +129,11 @@ def recover(path: str | Path) -> bool:
 
 
 def atomic_save(state: dict[str, Any], metadata: dict[str, Any], path: str | Path, *, rank: int,
-                barrier: Callable[[], None], broadcast: Callable[[Any], Any]) -> None:
+                barrier: Callable[[], None], broadcast: Callable[[Any], Any], planner: Any = None) -> None:
     """Save ``state`` (model / optimizer state dicts, sharded) and ``metadata`` (rank 0) to ``path`` atomically.
 
-    Collective: every rank calls it with its own shards.
+    Collective: every rank calls it with its own shards. ``planner``: a DCP ``SavePlanner`` (the disk tier's
+    streams disk-resident optimizer state: :class:`lightning_elixir.disk_checkpoint.DiskSavePlanner`).
     """
     from torch.distributed.checkpoint import FileSystemWriter, save
 
@@ -147,7 +148,8 @@ def atomic_save(state: dict[str, Any], metadata: dict[str, Any], path: str | Pat
     failed: BaseException | None = None
     try:
         _stage("shards")
-        save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))  # fsyncs each rank's shards
+        save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),  # fsyncs each rank's shards
+             planner=planner)
         if rank == 0:
             _stage("metadata")
             torch.save(metadata, tmp / METADATA_FILENAME)

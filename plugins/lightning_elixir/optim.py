@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["step_per_mesh", "placement_key"]
+__all__ = ["step_per_mesh", "placement_key", "host_group"]
 
 # Optimizers whose step takes each group's own ``fused`` flag (torch's fused CPU and CUDA kernels).
 _FUSABLE = ("Adam", "AdamW")
@@ -48,18 +48,19 @@ class _MeshSplit:
         self.original: list[dict[str, Any]] | None = None
         self.handles = (optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after))
 
+    def part(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+        """``group``'s hyperparameters over ``params`` (all on ``device``), with the fused choice for host buckets."""
+        part = {**group, "params": params}
+        if (self.fused_on_host and device.type == "cpu" and group.get("fused") is None
+                and not group.get("foreach") and not group.get("differentiable")):
+            part["fused"], part["foreach"] = True, False
+        return part
+
     def _split(self, group: dict[str, Any]) -> list[dict[str, Any]]:
         buckets: dict[tuple[Hashable, torch.device], list[torch.Tensor]] = {}
         for p in group["params"]:
             buckets.setdefault(placement_key(p), []).append(p)
-        out = []
-        for (_mesh, device), params in buckets.items():
-            part = {**group, "params": params}
-            if (self.fused_on_host and device.type == "cpu" and group.get("fused") is None
-                    and not group.get("foreach") and not group.get("differentiable")):
-                part["fused"], part["foreach"] = True, False
-            out.append(part)
-        return out
+        return [self.part(group, params, device) for (_mesh, device), params in buckets.items()]
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._after(optimizer, args, kwargs)  # a step that raised left the split in place
@@ -88,3 +89,11 @@ def step_per_mesh(optimizer: torch.optim.Optimizer, *, fused_on_host: bool = Fal
         return optimizer
     _installed[optimizer] = _MeshSplit(optimizer, fused_on_host)
     return optimizer
+
+
+def host_group(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """The param group one step of ``params`` (host tensors of ``group``) runs with: the group's hyperparameters
+    and the fused choice :func:`step_per_mesh` makes for host buckets (so a step over a subset of a group, as the
+    disk tier's chunks are, runs the kernel the whole group would)."""
+    split = _installed.get(optimizer)
+    return split.part(group, params, torch.device("cpu")) if split is not None else {**group, "params": params}

@@ -108,6 +108,9 @@ class ElixirOptions:
                 raise ValueError(f"{name}(disk_dir=...): {exc}") from None
         if self.constraints is not None and not isinstance(self.constraints, ElixirConstraints):
             raise ValueError(f"{name}(constraints={self.constraints!r}): give an ElixirConstraints")
+        if self.replan and self.disk_dir is not None:
+            raise ValueError(f"{name}(replan=True, disk_dir=...): re-planning does not move optimizer state between "
+                             "the host and the disk yet; drop replan or disk_dir")
         if self.constraints is not None and self.constraints.force_disk and self.disk_dir is None:
             raise ValueError(f"{name}(constraints=ElixirConstraints(force_disk=True)) needs a disk tier: give "
                              "disk_dir='/path/on/nvme' or drop force_disk")

@@ -33,6 +33,8 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
+from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
+from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
@@ -124,6 +126,10 @@ class ElixirStrategy(ModelParallelStrategy):
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
         self.replanner: Replanner | None = None
+        # The disk tier's runtime (units whose optimizer state is on disk), made at fit start; its chunk size
+        # (elements per state tensor per staging set) may be lowered before fit, as the tests do.
+        self.disk_state: DiskOptimizerState | None = None
+        self.disk_chunk_elements = CHUNK_ELEMENTS
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -170,6 +176,9 @@ class ElixirStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._prefer_fused_host_step()
+            self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
+                                                self.options.disk_dir, rank=self.global_rank,
+                                                chunk_elements=self.disk_chunk_elements)
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
@@ -201,6 +210,14 @@ class ElixirStrategy(ModelParallelStrategy):
         fused = self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
         for opt in self.optimizers:
             step_per_mesh(opt, fused_on_host=fused)
+
+    @override
+    def teardown(self) -> None:
+        if self.disk_state is not None:
+            self.disk_state.close()
+            self.disk_state.store.close()
+            self.disk_state = None
+        super().teardown()
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
     @property
@@ -260,8 +277,9 @@ class ElixirStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        planner = DiskSavePlanner(self.disk_state) if self.disk_state is not None else None
         atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
-                    broadcast=self.broadcast)
+                    broadcast=self.broadcast, planner=planner)
         if self.replanner is not None and self.replanner.pending is not None:
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
@@ -293,6 +311,10 @@ class ElixirStrategy(ModelParallelStrategy):
         problem = self.broadcast(problem)
         if problem is not None:
             raise CheckpointCorruptError(problem)
+        if self.disk_state is not None and path.is_dir():
+            # The disk units' optimizer state goes from the checkpoint to the store item by item.
+            return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
+                                strict=self._module.strict_loading, weights_only=weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @classmethod

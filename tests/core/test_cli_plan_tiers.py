@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tightfit.cli import main
 from tightfit.planner.elixir import ElixirPlan
 
@@ -46,3 +48,12 @@ def test_host_memory_as_the_issue_spells_it_plans_the_disk_tier(tmp_path, capsys
     assert main([*spelled, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--json", str(out)]) == 0
     plan = ElixirPlan.from_json(out)
     assert plan.disk_units and plan.host_bytes_per_rank <= int(1920 * 2**20 * 0.8)
+
+
+def test_the_plot_shows_each_unit_s_tier(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.svg"
+    assert main(["-q", *BASE, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--plot", str(out)]) == 0
+    svg = out.read_text()
+    assert "red: optimizer state on disk" in svg and "optimizer state on disk" in svg.replace(
+        "red: optimizer state on disk", "", 1)

@@ -32,6 +32,8 @@ def test_disk_dir_must_be_a_writable_directory(tmp_path):
     with pytest.raises(ValueError, match=r"disk_dir=3\): give the path"):
         ElixirOptions(disk_dir=3, owner="ElixirStrategy")  # type: ignore[arg-type]
     assert ElixirStrategy(disk_dir=str(tmp_path)).options.disk_dir == tmp_path
+    with pytest.raises(ValueError, match=r"replan=True, disk_dir=\.\.\.\): re-planning does not move"):
+        ElixirStrategy(disk_dir=tmp_path, replan=True)
 
 
 def test_no_disk_dir_means_no_disk_tier_in_the_search(tmp_path):

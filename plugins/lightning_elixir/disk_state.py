@@ -1,0 +1,465 @@
+"""Optimizer state on disk: the optimizer step of a plan's disk units streams their state through the host.
+
+A disk unit (``UnitPlan.disk``, the planner's state-tier code 2) is offloaded like a host unit (FSDP2
+``CPUOffloadPolicy``: fp32 master parameters and gradients on the host) but its optimizer state - the tensors
+the optimizer keeps per parameter element, ``exp_avg`` / ``exp_avg_sq`` of AdamW - waits between steps in a
+:class:`tightfit.storage.TensorStore` (``<disk_dir>/rank<r>``). The plan keeps master weights on the host
+(core's disk tier is optimizer state only), so only optimizer state goes to disk.
+
+The step. The user's optimizer is used unchanged: a step pre-hook takes the disk parameters out of the step
+the user runs (host and device parameters step as before), a post-hook then steps the disk parameters
+chunk by chunk in the plan's unit order. A chunk is a range of one unit's flattened local shards
+(:data:`CHUNK_ELEMENTS` elements at most); its state is read into one of two fixed staging sets while the
+chunk before it updates, and written back behind it (the store's asynchronous ``read_into`` / ``write``).
+The optimizer steps each chunk on surrogate parameters: leaf views of the local shards and gradients, with
+the staging views as their state, so every element sees the same kernel with the same operands as in a run
+all in RAM (AdamW, Adam, SGD, Adagrad are elementwise). Inside a tensor, chunk boundaries fall on multiples
+of :data:`ALIGN_ELEMENTS`: torch's fused CPU Adam kernel rounds the scalar tail of a range differently from
+its vector body (measured: a 1,000,003-element AdamW step split at 33,333 elements differed in
+``exp_avg_sq``; split at multiples of 4,096 it is bit-equal, as foreach and the for-loop are at any split).
+
+Host memory: two staging sets of ``CHUNK_ELEMENTS`` elements per state tensor (fp32 AdamW: 2 x 2 x 32 MiB
+= 128 MiB, the planner's ``DISK_STAGING_BYTES``), smaller when the largest unit is smaller; plus, on the
+first step only, the chunk's freshly initialised state (one chunk, freed once written).
+
+Layout on disk: per unit ``i`` and state key ``k`` one flat buffer ``u<i>.<k>``; each parameter's local shard
+starts at a multiple of ``ALIGN_ELEMENTS`` (the gaps read as zeros and are never stepped).
+
+Example:
+    >>> state = DiskOptimizerState(optimizer, [params_of_unit_3, params_of_unit_4], store)  # doctest: +SKIP
+    >>> state.bytes_written, state.bytes_read                                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_elixir.optim import host_group
+from tightfit.planner.elixir import ElixirPlan
+from tightfit.storage import TensorStore, aligned_empty
+
+__all__ = ["DiskOptimizerState", "StepIO", "attach_disk_state", "unit_parameters", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
+
+# 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
+# the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
+CHUNK_ELEMENTS = 8 * 2**20
+# Chunk boundaries inside a tensor, and each tensor's offset on disk, are multiples of this (see the docstring).
+ALIGN_ELEMENTS = 4096
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a DTensor's local tensor; a plain tensor is its own)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepIO:
+    """One streamed optimizer step, as measured (the benchmark's optimizer-phase bandwidth reads it).
+
+    Args:
+        seconds: wall time of the disk units' step, reads, updates, write-backs and the sync included.
+        bytes_read / bytes_written: state moved from and to the store.
+        wait_seconds: time blocked on the store (I/O the updates did not hide).
+        sync_seconds: the store's ``sync()`` at the end of the step (part of ``seconds``).
+        chunks: chunks streamed.
+    """
+
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    wait_seconds: float
+    sync_seconds: float
+    chunks: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes moved (read + written) per second of the step."""
+        return (self.bytes_read + self.bytes_written) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    param: nn.Parameter
+    start: int  # first element of the local shard in this piece
+    stop: int
+    offset: int  # element offset of ``start`` in the unit's flat buffer
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    unit: int
+    lo: int  # element range of the unit's flat buffer
+    hi: int
+    pieces: tuple[_Piece, ...]
+
+
+@dataclass
+class _Staging:
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    writes: list[Future[Any]] = field(default_factory=list)
+    reads: list[Future[Any]] = field(default_factory=list)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int,
+            where: dict[int, tuple[int, int]]) -> tuple[list[_Chunk], dict[int, int]]:
+    """Each unit's local shards laid out flat (aligned starts), cut into chunks of at most ``chunk`` elements;
+    returns the chunks in plan order and each unit's flat length, and fills ``where`` (parameter id ->
+    (unit, first element))."""
+    out: list[_Chunk] = []
+    lengths: dict[int, int] = {}
+    for unit, params in units:
+        layout, end = [], 0
+        for p in params:
+            n = local_of(p).numel()
+            if n == 0:
+                continue
+            start = _align(end)
+            layout.append((p, start, n))
+            where[id(p)] = (unit, start)
+            end = start + n
+        lengths[unit] = end
+        for lo in range(0, end, chunk):
+            hi = min(lo + chunk, end)
+            pieces = tuple(_Piece(p, max(lo, s) - s, min(hi, s + n) - s, max(lo, s))
+                           for p, s, n in layout if s < hi and s + n > lo)
+            if pieces:
+                out.append(_Chunk(unit, lo, hi, pieces))
+    return out, lengths
+
+
+class DiskOptimizerState:
+    """Keep the optimizer state of ``units``' parameters in ``store``, streamed through the host in each step.
+
+    Args:
+        optimizer: the user's optimizer (any whose per-parameter state is elementwise: AdamW, Adam, SGD with
+            momentum, Adagrad ...); hooks are added, nothing else about it changes.
+        units: ``(plan unit index, parameters)`` of the disk units, in the plan's order (the step's order).
+        store: this rank's store (:meth:`TensorStore.for_rank`).
+        chunk_elements: the largest chunk (a multiple of :data:`ALIGN_ELEMENTS`; default :data:`CHUNK_ELEMENTS`).
+
+    ``bytes_read`` / ``bytes_written`` count what moved; ``staging_bytes`` is the host staging area.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[tuple[int, Sequence[nn.Parameter]]],
+                 store: TensorStore, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        if chunk_elements <= 0 or chunk_elements % ALIGN_ELEMENTS:
+            raise ValueError(f"DiskOptimizerState(chunk_elements={chunk_elements}): use a positive multiple of "
+                             f"{ALIGN_ELEMENTS}")
+        self.optimizer, self.store = optimizer, store
+        self.params = {id(p): p for _, ps in units for p in ps}
+        dtypes = {p.dtype for p in self.params.values()}
+        if len(dtypes) > 1:
+            raise ValueError(f"disk units hold parameters of several dtypes {sorted(map(str, dtypes))}; the disk "
+                             "tier streams one dtype (fp32 master weights): keep such units on the host")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.where: dict[int, tuple[int, int]] = {}
+        self.chunks, self.lengths = _chunks(units, chunk_elements, self.where)
+        # optimizer.state keeps, for each streamed key of a disk parameter, a placeholder of the state's shape
+        # backed by one element (so state dicts and checkpoints see every key); storage address -> (param, key).
+        self.placeholders: dict[int, tuple[nn.Parameter, str]] = {}
+        self.chunk_elements = min(chunk_elements, _align(max((c.hi - c.lo for c in self.chunks), default=0)))
+        self.keys: tuple[str, ...] | None = None  # streamed state keys, known after the first step
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.steps = 0
+        self.last_step: StepIO | None = None  # what the latest streamed step moved, and how long it took
+        self._waited = 0.0
+        self._staging: list[_Staging] = []
+        self._saved: list[dict[str, Any]] | None = None
+        self._filtered: list[dict[str, Any]] | None = None
+        self._handles = (optimizer.register_step_pre_hook(self._before),
+                         optimizer.register_step_post_hook(self._after))
+
+    # ---- names and sizes ---------------------------------------------------------------------------
+    def name(self, unit: int, key: str) -> str:
+        """The store name of unit ``unit``'s state tensor ``key`` (a flat buffer)."""
+        return f"u{unit}.{key}"
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging sets (0 before the first step allocates them)."""
+        return sum(b.nbytes for s in self._staging for b in s.buffers.values())
+
+    def disk_bytes(self) -> int:
+        """Bytes of state this rank keeps on disk (every unit's flat buffers)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(n * size for n in self.lengths.values()) * len(self.keys or ())
+
+    def close(self) -> None:
+        """Remove the hooks (the store is the caller's to close)."""
+        for h in self._handles:
+            h.remove()
+
+    # ---- hooks: the disk parameters leave the user's step and step here ------------------------------
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        # Lightning's closure (forward, backward, gradient clipping) runs first, over every parameter: clipping
+        # reads the groups, so it must see the disk parameters too. The step then gets its result back.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        replaced = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            args, kwargs = args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": lambda: loss}
+            replaced = (args, kwargs)
+        self._saved = optimizer.param_groups
+        self._filtered = [{**g, "params": [p for p in g["params"] if id(p) not in self.params]}
+                          for g in optimizer.param_groups]
+        optimizer.param_groups = self._filtered
+        return replaced
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Another hook (lightning_elixir.optim.step_per_mesh) may have put its own groups back already.
+        if optimizer.param_groups is self._filtered and self._saved is not None:
+            optimizer.param_groups = self._saved
+        self._saved = self._filtered = None
+        self.step()
+
+    # ---- the streamed step ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Step every disk parameter that has a gradient, chunk by chunk in plan order (called by the post-hook)."""
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.params}
+        before = {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()
+                        if k not in (self.keys or ()) and not self.is_placeholder(v)}
+                  for pid, p in self.params.items() if p in self.optimizer.state}
+        first = self.keys is None
+        t0, read0, written0, self._waited = time.perf_counter(), self.bytes_read, self.bytes_written, 0.0
+        if not first:
+            self._allocate()
+            self._read(0)
+        try:
+            for i, chunk in enumerate(self.chunks):
+                if not first and i + 1 < len(self.chunks):
+                    self._read(i + 1)  # unit i+1's state comes in while chunk i updates
+                if first:
+                    self._first_chunk(chunk, groups, i)
+                else:
+                    s = self._staging[i % 2]
+                    self._wait(s.reads)
+                    self._chunk_step(chunk, groups, before, s.buffers)
+                    self._write(chunk, s)  # written back behind it
+        finally:
+            for s in self._staging:
+                self._wait(s.reads)
+                self._wait(s.writes)
+        # A durability point each step: the store writes to fresh slots and reuses the replaced ones only after
+        # a sync, so without it the state's footprint on disk would grow by a copy every step.
+        t1 = time.perf_counter()
+        self.store.sync()
+        now = time.perf_counter()
+        self.steps += 1
+        self.last_step = StepIO(seconds=now - t0, bytes_read=self.bytes_read - read0,
+                                bytes_written=self.bytes_written - written0, wait_seconds=self._waited,
+                                sync_seconds=now - t1, chunks=len(self.chunks))
+
+    def _allocate(self) -> None:
+        if not self._staging:
+            assert self.keys is not None
+            self._staging = [_Staging({k: aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+                                       for k in self.keys}) for _ in range(2)]
+
+    def _read(self, i: int) -> None:
+        chunk, s = self.chunks[i], self._staging[i % 2]
+        self._wait(s.writes)  # its buffers still hold chunk i-2 on its way out
+        n, size = chunk.hi - chunk.lo, self.dtype.itemsize
+        assert self.keys is not None
+        s.reads = [self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
+                   for k in self.keys]
+        self.bytes_read += n * size * len(self.keys)
+
+    def _write(self, chunk: _Chunk, s: _Staging) -> None:
+        n, size = chunk.hi - chunk.lo, self.dtype.itemsize
+        assert self.keys is not None
+        s.writes = [self.store.write(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
+                    for k in self.keys]
+        self.bytes_written += n * size * len(self.keys)
+
+    def _wait(self, futures: list[Future[Any]]) -> None:
+        pending, futures[:] = list(futures), []
+        t0 = time.perf_counter()
+        for f in pending:
+            f.result()  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
+        self._waited += time.perf_counter() - t0
+
+    def _surrogates(self, chunk: _Chunk, groups: dict[int, dict[str, Any]]) -> list[tuple[_Piece, nn.Parameter]]:
+        out = []
+        for piece in chunk.pieces:
+            p = piece.param
+            if p.grad is None or id(p) not in groups:
+                continue
+            data, grad = local_of(p).detach().view(-1), local_of(p.grad).view(-1)
+            q = nn.Parameter(data[piece.start:piece.stop])  # a leaf aliasing the shard: the update lands in it
+            q.grad = grad[piece.start:piece.stop]
+            out.append((piece, q))
+        return out
+
+    def _run(self, pairs: list[tuple[_Piece, nn.Parameter]], groups: dict[int, dict[str, Any]],
+             state: dict[nn.Parameter, dict[str, Any]]) -> None:
+        """One step of the user's optimizer over the surrogates, its groups' hyperparameters, without its hooks."""
+        opt = self.optimizer
+        by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
+        index = {id(g): g for g in groups.values()}
+        for piece, q in pairs:
+            by_group[id(groups[id(piece.param)])].append(q)
+        saved_groups, saved_state = opt.param_groups, opt.state
+        opt.param_groups = [host_group(opt, index[g], qs) for g, qs in by_group.items()]
+        opt.state = defaultdict(dict, state.items())
+        step = getattr(type(opt).step, "__wrapped__", type(opt).step)  # the step itself, not its hooks
+        try:
+            with torch.no_grad():
+                step(opt)
+            state.update((q, v) for q, v in opt.state.items() if isinstance(q, nn.Parameter))
+        finally:
+            opt.param_groups, opt.state = saved_groups, saved_state
+
+    def _first_chunk(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
+        """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
+        (gaps zeroed) and written back like any later step's."""
+        pairs = self._surrogates(chunk, groups)
+        state: dict[nn.Parameter, dict[str, Any]] = {}
+        self._run(pairs, groups, state)
+        if not pairs:
+            return
+        if self.keys is None:
+            q0 = pairs[0][1]
+            self.keys = tuple(k for k, v in state[q0].items() if torch.is_tensor(v) and v.shape == q0.shape
+                              and v.ndim > 0)
+            self._allocate()
+        s = self._staging[i % 2]
+        self._wait(s.writes)
+        n = chunk.hi - chunk.lo
+        for k in self.keys:
+            s.buffers[k][:n].zero_()
+        for piece, q in pairs:
+            for k in self.keys:
+                s.buffers[k][piece.offset - chunk.lo:piece.offset - chunk.lo + q.numel()].copy_(state[q][k])
+            self._keep_scalars(piece.param, state[q])
+        self._write(chunk, s)
+
+    def _chunk_step(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
+                    buffers: dict[str, torch.Tensor]) -> None:
+        pairs = self._surrogates(chunk, groups)
+        assert self.keys is not None
+        state: dict[nn.Parameter, dict[str, Any]] = {}
+        for piece, q in pairs:
+            views = {k: buffers[k][piece.offset - chunk.lo:piece.offset - chunk.lo + q.numel()] for k in self.keys}
+            small = before.get(id(piece.param), {})
+            state[q] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **views}
+        self._run(pairs, groups, state)
+        for piece, q in pairs:
+            for k in self.keys:
+                view, new = buffers[k][piece.offset - chunk.lo:piece.offset - chunk.lo + q.numel()], state[q][k]
+                if new.data_ptr() != view.data_ptr():
+                    view.copy_(new)  # an optimizer that replaced the tensor instead of updating it in place
+            self._keep_scalars(piece.param, state[q])
+
+    def _keep_scalars(self, p: nn.Parameter, new: dict[str, Any]) -> None:
+        """The small per-parameter state (AdamW's ``step``) stays in ``optimizer.state`` (checkpoints see it),
+        beside a placeholder per streamed key."""
+        assert self.keys is not None
+        slot = self.optimizer.state[p]
+        for k, v in new.items():
+            if k not in self.keys:
+                slot[k] = v
+            elif not self.is_placeholder(slot.get(k)):
+                slot[k] = self._placeholder(p, k)
+
+    # ---- placeholders and whole-tensor access (checkpoints: lightning_elixir.disk_checkpoint) ----------
+    def _placeholder(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        local = local_of(p)
+        stub = torch.zeros((), dtype=self.dtype).expand(local.shape)  # one element of memory
+        self.placeholders[stub.untyped_storage().data_ptr()] = (p, key)
+        if local is p:
+            return stub
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(stub, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=p.shape, stride=p.stride())
+
+    def adopt_placeholders(self) -> None:
+        """After ``optimizer.load_state_dict``: every streamed key of a disk parameter is a registered placeholder
+        again (loading may have copied them), and the keys are those the state dict brought."""
+        for p in self.params.values():
+            slot = self.optimizer.state.get(p, {})
+            keys = self.keys or tuple(k for k, v in slot.items() if torch.is_tensor(v) and v.ndim > 0
+                                      and v.shape == p.shape)
+            if keys and self.keys is None:
+                self.keys = keys
+            for k in keys:
+                if k in slot and not self.is_placeholder(slot[k]):
+                    slot[k] = self._placeholder(p, k)
+
+    def is_placeholder(self, t: Any) -> bool:
+        return torch.is_tensor(t) and local_of(t).untyped_storage().data_ptr() in self.placeholders
+
+    def owner(self, t: torch.Tensor) -> tuple[nn.Parameter, str]:
+        """(parameter, key) of a placeholder (a DTensor's, or its local shard's)."""
+        return self.placeholders[local_of(t).untyped_storage().data_ptr()]
+
+    def read_state(self, t: torch.Tensor) -> torch.Tensor:
+        """The state a placeholder stands for, read from the store into a new tensor of its local shape."""
+        p, key = self.owner(t)
+        unit, start = self.where[id(p)]
+        local = local_of(p)
+        out = aligned_empty(local.numel() * self.dtype.itemsize, self.dtype, tuple(local.shape))
+        if local.numel():
+            self.store.read_into(self.name(unit, key), out, start * self.dtype.itemsize).result()
+            self.bytes_read += out.nbytes
+        return out
+
+    def write_state(self, t: torch.Tensor, values: torch.Tensor, element: int = 0) -> None:
+        """Write ``values`` (contiguous) over the state a placeholder stands for, from its local ``element``."""
+        p, key = self.owner(t)
+        unit, start = self.where[id(p)]
+        if values.numel():
+            self.store.write(self.name(unit, key), values.contiguous(), (start + element) * self.dtype.itemsize
+                             ).result()
+            self.bytes_written += values.nbytes
+
+
+def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list[nn.Parameter]:
+    """The sharded parameters FSDP2 manages for applied unit ``index`` (:class:`~lightning_elixir.apply.AppliedUnit`):
+    its group's, or the root group's for a unit whose blocks the root holds (the root follows the first such unit)."""
+    unit = units[index]
+    if unit.modules:
+        owner = unit.modules[0]
+    elif unit.on_root and next(u for u in units if u.on_root) is unit:
+        owner = module
+    else:
+        return []
+    group = owner._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
+
+
+def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequence[Any],
+                      optimizers: Sequence[torch.optim.Optimizer], disk_dir: Any, *, rank: int,
+                      chunk_elements: int = CHUNK_ELEMENTS) -> DiskOptimizerState | None:
+    """The disk tier of ``plan`` applied to the run's optimizer: ``None`` when no unit keeps its state on disk.
+
+    Opens this rank's store (``<disk_dir>/rank<rank>``). Raises ``ValueError`` for several optimizers (each would
+    need its own layout; the plan prices one)."""
+    if plan is None or not plan.disk_units:
+        return None
+    if disk_dir is None:
+        raise ValueError(f"the plan keeps the optimizer state of units {list(plan.disk_units)} on disk, but no "
+                         "disk_dir was given: pass ElixirStrategy(disk_dir='/path/on/nvme')")
+    if len(optimizers) != 1:
+        raise ValueError(f"the plan keeps optimizer state on disk and configure_optimizers returned "
+                         f"{len(optimizers)} optimizers; the disk tier streams one: return a single optimizer "
+                         "(param groups for different settings), or plan without disk_dir")
+    chosen = [(i, unit_parameters(module, units, i)) for i in plan.disk_units]
+    store = TensorStore.for_rank(disk_dir, rank)
+    return DiskOptimizerState(optimizers[0], [(i, ps) for i, ps in chosen if ps], store,
+                              chunk_elements=chunk_elements)
