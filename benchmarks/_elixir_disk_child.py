@@ -112,6 +112,11 @@ def run_lightning(spec: dict) -> dict:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             clock.end(float(outputs["loss"].item()))
+            io = getattr(getattr(trainer.strategy, "disk_state", None), "last_step", None)
+            if io is not None:  # the runtime's own account of the streamed step (DiskOptimizerState.last_step)
+                clock.steps[-1].update(stream_s=io.seconds, stream_read_bytes=io.bytes_read,
+                                       stream_write_bytes=io.bytes_written, stream_wait_s=io.wait_seconds,
+                                       stream_sync_s=io.sync_seconds)
 
     kwargs: dict[str, Any] = {"plan": spec["plan"], "verbose": False}
     if spec["role"] == "elixir":
@@ -166,7 +171,12 @@ def run_deepspeed(spec: dict) -> dict:
     deepspeed.init_distributed("gloo")
     cfg = GPTConfig(**spec["config"])
     torch.manual_seed(0)
-    model = build_gpt(cfg)
+    # Built under zero.Init, as ZeRO-Infinity's docs say for a model larger than memory: each parameter goes to its
+    # NVMe partition as it is made. (Also needed on a CPU: deepspeed.initialize partitioning an already built fp32
+    # model passes dtype=float32 to zero.Init, which in DeepSpeed 0.19.8 then picks bfloat16 when the accelerator
+    # has no fp16 - an operator-precedence slip in Init._set_dtype.)
+    with deepspeed.zero.Init(config_dict_or_path=spec["ds_config"]):
+        model = build_gpt(cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=spec["ds_config"])
     clock = StepClock()
     for batch in data(spec):
