@@ -37,7 +37,8 @@ printed at setup; the first two are warnings, the third an error):
 * **per-unit tiers**: ZeRO-Infinity swaps the optimizer state of every offloaded parameter to NVMe or
   none; a plan with some units' state on the host and some on disk runs with all of it on disk. And it
   swaps the fp32 master weights with the moments (12 bytes per element against the plan's 8), so disk
-  use and traffic are higher than the plan's prediction.
+  use and traffic are higher than the plan's prediction. Sub-groups smaller than ``max(1 MiB, aio block_size)``
+  stay in host RAM.
 * **stage**: DeepSpeed swaps optimizer state to NVMe only at ZeRO stage 3 (at stages 1-2 ``nvme`` keeps
   it in host RAM, silently): a disk plan that translates to stage 0-2 is refused with a ValueError.
 * parameters stay where the plan keeps them (``offload_param: cpu`` when every unit is offloaded): the
@@ -122,6 +123,8 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
         "DeepSpeed swaps the fp32 master weights with the optimizer moments (12 bytes per element on disk, the "
         "plan's disk units keep 8): disk use and traffic exceed the plan's prediction",
         "parameters: the plan has no disk tier for them, so offload_param stays off NVMe",
+        f"DeepSpeed keeps an optimizer sub-group smaller than max(1 MiB, aio block_size {format_bytes(block)}) in "
+        "host RAM, whatever the plan says",
     ]
     if disk is None:
         gaps.append("no disk profile: aio block_size and queue_depth are DeepSpeed's defaults (1 MiB, 8), not measured")
