@@ -200,9 +200,9 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         import importlib
 
         # import_module, not `import deepspeed.comm.torch as`: that binds deepspeed.comm's attribute `torch`, PyTorch
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
 
-        ds_torch.build_shm_op = lambda: None  # type: ignore[attr-defined] - its CPU shared-memory all-reduce crashes here; gloo instead
+        ds_torch.build_shm_op = lambda: None  # its CPU shared-memory all-reduce crashes here; gloo instead
         DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's CUDA-only check, knowingly (module doc)
 
     @override
