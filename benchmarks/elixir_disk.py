@@ -370,11 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to use (default: a temporary directory in /tmp)")
     ap.add_argument("--skip", action="append", default=[], choices=CONTENDERS, help="leave a contender out")
-    ap.add_argument("--margin", type=int, default=64, help="MiB the limit adds for what no budget covers beyond the "
-                                                           "interpreter (Lightning's loop, allocator slack); default 64")
+    ap.add_argument("--margin", type=int, default=256, help="MiB the limit adds for what no budget covers beyond the "
+                                                           "interpreter (Lightning's loop, allocator slack); default 256")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
-    steps, batch, seq, lr = (3 if args.quick else 4), 1, 64, 1e-3
+    repeats = args.repeats or (1 if args.quick else 2)
+    steps, batch, seq, lr = 3, 1, 64, 1e-3
     from benchmarks.memlimit import limit_unavailable
     from tightfit.storage import mount_of
 
