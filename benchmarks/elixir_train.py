@@ -105,8 +105,12 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
     apply_plan(el, plan, mesh)
     steps_of["elixir"] = trainer_of(el)
     try:
+        import importlib
+
         import deepspeed
-        import deepspeed.comm.torch as ds_torch
+
+        # import_module, not `import deepspeed.comm.torch as`: that binds deepspeed.comm's attribute `torch`, PyTorch
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
 
         ds_torch.build_shm_op = lambda: None  # its CPU shared-memory op crashes on these machines (SETUP_NOTES)
         deepspeed.init_distributed("gloo")

@@ -20,7 +20,7 @@ from benchmarks import report
 from benchmarks.common import write_result
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"__init__", "common", "run", "report", "memlimit"}
+NOT_BENCHMARKS = {"__init__", "common", "run", "report", "memlimit"}  # memlimit: a helper the benchmarks share
 SUITE = "suite"  # results/suite.json: the time of each benchmark in the last whole-suite run
 
 

@@ -48,6 +48,22 @@ else
 fi
 $PIP install -q --no-deps -e . >/dev/null
 
+# DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload: the peer of benchmarks/elixir_disk.py and of
+# ElixirDeepSpeedStrategy(disk_dir=...)) JIT-builds on first use against libaio's headers. Optional: without
+# them that peer is skipped and says why; nothing else needs them.
+if [ ! -e /usr/include/libaio.h ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing libaio-dev (DeepSpeed's NVMe op)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev; } >/dev/null 2>&1; then
+      echo "[setup] apt-get could not install libaio-dev: DeepSpeed's NVMe (ZeRO-Infinity) peer will be skipped;" \
+           "install it by hand (apt-get install -y libaio-dev) to run it"
+    fi
+  else
+    echo "[setup] libaio-dev is not installed and apt-get is unavailable here (or not root): DeepSpeed's NVMe" \
+         "(ZeRO-Infinity) peer will be skipped; install libaio-dev (Debian/Ubuntu) or libaio-devel (Fedora) to run it"
+  fi
+fi
+
 rm -f "$VENV"/.tightfit-setup-*
 touch "$STAMP"
 echo "[setup] done: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"

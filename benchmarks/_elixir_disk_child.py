@@ -1,0 +1,209 @@
+"""One contender of ``benchmarks/elixir_disk.py`` in its own process (run under the memory limit by the parent).
+
+    python -m benchmarks._elixir_disk_child SPEC.json
+
+``SPEC.json`` names the role (``elixir``: ``ElixirStrategy`` with the disk tier; ``ram``: the same plan with
+every unit's state in RAM; ``deepspeed``: ZeRO-3 with both offloads on NVMe, driven directly), the model, the
+data seed and the steps. The child prints its numbers as one JSON line last: per step the wall time, the time
+from the end of backward to the end of the step (the optimizer phase), the bytes this process read from and
+wrote to the disk in the step and in its optimizer phase (``/proc/self/io``: what reached the block layer or,
+for buffered writes, the page cache), the losses, and a SHA-256 per final parameter (bit-for-bit checks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process has moved to and from storage so far."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def peak_rss() -> int:
+    """This process's resident high-water mark (VmHWM), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+class StepClock:
+    """Marks of one step: start, end of backward, end; the disk bytes at each."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._start: tuple[float, int, int] = (0.0, 0, 0)
+        self._mid: tuple[float, int, int] = (0.0, 0, 0)
+
+    def start(self) -> None:
+        self._start = (time.perf_counter(), *proc_io())
+
+    def backward_done(self) -> None:
+        self._mid = (time.perf_counter(), *proc_io())
+
+    def end(self, loss: float) -> None:
+        t, r, w = time.perf_counter(), *proc_io()
+        (t0, r0, w0), (t1, r1, w1) = self._start, self._mid
+        self.steps.append({"wall_s": t - t0, "opt_s": t - t1, "read_bytes": r - r0, "write_bytes": w - w0,
+                           "opt_read_bytes": r - r1, "opt_write_bytes": w - w1, "loss": loss})
+
+
+def digests(named: Any) -> dict[str, str]:
+    """SHA-256 of each parameter's full value (DTensors gathered), by name."""
+    out = {}
+    for name, p in named:
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def data(spec: dict) -> torch.Tensor:
+    """This repeat's tokens (fresh per repeat, the same for every contender of the repeat)."""
+    g = torch.Generator().manual_seed(1000 + spec["seed"])
+    return torch.randint(0, spec["config"]["vocab_size"], (spec["steps"], spec["batch"], spec["seq"] + 1), generator=g)
+
+
+def run_lightning(spec: dict) -> dict:
+    """``elixir`` / ``ram``: Lightning's Trainer with ``ElixirStrategy`` on the given plan."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_elixir import ElixirStrategy
+    from tightfit.models import GPTConfig, build_gpt
+
+    cfg = GPTConfig(**spec["config"])
+    tokens = data(spec).flatten(0, 1)
+    clock = StepClock()
+
+    class Bench(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build_gpt(cfg)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.model(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=spec["lr"])
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=spec["batch"], shuffle=False)
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            clock.start()
+
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            clock.backward_done()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            clock.end(float(outputs["loss"].item()))
+            io = getattr(getattr(trainer.strategy, "disk_state", None), "last_step", None)
+            if io is not None:  # the runtime's own account of the streamed step (DiskOptimizerState.last_step)
+                clock.steps[-1].update(stream_s=io.seconds, stream_read_bytes=io.bytes_read,
+                                       stream_write_bytes=io.bytes_written, stream_wait_s=io.wait_seconds,
+                                       stream_sync_s=io.sync_seconds)
+
+    kwargs: dict[str, Any] = {"plan": spec["plan"], "verbose": False}
+    if spec["role"] == "elixir":
+        kwargs.update(host_budget=spec["host_budget"], disk_dir=spec["disk_dir"])
+    strategy = ElixirStrategy(**kwargs)
+    module = Bench()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[Clock()], default_root_dir=spec["work_dir"])
+    trainer.fit(module)
+    return {"steps": clock.steps, "digests": digests(module.model.named_parameters())}
+
+
+def aio_unavailable() -> str | None:
+    """Why DeepSpeed's async_io op (ZeRO-Infinity's NVMe path) cannot load here, or None."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as exc:
+        return f"DeepSpeed is not installed ({exc})"
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        return "DeepSpeed's async_io op is not buildable here: libaio-dev is missing (apt-get install -y libaio-dev)"
+    try:
+        builder.load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means the peer cannot run; say which
+        return f"DeepSpeed's async_io op failed to build/load: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def run_deepspeed(spec: dict) -> dict:
+    """ZeRO-3, ``offload_optimizer`` and ``offload_param`` on ``device: nvme``, one process over gloo."""
+    import importlib
+    import socket
+
+
+    # import_module, not `import deepspeed.comm.torch as`: that binds deepspeed.comm's attribute `torch`, PyTorch
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    ds_torch.build_shm_op = lambda: None  # its CPU shared-memory op crashes on these machines (SETUP_NOTES.md)
+    reason = aio_unavailable()
+    if reason is not None:
+        return {"unavailable": reason}
+    import deepspeed
+
+    from tightfit.models import GPTConfig, build_gpt
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1")
+    deepspeed.init_distributed("gloo")
+    cfg = GPTConfig(**spec["config"])
+    torch.manual_seed(0)
+    # Built under zero.Init, as ZeRO-Infinity's docs say for a model larger than memory: each parameter goes to its
+    # NVMe partition as it is made. (Also needed on a CPU: deepspeed.initialize partitioning an already built fp32
+    # model passes dtype=float32 to zero.Init, which in DeepSpeed 0.19.8 then picks bfloat16 when the accelerator
+    # has no fp16 - an operator-precedence slip in Init._set_dtype.)
+    with deepspeed.zero.Init(config_dict_or_path=spec["ds_config"]):
+        model = build_gpt(cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=spec["ds_config"])
+    clock = StepClock()
+    for batch in data(spec):
+        x, y = batch[:, :-1], batch[:, 1:]
+        clock.start()
+        loss = F.cross_entropy(engine(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+        engine.backward(loss)
+        clock.backward_done()
+        engine.step()
+        clock.end(float(loss.item()))
+    swap = Path(spec["disk_dir"])
+    swapped = sum(f.stat().st_size for f in swap.rglob("*.swp")) if swap.is_dir() else 0
+    return {"steps": clock.steps, "swap_file_bytes": swapped}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    torch.set_num_threads(spec.get("threads") or os.cpu_count() or 1)
+    try:
+        out = run_deepspeed(spec) if spec["role"] == "deepspeed" else run_lightning(spec)
+        out["ok"] = "unavailable" not in out
+    except Exception as exc:  # noqa: BLE001 - reported in the result JSON with its traceback, not swallowed
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    out["peak_rss_bytes"] = peak_rss()
+    print(json.dumps(out), flush=True)
+    return 0 if out["ok"] or "unavailable" in out else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
