@@ -34,7 +34,9 @@ from torch import nn
 
 import torchrec_cache.policy as rules
 from torchrec_cache.config import RowOptimizer
+from tightfit.profiler.types import DiskProfile
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
+from torchrec_cache.hostlevel import DiskTier
 from torchrec_cache.layout import Batch, KeyIndex, KeySpace, SlotGroup, TableSpec, spill_notice
 from torchrec_cache.policy import DISABLED, FREE, TRASH_KEY
 from torchrec_cache.rows import RowStore
@@ -75,6 +77,9 @@ class FusedCache(nn.Module):
             host tables; the cache only reads).
         device: where the slots live (``"meta"``: nothing is allocated until :meth:`materialize_host`).
         ways: slots per set.
+        disk_dir: put the full tables on disk there (:class:`~torchrec_cache.hostlevel.DiskTier`), with a
+            host cache level of ``host_rows`` rows per table (summed per slot-tensor group).
+        disk_profile: the disk's profile (I/O workers), when measured.
 
     Example:
         >>> c = FusedCache([TableSpec(name="t", rows=1000, dim=4, capacity=64)], policy="lfu", optimizer=None,
@@ -93,7 +98,8 @@ class FusedCache(nn.Module):
     hit_level: torch.Tensor
 
     def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
-                 device: torch.device | str, ways: int | None = None) -> None:
+                 device: torch.device | str, ways: int | None = None, disk_dir: str | None = None,
+                 host_rows: dict[str, int] | None = None, disk_profile: DiskProfile | None = None) -> None:
         super().__init__()
         if policy not in _POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(_POLICIES)}")
@@ -117,7 +123,14 @@ class FusedCache(nn.Module):
         self.key_index = KeyIndex(space, device)
         self._register_slot_buffers(device)
         self.sketch = FrequencySketch(self.num_slots, device=device)
-        self.store = RowStore(space, optimizer, device, lock=self.lock)
+        tier = None
+        if disk_dir is not None:
+            if device.type == "meta":
+                raise ValueError("a cache with a disk_dir cannot be built on the meta device; build it on 'cpu' or "
+                                 "'cuda' (its rows are written to disk at construction)")
+            tier = DiskTier(disk_dir, self._tier_groups(optimizer, host_rows or {}), self.sketch, self.lock,
+                            disk_profile)
+        self.store = RowStore(space, optimizer, device, lock=self.lock, tier=tier)
         self.counters = CacheCounters(row_bytes=[self._row_bytes(t) for t in tables],
                                       key_starts=torch.tensor(space.key_bounds, dtype=torch.int64),
                                       key_order=list(space.order))
@@ -130,6 +143,17 @@ class FusedCache(nn.Module):
                                   ("hold", 0, torch.int32)):
             self.register_buffer(name, torch.full((n,), fill, dtype=dtype, device=device), persistent=False)
         self.register_buffer("hit_level", torch.zeros(1, device=device), persistent=False)  # recent traffic hit rate
+
+    def _tier_groups(self, optimizer: RowOptimizer | None,
+                     host_rows: dict[str, int]) -> list[tuple[int, int, int, int, list[tuple[str, int, int]]]]:
+        """Per slot-tensor group: rows, record bytes, first key, host-level rows and its tables' rows."""
+        out = []
+        for span in self.space.groups:
+            rec = self._row_bytes(self.specs[span.tables[0]])
+            tables = [(self.specs[i].name, self.space.host_offset(i), self.specs[i].rows) for i in span.tables]
+            out.append((span.key_hi - span.key_lo, rec, span.key_lo,
+                        sum(host_rows.get(self.specs[i].name, 0) for i in span.tables), tables))
+        return out
 
     def _row_bytes(self, t: TableSpec) -> int:
         """Bytes one row of ``t`` moves (weights and optimizer state)."""
@@ -304,6 +328,8 @@ class FusedCache(nn.Module):
         """Before a batch: finish pending host updates, drop the holds of dead batches, refresh rows a host
         optimizer changed; a prefetch's loads also wait for every lookup queued before it (CUDA)."""
         self.store.mover.apply_pending()
+        if self.store.tier is not None:
+            self.store.tier.issue()  # write-back of the rows earlier batches evicted; a failed one raises here
         self._release_dead()
         self.store.refresh_if_changed(self.find)
         if after_lookups and self.device.type == "cuda":

@@ -33,7 +33,7 @@ from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
-from torchrec_cache.planning import table_specs
+from torchrec_cache.planning import host_level_rows, table_specs, tier_profile
 from torchrec_cache.window import Window
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
@@ -91,8 +91,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._frequencies = frequencies
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
-        self._cache = FusedCache(table_specs(tables, cache, frequencies), policy=cache.policy,
-                                 optimizer=cache.optimizer, device=device)
+        self._cache = _fused_cache(tables, cache, frequencies, device)
         host = nn.ModuleDict()
         for cfg in tables:
             host[cfg.name] = HostTable(self._cache.store.host_view(cfg.name), requires_grad=cache.optimizer is None)
@@ -124,8 +123,10 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         """Run the tables' init functions, store rows in frequency order, seed the policy, warm the cache."""
         cache, freq, cfg = self._cache, self._frequencies, self._cache_config
         with torch.no_grad():
+            if cache.store.tier is not None:  # rows on disk: each table's init_fn runs chunk by chunk
+                cache.store.init_tier({t.name: t.init_fn for t in tables})
             for t in tables:
-                if t.init_fn is not None:
+                if t.init_fn is not None and cache.store.tier is None:
                     t.init_fn(self._host_tables()[t.name].weight)
         if cfg.reorder and freq is not None:
             for t in tables:
@@ -309,6 +310,18 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         """Write every cached row (weights and optimizer state) back to host memory."""
         self._cache.flush()
 
+    def disk_stats(self) -> dict[str, int]:
+        """With a ``disk_dir``: the host level's hits and misses, rows and bytes read from and written to
+        disk, requests, host rows held (empty without a disk tier)."""
+        tier = self._cache.store.tier
+        return tier.stats() if tier is not None else {}
+
+    def persist(self) -> None:
+        """With a ``disk_dir``: write every changed row to disk and make it durable (a no-op without one)."""
+        self._cache.flush()
+        if self._cache.store.tier is not None:
+            self._cache.store.tier.persist()
+
     def fused_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Per table: the fused optimizer's state tensors in id order (names as in the PyTorch optimizer's
         state: ``sum`` for Adagrad, ``exp_avg``/``exp_avg_sq`` for Adam) and ``step``."""
@@ -463,6 +476,17 @@ class CachedEmbeddingCollection(CachedCollection):
 
     def _configs(self) -> list[Any]:
         return self._embedding_configs
+
+
+def _fused_cache(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
+                 device: torch.device) -> FusedCache:
+    specs = table_specs(tables, cache, frequencies)
+    if cache.disk_dir is None:
+        return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
+    profile = tier_profile(tables, cache)
+    rows = host_level_rows(tables, cache, frequencies, {t.name: t.capacity for t in specs}, profile)
+    return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device, disk_dir=cache.disk_dir,
+                      host_rows=rows, disk_profile=profile)
 
 
 def _column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
