@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 import torchrec_cache.policy as rules
-from torchrec_cache.config import RowOptimizer
 from tightfit.profiler.types import DiskProfile
+from torchrec_cache.config import RowOptimizer
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
 from torchrec_cache.hostlevel import DiskTier
 from torchrec_cache.layout import Batch, KeyIndex, KeySpace, SlotGroup, TableSpec, spill_notice
@@ -289,8 +289,11 @@ class FusedCache(nn.Module):
             self._settle(after_lookups=True)
             batch, _ = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
-                _, _, batch.slots = self._probe(batch.uniq)
+                _, hit, batch.slots = self._probe(batch.uniq)
                 self._note_next_use(batch.slots, batch.step, max(batch.step, step))
+                if self.store.tier is not None:  # the window reaches the disk: its misses are read ahead
+                    keys = read_host(batch.uniq[~hit])
+                    self.store.tier.stage(keys, max(batch.step, step), self.space.group_split(keys))
             return batch
 
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
@@ -317,6 +320,8 @@ class FusedCache(nn.Module):
         self._settle(after_lookups=False)
         values = self._ids(values)
         self.step += 1
+        if self.store.tier is not None:
+            self.store.tier.forget_staged(self.step)
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)

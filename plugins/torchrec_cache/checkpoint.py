@@ -36,7 +36,7 @@ CHUNK_ROWS = 65536
 def _table_tensor(cache: FusedCache, name: str, part: int) -> torch.Tensor:
     """Table ``name``'s weights (``part`` 0) or optimizer state (1), in position order, gathered chunk by chunk."""
     spec = cache.specs[cache.index[name]]
-    chunks = [c[1 + part].clone() for c in cache.store.table_chunks(name, CHUNK_ROWS)]
+    chunks = [(w if part == 0 else st).clone() for _, w, st in cache.store.table_chunks(name, CHUNK_ROWS)]
     if not chunks:
         return torch.empty(0, spec.dim, dtype=spec.dtype)
     return torch.cat(chunks)

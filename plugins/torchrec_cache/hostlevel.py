@@ -81,7 +81,9 @@ class HostLevel:
         self.out_pos, self.out_rec = torch.empty(0, dtype=torch.int64), torch.empty(0, R, dtype=torch.uint8)
         self.inflight: tuple[torch.Tensor, torch.Tensor, Future[None]] | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-writeback")
-        self.counts = {"host_hits": 0, "host_misses": 0, "host_admitted": 0, "host_rejected": 0}
+        self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
+        self.counts = {"host_hits": 0, "host_misses": 0, "host_admitted": 0, "host_rejected": 0,
+                       "rows_staged": 0, "staged_hits": 0}
 
     # ------------------------------------------------------------------ index
     def _sets(self, pos: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,31 @@ class HostLevel:
             out.append((self.inflight[0], self.inflight[1]))
         return out
 
+    # ------------------------------------------------------------------ the lookahead window on disk
+    def stage(self, pos: torch.Tensor, step: int) -> None:
+        """Read ahead: rows ``pos`` (unique) that the batch running at ``step`` needs and neither the level nor
+        a pending write holds are read from disk now (the prefetch thread), kept until that batch ran."""
+        with self.lock:
+            rest = pos[self.find(pos) < 0]
+            for ppos, _ in self._pending() + [(p, r) for _, p, r in self.staged]:
+                if rest.numel() and ppos.numel():
+                    rest = rest[~_isin(rest, ppos)]
+            if rest.numel() == 0:
+                return
+            rest = torch.sort(rest).values
+            self.staged.append((step, rest, self.disk.read(rest)))
+            self.counts["rows_staged"] += rest.numel()
+
+    def forget_staged(self, before: int) -> None:
+        """Drop the rows read ahead for batches that ran before step ``before``."""
+        with self.lock:
+            self.staged = [s for s in self.staged if s[0] >= before]
+
+    def _unstage(self, pos: torch.Tensor) -> None:
+        """Rows ``pos`` changed: their read-ahead copies are stale."""
+        if self.staged:
+            self.staged = [(s, p[keep], r[keep]) for s, p, r in self.staged for keep in [~_isin(p, pos)]]
+
     def fetch(self, pos: torch.Tensor, *, take: bool) -> torch.Tensor:
         """Records of rows ``pos`` (unique) from the host level, the pending writes, else the disk (in offset
         order). ``take``: the device loads them, so they leave the host level."""
@@ -126,13 +153,16 @@ class HostLevel:
                     self.dirty.index_fill_(0, hs, False)
             self.counts["host_hits"] += hit.numel()
             rest = torch.nonzero(slot < 0).squeeze(1)
-            for ppos, prec in self._pending():
+            staged = [(p, r) for _, p, r in reversed(self.staged)]
+            for j, (ppos, prec) in enumerate(self._pending() + staged):
                 if rest.numel() == 0 or ppos.numel() == 0:
                     continue
                 want = pos.index_select(0, rest)
                 idx = torch.searchsorted(ppos, want).clamp_(max=ppos.numel() - 1)
                 found = ppos.index_select(0, idx) == want
                 out.index_copy_(0, rest[found], prec.index_select(0, idx[found]))
+                if j >= 2:
+                    self.counts["staged_hits"] += int(found.sum())
                 rest = rest[~found]
             if rest.numel():
                 want = pos.index_select(0, rest)
@@ -146,6 +176,7 @@ class HostLevel:
         """Rows ``pos`` (unique) changed (device evictions, spilled rows' updates): kept in the level if the
         policy admits them, else queued for disk."""
         with self.lock:
+            self._unstage(pos)
             slot = self.find(pos)
             hit = torch.nonzero(slot >= 0).squeeze(1)
             if hit.numel():
@@ -254,6 +285,7 @@ class HostLevel:
             self._settle_inflight()
             keep = (self.out_pos < lo) | (self.out_pos >= lo + n)
             self.out_pos, self.out_rec = self.out_pos[keep], self.out_rec[keep]
+            self.staged = [(st, p[keep], r[keep]) for st, p, r in self.staged for keep in [(p < lo) | (p >= lo + n)]]
             s = torch.nonzero((self.slot_pos >= lo) & (self.slot_pos < lo + n)).squeeze(1)
             self.slot_pos.index_fill_(0, s, _FREE)
             self.dirty.index_fill_(0, s, False)
@@ -264,6 +296,14 @@ class HostLevel:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _isin(x: torch.Tensor, sorted_ref: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``x`` is in ``sorted_ref`` (sorted, non-empty)."""
+    if sorted_ref.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    idx = torch.searchsorted(sorted_ref, x).clamp_(max=sorted_ref.numel() - 1)
+    return sorted_ref.index_select(0, idx) == x
 
 
 def _merge(old_pos: torch.Tensor, old_rec: torch.Tensor, new_pos: torch.Tensor,
@@ -322,6 +362,17 @@ class DiskTier:
         """Start the write-back of every group's outbox (the start of a batch); raises a failed write's error."""
         for level in self.levels:
             level.issue()
+
+    def stage(self, keys: torch.Tensor, step: int, group_split: list[int]) -> None:
+        """Read ahead the rows of sorted host ``keys`` (groups' runs: ``group_split``) for the batch at ``step``."""
+        for gi, level in enumerate(self.levels):
+            a, b = group_split[gi], group_split[gi + 1]
+            if b > a:
+                level.stage(keys[a:b] - level.key_lo, step)
+
+    def forget_staged(self, before: int) -> None:
+        for level in self.levels:
+            level.forget_staged(before)
 
     def persist(self) -> None:
         """Every changed row on disk, durable (:meth:`TensorStore.sync`)."""
