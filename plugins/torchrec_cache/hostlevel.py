@@ -136,7 +136,8 @@ class HostLevel:
     def _unstage(self, pos: torch.Tensor) -> None:
         """Rows ``pos`` changed: their read-ahead copies are stale."""
         if self.staged:
-            self.staged = [(s, p[keep], r[keep]) for s, p, r in self.staged for keep in [~_isin(p, pos)]]
+            ref = torch.sort(pos).values
+            self.staged = [(s, p[keep], r[keep]) for s, p, r in self.staged for keep in [~_isin(p, ref)]]
 
     def fetch(self, pos: torch.Tensor, *, take: bool) -> torch.Tensor:
         """Records of rows ``pos`` (unique) from the host level, the pending writes, else the disk (in offset
