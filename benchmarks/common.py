@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,9 @@ from pathlib import Path
 RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 __all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
-           "resident_bytes", "measure_peak", "run_two_ranks"]
+           "resident_bytes", "measure_peak", "run_two_ranks", "source_commit"]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -91,14 +94,39 @@ def plot_path(name: str, suffix: str = "") -> Path:
     return RESULTS / f"{name}{('_' + suffix) if suffix else ''}.png"
 
 
+def source_commit(paths: Sequence[str]) -> dict[str, object]:
+    """The commit a result measured: HEAD, and whether ``paths`` (the code measured) had uncommitted changes.
+
+    A result whose ``dirty`` is true measured code no commit holds; the report says so beside its figures.
+    """
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=ROOT,
+                              check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--", *paths))
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None, "paths": list(paths)}
+    return {"sha": head, "dirty": dirty, "paths": list(paths)}
+
+
 def write_result(name: str, *, title: str, params: dict, results: object, markdown: str,
-                 plots: Sequence[Path] = ()) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (machine info, versions, every repeat, the report section)."""
+                 plots: Sequence[Path] = (), measures: Sequence[str] = ("core", "plugins")) -> Path:
+    """Write ``benchmarks/results/<name>.json`` (machine info, versions, every repeat, the report section).
+
+    ``measures``: the source paths whose code the figures measure (this benchmark's own file is always added);
+    the JSON records the commit and whether those paths were clean, and the machine's load average.
+    """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
+    own = f"benchmarks/{name}.py"
+    paths = list(measures) + ([own, "benchmarks/common.py"] if (ROOT / own).exists() else ["benchmarks/common.py"])
     payload = {
         "name": name,
         "title": title,
+        "commit": source_commit(paths),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "machine": machine_info(),
         "params": params,
         "results": results,

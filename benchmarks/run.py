@@ -20,7 +20,7 @@ from benchmarks import report
 from benchmarks.common import write_result
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"__init__", "common", "run", "report"}
+NOT_BENCHMARKS = {"__init__", "common", "run", "report", "memlimit"}
 SUITE = "suite"  # results/suite.json: the time of each benchmark in the last whole-suite run
 
 

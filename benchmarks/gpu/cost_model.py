@@ -7,8 +7,8 @@ with CUDA synchronisation, FSDP2 per-unit overhead calibrated there (no collecti
 from ``max_memory_allocated``, step time as wall time between synchronisations. Contenders as on the
 CPU: DDP, FSDP2 full shard, no-reshard, + CPU offload (pinned), Elixir's plan at 60% of DDP's predicted
 peak, two other frontier plans. GPT-2-shaped models of hidden 1024 x 8 layers and 2048 x 8 layers
-(``--quick``: the first), batch 8 x 512, fp32 AdamW. ``--smoke``: the CPU sizes on the CPU (checks the
-script runs; numbers mean nothing for a GPU).
+(``--quick``: the first), batch 4 x 128 per rank (the CPU benchmark's ``_rank`` sets it), fp32 AdamW.
+``--smoke``: the CPU sizes on the CPU (checks the script runs; numbers mean nothing for a GPU).
 """
 
 from __future__ import annotations

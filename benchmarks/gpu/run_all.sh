@@ -13,8 +13,8 @@ mkdir -p "$OUTDIR"
 start=$(date +%s)
 # Order and weight of each script's share of what is left (the fast, fundamental ones first; a script
 # that finishes early leaves its time to the next). Scripts not listed run last with weight 10.
-ORDER=(kernels torchrec_cache energon energon_graphs elixir energon_engine)
-declare -A WEIGHT=([kernels]=8 [torchrec_cache]=8 [energon]=10 [energon_graphs]=5 [elixir]=11 [energon_engine]=13)
+ORDER=(kernels torchrec_cache energon energon_graphs elixir cost_model energon_engine)
+declare -A WEIGHT=([kernels]=8 [torchrec_cache]=8 [energon]=10 [energon_graphs]=5 [elixir]=11 [cost_model]=12 [energon_engine]=13)
 scripts=()
 for name in "${ORDER[@]}"; do [ -f "benchmarks/gpu/$name.py" ] && scripts+=("$name"); done
 for f in benchmarks/gpu/*.py; do

@@ -1,6 +1,6 @@
 """``python -m tests.gpu.elixir_job DIR [--deepspeed]``: Lightning + Elixir on one GPU in a fresh process
 (Lightning starts NCCL itself there); prints one JSON line ``{precision: {"ref": [...], "elixir": [...], ...}}``.
-``--deepspeed``: the plan translated to DeepSpeed ZeRO (``backend="deepspeed"``), bf16-mixed only.
+``--deepspeed``: the plan translated to DeepSpeed ZeRO (``ElixirDeepSpeedStrategy``), bf16-mixed only.
 
 Run by tests/gpu/test_elixir.py; a separate process so Lightning's global state and the process group
 never leak into the pytest process (the CPU tests spawn a rank for the same reason).
@@ -18,6 +18,7 @@ def main(tmp: str, deepspeed: bool = False) -> dict:
 
     from lightning_elixir import ElixirStrategy
     from lightning_elixir.apply import inspect_units
+    from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
     from lightning_elixir.precision import ElixirPrecision
     from tests.lightning_elixir.common import TinyGPT, cpu_device, mixed_budget_for
 
@@ -35,8 +36,9 @@ def main(tmp: str, deepspeed: bool = False) -> dict:
         L.seed_everything(0)
         model = TinyGPT()
         # The fixed CPU profile and its mixed budget: the plan offloads some units and keeps others.
-        strategy = ElixirStrategy(memory_budget=mixed_budget_for(1, precision=precision), device_profile=cpu_device(),
-                                  verbose=False, backend="deepspeed" if deepspeed else "fsdp2")
+        strategy_cls = ElixirDeepSpeedStrategy if deepspeed else ElixirStrategy
+        strategy = strategy_cls(memory_budget=mixed_budget_for(1, precision=precision), device_profile=cpu_device(),
+                                verbose=False)
         plugins = [ElixirPrecision(precision="16-mixed", init_scale=2.0**10)] if precision == "16-mixed" else []
         kwargs = {"plugins": plugins} if plugins else {"precision": precision}
         trainer(strategy, Path(tmp) / f"elixir-{precision}", **kwargs).fit(model)

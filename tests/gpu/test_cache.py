@@ -79,3 +79,46 @@ def test_torchrec_drop_in_on_cuda():
                                               lengths=torch.tensor([2, 1], device=cuda()))
     out = ebc(kjt)
     assert out["f0"].shape == (2, 8) and out["f0"].is_cuda
+
+
+def test_cuda_step_makes_no_implicit_synchronisation():
+    """A training step syncs with the host exactly where the cache says it does (``SYNCS``: the two reads of the
+    miss count, forward and backward) and nowhere else: CUDA's sync debug mode warns on every implicit sync.
+    (This lived in tests/torchrec_cache/test_fast_path.py, which needs TorchRec and so never ran on the GPU
+    image; here it drives the TorchRec-free core of the cache.)"""
+    import warnings
+
+    from torchrec_cache.cache import FusedCache, TableSpec
+    from torchrec_cache.config import RowOptimizer
+    from torchrec_cache.lookup import cached_pooled_lookup, prepare_batch
+    from torchrec_cache.sync import SYNCS
+
+    device = cuda()
+    cache = FusedCache([TableSpec(name="t", rows=ROWS, dim=DIM, capacity=int(ROWS * 0.015))], policy="lfu",
+                       optimizer=RowOptimizer(kind="adam", lr=1e-2, eps=1e-8), device=device)
+    assert cache.pin_host_memory()
+    cache.finish_setup()
+    batches = [b.to(device) for b in _zipf_batches(seed=3)[:5]]
+    lengths = torch.ones(BATCH, dtype=torch.int64, device=device)
+    feature_table = torch.zeros(1, dtype=torch.int64, device=device)
+    anchor = torch.zeros((), device=device, requires_grad=True)
+
+    def step(ids: torch.Tensor) -> None:
+        b = prepare_batch(cache, ids, lengths, feature_table, train=True)
+        out = cached_pooled_lookup(cache, b, lengths, batch_size=BATCH, group_features=[(0, 1)], anchor=anchor)[0]
+        out.square().mean().backward()
+
+    step(batches[0])  # warm-up: allocations, staging buffers
+    torch.cuda.synchronize()
+    for ids in batches[1:]:
+        SYNCS.reset()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                step(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in record if "synchroniz" in str(w.message)]
+        assert len(syncs) <= SYNCS.count, (SYNCS.count, syncs)
+        assert SYNCS.count <= 2, SYNCS.count
