@@ -285,16 +285,19 @@ class FusedCache(nn.Module):
         """Window bookkeeping: a batch entering the prefetch window, to run at ``step``. Its rows already
         cached learn that step as their next use (inside the window the row used last leaves first);
         nothing is loaded or counted. Arguments: :meth:`lookup`."""
+        keys = None
         with self.lock:
             self._settle(after_lookups=True)
             batch, _ = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
                 _, hit, batch.slots = self._probe(batch.uniq)
                 self._note_next_use(batch.slots, batch.step, max(batch.step, step))
-                if self.store.tier is not None:  # the window reaches the disk: its misses are read ahead
+                if self.store.tier is not None:
                     keys = read_host(batch.uniq[~hit])
-                    self.store.tier.stage(keys, max(batch.step, step), self.space.group_split(keys))
-            return batch
+        if keys is not None and self.store.tier is not None:  # the window reaches the disk: its misses are read
+            # ahead, outside the cache's lock (the step's lookups and backward go on while the disk reads)
+            self.store.tier.stage(keys, max(batch.step, step), self.space.group_split(keys))
+        return batch
 
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                 value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,

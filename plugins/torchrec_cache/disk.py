@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,8 @@ class DiskRows:
     """One group's rows in the store under ``name``: ``rows`` records of ``record_bytes``.
 
     ``tables``: ``(name, first row, rows)`` of each table in the group (for error messages).
-    ``counts``: rows and bytes read and written so far (bytes: what the store moved, whole extents).
+    ``counts``: rows and bytes read and written so far (bytes: what the store moved, whole extents), requests,
+    and the wall nanoseconds spent waiting for batched reads (``read_ns``).
     """
 
     store: TensorStore
@@ -64,7 +66,8 @@ class DiskRows:
     record_bytes: int
     tables: list[tuple[str, int, int]]
     counts: dict[str, int] = field(default_factory=lambda: {"rows_read": 0, "bytes_read": 0, "rows_written": 0,
-                                                            "bytes_written": 0, "disk_reads": 0, "disk_writes": 0})
+                                                            "bytes_written": 0, "disk_reads": 0, "disk_writes": 0,
+                                                            "read_ns": 0})
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +107,7 @@ class DiskRows:
     def _read_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
         """The bytes of whole extent runs, concatenated (past the end of the buffer: zeros)."""
         E, total = self.store.extent_bytes, self.nbytes
+        start = time.perf_counter_ns()
         buf = aligned_empty(sum(n for _, n in runs) * E)
         futures, at = [], 0
         for k, n in runs:
@@ -117,6 +121,7 @@ class DiskRows:
             self._wait(fut, lo // self.record_bytes, -(-hi // self.record_bytes))
         self.counts["disk_reads"] += len(futures)
         self.counts["bytes_read"] += sum(hi - lo for _, lo, hi in futures)
+        self.counts["read_ns"] += time.perf_counter_ns() - start
         return buf
 
     def read(self, pos: torch.Tensor) -> torch.Tensor:

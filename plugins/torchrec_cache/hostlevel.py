@@ -82,6 +82,8 @@ class HostLevel:
         self.inflight: tuple[torch.Tensor, torch.Tensor, Future[None]] | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-writeback")
         self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
+        self._used = False  # whether any row entered the level, the outbox or the read-ahead
+        self._puts_during_read: list[torch.Tensor] | None = None  # rows changed while a read-ahead reads
         self.counts = {"host_hits": 0, "host_misses": 0, "host_admitted": 0, "host_rejected": 0,
                        "rows_staged": 0, "staged_hits": 0}
 
@@ -125,7 +127,17 @@ class HostLevel:
             if rest.numel() == 0:
                 return
             rest = torch.sort(rest).values
-            self.staged.append((step, rest, self.disk.read(rest)))
+            self._used = True
+            self._puts_during_read = []
+        # The read runs without the lock, so the step goes on meanwhile: rows it changes in the meantime are
+        # dropped from what was read (their new value is in the level or the outbox).
+        recs = self.disk.read(rest)
+        with self.lock:
+            changed, self._puts_during_read = self._puts_during_read, None
+            if changed:
+                keep = ~_isin(rest, torch.sort(torch.cat(changed)).values)
+                rest, recs = rest[keep], recs[keep]
+            self.staged.append((step, rest, recs))
             self.counts["rows_staged"] += rest.numel()
 
     def forget_staged(self, before: int) -> None:
@@ -177,6 +189,9 @@ class HostLevel:
         """Rows ``pos`` (unique) changed (device evictions, spilled rows' updates): kept in the level if the
         policy admits them, else queued for disk."""
         with self.lock:
+            self._used = True
+            if self._puts_during_read is not None:
+                self._puts_during_read.append(pos.clone())
             self._unstage(pos)
             slot = self.find(pos)
             hit = torch.nonzero(slot >= 0).squeeze(1)
@@ -284,6 +299,9 @@ class HostLevel:
         with self.lock:
             n = recs.shape[0]
             self._settle_inflight()
+            if not self._used:  # a level nothing went through yet (set-up): only the disk holds rows
+                self.disk.fill(lo, recs)
+                return
             keep = (self.out_pos < lo) | (self.out_pos >= lo + n)
             self.out_pos, self.out_rec = self.out_pos[keep], self.out_rec[keep]
             self.staged = [(st, p[keep], r[keep]) for st, p, r in self.staged for keep in [(p < lo) | (p >= lo + n)]]
