@@ -293,3 +293,19 @@ def test_host_level_always_returns_the_latest_row(tmp_path_factory, ops, slots):
     finally:
         level.close()
         store.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.one_of(st.integers(-10, 2**40), st.booleans(), st.floats(allow_nan=True), st.none(),
+                        st.text(max_size=8), st.sampled_from(["2GiB", "64 KiB", "-1MiB", "1.5GB", "0"])),
+       disk_dir=st.one_of(st.none(), st.just(""), st.just("/tmp"), st.integers(0, 3)))
+def test_disk_settings_are_accepted_or_refused_in_one_line(budget, disk_dir):
+    """Whatever a user passes as host_budget / disk_dir: a valid config, or one ValueError line naming the value."""
+    try:
+        cfg = CacheConfig(optimizer=RowOptimizer(kind="sgd"), host_budget=budget, disk_dir=disk_dir)
+    except ValueError as err:
+        msg = str(err)
+        assert "\n" not in msg and ("host_budget" in msg or "disk_dir" in msg or "memory size" in msg), msg
+        return
+    assert cfg.host_budget_bytes() >= 0
+    assert budget is None or cfg.disk_dir is not None
