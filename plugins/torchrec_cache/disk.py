@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -73,14 +74,19 @@ class DiskRows:
     def nbytes(self) -> int:
         return self.rows * self.record_bytes
 
-    def fill(self, first: int, recs: torch.Tensor) -> None:
-        """Write records ``recs`` at rows ``first...`` (set-up and checkpoint loading: contiguous rows)."""
+    def fill(self, first: int, recs: torch.Tensor, *, wait: bool = True) -> Future[int] | None:
+        """Write records ``recs`` at rows ``first...`` (set-up and checkpoint loading: contiguous rows); with
+        ``wait=False`` the write's future (``recs`` must not change until it is done)."""
         if recs.shape[0] == 0:
-            return
+            return None
         data = recs.contiguous().view(-1)
-        self.store.write(self.name, data, offset=first * self.record_bytes).result()
+        fut = self.store.write(self.name, data, offset=first * self.record_bytes)
         self.counts["rows_written"] += recs.shape[0]
         self.counts["bytes_written"] += data.numel()
+        if wait:
+            fut.result()
+            return None
+        return fut
 
     def read_range(self, first: int, n: int) -> torch.Tensor:
         """Records of rows ``[first, first + n)`` (checkpoints: contiguous rows)."""

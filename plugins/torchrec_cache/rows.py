@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -150,15 +151,25 @@ class RowStore(nn.Module):
     def init_tier(self, init_fns: dict[str, Callable[[torch.Tensor], object] | None], chunk_rows: int = 65536) -> None:
         """Disk tier: write every table's initial rows (its ``init_fn`` run chunk by chunk; zeros without
         one) and the optimizer's initial state."""
+        assert self.tier is not None
+        inflight: list[tuple[Future[int], torch.Tensor]] = []  # a few chunks in flight while the next is made
         for name in self.index:
-            g, _, n = self._table(name)
+            g, a, n = self._table(name)
+            disk = self.tier.levels[self.space.group_index[self.index[name]]].disk
             for lo in range(0, n, chunk_rows):
                 k = min(chunk_rows, n - lo)
                 w = torch.zeros(k, g.dim, dtype=g.dtype)
                 fn = init_fns.get(name)
                 if fn is not None:
                     fn(w)
-                self.write_table_chunk(name, lo, w, initial_state(self.optimizer, k, g.dim))
+                recs = records(w, initial_state(self.optimizer, k, g.dim))
+                fut = disk.fill(a + lo, recs, wait=False)
+                if fut is not None:
+                    inflight.append((fut, recs))  # the buffer lives until its write is done
+                while len(inflight) > 4:
+                    inflight.pop(0)[0].result()
+        for fut, _ in inflight:
+            fut.result()
 
     def materialize(self) -> None:
         """Allocate the host tables of a store built on the meta device (uninitialised, like ``to_empty``)."""
