@@ -33,10 +33,9 @@ import torch
 from torch import nn
 
 import torchrec_cache.policy as rules
-from tightfit.profiler.types import DiskProfile
 from torchrec_cache.config import RowOptimizer
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
-from torchrec_cache.hostlevel import DiskTier
+from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import Batch, KeyIndex, KeySpace, SlotGroup, TableSpec, spill_notice
 from torchrec_cache.policy import DISABLED, FREE, TRASH_KEY
 from torchrec_cache.rows import RowStore
@@ -77,9 +76,7 @@ class FusedCache(nn.Module):
             host tables; the cache only reads).
         device: where the slots live (``"meta"``: nothing is allocated until :meth:`materialize_host`).
         ways: slots per set.
-        disk_dir: put the full tables on disk there (:class:`~torchrec_cache.hostlevel.DiskTier`), with a
-            host cache level of ``host_rows`` rows per table (summed per slot-tensor group).
-        disk_profile: the disk's profile (I/O workers), when measured.
+        disk: the full tables on disk with a host cache level (:class:`~torchrec_cache.hostlevel.DiskSpec`).
 
     Example:
         >>> c = FusedCache([TableSpec(name="t", rows=1000, dim=4, capacity=64)], policy="lfu", optimizer=None,
@@ -98,8 +95,7 @@ class FusedCache(nn.Module):
     hit_level: torch.Tensor
 
     def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
-                 device: torch.device | str, ways: int | None = None, disk_dir: str | None = None,
-                 host_rows: dict[str, int] | None = None, disk_profile: DiskProfile | None = None) -> None:
+                 device: torch.device | str, ways: int | None = None, disk: DiskSpec | None = None) -> None:
         super().__init__()
         if policy not in _POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(_POLICIES)}")
@@ -123,13 +119,8 @@ class FusedCache(nn.Module):
         self.key_index = KeyIndex(space, device)
         self._register_slot_buffers(device)
         self.sketch = FrequencySketch(self.num_slots, device=device)
-        tier = None
-        if disk_dir is not None:
-            if device.type == "meta":
-                raise ValueError("a cache with a disk_dir cannot be built on the meta device; build it on 'cpu' or "
-                                 "'cuda' (its rows are written to disk at construction)")
-            tier = DiskTier(disk_dir, self._tier_groups(optimizer, host_rows or {}), self.sketch, self.lock,
-                            disk_profile)
+        tier = None if disk is None else disk.open(space, [self._row_bytes(t) for t in tables], self.sketch, self.lock,
+                                                   device)
         self.store = RowStore(space, optimizer, device, lock=self.lock, tier=tier)
         self.counters = CacheCounters(row_bytes=[self._row_bytes(t) for t in tables],
                                       key_starts=torch.tensor(space.key_bounds, dtype=torch.int64),
@@ -143,17 +134,6 @@ class FusedCache(nn.Module):
                                   ("hold", 0, torch.int32)):
             self.register_buffer(name, torch.full((n,), fill, dtype=dtype, device=device), persistent=False)
         self.register_buffer("hit_level", torch.zeros(1, device=device), persistent=False)  # recent traffic hit rate
-
-    def _tier_groups(self, optimizer: RowOptimizer | None,
-                     host_rows: dict[str, int]) -> list[tuple[int, int, int, int, list[tuple[str, int, int]]]]:
-        """Per slot-tensor group: rows, record bytes, first key, host-level rows and its tables' rows."""
-        out = []
-        for span in self.space.groups:
-            rec = self._row_bytes(self.specs[span.tables[0]])
-            tables = [(self.specs[i].name, self.space.host_offset(i), self.specs[i].rows) for i in span.tables]
-            out.append((span.key_hi - span.key_lo, rec, span.key_lo,
-                        sum(host_rows.get(self.specs[i].name, 0) for i in span.tables), tables))
-        return out
 
     def _row_bytes(self, t: TableSpec) -> int:
         """Bytes one row of ``t`` moves (weights and optimizer state)."""
@@ -285,18 +265,15 @@ class FusedCache(nn.Module):
         """Window bookkeeping: a batch entering the prefetch window, to run at ``step``. Its rows already
         cached learn that step as their next use (inside the window the row used last leaves first);
         nothing is loaded or counted. Arguments: :meth:`lookup`."""
-        keys = None
         with self.lock:
             self._settle(after_lookups=True)
             batch, _ = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
                 _, hit, batch.slots = self._probe(batch.uniq)
                 self._note_next_use(batch.slots, batch.step, max(batch.step, step))
-                if self.store.tier is not None:
-                    keys = read_host(batch.uniq[~hit])
-        if keys is not None and self.store.tier is not None:  # the window reaches the disk: its misses are read
-            # ahead, outside the cache's lock (the step's lookups and backward go on while the disk reads)
-            self.store.tier.stage(keys, max(batch.step, step), self.space.group_split(keys))
+                keys = read_host(batch.uniq[~hit]) if self.store.tier is not None else None
+        if batch.uniq.numel() and keys is not None:  # the window reaches the disk: misses read ahead, unlocked
+            self.store.stage(keys, max(batch.step, step))
         return batch
 
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
@@ -323,8 +300,7 @@ class FusedCache(nn.Module):
         self._settle(after_lookups=False)
         values = self._ids(values)
         self.step += 1
-        if self.store.tier is not None:
-            self.store.tier.forget_staged(self.step)
+        self.store.forget_staged(self.step)
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)
@@ -336,8 +312,7 @@ class FusedCache(nn.Module):
         """Before a batch: finish pending host updates, drop the holds of dead batches, refresh rows a host
         optimizer changed; a prefetch's loads also wait for every lookup queued before it (CUDA)."""
         self.store.mover.apply_pending()
-        if self.store.tier is not None:
-            self.store.tier.issue()  # write-back of the rows earlier batches evicted; a failed one raises here
+        self.store.write_back()  # disk tier: the rows earlier batches evicted; a failed write raises here
         self._release_dead()
         self.store.refresh_if_changed(self.find)
         if after_lookups and self.device.type == "cuda":

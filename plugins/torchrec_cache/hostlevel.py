@@ -36,6 +36,7 @@ import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,10 +44,10 @@ import torch
 from tightfit.profiler.types import DiskProfile
 from tightfit.storage import TensorStore, check_disk_dir
 from torchrec_cache.disk import DiskRows
-from torchrec_cache.layout import mix_hash
+from torchrec_cache.layout import KeySpace, mix_hash
 from torchrec_cache.sketch import FrequencySketch
 
-__all__ = ["HostLevel", "DiskTier", "WAYS", "extent_bytes_for"]
+__all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "extent_bytes_for"]
 
 WAYS = 8
 _FREE, _OFF = -1, -2
@@ -351,6 +352,28 @@ def extent_bytes_for(total_bytes: int) -> int:
     while total_bytes > e * _MAX_EXTENTS:
         e *= 2
     return e
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """What a cache needs to open its disk tier: the directory, each table's host-level rows, the disk's profile."""
+
+    disk_dir: str
+    host_rows: dict[str, int]
+    profile: DiskProfile | None = None
+
+    def open(self, space: KeySpace, row_bytes: list[int], sketch: FrequencySketch | None, lock: threading.RLock,
+             device: torch.device) -> DiskTier:
+        """The tier of a cache over ``space`` (``row_bytes``: per table, a row and its state)."""
+        if device.type == "meta":
+            raise ValueError("a cache with a disk_dir cannot be built on the meta device; build it on 'cpu' or "
+                             "'cuda' (its rows are written to disk at construction)")
+        groups = []
+        for span in space.groups:
+            tables = [(space.tables[i].name, space.host_offset(i), space.tables[i].rows) for i in span.tables]
+            groups.append((span.key_hi - span.key_lo, row_bytes[span.tables[0]], span.key_lo,
+                           sum(self.host_rows.get(space.tables[i].name, 0) for i in span.tables), tables))
+        return DiskTier(self.disk_dir, groups, sketch, lock, self.profile)
 
 
 class DiskTier:

@@ -33,7 +33,7 @@ from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
-from torchrec_cache.planning import host_level_rows, table_specs, tier_profile
+from torchrec_cache.planning import fused_cache_for
 from torchrec_cache.window import Window
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
@@ -91,7 +91,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._frequencies = frequencies
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
-        self._cache = _fused_cache(tables, cache, frequencies, device)
+        self._cache = fused_cache_for(tables, cache, frequencies, device)
         host = nn.ModuleDict()
         for cfg in tables:
             host[cfg.name] = HostTable(self._cache.store.host_view(cfg.name), requires_grad=cache.optimizer is None)
@@ -476,17 +476,6 @@ class CachedEmbeddingCollection(CachedCollection):
 
     def _configs(self) -> list[Any]:
         return self._embedding_configs
-
-
-def _fused_cache(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
-                 device: torch.device) -> FusedCache:
-    specs = table_specs(tables, cache, frequencies)
-    if cache.disk_dir is None:
-        return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
-    profile = tier_profile(tables, cache)
-    rows = host_level_rows(tables, cache, frequencies, {t.name: t.capacity for t in specs}, profile)
-    return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device, disk_dir=cache.disk_dir,
-                      host_rows=rows, disk_profile=profile)
 
 
 def _column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:

@@ -17,12 +17,13 @@ from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
 from tightfit.profiler.types import DiskProfile
 from tightfit.storage import check_disk_dir, free_bytes
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import SLOT_OVERHEAD_BYTES
+from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
+from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import TableSpec
 
-__all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile"]
+__all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile", "fused_cache_for"]
 
 
 def table_specs(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> list[TableSpec]:
@@ -83,3 +84,16 @@ def slot_split(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStat
     # The index is hashed: no device bytes per table row.
     return plan_cache(specs, budget_bytes=parse_bytes(cache.capacity), frequencies=counts,
                       index_bytes_per_row=0).slots
+
+
+def fused_cache_for(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
+                    device: torch.device) -> FusedCache:
+    """The collection's :class:`FusedCache`: slots split by :func:`table_specs`; with ``cache.disk_dir`` its disk
+    tier, the host level sized by :func:`host_level_rows` with the disk's profile."""
+    specs = table_specs(tables, cache, frequencies)
+    if cache.disk_dir is None:
+        return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
+    profile = tier_profile(tables, cache)
+    rows = host_level_rows(tables, cache, frequencies, {t.name: t.capacity for t in specs}, profile)
+    return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device,
+                      disk=DiskSpec(disk_dir=cache.disk_dir, host_rows=rows, profile=profile))

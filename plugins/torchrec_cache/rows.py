@@ -171,6 +171,20 @@ class RowStore(nn.Module):
         for fut, _ in inflight:
             fut.result()
 
+    def write_back(self) -> None:
+        """Disk tier: start writing what earlier batches evicted (raises a failed write's error)."""
+        if self.tier is not None:
+            self.tier.issue()
+
+    def stage(self, keys_h: torch.Tensor, step: int) -> None:
+        """Disk tier: read ahead the rows of sorted host keys ``keys_h`` for the batch at ``step``."""
+        if self.tier is not None:
+            self.tier.stage(keys_h, step, self.space.group_split(keys_h))
+
+    def forget_staged(self, step: int) -> None:
+        if self.tier is not None:
+            self.tier.forget_staged(step)
+
     def materialize(self) -> None:
         """Allocate the host tables of a store built on the meta device (uninitialised, like ``to_empty``)."""
         if self.tier is not None:
