@@ -156,6 +156,23 @@ def test_save_and_load_tables_stream_chunks(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
+def test_load_tables_refuses_a_checkpoint_of_other_tables(tmp_path):
+    from torchrec import EmbeddingBagConfig
+
+    from torchrec_cache.checkpoint import load_tables, save_tables
+
+    for d in ("a", "b", "ckpt"):
+        (tmp_path / d).mkdir()
+    opt = RowOptimizer(kind="adagrad", lr=0.05)
+    small = CachedEmbeddingBagCollection(tables=tables(), cache=CacheConfig(capacity=0.1, optimizer=opt))
+    save_tables(small, str(tmp_path / "ckpt"))
+    other = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=300, feature_names=["f0"])]
+    wrong = CachedEmbeddingBagCollection(tables=other, cache=CacheConfig(capacity=0.1, optimizer=opt,
+                                                                           disk_dir=str(tmp_path / "b")))
+    with pytest.raises(ValueError, match=r"table 't0'.*300 rows of dim 8.*same tables and optimizer"):
+        load_tables(wrong, str(tmp_path / "ckpt"))
+
+
 def test_disk_dir_that_cannot_hold_the_tables_is_refused(tmp_path):
     from tightfit.storage import StorageError
 
