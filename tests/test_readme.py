@@ -74,6 +74,8 @@ def test_python_blocks_run_as_written(heading, tmp_path, monkeypatch):
         exec(compile(code, f"README.md: {heading}", "exec"), namespace)
     if heading.startswith("### Elixir planning"):
         assert (tmp_path / "plan.json").is_file() and namespace["plan"].world_size == 4
+    if heading.startswith("### Embedding cache"):  # the disk-tier snippet trained through the disk and host level
+        assert namespace["d"]["rows_read"] > 0 and namespace["d"]["host_hits"] > 0, namespace["d"]
     if heading.startswith("### Sky"):
         import torch
 

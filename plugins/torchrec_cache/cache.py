@@ -35,6 +35,7 @@ from torch import nn
 import torchrec_cache.policy as rules
 from torchrec_cache.config import RowOptimizer
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
+from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import Batch, KeyIndex, KeySpace, SlotGroup, TableSpec, spill_notice
 from torchrec_cache.policy import DISABLED, FREE, TRASH_KEY
 from torchrec_cache.rows import RowStore
@@ -75,6 +76,7 @@ class FusedCache(nn.Module):
             host tables; the cache only reads).
         device: where the slots live (``"meta"``: nothing is allocated until :meth:`materialize_host`).
         ways: slots per set.
+        disk: the full tables on disk with a host cache level (:class:`~torchrec_cache.hostlevel.DiskSpec`).
 
     Example:
         >>> c = FusedCache([TableSpec(name="t", rows=1000, dim=4, capacity=64)], policy="lfu", optimizer=None,
@@ -93,7 +95,7 @@ class FusedCache(nn.Module):
     hit_level: torch.Tensor
 
     def __init__(self, tables: list[TableSpec], *, policy: str, optimizer: RowOptimizer | None,
-                 device: torch.device | str, ways: int | None = None) -> None:
+                 device: torch.device | str, ways: int | None = None, disk: DiskSpec | None = None) -> None:
         super().__init__()
         if policy not in _POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(_POLICIES)}")
@@ -117,7 +119,9 @@ class FusedCache(nn.Module):
         self.key_index = KeyIndex(space, device)
         self._register_slot_buffers(device)
         self.sketch = FrequencySketch(self.num_slots, device=device)
-        self.store = RowStore(space, optimizer, device, lock=self.lock)
+        tier = None if disk is None else disk.open(space, [self._row_bytes(t) for t in tables], self.sketch, self.lock,
+                                                   device)
+        self.store = RowStore(space, optimizer, device, lock=self.lock, tier=tier)
         self.counters = CacheCounters(row_bytes=[self._row_bytes(t) for t in tables],
                                       key_starts=torch.tensor(space.key_bounds, dtype=torch.int64),
                                       key_order=list(space.order))
@@ -265,9 +269,12 @@ class FusedCache(nn.Module):
             self._settle(after_lookups=True)
             batch, _ = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
-                _, _, batch.slots = self._probe(batch.uniq)
+                _, hit, batch.slots = self._probe(batch.uniq)
                 self._note_next_use(batch.slots, batch.step, max(batch.step, step))
-            return batch
+                keys = read_host(batch.uniq[~hit]) if self.store.tier is not None else None
+        if batch.uniq.numel() and keys is not None:  # the window reaches the disk: misses read ahead, unlocked
+            self.store.stage(keys, max(batch.step, step))
+        return batch
 
     def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
                 value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
@@ -293,6 +300,7 @@ class FusedCache(nn.Module):
         self._settle(after_lookups=False)
         values = self._ids(values)
         self.step += 1
+        self.store.forget_staged(self.step)
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)
@@ -304,6 +312,7 @@ class FusedCache(nn.Module):
         """Before a batch: finish pending host updates, drop the holds of dead batches, refresh rows a host
         optimizer changed; a prefetch's loads also wait for every lookup queued before it (CUDA)."""
         self.store.mover.apply_pending()
+        self.store.write_back()  # disk tier: the rows earlier batches evicted; a failed write raises here
         self._release_dead()
         self.store.refresh_if_changed(self.find)
         if after_lookups and self.device.type == "cuda":

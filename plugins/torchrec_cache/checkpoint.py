@@ -5,6 +5,12 @@ newest rows may sit in device slots; a checkpoint sees neither: the hooks write 
 a state dict is taken, turn position order into id order on the way out and back on the way in, and
 make the slots re-read what was loaded. The functions take the collection
 (:class:`~torchrec_cache.modules.CachedCollection`) and use only its public face.
+
+With a disk tier (``CacheConfig(disk_dir=...)``) the tables are on disk: ``state_dict()`` reads each table
+chunk by chunk into the tensor it returns (a state dict holds tensors, so each table is in memory once
+there), and ``load_state_dict`` writes the given tensors to disk chunk by chunk. For tables larger than
+memory, :func:`save_tables` / :func:`load_tables` stream rows and optimizer state between the live tables
+and a checkpoint directory (a :class:`tightfit.storage.TensorStore`) one chunk at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +26,20 @@ if TYPE_CHECKING:
     from torchrec_cache.modules import CachedCollection
 
 __all__ = ["flush_before_state_dict", "ids_order_state_dict", "positions_order_on_load", "reload_after_load",
-           "id_to_pos", "pos_to_id", "fused_optimizer_state", "load_fused_optimizer_state"]
+           "id_to_pos", "pos_to_id", "fused_optimizer_state", "load_fused_optimizer_state", "save_tables",
+           "load_tables", "CHUNK_ROWS"]
+
+# Rows per chunk when a table streams to or from disk (64K rows of dim 128 fp32 with Adam: 96 MiB).
+CHUNK_ROWS = 65536
+
+
+def _table_tensor(cache: FusedCache, name: str, part: int) -> torch.Tensor:
+    """Table ``name``'s weights (``part`` 0) or optimizer state (1), in position order, gathered chunk by chunk."""
+    spec = cache.specs[cache.index[name]]
+    chunks = [(w if part == 0 else st).clone() for _, w, st in cache.store.table_chunks(name, CHUNK_ROWS)]
+    if not chunks:
+        return torch.empty(0, spec.dim, dtype=spec.dtype)
+    return torch.cat(chunks)
 
 
 def flush_before_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
@@ -31,16 +50,30 @@ def flush_before_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
 def ids_order_state_dict(module: CachedCollection, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
     """State-dict hook: tables stored in frequency order are written in id order."""
-    for name in module.fused_cache.names:
+    cache = module.fused_cache
+    for name in cache.names:
         key = f"{prefix}{module.tables_attr}.{name}.weight"
+        if cache.store.tier is not None and key in state_dict:
+            state_dict[key] = _table_tensor(cache, name, 0)
         if module.is_reordered(name) and key in state_dict:
             state_dict[key] = state_dict[key].detach().index_select(0, id_to_pos(module.fused_cache, name))
 
 
 def positions_order_on_load(module: CachedCollection, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Load pre-hook: id-ordered checkpoints go to the host tables in their position order."""
-    for name in module.fused_cache.names:
+    cache = module.fused_cache
+    if cache.store.tier is not None:
+        cache.store.mover.apply_pending()
+    for name in cache.names:
         key = f"{prefix}{module.tables_attr}.{name}.weight"
+        if cache.store.tier is not None and key in state_dict:
+            w = state_dict[key]
+            spec = cache.specs[cache.index[name]]
+            if isinstance(w, torch.Tensor) and w.device.type != "meta" and tuple(w.shape) == (spec.rows, spec.dim):
+                for lo in range(0, spec.rows, CHUNK_ROWS):
+                    cache.store.write_table_chunk(name, lo, w[lo:lo + CHUNK_ROWS].detach().cpu(), None)
+                state_dict[key] = torch.empty(w.shape, dtype=w.dtype, device="meta")  # loaded: the meta weight
+            continue
         if module.is_reordered(name) and key in state_dict:
             state_dict[key] = state_dict[key].index_select(0, pos_to_id(module.fused_cache, name).to(
                 state_dict[key].device))
@@ -79,7 +112,7 @@ def fused_optimizer_state(cache: FusedCache) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in cache.names:
         cols = state_names(cache.optimizer)
-        state = cache.store.host_state_view(name)
+        state = cache.store.host_state_view(name) if cache.store.tier is None else _table_tensor(cache, name, 1)
         if cache.store.is_reordered(name):
             state = state.index_select(0, id_to_pos(cache, name))
         dim = cache.specs[cache.index[name]].dim
@@ -96,6 +129,10 @@ def load_fused_optimizer_state(cache: FusedCache, state: dict[str, dict[str, Any
     cache.flush()
     for name, entry in state.items():
         cols = state_names(cache.optimizer)
+        if cache.store.tier is not None:
+            _load_state_tier(cache, name, entry, cols)
+            cache.groups[cache.group_of(name)].opt_step = int(entry.get("step", 0))
+            continue
         host = cache.store.host_state_view(name)
         if cols:
             full = torch.cat([entry[k].float().reshape(host.shape[0], -1) for k in cols], dim=1)
@@ -104,4 +141,71 @@ def load_fused_optimizer_state(cache: FusedCache, state: dict[str, dict[str, Any
                                  f"{tuple(host.shape)}; was it saved with another optimizer kind?")
             host.copy_(full if not cache.store.is_reordered(name) else full.index_select(0, pos_to_id(cache, name)))
         cache.groups[cache.group_of(name)].opt_step = int(entry.get("step", 0))
+    cache.reload()
+
+
+def _load_state_tier(cache: FusedCache, name: str, entry: dict[str, Any], cols: tuple[str, ...]) -> None:
+    spec = cache.specs[cache.index[name]]
+    if not cols:
+        return
+    full = torch.cat([entry[k].float().reshape(spec.rows, -1) for k in cols], dim=1)
+    for lo, w, st in list(cache.store.table_chunks(name, CHUNK_ROWS)):
+        if full.shape[1] != st.shape[1]:
+            raise ValueError(f"table {name!r}: optimizer state of shape {tuple(full.shape)} does not fit "
+                             f"({spec.rows}, {st.shape[1]}); was it saved with another optimizer kind?")
+        cache.store.write_table_chunk(name, lo, w, full[lo:lo + w.shape[0]])
+
+
+def save_tables(module: CachedCollection, path: str, *, chunk_rows: int = CHUNK_ROWS) -> None:
+    """Write every table's rows and optimizer state (id order) and each group's step to a new checkpoint
+    directory ``path`` (a :class:`tightfit.storage.TensorStore`), one chunk of rows at a time: with a disk
+    tier no table is ever wholly in memory. Durable when it returns."""
+    from tightfit.storage import TensorStore
+
+    cache = module.fused_cache
+    cache.flush()
+    with TensorStore(path) as store:
+        for name in cache.names:
+            if cache.store.is_reordered(name):
+                raise ValueError(f"save_tables: table {name!r} is stored in frequency order (reorder=True); use "
+                                 "state_dict() for reordered tables")
+            futures = []
+            for lo, w, st in cache.store.table_chunks(name, chunk_rows):
+                w, st = w.contiguous().clone(), st.contiguous().clone()
+                futures.append(store.write(f"{name}.weight", w, offset=lo * w[:1].nbytes))
+                if st.shape[1]:
+                    futures.append(store.write(f"{name}.state", st, offset=lo * st[:1].nbytes))
+                for f in futures:
+                    f.result()
+                futures.clear()
+            store.put(f"{name}.step", torch.tensor([cache.groups[cache.group_of(name)].opt_step]))
+
+
+def load_tables(module: CachedCollection, path: str, *, chunk_rows: int = CHUNK_ROWS) -> None:
+    """Inverse of :func:`save_tables`: rows and state stream from ``path`` into the live tables chunk by chunk;
+    a checkpoint whose sizes do not match the collection is refused naming the table."""
+    from tightfit.storage import TensorStore, aligned_empty
+
+    cache = module.fused_cache
+    cache.store.mover.apply_pending()
+    with TensorStore(path) as store:
+        for name in cache.names:
+            spec = cache.specs[cache.index[name]]
+            cols = cache.optimizer.state_columns(spec.dim) if cache.optimizer is not None else 0
+            wb = spec.dim * torch.empty((), dtype=spec.dtype).element_size()
+            have = store.nbytes(f"{name}.weight") if f"{name}.weight" in store else -1
+            if have != spec.rows * wb or (cols and store.nbytes(f"{name}.state") != spec.rows * cols * 4):
+                raise ValueError(f"load_tables: checkpoint {path} holds {have} bytes of table {name!r}, which needs "
+                                 f"{spec.rows * wb} ({spec.rows} rows of dim {spec.dim}) with {cols} state columns; "
+                                 "load a checkpoint saved from the same tables and optimizer")
+            for lo in range(0, spec.rows, chunk_rows):
+                k = min(chunk_rows, spec.rows - lo)
+                w = aligned_empty(k * wb, spec.dtype, (k, spec.dim))
+                store.read_into(f"{name}.weight", w, offset=lo * wb).result()
+                st = None
+                if cols:
+                    st = aligned_empty(k * cols * 4, torch.float32, (k, cols))
+                    store.read_into(f"{name}.state", st, offset=lo * cols * 4).result()
+                cache.store.write_table_chunk(name, lo, w, st if st is not None else torch.zeros(k, 0))
+            cache.groups[cache.group_of(name)].opt_step = int(store.get(f"{name}.step")[0])
     cache.reload()

@@ -103,6 +103,12 @@ class CacheConfig:
         optimizer: a fused :class:`RowOptimizer` applied in the backward pass; ``None`` keeps plain
             autograd: the host table is a ``Parameter`` that receives a sparse gradient for any
             torch optimizer that accepts sparse gradients (SGD, Adagrad, SparseAdam).
+        disk_dir: a directory on a local SSD for the full tables (rows and optimizer state, through
+            :class:`tightfit.storage.TensorStore`); host memory then holds a second cache level of rows
+            (:mod:`torchrec_cache.hostlevel`). Needs a fused ``optimizer``; not with ``reorder``.
+        host_budget: host bytes for that second level (``"2GiB"`` or an int; ``None`` with a ``disk_dir``:
+            none, every device miss reads the disk). Sized per table by
+            :func:`tightfit.planner.cache.plan_cache` with the disk's profile.
 
     Example:
         >>> CacheConfig(capacity=0.015, policy="lfu").capacity_kind()
@@ -116,9 +122,12 @@ class CacheConfig:
     pin_memory: bool | None = None
     reorder: bool = False
     optimizer: RowOptimizer | None = None
+    disk_dir: str | None = None
+    host_budget: str | int | None = None
 
     def __post_init__(self) -> None:
         kind = self.capacity_kind()  # validates
+        self._check_disk()
         if kind == "bytes" and parse_bytes(self.capacity) <= 0:  # type: ignore[arg-type]
             raise ValueError(f"CacheConfig capacity={self.capacity!r} is an empty byte budget; give e.g. '64MiB'")
         if self.policy not in POLICIES:
@@ -129,6 +138,32 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig optimizer={self.optimizer!r} must be a RowOptimizer (or None for plain autograd)"
             )
+
+    def _check_disk(self) -> None:
+        if self.host_budget is not None:
+            if isinstance(self.host_budget, bool) or not isinstance(self.host_budget, (int, str)):
+                raise ValueError(f"CacheConfig host_budget={self.host_budget!r} must be bytes: an int or a string "
+                                 "such as '2GiB'")
+            if (parse_bytes(self.host_budget) if isinstance(self.host_budget, str) else self.host_budget) < 0:
+                raise ValueError(f"CacheConfig host_budget={self.host_budget!r} must be >= 0 bytes; give e.g. '2GiB'")
+            if self.disk_dir is None:
+                raise ValueError(f"CacheConfig host_budget={self.host_budget!r} needs disk_dir: without a disk the "
+                                 "full tables are in host memory; give disk_dir='/nvme/cache' or drop host_budget")
+        if self.disk_dir is None:
+            return
+        if not isinstance(self.disk_dir, str) or not self.disk_dir:
+            raise ValueError(f"CacheConfig disk_dir={self.disk_dir!r} must be a directory path (a str)")
+        if self.optimizer is None:
+            raise ValueError("CacheConfig disk_dir needs a fused optimizer: rows on disk are updated where they "
+                             "live; give optimizer=RowOptimizer(kind='adagrad', lr=...)")
+        if self.reorder:
+            raise ValueError("CacheConfig disk_dir with reorder=True is not supported (rows on disk stay in id "
+                             "order); drop reorder")
+
+    def host_budget_bytes(self) -> int:
+        """The host level's budget in bytes (0 when none is given)."""
+        b = self.host_budget
+        return 0 if b is None else parse_bytes(b) if isinstance(b, str) else int(b)
 
     def capacity_kind(self) -> str:
         """``"ratio"``, ``"rows"`` or ``"bytes"``; raises on a value that is none of them."""

@@ -35,7 +35,7 @@ from torchrec_cache.keyed import CachedFusedOptimizer
 from torchrec_cache.layout import column_order
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.meta import meta_pooled, meta_sequence
-from torchrec_cache.planning import table_specs
+from torchrec_cache.planning import fused_cache_for
 from torchrec_cache.window import Window
 
 __all__ = ["CachedEmbeddingBagCollection", "CachedEmbeddingCollection", "CachedCollection", "HostTable",
@@ -108,8 +108,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._frequencies = frequencies
         self._device = device
         self._anchor = torch.zeros((), device=device, requires_grad=True)  # ties fused lookups into autograd
-        self._cache = FusedCache(table_specs(tables, cache, frequencies), policy=cache.policy,
-                                 optimizer=cache.optimizer, device=device)
+        self._cache = fused_cache_for(tables, cache, frequencies, device)
         host = nn.ModuleDict()
         for cfg in tables:
             host[cfg.name] = HostTable(self._cache.store.host_view(cfg.name), requires_grad=cache.optimizer is None)
@@ -141,8 +140,10 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         """Run the tables' init functions, store rows in frequency order, seed the policy, warm the cache."""
         cache, freq, cfg = self._cache, self._frequencies, self._cache_config
         with torch.no_grad():
+            if cache.store.tier is not None:  # rows on disk: each table's init_fn runs chunk by chunk
+                cache.store.init_tier({t.name: t.init_fn for t in tables})
             for t in tables:
-                if t.init_fn is not None:
+                if t.init_fn is not None and cache.store.tier is None:
                     t.init_fn(self._host_tables()[t.name].weight)
         if cfg.reorder and freq is not None:
             for t in tables:
@@ -325,6 +326,18 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def flush_cache(self) -> None:
         """Write every cached row (weights and optimizer state) back to host memory."""
         self._cache.flush()
+
+    def disk_stats(self) -> dict[str, int]:
+        """With a ``disk_dir``: the host level's hits and misses, rows and bytes read from and written to
+        disk, requests, host rows held (empty without a disk tier)."""
+        tier = self._cache.store.tier
+        return tier.stats() if tier is not None else {}
+
+    def persist(self) -> None:
+        """With a ``disk_dir``: write every changed row to disk and make it durable (a no-op without one)."""
+        self._cache.flush()
+        if self._cache.store.tier is not None:
+            self._cache.store.tier.persist()
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Per table: the fused optimizer's state tensors in id order (names as in the PyTorch optimizer's

@@ -14,13 +14,16 @@ import torch
 from torchrec.modules.embedding_configs import DataType
 
 from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
+from tightfit.profiler.types import DiskProfile
+from tightfit.storage import check_disk_dir, free_bytes
 from tightfit.units import parse_bytes
-from torchrec_cache.cache import SLOT_OVERHEAD_BYTES
+from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
+from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import TableSpec
 
-__all__ = ["table_specs", "slot_split"]
+__all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile", "fused_cache_for"]
 
 
 def table_specs(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> list[TableSpec]:
@@ -31,15 +34,46 @@ def table_specs(tables: list[Any], cache: CacheConfig, frequencies: FrequencySta
                       capacity=slots[c.name]) for c in tables]
 
 
+def _specs(tables: list[Any], cache: CacheConfig) -> list[CacheTableSpec]:
+    state = cache.optimizer.state_columns if cache.optimizer else (lambda d: 0)
+    return [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
+                           weight_bytes=4 if c.data_type == DataType.FP32 else 2,
+                           state_columns=state(c.embedding_dim),
+                           index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
+            for c in tables]
+
+
+def tier_profile(tables: list[Any], cache: CacheConfig) -> DiskProfile:
+    """The disk of ``cache.disk_dir``, refused (one line: the directory, the rule, the fix) when it cannot hold
+    the full tables; measured by :func:`tightfit.profiler.profile_disk` (cached per filesystem) when it has
+    room for the measurement too, else its free space with the profile's defaults."""
+    assert cache.disk_dir is not None
+    need = sum(t.rows * t.row_bytes for t in _specs(tables, cache))
+    d = check_disk_dir(cache.disk_dir, need_bytes=need)
+    free, _ = free_bytes(d)
+    if free >= need + 256 * 2**20:
+        from tightfit.profiler import profile_disk  # the profiler imports more than the cache needs otherwise
+
+        return profile_disk(d, quick=True, progress=False)
+    return DiskProfile(path=str(d), free_bytes=free)
+
+
+def host_level_rows(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
+                    slots: dict[str, int], disk: DiskProfile) -> dict[str, int]:
+    """Table name -> rows of the host cache level: :func:`~tightfit.planner.cache.plan_cache` with
+    ``cache.host_budget`` and the disk profile, its device budget the bytes of the slots already split."""
+    specs = _specs(tables, cache)
+    device = sum(s.slot_bytes * slots[s.name] for s in specs)
+    counts = frequencies.counts if frequencies is not None else None
+    plan = plan_cache(specs, budget_bytes=device, frequencies=counts, index_bytes_per_row=0,
+                      host_budget_bytes=cache.host_budget_bytes(), disk=disk)
+    return dict(plan.host_rows)
+
+
 def slot_split(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> dict[str, int]:
     """Table name -> its device slots under ``cache.capacity``."""
     kind = cache.capacity_kind()
-    state = cache.optimizer.state_columns if cache.optimizer else (lambda d: 0)
-    specs = [CacheTableSpec(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim,
-                            weight_bytes=4 if c.data_type == DataType.FP32 else 2,
-                            state_columns=state(c.embedding_dim),
-                            index_bytes_per_slot=SLOT_OVERHEAD_BYTES)
-             for c in tables]
+    specs = _specs(tables, cache)
     counts = frequencies.counts if frequencies is not None else None
     if kind == "ratio":
         # The ratio is the collection's: split by frequency and size, small tables wholly resident.
@@ -50,3 +84,16 @@ def slot_split(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStat
     # The index is hashed: no device bytes per table row.
     return plan_cache(specs, budget_bytes=parse_bytes(cache.capacity), frequencies=counts,
                       index_bytes_per_row=0).slots
+
+
+def fused_cache_for(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
+                    device: torch.device) -> FusedCache:
+    """The collection's :class:`FusedCache`: slots split by :func:`table_specs`; with ``cache.disk_dir`` its disk
+    tier, the host level sized by :func:`host_level_rows` with the disk's profile."""
+    specs = table_specs(tables, cache, frequencies)
+    if cache.disk_dir is None:
+        return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)
+    profile = tier_profile(tables, cache)
+    rows = host_level_rows(tables, cache, frequencies, {t.name: t.capacity for t in specs}, profile)
+    return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device,
+                      disk=DiskSpec(disk_dir=cache.disk_dir, host_rows=rows, profile=profile))

@@ -5,8 +5,10 @@ slot tensor of weights and one of optimizer state on the device (one row per slo
 that absorbs writes for rows without a slot), and the full tables with their state in one flat host
 tensor. The cache decides which key sits in which slot; :class:`RowStore` copies rows between host and
 slots (through :class:`~torchrec_cache.transfer.RowMover`), gathers a batch's rows, and applies their
-gradients where each row lives. A level under host memory would sit behind :meth:`RowStore.copy_in`,
-:meth:`RowStore.copy_out` and the host reads of spilled rows.
+gradients where each row lives. With a disk tier (:class:`~torchrec_cache.hostlevel.DiskTier`) the full
+tables are on disk and host memory holds a second cache level per group
+(:class:`~torchrec_cache.hostlevel.HostLevel`): :meth:`RowStore.copy_in`, :meth:`RowStore.copy_out` and
+the reads and updates of spilled rows go through it instead of the flat host tensors.
 
 Example:
     >>> from torchrec_cache.layout import KeySpace, TableSpec
@@ -19,12 +21,15 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
 from torchrec_cache.config import RowOptimizer
+from torchrec_cache.disk import records, split_records
+from torchrec_cache.hostlevel import DiskTier
 from torchrec_cache.layout import Batch, KeySpace, SlotGroup
 from torchrec_cache.optim import apply_update, initial_state
 from torchrec_cache.transfer import RowMover
@@ -40,10 +45,11 @@ class RowStore(nn.Module):
         optimizer: the fused :class:`RowOptimizer` (its state has columns), or ``None``.
         device: where the slot tensors live (``"meta"``: host tables too, until :meth:`materialize`).
         lock: the cache's lock, held while a backward updates rows (a prefetch thread shares the cache).
+        tier: the disk tier (full tables on disk, a host cache level per group), or ``None``.
     """
 
     def __init__(self, space: KeySpace, optimizer: RowOptimizer | None, device: torch.device,
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None, tier: DiskTier | None = None) -> None:
         super().__init__()
         self.space, self.optimizer = space, optimizer
         self.lock = lock if lock is not None else threading.RLock()
@@ -51,8 +57,11 @@ class RowStore(nn.Module):
         self.mover = RowMover()
         self.groups: list[SlotGroup] = []
         host_dev = "meta" if device.type == "meta" else "cpu"
+        self.tier = tier
         for gi, span in enumerate(space.groups):
             rows, dim = span.key_hi - span.key_lo, span.dim
+            if tier is not None:
+                rows = 0  # the rows are on disk
             cols = optimizer.state_columns(dim) if optimizer is not None else 0
             self.groups.append(SlotGroup(
                 dim=dim, dtype=span.dtype, tables=list(span.tables), key_lo=span.key_lo, key_hi=span.key_hi,
@@ -82,8 +91,11 @@ class RowStore(nn.Module):
         return self.groups[self.space.group_index[i]], self.space.host_offset(i), self.space.tables[i].rows
 
     def host_view(self, name: str) -> torch.Tensor:
-        """Table ``name``'s rows in host memory (a view of its group's flat tensor, in position order)."""
+        """Table ``name``'s rows in host memory (a view of its group's flat tensor, in position order); with a
+        disk tier, a meta tensor of the table's shape (its rows: :meth:`table_chunks`)."""
         g, a, n = self._table(name)
+        if self.tier is not None:
+            return torch.empty(n, g.dim, dtype=g.dtype, device="meta")
         return g.host[a:a + n]
 
     def host_state_view(self, name: str) -> torch.Tensor:
@@ -106,8 +118,77 @@ class RowStore(nn.Module):
     def is_reordered(self, name: str) -> bool:
         return self._table(name)[0].remap is not None
 
+    # ------------------------------------------------------------------ whole tables in chunks (any tier)
+    def table_chunks(self, name: str, chunk_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(first row, weights, state)`` of table ``name`` in position order, ``chunk_rows`` at a time: with a
+        disk tier read from disk (overlaid by the host level), so no more than one chunk is in memory."""
+        g, a, n = self._table(name)
+        for lo in range(0, n, chunk_rows):
+            k = min(chunk_rows, n - lo)
+            if self.tier is None:
+                yield lo, g.host[a + lo:a + lo + k], g.host_state[a + lo:a + lo + k]
+            else:
+                yield (lo, *split_records(self.tier.levels[self.space.group_index[self.index[name]]].read_range(
+                    a + lo, k), g.dim, g.dtype))
+
+    def write_table_chunk(self, name: str, lo: int, w: torch.Tensor, st: torch.Tensor | None) -> None:
+        """Rows ``[lo, lo + len(w))`` of table ``name`` (position order) and their state (``None``: keep it)."""
+        g, a, n = self._table(name)
+        if lo < 0 or lo + w.shape[0] > n or w.shape[1:] != (g.dim,):
+            raise ValueError(f"table {name!r}: rows [{lo}, {lo + w.shape[0]}) of width {tuple(w.shape[1:])} do not "
+                             f"fit its {n} rows of dim {g.dim}")
+        with torch.no_grad():
+            if self.tier is None:
+                g.host[a + lo:a + lo + w.shape[0]] = w
+                if st is not None and st.shape[1]:
+                    g.host_state[a + lo:a + lo + w.shape[0]] = st
+                return
+            level = self.tier.levels[self.space.group_index[self.index[name]]]
+            if st is None:
+                st = split_records(level.read_range(a + lo, w.shape[0]), g.dim, g.dtype)[1]
+            level.write_range(a + lo, records(w.to(g.dtype), st.float()))
+
+    def init_tier(self, init_fns: dict[str, Callable[[torch.Tensor], object] | None], chunk_rows: int = 65536) -> None:
+        """Disk tier: write every table's initial rows (its ``init_fn`` run chunk by chunk; zeros without
+        one) and the optimizer's initial state."""
+        assert self.tier is not None
+        inflight: list[tuple[Future[int], torch.Tensor]] = []  # a few chunks in flight while the next is made
+        for name in self.index:
+            g, a, n = self._table(name)
+            disk = self.tier.levels[self.space.group_index[self.index[name]]].disk
+            for lo in range(0, n, chunk_rows):
+                k = min(chunk_rows, n - lo)
+                w = torch.zeros(k, g.dim, dtype=g.dtype)
+                fn = init_fns.get(name)
+                if fn is not None:
+                    fn(w)
+                recs = records(w, initial_state(self.optimizer, k, g.dim))
+                fut = disk.fill(a + lo, recs, wait=False)
+                if fut is not None:
+                    inflight.append((fut, recs))  # the buffer lives until its write is done
+                while len(inflight) > 4:
+                    inflight.pop(0)[0].result()
+        for fut, _ in inflight:
+            fut.result()
+
+    def write_back(self) -> None:
+        """Disk tier: start writing what earlier batches evicted (raises a failed write's error)."""
+        if self.tier is not None:
+            self.tier.issue()
+
+    def stage(self, keys_h: torch.Tensor, step: int) -> None:
+        """Disk tier: read ahead the rows of sorted host keys ``keys_h`` for the batch at ``step``."""
+        if self.tier is not None:
+            self.tier.stage(keys_h, step, self.space.group_split(keys_h))
+
+    def forget_staged(self, step: int) -> None:
+        if self.tier is not None:
+            self.tier.forget_staged(step)
+
     def materialize(self) -> None:
         """Allocate the host tables of a store built on the meta device (uninitialised, like ``to_empty``)."""
+        if self.tier is not None:
+            return
         for g in self.groups:
             if g.host.device.type == "meta":
                 g.host = torch.empty(g.host.shape, dtype=g.host.dtype)
@@ -115,7 +196,7 @@ class RowStore(nn.Module):
 
     def pin(self) -> bool:
         """Page-lock the host tables and state so host-to-device copies run asynchronously (CUDA only)."""
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or self.tier is not None:
             return False
         for g in self.groups:
             if g.host.device.type == "cpu" and not g.host.is_pinned():
@@ -133,20 +214,44 @@ class RowStore(nn.Module):
         pos = keys_h - g.key_lo
         return pos if g.remap is None else g.remap.index_select(0, pos)
 
+    def _host_rows(self, gi: int, pos: torch.Tensor, *, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``pos`` (unique) and their state from host memory, or through the host level (``take``: the
+        device loads them, so they leave it)."""
+        g = self.groups[gi]
+        if self.tier is None:
+            return g.host.index_select(0, pos), g.host_state.index_select(0, pos)
+        return split_records(self.tier.levels[gi].fetch(pos, take=take), g.dim, g.dtype)
+
+    def _put_rows(self, gi: int, pos: torch.Tensor, w: torch.Tensor, st: torch.Tensor) -> None:
+        """Rows ``pos`` changed off the device (spilled rows' updates): into the host tables or level."""
+        g = self.groups[gi]
+        if self.tier is None:
+            g.host.index_copy_(0, pos, w)
+            if st.shape[1]:
+                g.host_state.index_copy_(0, pos, st)
+        else:
+            self.tier.levels[gi].put(pos, records(w.to(g.dtype), st))
+
     def copy_in(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows ``keys_h`` (host keys of group ``gi``) into ``slots``, with their optimizer state."""
         g = self.groups[gi]
         pos = self.host_pos(g, keys_h)
         local = slots - g.slot_lo
-        self.weight(gi).index_copy_(0, local, self.mover.to_device(g.host.index_select(0, pos), self.device, "w"))
-        if g.host_state.shape[1]:
-            self.state(gi).index_copy_(0, local, self.mover.to_device(g.host_state.index_select(0, pos), self.device, "s"))
+        w, st = self._host_rows(gi, pos, take=True)
+        self.weight(gi).index_copy_(0, local, self.mover.to_device(w, self.device, "w"))
+        if st.shape[1]:
+            self.state(gi).index_copy_(0, local, self.mover.to_device(st, self.device, "s"))
 
     def copy_out(self, gi: int, keys_h: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows in ``slots`` (keys ``keys_h``) back to host memory (asynchronously on CUDA)."""
         g = self.groups[gi]
         pos = self.host_pos(g, keys_h)
         local = slots - g.slot_lo
+        if self.tier is not None:
+            level = self.tier.levels[gi]
+            recs = records(self.weight(gi).index_select(0, local), self.state(gi).index_select(0, local))
+            self.mover.on_host(lambda r: level.put(pos, r), recs)
+            return
         self.mover.to_host_later(self.weight(gi).index_select(0, local), g.host, pos)
         if g.host_state.shape[1]:
             self.mover.to_host_later(self.state(gi).index_select(0, local), g.host_state, pos)
@@ -198,7 +303,7 @@ class RowStore(nn.Module):
         out = self.weight(gi).index_select(0, self.local_slots(batch.slots[a:b], gi))
         sa, sb, spos = self._group_spills(batch, gi, a)
         if sb > sa:
-            host = g.host.index_select(0, self.host_pos(g, batch.spill_keys[sa:sb]))
+            host = self._host_rows(gi, self.host_pos(g, batch.spill_keys[sa:sb]), take=False)[0]
             out.index_copy_(0, spos, self.mover.to_device(host, self.device, "spill"))
         return out
 
@@ -223,11 +328,8 @@ class RowStore(nn.Module):
                 opt, step = self.optimizer, g.opt_step
 
                 def update(grad: torch.Tensor) -> None:
-                    w, st = apply_update(opt, g.host.index_select(0, pos), g.host_state.index_select(0, pos),
-                                         grad, step)
-                    g.host.index_copy_(0, pos, w)
-                    if st.shape[1]:
-                        g.host_state.index_copy_(0, pos, st)
+                    w, st = apply_update(opt, *self._host_rows(gi, pos, take=False), grad, step)
+                    self._put_rows(gi, pos, w, st)
 
                 self.mover.on_host(update, grad_rows.index_select(0, spos))
 

@@ -43,8 +43,10 @@ def _model(cache):
     return swap_in(model, cache=cache)
 
 
-def _dmp_rank(rank: int, world: int, kind: str, policy: str, sharding: str = "table_wise") -> dict:
+def _dmp_rank(rank: int, world: int, kind: str, policy: str, sharding: str = "table_wise",
+              disk_dir: str | None = None) -> dict:
     import logging
+    import os
 
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -62,6 +64,10 @@ def _dmp_rank(rank: int, world: int, kind: str, policy: str, sharding: str = "ta
     logging.disable(logging.WARNING)
     cache = CacheConfig(capacity=6, policy=policy, optimizer=RowOptimizer(kind=kind, lr=0.05, eps=1e-8))
     reference = _model(cache)
+    if disk_dir is not None:  # the sharded model's tables on disk (a directory per rank), a tiny host level
+        os.makedirs(f"{disk_dir}/rank{rank}", exist_ok=True)
+        cache = CacheConfig(capacity=6, policy=policy, optimizer=cache.optimizer, disk_dir=f"{disk_dir}/rank{rank}",
+                            host_budget=400)
     model = _model(cache)
     plan = cached_sharding_plan(model, world, sharding=sharding,
                                 placement={"t0": 0, "t1": 1, "t2": 1} if sharding == "table_wise" else None)
@@ -116,7 +122,8 @@ def _dmp_rank(rank: int, world: int, kind: str, policy: str, sharding: str = "ta
     dmp.fused_optimizer.load_state_dict({"state": snapshot})
     restored = dmp.fused_optimizer.state_dict()["state"]
     worst_restore = max(float((restored[k][n] - v).abs().max()) for k, e in snapshot.items() for n, v in e.items())
-    return {"tables": sharded[0].local_tables(), "pred": worst_pred, "weight": worst_weight,
+    disk = sharded[0]._local.disk_stats()
+    return {"tables": sharded[0].local_tables(), "pred": worst_pred, "weight": worst_weight, "disk": disk,
             "misses": sharded[0].cache_stats()["misses"], "keys": sorted(local), "state_keys": sorted(saved),
             "state": worst_state, "restore": worst_restore}
 
@@ -141,3 +148,13 @@ def test_dmp_row_wise_matches_unsharded_model():
         assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
         assert r["misses"] > 0
         assert r["state"] <= 1e-6 and r["restore"] == 0.0, out
+
+
+@pytest.mark.parametrize("sharding,kind", [("table_wise", "adam"),
+                                           pytest.param("row_wise", "rowwise_adagrad", marks=pytest.mark.slow)])
+def test_dmp_with_tables_on_disk_matches_unsharded_model(sharding, kind, tmp_path):
+    out = run_distributed(_dmp_rank, world_size=2, args=(kind, "lfu", sharding, str(tmp_path)), timeout=400)
+    for r in out:
+        assert r["pred"] <= 1e-6 and r["weight"] <= 1e-6, out
+        assert r["state"] <= 1e-6 and r["restore"] == 0.0, out
+        assert r["disk"]["rows_read"] > 0 and r["disk"]["rows_written"] > 0, r["disk"]  # the rows went through disk

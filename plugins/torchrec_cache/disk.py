@@ -1,0 +1,185 @@
+"""The full tables of a cached collection on disk: one record per row, read and written in batches.
+
+A record is a row's weights and its optimizer state side by side (``dim`` weights of the table's
+dtype, then the state's fp32 columns), so a row moves with its state in one piece. One flat buffer per
+slot-tensor group lives in a :class:`tightfit.storage.TensorStore` (the plugin never opens a file
+itself), row ``p`` at byte ``p * record_bytes``. Reads and writes go by the store's extents: a batch's
+rows are sorted by offset, the extents they touch are grouped into runs of neighbours and each run is
+one request; a write reads its extents, patches the rows in and writes the extents whole (the store
+never overwrites in place, so a failed write leaves the previous rows readable).
+
+Example:
+    >>> import tempfile
+    >>> from tightfit.storage import TensorStore
+    >>> store = TensorStore(tempfile.mkdtemp(), extent_bytes=4096)
+    >>> t = DiskRows(store, "g0", rows=100, record_bytes=8, tables=[("t", 0, 100)])
+    >>> t.fill(0, torch.arange(800, dtype=torch.int64).remainder(256).to(torch.uint8).view(100, 8))
+    >>> t.read(torch.tensor([3, 99]))[:, 0].tolist(), t.counts["rows_read"]
+    [24, 24]
+    >>> store.close()
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tightfit.storage import ChecksumError, TensorStore, aligned_empty
+
+__all__ = ["DiskRows", "RowFileError", "records", "split_records"]
+
+
+class RowFileError(ChecksumError):
+    """A row file on disk failed its checksum (or is short): names the table and the rows it held."""
+
+
+def records(weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``(n, record_bytes)`` uint8 records of rows ``weight`` (n, dim) and their fp32 ``state`` (n, cols)."""
+    w = weight.contiguous().view(torch.uint8).reshape(weight.shape[0], -1)
+    if state.shape[1] == 0:
+        return w
+    return torch.cat([w, state.contiguous().float().view(torch.uint8).reshape(state.shape[0], -1)], dim=1)
+
+
+def split_records(recs: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`records`: ``(weight (n, dim) of dtype, state (n, cols) fp32)``."""
+    wb = dim * torch.empty((), dtype=dtype).element_size()
+    w = recs[:, :wb].contiguous().view(dtype)
+    st = recs[:, wb:].contiguous().view(torch.float32)
+    return w, st
+
+
+@dataclass
+class DiskRows:
+    """One group's rows in the store under ``name``: ``rows`` records of ``record_bytes``.
+
+    ``tables``: ``(name, first row, rows)`` of each table in the group (for error messages).
+    ``counts``: rows and bytes read and written so far (bytes: what the store moved, whole extents), requests,
+    and the wall nanoseconds spent waiting for batched reads (``read_ns``).
+    """
+
+    store: TensorStore
+    name: str
+    rows: int
+    record_bytes: int
+    tables: list[tuple[str, int, int]]
+    counts: dict[str, int] = field(default_factory=lambda: {"rows_read": 0, "bytes_read": 0, "rows_written": 0,
+                                                            "bytes_written": 0, "disk_reads": 0, "disk_writes": 0,
+                                                            "read_ns": 0})
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.record_bytes
+
+    def fill(self, first: int, recs: torch.Tensor, *, wait: bool = True) -> Future[int] | None:
+        """Write records ``recs`` at rows ``first...`` (set-up and checkpoint loading: contiguous rows); with
+        ``wait=False`` the write's future (``recs`` must not change until it is done)."""
+        if recs.shape[0] == 0:
+            return None
+        data = recs.contiguous().view(-1)
+        fut = self.store.write(self.name, data, offset=first * self.record_bytes)
+        self.counts["rows_written"] += recs.shape[0]
+        self.counts["bytes_written"] += data.numel()
+        if wait:
+            fut.result()
+            return None
+        return fut
+
+    def read_range(self, first: int, n: int) -> torch.Tensor:
+        """Records of rows ``[first, first + n)`` (checkpoints: contiguous rows)."""
+        out = aligned_empty(n * self.record_bytes)
+        self._wait(self.store.read_into(self.name, out, offset=first * self.record_bytes), first, first + n)
+        self.counts["rows_read"] += n
+        self.counts["bytes_read"] += out.numel()
+        return out.view(n, self.record_bytes)
+
+    # ------------------------------------------------------------------ batches of scattered rows
+    def _extents(self, pos: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+        """The extents rows ``pos`` touch (sorted), their runs ``(first extent, count)``, each row's byte
+        in the runs' concatenation."""
+        E, R = self.store.extent_bytes, self.record_bytes
+        start = pos * R
+        ext = torch.unique(torch.cat([start // E, (start + R - 1) // E]))
+        gaps = torch.nonzero(ext[1:] - ext[:-1] != 1).squeeze(1) + 1
+        edges = [0] + gaps.tolist() + [ext.numel()]
+        first = ext.tolist()
+        runs = [(first[a], b - a) for a, b in zip(edges[:-1], edges[1:])]
+        at = torch.searchsorted(ext, start // E) * E + start % E
+        return ext, runs, at
+
+    def _read_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """The bytes of whole extent runs, concatenated (past the end of the buffer: zeros)."""
+        E, total = self.store.extent_bytes, self.nbytes
+        start = time.perf_counter_ns()
+        buf = aligned_empty(sum(n for _, n in runs) * E)
+        futures, at = [], 0
+        for k, n in runs:
+            lo, hi = k * E, min((k + n) * E, total)
+            if hi > lo:
+                futures.append((self.store.read_into(self.name, buf[at:at + hi - lo], offset=lo), lo, hi))
+            if (k + n) * E > hi:
+                buf[at + max(0, hi - lo):at + n * E].zero_()
+            at += n * E
+        for fut, lo, hi in futures:
+            self._wait(fut, lo // self.record_bytes, -(-hi // self.record_bytes))
+        self.counts["disk_reads"] += len(futures)
+        self.counts["bytes_read"] += sum(hi - lo for _, lo, hi in futures)
+        self.counts["read_ns"] += time.perf_counter_ns() - start
+        return buf
+
+    def read(self, pos: torch.Tensor) -> torch.Tensor:
+        """Records of rows ``pos`` (any order, int64), read in offset order."""
+        if pos.numel() == 0:
+            return torch.empty(0, self.record_bytes, dtype=torch.uint8)
+        _, runs, at = self._extents(pos)
+        buf = self._read_runs(runs)
+        self.counts["rows_read"] += pos.numel()
+        return buf.index_select(0, (at.unsqueeze(1) + torch.arange(self.record_bytes)).view(-1)).view(
+            -1, self.record_bytes)
+
+    def write(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
+        """Write records ``recs`` of rows ``pos`` (unique): the extents they touch are read, patched and
+        written whole, one request per run of neighbouring extents; returns when every write is done
+        (raises :class:`~tightfit.storage.DiskFullError` with nothing committed of the failed extents)."""
+        if pos.numel() == 0:
+            return
+        E, R, total = self.store.extent_bytes, self.record_bytes, self.nbytes
+        _, runs, at = self._extents(pos)
+        buf = self._read_runs(runs)
+        buf.index_copy_(0, (at.unsqueeze(1) + torch.arange(R)).view(-1), recs.reshape(-1))
+        futures, off = [], 0
+        for k, n in runs:
+            lo, hi = k * E, min((k + n) * E, total)
+            futures.append(self.store.write(self.name, buf[off:off + hi - lo], offset=lo))
+            off += n * E
+        error: BaseException | None = None
+        for fut in futures:
+            try:
+                self.counts["bytes_written"] += fut.result()
+            except BaseException as err:  # wait for all: the buffer must outlive every request
+                error = error or err
+        if error is not None:
+            raise error
+        self.counts["rows_written"] += pos.numel()
+        self.counts["disk_writes"] += len(futures)
+
+    # ------------------------------------------------------------------ errors
+    def _wait(self, fut: object, row_lo: int, row_hi: int) -> None:
+        try:
+            fut.result()  # type: ignore[attr-defined]
+        except ChecksumError as err:
+            raise RowFileError(f"{self.describe(row_lo, row_hi)} failed its checksum on disk ({err}); the row file "
+                               "is corrupted: restore the collection from a checkpoint", path=err.path,
+                               offset=err.offset) from err
+
+    def describe(self, row_lo: int, row_hi: int) -> str:
+        """``table 'a' rows [lo, hi)`` for the tables group rows ``[row_lo, row_hi)`` cover."""
+        parts = []
+        for name, first, n in self.tables:
+            lo, hi = max(row_lo, first), min(row_hi, first + n)
+            if lo < hi:
+                parts.append(f"table {name!r} rows [{lo - first}, {hi - first})")
+        return ", ".join(parts) or f"rows [{row_lo}, {row_hi}) of {self.name!r}"

@@ -1,0 +1,448 @@
+"""The second cache level: rows in host memory over the full tables on disk (:mod:`torchrec_cache.disk`).
+
+Per slot-tensor group, ``slots`` host rows (records: weights and optimizer state) in sets of ``WAYS``
+found by a hash of the row's position, like the device cache. The level is *exclusive* of the device:
+a row the device loads leaves the host level (the device slot is now its only current copy, written
+back when the device evicts it), and a row the device evicts is offered to the host level. The policy
+is the device cache's: the frequency sketch ranks rows (TinyLFU admission: an offered row takes the
+coldest way of its set only when the sketch counts it as used more; a free way takes any row); a row
+that is not admitted, and a dirty row its admission displaces, go to the *outbox*.
+
+Write-back, behind the step: at the start of the next batch (:meth:`HostLevel.issue`) the outbox
+becomes one write job on a background thread (rows sorted by offset, extents read, patched, written
+whole), at most one in flight. A row leaves host memory only once its write is done: until then
+reads find it in the outbox or the job in flight. A failed job (disk full) raises at the next
+:meth:`issue` or :meth:`persist`; its rows go back to the outbox, so nothing is lost and the next call
+retries.
+
+Example:
+    >>> import tempfile
+    >>> from tightfit.storage import TensorStore
+    >>> from torchrec_cache.disk import DiskRows
+    >>> store = TensorStore(tempfile.mkdtemp(), extent_bytes=4096)
+    >>> disk = DiskRows(store, "g0", rows=1000, record_bytes=8, tables=[("t", 0, 1000)])
+    >>> disk.fill(0, torch.zeros(1000, 8, dtype=torch.uint8))
+    >>> level = HostLevel(disk, slots=16, key_lo=0, sketch=None)
+    >>> level.put(torch.tensor([5, 7]), torch.ones(2, 8, dtype=torch.uint8))
+    >>> level.fetch(torch.tensor([7, 9]), take=True)[:, 0].tolist(), level.counts["host_hits"]
+    [1, 0]
+    >>> level.close(); store.close()
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tightfit.profiler.types import DiskProfile
+from tightfit.storage import TensorStore, check_disk_dir
+from torchrec_cache.disk import DiskRows
+from torchrec_cache.layout import KeySpace, mix_hash
+from torchrec_cache.sketch import FrequencySketch
+
+__all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "extent_bytes_for"]
+
+WAYS = 8
+_FREE, _OFF = -1, -2
+_NEVER = 2**62  # the score of a disabled way: never a victim
+
+
+class HostLevel:
+    """One group's host rows over its :class:`~torchrec_cache.disk.DiskRows`.
+
+    Args:
+        disk: the group's rows on disk.
+        slots: host rows of the level (0: every device miss reads the disk).
+        key_lo: the group's first key (the sketch counts keys, the level positions).
+        sketch: the device cache's frequency sketch (``None``: a free way or nothing, LRU-free).
+        lock: shared with the cache (the prefetch thread and the step both reach the level).
+    """
+
+    def __init__(self, disk: DiskRows, slots: int, key_lo: int, sketch: FrequencySketch | None,
+                 lock: threading.RLock | None = None) -> None:
+        self.disk, self.key_lo, self.sketch = disk, key_lo, sketch
+        self.lock = lock if lock is not None else threading.RLock()
+        self.num_sets = -(-slots // WAYS) if slots > 0 else 0
+        S = self.num_sets * WAYS
+        self.slot_pos = torch.full((S,), _FREE, dtype=torch.int64)
+        if S > slots:
+            self.slot_pos[slots:] = _OFF
+        self.score = torch.zeros(S, dtype=torch.int64)
+        self.dirty = torch.zeros(S, dtype=torch.bool)
+        self.buf = torch.empty(S, disk.record_bytes, dtype=torch.uint8)
+        self.capacity = slots
+        R = disk.record_bytes
+        self.out_pos, self.out_rec = torch.empty(0, dtype=torch.int64), torch.empty(0, R, dtype=torch.uint8)
+        self.inflight: tuple[torch.Tensor, torch.Tensor, Future[None]] | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-writeback")
+        self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
+        self._used = False  # whether any row entered the level, the outbox or the read-ahead
+        self._puts_during_read: list[torch.Tensor] | None = None  # rows changed while a read-ahead reads
+        self.counts = {"host_hits": 0, "host_misses": 0, "host_admitted": 0, "host_rejected": 0,
+                       "rows_staged": 0, "staged_hits": 0}
+
+    # ------------------------------------------------------------------ index
+    def _sets(self, pos: torch.Tensor) -> torch.Tensor:
+        return mix_hash(pos) % self.num_sets
+
+    def find(self, pos: torch.Tensor) -> torch.Tensor:
+        """Host slot of each position, -1 where the level does not hold it."""
+        if self.num_sets == 0 or pos.numel() == 0:
+            return torch.full_like(pos, -1)
+        sets = self._sets(pos)
+        ways = self.slot_pos.view(self.num_sets, WAYS).index_select(0, sets)
+        match = ways == pos.unsqueeze(1)
+        way = match.to(torch.uint8).argmax(1)
+        return torch.where(match.any(1), sets * WAYS + way, torch.full_like(sets, -1))
+
+    def _prio(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.sketch is None:
+            return torch.zeros_like(pos)
+        dev = self.sketch.table.device
+        return self.sketch.estimate((pos + self.key_lo).to(dev)).cpu()
+
+    # ------------------------------------------------------------------ reads
+    def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows written but not yet on disk, newest first: the outbox, then the job in flight."""
+        out = [(self.out_pos, self.out_rec)]
+        if self.inflight is not None:
+            out.append((self.inflight[0], self.inflight[1]))
+        return out
+
+    # ------------------------------------------------------------------ the lookahead window on disk
+    def stage(self, pos: torch.Tensor, step: int) -> None:
+        """Read ahead: rows ``pos`` (unique) that the batch running at ``step`` needs and neither the level nor
+        a pending write holds are read from disk now (the prefetch thread), kept until that batch ran."""
+        with self.lock:
+            rest = pos[self.find(pos) < 0]
+            for ppos, _ in self._pending() + [(p, r) for _, p, r in self.staged]:
+                if rest.numel() and ppos.numel():
+                    rest = rest[~_isin(rest, ppos)]
+            if rest.numel() == 0:
+                return
+            rest = torch.sort(rest).values
+            self._used = True
+            self._puts_during_read = []
+        # The read runs without the lock, so the step goes on meanwhile: rows it changes in the meantime are
+        # dropped from what was read (their new value is in the level or the outbox).
+        recs = self.disk.read(rest)
+        with self.lock:
+            changed, self._puts_during_read = self._puts_during_read, None
+            if changed:
+                keep = ~_isin(rest, torch.sort(torch.cat(changed)).values)
+                rest, recs = rest[keep], recs[keep]
+            self.staged.append((step, rest, recs))
+            self.counts["rows_staged"] += rest.numel()
+
+    def forget_staged(self, before: int) -> None:
+        """Drop the rows read ahead for batches that ran before step ``before``."""
+        with self.lock:
+            self.staged = [s for s in self.staged if s[0] >= before]
+
+    def _unstage(self, pos: torch.Tensor) -> None:
+        """Rows ``pos`` changed: their read-ahead copies are stale."""
+        if self.staged:
+            ref = torch.sort(pos).values
+            self.staged = [(s, p[keep], r[keep]) for s, p, r in self.staged for keep in [~_isin(p, ref)]]
+
+    def fetch(self, pos: torch.Tensor, *, take: bool) -> torch.Tensor:
+        """Records of rows ``pos`` (unique) from the host level, the pending writes, else the disk (in offset
+        order). ``take``: the device loads them, so they leave the host level."""
+        with self.lock:
+            out = torch.empty(pos.numel(), self.disk.record_bytes, dtype=torch.uint8)
+            slot = self.find(pos)
+            hit = torch.nonzero(slot >= 0).squeeze(1)
+            if hit.numel():
+                hs = slot.index_select(0, hit)
+                out.index_copy_(0, hit, self.buf.index_select(0, hs))
+                if take:
+                    self.slot_pos.index_fill_(0, hs, _FREE)
+                    self.dirty.index_fill_(0, hs, False)
+            self.counts["host_hits"] += hit.numel()
+            rest = torch.nonzero(slot < 0).squeeze(1)
+            staged = [(p, r) for _, p, r in reversed(self.staged)]
+            for j, (ppos, prec) in enumerate(self._pending() + staged):
+                if rest.numel() == 0 or ppos.numel() == 0:
+                    continue
+                want = pos.index_select(0, rest)
+                idx = torch.searchsorted(ppos, want).clamp_(max=ppos.numel() - 1)
+                found = ppos.index_select(0, idx) == want
+                out.index_copy_(0, rest[found], prec.index_select(0, idx[found]))
+                if j >= 2:
+                    self.counts["staged_hits"] += int(found.sum())
+                rest = rest[~found]
+            if rest.numel():
+                want = pos.index_select(0, rest)
+                order = torch.argsort(want)
+                out.index_copy_(0, rest.index_select(0, order), self.disk.read(want.index_select(0, order)))
+            self.counts["host_misses"] += rest.numel()
+            return out
+
+    # ------------------------------------------------------------------ writes
+    def put(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
+        """Rows ``pos`` (unique) changed (device evictions, spilled rows' updates): kept in the level if the
+        policy admits them, else queued for disk."""
+        with self.lock:
+            self._used = True
+            if self._puts_during_read is not None:
+                self._puts_during_read.append(pos.clone())
+            self._unstage(pos)
+            slot = self.find(pos)
+            hit = torch.nonzero(slot >= 0).squeeze(1)
+            if hit.numel():
+                hs = slot.index_select(0, hit)
+                self.buf.index_copy_(0, hs, recs.index_select(0, hit))
+                self.dirty.index_fill_(0, hs, True)
+            miss = torch.nonzero(slot < 0).squeeze(1)
+            if miss.numel() == 0:
+                return
+            if self.num_sets == 0:
+                self._to_outbox(pos.index_select(0, miss), recs.index_select(0, miss))
+                return
+            self._admit(pos.index_select(0, miss), recs.index_select(0, miss))
+
+    def _admit(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
+        """TinyLFU admission per set: the k-th most used offered row of a set against its k-th coldest way."""
+        prio = self._prio(pos)
+        sets = self._sets(pos)
+        order = torch.argsort(prio, descending=True, stable=True)
+        order = order.index_select(0, torch.argsort(sets.index_select(0, order), stable=True))
+        s_sorted = sets.index_select(0, order)
+        n = s_sorted.numel()
+        head = torch.ones(n, dtype=torch.bool)
+        head[1:] = s_sorted[1:] != s_sorted[:-1]
+        first = torch.cummax(torch.where(head, torch.arange(n), 0), 0).values
+        rank = torch.arange(n) - first
+        way_score = torch.where(self.slot_pos == _FREE, -1, torch.where(self.slot_pos == _OFF, _NEVER, self.score))
+        per_set = way_score.view(self.num_sets, WAYS).index_select(0, s_sorted)
+        coldest, col = torch.sort(per_set, dim=1, stable=True)
+        r = rank.clamp(max=WAYS - 1).unsqueeze(1)
+        v_score = coldest.gather(1, r).squeeze(1)
+        victim = s_sorted * WAYS + col.gather(1, r).squeeze(1)
+        p_sorted = prio.index_select(0, order)
+        admit = (rank < WAYS) & (v_score < _NEVER) & (p_sorted > v_score)
+        a, na = order[admit], order[~admit]
+        vs = victim[admit]
+        gone = self.slot_pos.index_select(0, vs)
+        drop = (gone >= 0) & self.dirty.index_select(0, vs)
+        if bool(drop.any()):
+            self._to_outbox(gone[drop], self.buf.index_select(0, vs[drop]))
+        self.slot_pos.index_copy_(0, vs, pos.index_select(0, a))
+        self.buf.index_copy_(0, vs, recs.index_select(0, a))
+        self.score.index_copy_(0, vs, p_sorted[admit])
+        self.dirty.index_fill_(0, vs, True)
+        self.counts["host_admitted"] += a.numel()
+        self.counts["host_rejected"] += na.numel()
+        if na.numel():
+            self._to_outbox(pos.index_select(0, na), recs.index_select(0, na))
+
+    def _to_outbox(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
+        """Queue rows for disk; a newer record of a row replaces an older one."""
+        self.out_pos, self.out_rec = _merge(self.out_pos, self.out_rec, pos, recs)
+
+    def issue(self) -> None:
+        """Start writing the outbox (after the previous write job finished): at the start of a batch."""
+        with self.lock:
+            self._settle_inflight()
+            if self.out_pos.numel() == 0:
+                return
+            pos, rec = self.out_pos, self.out_rec
+            self.out_pos, self.out_rec = pos[:0], rec[:0]
+            self.inflight = (pos, rec, self.pool.submit(self.disk.write, pos, rec))
+
+    def _settle_inflight(self) -> None:
+        if self.inflight is None:
+            return
+        pos, rec, fut = self.inflight
+        try:
+            fut.result()
+        except BaseException:
+            # Nothing of it is lost: its rows are pending again, under anything written since.
+            self.inflight = None
+            self.out_pos, self.out_rec = _merge(pos, rec, self.out_pos, self.out_rec)
+            raise
+        self.inflight = None
+
+    def persist(self) -> None:
+        """Write every dirty host row and the outbox to disk and wait (a checkpoint's durability point)."""
+        with self.lock:
+            self._settle_inflight()
+            d = torch.nonzero(self.dirty & (self.slot_pos >= 0)).squeeze(1)
+            if d.numel():
+                self._to_outbox(self.slot_pos.index_select(0, d), self.buf.index_select(0, d))
+            self.dirty.index_fill_(0, d, False)
+            self.issue()
+            self._settle_inflight()
+
+    # ------------------------------------------------------------------ contiguous rows (checkpoints)
+    def read_range(self, lo: int, n: int) -> torch.Tensor:
+        """Records of rows ``[lo, lo + n)``: the disk's, overlaid by pending writes and host rows."""
+        with self.lock:
+            recs = self.disk.read_range(lo, n).clone()
+            for ppos, prec in reversed(self._pending()):  # oldest first, so newer ones win
+                m = (ppos >= lo) & (ppos < lo + n)
+                if bool(m.any()):
+                    recs.index_copy_(0, ppos[m] - lo, prec[m])
+            s = torch.nonzero((self.slot_pos >= lo) & (self.slot_pos < lo + n)).squeeze(1)
+            if s.numel():
+                recs.index_copy_(0, self.slot_pos.index_select(0, s) - lo, self.buf.index_select(0, s))
+            return recs
+
+    def write_range(self, lo: int, recs: torch.Tensor) -> None:
+        """Replace rows ``[lo, lo + n)`` on disk (checkpoint loading): host and pending copies are dropped."""
+        with self.lock:
+            n = recs.shape[0]
+            self._settle_inflight()
+            if not self._used:  # a level nothing went through yet (set-up): only the disk holds rows
+                self.disk.fill(lo, recs)
+                return
+            keep = (self.out_pos < lo) | (self.out_pos >= lo + n)
+            self.out_pos, self.out_rec = self.out_pos[keep], self.out_rec[keep]
+            self.staged = [(st, p[keep], r[keep]) for st, p, r in self.staged for keep in [(p < lo) | (p >= lo + n)]]
+            s = torch.nonzero((self.slot_pos >= lo) & (self.slot_pos < lo + n)).squeeze(1)
+            self.slot_pos.index_fill_(0, s, _FREE)
+            self.dirty.index_fill_(0, s, False)
+            self.disk.fill(lo, recs)
+
+    def host_rows(self) -> int:
+        return int((self.slot_pos >= 0).sum())
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _isin(x: torch.Tensor, sorted_ref: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``x`` is in ``sorted_ref`` (sorted, non-empty)."""
+    if sorted_ref.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    idx = torch.searchsorted(sorted_ref, x).clamp_(max=sorted_ref.numel() - 1)
+    return sorted_ref.index_select(0, idx) == x
+
+
+def _merge(old_pos: torch.Tensor, old_rec: torch.Tensor, new_pos: torch.Tensor,
+           new_rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique positions of both, the newer record where a position is in both."""
+    if old_pos.numel() == 0:
+        order = torch.argsort(new_pos)
+        return new_pos.index_select(0, order), new_rec.index_select(0, order)
+    p = torch.cat([old_pos, new_pos])
+    order = torch.argsort(p, stable=True)
+    ps = p.index_select(0, order)
+    last = torch.ones_like(ps, dtype=torch.bool)
+    last[:-1] = ps[1:] != ps[:-1]
+    return ps[last], torch.cat([old_rec, new_rec]).index_select(0, order[last])
+
+
+# The store's extent is the unit a missed row costs on disk: small, so a scattered miss reads little, but not
+# so small that writing the tables and the store's index (~180 bytes of Python per extent) cost too much:
+# at most 2**18 extents (16 KiB for 4 GiB of tables). Measured on the DLRM benchmark (3.8 GiB of tables, 2
+# loaded cores): 4 KiB extents took 310 s to write the tables and read 148,654 rows in 4 KiB requests at
+# 0.03 GB/s; the requests' count, not their size, bounds the reads.
+_MIN_EXTENT, _MAX_EXTENTS = 4096, 2**18
+
+
+def extent_bytes_for(total_bytes: int) -> int:
+    """The smallest power-of-two extent >= 4 KiB that keeps ``total_bytes`` within 2**18 extents."""
+    e = _MIN_EXTENT
+    while total_bytes > e * _MAX_EXTENTS:
+        e *= 2
+    return e
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """What a cache needs to open its disk tier: the directory, each table's host-level rows, the disk's profile."""
+
+    disk_dir: str
+    host_rows: dict[str, int]
+    profile: DiskProfile | None = None
+
+    def open(self, space: KeySpace, row_bytes: list[int], sketch: FrequencySketch | None, lock: threading.RLock,
+             device: torch.device) -> DiskTier:
+        """The tier of a cache over ``space`` (``row_bytes``: per table, a row and its state)."""
+        if device.type == "meta":
+            raise ValueError("a cache with a disk_dir cannot be built on the meta device; build it on 'cpu' or "
+                             "'cuda' (its rows are written to disk at construction)")
+        groups = []
+        for span in space.groups:
+            tables = [(space.tables[i].name, space.host_offset(i), space.tables[i].rows) for i in span.tables]
+            groups.append((span.key_hi - span.key_lo, row_bytes[span.tables[0]], span.key_lo,
+                           sum(self.host_rows.get(space.tables[i].name, 0) for i in span.tables), tables))
+        return DiskTier(self.disk_dir, groups, sketch, lock, self.profile)
+
+
+class DiskTier:
+    """The disk tier of one cache: a :class:`~tightfit.storage.TensorStore` in a fresh directory under
+    ``disk_dir`` (removed when the cache goes), one :class:`DiskRows` and one :class:`HostLevel` per group.
+
+    Args:
+        disk_dir: an existing directory on a local SSD; refused (one line) if it cannot hold ``need_bytes``.
+        groups: per group ``(rows, record_bytes, key_lo, host slots, [(table, first row, rows)])``.
+        sketch: the cache's frequency sketch (the host level's admission).
+        lock: the cache's lock.
+        profile: the disk's profile (I/O workers), or ``None``.
+    """
+
+    def __init__(self, disk_dir: str, groups: list[tuple[int, int, int, int, list[tuple[str, int, int]]]],
+                 sketch: FrequencySketch | None, lock: threading.RLock, profile: DiskProfile | None = None) -> None:
+        need = sum(rows * rec for rows, rec, _, _, _ in groups)
+        base = check_disk_dir(disk_dir, need_bytes=need)
+        self.path = Path(tempfile.mkdtemp(prefix="torchrec_cache-", dir=base))
+        workers = max(2, profile.queue_depth) if profile is not None else None
+        self.store = TensorStore(self.path, extent_bytes=extent_bytes_for(need), workers=workers)
+        self.levels: list[HostLevel] = []
+        for gi, (rows, rec, key_lo, slots, tables) in enumerate(groups):
+            disk = DiskRows(self.store, f"group{gi}", rows=rows, record_bytes=rec, tables=tables)
+            self.levels.append(HostLevel(disk, slots, key_lo, sketch, lock))
+        self._finalizer = weakref.finalize(self, _close, self.store, list(self.levels), self.path)
+
+    def issue(self) -> None:
+        """Start the write-back of every group's outbox (the start of a batch); raises a failed write's error."""
+        for level in self.levels:
+            level.issue()
+
+    def stage(self, keys: torch.Tensor, step: int, group_split: list[int]) -> None:
+        """Read ahead the rows of sorted host ``keys`` (groups' runs: ``group_split``) for the batch at ``step``."""
+        for gi, level in enumerate(self.levels):
+            a, b = group_split[gi], group_split[gi + 1]
+            if b > a:
+                level.stage(keys[a:b] - level.key_lo, step)
+
+    def forget_staged(self, before: int) -> None:
+        for level in self.levels:
+            level.forget_staged(before)
+
+    def persist(self) -> None:
+        """Every changed row on disk, durable (:meth:`TensorStore.sync`)."""
+        for level in self.levels:
+            level.persist()
+        self.store.sync()
+
+    def stats(self) -> dict[str, int]:
+        """Host-level and disk counters summed over the groups, and the host rows held now."""
+        out: dict[str, int] = {}
+        for level in self.levels:
+            for k, v in list(level.counts.items()) + list(level.disk.counts.items()):
+                out[k] = out.get(k, 0) + v
+        out["host_rows"] = sum(level.host_rows() for level in self.levels)
+        out["host_capacity"] = sum(level.capacity for level in self.levels)
+        return out
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close(store: TensorStore, levels: list[HostLevel], path: Path) -> None:
+    for level in levels:
+        level.close()
+    try:
+        store.close()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
