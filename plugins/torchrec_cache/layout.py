@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-__all__ = ["column_order", "TableSpec", "GroupSpan", "KeySpace", "KeyIndex", "SlotGroup", "Batch", "mix_hash", "out_of_range",
-           "spill_notice"]
+__all__ = ["column_order", "check_table_names", "group_feature_spans", "TableSpec", "GroupSpan", "KeySpace", "KeyIndex",
+           "SlotGroup", "Batch", "mix_hash", "out_of_range", "spill_notice"]
 
 log = logging.getLogger("torchrec_cache")
 _SPILL_WARNED = False
@@ -326,3 +326,24 @@ def column_order(tables: list[Any], layout: list[int]) -> torch.Tensor | None:
         col += tables[i].embedding_dim * len(tables[i].feature_names)
     cols = [starts[i] + j for i, t in enumerate(tables) for j in range(t.embedding_dim * len(t.feature_names))]
     return torch.tensor(cols, dtype=torch.int64)
+
+
+def check_table_names(tables: list[Any]) -> None:
+    """TorchRec's rule: table names are unique; a table without feature names is looked up by its own name."""
+    names: set[str] = set()
+    for cfg in tables:
+        if cfg.name in names:
+            raise ValueError(f"Duplicate table name {cfg.name}")
+        names.add(cfg.name)
+        if not cfg.feature_names:
+            cfg.feature_names = [cfg.name]
+
+
+def group_feature_spans(groups: list[Any], tables: list[Any]) -> list[tuple[int, int]]:
+    """Each slot group's ``[start, end)`` in the features ordered by key (its tables' features are contiguous)."""
+    spans, f = [], 0
+    for g in groups:
+        n = sum(len(tables[i].feature_names) for i in g.tables)
+        spans.append((f, f + n))
+        f += n
+    return spans

@@ -32,7 +32,7 @@ from torchrec_cache.cache import FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.keyed import CachedFusedOptimizer
-from torchrec_cache.layout import column_order
+from torchrec_cache.layout import check_table_names, column_order, group_feature_spans
 from torchrec_cache.lookup import cached_pooled_lookup, cached_unpooled_lookup, prepare_batch
 from torchrec_cache.meta import meta_pooled, meta_sequence
 from torchrec_cache.planning import fused_cache_for
@@ -97,13 +97,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
                              "statistics: pass frequencies=collect_frequencies(loader, tables)")
         if frequencies is not None:
             frequencies.check(tables)
-        names = set()
-        for cfg in tables:
-            if cfg.name in names:
-                raise ValueError(f"Duplicate table name {cfg.name}")
-            names.add(cfg.name)
-            if not cfg.feature_names:
-                cfg.feature_names = [cfg.name]
+        check_table_names(tables)
         self._cache_config = cache
         self._frequencies = frequencies
         self._device = device
@@ -122,12 +116,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
                                         for c in order for _ in c.feature_names], dtype=torch.bool)
         self._feature_table = self._feature_table_host.to(device)
         self._mean = self._mean_host.to(device)
-        self._group_features: list[tuple[int, int]] = []
-        f = 0
-        for g in self._cache.groups:
-            n = sum(len(tables[i].feature_names) for i in g.tables)
-            self._group_features.append((f, f + n))
-            f += n
+        self._group_features = group_feature_spans(self._cache.groups, tables)
         self._materialized = device.type != "meta"
         if self._materialized:
             self._initialise_host(tables)
