@@ -1,6 +1,6 @@
 """Embedding tables larger than memory: DLRM with its 26 Criteo-like tables on disk under a hard memory limit.
 
-    flock /work/bench.lock .venv/bin/python -m benchmarks.torchrec_disk [--quick]
+    python -m benchmarks.torchrec_disk [--quick]
 
 Three contenders train the same DLRM (26 tables of Criteo Kaggle's cardinalities, dim 16, fused / sparse
 Adagrad) on the same Zipf(1.05) batches, each in its own process (the tables do not fit twice in this
@@ -10,11 +10,6 @@ machine's memory beside the other sessions, so repeats interleave inside a proce
   a cgroup v1 memory limit (``benchmarks/memlimit.py``) of a quarter of the tables' bytes;
 * ``ram_cached``: the same cache with the tables in host memory (no limit), ``prefetching(ahead=4)``;
 * ``ebc``: TorchRec's ``EmbeddingBagCollection`` (sparse gradients, ``torch.optim.Adagrad``), no limit.
-
-The committed result (``results/torchrec_disk.json``) is the run at commit 7e71301 with these settings; its
-disk contender ran the code of 68c5846, the same tier with 4 KiB store extents (now at most 2**18 extents, 16
-KiB at this size): hence its 310 s to write the tables. Later runs with smaller levels ran past the child's
-timeout and are not committed.
 
 Every timed repeat trains on fresh batches (a new seed; none of the warm-up's). Per repeat: the median step.
 Exact: the per-step losses of the first repeat agree across the three. The host level's hit rate (the
