@@ -25,6 +25,7 @@ ELSEWHERE = {
     "### Elixir training": "tests/lightning_elixir/test_readme.py",
     "### EnergonAI inference runtime": "tests/energon_infer/test_readme.py",
     "### EnergonAI serving": "tests/energon_infer/test_engine_readme.py",
+    "### Serving beyond memory": "tests/energon_infer/test_disk_pool.py",
 }
 
 

@@ -106,6 +106,8 @@ class PoolInfo:
     slot_bytes: int
     device_bytes: int
     layer_bytes: int
+    plan: str = ""  # the PoolPlan as JSON (tiers, disk layers, bytes and seconds per pass)
+    first_layer: int = 0  # the stage's first layer number (plan positions are within the stage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,7 @@ class StatsReport:
     """A rank's stage timing: ``busy_s``, ``span_s``, ``steps``, ``utilisation``."""
 
     rank: int
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +176,12 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class WorkerError:
-    """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where."""
+    """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where. ``fatal``: a
+    restart would not help or must not happen (the checkpoint changed under the server): the engine stops."""
 
     rank: int
     traceback: str
+    fatal: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -267,7 +267,7 @@ class Controller:
             reason = (f"{reason}; worker {msg.rank} then failed: {last}" if reason
                       else f"worker {msg.rank} failed: {last}")
             log.error("energon: worker %d traceback:\n%s", msg.rank, msg.traceback)
-            self.group_failed(reason)
+            self.group_failed(last if msg.fatal else reason, restart=not msg.fatal)
         elif isinstance(msg, Pong):
             if msg.seq == self.ping_seq:
                 self.pongs.add(msg.rank)
@@ -304,11 +304,12 @@ class Controller:
             self.ping_sent, self.pongs = now, set()
             self.group.send(Ping(self.ping_seq))
 
-    def group_failed(self, reason: str) -> None:
+    def group_failed(self, reason: str, *, restart: bool = True) -> None:
+        """The group is lost: fail its running requests, then restart it (``restart`` and the budget allowing)."""
         self.metrics.worker_failures += 1
-        can_restart = (self.config.faults.restart_workers and self.config.launch.launcher == "spawn"  # torchrun owns its world
+        can_restart = (restart and self.config.faults.restart_workers and self.config.launch.launcher == "spawn"  # torchrun owns its world
                        and self.budget.take())
-        if self.config.faults.restart_workers and not can_restart and self.config.launch.launcher == "spawn":
+        if restart and self.config.faults.restart_workers and not can_restart and self.config.launch.launcher == "spawn":
             reason = f"{reason}; no restart left ({self.budget.describe()})"
         with self.lock:
             lost = self.scheduler.fail_running()

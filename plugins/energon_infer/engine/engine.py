@@ -47,6 +47,7 @@ from energon_infer.engine.controller import (
 )
 from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
 from energon_infer.engine.engine_config import EngineConfig, engine_config
+from energon_infer.engine.memory_report import ReportMark, check_tiered_plan, memory_report
 from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.loading.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
@@ -133,6 +134,8 @@ class Engine:
         self.metrics = EngineMetrics(model_name=self.model_name)
         self.groups = self.config.groups
         self._ctl: Controller | None = None
+        self._mark = ReportMark(time.monotonic())
+        self._last_report: dict[str, Any] = {}
         # The controller restarts a failed group with this factory itself (no call back into the engine).
         start = functools.partial(start_group, source, self.runtime, self.config, self.memory_pool)
         group = start()
@@ -215,11 +218,14 @@ class Engine:
             split_layers(model.n_layers, cfg.runtime.pp)
         except ValueError as exc:
             raise OptionError(str(exc)) from None
+        pool = _pool_config(memory_pool)
+        if pool is not None and pool.tiered:  # an impossible budget raises PlanInfeasibleError here, naming the tier
+            check_tiered_plan(str(path), cfg.runtime, pool)
         if tokenizer is None and (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        return cls(ModelSource("pretrained", str(path)), cfg, memory_pool=memory_pool, tokenizer=tokenizer,
+        return cls(ModelSource("pretrained", str(path)), cfg, memory_pool=pool, tokenizer=tokenizer,
                    model_name=model_name)
 
     @classmethod
@@ -387,9 +393,22 @@ class Engine:
                 "last_error": self.last_error, "model": self.model_name}
 
     def render_metrics(self) -> str:
-        """Prometheus text for ``/metrics``."""
+        """Prometheus text for ``/metrics`` (with the last :meth:`memory_report`'s pool figures, if any)."""
+        keys = ("tokens_per_s", "io_roofline_tokens_per_s", "roofline_fraction", "disk_bytes_per_step", "mean_batch")
+        extra = {f"pool_{k}": float(v) for k, v in self._last_report.items()
+                 if k in keys and v not in (float("inf"),)}
         return self.metrics.render(queue_depth=self.scheduler.num_waiting, running=self.scheduler.num_running,
-                                   up=self.status == "ready")
+                                   up=self.status == "ready", extra=extra)
+
+    def memory_report(self, *, timeout: float = 60.0) -> dict[str, Any]:
+        """Where each layer lives and what the memory pool did (:mod:`energon_infer.engine.memory_report`): per rank
+        the tier of every layer, disk reads by layer and bytes read; since the previous report, tokens/s against
+        the I/O roofline (``batch x disk bandwidth / bytes streamed per step``)."""
+        stats = self.pipeline_stats(reset=True, timeout=timeout)["ranks"]  # each report times its own interval
+        report, self._mark = memory_report(self.worker_info, stats, steps=self.metrics.steps,
+                                           generated=self.metrics.generated_tokens, since=self._mark)
+        self._last_report = report
+        return report
 
     def pipeline_stats(self, *, reset: bool = False, timeout: float = 60.0) -> dict[str, Any]:
         """Measured busy share of each stage since the last reset: ``{"stages": [...], "ranks": [...]}``.

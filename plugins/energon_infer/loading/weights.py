@@ -28,7 +28,7 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import Grid, vocab_shard
 
 __all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",
-           "check_stage_fits", "available_bytes"]
+           "check_stage_fits", "available_bytes", "build_param", "Part"]
 
 
 class WeightError(BadInputError, ValueError):
@@ -283,12 +283,12 @@ def _shard(t: torch.Tensor, split: str | None, grid: Grid) -> torch.Tensor:
     return piece
 
 
-def _part_shapes(param: torch.Tensor, parts: list[Part]) -> list[tuple[int, ...]]:
+def _part_shapes(shape: tuple[int, ...], parts: list[Part]) -> list[tuple[int, ...]]:
     # Fused parameters split their rows evenly among parts, except fused qkv with grouped-query
     # attention (q is wider than k and v): the caller passes the split explicitly.
     n = len(parts)
-    rows = param.shape[0] // n
-    return [(rows, *param.shape[1:])] * n
+    rows = shape[0] // n
+    return [(rows, *shape[1:])] * n
 
 
 def _check_finite(t: torch.Tensor, name: str, mode: str) -> None:
@@ -315,7 +315,8 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
     if nonfinite not in ("warn", "error", "ignore"):
         raise ValueError(f"nonfinite={nonfinite!r} must be 'warn', 'error' or 'ignore'")
     keys = set(source.keys())
-    params = dict(stage.named_parameters())
+    # Parameters left on the meta device belong to layers the memory pool streams from disk: not loaded here.
+    params = {n: p for n, p in stage.named_parameters() if p.device.type != "meta"}
     plan = {name: parts_fn(cfg, name, keys) for name in params}
     missing = sorted({p.source for parts in plan.values() for p in parts if p.source not in keys})
     if missing:
@@ -324,33 +325,59 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
             f"{missing[:5]}; it holds {len(keys)} tensors. Check that config.json belongs to these weights "
             "and that every shard listed in model.safetensors.index.json is present"
         )
-    q_rows = cfg.n_heads * cfg.head_dim // grid.tp
-    kv_rows = cfg.n_kv_heads * cfg.head_dim // grid.tp
+    def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+        t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]
+        if part.transform is not None:
+            t = part.transform(t)
+        return t, tuple(t.shape), False
+
     done = 0
     for name, param in params.items():
-        parts = plan[name]
-        shapes = _part_shapes(param, parts)
-        if name.endswith(("qkv.weight", "qkv.bias")):
-            shapes = [(r, *param.shape[1:]) for r in (q_rows, kv_rows, kv_rows)]
-        pieces = []
-        for part, local in zip(parts, shapes):
-            t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]
-            if part.transform is not None:
-                t = part.transform(t)
-            want = _full_shape(local, part.split, grid.tp, cfg)
-            if tuple(t.shape) != want:
-                raise WeightError(
-                    f"tensor {part.source!r} has shape {tuple(t.shape)}, but {cfg.model_type} config.json implies "
-                    f"{want} for {name} (hidden_size={cfg.hidden_size}, heads={cfg.n_heads}/{cfg.n_kv_heads}, "
-                    f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}); the weights and "
-                    "config.json come from different models"
-                )
-            if nonfinite != "ignore" and t.is_floating_point():
-                _check_finite(t, part.source, nonfinite)
-            pieces.append(_shard(t, part.split, grid))
-        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        value = build_param(cfg, grid, name, tuple(param.shape), plan[name], fetch, nonfinite=nonfinite)
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
         done += 1
         if progress is not None and (done % 50 == 0 or done == len(params)):
             progress(f"loaded {done}/{len(params)} tensors")
+
+
+# fetch(part, full shape wanted) -> (tensor, its full shape before any slicing, already this rank's slice)
+Fetch = Callable[[Part, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...], bool]]
+
+
+def build_param(cfg: ModelConfig, grid: Grid, name: str, shape: tuple[int, ...], parts: list[Part], fetch: Fetch, *,
+                nonfinite: str = "warn", out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's value of runtime parameter ``name`` (of local ``shape``) from its checkpoint ``parts``.
+
+    The one assembly both loaders use (all in memory here, streamed from disk in
+    :mod:`energon_infer.worker.disk_pool`), so a streamed layer holds exactly the loaded values. With ``out``
+    (a tensor of ``shape``) each part is copied into its rows as soon as it is fetched (a fetch may reuse
+    its buffer) and ``out`` is returned.
+    """
+    shapes = _part_shapes(shape, parts)
+    if name.endswith(("qkv.weight", "qkv.bias")):
+        q_rows = cfg.n_heads * cfg.head_dim // grid.tp
+        kv_rows = cfg.n_kv_heads * cfg.head_dim // grid.tp
+        shapes = [(r, *shape[1:]) for r in (q_rows, kv_rows, kv_rows)]
+    pieces, row = [], 0
+    for part, local in zip(parts, shapes):
+        want = _full_shape(local, part.split, grid.tp, cfg)
+        t, full, sliced = fetch(part, want)
+        if full != want:
+            raise WeightError(
+                f"tensor {part.source!r} has shape {full}, but {cfg.model_type} config.json implies "
+                f"{want} for {name} (hidden_size={cfg.hidden_size}, heads={cfg.n_heads}/{cfg.n_kv_heads}, "
+                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}); the weights and "
+                "config.json come from different models"
+            )
+        if nonfinite != "ignore" and t.is_floating_point():
+            _check_finite(t, part.source, nonfinite)
+        piece = t if sliced else _shard(t, part.split, grid)
+        if out is None:
+            pieces.append(piece)
+        else:
+            out[row: row + piece.shape[0]].copy_(piece)
+            row += piece.shape[0]
+    if out is not None:
+        return out
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache capacity in tokens per worker")
     m.add_argument("--memory-pool", default=None,
                    help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
+    m.add_argument("--memory-budget", default=None,
+                   help="serve beyond memory: bytes each worker's weights may hold in memory (2GiB); the layers that "
+                        "do not fit are read from the model directory's safetensors files on every pass")
+    m.add_argument("--host-budget", default=None,
+                   help="with --memory-budget on a GPU: host bytes for pooled layers and staging (default: what is free)")
+    m.add_argument("--lookahead", type=nonnegative_int, default=None,
+                   help="pooled layers fetched ahead of the one running (default 2)")
     m.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly (on a GPU at tp=1 they are replayed from CUDA graphs by default)")
     m.add_argument("--no-packed-weights", action="store_true",
@@ -121,17 +128,27 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return sock
 
 
-def _memory_pool(value: str | None) -> Any:
-    """``--memory-pool`` as a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig` (checked now, before any worker)."""
-    if value is None:
+def _memory_pool(value: str | None, memory_budget: str | None = None, host_budget: str | None = None,
+                 lookahead: int | None = None) -> Any:
+    """``--memory-pool`` / ``--memory-budget`` as a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig`
+    (checked now, before any worker)."""
+    if value is None and memory_budget is None:
+        if host_budget is not None:
+            raise ValueError(f"--host-budget {host_budget} needs --memory-budget (the tiered pool it sizes)")
         return None
     from energon_infer.worker.memory_pool import MemoryPoolConfig
 
+    extra: dict[str, Any] = {} if lookahead is None else {"lookahead": lookahead}
+    if memory_budget is not None:
+        if value is not None:
+            raise ValueError("give --memory-pool (a host pool) or --memory-budget (device, host and disk), not both")
+        return MemoryPoolConfig(memory_budget=memory_budget, host_budget=host_budget, **extra)
+    assert value is not None
     try:
         fraction = float(value)
     except ValueError:
-        return MemoryPoolConfig(device_budget=value)  # a byte budget such as "2GiB"
-    return MemoryPoolConfig(fraction=fraction)
+        return MemoryPoolConfig(device_budget=value, **extra)  # a byte budget such as "2GiB"
+    return MemoryPoolConfig(fraction=fraction, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +203,7 @@ def _serve(argv: list[str] | None) -> int:
                                   default_max_tokens=min(_defaults(ServerConfig)["default_max_tokens"], args.max_tokens_limit), max_n=args.max_n,
                                   drain_timeout_s=args.drain_timeout, log_level=args.log_level)
         dtype = resolve_dtype(path, args.dtype) if path.is_dir() else ("float32" if args.dtype == "auto" else args.dtype)
-        pool = _memory_pool(args.memory_pool)
+        pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead)
     except ValueError as exc:  # the values of these flags were checked by their own classes
         sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)

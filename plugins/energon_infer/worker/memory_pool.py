@@ -25,8 +25,10 @@ and a device budget; this module applies its plan.
 from __future__ import annotations
 
 import threading
+import time
+from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -43,38 +45,79 @@ __all__ = ["MemoryPoolConfig", "PoolPlan", "PoolInfeasibleError", "LayerPool", "
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryPoolConfig:
-    """Which layers to pool and how far ahead to fetch them.
+    """Which layers to pool, where they live, and how far ahead to fetch them.
+
+    Two ways to size the pool. ``device_budget`` (or ``fraction``) pools layers into host memory or a peer GPU
+    (EnergonAI's peer pool). ``memory_budget`` plans the three tiers (device, host, disk) with
+    :func:`tightfit.planner.pool.plan_pool`: layers that fit no memory budget stay in the model directory's own
+    safetensors files and are read from there into the prefetch slots on every pass (the disk tier: no
+    conversion, no second copy on disk), so a model larger than memory is served.
 
     Args:
-        fraction: share of each stage's layers to pool (0..1), spread evenly; ignored when
-            ``device_budget`` is given.
+        fraction: share of each stage's layers to pool (0..1), spread evenly; ignored when a budget is given.
         device_budget: bytes (or ``"2GiB"``) the stage's weights may take on the device; the plan pools
-            the fewest layers that fit.
+            the fewest layers that fit (into ``pool_device``; no disk tier).
+        memory_budget: bytes (or ``"2GiB"``) this rank's weights may take in memory, planned over device, host
+            and disk: on a CPU-only machine (device and host are one memory) everything the stage's weights
+            hold (embedding, head, kept layers, prefetch slots); on a GPU the device's share. KV cache and
+            activations come on top.
+        host_budget: with ``memory_budget`` on a GPU: host bytes for host-resident pooled layers and the disk
+            reads' staging slots (``None``: what is free, ``MemAvailable``). Ignored on a CPU-only machine.
+        disk: the disk the checkpoint is read from: ``None`` measures the model directory with
+            :func:`tightfit.profiler.disk.profile_disk` (quick, cached per filesystem), a preset name
+            (:func:`tightfit.profiler.disk_presets.disk_preset`, e.g. ``"nvme-gen4"``) or a
+            :class:`~tightfit.profiler.types.DiskProfile`.
         lookahead: pooled layers fetched ahead of the one running (slots = lookahead + 1).
         pool_device: where pooled weights live: ``"cpu"`` (host memory, pinned when the compute
             device is a GPU) or a peer GPU (``"cuda:1"``).
         cpu_prefetch: on a CPU-only machine, ``"thread"`` copies on a background thread (overlaps when
             a core is free) or ``"inline"`` copies in order on the compute thread (no hand-off cost;
             better when the cores are all busy). GPUs always use a side stream.
+        io_threads: disk reads in flight at once (each fills one slot; capped at the slot count).
+        drop_page_cache: after each disk read, tell the kernel the pages will not be needed again
+            (``POSIX_FADV_DONTNEED``): a streamed layer is read again next pass anyway, and under a memory
+            limit (a cgroup) the page cache counts against it.
     """
 
     fraction: float = 0.5
     device_budget: int | str | None = None
+    memory_budget: int | str | None = None
+    host_budget: int | str | None = None
+    disk: Any = None
     lookahead: int = 2
     pool_device: str = "cpu"
     cpu_prefetch: str = "thread"
+    io_threads: int = 2
+    drop_page_cache: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction={self.fraction} must be in [0, 1] (0 pools nothing, 1 pools every layer)")
         if self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead} must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads={self.io_threads} must be >= 1")
         if self.cpu_prefetch not in ("thread", "inline"):
             raise ValueError(f"cpu_prefetch={self.cpu_prefetch!r} must be 'thread' or 'inline'")
-        if isinstance(self.device_budget, str):
-            from tightfit.units import parse_bytes
+        if self.device_budget is not None and self.memory_budget is not None:
+            raise ValueError("give device_budget (a host/peer pool) or memory_budget (device, host and disk tiers), "
+                             "not both")
+        for name in ("device_budget", "memory_budget", "host_budget"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                from tightfit.units import parse_bytes
 
-            object.__setattr__(self, "device_budget", parse_bytes(self.device_budget))
+                object.__setattr__(self, name, parse_bytes(value))
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} must be a byte count >= 0 or a size such as '2GiB'")
+        if self.disk is not None and not isinstance(self.disk, str) and not hasattr(self.disk, "read_fit"):
+            raise ValueError(f"disk={self.disk!r} must be None (measure the model directory), a preset name such as "
+                             "'nvme-gen4', or a DiskProfile")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the pool is planned over device, host and disk (``memory_budget`` given)."""
+        return self.memory_budget is not None
 
 
 def stage_layer_bytes(stage: nn.Module) -> tuple[list[int], int]:
@@ -90,10 +133,12 @@ def _view(flat: torch.Tensor, shape: torch.Size, transposed: bool) -> torch.Tens
     return flat.view(shape[1], shape[0]).t() if transposed else flat.view(shape)
 
 
-class _Packed:
-    """One pooled block: its parameters packed into one flat pool tensor, and where each one sits in it."""
+class SlotLayer(ABC):
+    """A pooled block whose parameters are bound to views of a slot while it runs (and to meta placeholders
+    otherwise). Subclasses say where the bytes come from: :meth:`fill` writes the block's packed parameters
+    into a slot (``numel`` elements of ``dtype``, in the order of ``entries``)."""
 
-    def __init__(self, block: nn.Module, pool_device: torch.device, pin: bool):
+    def __init__(self, block: nn.Module):
         self.block = block
         # (module, name, offset, shape, stored transposed): input-major linear weights
         # (parallel.linear_weight) keep that layout in the pool and in every slot.
@@ -104,34 +149,61 @@ class _Packed:
             raise ValueError(f"a pooled layer must have one parameter dtype, found {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         self.numel = sum(p.numel() for _, _, p in params)
-        flat = torch.empty(self.numel, dtype=self.dtype, device=pool_device, pin_memory=pin)
         offset = 0
         for module, name, p in params:
             transposed = p.dim() == 2 and not p.is_contiguous() and p.t().is_contiguous()
-            flat[offset: offset + p.numel()].copy_((p.detach().t() if transposed else p.detach()).reshape(-1))
             self.entries.append((module, name, offset, p.shape, transposed))
-            # The device copy goes away; a meta placeholder makes any use outside the hooks fail loudly.
-            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                    requires_grad=False)
             offset += p.numel()
-        self.flat = flat
-        drop_packed(block)  # oneDNN copies of the weights would keep them resident (and go stale)
-        self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]
+        self.params = [p for _, _, p in params]
         self.views: dict[int, list[nn.Parameter]] = {}
+        self.placeholders: list[nn.Parameter] = []
 
-    def bind(self, slot_id: int, slot: torch.Tensor) -> None:
+    @abstractmethod
+    def fill(self, dst: torch.Tensor) -> None:
+        """Write this block's packed parameters into ``dst`` (a slot's first ``numel`` elements)."""
+
+    def _to_meta(self) -> None:
+        """Swap the parameters for meta placeholders: any use outside the pool's hooks fails loudly."""
+        for module, name, _, shape, _ in self.entries:
+            p = module._parameters[name]
+            assert p is not None
+            module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                    requires_grad=False)
+        drop_packed(self.block)  # oneDNN copies of the weights would keep them resident (and go stale)
+        self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]  # type: ignore[misc]
+
+    def slot_views(self, slot_id: int, slot: torch.Tensor) -> list[nn.Parameter]:
         views = self.views.get(slot_id)
         if views is None:  # built once per slot, outside any inference-mode region's lifetime concerns
             with torch.inference_mode(False):
                 views = [nn.Parameter(_view(slot[off: off + shape.numel()], shape, transposed), requires_grad=False)
                          for _, _, off, shape, transposed in self.entries]
             self.views[slot_id] = views
-        for (module, name, _, _, _), view in zip(self.entries, views):
+        return views
+
+    def bind(self, slot_id: int, slot: torch.Tensor) -> None:
+        for (module, name, _, _, _), view in zip(self.entries, self.slot_views(slot_id, slot)):
             module._parameters[name] = view
 
     def unbind(self) -> None:
         for (module, name, _, _, _), ph in zip(self.entries, self.placeholders):
             module._parameters[name] = ph
+
+
+class _Packed(SlotLayer):
+    """One pooled block: its parameters packed into one flat pool tensor (host memory or a peer GPU)."""
+
+    def __init__(self, block: nn.Module, pool_device: torch.device, pin: bool):
+        super().__init__(block)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=pool_device, pin_memory=pin)
+        for (_, _, offset, _, transposed), p in zip(self.entries, self.params):
+            flat[offset: offset + p.numel()].copy_((p.detach().t() if transposed else p.detach()).reshape(-1))
+        self.flat = flat
+        self.params = []
+        self._to_meta()
+
+    def fill(self, dst: torch.Tensor) -> None:
+        dst.copy_(self.flat, non_blocking=dst.device.type == "cuda")
 
 
 class LayerPool:
@@ -146,19 +218,23 @@ class LayerPool:
     """
 
     def __init__(self, stage: nn.Module, pooled: Sequence[int], *, lookahead: int = 2, pool_device: str = "cpu",
-                 cpu_prefetch: str = "thread"):
-        layers = stage.layers
-        assert isinstance(layers, nn.ModuleDict), "a DecoderStage keeps its blocks in a ModuleDict"
-        blocks = list(layers.values())
+                 cpu_prefetch: str = "thread", layers: Mapping[int, SlotLayer] | None = None, io_threads: int = 1,
+                 device: torch.device | None = None):
+        blocks_dict = stage.layers
+        assert isinstance(blocks_dict, nn.ModuleDict), "a DecoderStage keeps its blocks in a ModuleDict"
+        blocks = list(blocks_dict.values())
         bad = [i for i in pooled if not 0 <= i < len(blocks)]
         if bad:
             raise ValueError(f"pooled layer positions {bad} are outside this stage's {len(blocks)} layers")
-        self.device = next(stage.parameters()).device
+        given = dict(layers or {})
+        if set(given) - set(pooled):
+            raise ValueError(f"layers given for positions {sorted(set(given) - set(pooled))} that are not pooled")
+        self.device = device or next(p.device for p in stage.parameters() if p.device.type != "meta")
         self.pool_device = torch.device(pool_device)
         self.cuda = self.device.type == "cuda"
         pin = self.cuda and self.pool_device.type == "cpu"
         self.order = sorted(set(pooled))
-        self.packed = [_Packed(blocks[i], self.pool_device, pin) for i in self.order]
+        self.packed = [given[i] if i in given else _Packed(blocks[i], self.pool_device, pin) for i in self.order]
         n_slots = min(lookahead + 1, len(self.packed))
         self.lookahead = n_slots - 1
         width = max((p.numel for p in self.packed), default=0)
@@ -171,12 +247,20 @@ class LayerPool:
         self._slot_free_event: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._executor = None
+        # Layers whose fill is not a plain device copy (disk reads) run on threads even on a GPU.
+        self._threaded = {k for k, p in enumerate(self.packed) if not isinstance(p, _Packed)}
         if self.cuda:
             self._stream = torch.cuda.Stream(device=self.device)
-        elif cpu_prefetch == "thread":
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-prefetch")
+        if (not self.cuda and cpu_prefetch == "thread") or self._threaded:
+            workers = max(1, min(io_threads if self._threaded else 1, n_slots))
+            # One intra-op thread each: a copy on a thread of its own would otherwise start a second OpenMP
+            # team as wide as the compute's, and the teams' spinning barriers fight over the cores (profiled
+            # with two intra-op threads on 2 busy cores: 32 ms per F.linear of a 64-wide layer while copies ran).
+            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="energon-prefetch",
+                                                initializer=torch.set_num_threads, initargs=(1,))
         self.copies = 0
         self.waits = 0  # times a block had to wait for its copy (it was not prefetched in time or at all)
+        self.wait_s = 0.0  # compute thread's time spent waiting for copies
         position = {i: k for k, i in enumerate(self.order)}
         self._handles = []
         for i, block in enumerate(blocks):
@@ -189,7 +273,8 @@ class LayerPool:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(p.flat.numel() * p.flat.element_size() for p in self.packed)
+        """Bytes held in the pool (host or peer memory); disk layers hold none."""
+        return sum(p.flat.numel() * p.flat.element_size() for p in self.packed if isinstance(p, _Packed))
 
     @property
     def slot_bytes(self) -> int:
@@ -198,22 +283,36 @@ class LayerPool:
     # ------------------------------------------------------------------ copies
 
     def _copy(self, k: int, slot: int) -> Any:
-        src, dst = self.packed[k].flat, self.slots[slot][: self.packed[k].numel]
+        layer, dst = self.packed[k], self.slots[slot][: self.packed[k].numel]
         self.copies += 1
+        if k in self._threaded:  # a disk read: on a thread (the wait for the slot's last user too)
+            assert self._executor is not None
+            return self._executor.submit(self._fill_threaded, layer, dst, self._slot_free_event.pop(slot, None))
         if self.cuda:
             with torch.cuda.stream(self._stream):
                 event = self._slot_free_event.pop(slot, None)
                 if event is not None:
                     self._stream.wait_event(event)  # the block that used this slot last has finished with it
-                dst.copy_(src, non_blocking=True)
+                layer.fill(dst)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return event
         if self._executor is None:  # inline: in execution order, on this thread
-            done: Future[torch.Tensor] = Future()
-            done.set_result(dst.copy_(src))
+            done: Future[None] = Future()
+            layer.fill(dst)
+            done.set_result(None)
             return done
-        return self._executor.submit(dst.copy_, src)
+        return self._executor.submit(layer.fill, dst)
+
+    def _fill_threaded(self, layer: SlotLayer, dst: torch.Tensor, slot_free: Any) -> None:
+        if slot_free is not None:
+            slot_free.synchronize()
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                layer.fill(dst)
+            self._stream.synchronize()  # the staging buffer is reused by the next read
+        else:
+            layer.fill(dst)
 
     def _fill(self) -> None:
         """Start copies of the next pooled blocks (in execution order) while slots are free."""
@@ -224,19 +323,24 @@ class LayerPool:
             self._loaded.append((k, slot, self._copy(k, slot)))
 
     def _wait(self, handle: Any) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(handle)
-        else:
-            assert isinstance(handle, Future)
+        if isinstance(handle, Future):
             if not handle.done():
                 self.waits += 1
-            handle.result()
+                start = time.perf_counter()
+                handle.result()
+                self.wait_s += time.perf_counter() - start
+            handle.result()  # raises what the copy raised (a disk read's CheckpointChangedError)
+        else:
+            torch.cuda.current_stream(self.device).wait_event(handle)
 
     def _resync(self, k: int) -> None:
         """Execution left the expected order (an aborted step): drop prefetches, restart the cycle at ``k``."""
         while self._loaded:
             _, slot, handle = self._loaded.popleft()
-            self._wait(handle)
+            try:
+                self._wait(handle)
+            except Exception:  # noqa: BLE001 - a dropped prefetch's failure: the layer is read again when due
+                pass
             self._free_slots.append(slot)
         self._next_fetch = k
 
@@ -260,7 +364,11 @@ class LayerPool:
                 self._resync(k)
                 self._fill()
             _, slot, handle = self._loaded.popleft()
-            self._wait(handle)
+            try:
+                self._wait(handle)
+            except BaseException:
+                self._free_slots.append(slot)
+                raise
             self.packed[k].bind(slot, self.slots[slot])
             self._bound[k] = slot
             self._fill()

@@ -79,6 +79,31 @@ def _extra_eos(path: Path) -> tuple[int, ...]:
     return () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
 
 
+def _build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype, device: torch.device,
+                 offload: Sequence[int]) -> DecoderStage:
+    """The stage with its parameters allocated on ``device``, except the ``offload`` blocks' (left on meta:
+    never allocated, so a model larger than memory can be built)."""
+    if not offload:
+        return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
+    stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")
+    blocks = list(stage.layers.values())
+    skip = {id(m) for i in offload for m in blocks[i].modules()}
+    for module in stage.modules():
+        if id(module) in skip:
+            continue
+        for name, p in module._parameters.items():
+            if p is not None:  # empty_like keeps the strides (input-major linear weights stay so)
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+    return stage
+
+
+def _pack_loaded(stage: DecoderStage) -> int:
+    """:func:`pack_weights` for every part of ``stage`` that was loaded (offloaded blocks have nothing to pack)."""
+    loaded = [m for name, m in stage.named_children() if name != "layers"]
+    loaded += [b for b in stage.layers.values() if next(b.parameters()).device.type != "meta"]
+    return sum(pack_weights(m) for m in loaded)
+
+
 class ModelRunner:
     """A model stage on this rank, its KV cache, and the sampler (see the module docstring).
 
@@ -88,10 +113,12 @@ class ModelRunner:
         runtime: layout and cache settings.
         tokenizer: a ``tokenizers.Tokenizer`` (for string prompts, stop strings and output text), or ``None``.
         parts_fn: maps runtime parameter names to checkpoint tensors (default: Hugging Face names).
+        offload: positions (within this rank's stage) of blocks that are not loaded: their parameters stay
+            on the meta device for a memory pool to stream in (:mod:`energon_infer.worker.disk_pool`).
     """
 
     def __init__(self, config: ModelConfig, source: Any, runtime: RuntimeConfig | None = None, *,
-                 tokenizer: Any = None, parts_fn=hf_parts):
+                 tokenizer: Any = None, parts_fn=hf_parts, offload: Sequence[int] = ()):
         rt = runtime or RuntimeConfig()
         self.config, self.runtime, self.tokenizer = config, rt, tokenizer
         self.device = torch.device(rt.device) if rt.device else local_rank_device()
@@ -102,12 +129,13 @@ class ModelRunner:
         self._say(f"energon: {config.model_type} {config.n_params / 1e6:.1f}M params, {config.n_layers} layers "
                   f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
         num_blocks = -(-rt.kv_cache_tokens // rt.block_size)
-        check_stage_fits(config, len(layers[self.grid.stage]), tp=rt.tp, itemsize=self.dtype.itemsize,
+        offload = sorted(set(offload))
+        check_stage_fits(config, len(layers[self.grid.stage]) - len(offload), tp=rt.tp, itemsize=self.dtype.itemsize,
                          kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device)  # + the scratch block
-        self.stage = DecoderStage(config, self.grid, layers[self.grid.stage], dtype=self.dtype, device=self.device)
+        self.stage = _build_stage(config, self.grid, layers[self.grid.stage], self.dtype, self.device, offload)
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
-        if rt.packed_weights and (packed := pack_weights(self.stage)):
+        if rt.packed_weights and (packed := _pack_loaded(self.stage)):
             self._say(f"energon: projection weights packed for oneDNN (+{packed / 2**20:.1f} MiB)")
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
                              n_kv_heads=config.n_kv_heads // rt.tp, head_dim=config.head_dim, dtype=self.dtype,
@@ -115,7 +143,8 @@ class ModelRunner:
         # Blocks for the sequences of the step-level API (prefill/decode/step/forward without assign_blocks);
         # the engine's scheduler assigns its own, and the cache only holds tables.
         self.allocator = BlockManager(num_blocks, rt.block_size, prefix_caching=False)
-        self.decode_graphs = decode_graphs_for(self)  # None: every step runs on self.stage eagerly
+        # None: every step runs on self.stage eagerly (always with offloaded blocks: their weights move).
+        self.decode_graphs = None if offload else decode_graphs_for(self)
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
@@ -124,10 +153,12 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig | None = None, **kwargs: Any) -> ModelRunner:
+    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig | None = None, *, offload: Sequence[int] = (),
+                        **kwargs: Any) -> ModelRunner:
         """Load a Hugging Face directory (``config.json``, ``*.safetensors``, optional ``tokenizer.json``).
 
-        ``kwargs`` are :class:`RuntimeConfig` fields (``tp=2, pp=2, dtype="bfloat16"``).
+        ``kwargs`` are :class:`RuntimeConfig` fields (``tp=2, pp=2, dtype="bfloat16"``); ``offload``: blocks
+        left unloaded (see the class).
         """
         path = Path(path)
         if not path.is_dir():
@@ -137,7 +168,7 @@ class ModelRunner:
         config = load_config(path)
         reader = CheckpointReader(path)
         try:
-            runner = cls(config, reader, rt, tokenizer=_load_tokenizer(path))
+            runner = cls(config, reader, rt, tokenizer=_load_tokenizer(path), offload=offload)
         finally:
             reader.close()
         runner.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + _extra_eos(path)))

@@ -17,6 +17,7 @@ own (it polls), so no orphan holds a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import signal
@@ -100,7 +101,8 @@ class StageTimer:
     """
 
     def __init__(self, stage: torch.nn.Module, device: torch.device, *, mark: Callable[[], Any] | None = None,
-                 elapsed: Callable[[Any, Any], float] | None = None):
+                 elapsed: Callable[[Any, Any], float] | None = None, report: Callable[[], dict[str, Any]] | None = None):
+        self.report = report  # more to report with the times (the memory pool's counters)
         self.cuda = device.type == "cuda" and mark is None
         self.mark: Callable[[], Any] = mark or (self._cuda_mark if self.cuda else time.perf_counter)
         self.elapsed: Callable[[Any, Any], float] = elapsed or (self._cuda_elapsed if self.cuda else _subtract)
@@ -135,15 +137,17 @@ class StageTimer:
         self.spans.append((self.open, end))
         self.last = end
 
-    def snapshot(self, reset: bool = False) -> dict[str, float]:
+    def snapshot(self, reset: bool = False) -> dict[str, Any]:
         if self.cuda and self.spans:
             torch.cuda.synchronize()
         for start, end in self.spans:
             self.busy += self.elapsed(start, end)
         self.spans.clear()
         span = self.elapsed(self.first, self.last) if self.first is not None and self.last is not None else 0.0
-        out = {"busy_s": self.busy, "span_s": span, "steps": float(self.steps),
-               "utilisation": self.busy / span if span > 0 else 0.0}
+        out: dict[str, Any] = {"busy_s": self.busy, "span_s": span, "steps": float(self.steps),
+                               "utilisation": self.busy / span if span > 0 else 0.0}
+        if self.report is not None:
+            out.update(self.report())
         if reset:
             self.busy, self.first, self.last, self.steps = 0.0, None, None, 0
         return out
@@ -224,21 +228,56 @@ def _warm_up(runner: Any) -> None:
         runner.decode_graphs.capture_all()
 
 
+def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any]:
+    """Plan the device/host/disk pool on rank 0 for every stage, load this rank's stage without its disk layers,
+    and install the pool (:mod:`energon_infer.worker.disk_pool`)."""
+    import torch.distributed as dist
+
+    from energon_infer.loading.config import load_config
+    from energon_infer.parallel import local_rank_device
+    from energon_infer.worker.disk_pool import decode_plans, encode_plans, install_tiered_pool, plan_tiers
+    from energon_infer.worker.runtime import ModelRunner
+    from tightfit.distributed import decide_on_rank0
+
+    if source.kind != "pretrained":
+        raise ValueError(f"memory_budget streams layers from a Hugging Face safetensors directory; {source.path} is a "
+                         "training checkpoint: export it with save_pretrained first, or use device_budget")
+    cfg = load_config(source.path)
+    device = torch.device(runtime.device) if runtime.device else local_rank_device()
+    plans = decide_on_rank0(lambda: plan_tiers(source.path, cfg, tp=runtime.tp, pp=runtime.pp, dtype=runtime.dtype,
+                                               device_type=device.type, config=pool),
+                            encode=encode_plans, decode=decode_plans)
+    stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
+    plan = plans[stage]
+    runner = ModelRunner.from_pretrained(source.path, runtime, offload=plan.disk_layers)
+    return runner, install_tiered_pool(runner, plan, pool, source.path), plan
+
+
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
     """Load this rank's runner (and its memory pool), warm it up; returns it, its stage timer and what to report."""
-    runner = build_runner(source, runtime)
     pool_info = None
-    if pool is not None:
-        from energon_infer.worker.memory_pool import apply_memory_pool
+    report = None
+    if pool is not None and pool.tiered:
+        from energon_infer.worker.disk_pool import pool_snapshot
 
-        layer_pool, plan = apply_memory_pool(runner, pool)
+        runner, layer_pool, plan = _load_tiered(source, runtime, pool)
+        report = functools.partial(pool_snapshot, layer_pool, plan)
+    else:
+        runner = build_runner(source, runtime)
+    if pool is not None:
+        if not pool.tiered:
+            from energon_infer.worker.memory_pool import apply_memory_pool
+
+            layer_pool, plan = apply_memory_pool(runner, pool)
         pool_info = PoolInfo(pooled=tuple(plan.pooled), layers=plan.n_layers, pool_bytes=layer_pool.pool_bytes,
                              slot_bytes=layer_pool.slot_bytes, device_bytes=plan.device_bytes,
-                             layer_bytes=plan.slot_bytes)
+                             layer_bytes=plan.slot_bytes, plan=plan.to_json(),
+                             first_layer=runner.stage.layer_range.start)
+    weights = sum(p.numel() * p.element_size() for p in runner.stage.parameters() if p.device.type != "meta")
     info = WorkerInfo(rank=rank, pid=os.getpid(), kv_blocks=runner.cache.num_blocks,
                       block_size=runner.cache.block_size, config=runner.config.to_dict(),
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
-                      weight_bytes=sum(p.numel() * p.element_size() for p in runner.stage.parameters()), pool=pool_info)
+                      weight_bytes=weights, pool=pool_info)
     _warm_up(runner)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
@@ -248,7 +287,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
         info = dataclasses.replace(info, host_blocks=host_blocks, swap_s_per_block=swap_s,
                                    recompute_s_per_token=prefill_s)
     # The decode graphs' module when there is one: a replayed step never calls the stage's own hooks.
-    return runner, StageTimer(runner.decode_graphs or runner.stage, runner.device), info
+    return runner, StageTimer(runner.decode_graphs or runner.stage, runner.device, report=report), info
 
 
 def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], Command | None],
@@ -306,8 +345,10 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                         return None
 
         serve_commands(runner, timer, rank, next_command, out_q.put)
-    except BaseException:
-        out_q.put(WorkerError(rank, traceback.format_exc()))
+    except BaseException as exc:
+        from energon_infer.loading.safetensors_files import CheckpointChangedError
+
+        out_q.put(WorkerError(rank, traceback.format_exc(), fatal=isinstance(exc, CheckpointChangedError)))
         out_q.close()
         out_q.join_thread()  # make sure the report leaves before we exit
         raise SystemExit(1) from None

@@ -1,0 +1,229 @@
+"""The memory pool's disk tier: layers streamed from the checkpoint's own safetensors files on every pass.
+
+With ``MemoryPoolConfig(memory_budget=...)`` the pool is planned over three tiers by
+:func:`tightfit.planner.pool.plan_pool` (core): from each stage's per-layer bytes (measured on a meta copy
+of the stage), the bytes that always stay (embedding, head, norms, the read buffers), the budgets and the
+measured disk (:func:`tightfit.profiler.disk.profile_disk` of the model directory, cached per
+filesystem). The plan is made once, on rank 0 (:func:`tightfit.distributed.decide_on_rank0`), for every
+stage; each rank applies its stage's:
+
+* layers the plan places on disk are never loaded: the runner builds them on the meta device
+  (``ModelRunner(offload=...)``), and a :class:`DiskLayer` reads their bytes from the model directory
+  (:class:`~energon_infer.loading.safetensors_files.TensorFiles`, ``os.preadv`` by byte range, no
+  conversion, no second copy on disk) straight into a prefetch slot of the
+  :class:`~energon_infer.worker.memory_pool.LayerPool`, ``lookahead`` layers ahead, on ``io_threads``
+  threads, so the reads overlap the compute of the layers before; a tensor-parallel rank reads only its
+  own rows of each column-parallel weight;
+* host-tier layers (on a GPU) are a fixed set the planner chose, packed in host memory as the peer pool
+  does (a cyclic pass over the layers defeats an LRU cache: nothing is evicted at run time);
+* every read batch checks the files' size and modification time first and last
+  (:meth:`TensorFiles.check`): a checkpoint that changes under a running server stops it with
+  :class:`~energon_infer.loading.safetensors_files.CheckpointChangedError` naming the file.
+
+One pass of disk reads serves the whole running batch, so tokens/s grows with the batch until compute
+binds: the plan's I/O roofline is ``batch / io_seconds`` (:meth:`PoolPlan.io_roofline`), and
+:func:`pool_snapshot` reports the bytes actually read for the engine's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from energon_infer.loading.config import ModelConfig
+from energon_infer.loading.safetensors_files import TensorFiles
+from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts
+from energon_infer.parallel import Grid, split_layers
+from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
+from energon_infer.worker.model import DecoderStage
+from energon_infer.worker.runtime_config import DTYPES
+from tightfit.planner.pool import PoolPlan, plan_pool
+from tightfit.profiler.types import DiskProfile
+
+__all__ = ["DiskLayer", "plan_tiers", "resolve_disk", "install_tiered_pool", "pool_snapshot", "read_buffer_bytes"]
+
+
+class _Scratch(threading.local):
+    """One read buffer per I/O thread, reused for every tensor it reads (sized once: no growth while serving)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.buf: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        return self.buf
+
+
+class DiskLayer(SlotLayer):
+    """A block whose parameters stay in the checkpoint files and are read into a slot each time it runs.
+
+    Args:
+        block: the block, its parameters on the meta device (never loaded).
+        index: its layer number in the model (``layers.<index>.`` in the runtime's names).
+        files: the checkpoint's tensors by byte range.
+        cfg: the model; grid: this rank's place (which rows a column-parallel weight reads).
+        scratch: the per-thread read buffer.
+        nonfinite: the first read checks the values as loading does (``"warn"``, ``"error"``, ``"ignore"``).
+    """
+
+    def __init__(self, block: nn.Module, index: int, files: TensorFiles, cfg: ModelConfig, grid: Grid,
+                 scratch: _Scratch, *, nonfinite: str = "warn"):
+        super().__init__(block)
+        names = {id(p): n for n, p in block.named_parameters()}
+        keys = set(files.keys())
+        self.recipe = [(f"layers.{index}.{names[id(p)]}", hf_parts(cfg, f"layers.{index}.{names[id(p)]}", keys))
+                       for p in self.params]
+        missing = sorted({part.source for _, parts in self.recipe for part in parts if part.source not in keys})
+        if missing:
+            from energon_infer.loading.weights import WeightError
+
+            raise WeightError(f"the checkpoint in {files.path} lacks {missing[:5]}, which layer {index} of this "
+                              f"{cfg.model_type} config needs; check that config.json belongs to these weights")
+        self.placeholders = list(self.params)  # already meta
+        self.params = []
+        self.index, self.files, self.cfg, self.grid, self.scratch = index, files, cfg, grid, scratch
+        self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
+        self.nonfinite = nonfinite
+        self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
+        self.reads = 0
+        self.bytes_read = 0
+        self.read_s = 0.0
+
+    def _fetch(self, part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+        ext, grid = self.files.extents[part.source], self.grid
+        buf = self.scratch.get()
+        if (part.split == "col" and part.transform is None and grid.tp > 1 and ext.shape
+                and ext.shape[0] % grid.tp == 0):
+            rows = ext.shape[0] // grid.tp  # this rank's rows only: a contiguous byte range
+            t = self.files.read(part.source, (grid.tp_rank * rows, (grid.tp_rank + 1) * rows), out=buf)
+            self.bytes_read += t.numel() * t.element_size()
+            self._last = None
+            return t, ext.shape, True
+        if self._last is not None and self._last[0] == part.source:
+            t = self._last[1]  # GPT-2's fused c_attn feeds q, k and v: read once (still in the buffer)
+        else:
+            t = self.files.read(part.source, out=buf)
+            self.bytes_read += ext.nbytes
+            self._last = (part.source, t)
+        if part.transform is not None:
+            t = part.transform(t)
+        return t, tuple(t.shape), False
+
+    def fill(self, dst: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.files.check(self.used)
+        self._last = None
+        nonfinite = self.nonfinite if self.reads == 0 else "ignore"  # checked once, as loading does
+        for (_, _, off, shape, transposed), (name, parts) in zip(self.entries, self.recipe):
+            view = _view(dst[off: off + shape.numel()], shape, transposed)
+            build_param(self.cfg, self.grid, name, tuple(shape), parts, self._fetch, nonfinite=nonfinite, out=view)
+        self.files.check(self.used)  # changed while we read: these bytes may mix two versions
+        self.reads += 1
+        self.read_s += time.perf_counter() - start
+
+
+def resolve_disk(disk: Any, path: str | Path) -> DiskProfile:
+    """The disk profile a plan uses: ``disk`` itself, a preset by name, or the model directory measured."""
+    if isinstance(disk, DiskProfile):
+        return disk
+    usage = shutil.disk_usage(path)
+    if isinstance(disk, str):
+        from tightfit.profiler.disk_presets import disk_preset
+
+        return disk_preset(disk, path=str(path), free_bytes=usage.free, total_bytes=usage.total)
+    from tightfit.profiler.disk import profile_disk
+
+    return profile_disk(path, quick=True, progress=False)
+
+
+def _meta_stage(cfg: ModelConfig, tp: int, pp: int, stage: int, dtype: torch.dtype) -> DecoderStage:
+    grid = Grid(tp=tp, pp=pp, stage=stage)
+    return DecoderStage(cfg, grid, split_layers(cfg.n_layers, pp)[stage], dtype=dtype, device="meta")
+
+
+def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) -> int:
+    """One I/O thread's read buffer: the largest checkpoint tensor a block of ``stage`` reads."""
+    keys, largest = set(files.keys()), 0
+    for name, _ in stage.named_parameters():
+        if name.startswith("layers."):
+            for part in hf_parts(cfg, name, keys):
+                if part.source in files.extents:
+                    largest = max(largest, files.extents[part.source].nbytes)
+    return largest
+
+
+def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: str, device_type: str,
+               config: MemoryPoolConfig) -> list[PoolPlan]:
+    """Every stage's pool plan over device, host and disk (pure but for reading headers and the disk profile).
+
+    On a CPU-only machine host and device are one memory (``unified``): ``memory_budget`` covers the
+    stage's resident weights, kept layers, prefetch slots and read buffers, and only the disk tier saves
+    memory. On a GPU ``memory_budget`` is the device's and ``host_budget`` (default: the host's free memory
+    split among the ranks) the host's.
+    """
+    assert config.memory_budget is not None, "plan_tiers needs MemoryPoolConfig(memory_budget=...)"
+    disk = resolve_disk(config.disk, path)
+    unified = device_type != "cuda"
+    files = TensorFiles(path)
+    try:
+        plans = []
+        for s in range(pp):
+            stage = _meta_stage(cfg, tp, pp, s, DTYPES[dtype])
+            layers, resident = stage_layer_bytes(stage)
+            buffers = read_buffer_bytes(stage, cfg, files) * config.io_threads
+            host = config.host_budget
+            if not unified and host is None:
+                free = available_bytes(torch.device("cpu"))
+                host = None if free is None else free // (tp * pp)
+            if not unified and host is not None:
+                host = max(0, int(host) - buffers)
+            plans.append(plan_pool(layers, resident_bytes=resident + (buffers if unified else 0),
+                                   budget_bytes=int(config.memory_budget), lookahead=config.lookahead,
+                                   host_budget_bytes=None if unified else host, disk=disk, unified=unified,
+                                   sharers=tp * pp))
+        return plans
+    finally:
+        files.close()
+
+
+def encode_plans(plans: list[PoolPlan]) -> str:
+    return json.dumps([p.to_json() for p in plans])
+
+
+def decode_plans(text: str) -> list[PoolPlan]:
+    return [PoolPlan.from_json(t) for t in json.loads(text)]
+
+
+def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, path: str | Path) -> LayerPool:
+    """Install the pool of ``plan`` on a runner loaded with ``offload=plan.disk_layers`` (those blocks on meta)."""
+    stage, cfg, grid = runner.stage, runner.config, runner.grid
+    files = TensorFiles(path, drop_page_cache=config.drop_page_cache)
+    scratch = _Scratch(read_buffer_bytes(stage, cfg, files))
+    blocks = list(stage.layers.items())
+    disk = {i: DiskLayer(blocks[i][1], int(blocks[i][0]), files, cfg, grid, scratch,
+                         nonfinite=runner.runtime.nonfinite_weights) for i in plan.disk_layers}
+    pool = LayerPool(stage, plan.pooled, lookahead=plan.lookahead, pool_device=config.pool_device,
+                     cpu_prefetch=config.cpu_prefetch, layers=disk, io_threads=config.io_threads, device=runner.device)
+    if plan.pooled:  # a CUDA graph replays the weights' old addresses; pooled layers move every step
+        runner.decode_graphs = None
+    return pool
+
+
+def pool_snapshot(pool: LayerPool | None, plan: PoolPlan | None) -> dict[str, Any]:
+    """What a rank's pool did since it started: disk reads by layer (model layer numbers), bytes, seconds."""
+    if pool is None or plan is None:
+        return {}
+    disk = [layer for layer in pool.packed if isinstance(layer, DiskLayer)]
+    return {"disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
+            "disk_bytes_read": sum(d.bytes_read for d in disk), "disk_read_s": sum(d.read_s for d in disk),
+            "pool_wait_s": pool.wait_s, "pool_waits": pool.waits, "pool_copies": pool.copies,
+            "disk_bytes_per_pass": plan.disk_bytes, "io_seconds_per_pass": plan.io_seconds}

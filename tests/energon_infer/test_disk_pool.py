@@ -1,0 +1,237 @@
+"""The memory pool's disk tier: layers read from the checkpoint's own safetensors files, exactly, and only those.
+
+Tiny budgets force layers onto disk; each test checks which layers were read and how many bytes, and that
+logits and greedy tokens equal the all-in-RAM runtime (GPT-2, OPT and LLaMA/GQA checkpoints, sharded and
+not, at tp=1, and an engine at tp=2 over gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from energon_infer import ModelRunner, SamplingParams
+from energon_infer.loading.config import load_config
+from energon_infer.loading.safetensors_files import CheckpointChangedError, TensorFiles, read_header
+from energon_infer.loading.weights import WeightError
+from energon_infer.worker.disk_pool import install_tiered_pool, plan_tiers, pool_snapshot
+from energon_infer.worker.memory_pool import MemoryPoolConfig, stage_layer_bytes
+from tests.energon_infer.tiny import PROMPTS, save_tiny
+from tests.helpers.runif import RunIf
+from tightfit.planner.errors import PlanInfeasibleError
+from tightfit.planner.tiers import disk_seconds
+from tightfit.profiler.types import DiskProfile
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+OPTS = dict(progress=False, block_size=4, packed_weights=False)  # F.linear everywhere: bitwise comparisons
+
+
+def _disk(path) -> DiskProfile:
+    return DiskProfile(path=str(path), free_bytes=10**12, read_fit=(1e-4, 2e9))
+
+
+def _budget(path, keep: int, *, lookahead: int = 1, threads: int = 2, tp: int = 1) -> tuple[int, list[int], int]:
+    """A unified (CPU) budget that holds the resident weights, ``keep`` layers, the slots and the read buffers."""
+    from energon_infer.loading.safetensors_files import TensorFiles
+    from energon_infer.worker.disk_pool import _meta_stage, read_buffer_bytes
+
+    cfg = load_config(path)
+    stage = _meta_stage(cfg, tp, 1, 0, torch.float32)
+    layers, resident = stage_layer_bytes(stage)
+    files = TensorFiles(path)
+    buffers = read_buffer_bytes(stage, cfg, files) * threads
+    files.close()
+    return resident + buffers + (keep + lookahead + 1) * max(layers), layers, resident
+
+
+def _tiered(path, memory_budget, **kw):
+    cfg = load_config(path)
+    config = MemoryPoolConfig(memory_budget=memory_budget, disk=_disk(path), lookahead=1, **kw)
+    plan = plan_tiers(path, cfg, tp=1, pp=1, dtype="float32", device_type="cpu", config=config)[0]
+    runner = ModelRunner.from_pretrained(path, offload=plan.disk_layers, **OPTS)
+    return runner, install_tiered_pool(runner, plan, config, path), plan
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
+def test_disk_layers_stream_from_the_checkpoint_and_equal_the_loaded_model(tmp_path, family):
+    depth = {"gpt2": {"n_layer": 5}}.get(family, {"num_hidden_layers": 5})
+    path = save_tiny(family, tmp_path / family, shard="40KB" if family == "llama" else None, **depth)
+    ref = ModelRunner.from_pretrained(path, **OPTS)
+    budget, layers, _ = _budget(path, keep=1)
+    runner, pool, plan = _tiered(path, budget)
+    n = len(layers)
+    assert plan.disk_layers and len(plan.disk_layers) == n - 1 and plan.tier_of(plan.disk_layers[0]) == "disk"
+    for i in plan.disk_layers:  # never loaded: the block's parameters are placeholders on the meta device
+        assert runner.stage.layers[str(i)].qkv.weight.device.type == "meta"
+    items = list(enumerate(PROMPTS))
+    assert torch.equal(runner.forward(items, all_logits=True), ref.forward(items, all_logits=True))
+    gen = [g.token_ids for g in runner.generate(PROMPTS, GREEDY)]
+    assert gen == [g.token_ids for g in ref.generate(PROMPTS, GREEDY)]
+    snap = pool_snapshot(pool, plan)
+    passes = 1 + GREEDY.max_tokens  # the forward, one prefill step and 4 decode steps (the last token is not fed)
+    assert snap["disk_layers"] == list(plan.disk_layers)
+    for i in plan.disk_layers:  # each disk layer once per pass, plus at most the prefetch for the next one
+        assert passes <= snap["disk_reads"][i] + 1 <= passes + 1 + 1
+    assert snap["disk_bytes_read"] == sum(snap["disk_reads"][i] * layers[i] for i in plan.disk_layers)
+    assert plan.disk_bytes == sum(layers[i] for i in plan.disk_layers)
+    pool.close()
+
+
+def test_plan_prices_the_reads_with_the_given_disk_and_fits_the_budget(tmp_path):
+    path = save_tiny("llama", tmp_path / "m", shard=None, num_hidden_layers=5)
+    budget, layers, resident = _budget(path, keep=1)
+    _, pool, plan = _tiered(path, budget)
+    assert len(plan.disk_layers) == 4
+    disk = _disk(path)
+    assert plan.io_seconds == pytest.approx(sum(disk_seconds(disk, layers[i]) for i in plan.disk_layers))
+    assert plan.device_bytes + plan.host_bytes <= budget
+    assert plan.io_roofline(32) == pytest.approx(32 / plan.io_seconds)
+    pool.close()
+    with pytest.raises(PlanInfeasibleError, match="raise the budget") as err:
+        _tiered(path, resident // 2)
+    assert err.value.tier == "device" and err.value.budget_bytes == resident // 2
+
+
+def test_a_checkpoint_changed_under_the_pool_is_refused_naming_the_file(tmp_path):
+    path = save_tiny("llama", tmp_path / "m", shard=None)
+    budget, _, _ = _budget(path, keep=0)
+    runner, pool, plan = _tiered(path, budget)
+    runner.forward([(0, PROMPTS[0])])
+    file = path / "model.safetensors"
+    st_ = file.stat()
+    os.utime(file, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))  # same bytes, new mtime: refused all the same
+    with pytest.raises(CheckpointChangedError, match=r"model\.safetensors changed .*mtime.*restart the engine"):
+        runner.forward([(1, PROMPTS[1])])
+    pool.close()
+
+
+def _header_file(path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(st.integers(0, 5), max_size=3), dtype=st.sampled_from(["F32", "F16", "BF16", "I64"]),
+       extra=st.integers(-3, 3), begin=st.integers(0, 8))
+def test_headers_are_checked_against_the_file(tmp_path, shape, dtype, extra, begin):
+    """A header whose offsets do not hold exactly the tensor's bytes inside the file raises WeightError naming
+    it; a correct one reads back what was written."""
+    size = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}[dtype]
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * size
+    end = begin + nbytes + extra
+    header = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}}).encode()
+    file = tmp_path / "x.safetensors"
+    _header_file(file, header, bytes(range(256)) * (1 + (begin + nbytes) // 256))
+    data_len = len(bytes(range(256)) * (1 + (begin + nbytes) // 256))
+    if extra != 0 or end > data_len or end < begin:
+        with pytest.raises(WeightError, match=r"x\.safetensors is not a valid safetensors file"):
+            read_header(file)
+        return
+    ext = read_header(file)["t"]
+    assert ext.shape == tuple(shape) and ext.nbytes == nbytes and ext.start == 8 + len(header) + begin
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x01\x02", struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 4) + b"[1]x",
+                                  struct.pack("<Q", 2) + b"{", struct.pack("<Q", 30) + b'{"t": {"dtype": "F32"}}      '])
+def test_garbage_headers_raise_weight_error(tmp_path, blob):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(blob)
+    with pytest.raises(WeightError, match="model.safetensors is not a valid safetensors file"):
+        read_header(file)
+
+
+def test_rows_of_a_tensor_are_read_by_byte_range(tmp_path):
+    from safetensors.torch import save_file
+
+    w = torch.randn(6, 5)
+    save_file({"w": w, "b": torch.arange(3, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    files = TensorFiles(tmp_path)
+    assert torch.equal(files.read("w", (2, 4)), w[2:4]) and torch.equal(files.read("w"), w)
+    assert files.read("b").tolist() == [0, 1, 2]
+    files.close()
+
+
+def test_engine_serves_beyond_its_budget_and_reports_the_disk_tier(tmp_path):
+    from energon_infer.engine.engine import Engine
+
+    path = save_tiny("llama", tmp_path / "m", shard=None)
+    budget, layers, resident = _budget(path, keep=0)
+    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, **OPTS).generate(PROMPTS, GREEDY)]
+    pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
+    with Engine.from_pretrained(path, memory_pool=pool, progress=False, threads_per_worker=1, block_size=4,
+                                packed_weights=False, kv_cache_tokens=512) as engine:
+        out = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+        report = engine.memory_report()
+        metrics = engine.render_metrics()
+        file = path / "model.safetensors"
+        file.write_bytes(file.read_bytes() + b"\0")  # the checkpoint grows under the server
+        from energon_infer.engine.controller import WorkerFailedError
+
+        with pytest.raises(WorkerFailedError, match=r"CheckpointChangedError: .*model\.safetensors changed"):
+            engine.generate([PROMPTS[0]], GREEDY)
+        assert engine.health()["status"] == "failed" and "model.safetensors" in engine.health()["last_error"]
+    assert out == ref
+    rank = report["ranks"][0]
+    assert [rank["tiers"][i] for i in range(len(layers))] == ["disk"] * len(layers)
+    assert rank["disk_layers"] == list(range(len(layers))) and rank["disk_bytes_read"] > 0
+    assert rank["disk_bytes_read"] == sum(n * layers[i] for i, n in rank["disk_reads"].items())
+    assert report["io_roofline_tokens_per_s"] == pytest.approx(report["mean_batch"] / rank["io_seconds"])
+    assert report["tokens_per_s"] > 0 and "energon_pool_io_roofline_tokens_per_s" in metrics
+    with pytest.raises(PlanInfeasibleError, match="device budget|needs at least") as err:
+        Engine.from_pretrained(path, memory_pool=MemoryPoolConfig(memory_budget=resident // 4, disk=_disk(path)),
+                               progress=False)
+    assert err.value.tier == "device"
+
+
+def _tp2_reads(rank: int, world: int, path: str, budget: int) -> dict:
+    from energon_infer.worker.runtime import RuntimeConfig
+    from energon_infer.worker.workers import ModelSource, load_worker
+
+    pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
+    runner, timer, info = load_worker(ModelSource("pretrained", path), RuntimeConfig(tp=2, **OPTS), pool, rank)
+    gen = [g.token_ids for g in runner.generate(PROMPTS, GREEDY)]
+    return {"gen": gen, "stats": timer.snapshot(), "plan": info.pool.plan}
+
+
+@RunIf(min_world=2)
+def test_tp2_ranks_read_only_their_slices_and_equal_the_loaded_model(tmp_path):
+    from tests.helpers.multiprocess import run_distributed
+
+    path = save_tiny("llama", tmp_path / "m", shard="40KB")
+    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, **OPTS).generate(PROMPTS, GREEDY)]
+    _, layers, _ = _budget(path, keep=0)
+    budget, _, _ = _budget(path, keep=0, tp=2)
+    out = run_distributed(_tp2_reads, 2, args=(str(path), budget))
+    assert out[0]["gen"] == ref and out[1]["gen"] == ref
+    assert out[0]["plan"] == out[1]["plan"]  # decided once, on rank 0
+    full_layer = layers[0]
+    for r in out:
+        st_ = r["stats"]
+        reads = sum(st_["disk_reads"].values())
+        assert st_["disk_layers"] and reads > 0
+        # Each rank reads its half of q/k/v, gate/up (column-parallel rows) and all of o/down: less than a layer.
+        assert st_["disk_bytes_read"] < reads * full_layer
+
+
+def test_readme_serving_beyond_memory_snippet_runs(tmp_path):
+    """The README's "### Serving beyond memory" block, as a script (its engine spawns a worker that imports it)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Serving beyond memory", 1)[1].split("\n### ", 1)[0]
+    script = tmp_path / "snippet.py"
+    script.write_text(re.findall(r"```python\n(.*?)```", section, re.S)[0])
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "'disk'" in out.stdout and "I/O roofline" in out.stdout
