@@ -125,6 +125,7 @@ def _tree_read_bytes() -> int:
 
 
 def run_energon(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine; each prompt set of ``spec["prompt_sets"]`` (or ``spec["prompts"]``) generated in turn."""
     from energon_infer.engine.engine import Engine
     from energon_infer.sampling import SamplingParams
 
@@ -133,47 +134,43 @@ def run_energon(spec: dict[str, Any]) -> dict[str, Any]:
         from energon_infer.worker.memory_pool import MemoryPoolConfig
 
         pool = MemoryPoolConfig(**spec["pool"])
-    prompts, n = spec["prompts"], spec["new_tokens"]
+    n = spec["new_tokens"]
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(spec["model"], memory_pool=pool, progress=False,
                                     threads_per_worker=spec["threads"], **spec.get("options", {}))
     load_s = time.perf_counter() - t0
+    runs = []
     try:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        read0 = _tree_read_bytes()
-        start = time.monotonic()
-        done = engine.generate(prompts, params)
-        end = time.monotonic()
-        read1 = _tree_read_bytes()
-        first = min(c.first_token for c in done if c.first_token is not None)  # type: ignore[attr-defined]
-        info = _pool_info(engine)
+        for prompts in spec.get("prompt_sets") or [spec["prompts"]]:
+            if pool is not None:
+                engine.memory_report()  # the report below covers this set only
+            read0 = _tree_read_bytes()
+            start = time.monotonic()
+            done = engine.generate(prompts, params)
+            end = time.monotonic()
+            read1 = _tree_read_bytes()
+            first = min(c.first_token for c in done if c.first_token)
+            runs.append({"tokens": [list(c.token_ids) for c in done], "ttft_s": first - start, "seconds": end - start,
+                         "load_s": load_s, "read_bytes": read1 - read0, "pool": _pool_info(engine, pool is not None)})
     finally:
         engine.shutdown()
-    return {"tokens": [list(c.token_ids) for c in done], "ttft_s": first - start, "seconds": end - start,
-            "load_s": load_s, "read_bytes": read1 - read0, "pool": info}
+    return runs[0] if "prompt_sets" not in spec else {"runs": runs}
 
 
-def _pool_info(engine: Any) -> dict[str, Any]:
-    """What the plan put where (whatever of it the worker reports): layers and bytes per tier."""
-    out: dict[str, Any] = {}
-    for info in getattr(engine, "worker_info", [])[:1]:
-        out["weight_bytes"] = getattr(info, "weight_bytes", None)
-        pool = getattr(info, "pool", None)
-        if pool is None:
-            continue
-        for key in ("layer_bytes", "device_bytes", "host_bytes", "disk_bytes", "disk_bytes_per_step",
-                    "io_seconds", "io_roofline"):
-            val = getattr(pool, key, None)
-            if isinstance(val, (int, float)):
-                out[key] = val
-        for key in ("pooled", "disk_layers", "host_layers", "resident", "tier_of"):
-            val = getattr(pool, key, None)
-            if val is not None:
-                try:
-                    out[key] = json.loads(json.dumps(val, default=str))
-                except (TypeError, ValueError):
-                    out[key] = str(val)
-    return out
+def _pool_info(engine: Any, pooled: bool) -> dict[str, Any]:
+    """The engine's own memory report (tiers of the layers, disk reads, bytes streamed per step, its roofline)."""
+    if not pooled:
+        return {"weight_bytes": engine.worker_info[0].weight_bytes}
+    rep = engine.memory_report()
+    rank = rep["ranks"][0]
+    tiers = rank.get("tiers", {})
+    out = {k: rep[k] for k in ("steps", "mean_batch", "tokens_per_s", "io_seconds_per_step", "disk_bytes_per_step",
+                               "io_roofline_tokens_per_s", "roofline_fraction") if k in rep}
+    out.update({k: v for k, v in rank.items() if k != "tiers" and isinstance(v, (int, float, str))})
+    out["tiers"] = {str(k): str(v) for k, v in tiers.items()}
+    out["disk_layers"] = sorted(int(k) for k, v in tiers.items() if "disk" in str(v).lower())
+    return json.loads(json.dumps(out, default=str))
 
 
 # ---------------------------------------------------------------------------- transformers + accelerate
@@ -252,7 +249,7 @@ def run_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     ctx = ll.llama_init_from_model(model, cparams)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
-    vocab = ll.llama_n_vocab(ll.llama_model_get_vocab(model))
+    vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     load_s = time.perf_counter() - t0
     batch = ll.llama_batch_init(cparams.n_batch, 0, len(prompts))
 
