@@ -9,92 +9,18 @@ with the project's venv, the transformers + accelerate and llama.cpp peers with 
 the runner that needs it). Every runner reports the same fields: greedy token ids per prompt, seconds from
 submission to the first token of the batch (TTFT) and to the last, seconds to load, and the bytes the
 process tree read from the block device during the decode steps (``/proc/<pid>/io`` ``read_bytes``).
-
-This module also holds the minimal cgroup v1 helper (:class:`MemoryLimit`) the benchmark uses while
-``benchmarks/memlimit.py`` has not landed on main.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 RESULT_TAG = "OFFLOAD_RESULT "
-
-
-class MemoryLimit:
-    """A cgroup v1 memory group ``NAME`` with a hard limit; run one command in it, then read its peak and OOM kills.
-
-    ``MemoryLimit.available()`` says why not where the group cannot be made (not root, no cgroup v1 memory).
-    """
-
-    def __init__(self, name: str, limit_bytes: int) -> None:
-        self.dir = CGROUP_ROOT / name
-        self.limit_bytes = limit_bytes
-        if self.dir.exists():
-            self.dir.rmdir()  # a group left by an earlier, killed run (fails if it still has processes)
-        self.dir.mkdir()
-        (self.dir / "memory.limit_in_bytes").write_text(str(limit_bytes))
-
-    @staticmethod
-    def available() -> str:
-        if os.geteuid() != 0:
-            return "not root: a memory cgroup cannot be created"
-        if not (CGROUP_ROOT / "memory.limit_in_bytes").exists():
-            return f"no cgroup v1 memory controller at {CGROUP_ROOT}"
-        return ""
-
-    def run(self, cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> tuple[int, str, str]:
-        """Run ``cmd`` inside the group (it joins before ``exec``); ``(exit code, stdout, stderr)``; -9 on timeout."""
-        procs = str(self.dir / "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                                preexec_fn=join, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            return -9, out, err + f"\n(killed after {timeout_s:.0f} s)"
-        return proc.returncode, out, err
-
-    def peak_bytes(self) -> int:
-        return int((self.dir / "memory.max_usage_in_bytes").read_text())
-
-    def oom_kills(self) -> int:
-        for line in (self.dir / "memory.oom_control").read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-        return 0
-
-    def close(self) -> None:
-        for _ in range(50):  # the group's last processes may still be exiting
-            try:
-                self.dir.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
-def drop_page_cache() -> str:
-    """``echo 3 > /proc/sys/vm/drop_caches`` (after ``sync``); "" or why it could not."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3")
-    except OSError as exc:
-        return f"could not drop the page cache: {exc}"
-    return ""
 
 
 def _tree_read_bytes() -> int:

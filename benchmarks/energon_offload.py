@@ -56,8 +56,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._offload_children import RESULT_TAG, MemoryLimit, drop_page_cache
+from benchmarks._offload_children import RESULT_TAG
 from benchmarks.common import parser, plot_path, write_result
+from benchmarks.memlimit import drop_page_cache, limit_unavailable, run_limited
 
 NAME = "energon_offload"
 TITLE = "energon_infer beyond memory: weights streamed from the checkpoint's files under a hard memory limit"
@@ -255,21 +256,15 @@ def _energon_pool(budget: int) -> dict[str, Any]:
 
 def run_cell(contender: str, python: str, spec: dict[str, Any], limit: int | None, timeout_s: float) -> dict[str, Any]:
     """One contender on one batch, in a fresh cgroup, after dropping the page cache."""
-    name = f"energon-disk-bench-{os.getpid()}"
-    note = drop_page_cache()
-    group = MemoryLimit(name, limit if limit else 2**62)
+    note = "" if drop_page_cache() else "could not drop the page cache (not root?)"
     with tempfile.TemporaryDirectory(prefix="energon-offload-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), PYTHONPATH=str(ROOT))
-        try:
-            start = time.perf_counter()
-            rc, out, err = group.run([python, "-m", "benchmarks._offload_children", str(path)], timeout_s=timeout_s,
-                                     env=env, cwd=ROOT)
-            wall = time.perf_counter() - start
-            peak, kills = group.peak_bytes(), group.oom_kills()
-        finally:
-            group.close()
+        run = run_limited([python, "-m", "benchmarks._offload_children", str(path)], limit if limit else 2**62,
+                          name="energon-offload", env=env, cwd=ROOT, timeout=timeout_s)
+    rc, out, err, wall = run.returncode, run.stdout, run.stderr, run.wall_seconds
+    peak, kills = run.peak_bytes, int(run.oom_killed)
     cell: dict[str, Any] = {"rc": rc, "peak_bytes": peak, "oom_kills": kills, "process_s": wall,
                             "limit_bytes": limit, "cache_note": note}
     line = next((x for x in out.splitlines() if x.startswith(RESULT_TAG)), None)
@@ -353,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or 1
     threads = os.cpu_count() or 1
     skipped: dict[str, str] = {}
-    why = MemoryLimit.available()
+    why = limit_unavailable()
     if why:
         print(f"energon_offload: {why}; no hard limit, nothing to measure", file=sys.stderr)
         return 2
