@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import left_padded
+
 RESULT_TAG = "OFFLOAD_RESULT "
 
 
@@ -127,12 +129,7 @@ def run_accelerate(spec: dict[str, Any]) -> dict[str, Any]:
             return scores
 
     prompts, n = spec["prompts"], spec["new_tokens"]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     stamp = Stamp()
     read0 = _tree_read_bytes()
     start = time.monotonic()
@@ -141,7 +138,7 @@ def run_accelerate(spec: dict[str, Any]) -> dict[str, Any]:
                              pad_token_id=0, logits_processor=LogitsProcessorList([stamp]))
     end = time.monotonic()
     read1 = _tree_read_bytes()
-    return {"tokens": out[:, width:].tolist(), "ttft_s": stamp.times[0] - start, "seconds": end - start,
+    return {"tokens": out[:, ids.shape[1]:].tolist(), "ttft_s": stamp.times[0] - start, "seconds": end - start,
             "load_s": load_s, "read_bytes": read1 - read0, "devices": devices}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 __all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
-           "resident_bytes", "measure_peak", "run_two_ranks", "source_commit"]
+           "resident_bytes", "measure_peak", "run_two_ranks", "source_commit", "left_padded"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,3 +182,19 @@ def run_two_ranks(rank_fn: Callable[..., None], quick: bool, repeats: int) -> di
     out = Path(tempfile.mkdtemp()) / "results.json"
     mp.spawn(rank_fn, args=(2, port, quick, repeats, str(out)), nprocs=2, join=True)
     return json.loads(out.read_text())
+
+
+def left_padded(prompts: Sequence[Sequence[int]]):
+    """``(input_ids, attention_mask)`` of prompts left-padded to the longest (``generate``'s batched form).
+
+    torch is imported here, not at the top: this module must import with the standard library alone (the
+    peer venvs and the GPU image run it)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    return ids, mask

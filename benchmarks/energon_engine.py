@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import parser, plot_path, summarize, write_result
+from benchmarks.common import left_padded, parser, plot_path, summarize, write_result
 
 NAME = "energon_engine"
 TITLE = "energon_infer engine (CPU): continuous batching, memory pooling, non-blocking pipeline"
@@ -175,17 +175,12 @@ def flops_per_token(hidden: int, layers: int, vocab: int) -> float:
 @torch.no_grad()
 def transformers_batched(model: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """``generate`` on the whole batch, left-padded (its strongest form on one core)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                          do_sample=False, pad_token_id=0)
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": (out.shape[1] - width) * len(prompts) / seconds, "seconds": seconds}
+    return {"tokens_per_s": (out.shape[1] - ids.shape[1]) * len(prompts) / seconds, "seconds": seconds}
 
 
 def replay_prefix(engine: Any, trace: list[tuple[float, list[int], int]]) -> dict[str, float]:

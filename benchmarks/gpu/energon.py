@@ -69,14 +69,9 @@ def _lengths(n: int, lo: int, hi: int) -> list[int]:
 
 
 def _padded(prompts, device):
-    import torch
+    from benchmarks.common import left_padded
 
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     return ids.to(device), mask.to(device)
 
 
