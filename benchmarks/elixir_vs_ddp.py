@@ -14,6 +14,10 @@ of the steps after the first two (warm-up: lazy init, first allocations), on ran
 after a warm-up round (Elixir's calibration runs, and is cached, there). Reported: the median of the repeats beside
 min/max, the ratio of medians, and the plan Elixir chose (unit modes, offload, recomputation, how it searched and
 which cost model priced it) and how the runtime applied it (``DDP``: torch's composable ``replicate``; ``FSDP2``).
+
+A third contender, ``elixir on FSDP2``, runs the same default strategy with the all-replicate plan applied the way
+it was before ``lightning_elixir.replicate`` existed (``fully_shard`` on a ``(world, 1)`` mesh): the before/after of
+that change, measured in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from benchmarks.common import parser, run_two_ranks, summarize, write_result
 NAME = "elixir_vs_ddp"
 VOCAB, BATCH, SEQ = 4096, 8, 128
 MODELS = ("llama", "transformer")
+CONTENDERS = ("ddp", "elixir", "elixir_fsdp2")
 
 
 def _modules():
@@ -96,18 +101,22 @@ def _plan_info(strategy) -> dict:
 def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float, dict | None]:
     import lightning as L
 
+    import lightning_elixir.strategy as elixir_strategy
     from lightning_elixir import ElixirStrategy
+    from lightning_elixir.replicate import replicates_everything
 
     L.seed_everything(seed, verbose=False)
     module = model_cls(seed, steps)
     strategy = "ddp" if name == "ddp" else ElixirStrategy(verbose=False)
+    # "elixir_fsdp2": the runtime as it was before (every plan on FSDP2); the plan itself is the same search's.
+    elixir_strategy.replicates_everything = (lambda plan: False) if name == "elixir_fsdp2" else replicates_everything
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, default_root_dir=str(root))
     trainer.fit(module)
     s = module.starts
     step_s = (s[-1] - s[2]) / (len(s) - 3)
-    return step_s, (_plan_info(strategy) if name == "elixir" else None)
+    return step_s, (_plan_info(strategy) if name != "ddp" else None)
 
 
 def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
@@ -126,12 +135,12 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
     classes = _modules()
     steps = 6 if quick else 10
     root = Path(tempfile.mkdtemp(prefix=f"{NAME}-{rank}-"))
-    times: dict[str, dict[str, list[float]]] = {m: {"ddp": [], "elixir": []} for m in MODELS}
+    times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in CONTENDERS} for m in MODELS}
     plans: dict[str, dict] = {}
     setup_s: dict[str, dict[str, float]] = {m: {} for m in MODELS}
     for model in MODELS:
         for r in range(repeats + 1):  # round 0: warm-up (Elixir calibrates and caches there)
-            for name in ("ddp", "elixir"):
+            for name in CONTENDERS:
                 start = time.perf_counter()
                 step_s, plan = _fit(classes[model], name, 1000 * r + 17, steps, root)
                 if r == 0:
@@ -139,10 +148,10 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
                     continue
                 times[model][name].append(step_s)
                 if plan is not None:
-                    plans[model] = plan
+                    plans[f"{model}/{name}"] = plan
             if rank == 0 and r:
-                print(f"  {model} repeat {r}/{repeats}: ddp {times[model]['ddp'][-1] * 1e3:.0f} ms, elixir "
-                      f"{times[model]['elixir'][-1] * 1e3:.0f} ms", flush=True)
+                print(f"  {model} repeat {r}/{repeats}: " + ", ".join(
+                    f"{n} {times[model][n][-1] * 1e3:.0f} ms" for n in CONTENDERS), flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "plans": plans, "first_fit_s": setup_s,
                                          "threads": threads, "steps": steps}))
@@ -161,19 +170,24 @@ def _plan_text(plan: dict) -> str:
 
 
 def markdown(data: dict, repeats: int) -> str:
+    def cell(t: list[float]) -> str:
+        return f"{statistics.median(t) * 1e3:.0f} ({min(t) * 1e3:.0f}-{max(t) * 1e3:.0f})"
+
     rows = []
     for model in MODELS:
-        ddp, eli = (statistics.median(data["times"][model][n]) for n in ("ddp", "elixir"))
         t = data["times"][model]
-        rows.append(f"| {model} | {ddp * 1e3:.0f} ({min(t['ddp']) * 1e3:.0f}-{max(t['ddp']) * 1e3:.0f}) | "
-                    f"{eli * 1e3:.0f} ({min(t['elixir']) * 1e3:.0f}-{max(t['elixir']) * 1e3:.0f}) | "
-                    f"{eli / ddp:.3f}x | {_plan_text(data['plans'][model])} |")
+        ddp, eli, old = (statistics.median(t[n]) for n in CONTENDERS)
+        rows.append(f"| {model} | {cell(t['ddp'])} | {cell(t['elixir_fsdp2'])} | {old / ddp:.3f}x | "
+                    f"{cell(t['elixir'])} | {eli / ddp:.3f}x | {_plan_text(data['plans'][f'{model}/elixir'])} |")
     return "\n".join([
         f"`Trainer(strategy=\"elixir\")` (default options, whole device) vs `Trainer(strategy=\"ddp\")`, 2 gloo "
         f"processes x {data['threads']} threads, AdamW fp32, batch {BATCH} x {SEQ}. Wall step time in ms: median of "
         f"{repeats} interleaved repeats (min-max), each a fresh fit of {data['steps']} steps on fresh batches, "
-        "timed after its first two steps. Target: Elixir / DDP <= 1.05.", "",
-        "| model | DDP ms | Elixir ms | Elixir / DDP | Elixir's plan |", "|---|---|---|---|---|", *rows])
+        "timed after its first two steps. Target: Elixir / DDP <= 1.05. *Before*: the same plan on the FSDP2 "
+        "runtime (`fully_shard` on a (world, 1) mesh); *after*: an all-replicate plan applied with DDP semantics "
+        "(composable `replicate`).", "",
+        "| model | DDP ms | Elixir before (FSDP2) ms | before / DDP | Elixir after ms | after / DDP | Elixir's plan |",
+        "|---|---|---|---|---|---|---|", *rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     data = run_two_ranks(_rank, args.quick, repeats)
     results = {model: {name: {**summarize(data["times"][model][name]), "repeats": data["times"][model][name]}
-                       for name in ("ddp", "elixir")} for model in MODELS}
+                       for name in CONTENDERS} for model in MODELS}
     for model in MODELS:
-        results[model]["ratio"] = results[model]["elixir"]["median"] / results[model]["ddp"]["median"]
-        results[model]["plan"] = data["plans"][model]
+        for name in ("elixir", "elixir_fsdp2"):
+            results[model][f"{name}_over_ddp"] = results[model][name]["median"] / results[model]["ddp"]["median"]
+            results[model][f"{name}_plan"] = data["plans"][f"{model}/{name}"]
         results[model]["first_fit_s"] = data["first_fit_s"][model]
     text = markdown(data, repeats)
     print(text)

@@ -42,7 +42,12 @@ from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook, with_mesh_clipping
 from lightning_elixir.replan import PlanState, Replanner
-from lightning_elixir.replicate import apply_replicated, load_replicated, no_gradient_sync, replicates_everything
+from lightning_elixir.replicate import (
+    apply_replicated,
+    load_replicated,
+    no_gradient_sync,
+    replicates_everything,
+)
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
