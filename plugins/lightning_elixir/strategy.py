@@ -5,7 +5,9 @@ strategy profiles one ``training_step`` of the first batch on meta, measures thi
 searches on rank 0, broadcasts the plan, prints its table, writes ``plan.json`` into the log
 directory and applies it with :func:`lightning_elixir.apply.apply_plan`. Everything after is
 Lightning's ``ModelParallelStrategy`` machinery (FSDP2 state dicts, distributed checkpoints,
-collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`).
+collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`). A plan that replicates every
+unit on the device and recomputes nothing is data parallelism and runs with DDP semantics instead of FSDP2
+(:mod:`lightning_elixir.replicate`; :attr:`ElixirStrategy.runtime` says which ran), at ``strategy="ddp"``'s cost.
 
 Precision follows the Trainer's and the plan is priced for it: ``"32-true"``; ``"bf16-mixed"`` (FSDP2
 computes in bf16 and reduce-scatters in fp32, fp32 master weights); ``"bf16-true"`` (bf16 weights);
