@@ -97,3 +97,19 @@ def test_all_replicate_plan_runs_as_ddp_bit_for_bit_with_accumulation_clipping_a
         # Resume from the step-5 checkpoint (the first epoch's end): the second epoch's 10 micro-batches, exactly.
         assert r["resumed"] == r["elixir"][10:], f"{r['resumed']} != {r['elixir'][10:]}"
     assert results[0]["export_diff"] == 0.0
+
+
+@RunIf(lightning=True)
+def test_only_a_plan_that_replicates_every_unit_on_the_device_without_recompute_runs_as_ddp():
+    from dataclasses import replace
+
+    from lightning_elixir.replicate import replicates_everything
+
+    plan = _replicate_plan(2)
+    assert replicates_everything(plan)
+    first = plan.units[0]
+    for changed in (replace(first, mode="keep"), replace(first, offload=True),
+                    replace(first, checkpoint=first.blocks[:1])):
+        assert not replicates_everything(replace(plan, units=(changed, *plan.units[1:])))
+    # Mixed precision casts the parameters for compute (FSDP2's MixedPrecisionPolicy): not plain DDP.
+    assert not replicates_everything(replace(plan, param_dtype="bfloat16"))
