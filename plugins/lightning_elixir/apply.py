@@ -47,6 +47,7 @@ __all__ = [
     "inspect_units",
     "describe_units",
     "is_sharded",
+    "is_replicated",
     "clip_grad_norm_",
 ]
 
@@ -358,9 +359,14 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.tensor(0.0)
+    if not any(isinstance(g, DTensor) for g in grads) and len({g.device for g in grads}) == 1:
+        # Plain tensors on one device (a plan applied with DDP: every rank holds the same reduced gradients):
+        # torch's own clipping, the very arithmetic DDP training clips with.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     first = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
     total = torch.zeros((), dtype=torch.float64, device=first.device)
@@ -393,10 +399,23 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def is_replicated(module: nn.Module) -> bool:
+    """``module`` runs under torch's composable ``replicate`` (an all-replicate plan applied with DDP)."""
+    return "replicate" in (_registry(module) or {})
+
+
+def _registry(module: nn.Module):
+    from torch.distributed._composable.contract import _get_registry
+
+    return _get_registry(module)
+
+
 def inspect_units(module: nn.Module) -> list[UnitState]:
     """Every FSDP2 group in ``module`` (root last), read from FSDP2's own state: what really runs."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+    if is_replicated(module):
+        return [_replicated_state(module)]
     names = {id(m): n for n, m in module.named_modules()}
     sharded = [n for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     # Each module belongs to its nearest sharded ancestor (itself included).
@@ -428,6 +447,15 @@ def inspect_units(module: nn.Module) -> list[UnitState]:
                 numel=sum(fp.sharded_param.numel() for fp in group.fsdp_params),
             ))
     return out
+
+
+def _replicated_state(module: nn.Module) -> UnitState:
+    """The one DDP group of a module under composable ``replicate``: every parameter, whole, on every rank."""
+    params = list(module.parameters())
+    return UnitState(names=("",), reshard_after_forward=False, offload=False,
+                     param_device=params[0].device.type if params else "", replicated=True,
+                     checkpointed=tuple(n for n, sub in module.named_modules() if _is_checkpointed(sub)),
+                     numel=sum(p.numel() for p in params))
 
 
 def describe_units(module: nn.Module) -> str:

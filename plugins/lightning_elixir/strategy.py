@@ -5,7 +5,9 @@ strategy profiles one ``training_step`` of the first batch on meta, measures thi
 searches on rank 0, broadcasts the plan, prints its table, writes ``plan.json`` into the log
 directory and applies it with :func:`lightning_elixir.apply.apply_plan`. Everything after is
 Lightning's ``ModelParallelStrategy`` machinery (FSDP2 state dicts, distributed checkpoints,
-collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`).
+collectives), with atomic checkpoint saves (:mod:`lightning_elixir.checkpoint`). A plan that replicates every
+unit on the device and recomputes nothing is data parallelism and runs with DDP semantics instead of FSDP2
+(:mod:`lightning_elixir.replicate`; :attr:`ElixirStrategy.runtime` says which ran), at ``strategy="ddp"``'s cost.
 
 Precision follows the Trainer's and the plan is priced for it: ``"32-true"``; ``"bf16-mixed"`` (FSDP2
 computes in bf16 and reduce-scatters in fp32, fp32 master weights); ``"bf16-true"`` (bf16 weights);
@@ -20,6 +22,8 @@ Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``el
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_sharded
+from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
 from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
@@ -40,6 +44,12 @@ from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
 from lightning_elixir.precision import ElixirPrecision, install_trainer_hook, with_mesh_clipping
 from lightning_elixir.replan import PlanState, Replanner
+from lightning_elixir.replicate import (
+    apply_replicated,
+    load_replicated,
+    no_gradient_sync,
+    replicates_everything,
+)
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
@@ -134,6 +144,9 @@ class ElixirStrategy(ModelParallelStrategy):
         # (elements per state tensor per staging set) may be lowered before fit, as the tests do.
         self.disk_state: DiskOptimizerState | None = None
         self.disk_chunk_elements = CHUNK_ELEMENTS
+        # How the plan runs: "FSDP2" (fully_shard per unit), or "DDP" for a plan that replicates every unit on the
+        # device without recomputation (composable replicate: lightning_elixir.replicate); set at setup.
+        self.runtime = ""
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -167,11 +180,18 @@ class ElixirStrategy(ModelParallelStrategy):
         self.precision_plugin = with_mesh_clipping(self.precision_plugin)
         # "-true" precisions cast the weights themselves; do it before sharding (meta casts are free).
         self.model = self.precision_plugin.convert_module(self.model)
-        if not any(is_sharded(m) for m in module.modules()):
+        if not is_replicated(module) and not any(is_sharded(m) for m in module.modules()):
             decision = self._decide_plan(trainer)
             self.plan = decision.plan
-            self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
-                                    switchable=self.options.replan)
+            # The plan decided; this picks the machinery that runs its decision: an all-replicate plan is
+            # data parallelism, run with DDP's reducer (re-planning needs FSDP2 units that can change mode).
+            if replicates_everything(self.plan) and not self.options.replan:
+                self.runtime = "DDP"
+                self.units = apply_replicated(module, self.plan, self.device_mesh, device=self.root_device)
+            else:
+                self.runtime = "FSDP2"
+                self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
+                                        switchable=self.options.replan)
             self._report(trainer)
             if self.options.replan:
                 self.replanner = Replanner(decision.profile, decision.cluster, self.options.memory_budget,
@@ -208,7 +228,9 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan.to_json(self.plan_path)
         if self.options.verbose:
             print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
-            print("\napplied (FSDP2 groups as they run):\n" + describe_units(self._module), flush=True)
+            how = ("DDP (every unit replicated: composable replicate)" if self.runtime == "DDP"
+                   else "FSDP2 groups as they run")
+            print(f"\napplied ({how}):\n" + describe_units(self._module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 
     def _prefer_fused_host_step(self) -> None:
@@ -226,6 +248,14 @@ class ElixirStrategy(ModelParallelStrategy):
             self.disk_state.store.close()
             self.disk_state = None
         super().teardown()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: a plan applied with DDP skips the all-reduce until the last micro-batch, as
+        ``strategy="ddp"`` does (FSDP2 plans reduce-scatter every backward, as Lightning's ``ModelParallelStrategy``)."""
+        with no_gradient_sync(self._module):
+            yield None
 
     # ---- steps: through the root module's __call__, so FSDP2's root hooks run -----------------------
     @property
@@ -323,6 +353,9 @@ class ElixirStrategy(ModelParallelStrategy):
             # The disk units' optimizer state goes from the checkpoint to the store item by item.
             return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
                                 strict=self._module.strict_loading, weights_only=weights_only)
+        if is_replicated(self._module):
+            return load_replicated(path, self._module, self.optimizers, strict=self._module.strict_loading,
+                                   weights_only=weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @classmethod
