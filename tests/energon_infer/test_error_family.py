@@ -16,7 +16,7 @@ PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "energon_infer"
 
 # class -> (its builtin base, the status a client gets)
 EXPECTED = {
-    "ConfigError": (ValueError, 400), "UnsupportedModelError": (ValueError, 400),
+    "CheckpointChangedError": (RuntimeError, 400), "ConfigError": (ValueError, 400), "UnsupportedModelError": (ValueError, 400),
     "ContextLengthError": (ValueError, 400), "WeightError": (ValueError, 400),
     "ModelTooLargeError": (ValueError, 400), "InvalidRequestError": (ValueError, 400),
     "OptionError": (ValueError, 400), "UnknownOptionError": (TypeError, 400),
