@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 
 import pytest
@@ -185,68 +184,51 @@ def test_disk_dir_that_cannot_hold_the_tables_is_refused(tmp_path):
         CacheConfig(host_budget="1GiB")
 
 
-def _tmpfs(path, size: str):
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True,
-                       capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as err:
-        pytest.skip(f"cannot mount a tmpfs here ({err}); needs root")
-
-
 @pytest.mark.filterwarnings("ignore:disk directory")
-def test_tables_larger_than_the_disk_are_refused_at_construction(tmp_path):
+def test_tables_larger_than_the_disk_are_refused_at_construction(mount_tmpfs):
     from torchrec import EmbeddingBagConfig
 
     from tightfit.storage import DiskFullError
 
-    d = tmp_path / "small"
-    _tmpfs(d, "2m")
-    try:
-        big = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=20_000, feature_names=["f"])]
-        with pytest.raises(DiskFullError, match=r"has .* free, .* are needed: free space there"):
-            CachedEmbeddingBagCollection(tables=big, cache=CacheConfig(optimizer=RowOptimizer(kind="sgd"),
-                                                                         disk_dir=str(d)))
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
+    d = mount_tmpfs("2m")  # tests/conftest.py: a real small disk, unmounted after the test
+    big = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=20_000, feature_names=["f"])]
+    with pytest.raises(DiskFullError, match=r"has .* free, .* are needed: free space there"):
+        CachedEmbeddingBagCollection(tables=big, cache=CacheConfig(optimizer=RowOptimizer(kind="sgd"),
+                                                                     disk_dir=str(d)))
 
 
 @pytest.mark.filterwarnings("ignore:disk directory")
-def test_disk_full_on_write_back_raises_and_loses_no_row(tmp_path):
+def test_disk_full_on_write_back_raises_and_loses_no_row(mount_tmpfs):
     from tightfit.storage import DiskFullError
 
-    d = tmp_path / "tiny"
-    _tmpfs(d, "2m")
-    try:
-        ref, cached, ref_opt = _disk_pair(d, "adagrad", host_budget=0)
-        filler = d / f"filler-{uuid.uuid4().hex}"
-        free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
-        with open(filler, "wb") as f:  # the disk is full from here: write-backs have nowhere to go
-            f.write(b"\0" * max(0, free - 4096))
-        data, raised = _batches(30, seed=7), None
-        done = 0
-        for kjt, target in data:
-            try:
-                got = cached(kjt).values()
-            except DiskFullError as err:
-                raised = err
-                break
-            ((got - target) ** 2).sum().backward()
-            ref_opt.zero_grad()
-            ((ref(kjt).values() - target) ** 2).sum().backward()
-            ref_opt.step()
-            done += 1
-        assert raised is not None and "free space" in str(raised), "the full disk went unnoticed"
-        filler.unlink()  # space again: the next step retries the write-back; nothing was lost meanwhile
-        for kjt, target in data[done:done + 3]:
-            ((cached(kjt).values() - target) ** 2).sum().backward()
-            ref_opt.zero_grad()
-            ((ref(kjt).values() - target) ** 2).sum().backward()
-            ref_opt.step()
-        _check_equal(ref, cached, ref_opt)
-        cached.fused_cache.store.tier.close()
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
+    d = mount_tmpfs("2m")
+    ref, cached, ref_opt = _disk_pair(d, "adagrad", host_budget=0)
+    filler = d / f"filler-{uuid.uuid4().hex}"
+    free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
+    with open(filler, "wb") as f:  # the disk is full from here: write-backs have nowhere to go
+        f.write(b"\0" * max(0, free - 4096))
+    data, raised = _batches(30, seed=7), None
+    done = 0
+    for kjt, target in data:
+        try:
+            got = cached(kjt).values()
+        except DiskFullError as err:
+            raised = err
+            break
+        ((got - target) ** 2).sum().backward()
+        ref_opt.zero_grad()
+        ((ref(kjt).values() - target) ** 2).sum().backward()
+        ref_opt.step()
+        done += 1
+    assert raised is not None and "free space" in str(raised), "the full disk went unnoticed"
+    filler.unlink()  # space again: the next step retries the write-back; nothing was lost meanwhile
+    for kjt, target in data[done:done + 3]:
+        ((cached(kjt).values() - target) ** 2).sum().backward()
+        ref_opt.zero_grad()
+        ((ref(kjt).values() - target) ** 2).sum().backward()
+        ref_opt.step()
+    _check_equal(ref, cached, ref_opt)
+    cached.fused_cache.store.tier.close()
 
 
 def test_corrupted_row_file_raises_naming_table_and_rows(tmp_path):
