@@ -184,6 +184,13 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return (x.to(torch.float64) + 0.5).div_(2.0 ** 31).float()
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index, like ``argmax``; ``max(dim).indices`` is the same index and, on CPU, the
+    faster kernel: (16, 8192) fp32 logits, 2 threads, 305 -> 106 us (200 calls), about 3% of a 16-sequence
+    decode step of the serving benchmark's model."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 class Sampler:
     """Draws one token per row of a logits batch: every row at once (no loop over rows, one host sync).
 
@@ -240,7 +247,7 @@ class Sampler:
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
         dev, vocab = logits.device, logits.shape[-1]
-        out = logits.argmax(dim=-1)
+        out = _argmax(logits)
         banned = banned or {}
         rows = [i for i, p in enumerate(params)
                 if not p.greedy or p.penalised or p.logprobs is not None or i in banned]
@@ -256,14 +263,14 @@ class Sampler:
             scores[torch.tensor([j for j, _ in ban], device=dev), torch.tensor([t for _, t in ban], device=dev)] = \
                 float("-inf")
         greedy = torch.tensor([p.greedy for p in sub], device=dev)
-        choice = scores.argmax(dim=-1)
+        choice = _argmax(scores)
         if not bool(greedy.all()):
             pos = positions if positions is not None else [0] * len(seq_ids)
             seeds = torch.tensor([self.seed_of(seq_ids[i], params[i]) for i in rows], dtype=torch.long, device=dev)
             where = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=dev)
             filtered = filter_logits(scores, sub)
             gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
-            choice = torch.where(greedy, choice, (filtered + gumbel).argmax(dim=-1))
+            choice = torch.where(greedy, choice, _argmax(filtered + gumbel))
             # An overflow (logits / a tiny temperature reaching +inf, or NaN) would make softmax NaN: fail the row.
             broken = torch.isnan(filtered).any(dim=-1) | torch.isposinf(filtered).any(dim=-1)
             usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~broken)
