@@ -2,6 +2,7 @@
 shapes, the ``/v1/models`` fields its benchmark reads, ``min_tokens``, ``ignore_eos`` and the usage chunk that ends
 a stream; each field validated like the others (400, one line naming it). Then vLLM's own client, ``vllm bench
 serve`` from the peer environment (``python -m benchmarks.peers`` makes it), run unmodified against the server.
+Last, the CPU workers' OpenMP wait policy (passive unless the user chose one), which the serving benchmark measured.
 """
 
 from __future__ import annotations
@@ -150,3 +151,18 @@ def test_vllm_bench_serve_runs_unmodified(server, model_dir, tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["completed"] == 4 and result["failed"] == 0
     assert result["total_output_tokens"] == 4 * 6
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_cpu_workers_start_with_a_passive_openmp_wait_policy_unless_told(model_dir, monkeypatch, policy):
+    import os
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    with Engine.from_pretrained(model_dir, **OPTS) as eng:
+        (pid,) = eng.health()["pids"]
+        env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+    assert env["OMP_WAIT_POLICY"] == (policy or "PASSIVE")
+    assert os.environ.get("OMP_WAIT_POLICY") == policy  # the user's own environment is left as it was
