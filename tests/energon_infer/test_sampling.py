@@ -132,3 +132,22 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
 
 def approx(value):
     return pytest.approx(value, rel=1e-5, abs=1e-6)
+
+
+def test_banned_tokens_are_never_drawn_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0], [5.0, 1.0, 0.0, -1.0]])
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    out = Sampler().sample_rows(logits, [1, 2], [greedy, greedy], [3, 3], banned={0: (0,)})
+    assert out.tokens == [1, 0]  # row 0 cannot take its argmax; row 1 is untouched
+    assert out.logprobs[0][0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    assert out.logprobs[0][1][0][0] == 0  # the raw top token is still reported as the most likely
+    hot = SamplingParams(temperature=1.0, seed=3)
+    drawn = {Sampler().sample_rows(logits[:1], [1], [hot], [k], banned={0: (0, 1)}).tokens[0] for k in range(200)}
+    assert drawn == {2, 3}
+
+
+def test_min_tokens_is_checked_against_max_tokens():
+    with pytest.raises(ValueError, match=r"min_tokens=9 must be in \[0, max_tokens=4\]"):
+        SamplingParams(max_tokens=4, min_tokens=9)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)

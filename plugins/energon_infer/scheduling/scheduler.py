@@ -311,7 +311,7 @@ class Scheduler:
         if cfg.kv_admission == "reserve":
             self._reserved += req.reserve
         step.new_params[req.seq_id] = req.params
-        if req.params.penalised:
+        if req.params.penalised or req.params.min_tokens:  # min_tokens: the worker needs the prompt's length
             step.history[req.seq_id] = (list(req.prompt), list(req.generated))
         self._feed(plan, req, n)
         return n

@@ -38,7 +38,8 @@ from pydantic import (
 
 from energon_infer.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "UNSUPPORTED",
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "TokenizeRequest",
+           "DetokenizeRequest", "UNSUPPORTED",
            "describe_error", "describe_errors"]
 
 
@@ -91,6 +92,9 @@ class _Request(BaseModel):
     repetition_penalty: Finite | None = Field(None, gt=0, le=10,
                                               description="Hugging Face/vLLM style: > 1 discourages repeats")
     ignore_eos: StrictBool = Field(False, description="keep generating past the model's end-of-sequence token")
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = Field(
+        0, description="tokens to generate at least (vLLM's): the end-of-sequence and stop tokens cannot be drawn "
+                       "and stop strings are not looked for before; at most max_tokens")
     user: Text | None = None
 
     # Present in the schema so /docs shows them, refused unless neutral (see UNSUPPORTED).
@@ -196,9 +200,40 @@ class ChatCompletionRequest(_Request):
         return self
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template first."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, description="the served model's id (see /v1/models); omitted: that one")
+    prompt: Text | None = Field(None, description="the text to tokenize (or give messages)")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        None, description="chat messages, rendered with the chat template (or give prompt)")
+    add_generation_prompt: StrictBool = Field(True, description="with messages: end with the assistant's turn")
+    add_special_tokens: StrictBool = Field(True, description="with prompt: the tokenizer's special tokens "
+                                                             "(e.g. BOS) as for a completion")
+    return_token_strs: StrictBool = Field(False, description="also each token's text")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("'prompt' or 'messages' is required (exactly one of them)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, description="the served model's id (see /v1/models); omitted: that one")
+    tokens: list[TokenId] = Field(description="token ids to turn into text")
+
+
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()
 
 _BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "TextPart"}
 _SHAPES = {
@@ -206,6 +241,7 @@ _SHAPES = {
               "[0, 2^31)), or a list of either",
     "stop": "'stop' must be a string or a list of at most 4 non-empty strings",
     "seed": "'seed' must be an integer that fits in 64 bits, in [-2^63, 2^64)",
+    "tokens": "'tokens' must be a list of token ids (integers, not booleans, in [0, 2^31))",
     "messages": None,
 }
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server for an :class:`~energon_infer.engine.engine.Engine`, on FastAPI + uvicorn.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true`` answers
-with server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200
+with server-sent events, ending with ``data: [DONE]``), ``GET /v1/models`` (with vLLM's fields), vLLM's
+``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200
 while serving, ``ready`` or ``degraded``; 503 otherwise) and ``GET /metrics`` (Prometheus, see
 :mod:`energon_infer.engine.metrics`). Request bodies are the pydantic models of :mod:`energon_infer.serving.api_schema`,
 so ``/docs`` shows them.
@@ -55,7 +56,13 @@ from energon_infer.engine.metrics import CONTENT_TYPE
 from energon_infer.errors import EnergonError, InvalidRequestError
 from energon_infer.loading.hf_files import ChatTemplate, generation_defaults
 from energon_infer.sampling import SamplingParams
-from energon_infer.serving.api_schema import ChatCompletionRequest, CompletionRequest, describe_errors
+from energon_infer.serving.api_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    describe_errors,
+)
 from energon_infer.serving.http_guard import (
     ApiError,
     ClientGone,
@@ -112,6 +119,8 @@ class EnergonServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
         return app
 
     @asynccontextmanager
@@ -169,11 +178,13 @@ class EnergonServer:
                 temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
                 top_k=max(0, int(pick("top_k", 0))), seed=body.seed, max_tokens=max_tokens,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop), ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
                 presence_penalty=float(body.presence_penalty or 0.0),
                 frequency_penalty=float(body.frequency_penalty or 0.0),
                 repetition_penalty=float(pick("repetition_penalty", 1.0)), logprobs=logprobs)
         except ValueError as exc:  # SamplingParams' own checks of the client's values
-            raise ApiError(400, str(exc)) from None
+            named = str(exc).split("=", 1)[0]
+            raise ApiError(400, str(exc), param=named if named.isidentifier() else None) from None
 
     def _jobs(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> Jobs:
         if n > self.config.max_n:
@@ -226,8 +237,51 @@ class EnergonServer:
 
     async def models(self) -> dict[str, Any]:
         e = self.engine
+        # vLLM's fields: clients (its benchmark among them) read id, root and max_model_len.
         return {"object": "list", "data": [{"id": e.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "tightfit", "max_model_len": e.max_context}]}
+                                            "owned_by": "tightfit", "root": e.model_name, "parent": None,
+                                            "max_model_len": e.max_context, "permission": []}]}
+
+    def _tokenizer(self, endpoint: str) -> Any:
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"{endpoint} needs a tokenizer and this model has none; put tokenizer.json in the "
+                                "model directory")
+        return self.engine.tokenizer
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``{count, max_model_len, tokens, token_strs}``."""
+        self._check_model(body.model)
+        tok = self._tokenizer("/tokenize")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+            try:
+                text = self.template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            except Exception as exc:  # noqa: BLE001 - the template's own checks speak to the client
+                raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+            ids = self._encode(text)
+        elif body.add_special_tokens:
+            ids = self._encode(body.prompt or "")
+        else:
+            hf = getattr(tok, "hf", None)
+            try:
+                ids = (list(hf.encode(body.prompt, add_special_tokens=False)) if hf is not None
+                       else list(tok.encode(body.prompt, add_special_tokens=False).ids))
+            except TypeError:
+                raise ApiError(400, "add_special_tokens=false: this model's tokenizer cannot leave out special "
+                                    "tokens; send true", param="add_special_tokens") from None
+        strs = [self.engine.decode([t]) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_context, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``{prompt}``."""
+        self._check_model(body.model)
+        self._tokenizer("/detokenize")
+        try:
+            ids = self.engine.encode(body.tokens)  # ids outside the vocabulary: 400 naming them
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
+        return {"prompt": self.engine.decode(ids)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)

@@ -148,7 +148,7 @@ class ModelRunner:
         self.sampler = Sampler(rt.seed)
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
-        self._seen: dict[int, tuple[int, int]] = {}  # penalised seq -> (prompt length, tokens recorded)
+        self._seen: dict[int, tuple[int, int]] = {}  # penalised / min_tokens seq -> (prompt length, tokens recorded)
         self._ids = itertools.count(-1, -1)  # internal sequence ids (negative: never a caller's)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -295,7 +295,8 @@ class ModelRunner:
             assert logits is not None
             self._observe(items, starts)
             positions = [self.cache.length(s) for s in ids]  # the context each token is drawn after
-            sampled = self.sampler.sample_rows(logits, ids, [self._params[s] for s in ids], positions)
+            params_ = [self._params[s] for s in ids]
+            sampled = self.sampler.sample_rows(logits, ids, params_, positions, self._banned(ids, params_, positions))
             # By seq_id, for the engine's workers: logprobs asked for, and rows that failed alone.
             logprobs = {ids[r]: v for r, v in sampled.logprobs.items()}
             errors = {ids[r]: v for r, v in sampled.errors.items()}
@@ -339,14 +340,28 @@ class ModelRunner:
             self.sampler.observe(seq_id, generated, prompt=False)
             self._seen[seq_id] = (len(prompt), len(prompt) + len(generated))
 
+    def _banned(self, ids: Sequence[int], params: Sequence[SamplingParams], positions: Sequence[int]
+                ) -> dict[int, tuple[int, ...]]:
+        """By row, the stop tokens of requests that have generated fewer than their ``min_tokens``."""
+        out: dict[int, tuple[int, ...]] = {}
+        for row, (seq_id, p) in enumerate(zip(ids, params)):
+            if p.min_tokens and positions[row] - self._seen.get(seq_id, (positions[row], 0))[0] < p.min_tokens:
+                out[row] = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        return out
+
     def _observe(self, items: Sequence[tuple[int, Sequence[int]]], starts: Mapping[int, int]) -> None:
-        """Record fed tokens for the penalties: positions below the prompt length are prompt, the rest output.
-        A sequence first seen here (no ``history``) takes its first feed as its prompt."""
+        """Record fed tokens for the penalties: positions below the prompt length are prompt, the rest output
+        (and, for ``min_tokens``, the prompt's length). A sequence first seen here (no ``history``) takes its
+        first feed as its prompt."""
         for seq_id, fed in items:
-            if not self._params[seq_id].penalised:
+            p = self._params[seq_id]
+            if not (p.penalised or p.min_tokens):
                 continue
             start = starts[seq_id]
             plen, seen = self._seen.get(seq_id, (start + len(fed), start))
+            if not p.penalised:
+                self._seen[seq_id] = (plen, max(seen, start + len(fed)))
+                continue
             new = [(start + i, t) for i, t in enumerate(fed) if start + i >= seen]
             self.sampler.observe(seq_id, [t for pos, t in new if pos < plen], prompt=True)
             self.sampler.observe(seq_id, [t for pos, t in new if pos >= plen], prompt=False)
