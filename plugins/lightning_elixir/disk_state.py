@@ -21,7 +21,7 @@ its vector body (measured: a 1,000,003-element AdamW step split at 33,333 elemen
 
 Host memory: two staging sets of ``CHUNK_ELEMENTS`` elements per state tensor (fp32 AdamW: 2 x 2 x 32 MiB
 = 128 MiB, the planner's ``DISK_STAGING_BYTES``), smaller when the largest unit is smaller; with tier-3 units
-each set holds the chunk's master weights too, and :func:`attach_disk_state` shrinks the chunk by a third so
+each set holds the chunk's master weights too, and :func:`~lightning_elixir.disk_attach.attach_disk_state` shrinks the chunk by a third so
 the area stays 128 MiB; plus, on the first step only, the chunk's freshly initialised state (one chunk, freed
 once written).
 
@@ -48,13 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_elixir.disk_params import DiskParameters, fsdp_group
+from lightning_elixir.disk_params import DiskParameters
 from lightning_elixir.optim import host_group
-from tightfit.planner.elixir import ElixirPlan
 from tightfit.storage import TensorStore, aligned_empty
 
-__all__ = ["DiskOptimizerState", "StepIO", "attach_disk_state", "unit_parameters", "flat_layout", "CHUNK_ELEMENTS",
-           "ALIGN_ELEMENTS", "local_of"]
+__all__ = ["DiskOptimizerState", "StepIO", "flat_layout", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
 
 # 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
 # the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
@@ -498,46 +496,3 @@ class DiskOptimizerState:
             self.store.write(self.name(unit, key), values.contiguous(), (start + element) * self.dtype.itemsize
                              ).result()
             self.bytes_written += values.nbytes
-
-
-def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list[nn.Parameter]:
-    """The sharded parameters FSDP2 manages for applied unit ``index`` (:class:`~lightning_elixir.apply.AppliedUnit`):
-    its group's, or the root group's for a unit whose blocks the root holds (the root follows the first such unit)."""
-    unit = units[index]
-    if unit.modules:
-        owner = unit.modules[0]
-    elif unit.on_root and next(u for u in units if u.on_root) is unit:
-        owner = module
-    else:
-        return []
-    group = owner._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
-
-
-def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequence[Any],
-                      optimizers: Sequence[torch.optim.Optimizer], disk_dir: Any, *, rank: int,
-                      chunk_elements: int = CHUNK_ELEMENTS) -> DiskOptimizerState | None:
-    """The disk tier of ``plan`` applied to the run's optimizer: ``None`` when no unit keeps its state on disk.
-
-    Opens this rank's store (``<disk_dir>/rank<rank>``). Raises ``ValueError`` for several optimizers (each would
-    need its own layout; the plan prices one)."""
-    if plan is None or not plan.disk_units:
-        return None
-    if disk_dir is None:
-        raise ValueError(f"the plan keeps the optimizer state of units {list(plan.disk_units)} on disk, but no "
-                         "disk_dir was given: pass ElixirStrategy(disk_dir='/path/on/nvme')")
-    if len(optimizers) != 1:
-        raise ValueError(f"the plan keeps optimizer state on disk and configure_optimizers returned "
-                         f"{len(optimizers)} optimizers; the disk tier streams one: return a single optimizer "
-                         "(param groups for different settings), or plan without disk_dir")
-    chosen = [(i, ps) for i, ps in ((i, unit_parameters(module, units, i)) for i in plan.disk_units) if ps]
-    store = TensorStore.for_rank(disk_dir, rank)
-    tier3 = set(plan.param_disk_units)
-    master = None
-    if tier3:
-        master = DiskParameters([(i, fsdp_group(module, units, i), flat_layout(ps)[0]) for i, ps in chosen
-                                 if i in tier3], store)
-        if chunk_elements == CHUNK_ELEMENTS:
-            # Each staging set holds the chunk's master weights beside the state: a third smaller, 128 MiB in all.
-            chunk_elements = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS * 2 // 3 // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
-    return DiskOptimizerState(optimizers[0], chosen, store, chunk_elements=chunk_elements, master=master)

@@ -422,9 +422,11 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
+    # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
+    # device peak only where host and device are one memory).
+    fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
     for u, (a, b) in enumerate(units):
-        # Tier-3 units: the shard read for this unit and the one read ahead for the next live beside it.
-        params = terms[u].gathered + kept_before[u] + terms[u].fetch + (terms[u + 1].fetch if u + 1 < n else 0.0)
+        params = terms[u].gathered + kept_before[u] + fetch[u] + fetch[u + 1]
         for v in range(u + 1, min(n, u + df + 1)):
             params += terms[v].gathered
         worst_act = 0.0
@@ -442,9 +444,9 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             where = ("forward", ctx.names[worst_i], state_fwd, params, worst_act)
     for u in range(n - 1, -1, -1):
         a, b = units[u]
-        params = terms[u].gathered + terms[u].grads + kept_before[u] + terms[u].fetch
+        params = terms[u].gathered + terms[u].grads + kept_before[u] + fetch[u]
         if u > 0:
-            params += terms[u - 1].fetch  # read ahead for the backward of the unit before
+            params += fetch[u - 1]  # read ahead for the backward of the unit before
         if u + 1 < n:
             params += terms[u + 1].red_buf
         for v in range(max(0, u - db), u):

@@ -221,8 +221,16 @@ def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, p
     for g_i, units in enumerate(gs):
         if progress:
             progress(g_i, len(gs) + rounds + 1, f"greedy descent over {len(units)} units")
-        pool.extend(c for c in _descend(ev, space, units, d0, d0, host_budget, disk_budget)
-                    if c.fits(host_budget, disk_budget))
+        visited = _descend(ev, space, units, d0, d0, host_budget, disk_budget)
+        pool.extend(c for c in visited if c.fits(host_budget, disk_budget))
+        if ON_DISK_PARAMS in space.offload:
+            # The descent's least-memory plan with every offloaded unit in tier 3: the least host a grouping can
+            # have, where the host binds so hard that no single move repairs it.
+            last = visited[-1]
+            deep = ev.make(last.units, last.modes, [ON_DISK_PARAMS if o else o for o in last.offload], last.ckpt,
+                           last.df, last.db)
+            if deep.fits(host_budget, disk_budget):
+                pool.append(deep)
     seen.update(_config(c) for c in pool)
     for r in range(rounds):
         if progress:
@@ -340,6 +348,21 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
     if c.disk == 0 and not ev.ctx.unified:
         over += DISK_STAGING_BYTES  # the first disk unit brings the staging area to the host
     tiers = list(c.offload)
+    # Tier-3 units also bring two parameter shards to the host while used (see host_bytes): the largest counts.
+    unified = ev.ctx.unified
+    fetched = 0.0 if unified else 2 * max((ev.terms(a, b, m, o).fetch for (a, b), m, o
+                                           in zip(c.units, c.modes, c.offload)), default=0.0)
+
+    def move(u: int, code: int, saved: float) -> None:
+        nonlocal over, fetched
+        (a, b), m = c.units[u], c.modes[u]
+        tiers[u] = code
+        over -= saved
+        if code == ON_DISK_PARAMS and not unified:
+            new = max(fetched, 2 * ev.terms(a, b, m, code).fetch)
+            over += new - fetched
+            fetched = new
+
     moved: set[int] = set()
     for _, code, u, saved in order:
         if over <= 0:
@@ -348,16 +371,14 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
             continue
         # A unit's options ordered by loss per byte: take the first; where a deeper one saves more and is
         # needed, the pass below takes it.
-        tiers[u] = code
         moved.add(u)
-        over -= saved
+        move(u, code, saved)
     if over > 0 and ON_DISK_PARAMS in allowed:
-        for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, tiers)):
+        for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, list(tiers))):
             if over <= 0:
                 break
             if o in (ON_HOST, ON_DISK):
-                over -= ev.terms(a, b, m, o).host - ev.terms(a, b, m, ON_DISK_PARAMS).host
-                tiers[u] = ON_DISK_PARAMS
+                move(u, ON_DISK_PARAMS, ev.terms(a, b, m, o).host - ev.terms(a, b, m, ON_DISK_PARAMS).host)
     if tiers == list(c.offload):
         return None
     out = ev.make(c.units, c.modes, tiers, c.ckpt, c.df, c.db)
