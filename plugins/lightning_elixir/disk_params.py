@@ -146,7 +146,7 @@ class DiskParameters:
             storage.resize_(u.nbytes[id(p)])
             if storage.nbytes() > local.numel() * local.element_size():
                 # FSDP2's padding past the local shard (uneven shards): all-gathered, never used; zeroed anyway.
-                flat = torch.empty(0, dtype=local.dtype).set_(storage, 0, (storage.nbytes() // local.element_size(),))
+                flat = torch.empty(0, dtype=local.dtype).set_(storage, 0, (storage.nbytes() // local.element_size(),), (1,))
                 flat[local.storage_offset() + local.numel():].zero_()
             if n:
                 u.pending.append(self.store.read_into(self.name(u.index), _raw(local), start * local.element_size()))
