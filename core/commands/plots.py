@@ -81,7 +81,7 @@ def plot_model_profile(profile: Any, path: str | Path) -> Path:
     return out
 
 
-_TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:red"}
+_TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:red", "disk+params": "darkred"}
 
 
 def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
@@ -91,7 +91,8 @@ def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
     plt = _pyplot()
     units = plan.units
     idx = list(range(len(units)))
-    colour = [_TIER_COLOURS[getattr(u, "tier", "host" if u.offload else "device")] for u in units]
+    colour = [_TIER_COLOURS["disk+params" if getattr(u, "params_disk", False) else
+                            getattr(u, "tier", "host" if u.offload else "device")] for u in units]
     fig, (t_ax, m_ax, c_ax) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
     bars = t_ax.bar(idx, [u.time_s * 1e3 for u in units], color=colour)
     for bar, u in zip(bars, units):
@@ -100,8 +101,8 @@ def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
     t_ax.set_ylabel("predicted ms")
     t_ax.set_title(f"Elixir plan for {plan.model} on {plan.world_size} rank(s): step {plan.step_time_s:.3f} s, "
                    f"peak {plan.peak_bytes / 2**30:.2f} of {plan.budget_bytes / 2**30:.2f} GiB "
-                   "(blue: state on the device, orange: on the host, red: optimizer state on disk; "
-                   "hatched: recomputes)")
+                   "(blue: state on the device, orange: on the host, red: optimizer state on disk, dark red: "
+                   "master weights and parameters too; hatched: recomputes)")
     t_ax.title.set_fontsize(9)
     m_ax.bar(idx, [u.device_bytes / _MIB for u in units], color="tab:blue", label="sharded state on the device")
     m_ax.bar(idx, [u.host_bytes / _MIB for u in units], bottom=[u.device_bytes / _MIB for u in units],
@@ -109,7 +110,7 @@ def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
     disk = [getattr(u, "disk_bytes", 0) / _MIB for u in units]
     if any(disk):
         m_ax.bar(idx, disk, bottom=[(u.device_bytes + u.host_bytes) / _MIB for u in units], color="tab:red",
-                 label="optimizer state on disk")
+                 label="optimizer state on disk (dark red units: master weights too)")
     m_ax.plot(idx, [u.gathered_bytes / _MIB for u in units], "k.-", lw=0.8, label="gathered while it runs")
     m_ax.set_ylabel("MiB per rank")
     tallest = max([(u.device_bytes + u.host_bytes + getattr(u, "disk_bytes", 0)) / _MIB for u in units] + [u.gathered_bytes / _MIB for u in units])

@@ -40,6 +40,9 @@ class DiskSavePlanner(DefaultSavePlanner):
         obj = super().lookup_object(index)
         if isinstance(obj, torch.Tensor) and self.disk.is_placeholder(obj):
             return self.disk.read_state(obj)  # this item's tensor only; dropped once written
+        master = self.disk.master
+        if isinstance(obj, torch.Tensor) and master is not None and master.is_released(obj):
+            return master.read_parameter(obj)  # a tier-3 parameter waiting on disk: its shard, read for this item
         return obj
 
 

@@ -4,7 +4,8 @@ A disk unit (``UnitPlan.disk``, the planner's state-tier code 2) is offloaded li
 ``CPUOffloadPolicy``: fp32 master parameters and gradients on the host) but its optimizer state - the tensors
 the optimizer keeps per parameter element, ``exp_avg`` / ``exp_avg_sq`` of AdamW - waits between steps in a
 :class:`tightfit.storage.TensorStore` (``<disk_dir>/rank<r>``). The plan keeps master weights on the host
-(core's disk tier is optimizer state only), so only optimizer state goes to disk.
+for tier-2 units; a tier-3 unit (``UnitPlan.params_disk``) keeps its fp32 master weights in the same store
+(:mod:`lightning_elixir.disk_params`: parameters between uses), and its chunks stream them with the state.
 
 The step. The user's optimizer is used unchanged: a step pre-hook takes the disk parameters out of the step
 the user runs (host and device parameters step as before), a post-hook then steps the disk parameters
@@ -19,8 +20,13 @@ its vector body (measured: a 1,000,003-element AdamW step split at 33,333 elemen
 ``exp_avg_sq``; split at multiples of 4,096 it is bit-equal, as foreach and the for-loop are at any split).
 
 Host memory: two staging sets of ``CHUNK_ELEMENTS`` elements per state tensor (fp32 AdamW: 2 x 2 x 32 MiB
-= 128 MiB, the planner's ``DISK_STAGING_BYTES``), smaller when the largest unit is smaller; plus, on the
-first step only, the chunk's freshly initialised state (one chunk, freed once written).
+= 128 MiB, the planner's ``DISK_STAGING_BYTES``), smaller when the largest unit is smaller; with tier-3 units
+each set holds the chunk's master weights too, and :func:`~lightning_elixir.disk_attach.attach_disk_state` shrinks the chunk by a third so
+the area stays 128 MiB; plus, on the first step only, the chunk's freshly initialised state (one chunk, freed
+once written).
+
+Tier-3 chunks: the surrogate parameters are views of the staging set's master weights (read with the state,
+written back behind it), not of the local shards, which hold no memory between uses.
 
 Layout on disk: per unit ``i`` and state key ``k`` one flat buffer ``u<i>.<k>``; each parameter's local shard
 starts at a multiple of ``ALIGN_ELEMENTS`` (the gaps read as zeros and are never stepped).
@@ -42,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir.disk_params import DiskParameters
 from lightning_elixir.optim import host_group
-from tightfit.planner.elixir import ElixirPlan
 from tightfit.storage import TensorStore, aligned_empty
 
-__all__ = ["DiskOptimizerState", "StepIO", "attach_disk_state", "unit_parameters", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
+__all__ = ["DiskOptimizerState", "StepIO", "flat_layout", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
 
 # 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
 # the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
@@ -107,10 +113,25 @@ class _Staging:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     writes: list[Future[Any]] = field(default_factory=list)
     reads: list[Future[Any]] = field(default_factory=list)
+    master: torch.Tensor | None = None  # tier-3 chunks: the chunk's master weights
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+def flat_layout(params: Sequence[nn.Parameter]) -> tuple[list[tuple[nn.Parameter, int, int]], int]:
+    """A unit's local shards laid out flat: ``[(parameter, first element, local numel)]`` (aligned starts, empty
+    shards left out) and the flat length; the optimizer state and tier-3 master weights share it."""
+    layout, end = [], 0
+    for p in params:
+        n = local_of(p).numel()
+        if n == 0:
+            continue
+        start = _align(end)
+        layout.append((p, start, n))
+        end = start + n
+    return layout, end
 
 
 def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int,
@@ -121,15 +142,9 @@ def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int,
     out: list[_Chunk] = []
     lengths: dict[int, int] = {}
     for unit, params in units:
-        layout, end = [], 0
-        for p in params:
-            n = local_of(p).numel()
-            if n == 0:
-                continue
-            start = _align(end)
-            layout.append((p, start, n))
+        layout, end = flat_layout(params)
+        for p, start, _ in layout:
             where[id(p)] = (unit, start)
-            end = start + n
         lengths[unit] = end
         for lo in range(0, end, chunk):
             hi = min(lo + chunk, end)
@@ -149,16 +164,20 @@ class DiskOptimizerState:
         units: ``(plan unit index, parameters)`` of the disk units, in the plan's order (the step's order).
         store: this rank's store (:meth:`TensorStore.for_rank`).
         chunk_elements: the largest chunk (a multiple of :data:`ALIGN_ELEMENTS`; default :data:`CHUNK_ELEMENTS`).
+        master: the tier-3 units' parameters (:class:`~lightning_elixir.disk_params.DiskParameters`): their chunks
+            read and write the master weights from the store with the state.
 
     ``bytes_read`` / ``bytes_written`` count what moved; ``staging_bytes`` is the host staging area.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[tuple[int, Sequence[nn.Parameter]]],
-                 store: TensorStore, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+                 store: TensorStore, *, chunk_elements: int = CHUNK_ELEMENTS,
+                 master: DiskParameters | None = None) -> None:
         if chunk_elements <= 0 or chunk_elements % ALIGN_ELEMENTS:
             raise ValueError(f"DiskOptimizerState(chunk_elements={chunk_elements}): use a positive multiple of "
                              f"{ALIGN_ELEMENTS}")
-        self.optimizer, self.store = optimizer, store
+        self.optimizer, self.store, self.master = optimizer, store, master
+        self.master_units = frozenset(master.order) if master is not None else frozenset()
         self.params = {id(p): p for _, ps in units for p in ps}
         dtypes = {p.dtype for p in self.params.values()}
         if len(dtypes) > 1:
@@ -191,17 +210,21 @@ class DiskOptimizerState:
     @property
     def staging_bytes(self) -> int:
         """Host bytes of the staging sets (0 before the first step allocates them)."""
-        return sum(b.nbytes for s in self._staging for b in s.buffers.values())
+        return sum(b.nbytes for s in self._staging for b in (*s.buffers.values(), *(() if s.master is None
+                                                                                else (s.master,))))
 
     def disk_bytes(self) -> int:
         """Bytes of state this rank keeps on disk (every unit's flat buffers)."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(n * size for n in self.lengths.values()) * len(self.keys or ())
+        return (sum(n * size for n in self.lengths.values()) * len(self.keys or ())
+                + sum(n * size for u, n in self.lengths.items() if u in self.master_units))
 
     def close(self) -> None:
-        """Remove the hooks (the store is the caller's to close)."""
+        """Remove the hooks, and tier 3's (its units hold their weights again; the store is the caller's to close)."""
         for h in self._handles:
             h.remove()
+        if self.master is not None:
+            self.master.close()
 
     # ---- hooks: the disk parameters leave the user's step and step here ------------------------------
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -236,6 +259,9 @@ class DiskOptimizerState:
                   for pid, p in self.params.items() if p in self.optimizer.state}
         first = self.keys is None
         t0, read0, written0, self._waited = time.perf_counter(), self.bytes_read, self.bytes_written, 0.0
+        if self.master is not None:
+            self.master.settle()  # every tier-3 unit's newest weights in the store, none held: the step updates those
+            self._allocate_master()
         if not first:
             self._allocate()
             self._read(0)
@@ -248,7 +274,7 @@ class DiskOptimizerState:
                 else:
                     s = self._staging[i % 2]
                     self._wait(s.reads)
-                    self._chunk_step(chunk, groups, before, s.buffers)
+                    self._chunk_step(chunk, groups, before, s.buffers, s.master)
                     self._write(chunk, s)  # written back behind it
         finally:
             for s in self._staging:
@@ -258,6 +284,8 @@ class DiskOptimizerState:
         # a sync, so without it the state's footprint on disk would grow by a copy every step.
         t1 = time.perf_counter()
         self.store.sync()
+        if self.master is not None:
+            self.master.mark_stale()
         now = time.perf_counter()
         self.steps += 1
         self.last_step = StepIO(seconds=now - t0, bytes_read=self.bytes_read - read0,
@@ -265,10 +293,28 @@ class DiskOptimizerState:
                                 sync_seconds=now - t1, chunks=len(self.chunks))
 
     def _allocate(self) -> None:
+        assert self.keys is not None
         if not self._staging:
-            assert self.keys is not None
-            self._staging = [_Staging({k: aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
-                                       for k in self.keys}) for _ in range(2)]
+            self._staging = [_Staging() for _ in range(2)]
+        for s in self._staging:
+            for k in self.keys:
+                if k not in s.buffers:
+                    s.buffers[k] = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+
+    def _allocate_master(self) -> None:
+        if self.master_units and not self._staging:
+            self._staging = [_Staging() for _ in range(2)]
+        for s in self._staging:
+            if self.master_units and s.master is None:
+                s.master = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+
+    def _read_master(self, chunk: _Chunk, s: _Staging) -> list[Future[Any]]:
+        if chunk.unit not in self.master_units:
+            return []
+        assert self.master is not None and s.master is not None
+        n, size = chunk.hi - chunk.lo, self.dtype.itemsize
+        self.bytes_read += n * size
+        return [self.store.read_into(self.master.name(chunk.unit), s.master[:n], chunk.lo * size)]
 
     def _read(self, i: int) -> None:
         chunk, s = self.chunks[i], self._staging[i % 2]
@@ -276,7 +322,7 @@ class DiskOptimizerState:
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize
         assert self.keys is not None
         s.reads = [self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
-                   for k in self.keys]
+                   for k in self.keys] + self._read_master(chunk, s)
         self.bytes_read += n * size * len(self.keys)
 
     def _write(self, chunk: _Chunk, s: _Staging) -> None:
@@ -285,6 +331,10 @@ class DiskOptimizerState:
         s.writes = [self.store.write(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
                     for k in self.keys]
         self.bytes_written += n * size * len(self.keys)
+        if chunk.unit in self.master_units:
+            assert self.master is not None and s.master is not None
+            s.writes.append(self.store.write(self.master.name(chunk.unit), s.master[:n], chunk.lo * size))
+            self.bytes_written += n * size
 
     def _wait(self, futures: list[Future[Any]]) -> None:
         pending, futures[:] = list(futures), []
@@ -293,13 +343,21 @@ class DiskOptimizerState:
             f.result()  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
         self._waited += time.perf_counter() - t0
 
-    def _surrogates(self, chunk: _Chunk, groups: dict[int, dict[str, Any]]) -> list[tuple[_Piece, nn.Parameter]]:
+    def _surrogates(self, chunk: _Chunk, groups: dict[int, dict[str, Any]],
+                    master: torch.Tensor | None = None) -> list[tuple[_Piece, nn.Parameter]]:
         out = []
         for piece in chunk.pieces:
             p = piece.param
             if p.grad is None or id(p) not in groups:
                 continue
-            data, grad = local_of(p).detach().view(-1), local_of(p.grad).view(-1)
+            grad = local_of(p.grad).view(-1)
+            if master is not None:  # tier 3: the master weights read into the staging set, not the (empty) shard
+                lo = piece.offset - chunk.lo
+                q = nn.Parameter(master[lo:lo + piece.stop - piece.start])
+                q.grad = grad[piece.start:piece.stop]
+                out.append((piece, q))
+                continue
+            data = local_of(p).detach().view(-1)
             q = nn.Parameter(data[piece.start:piece.stop])  # a leaf aliasing the shard: the update lands in it
             q.grad = grad[piece.start:piece.stop]
             out.append((piece, q))
@@ -327,10 +385,21 @@ class DiskOptimizerState:
     def _first_chunk(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
         """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
         (gaps zeroed) and written back like any later step's."""
-        pairs = self._surrogates(chunk, groups)
+        s = self._staging[i % 2] if self._staging else None
+        master = None
+        if chunk.unit in self.master_units:
+            assert s is not None
+            self._wait(s.writes)
+            self._wait(self._read_master(chunk, s))
+            master = s.master
+        pairs = self._surrogates(chunk, groups, master)
         state: dict[nn.Parameter, dict[str, Any]] = {}
         self._run(pairs, groups, state)
         if not pairs:
+            if master is not None and s is not None:  # nothing stepped: its weights go back unchanged
+                n = chunk.hi - chunk.lo
+                s.writes.append(self.store.write(self.master.name(chunk.unit), master[:n],  # type: ignore[union-attr]
+                                                 chunk.lo * self.dtype.itemsize))
             return
         if self.keys is None:
             q0 = pairs[0][1]
@@ -349,8 +418,8 @@ class DiskOptimizerState:
         self._write(chunk, s)
 
     def _chunk_step(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
-                    buffers: dict[str, torch.Tensor]) -> None:
-        pairs = self._surrogates(chunk, groups)
+                    buffers: dict[str, torch.Tensor], master: torch.Tensor | None = None) -> None:
+        pairs = self._surrogates(chunk, groups, master if chunk.unit in self.master_units else None)
         assert self.keys is not None
         state: dict[nn.Parameter, dict[str, Any]] = {}
         for piece, q in pairs:
@@ -427,39 +496,3 @@ class DiskOptimizerState:
             self.store.write(self.name(unit, key), values.contiguous(), (start + element) * self.dtype.itemsize
                              ).result()
             self.bytes_written += values.nbytes
-
-
-def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list[nn.Parameter]:
-    """The sharded parameters FSDP2 manages for applied unit ``index`` (:class:`~lightning_elixir.apply.AppliedUnit`):
-    its group's, or the root group's for a unit whose blocks the root holds (the root follows the first such unit)."""
-    unit = units[index]
-    if unit.modules:
-        owner = unit.modules[0]
-    elif unit.on_root and next(u for u in units if u.on_root) is unit:
-        owner = module
-    else:
-        return []
-    group = owner._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
-
-
-def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequence[Any],
-                      optimizers: Sequence[torch.optim.Optimizer], disk_dir: Any, *, rank: int,
-                      chunk_elements: int = CHUNK_ELEMENTS) -> DiskOptimizerState | None:
-    """The disk tier of ``plan`` applied to the run's optimizer: ``None`` when no unit keeps its state on disk.
-
-    Opens this rank's store (``<disk_dir>/rank<rank>``). Raises ``ValueError`` for several optimizers (each would
-    need its own layout; the plan prices one)."""
-    if plan is None or not plan.disk_units:
-        return None
-    if disk_dir is None:
-        raise ValueError(f"the plan keeps the optimizer state of units {list(plan.disk_units)} on disk, but no "
-                         "disk_dir was given: pass ElixirStrategy(disk_dir='/path/on/nvme')")
-    if len(optimizers) != 1:
-        raise ValueError(f"the plan keeps optimizer state on disk and configure_optimizers returned "
-                         f"{len(optimizers)} optimizers; the disk tier streams one: return a single optimizer "
-                         "(param groups for different settings), or plan without disk_dir")
-    chosen = [(i, unit_parameters(module, units, i)) for i in plan.disk_units]
-    store = TensorStore.for_rank(disk_dir, rank)
-    return DiskOptimizerState(optimizers[0], [(i, ps) for i, ps in chosen if ps], store,
-                              chunk_elements=chunk_elements)

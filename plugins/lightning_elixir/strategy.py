@@ -37,8 +37,9 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
+from lightning_elixir.disk_attach import attach_disk_state
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
-from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState, attach_disk_state
+from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState
 from lightning_elixir.optim import step_per_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method

@@ -245,10 +245,62 @@ def test_host_short_without_a_disk_names_the_host_and_suggests_a_disk_dir():
 
 def test_host_short_even_with_the_disk_names_the_host():
     budget = _estimate({}, HOST).peak_bytes
+    # Optimizer state alone on disk (tier 2): the host cannot hold the master weights and gradients.
     with pytest.raises(PlanInfeasibleError, match=r"host memory budget is .*optimizer state of every offloaded "
                                                   r"unit on disk") as err:
-        _search(memory_budget=budget, host_budget=8 * 10**8 + STAGING - 1)
+        _search(memory_budget=budget, host_budget=8 * 10**8 + STAGING - 1,
+                constraints={"allow_disk_params": False})
     assert err.value.tier == "host"
+    # With master weights and parameters on disk too (tier 3) the same budgets plan, within the host budget.
+    plan = _search(memory_budget=budget, host_budget=8 * 10**8 + STAGING - 1)
+    assert plan.param_disk_units and plan.host_bytes_per_rank <= 8 * 10**8 + STAGING - 1
+    # Below what even tier 3 needs, the error names the deeper tier.
+    with pytest.raises(PlanInfeasibleError, match=r"optimizer state and master weights on disk") as err:
+        _search(memory_budget=budget, host_budget=10**8)
+    assert err.value.tier == "host"
+
+
+# Tier 3, layers.1 (E = 1e8 per rank, 2 ranks of a node share the disk): the host keeps the gradients E * m =
+# 4e8 B, plus the staging area, plus two parameter shards live while used (this unit's and the one read ahead:
+# 2 * 4e8); the disk keeps E * (m + o) = 1.2e9 B. The step streams them: read 1e-3 + 1.2e9 * 2 / 1e9 = 2.401 s,
+# write 1e-3 + 1.2e9 * 2 / 5e8 = 4.801 s, io 7.202 s > 2 s of compute (full overlap unmeasured): opt 7.202 s.
+# Parameters read ahead of forward and of backward: 2 * (1e-3 + 4e8 * 2 / 1e9) = 1.602 s.
+PARAMS_DISK = dict(offload=True, disk=True, params_disk=True)
+
+
+def test_params_on_disk_unit_by_hand_gpu():
+    plan = _estimate({}, PARAMS_DISK)
+    u0, u1 = plan.units
+    assert (u1.device_bytes, u1.host_bytes, u1.disk_bytes) == (0, 4 * 10**8, 12 * 10**8)
+    assert (u1.tier, u1.master_tier, u1.param_tier, u1.state_tier) == ("disk", "disk", "disk", 3)
+    assert (u0.master_tier, u0.param_tier) == ("device", "device")
+    assert plan.param_disk_units == (1,) and plan.disk_units == (1,)
+    assert plan.host_bytes_per_rank == 4 * 10**8 + STAGING + 8 * 10**8
+    assert plan.disk_bytes_per_rank == 12 * 10**8
+    assert plan.breakdown.disk_io_s == pytest.approx(7.202, rel=1e-12)
+    assert plan.breakdown.optimizer_s == pytest.approx(0.05 + 7.202, rel=1e-12)
+    assert plan.breakdown.param_io_s == pytest.approx(1.602, rel=1e-12)
+    tier2 = _estimate({}, ON_DISK)
+    # The step pays at least the longer optimizer stream; the reads ahead can only add (max-plus schedule).
+    assert plan.step_time_s >= tier2.step_time_s + (7.202 - 4.802) - 1e-9
+    text = plan.explain()
+    assert "params wait on" in text and "master weights on disk" in text and "units 1:" in text
+    assert ElixirPlan.from_json(plan.to_json()) == plan
+
+
+def test_params_on_disk_shrinks_the_unified_peak_by_the_master_weights():
+    cpu = _cluster(cpu=True)
+    t2 = _estimate(ON_DISK, ON_DISK, numels=TINY, cluster=cpu)
+    t3 = _estimate(PARAMS_DISK, PARAMS_DISK, numels=TINY, cluster=cpu)
+    # The optimizer phase peaks: the resident state drops by E * m = (500 + 1000) * 4 bytes.
+    assert t2.memory.phase == t3.memory.phase == "optimizer"
+    assert t2.peak_bytes - t3.peak_bytes == 1500 * 4
+    assert t3.disk_bytes_per_rank - t2.disk_bytes_per_rank == 1500 * 4
+
+
+def test_params_disk_needs_the_disk_tier_flag():
+    with pytest.raises(ValueError, match="params_disk=True, disk=False"):
+        UnitPlan(blocks=("a",), offload=True, params_disk=True)
 
 
 def test_disk_short_names_the_disk_its_path_and_what_the_plan_needs():
@@ -361,7 +413,7 @@ def test_a_disk_tier_never_makes_the_best_plan_slower(b):
 @given(blocks=st.lists(exact_block, min_size=1, max_size=3), world=st.sampled_from([1, 2]), unified=st.booleans(),
        q=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)))
 def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, unified, q):
-    # Every plan of the space with three state tiers priced without pruning; budgets drawn among their bytes so
+    # Every plan of the space with four state tiers priced without pruning; budgets drawn among their bytes so
     # the host and the disk bind as often as the device. The exact search must find each family's best.
     dev = dataclasses.replace(exact_device(), unified_memory=unified, disk=DISK)
     cons = ElixirConstraints(reserved_bytes=0, prefetch_depths=(1,), exhaustive=True)
@@ -369,7 +421,7 @@ def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, u
                             precision="32-true", constraints=cons)
     _, ctx, tiers = problem.prepare_tiers()
     space = cons.space(disk=tiers.has_disk)
-    assert space.offload == (False, True, 2)
+    assert space.offload == (False, True, 2, 3)  # tier 3: master weights and parameters on disk too
     ev = Evaluator(ctx)
     everything = []
     ck_ids = [i for i in range(len(blocks)) if ctx.checkpointable[i]]

@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import ON_DISK
+from tightfit.planner.elixir.disk import ON_DISK, ON_DISK_PARAMS
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.sim import Context
@@ -110,7 +110,7 @@ def _short_tier(ctx: Context, space: S.Space, tiers: MemoryTiers, exact: bool) -
     """With the disk tier: the disk error when the same search with an unbounded disk finds a plan (the disk
     is what binds: that plan's disk bytes are what it needs), else the host error when even the least-memory
     plan with every offloaded unit's optimizer state on disk overfills the host; ``None`` without a disk tier."""
-    if not tiers.has_disk or ON_DISK not in space.offload:
+    if not tiers.has_disk or not S.has_disk(space):
         return None
     budget = int(tiers.device_bytes or 0)
     host_budget = float("inf") if tiers.host_bytes is None else float(tiers.host_bytes)
@@ -128,10 +128,13 @@ def _short_tier(ctx: Context, space: S.Space, tiers: MemoryTiers, exact: bool) -
     lm = _least_memory_plan(ctx, space, exact)
     if lm is None:
         return None
-    # The least-host version of the least-memory plan: every offloaded unit's optimizer state on disk.
-    least_host = ev.make(lm.units, lm.modes, [ON_DISK if o else o for o in lm.offload], lm.ckpt, lm.df, lm.db)
+    # The least-host version of the least-memory plan: every offloaded unit's state on disk, as deep as allowed.
+    deepest = ON_DISK_PARAMS if ON_DISK_PARAMS in space.offload else ON_DISK
+    least_host = ev.make(lm.units, lm.modes, [deepest if o else o for o in lm.offload], lm.ckpt, lm.df, lm.db)
     return tier_error(tiers, "host", needed=math.ceil(max(least_host.host, host_budget + 1)),
-                      what="the least-memory plan (the optimizer state of every offloaded unit on disk)",
+                      what="the least-memory plan (" + ("every offloaded unit's optimizer state and master weights"
+                                                         if deepest == ON_DISK_PARAMS else
+                                                         "the optimizer state of every offloaded unit") + " on disk)",
                       suggestions=("raise host_budget", "use more devices (sharded state per rank shrinks as "
                                    "1/devices)"))
 

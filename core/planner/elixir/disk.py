@@ -4,7 +4,11 @@ sees, and the price of a disk unit's optimizer step (part of :mod:`tightfit.plan
 A unit's ``offload`` is a state-tier code, backward compatible with the bools it was: ``0``/``False`` = state on
 the device, ``1``/``True`` = on the host (FSDP2 ``CPUOffloadPolicy``), ``2`` = like ``1`` but the optimizer state
 (``o`` bytes per owned element, 8 of the 16 of fp32 AdamW) waits on disk between steps and is streamed through
-the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first).
+the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first),
+``3`` = the fp32 master weights wait on disk too, with the optimizer state (``m + o`` bytes per owned element,
+streamed together in the step), and so do the parameters between uses: FSDP2's sharded parameters *are* the
+master weights, so a unit's parameters are read from disk ahead of its forward and again ahead of its backward
+(one unit ahead, like FSDP2's prefetch) and dropped after each; only its gradients (``m``) stay on the host.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
@@ -23,11 +27,25 @@ from tightfit.planner.errors import TIERS
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile
 
-__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "DISK_STAGING_BYTES", "slowest_disk",
-           "disk_optimizer_seconds"]
+__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "DISK_CODES", "DISK_STAGING_BYTES",
+           "slowest_disk", "disk_optimizer_seconds", "tier_name", "param_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
 ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
+# Master weights + optimizer state on disk, parameters waiting on disk between uses (see the module docstring).
+ON_DISK_PARAMS = 3
+DISK_CODES = (ON_DISK, ON_DISK_PARAMS)
+
+
+def tier_name(code: int) -> str:
+    """Where a unit of state-tier ``code`` keeps its master weights and optimizer state (``TIERS`` names it;
+    code 2 keeps the master weights on the host and only the optimizer state on disk: named "disk" as before)."""
+    return TIERS[min(int(code), ON_DISK)]
+
+
+def param_tier_name(code: int) -> str:
+    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for code 3 only."""
+    return "disk" if code == ON_DISK_PARAMS else TIERS[min(int(code), ON_HOST)]
 # Host staging area of the disk tier: the optimizer step of a disk unit streams its optimizer state in and out
 # in chunks (AdamW is elementwise), one chunk updating while the next is read: two 64 MiB chunks, counted once
 # per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's

@@ -48,6 +48,7 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         else:
             groups.append([u])
     disk = bool(plan.disk_units)
+    params_disk = bool(plan.param_disk_units)  # a column for where master weights and parameters wait
     rows = []
     index = 0
     for g in groups:
@@ -56,19 +57,20 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         blocks = sum(len(u.blocks) for u in g)
         ck = sum(len(u.checkpoint) for u in g)
         share = sum(u.time_s for u in g) / step * 100 if step > 0 else 0.0
-        rows.append((ids, _span(g), g[0].mode, g[0].tier, f"{ck}/{blocks}",
+        rows.append((ids, _span(g), g[0].mode, g[0].tier, *((g[0].param_tier,) if params_disk else ()), f"{ck}/{blocks}",
                      _count(sum(u.param_numel for u in g)), format_bytes(sum(u.device_bytes for u in g)),
                      format_bytes(sum(u.host_bytes for u in g)),
                      *((format_bytes(sum(u.disk_bytes for u in g)),) if disk else ()),
                      format_bytes(g[0].gathered_bytes), f"{share:.1f}%"))
-    rows.append(("total", f"{sum(len(u.blocks) for u in plan.units)} blocks", "", "",
+    rows.append(("total", f"{sum(len(u.blocks) for u in plan.units)} blocks", "", "", *(("",) if params_disk else ()),
                  f"{len(plan.checkpointed_blocks)}", _count(plan.param_numel),
                  format_bytes(sum(u.device_bytes for u in plan.units)), format_bytes(plan.host_bytes_per_rank),
                  *((format_bytes(plan.disk_bytes_per_rank),) if disk else ()),
                  "", f"{sum(u.time_s for u in plan.units) / step * 100:.1f}%" if step > 0 else ""))
-    header = ("unit", "blocks", "mode", "state on", "ckpt", "params", "device state", "host state",
-              *(("disk state",) if disk else ()), "gathered", "time")
-    lines.append(format_table(rows, header, align="llll" + "r" * (len(header) - 4)))
+    header = ("unit", "blocks", "mode", "state on", *(("params wait on",) if params_disk else ()), "ckpt", "params",
+              "device state", "host state", *(("disk state",) if disk else ()), "gathered", "time")
+    left = 5 if params_disk else 4
+    lines.append(format_table(rows, header, align="l" * left + "r" * (len(header) - left)))
     m, b = plan.memory, plan.breakdown
     lines += [
         "",
@@ -80,6 +82,10 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         + (f" (disk I/O {b.disk_io_s:.3f} s of reads and write-backs, overlapped with the host step)"
            if disk else "") + f" = {step:.3f} s",
     ]
+    if params_disk:
+        lines.append(f"units {_ids(plan.param_disk_units)}: fp32 master weights on disk with the optimizer state "
+                     "(streamed together in the step); parameters wait on disk between uses and are read one unit "
+                     f"ahead of forward and backward ({b.param_io_s:.3f} s of reads a step before overlap)")
     if plan.runner_ups:
         lines += ["", "runner-ups (the best plan of each other grouping into units):"]
         lines.append(format_table(
@@ -95,8 +101,13 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _ids(ids: tuple[int, ...]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and list(ids) == list(range(ids[0], ids[-1] + 1)) else \
+        ", ".join(map(str, ids))
+
+
 def _sig(u: UnitPlan) -> tuple[object, ...]:
-    return (u.mode, u.offload, u.disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
+    return (u.mode, u.offload, u.disk, u.params_disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
             u.param_numel)
 
 
@@ -142,8 +153,17 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
                 gaps.append(f"partial offload ({frac:.2f} of parameters): DeepSpeed's ratio needs stage 3; "
                             "offloading all optimizer state instead")
         zero["offload_optimizer"] = opt
+        param_elems = sum(u.param_numel for u in units if u.params_disk)
         if frac >= 1 and stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+            if param_elems:
+                # ZeRO-Infinity's offload_param on NVMe: all parameters or none (master weights go with the
+                # optimizer state in offload_optimizer already).
+                zero["offload_param"] = {"device": "nvme", "nvme_path": plan.disk_path or "<disk_dir>",
+                                         "pin_memory": True}
+                if param_elems < off_elems:
+                    gaps.append(f"parameters on disk for {param_elems / off_elems:.2f} of the offloaded parameters: "
+                                "DeepSpeed's offload_param puts all of them on NVMe or none")
         elif frac < 1:
             gaps.append("parameters of offloaded units stay on the device: DeepSpeed offloads all parameters "
                         "(offload_param) or none")

@@ -7,7 +7,14 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_HOST, TIERS
+from tightfit.planner.elixir.disk import (  # noqa: I001
+    ON_DEVICE,
+    ON_DISK,
+    ON_DISK_PARAMS,
+    ON_HOST,
+    param_tier_name,
+    tier_name,
+)
 from tightfit.planner.elixir.sim import MODES
 from tightfit.planner.errors import PlanMismatchError
 from tightfit.profiler.types import ModelProfile
@@ -33,7 +40,11 @@ class UnitPlan:
         time_s: predicted share of the step (compute, recompute, waits on its fetches, its optimizer step).
         disk: the unit's optimizer state waits on disk between steps and is streamed through the host in its
             optimizer step (needs ``offload``: master parameters and gradients stay on the host).
-        disk_bytes: optimizer state each rank keeps on disk for this unit.
+        disk_bytes: state each rank keeps on disk for this unit (optimizer state; with ``params_disk`` the fp32
+            master weights too).
+        params_disk: the unit's fp32 master weights live on disk with its optimizer state (streamed together in
+            the step), and its parameters wait on disk between uses: read one unit ahead of the forward and of
+            the backward, dropped after each (needs ``disk``; only the gradients stay on the host).
     """
 
     blocks: tuple[str, ...]
@@ -47,8 +58,13 @@ class UnitPlan:
     time_s: float = 0.0
     disk: bool = False
     disk_bytes: int = 0
+    params_disk: bool = False
 
     def __post_init__(self) -> None:
+        if self.params_disk and not self.disk:
+            raise ValueError(f"UnitPlan(blocks={self.blocks}, params_disk=True, disk=False): a unit whose master "
+                             "weights are on disk keeps its optimizer state there too; give disk=True (and "
+                             "offload=True)")
         if self.disk and not self.offload:
             raise ValueError(f"UnitPlan(blocks={self.blocks}, disk=True, offload=False): a unit with its optimizer "
                              "state on disk is offloaded (its master parameters and gradients live on the host); "
@@ -63,13 +79,25 @@ class UnitPlan:
 
     @property
     def state_tier(self) -> int:
-        """Where the unit's state lives, as the planner's code: 0 device, 1 host, 2 optimizer state on disk."""
-        return ON_DISK if self.disk else ON_HOST if self.offload else ON_DEVICE
+        """Where the unit's state lives, as the planner's code: 0 device, 1 host, 2 optimizer state on disk,
+        3 master weights, optimizer state and parameters between uses on disk."""
+        return (ON_DISK_PARAMS if self.params_disk else ON_DISK if self.disk else ON_HOST if self.offload
+                else ON_DEVICE)
 
     @property
     def tier(self) -> str:
-        """``"device"``, ``"host"`` or ``"disk"`` (:attr:`state_tier` by name)."""
-        return TIERS[self.state_tier]
+        """Where the optimizer state lives: ``"device"``, ``"host"`` or ``"disk"``."""
+        return tier_name(self.state_tier)
+
+    @property
+    def master_tier(self) -> str:
+        """Where the fp32 master weights live: the disk only with ``params_disk``."""
+        return param_tier_name(self.state_tier)
+
+    @property
+    def param_tier(self) -> str:
+        """Where the parameters wait between uses (FSDP2's sharded parameters are the master weights)."""
+        return param_tier_name(self.state_tier)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -86,6 +114,7 @@ class StepBreakdown:
     exposed_comm_s: float
     optimizer_s: float
     disk_io_s: float = 0.0  # disk reads and writes of the optimizer step before overlap (part of optimizer_s)
+    param_io_s: float = 0.0  # tier-3 parameter reads ahead of forward and backward before overlap (in the waits)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +207,11 @@ class ElixirPlan:
     def disk_units(self) -> tuple[int, ...]:
         """Units whose optimizer state lives on disk (a subset of :attr:`offloaded_units`)."""
         return tuple(i for i, u in enumerate(self.units) if u.disk)
+
+    @property
+    def param_disk_units(self) -> tuple[int, ...]:
+        """Units whose master weights and parameters between uses live on disk (a subset of :attr:`disk_units`)."""
+        return tuple(i for i, u in enumerate(self.units) if u.params_disk)
 
     @property
     def checkpointed_blocks(self) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tightfit.checks import check_number
-from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_HOST
+from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_DISK_PARAMS, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, build_context
 from tightfit.planner.elixir.space import Space
 from tightfit.planner.errors import PlanError
@@ -30,9 +30,13 @@ class ElixirConstraints:
         allow_offload: whether units may be offloaded to host memory.
         allow_disk: whether offloaded units may keep their optimizer state on disk (only where every device
             has a disk profile, ``DeviceProfile.disk``; without one there is no disk tier).
+        allow_disk_params: whether a disk unit may keep its fp32 master weights on disk too, with its
+            parameters waiting there between uses (state tier 3: read ahead of forward and backward); off: only
+            optimizer state goes to disk (tier 2).
         allow_checkpointing: whether blocks may be checkpointed.
         force_offload: every unit offloaded (the search still picks units, modes and prefetch depths).
-        force_disk: every unit offloaded with its optimizer state on disk (needs the disk tier).
+        force_disk: every unit offloaded with its optimizer state on disk, and where ``allow_disk_params`` its
+            master weights too if that is faster within the budgets (needs the disk tier).
         force_checkpointing: every checkpointable block checkpointed (the search picks the rest, then
             the plan is priced with every block recomputed).
         prefetch_depths: prefetch depths to try, forward and backward independently.
@@ -62,6 +66,7 @@ class ElixirConstraints:
     force_checkpointing: bool = False
     allow_disk: bool = True
     force_disk: bool = False
+    allow_disk_params: bool = True
     replication_margin: float = 0.10
 
     def __post_init__(self) -> None:
@@ -107,7 +112,8 @@ class ElixirConstraints:
         disk tier, so offloaded units may keep their optimizer state on disk (where ``allow_disk``)."""
         tiers = (ON_HOST,) if self.force_offload else (ON_DEVICE, ON_HOST) if self.allow_offload else (ON_DEVICE,)
         if disk and self.allow_disk and self.allow_offload:
-            tiers = (ON_DISK,) if self.force_disk else tiers + (ON_DISK,)
+            deep = (ON_DISK, ON_DISK_PARAMS) if self.allow_disk_params else (ON_DISK,)
+            tiers = deep if self.force_disk else tiers + deep
         offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as before
         return Space(modes=tuple(self.modes), offload=offload,
                        checkpointing=self.allow_checkpointing, depths=tuple(sorted(set(self.prefetch_depths))),

@@ -8,7 +8,9 @@ A plan is: units (contiguous runs of blocks, one ``fully_shard`` call each), a m
 ``replicate``: every rank holds the full state), a state tier per unit (``offload``: 0 = on the
 device; 1 = FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the
 host, optimizer step on the host; 2 = the same with the optimizer state on disk between steps,
-streamed through a host staging area during the host optimizer step), a checkpoint flag per block,
+streamed through a host staging area during the host optimizer step; 3 = master weights and optimizer state
+on disk, streamed together in the step, and the parameters on disk between uses, read one unit ahead of the
+forward and of the backward: only the gradients stay on the host), a checkpoint flag per block,
 and prefetch depths (``df``, ``db``: how many units ahead FSDP2 all-gathers in forward / backward).
 
 Notation (per rank): ``P`` parameter elements of a unit, ``W`` world size, ``E = P/W`` (sharded
@@ -22,38 +24,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tightfit.planner import cost
-from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, ON_DISK, disk_optimizer_seconds, slowest_disk
+from tightfit.planner.elixir.disk import (
+    DISK_CODES,
+    DISK_STAGING_BYTES,
+    ON_DISK_PARAMS,
+    disk_optimizer_seconds,
+    slowest_disk,
+)
+from tightfit.planner.elixir.terms import Detail, UnitTerms
+from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import ClusterSpec, DiskProfile, ModelProfile
 
 __all__ = ["MODES", "Context", "UnitTerms", "build_context", "unit_terms", "step_time", "peak", "Detail"]
 
 MODES = ("reshard", "keep", "replicate")
-
-
-@dataclass(frozen=True, slots=True)
-class UnitTerms:
-    """Durations (s) and bytes of one unit under one (mode, offload) choice; checkpointing excluded."""
-
-    cf: float        # forward compute: sum(fwd_s) measured, else sum(fwd_flops) / rate; + the unit's forward overhead
-    cb: float        # backward compute without recompute, likewise; + the unit's backward overhead
-    h2d_f: float     # forward fetch over PCIe (offloaded): E * m / h2d
-    ag_f: float      # forward all-gather: collective(all_gather, P * c)
-    h2d_b: float     # backward re-fetch (offloaded, not kept)
-    ag_b: float      # backward re-gather (reshard only)
-    red: float       # reduce-scatter P * r (sharded) or all-reduce P * r (replicate)
-    d2h: float       # gradient shard to the host (offloaded): E * m / d2h
-    opt: float       # optimizer step: E / host_rate (offloaded) or E / device_rate; + the unit's optimizer overhead;
-                     # on disk: compute + io - f * min(compute, io) (io: read and write E * o, f: disk overlap)
-    state: float     # device-resident sharded state: E * (m + m + o), 0 when offloaded (unified: E * (m + m) on disk)
-    host: float      # host-resident state per rank: E * (m + m + o) when offloaded, E * (m + m) on disk
-    gathered: float  # unsharded parameters while live: P * c
-    grads: float     # unsharded gradients + reduce buffer while its backward runs: P * (c + r)
-    red_buf: float   # reduce buffer still in flight while the next unit's backward runs: P * r
-    opt_tmp: float   # foreach temporaries inside optimizer.step() on the device: E * t
-    kept: bool       # gathered parameters stay from forward to backward (mode "keep")
-    grad_state: float = 0.0  # the gradient part of ``state`` (E * m): absent until backward (calibrated model)
-    disk: float = 0.0        # optimizer state on disk per rank: E * o (state tier 2)
-    disk_io: float = 0.0     # seconds of disk I/O in ``opt`` before overlap: read + write of ``disk`` bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +195,7 @@ def _dtype_bytes(dtype: str) -> int:
 def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> UnitTerms:
     """Price blocks ``[start, end)`` as one unit in state tier ``offload`` (0 device, 1 host, 2 disk; bools
     read as 0 and 1); the formulas are on :class:`UnitTerms`' fields."""
-    if offload == ON_DISK and ctx.disk is None:
+    if offload in DISK_CODES and ctx.disk is None:
         raise ValueError("a unit with its optimizer state on disk needs a disk tier: give every device a disk "
                          "profile (DeviceProfile.disk, from tightfit.profiler.profile_disk(disk_dir))")
     p = sum(ctx.numel[start:end])
@@ -228,15 +212,20 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
     # full shard + offload peak at the same 48.2 MiB; counting the offloaded state as host-only let the
     # planner "fit" a budget by offloading and under-priced the real peak by the whole state).
     on_device = not offload or ctx.unified
-    on_disk = offload == ON_DISK
+    on_disk = offload in DISK_CODES
+    params_disk = offload == ON_DISK_PARAMS
     # A disk unit keeps its master parameters and gradients (2m) where a host unit keeps all its state; the
-    # optimizer state (o) waits on disk and is read in and written back during its host optimizer step.
-    kept_state = ctx.state_per_elem - ctx.opt_state_per_elem if on_disk else ctx.state_per_elem
+    # optimizer state (o) waits on disk and is read in and written back during its host optimizer step. A tier-3
+    # unit keeps only its gradients (m): its master weights go to disk with the optimizer state (m + o streamed).
+    on_disk_bytes = ctx.opt_state_per_elem + (spec.master_bytes if params_disk else 0.0)
+    kept_state = ctx.state_per_elem - on_disk_bytes if on_disk else ctx.state_per_elem
     opt = owned / (ctx.host_opt if offload else ctx.dev_opt)
     io = 0.0
     if on_disk and ctx.disk is not None:
-        opt, io = disk_optimizer_seconds(ctx.disk, owned * ctx.opt_state_per_elem, compute=opt,
+        opt, io = disk_optimizer_seconds(ctx.disk, owned * on_disk_bytes, compute=opt,
                                          sharers=ctx.ranks_per_node, overlap=ctx.disk_overlap)
+    fetch = owned * spec.master_bytes if params_disk else 0.0
+    fetch_s = disk_seconds(ctx.disk, fetch, sharers=ctx.ranks_per_node) if params_disk and ctx.disk else 0.0
     # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
     # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
     # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
@@ -260,26 +249,12 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
         opt_tmp=owned * ctx.temp_per_elem if on_device else 0.0,
         kept=mode == "keep",
         grad_state=owned * spec.master_bytes if on_device else 0.0,
-        disk=owned * ctx.opt_state_per_elem if on_disk else 0.0,
+        disk=owned * on_disk_bytes if on_disk else 0.0,
         disk_io=io,
+        fetch=fetch,
+        disk_f=fetch_s,
+        disk_b=fetch_s,
     )
-
-
-@dataclass(slots=True)
-class Detail:
-    """Where the time and the memory go (filled when asked for; the search does not)."""
-
-    compute: float = 0.0
-    recompute: float = 0.0
-    stall_fwd: tuple[float, ...] = ()
-    stall_bwd: tuple[float, ...] = ()
-    tail: float = 0.0
-    optimizer: float = 0.0
-    peak_phase: str = ""
-    peak_block: str = ""
-    peak_state: float = 0.0
-    peak_params: float = 0.0
-    peak_acts: float = 0.0
 
 
 def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckpt: list[bool],
@@ -305,8 +280,9 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     as before.
     """
     n = len(units)
-    comp = net = h2d_free = d2h_free = 0.0
+    comp = net = h2d_free = d2h_free = disk_free = 0.0
     serial = 1.0 - ctx.overlap if ctx.overlap >= 0 else 0.0
+    disk_serial = 1.0 - ctx.disk_overlap
     debt = 0.0  # compute-stream seconds owed to collectives issued and not yet paid
     fetch_end = [0.0] * n
     fwd_start = [0.0] * n
@@ -322,6 +298,13 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
             x = net
             debt += serial * ag_dur
         return x
+
+    def disk_read(dur: float, issue: float) -> float:
+        """When a tier-3 unit's parameters, read from ``issue`` on, have landed (the disk serves in issue order)."""
+        nonlocal disk_free, debt
+        disk_free = max(disk_free, issue) + dur
+        debt += disk_serial * dur
+        return disk_free
 
     def begin(ready: float) -> tuple[float, float]:
         """(start, stall) of the next compute: after the stream is free, its input has landed and its debt is paid."""
@@ -341,8 +324,15 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
                 rc += ctx.rfwd[i]
         recompute[u] = rc
     stall_f = [0.0] * n
+    # Tier-3 units: the runtime reads unit u's parameters when unit u-1 starts (unit 0's at time 0), one unit
+    # ahead whatever df is; its fetch (copy, all-gather) follows the read.
+    prev_start = 0.0
     for u in range(n):
-        start, stall_f[u] = begin(fetch_end[u])
+        ready = fetch_end[u]
+        if terms[u].disk_f > 0:
+            ready = max(ready, disk_read(terms[u].disk_f, prev_start) + terms[u].h2d_f + terms[u].ag_f)
+        start, stall_f[u] = begin(ready)
+        prev_start = start
         fwd_start[u] = start
         while issued < n - 1 and issued < u + df:
             issued += 1
@@ -359,7 +349,11 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     for k in range(n):
         u = n - 1 - k
         t = terms[u]
-        start, stall_b[u] = begin(bfetch[k])
+        ready = bfetch[k]
+        if t.disk_b > 0:
+            ready = max(ready, disk_read(t.disk_b, prev_start) + t.h2d_b + t.ag_b)
+        start, stall_b[u] = begin(ready)
+        prev_start = start
         while issued < n - 1 and issued < k + db:
             issued += 1
             tt = terms[n - 1 - issued]
@@ -428,8 +422,11 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
+    # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
+    # device peak only where host and device are one memory).
+    fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
     for u, (a, b) in enumerate(units):
-        params = terms[u].gathered + kept_before[u]
+        params = terms[u].gathered + kept_before[u] + fetch[u] + fetch[u + 1]
         for v in range(u + 1, min(n, u + df + 1)):
             params += terms[v].gathered
         worst_act = 0.0
@@ -447,7 +444,9 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             where = ("forward", ctx.names[worst_i], state_fwd, params, worst_act)
     for u in range(n - 1, -1, -1):
         a, b = units[u]
-        params = terms[u].gathered + terms[u].grads + kept_before[u]
+        params = terms[u].gathered + terms[u].grads + kept_before[u] + fetch[u]
+        if u > 0:
+            params += fetch[u - 1]  # read ahead for the backward of the unit before
         if u + 1 < n:
             params += terms[u + 1].red_buf
         for v in range(max(0, u - db), u):

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
-from tightfit.planner.elixir.disk import ON_DISK, ON_HOST
+from tightfit.planner.elixir.disk import DISK_CODES, ON_DISK_PARAMS, ON_HOST
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
@@ -200,7 +200,8 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
         disk_io += t.disk_io
         rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
-            blocks=ctx.names[a:b], mode=m, offload=bool(o), disk=o == ON_DISK, disk_bytes=int(t.disk),
+            blocks=ctx.names[a:b], mode=m, offload=bool(o), disk=o in DISK_CODES, disk_bytes=int(t.disk),
+            params_disk=o == ON_DISK_PARAMS,
             checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
             param_numel=sum(ctx.numel[a:b]), device_bytes=int(t.state), host_bytes=int(t.host),
             gathered_bytes=int(t.gathered),
@@ -218,13 +219,17 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
         disk_path=disk_path if c.disk > 0 else "",
         breakdown=StepBreakdown(compute_s=d.compute, recompute_s=d.recompute,
                                 exposed_comm_s=c.time - d.compute - d.recompute - d.optimizer, optimizer_s=d.optimizer,
-                                disk_io_s=disk_io),
+                                disk_io_s=disk_io, param_io_s=sum(t.disk_f + t.disk_b for t in terms_of(ev, c))),
         memory=MemoryBreakdown(phase=d.peak_phase, block=d.peak_block, state_bytes=int(d.peak_state),
                                params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
                                margin_bytes=int(c.peak - raw)),
         device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
         checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster, disk=c.disk > 0),
     )
+
+
+def terms_of(ev: S.Evaluator, c: S.Candidate) -> list:
+    return [ev.terms(a, b, m, o) for (a, b), m, o in zip(c.units, c.modes, c.offload)]
 
 
 def describe_model(ctx: Context, cluster: ClusterSpec, *, disk: bool = False) -> str:
@@ -262,4 +267,4 @@ def _runner_up(ev: S.Evaluator, c: S.Candidate, best: S.Candidate, best_detail: 
     else:
         why = f"{slower:+.1f}%: same predicted time, but more offloading, recompute or memory"
     return RunnerUp(family=c.family, step_time_s=c.time, peak_bytes=int(c.peak), units=len(c.units),
-                    offloaded=sum(1 for o in c.offload if o in (ON_HOST, ON_DISK)), checkpointed=sum(c.ckpt), why=why)
+                    offloaded=sum(1 for o in c.offload if o in (ON_HOST, *DISK_CODES)), checkpointed=sum(c.ckpt), why=why)

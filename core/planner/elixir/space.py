@@ -13,10 +13,11 @@ Part of :mod:`tightfit.planner.elixir` (the search space and its two searches). 
   the answer for a budget is the fastest pool plan under it, so a smaller budget can never give
   a faster plan.
 
-With a disk tier (state tier 2 in :attr:`Space.offload`) the greedy pool also holds every plan of the
+With a disk tier (state tiers 2 and 3 in :attr:`Space.offload`) the greedy pool also holds every plan of the
 same search without it, so adding the tier never makes the answer slower; its descents add a "to disk"
-move, and an offload the host cannot hold is repaired by moving host units' optimizer state to disk,
-the least time lost per host byte saved first.
+move (optimizer state, tier 2) and a "parameters to disk" move (master weights and parameters too, tier 3),
+and an offload the host cannot hold is repaired by moving host units one tier deeper (host -> 2 -> 3), the
+least time lost per host byte saved first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, ON_DISK, ON_HOST
+from tightfit.planner.elixir.disk import DISK_CODES, DISK_STAGING_BYTES, ON_DISK, ON_DISK_PARAMS, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
 __all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
@@ -88,11 +89,13 @@ def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
     """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
     not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
     staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
-    return sum(t.host for t in terms) + staging
+    # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead.
+    fetched = 2 * max((t.fetch for t in terms), default=0.0) if not ctx.unified else 0.0
+    return sum(t.host for t in terms) + staging + fetched
 
 
 def disk_bytes(terms: Sequence[UnitTerms]) -> float:
-    """Disk bytes per rank of a plan: its units' optimizer state on disk."""
+    """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
     return sum(t.disk for t in terms)
 
 
@@ -202,8 +205,8 @@ def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progr
     tier can only add faster plans under the same budgets), then this search's own plans.
     """
     base: list[Candidate] = []
-    if ON_DISK in space.offload and len(space.offload) > 1:
-        without = replace(space, offload=tuple(o for o in space.offload if o != ON_DISK))
+    if has_disk(space) and any(o not in DISK_CODES for o in space.offload):
+        without = replace(space, offload=tuple(o for o in space.offload if o not in DISK_CODES))
         base = greedy_pool(ev, without, host_budget, progress, rounds, max_points)
     return base + _pool(ev, space, host_budget, disk_budget, progress, rounds, max_points)
 
@@ -218,8 +221,16 @@ def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, p
     for g_i, units in enumerate(gs):
         if progress:
             progress(g_i, len(gs) + rounds + 1, f"greedy descent over {len(units)} units")
-        pool.extend(c for c in _descend(ev, space, units, d0, d0, host_budget, disk_budget)
-                    if c.fits(host_budget, disk_budget))
+        visited = _descend(ev, space, units, d0, d0, host_budget, disk_budget)
+        pool.extend(c for c in visited if c.fits(host_budget, disk_budget))
+        if ON_DISK_PARAMS in space.offload:
+            # The descent's least-memory plan with every offloaded unit in tier 3: the least host a grouping can
+            # have, where the host binds so hard that no single move repairs it.
+            last = visited[-1]
+            deep = ev.make(last.units, last.modes, [ON_DISK_PARAMS if o else o for o in last.offload], last.ckpt,
+                           last.df, last.db)
+            if deep.fits(host_budget, disk_budget):
+                pool.append(deep)
     seen.update(_config(c) for c in pool)
     for r in range(rounds):
         if progress:
@@ -280,12 +291,13 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
                     swap = list(flip)
                     swap[v] = True
                     add(c, c.modes, swap, c.ckpt, c.df, c.db)
-        if ON_DISK in space.offload:  # between the host and the disk: which units keep their state on the host
-            for u in _spread([u for u in range(k) if c.offload[u] in (ON_HOST, ON_DISK)], 16):
-                tier = list(c.offload)
-                tier[u] = ON_HOST if c.offload[u] == ON_DISK else ON_DISK
-                if tier[u] in space.offload:
-                    add(c, c.modes, tier, c.ckpt, c.df, c.db)
+        if has_disk(space):  # between the host and the disk: which units keep what on the host
+            for u in _spread([u for u in range(k) if c.offload[u] in (ON_HOST, *DISK_CODES)], 16):
+                for code in (ON_HOST, *DISK_CODES):
+                    if code != c.offload[u] and code in space.offload:
+                        tier = list(c.offload)
+                        tier[u] = code
+                        add(c, c.modes, tier, c.ckpt, c.df, c.db)
         ck_on = _spread([i for i, f in enumerate(c.ckpt) if f], 8)
         ck_off = _spread([i for i, f in enumerate(c.ckpt) if not f and ctx.checkpointable[i]], 8)
         for i in ck_on:
@@ -311,31 +323,62 @@ def _proxy(ev: Evaluator, c: Candidate) -> float:
     return total
 
 
-def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: float) -> Candidate | None:
-    """``c`` with host units' optimizer state moved to disk until its host bytes fit, the least time lost per
-    host byte saved first; ``None`` where even that does not fit both budgets.
+def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: float,
+                  allowed: Sequence[int] = (ON_DISK,)) -> Candidate | None:
+    """``c`` with host units moved one tier deeper (host -> optimizer state on disk -> master weights and
+    parameters on disk too, as far as ``allowed``) until its host bytes fit, the least time lost per host byte
+    saved first; ``None`` where even that does not fit both budgets.
 
-    Moving unit ``u`` from the host to the disk changes only its optimizer step (the schedule adds the
-    optimizer steps after everything else), so each unit's loss per byte is independent of the others: one
-    ordering, one pricing at the end.
+    Moving unit ``u`` from the host to tier 2 changes only its optimizer step (the schedule adds the optimizer
+    steps after everything else), so each unit's loss per byte is independent of the others; tier 3 adds reads
+    ahead of forward and backward, which the ordering prices per unit (one ordering, one pricing at the end).
     """
     order = []
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
-        if o == ON_HOST:
-            host, disk = ev.terms(a, b, m, ON_HOST), ev.terms(a, b, m, ON_DISK)
-            saved = host.host - disk.host
-            if saved > 0:
-                order.append(((disk.opt - host.opt) / saved, u, saved))
+        src = ev.terms(a, b, m, o)
+        for code in allowed:
+            if o == ON_HOST and code == ON_DISK or o in (ON_HOST, ON_DISK) and code == ON_DISK_PARAMS:
+                dst = ev.terms(a, b, m, code)
+                saved = src.host - dst.host
+                loss = dst.opt + dst.disk_f + dst.disk_b - src.opt - src.disk_f - src.disk_b
+                if saved > 0:
+                    order.append((loss / saved, code, u, saved))
     order.sort()
     over = c.host - host_budget
     if c.disk == 0 and not ev.ctx.unified:
         over += DISK_STAGING_BYTES  # the first disk unit brings the staging area to the host
     tiers = list(c.offload)
-    for _, u, saved in order:
+    # Tier-3 units also bring two parameter shards to the host while used (see host_bytes): the largest counts.
+    unified = ev.ctx.unified
+    fetched = 0.0 if unified else 2 * max((ev.terms(a, b, m, o).fetch for (a, b), m, o
+                                           in zip(c.units, c.modes, c.offload)), default=0.0)
+
+    def move(u: int, code: int, saved: float) -> None:
+        nonlocal over, fetched
+        (a, b), m = c.units[u], c.modes[u]
+        tiers[u] = code
+        over -= saved
+        if code == ON_DISK_PARAMS and not unified:
+            new = max(fetched, 2 * ev.terms(a, b, m, code).fetch)
+            over += new - fetched
+            fetched = new
+
+    moved: set[int] = set()
+    for _, code, u, saved in order:
         if over <= 0:
             break
-        tiers[u] = ON_DISK
-        over -= saved
+        if u in moved:
+            continue
+        # A unit's options ordered by loss per byte: take the first; where a deeper one saves more and is
+        # needed, the pass below takes it.
+        moved.add(u)
+        move(u, code, saved)
+    if over > 0 and ON_DISK_PARAMS in allowed:
+        for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, list(tiers))):
+            if over <= 0:
+                break
+            if o in (ON_HOST, ON_DISK):
+                move(u, ON_DISK_PARAMS, ev.terms(a, b, m, o).host - ev.terms(a, b, m, ON_DISK_PARAMS).host)
     if tiers == list(c.offload):
         return None
     out = ev.make(c.units, c.modes, tiers, c.ckpt, c.df, c.db)
@@ -377,8 +420,10 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                     out.append(("mode", u, m))
             if not c.offload[u] and True in space.offload:
                 out.append(("offload", u, True))
-            if c.offload[u] != ON_DISK and ON_DISK in space.offload:
+            if c.offload[u] not in DISK_CODES and ON_DISK in space.offload:
                 out.append(("disk", u, ON_DISK))
+            if c.offload[u] != ON_DISK_PARAMS and ON_DISK_PARAMS in space.offload:
+                out.append(("disk", u, ON_DISK_PARAMS))
         if space.checkpointing:
             for i in range(n_blocks):
                 if ctx.checkpointable[i] and not c.ckpt[i]:
@@ -393,7 +438,7 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
         elif kind == "offload":
             of[idx] = True
         elif kind == "disk":
-            of[idx] = ON_DISK
+            of[idx] = int(val)  # type: ignore[call-overload]
         else:
             ck[idx] = True
         return ev.make(units, md, of, ck, df, db)
@@ -413,8 +458,10 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
             if fresh and min(v[0] for v in fresh.values()) <= stale.get(mv, float("-inf")):
                 break
             c = apply(cur, mv)
-            if ON_DISK in space.offload and not c.fits(host_budget, disk_budget):
-                c = _host_to_disk(ev, c, host_budget, disk_budget) or c  # the host binds: the disk makes room
+            if has_disk(space) and not c.fits(host_budget, disk_budget):
+                # the host binds: the disk makes room
+                c = _host_to_disk(ev, c, host_budget, disk_budget,
+                                  tuple(x for x in DISK_CODES if x in space.offload)) or c
             proxy = _proxy(ev, c)
             d_peak = cur.peak - c.peak
             d_mem = d_peak if d_peak > 1e-6 * cur.peak else 0.01 * (cur_proxy - proxy)
@@ -429,6 +476,11 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
         _, cur, cur_proxy = min(fresh.values(), key=lambda v: v[0])
         visited.append(cur)
     return visited
+
+
+def has_disk(space: Space) -> bool:
+    """Whether ``space`` lets units keep state on disk (tier 2 or 3)."""
+    return any(code in space.offload for code in DISK_CODES)
 
 
 def pareto(cands: Sequence[Candidate]) -> list[Candidate]:

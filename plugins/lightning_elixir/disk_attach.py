@@ -1,0 +1,62 @@
+"""The disk tier of a plan applied to a run: which parameters are a plan unit's (:func:`unit_parameters`), and
+:func:`attach_disk_state` opening the rank's store with the optimizer-state stream
+(:class:`~lightning_elixir.disk_state.DiskOptimizerState`) and, for tier-3 units, their parameters
+(:class:`~lightning_elixir.disk_params.DiskParameters`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_elixir.disk_params import DiskParameters, fsdp_group
+from lightning_elixir.disk_state import ALIGN_ELEMENTS, CHUNK_ELEMENTS, DiskOptimizerState, flat_layout
+from tightfit.planner.elixir import ElixirPlan
+from tightfit.storage import TensorStore
+
+__all__ = ["attach_disk_state", "unit_parameters"]
+
+
+def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list[nn.Parameter]:
+    """The sharded parameters FSDP2 manages for applied unit ``index`` (:class:`~lightning_elixir.apply.AppliedUnit`):
+    its group's, or the root group's for a unit whose blocks the root holds (the root follows the first such unit)."""
+    unit = units[index]
+    if unit.modules:
+        owner = unit.modules[0]
+    elif unit.on_root and next(u for u in units if u.on_root) is unit:
+        owner = module
+    else:
+        return []
+    group = owner._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
+
+
+def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequence[Any],
+                      optimizers: Sequence[torch.optim.Optimizer], disk_dir: Any, *, rank: int,
+                      chunk_elements: int = CHUNK_ELEMENTS) -> DiskOptimizerState | None:
+    """The disk tier of ``plan`` applied to the run's optimizer: ``None`` when no unit keeps its state on disk.
+
+    Opens this rank's store (``<disk_dir>/rank<rank>``). Raises ``ValueError`` for several optimizers (each would
+    need its own layout; the plan prices one)."""
+    if plan is None or not plan.disk_units:
+        return None
+    if disk_dir is None:
+        raise ValueError(f"the plan keeps the optimizer state of units {list(plan.disk_units)} on disk, but no "
+                         "disk_dir was given: pass ElixirStrategy(disk_dir='/path/on/nvme')")
+    if len(optimizers) != 1:
+        raise ValueError(f"the plan keeps optimizer state on disk and configure_optimizers returned "
+                         f"{len(optimizers)} optimizers; the disk tier streams one: return a single optimizer "
+                         "(param groups for different settings), or plan without disk_dir")
+    chosen = [(i, ps) for i, ps in ((i, unit_parameters(module, units, i)) for i in plan.disk_units) if ps]
+    store = TensorStore.for_rank(disk_dir, rank)
+    tier3 = set(plan.param_disk_units)
+    master = None
+    if tier3:
+        master = DiskParameters([(i, fsdp_group(module, units, i), flat_layout(ps)[0]) for i, ps in chosen
+                                 if i in tier3], store)
+        if chunk_elements == CHUNK_ELEMENTS:
+            # Each staging set holds the chunk's master weights beside the state: a third smaller, 128 MiB in all.
+            chunk_elements = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS * 2 // 3 // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+    return DiskOptimizerState(optimizers[0], chosen, store, chunk_elements=chunk_elements, master=master)

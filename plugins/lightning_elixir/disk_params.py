@@ -1,0 +1,268 @@
+"""Parameters on disk between uses: a plan's tier-3 units (``UnitPlan.params_disk``) keep their fp32 master weights
+in the store, read one unit ahead of the forward and of the backward and dropped after each.
+
+FSDP2's sharded parameters *are* the master weights (it all-gathers, and casts under mixed precision, from them),
+so one copy lives on disk: ``<store>/u<i>.master``, each parameter's local shard at the same aligned offset as its
+optimizer state (:func:`lightning_elixir.disk_state.flat_layout`), and the streamed optimizer step reads and writes
+it with the moments (:class:`~lightning_elixir.disk_state.DiskOptimizerState`). Between uses a unit's shards have
+no memory: their storages are resized to zero bytes (the parameter objects, their shapes and the views FSDP2
+holds stay; FSDP2 frees its unsharded parameters the same way) and resized back when read.
+
+Hooks, per unit, on its FSDP2 parameter group (the order FSDP2 itself runs, prefetches included):
+    * ``unshard`` (pre-forward, pre-backward, FSDP2's own prefetches): waits for the unit's shards, reading them
+      first if nobody asked yet, then reads the next tier-3 unit's shards ahead - the next one in forward, the
+      previous one in backward - and runs FSDP2's unshard;
+    * ``post_forward`` and ``post_backward``: drop the unit's shards (the first drop writes them to the store:
+      until the first step they are the model's initial weights).
+Before each optimizer step, :meth:`DiskParameters.settle` drops what is still held, so the step reads the newest
+weights from the store and nothing in RAM can go stale.
+
+Host memory: the shards of at most two units at a time (the one in use and the one read ahead), as the planner
+counts them (``UnitTerms.fetch``); no buffer of the whole model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit.storage import TensorStore
+
+__all__ = ["MASTER_KEY", "DiskParameters", "fsdp_group"]
+
+MASTER_KEY = "master"  # the store name's key of a tier-3 unit's master weights: u<i>.master
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``t``, the tensor FSDP2 holds itself (a DTensor's ``to_local()`` goes through autograd
+    and may hand back a storage that cannot be resized)."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).detach()
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t`` as a buffer for the store. Not through ``t.numpy()``: numpy's view
+    marks the storage as not resizable for good, and a tier-3 shard's storage is resized to zero between uses."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+@dataclass
+class _Unit:
+    index: int
+    group: Any  # FSDP2's FSDPParamGroup (None: no hooks, e.g. a unit FSDP2 does not manage)
+    pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
+    nbytes: dict[int, int] = field(default_factory=dict)  # storage bytes per parameter id, to resize back to
+    stored: bool = False  # the store holds this unit's current weights
+    resident: bool = True  # its shards have memory (their values valid once ``pending`` is done)
+    pending: list[Future[Any]] = field(default_factory=list)
+
+
+class DiskParameters:
+    """Tier-3 units' parameters: in the store between uses, read ahead of each use.
+
+    Args:
+        units: ``(plan unit index, FSDP2 parameter group, [(parameter, flat offset, local numel), ...])`` in plan
+            order (the forward's order; the backward runs it backwards).
+        store: this rank's store (the optimizer state's).
+
+    ``bytes_read`` / ``bytes_written`` count what moved; ``peak_resident`` is the most units held at once.
+    """
+
+    def __init__(self, units: Sequence[tuple[int, Any, Sequence[tuple[nn.Parameter, int, int]]]],
+                 store: TensorStore) -> None:
+        self.store = store
+        self.units = [_Unit(i, g, list(pieces)) for i, g, pieces in units]
+        self.by_index = {u.index: u for u in self.units}
+        self.order = [u.index for u in self.units]
+        self.bytes_read = self.bytes_written = 0
+        self.fetches = 0
+        self.peak_resident = 0
+        self._owners: dict[int, tuple[_Unit, nn.Parameter, int]] = {}  # storage id -> (unit, parameter, offset)
+        seen: set[int] = set()
+        for u in self.units:
+            for p, _, _ in u.pieces:
+                storage = _local(p).untyped_storage()
+                if storage._cdata in seen:
+                    raise ValueError(f"unit {u.index}: two parameters share one storage (tied weights?); a unit "
+                                     "whose parameters wait on disk needs its own storage per parameter: keep "
+                                     "tied weights in a unit on the host (plan it with allow_disk_params=False)")
+                seen.add(storage._cdata)
+        self._restore: list[tuple[Any, str, Any]] = []
+        for u in self.units:
+            if u.group is not None:
+                self._wrap(u)
+
+    def name(self, unit: int) -> str:
+        """The store name of unit ``unit``'s master weights (a flat buffer)."""
+        return f"u{unit}.{MASTER_KEY}"
+
+    @property
+    def resident_units(self) -> tuple[int, ...]:
+        return tuple(u.index for u in self.units if u.resident)
+
+    # ---- moving one unit ----------------------------------------------------------------------------
+    def _write_unit(self, u: _Unit) -> None:
+        futures = []
+        for p, start, n in u.pieces:
+            local = _local(p)
+            if n:
+                futures.append(self.store.write(self.name(u.index), _raw(local), start * local.element_size()))
+                self.bytes_written += n * local.element_size()
+        for f in futures:
+            f.result()  # a DiskFullError surfaces here, before the unit's only copy is dropped
+        u.stored = True
+
+    def release(self, index: int) -> None:
+        """Drop unit ``index``'s shards (written to the store first if it does not hold them yet)."""
+        u = self.by_index[index]
+        if not u.resident:
+            return
+        self._wait(u)
+        if not u.stored:
+            self._write_unit(u)
+        for p, start, _ in u.pieces:
+            # Looked up at each drop: loading a checkpoint may have given FSDP2 a new local tensor.
+            storage = _local(p).untyped_storage()
+            u.nbytes[id(p)] = storage.nbytes()
+            self._owners[storage._cdata] = (u, p, start)
+            storage.resize_(0)
+        u.resident = False
+
+    def fetch(self, index: int) -> None:
+        """Start reading unit ``index``'s shards back (nothing to do if they are held or on their way)."""
+        u = self.by_index[index]
+        if u.resident:
+            return
+        for p, start, n in u.pieces:
+            local = _local(p)
+            storage = local.untyped_storage()
+            storage.resize_(u.nbytes[id(p)])
+            if storage.nbytes() > local.numel() * local.element_size():
+                # FSDP2's padding past the local shard (uneven shards): all-gathered, never used; zeroed anyway.
+                flat = torch.empty(0, dtype=local.dtype).set_(storage, 0, (storage.nbytes() // local.element_size(),), (1,))
+                flat[local.storage_offset() + local.numel():].zero_()
+            if n:
+                u.pending.append(self.store.read_into(self.name(u.index), _raw(local), start * local.element_size()))
+                self.bytes_read += n * local.element_size()
+        u.resident = True
+        self.fetches += 1
+        self.peak_resident = max(self.peak_resident, len(self.resident_units))
+
+    def _wait(self, u: _Unit) -> None:
+        pending, u.pending = u.pending, []
+        for f in pending:
+            f.result()  # a ChecksumError names the file and offset
+
+    def ensure(self, index: int) -> None:
+        """Unit ``index``'s shards held and valid (read now if nobody read them ahead)."""
+        self.fetch(index)
+        self._wait(self.by_index[index])
+
+    def settle(self) -> None:
+        """Before an optimizer step: every unit's weights in the store and none held (the step updates the store)."""
+        for u in self.units:
+            self.release(u.index)
+
+    def mark_stale(self) -> None:
+        """After the optimizer step wrote new weights: the store holds them (every unit was released before it)."""
+        for u in self.units:
+            u.stored = True
+
+    def materialize(self) -> None:
+        """Read every unit back and keep it (tests and exports: this holds the whole model)."""
+        for u in self.units:
+            self.ensure(u.index)
+
+    # ---- reading a parameter whatever its state (checkpoints, digests) -----------------------------------
+    def owner(self, t: torch.Tensor) -> tuple[nn.Parameter, int] | None:
+        """(parameter, flat offset) of a tier-3 shard ``t`` (a parameter, a DTensor, or a view of its storage)."""
+        hit = self._owners.get(_local(t).untyped_storage()._cdata)
+        return None if hit is None else (hit[1], hit[2])
+
+    def is_released(self, t: torch.Tensor) -> bool:
+        hit = self._owners.get(_local(t).untyped_storage()._cdata)
+        return hit is not None and not hit[0].resident
+
+    def read_parameter(self, t: torch.Tensor) -> torch.Tensor:
+        """The values of a released tier-3 shard ``t``, read from the store into a new tensor of its local shape."""
+        hit = self._owners[_local(t).untyped_storage()._cdata]
+        u, _, start = hit
+        local = _local(t)
+        out = torch.empty(local.shape, dtype=local.dtype)
+        if local.numel():
+            self.store.read_into(self.name(u.index), out.reshape(-1), start * local.element_size()).result()
+            self.bytes_read += out.nbytes
+        return out
+
+    def write_parameter(self, t: torch.Tensor, values: torch.Tensor, element: int = 0) -> None:
+        """Write ``values`` over a released tier-3 shard ``t`` in the store, from its local ``element`` on."""
+        u, _, start = self._owners[_local(t).untyped_storage()._cdata]
+        if values.numel():
+            self.store.write(self.name(u.index), values.contiguous().reshape(-1),
+                             (start + element) * values.element_size()).result()
+            self.bytes_written += values.nbytes
+
+    # ---- hooks on FSDP2's parameter groups ------------------------------------------------------------
+    def _neighbour(self, index: int, backward: bool) -> int | None:
+        k = self.order.index(index) + (-1 if backward else 1)
+        return self.order[k] if 0 <= k < len(self.order) else None
+
+    def _wrap(self, u: _Unit) -> None:
+        group = u.group
+
+        def wrap(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+            original = getattr(group, name)
+            self._restore.append((group, name, original))
+            setattr(group, name, make(original))  # an instance attribute: FSDP2 calls self.<name>(...)
+
+        def unshard(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if not group.is_unsharded and group._all_gather_result is None:
+                    self.ensure(u.index)
+                    state = getattr(group._training_state, "name", "")
+                    ahead = self._neighbour(u.index, backward=state == "PRE_BACKWARD")
+                    if ahead is not None and state in ("FORWARD", "PRE_BACKWARD"):
+                        self.fetch(ahead)  # read while this unit computes
+                return original(*args, **kwargs)
+            return run
+
+        def then_release(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                self.release(u.index)
+                return out
+            return run
+
+        wrap("unshard", unshard)
+        wrap("post_forward", then_release)
+        wrap("post_backward", then_release)
+
+    def close(self) -> None:
+        """After training: remove the hooks and hold every unit again, so the module is usable as it was; each
+        unit's gradients are dropped before its weights come back, so this needs no more memory than a step
+        did (the store is the caller's to close)."""
+        for group, name, _ in reversed(self._restore):
+            if name in vars(group):
+                delattr(group, name)
+        self._restore.clear()
+        for u in self.units:
+            for p, _, _ in u.pieces:
+                p.grad = None
+            self.ensure(u.index)
+
+
+def fsdp_group(module: nn.Module, units: Sequence[Any], index: int) -> Any:
+    """FSDP2's parameter group of applied unit ``index`` (its first module's, or the root's), or ``None``."""
+    unit = units[index]
+    owner = unit.modules[0] if unit.modules else module if unit.on_root else None
+    if owner is None:
+        return None
+    get = getattr(owner, "_get_fsdp_state", None)
+    return get()._fsdp_param_group if callable(get) else None

@@ -1,0 +1,177 @@
+"""Elixir with master weights and parameters on disk (state tier 3, ``UnitPlan.params_disk``): bit-equal to the same
+plan all in RAM (fp32; gradient accumulation and clipping) on 1 and 2 real gloo ranks; the bytes that went to
+disk, the units held between uses, and checkpoint/resume asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.multiprocess import run_distributed
+from tests.lightning_elixir.test_disk_tier import CHUNK, ENV, _fit, _plan_with_disk
+
+STEPS = 4
+MICRO = 2  # accumulate_grad_batches in _fit
+
+
+def _tier3(plan, every: int = 1):
+    """``plan`` with every ``every``-th disk unit in tier 3 (the others keep tier 2: both in one run)."""
+    units = [dataclasses.replace(u, params_disk=u.disk and i % every == 0) for i, u in enumerate(plan.units)]
+    return dataclasses.replace(plan, units=tuple(units))
+
+
+def _ram(plan):
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False)
+                                                 for u in plan.units))
+
+
+class _Watch:
+    """Records, at each batch start and before each optimizer step, which tier-3 units hold their shards."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[int, ...]] = []
+        self.master = None
+
+    def callback(self):
+        import lightning as L
+
+        watch = self
+
+        class Cb(L.Callback):
+            def on_train_batch_start(self, trainer, module, batch, batch_idx):
+                state = trainer.strategy.disk_state
+                watch.master = state.master
+                watch.held.append(state.master.resident_units if trainer.global_step else ())
+
+            def on_before_optimizer_step(self, trainer, module, optimizer):
+                watch.held.append(trainer.strategy.disk_state.master.resident_units)
+
+        return Cb()
+
+
+def _strategy(plan, disk: Path):
+    from lightning_elixir import ElixirStrategy
+
+    disk.mkdir(parents=True, exist_ok=True)
+    s = ElixirStrategy(plan=plan, disk_dir=disk, verbose=False)
+    s.disk_chunk_elements = CHUNK
+    return s
+
+
+def test_one_rank_params_on_disk_bit_equal_to_ram_with_the_bytes_asserted(tmp_path):
+    from lightning_elixir import ElixirStrategy
+    from tightfit.storage import TensorStore
+
+    plan = _tier3(_plan_with_disk(tmp_path), every=2)
+    assert plan.param_disk_units and len(plan.param_disk_units) < len(plan.disk_units)  # tiers 2 and 3 mixed
+    watch, seen = _Watch(), []
+    strategy = _strategy(plan, tmp_path / "disk")
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
+    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, steps=STEPS, callbacks=[watch.callback()])
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
+                                      steps=STEPS)
+    assert losses == ram_losses and len(losses) == STEPS * MICRO
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
+    state, master = seen[0], watch.master
+    assert state is not None and master is not None and state.steps == STEPS
+    # Between uses no tier-3 unit holds its shards: not before an optimizer step, not at a batch start.
+    assert watch.held and all(h == () for h in watch.held), watch.held
+    assert master.peak_resident <= 2  # the unit in use and the one read ahead
+    # Bytes: the master weights (4 B per element) were written once by the first drop, then read ahead of every
+    # forward of every micro-batch but the first (the initial weights were in RAM; not ahead of the backward:
+    # this is the root unit, which FSDP2 keeps unsharded from forward to backward), once more at teardown, and
+    # streamed through every step with the moments (read and
+    # written each step but the first, which read them and wrote them back).
+    tier3 = sorted(master.order)
+    assert len(tier3) == 1
+    numel = {u: n for u, n in state.lengths.items()}
+    params = sum(n for _, _, n in master.by_index[tier3[0]].pieces)
+    assert master.fetches == STEPS * MICRO - 1 + 1
+    assert master.bytes_read == master.fetches * params * 4
+    assert master.bytes_written == params * 4
+    moments = sum(numel.values()) * 4 * 2
+    masters = sum(numel[u] for u in tier3) * 4
+    assert state.disk_bytes() == moments + masters
+    assert state.bytes_written == STEPS * (moments + masters)
+    assert state.bytes_read == STEPS * masters + (STEPS - 1) * moments
+    # Staging: two sets of one chunk per key, the master weights beside the moments (no whole-model buffer).
+    assert state.staging_bytes == 2 * 3 * CHUNK * 4
+    with TensorStore(tmp_path / "disk" / "rank0") as store:
+        assert {master.name(u) for u in tier3} <= set(store.names())
+
+
+def params_disk_vs_ram(rank: int, world: int, tmp: str) -> dict:
+    from lightning_elixir import ElixirStrategy
+
+    root = Path(tmp)
+    plan = _tier3(_plan_with_disk_world(root / f"profile{rank}", world))
+    losses, weights, _ = _fit(_strategy(plan, root / "disk"), root / "a", devices=world, steps=STEPS)
+    ref_losses, ref_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), root / "b", devices=world,
+                                      steps=STEPS)
+    return {"losses": losses, "ref_losses": ref_losses, "tier3": plan.param_disk_units,
+            "equal": all(weights[n].equal(ref_weights[n]) for n in weights)}
+
+
+def _plan_with_disk_world(tmp_path: Path, world: int):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_elixir.options import ElixirOptions
+    from lightning_elixir.planning import decide_plan
+    from tests.lightning_elixir.common import TinyGPT, cpu_device, token_data
+    from tightfit.planner.elixir import ElixirConstraints
+    from tightfit.profiler.types import DiskProfile
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    disk = DiskProfile(path=str(tmp_path), free_bytes=2**30, read_fit=(1e-4, 1e9), write_fit=(1e-4, 1e9))
+    options = ElixirOptions(device_profile=dataclasses.replace(cpu_device(), disk=disk), disk_dir=tmp_path,
+                            constraints=ElixirConstraints(force_disk=True), verbose=False)
+    batch = next(iter(DataLoader(token_data(8), batch_size=4)))
+    return decide_plan(options, TinyGPT(), first_batch=lambda: batch, precision="32-true",
+                       device=torch.device("cpu"), world_size=world).plan
+
+
+def test_params_on_disk_bit_equal_to_ram_on_two_ranks(tmp_path):
+    outs = run_distributed(params_disk_vs_ram, world_size=2, args=(str(tmp_path),), env=ENV, timeout=300)
+    for out in outs:
+        assert out["tier3"]
+        assert out["losses"] == out["ref_losses"] and len(out["losses"]) == STEPS * MICRO
+        assert out["equal"]
+
+
+def test_params_on_disk_checkpoint_resumes_equal_to_uninterrupted(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.checkpoint import verify_checkpoint
+
+    plan = _tier3(_plan_with_disk(tmp_path))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="s{step}",
+                           auto_insert_metric_name=False)
+    losses, weights, _ = _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=STEPS,
+                              samples=16, callbacks=[ckpt], enable_checkpointing=True)
+    step2 = tmp_path / "ckpt" / "s2.ckpt"
+    assert verify_checkpoint(step2)
+    # Resumed with master weights on disk, and all in RAM: both end where the uninterrupted run did.
+    losses_b, weights_b, _ = _fit(_strategy(plan, tmp_path / "disk_b"), tmp_path / "b", devices=1, steps=STEPS,
+                                  samples=16, ckpt_path=step2)
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "c", devices=1,
+                                      steps=STEPS, samples=16, ckpt_path=step2)
+    assert losses_b == ram_losses == losses[2 * MICRO:]
+    for n in weights:
+        assert weights_b[n].equal(weights[n]) and ram_weights[n].equal(weights[n]), n
+
+
+def test_tied_weights_cannot_wait_on_disk():
+    import torch
+
+    from lightning_elixir.disk_params import DiskParameters
+
+    w = torch.nn.Parameter(torch.zeros(8))
+    tied = torch.nn.Parameter(w.data)  # shares w's storage
+    with pytest.raises(ValueError, match="share one storage"):
+        DiskParameters([(0, None, [(w, 0, 8), (tied, 4096, 8)])], store=None)  # type: ignore[arg-type]
