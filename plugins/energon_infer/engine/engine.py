@@ -227,6 +227,12 @@ class Engine:
             split_layers(model.n_layers, cfg.runtime.pp)
         except ValueError as exc:
             raise OptionError(str(exc)) from None
+        if cfg.runtime.quantization is not None:  # group size vs this model's widths, torchao installed
+            from energon_infer.quantization import QuantSpec, check_quantization
+            from energon_infer.worker.runtime_config import DTYPES
+
+            check_quantization(model, QuantSpec.create(cfg.runtime.quantization, cfg.runtime.group_size),
+                               tp=cfg.runtime.tp, dtype=DTYPES[cfg.runtime.dtype])
         pool = _pool_config(memory_pool)
         if pool is not None and pool.tiered:  # an impossible budget raises PlanInfeasibleError here, naming the tier
             check_tiered_plan(str(path), cfg.runtime, pool)
