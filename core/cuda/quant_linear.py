@@ -21,8 +21,10 @@ projection, 1 / 8 / 32 rows, us: fp32 ``F.linear`` 1587 / 225 / 7738 on a loaded
 2732 / 6177 / 15762; the tinygemm int4 ``Int4OpaqueTensor`` 6527 / 16192 / 61445). This kernel dequantises
 inside the dot products (each weight byte is read once per call, converted in registers) and splits the
 output features over ``torch.get_num_threads()`` POSIX threads. It runs for fp32 inputs of up to
-:data:`NATIVE_MAX_ROWS` rows; above that (prefill) the reference's dequantise-then-matmul runs, whose blocked
-BLAS matmul wins once the weight's bytes are amortised over many rows. Figures: benchmarks/energon_quant.py.
+:data:`NATIVE_MAX_ROWS` rows; above that (prefill) the native backend dequantises the weight in C (all threads)
+and multiplies with BLAS, whose blocked matmul wins once the weight's bytes are amortised over many rows (the
+pure-PyTorch dequantisation of a 2048 x 5632 weight alone took ~60 ms here). Other dtypes run the reference.
+Figures: benchmarks/energon_quant.py.
 """
 
 from __future__ import annotations
@@ -163,6 +165,39 @@ static int run(void *(*fn)(void *), job_t base, int64_t threads) {
     return 0;
 }
 
+/* Dequantise rows [n0, n1) into out (N, K) fp32: the prefill path (many rows) multiplies that with BLAS. */
+static void *dequant_range(void *arg) {
+    const job_t *j = arg;
+    const int64_t K = j->K, G = j->G;
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        float *o = j->y + n * K;
+        if (G == 0) {
+            const int8_t *q = (const int8_t *)j->w + n * K;
+            const float s = j->scale[n];
+            for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * s;
+        } else {
+            const uint8_t *row = (const uint8_t *)j->w + n * (K / 2);
+            const int64_t H = G / 2, ng = K / G;
+            for (int64_t g = 0; g < ng; g++) {
+                const uint8_t *p = row + g * H;
+                const float s = j->scale[n * ng + g], c = j->zero[n * ng + g] - 8.f * s;
+                float *og = o + g * G;
+                for (int64_t i = 0; i < H; i++) {
+                    og[i] = (float)(p[i] & 15) * s + c;
+                    og[H + i] = (float)(p[i] >> 4) * s + c;
+                }
+            }
+        }
+    }
+    return NULL;
+}
+
+int tf_dequantize_f32(const void *q, const float *scale, const float *zero, float *out, int64_t N, int64_t K,
+                      int64_t G, int64_t threads) {
+    job_t j = {NULL, scale, zero, NULL, NULL, q, out, 0, 1, N, K, G, 0, N};
+    return run(dequant_range, j, threads);
+}
+
 int tf_int8_linear_f32(const float *x, int64_t xs, const int8_t *q, const float *scale, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t threads) {
     job_t j = {x, scale, NULL, bias, NULL, q, y, xs, M, N, K, 0, 0, N};
@@ -184,7 +219,18 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def _library() -> Any:
     return load_functions("quant_linear", _SOURCE, (
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
-        ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I))))
+        ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
+        ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I))))
+
+
+def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+                       ) -> torch.Tensor:
+    """The fp32 ``(N, K)`` weight, dequantised in C over all threads (int8 when ``zero`` is None)."""
+    n, k = q.shape[0], q.shape[1] * (1 if zero is None else 2)
+    out = torch.empty((n, k), dtype=torch.float32)
+    _library().tf_dequantize_f32(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(),
+                                 out.data_ptr(), n, k, 0 if zero is None else group_size, torch.get_num_threads())
+    return out
 
 
 def _native_error() -> str:
@@ -231,23 +277,30 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
 
 
-def _rows_ok(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.stride(-1) == 1
+def _native_ok(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
             and all(t is None or (t.dtype in (torch.float32, torch.int8, torch.uint8) and t.is_contiguous())
                     for t in tensors))
 
 
 def _int8_native(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not _rows_ok(x, qweight, scale, bias) or scale.dtype != torch.float32 or (
+    if not _native_ok(x, qweight, scale, bias) or scale.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.float32):
         return int8_linear_reference(x, qweight, scale, bias)
+    if x.shape[0] > NATIVE_MAX_ROWS:
+        return F.linear(x, _dequantize_native(qweight, scale, None, 0), bias)
     n, k = qweight.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
     _library().tf_int8_linear_f32(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale.data_ptr(),
                                   bias.data_ptr() if bias is not None else None, y.data_ptr(), x.shape[0], n, k,
                                   torch.get_num_threads())
     return y
+
+
+def _probe_rows(x: torch.Tensor) -> int:
+    # A few rows for the decode class, just past the threshold for the prefill class (dequantise + BLAS).
+    return min(x.shape[0], 5) if x.shape[0] <= NATIVE_MAX_ROWS else NATIVE_MAX_ROWS + 1
 
 
 def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
@@ -258,8 +311,7 @@ def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 def _int8_probe(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(0)
-    rows = min(x.shape[0], 5)
-    xp = torch.randn(rows, x.shape[1], generator=gen).to(x.dtype)
+    xp = torch.randn(_probe_rows(x), x.shape[1], generator=gen).to(x.dtype)
     return (xp, qweight, scale, bias), {}
 
 
@@ -288,9 +340,11 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (not _rows_ok(x, packed, scale, zero, bias) or scale.dtype != torch.float32 or zero.dtype != torch.float32
+    if (not _native_ok(x, packed, scale, zero, bias) or scale.dtype != torch.float32 or zero.dtype != torch.float32
             or (bias is not None and bias.dtype != torch.float32)):
         return int4_linear_reference(x, packed, scale, zero, group_size, bias)
+    if x.shape[0] > NATIVE_MAX_ROWS:
+        return F.linear(x, _dequantize_native(packed, scale, zero, group_size), bias)
     n, k = packed.shape[0], packed.shape[1] * 2
     m = x.shape[0]
     xsum = x.reshape(m, k // group_size, group_size).sum(-1).contiguous()
@@ -309,7 +363,7 @@ def _int4_class(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 def _int4_probe(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(0)
-    xp = torch.randn(min(x.shape[0], 5), x.shape[1], generator=gen).to(x.dtype)
+    xp = torch.randn(_probe_rows(x), x.shape[1], generator=gen).to(x.dtype)
     return (xp, packed, scale, zero, group_size, bias), {}
 
 

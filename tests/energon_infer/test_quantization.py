@@ -222,3 +222,23 @@ def test_disk_tier_with_quantization_is_refused(wide_dirs):
 
     with pytest.raises(QuantizationError, match=r"quantization='int8' with 1 layer\(s\) streamed from disk"):
         ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization="int8", offload=[1])
+
+
+# Bounds on the trained fixture (tests/energon_infer/fixtures/trained_llama, 2 blocks, hidden 128), 16 prompts of 8
+# tokens + 24 greedy tokens. Measured when the fixture was made: int8 KL 2.6e-6, int4 KL 3.7e-4 (group 32) to
+# 4.9e-4 (group 128), argmax agreement and greedy match 1.0 for all; the bounds leave ~10x room in KL.
+QUALITY = {("int8", None): (1e-4, 0.99), ("int4", 32): (5e-3, 0.95), ("int4", 128): (5e-3, 0.95)}
+
+
+@pytest.mark.parametrize("method,group", list(QUALITY))
+def test_quality_on_the_trained_fixture(method, group):
+    from energon_infer.quantization import QuantSpec
+    from energon_infer.quantization_quality import measure_quality
+    from tests.energon_infer.fixtures.make_trained_llama import OUT, corpus_batch, markov_table
+
+    prompts = corpus_batch(16, torch.Generator().manual_seed(123), markov_table(torch.Generator().manual_seed(0)))
+    q = measure_quality(OUT, QuantSpec(method=method, group_size=group), prompts[:, :8].tolist(), new_tokens=24)
+    kl_bound, agree_bound = QUALITY[(method, group)]
+    assert q["positions"] == 16 * 24
+    assert q["kl"] <= kl_bound and q["agreement"] >= agree_bound and q["greedy_match"] >= agree_bound - 0.05, q
+    assert len(q["per_layer_kl"]) == 2 and all(0 < k <= kl_bound for k in q["per_layer_kl"]), q
