@@ -242,3 +242,12 @@ def test_quality_on_the_trained_fixture(method, group):
     assert q["positions"] == 16 * 24
     assert q["kl"] <= kl_bound and q["agreement"] >= agree_bound and q["greedy_match"] >= agree_bound - 0.05, q
     assert len(q["per_layer_kl"]) == 2 and all(0 < k <= kl_bound for k in q["per_layer_kl"]), q
+
+
+def test_memory_pool_with_quantization_is_refused(wide_dirs):
+    from energon_infer import Engine
+    from energon_infer.quantization import QuantizationError
+
+    with pytest.raises(QuantizationError, match=r"^quantization='int4' with a memory_pool: the memory pool and the "
+                                                r"disk tier move full-precision layers"):
+        Engine.from_pretrained(wide_dirs["llama"], quantization="int4", group_size=32, memory_pool=0.5)
