@@ -10,9 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tightfit.cuda.quant_linear import (NATIVE_MAX_ROWS, dequantize_int4, int4_linear, int8_linear, pack_int4,
-                                        unpack_int4)
-
+from tightfit.cuda.quant_linear import (
+    NATIVE_MAX_ROWS,
+    dequantize_int4,
+    int4_linear,
+    int8_linear,
+    pack_int4,
+    unpack_int4,
+)
 
 
 def _int8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
