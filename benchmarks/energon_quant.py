@@ -12,7 +12,7 @@
    Its decode time is its total minus its time to the first token, the same split as ours.
 3. Time to first token: a fresh 256-token prompt, prefill alone.
 4. Quality on the trained fixture (tests/energon_infer/fixtures/trained_llama): logit KL, argmax agreement and
-   greedy match against fp32 (:mod:`energon_infer.quantization_quality`).
+   greedy match against fp32 (:mod:`energon_infer.worker.quantization_quality`).
 
 The speed model is a random LLaMA-architecture checkpoint (heads of 128, 2 key/value heads, fp32), large enough
 that a decode step is bound by the weight bytes it reads, not by per-op overhead. All threads the process has, on
@@ -172,8 +172,8 @@ def decode_case(path: Path, runners: dict[str, Any], llama: dict[str, Path], *, 
 
 
 def quality_case(fast: bool) -> dict[str, Any]:
-    from energon_infer.quantization import QuantSpec
-    from energon_infer.quantization_quality import measure_quality
+    from energon_infer.loading.quantization import QuantSpec
+    from energon_infer.worker.quantization_quality import measure_quality
     from tests.energon_infer.fixtures.make_trained_llama import OUT, corpus_batch, markov_table
 
     prompts = corpus_batch(32, torch.Generator().manual_seed(7), markov_table(torch.Generator().manual_seed(0)))

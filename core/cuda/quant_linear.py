@@ -13,7 +13,7 @@ low nibble and element ``j + group_size/2`` in its high nibble, so the kernel re
 halves contiguously.
 
 Core never imports torchao: the references below dequantise with plain PyTorch and the plugin that
-quantises (``energon_infer.quantization``) checks them against torchao's own ``dequantize``.
+quantises (``energon_infer.loading.quantization``) checks them against torchao's own ``dequantize``.
 
 Why a native CPU kernel: a decode step multiplies a few rows by every weight, so it is bound by the bytes of
 weight read. torchao's CPU paths on this machine's torch 2.13 are slower than fp32 there (one 1024 x 1024

@@ -164,13 +164,13 @@ class _Projection(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] = (0, -1)
-    # Weight-only quantization (energon_infer.quantization): "int8" or "int4", with the weight held as the
+    # Weight-only quantization (energon_infer.loading.quantization): "int8" or "int4", with the weight held as the
     # parameters qweight, qscale (and qzero for int4) instead of ``weight``.
     quant: str | None = None
     group_size: int = 0
 
     def set_quantized(self, method: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> int:
-        """Hold the weight quantized (``tensors`` from :func:`energon_infer.quantization.quantize_weight`);
+        """Hold the weight quantized (``tensors`` from :func:`energon_infer.loading.quantization.quantize_weight`);
         ``weight`` goes away. Returns the bytes now held for the weight."""
         self._parameters.pop("weight", None)
         self.packed = None

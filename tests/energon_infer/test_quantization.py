@@ -37,7 +37,7 @@ def wide_dirs(tmp_path_factory) -> dict[str, str]:
 def _dequantised_runner(path: str, method: str, group: int | None, **kw):
     """fp32 runner whose projection weights are torchao's dequantisation of their quantization (this rank's slices)."""
     from energon_infer import ModelRunner
-    from energon_infer.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
+    from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
 
     spec = QuantSpec(method=method, group_size=group)
     runner = ModelRunner.from_pretrained(path, block_size=4, progress=False, packed_weights=False, **kw)
@@ -86,7 +86,7 @@ def test_torchao_formats_are_the_stored_ones():
     from torchao.quantization import Int8Tensor
     from torchao.quantization.granularity import PerRow
 
-    from energon_infer.quantization import QuantSpec, quantize_weight, reference_dequantize
+    from energon_infer.loading.quantization import QuantSpec, quantize_weight, reference_dequantize
     from tightfit.cuda.quant_linear import dequantize_int4, int4_linear, int8_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -141,7 +141,7 @@ def test_each_rank_quantises_its_slice_at_tp2_and_pp2(wide_dirs):
 
 def test_bad_quantization_is_refused_at_load_in_one_line(wide_dirs, tiny_dirs):
     from energon_infer import ModelRunner
-    from energon_infer.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantizationError
     from energon_infer.worker.runtime_config import RuntimeConfig
 
     with pytest.raises(QuantizationError, match=r"^quantization='int3' is not a known method; use one of 'int8', "):
@@ -163,7 +163,7 @@ def test_bad_quantization_is_refused_at_load_in_one_line(wide_dirs, tiny_dirs):
 
 def test_engine_refuses_before_starting_workers(wide_dirs):
     from energon_infer import Engine
-    from energon_infer.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantizationError
 
     with pytest.raises(QuantizationError, match=r"group_size=256 does not divide the 64 inputs of the qkv"):
         Engine.from_pretrained(wide_dirs["llama"], quantization="int4", group_size=256)
@@ -189,7 +189,7 @@ _NO_TORCHAO = """
 import sys
 sys.modules["torchao"] = None  # as if it were not installed: `import torchao` raises ImportError
 from energon_infer import ModelRunner
-from energon_infer.quantization import QuantizationError
+from energon_infer.loading.quantization import QuantizationError
 runner = ModelRunner.from_pretrained(sys.argv[1], progress=False)  # unquantized loads work as before
 assert runner.generate([[5, 6]])[0].token_ids
 try:
@@ -218,7 +218,7 @@ def test_serve_cli_refuses_a_bad_group_size_in_one_line(wide_dirs):
 
 def test_disk_tier_with_quantization_is_refused(wide_dirs):
     from energon_infer import ModelRunner
-    from energon_infer.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantizationError
 
     with pytest.raises(QuantizationError, match=r"quantization='int8' with 1 layer\(s\) streamed from disk"):
         ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization="int8", offload=[1])
@@ -232,8 +232,8 @@ QUALITY = {("int8", None): (1e-4, 0.99), ("int4", 32): (5e-3, 0.95), ("int4", 12
 
 @pytest.mark.parametrize("method,group", list(QUALITY))
 def test_quality_on_the_trained_fixture(method, group):
-    from energon_infer.quantization import QuantSpec
-    from energon_infer.quantization_quality import measure_quality
+    from energon_infer.loading.quantization import QuantSpec
+    from energon_infer.worker.quantization_quality import measure_quality
     from tests.energon_infer.fixtures.make_trained_llama import OUT, corpus_batch, markov_table
 
     prompts = corpus_batch(16, torch.Generator().manual_seed(123), markov_table(torch.Generator().manual_seed(0)))
@@ -246,7 +246,7 @@ def test_quality_on_the_trained_fixture(method, group):
 
 def test_memory_pool_with_quantization_is_refused(wide_dirs):
     from energon_infer import Engine
-    from energon_infer.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantizationError
 
     with pytest.raises(QuantizationError, match=r"^quantization='int4' with a memory_pool: the memory pool and the "
                                                 r"disk tier move full-precision layers"):

@@ -132,7 +132,7 @@ class Engine:
         self.runtime: RuntimeConfig = self.config.runtime
         self.memory_pool = _pool_config(memory_pool)
         if self.memory_pool is not None and self.runtime.quantization is not None:
-            from energon_infer.quantization import QuantizationError
+            from energon_infer.loading.quantization import QuantizationError
 
             raise QuantizationError(
                 f"quantization={self.runtime.quantization!r} with a memory_pool: the memory pool and "
@@ -234,7 +234,7 @@ class Engine:
         except ValueError as exc:
             raise OptionError(str(exc)) from None
         if cfg.runtime.quantization is not None:  # group size vs this model's widths, torchao installed
-            from energon_infer.quantization import QuantSpec, check_quantization
+            from energon_infer.loading.quantization import QuantSpec, check_quantization
             from energon_infer.worker.runtime_config import DTYPES
 
             check_quantization(model, QuantSpec.create(cfg.runtime.quantization, cfg.runtime.group_size),

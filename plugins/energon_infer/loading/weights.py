@@ -65,7 +65,7 @@ def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, k
     h, e = cfg.hidden_size, cfg.embed_dim
     attn = h * cfg.head_dim * (cfg.n_heads * 2 + cfg.n_kv_heads * 2)
     mlp = h * cfg.intermediate_size * (3 if cfg.mlp == "swiglu" else 2)
-    # weight_itemsize: bytes per projection weight when they are held quantized (energon_infer.quantization)
+    # weight_itemsize: bytes per projection weight when they are held quantized (energon_infer.loading.quantization)
     weights = int(layers * (attn + mlp) // tp * (itemsize if weight_itemsize is None else weight_itemsize))
     cache = layers * kv_tokens * 2 * (cfg.n_kv_heads // tp) * cfg.head_dim * itemsize
     need = weights + cache

@@ -37,7 +37,7 @@ from energon_infer.loading.config import ModelConfig, load_config
 from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
 from energon_infer.protocol import Step
-from energon_infer.quantization import (
+from energon_infer.loading.quantization import (
     PROJECTIONS,
     QuantizationError,
     QuantSpec,
@@ -91,7 +91,7 @@ def _build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype
                  offload: Sequence[int], quantized: bool = False) -> DecoderStage:
     """The stage with its parameters allocated on ``device``, except the ``offload`` blocks' (left on meta:
     never allocated, so a model larger than memory can be built) and, when ``quantized``, the block projections'
-    weights (left on meta for :func:`energon_infer.quantization.load_quantized` to fill quantized)."""
+    weights (left on meta for :func:`energon_infer.loading.quantization.load_quantized` to fill quantized)."""
     if not offload and not quantized:
         return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
     stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")

@@ -39,7 +39,7 @@ class RuntimeConfig:
         packed_weights: on the CPU, also keep each projection weight in oneDNN's blocked layout: decode-step
             matmuls ~1.5x faster, for a second copy of those weights (tightfit.cuda.packed_linear).
         quantization: ``None``, ``"int8"`` or ``"int4"``: hold every block's projection weights quantized with
-            torchao (energon_infer.quantization); needs torchao installed.
+            torchao (energon_infer.loading.quantization); needs torchao installed.
         group_size: inputs per int4 group (32, 64, 128 or 256; default 128); int4 only.
     """
 
@@ -71,7 +71,7 @@ class RuntimeConfig:
             raise ValueError(f"packed_weights={self.packed_weights!r} must be True or False")
         if self.nonfinite_weights not in ("warn", "error", "ignore"):
             raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
-        from energon_infer.quantization import QuantSpec
+        from energon_infer.loading.quantization import QuantSpec
 
         QuantSpec.create(self.quantization, self.group_size)  # an unknown method or a bad group size: one line
         if self.tp < 1 or self.pp < 1:

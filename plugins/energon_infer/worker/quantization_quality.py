@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from energon_infer.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
+from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
 from energon_infer.sampling import SamplingParams
 from energon_infer.worker.runtime import ModelRunner
 
