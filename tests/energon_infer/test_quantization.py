@@ -37,7 +37,12 @@ def wide_dirs(tmp_path_factory) -> dict[str, str]:
 def _dequantised_runner(path: str, method: str, group: int | None, **kw):
     """fp32 runner whose projection weights are torchao's dequantisation of their quantization (this rank's slices)."""
     from energon_infer import ModelRunner
-    from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
+    from energon_infer.loading.quantization import (
+        PROJECTIONS,
+        QuantSpec,
+        quantize_weight,
+        reference_dequantize,
+    )
 
     spec = QuantSpec(method=method, group_size=group)
     runner = ModelRunner.from_pretrained(path, block_size=4, progress=False, packed_weights=False, **kw)

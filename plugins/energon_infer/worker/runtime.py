@@ -34,9 +34,6 @@ import torch.distributed as dist
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig, load_config
-from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
-from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
-from energon_infer.protocol import Step
 from energon_infer.loading.quantization import (
     PROJECTIONS,
     QuantizationError,
@@ -45,6 +42,9 @@ from energon_infer.loading.quantization import (
     load_quantized,
     quantized_bytes_per_weight,
 )
+from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
+from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
+from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
