@@ -184,10 +184,14 @@ def test_engine_serves_quantized(wide_dirs):
         got = [c.token_ids for c in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5,
                                                                             ignore_eos=True))]
         weights = engine.worker_info[0]["weight_bytes"]
+        rank = engine.memory_report()["ranks"][0]
     assert got == want
-    plain = sum(p.numel() * p.element_size() for p in ModelRunner.from_pretrained(
-        path, progress=False, packed_weights=False).stage.parameters())
-    assert weights < plain  # the workers report the quantized bytes
+    plain = ModelRunner.from_pretrained(path, progress=False, packed_weights=False)
+    assert weights < sum(p.numel() * p.element_size() for p in plain.stage.parameters())  # quantized bytes reported
+    # The memory report says what each layer holds: the format and each layer's (quantized) bytes.
+    assert rank["weights"] == "int4 (group 32)" and plain.weights_format == "float32"
+    assert rank["layer_bytes"] == dict(enumerate(runner.layer_bytes()))
+    assert all(q < 0.25 * f for q, f in zip(runner.layer_bytes(), plain.layer_bytes()))
 
 
 _NO_TORCHAO = """

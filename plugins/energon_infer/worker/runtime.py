@@ -202,6 +202,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ properties
 
     @property
+    def weights_format(self) -> str:
+        """How the block projections are held: the dtype, or the quantization (``"int4 (group 128)"``)."""
+        q = self.quant
+        if q is None:
+            return self.runtime.dtype
+        return q.method + (f" (group {q.group_size})" if q.group_size else "")
+
+    def layer_bytes(self) -> tuple[int, ...]:
+        """Bytes each block of this stage holds (its quantized weights where quantized); on meta: what it would."""
+        return tuple(sum(p.numel() * p.element_size() for p in block.parameters())
+                     for block in self.stage.layers.values())
+
+    @property
     def max_context(self) -> int:
         return self.config.max_positions
 
