@@ -50,13 +50,21 @@ def torchao_error() -> str:
     """'' when torchao imports here, else one line saying why and how to install it."""
     import logging
 
-    # torchao logs a failed load of each of its CUDA extension libraries on a CPU torch (harmless here).
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao logs a failed load of each of its CUDA extension libraries on a CPU torch, and torch a deprecation
+    # of how torchao registers its enums (both harmless here): quiet while it imports.
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         import torchao  # noqa: F401
+        from torchao.quantization import Int8Tensor  # noqa: F401  (the enums register on this import)
     except ImportError as exc:
         return (f"quantization needs torchao, which does not import here ({exc}); install it with "
                 "`pip install torchao==0.18.0` (the release built for torch 2.13) or load without quantization")
+    finally:
+        loggers[0].setLevel(levels[0])  # torchao's own later warnings are its business
+        loggers[1].setLevel(levels[1])
     return ""
 
 
