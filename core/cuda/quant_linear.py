@@ -140,7 +140,10 @@ static void *int4_range(void *arg) {
 }
 
 static int run(void *(*fn)(void *), job_t base, int64_t threads) {
-    const int64_t N = base.N, enough = 1 + base.M * N * base.K / 150000; /* ~150k multiply-adds a thread */
+    /* A thread per ~4M multiply-adds: a thread started per call waits for a core, which on a busy machine costs
+       ms (decode steps of the benchmark model at batch 1 had 16-78 tokens/s with a thread per 150k, interleaved
+       with fp32's steady 89-95); one thread streams a few MB of int8 at memory speed anyway. */
+    const int64_t N = base.N, enough = 1 + base.M * N * base.K / 4000000;
     if (threads > enough) threads = enough;
     if (threads > N) threads = N;
     if (threads > MAX_THREADS) threads = MAX_THREADS;

@@ -60,16 +60,19 @@ def test_int4_native_equals_reference(rows, group):
 def test_strided_rows_and_threads():
     """A view whose rows are apart (a slice of a wider activation) and several threads give the same result."""
     gen = torch.Generator().manual_seed(1)
-    p, s, z = _int4(300, 512, 64, gen)
+    p, s, z = _int4(1501, 512, 64, gen)  # 6 x 1501 x 512 multiply-adds: two threads (one per ~4M)
     wide = torch.randn(6, 700, generator=gen)
     x = wide[:, 100:612]
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         got = int4_linear(x, p, s, z, 64, backend="native")
+        q8, s8 = _int8(1501, 512, gen)
+        got8 = int8_linear(x, q8, s8, backend="native")
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(got, int4_linear(x.contiguous(), p, s, z, 64, backend="reference"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got8, int8_linear(x.contiguous(), q8, s8, backend="reference"), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
