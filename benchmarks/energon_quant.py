@@ -122,7 +122,14 @@ def _llama_setup(model: Path, threads: int) -> tuple[dict[str, Path], str]:
                 return out, f"llama_model_quantize to {suffix} failed: {(done.stderr or done.stdout)[-300:]}"
             Path(str(dst) + ".part").replace(dst)
         out[name] = dst
-    return out, ""
+    notes = []
+    for name, gguf in list(out.items()):  # one short run first: a file llama.cpp cannot run is left out, with why
+        try:
+            _llama_run(gguf, model, [[5, 6, 7, 8]], 2, threads)
+        except RuntimeError as exc:
+            del out[name]
+            notes.append(f"{name} left out: {str(exc).splitlines()[0][:160]}")
+    return out, "; ".join(notes)
 
 
 def _llama_run(gguf: Path, model: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> dict[str, Any]:
@@ -270,7 +277,7 @@ def _markdown(r: dict[str, Any], *, hidden: int, layers: int, vocab: int, thread
     vs = [f"{q} / {BITS[q]} at batch {b}: {ratios[f'{q}_vs_llama_batch{b}']:.2f}x" for q in ("int8", "int4")
           for b in (1, 8, 32) if f"{q}_vs_llama_batch{b}" in ratios]
     lines += ["", ("energon vs llama.cpp tokens/s: " + "; ".join(vs) + ".") if vs else
-              f"llama.cpp: {r['llama_note']}."]
+              f"llama.cpp: {r['llama_note']}.", *([f"llama.cpp note: {r['llama_note']}."] if vs and r["llama_note"] else [])]
     q = r["quality"]
     lines += ["", "Quality on the trained fixture (tiny LLaMA trained here; fp32 greedy continuations, teacher-forced):",
               "", "| | KL (nats) | argmax agreement | greedy match | per-layer KL |", "|---|---|---|---|---|",
