@@ -48,6 +48,15 @@ else
 fi
 $PIP install -q --no-deps -e . >/dev/null
 
+# torchao: weight-only int8/int4 quantization in energon (quantization="int8"|"int4"). Optional: without it
+# energon loads unquantized models as before and refuses quantization in one line naming this install.
+# 0.18.0 is the release built for torch 2.13 (its CUDA extension libraries fail to load on a CPU torch, harmlessly).
+$PIP install -q -c "$CONSTRAINT" torchao==0.18.0 || true
+if ! "$VENV/bin/python" -c "import torchao" >/dev/null 2>&1; then
+  echo "[setup] torchao did not install: energon's quantization (quantization='int8'/'int4') will be refused;" \
+       "install it by hand (pip install torchao==0.18.0) to use it"
+fi
+
 # DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload: the peer of benchmarks/elixir_disk.py and of
 # ElixirDeepSpeedStrategy(disk_dir=...)) JIT-builds on first use against libaio's headers. Optional: without
 # them that peer is skipped and says why; nothing else needs them.

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
+from tightfit.cuda.quant_linear import int4_linear, int8_linear
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
            "microbatches"]
@@ -163,15 +164,37 @@ class _Projection(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] = (0, -1)
+    # Weight-only quantization (energon_infer.loading.quantization): "int8" or "int4", with the weight held as the
+    # parameters qweight, qscale (and qzero for int4) instead of ``weight``.
+    quant: str | None = None
+    group_size: int = 0
+
+    def set_quantized(self, method: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> int:
+        """Hold the weight quantized (``tensors`` from :func:`energon_infer.loading.quantization.quantize_weight`);
+        ``weight`` goes away. Returns the bytes now held for the weight."""
+        self._parameters.pop("weight", None)
+        self.packed = None
+        for name in ("qweight", "scale", "zero"):
+            if name in tensors:
+                key = name if name == "qweight" else "q" + name
+                self._parameters[key] = nn.Parameter(tensors[name], requires_grad=False)
+        self.quant, self.group_size = method, group_size or 0
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def pack(self) -> int:
         """Keep a packed copy of the weight (:mod:`tightfit.cuda.packed_linear`); its bytes, 0 where none."""
+        if self.quant is not None:
+            return 0
         w = self.weight
         self.packed = pack_linear_weight(w)
         self._packed_from = (id(w), w._version)
         return 0 if self.packed is None else w.numel() * w.element_size()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant == "int8":
+            return int8_linear(x, self.qweight, self.qscale, bias)
+        if self.quant == "int4":
+            return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias)
         packed, w = self.packed, self.weight
         if packed is not None and x.shape[0] >= MIN_ROWS:
             if (id(w), w._version) == self._packed_from:

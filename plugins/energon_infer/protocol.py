@@ -126,6 +126,11 @@ class WorkerInfo:
     device: str
     weight_bytes: int
     pool: PoolInfo | None = None
+    # What each layer of the stage holds (bytes, model layer order) and in which format ("float32",
+    # "int4 (group 128)"; energon_infer.loading.quantization): the memory report's per-layer figures.
+    layer_bytes: tuple[int, ...] = ()
+    weights_format: str = ""
+    first_layer: int = 0  # the model layer number of layer_bytes[0] (this rank's pipeline stage)
     host_blocks: int = 0  # swap space (see energon_infer.scheduling.swap) and its measured costs
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
@@ -133,6 +138,7 @@ class WorkerInfo:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["layer_bytes"] = list(self.layer_bytes)
         if self.pool is not None:
             out["pool"]["pooled"] = list(self.pool.pooled)
         return out

@@ -35,7 +35,7 @@ BLOCKER = textwrap.dedent("""
     import sys, importlib.abc
     BLOCKED = ("lightning", "pytorch_lightning", "lightning_fabric", "torchrec", "fbgemm_gpu", "deepspeed",
                "triton", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn", "httpx",
-               "matplotlib", "scipy", "torchmetrics", "tensordict")
+               "matplotlib", "scipy", "torchmetrics", "tensordict", "torchao")
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in BLOCKED:

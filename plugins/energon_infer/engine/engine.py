@@ -131,6 +131,12 @@ class Engine:
         self.config = config or EngineConfig()
         self.runtime: RuntimeConfig = self.config.runtime
         self.memory_pool = _pool_config(memory_pool)
+        if self.memory_pool is not None and self.runtime.quantization is not None:
+            from energon_infer.loading.quantization import QuantizationError
+
+            raise QuantizationError(
+                f"quantization={self.runtime.quantization!r} with a memory_pool: the memory pool and "
+                "the disk tier move full-precision layers and cannot hold quantized ones yet; drop one of the two")
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
         self.default_params = _default_params(source)
@@ -227,6 +233,12 @@ class Engine:
             split_layers(model.n_layers, cfg.runtime.pp)
         except ValueError as exc:
             raise OptionError(str(exc)) from None
+        if cfg.runtime.quantization is not None:  # group size vs this model's widths, torchao installed
+            from energon_infer.loading.quantization import QuantSpec, check_quantization
+            from energon_infer.worker.runtime_config import DTYPES
+
+            check_quantization(model, QuantSpec.create(cfg.runtime.quantization, cfg.runtime.group_size),
+                               tp=cfg.runtime.tp, dtype=DTYPES[cfg.runtime.dtype])
         pool = _pool_config(memory_pool)
         if pool is not None and pool.tiered:  # an impossible budget raises PlanInfeasibleError here, naming the tier
             check_tiered_plan(str(path), cfg.runtime, pool)

@@ -52,7 +52,9 @@ def check_tiered_plan(path: str, runtime: Any, pool: Any) -> list[PoolPlan]:
 def _rank_entry(info: WorkerInfo, stats: dict[str, Any]) -> tuple[dict[str, Any], PoolPlan | None]:
     pool = info.pool
     plan = PoolPlan.from_json(pool.plan) if pool is not None and pool.plan else None
-    entry: dict[str, Any] = {"rank": info.rank, "weight_bytes": info.weight_bytes}
+    entry: dict[str, Any] = {"rank": info.rank, "weight_bytes": info.weight_bytes, "weights": info.weights_format}
+    if info.layer_bytes:  # what each layer holds, by model layer number (quantized bytes where quantized)
+        entry["layer_bytes"] = {info.first_layer + i: b for i, b in enumerate(info.layer_bytes)}
     if plan is not None and pool is not None:
         first = pool.first_layer
         entry.update(tiers={first + i: plan.tier_of(i) for i in range(plan.n_layers)},

@@ -54,7 +54,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, kv_tokens: int,
-                     device: torch.device) -> int:
+                     device: torch.device, weight_itemsize: float | None = None) -> int:
     """Raise :class:`ModelTooLargeError` if this rank's share of ``cfg`` cannot fit, before allocating it.
 
     The estimate is a lower bound (its ``layers`` blocks' weights split ``tp`` ways, no embedding,
@@ -65,7 +65,8 @@ def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, k
     h, e = cfg.hidden_size, cfg.embed_dim
     attn = h * cfg.head_dim * (cfg.n_heads * 2 + cfg.n_kv_heads * 2)
     mlp = h * cfg.intermediate_size * (3 if cfg.mlp == "swiglu" else 2)
-    weights = layers * (attn + mlp) // tp * itemsize
+    # weight_itemsize: bytes per projection weight when they are held quantized (energon_infer.loading.quantization)
+    weights = int(layers * (attn + mlp) // tp * (itemsize if weight_itemsize is None else weight_itemsize))
     cache = layers * kv_tokens * 2 * (cfg.n_kv_heads // tp) * cfg.head_dim * itemsize
     need = weights + cache
     free = available_bytes(device)

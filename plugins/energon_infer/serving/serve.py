@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-packed-weights", action="store_true",
                    help="keep one copy of the weights on a CPU (by default the projections also keep a oneDNN-packed "
                         "copy, which decodes faster)")
+    m.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="hold the block projections' weights quantized with torchao: int8 (one scale per row) or int4 "
+                        "(a scale and zero per group); needs torchao installed")
+    m.add_argument("--group-size", type=positive_int, default=None,
+                   help="with --quantization int4: inputs per group (32, 64, 128 or 256; default 128)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
     b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
@@ -214,7 +219,8 @@ def _serve(argv: list[str] | None) -> int:
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,
-                  packed_weights=not args.no_packed_weights)
+                  packed_weights=not args.no_packed_weights, quantization=args.quantization,
+                  group_size=args.group_size)
     try:
         if path.is_dir():
             engine = Engine.from_pretrained(path, **common)

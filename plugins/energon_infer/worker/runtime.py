@@ -34,6 +34,14 @@ import torch.distributed as dist
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig, load_config
+from energon_infer.loading.quantization import (
+    PROJECTIONS,
+    QuantizationError,
+    QuantSpec,
+    check_quantization,
+    load_quantized,
+    quantized_bytes_per_weight,
+)
 from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
 from energon_infer.protocol import Step
@@ -80,19 +88,22 @@ def _extra_eos(path: Path) -> tuple[int, ...]:
 
 
 def _build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype, device: torch.device,
-                 offload: Sequence[int]) -> DecoderStage:
+                 offload: Sequence[int], quantized: bool = False) -> DecoderStage:
     """The stage with its parameters allocated on ``device``, except the ``offload`` blocks' (left on meta:
-    never allocated, so a model larger than memory can be built)."""
-    if not offload:
+    never allocated, so a model larger than memory can be built) and, when ``quantized``, the block projections'
+    weights (left on meta for :func:`energon_infer.loading.quantization.load_quantized` to fill quantized)."""
+    if not offload and not quantized:
         return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
     stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")
     blocks = list(stage.layers.values())
     skip = {id(m) for i in offload for m in blocks[i].modules()}
+    later = {id(getattr(b, p)) for b in blocks for p in PROJECTIONS} if quantized else set()
     for module in stage.modules():
         if id(module) in skip:
             continue
         for name, p in module._parameters.items():
-            if p is not None:  # empty_like keeps the strides (input-major linear weights stay so)
+            if p is not None and not (name == "weight" and id(module) in later):
+                # empty_like keeps the strides (input-major linear weights stay so)
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
     return stage
 
@@ -130,11 +141,25 @@ class ModelRunner:
                   f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
         num_blocks = -(-rt.kv_cache_tokens // rt.block_size)
         offload = sorted(set(offload))
+        self.quant = QuantSpec.create(rt.quantization, rt.group_size)
+        check_quantization(config, self.quant, tp=rt.tp, dtype=self.dtype)
+        if self.quant is not None and offload:
+            raise QuantizationError(
+                f"quantization={self.quant.method!r} with {len(offload)} layer(s) streamed from disk: the disk tier "
+                "streams the checkpoint's own full-precision tensors; drop the memory pool or the quantization")
         check_stage_fits(config, len(layers[self.grid.stage]) - len(offload), tp=rt.tp, itemsize=self.dtype.itemsize,
-                         kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device)  # + the scratch block
-        self.stage = _build_stage(config, self.grid, layers[self.grid.stage], self.dtype, self.device, offload)
+                         kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device,  # + the scratch block
+                         weight_itemsize=quantized_bytes_per_weight(self.quant, self.dtype.itemsize))
+        self.stage = _build_stage(config, self.grid, layers[self.grid.stage], self.dtype, self.device, offload,
+                                  quantized=self.quant is not None)
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
+        if self.quant is not None:
+            held = load_quantized(self.stage, config, self.grid, source, self.quant, parts_fn=parts_fn,
+                                  nonfinite=rt.nonfinite_weights)
+            self._say(f"energon: block projections quantized to {self.quant.method}"
+                      f"{f' (group {self.quant.group_size})' if self.quant.group_size else ''}: "
+                      f"{held / 2**20:.1f} MiB")
         if rt.packed_weights and (packed := _pack_loaded(self.stage)):
             self._say(f"energon: projection weights packed for oneDNN (+{packed / 2**20:.1f} MiB)")
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
@@ -175,6 +200,19 @@ class ModelRunner:
         return runner
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def weights_format(self) -> str:
+        """How the block projections are held: the dtype, or the quantization (``"int4 (group 128)"``)."""
+        q = self.quant
+        if q is None:
+            return self.runtime.dtype
+        return q.method + (f" (group {q.group_size})" if q.group_size else "")
+
+    def layer_bytes(self) -> tuple[int, ...]:
+        """Bytes each block of this stage holds (its quantized weights where quantized); on meta: what it would."""
+        return tuple(sum(p.numel() * p.element_size() for p in block.parameters())
+                     for block in self.stage.layers.values())
 
     @property
     def max_context(self) -> int:

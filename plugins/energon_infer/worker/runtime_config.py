@@ -38,6 +38,9 @@ class RuntimeConfig:
         cuda_graphs: decode from CUDA graphs: None on for CUDA at tp=1; True/[sizes] insist; False off (cuda_graphs.py).
         packed_weights: on the CPU, also keep each projection weight in oneDNN's blocked layout: decode-step
             matmuls ~1.5x faster, for a second copy of those weights (tightfit.cuda.packed_linear).
+        quantization: ``None``, ``"int8"`` or ``"int4"``: hold every block's projection weights quantized with
+            torchao (energon_infer.loading.quantization); needs torchao installed.
+        group_size: inputs per int4 group (32, 64, 128 or 256; default 128); int4 only.
     """
 
     tp: int = 1
@@ -54,6 +57,8 @@ class RuntimeConfig:
     nonfinite_weights: str = "warn"
     cuda_graphs: bool | tuple[int, ...] | None = None
     packed_weights: bool = True
+    quantization: str | None = None
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
@@ -66,6 +71,9 @@ class RuntimeConfig:
             raise ValueError(f"packed_weights={self.packed_weights!r} must be True or False")
         if self.nonfinite_weights not in ("warn", "error", "ignore"):
             raise ValueError(f"nonfinite_weights={self.nonfinite_weights!r} must be 'warn', 'error' or 'ignore'")
+        from energon_infer.loading.quantization import QuantSpec
+
+        QuantSpec.create(self.quantization, self.group_size)  # an unknown method or a bad group size: one line
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
         if self.dtype not in DTYPES:

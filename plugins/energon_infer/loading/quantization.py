@@ -1,0 +1,237 @@
+"""Weight-only quantization of a stage's projections, on torchao: int8 per output row, int4 per group.
+
+    spec = QuantSpec.create("int4", group_size=128)        # or "int8"; None: no quantization
+    check_quantization(cfg, spec, tp=2)                     # refuses what the kernels cannot take, in one line
+    q = quantize_weight(w, spec)                            # {"qweight": ..., "scale": ..., ("zero": ...)}
+
+The projections of every block (fused QKV, attention out, (gate/)up, down) are quantized; the embedding and
+the vocabulary head keep the model's dtype (as llama.cpp's Q4 files keep their output layer at 6 bits or more:
+they carry most of the error per byte). Quantization happens at load, tensor by tensor, after each rank has cut
+its tensor-parallel slice (:func:`energon_infer.loading.weights.build_param`): a rank quantises only its own
+slice and never holds a full-precision copy of the whole stage. With int4 a group never straddles two ranks
+(``group_size`` must divide each rank's input width), so tp=2 holds exactly the values tp=1 holds; int8's
+per-row scale is taken over the rank's slice of a row-parallel projection (a finer scale than tp=1's).
+
+The quantizers are torchao's (``Int8Tensor.from_hp`` with ``PerRow``, the format of ``Int8WeightOnlyConfig``;
+the tinygemm affine choose/quantize of ``Int4WeightOnlyConfig``); the matmuls are
+:mod:`tightfit.cuda.quant_linear`'s (a native CPU kernel for decode, dequantise + BLAS otherwise). torchao's own
+CPU int4 path (``torchao.prototype.quantization.int4.Int4OpaqueTensor``, ATen's tinygemm
+``_weight_int4pack_mm_for_cpu``) exists in torchao 0.18 but needs an output width divisible by 16 and ran
+4-60x slower than fp32 at 1-32 rows here; ``Int4WeightOnlyConfig``'s default needs the ``mslk`` package (CUDA).
+torchao is imported only here, only when quantization is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from energon_infer.errors import BadInputError
+from energon_infer.loading.config import ModelConfig
+from energon_infer.loading.weights import CheckpointReader, Part, WeightError, build_param, hf_parts
+from energon_infer.parallel import Grid
+from tightfit.cuda.quant_linear import INT4_GROUP_SIZES, pack_int4
+
+__all__ = ["METHODS", "QuantSpec", "QuantizationError", "check_quantization", "quantize_weight", "torchao_error",
+           "projection_inputs", "quantized_bytes_per_weight", "load_quantized", "quantized_weight_names",
+           "reference_dequantize"]
+
+METHODS = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 128
+
+
+class QuantizationError(BadInputError, ValueError):
+    """A quantization that cannot be applied to this model, layout or installation."""
+
+
+def torchao_error() -> str:
+    """'' when torchao imports here, else one line saying why and how to install it."""
+    import logging
+
+    # torchao logs a failed load of each of its CUDA extension libraries on a CPU torch, and torch a deprecation
+    # of how torchao registers its enums (both harmless here): quiet while it imports.
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+        from torchao.quantization import Int8Tensor  # noqa: F401  (the enums register on this import)
+    except ImportError as exc:
+        return (f"quantization needs torchao, which does not import here ({exc}); install it with "
+                "`pip install torchao==0.18.0` (the release built for torch 2.13) or load without quantization")
+    finally:
+        loggers[0].setLevel(levels[0])  # torchao's own later warnings are its business
+        loggers[1].setLevel(levels[1])
+    return ""
+
+
+def _torchao():  # type: ignore[no-untyped-def]
+    why = torchao_error()
+    if why:
+        raise QuantizationError(why)
+    import torchao.quantization.quant_primitives as primitives
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.granularity import PerRow
+
+    return Int8Tensor, PerRow, primitives
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuantSpec:
+    """How projection weights are held.
+
+    Args:
+        method: ``"int8"`` (symmetric, one scale per output row) or ``"int4"`` (asymmetric, a scale and a zero
+            point per row and group of ``group_size`` inputs).
+        group_size: inputs per int4 group (torchao's choices 32, 64, 128, 256); ``None`` for int8.
+    """
+
+    method: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantizationError(f"quantization={self.method!r} is not a known method; use one of "
+                                    f"{', '.join(map(repr, METHODS))} or None (no quantization)")
+        if self.method == "int8" and self.group_size is not None:
+            raise QuantizationError(f"group_size={self.group_size} applies to int4 only: int8 keeps one scale per "
+                                    "output row; drop group_size or use quantization='int4'")
+        if self.method == "int4":
+            g = DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g not in INT4_GROUP_SIZES:
+                raise QuantizationError(f"group_size={g!r} is not an int4 group size; use one of "
+                                        f"{', '.join(map(str, INT4_GROUP_SIZES))} (smaller: more accurate, more bytes)")
+            object.__setattr__(self, "group_size", g)
+
+    @classmethod
+    def create(cls, method: str | None, group_size: int | None = None) -> QuantSpec | None:
+        """``None`` when ``method`` is ``None`` (then ``group_size`` must be too)."""
+        if method is None:
+            if group_size is not None:
+                raise QuantizationError(f"group_size={group_size} was given without a quantization; add "
+                                        "quantization='int4' or drop group_size")
+            return None
+        return cls(method=method, group_size=group_size)
+
+
+def quantized_bytes_per_weight(spec: QuantSpec | None, itemsize: int) -> float:
+    """Bytes one projection weight takes (``itemsize`` unquantized): int8 1 (+ a row scale), int4 0.5 + 8/group."""
+    if spec is None:
+        return float(itemsize)
+    if spec.method == "int8":
+        return 1.0
+    assert spec.group_size is not None
+    return 0.5 + 8.0 / spec.group_size
+
+
+def projection_inputs(cfg: ModelConfig, tp: int) -> dict[str, int]:
+    """Each quantized projection's input width on one rank of ``tp`` (what a group must divide)."""
+    return {"qkv": cfg.hidden_size, "o": cfg.n_heads * cfg.head_dim // tp, "up": cfg.hidden_size,
+            "down": cfg.intermediate_size // tp}
+
+
+def check_quantization(cfg: ModelConfig, spec: QuantSpec | None, *, tp: int, dtype: torch.dtype) -> None:
+    """Raise :class:`QuantizationError` (one line: the value, the rule, the fix) unless ``spec`` applies."""
+    if spec is None:
+        return
+    why = torchao_error()
+    if why:
+        raise QuantizationError(why)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise QuantizationError(f"quantization={spec.method!r} needs float32, bfloat16 or float16 activations; got "
+                                f"{dtype}; load with one of those dtypes")
+    if spec.method != "int4":
+        return
+    g = spec.group_size
+    assert g is not None
+    for name, width in projection_inputs(cfg, tp).items():
+        if width % g:
+            fits = [s for s in INT4_GROUP_SIZES if all(w % s == 0 for w in projection_inputs(cfg, tp).values())]
+            hint = f"use group_size in {fits}" if fits else "use quantization='int8' (one scale per row)"
+            raise QuantizationError(
+                f"group_size={g} does not divide the {width} inputs of the {name} projection of this "
+                f"{cfg.model_type} model (per rank at tp={tp}); int4 groups must tile each rank's input width: {hint}")
+
+
+def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """``w`` ``(out, in)`` quantized with torchao: ``qweight``, ``scale`` (and ``zero`` for int4), fp32 scales."""
+    Int8Tensor, PerRow, primitives = _torchao()
+    w = w.detach()
+    if spec.method == "int8":
+        q = Int8Tensor.from_hp(w.float(), granularity=PerRow())
+        return {"qweight": q.qdata.contiguous(), "scale": q.scale.reshape(-1).float().contiguous()}
+    g = spec.group_size
+    assert g is not None
+    if w.shape[1] % g:
+        raise QuantizationError(f"group_size={g} does not divide a weight's {w.shape[1]} inputs; use a group size "
+                                f"dividing {w.shape[1]}")
+    block = [1, g]
+    wf = w.float()
+    scale, zero = primitives._choose_qparams_affine_tinygemm(wf, primitives.MappingType.ASYMMETRIC, block, torch.int32,
+                                                             0, 15, 1e-6, None, torch.float32)
+    q = primitives._quantize_affine_tinygemm(wf, block, scale, zero, torch.int32, 0, 15)
+    n = w.shape[0]
+    return {"qweight": pack_int4(q, g).contiguous(), "scale": scale.reshape(n, -1).float().contiguous(),
+            "zero": zero.reshape(n, -1).float().contiguous()}
+
+
+def reference_dequantize(q: Mapping[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's own dequantisation of what :func:`quantize_weight` made (the tests' reference)."""
+    Int8Tensor, _, primitives = _torchao()
+    if spec.method == "int8":
+        return (q["qweight"].float() * q["scale"][:, None]).to(dtype)
+    from tightfit.cuda.quant_linear import unpack_int4
+
+    g = spec.group_size
+    assert g is not None
+    ints = unpack_int4(q["qweight"], g).to(torch.int32)
+    return primitives._dequantize_affine_tinygemm(ints, [1, g], q["scale"], q["zero"], torch.int32, 0, 15,
+                                                  output_dtype=torch.float32).to(dtype)
+
+
+PROJECTIONS = ("qkv", "o", "up", "down")
+
+
+def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
+    """Runtime names of the projection weights a quantized stage holds quantized (``layers.3.qkv.weight``, ...)."""
+    blocks = stage.layers
+    assert isinstance(blocks, torch.nn.ModuleDict)
+    return [f"layers.{i}.{p}.weight" for i in blocks for p in PROJECTIONS]
+
+
+def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
+                   parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
+                   nonfinite: str = "warn") -> int:
+    """Build, quantize and install every block projection of ``stage`` (left on meta by the runtime), one at a
+    time: this rank's slice of each weight is read, quantized and released before the next. Returns the bytes
+    the quantized weights hold."""
+    keys = set(source.keys())  # type: ignore[attr-defined]
+
+    def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+        t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]  # type: ignore[index]
+        if part.transform is not None:
+            t = part.transform(t)
+        return t, tuple(t.shape), False
+
+    held = 0
+    for name in quantized_weight_names(stage):
+        module = stage.get_submodule(name.rsplit(".", 1)[0])
+        param = module._parameters.get("weight")
+        if param is None or param.device.type != "meta":
+            continue  # already quantized or not this loader's
+        parts = parts_fn(cfg, name, keys)
+        missing = [p.source for p in parts if p.source not in keys]
+        if missing:
+            raise WeightError(f"the checkpoint lacks {missing[:3]} for {name} of this {cfg.model_type} config; check "
+                              "that config.json belongs to these weights")
+        value = build_param(cfg, grid, name, tuple(param.shape), parts, fetch, nonfinite=nonfinite)
+        tensors = {k: v.to(stage_device(stage)) for k, v in quantize_weight(value, spec).items()}
+        held += module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
+    return held
+
+
+def stage_device(stage: torch.nn.Module) -> torch.device:
+    return next(p.device for p in stage.parameters() if p.device.type != "meta")
