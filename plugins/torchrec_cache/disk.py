@@ -31,7 +31,7 @@ import torch
 
 from tightfit.storage import ChecksumError, TensorStore, aligned_empty
 
-__all__ = ["DiskRows", "RowFileError", "records", "split_records"]
+__all__ = ["DiskRows", "RowRead", "RowFileError", "records", "split_records"]
 
 
 class RowFileError(ChecksumError):
@@ -55,13 +55,28 @@ def split_records(recs: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[tor
 
 
 @dataclass
+class RowRead:
+    """A batched read in flight: its records land in ``out`` once ``future`` is done (rows ``[lo, hi)`` span it)."""
+
+    out: torch.Tensor
+    future: Future[Any]
+    lo: int
+    hi: int
+    started: int
+    ended: int = 0
+
+    def stop(self, _future: Future[Any]) -> None:
+        self.ended = time.perf_counter_ns()
+
+
+@dataclass
 class DiskRows:
     """One group's rows in the store under ``name``: ``rows`` records of ``record_bytes``.
 
     ``tables``: ``(name, first row, rows)`` of each table in the group (for error messages).
     ``counts``: rows and bytes read and written so far (bytes: what the store moved: the 4 KiB checksum blocks
     holding the rows read, whole extents written), batched reads (``disk_reads``: one per batch of rows) and
-    write requests, and the wall nanoseconds spent waiting for batched reads (``read_ns``).
+    write requests, and the wall nanoseconds from the start of each batched read to its end (``read_ns``; reads overlap).
     """
 
     store: TensorStore
@@ -136,19 +151,30 @@ class DiskRows:
     def read(self, pos: torch.Tensor) -> torch.Tensor:
         """Records of rows ``pos`` (any order, int64): the store reads only the checksum blocks holding them
         (4 KiB in a tier's store; neighbours in one request, spread over its workers)."""
+        return self.read_finish(self.read_start(pos))
+
+    def read_start(self, pos: torch.Tensor) -> RowRead:
+        """Start reading the records of rows ``pos`` (:meth:`read` without waiting); :meth:`read_finish` waits."""
         R = self.record_bytes
-        if pos.numel() == 0:
-            return torch.empty(0, R, dtype=torch.uint8)
-        start = time.perf_counter_ns()
         out = torch.empty(pos.numel(), R, dtype=torch.uint8)
-        fut = self.store.read_ranges(self.name, (pos * R).numpy(), R, out)
-        lo, hi = int(pos.min()), int(pos.max()) + 1
-        moved = self._wait(fut, lo, hi)
-        self.counts["rows_read"] += pos.numel()
-        self.counts["disk_reads"] += 1
-        self.counts["bytes_read"] += int(moved)
-        self.counts["read_ns"] += time.perf_counter_ns() - start
-        return out
+        if pos.numel() == 0:
+            done: Future[Any] = Future()
+            done.set_result(0)
+            return RowRead(out=out, future=done, lo=0, hi=0, started=time.perf_counter_ns())
+        read = RowRead(out=out, future=self.store.read_ranges(self.name, (pos * R).numpy(), R, out),
+                       lo=int(pos.min()), hi=int(pos.max()) + 1, started=time.perf_counter_ns())
+        read.future.add_done_callback(read.stop)
+        return read
+
+    def read_finish(self, read: RowRead) -> torch.Tensor:
+        """Wait for a read :meth:`read_start` began and count it; a corrupted block raises :class:`RowFileError`."""
+        moved = self._wait(read.future, read.lo, read.hi)
+        if read.hi > read.lo:
+            self.counts["rows_read"] += read.out.shape[0]
+            self.counts["disk_reads"] += 1
+            self.counts["bytes_read"] += int(moved)
+            self.counts["read_ns"] += max(0, read.ended - read.started)
+        return read.out
 
     def write(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
         """Write records ``recs`` of rows ``pos`` (unique): the extents they touch are read, patched and
