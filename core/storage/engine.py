@@ -155,10 +155,19 @@ class ExtentIO:
         """Read ``valid`` bytes of consecutive blocks at ``file_offset`` into ``dst`` (aligned, whole blocks long),
         verify each block against ``sums`` (one per block: ``block_bytes``, or all of ``dst`` without blocks)
         and zero ``dst`` past ``valid`` (never-written bytes)."""
+        if valid > 0:
+            pread_full(self.fd, dst[:self.padded(valid)], file_offset, self.path, need=valid)
+        self.verify_blocks(dst, file_offset, valid, sums)
+
+    def padded(self, valid: int) -> int:
+        """Bytes to request for ``valid`` bytes: rounded up to the alignment under O_DIRECT."""
+        return -(-valid // ALIGN) * ALIGN if self.direct else valid
+
+    def verify_blocks(self, dst: memoryview, file_offset: int, valid: int, sums: list[int]) -> None:
+        """Verify the ``valid`` bytes read into ``dst`` from ``file_offset`` against ``sums`` (:meth:`read_blocks`)
+        and zero ``dst`` past them."""
         b = self.block_bytes or dst.nbytes
         if valid > 0:
-            padded = -(-valid // ALIGN) * ALIGN if self.direct else valid
-            pread_full(self.fd, dst[:padded], file_offset, self.path, need=valid)
             for j, want in enumerate(sums):
                 lo = j * b
                 if lo >= valid:

@@ -29,8 +29,10 @@ import torch
 from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError
-from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, lock_directory, open_data, punch_hole
+from tightfit.storage.fs import ALIGN, address, check_disk_dir, disk_full, lock_directory, open_data, punch_hole
 from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots, valid_block
+from tightfit.storage.aio import available as aio_available
+from tightfit.storage.aio import read_many
 from tightfit.storage.ranges import cover, gather, runs
 
 if TYPE_CHECKING:
@@ -213,8 +215,9 @@ class TensorStore:
                 parts.append((start, count, k, j0, x))
             job = _RangeJob(self, name, parts, ids.size * block, block, view, at, length)
             self._inflight.add(job.future)
-        for chunk in job.chunks(self._engine.workers):
-            self._engine.submit(job.run, chunk)
+        batched = aio_available()  # one submission for the whole batch; else spread over the worker threads
+        for chunk in job.chunks(1 if batched else self._engine.workers):
+            self._engine.submit(job.run, chunk, batched)
         job.start()
         return job.future
 
@@ -466,10 +469,12 @@ class _RangeJob(_Job):
         self._left, self._empty = len(out), not out
         return out
 
-    def run(self, chunk: range) -> None:
+    def run(self, chunk: range, batched: bool = False) -> None:
+        """Read the runs ``chunk`` of the parts; ``batched``: all in one kernel AIO submission (:mod:`.aio`)."""
         st, block, moved = self.store, self.block, 0
         size, io = st.extent_bytes, st._io
         try:
+            todo = []  # (part, its bytes in the staging buffer, file offset, valid bytes, block checksums)
             for i in chunk:
                 start, count, k, j0, x = self.parts[i]
                 dst = self.staged[start * block:(start + count) * block].data
@@ -482,10 +487,33 @@ class _RangeJob(_Job):
                     valid = min(count * block, x.length - j0 * block)
                     n = -(-valid // block) if valid > 0 else 0
                     sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0))
+                todo.append((i, dst, x.slot * size + j0 * block, valid, sums))
+            res = None
+            if batched:
+                sent = [t for t in todo if t[3] > 0]
+                res = read_many(st._fd, np.array([address(t[1]) for t in sent], dtype=np.uint64),
+                                np.array([io.padded(t[3]) for t in sent], dtype=np.int64),
+                                np.array([t[2] for t in sent], dtype=np.int64))
+                got = dict(zip((t[0] for t in sent), res.tolist())) if res is not None else {}
+            for i, dst, off, valid, sums in todo:
                 try:
-                    io.read_blocks(dst, x.slot * size + j0 * block, valid, sums)
+                    if res is None:
+                        io.read_blocks(dst, off, valid, sums)
+                    else:
+                        n = got.get(i, 0)
+                        if n < 0:
+                            raise OSError(-n, f"{st.path / DATA}: reading {valid} bytes at byte offset {off}: "
+                                              f"{os.strerror(-n)}")
+                        if n < valid:
+                            raise ChecksumError(f"{st.path / DATA} is truncated: {valid} bytes expected at byte "
+                                                f"offset {off}, the file ends at {off + n}; the store is damaged: "
+                                                f"restore it from a checkpoint or rewrite the tensor",
+                                                path=str(st.path / DATA), offset=off)
+                        io.verify_blocks(dst, off, valid, sums)
                 except ChecksumError as err:
-                    lo = k * size + j0 * block + max(0, err.offset - x.slot * size - j0 * block)
+                    start, count, k, j0, x = self.parts[i]
+                    assert x is not None
+                    lo = k * size + j0 * block + max(0, err.offset - off)
                     span = (lo, lo + (block if x.blocks is not None else x.length))
                     raise ChecksumError(f"{err} [bytes [{span[0]}, {span[1]}) of {self.name!r}, extent {k}]",
                                         path=err.path, offset=err.offset, span=span) from None
