@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import shutil
 import tempfile
 import threading
@@ -168,6 +169,14 @@ class HostLevel:
             self.staged.append((r.step, pos, recs))
             self.counts["rows_staged"] += pos.numel()
         self.reading = keep
+
+    def wait_staged(self, until: int) -> None:
+        """Wait for the read-aheads of batches up to step ``until``, without the lock: a load then finds their
+        rows read instead of waiting for them while holding the cache (and the step) up."""
+        with self.lock:
+            futures = [r.read.future for r in self.reading if r.step <= until]
+        for fut in futures:
+            cf.wait([fut])  # errors are raised where the rows are collected
 
     def forget_staged(self, before: int) -> None:
         """Drop the rows read ahead for batches that ran before step ``before``."""
@@ -454,6 +463,10 @@ class DiskTier:
             a, b = group_split[gi], group_split[gi + 1]
             if b > a:
                 level.stage(keys[a:b] - level.key_lo, step)
+
+    def wait_staged(self, until: int) -> None:
+        for level in self.levels:
+            level.wait_staged(until)
 
     def forget_staged(self, before: int) -> None:
         for level in self.levels:
