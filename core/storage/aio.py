@@ -61,8 +61,9 @@ def _syscall() -> tuple[ctypes._CFuncPtr, tuple[int, int, int, int]] | None:
 
 
 def available() -> bool:
-    """Whether this process can use kernel AIO (tried once: a context set up and destroyed)."""
-    return _probe()
+    """Whether this process can use kernel AIO (tried once: a context set up and destroyed); the environment
+    variable ``TIGHTFIT_AIO=0`` turns it off (the store's worker threads read instead)."""
+    return os.environ.get("TIGHTFIT_AIO", "1") != "0" and _probe()
 
 
 @functools.cache
@@ -89,7 +90,7 @@ def read_many(fd: int, bufs: np.ndarray, nbytes: np.ndarray, offsets: np.ndarray
     """Read ``nbytes[i]`` bytes at file offset ``offsets[i]`` into address ``bufs[i]`` for every ``i`` (at most
     :data:`_DEPTH` at the device at once); each result is the bytes read, or ``-errno``. ``None``: kernel AIO
     is not available here (read some other way). The buffers must stay alive until this returns."""
-    found = _syscall() if _probe() else None
+    found = _syscall() if available() else None
     if found is None:
         return None
     fn, (_, destroy, getevents, submit) = found

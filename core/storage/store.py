@@ -486,7 +486,7 @@ class _RangeJob(_Job):
                 else:
                     valid = min(count * block, x.length - j0 * block)
                     n = -(-valid // block) if valid > 0 else 0
-                    sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0))
+                    sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0)) if n else []
                 todo.append((i, dst, x.slot * size + j0 * block, valid, sums))
             res = None
             if batched:
