@@ -128,23 +128,25 @@ class DiskRows:
         at = torch.searchsorted(ext, start // E) * E + start % E
         return ext, runs, at
 
-    def _read_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """The bytes of whole extent runs, concatenated (past the end of the buffer: zeros)."""
+    def _read_extents(self, ext: torch.Tensor) -> torch.Tensor:
+        """The bytes of whole extents ``ext`` (sorted), concatenated (past the end of the buffer: zeros), in one
+        batched read (:meth:`~tightfit.storage.TensorStore.read_ranges`)."""
         E, total = self.store.extent_bytes, self.nbytes
         start = time.perf_counter_ns()
-        buf = aligned_empty(sum(n for _, n in runs) * E)
-        futures, at = [], 0
-        for k, n in runs:
-            lo, hi = k * E, min((k + n) * E, total)
-            if hi > lo:
-                futures.append((self.store.read_into(self.name, buf[at:at + hi - lo], offset=lo), lo, hi))
-            if (k + n) * E > hi:
-                buf[at + max(0, hi - lo):at + n * E].zero_()
-            at += n * E
-        for fut, lo, hi in futures:
-            self._wait(fut, lo // self.record_bytes, -(-hi // self.record_bytes))
-        self.counts["disk_reads"] += len(futures)
-        self.counts["bytes_read"] += sum(hi - lo for _, lo, hi in futures)
+        buf = torch.empty(ext.numel() * E, dtype=torch.uint8)
+        full = int((ext * E + E <= total).sum())  # sorted: only the last extent can be the buffer's partial tail
+        moved = 0
+        if full:
+            moved += self._wait(self.store.read_ranges(self.name, (ext[:full] * E).numpy(), E, buf[:full * E]),
+                                int(ext[0]) * E // self.record_bytes, -(-int(ext[full - 1] + 1) * E // self.record_bytes))
+        if full < ext.numel():
+            lo = int(ext[full]) * E
+            self._wait(self.store.read_into(self.name, buf[full * E:full * E + total - lo], offset=lo),
+                       lo // self.record_bytes, -(-total // self.record_bytes))
+            buf[full * E + total - lo:].zero_()
+            moved += total - lo
+        self.counts["disk_reads"] += 1
+        self.counts["bytes_read"] += moved
         self.counts["read_ns"] += time.perf_counter_ns() - start
         return buf
 
@@ -183,8 +185,8 @@ class DiskRows:
         if pos.numel() == 0:
             return
         E, R, total = self.store.extent_bytes, self.record_bytes, self.nbytes
-        _, runs, at = self._extents(pos)
-        buf = self._read_runs(runs)
+        ext, runs, at = self._extents(pos)
+        buf = self._read_extents(ext)
         buf.index_copy_(0, (at.unsqueeze(1) + torch.arange(R)).view(-1), recs.reshape(-1))
         futures, off = [], 0
         for k, n in runs:
