@@ -26,13 +26,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tightfit.storage.aio import available as aio_available
+from tightfit.storage.aio import read_many
 from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError
-from tightfit.storage.fs import ALIGN, address, check_disk_dir, disk_full, lock_directory, open_data, punch_hole
+from tightfit.storage.fs import (
+    ALIGN,
+    address,
+    check_disk_dir,
+    disk_full,
+    lock_directory,
+    open_data,
+    punch_hole,
+)
 from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots, valid_block
-from tightfit.storage.aio import available as aio_available
-from tightfit.storage.aio import read_many
 from tightfit.storage.ranges import cover, gather, runs
 
 if TYPE_CHECKING:

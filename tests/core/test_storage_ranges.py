@@ -12,8 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tightfit.storage import ChecksumError, StorageError, TensorStore
-from tightfit.storage import aio
+from tightfit.storage import ChecksumError, StorageError, TensorStore, aio
 
 E, B = 16384, 4096  # 4 checksum blocks per extent
 
