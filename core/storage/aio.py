@@ -32,6 +32,7 @@ import functools
 import os
 import platform
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ _DEPTH = 1024  # requests at the device per io_submit (the context's size)
 
 
 @functools.cache
-def _syscall() -> tuple[ctypes._CFuncPtr, tuple[int, int, int, int]] | None:
+def _syscall() -> tuple[Any, tuple[int, int, int, int]] | None:
     numbers = _NUMBERS.get(platform.machine())
     if not sys.platform.startswith("linux") or numbers is None or sys.byteorder != "little":
         return None
@@ -78,7 +79,7 @@ def _probe() -> bool:
     return True
 
 
-def _setup(found: tuple[ctypes._CFuncPtr, tuple[int, int, int, int]], depth: int) -> int | None:
+def _setup(found: tuple[Any, tuple[int, int, int, int]], depth: int) -> int | None:
     fn, (setup, _, _, _) = found
     ctx = ctypes.c_ulong(0)
     if fn(ctypes.c_long(setup), ctypes.c_uint(depth), ctypes.byref(ctx)) != 0:
