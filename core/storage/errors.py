@@ -14,16 +14,19 @@ class ChecksumError(StorageError):
 
     Args:
         path: the data file.
-        offset: byte offset in that file of the extent that failed.
+        offset: byte offset in that file of the extent (or block) that failed.
+        span: the bytes ``(start, end)`` of the tensor or buffer that failed, where known (``None``).
     """
 
-    def __init__(self, message: str, *, path: str = "", offset: int = -1) -> None:
+    def __init__(self, message: str, *, path: str = "", offset: int = -1,
+                 span: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.path = path
         self.offset = offset
+        self.span = span
 
-    def __reduce__(self) -> tuple[object, ...]:  # keep path/offset across processes
-        return (_rebuild, (type(self), str(self), self.path, self.offset))
+    def __reduce__(self) -> tuple[object, ...]:  # keep path/offset/span across processes
+        return (_rebuild, (type(self), str(self), self.path, self.offset, self.span))
 
 
 class DiskFullError(StorageError):
@@ -61,8 +64,9 @@ class StoreLockedError(StorageError):
         self.pid = pid
 
 
-def _rebuild(cls: type[ChecksumError], message: str, path: str, offset: int) -> ChecksumError:
-    return cls(message, path=path, offset=offset)
+def _rebuild(cls: type[ChecksumError], message: str, path: str, offset: int,
+             span: tuple[int, int] | None = None) -> ChecksumError:
+    return cls(message, path=path, offset=offset, span=span)
 
 
 def _rebuild_full(message: str, path: str, needed: int, free: int) -> DiskFullError:

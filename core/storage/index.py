@@ -8,13 +8,17 @@ Layout of a store directory::
 
 A tensor of ``n`` bytes is ``ceil(n / extent_bytes)`` extents; extent ``k`` holds its bytes
 ``[k * extent_bytes, ...)`` in some slot, with the checksum (CRC-32C, or zlib's CRC-32 where ``crc32c`` is
-not installed; the index records which) of exactly those bytes. A write goes to fresh
+not installed; the index records which) of exactly those bytes. A store created with ``checksum_block``
+also records one checksum per block of that many bytes of each extent (``[slot, length, crc, blocks]``,
+``blocks`` the base64 of little-endian 32-bit checksums), so a read of a few bytes reads and verifies only
+the blocks holding them (:meth:`TensorStore.read_ranges`). A write goes to fresh
 slots and switches the index only once complete; a slot the last synced index references is never
 reused before the next ``sync()``, so a crash, or ENOSPC, leaves the synced state intact.
 """
 
 from __future__ import annotations
 
+import base64
 import heapq
 import json
 import math
@@ -28,7 +32,7 @@ from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.errors import StorageError
 from tightfit.storage.fs import ALIGN
 
-__all__ = ["INDEX", "DATA", "LOCK", "DTYPES", "DTYPE_SIZES", "CHECKSUM", "Extent", "Entry", "Index", "Slots", "fsync_dir"]
+__all__ = ["INDEX", "DATA", "LOCK", "DTYPES", "DTYPE_SIZES", "CHECKSUM", "Extent", "Entry", "Index", "Slots", "fsync_dir", "valid_block"]
 
 INDEX, DATA, LOCK = "index.json", "data.bin", "LOCK"
 _FORMAT, _VERSION = "tightfit-store", 1
@@ -51,6 +55,7 @@ class Extent:
     length: int
     crc: int
     seq: int = 0
+    blocks: bytes | None = None  # little-endian uint32 checksum per ``checksum_block`` bytes (block stores)
 
 
 @dataclass(slots=True)
@@ -70,13 +75,17 @@ class Index:
     extent_bytes: int
     entries: dict[str, Entry] = field(default_factory=dict)
     checksum: str = CHECKSUM  # the algorithm of every extent's ``crc`` (one per store)
+    checksum_block: int | None = None  # bytes per block checksum (None: one checksum per extent only)
 
     def to_json(self) -> str:
         entries = {name: {"nbytes": e.nbytes, "dtype": e.dtype, "shape": None if e.shape is None else list(e.shape),
-                          "extents": [None if x is None else [x.slot, x.length, x.crc] for x in e.extents]}
+                          "extents": [None if x is None else _extent_json(x) for x in e.extents]}
                    for name, e in self.entries.items()}
-        return json.dumps({"format": _FORMAT, "version": _VERSION, "extent_bytes": self.extent_bytes,
-                           "checksum": self.checksum, "entries": entries}, separators=(",", ":"))
+        head: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "extent_bytes": self.extent_bytes,
+                                "checksum": self.checksum}
+        if self.checksum_block is not None:  # absent in stores without block checksums: older readers open them
+            head["checksum_block"] = self.checksum_block
+        return json.dumps({**head, "entries": entries}, separators=(",", ":"))
 
     @classmethod
     def load(cls, path: Path) -> Index:
@@ -93,10 +102,14 @@ class Index:
         size = raw.get("extent_bytes")
         if not isinstance(size, int) or size < ALIGN or size % ALIGN:
             raise StorageError(f"{path}: extent_bytes={size!r} must be a positive multiple of {ALIGN}; {fix}")
-        index = cls(extent_bytes=size, checksum=algorithm)
+        block = raw.get("checksum_block")
+        if block is not None and not valid_block(block, size):
+            raise StorageError(f"{path}: checksum_block={block!r} must be a multiple of {ALIGN} that divides "
+                               f"extent_bytes={size}; {fix}")
+        index = cls(extent_bytes=size, checksum=algorithm, checksum_block=block)
         seen: set[int] = set()
         for name, e in _field(raw, "entries", dict, path, fix).items():
-            index.entries[name] = _entry(name, e, size, seen, path, fix)
+            index.entries[name] = _entry(name, e, size, block, seen, path, fix)
         return index
 
     def save(self, directory: Path) -> None:
@@ -125,6 +138,19 @@ class Index:
         return {x.slot for e in self.entries.values() for x in e.extents if x is not None}
 
 
+def valid_block(block: object, extent_bytes: int) -> bool:
+    """Whether ``block`` can be a store's ``checksum_block``: a positive multiple of ALIGN dividing the extent."""
+    return isinstance(block, int) and not isinstance(block, bool) and block >= ALIGN and block % ALIGN == 0 \
+        and extent_bytes % block == 0
+
+
+def _extent_json(x: Extent) -> list[Any]:
+    out: list[Any] = [x.slot, x.length, x.crc]
+    if x.blocks is not None:
+        out.append(base64.b64encode(x.blocks).decode("ascii"))
+    return out
+
+
 def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -140,7 +166,7 @@ def _field(raw: dict[str, Any], key: str, kind: type, path: Path, fix: str) -> A
     return value
 
 
-def _entry(name: str, e: Any, size: int, seen: set[int], path: Path, fix: str) -> Entry:
+def _entry(name: str, e: Any, size: int, block: int | None, seen: set[int], path: Path, fix: str) -> Entry:
     where = f"{path}: entry {name!r}"
     if not isinstance(e, dict):
         raise StorageError(f"{where} must be an object; {fix}")
@@ -163,13 +189,27 @@ def _entry(name: str, e: Any, size: int, seen: set[int], path: Path, fix: str) -
             out.append(None)
             continue
         want = min(size, nbytes - k * size)
-        ok = isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) and v >= 0 for v in x)
+        fields = 3 if block is None else 4
+        ok = isinstance(x, list) and len(x) == fields and all(isinstance(v, int) and v >= 0 for v in x[:3])
         if not ok or not 0 < x[1] <= want or x[0] in seen:  # shorter: the rest of the extent was never written
-            raise StorageError(f"{where}: extent {k}={x!r} must be [slot, 1..{want}, checksum] with a slot no other "
+            tail = "checksum" if block is None else "checksum, block checksums"
+            raise StorageError(f"{where}: extent {k}={x!r} must be [slot, 1..{want}, {tail}] with a slot no other "
                                f"extent uses; {fix}")
+        blocks = None if block is None else _blocks(x[3], -(-x[1] // block), f"{where}: extent {k}", fix)
         seen.add(x[0])
-        out.append(Extent(slot=x[0], length=x[1], crc=x[2]))
+        out.append(Extent(slot=x[0], length=x[1], crc=x[2], blocks=blocks))
     return Entry(nbytes=nbytes, dtype=dtype, shape=None if shape is None else tuple(shape), extents=out)
+
+
+def _blocks(text: Any, count: int, where: str, fix: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != 4 * count:
+        raise StorageError(f"{where}: block checksums {str(text)[:40]!r} must be the base64 of {count} 32-bit "
+                           f"checksums; {fix}")
+    return raw
 
 
 class Slots:

@@ -15,6 +15,7 @@ import errno
 import functools
 import math
 import os
+import struct
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
@@ -25,11 +26,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tightfit.storage.aio import available as aio_available
+from tightfit.storage.aio import read_many
 from tightfit.storage.checksums import DEFAULT_CHECKSUM, checksum_function
 from tightfit.storage.engine import ExtentIO, IOEngine
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError
-from tightfit.storage.fs import ALIGN, check_disk_dir, disk_full, lock_directory, open_data, punch_hole
-from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots
+from tightfit.storage.fs import (
+    ALIGN,
+    address,
+    check_disk_dir,
+    disk_full,
+    lock_directory,
+    open_data,
+    punch_hole,
+)
+from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots, valid_block
+from tightfit.storage.ranges import cover, gather, runs
 
 if TYPE_CHECKING:
     from tightfit.profiler.types import DiskProfile
@@ -74,6 +86,10 @@ class TensorStore:
         checksum: a new store's per-extent checksum, ``"crc32c"`` or ``"crc32"`` (default: CRC-32C where
             PyPI's ``crc32c`` is installed, else zlib's CRC-32); an existing store keeps the one its index
             records (a ``crc32c`` store where ``crc32c`` is missing is refused: ``pip install crc32c``).
+        checksum_block: a new store also checksums every block of this many bytes (a multiple of 4 KiB dividing
+            the extent), so :meth:`read_ranges` reads and verifies only the blocks its ranges touch (default
+            ``None``: one checksum per extent, and ``read_ranges`` reads whole extents); an existing store keeps
+            what its index records.
 
     Writes are durable only after :meth:`sync` (or :meth:`close`); after a crash the store reopens at
     its last ``sync()``. Overwrites go to fresh extents, so a failed write (ENOSPC) leaves the previous
@@ -84,7 +100,8 @@ class TensorStore:
 
     def __init__(self, path: str | os.PathLike[str], *, profile: DiskProfile | None = None, workers: int | None = None,
                  max_inflight: int | None = None, extent_bytes: int | None = None,
-                 direct: bool | None = None, checksum: str | None = None) -> None:
+                 direct: bool | None = None, checksum: str | None = None,
+                 checksum_block: int | None = None) -> None:
         self.path = check_disk_dir(path)
         if profile is not None:
             workers = max(2 if workers is None else workers, profile.queue_depth)
@@ -99,8 +116,12 @@ class TensorStore:
                 size = extent_bytes or (max(profile.request_bytes, MIN_PROFILE_EXTENT_BYTES) if profile is not None
                                         else DEFAULT_EXTENT_BYTES)
                 self._index = Index(extent_bytes=max(ALIGN, -(-int(size) // ALIGN) * ALIGN),
-                                    checksum=checksum or DEFAULT_CHECKSUM)
+                                    checksum=checksum or DEFAULT_CHECKSUM, checksum_block=checksum_block)
                 checksum_function(self._index.checksum, f"TensorStore({str(self.path)!r}, checksum=...)")
+                if checksum_block is not None and not valid_block(checksum_block, self._index.extent_bytes):
+                    raise StorageError(f"TensorStore({str(self.path)!r}): checksum_block={checksum_block!r} must be a "
+                                       f"multiple of {ALIGN} that divides the extent ({self._index.extent_bytes} "
+                                       f"bytes); pass e.g. checksum_block={ALIGN}")
             want = direct if direct is not None else (profile.direct if profile is not None else True)
             self._fd, self.direct = open_data(self.path / DATA, direct=want)
             self._engine = IOEngine(workers=workers, max_inflight=max_inflight or 2 * workers)
@@ -109,8 +130,9 @@ class TensorStore:
             raise
         self.extent_bytes = self._index.extent_bytes
         self.checksum = self._index.checksum
+        self.checksum_block = self._index.checksum_block
         self._io = ExtentIO(self._fd, self.path / DATA, direct=self.direct, extent_bytes=self.extent_bytes,
-                            algorithm=self.checksum)
+                            algorithm=self.checksum, block_bytes=self.checksum_block)
         self._slots = Slots(self._index.slots())
         self._deleted: set[int] = set()  # slots of deleted names: their blocks go back to the filesystem at sync
         self._mutex = threading.Lock()
@@ -160,6 +182,50 @@ class TensorStore:
             self._inflight.add(job.future)
         for i in range(len(parts)):
             self._engine.submit(job.run, i)
+        job.start()
+        return job.future
+
+    def read_ranges(self, name: str, offsets: Any, length: int, out: Any) -> Future[int]:
+        """Read the ``length`` bytes at each of ``offsets`` (byte offsets of ``name``, any order, repeats
+        allowed) into ``out``, range ``i`` at ``out[i * length:(i + 1) * length]``; the future gives the bytes
+        read from the disk.
+
+        Each block holding a range (``checksum_block`` bytes; a whole extent in a store without block
+        checksums) is read once and verified, consecutive blocks of an extent in one request, the requests
+        spread over the workers: a scattered batch of 128-byte rows reads a 4 KiB block per row, not an
+        extent (``docs/storage.md``). A failed checksum raises :class:`ChecksumError` naming the file and the
+        block's byte offset.
+        """
+        what = f"read_ranges({name!r})"
+        view = writable(out, what)
+        self._check(name, 0, what)
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if not isinstance(length, int) or length < 1 or view.nbytes != offs.size * length:
+            raise StorageError(f"{what}: out holds {view.nbytes} bytes, {offs.size} ranges of length={length!r} need "
+                               f"{offs.size * length if isinstance(length, int) else '?'}; pass a length >= 1 and an "
+                               f"out of len(offsets) * length bytes")
+        size = self.extent_bytes
+        block = self.checksum_block or size
+        with self._mutex:
+            entry = self._entry(name)
+            if offs.size and (int(offs.min()) < 0 or int(offs.max()) + length > entry.nbytes):
+                raise StorageError(f"{what}: ranges [{int(offs.min())}, {int(offs.max()) + length}) reach outside "
+                                   f"its {entry.nbytes} bytes; read inside the name")
+            ids, at = cover(offs, length, block)
+            plan = runs(ids, size // block)
+            parts = []
+            for start, count in plan.tolist():
+                b0 = int(ids[start])
+                k, j0 = b0 * block // size, b0 % (size // block)
+                x = entry.extents[k]
+                if x is not None:
+                    self._slots.read_begin(x.slot)
+                parts.append((start, count, k, j0, x))
+            job = _RangeJob(self, name, parts, ids.size * block, block, view, at, length)
+            self._inflight.add(job.future)
+        batched = aio_available()  # one submission for the whole batch; else spread over the worker threads
+        for chunk in job.chunks(1 if batched else self._engine.workers):
+            self._engine.submit(job.run, chunk, batched)
         job.start()
         return job.future
 
@@ -391,6 +457,100 @@ class _ReadJob(_Job):
             self.future.set_result(self.result)
 
 
+class _RangeJob(_Job):
+    """A :meth:`TensorStore.read_ranges`: runs of blocks read into one aligned staging buffer by a few
+    tasks, then the ranges copied out of it (by the task that finishes last)."""
+
+    def __init__(self, store: TensorStore, name: str, parts: list[tuple[int, int, int, int, Extent | None]],
+                 staged_bytes: int, block: int, view: memoryview, at: np.ndarray, length: int) -> None:
+        super().__init__(store, 0)
+        self.name, self.parts, self.block, self.view, self.at, self.length = name, parts, block, view, at, length
+        self.staged = aligned_empty(staged_bytes).numpy()
+        self.moved = 0
+
+    def chunks(self, workers: int) -> list[range]:
+        """The parts split into at most ``workers`` tasks of neighbouring runs (each one request at the device)."""
+        n = len(self.parts)
+        tasks = min(workers, n)
+        bounds = [n * i // tasks for i in range(tasks + 1)] if tasks else [0]
+        out = [range(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        self._left, self._empty = len(out), not out
+        return out
+
+    def run(self, chunk: range, batched: bool = False) -> None:
+        """Read the runs ``chunk`` of the parts; ``batched``: all in one kernel AIO submission (:mod:`.aio`)."""
+        st, block, moved = self.store, self.block, 0
+        size, io = st.extent_bytes, st._io
+        try:
+            todo = []  # (part, its bytes in the staging buffer, file offset, valid bytes, block checksums)
+            for i in chunk:
+                start, count, k, j0, x = self.parts[i]
+                dst = self.staged[start * block:(start + count) * block].data
+                if x is None:  # never written: zeros
+                    dst[:] = bytes(dst.nbytes)
+                    continue
+                if x.blocks is None:  # no block checksums: the whole extent is the block
+                    valid, sums = x.length, [x.crc]
+                else:
+                    valid = min(count * block, x.length - j0 * block)
+                    n = -(-valid // block) if valid > 0 else 0
+                    sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0)) if n else []
+                todo.append((i, dst, x.slot * size + j0 * block, valid, sums))
+            res = None
+            if batched:
+                sent = [t for t in todo if t[3] > 0]
+                res = read_many(st._fd, np.array([address(t[1]) for t in sent], dtype=np.uint64),
+                                np.array([io.padded(t[3]) for t in sent], dtype=np.int64),
+                                np.array([t[2] for t in sent], dtype=np.int64))
+                got = dict(zip((t[0] for t in sent), res.tolist())) if res is not None else {}
+            for i, dst, off, valid, sums in todo:
+                try:
+                    if res is None:
+                        io.read_blocks(dst, off, valid, sums)
+                    else:
+                        n = got.get(i, 0)
+                        if n < 0:
+                            raise OSError(-n, f"{st.path / DATA}: reading {valid} bytes at byte offset {off}: "
+                                              f"{os.strerror(-n)}")
+                        if n < valid:
+                            raise ChecksumError(f"{st.path / DATA} is truncated: {valid} bytes expected at byte "
+                                                f"offset {off}, the file ends at {off + n}; the store is damaged: "
+                                                f"restore it from a checkpoint or rewrite the tensor",
+                                                path=str(st.path / DATA), offset=off)
+                        io.verify_blocks(dst, off, valid, sums)
+                except ChecksumError as err:
+                    start, count, k, j0, x = self.parts[i]
+                    assert x is not None
+                    lo = k * size + j0 * block + max(0, err.offset - off)
+                    span = (lo, lo + (block if x.blocks is not None else x.length))
+                    raise ChecksumError(f"{err} [bytes [{span[0]}, {span[1]}) of {self.name!r}, extent {k}]",
+                                        path=err.path, offset=err.offset, span=span) from None
+                moved += max(0, valid)
+        except BaseException as err:
+            self.error = self.error or err
+        finally:
+            with st._mutex:
+                for i in chunk:
+                    x = self.parts[i][4]
+                    if x is not None:
+                        st._slots.read_end(x.slot)
+                self.moved += moved
+            self.part_done()
+
+    def finish(self) -> None:
+        try:
+            if self.error is None:
+                gather(np.frombuffer(self.view, dtype=np.uint8), self.staged, self.at, self.length)
+        except BaseException as err:
+            self.error = err
+        with self.store._mutex:
+            self.store._inflight.discard(self.future)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.moved)
+
+
 class _WriteJob(_Job):
     def __init__(self, store: TensorStore, name: str, view: memoryview, offset: int, chunks: list[tuple[int, int]],
                  *, seq: int, meta: tuple[str, tuple[int, ...]] | None, replace: bool) -> None:
@@ -424,6 +584,7 @@ class _WriteJob(_Job):
                         st._slots.read_begin(old.slot)
             if old is None and a == 0:
                 crc, length = st._io.write(src, slot * size), b
+                blocks = st._io.block_sums(src)
             else:  # merge with the extent's current bytes (zeros where never written)
                 buf, have = st._io.scratch(), 0
                 if old is not None:
@@ -433,7 +594,8 @@ class _WriteJob(_Job):
                 buf[a:b] = src
                 length = max(have, b)
                 crc = st._io.write_padded(buf, length, slot * size)
-            self.written.append((k, Extent(slot=slot, length=length, crc=crc, seq=self.seq)))
+                blocks = st._io.block_sums(buf[:length])
+            self.written.append((k, Extent(slot=slot, length=length, crc=crc, seq=self.seq, blocks=blocks)))
         except BaseException as err:
             self.error = self.error or err
         finally:
@@ -492,9 +654,14 @@ class _WriteJob(_Job):
                 e.extents[k] = x
             else:
                 slots.release(x.slot)
-        for k, x in enumerate(e.extents):
+        # The last written extent ends furthest (an extent holds at most ``size`` bytes): scan back to it, not
+        # over all of them (a 4 GiB buffer of 16 KiB extents has 250K; every write commit paid that, under the
+        # mutex, and write-back of scattered rows commits one write per extent).
+        for k in range(len(e.extents) - 1, -1, -1):
+            x = e.extents[k]
             if x is not None:
                 end = max(end, k * size + x.length)
+                break
         e.nbytes = end
         del e.extents[-(-end // size):]
         e.extents.extend([None] * (-(-end // size) - len(e.extents)))

@@ -239,6 +239,7 @@ class FusedCache(nn.Module):
             train: hold the rows until :meth:`release` (the backward updates them) rather than until
                 :meth:`gathered`.
         """
+        self.store.wait_staged(self.step + 1)  # the disk tier's read-ahead of this batch, waited for unlocked
         with self.lock:
             batch = self._counted(values, lengths, feature_table, value_bounds, hold=True)
         batch.train = train
@@ -253,6 +254,7 @@ class FusedCache(nn.Module):
         ``window``: the keys later batches of the prefetch window need and when; a missing row needed
         sooner than a cached one takes its slot (Belady inside the window). Other arguments: :meth:`lookup`.
         """
+        self.store.wait_staged(until)  # its rows' read-ahead, waited for without holding the step up
         with self.lock:
             self._settle(after_lookups=True)
             batch, counts = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)

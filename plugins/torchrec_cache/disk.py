@@ -3,10 +3,11 @@
 A record is a row's weights and its optimizer state side by side (``dim`` weights of the table's
 dtype, then the state's fp32 columns), so a row moves with its state in one piece. One flat buffer per
 slot-tensor group lives in a :class:`tightfit.storage.TensorStore` (the plugin never opens a file
-itself), row ``p`` at byte ``p * record_bytes``. Reads and writes go by the store's extents: a batch's
-rows are sorted by offset, the extents they touch are grouped into runs of neighbours and each run is
-one request; a write reads its extents, patches the rows in and writes the extents whole (the store
-never overwrites in place, so a failed write leaves the previous rows readable).
+itself), row ``p`` at byte ``p * record_bytes``. A batch of rows is read with the store's
+:meth:`~tightfit.storage.TensorStore.read_ranges`: only the checksum blocks holding them (4 KiB), each
+verified. A write goes by the store's extents: the extents its rows touch are grouped into runs of
+neighbours, read, patched and written whole, one request per run (the store never overwrites in place,
+so a failed write leaves the previous rows readable).
 
 Example:
     >>> import tempfile
@@ -24,12 +25,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tightfit.storage import ChecksumError, TensorStore, aligned_empty
 
-__all__ = ["DiskRows", "RowFileError", "records", "split_records"]
+__all__ = ["DiskRows", "RowRead", "RowFileError", "records", "split_records"]
 
 
 class RowFileError(ChecksumError):
@@ -53,12 +55,28 @@ def split_records(recs: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[tor
 
 
 @dataclass
+class RowRead:
+    """A batched read in flight: its records land in ``out`` once ``future`` is done (rows ``[lo, hi)`` span it)."""
+
+    out: torch.Tensor
+    future: Future[Any]
+    lo: int
+    hi: int
+    started: int
+    ended: int = 0
+
+    def stop(self, _future: Future[Any]) -> None:
+        self.ended = time.perf_counter_ns()
+
+
+@dataclass
 class DiskRows:
     """One group's rows in the store under ``name``: ``rows`` records of ``record_bytes``.
 
     ``tables``: ``(name, first row, rows)`` of each table in the group (for error messages).
-    ``counts``: rows and bytes read and written so far (bytes: what the store moved, whole extents), requests,
-    and the wall nanoseconds spent waiting for batched reads (``read_ns``).
+    ``counts``: rows and bytes read and written so far (bytes: what the store moved: the 4 KiB checksum blocks
+    holding the rows read, whole extents written), batched reads (``disk_reads``: one per batch of rows) and
+    write requests, and the wall nanoseconds from the start of each batched read to its end (``read_ns``; reads overlap).
     """
 
     store: TensorStore
@@ -110,35 +128,55 @@ class DiskRows:
         at = torch.searchsorted(ext, start // E) * E + start % E
         return ext, runs, at
 
-    def _read_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """The bytes of whole extent runs, concatenated (past the end of the buffer: zeros)."""
+    def _read_extents(self, ext: torch.Tensor) -> torch.Tensor:
+        """The bytes of whole extents ``ext`` (sorted), concatenated (past the end of the buffer: zeros), in one
+        batched read (:meth:`~tightfit.storage.TensorStore.read_ranges`)."""
         E, total = self.store.extent_bytes, self.nbytes
         start = time.perf_counter_ns()
-        buf = aligned_empty(sum(n for _, n in runs) * E)
-        futures, at = [], 0
-        for k, n in runs:
-            lo, hi = k * E, min((k + n) * E, total)
-            if hi > lo:
-                futures.append((self.store.read_into(self.name, buf[at:at + hi - lo], offset=lo), lo, hi))
-            if (k + n) * E > hi:
-                buf[at + max(0, hi - lo):at + n * E].zero_()
-            at += n * E
-        for fut, lo, hi in futures:
-            self._wait(fut, lo // self.record_bytes, -(-hi // self.record_bytes))
-        self.counts["disk_reads"] += len(futures)
-        self.counts["bytes_read"] += sum(hi - lo for _, lo, hi in futures)
+        buf = torch.empty(ext.numel() * E, dtype=torch.uint8)
+        full = int((ext * E + E <= total).sum())  # sorted: only the last extent can be the buffer's partial tail
+        moved = 0
+        if full:
+            moved += self._wait(self.store.read_ranges(self.name, (ext[:full] * E).numpy(), E, buf[:full * E]),
+                                int(ext[0]) * E // self.record_bytes, -(-int(ext[full - 1] + 1) * E // self.record_bytes))
+        if full < ext.numel():
+            lo = int(ext[full]) * E
+            self._wait(self.store.read_into(self.name, buf[full * E:full * E + total - lo], offset=lo),
+                       lo // self.record_bytes, -(-total // self.record_bytes))
+            buf[full * E + total - lo:].zero_()
+            moved += total - lo
+        self.counts["disk_reads"] += 1
+        self.counts["bytes_read"] += moved
         self.counts["read_ns"] += time.perf_counter_ns() - start
         return buf
 
     def read(self, pos: torch.Tensor) -> torch.Tensor:
-        """Records of rows ``pos`` (any order, int64), read in offset order."""
+        """Records of rows ``pos`` (any order, int64): the store reads only the checksum blocks holding them
+        (4 KiB in a tier's store; neighbours in one request, spread over its workers)."""
+        return self.read_finish(self.read_start(pos))
+
+    def read_start(self, pos: torch.Tensor) -> RowRead:
+        """Start reading the records of rows ``pos`` (:meth:`read` without waiting); :meth:`read_finish` waits."""
+        R = self.record_bytes
+        out = torch.empty(pos.numel(), R, dtype=torch.uint8)
         if pos.numel() == 0:
-            return torch.empty(0, self.record_bytes, dtype=torch.uint8)
-        _, runs, at = self._extents(pos)
-        buf = self._read_runs(runs)
-        self.counts["rows_read"] += pos.numel()
-        return buf.index_select(0, (at.unsqueeze(1) + torch.arange(self.record_bytes)).view(-1)).view(
-            -1, self.record_bytes)
+            done: Future[Any] = Future()
+            done.set_result(0)
+            return RowRead(out=out, future=done, lo=0, hi=0, started=time.perf_counter_ns())
+        read = RowRead(out=out, future=self.store.read_ranges(self.name, (pos * R).numpy(), R, out),
+                       lo=int(pos.min()), hi=int(pos.max()) + 1, started=time.perf_counter_ns())
+        read.future.add_done_callback(read.stop)
+        return read
+
+    def read_finish(self, read: RowRead) -> torch.Tensor:
+        """Wait for a read :meth:`read_start` began and count it; a corrupted block raises :class:`RowFileError`."""
+        moved = self._wait(read.future, read.lo, read.hi)
+        if read.hi > read.lo:
+            self.counts["rows_read"] += read.out.shape[0]
+            self.counts["disk_reads"] += 1
+            self.counts["bytes_read"] += int(moved)
+            self.counts["read_ns"] += max(0, read.ended - read.started)
+        return read.out
 
     def write(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
         """Write records ``recs`` of rows ``pos`` (unique): the extents they touch are read, patched and
@@ -147,8 +185,8 @@ class DiskRows:
         if pos.numel() == 0:
             return
         E, R, total = self.store.extent_bytes, self.record_bytes, self.nbytes
-        _, runs, at = self._extents(pos)
-        buf = self._read_runs(runs)
+        ext, runs, at = self._extents(pos)
+        buf = self._read_extents(ext)
         buf.index_copy_(0, (at.unsqueeze(1) + torch.arange(R)).view(-1), recs.reshape(-1))
         futures, off = [], 0
         for k, n in runs:
@@ -167,13 +205,16 @@ class DiskRows:
         self.counts["disk_writes"] += len(futures)
 
     # ------------------------------------------------------------------ errors
-    def _wait(self, fut: object, row_lo: int, row_hi: int) -> None:
+    def _wait(self, fut: Future[Any], row_lo: int, row_hi: int) -> Any:
         try:
-            fut.result()  # type: ignore[attr-defined]
+            return fut.result()
         except ChecksumError as err:
+            if err.span is not None:  # the block that failed: the rows it holds
+                R = self.record_bytes
+                row_lo, row_hi = max(row_lo, err.span[0] // R), min(row_hi, -(-err.span[1] // R))
             raise RowFileError(f"{self.describe(row_lo, row_hi)} failed its checksum on disk ({err}); the row file "
                                "is corrupted: restore the collection from a checkpoint", path=err.path,
-                               offset=err.offset) from err
+                               offset=err.offset, span=err.span) from err
 
     def describe(self, row_lo: int, row_hi: int) -> str:
         """``table 'a' rows [lo, hi)`` for the tables group rows ``[row_lo, row_hi)`` cover."""

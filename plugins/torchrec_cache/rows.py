@@ -181,6 +181,11 @@ class RowStore(nn.Module):
         if self.tier is not None:
             self.tier.stage(keys_h, step, self.space.group_split(keys_h))
 
+    def wait_staged(self, until: int) -> None:
+        """Disk tier: wait, without the cache's lock, for the read-aheads of batches up to step ``until``."""
+        if self.tier is not None:
+            self.tier.wait_staged(until)
+
     def forget_staged(self, step: int) -> None:
         if self.tier is not None:
             self.tier.forget_staged(step)
