@@ -31,6 +31,44 @@ def proc_io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
+def rss() -> int:
+    """This process's resident size now (VmRSS), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+class PhaseRSS:
+    """The highest resident size seen in each phase of a step (a thread reads VmRSS every 10 ms): where host
+    memory goes, beside the group's single peak."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.phase = "setup"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss())
+
+    def enter(self, phase: str) -> dict[str, int]:
+        """Start ``phase``; the peaks so far (a copy) are returned and the new phase starts from the current RSS."""
+        now = rss()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), now)
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), now)
+        return dict(self.peaks)
+
+    def take(self) -> dict[str, int]:
+        out, self.peaks = dict(self.peaks), {}
+        return out
+
+
 def peak_rss() -> int:
     """This process's resident high-water mark (VmHWM), bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -86,6 +124,7 @@ def run_lightning(spec: dict) -> dict:
     cfg = GPTConfig(**spec["config"])
     tokens = data(spec).flatten(0, 1)
     clock = StepClock()
+    phases = PhaseRSS()
 
     class Bench(L.LightningModule):
         def __init__(self) -> None:
@@ -105,19 +144,30 @@ def run_lightning(spec: dict) -> dict:
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if batch_idx == 0:
+                phases.enter("setup")
+                setup_rss.update(phases.take())
+            phases.enter("forward")
             clock.start()
 
+        def on_before_backward(self, trainer, module, loss) -> None:
+            phases.enter("backward")
+
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            phases.enter("optimizer")
             clock.backward_done()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             clock.end(float(outputs["loss"].item()))
+            phases.enter("between")
+            clock.steps[-1]["rss_peak_by_phase"] = phases.take()
             io = getattr(getattr(trainer.strategy, "disk_state", None), "last_step", None)
             if io is not None:  # the runtime's own account of the streamed step (DiskOptimizerState.last_step)
                 clock.steps[-1].update(stream_s=io.seconds, stream_read_bytes=io.bytes_read,
                                        stream_write_bytes=io.bytes_written, stream_wait_s=io.wait_seconds,
                                        stream_sync_s=io.sync_seconds)
 
+    setup_rss: dict[str, int] = {}
     kwargs: dict[str, Any] = {"plan": spec["plan"], "verbose": False}
     if spec["role"] == "elixir":
         kwargs.update(host_budget=spec["host_budget"], disk_dir=spec["disk_dir"])
@@ -127,7 +177,8 @@ def run_lightning(spec: dict) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[Clock()], default_root_dir=spec["work_dir"])
     trainer.fit(module)
-    return {"steps": clock.steps, "digests": digests(module.model.named_parameters())}
+    return {"steps": clock.steps, "setup_rss_peak": setup_rss.get("setup"),
+            "digests": digests(module.model.named_parameters())}
 
 
 def aio_unavailable() -> str | None:

@@ -18,6 +18,7 @@ from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
+from tightfit.storage.host import return_large_frees
 from tightfit.storage.store import DEFAULT_EXTENT_BYTES, DEFAULT_WORKERS, TensorInfo, TensorStore
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "mount_of",
     "Mount",
     "free_bytes",
+    "return_large_frees",
     "aligned_empty",
     "IOEngine",
     "ExtentIO",

@@ -55,6 +55,7 @@ from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
+from tightfit.storage import return_large_frees
 
 __all__ = ["ElixirStrategy"]
 
@@ -131,6 +132,10 @@ class ElixirStrategy(ModelParallelStrategy):
                                      verbose=verbose, replan=replan, calibrate=calibrate, host_budget=host_budget,
                                      disk_dir=disk_dir, owner="ElixirStrategy")
         install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
+        if self.options.host_budget is not None or self.options.disk_dir is not None:
+            # A host bound is only kept if freed tensors leave the process (tightfit.storage.host): from here, and
+            # again at setup in spawned ranks; before the model is built where the user builds it after this.
+            return_large_frees()
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.plan: ElixirPlan | None = None
@@ -176,6 +181,8 @@ class ElixirStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        if self.options.host_budget is not None or self.options.disk_dir is not None:
+            return_large_frees()
         # Lightning's plugin for the precision flag, as the Elixir subclass whose norm clipping counts units
         # on every mesh and device (precision.ClipAcrossMeshes); before anything below uses the plugin.
         self.precision_plugin = with_mesh_clipping(self.precision_plugin)
