@@ -19,8 +19,8 @@ does on a first run. Memory: resident state plus the
 highest the step's allocations rise (torch.profiler allocator events), against the predicted device
 peak (on a CPU the host *is* the device: the calibrated profile says ``unified_memory`` and the model counts
 offloaded state in the device peak). DDP is priced as one replicated unit without FSDP2's measured
-overheads (it runs plain tensors). Blocks are re-timed in the run (``refresh=True``), so the prediction
-sees the load the steps see. The plans are priced with a 0%
+overheads (it runs plain tensors). Blocks are re-timed and the device re-calibrated in the run
+(``refresh=True``), so the prediction sees the load the steps see. The plans are priced with a 0%
 fragmentation margin: glibc's allocator has no caching-allocator blocks to fragment; the default
 10% is for CUDA.
 
@@ -133,7 +133,9 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
     # Every rank must plan from the same numbers: rank 0's device profile for all.
     measured = profile_device(dev, quick=True, progress=rank == 0)  # every rank: collectives measured together
     raw_device = decide_on_rank0(lambda: measured, encode=lambda d: d.to_json(), decode=DeviceProfile.from_json)
-    device = calibrate_device(raw_device, device=dev, quick=True, progress=rank == 0, clock=clock)
+    # refresh=True: the collectives and FSDP2 overheads measured now, under the load the steps see (a cached
+    # calibration, from another time and load on this shared host, priced the run before this one).
+    device = calibrate_device(raw_device, device=dev, quick=True, progress=rank == 0, clock=clock, refresh=True)
     calibrated = ClusterSpec.uniform(device, world)
     uncalibrated = ClusterSpec.uniform(raw_device, world)
     mesh = init_device_mesh(device_type, (world,))
