@@ -24,7 +24,8 @@ from pathlib import Path
 RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 __all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
-           "resident_bytes", "measure_peak", "run_two_ranks", "source_commit", "left_padded"]
+           "resident_bytes", "measure_peak", "run_two_ranks", "source_commit", "imported_sources", "measured_paths",
+           "left_padded"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,21 +112,55 @@ def source_commit(paths: Sequence[str]) -> dict[str, object]:
     return {"sha": head, "dirty": dirty, "paths": list(paths)}
 
 
+def imported_sources(root: Path = ROOT, modules: dict | None = None) -> list[str]:
+    """The project's source files this process imported: ``root``-relative paths of the modules in
+    ``sys.modules`` whose file lies under ``root`` (the virtual environment and other hidden folders left out),
+    sorted. ``python -m benchmarks.NAME`` makes the script itself ``__main__``, so it is among them."""
+    root = root.resolve()
+    found = set()
+    for module in list((sys.modules if modules is None else modules).values()):
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        try:
+            rel = Path(file).resolve().relative_to(root)
+        except (ValueError, OSError):
+            continue
+        if any(part.startswith(".") or part in ("site-packages", "__pycache__") for part in rel.parts[:-1]):
+            continue
+        found.add(rel.as_posix())
+    return sorted(found)
+
+
+# Sources that child processes (run_two_ranks' ranks) imported; write_result adds them to the measured paths.
+_CHILD_SOURCES: set[str] = set()
+
+
+def measured_paths(name: str, measures: Sequence[str] = (), root: Path = ROOT) -> list[str]:
+    """What a result of benchmark ``name`` measured: the project files this process (and the ranks it spawned
+    through :func:`run_two_ranks`) imported, the benchmark's own script, and ``measures`` (the child scripts it
+    runs in subprocesses and the code those import), sorted and without repeats."""
+    own = f"benchmarks/{name}.py"
+    paths = set(imported_sources(root)) | _CHILD_SOURCES | set(measures) | {"benchmarks/common.py"}
+    if (root / own).exists():
+        paths.add(own)
+    return sorted(paths)
+
+
 def write_result(name: str, *, title: str, params: dict, results: object, markdown: str,
-                 plots: Sequence[Path] = (), measures: Sequence[str] = ("core", "plugins")) -> Path:
+                 plots: Sequence[Path] = (), measures: Sequence[str] = ()) -> Path:
     """Write ``benchmarks/results/<name>.json`` (machine info, versions, every repeat, the report section).
 
-    ``measures``: the source paths whose code the figures measure (this benchmark's own file is always added);
-    the JSON records the commit and whether those paths were clean, and the machine's load average.
+    The JSON records the commit and the paths whose code the figures measured (:func:`measured_paths`: what was
+    imported, plus ``measures``, e.g. a child script run by ``subprocess`` and the plugin it imports), whether
+    those were clean, and the machine's load average. A figure goes stale only when one of those paths changes.
     """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    own = f"benchmarks/{name}.py"
-    paths = list(measures) + ([own, "benchmarks/common.py"] if (ROOT / own).exists() else ["benchmarks/common.py"])
     payload = {
         "name": name,
         "title": title,
-        "commit": source_commit(paths),
+        "commit": source_commit(measured_paths(name, measures)),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "machine": machine_info(),
         "params": params,
@@ -168,9 +203,16 @@ def measure_peak(step, state) -> int:
     return base + peak
 
 
+def _rank_entry(rank: int, rank_fn: Callable[..., None], world: int, port: int, quick: bool, repeats: int,
+                out_path: str) -> None:
+    rank_fn(rank, world, port, quick, repeats, out_path)
+    Path(f"{out_path}.sources.{rank}").write_text(json.dumps(imported_sources()))
+
+
 def run_two_ranks(rank_fn: Callable[..., None], quick: bool, repeats: int) -> dict:
     """Spawn ``rank_fn(rank, 2, port, quick, repeats, out_path)`` on 2 gloo ranks (a free port on
-    127.0.0.1); rank 0 writes its results as JSON to ``out_path``, returned here."""
+    127.0.0.1); rank 0 writes its results as JSON to ``out_path``, returned here. The project files each rank
+    imported join what the result records as measured (:func:`measured_paths`)."""
     import socket
     import tempfile
 
@@ -180,7 +222,9 @@ def run_two_ranks(rank_fn: Callable[..., None], quick: bool, repeats: int) -> di
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = Path(tempfile.mkdtemp()) / "results.json"
-    mp.spawn(rank_fn, args=(2, port, quick, repeats, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_entry, args=(rank_fn, 2, port, quick, repeats, str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        _CHILD_SOURCES.update(json.loads(Path(f"{out}.sources.{rank}").read_text()))
     return json.loads(out.read_text())
 
 

@@ -1,6 +1,6 @@
 """Predicted vs measured: the Elixir cost model against real FSDP2 / DDP steps on 2 CPU gloo ranks.
 
-For two GPT-2-shaped models (tightfit.models), two gloo ranks (1 thread each) calibrate the cost model
+For two GPT-2-shaped models (tightfit.models) and a Hugging Face causal LM, two gloo ranks (1 thread each) calibrate the cost model
 (``profile_device`` + ``calibrate_device``: collective latency+bandwidth, FSDP2 per-unit overhead,
 comm/compute overlap) and time every distinct block (``time_blocks``), then price seven contenders
 with the Elixir cost model and run each: DDP (priced as one replicated unit: one bucketed
@@ -10,15 +10,17 @@ DDP's predicted peak, and two other plans from the Pareto frontier (mixed where 
 them). FSDP2 contenders are executed with ``apply_plan`` from the very plan that was priced.
 
 Timing: rounds alternate A B C ... after a warm-up round; each repeat times ``steps`` steps between
-barriers; the median is reported. The time is each rank's process CPU time per step (the slower rank's):
-this host is shared (load average 4-18 on 2 cores while this was written) and wall times of one step
-varied 3x between repeats, CPU times by a few percent; blocks, collectives and overheads are calibrated
-on the same clock (``clock="cpu"``). Wall-time medians are reported beside them. Memory: resident state plus the
+barriers; the median is reported. The time is the wall time per step of the slower rank, what a user waits
+(issue 32); blocks, collectives and overheads are calibrated on the same clock (``clock="wall"``, the
+strategies' default), and each rank's process CPU time sits beside it as a diagnostic. The third model is a
+Hugging Face ``LlamaForCausalLM`` (GQA) in a plain LightningModule, profiled and block-timed with the
+strategy's own ``profile_module`` / ``time_module_blocks`` on a fresh cache, as ``Trainer(strategy="elixir")``
+does on a first run. Memory: resident state plus the
 highest the step's allocations rise (torch.profiler allocator events), against the predicted device
 peak (on a CPU the host *is* the device: the calibrated profile says ``unified_memory`` and the model counts
 offloaded state in the device peak). DDP is priced as one replicated unit without FSDP2's measured
-overheads (it runs plain tensors). Blocks are re-timed in the run (``refresh=True``), so the prediction
-sees the load the steps see. The plans are priced with a 0%
+overheads (it runs plain tensors). Blocks are re-timed and the device re-calibrated in the run
+(``refresh=True``), so the prediction sees the load the steps see. The plans are priced with a 0%
 fragmentation margin: glibc's allocator has no caching-allocator blocks to fragment; the default
 10% is for CUDA.
 
@@ -45,7 +47,11 @@ from pathlib import Path
 from benchmarks.common import interleave, measure_peak, parser, plot_path, run_two_ranks, write_result
 
 NAME = "cost_model"
-SIZES = {"small": dict(hidden=128, layers=4), "medium": dict(hidden=256, layers=6)}
+SIZES: dict[str, dict] = {"small": dict(hidden=128, layers=4), "medium": dict(hidden=256, layers=6),
+                          # The kind of model users bring: a Hugging Face causal LM (GQA) in a LightningModule,
+                          # profiled and block-timed the way ElixirStrategy does by default (profile_module,
+                          # time_module_blocks on a first run).
+                          "hf-llama": dict(hf=True, hidden=256, layers=4, heads=8, kv_heads=2, intermediate=688)}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -93,7 +99,8 @@ def _pick_others(frontier, chosen, budget):
 def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str, device_type: str = "cpu",
           sizes: dict | None = None) -> None:
     """One rank. ``device_type="cuda"`` (benchmarks/gpu/cost_model.py): NCCL, wall clock with CUDA
-    synchronisation, ``max_memory_allocated`` peaks; ``"cpu"``: gloo, process CPU time, profiler peaks."""
+    synchronisation, ``max_memory_allocated`` peaks; ``"cpu"``: gloo, wall clock (process CPU time recorded beside
+    it as a diagnostic), profiler peaks."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import dataclasses
@@ -107,6 +114,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
     from lightning_elixir.apply import apply_plan
     from tightfit.models import GPTConfig, build_gpt
     from tightfit.planner.elixir import ElixirConstraints, UnitPlan, baseline, estimate, frontier, search
+    from tightfit.planner.errors import PlanInfeasibleError
     from tightfit.profiler import calibrate_device, profile_device, profile_model, time_blocks
     from tightfit.profiler.types import ClusterSpec
 
@@ -116,16 +124,18 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
     else:
         torch.set_num_threads(1)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    clock = "wall" if cuda else "cpu"
+    clock = "wall"  # what a user waits; calibrated on the clock the steps are measured on
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     say = (lambda m: print(f"[cost_model] {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
     from tightfit.distributed import decide_on_rank0
-    from tightfit.profiler.types import DeviceProfile
+    from tightfit.profiler.types import DeviceProfile, ModelProfile
 
     # Every rank must plan from the same numbers: rank 0's device profile for all.
     measured = profile_device(dev, quick=True, progress=rank == 0)  # every rank: collectives measured together
     raw_device = decide_on_rank0(lambda: measured, encode=lambda d: d.to_json(), decode=DeviceProfile.from_json)
-    device = calibrate_device(raw_device, device=dev, quick=True, progress=rank == 0, clock=clock)
+    # refresh=True: the collectives and FSDP2 overheads measured now, under the load the steps see (a cached
+    # calibration, from another time and load on this shared host, priced the run before this one).
+    device = calibrate_device(raw_device, device=dev, quick=True, progress=rank == 0, clock=clock, refresh=True)
     calibrated = ClusterSpec.uniform(device, world)
     uncalibrated = ClusterSpec.uniform(raw_device, world)
     mesh = init_device_mesh(device_type, (world,))
@@ -141,7 +151,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
     kw = dict(precision="32-true", optimizer="adamw")
     steps = 2
     results = {}
-    def one(size: str, shape: dict) -> None:  # a function, so closures bind this size's tensors
+    def gpt_case(size: str, shape: dict):
         cfg = GPTConfig(vocab_size=4096, n_positions=128, heads=4, name=f"gpt-{size}", **shape)
         batch, seq = 4, 128
         g = torch.Generator().manual_seed(rank)
@@ -153,10 +163,75 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
 
         ids = torch.zeros(batch, seq, dtype=torch.long)
         flops_profile = profile_model(build_gpt(cfg, device="meta"), ids, loss_fn=loss_fn)
-        t0 = time.perf_counter()
         profile = time_blocks(build_gpt(cfg, device="meta"), ids, flops_profile, loss_fn=loss_fn, device=dev,
                               repeats=5, warmup=2, clock=clock, refresh=True)  # same load as the steps
-        say(f"{size}: {profile.param_numel / 1e6:.1f} M parameters; blocks timed in {time.perf_counter() - t0:.1f} s")
+
+        def model():
+            torch.manual_seed(0)
+            return build_gpt(cfg, device=dev)
+        config = {"model": "tightfit GPT", "hidden": cfg.hidden, "layers": cfg.layers, "vocab": cfg.vocab_size,
+                  "batch": batch, "seq": seq}
+        return flops_profile, profile, model, (lambda module: loss_fn(module(x))), config
+
+    def hf_case(size: str, shape: dict):
+        """LlamaForCausalLM from a config inside a plain LightningModule, profiled and block-timed as
+        ElixirStrategy does by default (its own profile_module / time_module_blocks, a fresh cache: a first run)."""
+        import tempfile
+
+        import lightning as L
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from lightning_elixir.planning import profile_module, time_module_blocks
+
+        hf = LlamaConfig(vocab_size=4096, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=256)
+        hf._attn_implementation = "sdpa"
+
+        class CausalLM(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = LlamaForCausalLM(hf)
+
+            def forward(self, ids):
+                return self.model(input_ids=ids, labels=ids).loss
+
+            def training_step(self, batch, batch_idx):
+                return self(batch)
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        batch, seq = 4, 128
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=g).to(dev)
+
+        def model():
+            torch.manual_seed(0)
+            return CausalLM().to(dev)
+        probe = model()
+        flops_profile = profile_module(probe, ids)
+        saved = os.environ.get("TIGHTFIT_CACHE_DIR")
+        with tempfile.TemporaryDirectory() as cache:  # the blocks measured now, under the steps' load
+            os.environ["TIGHTFIT_CACHE_DIR"] = cache
+            try:  # as the strategy does: rank 0 times, every rank plans from its profile
+                profile = decide_on_rank0(lambda: time_module_blocks(probe, ids, flops_profile, device=dev),
+                                          encode=lambda p: p.to_json(), decode=ModelProfile.from_json)
+            finally:
+                if saved is None:
+                    os.environ.pop("TIGHTFIT_CACHE_DIR", None)
+                else:
+                    os.environ["TIGHTFIT_CACHE_DIR"] = saved
+        config = {"model": "transformers LlamaForCausalLM in a LightningModule", "hidden": hf.hidden_size,
+                  "layers": hf.num_hidden_layers, "heads": hf.num_attention_heads, "kv_heads": hf.num_key_value_heads,
+                  "vocab": hf.vocab_size, "batch": batch, "seq": seq}
+        return flops_profile, profile, model, (lambda module: module(ids)), config
+
+    def one(size: str, shape: dict) -> None:  # a function, so closures bind this size's tensors
+        t0 = time.perf_counter()
+        flops_profile, profile, model, loss_of, config = (hf_case if shape.get("hf") else gpt_case)(size, shape)
+        say(f"{size}: {profile.param_numel / 1e6:.1f} M parameters; profiled and blocks timed in "
+            f"{time.perf_counter() - t0:.1f} s")
 
         def plans_for(cluster, prof):
             ddp = estimate(prof, plain_cluster(cluster), [UnitPlan(blocks=tuple(b.name for b in prof.blocks),
@@ -166,7 +241,11 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
             for name, base in (("fsdp2 full shard", "zero3"), ("fsdp2 no-reshard", "zero2"),
                                ("fsdp2 + offload", "zero3-offload")):
                 priced[name] = baseline(prof, cluster, base, checkpoint=False, **kw)
-            pick = search(prof, cluster, memory_budget=budget, constraints=cons, **kw)
+            try:
+                pick = search(prof, cluster, memory_budget=budget, constraints=cons, **kw)
+            except PlanInfeasibleError as exc:  # activations and logits dominate: the least memory any plan needs
+                budget = int(exc.needed_bytes * 1.1)
+                pick = search(prof, cluster, memory_budget=budget, constraints=cons, **kw)
             priced["elixir"] = pick
             for i, p in enumerate(_pick_others(frontier(prof, cluster, constraints=cons, **kw), pick, budget)):
                 priced[f"mixed {'ab'[i]}"] = p
@@ -183,15 +262,11 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
                               backward_prefetch=p.backward_prefetch, memory_budget=budget, constraints=cons, **kw)
                for name, p in priced.items()}
 
-        def model():
-            torch.manual_seed(0)
-            return build_gpt(cfg, device=dev)
-
         def trainer_of(module):
             opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
             def step():
-                loss = loss_fn(module(x))
+                loss = loss_of(module)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -206,7 +281,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
             apply_plan(m, dataclasses.replace(p, world_size=world), mesh, device=dev)
             runners[name] = trainer_of(m)
 
-        wall: dict[str, list[float]] = {n: [] for n in runners}
+        cpu_times: dict[str, list[float]] = {n: [] for n in runners}
 
         def timed(name, step):
             def run() -> float:
@@ -216,17 +291,16 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
                     step()
                 if cuda:
                     torch.cuda.synchronize(dev)
-                elapsed = (time.perf_counter() - start if cuda else time.process_time() - cpu) / steps
-                spent = torch.tensor([elapsed], device=dev)
+                spent = torch.tensor([(time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps],
+                                     device=dev, dtype=torch.float64)
                 dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # the slower rank paces the step
-                dist.barrier()
-                wall[name].append((time.perf_counter() - start) / steps)
-                return float(spent.item())
+                cpu_times[name].append(float(spent[1].item()))  # a diagnostic: what the ranks' CPUs spent
+                return float(spent[0].item())  # wall time: what a user waits
             return run
 
         times = interleave({n: timed(n, s) for n, (s, _) in runners.items()}, repeats=repeats, warmup=1,
                            progress=rank == 0)
-        wall = {n: w[-repeats:] for n, w in wall.items()}
+        cpu_times = {n: w[-repeats:] for n, w in cpu_times.items()}
         peaks = {}
         for name, (step, state) in runners.items():
             if cuda:
@@ -241,7 +315,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peaks[name] = int(t.item())
         results[size] = {
-            "params": profile.param_numel, "budget": budget, "times": times, "wall_times": wall,
+            "params": profile.param_numel, "budget": budget, "times": times, "cpu_times": cpu_times,
             "measured_peak": peaks, "load_average": os.getloadavg(), "device": device_type,
             "predicted": {n: {"step_s": p.step_time_s, "peak_bytes": p.peak_bytes, "host_bytes": p.host_bytes_per_rank,
                               "units": len(p.units), "offloaded": len(p.offloaded_units),
@@ -249,8 +323,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str,
                               "modes": sorted({u.mode for u in p.units})} for n, p in priced.items()},
             "uncalibrated_step_s": {n: p.step_time_s for n, p in old.items()},
             "cost_model": priced["elixir"].cost_model, "uncalibrated_cost_model": old["elixir"].cost_model,
-            "config": {"hidden": cfg.hidden, "layers": cfg.layers, "vocab": cfg.vocab_size, "batch": batch,
-                       "seq": seq, "world": world, "steps_per_repeat": steps},
+            "config": {**config, "world": world, "steps_per_repeat": steps},
         }
         del runners
 
@@ -278,7 +351,7 @@ def analyse(res: dict) -> dict:
                       "predicted_s": p["step_s"], "time_err": p["step_s"] / med - 1,
                       "uncalibrated_s": res["uncalibrated_step_s"][name],
                       "uncalibrated_err": res["uncalibrated_step_s"][name] / med - 1,
-                      "wall_s": statistics.median(res["wall_times"][name]),
+                      "cpu_s": statistics.median(res["cpu_times"][name]),
                       "predicted_peak": ppeak, "measured_peak": peaks[name], "peak_err": ppeak / peaks[name] - 1,
                       "fits": p["peak_bytes"] <= budget}
     names = list(rows)
@@ -297,18 +370,19 @@ def analyse(res: dict) -> dict:
 
 def markdown_for(size: str, res: dict, a: dict) -> list[str]:
     cfg = res["config"]
-    lines = [f"**{size}** ({res['params'] / 1e6:.1f} M parameters, hidden {cfg['hidden']}, {cfg['layers']} layers, "
-             f"batch {cfg['batch']}x{cfg['seq']} per rank; budget {res['budget'] / 2**20:.1f} MiB = 60% of DDP's "
-             f"predicted peak). Cost model: {res['cost_model']}.", "",
-             "| contender | plan | measured CPU ms median [min-max] | predicted ms | error | uncalibrated ms (error) "
-             "| wall ms median | measured peak MiB | predicted MiB | error | fits |",
+    lines = [f"**{size}** ({cfg.get('model', 'tightfit GPT')}, {res['params'] / 1e6:.1f} M parameters, hidden "
+             f"{cfg['hidden']}, {cfg['layers']} layers, batch {cfg['batch']}x{cfg['seq']} per rank; budget "
+             f"{res['budget'] / 2**20:.1f} MiB = {res['budget'] / res['predicted']['ddp']['peak_bytes'] * 100:.0f}% of DDP's predicted "
+             f"peak). Cost model: {res['cost_model']}.", "",
+             "| contender | plan | measured wall ms median [min-max] | predicted ms | error | uncalibrated ms (error) "
+             "| CPU ms median (diagnostic) | measured peak MiB | predicted MiB | error | fits |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in a["rows"].items():
         p = res["predicted"][name]
         plan = f"{p['units']} units {'/'.join(p['modes'])}, {p['offloaded']} offl., {p['checkpointed']} ckpt"
         lines.append(f"| {name} | {plan} | {r['measured_s'] * 1e3:.0f} [{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}] "
                      f"| {r['predicted_s'] * 1e3:.0f} | {r['time_err'] * 100:+.0f}% | {r['uncalibrated_s'] * 1e3:.0f} "
-                     f"({r['uncalibrated_err'] * 100:+.0f}%) | {r['wall_s'] * 1e3:.0f} | {r['measured_peak'] / 2**20:.1f} | "
+                     f"({r['uncalibrated_err'] * 100:+.0f}%) | {r['cpu_s'] * 1e3:.0f} | {r['measured_peak'] / 2**20:.1f} | "
                      f"{r['predicted_peak'] / 2**20:.1f} | {r['peak_err'] * 100:+.0f}% | {'yes' if r['fits'] else 'no'} |")
     t = a["targets"]
     lines += ["", f"Spearman rank correlation predicted vs measured: **{a['spearman']:.2f}** (uncalibrated model: "

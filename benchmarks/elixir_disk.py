@@ -468,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     text, head = markdown(stats, exact, params)
     write_result(NAME, title="Elixir with optimizer state and master weights on disk under a hard memory limit vs DeepSpeed ZeRO-Infinity",
                  params=params, results={"headline": head, "stats": stats, "exactness": exact, "runs": runs},
-                 markdown=text, plots=_plot(stats))
+                 markdown=text, plots=_plot(stats),
+                 measures=("benchmarks/_elixir_disk_child.py", "core", "plugins/lightning_elixir"))  # its children
     print(text)
     return 0
 

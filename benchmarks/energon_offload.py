@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     md = _markdown(results, hidden, layers, vocab, new_tokens, threads, repeats)
     print(md)
     write_result(NAME, title=TITLE, params={**params, "commit": _commit()}, results=results, markdown=md,
-                 plots=_plot(results))
+                 plots=_plot(results), measures=("benchmarks/_offload_children.py", "core", "plugins/energon_infer"))
     return 0
 
 

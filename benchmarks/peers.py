@@ -123,9 +123,11 @@ def main():
     # 15.3 ms eager; the compile adds about a minute to start-up, outside every timed run.
     args = EngineArgs(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=False,
                       enable_prefix_caching=spec.get("prefix_caching", True), max_model_len=spec["max_len"],
-                      max_num_seqs=spec.get("max_num_seqs", 256), seed=0)
+                      max_num_seqs=spec.get("max_num_seqs", 256), seed=0,
+                      **({"block_size": spec["block_size"]} if spec.get("block_size") else {}))
     engine = LLMEngine.from_engine_args(args)
-    print("VLLM_READY", flush=True)
+    block = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    print("VLLM_READY " + json.dumps({"block_size": getattr(block, "block_size", None)}), flush=True)
     for n, line in enumerate(sys.stdin):
         if not line.strip():
             break
@@ -146,6 +148,7 @@ class VllmPeer:
 
     def __init__(self, proc: subprocess.Popen, log: Path, tmp: tempfile.TemporaryDirectory):
         self.proc, self.log, self._tmp = proc, log, tmp
+        self.block_size: int | None = None  # the KV block size vLLM's engine runs with, as it reports it
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -157,13 +160,15 @@ class VllmPeer:
 
     @classmethod
     def start(cls, model: Path, *, max_len: int, prefix_caching: bool = True, threads: int = 1,
-              timeout_s: float = 900) -> tuple[VllmPeer | None, str]:
+              timeout_s: float = 900, block_size: int | None = None) -> tuple[VllmPeer | None, str]:
+        """``block_size``: vLLM's KV block size (``None``: its default), to set alike with the other side's."""
         py, why = vllm_python()
         if py is None:
             return None, why
         tmp = tempfile.TemporaryDirectory(prefix="vllm-peer-")
         spec, driver, log = (Path(tmp.name) / n for n in ("spec.json", "driver.py", "vllm.log"))
-        spec.write_text(json.dumps({"model": str(model), "max_len": max_len, "prefix_caching": prefix_caching}))
+        spec.write_text(json.dumps({"model": str(model), "max_len": max_len, "prefix_caching": prefix_caching,
+                                    "block_size": block_size}))
         driver.write_text(_DRIVER)
         env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin",
                "HOME": tmp.name}
@@ -177,9 +182,13 @@ class VllmPeer:
         except RuntimeError as exc:
             peer.close()
             return None, str(exc)
-        if line != "VLLM_READY":
+        if line.split(" ", 1)[0] != "VLLM_READY":
             peer.close()
             return None, f"vLLM did not start: {line!r}"
+        try:
+            peer.block_size = json.loads(line.split(" ", 1)[1]).get("block_size") if " " in line else None
+        except ValueError:
+            peer.block_size = None
         return peer, ""
 
     def _tail(self) -> str:

@@ -207,3 +207,61 @@ def test_figure_checker_catches_drift():
                       set(pools))
     assert [f.text for f in unmatched(drifted, pools)] == ["1.52x", "4.1 s", "90 MiB", "2.0x"]
     assert "README.md:3 [Demo] '1.52x'" in unmatched(drifted, pools)[0].where()
+
+
+def test_every_report_section_measured_the_code_in_this_checkout():
+    """Every section of the committed report (the README's figures are checked against any of them) records the
+    commit it measured, measured committed code, and none of the files it measured changed since: otherwise its
+    figures describe code that is no longer here (tests/helpers/staleness.py)."""
+    from tests.helpers.staleness import check_result, git_root
+
+    repo = git_root(ROOT)
+    if repo is None or repo.resolve() != ROOT.resolve():
+        pytest.skip(f"{ROOT} is not a git checkout: cannot tell which code the results measured")
+    verdicts = [check_result(p, ROOT) for p in sorted((ROOT / "benchmarks" / "results").glob("*.json"))]
+    problems = [v.problem for v in verdicts if v.problem]
+    assert not problems, "benchmark results that no longer describe this checkout:\n" + "\n".join(problems)
+    skipped = [v.skip for v in verdicts if v.skip]
+    if skipped:
+        pytest.skip("; ".join(skipped))
+
+
+def test_staleness_checker_flags_a_result_whose_measured_code_changed(tmp_path):
+    """The checker itself, on a throwaway repository: current when nothing measured changed (even when other files
+    did), stale naming the file once a measured one changes, and a missing commit or a dirty run is flagged."""
+    import json
+
+    from tests.helpers.staleness import check_result, git_root
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert git_root(tmp_path) is None or git_root(tmp_path) != tmp_path
+    git("init", "-q")
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "model.py").write_text("RATE = 1\n")
+    (tmp_path / "core" / "other.py").write_text("X = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "code")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    result = tmp_path / "demo.json"
+
+    def record(**commit):
+        result.write_text(json.dumps({"name": "demo", "commit": commit}))
+        return check_result(result, tmp_path)
+
+    assert record(sha=sha, dirty=False, paths=["core/model.py"]).problem is None
+    (tmp_path / "core" / "other.py").write_text("X = 2\n")  # a file the result did not measure
+    git("commit", "-qam", "unrelated")
+    assert record(sha=sha, dirty=False, paths=["core/model.py"]).problem is None
+    (tmp_path / "core" / "model.py").write_text("RATE = 2\n")
+    git("commit", "-qam", "the measured code changes")
+    verdict = record(sha=sha, dirty=False, paths=["core/model.py"])
+    assert verdict.problem is not None and "demo is stale" in verdict.problem
+    assert "core/model.py" in verdict.problem and "make bench-report ONLY=demo" in verdict.problem
+    assert "other.py" not in verdict.problem
+    assert "records no commit" in (record().problem or "")
+    assert "uncommitted" in (record(sha=sha, dirty=True, paths=["core/model.py"]).problem or "")
+    skipped = record(sha="0" * 40, dirty=False, paths=["core/model.py"])
+    assert skipped.problem is None and skipped.skip and "not in this clone's history" in skipped.skip

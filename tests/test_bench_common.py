@@ -1,0 +1,77 @@
+"""benchmarks/common.py records what a result measured: the project files the benchmark imported (in its own
+process and in the ranks it spawned), its script, and the child scripts it names, so a figure goes stale only
+when code it measured changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(name: str, file: Path | None) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    if file is not None:
+        mod.__file__ = str(file)
+    return mod
+
+
+def test_imported_sources_keeps_the_projects_files_only(tmp_path):
+    from benchmarks.common import imported_sources
+
+    (tmp_path / "core").mkdir()
+    (tmp_path / ".venv" / "lib").mkdir(parents=True)
+    modules = {
+        "a": _module("a", tmp_path / "core" / "units.py"),
+        "b": _module("b", tmp_path / ".venv" / "lib" / "torch.py"),   # an installed package inside the checkout
+        "c": _module("c", tmp_path.parent / "elsewhere.py"),           # outside the checkout
+        "d": _module("d", None),                                       # a built-in: no file
+        "e": _module("e", tmp_path / "benchmarks" / "demo.py"),
+    }
+    assert imported_sources(tmp_path, modules) == ["benchmarks/demo.py", "core/units.py"]
+
+
+def test_measured_paths_add_the_script_the_shared_helpers_and_named_children():
+    from benchmarks.common import measured_paths
+
+    paths = measured_paths("cost_model", measures=("benchmarks/_offload_children.py",))
+    assert {"benchmarks/cost_model.py", "benchmarks/common.py", "benchmarks/_offload_children.py"} <= set(paths)
+    assert "core" not in paths and "plugins" not in paths  # no longer the whole tree by default
+    assert paths == sorted(set(paths))
+
+
+def test_write_result_records_the_modules_the_benchmark_imported(tmp_path):
+    """A benchmark that imports tightfit.units (and nothing of the plugins) records that file, not the plugins."""
+    code = ("import tightfit.units\nfrom benchmarks.common import write_result\n"
+            "write_result('demo_bench', title='t', params={}, results={}, markdown='m', "
+            "measures=('benchmarks/_elixir_disk_child.py',))\n")
+    env = {**os.environ, "TIGHTFIT_BENCH_RESULTS": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    commit = json.loads((tmp_path / "demo_bench.json").read_text())["commit"]
+    paths = commit["paths"]
+    assert "core/units.py" in paths and "core/__init__.py" in paths and "benchmarks/common.py" in paths
+    assert "benchmarks/_elixir_disk_child.py" in paths
+    assert not any(p.startswith("plugins/") for p in paths), paths
+    assert not any(p.startswith(".") for p in paths), paths
+
+
+def _rank(rank, world, port, quick, repeats, out_path):
+    import tightfit.serde  # noqa: F401  (the parent never imports it: only the ranks' sources can name it)
+
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"world": world}))
+
+
+def test_run_two_ranks_adds_what_the_ranks_imported(monkeypatch):
+    import benchmarks.common as common
+
+    monkeypatch.setattr(common, "_CHILD_SOURCES", set())
+    assert common.run_two_ranks(_rank, True, 1) == {"world": 2}
+    assert "core/serde.py" in common._CHILD_SOURCES
+    assert "core/serde.py" in common.measured_paths("demo_bench")
