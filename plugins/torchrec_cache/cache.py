@@ -1,23 +1,21 @@
 """One fused software cache per collection: every table's rows in one key space, hot rows in device slots.
 
 Layout (as FBGEMM's table-batched embeddings do it; :mod:`torchrec_cache.layout`): table ``t`` owns keys
-``[key_start[t], key_start[t] + rows[t])`` and a run of *sets* of ``WAYS`` slots. A key lives only in its
-own set (a hash of the row id picks it), so the id -> slot index is the slots' own key array: no entry
-per table row, device memory proportional to the cache. A table whose rows all fit is direct-mapped and
-stays wholly on the device. Ways beyond a table's planned capacity are disabled, so the per-table split
-of the planner (:mod:`tightfit.planner.cache`) holds exactly. Tables of one embedding dim and dtype share
-one slot tensor (:mod:`torchrec_cache.rows`); the index, the policy and the per-batch work are one for
-the whole collection.
+``[key_start[t], key_start[t] + rows[t])`` and a run of *sets* of ``WAYS`` slots. A key lives only in its own set (a
+hash of the row id picks it), so the id -> slot index is the slots' own key array: no entry per table row, device
+memory proportional to the cache. A table whose rows all fit is direct-mapped and stays wholly on the device. Ways
+beyond a table's planned capacity are disabled, so the per-table split of the planner (:mod:`tightfit.planner.cache`)
+holds exactly. Tables of one embedding dim and dtype share one slot tensor (:mod:`torchrec_cache.rows`); the index,
+the policy and the per-batch work are one for the whole collection.
 
-A batch enters through one of three entry points, all tables at once: :meth:`FusedCache.lookup` (a
-forward: counted, its rows held until the backward), :meth:`FusedCache.prefetch` (a later batch's rows
-loaded ahead and pinned until it runs) and :meth:`FusedCache.enter_window` (a batch entering the
-prefetch window: its cached rows learn when they are used next). They share the stages: settle what
-earlier batches left, dedupe the ids (sort based, fixed sizes), probe the sets, choose slots for the
-misses (:mod:`torchrec_cache.policy`), move the rows, hold them. A lookup reads device values on the
-host twice (:func:`torchrec_cache.sync.read_host`): the batch's sizes, then the keys to load and spill.
-The backward reads none. A batch with more distinct rows in a set than the set can give is not an error:
-those rows are read from host memory for this batch (a logged "spill") and updated there.
+A batch enters through one of three entry points, all tables at once: :meth:`FusedCache.lookup` (a forward: counted,
+its rows held until the backward), :meth:`FusedCache.prefetch` (a later batch's rows loaded ahead and pinned until it
+runs) and :meth:`FusedCache.enter_window` (a batch entering the prefetch window: its cached rows learn when they are
+used next). They share the stages: settle what earlier batches left, dedupe the ids (sort based, fixed sizes), probe
+the sets, choose slots for the misses (:mod:`torchrec_cache.policy`), move the rows, hold them. A lookup reads device
+values on the host twice (:func:`torchrec_cache.sync.read_host`): the batch's sizes, then the keys to load and spill.
+The backward reads none. A batch with more distinct rows in a set than the set can give is not an error: those rows
+are read from host memory for this batch (a logged "spill") and updated there.
 
 Rows a batch reads are held (a per-slot count) until its backward, or in eval until its lookup read
 them, so gradient accumulation and a prefetch thread cannot move them; rows it spilled stay out until then.

@@ -8,12 +8,11 @@ is the device cache's: the frequency sketch ranks rows (TinyLFU admission: an of
 coldest way of its set only when the sketch counts it as used more; a free way takes any row); a row
 that is not admitted, and a dirty row its admission displaces, go to the *outbox*.
 
-Write-back, behind the step: at the start of the next batch (:meth:`HostLevel.issue`) the outbox
-becomes one write job on a background thread (rows sorted by offset, extents read, patched, written
-whole), at most one in flight. A row leaves host memory only once its write is done: until then
-reads find it in the outbox or the job in flight. A failed job (disk full) raises at the next
-:meth:`issue` or :meth:`persist`; its rows go back to the outbox, so nothing is lost and the next call
-retries.
+Write-back, behind the step: at the start of the next batch (:meth:`HostLevel.issue`) the outbox becomes one write job
+on a background thread (rows sorted by offset, extents read, patched, written whole), at most one in flight. A row
+leaves host memory only once its write is done: until then reads find it in the outbox or the job in flight. A failed
+job (disk full) raises at the next :meth:`issue` or :meth:`persist`; its rows go back to the outbox, so nothing is
+lost and the next call retries.
 
 Example:
     >>> import tempfile

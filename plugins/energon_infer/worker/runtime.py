@@ -22,7 +22,6 @@ travel between stages. A step of the engine (:class:`~energon_infer.protocol.Ste
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ import torch.distributed as dist
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig, load_config
 from energon_infer.loading.quantization import (
-    PROJECTIONS,
     QuantizationError,
     QuantSpec,
     check_quantization,
@@ -43,14 +41,18 @@ from energon_infer.loading.quantization import (
     quantized_bytes_per_weight,
 )
 from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
-from energon_infer.parallel import Grid, local_rank_device, microbatches, pack_weights, split_layers
+from energon_infer.parallel import Grid, local_rank_device, microbatches, split_layers
 from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
+from energon_infer.worker.building import build_stage as _build_stage
+from energon_infer.worker.building import extra_eos as _extra_eos
+from energon_infer.worker.building import load_tokenizer as _load_tokenizer
+from energon_infer.worker.building import pack_loaded as _pack_loaded
 from energon_infer.worker.cuda_graphs import decode_graphs_for
 from energon_infer.worker.kv_cache import KVCache, KVCacheFullError
-from energon_infer.worker.model import DecoderStage, check_tp
+from energon_infer.worker.model import check_tp
 from energon_infer.worker.offline import Generation, run_offline
 from energon_infer.worker.runtime_config import DTYPES, RuntimeConfig
 
@@ -68,51 +70,6 @@ class StepResult:
     tokens: list[int]
     logprobs: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
-
-
-def _load_tokenizer(path: Path) -> Any:
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file))
-
-
-def _extra_eos(path: Path) -> tuple[int, ...]:
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return ()
-    eos = json.loads(file.read_text()).get("eos_token_id")
-    return () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-
-
-def _build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype, device: torch.device,
-                 offload: Sequence[int], quantized: bool = False) -> DecoderStage:
-    """The stage with its parameters allocated on ``device``, except the ``offload`` blocks' (left on meta:
-    never allocated, so a model larger than memory can be built) and, when ``quantized``, the block projections'
-    weights (left on meta for :func:`energon_infer.loading.quantization.load_quantized` to fill quantized)."""
-    if not offload and not quantized:
-        return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
-    stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")
-    blocks = list(stage.layers.values())
-    skip = {id(m) for i in offload for m in blocks[i].modules()}
-    later = {id(getattr(b, p)) for b in blocks for p in PROJECTIONS} if quantized else set()
-    for module in stage.modules():
-        if id(module) in skip:
-            continue
-        for name, p in module._parameters.items():
-            if p is not None and not (name == "weight" and id(module) in later):
-                # empty_like keeps the strides (input-major linear weights stay so)
-                module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
-    return stage
-
-
-def _pack_loaded(stage: DecoderStage) -> int:
-    """:func:`pack_weights` for every part of ``stage`` that was loaded (offloaded blocks have nothing to pack)."""
-    loaded = [m for name, m in stage.named_children() if name != "layers"]
-    loaded += [b for b in stage.layers.values() if next(b.parameters()).device.type != "meta"]
-    return sum(pack_weights(m) for m in loaded)
 
 
 class ModelRunner:
