@@ -26,6 +26,19 @@ def _assert_matches(result: dict, ref, steps: int = STEPS) -> None:
         torch.testing.assert_close(torch.from_numpy(result["state"][name]), value, atol=ATOL, rtol=1e-5, msg=name)
 
 
+def _assert_trained_alike(state: dict, ref_state: dict) -> None:
+    """Final weights after a re-plan equal one process's: every element within 5e-5 and all but one in a
+    thousand within ATOL. At width 96 an element of blocks.0.fc.weight with a near-zero gradient ends up to
+    ~2e-5 off on some CPUs (microbatch means round differently from one mean; Adam divides by the small
+    second moment and amplifies it), even with a fixed partition; a layer or its Adam state moved wrongly
+    moves many elements by far more."""
+    for name, value in ref_state.items():
+        diff = (torch.from_numpy(state[name]) - value).abs()
+        loose, off = float(diff.max()), int((diff > ATOL + 1e-5 * value.abs()).sum())
+        assert loose <= 5e-5 and off <= max(1, diff.numel() // 1000), (
+            f"{name}: largest difference {loose:.3g}, {off} of {diff.numel()} elements beyond {ATOL}")
+
+
 def _reference_val(state) -> tuple[float, float]:
     net = make_net()
     net.load_state_dict(state)
@@ -163,8 +176,7 @@ def test_replanning_moves_layers_off_a_slowed_rank():
     step, before, after = r0["replans"][-1]
     assert after[1] < before[1] and r0["counts"][1] < r0["counts"][0]
     # layers and their Adam state moved between ranks, and training stayed exact
-    for name, value in ref[1].items():
-        torch.testing.assert_close(torch.from_numpy(r0["state"][name]), value, atol=ATOL, rtol=1e-5, msg=name)
+    _assert_trained_alike(r0["state"], ref[1])
 
 
 def test_replanning_with_replicas_follows_the_slowest_copy_of_a_stage():
@@ -176,11 +188,9 @@ def test_replanning_with_replicas_follows_the_slowest_copy_of_a_stage():
     assert r2["replans"] == r0["replans"] and r2["counts"] == r0["counts"]
     step, before, after = r0["replans"][-1]
     assert after[1] < before[1] and r0["counts"][1] < r0["counts"][0]
-    # 5e-5: at width 96 one element of blocks.0.fc.weight ends 1.8e-5 off the reference even with a fixed
-    # partition and no re-plan (the mean of two half-batch gradients rounds differently from one mean, and
-    # Adam amplifies it for an element with a near-zero gradient); all other elements agree to < 1e-6
-    for name, value in ref[1].items():
-        torch.testing.assert_close(torch.from_numpy(r0["state"][name]), value, atol=5e-5, rtol=1e-5, msg=name)
+    # the replicas' two half-batch gradient means round like the microbatches' (see _assert_trained_alike)
+    _assert_trained_alike(r0["state"], ref[1])
+    for name in ref[1]:
         assert (r2["state"][name] == r0["state"][name]).all(), name
 
 
