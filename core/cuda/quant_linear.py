@@ -29,8 +29,10 @@ Figures: benchmarks/energon_quant.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,11 +48,19 @@ NATIVE_MAX_ROWS = 32  # rows up to which the native kernel runs (above: dequanti
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # torchao's int4 group sizes
 
 _SOURCE = r"""
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define MAX_THREADS 64
+#define MAX_CHUNKS 256
 
 typedef struct {
     const float *x, *scale, *zero, *bias, *xsum;
@@ -59,9 +69,34 @@ typedef struct {
     int64_t xs, M, N, K, G, n0, n1;
 } job_t;
 
+typedef void (*range_fn)(const job_t *);
+
+/* Settings the tests turn: SIMD on/off (the scalar loops stay the reference of the intrinsics) and the
+   multiply-adds below which a call stays on the calling thread. */
+static int use_simd = 1;
+static int64_t min_work = 262144;
+
+/* Whether the SIMD loops were in use (0 on a build without AVX2); on < 0 only asks. */
+int tf_quant_set_simd(int on) {
+#ifdef __AVX2__
+    const int old = use_simd;
+#else
+    const int old = 0;
+#endif
+    if (on >= 0) use_simd = on;
+    return old;
+}
+
+int64_t tf_quant_set_min_work(int64_t work) {
+    int64_t old = min_work;
+    if (work >= 0) min_work = work;
+    return old;
+}
+
+/* ------------------------------------------------------------------ scalar loops (any CPU, any shape) */
+
 /* int8: y[m, n] = scale[n] * sum_k x[m, k] q[n, k] + bias[n]; four rows share each pass over q[n]. */
-static void *int8_range(void *arg) {
-    const job_t *j = arg;
+static void int8_scalar(const job_t *j) {
     const int8_t *W = j->w;
     const int64_t K = j->K, N = j->N, M = j->M, xs = j->xs;
     for (int64_t n = j->n0; n < j->n1; n++) {
@@ -85,43 +120,19 @@ static void *int8_range(void *arg) {
             j->y[m * N + n] = a0 * s + b;
         }
     }
-    return NULL;
 }
 
 /* int4: W[n, k] = (q - 8) * scale[n, g] + zero[n, g] = q * s + (zero - 8 s), so per group
    y += s * dot(x_g, q_g) + (zero - 8 s) * sum(x_g), with sum(x_g) = xsum[m, g] computed once per call.
    Byte j of a group holds element j (low nibble) and element j + G/2 (high nibble). */
-static void *int4_range(void *arg) {
-    const job_t *j = arg;
+static void int4_scalar(const job_t *j) {
     const uint8_t *W = j->w;
     const int64_t K = j->K, N = j->N, M = j->M, xs = j->xs, G = j->G, H = G / 2, ng = K / G;
     for (int64_t n = j->n0; n < j->n1; n++) {
         const uint8_t *row = W + n * (K / 2);
         const float *sc = j->scale + n * ng, *zc = j->zero + n * ng;
         const float b = j->bias ? j->bias[n] : 0.f;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {
-            const float *x0 = j->x + m * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
-            const float *s0 = j->xsum + m * ng;
-            float y0 = b, y1 = b, y2 = b, y3 = b;
-            for (int64_t g = 0; g < ng; g++) {
-                const uint8_t *p = row + g * H;
-                const int64_t o = g * G;
-                float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-                for (int64_t i = 0; i < H; i++) {
-                    const float lo = (float)(p[i] & 15), hi = (float)(p[i] >> 4);
-                    a0 += x0[o + i] * lo + x0[o + H + i] * hi;
-                    a1 += x1[o + i] * lo + x1[o + H + i] * hi;
-                    a2 += x2[o + i] * lo + x2[o + H + i] * hi;
-                    a3 += x3[o + i] * lo + x3[o + H + i] * hi;
-                }
-                const float s = sc[g], c = zc[g] - 8.f * s;
-                y0 += a0 * s + c * s0[g]; y1 += a1 * s + c * s0[ng + g];
-                y2 += a2 * s + c * s0[2 * ng + g]; y3 += a3 * s + c * s0[3 * ng + g];
-            }
-            j->y[m * N + n] = y0; j->y[(m + 1) * N + n] = y1; j->y[(m + 2) * N + n] = y2; j->y[(m + 3) * N + n] = y3;
-        }
-        for (; m < M; m++) {
+        for (int64_t m = 0; m < M; m++) {
             const float *x0 = j->x + m * xs, *s0 = j->xsum + m * ng;
             float y0 = b;
             for (int64_t g = 0; g < ng; g++) {
@@ -136,41 +147,315 @@ static void *int4_range(void *arg) {
             j->y[m * N + n] = y0;
         }
     }
+}
+
+/* ------------------------------------------------------------------ AVX2 + FMA */
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int8 weights at q -> 8 floats (sign-extend, convert). */
+static inline __m256 i8x8(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+static void int8_avx2(const job_t *j) {
+    const int8_t *W = j->w;
+    const int64_t K = j->K, N = j->N, M = j->M, xs = j->xs;
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const int8_t *q = W + n * K;
+        const float s = j->scale[n], b = j->bias ? j->bias[n] : 0.f;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) { /* four rows: each weight vector feeds four FMAs, two chains per row */
+            const float *x0 = j->x + m * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) {
+                const __m256 w = i8x8(q + k), v = i8x8(q + k + 8);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), w, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k), w, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + k), w, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + k), w, a3);
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), v, c0);
+                c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k + 8), v, c1);
+                c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + k + 8), v, c2);
+                c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + k + 8), v, c3);
+            }
+            float r0 = hsum8(_mm256_add_ps(a0, c0)), r1 = hsum8(_mm256_add_ps(a1, c1));
+            float r2 = hsum8(_mm256_add_ps(a2, c2)), r3 = hsum8(_mm256_add_ps(a3, c3));
+            for (; k < K; k++) {
+                const float w = (float)q[k];
+                r0 += x0[k] * w; r1 += x1[k] * w; r2 += x2[k] * w; r3 += x3[k] * w;
+            }
+            j->y[m * N + n] = r0 * s + b; j->y[(m + 1) * N + n] = r1 * s + b;
+            j->y[(m + 2) * N + n] = r2 * s + b; j->y[(m + 3) * N + n] = r3 * s + b;
+        }
+        for (; m < M; m++) { /* one row: four chains over 32 weights hide the FMA latency */
+            const float *x0 = j->x + m * xs;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            int64_t k = 0;
+            for (; k + 32 <= K; k += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), i8x8(q + k), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), i8x8(q + k + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 16), i8x8(q + k + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 24), i8x8(q + k + 24), a3);
+            }
+            for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), i8x8(q + k), a0);
+            float r = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            for (; k < K; k++) r += x0[k] * (float)q[k];
+            j->y[m * N + n] = r * s + b;
+        }
+    }
+}
+
+/* int4 without shuffles: a 32-byte block of a row's packed weights is eight 32-bit lanes; nibble j of every
+   lane is (v >> 4j) & 15, eight weights in one shift and one mask. Their inputs are not contiguous in x, so
+   each call first permutes x once (M x K floats, shared by every output row) into that order: xp[64 b + 8 j + l]
+   is the input of nibble j of lane l of block b (see permute_x). Needs K % 64 == 0 and G % 64 == 0 (a block
+   within one group) or G == 32 (a block spans two groups: lanes 0-3 and 4-7). */
+/* Nibble j < 7 is read as (v & (15 << 4j)), i.e. q * 16^j: its input carries 16^-j (exact: a power of two). */
+static const float scale_of[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
+
+static void permute_x(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, float *xp) {
+    const int64_t H = G / 2, ng = K / G;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * xs;
+        float *o = xp + m * K;
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t r = 0; r < H; r++) {
+                const int64_t i = g * H + r, base = 64 * (i >> 5), l = (i & 31) >> 2, c = i & 3;
+                o[base + 8 * (2 * c) + l] = xr[g * G + r] * scale_of[2 * c];
+                o[base + 8 * (2 * c + 1) + l] = xr[g * G + H + r] * scale_of[2 * c + 1];
+            }
+    }
+}
+
+#define NIB(v, j)                                                                                   \
+    ((j) == 7 ? _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28))                                        \
+              : _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * ((j) % 7))))))
+
+/* Block scale: one group's scale, or two groups' (lanes 0-3, 4-7) when G == 32. */
+static inline __m256 block_scale(const float *sc, int64_t blk, int64_t bpg) {
+    if (bpg > 0) return _mm256_set1_ps(sc[blk / bpg]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * blk])), _mm_set1_ps(sc[2 * blk + 1]), 1);
+}
+
+static void int4_avx2(const job_t *j) {
+    const uint8_t *W = j->w;
+    const int64_t K = j->K, N = j->N, M = j->M, G = j->G, ng = K / G, nb = K / 64;
+    const int64_t bpg = G / 64, step = bpg > 0 ? bpg : 1; /* blocks per group (0: G == 32) */
+    const float *xp = j->x; /* permuted, rows K apart */
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const uint8_t *row = W + n * (K / 2);
+        const float *sc = j->scale + n * ng, *zc = j->zero + n * ng;
+        const float b = j->bias ? j->bias[n] : 0.f;
+        float e = b;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+            const float *x0 = xp + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+            __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+            for (int64_t blk = 0; blk < nb; blk += step) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+                for (int64_t u = blk; u < blk + step; u++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                    const int64_t o = 64 * u;
+#define ROW4(J, A0, A1, A2, A3)                                                                     \
+    do {                                                                                            \
+        const __m256 w_ = NIB(v, J);                                                                \
+        A0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + o + 8 * (J)), w_, A0);                            \
+        A1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + o + 8 * (J)), w_, A1);                            \
+        A2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + o + 8 * (J)), w_, A2);                            \
+        A3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + o + 8 * (J)), w_, A3);                            \
+    } while (0)
+                    ROW4(0, a0, a1, a2, a3); ROW4(1, c0, c1, c2, c3); ROW4(2, a0, a1, a2, a3); ROW4(3, c0, c1, c2, c3);
+                    ROW4(4, a0, a1, a2, a3); ROW4(5, c0, c1, c2, c3); ROW4(6, a0, a1, a2, a3); ROW4(7, c0, c1, c2, c3);
+#undef ROW4
+                }
+                const __m256 sv = block_scale(sc, blk, bpg);
+                t0 = _mm256_fmadd_ps(sv, _mm256_add_ps(a0, c0), t0);
+                t1 = _mm256_fmadd_ps(sv, _mm256_add_ps(a1, c1), t1);
+                t2 = _mm256_fmadd_ps(sv, _mm256_add_ps(a2, c2), t2);
+                t3 = _mm256_fmadd_ps(sv, _mm256_add_ps(a3, c3), t3);
+            }
+            for (int64_t r = 0; r < 4; r++) {
+                const float *s0 = j->xsum + (m + r) * ng;
+                e = b;
+                for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * s0[g];
+                const __m256 t = r == 0 ? t0 : r == 1 ? t1 : r == 2 ? t2 : t3;
+                j->y[(m + r) * N + n] = hsum8(t) + e;
+            }
+        }
+        for (; m < M; m++) { /* one row: four chains */
+            const float *x0 = xp + m * K, *s0 = j->xsum + m * ng;
+            __m256 t = _mm256_setzero_ps();
+            for (int64_t blk = 0; blk < nb; blk += step) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t u = blk; u < blk + step; u++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 32 * u));
+                    const float *xb = x0 + 64 * u;
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb), NIB(v, 0), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), NIB(v, 1), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), NIB(v, 2), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), NIB(v, 3), a3);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 32), NIB(v, 4), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 40), NIB(v, 5), a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 48), NIB(v, 6), a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 56), NIB(v, 7), a3);
+                }
+                t = _mm256_fmadd_ps(block_scale(sc, blk, bpg), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), t);
+            }
+            e = b;
+            for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * s0[g];
+            j->y[m * N + n] = hsum8(t) + e;
+        }
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------ a persistent pool
+   Workers are started once (per process: a forked child starts its own) and wait for a generation number.
+   A call splits its output features into chunks that the caller and the workers claim from one counter, so a
+   worker that is slow to wake (a busy machine) costs nothing: the caller takes its chunks. After a call a
+   worker spins SPIN_NS for the next one (a decode step calls a few kernels per layer, tens of us apart), then
+   sleeps on a condition variable. */
+#define SPIN_NS 200000
+
+static struct {
+    pthread_mutex_t call, mu;
+    pthread_cond_t cv;
+    pid_t pid;
+    int workers, sleeping;
+    int64_t gen;        /* bumped per call (atomic) */
+    uint64_t next;      /* (generation << 32) | next chunk: claims of a stale generation fail */
+    int64_t done;       /* chunks finished in this call (atomic) */
+    int64_t chunks;
+    range_fn fn;
+    job_t jobs[MAX_CHUNKS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, {{0}}};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and run chunks of generation gen until none is left. */
+static void work(int64_t gen) {
+    for (;;) {
+        uint64_t v = __atomic_load_n(&pool.next, __ATOMIC_ACQUIRE);
+        if ((int64_t)(v >> 32) != (gen & 0xffffffff) || (int64_t)(v & 0xffffffff) >= pool.chunks) return;
+        if (!__atomic_compare_exchange_n(&pool.next, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        pool.fn(&pool.jobs[v & 0xffffffff]);
+        __atomic_add_fetch(&pool.done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    int64_t seen = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE);
+    for (;;) {
+        int64_t gen = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE);
+        if (gen == seen) {
+            const int64_t until = now_ns() + SPIN_NS;
+            for (int i = 1; (gen = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE)) == seen; i++) {
+                relax();
+                if ((i & 63) == 0 && now_ns() > until) break;
+            }
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.mu);
+            __atomic_add_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+            while ((gen = __atomic_load_n(&pool.gen, __ATOMIC_SEQ_CST)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            __atomic_sub_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = gen;
+        work(gen);
+    }
     return NULL;
 }
 
-static int run(void *(*fn)(void *), job_t base, int64_t threads) {
-    /* A thread per ~4M multiply-adds: a thread started per call waits for a core, which on a busy machine costs
-       ms (decode steps of the benchmark model at batch 1 had 16-78 tokens/s with a thread per 150k, interleaved
-       with fp32's steady 89-95); one thread streams a few MB of int8 at memory speed anyway. */
-    const int64_t N = base.N, enough = 1 + base.M * N * base.K / 4000000;
+/* Start workers up to want (once per process); how many there are. */
+static int ensure_workers(int want) {
+    const pid_t pid = getpid();
+    if (pool.pid != pid) { /* first call, or a forked child: the parent's workers do not exist here */
+        pool.pid = pid;
+        pool.workers = 0;
+        pool.sleeping = 0;
+        pthread_mutex_init(&pool.mu, NULL);
+        pthread_cond_init(&pool.cv, NULL);
+    }
+    while (pool.workers < want) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &a, worker, NULL);
+        pthread_attr_destroy(&a);
+        if (rc != 0) break;
+        pool.workers++;
+    }
+    return pool.workers;
+}
+
+static int run(range_fn fn, job_t base, int64_t threads) {
+    /* A second thread pays off from ~min_work multiply-adds (waking a spinning worker takes ~1 us, a sleeping
+       one tens); below that the call stays on the caller. */
+    const int64_t N = base.N, enough = 1 + base.M * N * base.K / (min_work > 0 ? min_work : 1);
     if (threads > enough) threads = enough;
     if (threads > N) threads = N;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads <= 1) {
+    /* One call at a time uses the pool (a second Python thread's call runs on its own thread). */
+    if (threads <= 1 || pthread_mutex_trylock(&pool.call) != 0) {
         fn(&base);
         return 0;
     }
-    job_t jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) {
-        jobs[t] = base;
-        jobs[t].n0 = N * t / threads;
-        jobs[t].n1 = N * (t + 1) / threads;
-        started[t] = t > 0 && pthread_create(&tid[t], NULL, fn, &jobs[t]) == 0;
+    const int have = ensure_workers((int)threads - 1);
+    if (have < 1) {
+        pthread_mutex_unlock(&pool.call);
+        fn(&base);
+        return 0;
     }
-    fn(&jobs[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else fn(&jobs[t]); /* could not start it: do its share here */
+    if (threads > have + 1) threads = have + 1;
+    int64_t chunks = threads * 2; /* a slow worker's share can still be split */
+    if (chunks > N) chunks = N;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
+    for (int64_t c = 0; c < chunks; c++) {
+        pool.jobs[c] = base;
+        pool.jobs[c].n0 = N * c / chunks;
+        pool.jobs[c].n1 = N * (c + 1) / chunks;
     }
+    pool.fn = fn;
+    pool.chunks = chunks;
+    __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
+    const int64_t gen = __atomic_add_fetch(&pool.gen, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&pool.next, (uint64_t)(gen & 0xffffffff) << 32, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleeping, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    work(gen);
+    for (int i = 1; __atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < chunks; i++) {
+        relax();
+        if ((i & 1023) == 0) sched_yield(); /* a worker preempted mid-chunk: let it run */
+    }
+    pthread_mutex_unlock(&pool.call);
     return 0;
 }
 
 /* Dequantise rows [n0, n1) into out (N, K) fp32: the prefill path (many rows) multiplies that with BLAS. */
-static void *dequant_range(void *arg) {
-    const job_t *j = arg;
+static void dequant_range(const job_t *j) {
     const int64_t K = j->K, G = j->G;
     for (int64_t n = j->n0; n < j->n1; n++) {
         float *o = j->y + n * K;
@@ -192,7 +477,6 @@ static void *dequant_range(void *arg) {
             }
         }
     }
-    return NULL;
 }
 
 int tf_dequantize_f32(const void *q, const float *scale, const float *zero, float *out, int64_t N, int64_t K,
@@ -204,14 +488,45 @@ int tf_dequantize_f32(const void *q, const float *scale, const float *zero, floa
 int tf_int8_linear_f32(const float *x, int64_t xs, const int8_t *q, const float *scale, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t threads) {
     job_t j = {x, scale, NULL, bias, NULL, q, y, xs, M, N, K, 0, 0, N};
-    return run(int8_range, j, threads);
+#ifdef __AVX2__
+    if (use_simd) return run(int8_avx2, j, threads);
+#endif
+    return run(int8_scalar, j, threads);
 }
 
+/* xsum[m, g] = sum of row m's inputs in group g, computed here once per call (and, for the SIMD loop, the
+   permuted copy of x). */
 int tf_int4_linear_f32(const float *x, int64_t xs, const uint8_t *q, const float *scale, const float *zero,
-                       const float *bias, const float *xsum, float *y, int64_t M, int64_t N, int64_t K, int64_t G,
-                       int64_t threads) {
+                       const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t threads) {
+    const int64_t ng = K / G;
+    int simd = 0;
+#ifdef __AVX2__
+    simd = use_simd && K % 64 == 0 && (G % 64 == 0 || G == 32);
+#endif
+    const int64_t need = M * ng + (simd ? M * K : 0);
+    float local[16384], *buf = need <= 16384 ? local : malloc(sizeof(float) * need);
+    if (buf == NULL) return -1;
+    float *xsum = buf;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            const float *p = x + m * xs + g * G;
+            float s = 0.f;
+            for (int64_t i = 0; i < G; i++) s += p[i];
+            xsum[m * ng + g] = s;
+        }
     job_t j = {x, scale, zero, bias, xsum, q, y, xs, M, N, K, G, 0, N};
-    return run(int4_range, j, threads);
+    range_fn fn = int4_scalar;
+#ifdef __AVX2__
+    if (simd) {
+        permute_x(x, xs, M, K, G, buf + M * ng);
+        j.x = buf + M * ng;
+        j.xs = K;
+        fn = int4_avx2;
+    }
+#endif
+    run(fn, j, threads);
+    if (buf != local) free(buf);
+    return 0;
 }
 """
 
@@ -222,8 +537,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def _library() -> Any:
     return load_functions("quant_linear", _SOURCE, (
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
-        ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
-        ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I))))
+        ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
+        ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I)),
+        ("tf_quant_set_simd", ctypes.c_int, (ctypes.c_int,)),
+        ("tf_quant_set_min_work", _I, (_I,))))
 
 
 def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
@@ -234,6 +551,24 @@ def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     _library().tf_dequantize_f32(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(),
                                  out.data_ptr(), n, k, 0 if zero is None else group_size, torch.get_num_threads())
     return out
+
+
+@contextlib.contextmanager
+def _native_mode(simd: bool | None = None, min_work: int | None = None) -> Iterator[bool]:
+    """Within: the native kernels' AVX2 loops on or off (``simd``) and the multiply-adds per call below which a
+    call stays on the calling thread (``min_work``; 0 always uses the pool). Yields whether the SIMD loops are
+    in use. For tests, which hold the intrinsics to the scalar loops and run the pool on small shapes."""
+    lib = _library()
+    if lib is None:
+        yield False
+        return
+    old_simd = lib.tf_quant_set_simd(-1 if simd is None else int(simd))
+    old_work = lib.tf_quant_set_min_work(-1 if min_work is None else min_work)
+    try:
+        yield lib.tf_quant_set_simd(-1) == 1
+    finally:
+        lib.tf_quant_set_simd(1 if old_simd else 0)
+        lib.tf_quant_set_min_work(old_work)
 
 
 def _native_error() -> str:
@@ -350,11 +685,11 @@ def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
         return F.linear(x, _dequantize_native(packed, scale, zero, group_size), bias)
     n, k = packed.shape[0], packed.shape[1] * 2
     m = x.shape[0]
-    xsum = x.reshape(m, k // group_size, group_size).sum(-1).contiguous()
     y = torch.empty((m, n), dtype=torch.float32)
-    _library().tf_int4_linear_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(),
-                                  bias.data_ptr() if bias is not None else None, xsum.data_ptr(), y.data_ptr(),
-                                  m, n, k, group_size, torch.get_num_threads())
+    if _library().tf_int4_linear_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                     m, n, k, group_size, torch.get_num_threads()) != 0:
+        raise MemoryError(f"int4_linear: no memory for the {m} x {k // group_size} group sums")
     return y
 
 

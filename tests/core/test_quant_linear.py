@@ -5,13 +5,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tightfit.cuda import quant_linear
+from tightfit.cuda.native import native_error
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
+    _native_mode,
     dequantize_int4,
     int4_linear,
     int8_linear,
@@ -110,3 +115,96 @@ def test_bad_shapes_are_refused_in_one_line():
     p = torch.zeros(8, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"even group_size dividing 64"):
         int4_linear(torch.zeros(2, 64), p, torch.ones(8, 1), torch.ones(8, 1), 48)
+
+
+# --------------------------------------------------------------------------- the SIMD loops and the thread pool
+
+
+def _both_paths(fn, threads: int):
+    """``fn()`` with the AVX2 loops and with the scalar loops, at ``threads`` threads, every call on the pool."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _native_mode(simd=True, min_work=0) as simd:
+            fast = fn()
+        with _native_mode(simd=False, min_work=0):
+            scalar = fn()
+    finally:
+        torch.set_num_threads(old)
+    return fast, scalar, simd
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize("k", [8, 40, 96, 777])  # tails after 32- and 16-wide steps, and no whole step at all
+def test_int8_simd_and_scalar_equal_the_reference(threads, rows, k):
+    gen = torch.Generator().manual_seed(rows * k + threads)
+    n = 23
+    q, s = _int8(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    want = int8_linear(x, q, s, b, backend="reference")
+    fast, scalar, _ = _both_paths(lambda: int8_linear(x, q, s, b, backend="native"), threads)
+    torch.testing.assert_close(fast, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scalar, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 4, 5, 11])
+@pytest.mark.parametrize(("k", "group"), [(256, 32), (96, 32), (256, 64), (384, 128), (512, 256), (48, 8), (60, 6)])
+def test_int4_simd_and_scalar_equal_the_reference(threads, rows, k, group):
+    """Groups of 32 with an even and an odd number of groups (the SIMD loop needs K % 64 == 0), whole blocks per
+    group (64-256), and groups the SIMD loop does not take (8, 6: the scalar loop either way)."""
+    gen = torch.Generator().manual_seed(rows * k + group + threads)
+    n = 19
+    p, s, z = _int4(n, k, group, gen)
+    b = torch.randn(n, generator=gen)
+    wide = torch.randn(rows, k + 5, generator=gen)
+    x = wide[:, 3:3 + k]  # rows apart by more than k: the permuted copy must follow the stride
+    want = int4_linear(x.contiguous(), p, s, z, group, b, backend="reference")
+    fast, scalar, _ = _both_paths(lambda: int4_linear(x, p, s, z, group, b, backend="native"), threads)
+    torch.testing.assert_close(fast, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scalar, want, atol=1e-4, rtol=1e-4)
+
+
+def test_simd_loops_run_where_the_cpu_has_avx2():
+    """The SIMD switch reports the AVX2 loops in use exactly where this CPU has AVX2 and FMA (the build uses
+    -march=native), so the tests above compared two different loops there."""
+    flags = ""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if native_error("quant_linear") or quant_linear._library() is None:
+        pytest.skip("native library not built here")
+    with _native_mode(simd=True) as simd:
+        assert simd == ("avx2" in flags.split() and "fma" in flags.split())
+    with _native_mode(simd=False) as simd:
+        assert not simd
+
+
+def test_pool_serves_many_calls_and_a_forked_child():
+    """The persistent pool gives the same results call after call (every call on it: min_work 0), and a child
+    forked after the pool started (whose workers did not survive the fork) starts its own instead of waiting."""
+    gen = torch.Generator().manual_seed(7)
+    p, s, z = _int4(301, 256, 64, gen)
+    x = torch.randn(2, 256, generator=gen)
+    want = int4_linear(x, p, s, z, 64, backend="reference")
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _native_mode(min_work=0):
+            for _ in range(200):
+                torch.testing.assert_close(int4_linear(x, p, s, z, 64, backend="native"), want, atol=1e-4, rtol=1e-4)
+            ctx = multiprocessing.get_context("fork")
+            with ctx.Pool(1) as pool:
+                got = pool.apply(_child_int4, (x, p, s, z))
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _child_int4(x, p, s, z):
+    torch.set_num_threads(2)
+    with _native_mode(min_work=0):
+        return int4_linear(x, p, s, z, 64, backend="native")
