@@ -253,17 +253,18 @@ static inline __m256 block_scale(const float *sc, int64_t blk, int64_t bpg) {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * blk])), _mm_set1_ps(sc[2 * blk + 1]), 1);
 }
 
-static void int4_avx2(const job_t *j) {
+/* Rows [m0, M) of output features [n0, n1). */
+static void int4_rows(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
     const uint8_t *W = j->w;
     const int64_t K = j->K, N = j->N, M = j->M, G = j->G, ng = K / G, nb = K / 64;
     const int64_t bpg = G / 64, step = bpg > 0 ? bpg : 1; /* blocks per group (0: G == 32) */
     const float *xp = j->x; /* permuted, rows K apart */
-    for (int64_t n = j->n0; n < j->n1; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * (K / 2);
         const float *sc = j->scale + n * ng, *zc = j->zero + n * ng;
         const float b = j->bias ? j->bias[n] : 0.f;
         float e = b;
-        int64_t m = 0;
+        int64_t m = m0;
         for (; m + 4 <= M; m += 4) {
             const float *x0 = xp + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
             __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
@@ -322,6 +323,64 @@ static void int4_avx2(const job_t *j) {
             j->y[m * N + n] = hsum8(t) + e;
         }
     }
+}
+
+/* Output features n and n + 1, rows [0, M4) four at a time: each input vector feeds two FMAs and each weight
+   vector four. The group's scale multiplies the weights (once per vector, for four rows), so the eight
+   accumulators run over the whole row without per-group partial sums. */
+static void int4_pair(const job_t *j, int64_t n, int64_t M4) {
+    const int64_t K = j->K, N = j->N, G = j->G, ng = K / G, nb = K / 64;
+    const int64_t bpg = G / 64, step = bpg > 0 ? bpg : 1;
+    const uint8_t *r0 = (const uint8_t *)j->w + n * (K / 2), *r1 = r0 + K / 2;
+    const float *sc0 = j->scale + n * ng, *sc1 = sc0 + ng, *zc0 = j->zero + n * ng, *zc1 = zc0 + ng;
+    const float b0 = j->bias ? j->bias[n] : 0.f, b1 = j->bias ? j->bias[n + 1] : 0.f;
+    for (int64_t m = 0; m < M4; m += 4) {
+        const float *x0 = j->x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int64_t blk = 0; blk < nb; blk += step) {
+            const __m256 s0 = block_scale(sc0, blk, bpg), s1 = block_scale(sc1, blk, bpg);
+            for (int64_t u = blk; u < blk + step; u++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(r0 + 32 * u));
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(r1 + 32 * u));
+                const int64_t o = 64 * u;
+#define PAIR(J)                                                                                     \
+    do {                                                                                            \
+        const __m256 p_ = _mm256_mul_ps(NIB(v, J), s0), q_ = _mm256_mul_ps(NIB(w, J), s1);          \
+        __m256 x_ = _mm256_loadu_ps(x0 + o + 8 * (J));                                              \
+        a0 = _mm256_fmadd_ps(x_, p_, a0); c0 = _mm256_fmadd_ps(x_, q_, c0);                         \
+        x_ = _mm256_loadu_ps(x1 + o + 8 * (J));                                                     \
+        a1 = _mm256_fmadd_ps(x_, p_, a1); c1 = _mm256_fmadd_ps(x_, q_, c1);                         \
+        x_ = _mm256_loadu_ps(x2 + o + 8 * (J));                                                     \
+        a2 = _mm256_fmadd_ps(x_, p_, a2); c2 = _mm256_fmadd_ps(x_, q_, c2);                         \
+        x_ = _mm256_loadu_ps(x3 + o + 8 * (J));                                                     \
+        a3 = _mm256_fmadd_ps(x_, p_, a3); c3 = _mm256_fmadd_ps(x_, q_, c3);                         \
+    } while (0)
+                PAIR(0); PAIR(1); PAIR(2); PAIR(3); PAIR(4); PAIR(5); PAIR(6); PAIR(7);
+#undef PAIR
+            }
+        }
+        const __m256 t0[4] = {a0, a1, a2, a3}, t1[4] = {c0, c1, c2, c3};
+        for (int64_t r = 0; r < 4; r++) {
+            const float *xs = j->xsum + (m + r) * ng;
+            float e0 = b0, e1 = b1;
+            for (int64_t g = 0; g < ng; g++) {
+                e0 += (zc0[g] - 8.f * sc0[g]) * xs[g];
+                e1 += (zc1[g] - 8.f * sc1[g]) * xs[g];
+            }
+            j->y[(m + r) * N + n] = hsum8(t0[r]) + e0;
+            j->y[(m + r) * N + n + 1] = hsum8(t1[r]) + e1;
+        }
+    }
+}
+
+static void int4_avx2(const job_t *j) {
+    int64_t n = j->n0;
+    const int64_t M4 = j->M / 4 * 4;
+    if (M4 > 0) {
+        for (; n + 2 <= j->n1; n += 2) int4_pair(j, n, M4);
+        int4_rows(j, j->n0, n, M4); /* the paired features' last M % 4 rows */
+    }
+    int4_rows(j, n, j->n1, 0);
 }
 #endif
 
