@@ -172,13 +172,14 @@ static inline __m256 i8x8(const int8_t *q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
 
-static void int8_avx2(const job_t *j) {
+/* Rows [m0, M) of output features [n0, n1). */
+static void int8_rows(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
     const int8_t *W = j->w;
     const int64_t K = j->K, N = j->N, M = j->M, xs = j->xs;
-    for (int64_t n = j->n0; n < j->n1; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         const int8_t *q = W + n * K;
         const float s = j->scale[n], b = j->bias ? j->bias[n] : 0.f;
-        int64_t m = 0;
+        int64_t m = m0;
         for (; m + 4 <= M; m += 4) { /* four rows: each weight vector feeds four FMAs, two chains per row */
             const float *x0 = j->x + m * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
@@ -219,6 +220,51 @@ static void int8_avx2(const job_t *j) {
             j->y[m * N + n] = r * s + b;
         }
     }
+}
+
+/* Output features n and n + 1, rows [0, M4) four at a time (each input vector feeds two FMAs, each weight
+   vector four); K % 8 tails in scalar. */
+static void int8_pair(const job_t *j, int64_t n, int64_t M4) {
+    const int64_t K = j->K, N = j->N, xs = j->xs, K8 = K / 8 * 8;
+    const int8_t *q0 = (const int8_t *)j->w + n * K, *q1 = q0 + K;
+    const float s0 = j->scale[n], s1 = j->scale[n + 1];
+    const float b0 = j->bias ? j->bias[n] : 0.f, b1 = j->bias ? j->bias[n + 1] : 0.f;
+    for (int64_t m = 0; m < M4; m += 4) {
+        const float *x0 = j->x + m * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int64_t k = 0; k < K8; k += 8) {
+            const __m256 p = i8x8(q0 + k), r = i8x8(q1 + k);
+            __m256 x = _mm256_loadu_ps(x0 + k);
+            a0 = _mm256_fmadd_ps(x, p, a0); c0 = _mm256_fmadd_ps(x, r, c0);
+            x = _mm256_loadu_ps(x1 + k);
+            a1 = _mm256_fmadd_ps(x, p, a1); c1 = _mm256_fmadd_ps(x, r, c1);
+            x = _mm256_loadu_ps(x2 + k);
+            a2 = _mm256_fmadd_ps(x, p, a2); c2 = _mm256_fmadd_ps(x, r, c2);
+            x = _mm256_loadu_ps(x3 + k);
+            a3 = _mm256_fmadd_ps(x, p, a3); c3 = _mm256_fmadd_ps(x, r, c3);
+        }
+        const __m256 t0[4] = {a0, a1, a2, a3}, t1[4] = {c0, c1, c2, c3};
+        for (int64_t i = 0; i < 4; i++) {
+            const float *xr = j->x + (m + i) * xs;
+            float e0 = hsum8(t0[i]), e1 = hsum8(t1[i]);
+            for (int64_t k = K8; k < K; k++) {
+                e0 += xr[k] * (float)q0[k];
+                e1 += xr[k] * (float)q1[k];
+            }
+            j->y[(m + i) * N + n] = e0 * s0 + b0;
+            j->y[(m + i) * N + n + 1] = e1 * s1 + b1;
+        }
+    }
+}
+
+static void int8_avx2(const job_t *j) {
+    int64_t n = j->n0;
+    const int64_t M4 = j->M / 4 * 4;
+    if (M4 > 0) {
+        for (; n + 2 <= j->n1; n += 2) int8_pair(j, n, M4);
+        int8_rows(j, j->n0, n, M4); /* the paired features' last M % 4 rows */
+    }
+    int8_rows(j, n, j->n1, 0);
 }
 
 /* int4 without shuffles: a 32-byte block of a row's packed weights is eight 32-bit lanes; nibble j of every
