@@ -28,8 +28,10 @@ loops, which stay as the SIMD loops' reference in the tests. The output features
 ``torch.get_num_threads()`` threads of a pool started once per process (again in a forked child): a call's
 chunks are claimed from one counter, so a worker slow to wake on a busy machine costs only its own wake-up
 (the caller takes its chunks); between calls workers sleep. Calls under ~256k
-multiply-adds stay on the caller. At batch 1 on the benchmark's model (2 cores) this took int4 from 1.25x
-to 2.28x fp32's decode tokens/s and int8 from 1.58x to 2.24x; int4's projections (21 MB) and the fp32 head
+multiply-adds stay on the caller. From four rows on, each pass takes two output features by four rows (every
+input vector feeds two FMAs, every weight vector four). At batch 1 on the benchmark's model (2 cores) this took
+int4 from 1.25x to 2.39x fp32's decode tokens/s and int8 from 1.58x to 2.32x (at batch 32 both are still below
+fp32's BLAS: int8 0.95x, int4 0.79x); int4's projections (21 MB) and the fp32 head
 (12.6 MB) nearly fit this CPU's 32 MB L3, fp32's 150 MB do not. It runs for fp32 inputs of up to
 :data:`NATIVE_MAX_ROWS` rows; above that (prefill) the native backend dequantises the weight in C (all threads)
 and multiplies with BLAS, whose blocked matmul wins once the weight's bytes are amortised over many rows (the
