@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 
 import pytest
@@ -208,3 +209,24 @@ def _child_int4(x, p, s, z):
     torch.set_num_threads(2)
     with _native_mode(min_work=0):
         return int4_linear(x, p, s, z, 64, backend="native")
+
+
+def test_concurrent_callers_share_the_pool():
+    """Python threads calling at once (ctypes releases the GIL): one uses the pool, the others run on their own
+    thread; every result is right."""
+    gen = torch.Generator().manual_seed(8)
+    q, s = _int8(257, 192, gen)
+    p, s4, z4 = _int4(257, 192, 32, gen)
+    xs = [torch.randn(1 + i % 5, 192, generator=gen) for i in range(8)]
+    want8 = [int8_linear(x, q, s, backend="reference") for x in xs]
+    want4 = [int4_linear(x, p, s4, z4, 32, backend="reference") for x in xs]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _native_mode(min_work=0), concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got8 = list(ex.map(lambda x: [int8_linear(x, q, s, backend="native") for _ in range(50)][-1], xs))
+            got4 = list(ex.map(lambda x: [int4_linear(x, p, s4, z4, 32, backend="native") for _ in range(50)][-1], xs))
+    finally:
+        torch.set_num_threads(old)
+    for g, w in zip(got8 + got4, want8 + want4):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
