@@ -225,12 +225,22 @@ def test_serve_cli_refuses_a_bad_group_size_in_one_line(wide_dirs):
     assert len(errors) == 1 and "does not divide the 96 inputs" in errors[0]
 
 
-def test_disk_tier_with_quantization_is_refused(wide_dirs):
+@pytest.mark.parametrize("method,group", SPECS)
+def test_offloaded_blocks_stay_on_meta_with_their_quantized_shapes(wide_dirs, method, group):
+    """A block the disk tier streams is not loaded, but has the quantized tensors' shapes (on meta) and bytes."""
     from energon_infer import ModelRunner
-    from energon_infer.loading.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantSpec, quantize_weight
 
-    with pytest.raises(QuantizationError, match=r"quantization='int8' with 1 layer\(s\) streamed from disk"):
-        ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization="int8", offload=[1])
+    loaded = ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization=method, group_size=group)
+    runner = ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization=method, group_size=group,
+                                         offload=[1])
+    block, ref = runner.stage.layers["1"], loaded.stage.layers["1"]
+    assert all(p.device.type == "meta" for p in block.parameters())
+    assert [(n, p.shape, p.dtype) for n, p in block.named_parameters()] == [
+        (n, p.shape, p.dtype) for n, p in ref.named_parameters()]
+    assert runner.layer_bytes() == loaded.layer_bytes()
+    q = quantize_weight(torch.randn(ref.qkv.qweight.shape[0], 64), QuantSpec(method=method, group_size=group))
+    assert block.qkv.qweight.shape == q["qweight"].shape and block.qkv.qscale.shape == q["scale"].shape
 
 
 # Bounds on the trained fixture (tests/energon_infer/fixtures/trained_llama, 2 blocks, hidden 128), 16 prompts of 8
@@ -251,12 +261,3 @@ def test_quality_on_the_trained_fixture(method, group):
     assert q["positions"] == 16 * 24
     assert q["kl"] <= kl_bound and q["agreement"] >= agree_bound and q["greedy_match"] >= agree_bound - 0.05, q
     assert len(q["per_layer_kl"]) == 2 and all(0 < k <= kl_bound for k in q["per_layer_kl"]), q
-
-
-def test_memory_pool_with_quantization_is_refused(wide_dirs):
-    from energon_infer import Engine
-    from energon_infer.loading.quantization import QuantizationError
-
-    with pytest.raises(QuantizationError, match=r"^quantization='int4' with a memory_pool: the memory pool and the "
-                                                r"disk tier move full-precision layers"):
-        Engine.from_pretrained(wide_dirs["llama"], quantization="int4", group_size=32, memory_pool=0.5)
