@@ -340,7 +340,8 @@ def _layer_values(runner: Any, reader: CheckpointReader, index: int, layer: Byte
         prefix = f"layers.{index}." + (f"{names[id(module)]}." if names[id(module)] else "")
         if pname in _COMPONENTS:  # a quantized projection: quantize its weight once, take each tensor
             if prefix not in quantized:
-                n, k = module.qweight.shape[0], module.qweight.shape[1] * (2 if spec.method == "int4" else 1)
+                rows, cols = module._parameters["qweight"].shape  # type: ignore[union-attr]
+                n, k = int(rows), int(cols) * (2 if spec.method == "int4" else 1)  # int4: two inputs a byte
                 quantized[prefix] = quantize_weight(build(prefix + "weight", (n, k)), spec)
             values.append(quantized[prefix][_COMPONENTS[pname]])
         else:
