@@ -261,3 +261,18 @@ def test_quality_on_the_trained_fixture(method, group):
     assert q["positions"] == 16 * 24
     assert q["kl"] <= kl_bound and q["agreement"] >= agree_bound and q["greedy_match"] >= agree_bound - 0.05, q
     assert len(q["per_layer_kl"]) == 2 and all(0 < k <= kl_bound for k in q["per_layer_kl"]), q
+
+
+@pytest.mark.parametrize("method,group", SPECS)
+def test_quantizing_rows_at_a_time_gives_the_values_of_all_at_once(method, group):
+    """Loading quantizes a weight a block of rows at a time (bounded temporaries): a row's scale and zero point
+    depend on that row only, so the result is bitwise torchao's on the whole tensor."""
+    from energon_infer.loading.quantization import QuantSpec, quantize_weight
+
+    spec = QuantSpec(method=method, group_size=group)
+    w = torch.randn(1100, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 4, 1100)[:, None]
+    whole = quantize_weight(w, spec, rows=w.shape[0])
+    parts = quantize_weight(w, spec, rows=256)
+    assert whole.keys() == parts.keys()
+    for k in whole:
+        assert torch.equal(whole[k], parts[k]), k
