@@ -156,9 +156,9 @@ def check_quantization(cfg: ModelConfig, spec: QuantSpec | None, *, tp: int, dty
                 f"{cfg.model_type} model (per rank at tp={tp}); int4 groups must tile each rank's input width: {hint}")
 
 
-# Rows quantized at once. torchao's quantizers make several temporaries the size of their input (fp32 / int32
-# copies): one 3584 x 9536 projection at once took ~0.5 GiB beyond its own 137 MB, enough for a 1.25 GiB cgroup to
-# kill the loading worker; a row's scale and zero depend on that row only, so the result is the same.
+# Rows quantized at once. torchao's quantizers make temporaries the size of their input (fp32 / int32 copies):
+# whole 3584 x 9536 projections (137 MB each) had a 1.25 GiB cgroup kill the loading worker
+# (benchmarks/_quant_disk.py); a row's scale and zero depend on that row only, so the result is the same.
 QUANTIZE_ROWS = 512
 
 
