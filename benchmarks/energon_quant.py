@@ -13,6 +13,8 @@
 3. Time to first token: a fresh 256-token prompt, prefill alone.
 4. Quality on the trained fixture (tests/energon_infer/fixtures/trained_llama): logit KL, argmax agreement and
    greedy match against fp32 (:mod:`energon_infer.worker.quantization_quality`).
+5. With the disk tier under a hard memory cap (cgroup): the largest model each format serves, and its tokens/s
+   (benchmarks/_quant_disk.py; ``--no-disk`` leaves it out).
 
 The speed model is a random LLaMA-architecture checkpoint (heads of 128, 2 key/value heads, fp32), large enough
 that a decode step is bound by the weight bytes it reads, not by per-op overhead. All threads the process has, on
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = parser(__doc__ or TITLE)
     p.add_argument("--no-llama", action="store_true", help="leave the llama.cpp columns out")
+    p.add_argument("--no-disk", action="store_true", help="leave the disk tier under a memory cap out")
     args = p.parse_args(argv)
     quick = args.quick
     repeats = args.repeats or (5 if quick else 7)
@@ -219,9 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     ttft = interleave({n: (lambda r=r: _ttft(r, _prompts(1, 256, vocab, gen)[0])) for n, r in runners.items()},
                       repeats=repeats)
     quality = quality_case(quick)
+    from benchmarks._quant_disk import disk_case
+    from benchmarks._quant_disk import markdown as disk_markdown
+
+    disk = {"skipped": "left out (--no-disk)"} if args.no_disk else disk_case(quick)
     results = {"weight_bytes": bytes_, "projection_bytes": proj, "llama_gguf_bytes": llama_bytes,
                "llama_note": llama_note, "decode": decode, "ttft_s": ttft,
-               "ttft": {k: summarize(v) for k, v in ttft.items()}, "quality": quality}
+               "ttft": {k: summarize(v) for k, v in ttft.items()}, "quality": quality, "disk_tier": disk}
     med = {d["batch"]: {k: v["median"] for k, v in d["summary"].items()} for d in decode}
     results["ratios"] = {
         "int4_bytes_vs_fp32": bytes_["int4"] / bytes_["fp32"], "int8_bytes_vs_fp32": bytes_["int8"] / bytes_["fp32"],
@@ -231,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
            if BITS[q] in med[b]},
     }
     md = _markdown(results, hidden=hidden, layers=layers, vocab=vocab, threads=threads, repeats=repeats,
-                   new_tokens=new_tokens)
+                   new_tokens=new_tokens) + "\n\n" + disk_markdown(disk)
     write_result(NAME, title=TITLE, params={"quick": quick, "repeats": repeats, "hidden": hidden, "layers": layers,
                                             "vocab": vocab, "new_tokens": new_tokens, "batches": list(batches),
                                             "threads": threads, "int4_group_size": SPECS["int4"][1]},
-                 results=results, markdown=md)
+                 results=results, markdown=md, measures=("benchmarks/_offload_children.py",))
     print(md)
     return 0
 

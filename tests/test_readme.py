@@ -26,6 +26,7 @@ ELSEWHERE = {
     "### EnergonAI inference runtime": "tests/energon_infer/test_readme.py",
     "### EnergonAI serving": "tests/energon_infer/test_engine_readme.py",
     "### Serving beyond memory": "tests/energon_infer/test_disk_pool.py",
+    "### Quantized weights beyond memory": "tests/energon_infer/test_quantized_pool.py",
 }
 
 

@@ -225,12 +225,22 @@ def test_serve_cli_refuses_a_bad_group_size_in_one_line(wide_dirs):
     assert len(errors) == 1 and "does not divide the 96 inputs" in errors[0]
 
 
-def test_disk_tier_with_quantization_is_refused(wide_dirs):
+@pytest.mark.parametrize("method,group", SPECS)
+def test_offloaded_blocks_stay_on_meta_with_their_quantized_shapes(wide_dirs, method, group):
+    """A block the disk tier streams is not loaded, but has the quantized tensors' shapes (on meta) and bytes."""
     from energon_infer import ModelRunner
-    from energon_infer.loading.quantization import QuantizationError
+    from energon_infer.loading.quantization import QuantSpec, quantize_weight
 
-    with pytest.raises(QuantizationError, match=r"quantization='int8' with 1 layer\(s\) streamed from disk"):
-        ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization="int8", offload=[1])
+    loaded = ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization=method, group_size=group)
+    runner = ModelRunner.from_pretrained(wide_dirs["llama"], progress=False, quantization=method, group_size=group,
+                                         offload=[1])
+    block, ref = runner.stage.layers["1"], loaded.stage.layers["1"]
+    assert all(p.device.type == "meta" for p in block.parameters())
+    assert [(n, p.shape, p.dtype) for n, p in block.named_parameters()] == [
+        (n, p.shape, p.dtype) for n, p in ref.named_parameters()]
+    assert runner.layer_bytes() == loaded.layer_bytes()
+    q = quantize_weight(torch.randn(ref.qkv.qweight.shape[0], 64), QuantSpec(method=method, group_size=group))
+    assert block.qkv.qweight.shape == q["qweight"].shape and block.qkv.qscale.shape == q["scale"].shape
 
 
 # Bounds on the trained fixture (tests/energon_infer/fixtures/trained_llama, 2 blocks, hidden 128), 16 prompts of 8
@@ -253,10 +263,16 @@ def test_quality_on_the_trained_fixture(method, group):
     assert len(q["per_layer_kl"]) == 2 and all(0 < k <= kl_bound for k in q["per_layer_kl"]), q
 
 
-def test_memory_pool_with_quantization_is_refused(wide_dirs):
-    from energon_infer import Engine
-    from energon_infer.loading.quantization import QuantizationError
+@pytest.mark.parametrize("method,group", SPECS)
+def test_quantizing_rows_at_a_time_gives_the_values_of_all_at_once(method, group):
+    """Loading quantizes a weight a block of rows at a time (bounded temporaries): a row's scale and zero point
+    depend on that row only, so the result is bitwise torchao's on the whole tensor."""
+    from energon_infer.loading.quantization import QuantSpec, quantize_weight
 
-    with pytest.raises(QuantizationError, match=r"^quantization='int4' with a memory_pool: the memory pool and the "
-                                                r"disk tier move full-precision layers"):
-        Engine.from_pretrained(wide_dirs["llama"], quantization="int4", group_size=32, memory_pool=0.5)
+    spec = QuantSpec(method=method, group_size=group)
+    w = torch.randn(1100, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 4, 1100)[:, None]
+    whole = quantize_weight(w, spec, rows=w.shape[0])
+    parts = quantize_weight(w, spec, rows=256)
+    assert whole.keys() == parts.keys()
+    for k in whole:
+        assert torch.equal(whole[k], parts[k]), k

@@ -131,12 +131,6 @@ class Engine:
         self.config = config or EngineConfig()
         self.runtime: RuntimeConfig = self.config.runtime
         self.memory_pool = _pool_config(memory_pool)
-        if self.memory_pool is not None and self.runtime.quantization is not None:
-            from energon_infer.loading.quantization import QuantizationError
-
-            raise QuantizationError(
-                f"quantization={self.runtime.quantization!r} with a memory_pool: the memory pool and "
-                "the disk tier move full-precision layers and cannot hold quantized ones yet; drop one of the two")
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
         self.default_params = _default_params(source)

@@ -42,11 +42,13 @@ def check_tiered_plan(path: str, runtime: Any, pool: Any) -> list[PoolPlan]:
     import torch
 
     from energon_infer.loading.config import load_config
+    from energon_infer.loading.quantization import QuantSpec
     from energon_infer.worker.disk_pool import plan_tiers
 
     device = runtime.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return plan_tiers(path, load_config(path), tp=runtime.tp, pp=runtime.pp, dtype=runtime.dtype,
-                      device_type=str(device).split(":")[0], config=pool)
+                      device_type=str(device).split(":")[0], config=pool,
+                      quant=QuantSpec.create(runtime.quantization, runtime.group_size))
 
 
 def _rank_entry(info: WorkerInfo, stats: dict[str, Any]) -> tuple[dict[str, Any], PoolPlan | None]:

@@ -23,7 +23,7 @@ torchao is imported only here, only when quantization is asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,7 @@ from tightfit.cuda.quant_linear import INT4_GROUP_SIZES, pack_int4
 
 __all__ = ["METHODS", "QuantSpec", "QuantizationError", "check_quantization", "quantize_weight", "torchao_error",
            "projection_inputs", "quantized_bytes_per_weight", "load_quantized", "quantized_weight_names",
-           "reference_dequantize"]
+           "reference_dequantize", "quantized_shapes", "meta_quantize"]
 
 METHODS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 128
@@ -156,8 +156,22 @@ def check_quantization(cfg: ModelConfig, spec: QuantSpec | None, *, tp: int, dty
                 f"{cfg.model_type} model (per rank at tp={tp}); int4 groups must tile each rank's input width: {hint}")
 
 
-def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """``w`` ``(out, in)`` quantized with torchao: ``qweight``, ``scale`` (and ``zero`` for int4), fp32 scales."""
+# Rows quantized at once. torchao's quantizers make temporaries the size of their input (fp32 / int32 copies):
+# whole 3584 x 9536 projections (137 MB each) had a 1.25 GiB cgroup kill the loading worker
+# (benchmarks/_quant_disk.py); a row's scale and zero depend on that row only, so the result is the same.
+QUANTIZE_ROWS = 512
+
+
+def quantize_weight(w: torch.Tensor, spec: QuantSpec, *, rows: int = QUANTIZE_ROWS) -> dict[str, torch.Tensor]:
+    """``w`` ``(out, in)`` quantized with torchao: ``qweight``, ``scale`` (and ``zero`` for int4), fp32 scales;
+    ``rows`` at a time (the same values as all at once)."""
+    if w.shape[0] <= rows:
+        return _quantize_rows(w, spec)
+    parts = [_quantize_rows(w[i: i + rows], spec) for i in range(0, w.shape[0], rows)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _quantize_rows(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     Int8Tensor, PerRow, primitives = _torchao()
     w = w.detach()
     if spec.method == "int8":
@@ -176,6 +190,32 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]
     n = w.shape[0]
     return {"qweight": pack_int4(q, g).contiguous(), "scale": scale.reshape(n, -1).float().contiguous(),
             "zero": zero.reshape(n, -1).float().contiguous()}
+
+
+def quantized_shapes(out_features: int, in_features: int, spec: QuantSpec
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor :func:`quantize_weight` makes of an ``(out_features, in_features)`` weight."""
+    n, k = out_features, in_features
+    if spec.method == "int8":
+        return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
+    assert spec.group_size is not None
+    groups = k // spec.group_size
+    return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), torch.float32),
+            "zero": ((n, groups), torch.float32)}
+
+
+def meta_quantize(blocks: Iterable[torch.nn.Module], spec: QuantSpec) -> None:
+    """Hold every projection of ``blocks`` quantized on the meta device: the shapes and bytes a quantized block
+    has, with nothing allocated (what the planners count, and the layout of a pooled block's bytes)."""
+    for block in blocks:
+        for proj in PROJECTIONS:
+            module = getattr(block, proj)
+            w = module._parameters.get("weight")
+            if w is None:
+                continue  # already quantized
+            shapes = quantized_shapes(w.shape[0], w.shape[1], spec)
+            module.set_quantized(spec.method, {name: torch.empty(shape, dtype=dtype, device="meta")
+                                               for name, (shape, dtype) in shapes.items()}, spec.group_size)
 
 
 def reference_dequantize(q: Mapping[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -204,11 +244,16 @@ def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
 
 def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
                    parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
-                   nonfinite: str = "warn") -> int:
+                   nonfinite: str = "warn", skip: Collection[int] = ()) -> int:
     """Build, quantize and install every block projection of ``stage`` (left on meta by the runtime), one at a
     time: this rank's slice of each weight is read, quantized and released before the next. Returns the bytes
-    the quantized weights hold."""
+    the quantized weights hold. The blocks at positions ``skip`` (streamed from disk by the memory pool) are
+    only given their quantized shapes on meta (:func:`meta_quantize`)."""
     keys = set(source.keys())  # type: ignore[attr-defined]
+    blocks = stage.layers
+    assert isinstance(blocks, torch.nn.ModuleDict)
+    skipped = {key for i, key in enumerate(blocks) if i in set(skip)}
+    meta_quantize([blocks[key] for key in skipped], spec)
 
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
         t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]  # type: ignore[index]
@@ -218,6 +263,8 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
 
     held = 0
     for name in quantized_weight_names(stage):
+        if name.split(".")[1] in skipped:
+            continue
         module = stage.get_submodule(name.rsplit(".", 1)[0])
         param = module._parameters.get("weight")
         if param is None or param.device.type != "meta":

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "do not fit are read from the model directory's safetensors files on every pass")
     m.add_argument("--host-budget", default=None,
                    help="with --memory-budget on a GPU: host bytes for pooled layers and staging (default: what is free)")
+    m.add_argument("--quantized-dir", default=None,
+                   help="with --quantization and --memory-budget: where the quantized layers read from disk are "
+                        "written once (default: .tightfit-quantized beside the model, or the cache directory)")
     m.add_argument("--lookahead", type=nonnegative_int, default=None,
                    help="pooled layers fetched ahead of the one running (default 2)")
     m.add_argument("--no-cuda-graphs", action="store_true",
@@ -134,7 +137,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
 
 
 def _memory_pool(value: str | None, memory_budget: str | None = None, host_budget: str | None = None,
-                 lookahead: int | None = None) -> Any:
+                 lookahead: int | None = None, *, quantized_dir: str | None = None) -> Any:
     """``--memory-pool`` / ``--memory-budget`` as a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig`
     (checked now, before any worker)."""
     if value is None and memory_budget is None:
@@ -147,7 +150,8 @@ def _memory_pool(value: str | None, memory_budget: str | None = None, host_budge
     if memory_budget is not None:
         if value is not None:
             raise ValueError("give --memory-pool (a host pool) or --memory-budget (device, host and disk), not both")
-        return MemoryPoolConfig(memory_budget=memory_budget, host_budget=host_budget, **extra)
+        return MemoryPoolConfig(memory_budget=memory_budget, host_budget=host_budget, quantized_dir=quantized_dir,
+                                **extra)
     assert value is not None
     try:
         fraction = float(value)
@@ -208,7 +212,8 @@ def _serve(argv: list[str] | None) -> int:
                                   default_max_tokens=min(_defaults(ServerConfig)["default_max_tokens"], args.max_tokens_limit), max_n=args.max_n,
                                   drain_timeout_s=args.drain_timeout, log_level=args.log_level)
         dtype = resolve_dtype(path, args.dtype) if path.is_dir() else ("float32" if args.dtype == "auto" else args.dtype)
-        pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead)
+        pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead,
+                            quantized_dir=args.quantized_dir)
     except ValueError as exc:  # the values of these flags were checked by their own classes
         sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)

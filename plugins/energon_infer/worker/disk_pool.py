@@ -38,11 +38,19 @@ import torch
 from torch import nn
 
 from energon_infer.loading.config import ModelConfig
+from energon_infer.loading.quantization import QuantSpec, meta_quantize
 from energon_infer.loading.safetensors_files import TensorFiles
 from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts
 from energon_infer.parallel import Grid, split_layers
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
 from energon_infer.worker.model import DecoderStage
+from energon_infer.worker.quantized_pool import (
+    StoredLayer,
+    install_quantized_pool,
+    packed_layer_bytes,
+    quantized_store_dir,
+    store_buffer_bytes,
+)
 from energon_infer.worker.runtime_config import DTYPES
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.profiler.types import DiskProfile
@@ -162,24 +170,31 @@ def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) ->
 
 
 def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: str, device_type: str,
-               config: MemoryPoolConfig) -> list[PoolPlan]:
+               config: MemoryPoolConfig, quant: QuantSpec | None = None) -> list[PoolPlan]:
     """Every stage's pool plan over device, host and disk (pure but for reading headers and the disk profile).
 
     On a CPU-only machine host and device are one memory (``unified``): ``memory_budget`` covers the
     stage's resident weights, kept layers, prefetch slots and read buffers, and only the disk tier saves
     memory. On a GPU ``memory_budget`` is the device's and ``host_budget`` (default: the host's free memory
-    split among the ranks) the host's.
+    split among the ranks) the host's. With ``quant`` every layer counts its quantized bytes as the pool packs
+    them, and the disk is the quantized store's (:mod:`energon_infer.worker.quantized_pool`).
     """
     assert config.memory_budget is not None, "plan_tiers needs MemoryPoolConfig(memory_budget=...)"
-    disk = resolve_disk(config.disk, path)
+    where = path if quant is None else quantized_store_dir(path, config.quantized_dir, quant, dtype, tp, pp)
+    disk = resolve_disk(config.disk, where)
     unified = device_type != "cuda"
     files = TensorFiles(path)
     try:
         plans = []
         for s in range(pp):
             stage = _meta_stage(cfg, tp, pp, s, DTYPES[dtype])
-            layers, resident = stage_layer_bytes(stage)
-            buffers = read_buffer_bytes(stage, cfg, files) * config.io_threads
+            if quant is None:
+                layers, resident = stage_layer_bytes(stage)
+                buffers = read_buffer_bytes(stage, cfg, files) * config.io_threads
+            else:
+                meta_quantize(stage.layers.values(), quant)
+                layers, resident = packed_layer_bytes(stage)
+                buffers = store_buffer_bytes(layers, config.io_threads)
             host = config.host_budget
             if not unified and host is None:
                 free = available_bytes(torch.device("cpu"))
@@ -205,6 +220,8 @@ def decode_plans(text: str) -> list[PoolPlan]:
 
 def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, path: str | Path) -> LayerPool:
     """Install the pool of ``plan`` on a runner loaded with ``offload=plan.disk_layers`` (those blocks on meta)."""
+    if runner.quant is not None:  # quantized layers: from the quantized store, held quantized
+        return install_quantized_pool(runner, plan, config, path)
     stage, cfg, grid = runner.stage, runner.config, runner.grid
     files = TensorFiles(path, drop_page_cache=config.drop_page_cache)
     scratch = _Scratch(read_buffer_bytes(stage, cfg, files))
@@ -222,8 +239,11 @@ def pool_snapshot(pool: LayerPool | None, plan: PoolPlan | None) -> dict[str, An
     """What a rank's pool did since it started: disk reads by layer (model layer numbers), bytes, seconds."""
     if pool is None or plan is None:
         return {}
-    disk = [layer for layer in pool.packed if isinstance(layer, DiskLayer)]
-    return {"disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
+    disk: list[Any] = [layer for layer in pool.packed if isinstance(layer, (DiskLayer, StoredLayer))]
+    stored = [d for d in disk if isinstance(d, StoredLayer)]
+    store = {"disk_store": str(stored[0].store.path), "disk_layers_written": sum(d.written for d in stored),
+             "disk_layer_bytes": {d.index: d.numel for d in stored}} if stored else {}
+    return {**store, "disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
             "disk_bytes_read": sum(d.bytes_read for d in disk), "disk_read_s": sum(d.read_s for d in disk),
             "pool_wait_s": pool.wait_s, "pool_waits": pool.waits, "pool_copies": pool.copies,
             "disk_bytes_per_pass": plan.disk_bytes, "io_seconds_per_pass": plan.io_seconds}

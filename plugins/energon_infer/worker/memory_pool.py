@@ -77,6 +77,9 @@ class MemoryPoolConfig:
         drop_page_cache: after each disk read, tell the kernel the pages will not be needed again
             (``POSIX_FADV_DONTNEED``): a streamed layer is read again next pass anyway, and under a memory
             limit (a cgroup) the page cache counts against it.
+        quantized_dir: with a quantized model and a disk tier: where the quantized layers are written once and
+            streamed from (:mod:`energon_infer.worker.quantized_pool`); ``None``: beside the model
+            (``.tightfit-quantized``), or the cache directory where the model's directory is read-only.
     """
 
     fraction: float = 0.5
@@ -89,6 +92,7 @@ class MemoryPoolConfig:
     cpu_prefetch: str = "thread"
     io_threads: int = 2
     drop_page_cache: bool = True
+    quantized_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -138,6 +142,11 @@ class SlotLayer(ABC):
     otherwise). Subclasses say where the bytes come from: :meth:`fill` writes the block's packed parameters
     into a slot (``numel`` elements of ``dtype``, in the order of ``entries``)."""
 
+    # Whether :meth:`fill` reads from storage (on an I/O thread, even on a GPU) rather than copying memory the
+    # pool holds (``held_bytes`` of it).
+    streamed = True
+    held_bytes = 0
+
     def __init__(self, block: nn.Module):
         self.block = block
         # (module, name, offset, shape, stored transposed): input-major linear weights
@@ -161,6 +170,10 @@ class SlotLayer(ABC):
     @abstractmethod
     def fill(self, dst: torch.Tensor) -> None:
         """Write this block's packed parameters into ``dst`` (a slot's first ``numel`` elements)."""
+
+    def close(self) -> None:
+        """Release what the layer keeps open (a store); the pool calls it once it stops."""
+        return None  # a layer held in memory keeps nothing open
 
     def _to_meta(self) -> None:
         """Swap the parameters for meta placeholders: any use outside the pool's hooks fails loudly."""
@@ -193,12 +206,15 @@ class SlotLayer(ABC):
 class _Packed(SlotLayer):
     """One pooled block: its parameters packed into one flat pool tensor (host memory or a peer GPU)."""
 
+    streamed = False
+
     def __init__(self, block: nn.Module, pool_device: torch.device, pin: bool):
         super().__init__(block)
         flat = torch.empty(self.numel, dtype=self.dtype, device=pool_device, pin_memory=pin)
         for (_, _, offset, _, transposed), p in zip(self.entries, self.params):
             flat[offset: offset + p.numel()].copy_((p.detach().t() if transposed else p.detach()).reshape(-1))
         self.flat = flat
+        self.held_bytes = flat.numel() * flat.element_size()
         self.params = []
         self._to_meta()
 
@@ -248,7 +264,7 @@ class LayerPool:
         self._lock = threading.Lock()
         self._executor = None
         # Layers whose fill is not a plain device copy (disk reads) run on threads even on a GPU.
-        self._threaded = {k for k, p in enumerate(self.packed) if not isinstance(p, _Packed)}
+        self._threaded = {k for k, p in enumerate(self.packed) if p.streamed}
         if self.cuda:
             self._stream = torch.cuda.Stream(device=self.device)
         if (not self.cuda and cpu_prefetch == "thread") or self._threaded:
@@ -274,7 +290,7 @@ class LayerPool:
     @property
     def pool_bytes(self) -> int:
         """Bytes held in the pool (host or peer memory); disk layers hold none."""
-        return sum(p.flat.numel() * p.flat.element_size() for p in self.packed if isinstance(p, _Packed))
+        return sum(p.held_bytes for p in self.packed)
 
     @property
     def slot_bytes(self) -> int:
@@ -389,6 +405,8 @@ class LayerPool:
             h.remove()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        for layer in self.packed:
+            layer.close()
 
 
 def apply_memory_pool(runner: Any, config: MemoryPoolConfig) -> tuple[LayerPool, PoolPlan]:

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig, load_config
 from energon_infer.loading.quantization import (
-    QuantizationError,
     QuantSpec,
     check_quantization,
     load_quantized,
@@ -100,10 +99,6 @@ class ModelRunner:
         offload = sorted(set(offload))
         self.quant = QuantSpec.create(rt.quantization, rt.group_size)
         check_quantization(config, self.quant, tp=rt.tp, dtype=self.dtype)
-        if self.quant is not None and offload:
-            raise QuantizationError(
-                f"quantization={self.quant.method!r} with {len(offload)} layer(s) streamed from disk: the disk tier "
-                "streams the checkpoint's own full-precision tensors; drop the memory pool or the quantization")
         check_stage_fits(config, len(layers[self.grid.stage]) - len(offload), tp=rt.tp, itemsize=self.dtype.itemsize,
                          kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device,  # + the scratch block
                          weight_itemsize=quantized_bytes_per_weight(self.quant, self.dtype.itemsize))
@@ -112,8 +107,10 @@ class ModelRunner:
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
         if self.quant is not None:
+            # Offloaded blocks get their quantized shapes on meta: the memory pool streams them quantized
+            # (energon_infer.worker.quantized_pool).
             held = load_quantized(self.stage, config, self.grid, source, self.quant, parts_fn=parts_fn,
-                                  nonfinite=rt.nonfinite_weights)
+                                  nonfinite=rt.nonfinite_weights, skip=offload)
             self._say(f"energon: block projections quantized to {self.quant.method}"
                       f"{f' (group {self.quant.group_size})' if self.quant.group_size else ''}: "
                       f"{held / 2**20:.1f} MiB")

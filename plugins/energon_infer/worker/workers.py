@@ -235,6 +235,7 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
     import torch.distributed as dist
 
     from energon_infer.loading.config import load_config
+    from energon_infer.loading.quantization import QuantSpec
     from energon_infer.parallel import local_rank_device
     from energon_infer.worker.disk_pool import decode_plans, encode_plans, install_tiered_pool, plan_tiers
     from energon_infer.worker.runtime import ModelRunner
@@ -245,8 +246,9 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
                          "training checkpoint: export it with save_pretrained first, or use device_budget")
     cfg = load_config(source.path)
     device = torch.device(runtime.device) if runtime.device else local_rank_device()
+    quant = QuantSpec.create(runtime.quantization, runtime.group_size)
     plans = decide_on_rank0(lambda: plan_tiers(source.path, cfg, tp=runtime.tp, pp=runtime.pp, dtype=runtime.dtype,
-                                               device_type=device.type, config=pool),
+                                               device_type=device.type, config=pool, quant=quant),
                             encode=encode_plans, decode=decode_plans)
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
@@ -268,8 +270,9 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
     if pool is not None:
         if not pool.tiered:
             from energon_infer.worker.memory_pool import apply_memory_pool
+            from energon_infer.worker.quantized_pool import apply_quantized_pool
 
-            layer_pool, plan = apply_memory_pool(runner, pool)
+            layer_pool, plan = (apply_memory_pool if runner.quant is None else apply_quantized_pool)(runner, pool)
         pool_info = PoolInfo(pooled=tuple(plan.pooled), layers=plan.n_layers, pool_bytes=layer_pool.pool_bytes,
                              slot_bytes=layer_pool.slot_bytes, device_bytes=plan.device_bytes,
                              layer_bytes=plan.slot_bytes, plan=plan.to_json(),
