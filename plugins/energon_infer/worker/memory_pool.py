@@ -76,7 +76,10 @@ class MemoryPoolConfig:
         io_threads: disk reads in flight at once (each fills one slot; capped at the slot count).
         drop_page_cache: after each disk read, tell the kernel the pages will not be needed again
             (``POSIX_FADV_DONTNEED``): a streamed layer is read again next pass anyway, and under a memory
-            limit (a cgroup) the page cache counts against it.
+            limit (a cgroup) the page cache counts against it. Only for buffered reads (see ``direct_io``).
+        direct_io: read disk layers with ``O_DIRECT`` (page cache bypassed: no readahead past each tensor, no
+            cached pages counted against a memory limit) where the filesystem allows it; ``False``, or a
+            filesystem that refuses it (tmpfs): buffered reads with readahead off.
     """
 
     fraction: float = 0.5
@@ -89,6 +92,7 @@ class MemoryPoolConfig:
     cpu_prefetch: str = "thread"
     io_threads: int = 2
     drop_page_cache: bool = True
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:

@@ -217,21 +217,25 @@ def _free_port() -> int:
 _WARMUP_SEQ = -(1 << 40)  # never a controller's id (those are positive) nor the runner's own (small negatives)
 
 
-def _warm_up(runner: Any) -> None:
+def _warm_up(runner: Any, *, decode: bool = True) -> None:
     """One 2-token step and one decode step (SPMD, every rank): the first request should not pay for lazy
-    initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine)."""
+    initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine). ``decode=False``
+    (a stage streaming layers from disk, where every step reads them all: a pass costs seconds) runs the first
+    step only; the engine runs the same on every rank, so the ranks' collectives still pair up."""
     from energon_infer.sampling import SamplingParams
 
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2)).tokens
-    runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
+    if decode:
+        runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
     runner.free(_WARMUP_SEQ)
     if runner.decode_graphs is not None:  # every decode bucket captured now, not while a request waits
         runner.decode_graphs.capture_all()
 
 
-def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any]:
+def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any, bool]:
     """Plan the device/host/disk pool on rank 0 for every stage, load this rank's stage without its disk layers,
-    and install the pool (:mod:`energon_infer.worker.disk_pool`)."""
+    and install the pool (:mod:`energon_infer.worker.disk_pool`); the last item: whether any stage streams
+    layers from disk (the same on every rank)."""
     import torch.distributed as dist
 
     from energon_infer.loading.config import load_config
@@ -251,17 +255,19 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
     runner = ModelRunner.from_pretrained(source.path, runtime, offload=plan.disk_layers)
-    return runner, install_tiered_pool(runner, plan, pool, source.path), plan
+    streams = any(p.disk_layers for p in plans)
+    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, streams
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
     """Load this rank's runner (and its memory pool), warm it up; returns it, its stage timer and what to report."""
     pool_info = None
     report = None
+    streams = False
     if pool is not None and pool.tiered:
         from energon_infer.worker.disk_pool import pool_snapshot
 
-        runner, layer_pool, plan = _load_tiered(source, runtime, pool)
+        runner, layer_pool, plan, streams = _load_tiered(source, runtime, pool)
         report = functools.partial(pool_snapshot, layer_pool, plan)
     else:
         runner = build_runner(source, runtime)
@@ -280,7 +286,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=weights, pool=pool_info, layer_bytes=runner.layer_bytes(),
                       weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start)
-    _warm_up(runner)
+    _warm_up(runner, decode=not streams)  # a disk tier on any stage: each warm-up step reads all its layers
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
         from energon_infer.scheduling.swap import measure_costs
