@@ -251,9 +251,9 @@ class TensorFiles:
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-            fd = self._direct.pop(file, None)  # this filesystem or device refuses the alignment: buffered from now on
-            if fd is not None:
-                os.close(fd)
+            refused = self._direct.pop(file, -1)  # this filesystem or device refuses the alignment: buffered now
+            if refused >= 0:
+                os.close(refused)
                 os.posix_fadvise(self._fds[file], 0, 0, os.POSIX_FADV_RANDOM)
             return None
         self.direct_reads += 1
