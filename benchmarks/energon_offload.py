@@ -3,6 +3,8 @@ disk offload and llama.cpp under the same hard limit, with the all-in-RAM engine
 
     python -m benchmarks.energon_offload --prepare-only   # once: .venv-offload (accelerate, llama-cpp-python build)
     python -m benchmarks.energon_offload [--quick] [--limit 1.25GiB] [--batches 1,8,32,64] [--render JSON]
+    python -m benchmarks.energon_offload --batches 8 --contenders "energon (limit);llama.cpp mmap (limit)"
+                                                          # one batch, llama.cpp beside energon (a few minutes)
 
 Question (issue 30): with fp32 weights at least 3x the cgroup memory limit of the serving process, how many
 tokens/s does each contender sustain on offline batches of 1, 8, 32 and 64 sequences, how far is that from the
