@@ -220,8 +220,7 @@ _WARMUP_SEQ = -(1 << 40)  # never a controller's id (those are positive) nor the
 def _warm_up(runner: Any, *, decode: bool = True) -> None:
     """One 2-token step and one decode step (SPMD, every rank): the first request should not pay for lazy
     initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine). ``decode=False``
-    (a stage streaming layers from disk, where every step reads them all: a pass costs seconds) runs the first
-    step only; the engine runs the same on every rank, so the ranks' collectives still pair up."""
+    (any stage streams from disk: each step reads all its disk layers) runs the first step only, on every rank."""
     from energon_infer.sampling import SamplingParams
 
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2)).tokens
@@ -234,8 +233,7 @@ def _warm_up(runner: Any, *, decode: bool = True) -> None:
 
 def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any, bool]:
     """Plan the device/host/disk pool on rank 0 for every stage, load this rank's stage without its disk layers,
-    and install the pool (:mod:`energon_infer.worker.disk_pool`); the last item: whether any stage streams
-    layers from disk (the same on every rank)."""
+    and install the pool (:mod:`energon_infer.worker.disk_pool`); last: whether any stage streams from disk."""
     import torch.distributed as dist
 
     from energon_infer.loading.config import load_config
@@ -255,8 +253,7 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
     runner = ModelRunner.from_pretrained(source.path, runtime, offload=plan.disk_layers)
-    streams = any(p.disk_layers for p in plans)
-    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, streams
+    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, any(p.disk_layers for p in plans)
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
@@ -286,7 +283,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=weights, pool=pool_info, layer_bytes=runner.layer_bytes(),
                       weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start)
-    _warm_up(runner, decode=not streams)  # a disk tier on any stage: each warm-up step reads all its layers
+    _warm_up(runner, decode=not streams)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
         from energon_infer.scheduling.swap import measure_costs
