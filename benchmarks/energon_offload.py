@@ -3,6 +3,8 @@ disk offload and llama.cpp under the same hard limit, with the all-in-RAM engine
 
     python -m benchmarks.energon_offload --prepare-only   # once: .venv-offload (accelerate, llama-cpp-python build)
     python -m benchmarks.energon_offload [--quick] [--limit 1.25GiB] [--batches 1,8,32,64] [--render JSON]
+    python -m benchmarks.energon_offload --batches 8 --contenders "energon (limit);llama.cpp mmap (limit)"
+                                                          # one batch, llama.cpp beside energon (a few minutes)
 
 Question (issue 30): with fp32 weights at least 3x the cgroup memory limit of the serving process, how many
 tokens/s does each contender sustain on offline batches of 1, 8, 32 and 64 sequences, how far is that from the
@@ -229,7 +231,7 @@ def disk_bandwidth(model: Path, nbytes: int, readers: int) -> float:
 
 
 def _spec(contender: str, model: Path, gguf: Path | None, prompts: list[list[int]], new_tokens: int,
-          limit: int, budget: int, threads: int) -> tuple[str, dict[str, Any]]:
+          limit: int, budget: int, threads: int, lookahead: int = 2) -> tuple[str, dict[str, Any]]:
     """``(python to run, spec)`` of one contender's process."""
     base = {"model": str(model), "prompts": prompts, "new_tokens": new_tokens, "threads": threads}
     tokens = max((len(p) for p in prompts), default=12) + new_tokens
@@ -239,7 +241,7 @@ def _spec(contender: str, model: Path, gguf: Path | None, prompts: list[list[int
     if contender == ENERGON_RAM:
         return sys.executable, {**base, "runner": "energon", "options": opts}
     if contender == ENERGON:  # one core for the disk reads, as energon's README advises on a CPU
-        return sys.executable, {**base, "runner": "energon", "options": opts, "pool": _energon_pool(budget),
+        return sys.executable, {**base, "runner": "energon", "options": opts, "pool": _energon_pool(budget, lookahead),
                                 "threads": max(1, threads - 1)}
     peer = str(PEER_VENV / "bin" / "python")
     if contender == ACCEL:
@@ -249,9 +251,13 @@ def _spec(contender: str, model: Path, gguf: Path | None, prompts: list[list[int
     return peer, {**base, "runner": "llamacpp", "gguf": str(gguf)}
 
 
-def _energon_pool(budget: int) -> dict[str, Any]:
-    """The MemoryPoolConfig keywords that put the model under ``budget`` bytes of host memory (the disk tier)."""
-    return {"memory_budget": budget, "lookahead": 1}
+def _energon_pool(budget: int, lookahead: int = 2) -> dict[str, Any]:
+    """The MemoryPoolConfig keywords that put the model under ``budget`` bytes of host memory (the disk tier).
+
+    Two layers ahead (three slots), not one: with one, a single layer's reads are in flight, and the disk idles
+    while its I/O thread copies each tensor into the slot (input-major), about a fifth of the time; the third
+    slot costs one layer that would otherwise stay in memory (2.5% more bytes streamed per step here)."""
+    return {"memory_budget": budget, "lookahead": lookahead}
 
 
 def run_cell(contender: str, python: str, spec: dict[str, Any], limit: int | None, timeout_s: float) -> dict[str, Any]:
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"{ENERGON_RAM} (separated by ';')")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--lookahead", type=int, default=2, help="energon's layers read ahead (slots = lookahead + 1; 2, "
+                                                          "MemoryPoolConfig's default: two layers' reads in flight)")
     p.add_argument("--llama-max-batch", type=int, default=32, help="llama.cpp only up to this batch")
     p.add_argument("--render", type=Path, default=None, help="recompute the derived figures and the report section "
                                                                 "of a results JSON (its measurements untouched)")
@@ -381,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {"quick": quick, "hidden": hidden, "layers": layers, "vocab": vocab, "limit_bytes": limit,
               "budget_bytes": budget, "batches": batches, "new_tokens": new_tokens, "repeats": repeats,
               "threads": threads, "contenders": contenders, "cell_timeout_s": timeout,
-              "llama_max_batch": args.llama_max_batch}
+              "llama_max_batch": args.llama_max_batch, "lookahead": args.lookahead}
     cells_of = {r: {b: {} for b in batches} for r in range(repeats)}
     prompts = {(r, b): _prompts(b, vocab, r) for r in range(repeats) for b in batches}
     disk_bound = [c for c in contenders if c != ENERGON_RAM]
@@ -394,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     skipped[f"{LLAMA}, batch {batch}"] = (f"left out above batch {args.llama_max_batch} (--llama-max-batch): "
                                                           "it did not finish within the cell's time at 32 here")
                     continue
-                py, spec = _spec(c, model, gguf, prompts[r, batch], new_tokens, limit, budget, threads)
+                py, spec = _spec(c, model, gguf, prompts[r, batch], new_tokens, limit, budget, threads, args.lookahead)
                 cells[c] = run_cell(c, py, spec, limit, timeout)
                 _partial(params, results, bandwidths, cells_of, prompts)
                 got = cells[c]

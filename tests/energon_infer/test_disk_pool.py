@@ -164,6 +164,62 @@ def test_rows_of_a_tensor_are_read_by_byte_range(tmp_path):
     files.close()
 
 
+def _direct_checkpoint(where) -> tuple[dict[str, torch.Tensor], object]:
+    """Tensors whose byte ranges start and end off the 4 KiB blocks (and one spanning the file's last block)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3, 7), "w": torch.randn(300, 37), "z": torch.randn(1001)}
+    where.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(where / "model.safetensors"))
+    return tensors, where
+
+
+def test_direct_reads_bypass_the_page_cache_and_equal_buffered_reads(tmp_path):
+    from energon_infer.loading.safetensors_files import DIRECT_ALIGN, direct_buffer_bytes
+
+    tensors, path = _direct_checkpoint(tmp_path / "m")
+    files = TensorFiles(path, direct=True)
+    if not files.direct:
+        files.close()
+        pytest.skip(f"{tmp_path} is on a filesystem without O_DIRECT")
+    buf = torch.empty(direct_buffer_bytes(max(t.numel() * 4 for t in tensors.values())), dtype=torch.uint8)
+    for start in (0, 1, 7):  # the caller's buffer at any address: the read aligns inside it
+        for name, t in tensors.items():
+            got = files.read(name, out=buf[start:])
+            assert torch.equal(got, t) and got.data_ptr() - buf.data_ptr() >= start
+            assert (got.data_ptr() - files.extents[name].start) % DIRECT_ALIGN == 0
+        assert torch.equal(files.read("w", (123, 201), out=buf[start:]), tensors["w"][123:201])
+    assert files.direct_reads == 12 and files.buffered_reads == 0
+    small = torch.empty(4 * 37 * 4, dtype=torch.uint8)  # a buffer without the slack: read buffered
+    assert torch.equal(files.read("w", (5, 9), out=small), tensors["w"][5:9]) and files.buffered_reads == 1
+    files.close()
+
+
+def test_direct_reads_fall_back_to_buffered_where_the_filesystem_refuses(tmp_path, monkeypatch):
+    """No filesystem here refuses O_DIRECT (this kernel's tmpfs takes it too), so the refusal is the one
+    os.open gives on such a filesystem (EINVAL); the reads must then be buffered and still exact."""
+    import errno
+
+    from energon_infer.loading.safetensors_files import direct_buffer_bytes
+
+    tensors, path = _direct_checkpoint(tmp_path / "m")
+    real_open = os.open
+
+    def refusing_open(file, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(file))
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    files = TensorFiles(path, direct=True)
+    assert not files.direct
+    buf = torch.empty(direct_buffer_bytes(300 * 37 * 4), dtype=torch.uint8)
+    assert all(torch.equal(files.read(n, out=buf), t) for n, t in tensors.items())
+    assert files.direct_reads == 0 and files.buffered_reads == 3
+    files.close()
+
+
 def test_engine_serves_beyond_its_budget_and_reports_the_disk_tier(tmp_path):
     from energon_infer.engine.engine import Engine
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.quantization import QuantSpec, meta_quantize
-from energon_infer.loading.safetensors_files import TensorFiles
+from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
 from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts
 from energon_infer.parallel import Grid, split_layers
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
@@ -102,9 +102,22 @@ class DiskLayer(SlotLayer):
         self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
         self.nonfinite = nonfinite
         self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
-        self.reads = 0
-        self.bytes_read = 0
-        self.read_s = 0.0
+        # (reads, bytes, seconds) of the completed fills, replaced whole when a fill ends: a report taken while
+        # a prefetch is reading never counts its bytes without its read.
+        self.totals: tuple[int, int, float] = (0, 0, 0.0)
+        self._pending = 0  # bytes of the fill in progress
+
+    @property
+    def reads(self) -> int:
+        return self.totals[0]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.totals[1]
+
+    @property
+    def read_s(self) -> float:
+        return self.totals[2]
 
     def _fetch(self, part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
         ext, grid = self.files.extents[part.source], self.grid
@@ -113,14 +126,14 @@ class DiskLayer(SlotLayer):
                 and ext.shape[0] % grid.tp == 0):
             rows = ext.shape[0] // grid.tp  # this rank's rows only: a contiguous byte range
             t = self.files.read(part.source, (grid.tp_rank * rows, (grid.tp_rank + 1) * rows), out=buf)
-            self.bytes_read += t.numel() * t.element_size()
+            self._pending += t.numel() * t.element_size()
             self._last = None
             return t, ext.shape, True
         if self._last is not None and self._last[0] == part.source:
             t = self._last[1]  # GPT-2's fused c_attn feeds q, k and v: read once (still in the buffer)
         else:
             t = self.files.read(part.source, out=buf)
-            self.bytes_read += ext.nbytes
+            self._pending += ext.nbytes
             self._last = (part.source, t)
         if part.transform is not None:
             t = part.transform(t)
@@ -129,14 +142,14 @@ class DiskLayer(SlotLayer):
     def fill(self, dst: torch.Tensor) -> None:
         start = time.perf_counter()
         self.files.check(self.used)
-        self._last = None
+        self._last, self._pending = None, 0
         nonfinite = self.nonfinite if self.reads == 0 else "ignore"  # checked once, as loading does
         for (_, _, off, shape, transposed), (name, parts) in zip(self.entries, self.recipe):
             view = _view(dst[off: off + shape.numel()], shape, transposed)
             build_param(self.cfg, self.grid, name, tuple(shape), parts, self._fetch, nonfinite=nonfinite, out=view)
         self.files.check(self.used)  # changed while we read: these bytes may mix two versions
-        self.reads += 1
-        self.read_s += time.perf_counter() - start
+        reads, nbytes, seconds = self.totals
+        self.totals = (reads + 1, nbytes + self._pending, seconds + time.perf_counter() - start)
 
 
 def resolve_disk(disk: Any, path: str | Path) -> DiskProfile:
@@ -159,14 +172,15 @@ def _meta_stage(cfg: ModelConfig, tp: int, pp: int, stage: int, dtype: torch.dty
 
 
 def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) -> int:
-    """One I/O thread's read buffer: the largest checkpoint tensor a block of ``stage`` reads."""
+    """One I/O thread's read buffer: the largest checkpoint tensor a block of ``stage`` reads, with the slack a
+    direct (``O_DIRECT``) read of it needs (:func:`~energon_infer.loading.safetensors_files.direct_buffer_bytes`)."""
     keys, largest = set(files.keys()), 0
     for name, _ in stage.named_parameters():
         if name.startswith("layers."):
             for part in hf_parts(cfg, name, keys):
                 if part.source in files.extents:
                     largest = max(largest, files.extents[part.source].nbytes)
-    return largest
+    return direct_buffer_bytes(largest) if largest else 0
 
 
 def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: str, device_type: str,
@@ -223,7 +237,7 @@ def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, p
     if runner.quant is not None:  # quantized layers: from the quantized store, held quantized
         return install_quantized_pool(runner, plan, config, path)
     stage, cfg, grid = runner.stage, runner.config, runner.grid
-    files = TensorFiles(path, drop_page_cache=config.drop_page_cache)
+    files = TensorFiles(path, drop_page_cache=config.drop_page_cache, direct=config.direct_io)
     scratch = _Scratch(read_buffer_bytes(stage, cfg, files))
     blocks = list(stage.layers.items())
     disk = {i: DiskLayer(blocks[i][1], int(blocks[i][0]), files, cfg, grid, scratch,

@@ -76,10 +76,13 @@ class MemoryPoolConfig:
         io_threads: disk reads in flight at once (each fills one slot; capped at the slot count).
         drop_page_cache: after each disk read, tell the kernel the pages will not be needed again
             (``POSIX_FADV_DONTNEED``): a streamed layer is read again next pass anyway, and under a memory
-            limit (a cgroup) the page cache counts against it.
+            limit (a cgroup) the page cache counts against it. Only for buffered reads (see ``direct_io``).
         quantized_dir: with a quantized model and a disk tier: where the quantized layers are written once and
             streamed from (:mod:`energon_infer.worker.quantized_pool`); ``None``: beside the model
             (``.tightfit-quantized``), or the cache directory where the model's directory is read-only.
+        direct_io: read disk layers with ``O_DIRECT`` (page cache bypassed: no readahead past each tensor, no
+            cached pages counted against a memory limit) where the filesystem allows it; ``False``, or a
+            filesystem that refuses it (tmpfs): buffered reads with readahead off.
     """
 
     fraction: float = 0.5
@@ -93,6 +96,7 @@ class MemoryPoolConfig:
     io_threads: int = 2
     drop_page_cache: bool = True
     quantized_dir: str | None = None
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:

@@ -97,8 +97,7 @@ class StageTimer:
     CPU. Utilisation is busy time over the span from the first forward's start to the last one's
     end, so the time a stage waits for its inputs or for the controller counts as idle.
 
-    ``mark``/``elapsed`` (optional) replace the clock: ``mark()`` takes a timestamp, ``elapsed(a, b)``
-    gives the seconds from ``a`` to ``b``.
+    ``mark``/``elapsed`` (optional) replace the clock: ``mark()`` a timestamp, ``elapsed(a, b)`` seconds between.
     """
 
     def __init__(self, stage: torch.nn.Module, device: torch.device, *, mark: Callable[[], Any] | None = None,
@@ -217,21 +216,22 @@ def _free_port() -> int:
 _WARMUP_SEQ = -(1 << 40)  # never a controller's id (those are positive) nor the runner's own (small negatives)
 
 
-def _warm_up(runner: Any) -> None:
-    """One 2-token step and one decode step (SPMD, every rank): the first request should not pay for lazy
-    initialisation (kernel selection, allocator growth; about 2 s on a loaded 2-core machine)."""
+def _warm_up(runner: Any, *, decode: bool = True) -> None:
+    """A 2-token step and a decode step (SPMD): the first request does not pay for lazy initialisation (~2 s
+    here). ``decode=False`` (a stage streams from disk: each step reads its disk layers) runs the first only."""
     from energon_infer.sampling import SamplingParams
 
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2)).tokens
-    runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
+    if decode:
+        runner.step([(_WARMUP_SEQ, [first[0] if first else 0])])
     runner.free(_WARMUP_SEQ)
     if runner.decode_graphs is not None:  # every decode bucket captured now, not while a request waits
         runner.decode_graphs.capture_all()
 
 
-def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any]:
+def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any, Any, bool]:
     """Plan the device/host/disk pool on rank 0 for every stage, load this rank's stage without its disk layers,
-    and install the pool (:mod:`energon_infer.worker.disk_pool`)."""
+    and install the pool (:mod:`energon_infer.worker.disk_pool`); last: whether any stage streams from disk."""
     import torch.distributed as dist
 
     from energon_infer.loading.config import load_config
@@ -253,17 +253,17 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
     runner = ModelRunner.from_pretrained(source.path, runtime, offload=plan.disk_layers)
-    return runner, install_tiered_pool(runner, plan, pool, source.path), plan
+    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, any(p.disk_layers for p in plans)
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
     """Load this rank's runner (and its memory pool), warm it up; returns it, its stage timer and what to report."""
-    pool_info = None
-    report = None
+    pool_info = report = None
+    streams = False
     if pool is not None and pool.tiered:
         from energon_infer.worker.disk_pool import pool_snapshot
 
-        runner, layer_pool, plan = _load_tiered(source, runtime, pool)
+        runner, layer_pool, plan, streams = _load_tiered(source, runtime, pool)
         report = functools.partial(pool_snapshot, layer_pool, plan)
     else:
         runner = build_runner(source, runtime)
@@ -283,7 +283,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=weights, pool=pool_info, layer_bytes=runner.layer_bytes(),
                       weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start)
-    _warm_up(runner)
+    _warm_up(runner, decode=not streams)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
         from energon_infer.scheduling.swap import measure_costs
