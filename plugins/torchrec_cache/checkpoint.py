@@ -70,7 +70,7 @@ def _file_backed(chunks: Iterator[torch.Tensor], directory: Path, what: str, dty
                 c = c.detach().contiguous()
                 width = c.shape[1]
                 if c.numel():
-                    f.write(memoryview(c.view(torch.uint8).numpy()))
+                    f.write(c.view(torch.uint8).numpy().data)
                     os.fdatasync(f.fileno())
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 rows += c.shape[0]
