@@ -50,4 +50,7 @@ def gather(out: np.ndarray, staged: np.ndarray, at: np.ndarray, length: int) -> 
         for i, a in enumerate(at.tolist()):
             out[i * length:(i + 1) * length] = staged[a:a + length]
         return
+    if at.size and staged.size % length == 0 and not (at % length).any():  # rows on a grid (a table's records)
+        out.reshape(at.size, length)[:] = staged.reshape(-1, length)[at // length]
+        return
     out.reshape(at.size, length)[:] = staged[at[:, None] + np.arange(length)]

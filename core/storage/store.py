@@ -213,15 +213,15 @@ class TensorStore:
                                    f"its {entry.nbytes} bytes; read inside the name")
             ids, at = cover(offs, length, block)
             plan = runs(ids, size // block)
-            parts = []
-            for start, count in plan.tolist():
-                b0 = int(ids[start])
-                k, j0 = b0 * block // size, b0 % (size // block)
-                x = entry.extents[k]
+            b0 = ids[plan[:, 0]]
+            ks, j0s = (b0 * block // size).tolist(), (b0 % (size // block)).tolist()
+            xs = [entry.extents[k] for k in ks]
+            for x in xs:
                 if x is not None:
                     self._slots.read_begin(x.slot)
-                parts.append((start, count, k, j0, x))
+            parts = list(zip(plan[:, 0].tolist(), plan[:, 1].tolist(), ks, j0s, xs))
             job = _RangeJob(self, name, parts, ids.size * block, block, view, at, length)
+            job.plan = _BlockPlan.of(plan[:, 0], plan[:, 1], b0 % (size // block), xs, block, size) if xs else None
             self._inflight.add(job.future)
         batched = aio_available()  # one submission for the whole batch; else spread over the worker threads
         for chunk in job.chunks(1 if batched else self._engine.workers):
@@ -457,6 +457,44 @@ class _ReadJob(_Job):
             self.future.set_result(self.result)
 
 
+@dataclass
+class _BlockPlan:
+    """A range read's parts as arrays (block stores only): per part its first block in the staging buffer,
+    its blocks, its file offset and valid bytes; per valid block its byte in the staging buffer, its length
+    and the checksum the index holds."""
+
+    start: np.ndarray
+    count: np.ndarray
+    offset: np.ndarray
+    valid: np.ndarray
+    block_at: np.ndarray
+    block_len: np.ndarray
+    sums: np.ndarray
+
+    @staticmethod
+    def of(start: np.ndarray, count: np.ndarray, j0: np.ndarray, xs: list[Extent | None], block: int,
+           size: int) -> _BlockPlan | None:
+        """The plan of parts whose runs start at block ``start`` of the staging buffer, ``count`` blocks from block
+        ``j0`` of extents ``xs`` (``None``: never written), or ``None`` where an extent has no block checksums."""
+        if any(x is not None and x.blocks is None for x in xs):
+            return None
+        n = len(xs)
+        slot = np.fromiter((-1 if x is None else x.slot for x in xs), dtype=np.int64, count=n)
+        length = np.fromiter((0 if x is None else x.length for x in xs), dtype=np.int64, count=n)
+        valid = np.clip(np.minimum(count * block, length - j0 * block), 0, None)
+        nblk = -(-valid // block)
+        sums = np.frombuffer(b"".join([x.blocks[4 * j:4 * (j + m)] for x, j, m in zip(xs, j0.tolist(), nblk.tolist())
+                                       if m and x is not None and x.blocks is not None]), dtype="<u4")
+        total = int(nblk.sum())
+        if sums.size != total:  # an index shorter than its extents: the part-by-part path reports it
+            return None
+        part = np.repeat(np.arange(n), nblk)
+        j = np.arange(total) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+        return _BlockPlan(start=start, count=count, offset=slot * size + j0 * block, valid=valid,
+                          block_at=(start[part] + j) * block, block_len=np.minimum(block, valid[part] - j * block),
+                          sums=sums.astype(np.int64))
+
+
 class _RangeJob(_Job):
     """A :meth:`TensorStore.read_ranges`: runs of blocks read into one aligned staging buffer by a few
     tasks, then the ranges copied out of it (by the task that finishes last)."""
@@ -467,6 +505,7 @@ class _RangeJob(_Job):
         self.name, self.parts, self.block, self.view, self.at, self.length = name, parts, block, view, at, length
         self.staged = aligned_empty(staged_bytes).numpy()
         self.moved = 0
+        self.plan: _BlockPlan | None = None  # read_ranges sets it (under the store's mutex)
 
     def chunks(self, workers: int) -> list[range]:
         """The parts split into at most ``workers`` tasks of neighbouring runs (each one request at the device)."""
@@ -479,53 +518,12 @@ class _RangeJob(_Job):
 
     def run(self, chunk: range, batched: bool = False) -> None:
         """Read the runs ``chunk`` of the parts; ``batched``: all in one kernel AIO submission (:mod:`.aio`)."""
-        st, block, moved = self.store, self.block, 0
-        size, io = st.extent_bytes, st._io
+        st, moved = self.store, None
         try:
-            todo = []  # (part, its bytes in the staging buffer, file offset, valid bytes, block checksums)
-            for i in chunk:
-                start, count, k, j0, x = self.parts[i]
-                dst = self.staged[start * block:(start + count) * block].data
-                if x is None:  # never written: zeros
-                    dst[:] = bytes(dst.nbytes)
-                    continue
-                if x.blocks is None:  # no block checksums: the whole extent is the block
-                    valid, sums = x.length, [x.crc]
-                else:
-                    valid = min(count * block, x.length - j0 * block)
-                    n = -(-valid // block) if valid > 0 else 0
-                    sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0)) if n else []
-                todo.append((i, dst, x.slot * size + j0 * block, valid, sums))
-            res = None
-            if batched:
-                sent = [t for t in todo if t[3] > 0]
-                res = read_many(st._fd, np.array([address(t[1]) for t in sent], dtype=np.uint64),
-                                np.array([io.padded(t[3]) for t in sent], dtype=np.int64),
-                                np.array([t[2] for t in sent], dtype=np.int64))
-                got = dict(zip((t[0] for t in sent), res.tolist())) if res is not None else {}
-            for i, dst, off, valid, sums in todo:
-                try:
-                    if res is None:
-                        io.read_blocks(dst, off, valid, sums)
-                    else:
-                        n = got.get(i, 0)
-                        if n < 0:
-                            raise OSError(-n, f"{st.path / DATA}: reading {valid} bytes at byte offset {off}: "
-                                              f"{os.strerror(-n)}")
-                        if n < valid:
-                            raise ChecksumError(f"{st.path / DATA} is truncated: {valid} bytes expected at byte "
-                                                f"offset {off}, the file ends at {off + n}; the store is damaged: "
-                                                f"restore it from a checkpoint or rewrite the tensor",
-                                                path=str(st.path / DATA), offset=off)
-                        io.verify_blocks(dst, off, valid, sums)
-                except ChecksumError as err:
-                    start, count, k, j0, x = self.parts[i]
-                    assert x is not None
-                    lo = k * size + j0 * block + max(0, err.offset - off)
-                    span = (lo, lo + (block if x.blocks is not None else x.length))
-                    raise ChecksumError(f"{err} [bytes [{span[0]}, {span[1]}) of {self.name!r}, extent {k}]",
-                                        path=err.path, offset=err.offset, span=span) from None
-                moved += max(0, valid)
+            if batched and self.plan is not None and len(chunk) == len(self.parts):
+                moved = self._run_batched(self.plan)
+            if moved is None:  # no block checksums, no AIO, or something failed: part by part (the errors' path)
+                moved = self._run_parts(chunk, batched)
         except BaseException as err:
             self.error = self.error or err
         finally:
@@ -534,8 +532,80 @@ class _RangeJob(_Job):
                     x = self.parts[i][4]
                     if x is not None:
                         st._slots.read_end(x.slot)
-                self.moved += moved
+                self.moved += moved or 0
             self.part_done()
+
+    def _run_batched(self, plan: _BlockPlan) -> int | None:
+        """Every part in one AIO submission and every block verified, without Python per part (the GIL stays
+        free for the training step beside it): the bytes read, or ``None`` where anything is off (a short or
+        failed read, a checksum mismatch, no AIO here), for :meth:`_run_parts` to redo and report."""
+        st, block = self.store, self.block
+        sel = np.flatnonzero(plan.valid > 0)
+        if sel.size:
+            want = plan.valid[sel]
+            asked = -(-want // ALIGN) * ALIGN if st._io.direct else want
+            res = read_many(st._fd, (self.staged.ctypes.data + plan.start[sel] * block).astype(np.uint64), asked,
+                            plan.offset[sel])
+            if res is None or bool((res < want).any()):
+                return None
+        for i in np.flatnonzero(plan.valid < plan.count * block).tolist():  # never written, or an extent's tail
+            self.staged[int(plan.start[i]) * block + int(plan.valid[i]):int(plan.start[i] + plan.count[i]) * block] = 0
+        if plan.sums.size:
+            crc, view = st._io.checksum, memoryview(self.staged)
+            got = np.fromiter((crc(view[a:a + n]) for a, n in zip(plan.block_at.tolist(), plan.block_len.tolist())),
+                              dtype=np.int64, count=plan.sums.size)
+            if not np.array_equal(got, plan.sums):
+                return None
+        return int(plan.valid.sum())
+
+    def _run_parts(self, chunk: range, batched: bool) -> int:
+        st, block, moved = self.store, self.block, 0
+        size, io = st.extent_bytes, st._io
+        todo = []  # (part, its bytes in the staging buffer, file offset, valid bytes, block checksums)
+        for i in chunk:
+            start, count, k, j0, x = self.parts[i]
+            dst = self.staged[start * block:(start + count) * block].data
+            if x is None:  # never written: zeros
+                dst[:] = bytes(dst.nbytes)
+                continue
+            if x.blocks is None:  # no block checksums: the whole extent is the block
+                valid, sums = x.length, [x.crc]
+            else:
+                valid = min(count * block, x.length - j0 * block)
+                n = -(-valid // block) if valid > 0 else 0
+                sums = list(struct.unpack_from(f"<{n}I", x.blocks, 4 * j0)) if n else []
+            todo.append((i, dst, x.slot * size + j0 * block, valid, sums))
+        res = None
+        if batched:
+            sent = [t for t in todo if t[3] > 0]
+            res = read_many(st._fd, np.array([address(t[1]) for t in sent], dtype=np.uint64),
+                            np.array([io.padded(t[3]) for t in sent], dtype=np.int64),
+                            np.array([t[2] for t in sent], dtype=np.int64))
+            got = dict(zip((t[0] for t in sent), res.tolist())) if res is not None else {}
+        for i, dst, off, valid, sums in todo:
+            try:
+                if res is None:
+                    io.read_blocks(dst, off, valid, sums)
+                else:
+                    n = got.get(i, 0)
+                    if n < 0:
+                        raise OSError(-n, f"{st.path / DATA}: reading {valid} bytes at byte offset {off}: "
+                                          f"{os.strerror(-n)}")
+                    if n < valid:
+                        raise ChecksumError(f"{st.path / DATA} is truncated: {valid} bytes expected at byte "
+                                            f"offset {off}, the file ends at {off + n}; the store is damaged: "
+                                            f"restore it from a checkpoint or rewrite the tensor",
+                                            path=str(st.path / DATA), offset=off)
+                    io.verify_blocks(dst, off, valid, sums)
+            except ChecksumError as err:
+                start, count, k, j0, x = self.parts[i]
+                assert x is not None
+                lo = k * size + j0 * block + max(0, err.offset - off)
+                span = (lo, lo + (block if x.blocks is not None else x.length))
+                raise ChecksumError(f"{err} [bytes [{span[0]}, {span[1]}) of {self.name!r}, extent {k}]",
+                                    path=err.path, offset=err.offset, span=span) from None
+            moved += max(0, valid)
+        return moved
 
     def finish(self) -> None:
         try:

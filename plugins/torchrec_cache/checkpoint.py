@@ -6,19 +6,27 @@ a state dict is taken, turn position order into id order on the way out and back
 make the slots re-read what was loaded. The functions take the collection
 (:class:`~torchrec_cache.modules.CachedCollection`) and use only its public face.
 
-With a disk tier (``CacheConfig(disk_dir=...)``) the tables are on disk: ``state_dict()`` reads each table
-chunk by chunk into the tensor it returns (a state dict holds tensors, so each table is in memory once
-there), and ``load_state_dict`` writes the given tensors to disk chunk by chunk. For tables larger than
-memory, :func:`save_tables` / :func:`load_tables` stream rows and optimizer state between the live tables
-and a checkpoint directory (a :class:`tightfit.storage.TensorStore`) one chunk at a time.
+With a disk tier (``CacheConfig(disk_dir=...)``) the tables are on disk: ``state_dict()`` streams each table
+chunk by chunk into a file beside the tier and returns it mapped (``torch.from_file``, copy-on-write, the file
+unlinked), so its pages are clean file pages the kernel reclaims under a memory limit and ``torch.save`` writes
+from them; the fused optimizer's state comes the same way. ``load_state_dict`` (and loading the optimizer
+state) writes the given tensors to disk chunk by chunk: load a saved file with ``torch.load(..., mmap=True)``
+to keep it out of memory too. :func:`save_tables` / :func:`load_tables` stream rows and optimizer state between
+the live tables and a checkpoint directory (a :class:`tightfit.storage.TensorStore`) one chunk at a time.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tightfit.storage import DiskFullError
 from torchrec_cache.cache import FusedCache
 from torchrec_cache.optim import state_names
 
@@ -34,12 +42,50 @@ CHUNK_ROWS = 65536
 
 
 def _table_tensor(cache: FusedCache, name: str, part: int) -> torch.Tensor:
-    """Table ``name``'s weights (``part`` 0) or optimizer state (1), in position order, gathered chunk by chunk."""
+    """Table ``name``'s weights (``part`` 0) or optimizer state (1), in position order, gathered chunk by chunk;
+    with a disk tier streamed into a file beside the tier and mapped (:func:`_file_backed`), so the table is
+    never in anonymous memory."""
     spec = cache.specs[cache.index[name]]
-    chunks = [(w if part == 0 else st).clone() for _, w, st in cache.store.table_chunks(name, CHUNK_ROWS)]
-    if not chunks:
+    chunks = ((w if part == 0 else st) for _, w, st in cache.store.table_chunks(name, CHUNK_ROWS))
+    if cache.store.tier is not None:
+        return _file_backed(chunks, cache.store.tier.path.parent, f"{name}.{'weight' if part == 0 else 'state'}",
+                            spec.dtype if part == 0 else torch.float32, spec.dim if part == 0 else None)
+    kept = [c.clone() for c in chunks]
+    if not kept:
         return torch.empty(0, spec.dim, dtype=spec.dtype)
-    return torch.cat(chunks)
+    return torch.cat(kept)
+
+
+def _file_backed(chunks: Iterator[torch.Tensor], directory: Path, what: str, dtype: torch.dtype,
+                 width: int | None) -> torch.Tensor:
+    """The rows of ``chunks`` written one after the other to a new file in ``directory`` (each chunk synced and
+    dropped from the page cache as it goes), then mapped copy-on-write (``torch.from_file``) and unlinked: the
+    tensor's pages are clean file pages the kernel can reclaim under a memory limit and read back on use, and the
+    file's space is freed with the tensor."""
+    fd, path = tempfile.mkstemp(prefix=f"torchrec_cache-{what}-", suffix=".rows", dir=directory)
+    rows = 0
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for c in chunks:
+                c = c.detach().contiguous()
+                width = c.shape[1]
+                if c.numel():
+                    f.write(c.view(torch.uint8).numpy().data)
+                    os.fdatasync(f.fileno())
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                rows += c.shape[0]
+        width = width or 0
+        if rows * width == 0:
+            return torch.empty(rows, width, dtype=dtype)
+        return torch.from_file(path, shared=False, size=rows * width, dtype=dtype).view(rows, width)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise DiskFullError(f"state_dict: {directory} has no room for a copy of {what!r} (the state dict of a "
+                                f"disk-backed table is a file there until it is freed); free space there or use "
+                                f"checkpoint.save_tables") from err
+        raise
+    finally:
+        os.unlink(path)
 
 
 def flush_before_state_dict(module: Any, prefix: str, keep_vars: bool) -> None:
@@ -119,7 +165,8 @@ def fused_optimizer_state(cache: FusedCache) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {"step": cache.groups[cache.group_of(name)].opt_step}
         if cols:
             parts = state.split(dim, dim=1) if len(cols) == 2 else (state,)
-            entry.update({k: v.clone() for k, v in zip(cols, parts)})
+            fresh = cache.store.tier is not None  # streamed to a file of its own: views of it, not copies
+            entry.update({k: v if fresh else v.clone() for k, v in zip(cols, parts)})
         out[name] = entry
     return out
 
@@ -148,12 +195,13 @@ def _load_state_tier(cache: FusedCache, name: str, entry: dict[str, Any], cols: 
     spec = cache.specs[cache.index[name]]
     if not cols:
         return
-    full = torch.cat([entry[k].float().reshape(spec.rows, -1) for k in cols], dim=1)
-    for lo, w, st in list(cache.store.table_chunks(name, CHUNK_ROWS)):
-        if full.shape[1] != st.shape[1]:
-            raise ValueError(f"table {name!r}: optimizer state of shape {tuple(full.shape)} does not fit "
+    given = [entry[k].reshape(spec.rows, -1) for k in cols]  # streamed: a chunk of rows at a time in memory
+    width = sum(g.shape[1] for g in given)
+    for lo, w, st in cache.store.table_chunks(name, CHUNK_ROWS):  # each chunk read before it is rewritten
+        if width != st.shape[1]:
+            raise ValueError(f"table {name!r}: optimizer state of shape {(spec.rows, width)} does not fit "
                              f"({spec.rows}, {st.shape[1]}); was it saved with another optimizer kind?")
-        cache.store.write_table_chunk(name, lo, w, full[lo:lo + w.shape[0]])
+        cache.store.write_table_chunk(name, lo, w, torch.cat([g[lo:lo + w.shape[0]].float() for g in given], dim=1))
 
 
 def save_tables(module: CachedCollection, path: str, *, chunk_rows: int = CHUNK_ROWS) -> None:

@@ -308,3 +308,36 @@ def test_disk_settings_are_accepted_or_refused_in_one_line(budget, disk_dir):
         return
     assert cfg.host_budget_bytes() >= 0
     assert budget is None or cfg.disk_dir is not None
+
+
+def test_state_dict_streams_to_mapped_files_and_loads_back(tmp_path):
+    """A disk-backed collection's state dict is mapped files beside the tier (nothing left in disk_dir);
+    torch.save / torch.load(mmap=True) / load_state_dict of it, and of the fused optimizer state, continue
+    training exactly."""
+    (tmp_path / "a").mkdir()
+    ref, cached, ref_opt = _disk_pair(tmp_path / "a", "adam")
+    data = _batches(8, seed=9)
+    for kjt, target in data[:4]:
+        ref_opt.zero_grad()
+        ((ref(kjt).values() - target) ** 2).sum().backward()
+        ref_opt.step()
+        ((cached(kjt).values() - target) ** 2).sum().backward()
+    before = set(os.listdir(tmp_path / "a"))
+    sd, opt_state = cached.state_dict(), cached.fused_optimizer_state()
+    assert set(os.listdir(tmp_path / "a")) == before  # the files are unlinked once mapped
+    maps = open("/proc/self/maps").read()
+    assert "torchrec_cache-t0.weight-" in maps and "torchrec_cache-t0.state-" in maps
+    torch.save({"sd": sd, "opt": opt_state}, tmp_path / "ckpt.pt")
+    del sd, opt_state
+    (tmp_path / "b").mkdir()
+    fresh = CachedEmbeddingBagCollection(tables=tables(), cache=CacheConfig(
+        capacity=0.1, optimizer=cached.cache_config().optimizer, disk_dir=str(tmp_path / "b"), host_budget=1500))
+    saved = torch.load(tmp_path / "ckpt.pt", mmap=True, weights_only=True)
+    fresh.load_state_dict(saved["sd"])
+    fresh.load_fused_optimizer_state(saved["opt"])
+    for kjt, target in data[4:]:
+        ref_opt.zero_grad()
+        ((ref(kjt).values() - target) ** 2).sum().backward()
+        ref_opt.step()
+        ((fresh(kjt).values() - target) ** 2).sum().backward()
+    _check_equal(ref, fresh, ref_opt)

@@ -1,10 +1,10 @@
 """Checkpoints of tables larger than memory stream under a hard memory limit.
 
-``state_dict()`` must hand TorchRec a tensor per table, so it holds each table once; for tables larger than
-memory the documented path is ``checkpoint.save_tables`` / ``load_tables``, which stream rows and optimizer
-state chunk by chunk. This test proves it under a real cgroup v1 limit (``benchmarks/memlimit.py``): a
-collection whose tables (with Adagrad state) are 1.25x the limit is built on disk, trained, saved, loaded into
-a fresh collection and compared, never killed.
+Two paths, each under a real cgroup v1 limit (``benchmarks/memlimit.py``), never killed: ``checkpoint.save_tables``
+/ ``load_tables`` stream rows and optimizer state chunk by chunk (tables with Adagrad state 1.25x the limit,
+built on disk, trained, saved, loaded into a fresh collection and compared); ``state_dict()`` hands TorchRec a
+tensor per table backed by a file it streamed (clean pages the kernel reclaims), so a state dict whose weights
+alone are 1.3x the limit is taken, ``torch.save``-d, loaded back with ``torch.load(mmap=True)`` and compared.
 """
 
 from __future__ import annotations
@@ -69,4 +69,49 @@ def test_tables_larger_than_the_limit_save_and_load_under_it(tmp_path):
     assert run.enforced and not run.oom_killed, (run.returncode, run.stderr[-2000:])
     assert run.returncode == 0, run.stderr[-2000:]
     assert last_json_line(run.stdout) == {"same": True, "trained": True}
+    assert run.peak_bytes <= LIMIT
+
+
+STATE_DICT_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, RowOptimizer
+    rows, dim, base = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    def make(sub):
+        t = [EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"],
+                                init_fn=lambda w: w.data.fill_(0.01))]
+        return CachedEmbeddingBagCollection(tables=t, cache=CacheConfig(
+            capacity=0.001, optimizer=RowOptimizer(kind="sgd", lr=0.1), disk_dir=f"{base}/{sub}",
+            host_budget=8 << 20))
+    gen = torch.Generator().manual_seed(0)
+    def kjt():
+        ids = torch.randint(0, rows, (4096,), generator=gen)
+        return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones(4096, dtype=torch.int64))
+    a = make("a")
+    for _ in range(3):
+        a(kjt()).values().sum().backward()
+    sd = a.state_dict()
+    shape = list(sd["embedding_bags.t.weight"].shape)
+    torch.save(sd, f"{base}/ckpt/sd.pt")
+    del sd
+    b = make("b")
+    b.load_state_dict(torch.load(f"{base}/ckpt/sd.pt", mmap=True, weights_only=True))
+    probe = kjt()
+    same = bool(torch.equal(a(probe).values(), b(probe).values()))
+    changed = bool((a(probe).values() != 0.01 * dim).any())
+    print(json.dumps({"same": same, "trained": changed, "shape": shape}))
+""")
+
+
+def test_a_state_dict_of_tables_larger_than_the_limit_is_taken_saved_and_loaded_under_it(tmp_path):
+    for sub in ("a", "b", "ckpt"):
+        (tmp_path / sub).mkdir()
+    rows, dim = ROWS, 2 * DIM  # 660 MiB of weights (SGD: no state)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # as above
+    run = run_limited([sys.executable, "-c", STATE_DICT_CHILD, str(rows), str(dim), str(tmp_path)], LIMIT,
+                      name="test-state-dict", timeout=600, env=env)
+    assert rows * dim * 4 > LIMIT * 1.25
+    assert run.enforced and not run.oom_killed, (run.returncode, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert last_json_line(run.stdout) == {"same": True, "trained": True, "shape": [rows, dim]}
     assert run.peak_bytes <= LIMIT
