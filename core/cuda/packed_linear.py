@@ -11,7 +11,10 @@ the energon benchmark model's 25 projections per step (21 MB of fp32 weights):
     packed    1.18  1.44  2.00  2.53  4.16  7.42  27.7  103.2 ms
 
 At one or two rows the BLAS's matrix-vector path is as fast or faster (another run: 0.75 vs 1.04 ms at 1 row,
-1.43 vs 1.48 at 2, 2.29 vs 1.42 at 3), so callers keep ``F.linear`` below :data:`MIN_ROWS` rows. Each packed
+1.43 vs 1.48 at 2, 2.29 vs 1.42 at 3), so callers keep ``F.linear`` below :data:`MIN_ROWS` rows. Two rows pack:
+with the 25 projections' 50 MB of distinct weights of the serving benchmark's 6 x 384 LLaMA (cold in the caches,
+as in a real decode step), F.linear / packed took 4.38 / 3.97 ms at 2 rows on one thread and 4.90 / 2.97 on two
+(2.56 / 2.74 at 1 row on two threads: one row stays with the BLAS). Each packed
 call also pays ~11 us of fixed oneDNN overhead, which small weights do not earn back (one projection, weights
 in cache, F.linear / packed us at 4 and 16 rows: 64x64 2.8/14.1, 15.6/14.7; 256x256 12.4/17.7, 28.0/32.3;
 256x512 28.5/25.4, 62.2/59.1; 256x1344 62.3/45.0, 143/117; 256x4096 252/100, 508/319), so weights of fewer
@@ -42,7 +45,7 @@ from tightfit.cuda.dispatch import forced_backend
 __all__ = ["MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "packing_available", "pack_linear_weight", "packed_linear"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-MIN_ROWS = 3  # fewer rows: F.linear is as fast (see the module docstring)
+MIN_ROWS = 2  # one row: F.linear is as fast (see the module docstring)
 MIN_NUMEL = 1 << 17  # smaller weights: F.linear is as fast (see the module docstring)
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
