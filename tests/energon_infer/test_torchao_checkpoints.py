@@ -154,6 +154,13 @@ def test_conflicts_and_unreadable_formats_are_refused_in_one_line(dirs, tmp_path
                                                 r"cannot read .*save the model unquantized") as err:
         ModelRunner.from_pretrained(int4, progress=False)
     assert "\n" not in str(err.value)
+    # Asymmetric int8 (non-zero zero points) is not energon's format: refused, naming the weight.
+    skewed = tmp_path / "skewed"
+    shutil.copytree(dirs["q8"], skewed)
+    _edit_tensor(skewed, "model.layers.1.mlp.down_proj._weight_zero_point", lambda z: z + 1)
+    with pytest.raises(QuantizationError, match=r"^model.layers.1.mlp.down_proj.weight: torchao Int8Tensor has "
+                                                r"non-zero zero points"):
+        ModelRunner.from_pretrained(skewed, progress=False)
     # A pickled torchao checkpoint is never unpickled.
     pickled = tmp_path / "pickled"
     pickled.mkdir()
@@ -161,3 +168,20 @@ def test_conflicts_and_unreadable_formats_are_refused_in_one_line(dirs, tmp_path
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(FileNotFoundError, match=r"pickled weights are never loaded"):
         ModelRunner.from_pretrained(pickled, progress=False)
+
+
+def _edit_tensor(path: Path, name: str, change) -> None:
+    """Rewrite the shard holding ``name`` with ``change(tensor)`` in its place, keeping the header's metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            if name not in h.keys():
+                continue
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+            meta = h.metadata()
+        tensors[name] = change(tensors[name])
+        save_file(tensors, str(f), metadata=meta)
+        return
+    raise AssertionError(f"{name} is in no shard of {path}")

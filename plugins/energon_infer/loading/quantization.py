@@ -244,14 +244,12 @@ def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
 
 def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
                    parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
-                   nonfinite: str = "warn", skip: Collection[int] = ()) -> int:
+                   nonfinite: str = "warn", skip: Collection[int] = (), saved: object = None) -> int:
     """Build, quantize and install every block projection of ``stage`` (left on meta by the runtime), one at a
     time: this rank's slice of each weight is read, quantized and released before the next. Returns the bytes
     the quantized weights hold. The blocks at positions ``skip`` (streamed from disk by the memory pool) are
-    only given their quantized shapes on meta (:func:`meta_quantize`)."""
-    from energon_infer.loading.torchao_checkpoint import TorchaoWeights
-
-    saved = TorchaoWeights.of(source)  # already quantized by torchao: installed as they are
+    only given their quantized shapes on meta (:func:`meta_quantize`). ``saved``: the checkpoint's weights already
+    quantized by torchao (a :class:`~energon_infer.loading.torchao_checkpoint.TorchaoWeights`), installed as saved."""
     keys = set(source.keys()) if saved is None else saved.logical_keys()  # type: ignore[attr-defined]
     if saved is not None and skip:
         raise QuantizationError(f"blocks {sorted(skip)[:3]} are offloaded to the memory pool's disk tier, which reads "
@@ -281,7 +279,7 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
         if missing:
             raise WeightError(f"the checkpoint lacks {missing[:3]} for {name} of this {cfg.model_type} config; check "
                               "that config.json belongs to these weights")
-        if saved is not None and any(saved.holds(p.source) for p in parts):
+        if saved is not None and any(saved.holds(p.source) for p in parts):  # type: ignore[attr-defined]
             tensors = _saved_int8(saved, name, parts, grid, tuple(param.shape), spec)
         else:
             value = build_param(cfg, grid, name, tuple(param.shape), parts, fetch, nonfinite=nonfinite)

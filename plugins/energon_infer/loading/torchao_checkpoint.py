@@ -122,13 +122,14 @@ class TorchaoWeights:
     def read(self, name: str, split: str | None, tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``name``'s (``P.weight``) qdata ``(N, K)`` and scale ``(N,)`` (this rank's slice for ``split``)."""
         base = name[: -len(".weight")]
-        info = self.meta.get(name)
-        kind = info.get("_type") if isinstance(info, dict) else None
+        info: dict = self.meta.get(name) or {}
+        kind = info.get("_type")
         if kind != "Int8Tensor":
             raise QuantizationError(f"{name} is held as torchao {kind or 'an unknown subclass'} (safetensors metadata), "
                                     f"not Int8Tensor; {FIX}")
         q, s = self.reader.get(base + QDATA), self.reader.get(base + SCALE)  # type: ignore[attr-defined]
-        data = info.get("_data") or {}
+        raw = info.get("_data")
+        data: dict = raw if isinstance(raw, dict) else {}
         block = data.get("block_size")
         if q.dtype != torch.int8 or q.dim() != 2 or tuple(s.shape) not in ((q.shape[0], 1), (q.shape[0],)) \
                 or block not in (None, [1, q.shape[1]]) or data.get("act_quant_kwargs") is not None:
