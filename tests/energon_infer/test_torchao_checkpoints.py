@@ -185,3 +185,15 @@ def _edit_tensor(path: Path, name: str, change) -> None:
         save_file(tensors, str(f), metadata=meta)
         return
     raise AssertionError(f"{name} is in no shard of {path}")
+
+
+def test_engine_serves_the_checkpoint_as_saved(dirs):
+    from energon_infer import Engine, ModelRunner, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    runner = ModelRunner.from_pretrained(dirs["q8"], block_size=4, progress=False)
+    want = [g.token_ids for g in runner.generate(PROMPTS, params)]
+    with Engine.from_pretrained(dirs["q8"], max_restarts=0) as engine:  # no quantization=: the checkpoint's int8
+        got = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        rank = engine.memory_report()["ranks"][0]
+    assert got == want and rank["weights"] == "int8"
