@@ -210,6 +210,7 @@ class Engine:
         every default). The directory's ``tokenizer.json`` is used when there is one.
         """
         from energon_infer.loading.config import load_config
+        from energon_infer.loading.torchao_checkpoint import checkpoint_quantization
         from energon_infer.parallel import split_layers
         from energon_infer.worker.model import check_tp
 
@@ -221,6 +222,8 @@ class Engine:
             options["dtype"] = resolve_dtype(path, options["dtype"])  # "auto": the dtype config.json was saved in
         cfg = engine_config(config, **options)
         # Fail here, in the caller's process, before any worker is spawned.
+        if (method := checkpoint_quantization(path, cfg.runtime.quantization)) != cfg.runtime.quantization:
+            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quantization=method))  # torchao's
         model = load_config(path)
         try:  # both only check the layout the caller asked for against the model's shape
             check_tp(model, cfg.runtime.tp)

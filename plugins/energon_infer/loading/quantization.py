@@ -244,12 +244,17 @@ def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
 
 def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
                    parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
-                   nonfinite: str = "warn", skip: Collection[int] = ()) -> int:
+                   nonfinite: str = "warn", skip: Collection[int] = (), saved: object = None) -> int:
     """Build, quantize and install every block projection of ``stage`` (left on meta by the runtime), one at a
     time: this rank's slice of each weight is read, quantized and released before the next. Returns the bytes
     the quantized weights hold. The blocks at positions ``skip`` (streamed from disk by the memory pool) are
-    only given their quantized shapes on meta (:func:`meta_quantize`)."""
-    keys = set(source.keys())  # type: ignore[attr-defined]
+    only given their quantized shapes on meta (:func:`meta_quantize`). ``saved``: the checkpoint's weights already
+    quantized by torchao (a :class:`~energon_infer.loading.torchao_checkpoint.TorchaoWeights`), installed as saved."""
+    keys = set(source.keys()) if saved is None else saved.logical_keys()  # type: ignore[attr-defined]
+    if saved is not None and skip:
+        raise QuantizationError(f"blocks {sorted(skip)[:3]} are offloaded to the memory pool's disk tier, which reads "
+                                "unquantized checkpoints only; load this torchao-quantized checkpoint without the "
+                                "pool's offload, or save the model unquantized and load it with quantization='int8'")
     blocks = stage.layers
     assert isinstance(blocks, torch.nn.ModuleDict)
     skipped = {key for i, key in enumerate(blocks) if i in set(skip)}
@@ -274,10 +279,31 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
         if missing:
             raise WeightError(f"the checkpoint lacks {missing[:3]} for {name} of this {cfg.model_type} config; check "
                               "that config.json belongs to these weights")
-        value = build_param(cfg, grid, name, tuple(param.shape), parts, fetch, nonfinite=nonfinite)
-        tensors = {k: v.to(stage_device(stage)) for k, v in quantize_weight(value, spec).items()}
+        if saved is not None and any(saved.holds(p.source) for p in parts):  # type: ignore[attr-defined]
+            tensors = _saved_int8(saved, name, parts, grid, tuple(param.shape), spec)
+        else:
+            value = build_param(cfg, grid, name, tuple(param.shape), parts, fetch, nonfinite=nonfinite)
+            tensors = quantize_weight(value, spec)
+        tensors = {k: v.to(stage_device(stage)) for k, v in tensors.items()}
         held += module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
     return held
+
+
+def _saved_int8(saved: object, name: str, parts: list[Part], grid: Grid, shape: tuple[int, ...], spec: QuantSpec
+                ) -> dict[str, torch.Tensor]:
+    """This rank's ``name`` from torchao's int8 qdata and scales as saved (fused parts: rows concatenated)."""
+    held = [p.source for p in parts if not saved.holds(p.source)]  # type: ignore[attr-defined]
+    if held or spec.method != "int8" or any(p.transform is not None for p in parts):
+        raise QuantizationError(f"{name} mixes torchao-quantized and unquantized checkpoint tensors ({held[:2]} are "
+                                "not quantized; modules_to_not_convert?); save the model unquantized and load it with "
+                                "quantization='int8'")
+    pieces = [saved.read(p.source, p.split, grid.tp, grid.tp_rank) for p in parts]  # type: ignore[attr-defined]
+    q = pieces[0][0] if len(pieces) == 1 else torch.cat([x[0] for x in pieces])
+    s = pieces[0][1] if len(pieces) == 1 else torch.cat([x[1] for x in pieces])
+    if tuple(q.shape) != shape:
+        raise WeightError(f"{name}: torchao's qdata gives {tuple(q.shape)} on this rank, the model needs {shape}; "
+                          "check that config.json belongs to these weights")
+    return {"qweight": q, "scale": s}
 
 
 def stage_device(stage: torch.nn.Module) -> torch.device:

@@ -21,6 +21,7 @@ travel between stages. A step of the engine (:class:`~energon_infer.protocol.Ste
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from energon_infer.loading.quantization import (
     load_quantized,
     quantized_bytes_per_weight,
 )
+from energon_infer.loading.torchao_checkpoint import TorchaoWeights, checkpoint_quantization
 from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from energon_infer.parallel import Grid, local_rank_device, microbatches, split_layers
 from energon_infer.protocol import Step
@@ -110,7 +112,7 @@ class ModelRunner:
             # Offloaded blocks get their quantized shapes on meta: the memory pool streams them quantized
             # (energon_infer.worker.quantized_pool).
             held = load_quantized(self.stage, config, self.grid, source, self.quant, parts_fn=parts_fn,
-                                  nonfinite=rt.nonfinite_weights, skip=offload)
+                                  nonfinite=rt.nonfinite_weights, skip=offload, saved=TorchaoWeights.of(source))
             self._say(f"energon: block projections quantized to {self.quant.method}"
                       f"{f' (group {self.quant.group_size})' if self.quant.group_size else ''}: "
                       f"{held / 2**20:.1f} MiB")
@@ -144,6 +146,8 @@ class ModelRunner:
             raise FileNotFoundError(f"model directory {path} does not exist; give a directory saved with "
                                     "save_pretrained (config.json + *.safetensors)")
         rt = runtime if runtime is not None else RuntimeConfig(**kwargs)
+        if (method := checkpoint_quantization(path, rt.quantization)) != rt.quantization:  # saved quantized by torchao
+            rt = dataclasses.replace(rt, quantization=method)
         config = load_config(path)
         reader = CheckpointReader(path)
         try:
