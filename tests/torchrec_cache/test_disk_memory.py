@@ -25,17 +25,17 @@ MiB = 1 << 20
 ROWS, DIM = 2_700_000, 32  # 330 MiB of weights + 330 MiB of Adagrad state
 LIMIT = 512 * MiB  # python, torch and torchrec alone: ~270 MiB
 
-CHILD = textwrap.dedent("""
+# Both children: build a disk-backed collection (optimizer kind from argv) and train it on random ids.
+PRELUDE = textwrap.dedent("""
     import json, sys, torch
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, RowOptimizer
-    from torchrec_cache.checkpoint import load_tables, save_tables
-    rows, dim, base = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rows, dim, base, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     def make(sub):
         t = [EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"],
                                 init_fn=lambda w: w.data.fill_(0.01))]
         return CachedEmbeddingBagCollection(tables=t, cache=CacheConfig(
-            capacity=0.001, optimizer=RowOptimizer(kind="adagrad", lr=0.1), disk_dir=f"{base}/{sub}",
+            capacity=0.001, optimizer=RowOptimizer(kind=kind, lr=0.1), disk_dir=f"{base}/{sub}",
             host_budget=8 << 20))
     gen = torch.Generator().manual_seed(0)
     def kjt():
@@ -44,6 +44,10 @@ CHILD = textwrap.dedent("""
     a = make("a")
     for _ in range(3):
         a(kjt()).values().sum().backward()
+""")
+
+CHILD = PRELUDE + textwrap.dedent("""
+    from torchrec_cache.checkpoint import load_tables, save_tables
     save_tables(a, f"{base}/ckpt", chunk_rows=65536)
     b = make("b")
     load_tables(b, f"{base}/ckpt", chunk_rows=65536)
@@ -62,7 +66,7 @@ def test_tables_larger_than_the_limit_save_and_load_under_it(tmp_path):
     # (RssAnon), +39 MiB with a fixed threshold. The streaming paths allocate a chunk at a time and do not
     # reuse buffers yet, so the child runs with a fixed threshold (README, "Limits").
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    run = run_limited([sys.executable, "-c", CHILD, str(ROWS), str(DIM), str(tmp_path)], LIMIT,
+    run = run_limited([sys.executable, "-c", CHILD, str(ROWS), str(DIM), str(tmp_path), "adagrad"], LIMIT,
                       name="test-save-tables", timeout=600, env=env)
     table_bytes = ROWS * DIM * 4 * 2
     assert table_bytes > LIMIT * 1.2
@@ -72,24 +76,7 @@ def test_tables_larger_than_the_limit_save_and_load_under_it(tmp_path):
     assert run.peak_bytes <= LIMIT
 
 
-STATE_DICT_CHILD = textwrap.dedent("""
-    import json, sys, torch
-    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-    from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, RowOptimizer
-    rows, dim, base = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    def make(sub):
-        t = [EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"],
-                                init_fn=lambda w: w.data.fill_(0.01))]
-        return CachedEmbeddingBagCollection(tables=t, cache=CacheConfig(
-            capacity=0.001, optimizer=RowOptimizer(kind="sgd", lr=0.1), disk_dir=f"{base}/{sub}",
-            host_budget=8 << 20))
-    gen = torch.Generator().manual_seed(0)
-    def kjt():
-        ids = torch.randint(0, rows, (4096,), generator=gen)
-        return KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones(4096, dtype=torch.int64))
-    a = make("a")
-    for _ in range(3):
-        a(kjt()).values().sum().backward()
+STATE_DICT_CHILD = PRELUDE + textwrap.dedent("""
     sd = a.state_dict()
     shape = list(sd["embedding_bags.t.weight"].shape)
     torch.save(sd, f"{base}/ckpt/sd.pt")
@@ -108,7 +95,7 @@ def test_a_state_dict_of_tables_larger_than_the_limit_is_taken_saved_and_loaded_
         (tmp_path / sub).mkdir()
     rows, dim = ROWS, 2 * DIM  # 660 MiB of weights (SGD: no state)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # as above
-    run = run_limited([sys.executable, "-c", STATE_DICT_CHILD, str(rows), str(dim), str(tmp_path)], LIMIT,
+    run = run_limited([sys.executable, "-c", STATE_DICT_CHILD, str(rows), str(dim), str(tmp_path), "sgd"], LIMIT,
                       name="test-state-dict", timeout=600, env=env)
     assert rows * dim * 4 > LIMIT * 1.25
     assert run.enforced and not run.oom_killed, (run.returncode, run.stderr[-2000:])
