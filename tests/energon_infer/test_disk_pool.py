@@ -284,17 +284,9 @@ def test_tp2_ranks_read_only_their_slices_and_equal_the_loaded_model(tmp_path):
 
 def test_readme_serving_beyond_memory_snippet_runs(tmp_path):
     """The README's "### Serving beyond memory" block, as a script (its engine spawns a worker that imports it)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers.readme import python_block, run_script
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Serving beyond memory", 1)[1].split("\n### ", 1)[0]
-    script = tmp_path / "snippet.py"
-    script.write_text(re.findall(r"```python\n(.*?)```", section, re.S)[0])
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_script(python_block("### Serving beyond memory"), tmp_path)
     assert "'disk'" in out.stdout and "I/O roofline" in out.stdout
 
 

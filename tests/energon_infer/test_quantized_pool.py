@@ -253,15 +253,8 @@ def test_tp2_ranks_stream_their_own_quantized_slices(tmp_path, llama):
 
 def test_readme_quantized_weights_beyond_memory_snippet_runs(tmp_path):
     """The README's "### Quantized weights beyond memory" block, as a script (its engine spawns a worker)."""
-    import re
-    import subprocess
-    import sys
+    from tests.helpers.readme import python_block, run_script
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Quantized weights beyond memory", 1)[1].split("\n### ", 1)[0]
-    script = tmp_path / "snippet.py"
-    script.write_text(re.findall(r"```python\n(.*?)```", section, re.S)[0])
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_script(python_block("### Quantized weights beyond memory"), tmp_path)
     assert "int4 (group 64)" in out.stdout and "'disk'" in out.stdout and ".tightfit-quantized" in out.stdout
     assert (tmp_path / "model-q" / ".tightfit-quantized").is_dir()
