@@ -9,6 +9,12 @@ the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optim
 streamed together in the step), and so do the parameters between uses: FSDP2's sharded parameters *are* the
 master weights, so a unit's parameters are read from disk ahead of its forward and again ahead of its backward
 (one unit ahead, like FSDP2's prefetch) and dropped after each; only its gradients (``m``) stay on the host.
+``4`` = like ``3``, and the gradients wait on disk too, between backward and the optimizer step: each unit's gradient
+shard is written behind its backward (after the reduce) and read back by the streamed step with the state, so
+the host keeps no per-parameter state of the unit at all (``m + o + m`` on disk; the step reads ``m + o + m`` and
+writes ``m + o``). Under gradient accumulation the micro-batches' sums stay in RAM only where the plan says they
+fit the host budget (:attr:`~tightfit.planner.elixir.ElixirPlan.grads_accumulate_on_host`), else each
+micro-batch reads, adds and writes them back.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
@@ -27,14 +33,17 @@ from tightfit.planner.errors import TIERS
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile
 
-__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "DISK_CODES", "DISK_STAGING_BYTES",
-           "slowest_disk", "disk_optimizer_seconds", "tier_name", "param_tier_name"]
+__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES",
+           "slowest_disk", "disk_optimizer_seconds", "tier_name", "param_tier_name",
+           "grad_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
 ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
 # Master weights + optimizer state on disk, parameters waiting on disk between uses (see the module docstring).
 ON_DISK_PARAMS = 3
-DISK_CODES = (ON_DISK, ON_DISK_PARAMS)
+# ... and the gradients between backward and the optimizer step (see the module docstring).
+ON_DISK_GRADS = 4
+DISK_CODES = (ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS)
 
 
 def tier_name(code: int) -> str:
@@ -44,8 +53,13 @@ def tier_name(code: int) -> str:
 
 
 def param_tier_name(code: int) -> str:
-    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for code 3 only."""
-    return "disk" if code == ON_DISK_PARAMS else TIERS[min(int(code), ON_HOST)]
+    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for codes 3 and 4."""
+    return "disk" if code in (ON_DISK_PARAMS, ON_DISK_GRADS) else TIERS[min(int(code), ON_HOST)]
+
+
+def grad_tier_name(code: int) -> str:
+    """Where a unit of state-tier ``code`` keeps its gradients between backward and the step: the disk for code 4."""
+    return "disk" if code == ON_DISK_GRADS else TIERS[min(int(code), ON_HOST)]
 # Host staging area of the disk tier: the optimizer step of a disk unit streams its optimizer state in and out
 # in chunks (AdamW is elementwise), one chunk updating while the next is read: two 64 MiB chunks, counted once
 # per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's
@@ -71,10 +85,12 @@ def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:
 
 
 def disk_optimizer_seconds(disk: DiskProfile, nbytes: float, *, compute: float, sharers: int,
-                           overlap: float) -> tuple[float, float]:
+                           overlap: float, read_only: float = 0.0) -> tuple[float, float]:
     """(optimizer seconds, disk I/O seconds) of a host optimizer step of ``compute`` seconds whose ``nbytes`` of
     optimizer state are read from disk and written back, ``sharers`` ranks of a node on the same disk:
     ``io = read + write`` (:func:`~tightfit.planner.tiers.disk_seconds`), ``opt = compute + io - overlap *
-    min(compute, io)`` (chunked streaming hides the I/O behind the elementwise update as far as measured)."""
-    io = disk_seconds(disk, nbytes, sharers=sharers) + disk_seconds(disk, nbytes, write=True, sharers=sharers)
+    min(compute, io)`` (chunked streaming hides the I/O behind the elementwise update as far as measured);
+    ``read_only`` more bytes are read and not written back (tier 4's gradients)."""
+    io = (disk_seconds(disk, nbytes + read_only, sharers=sharers)
+          + disk_seconds(disk, nbytes, write=True, sharers=sharers))
     return compute + io - overlap * min(compute, io), io
