@@ -18,6 +18,9 @@ micro-batch reads, adds and writes them back.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
+
+if TYPE_CHECKING:  # sim imports this module
+    from tightfit.planner.elixir.sim import Context, UnitTerms
     >>> disk = DiskProfile(path="/nvme", free_bytes=2**40, read_fit=(1e-3, 1e9), write_fit=(1e-3, 5e8))
     >>> opt, io = disk_optimizer_seconds(disk, 1e9, compute=1.0, sharers=1, overlap=1.0)
     >>> round(io, 3), round(opt, 3)   # read 1.001 s + write 2.001 s, the 1 s update hidden behind it
@@ -28,13 +31,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tightfit.planner.errors import TIERS
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile
 
+if TYPE_CHECKING:  # sim imports this module
+    from tightfit.planner.elixir.sim import Context, UnitTerms
+
 __all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES",
-           "slowest_disk", "disk_optimizer_seconds", "tier_name", "param_tier_name",
+           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "disk_bytes", "tier_name", "param_tier_name",
            "grad_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
@@ -67,6 +74,16 @@ def grad_tier_name(code: int) -> str:
 DISK_STAGING_BYTES = 2 * 64 * 2**20
 
 
+def per_element_on_disk(code: int, opt_state: float, master: float) -> tuple[float, float, float]:
+    """(streamed, gradient, fetched) bytes per owned element of a unit in state tier ``code``: what its step reads
+    and writes back (``o``, + ``m`` master weights from tier 3 on), its gradient on disk (``m`` in tier 4: read by
+    the step, not written back), and its parameters read ahead of each use (``m`` from tier 3 on)."""
+    if code not in DISK_CODES:
+        return 0.0, 0.0, 0.0
+    deep = code in (ON_DISK_PARAMS, ON_DISK_GRADS)
+    return opt_state + (master if deep else 0.0), master if code == ON_DISK_GRADS else 0.0, master if deep else 0.0
+
+
 def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:
     """The disk tier of a synchronous step: ``None`` unless every rank has one (``DeviceProfile.disk``); else the
     least free space and the slowest fits over the ranks (the slowest rank paces the step), and the least
@@ -94,3 +111,18 @@ def disk_optimizer_seconds(disk: DiskProfile, nbytes: float, *, compute: float, 
     io = (disk_seconds(disk, nbytes + read_only, sharers=sharers)
           + disk_seconds(disk, nbytes, write=True, sharers=sharers))
     return compute + io - overlap * min(compute, io), io
+
+
+def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
+    """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
+    not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
+    staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
+    # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead; tier 4's
+    # gradient shards from their reduce until written (this unit's and the one still being written behind it).
+    fetched = 2 * max((t.fetch + t.grad_buf for t in terms), default=0.0) if not ctx.unified else 0.0
+    return sum(t.host for t in terms) + staging + fetched
+
+
+def disk_bytes(terms: Sequence[UnitTerms]) -> float:
+    """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
+    return sum(t.disk for t in terms)

@@ -27,7 +27,16 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from tightfit.planner.elixir.disk import DISK_CODES, DISK_STAGING_BYTES, ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import (
+    DISK_CODES,
+    DISK_STAGING_BYTES,
+    ON_DISK,
+    ON_DISK_GRADS,
+    ON_DISK_PARAMS,
+    ON_HOST,
+    disk_bytes,
+    host_bytes,
+)
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
 __all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
@@ -83,21 +92,6 @@ class Candidate:
         if len(lengths) <= 6:
             return f"{len(self.units)} units of {'+'.join(map(str, lengths))} blocks"
         return f"{len(self.units)} units of {sizes[0]}-{sizes[-1]} blocks"
-
-
-def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
-    """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
-    not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
-    staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
-    # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead; tier 4's
-    # gradient shards from their reduce until written (this unit's and the one still being written behind it).
-    fetched = 2 * max((t.fetch + t.grad_buf for t in terms), default=0.0) if not ctx.unified else 0.0
-    return sum(t.host for t in terms) + staging + fetched
-
-
-def disk_bytes(terms: Sequence[UnitTerms]) -> float:
-    """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
-    return sum(t.disk for t in terms)
 
 
 class Evaluator:
@@ -229,8 +223,7 @@ def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, p
             # have, where the host binds so hard that no single move repairs it.
             last = visited[-1]
             deepest = ON_DISK_GRADS if ON_DISK_GRADS in space.offload else ON_DISK_PARAMS
-            deep = ev.make(last.units, last.modes, [deepest if o else o for o in last.offload], last.ckpt,
-                           last.df, last.db)
+            deep = ev.make(last.units, last.modes, [deepest if o else o for o in last.offload], last.ckpt, last.df, last.db)
             if deep.fits(host_budget, disk_budget):
                 pool.append(deep)
     seen.update(_config(c) for c in pool)
