@@ -28,6 +28,11 @@ once written).
 Tier-3 chunks: the surrogate parameters are views of the staging set's master weights (read with the state,
 written back behind it), not of the local shards, which hold no memory between uses.
 
+Tier-4 chunks (:mod:`lightning_elixir.disk_grads`): the gradients were written
+to the store behind the backward; each chunk reads them into the staging set with the state (not written back),
+the clipping recorded for them is replayed on the chunk, and the surrogates' gradients view it. Each staging
+set then holds four tensors, so :func:`~lightning_elixir.disk_attach.attach_disk_state` halves the chunk.
+
 Layout on disk: per unit ``i`` and state key ``k`` one flat buffer ``u<i>.<k>``; each parameter's local shard
 starts at a multiple of ``ALIGN_ELEMENTS`` (the gaps read as zeros and are never stepped).
 
