@@ -176,6 +176,9 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
         elif frac < 1:
             gaps.append("parameters of offloaded units stay on the device: DeepSpeed offloads all parameters "
                         "(offload_param) or none")
+        if any(u.grads_disk for u in units):
+            gaps.append("gradients on disk between backward and the step (grads_disk): ZeRO-Infinity has no such "
+                        "setting; its gradients stay in host memory")
     if stage == 3:
         window = max(1, plan.backward_prefetch)
         sizes = [u.param_numel for u in units]
