@@ -54,7 +54,7 @@ DS_UNCAPPED = "deepspeed nvme, no cap"  # run only where the capped DeepSpeed ru
 # parameter's size: a GPT block has 12 tensors (weights and biases) and the head/embedding one; prefetch is off.
 PARAM_BUFFERS = 14
 # The budgets cover the fp32 model built in RAM at setup (4 B/param) with this much slack (see make_plans).
-SETUP_SLACK = 1.10
+SETUP_SLACK = 1.35
 
 
 def model_config(quick: bool) -> dict:
@@ -142,8 +142,8 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     device_budget = 256 * MiB  # raised to what the search says the device needs (one unit's working set here)
     # The target: state 3x the limit (2% of headroom); raised to what the search says a plan needs, and to what
     # setting up needs: the child builds the fp32 model in RAM (4 B/param) before the plan is applied and the disk
-    # tier takes its master weights (measured at 319 M parameters: the setup peak 6% above that, beside the
-    # interpreter), so the budgets cover it with 10% (SETUP_SLACK).
+    # tier takes its master weights, and teardown reads them back (measured at 319 M parameters, uncapped: the
+    # setup peak 6% and the teardown peak 30% above that, beside the interpreter): the budgets cover it, SETUP_SLACK.
     target = int(state / (TARGETS["state_over_limit"] * 1.02)) - fixed
     setup = int(4 * profile.param_numel * SETUP_SLACK)
     host = max(64 * MiB, target - device_budget, setup - device_budget)
@@ -170,7 +170,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     return {"plan": plan, "ram_plan": ram, "disk": disk, "device": device, "state_bytes": state,
             "device_budget": device_budget, "host_budget": host, "params": profile.param_numel,
             "target_host_infeasible": target_host_infeasible, "setup_bytes": setup,
-            "setup_binds": setup - device_budget >= target - device_budget}
+            "setup_binds": setup >= target}
 
 
 def deepspeed_config(cfg: dict, disk: object, disk_dir: Path, lr: float, limit: int) -> dict:
@@ -349,12 +349,14 @@ def markdown(stats: dict, exact: dict, p: dict) -> tuple[str, dict]:
         f"- never OOM-killed under the limit: {yn(met['never_killed'])}",
         f"- state >= 3x the limit: {yn(met['state_3x_limit'])} ({head['state_over_limit']:.2f}x)"
         + ("" if met["state_3x_limit"] else
-           + (f"; the limit is set by setting up, not by training: the child builds the fp32 model in RAM "
-              f"({p.get('setup_bytes', 0) / GiB:.2f} GiB with {SETUP_SLACK - 1:.0%} slack, 4 B/param) before the "
-              "plan is applied and the disk tier takes its master weights, and the budgets must cover it (a limit "
-              "at a third of the state was OOM-killed at setup); training itself needs the plan's host budget "
-              f"only (host state {p.get('plan_host_bytes', 0) / GiB:.2f} GiB predicted; the peak per phase is in "
-              "the samples)" if p.get("setup_binds") else
+           (f"; the limit is set by setting up and tearing down, not by training: the child builds the fp32 model "
+            f"in RAM (4 B/param) before the plan is applied and the disk tier takes its master weights, and "
+            f"teardown reads them back (the module usable as it was), so the budgets cover "
+            f"{p.get('setup_bytes', 0) / GiB:.2f} GiB ({SETUP_SLACK - 1:.0%} over the model: measured uncapped, "
+            "setup peaks 6% and teardown 30% over it beside the interpreter; limits at a third of the state and at "
+            "the model + 10% were OOM-killed); training itself needs the plan's host budget only (host state "
+            f"{p.get('plan_host_bytes', 0) / GiB:.2f} GiB predicted; the peak per phase is in the samples)"
+            if p.get("setup_binds") else
               "; the search found no plan within the host budget that would put the limit at a third of the state: "
               "the interpreter baseline, the margin, the staging area and the largest unit's gathered parameters "
               "and gradients are a fixed cost beside the state")

@@ -145,6 +145,7 @@ class DiskOptimizerState:
         """Remove the hooks, and tier 3's (its units hold their weights again; the store is the caller's to close)."""
         for h in self._handles:
             h.remove()
+        self._staging = []  # freed before tier 3 reads the weights back
         if self.grads is not None:
             self.grads.close()  # its hooks wrap tier 3's: removed first
             if self._undo_zero_grad is not None:
