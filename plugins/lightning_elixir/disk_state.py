@@ -117,6 +117,7 @@ class DiskOptimizerState:
         self.last_step: StepIO | None = None  # what the latest streamed step moved, and how long it took
         self._waited = 0.0
         self._staging: list[Staging] = []
+        self._freed_staging = 0
         self._saved: list[dict[str, Any]] | None = None
         self._filtered: list[dict[str, Any]] | None = None
         self._handles = (optimizer.register_step_pre_hook(self._before),
@@ -130,7 +131,10 @@ class DiskOptimizerState:
 
     @property
     def staging_bytes(self) -> int:
-        """Host bytes of the staging sets (0 before the first step allocates them)."""
+        """Host bytes of the staging sets (0 before the first step allocates them; after :meth:`close`, which frees
+        them, what they were)."""
+        if not self._staging:
+            return self._freed_staging
         return sum(b.nbytes for s in self._staging for b in (*s.buffers.values(), *(t for t in (s.master, s.grad)
                                                                                     if t is not None)))
 
@@ -145,6 +149,7 @@ class DiskOptimizerState:
         """Remove the hooks, and tier 3's (its units hold their weights again; the store is the caller's to close)."""
         for h in self._handles:
             h.remove()
+        self._freed_staging = self.staging_bytes
         self._staging = []  # freed before tier 3 reads the weights back
         if self.grads is not None:
             self.grads.close()  # its hooks wrap tier 3's: removed first
