@@ -161,11 +161,15 @@ def run_lightning(spec: dict) -> dict:
             clock.end(float(outputs["loss"].item()))
             phases.enter("between")
             clock.steps[-1]["rss_peak_by_phase"] = phases.take()
-            io = getattr(getattr(trainer.strategy, "disk_state", None), "last_step", None)
+            state = getattr(trainer.strategy, "disk_state", None)
+            io = getattr(state, "last_step", None)
             if io is not None:  # the runtime's own account of the streamed step (DiskOptimizerState.last_step)
                 clock.steps[-1].update(stream_s=io.seconds, stream_read_bytes=io.bytes_read,
                                        stream_write_bytes=io.bytes_written, stream_wait_s=io.wait_seconds,
                                        stream_sync_s=io.sync_seconds)
+            grads = getattr(state, "grads", None)
+            if grads is not None:  # tier 4: gradients written behind the backward so far (DiskGradients)
+                clock.steps[-1]["grad_bytes_written_total"] = grads.bytes_written
 
     setup_rss: dict[str, int] = {}
     kwargs: dict[str, Any] = {"plan": spec["plan"], "verbose": False}

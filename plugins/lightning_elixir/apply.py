@@ -359,27 +359,38 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    from lightning_elixir.disk_grads import disk_gradients_of, norm_term
+
+    parameters = list(parameters)
+    disk = disk_gradients_of(parameters)  # tier-4 units: gradients on disk, their norm terms kept in backward
+    params = [p for p in parameters if p.grad is not None or (disk is not None and disk.holds(p))]
+    grads = [p.grad for p in params if p.grad is not None]
+    if not params:
         return torch.tensor(0.0)
-    if not any(isinstance(g, DTensor) for g in grads) and len({g.device for g in grads}) == 1:
+    if disk is None and not any(isinstance(g, DTensor) for g in grads) and len({g.device for g in grads}) == 1:
         # Plain tensors on one device (a plan applied with DDP: every rank holds the same reduced gradients):
         # torch's own clipping, the very arithmetic DDP training clips with.
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    first = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
-    total = torch.zeros((), dtype=torch.float64, device=first.device)
-    for g in grads:
-        if isinstance(g, DTensor):
-            local = g.to_local()
+    first = params[0].grad if params[0].grad is not None else params[0]  # a disk gradient: its parameter's device
+    total = torch.zeros((), dtype=torch.float64, device=(first.to_local() if isinstance(first, DTensor)
+                                                         else first).device)
+    for p in params:
+        g = p.grad
+        ref = g if g is not None else p  # a gradient on disk has its parameter's placements
+        if isinstance(ref, DTensor):
             copies = 1
-            for dim, placement in enumerate(g.placements):
+            for dim, placement in enumerate(ref.placements):
                 if isinstance(placement, Replicate):
-                    copies *= g.device_mesh.size(dim)
+                    copies *= ref.device_mesh.size(dim)
         else:
-            local, copies = g, world  # a plain tensor is the same on every rank
-        total += local.detach().double().abs().pow(norm_type).sum().to(total.device) / copies
+            copies = world  # a plain tensor is the same on every rank
+        if g is None:
+            assert disk is not None
+            term = disk.term(p, norm_type)
+        else:
+            term = norm_term(g.to_local() if isinstance(g, DTensor) else g, norm_type)
+        total += term.to(total.device) / copies
     if world > 1:
         comm = total.cuda() if dist.get_backend() == "nccl" else total.cpu()
         dist.all_reduce(comm)
@@ -389,6 +400,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.device, local.dtype))
+    if disk is not None:
+        disk.scale(coef)  # the gradients on disk: multiplied as they are read by the step
     return norm
 
 

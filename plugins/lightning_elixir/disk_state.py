@@ -28,6 +28,11 @@ once written).
 Tier-3 chunks: the surrogate parameters are views of the staging set's master weights (read with the state,
 written back behind it), not of the local shards, which hold no memory between uses.
 
+Tier-4 chunks (:mod:`lightning_elixir.disk_grads`): the gradients were written
+to the store behind the backward; each chunk reads them into the staging set with the state (not written back),
+the clipping recorded for them is replayed on the chunk, and the surrogates' gradients view it. Each staging
+set then holds four tensors, so :func:`~lightning_elixir.disk_attach.attach_disk_state` halves the chunk.
+
 Layout on disk: per unit ``i`` and state key ``k`` one flat buffer ``u<i>.<k>``; each parameter's local shard
 starts at a multiple of ``ALIGN_ELEMENTS`` (the gaps read as zeros and are never stepped).
 
@@ -42,118 +47,29 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_elixir.disk_grads import DiskGradients
+from lightning_elixir.disk_layout import (
+    ALIGN_ELEMENTS,
+    CHUNK_ELEMENTS,
+    Chunk,
+    Piece,
+    Staging,
+    StepIO,
+    align,
+    chunks_of,
+    flat_layout,
+    local_of,
+)
 from lightning_elixir.disk_params import DiskParameters
 from lightning_elixir.optim import host_group
 from tightfit.storage import TensorStore, aligned_empty
 
 __all__ = ["DiskOptimizerState", "StepIO", "flat_layout", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
-
-# 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
-# the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
-CHUNK_ELEMENTS = 8 * 2**20
-# Chunk boundaries inside a tensor, and each tensor's offset on disk, are multiples of this (see the docstring).
-ALIGN_ELEMENTS = 4096
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``t`` (a DTensor's local tensor; a plain tensor is its own)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepIO:
-    """One streamed optimizer step, as measured (the benchmark's optimizer-phase bandwidth reads it).
-
-    Args:
-        seconds: wall time of the disk units' step, reads, updates, write-backs and the sync included.
-        bytes_read / bytes_written: state moved from and to the store.
-        wait_seconds: time blocked on the store (I/O the updates did not hide).
-        sync_seconds: the store's ``sync()`` at the end of the step (part of ``seconds``).
-        chunks: chunks streamed.
-    """
-
-    seconds: float
-    bytes_read: int
-    bytes_written: int
-    wait_seconds: float
-    sync_seconds: float
-    chunks: int
-
-    @property
-    def bytes_per_s(self) -> float:
-        """Bytes moved (read + written) per second of the step."""
-        return (self.bytes_read + self.bytes_written) / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    param: nn.Parameter
-    start: int  # first element of the local shard in this piece
-    stop: int
-    offset: int  # element offset of ``start`` in the unit's flat buffer
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    unit: int
-    lo: int  # element range of the unit's flat buffer
-    hi: int
-    pieces: tuple[_Piece, ...]
-
-
-@dataclass
-class _Staging:
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    writes: list[Future[Any]] = field(default_factory=list)
-    reads: list[Future[Any]] = field(default_factory=list)
-    master: torch.Tensor | None = None  # tier-3 chunks: the chunk's master weights
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-
-
-def flat_layout(params: Sequence[nn.Parameter]) -> tuple[list[tuple[nn.Parameter, int, int]], int]:
-    """A unit's local shards laid out flat: ``[(parameter, first element, local numel)]`` (aligned starts, empty
-    shards left out) and the flat length; the optimizer state and tier-3 master weights share it."""
-    layout, end = [], 0
-    for p in params:
-        n = local_of(p).numel()
-        if n == 0:
-            continue
-        start = _align(end)
-        layout.append((p, start, n))
-        end = start + n
-    return layout, end
-
-
-def _chunks(units: Sequence[tuple[int, Sequence[nn.Parameter]]], chunk: int,
-            where: dict[int, tuple[int, int]]) -> tuple[list[_Chunk], dict[int, int]]:
-    """Each unit's local shards laid out flat (aligned starts), cut into chunks of at most ``chunk`` elements;
-    returns the chunks in plan order and each unit's flat length, and fills ``where`` (parameter id ->
-    (unit, first element))."""
-    out: list[_Chunk] = []
-    lengths: dict[int, int] = {}
-    for unit, params in units:
-        layout, end = flat_layout(params)
-        for p, start, _ in layout:
-            where[id(p)] = (unit, start)
-        lengths[unit] = end
-        for lo in range(0, end, chunk):
-            hi = min(lo + chunk, end)
-            pieces = tuple(_Piece(p, max(lo, s) - s, min(hi, s + n) - s, max(lo, s))
-                           for p, s, n in layout if s < hi and s + n > lo)
-            if pieces:
-                out.append(_Chunk(unit, lo, hi, pieces))
-    return out, lengths
-
 
 class DiskOptimizerState:
     """Keep the optimizer state of ``units``' parameters in ``store``, streamed through the host in each step.
@@ -166,18 +82,22 @@ class DiskOptimizerState:
         chunk_elements: the largest chunk (a multiple of :data:`ALIGN_ELEMENTS`; default :data:`CHUNK_ELEMENTS`).
         master: the tier-3 units' parameters (:class:`~lightning_elixir.disk_params.DiskParameters`): their chunks
             read and write the master weights from the store with the state.
+        grads: the tier-4 units' gradients (:class:`~lightning_elixir.disk_grads.DiskGradients`): their chunks
+            read the gradients from the store with the state (clipping replayed on them), and write nothing back.
 
     ``bytes_read`` / ``bytes_written`` count what moved; ``staging_bytes`` is the host staging area.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[tuple[int, Sequence[nn.Parameter]]],
                  store: TensorStore, *, chunk_elements: int = CHUNK_ELEMENTS,
-                 master: DiskParameters | None = None) -> None:
+                 master: DiskParameters | None = None, grads: DiskGradients | None = None) -> None:
         if chunk_elements <= 0 or chunk_elements % ALIGN_ELEMENTS:
             raise ValueError(f"DiskOptimizerState(chunk_elements={chunk_elements}): use a positive multiple of "
                              f"{ALIGN_ELEMENTS}")
         self.optimizer, self.store, self.master = optimizer, store, master
         self.master_units = frozenset(master.order) if master is not None else frozenset()
+        self.grads = grads
+        self.grad_units = frozenset(u.index for u in grads.units) if grads is not None else frozenset()
         self.params = {id(p): p for _, ps in units for p in ps}
         dtypes = {p.dtype for p in self.params.values()}
         if len(dtypes) > 1:
@@ -185,22 +105,24 @@ class DiskOptimizerState:
                              "tier streams one dtype (fp32 master weights): keep such units on the host")
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.where: dict[int, tuple[int, int]] = {}
-        self.chunks, self.lengths = _chunks(units, chunk_elements, self.where)
+        self.chunks, self.lengths = chunks_of(units, chunk_elements, self.where)
         # optimizer.state keeps, for each streamed key of a disk parameter, a placeholder of the state's shape
         # backed by one element (so state dicts and checkpoints see every key); storage address -> (param, key).
         self.placeholders: dict[int, tuple[nn.Parameter, str]] = {}
-        self.chunk_elements = min(chunk_elements, _align(max((c.hi - c.lo for c in self.chunks), default=0)))
+        self.chunk_elements = min(chunk_elements, align(max((c.hi - c.lo for c in self.chunks), default=0)))
         self.keys: tuple[str, ...] | None = None  # streamed state keys, known after the first step
         self.bytes_read = 0
         self.bytes_written = 0
         self.steps = 0
         self.last_step: StepIO | None = None  # what the latest streamed step moved, and how long it took
         self._waited = 0.0
-        self._staging: list[_Staging] = []
+        self._staging: list[Staging] = []
+        self._freed_staging = 0
         self._saved: list[dict[str, Any]] | None = None
         self._filtered: list[dict[str, Any]] | None = None
         self._handles = (optimizer.register_step_pre_hook(self._before),
                          optimizer.register_step_post_hook(self._after))
+        self._undo_zero_grad = grads.wrap_zero_grad(optimizer) if grads is not None else None
 
     # ---- names and sizes ---------------------------------------------------------------------------
     def name(self, unit: int, key: str) -> str:
@@ -209,20 +131,30 @@ class DiskOptimizerState:
 
     @property
     def staging_bytes(self) -> int:
-        """Host bytes of the staging sets (0 before the first step allocates them)."""
-        return sum(b.nbytes for s in self._staging for b in (*s.buffers.values(), *(() if s.master is None
-                                                                                else (s.master,))))
+        """Host bytes of the staging sets (0 before the first step allocates them; after :meth:`close`, which frees
+        them, what they were)."""
+        if not self._staging:
+            return self._freed_staging
+        return sum(b.nbytes for s in self._staging for b in (*s.buffers.values(), *(t for t in (s.master, s.grad)
+                                                                                    if t is not None)))
 
     def disk_bytes(self) -> int:
         """Bytes of state this rank keeps on disk (every unit's flat buffers)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         return (sum(n * size for n in self.lengths.values()) * len(self.keys or ())
-                + sum(n * size for u, n in self.lengths.items() if u in self.master_units))
+                + sum(n * size for u, n in self.lengths.items() if u in self.master_units)
+                + sum(n * size for u, n in self.lengths.items() if u in self.grad_units))
 
     def close(self) -> None:
         """Remove the hooks, and tier 3's (its units hold their weights again; the store is the caller's to close)."""
         for h in self._handles:
             h.remove()
+        self._freed_staging = self.staging_bytes
+        self._staging = []  # freed before tier 3 reads the weights back
+        if self.grads is not None:
+            self.grads.close()  # its hooks wrap tier 3's: removed first
+            if self._undo_zero_grad is not None:
+                self._undo_zero_grad()
         if self.master is not None:
             self.master.close()
 
@@ -233,8 +165,14 @@ class DiskOptimizerState:
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         replaced = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            if self.grads is not None:
+                self.grads.final = True  # this backward is the step's last: its gradients go to disk final
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                if self.grads is not None:
+                    self.grads.final = False
             args, kwargs = args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": lambda: loss}
             replaced = (args, kwargs)
         self._saved = optimizer.param_groups
@@ -259,9 +197,11 @@ class DiskOptimizerState:
                   for pid, p in self.params.items() if p in self.optimizer.state}
         first = self.keys is None
         t0, read0, written0, self._waited = time.perf_counter(), self.bytes_read, self.bytes_written, 0.0
+        if self.grads is not None:
+            self.grads.drain()  # every gradient written before the chunks read them
         if self.master is not None:
             self.master.settle()  # every tier-3 unit's newest weights in the store, none held: the step updates those
-            self._allocate_master()
+        self._allocate_master()
         if not first:
             self._allocate()
             self._read(0)
@@ -274,7 +214,7 @@ class DiskOptimizerState:
                 else:
                     s = self._staging[i % 2]
                     self._wait(s.reads)
-                    self._chunk_step(chunk, groups, before, s.buffers, s.master)
+                    self._chunk_step(chunk, groups, before, s)
                     self._write(chunk, s)  # written back behind it
         finally:
             for s in self._staging:
@@ -282,6 +222,8 @@ class DiskOptimizerState:
                 self._wait(s.writes)
         # A durability point each step: the store writes to fresh slots and reuses the replaced ones only after
         # a sync, so without it the state's footprint on disk would grow by a copy every step.
+        if self.grads is not None:
+            self.grads.consumed()
         t1 = time.perf_counter()
         self.store.sync()
         if self.master is not None:
@@ -295,20 +237,33 @@ class DiskOptimizerState:
     def _allocate(self) -> None:
         assert self.keys is not None
         if not self._staging:
-            self._staging = [_Staging() for _ in range(2)]
+            self._staging = [Staging() for _ in range(2)]
         for s in self._staging:
             for k in self.keys:
                 if k not in s.buffers:
                     s.buffers[k] = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
 
     def _allocate_master(self) -> None:
-        if self.master_units and not self._staging:
-            self._staging = [_Staging() for _ in range(2)]
+        """The staging sets' master-weight and gradient buffers (tier 3 and 4 chunks), before the first read."""
+        if (self.master_units or self.grad_units) and not self._staging:
+            self._staging = [Staging() for _ in range(2)]
         for s in self._staging:
             if self.master_units and s.master is None:
                 s.master = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+            if self.grad_units and s.grad is None:
+                s.grad = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
 
-    def _read_master(self, chunk: _Chunk, s: _Staging) -> list[Future[Any]]:
+    def _read_grad(self, chunk: Chunk, s: Staging) -> list[Future[Any]]:
+        """Read the chunk's gradients from disk where any of its parameters has one there."""
+        grads = self.grads
+        if chunk.unit not in self.grad_units or grads is None or not any(grads.holds(pc.param) for pc in chunk.pieces):
+            return []
+        assert s.grad is not None
+        n, size = chunk.hi - chunk.lo, self.dtype.itemsize
+        self.bytes_read += n * size
+        return [self.store.read_into(grads.name(chunk.unit), s.grad[:n], chunk.lo * size)]
+
+    def _read_master(self, chunk: Chunk, s: Staging) -> list[Future[Any]]:
         if chunk.unit not in self.master_units:
             return []
         assert self.master is not None and s.master is not None
@@ -322,10 +277,10 @@ class DiskOptimizerState:
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize
         assert self.keys is not None
         s.reads = [self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
-                   for k in self.keys] + self._read_master(chunk, s)
+                   for k in self.keys] + self._read_master(chunk, s) + self._read_grad(chunk, s)
         self.bytes_read += n * size * len(self.keys)
 
-    def _write(self, chunk: _Chunk, s: _Staging) -> None:
+    def _write(self, chunk: Chunk, s: Staging) -> None:
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize
         assert self.keys is not None
         s.writes = [self.store.write(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
@@ -343,27 +298,31 @@ class DiskOptimizerState:
             f.result()  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
         self._waited += time.perf_counter() - t0
 
-    def _surrogates(self, chunk: _Chunk, groups: dict[int, dict[str, Any]],
-                    master: torch.Tensor | None = None) -> list[tuple[_Piece, nn.Parameter]]:
+    def _surrogates(self, chunk: Chunk, groups: dict[int, dict[str, Any]], master: torch.Tensor | None = None,
+                    grad_buf: torch.Tensor | None = None) -> list[tuple[Piece, nn.Parameter]]:
         out = []
         for piece in chunk.pieces:
             p = piece.param
-            if p.grad is None or id(p) not in groups:
+            lo, n = piece.offset - chunk.lo, piece.stop - piece.start
+            on_disk = self.grads is not None and grad_buf is not None and self.grads.holds(p)
+            if (p.grad is None and not on_disk) or id(p) not in groups:
                 continue
-            grad = local_of(p.grad).view(-1)
+            if on_disk:  # tier 4: read with the chunk; clipping replayed on it here
+                assert self.grads is not None and grad_buf is not None
+                g = grad_buf[lo:lo + n]
+                self.grads.apply_ops(g)
+            else:
+                g = local_of(p.grad).view(-1)[piece.start:piece.stop]  # type: ignore[arg-type]
             if master is not None:  # tier 3: the master weights read into the staging set, not the (empty) shard
-                lo = piece.offset - chunk.lo
-                q = nn.Parameter(master[lo:lo + piece.stop - piece.start])
-                q.grad = grad[piece.start:piece.stop]
-                out.append((piece, q))
-                continue
-            data = local_of(p).detach().view(-1)
-            q = nn.Parameter(data[piece.start:piece.stop])  # a leaf aliasing the shard: the update lands in it
-            q.grad = grad[piece.start:piece.stop]
+                q = nn.Parameter(master[lo:lo + n])
+            else:
+                data = local_of(p).detach().view(-1)
+                q = nn.Parameter(data[piece.start:piece.stop])  # a leaf aliasing the shard: the update lands in it
+            q.grad = g
             out.append((piece, q))
         return out
 
-    def _run(self, pairs: list[tuple[_Piece, nn.Parameter]], groups: dict[int, dict[str, Any]],
+    def _run(self, pairs: list[tuple[Piece, nn.Parameter]], groups: dict[int, dict[str, Any]],
              state: dict[nn.Parameter, dict[str, Any]]) -> None:
         """One step of the user's optimizer over the surrogates, its groups' hyperparameters, without its hooks."""
         opt = self.optimizer
@@ -382,17 +341,18 @@ class DiskOptimizerState:
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
 
-    def _first_chunk(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
+    def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
         """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
         (gaps zeroed) and written back like any later step's."""
         s = self._staging[i % 2] if self._staging else None
-        master = None
-        if chunk.unit in self.master_units:
+        master = grad = None
+        if chunk.unit in self.master_units or chunk.unit in self.grad_units:
             assert s is not None
             self._wait(s.writes)
-            self._wait(self._read_master(chunk, s))
-            master = s.master
-        pairs = self._surrogates(chunk, groups, master)
+            self._wait(self._read_master(chunk, s) + self._read_grad(chunk, s))
+            master = s.master if chunk.unit in self.master_units else None
+            grad = s.grad
+        pairs = self._surrogates(chunk, groups, master, grad)
         state: dict[nn.Parameter, dict[str, Any]] = {}
         self._run(pairs, groups, state)
         if not pairs:
@@ -417,9 +377,10 @@ class DiskOptimizerState:
             self._keep_scalars(piece.param, state[q])
         self._write(chunk, s)
 
-    def _chunk_step(self, chunk: _Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
-                    buffers: dict[str, torch.Tensor], master: torch.Tensor | None = None) -> None:
-        pairs = self._surrogates(chunk, groups, master if chunk.unit in self.master_units else None)
+    def _chunk_step(self, chunk: Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
+                    s: Staging) -> None:
+        buffers = s.buffers
+        pairs = self._surrogates(chunk, groups, s.master if chunk.unit in self.master_units else None, s.grad)
         assert self.keys is not None
         state: dict[nn.Parameter, dict[str, Any]] = {}
         for piece, q in pairs:

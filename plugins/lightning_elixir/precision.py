@@ -142,6 +142,17 @@ class ClipAcrossMeshes(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float | int) -> None:
         clip_grad_norm_(self.main_params(optimizer), float(clip_val))
 
+    @override
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float | int) -> None:
+        from lightning_elixir.disk_grads import disk_gradients_of
+
+        params = list(self.main_params(optimizer))
+        if any(p.grad is not None for p in params):  # torch's refuses a list with no gradient
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+        disk = disk_gradients_of(params)
+        if disk is not None:
+            disk.clamp(float(clip_val))  # gradients on disk (tier 4): clamped as the step reads them
+
 
 class ElixirHalfPrecision(ClipAcrossMeshes, HalfPrecision):
     """Lightning's ``HalfPrecision`` (``"bf16-true"`` / ``"16-true"``) with :class:`ClipAcrossMeshes`' norm clipping."""

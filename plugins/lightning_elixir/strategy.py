@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated, is_sharded
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
-from lightning_elixir.disk_attach import attach_disk_state
+from lightning_elixir.disk_attach import attach_disk_state, clips_by_norm
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
 from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState
 from lightning_elixir.optim import step_per_mesh
@@ -210,7 +210,9 @@ class ElixirStrategy(ModelParallelStrategy):
             self._prefer_fused_host_step()
             self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
                                                 self.options.disk_dir, rank=self.global_rank,
-                                                chunk_elements=self.disk_chunk_elements)
+                                                chunk_elements=self.disk_chunk_elements,
+                                                norm_type=2.0 if clips_by_norm(trainer) else None,
+                                                precision=str(getattr(self.precision_plugin, "precision", "")))
             if self.disk_state is not None and self.is_global_zero and self.options.verbose:
                 print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
                       f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",

@@ -421,7 +421,7 @@ def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, u
                             precision="32-true", constraints=cons)
     _, ctx, tiers = problem.prepare_tiers()
     space = cons.space(disk=tiers.has_disk)
-    assert space.offload == (False, True, 2, 3)  # tier 3: master weights and parameters on disk too
+    assert space.offload == (False, True, 2, 3, 4)  # tier 3: master weights and parameters on disk too; 4: gradients
     ev = Evaluator(ctx)
     everything = []
     ck_ids = [i for i in range(len(blocks)) if ctx.checkpointable[i]]

@@ -57,7 +57,7 @@ def test_the_budgets_and_the_disk_dir_reach_the_search(tmp_path):
     with pytest.raises(Exception, match=r"host memory budget is 976.56 KiB.*give a disk directory \(disk_dir\)"):
         _decide(ElixirOptions(host_budget=1_000_000, offload="all", **opts))
     with pytest.raises(Exception, match=r"host memory budget is 976.56 KiB, the least-memory plan \(every "
-                                        r"offloaded unit's optimizer state and master weights on disk\)"):
+                                        r"offloaded unit's optimizer state and master weights on disk, gradients too\)"):
         _decide(ElixirOptions(host_budget=1_000_000, offload="all", disk_dir=tmp_path, **opts))
     # Forced onto the disk, the plan is priced from profile_disk(tmp_path) (quick, cached per filesystem).
     plan = _decide(ElixirOptions(disk_dir=tmp_path, constraints=ElixirConstraints(force_disk=True), **opts))
@@ -68,5 +68,6 @@ def test_the_budgets_and_the_disk_dir_reach_the_search(tmp_path):
     # The same plan given back to a run without disk_dir is refused, naming the units and the fix.
     with pytest.raises(ValueError, match=r"keeps the optimizer state of units \[0, .*\] on disk, but no disk_dir"):
         _decide(ElixirOptions(plan=plan, verbose=False, owner="ElixirStrategy"))
-    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False) for u in plan.units))
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False,
+                                                                  grads_disk=False) for u in plan.units))
     assert not _decide(ElixirOptions(plan=ram, verbose=False)).disk_units

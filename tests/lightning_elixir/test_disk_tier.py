@@ -25,7 +25,7 @@ def _fit(strategy, root: Path, *, devices: int, steps: int = 6, **kwargs):
     model = TinyGPT(samples=kwargs.pop("samples", 48))
     ckpt_path = kwargs.pop("ckpt_path", None)
     t = trainer(strategy, root, devices=devices, max_steps=steps, accumulate_grad_batches=2,
-                gradient_clip_val=0.05, **kwargs)
+                gradient_clip_val=kwargs.pop("gradient_clip_val", 0.05), **kwargs)
     t.fit(model, ckpt_path=ckpt_path)
     from lightning_elixir.disk_state import local_of
 

@@ -9,9 +9,18 @@ the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optim
 streamed together in the step), and so do the parameters between uses: FSDP2's sharded parameters *are* the
 master weights, so a unit's parameters are read from disk ahead of its forward and again ahead of its backward
 (one unit ahead, like FSDP2's prefetch) and dropped after each; only its gradients (``m``) stay on the host.
+``4`` = like ``3``, and the gradients wait on disk too, between backward and the optimizer step: each unit's gradient
+shard is written behind its backward (after the reduce) and read back by the streamed step with the state, so
+the host keeps no per-parameter state of the unit at all (``m + o + m`` on disk; the step reads ``m + o + m`` and
+writes ``m + o``). Under gradient accumulation the micro-batches' sums stay in RAM only where the plan says they
+fit the host budget (:attr:`~tightfit.planner.elixir.ElixirPlan.grads_accumulate_on_host`), else each
+micro-batch reads, adds and writes them back.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
+
+if TYPE_CHECKING:  # sim imports this module
+    from tightfit.planner.elixir.sim import Context, UnitTerms
     >>> disk = DiskProfile(path="/nvme", free_bytes=2**40, read_fit=(1e-3, 1e9), write_fit=(1e-3, 5e8))
     >>> opt, io = disk_optimizer_seconds(disk, 1e9, compute=1.0, sharers=1, overlap=1.0)
     >>> round(io, 3), round(opt, 3)   # read 1.001 s + write 2.001 s, the 1 s update hidden behind it
@@ -22,19 +31,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tightfit.planner.errors import TIERS
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile
 
-__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "DISK_CODES", "DISK_STAGING_BYTES",
-           "slowest_disk", "disk_optimizer_seconds", "tier_name", "param_tier_name"]
+if TYPE_CHECKING:  # sim imports this module
+    from tightfit.planner.elixir.sim import Context, UnitTerms
+
+__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES",
+           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "disk_bytes", "tier_name", "param_tier_name",
+           "grad_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
 ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
 # Master weights + optimizer state on disk, parameters waiting on disk between uses (see the module docstring).
 ON_DISK_PARAMS = 3
-DISK_CODES = (ON_DISK, ON_DISK_PARAMS)
+# ... and the gradients between backward and the optimizer step (see the module docstring).
+ON_DISK_GRADS = 4
+DISK_CODES = (ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS)
 
 
 def tier_name(code: int) -> str:
@@ -44,13 +60,28 @@ def tier_name(code: int) -> str:
 
 
 def param_tier_name(code: int) -> str:
-    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for code 3 only."""
-    return "disk" if code == ON_DISK_PARAMS else TIERS[min(int(code), ON_HOST)]
+    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for codes 3 and 4."""
+    return "disk" if code in (ON_DISK_PARAMS, ON_DISK_GRADS) else TIERS[min(int(code), ON_HOST)]
+
+
+def grad_tier_name(code: int) -> str:
+    """Where a unit of state-tier ``code`` keeps its gradients between backward and the step: the disk for code 4."""
+    return "disk" if code == ON_DISK_GRADS else TIERS[min(int(code), ON_HOST)]
 # Host staging area of the disk tier: the optimizer step of a disk unit streams its optimizer state in and out
 # in chunks (AdamW is elementwise), one chunk updating while the next is read: two 64 MiB chunks, counted once
 # per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's
 # default request size), enough to keep its queue full, and small beside the gigabytes it saves.
 DISK_STAGING_BYTES = 2 * 64 * 2**20
+
+
+def per_element_on_disk(code: int, opt_state: float, master: float) -> tuple[float, float, float]:
+    """(streamed, gradient, fetched) bytes per owned element of a unit in state tier ``code``: what its step reads
+    and writes back (``o``, + ``m`` master weights from tier 3 on), its gradient on disk (``m`` in tier 4: read by
+    the step, not written back), and its parameters read ahead of each use (``m`` from tier 3 on)."""
+    if code not in DISK_CODES:
+        return 0.0, 0.0, 0.0
+    deep = code in (ON_DISK_PARAMS, ON_DISK_GRADS)
+    return opt_state + (master if deep else 0.0), master if code == ON_DISK_GRADS else 0.0, master if deep else 0.0
 
 
 def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:
@@ -71,10 +102,27 @@ def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:
 
 
 def disk_optimizer_seconds(disk: DiskProfile, nbytes: float, *, compute: float, sharers: int,
-                           overlap: float) -> tuple[float, float]:
+                           overlap: float, read_only: float = 0.0) -> tuple[float, float]:
     """(optimizer seconds, disk I/O seconds) of a host optimizer step of ``compute`` seconds whose ``nbytes`` of
     optimizer state are read from disk and written back, ``sharers`` ranks of a node on the same disk:
     ``io = read + write`` (:func:`~tightfit.planner.tiers.disk_seconds`), ``opt = compute + io - overlap *
-    min(compute, io)`` (chunked streaming hides the I/O behind the elementwise update as far as measured)."""
-    io = disk_seconds(disk, nbytes, sharers=sharers) + disk_seconds(disk, nbytes, write=True, sharers=sharers)
+    min(compute, io)`` (chunked streaming hides the I/O behind the elementwise update as far as measured);
+    ``read_only`` more bytes are read and not written back (tier 4's gradients)."""
+    io = (disk_seconds(disk, nbytes + read_only, sharers=sharers)
+          + disk_seconds(disk, nbytes, write=True, sharers=sharers))
     return compute + io - overlap * min(compute, io), io
+
+
+def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
+    """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
+    not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
+    staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
+    # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead; tier 4's
+    # gradient shards from their reduce until written (this unit's and the one still being written behind it).
+    fetched = 2 * max((t.fetch + t.grad_buf for t in terms), default=0.0) if not ctx.unified else 0.0
+    return sum(t.host for t in terms) + staging + fetched
+
+
+def disk_bytes(terms: Sequence[UnitTerms]) -> float:
+    """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
+    return sum(t.disk for t in terms)

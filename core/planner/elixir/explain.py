@@ -49,6 +49,7 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
             groups.append([u])
     disk = bool(plan.disk_units)
     params_disk = bool(plan.param_disk_units)  # a column for where master weights and parameters wait
+    grads_disk = bool(plan.grad_disk_units)  # and one for where gradients wait between backward and the step
     rows = []
     index = 0
     for g in groups:
@@ -57,19 +58,22 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         blocks = sum(len(u.blocks) for u in g)
         ck = sum(len(u.checkpoint) for u in g)
         share = sum(u.time_s for u in g) / step * 100 if step > 0 else 0.0
-        rows.append((ids, _span(g), g[0].mode, g[0].tier, *((g[0].param_tier,) if params_disk else ()), f"{ck}/{blocks}",
+        rows.append((ids, _span(g), g[0].mode, g[0].tier, *((g[0].param_tier,) if params_disk else ()),
+                     *((g[0].grad_tier,) if grads_disk else ()), f"{ck}/{blocks}",
                      _count(sum(u.param_numel for u in g)), format_bytes(sum(u.device_bytes for u in g)),
                      format_bytes(sum(u.host_bytes for u in g)),
                      *((format_bytes(sum(u.disk_bytes for u in g)),) if disk else ()),
                      format_bytes(g[0].gathered_bytes), f"{share:.1f}%"))
     rows.append(("total", f"{sum(len(u.blocks) for u in plan.units)} blocks", "", "", *(("",) if params_disk else ()),
+                 *(("",) if grads_disk else ()),
                  f"{len(plan.checkpointed_blocks)}", _count(plan.param_numel),
                  format_bytes(sum(u.device_bytes for u in plan.units)), format_bytes(plan.host_bytes_per_rank),
                  *((format_bytes(plan.disk_bytes_per_rank),) if disk else ()),
                  "", f"{sum(u.time_s for u in plan.units) / step * 100:.1f}%" if step > 0 else ""))
-    header = ("unit", "blocks", "mode", "state on", *(("params wait on",) if params_disk else ()), "ckpt", "params",
+    header = ("unit", "blocks", "mode", "state on", *(("params wait on",) if params_disk else ()),
+              *(("grads wait on",) if grads_disk else ()), "ckpt", "params",
               "device state", "host state", *(("disk state",) if disk else ()), "gathered", "time")
-    left = 5 if params_disk else 4
+    left = 4 + params_disk + grads_disk
     lines.append(format_table(rows, header, align="l" * left + "r" * (len(header) - left)))
     m, b = plan.memory, plan.breakdown
     lines += [
@@ -86,6 +90,11 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         lines.append(f"units {_ids(plan.param_disk_units)}: fp32 master weights on disk with the optimizer state "
                      "(streamed together in the step); parameters wait on disk between uses and are read one unit "
                      f"ahead of forward and backward ({b.param_io_s:.3f} s of reads a step before overlap)")
+    if grads_disk:
+        lines.append(f"units {_ids(plan.grad_disk_units)}: gradients on disk from backward to the step (written "
+                     "behind each unit's backward, read by the step with the state); under gradient accumulation "
+                     + ("the micro-batches' sums stay in RAM (they fit the host budget)" if plan.grads_accumulate_on_host
+                        else "each micro-batch reads, adds and writes the sums back (they do not fit the host budget)"))
     if plan.runner_ups:
         lines += ["", "runner-ups (the best plan of each other grouping into units):"]
         lines.append(format_table(
@@ -107,7 +116,7 @@ def _ids(ids: tuple[int, ...]) -> str:
 
 
 def _sig(u: UnitPlan) -> tuple[object, ...]:
-    return (u.mode, u.offload, u.disk, u.params_disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
+    return (u.mode, u.offload, u.disk, u.params_disk, u.grads_disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
             u.param_numel)
 
 
@@ -167,6 +176,9 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
         elif frac < 1:
             gaps.append("parameters of offloaded units stay on the device: DeepSpeed offloads all parameters "
                         "(offload_param) or none")
+        if any(u.grads_disk for u in units):
+            gaps.append("gradients on disk between backward and the step (grads_disk): ZeRO-Infinity has no such "
+                        "setting; its gradients stay in host memory")
     if stage == 3:
         window = max(1, plan.backward_prefetch)
         sizes = [u.param_numel for u in units]

@@ -10,8 +10,10 @@ from pathlib import Path
 from tightfit.planner.elixir.disk import (  # noqa: I001
     ON_DEVICE,
     ON_DISK,
+    ON_DISK_GRADS,
     ON_DISK_PARAMS,
     ON_HOST,
+    grad_tier_name,
     param_tier_name,
     tier_name,
 )
@@ -45,6 +47,8 @@ class UnitPlan:
         params_disk: the unit's fp32 master weights live on disk with its optimizer state (streamed together in
             the step), and its parameters wait on disk between uses: read one unit ahead of the forward and of
             the backward, dropped after each (needs ``disk``; only the gradients stay on the host).
+        grads_disk: the unit's gradients wait on disk too, from its backward (after the reduce) to the optimizer
+            step, which reads them with the state (state tier 4; needs ``params_disk``).
     """
 
     blocks: tuple[str, ...]
@@ -59,8 +63,13 @@ class UnitPlan:
     disk: bool = False
     disk_bytes: int = 0
     params_disk: bool = False
+    grads_disk: bool = False
 
     def __post_init__(self) -> None:
+        if self.grads_disk and not self.params_disk:
+            raise ValueError(f"UnitPlan(blocks={self.blocks}, grads_disk=True, params_disk=False): a unit whose "
+                             "gradients wait on disk keeps its master weights and optimizer state there too; give "
+                             "params_disk=True and disk=True (and offload=True)")
         if self.params_disk and not self.disk:
             raise ValueError(f"UnitPlan(blocks={self.blocks}, params_disk=True, disk=False): a unit whose master "
                              "weights are on disk keeps its optimizer state there too; give disk=True (and "
@@ -80,8 +89,8 @@ class UnitPlan:
     @property
     def state_tier(self) -> int:
         """Where the unit's state lives, as the planner's code: 0 device, 1 host, 2 optimizer state on disk,
-        3 master weights, optimizer state and parameters between uses on disk."""
-        return (ON_DISK_PARAMS if self.params_disk else ON_DISK if self.disk else ON_HOST if self.offload
+        3 master weights, optimizer state and parameters between uses on disk, 4 the gradients too."""
+        return (ON_DISK_GRADS if self.grads_disk else ON_DISK_PARAMS if self.params_disk else ON_DISK if self.disk else ON_HOST if self.offload
                 else ON_DEVICE)
 
     @property
@@ -93,6 +102,11 @@ class UnitPlan:
     def master_tier(self) -> str:
         """Where the fp32 master weights live: the disk only with ``params_disk``."""
         return param_tier_name(self.state_tier)
+
+    @property
+    def grad_tier(self) -> str:
+        """Where the gradients wait between backward and the optimizer step."""
+        return grad_tier_name(self.state_tier)
 
     @property
     def param_tier(self) -> str:
@@ -162,6 +176,9 @@ class ElixirPlan:
             then the calibration terms used (collective latency, per-unit overhead, measured overlap).
         disk_bytes_per_rank: optimizer state each rank keeps on disk (units with ``disk``).
         disk_path: the disk tier's directory the plan was priced for (``""``: no disk tier).
+        grads_accumulate_on_host: under gradient accumulation, the units with ``grads_disk`` keep the sum of the
+            micro-batches' gradients in RAM until the last one (the host budget has room for all of them beside
+            the plan's host bytes); ``False``: each micro-batch reads, adds and writes the sums on disk.
     """
 
     model: str
@@ -193,6 +210,7 @@ class ElixirPlan:
     cost_model: str = "FLOPs / rate"
     disk_bytes_per_rank: int = 0
     disk_path: str = ""
+    grads_accumulate_on_host: bool = True
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -212,6 +230,11 @@ class ElixirPlan:
     def param_disk_units(self) -> tuple[int, ...]:
         """Units whose master weights and parameters between uses live on disk (a subset of :attr:`disk_units`)."""
         return tuple(i for i, u in enumerate(self.units) if u.params_disk)
+
+    @property
+    def grad_disk_units(self) -> tuple[int, ...]:
+        """Units whose gradients wait on disk between backward and the step (a subset of :attr:`param_disk_units`)."""
+        return tuple(i for i, u in enumerate(self.units) if u.grads_disk)
 
     @property
     def checkpointed_blocks(self) -> tuple[str, ...]:

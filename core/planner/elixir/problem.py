@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tightfit.checks import check_number
-from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST
 from tightfit.planner.elixir.sim import MODES, Context, build_context
 from tightfit.planner.elixir.space import Space
 from tightfit.planner.errors import PlanError
@@ -33,6 +33,9 @@ class ElixirConstraints:
         allow_disk_params: whether a disk unit may keep its fp32 master weights on disk too, with its
             parameters waiting there between uses (state tier 3: read ahead of forward and backward); off: only
             optimizer state goes to disk (tier 2).
+        allow_disk_grads: whether a unit with its master weights on disk may keep its gradients there too,
+            between backward and the optimizer step (state tier 4: written behind its backward, read by the
+            step); off: gradients stay on the host.
         allow_checkpointing: whether blocks may be checkpointed.
         force_offload: every unit offloaded (the search still picks units, modes and prefetch depths).
         force_disk: every unit offloaded with its optimizer state on disk, and where ``allow_disk_params`` its
@@ -67,6 +70,7 @@ class ElixirConstraints:
     allow_disk: bool = True
     force_disk: bool = False
     allow_disk_params: bool = True
+    allow_disk_grads: bool = True
     replication_margin: float = 0.10
 
     def __post_init__(self) -> None:
@@ -112,7 +116,8 @@ class ElixirConstraints:
         disk tier, so offloaded units may keep their optimizer state on disk (where ``allow_disk``)."""
         tiers = (ON_HOST,) if self.force_offload else (ON_DEVICE, ON_HOST) if self.allow_offload else (ON_DEVICE,)
         if disk and self.allow_disk and self.allow_offload:
-            deep = (ON_DISK, ON_DISK_PARAMS) if self.allow_disk_params else (ON_DISK,)
+            deep = ((ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS) if self.allow_disk_params and self.allow_disk_grads
+                    else (ON_DISK, ON_DISK_PARAMS) if self.allow_disk_params else (ON_DISK,))
             tiers = deep if self.force_disk else tiers + deep
         offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as before
         return Space(modes=tuple(self.modes), offload=offload,

@@ -10,7 +10,7 @@ device; 1 = FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimi
 host, optimizer step on the host; 2 = the same with the optimizer state on disk between steps,
 streamed through a host staging area during the host optimizer step; 3 = master weights and optimizer state
 on disk, streamed together in the step, and the parameters on disk between uses, read one unit ahead of the
-forward and of the backward: only the gradients stay on the host), a checkpoint flag per block,
+forward and of the backward: only the gradients stay on the host; 4 = those too), a checkpoint flag per block,
 and prefetch depths (``df``, ``db``: how many units ahead FSDP2 all-gathers in forward / backward).
 
 Notation (per rank): ``P`` parameter elements of a unit, ``W`` world size, ``E = P/W`` (sharded
@@ -27,8 +27,8 @@ from tightfit.planner import cost
 from tightfit.planner.elixir.disk import (
     DISK_CODES,
     DISK_STAGING_BYTES,
-    ON_DISK_PARAMS,
     disk_optimizer_seconds,
+    per_element_on_disk,
     slowest_disk,
 )
 from tightfit.planner.elixir.terms import Detail, UnitTerms
@@ -213,19 +213,20 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
     # planner "fit" a budget by offloading and under-priced the real peak by the whole state).
     on_device = not offload or ctx.unified
     on_disk = offload in DISK_CODES
-    params_disk = offload == ON_DISK_PARAMS
     # A disk unit keeps its master parameters and gradients (2m) where a host unit keeps all its state; the
     # optimizer state (o) waits on disk and is read in and written back during its host optimizer step. A tier-3
     # unit keeps only its gradients (m): its master weights go to disk with the optimizer state (m + o streamed).
-    on_disk_bytes = ctx.opt_state_per_elem + (spec.master_bytes if params_disk else 0.0)
-    kept_state = ctx.state_per_elem - on_disk_bytes if on_disk else ctx.state_per_elem
+    # Tier 4 keeps nothing: its gradients are written behind its backward and read by the step (disk.py).
+    streamed, grad_disk, fetched = per_element_on_disk(offload, ctx.opt_state_per_elem, spec.master_bytes)
+    kept_state = ctx.state_per_elem - streamed - grad_disk if on_disk else ctx.state_per_elem
     opt = owned / (ctx.host_opt if offload else ctx.dev_opt)
     io = 0.0
     if on_disk and ctx.disk is not None:
-        opt, io = disk_optimizer_seconds(ctx.disk, owned * on_disk_bytes, compute=opt,
-                                         sharers=ctx.ranks_per_node, overlap=ctx.disk_overlap)
-    fetch = owned * spec.master_bytes if params_disk else 0.0
-    fetch_s = disk_seconds(ctx.disk, fetch, sharers=ctx.ranks_per_node) if params_disk and ctx.disk else 0.0
+        opt, io = disk_optimizer_seconds(ctx.disk, owned * streamed, compute=opt, sharers=ctx.ranks_per_node,
+                                         overlap=ctx.disk_overlap, read_only=owned * grad_disk)
+    fetch = owned * fetched
+    fetch_s = disk_seconds(ctx.disk, fetch, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
+    grad_w = disk_seconds(ctx.disk, owned * grad_disk, write=True, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
     # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
     # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
     # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
@@ -249,11 +250,12 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
         opt_tmp=owned * ctx.temp_per_elem if on_device else 0.0,
         kept=mode == "keep",
         grad_state=owned * spec.master_bytes if on_device else 0.0,
-        disk=owned * on_disk_bytes if on_disk else 0.0,
+        disk=owned * (streamed + grad_disk) if on_disk else 0.0,
         disk_io=io,
         fetch=fetch,
         disk_f=fetch_s,
-        disk_b=fetch_s,
+        disk_b=fetch_s + grad_w,  # tier 4's gradient write shares the disk with the backward's reads ahead
+        grad_buf=owned * grad_disk,
     )
 
 

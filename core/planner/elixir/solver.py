@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
-from tightfit.planner.elixir.disk import DISK_CODES, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import DISK_CODES, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
@@ -87,7 +87,8 @@ def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> Elixir
     if replicated is not None:
         ranked = [replicated] + [c for c in ranked if c.family != replicated.family or c.modes != replicated.modes]
     best = ranked[0]
-    plan = to_plan(ev, best, model, budget, cluster, disk_path=tiers.disk.path if tiers.disk else "")
+    plan = to_plan(ev, best, model, budget, cluster, disk_path=tiers.disk.path if tiers.disk else "",
+                   host_budget=host_budget)
     best_detail = detail(ev, best)
     runner_ups = tuple(_runner_up(ev, c, best, best_detail) for c in ranked[1:4])
     method = "exhaustive" if exact else "greedy frontier"
@@ -177,7 +178,8 @@ def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan
         raise ValueError(f"units cover {expect} of {len(ctx.names)} blocks; add units for {list(ctx.names[expect:])}")
     ev = S.Evaluator(ctx)
     cand = ev.make(spans, modes, offs, ckpt, forward_prefetch, backward_prefetch)
-    return to_plan(ev, cand, model, budget, cluster, disk_path=ctx.disk.path if ctx.disk else "")
+    return to_plan(ev, cand, model, budget, cluster, disk_path=ctx.disk.path if ctx.disk else "",
+                   host_budget=math.inf if tiers.host_bytes is None else float(tiers.host_bytes))
 
 
 # ---- internals --------------------------------------------------------------------------------
@@ -190,18 +192,20 @@ def detail(ev: S.Evaluator, c: S.Candidate) -> Detail:
 
 
 def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, cluster: ClusterSpec, *,
-            disk_path: str = "") -> ElixirPlan:
+            disk_path: str = "", host_budget: float = math.inf) -> ElixirPlan:
     ctx = ev.ctx
     d = detail(ev, c)
     units = []
     disk_io = 0.0
+    # Accumulating tier 4's gradients in RAM between micro-batches holds all of them at once: only if that fits.
+    grads_on_host = c.host + sum(t.grad_buf for t in terms_of(ev, c)) <= host_budget
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
         t = ev.terms(a, b, m, o)
         disk_io += t.disk_io
         rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
             blocks=ctx.names[a:b], mode=m, offload=bool(o), disk=o in DISK_CODES, disk_bytes=int(t.disk),
-            params_disk=o == ON_DISK_PARAMS,
+            params_disk=o in (ON_DISK_PARAMS, ON_DISK_GRADS), grads_disk=o == ON_DISK_GRADS,
             checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
             param_numel=sum(ctx.numel[a:b]), device_bytes=int(t.state), host_bytes=int(t.host),
             gathered_bytes=int(t.gathered),
@@ -216,7 +220,7 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
         param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, optimizer=ctx.optimizer, units=tuple(units),
         forward_prefetch=c.df, backward_prefetch=c.db, step_time_s=c.time, peak_bytes=math.ceil(c.peak),
         budget_bytes=int(budget), host_bytes_per_rank=int(c.host), disk_bytes_per_rank=int(c.disk),
-        disk_path=disk_path if c.disk > 0 else "",
+        disk_path=disk_path if c.disk > 0 else "", grads_accumulate_on_host=grads_on_host,
         breakdown=StepBreakdown(compute_s=d.compute, recompute_s=d.recompute,
                                 exposed_comm_s=c.time - d.compute - d.recompute - d.optimizer, optimizer_s=d.optimizer,
                                 disk_io_s=disk_io, param_io_s=sum(t.disk_f + t.disk_b for t in terms_of(ev, c))),

@@ -15,9 +15,9 @@ Part of :mod:`tightfit.planner.elixir` (the search space and its two searches). 
 
 With a disk tier (state tiers 2 and 3 in :attr:`Space.offload`) the greedy pool also holds every plan of the
 same search without it, so adding the tier never makes the answer slower; its descents add a "to disk"
-move (optimizer state, tier 2) and a "parameters to disk" move (master weights and parameters too, tier 3),
-and an offload the host cannot hold is repaired by moving host units one tier deeper (host -> 2 -> 3), the
-least time lost per host byte saved first.
+move (optimizer state, tier 2), a "parameters to disk" move (master weights and parameters too, tier 3) and a
+"gradients to disk" move (tier 4), and an offload the host cannot hold is repaired by moving host units one tier
+deeper (host -> 2 -> 3 -> 4), the least time lost per host byte saved first.
 """
 
 from __future__ import annotations
@@ -27,7 +27,16 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from tightfit.planner.elixir.disk import DISK_CODES, DISK_STAGING_BYTES, ON_DISK, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import (
+    DISK_CODES,
+    DISK_STAGING_BYTES,
+    ON_DISK,
+    ON_DISK_GRADS,
+    ON_DISK_PARAMS,
+    ON_HOST,
+    disk_bytes,
+    host_bytes,
+)
 from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
 
 __all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
@@ -83,20 +92,6 @@ class Candidate:
         if len(lengths) <= 6:
             return f"{len(self.units)} units of {'+'.join(map(str, lengths))} blocks"
         return f"{len(self.units)} units of {sizes[0]}-{sizes[-1]} blocks"
-
-
-def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
-    """Host bytes per rank of a plan: its units' host state, plus the disk tier's staging area where the host is
-    not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
-    staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
-    # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead.
-    fetched = 2 * max((t.fetch for t in terms), default=0.0) if not ctx.unified else 0.0
-    return sum(t.host for t in terms) + staging + fetched
-
-
-def disk_bytes(terms: Sequence[UnitTerms]) -> float:
-    """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
-    return sum(t.disk for t in terms)
 
 
 class Evaluator:
@@ -227,8 +222,8 @@ def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, p
             # The descent's least-memory plan with every offloaded unit in tier 3: the least host a grouping can
             # have, where the host binds so hard that no single move repairs it.
             last = visited[-1]
-            deep = ev.make(last.units, last.modes, [ON_DISK_PARAMS if o else o for o in last.offload], last.ckpt,
-                           last.df, last.db)
+            deepest = ON_DISK_GRADS if ON_DISK_GRADS in space.offload else ON_DISK_PARAMS
+            deep = ev.make(last.units, last.modes, [deepest if o else o for o in last.offload], last.ckpt, last.df, last.db)
             if deep.fits(host_budget, disk_budget):
                 pool.append(deep)
     seen.update(_config(c) for c in pool)
@@ -337,7 +332,8 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
         src = ev.terms(a, b, m, o)
         for code in allowed:
-            if o == ON_HOST and code == ON_DISK or o in (ON_HOST, ON_DISK) and code == ON_DISK_PARAMS:
+            if (o == ON_HOST and code == ON_DISK or o in (ON_HOST, ON_DISK) and code == ON_DISK_PARAMS
+                    or o in (ON_HOST, ON_DISK, ON_DISK_PARAMS) and code == ON_DISK_GRADS):
                 dst = ev.terms(a, b, m, code)
                 saved = src.host - dst.host
                 loss = dst.opt + dst.disk_f + dst.disk_b - src.opt - src.disk_f - src.disk_b
@@ -350,16 +346,17 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
     tiers = list(c.offload)
     # Tier-3 units also bring two parameter shards to the host while used (see host_bytes): the largest counts.
     unified = ev.ctx.unified
-    fetched = 0.0 if unified else 2 * max((ev.terms(a, b, m, o).fetch for (a, b), m, o
-                                           in zip(c.units, c.modes, c.offload)), default=0.0)
+    fetched = 0.0 if unified else 2 * max((ev.terms(a, b, m, o).fetch + ev.terms(a, b, m, o).grad_buf
+                                           for (a, b), m, o in zip(c.units, c.modes, c.offload)), default=0.0)
 
     def move(u: int, code: int, saved: float) -> None:
         nonlocal over, fetched
         (a, b), m = c.units[u], c.modes[u]
         tiers[u] = code
         over -= saved
-        if code == ON_DISK_PARAMS and not unified:
-            new = max(fetched, 2 * ev.terms(a, b, m, code).fetch)
+        if code in (ON_DISK_PARAMS, ON_DISK_GRADS) and not unified:
+            t = ev.terms(a, b, m, code)
+            new = max(fetched, 2 * (t.fetch + t.grad_buf))
             over += new - fetched
             fetched = new
 
@@ -373,12 +370,14 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
         # needed, the pass below takes it.
         moved.add(u)
         move(u, code, saved)
-    if over > 0 and ON_DISK_PARAMS in allowed:
+    for deep, shallower in ((ON_DISK_PARAMS, (ON_HOST, ON_DISK)), (ON_DISK_GRADS, (ON_HOST, ON_DISK, ON_DISK_PARAMS))):
+        if over <= 0 or deep not in allowed:
+            continue
         for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, list(tiers))):
             if over <= 0:
                 break
-            if o in (ON_HOST, ON_DISK):
-                move(u, ON_DISK_PARAMS, ev.terms(a, b, m, o).host - ev.terms(a, b, m, ON_DISK_PARAMS).host)
+            if o in shallower:
+                move(u, deep, ev.terms(a, b, m, o).host - ev.terms(a, b, m, deep).host)
     if tiers == list(c.offload):
         return None
     out = ev.make(c.units, c.modes, tiers, c.ckpt, c.df, c.db)
@@ -424,6 +423,8 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                 out.append(("disk", u, ON_DISK))
             if c.offload[u] != ON_DISK_PARAMS and ON_DISK_PARAMS in space.offload:
                 out.append(("disk", u, ON_DISK_PARAMS))
+            if c.offload[u] != ON_DISK_GRADS and ON_DISK_GRADS in space.offload:
+                out.append(("disk", u, ON_DISK_GRADS))
         if space.checkpointing:
             for i in range(n_blocks):
                 if ctx.checkpointable[i] and not c.ckpt[i]:

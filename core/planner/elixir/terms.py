@@ -34,7 +34,8 @@ class UnitTerms:
     disk_io: float = 0.0     # seconds of disk I/O in ``opt`` before overlap: read + write of ``disk`` bytes
     fetch: float = 0.0       # tier 3: the parameter shard read from disk ahead of each use, E * m (live while used)
     disk_f: float = 0.0      # tier 3: seconds to read ``fetch`` bytes ahead of the forward (latency + bytes / bw)
-    disk_b: float = 0.0      # tier 3: the same ahead of the backward
+    disk_b: float = 0.0      # tier 3: the same ahead of the backward (tier 4: + writing its gradient shard behind it)
+    grad_buf: float = 0.0    # tier 4: the gradient shard on the host from its reduce until written, E * m
 
 
 @dataclass(slots=True)

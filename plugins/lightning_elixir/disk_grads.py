@@ -1,0 +1,238 @@
+"""Gradients on disk between backward and the optimizer step: a plan's tier-4 units (``UnitPlan.grads_disk``).
+
+A tier-4 unit keeps no per-parameter state in RAM: its master weights and optimizer state wait in the store
+(:mod:`lightning_elixir.disk_params`, :mod:`lightning_elixir.disk_state`), and so does its gradient, from the
+moment it is final for the step to the step that consumes it. Per unit, after FSDP2's ``post_backward`` (the
+reduce-scatter, the copy to the host: the shard's gradient is this rank's share of the step's sum):
+
+    * if this backward is the step's last (Lightning's closure runs inside ``optimizer.step``: the disk state's
+      pre-hook raises :attr:`DiskGradients.final` around it) or the plan does not accumulate on the host
+      (``ElixirPlan.grads_accumulate_on_host``), each parameter's gradient is written to ``u<i>.grad`` (the
+      flat layout of its master weights and state) and dropped; a sum already on disk from earlier
+      micro-batches is read and added first (``new + old``: IEEE addition commutes, so the sum is bit-equal to
+      FSDP2's in-RAM ``old += new``);
+    * on the last backward, before the write, the clipping term of each gradient, ``sum(|g|^p)`` in float64 as
+      :func:`lightning_elixir.apply.clip_grad_norm_` computes it, is kept (one scalar per parameter), so the
+      norm, and so the clip coefficient, is bit-identical to a run all in RAM;
+    * otherwise (an earlier micro-batch, the plan says the sums fit the host) the gradient stays and FSDP2
+      accumulates into it as usual.
+
+Clipping records what it would have done to a gradient on disk (multiply by the coefficient, clamp to a value);
+the streamed step reads each chunk's gradient with the chunk's state, applies those operations in order
+(elementwise, so equal to applying them to the whole tensor), and steps. Writes run behind the backward: a
+unit's writes are waited for when the unit before it (in backward order) flushes, so the host holds at most two
+units' gradient shards, as the planner counts them (``UnitTerms.grad_buf``).
+
+Limits: ``precision="16-mixed"`` is refused (its loss scaler unscales and checks gradients in RAM); hooks that
+read ``param.grad`` after backward (``on_before_optimizer_step``) see ``None`` for these units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit.storage import TensorStore
+
+__all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term"]
+
+GRAD_KEY = "grad"  # the store name's key of a tier-4 unit's gradients: u<i>.grad
+_ATTR = "_tightfit_disk_grads"  # set on each tier-4 parameter: the DiskGradients that holds its gradient
+
+
+def norm_term(local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``sum(|g|^p)`` of one local gradient shard in float64: the term :func:`lightning_elixir.apply.clip_grad_norm_`
+    adds per gradient (one definition, so a term computed in backward equals one computed at clip time)."""
+    return local.detach().double().abs().pow(norm_type).sum()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).detach()
+
+
+def disk_gradients_of(params: Iterable[nn.Parameter]) -> DiskGradients | None:
+    """The :class:`DiskGradients` holding gradients of any of ``params`` (``None``: no tier-4 parameter)."""
+    for p in params:
+        holder = getattr(p, _ATTR, None)
+        if holder is not None:
+            return holder
+    return None
+
+
+@dataclass
+class _Unit:
+    index: int
+    group: Any  # FSDP2's FSDPParamGroup
+    pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
+    writes: list[Future[Any]] = field(default_factory=list)
+    held: list[torch.Tensor] = field(default_factory=list)  # gradients being written (alive until done)
+
+
+class DiskGradients:
+    """Tier-4 units' gradients: written to ``store`` behind each unit's backward, read by the streamed step.
+
+    Args:
+        units: ``(plan unit index, FSDP2 parameter group, [(parameter, flat offset, local numel), ...])``.
+        store: this rank's store (the optimizer state's).
+        accumulate_on_host: earlier micro-batches' sums stay in RAM (the plan says they fit); ``False``: every
+            backward reads, adds and writes them back.
+        norm_type: the clipping term each final gradient keeps (``None``: no norm clipping configured).
+    """
+
+    def __init__(self, units: Sequence[tuple[int, Any, Sequence[tuple[nn.Parameter, int, int]]]],
+                 store: TensorStore, *, accumulate_on_host: bool = True, norm_type: float | None = 2.0) -> None:
+        self.store, self.accumulate_on_host, self.norm_type = store, accumulate_on_host, norm_type
+        self.units = [_Unit(i, g, list(pieces)) for i, g, pieces in units]
+        self.where = {id(p): (u.index, start) for u in self.units for p, start, _ in u.pieces}
+        self.final = False  # the backward running now is the step's last (set around Lightning's closure)
+        self.on_disk: set[int] = set()  # parameters (ids) whose gradient for this step is in the store
+        self.terms: dict[int, torch.Tensor] = {}  # id -> sum(|g|^p) of its final gradient (float64 scalar)
+        self.ops: list[tuple[str, Any]] = []  # clipping applied to every gradient on disk, in order
+        self.bytes_written = self.bytes_read = 0
+        self.flushes = 0
+        self._restore: list[tuple[Any, str, Any, bool]] = []
+        for u in self.units:
+            for p, _, _ in u.pieces:
+                setattr(p, _ATTR, self)
+            if u.group is not None:
+                self._wrap(u)
+
+    def name(self, unit: int) -> str:
+        """The store name of unit ``unit``'s gradients (a flat buffer)."""
+        return f"u{unit}.{GRAD_KEY}"
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether ``p``'s gradient for this step waits in the store."""
+        return id(p) in self.on_disk
+
+    # ---- backward: write each unit's gradients behind it ------------------------------------------------
+    def flush(self, u: _Unit) -> None:
+        """Unit ``u``'s gradients to the store (see the module docstring for when)."""
+        if not self.final and self.accumulate_on_host:
+            return
+        # The unit before it (in backward order) was written while this one computed: done now, so the host holds
+        # two units' gradients at most; and an earlier micro-batch's write of this unit is done before it is read.
+        self.drain()
+        offload = {id(fp.sharded_param): fp for fp in getattr(u.group, "fsdp_params", ())}
+        for p, start, n in u.pieces:
+            g = p.grad
+            if g is None or n == 0:
+                continue
+            event = getattr(offload.get(id(p)), "grad_offload_event", None)
+            if event is not None:  # a GPU's non-blocking copy to the host: done before we read it
+                event.synchronize()
+                offload[id(p)].grad_offload_event = None
+            local = _local(g)
+            flat = local.reshape(-1)
+            size = flat.element_size()
+            if id(p) in self.on_disk:  # the sum of earlier micro-batches: read, add, write back
+                old = torch.empty_like(flat)
+                self.store.read_into(self.name(u.index), old, start * size).result()
+                self.bytes_read += old.nbytes
+                flat.add_(old)
+            if self.final and self.norm_type is not None:
+                self.terms[id(p)] = norm_term(local, self.norm_type)
+            u.writes.append(self.store.write(self.name(u.index), flat, start * size))
+            u.held.append(flat)
+            self.bytes_written += flat.nbytes
+            self.on_disk.add(id(p))
+            p.grad = None
+        self.flushes += 1
+
+    def drain(self) -> None:
+        """Every gradient write done (before the step reads them)."""
+        for u in self.units:
+            if u.writes:
+                pending, u.writes = u.writes, []
+                for f in pending:
+                    f.result()  # a DiskFullError surfaces here, out of backward
+                u.held.clear()
+
+    # ---- clipping: what it does to a gradient on disk, replayed in the step -------------------------------
+    def term(self, p: nn.Parameter, norm_type: float) -> torch.Tensor:
+        """The clipping term of ``p``'s final gradient on disk (raises where backward did not keep one)."""
+        t = self.terms.get(id(p))
+        if t is None or norm_type != self.norm_type:
+            raise ValueError(f"gradient clipping by the {norm_type}-norm needs the norm of a gradient that waits on "
+                             "disk, and none was kept for it (norms are kept in the last backward before "
+                             "optimizer.step when Trainer(gradient_clip_val=...) or configure_gradient_clipping is "
+                             "set, 2-norm): clip through Lightning's automatic optimization, or plan with "
+                             "ElixirConstraints(allow_disk_grads=False)")
+        return t
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Norm clipping: every gradient on disk is multiplied by ``coef`` (the host copy) in the step."""
+        if self.on_disk:
+            self.ops.append(("mul", coef.detach().to("cpu")))
+
+    def clamp(self, value: float) -> None:
+        """Value clipping: every gradient on disk is clamped to ``[-value, value]`` in the step."""
+        if self.on_disk:
+            self.ops.append(("clamp", float(value)))
+
+    def apply_ops(self, grad: torch.Tensor) -> None:
+        """Replay clipping on a chunk of a gradient read from disk (elementwise: equal on any chunk)."""
+        for op, arg in self.ops:
+            if op == "mul":
+                grad.mul_(arg.to(grad.dtype))
+            else:
+                grad.clamp_(min=-arg, max=arg)
+
+    def consumed(self) -> None:
+        """After the step: the gradients on disk are spent (the next backward writes new ones)."""
+        self.on_disk.clear()
+        self.terms.clear()
+        self.ops.clear()
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def _wrap(self, u: _Unit) -> None:
+        group = u.group
+        had = "post_backward" in vars(group)
+        original = group.post_backward
+        self._restore.append((group, "post_backward", original, had))
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.flush(u)
+            return out
+
+        group.post_backward = run  # an instance attribute: FSDP2 calls self.post_backward(...)
+
+    def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """``optimizer.zero_grad`` forgets the gradients on disk too; returns the undo."""
+        original = optimizer.zero_grad
+        had = "zero_grad" in vars(optimizer)
+
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            self.drain()
+            self.consumed()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+        def undo() -> None:
+            if had:
+                optimizer.zero_grad = original  # type: ignore[method-assign]
+            elif "zero_grad" in vars(optimizer):
+                del optimizer.zero_grad
+        return undo
+
+    def close(self) -> None:
+        """Remove the hooks (before tier 3's own close, which removes its hooks on the same groups)."""
+        self.drain()
+        for group, name, original, had in reversed(self._restore):
+            if had:
+                setattr(group, name, original)
+            elif name in vars(group):
+                delattr(group, name)
+        self._restore.clear()
+        for u in self.units:
+            for p, _, _ in u.pieces:
+                if getattr(p, _ATTR, None) is self:
+                    delattr(p, _ATTR)

@@ -1,0 +1,161 @@
+"""Elixir with gradients on disk between backward and the step (state tier 4, ``UnitPlan.grads_disk``): bit-equal
+to the same plan all in RAM (fp32, gradient accumulation, norm and value clipping) on 1 and 2 real gloo ranks,
+with the sums of micro-batches kept in RAM or read-added-written on disk; the bytes that went to disk, the
+gradients dropped from RAM, checkpoint/resume, and the planner choosing tier 4 only where the host needs it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.multiprocess import run_distributed
+from tests.lightning_elixir.test_disk_params import _plan_with_disk_world, _strategy
+from tests.lightning_elixir.test_disk_tier import CHUNK, ENV, _fit, _plan_with_disk
+
+STEPS = 3
+MICRO = 2  # accumulate_grad_batches in _fit
+
+
+def _tier4(plan, *, on_host: bool, every: int = 1):
+    """``plan`` with every ``every``-th disk unit in tier 4 (the others in tier 3: both in one run)."""
+    units = [dataclasses.replace(u, params_disk=u.disk, grads_disk=u.disk and i % every == 0)
+             for i, u in enumerate(plan.units)]
+    return dataclasses.replace(plan, units=tuple(units), grads_accumulate_on_host=on_host)
+
+
+def _ram(plan):
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False,
+                                                                     grads_disk=False) for u in plan.units))
+
+
+class _Watch:
+    """Before each optimizer step: which tier-4 parameters still hold a gradient in RAM, and which have one on disk."""
+
+    def __init__(self) -> None:
+        self.in_ram: list[int] = []
+        self.on_disk: list[int] = []
+        self.grads = None
+
+    def callback(self):
+        import lightning as L
+
+        watch = self
+
+        class Cb(L.Callback):
+            def on_before_optimizer_step(self, trainer, module, optimizer):
+                grads = trainer.strategy.disk_state.grads
+                watch.grads = grads
+                params = [p for u in grads.units for p, _, _ in u.pieces]
+                watch.in_ram.append(sum(p.grad is not None for p in params))
+                watch.on_disk.append(sum(grads.holds(p) for p in params))
+
+        return Cb()
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["sums-in-ram", "read-add-write"])
+def test_one_rank_grads_on_disk_bit_equal_to_ram_with_the_bytes_asserted(tmp_path, on_host):
+    from lightning_elixir import ElixirStrategy
+    from tightfit.storage import TensorStore
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=on_host, every=2)
+    assert plan.grad_disk_units and len(plan.grad_disk_units) < len(plan.param_disk_units)  # tiers 3 and 4 mixed
+    watch, seen = _Watch(), []
+    strategy = _strategy(plan, tmp_path / "disk")
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
+    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, steps=STEPS, callbacks=[watch.callback()])
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
+                                      steps=STEPS)
+    assert losses == ram_losses and len(losses) == STEPS * MICRO
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
+    state, grads = seen[0], watch.grads
+    assert state is not None and grads is not None and state.steps == STEPS
+    # Before every step (after backward and clipping) no tier-4 gradient is in RAM: all of them wait on disk.
+    numel = {u.index: sum(n for _, _, n in u.pieces) for u in grads.units}
+    tensors = sum(len(u.pieces) for u in grads.units)
+    assert watch.in_ram == [0] * STEPS and watch.on_disk == [tensors] * STEPS
+    # Bytes: each step writes every tier-4 gradient once per flush (the last micro-batch; every micro-batch when
+    # the sums are not kept in RAM) and reads the earlier sums back (read-add-write); the step reads each once.
+    g = sum(numel.values()) * 4
+    assert grads.bytes_written == STEPS * g * (1 if on_host else MICRO)
+    assert grads.bytes_read == (0 if on_host else STEPS * (MICRO - 1) * g)
+    assert state.bytes_read >= STEPS * g  # the streamed step read them with the state
+    assert not grads.terms and not grads.on_disk  # consumed by the last step
+    # Staging: the chunk's master weights and gradient beside AdamW's two moments, in two sets.
+    assert state.staging_bytes == 2 * 4 * CHUNK * 4
+    with TensorStore(tmp_path / "disk" / "rank0") as store:
+        assert {grads.name(u) for u in numel} <= set(store.names())
+
+
+def test_value_clipping_of_gradients_on_disk_is_bit_equal(tmp_path):
+    from lightning_elixir import ElixirStrategy
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=False)
+    losses, weights, _ = _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=STEPS,
+                              gradient_clip_algorithm="value")
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
+                                      steps=STEPS, gradient_clip_algorithm="value")
+    unclipped, _, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "c", devices=1, steps=STEPS,
+                           gradient_clip_val=None)
+    assert losses == ram_losses != unclipped  # the clip bites, and equally on disk
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
+
+
+def grads_disk_vs_ram(rank: int, world: int, tmp: str, on_host: bool) -> dict:
+    from lightning_elixir import ElixirStrategy
+
+    root = Path(tmp)
+    plan = _tier4(_plan_with_disk_world(root / f"profile{rank}", world), on_host=on_host)
+    strategy = _strategy(plan, root / "disk")
+    written: list[int] = []
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (written.append(strategy.disk_state.grads.bytes_written),  # type: ignore
+                                 original_teardown())
+    losses, weights, _ = _fit(strategy, root / "a", devices=world, steps=STEPS)
+    ref_losses, ref_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), root / "b", devices=world,
+                                      steps=STEPS)
+    return {"losses": losses, "ref_losses": ref_losses, "tier4": plan.grad_disk_units, "written": written[0],
+            "equal": all(weights[n].equal(ref_weights[n]) for n in weights)}
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["sums-in-ram", "read-add-write"])
+def test_grads_on_disk_bit_equal_to_ram_on_two_ranks(tmp_path, on_host):
+    outs = run_distributed(grads_disk_vs_ram, world_size=2, args=(str(tmp_path), on_host), env=ENV, timeout=300)
+    for out in outs:
+        assert out["tier4"] and out["written"] > 0
+        assert out["losses"] == out["ref_losses"] and len(out["losses"]) == STEPS * MICRO
+        assert out["equal"]
+
+
+def test_grads_on_disk_checkpoint_resumes_equal_to_uninterrupted(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.checkpoint import verify_checkpoint
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="s{step}",
+                           auto_insert_metric_name=False)
+    losses, weights, _ = _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=4,
+                              samples=16, callbacks=[ckpt], enable_checkpointing=True)
+    step2 = tmp_path / "ckpt" / "s2.ckpt"
+    assert verify_checkpoint(step2)
+    losses_b, weights_b, _ = _fit(_strategy(plan, tmp_path / "disk_b"), tmp_path / "b", devices=1, steps=4,
+                                  samples=16, ckpt_path=step2)
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "c", devices=1,
+                                      steps=4, samples=16, ckpt_path=step2)
+    assert losses_b == ram_losses == losses[2 * MICRO:]
+    for n in weights:
+        assert weights_b[n].equal(weights[n]) and ram_weights[n].equal(weights[n]), n
+
+
+def test_sixteen_bit_mixed_precision_is_refused_with_grads_on_disk(tmp_path):
+    from lightning_elixir.disk_attach import attach_disk_state
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=True)
+    with pytest.raises(ValueError, match=r"precision='16-mixed' cannot run.*allow_disk_grads=False"):
+        attach_disk_state(None, plan, [], [object()], tmp_path, rank=0, precision="16-mixed")  # type: ignore[arg-type]
