@@ -25,6 +25,7 @@ import torch
 from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
 from energon_infer.sampling import SamplingParams
 from energon_infer.worker.runtime import ModelRunner
+from tightfit.cuda.quant_linear import NATIVE_MAX_ROWS
 
 __all__ = ["measure_quality", "dequantised_runner", "logit_kl", "score"]
 
@@ -50,17 +51,29 @@ def logit_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def score(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Every position's logits of each sequence (one packed step; the sequences are freed after)."""
-    ids = [-(10_000 + i) for i in range(len(seqs))]
-    try:
-        logits = runner.forward(list(zip(ids, seqs)), all_logits=True, broadcast=True)
-    finally:
-        for s in ids:
-            if s in runner.cache:
-                runner.free(s)
-    assert logits is not None
-    return list(logits.float().split([len(s) for s in seqs]))
+def score(runner: ModelRunner, seqs: Sequence[Sequence[int]], max_rows: int = NATIVE_MAX_ROWS
+          ) -> list[torch.Tensor]:
+    """Every position's logits of each sequence (the sequences are freed after). Sequences are packed into steps
+    of at most ``max_rows`` tokens (a longer one alone): the rows a decode step runs, so a quantized model is
+    scored on the kernels it decodes with (the int8-activation ones, tightfit.cuda.quant_linear_a8, where
+    they apply), not only on the prefill path."""
+    steps: list[list[int]] = [[]]
+    for i, s in enumerate(seqs):
+        if steps[-1] and sum(len(seqs[j]) for j in steps[-1]) + len(s) > max_rows:
+            steps.append([])
+        steps[-1].append(i)
+    out: list[torch.Tensor] = []
+    for step in steps:
+        ids = [-(10_000 + i) for i in step]
+        try:
+            logits = runner.forward(list(zip(ids, (seqs[i] for i in step))), all_logits=True, broadcast=True)
+        finally:
+            for s in ids:
+                if s in runner.cache:
+                    runner.free(s)
+        assert logits is not None
+        out.extend(logits.float().split([len(seqs[i]) for i in step]))
+    return out
 
 
 def _compare(ref: list[torch.Tensor], got: list[torch.Tensor], starts: list[int]) -> tuple[float, float]:
