@@ -45,6 +45,8 @@ def _dequantised_runner(path: str, method: str, group: int | None, **kw):
         reference_dequantize,
     )
 
+    from energon_infer.worker.quantization_quality import dequantise_head
+
     spec = QuantSpec(method=method, group_size=group)
     runner = ModelRunner.from_pretrained(path, block_size=4, progress=False, packed_weights=False, **kw)
     with torch.no_grad():
@@ -52,6 +54,7 @@ def _dequantised_runner(path: str, method: str, group: int | None, **kw):
             for name in PROJECTIONS:
                 w = getattr(block, name).weight
                 w.copy_(reference_dequantize(quantize_weight(w, spec), spec, w.dtype))
+        dequantise_head(runner.stage, spec)  # the vocabulary head is held quantized too
     return runner
 
 
@@ -87,6 +90,8 @@ def test_quantized_runtime_equals_torchao_dequantised_weights(wide_dirs, family,
         assert _rel(a8, want) <= TOL, f"{family} {method}: {_rel(a8, want)}"
     assert _rel(got, _logits(plain)) > 1e-5  # the weights really are quantized
     block = quant.stage.layers["0"]
+    head = quant.stage.lm_head  # quantized like the projections (llama.cpp does): vocab x hidden read per step
+    assert "weight" not in head._parameters and head.qweight.dtype == block.qkv.qweight.dtype
     assert "weight" not in block.qkv._parameters and block.qkv.qweight.dtype == (
         torch.int8 if method == "int8" else torch.uint8)
     held = sum(p.numel() * p.element_size() for p in block.parameters())
@@ -126,7 +131,9 @@ def test_torchao_formats_are_the_stored_ones():
 
 def _tp_pp(rank: int, world: int, dirs: dict, refs: dict) -> dict:
     from energon_infer import ModelRunner
+    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
 
+    os.environ[A8_ENV_VAR] = "fp32"  # this rank's process: the exact comparison needs the fp32-activation kernels
     out = {}
     for family, path in dirs.items():
         for method, group in SPECS:
@@ -145,9 +152,11 @@ def _tp_pp(rank: int, world: int, dirs: dict, refs: dict) -> dict:
 
 
 @RunIf(min_world=2)
-def test_each_rank_quantises_its_slice_at_tp2_and_pp2(wide_dirs):
+def test_each_rank_quantises_its_slice_at_tp2_and_pp2(wide_dirs, monkeypatch):
     from energon_infer import ModelRunner
+    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
 
+    monkeypatch.setenv(A8_ENV_VAR, "fp32")  # exact comparisons: the fp32-activation kernels (as the ranks run)
     dirs = {f: wide_dirs[f] for f in ("llama", "gpt2", "opt")}
     refs = {(f, m): _logits(ModelRunner.from_pretrained(p, block_size=4, progress=False, quantization=m,
                                                         group_size=g))

@@ -27,12 +27,13 @@ from energon_infer.sampling import SamplingParams
 from energon_infer.worker.runtime import ModelRunner
 from tightfit.cuda.quant_linear import NATIVE_MAX_ROWS
 
-__all__ = ["measure_quality", "dequantised_runner", "logit_kl", "score"]
+__all__ = ["measure_quality", "dequantised_runner", "dequantise_head", "logit_kl", "score"]
 
 
 def dequantised_runner(path: str | Path, spec: QuantSpec, *, layers: Sequence[int] | None = None,
                        **runtime: Any) -> ModelRunner:
-    """An fp32 runner whose block projections (those of ``layers``, default all of this rank's) hold torchao's
+    """An fp32 runner whose block projections (those of ``layers``, default all of this rank's, and then the
+    vocabulary head as :func:`~energon_infer.loading.quantization.quantize_head` takes it) hold torchao's
     dequantisation of their quantization: this rank's slices, as a quantized runner quantises them."""
     runner = ModelRunner.from_pretrained(path, progress=False, packed_weights=False, **runtime)
     with torch.no_grad():
@@ -42,7 +43,18 @@ def dequantised_runner(path: str | Path, spec: QuantSpec, *, layers: Sequence[in
             for name in PROJECTIONS:
                 w = getattr(block, name).weight
                 w.copy_(reference_dequantize(quantize_weight(w, spec), spec, w.dtype))
+        if layers is None:
+            dequantise_head(runner.stage, spec)
     return runner
+
+
+def dequantise_head(stage: torch.nn.Module, spec: QuantSpec) -> None:
+    """The head's weight replaced (in place) by torchao's dequantisation of the quantization a quantized runner
+    holds it in (none where :func:`~energon_infer.loading.quantization.quantize_head` leaves it)."""
+    head = getattr(stage, "lm_head", None)
+    if head is None or (spec.method == "int4" and head.weight.shape[1] % (spec.group_size or 1)):
+        return
+    head.weight.copy_(reference_dequantize(quantize_weight(head.weight, spec), spec, head.weight.dtype))
 
 
 def logit_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
