@@ -26,7 +26,8 @@ static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_
         float c = 0.f;
         for (int64_t b = 0; b < K / 32; b++) {
             const __m512 u = _mm512_loadu_ps(xr + 32 * b), v = _mm512_loadu_ps(xr + 32 * b + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(u, absmask), _mm512_and_ps(v, absmask)));
+            const float amax =
+                _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(u, absmask), _mm512_and_ps(v, absmask)));
             const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
             const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, _mm512_set1_ps(inv)));
             const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));

@@ -17,15 +17,16 @@ Error bound against torchao's dequantised result ``F.linear(x, W)`` (held by tes
 
     |y - F.linear(x, W)| <= sum_k |V_nk| * max|x_block(k)| / 254     (+ fp32 rounding)
 
-with ``V = W`` for int8 and ``V = q s`` for int4; on a random input that is ~0.3% of ``|x| |V|`` (the errors of
-the inputs mostly cancel). The references below (PyTorch) compute ``x^`` the same way and are what the native
+with ``V = W`` for int8 and ``V = q s`` for int4. On random inputs and int8 weights the error measured 2.4% of
+that bound on average (at most 8.7%; 0.03% of ``|x| . |V|``): the inputs' rounding errors mostly cancel. The references below (PyTorch) compute ``x^`` the same way and are what the native
 kernel is checked against (dispatcher self-check, tests) to fp32 rounding. The end-to-end bounds (KL, greedy
 agreement on the trained fixture) hold with it: tests/energon_infer/test_quantization.py.
 
 Where it runs: fp32 ``x`` of at most :data:`~tightfit.cuda.quant_linear.NATIVE_MAX_ROWS` rows, ``K % 64 == 0``
 and (int4) ``group_size % 64 == 0``, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
-library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers keep the fp32 kernels (:func:`a8_applies` says
-which; energon's quantized projections ask it per call), so AVX2-only and other CPUs run as before.
+library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers
+keep the fp32 kernels (:func:`a8_applies` says which; energon's quantized projections ask it per call), so
+AVX2-only and other CPUs run as before.
 """
 
 from __future__ import annotations

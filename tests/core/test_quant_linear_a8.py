@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.quant_linear import NATIVE_MAX_ROWS, _native_mode, dequantize_int4, dequantize_int8, pack_int4
+from tightfit.cuda.quant_linear import (
+    NATIVE_MAX_ROWS,
+    _native_mode,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+)
 from tightfit.cuda.quant_linear_a8 import (
     A8_ENV_VAR,
     a8_applies,

@@ -44,7 +44,6 @@ def _dequantised_runner(path: str, method: str, group: int | None, **kw):
         quantize_weight,
         reference_dequantize,
     )
-
     from energon_infer.worker.quantization_quality import dequantise_head
 
     spec = QuantSpec(method=method, group_size=group)
