@@ -195,11 +195,11 @@ class _Projection(nn.Module):
         # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 32
         # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         if self.quant == "int8":
-            if a8_applies(x, self.qweight.shape[1]):
+            if a8_applies(x, x.shape[-1]):
                 return int8_linear_a8(x, self.qweight, self.qscale, bias)
             return int8_linear(x, self.qweight, self.qscale, bias)
         if self.quant == "int4":
-            if a8_applies(x, self.qweight.shape[1] * 2, self.group_size):
+            if a8_applies(x, x.shape[-1], self.group_size):
                 return int4_linear_a8(x, self.qweight, self.qscale, self.qzero, self.group_size, bias)
             return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias)
         packed, w = self.packed, self.weight

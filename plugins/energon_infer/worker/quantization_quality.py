@@ -80,9 +80,9 @@ def score(runner: ModelRunner, seqs: Sequence[Sequence[int]], max_rows: int = NA
         try:
             logits = runner.forward(list(zip(ids, (seqs[i] for i in step))), all_logits=True, broadcast=True)
         finally:
-            for s in ids:
-                if s in runner.cache:
-                    runner.free(s)
+            for seq in ids:
+                if seq in runner.cache:
+                    runner.free(seq)
         assert logits is not None
         out.extend(logits.float().split([len(seqs[i]) for i in step]))
     return out
