@@ -286,7 +286,8 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
             tensors = quantize_weight(value, spec)
         tensors = {k: v.to(stage_device(stage)) for k, v in tensors.items()}
         held += module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
-    return held + quantize_head(stage, spec)
+    # A torchao-saved checkpoint keeps its head as saved (unquantized: torchao's own model runs it so).
+    return held + (quantize_head(stage, spec) if saved is None else 0)
 
 
 def quantize_head(stage: torch.nn.Module, spec: QuantSpec) -> int:
