@@ -152,8 +152,11 @@ static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t 
 A8_RANGE(a8_int8_range, a8_i8)
 A8_RANGE(a8_int4_range, a8_i4)
 
-static __thread void *a8_buf = NULL; /* grown, never shrunk: no allocation per call */
+static __thread void *a8_buf = NULL; /* per calling thread, grown, never shrunk: no allocation per call */
 static __thread size_t a8_cap = 0;
+static pthread_key_t a8_key; /* its destructor frees a thread's buffer when the thread exits */
+static pthread_once_t a8_once = PTHREAD_ONCE_INIT;
+static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 #endif
 
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale), else int4
@@ -169,6 +172,8 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
         if (nb == NULL) return -1;
         a8_buf = nb;
         a8_cap = need;
+        pthread_once(&a8_once, a8_key_init);
+        pthread_setspecific(a8_key, nb);
     }
     float *dv = a8_buf, *corr = dv + M * (K / 4), *xsum = corr + M;
     int8_t *xqb = (int8_t *)(xsum + M * ng);
