@@ -276,7 +276,8 @@ def _markdown(r: dict[str, Any], *, hidden: int, layers: int, vocab: int, thread
             f"{n} {v['median'] * 1e3:.0f} ms" for n, v in r["ttft"].items()) + ".",
         "",
         f"int4 holds **{ratios['int4_bytes_vs_fp32']:.2f}x** fp32's weight bytes (projections "
-        f"{ratios['int4_projection_bytes_vs_fp32']:.2f}x; embedding and head stay fp32) and decodes "
+        f"{ratios['int4_projection_bytes_vs_fp32']:.2f}x; the head is quantized too, the embedding stays fp32) "
+        "and decodes "
         f"**{ratios['int4_decode_vs_fp32_batch1']:.2f}x** fp32's tokens/s at batch 1 "
         f"({ratios['int4_decode_vs_fp32_batch8']:.2f}x at 8, {ratios['int4_decode_vs_fp32_batch32']:.2f}x at 32); "
         f"int8: {ratios['int8_bytes_vs_fp32']:.2f}x the bytes, {ratios['int8_decode_vs_fp32_batch1']:.2f}x at batch 1.",

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tightfit.cuda._quant_a8_c import SOURCE as _A8_SOURCE
 from tightfit.cuda.dispatch import register_kernel
 from tightfit.cuda.native import load_functions, native_error
 
@@ -78,6 +79,8 @@ typedef struct {
     const void *w;
     float *y;
     int64_t xs, M, N, K, G, n0, n1;
+    const int8_t *xq; /* the int8-activation kernels (tightfit.cuda._quant_a8_c): quantised x, its scales */
+    const float *dv, *corr;
 } job_t;
 
 typedef void (*range_fn)(const job_t *);
@@ -637,7 +640,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("quant_linear", _SOURCE, (
+    return load_functions("quant_linear", _SOURCE + _A8_SOURCE, (
+        ("tf_a8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
+        ("tf_a8_available", ctypes.c_int, ()),
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
         ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
         ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I)),

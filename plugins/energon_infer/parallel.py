@@ -27,6 +27,7 @@ from torch import nn
 
 from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
+from tightfit.cuda.quant_linear_a8 import a8_applies, int4_linear_a8, int8_linear_a8
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
            "microbatches"]
@@ -191,9 +192,15 @@ class _Projection(nn.Module):
         return 0 if self.packed is None else w.numel() * w.element_size()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 32
+        # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         if self.quant == "int8":
+            if a8_applies(x, x.shape[-1]):
+                return int8_linear_a8(x, self.qweight, self.qscale, bias)
             return int8_linear(x, self.qweight, self.qscale, bias)
         if self.quant == "int4":
+            if a8_applies(x, x.shape[-1], self.group_size):
+                return int4_linear_a8(x, self.qweight, self.qscale, self.qzero, self.group_size, bias)
             return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias)
         packed, w = self.packed, self.weight
         if packed is not None and x.shape[0] >= MIN_ROWS:

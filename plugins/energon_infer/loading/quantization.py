@@ -36,7 +36,7 @@ from tightfit.cuda.quant_linear import INT4_GROUP_SIZES, pack_int4
 
 __all__ = ["METHODS", "QuantSpec", "QuantizationError", "check_quantization", "quantize_weight", "torchao_error",
            "projection_inputs", "quantized_bytes_per_weight", "load_quantized", "quantized_weight_names",
-           "reference_dequantize", "quantized_shapes", "meta_quantize"]
+           "reference_dequantize", "quantized_shapes", "meta_quantize", "quantize_head"]
 
 METHODS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 128
@@ -286,7 +286,25 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
             tensors = quantize_weight(value, spec)
         tensors = {k: v.to(stage_device(stage)) for k, v in tensors.items()}
         held += module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
-    return held
+    # A torchao-saved checkpoint keeps its head as saved (unquantized: torchao's own model runs it so).
+    return held + (quantize_head(stage, spec) if saved is None else 0)
+
+
+def quantize_head(stage: torch.nn.Module, spec: QuantSpec) -> int:
+    """Hold the last stage's vocabulary head (this rank's rows) quantized like the block projections, as llama.cpp
+    does: at decode it is the largest single weight a step reads (vocab x hidden). Left as loaded where there is
+    none (not the last stage) or its input width does not take the int4 group size.
+    Returns the bytes it now holds (0 where left). On a meta stage (the planners'): the quantized shapes only."""
+    head = getattr(stage, "lm_head", None)
+    w = None if head is None else head._parameters.get("weight")
+    if w is None or (spec.method == "int4" and w.shape[1] % (spec.group_size or 1)):
+        return 0
+    if w.device.type == "meta":
+        tensors = {name: torch.empty(shape, dtype=dtype, device="meta")
+                   for name, (shape, dtype) in quantized_shapes(w.shape[0], w.shape[1], spec).items()}
+    else:
+        tensors = {k: v.to(w.device) for k, v in quantize_weight(w.detach(), spec).items()}
+    return head.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[union-attr,operator]
 
 
 def _saved_int8(saved: object, name: str, parts: list[Part], grid: Grid, shape: tuple[int, ...], spec: QuantSpec

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from energon_infer.loading.config import ModelConfig
-from energon_infer.loading.quantization import QuantSpec, meta_quantize
+from energon_infer.loading.quantization import QuantSpec, meta_quantize, quantize_head
 from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
 from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts
 from energon_infer.parallel import Grid, split_layers
@@ -207,6 +207,7 @@ def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: s
                 buffers = read_buffer_bytes(stage, cfg, files) * config.io_threads
             else:
                 meta_quantize(stage.layers.values(), quant)
+                quantize_head(stage, quant)  # as load_quantized holds it
                 layers, resident = packed_layer_bytes(stage)
                 buffers = store_buffer_bytes(layers, config.io_threads)
             host = config.host_budget

@@ -25,13 +25,15 @@ import torch
 from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
 from energon_infer.sampling import SamplingParams
 from energon_infer.worker.runtime import ModelRunner
+from tightfit.cuda.quant_linear import NATIVE_MAX_ROWS
 
-__all__ = ["measure_quality", "dequantised_runner", "logit_kl", "score"]
+__all__ = ["measure_quality", "dequantised_runner", "dequantise_head", "logit_kl", "score"]
 
 
 def dequantised_runner(path: str | Path, spec: QuantSpec, *, layers: Sequence[int] | None = None,
                        **runtime: Any) -> ModelRunner:
-    """An fp32 runner whose block projections (those of ``layers``, default all of this rank's) hold torchao's
+    """An fp32 runner whose block projections (those of ``layers``, default all of this rank's, and then the
+    vocabulary head as :func:`~energon_infer.loading.quantization.quantize_head` takes it) hold torchao's
     dequantisation of their quantization: this rank's slices, as a quantized runner quantises them."""
     runner = ModelRunner.from_pretrained(path, progress=False, packed_weights=False, **runtime)
     with torch.no_grad():
@@ -41,7 +43,18 @@ def dequantised_runner(path: str | Path, spec: QuantSpec, *, layers: Sequence[in
             for name in PROJECTIONS:
                 w = getattr(block, name).weight
                 w.copy_(reference_dequantize(quantize_weight(w, spec), spec, w.dtype))
+        if layers is None:
+            dequantise_head(runner.stage, spec)
     return runner
+
+
+def dequantise_head(stage: torch.nn.Module, spec: QuantSpec) -> None:
+    """The head's weight replaced (in place) by torchao's dequantisation of the quantization a quantized runner
+    holds it in (none where :func:`~energon_infer.loading.quantization.quantize_head` leaves it)."""
+    head = getattr(stage, "lm_head", None)
+    if head is None or (spec.method == "int4" and head.weight.shape[1] % (spec.group_size or 1)):
+        return
+    head.weight.copy_(reference_dequantize(quantize_weight(head.weight, spec), spec, head.weight.dtype))
 
 
 def logit_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -50,17 +63,29 @@ def logit_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def score(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Every position's logits of each sequence (one packed step; the sequences are freed after)."""
-    ids = [-(10_000 + i) for i in range(len(seqs))]
-    try:
-        logits = runner.forward(list(zip(ids, seqs)), all_logits=True, broadcast=True)
-    finally:
-        for s in ids:
-            if s in runner.cache:
-                runner.free(s)
-    assert logits is not None
-    return list(logits.float().split([len(s) for s in seqs]))
+def score(runner: ModelRunner, seqs: Sequence[Sequence[int]], max_rows: int = NATIVE_MAX_ROWS
+          ) -> list[torch.Tensor]:
+    """Every position's logits of each sequence (the sequences are freed after). Sequences are packed into steps
+    of at most ``max_rows`` tokens (a longer one alone): the rows a decode step runs, so a quantized model is
+    scored on the kernels it decodes with (the int8-activation ones, tightfit.cuda.quant_linear_a8, where
+    they apply), not only on the prefill path."""
+    steps: list[list[int]] = [[]]
+    for i, s in enumerate(seqs):
+        if steps[-1] and sum(len(seqs[j]) for j in steps[-1]) + len(s) > max_rows:
+            steps.append([])
+        steps[-1].append(i)
+    out: list[torch.Tensor] = []
+    for step in steps:
+        ids = [-(10_000 + i) for i in step]
+        try:
+            logits = runner.forward(list(zip(ids, (seqs[i] for i in step))), all_logits=True, broadcast=True)
+        finally:
+            for seq in ids:
+                if seq in runner.cache:
+                    runner.free(seq)
+        assert logits is not None
+        out.extend(logits.float().split([len(seqs[i]) for i in step]))
+    return out
 
 
 def _compare(ref: list[torch.Tensor], got: list[torch.Tensor], starts: list[int]) -> tuple[float, float]:

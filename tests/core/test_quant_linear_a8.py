@@ -1,0 +1,165 @@
+"""tightfit.cuda.quant_linear_a8: int8/int4 weights times int8-quantised activations (AVX-512 VNNI).
+
+The native kernel against its PyTorch reference (same quantised activations: fp32 rounding apart), and the
+reference's stated error bound against the dequantised weights' exact product (the result torchao's
+``dequantize`` gives, tests/energon_infer/test_quantization.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tightfit.cuda.quant_linear import (
+    NATIVE_MAX_ROWS,
+    _native_mode,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+)
+from tightfit.cuda.quant_linear_a8 import (
+    A8_ENV_VAR,
+    a8_applies,
+    a8_available,
+    int4_linear_a8,
+    int8_linear_a8,
+    quantize_activations,
+)
+
+needs_a8 = pytest.mark.skipif(not a8_available(), reason="no AVX-512 VNNI native build on this CPU")
+
+
+def _int8(n, k, gen):
+    return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) * 0.02
+
+
+def _int4(n, k, g, gen):
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    return pack_int4(q, g), torch.rand(n, k // g, generator=gen) * 0.02, torch.randn(n, k // g, generator=gen) * 0.02
+
+
+def _on_pool(fn, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _native_mode(min_work=0):
+            return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_a8
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("n", [1, 3, 6, 37])  # tiles of 4 and 2 features and the odd one
+def test_int8_native_equals_reference(threads, rows, n):
+    gen = torch.Generator().manual_seed(rows * 100 + n + threads)
+    k = 192
+    q, s = _int8(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 7, generator=gen)[:, 5:5 + k]  # rows apart by more than k
+    want = int8_linear_a8(x, q, s, b, backend="reference")
+    got = _on_pool(lambda: int8_linear_a8(x, q, s, b, backend="native"), threads)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_a8
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize(("k", "group"), [(128, 64), (384, 64), (256, 128), (768, 128), (512, 256)])
+def test_int4_native_equals_reference(threads, rows, k, group):
+    gen = torch.Generator().manual_seed(rows * k + group + threads)
+    n = 19
+    p, s, z = _int4(n, k, group, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+    want = int4_linear_a8(x, p, s, z, group, b, backend="reference")
+    got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, b, backend="native"), threads)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _bound(x, v):
+    """The module's bound: sum_k |V_nk| max|x_block(k)| / 254 per output."""
+    m, k = x.shape
+    amax = x.abs().reshape(m, k // 32, 32).amax(-1)
+    e = amax.repeat_interleave(32, dim=1) / 254
+    return e @ v.abs().t()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=needs_a8)])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_error_is_within_the_stated_bound_of_the_dequantised_product(backend, outliers):
+    gen = torch.Generator().manual_seed(11 + outliers)
+    n, k, group = 40, 512, 128
+    x = torch.randn(7, k, generator=gen)
+    if outliers:  # a few channels 50x the rest (as LLM activations have): their blocks lose resolution
+        x[:, ::97] *= 50
+    q, s = _int8(n, k, gen)
+    w8 = dequantize_int8(q, s, torch.float32)
+    err8 = (int8_linear_a8(x, q, s, backend=backend) - F.linear(x, w8)).abs()
+    assert (err8 <= _bound(x, w8) * 1.001 + 1e-4).all()
+    assert err8.max() > 0  # the inputs really were rounded
+    p, s4, z4 = _int4(n, k, group, gen)
+    w4 = dequantize_int4(p, s4, z4, group, torch.float32)
+    qs = w4 - (z4 - 8 * s4).repeat_interleave(group, dim=1)  # V = q s: the zero point meets the fp32 x
+    err4 = (int4_linear_a8(x, p, s4, z4, group, backend=backend) - F.linear(x, w4)).abs()
+    assert (err4 <= _bound(x, qs) * 1.001 + 1e-4).all()
+    # The bound is not loose by orders of magnitude: on random inputs the rounding errors mostly cancel.
+    assert err4.max() > 1e-3 * _bound(x, qs).max()
+
+
+def test_quantize_activations_rounds_within_half_a_step():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 96, generator=gen)
+    x[1, :32] = 0  # an all-zero block: scale 0, inputs 0
+    xq, d = quantize_activations(x)
+    assert xq.dtype == torch.int8 and d.shape == (3, 3) and xq.abs().max() <= 127
+    assert d[1, 0] == 0 and (xq[1, :32] == 0).all()
+    back = xq.float().reshape(3, 3, 32) * d[..., None]
+    assert ((back - x.reshape(3, 3, 32)).abs() <= d[..., None] / 2 * 1.0001 + 1e-7).all()
+    assert (xq.reshape(3, 3, 32).abs().amax(-1)[d > 0] == 127).all()  # every block uses its full range
+
+
+def test_where_it_applies(monkeypatch):
+    x = torch.zeros(4, 128)
+    assert not a8_applies(x, 128, 32)  # int4 group 32: the fp32-activation kernel
+    assert not a8_applies(torch.zeros(4, 96), 96)  # K % 64
+    assert not a8_applies(torch.zeros(NATIVE_MAX_ROWS + 1, 128), 128)  # prefill: dequantise + BLAS
+    assert not a8_applies(x.bfloat16(), 128)
+    assert a8_applies(x, 128) == a8_applies(x, 128, 128) == a8_available()
+    monkeypatch.setenv(A8_ENV_VAR, "fp32")
+    assert not a8_applies(x, 128)
+
+
+def test_bad_shapes_are_refused_in_one_line():
+    q, s = _int8(8, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"int8_linear_a8: x \(2, 40\) must be 2-D with 64 inputs"):
+        int8_linear_a8(torch.zeros(2, 40), q, s)
+    p = torch.zeros(8, 24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"int4_linear_a8: x \(2, 48\) must be 2-D with 48 inputs \(the weight's\), "
+                                         r"a multiple of 32"):
+        int4_linear_a8(torch.zeros(2, 48), p, torch.ones(8, 3), torch.ones(8, 3), 16)
+
+
+@needs_a8
+def test_concurrent_callers_each_quantise_their_own_inputs():
+    """Python threads at once (each keeps its own buffer of quantised inputs): every result is right."""
+    gen = torch.Generator().manual_seed(8)
+    q, s = _int8(257, 192, gen)
+    p, s4, z4 = _int4(257, 256, 64, gen)
+    xs = [torch.randn(1 + i % 7, 192, generator=gen) for i in range(8)]
+    x4 = [torch.randn(1 + i % 7, 256, generator=gen) for i in range(8)]
+    want8 = [int8_linear_a8(x, q, s, backend="reference") for x in xs]
+    want4 = [int4_linear_a8(x, p, s4, z4, 64, backend="reference") for x in x4]
+
+    def both():
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            g8 = list(ex.map(lambda x: [int8_linear_a8(x, q, s, backend="native") for _ in range(30)][-1], xs))
+            g4 = list(ex.map(lambda x: [int4_linear_a8(x, p, s4, z4, 64, backend="native") for _ in range(30)][-1],
+                             x4))
+        return g8 + g4
+
+    for g, w in zip(_on_pool(both, 2), want8 + want4):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
