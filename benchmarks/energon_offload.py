@@ -100,19 +100,42 @@ def prepare_peers(install: bool = True) -> dict[str, str]:
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
                 return {ACCEL: f"`{' '.join(cmd[-3:])}` failed: {tail}", LLAMA: "no peer venv"}
-    if _run([str(py), "-c", "import llama_cpp"]).returncode != 0:
+    cmake_args = llama_cmake_args()
+    stamp = PEER_VENV / "llama-cpp-build.txt"  # the CMAKE_ARGS of the build in the venv: another build is redone
+    built = _run([str(py), "-c", "import llama_cpp"]).returncode == 0
+    if not built or not stamp.exists() or stamp.read_text() != cmake_args:
         if not install:
-            why[LLAMA] = "llama-cpp-python is not built in .venv-offload (run --prepare-only)"
+            why[LLAMA] = ("llama-cpp-python is not built in .venv-offload, or was built with other flags "
+                          "(run --prepare-only)")
         else:
             src = _llama_sdist()
-            env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2",
-                       CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
-                                  "-DLLAMA_BUILD_SERVER=OFF")
-            done = _run(["nice", "-n", "10", str(py), "-m", "pip", "install", "-q", str(src)], env=env)
+            env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2", CMAKE_ARGS=cmake_args)
+            done = _run(["nice", "-n", "10", str(py), "-m", "pip", "install", "-q", "--force-reinstall",
+                         "--no-deps", "--no-cache-dir", str(src)], env=env)
             if done.returncode != 0:
                 why[LLAMA] = ("llama-cpp-python did not build: "
                               f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+            else:
+                stamp.write_text(cmake_args)
     return why
+
+
+def llama_cmake_args(cpuinfo: str | None = None) -> str:
+    """llama.cpp's build flags for this CPU: native, except its AMX kernels where the CPU has AMX.
+
+    On this project's Xeon VMs (amx_int8 in /proc/cpuinfo) a native build runs its AMX matmul
+    (``ggml_backend_amx_mul_mat``) and dies with SIGSEGV on the first ``llama_decode`` of a Q8_0 or Q4_0 model,
+    every run; without AMX it keeps AVX-512 VNNI, its fastest kernels that run here."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    args = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+    if "amx_int8" in cpuinfo.split():
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        args += f" -DCMAKE_C_FLAGS='{no_amx}' -DCMAKE_CXX_FLAGS='{no_amx}'"
+    return args
 
 
 def _llama_sdist() -> Path:
