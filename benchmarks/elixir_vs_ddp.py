@@ -57,7 +57,7 @@ def _modules():
 
         def __init__(self, seed: int, batches: int) -> None:
             super().__init__()
-            self.seed, self.batches, self.starts, self.cpu = seed, batches, [], []
+            self.seed, self.batches, self.starts, self.cpu_clock = seed, batches, [], []
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(self.seed)
@@ -66,11 +66,11 @@ def _modules():
 
         def on_train_batch_start(self, batch, batch_idx):
             self.starts.append(time.perf_counter())
-            self.cpu.append(time.process_time())
+            self.cpu_clock.append(time.process_time())
 
         def on_train_end(self):
             self.starts.append(time.perf_counter())
-            self.cpu.append(time.process_time())
+            self.cpu_clock.append(time.process_time())
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -126,7 +126,7 @@ def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, default_root_dir=str(root))
     trainer.fit(module)
-    s, c = module.starts, module.cpu
+    s, c = module.starts, module.cpu_clock
     step_s = (s[-1] - s[2]) / (len(s) - 3)
     cpu_s = (c[-1] - c[2]) / (len(c) - 3)
     return step_s, cpu_s, (_plan_info(strategy) if name != "ddp" else None)

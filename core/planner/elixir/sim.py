@@ -54,6 +54,7 @@ class Context:
     ckpt: tuple[float, ...]          # activation bytes kept when checkpointed (<= saved)
     transient: tuple[float, ...]     # backward: bytes above everything saved by it and the blocks before it
     fwd_transient: tuple[float, ...]  # forward: temporaries above its saved bytes while its forward runs
+    loss_transient: tuple[float, ...]  # backward of the loss folded into a block, before the block's own (see peak)
     checkpointable: tuple[bool, ...]
     world: int
     ranks_per_node: int
@@ -148,6 +149,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         ckpt=tuple(min(b.checkpoint_bytes, b.saved_bytes) * act_scale for b in blocks),
         transient=tuple(b.transient_bytes * act_scale for b in blocks),
         fwd_transient=tuple(getattr(b, "fwd_transient_bytes", 0) * act_scale for b in blocks),
+        loss_transient=tuple(getattr(b, "loss_transient_bytes", 0) * act_scale for b in blocks),
         checkpointable=tuple(b.checkpointable for b in blocks),
         world=world,
         ranks_per_node=ranks_per_node,
@@ -421,7 +423,9 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     state_fwd = state - grads_after[0]
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
-    saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
+    saved, ck, tr, ftr, ltr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient, ctx.loss_transient
+    if not ctx.grads_on_demand and any(ltr):  # uncalibrated: the block's whole backward, the loss's part included
+        tr = tuple(max(x, y) for x, y in zip(tr, ltr))
     # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
     # device peak only where host and device are one memory).
     fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
@@ -460,12 +464,10 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         # gathered parameters and gradients there gave 51.2 MiB). Before the hook only what stays gathered
         # is live: kept units, and this unit if an earlier backward prefetched it.
         last_param = max((i for i in range(a, b) if ctx.numel[i] > 0), default=a - 1) if ctx.grads_on_demand else b
-        if last_param < b - 1:
-            early = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
-            if u + 1 < n:
-                early += terms[u + 1].red_buf
-        else:
-            early = params
+        before_hook = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
+        if u + 1 < n:
+            before_hook += terms[u + 1].red_buf
+        early = before_hook if last_param < b - 1 else params
         worst_total = worst_act = worst_params = 0.0
         worst_i = a
         # A sharded unit's gradient shard appears when its reduce-scatter lands (its unsharded gradients are
@@ -484,6 +486,16 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             if state_fwd + g + act + par > worst_total:
                 worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + par, act, i,
                                                                             state_fwd + g, par)
+            if ctx.grads_on_demand and ltr[i] > 0:
+                # The loss folded into this block runs its backward first: before the pre-backward hook (as the
+                # parameter-free tail above) and before the block's gradients exist (measured, LlamaForCausalLM,
+                # 4.9 M parameters, untied head, 2 CPU ranks: full shard peaks in the cross-entropy's backward at
+                # state + activations, 92.0 MiB; pricing the head's gathered parameters and gradients gave 106.6).
+                act = prefix[i] + saved[i] + ltr[i]
+                g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
+                if state_fwd + g + act + before_hook > worst_total:
+                    worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + before_hook,
+                                                                                act, i, state_fwd + g, before_hook)
         params = worst_params
         total = state_bwd + params + worst_act
         if total > best:
