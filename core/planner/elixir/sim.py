@@ -410,12 +410,9 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         kept_before[u + 1] = kept_before[u] + (terms[u].gathered if terms[u].kept else 0.0)
     if ctx.unified and any(t.disk > 0 for t in terms):
         opt_tmp += DISK_STAGING_BYTES
-    best = state + opt_tmp
-    where = ("optimizer", "", state, 0.0, 0.0)
-    # Calibrated model: Lightning and plain loops free gradients after the optimizer step
-    # (zero_grad(set_to_none=True)), so the forward runs without them and the backward of unit u holds
-    # only the gradients of units >= u (measured: DDP on 5.8 M fp32 parameters peaked 22 MiB, one
-    # gradient copy, under state + activations). Uncalibrated: every gradient always resident, as before.
+    best, where = state + opt_tmp, ("optimizer", "", state, 0.0, 0.0)
+    # Calibrated: gradients are freed after the optimizer step (zero_grad(set_to_none=True)); unit u's backward holds
+    # those of units >= u (measured: DDP, 5.8 M fp32, peaked one gradient copy under priced). Uncalibrated: all kept.
     grads_after = [0.0] * (n + 1)  # grads_after[u] = sum of grad_state over units >= u
     if ctx.grads_on_demand:
         for u in range(n - 1, -1, -1):
@@ -424,8 +421,7 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr, ltr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient, ctx.loss_transient
-    if not ctx.grads_on_demand and any(ltr):  # uncalibrated: the block's whole backward, the loss's part included
-        tr = tuple(max(x, y) for x, y in zip(tr, ltr))
+    tr = tr if ctx.grads_on_demand else tuple(map(max, tr, ltr))  # uncalibrated: a block's whole backward at once
     # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
     # device peak only where host and device are one memory).
     fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
@@ -456,13 +452,10 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
-        # Calibrated model: the parameter-free blocks a unit ends with (the loss, folded into the last block by
-        # the profiler; a tied head whose weight another unit owns) run their backward before any module of
-        # the unit with parameters does, i.e. before FSDP2's pre-backward hook gathers the unit, prefetches
-        # the next one or allocates its gradients (measured, 1.3 M parameters on 2 CPU ranks: full shard
-        # peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; pricing the last unit's
-        # gathered parameters and gradients there gave 51.2 MiB). Before the hook only what stays gathered
-        # is live: kept units, and this unit if an earlier backward prefetched it.
+        # Calibrated: parameter-free blocks a unit ends with (a tied head) and the loss's backward run before FSDP2's
+        # pre-backward hook gathers the unit, prefetches the next or allocates its gradients (measured, 1.3 M on 2
+        # CPU ranks: full shard peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; 51.2 priced
+        # with the unit's parameters and gradients). Live then: kept units, this unit if a backward prefetched it.
         last_param = max((i for i in range(a, b) if ctx.numel[i] > 0), default=a - 1) if ctx.grads_on_demand else b
         before_hook = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
         if u + 1 < n:
@@ -487,10 +480,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
                 worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + par, act, i,
                                                                             state_fwd + g, par)
             if ctx.grads_on_demand and ltr[i] > 0:
-                # The loss folded into this block runs its backward first: before the pre-backward hook (as the
-                # parameter-free tail above) and before the block's gradients exist (measured, LlamaForCausalLM,
-                # 4.9 M parameters, untied head, 2 CPU ranks: full shard peaks in the cross-entropy's backward at
-                # state + activations, 92.0 MiB; pricing the head's gathered parameters and gradients gave 106.6).
+                # The loss folded into this block runs first, before the hook and the block's gradients (measured,
+                # LlamaForCausalLM 4.9 M, untied head, 2 CPU ranks, full shard: 92.0 MiB there; 106.6 priced).
                 act = prefix[i] + saved[i] + ltr[i]
                 g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
                 if state_fwd + g + act + before_hook > worst_total:
