@@ -244,3 +244,23 @@ def test_the_loss_backward_runs_before_the_head_unit_gathers(mode, calibrated, p
     m = plan.memory
     assert (plan.peak_bytes, m.phase, m.block, m.params_bytes, m.activation_bytes) == (
         peak, "backward", "layers.1", params, 70_000)
+
+
+# layers.0 recomputed, with a backward transient of 100_000 so its backward is the peak. Calibrated, its re-run
+# forward prefetches layers.1's unit again (forward prefetch 1): state 18_000 + layers.1's gradient shard 4000 + acts
+# 10_000 + 100_000 + params g0 + grads0 + red_buf1 20_000 + g1 8000 = 160_000; without forward prefetch 152_000.
+# Uncalibrated, as before: 24_000 + 110_000 + 20_000 whatever the prefetch.
+@pytest.mark.parametrize(("calibrated", "df", "peak"), [(True, 1, 160_000), (True, 0, 152_000), (False, 1, 154_000)])
+def test_a_recomputed_forward_prefetches_the_next_unit_again(calibrated, df, peak):
+    import dataclasses
+
+    prof = _profile()
+    prof = dataclasses.replace(prof, blocks=(dataclasses.replace(prof.blocks[0], transient_bytes=100_000),
+                                             prof.blocks[1]))
+    cluster = _cluster()
+    if calibrated:
+        cluster = ClusterSpec.uniform(dataclasses.replace(cluster.devices[0], comm_overlap=0.0), 2)
+    units = [UnitPlan(blocks=("layers.0",), checkpoint=("layers.0",)), UnitPlan(blocks=("layers.1",))]
+    plan = estimate(prof, cluster, units, forward_prefetch=df, optimizer="adamw", precision="32-true",
+                    constraints=ElixirConstraints(**NO_MARGIN))
+    assert (plan.peak_bytes, plan.memory.phase, plan.memory.block) == (peak, "backward", "layers.0")
