@@ -10,10 +10,20 @@ nobody here wrote, each in a plain LightningModule with AdamW in fp32, default s
 
 Two gloo ranks, all cores (torch threads = cores / 2). Every repeat is a fresh ``Trainer.fit`` of ``steps`` steps
 on batches drawn for that repeat (new data each time); its wall step time is the mean interval between the starts
-of the steps after the first two (warm-up: lazy init, first allocations), on rank 0. Rounds alternate DDP, Elixir,
-after a warm-up round (Elixir's calibration runs, and is cached, there). Reported: the median of the repeats beside
-min/max, the ratio of medians, and the plan Elixir chose (unit modes, offload, recomputation, how it searched and
-which cost model priced it) and how the runtime applied it (``DDP``: torch's composable ``replicate``; ``FSDP2``).
+of the steps after the first two (warm-up: lazy init, first allocations), on rank 0, with rank 0's process CPU time
+per step beside it (a diagnostic: on a loaded host the wall time of one fit swings by 10-30%, the CPU time a step
+spends much less). Rounds run every contender after a warm-up round (Elixir's calibration runs, and is cached,
+there), in an order that reverses every round (A B C, C B A, ...), so drift on the host does not favour whoever runs
+first. Reported: the median of the repeats beside min/max, the ratio of medians, the median of the paired per-round
+ratios, and the plan Elixir chose (unit modes, offload, recomputation, how it searched and which cost model priced
+it) and how the runtime applied it (``DDP``: torch's composable ``replicate``; ``FSDP2``).
+
+Per step, an all-replicate Elixir run does what ``strategy="ddp"`` does: the same ``DistributedDataParallel``
+reducer with torch's defaults (25 MiB buckets, 1 MiB first bucket, ``gradient_as_bucket_view=False``, no static
+graph, no unused-parameter search, buffers broadcast each forward), the user's optimizer unchanged but for a step
+pre/post hook that regroups parameters by placement (one group here), Lightning's own precision plugin, and a
+prediction monitor that reads ``perf_counter`` at the first steps' starts. What only Elixir pays is at fit start:
+planning, and on the first run the calibration (``first_fit_s``; cached after).
 
 A third contender, ``elixir on FSDP2``, runs the same default strategy with the all-replicate plan applied the way
 it was before ``lightning_elixir.replicate`` existed (``fully_shard`` on a ``(world, 1)`` mesh): the before/after of
@@ -47,7 +57,7 @@ def _modules():
 
         def __init__(self, seed: int, batches: int) -> None:
             super().__init__()
-            self.seed, self.batches, self.starts = seed, batches, []
+            self.seed, self.batches, self.starts, self.cpu_clock = seed, batches, [], []
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(self.seed)
@@ -56,9 +66,11 @@ def _modules():
 
         def on_train_batch_start(self, batch, batch_idx):
             self.starts.append(time.perf_counter())
+            self.cpu_clock.append(time.process_time())
 
         def on_train_end(self):
             self.starts.append(time.perf_counter())
+            self.cpu_clock.append(time.process_time())
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -98,7 +110,7 @@ def _plan_info(strategy) -> dict:
             "predicted_step_s": plan.step_time_s, "runtime": getattr(strategy, "runtime", "FSDP2")}
 
 
-def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float, dict | None]:
+def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float, float, dict | None]:
     import lightning as L
 
     import lightning_elixir.strategy as elixir_strategy
@@ -114,9 +126,10 @@ def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, default_root_dir=str(root))
     trainer.fit(module)
-    s = module.starts
+    s, c = module.starts, module.cpu_clock
     step_s = (s[-1] - s[2]) / (len(s) - 3)
-    return step_s, (_plan_info(strategy) if name != "ddp" else None)
+    cpu_s = (c[-1] - c[2]) / (len(c) - 3)
+    return step_s, cpu_s, (_plan_info(strategy) if name != "ddp" else None)
 
 
 def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
@@ -133,27 +146,29 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     classes = _modules()
-    steps = 6 if quick else 10
+    steps = 8 if quick else 10
     root = Path(tempfile.mkdtemp(prefix=f"{NAME}-{rank}-"))
     times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in CONTENDERS} for m in MODELS}
+    cpu: dict[str, dict[str, list[float]]] = {m: {n: [] for n in CONTENDERS} for m in MODELS}
     plans: dict[str, dict] = {}
     setup_s: dict[str, dict[str, float]] = {m: {} for m in MODELS}
     for model in MODELS:
         for r in range(repeats + 1):  # round 0: warm-up (Elixir calibrates and caches there)
-            for name in CONTENDERS:
+            for name in (CONTENDERS if r % 2 else CONTENDERS[::-1]):  # A B C, C B A, ...: drift cancels
                 start = time.perf_counter()
-                step_s, plan = _fit(classes[model], name, 1000 * r + 17, steps, root)
+                step_s, cpu_s, plan = _fit(classes[model], name, 1000 * r + 17, steps, root)
                 if r == 0:
                     setup_s[model][name] = time.perf_counter() - start
                     continue
                 times[model][name].append(step_s)
+                cpu[model][name].append(cpu_s)
                 if plan is not None:
                     plans[f"{model}/{name}"] = plan
             if rank == 0 and r:
                 print(f"  {model} repeat {r}/{repeats}: " + ", ".join(
                     f"{n} {times[model][n][-1] * 1e3:.0f} ms" for n in CONTENDERS), flush=True)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "plans": plans, "first_fit_s": setup_s,
+        Path(out).write_text(json.dumps({"times": times, "cpu": cpu, "plans": plans, "first_fit_s": setup_s,
                                          "threads": threads, "steps": steps}))
     dist.barrier()
     dist.destroy_process_group()
@@ -175,30 +190,42 @@ def markdown(data: dict, repeats: int) -> str:
 
     rows = []
     for model in MODELS:
-        t = data["times"][model]
+        t, c = data["times"][model], data["cpu"][model]
         ddp, eli, old = (statistics.median(t[n]) for n in CONTENDERS)
+        paired = statistics.median(e / d for e, d in zip(t["elixir"], t["ddp"]))
+        cpu_ratio = statistics.median(c["elixir"]) / statistics.median(c["ddp"])
+        first = data["first_fit_s"][model]
         rows.append(f"| {model} | {cell(t['ddp'])} | {cell(t['elixir_fsdp2'])} | {old / ddp:.3f}x | "
-                    f"{cell(t['elixir'])} | {eli / ddp:.3f}x | {_plan_text(data['plans'][f'{model}/elixir'])} |")
+                    f"{cell(t['elixir'])} | {eli / ddp:.3f}x | {paired:.3f}x | {cpu_ratio:.3f}x | "
+                    f"{first['elixir']:.1f} / {first['ddp']:.1f} | {_plan_text(data['plans'][f'{model}/elixir'])} |")
     return "\n".join([
         f"`Trainer(strategy=\"elixir\")` (default options, whole device) vs `Trainer(strategy=\"ddp\")`, 2 gloo "
         f"processes x {data['threads']} threads, AdamW fp32, batch {BATCH} x {SEQ}. Wall step time in ms: median of "
         f"{repeats} interleaved repeats (min-max), each a fresh fit of {data['steps']} steps on fresh batches, "
         "timed after its first two steps. Target: Elixir / DDP <= 1.05. *Before*: the same plan on the FSDP2 "
         "runtime (`fully_shard` on a (world, 1) mesh); *after*: an all-replicate plan applied with DDP semantics "
-        "(composable `replicate`).", "",
-        "| model | DDP ms | Elixir before (FSDP2) ms | before / DDP | Elixir after ms | after / DDP | Elixir's plan |",
-        "|---|---|---|---|---|---|---|", *rows])
+        "(composable `replicate`). *Paired*: the median of the per-round Elixir / DDP ratios; *CPU*: the ratio of "
+        "rank 0's median process CPU time per step (diagnostic). *First fit*: the warm-up round's whole `fit`, "
+        "Elixir's including its calibration (cached after; the later rounds plan from the cache).", "",
+        "| model | DDP ms | Elixir before (FSDP2) ms | before / DDP | Elixir after ms | after / DDP | paired | CPU "
+        "after / DDP | first fit s Elixir / DDP | Elixir's plan |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (5 if args.quick else 7)
     data = run_two_ranks(_rank, args.quick, repeats)
-    results = {model: {name: {**summarize(data["times"][model][name]), "repeats": data["times"][model][name]}
+    results = {model: {name: {**summarize(data["times"][model][name]), "repeats": data["times"][model][name],
+                              "cpu_s": data["cpu"][model][name]}
                        for name in CONTENDERS} for model in MODELS}
     for model in MODELS:
         for name in ("elixir", "elixir_fsdp2"):
             results[model][f"{name}_over_ddp"] = results[model][name]["median"] / results[model]["ddp"]["median"]
+            results[model][f"{name}_over_ddp_paired"] = statistics.median(
+                e / d for e, d in zip(data["times"][model][name], data["times"][model]["ddp"]))
+            results[model][f"{name}_over_ddp_cpu"] = (statistics.median(data["cpu"][model][name])
+                                                      / statistics.median(data["cpu"][model]["ddp"]))
             results[model][f"{name}_plan"] = data["plans"][f"{model}/{name}"]
         results[model]["first_fit_s"] = data["first_fit_s"][model]
     text = markdown(data, repeats)

@@ -39,7 +39,8 @@ def _block_levels(profile: Any, checkpointed: set[str]) -> tuple[list[str], list
         names.append(b.name)
         fwd.append(prefix / _MIB)
     for i, b in enumerate(profile.blocks):
-        extra = max(b.transient_bytes, b.fwd_transient_bytes) if b.name in checkpointed else b.transient_bytes
+        whole = b.backward_transient_bytes
+        extra = max(whole, b.fwd_transient_bytes) if b.name in checkpointed else whole
         bwd.append((prefixes[i] + b.saved_bytes + extra) / _MIB)
     return names, fwd, bwd
 

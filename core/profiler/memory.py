@@ -101,7 +101,8 @@ def estimate_peak(profile: ModelProfile, checkpointed: Iterable[str] | str | Non
         for i in range(len(blocks) - 1, -1, -1):
             b = blocks[i]
             grads_done += grad[b.name]
-            extra = max(b.transient_bytes, b.fwd_transient_bytes) if b.name in ck else b.transient_bytes
+            whole = b.backward_transient_bytes  # the loss's backward included: this model holds no parameters apart
+            extra = max(whole, b.fwd_transient_bytes) if b.name in ck else whole
             act = prefixes[i] + b.saved_bytes + extra
             act_peak = max(act_peak, act)
             if act + grads_done > best[0]:

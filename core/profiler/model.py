@@ -205,6 +205,14 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, step: str, loss_fn: C
 
     fwd_above: dict[int, int] = {}
     bwd_peak: dict[int, int] = {}
+    # The loss's backward (ops after the last block, folded into it) is priced apart from the block's own: it runs
+    # before any node of the block, so before a sharded runtime gathers the block's parameters for its backward.
+    loss_ops = set(tracer.loss_ops)
+    loss_peak: dict[int, int] = {}
+    for t in loss_ops:
+        block = tracer.loss_block
+        if block is not None and 0 <= t < len(act):
+            loss_peak[block] = max(loss_peak.get(block, 0), act[t])
     timeline: list[MemoryEvent] = []
     for seg in tracer.segments:
         peak = seg_peak(seg.start, seg.end)
@@ -212,7 +220,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, step: str, loss_fn: C
             before = act[seg.start - 1] if seg.start > 0 else 0
             fwd_above[seg.block] = max(fwd_above.get(seg.block, 0), peak - before)
         else:
-            bwd_peak[seg.block] = max(bwd_peak.get(seg.block, 0), peak)
+            own = [act[t] for t in range(seg.start, max(seg.end, seg.start + 1)) if t not in loss_ops and t < len(act)]
+            if own or seg.block not in loss_peak:
+                bwd_peak[seg.block] = max(bwd_peak.get(seg.block, 0), max(own, default=0))
         label = specs[seg.block].name
         if timeline and timeline[-1].phase == seg.phase and timeline[-1].block == label:
             timeline[-1] = MemoryEvent(phase=seg.phase, block=label, bytes=max(timeline[-1].bytes, peak))
@@ -238,13 +248,14 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, *, step: str, loss_fn: C
         out_keys = {k for k, _ in tracer.outputs.get(i, [])}
         ckpt = sum(alive_at_end[k].nbytes for k in out_keys if k in alive_at_end and alive_at_end[k].block == i)
         transient = max(0, bwd_peak.get(i, 0) - prefix - saved) if i in bwd_peak else 0
+        loss_transient = max(0, loss_peak[i] - prefix - saved) if i in loss_peak else 0
         blocks.append(BlockProfile(
             name=spec.name, type=spec.type, index=index, params=tuple(p.name for p in mine),
             param_numel=sum(p.numel for p in mine), param_bytes=sum(p.bytes for p in mine),
             fwd_flops=float(tracer.fwd_flops.get(i, 0)), bwd_flops=float(tracer.bwd_flops.get(i, 0)),
             saved_bytes=saved, checkpoint_bytes=min(ckpt, saved), transient_bytes=transient,
             output_bytes=sum(n for _, n in tracer.outputs.get(i, [])), checkpointable=spec.module is not None,
-            fwd_transient_bytes=max(0, fwd_above.get(i, 0) - saved),
+            fwd_transient_bytes=max(0, fwd_above.get(i, 0) - saved), loss_transient_bytes=loss_transient,
         ))
         prefix += saved
     param_bytes = sum(p.bytes for p in params)

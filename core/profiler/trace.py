@@ -120,6 +120,11 @@ class StepTracer(TorchDispatchMode):
         self.first_call: dict[int, int] = {}
         self.outputs: dict[int, list[tuple[int, int]]] = {}  # block -> [(storage key, tensor nbytes)]
         self.node_block: dict[int, int | None] = {}
+        # The loss's own autograd nodes (ops after the last block, folded into it) and the backward op indices
+        # that ran them: in backward they run before any node of the block, so before its parameters' hooks.
+        self.loss_nodes: set[int] = set()
+        self.loss_ops: list[int] = []
+        self.loss_block: int | None = None
         self.segments: list[_Segment] = []
         self.level = 0
         self.fwd_end = -1
@@ -195,7 +200,10 @@ class StepTracer(TorchDispatchMode):
 
     def begin_backward(self, loss: torch.Tensor | None = None) -> None:
         if loss is not None:  # the loss's own nodes run first in backward: the last block's
+            before = set(self.node_block)
             self.label_graph([loss], self.current)
+            self.loss_nodes = set(self.node_block) - before
+            self.loss_block = self.current
         self._sweep()
         self.fwd_end = self.t
         self.phase = "backward"
@@ -243,7 +251,10 @@ class StepTracer(TorchDispatchMode):
                     self.backward_order.append(name)
                 return self.param_first_block.get(name, self.current)
             return self.current
-        return self.node_block.get(node._sequence_nr(), self.current)
+        seq = node._sequence_nr()
+        if seq in self.loss_nodes:
+            self.loss_ops.append(self.t)
+        return self.node_block.get(seq, self.current)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -91,6 +91,12 @@ class BlockProfile:
         checkpointable: whether activation checkpointing applies (has a pure forward).
         fwd_transient_bytes: forward: the peak while its forward runs above the level at its start,
             minus ``saved_bytes`` (temporaries freed before the forward ends).
+        loss_transient_bytes: backward, the block the loss is folded into (the last): the peak while the
+            loss's own backward runs (the ops after this block's forward, e.g. a cross-entropy's), above
+            everything saved by it and the blocks before it; ``transient_bytes`` is then the rest of its
+            backward. The loss's backward runs before any of this block's nodes, so before a sharded runtime
+            gathers the block's parameters or allocates its gradients. 0: no loss folded in, or not measured apart
+            (profiles from before: ``transient_bytes`` covers both).
         fwd_s / bwd_s / recompute_s: measured seconds of its forward, its backward and its re-run
             forward under checkpointing on the profiled micro-batch (:func:`tightfit.profiler.time_blocks`);
             0.0 = not measured (planners then use FLOPs / matmul rate).
@@ -112,9 +118,15 @@ class BlockProfile:
     output_bytes: int
     checkpointable: bool = True
     fwd_transient_bytes: int = 0
+    loss_transient_bytes: int = 0
     fwd_s: float = 0.0
     bwd_s: float = 0.0
     recompute_s: float = 0.0
+
+    @property
+    def backward_transient_bytes(self) -> int:
+        """The peak above everything saved while its whole backward runs, the loss's part included."""
+        return max(self.transient_bytes, self.loss_transient_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,7 +249,8 @@ class ModelProfile:
                 rows.append(("...", "", "", "", "", "", ""))
                 continue
             rows.append((b.name or "<root>", b.type, format_bytes(b.param_bytes), f"{b.fwd_flops:.2e}",
-                         format_bytes(b.saved_bytes), format_bytes(b.checkpoint_bytes), format_bytes(b.transient_bytes)))
+                         format_bytes(b.saved_bytes), format_bytes(b.checkpoint_bytes),
+                         format_bytes(b.backward_transient_bytes)))
         lines.append(format_table(rows, ("block", "type", "params", "fwd FLOPs", "saved", "if ckpt", "bwd extra"),
                                   align="llrrrrr"))
         for note in self.notes:

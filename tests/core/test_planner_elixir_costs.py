@@ -216,3 +216,51 @@ def test_offloading_fits_the_host_only_if_the_optimizer_state_is_counted():
         with pytest.raises(PlanInfeasibleError):
             search(_profile(), _cluster(host_memory=host), optimizer="adamw", precision="32-true",
                    memory_budget=budget, constraints=cons)
+
+
+# ------------------------------------------------------------------------------------------------ the loss's backward
+# layers.1 is the head the loss is folded into: its backward transient is 3000, the loss's own 40_000 (say, the
+# cross-entropy's gradients of the logits). Calibrated (a measured overlap): gradients exist from their backward on
+# (state before backward S - E * m = 24_000 - 6000 = 18_000) and the loss's backward runs before the head unit's
+# pre-backward hook: nothing of the unit gathered, no gradients, the prefetch not yet issued.
+#   full shard, loss:  18_000 + acts 10_000 + 20_000 + 40_000                         = 88_000 (the peak)
+#   full shard, head:  18_000 + acts 33_000 + params g1 + grads1 + g0 28_000         = 79_000
+#   keep, loss:        18_000 + acts 70_000 + kept g0 + g1 12_000                     = 100_000
+# Uncalibrated: the whole backward at once with every gradient resident, as before: 24_000 + 28_000 + 70_000.
+@pytest.mark.parametrize(("mode", "calibrated", "peak", "params"), [
+    ("reshard", True, 88_000, 0), ("keep", True, 100_000, 12_000), ("reshard", False, 122_000, 28_000)])
+def test_the_loss_backward_runs_before_the_head_unit_gathers(mode, calibrated, peak, params):
+    import dataclasses
+
+    prof = _profile()
+    blocks = (prof.blocks[0], dataclasses.replace(prof.blocks[1], loss_transient_bytes=40_000))
+    prof = dataclasses.replace(prof, blocks=blocks)
+    cluster = _cluster()
+    if calibrated:
+        cluster = ClusterSpec.uniform(dataclasses.replace(cluster.devices[0], comm_overlap=0.0), 2)
+    units = [UnitPlan(blocks=("layers.0",), mode=mode), UnitPlan(blocks=("layers.1",), mode=mode)]
+    plan = estimate(prof, cluster, units, optimizer="adamw", precision="32-true",
+                    constraints=ElixirConstraints(**NO_MARGIN))
+    m = plan.memory
+    assert (plan.peak_bytes, m.phase, m.block, m.params_bytes, m.activation_bytes) == (
+        peak, "backward", "layers.1", params, 70_000)
+
+
+# layers.0 recomputed, with a backward transient of 100_000 so its backward is the peak. Calibrated, its re-run
+# forward prefetches layers.1's unit again (forward prefetch 1): state 18_000 + layers.1's gradient shard 4000 + acts
+# 10_000 + 100_000 + params g0 + grads0 + red_buf1 20_000 + g1 8000 = 160_000; without forward prefetch 152_000.
+# Uncalibrated, as before: 24_000 + 110_000 + 20_000 whatever the prefetch.
+@pytest.mark.parametrize(("calibrated", "df", "peak"), [(True, 1, 160_000), (True, 0, 152_000), (False, 1, 154_000)])
+def test_a_recomputed_forward_prefetches_the_next_unit_again(calibrated, df, peak):
+    import dataclasses
+
+    prof = _profile()
+    prof = dataclasses.replace(prof, blocks=(dataclasses.replace(prof.blocks[0], transient_bytes=100_000),
+                                             prof.blocks[1]))
+    cluster = _cluster()
+    if calibrated:
+        cluster = ClusterSpec.uniform(dataclasses.replace(cluster.devices[0], comm_overlap=0.0), 2)
+    units = [UnitPlan(blocks=("layers.0",), checkpoint=("layers.0",)), UnitPlan(blocks=("layers.1",))]
+    plan = estimate(prof, cluster, units, forward_prefetch=df, optimizer="adamw", precision="32-true",
+                    constraints=ElixirConstraints(**NO_MARGIN))
+    assert (plan.peak_bytes, plan.memory.phase, plan.memory.block) == (peak, "backward", "layers.0")

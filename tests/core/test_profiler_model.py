@@ -280,3 +280,26 @@ def test_mixed_precision_optimizer_bytes():
         prof.optimizer_state_bytes("lion")
     with pytest.raises(ValueError, match=r"unknown precision 'fp8'"):
         prof.optimizer_state_bytes("adamw", precision="fp8")
+
+
+def test_loss_backward_is_measured_apart_from_the_head_it_follows():
+    # An untied head with parameters, then a cross-entropy: the loss's backward (the gradient of log-softmax's output
+    # and of the logits, 2 x the logits' bytes) runs before any node of the head, so before a sharded runtime would
+    # gather the head's weight; the profile keeps the two apart, and the whole backward's peak is unchanged.
+    vocab, batch, seq = 2048, 8, 16
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+    logits = batch * seq * vocab * 4
+
+    def model(device="cpu"):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, vocab)).to(device)
+    prof = profile_model(model("meta"), ids, loss_fn=_ce(targets))
+    head = prof.blocks[-1]
+    assert head.param_numel == 32 * vocab + vocab
+    assert 1.9 * logits <= head.loss_transient_bytes <= 2 * logits + 64 * 1024, head
+    assert head.transient_bytes < logits // 4, head  # the head's own backward: a small input gradient
+    assert head.backward_transient_bytes == head.loss_transient_bytes
+    assert all(b.loss_transient_bytes == 0 for b in prof.blocks[:-1])
+    real = measure_step_peak(model(), ids, loss_fn=_ce(targets))
+    assert _rel(prof.peak_bytes, real.total_bytes) <= BOUND, (prof.peak_bytes, real)

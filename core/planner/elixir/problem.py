@@ -224,6 +224,7 @@ class ElixirProblem:
             ctx = replace(ctx, saved=tuple(x * act_scale for x in ctx.saved), ckpt=tuple(x * act_scale for x in ctx.ckpt),
                           transient=tuple(x * act_scale for x in ctx.transient),
                           fwd_transient=tuple(x * act_scale for x in ctx.fwd_transient),
+                          loss_transient=tuple(x * act_scale for x in ctx.loss_transient),
                           fwd=tuple(x * act_scale for x in ctx.fwd), bwd=tuple(x * act_scale for x in ctx.bwd),
                           rfwd=tuple(x * act_scale for x in ctx.rfwd))
         host: int | str | None = self.host_budget

@@ -51,7 +51,8 @@ def scale_profile(profile: ModelProfile, *, time_ratio: float = 1.0, memory_rati
             kw.update(saved_bytes=round(b.saved_bytes * memory_ratio),
                       checkpoint_bytes=round(b.checkpoint_bytes * memory_ratio),
                       transient_bytes=round(b.transient_bytes * memory_ratio),
-                      fwd_transient_bytes=round(b.fwd_transient_bytes * memory_ratio))
+                      fwd_transient_bytes=round(b.fwd_transient_bytes * memory_ratio),
+                      loss_transient_bytes=round(b.loss_transient_bytes * memory_ratio))
         blocks.append(replace(b, **kw))  # type: ignore[arg-type]
     return replace(profile, blocks=tuple(blocks))
 

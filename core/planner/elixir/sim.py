@@ -54,6 +54,7 @@ class Context:
     ckpt: tuple[float, ...]          # activation bytes kept when checkpointed (<= saved)
     transient: tuple[float, ...]     # backward: bytes above everything saved by it and the blocks before it
     fwd_transient: tuple[float, ...]  # forward: temporaries above its saved bytes while its forward runs
+    loss_transient: tuple[float, ...]  # backward of the loss folded into a block, before the block's own (see peak)
     checkpointable: tuple[bool, ...]
     world: int
     ranks_per_node: int
@@ -148,6 +149,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         ckpt=tuple(min(b.checkpoint_bytes, b.saved_bytes) * act_scale for b in blocks),
         transient=tuple(b.transient_bytes * act_scale for b in blocks),
         fwd_transient=tuple(getattr(b, "fwd_transient_bytes", 0) * act_scale for b in blocks),
+        loss_transient=tuple(getattr(b, "loss_transient_bytes", 0) * act_scale for b in blocks),
         checkpointable=tuple(b.checkpointable for b in blocks),
         world=world,
         ranks_per_node=ranks_per_node,
@@ -392,7 +394,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         ``a_j`` = checkpoint bytes (its output) if block ``j`` is checkpointed else saved bytes (a
         checkpointed block's forward still builds its activations before dropping them);
       * backward of block ``i`` of unit ``u``: params = gathered(u) + grads(u) + red_buf(u+1)
-        + gathered(prefetched u-1..u-db not kept) + gathered(kept v < u); acts = sum_{j<i} a_j +
+        + gathered(prefetched u-1..u-db not kept) + gathered(kept v < u) (calibrated: + gathered(u+1..u+df)
+        when block ``i`` is recomputed: its re-run forward prefetches them again); acts = sum_{j<i} a_j +
         saved_i + transient_i (a checkpointed block is recomputed to its full saved size, and its
         re-run forward's temporaries count: ``max(transient_i, fwd_transient_i)``); this is the step
         model of :func:`tightfit.profiler.memory.estimate_peak`, plus the parameter terms;
@@ -400,22 +403,15 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         disk tier's staging area (:data:`DISK_STAGING_BYTES`) where host and device are one memory.
     """
     n = len(units)
-    state = 0.0
-    opt_tmp = 0.0
-    for t in terms:
-        state += t.state
-        opt_tmp += t.opt_tmp
+    state = sum((t.state for t in terms), 0.0)
+    opt_tmp = sum((t.opt_tmp for t in terms), 0.0)
     kept_before = [0.0] * (n + 1)  # kept_before[u] = sum of gathered over kept units v < u
     for u in range(n):
         kept_before[u + 1] = kept_before[u] + (terms[u].gathered if terms[u].kept else 0.0)
     if ctx.unified and any(t.disk > 0 for t in terms):
         opt_tmp += DISK_STAGING_BYTES
-    best = state + opt_tmp
-    where = ("optimizer", "", state, 0.0, 0.0)
-    # Calibrated model: Lightning and plain loops free gradients after the optimizer step
-    # (zero_grad(set_to_none=True)), so the forward runs without them and the backward of unit u holds
-    # only the gradients of units >= u (measured: DDP on 5.8 M fp32 parameters peaked 22 MiB, one
-    # gradient copy, under state + activations). Uncalibrated: every gradient always resident, as before.
+    best, where = state + opt_tmp, ("optimizer", "", state, 0.0, 0.0)  # the optimizer step: no activations
+    # Calibrated: gradients freed after the step (zero_grad(set_to_none=True)); unit u's backward holds units >= u's.
     grads_after = [0.0] * (n + 1)  # grads_after[u] = sum of grad_state over units >= u
     if ctx.grads_on_demand:
         for u in range(n - 1, -1, -1):
@@ -423,7 +419,8 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     state_fwd = state - grads_after[0]
     acc = 0.0  # sum_{j<i} a_j
     prefix: list[float] = [0.0] * len(ctx.saved)
-    saved, ck, tr, ftr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient
+    saved, ck, tr, ftr, ltr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient, ctx.loss_transient
+    tr = tr if ctx.grads_on_demand else tuple(map(max, tr, ltr))  # uncalibrated: a block's whole backward at once
     # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
     # device peak only where host and device are one memory).
     fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
@@ -454,20 +451,15 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
-        # Calibrated model: the parameter-free blocks a unit ends with (the loss, folded into the last block by
-        # the profiler; a tied head whose weight another unit owns) run their backward before any module of
-        # the unit with parameters does, i.e. before FSDP2's pre-backward hook gathers the unit, prefetches
-        # the next one or allocates its gradients (measured, 1.3 M parameters on 2 CPU ranks: full shard
-        # peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; pricing the last unit's
-        # gathered parameters and gradients there gave 51.2 MiB). Before the hook only what stays gathered
-        # is live: kept units, and this unit if an earlier backward prefetched it.
+        # Calibrated: parameter-free blocks a unit ends with (a tied head) and the loss's backward run before FSDP2's
+        # pre-backward hook gathers the unit, prefetches the next or allocates its gradients (measured, 1.3 M on 2
+        # CPU ranks: full shard peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; 51.2 priced
+        # with the unit's parameters and gradients). Live then: kept units, this unit if a backward prefetched it.
         last_param = max((i for i in range(a, b) if ctx.numel[i] > 0), default=a - 1) if ctx.grads_on_demand else b
-        if last_param < b - 1:
-            early = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
-            if u + 1 < n:
-                early += terms[u + 1].red_buf
-        else:
-            early = params
+        before_hook = kept_before[u] + (terms[u].gathered if terms[u].kept or (u + 1 < n and db > 0) else 0.0)
+        if u + 1 < n:
+            before_hook += terms[u + 1].red_buf
+        early = before_hook if last_param < b - 1 else params
         worst_total = worst_act = worst_params = 0.0
         worst_i = a
         # A sharded unit's gradient shard appears when its reduce-scatter lands (its unsharded gradients are
@@ -477,15 +469,26 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         alias = ctx.alias_replicated and not terms[u].grads and local > 0
         before = 0.0  # numel of blocks a .. i-1: their gradients do not exist yet while block i runs backward
         state_bwd = state_fwd + grads_after[u]
+        # Calibrated: a recomputed forward re-prefetches the next df units, resharded after their backward (measured,
+        # LlamaForCausalLM 4.9 M, 2 CPU ranks, layers recomputed: 65.5 MiB with forward prefetch 1, 62.9 without).
+        refetch = sum(terms[v].gathered for v in range(u + 1, min(n, u + df + 1))) if ctx.grads_on_demand else 0.0
         for i in range(a, b):
             # A checkpointed block's backward first re-runs its forward: that forward's temporaries count too.
             act = prefix[i] + saved[i] + (max(tr[i], ftr[i]) if ckpt[i] else tr[i])
             g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
             before += ctx.numel[i]
-            par = early if i > last_param else params
+            par = (early if i > last_param else params) + (refetch if ckpt[i] else 0.0)
             if state_fwd + g + act + par > worst_total:
                 worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + par, act, i,
                                                                             state_fwd + g, par)
+            if ctx.grads_on_demand and ltr[i] > 0:
+                # The loss folded into this block runs first, before the hook and the block's gradients (measured,
+                # LlamaForCausalLM 4.9 M, untied head, 2 CPU ranks, full shard: 92.0 MiB there; 106.6 priced).
+                act = prefix[i] + saved[i] + ltr[i]
+                g = grads_after[u + 1] + (local * (unit_numel - before) / unit_numel if alias else 0.0)
+                if state_fwd + g + act + before_hook > worst_total:
+                    worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + before_hook,
+                                                                                act, i, state_fwd + g, before_hook)
         params = worst_params
         total = state_bwd + params + worst_act
         if total > best:
