@@ -209,10 +209,9 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
     red = coll("reduce_scatter" if mode != "replicate" else "all_reduce", p * spec.reduce_bytes)  # type: ignore[operator]
     h2d = owned * spec.master_bytes / ctx.h2d if offload else 0.0
     ovh_f, ovh_b, ovh_o = ctx.unit_overhead(mode, offload, sum(ctx.tensors[start:end]), p * spec.compute_bytes)
-    # Where host and device are one memory (a CPU "device"), an offloaded unit's state still occupies it:
-    # FSDP2's CPUOffloadPolicy moves nothing (measured, 1.3 M parameters on 2 CPU ranks: full shard and
-    # full shard + offload peak at the same 48.2 MiB; counting the offloaded state as host-only let the
-    # planner "fit" a budget by offloading and under-priced the real peak by the whole state).
+    # Where host and device are one memory (a CPU "device"), an offloaded unit's state still occupies it: FSDP2's
+    # CPUOffloadPolicy moves nothing (measured, 1.3 M parameters on 2 CPU ranks: full shard and full shard + offload
+    # peak at the same 48.2 MiB; counting it as host-only let the planner "fit" a budget by offloading).
     on_device = not offload or ctx.unified
     on_disk = offload in DISK_CODES
     # A disk unit keeps its master parameters and gradients (2m) where a host unit keeps all its state; the
@@ -229,9 +228,9 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
     fetch = owned * fetched
     fetch_s = disk_seconds(ctx.disk, fetch, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
     grad_w = disk_seconds(ctx.disk, owned * grad_disk, write=True, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
-    # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master
-    # parameters and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans
-    # peak at 140 MiB, state + activations; pricing a gathered copy and a gradient copy gave 228 MiB).
+    # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master parameters
+    # and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans peak at 140 MiB, state +
+    # activations; pricing a gathered copy and a gradient copy gave 228 MiB).
     # Only in the calibrated model, so uncalibrated numbers stay as they were.
     alias = mode == "replicate" and ctx.alias_replicated
     return UnitTerms(
@@ -421,8 +420,7 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr, ltr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient, ctx.loss_transient
     tr = tr if ctx.grads_on_demand else tuple(map(max, tr, ltr))  # uncalibrated: a block's whole backward at once
-    # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (counted in the
-    # device peak only where host and device are one memory).
+    # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (in the device peak only where the two are one memory).
     fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
     for u, (a, b) in enumerate(units):
         params = terms[u].gathered + kept_before[u] + fetch[u] + fetch[u + 1]
