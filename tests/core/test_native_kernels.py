@@ -134,7 +134,7 @@ def _sequences(draw):
 
 @RunIf(native=True)
 @settings(max_examples=40, deadline=None)
-@given(lens=_sequences(), heads=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]), d=st.sampled_from([4, 12, 32]),
+@given(lens=_sequences(), heads=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]), d=st.sampled_from([4, 8, 12, 32, 40]),
        block=st.sampled_from([1, 3, 16]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 99))
 def test_native_paged_attention_equals_the_reference(lens, heads, d, block, threads, seed):
     q, kc, vc, bt, cu, kl = _paged_case(lens, heads[0], heads[1], d, block, seed)
@@ -146,6 +146,20 @@ def test_native_paged_attention_equals_the_reference(lens, heads, d, block, thre
     finally:
         torch.set_num_threads(before)
     want = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max_q, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@RunIf(native=True)
+@pytest.mark.parametrize("heads", [(8, 4), (6, 2), (12, 4), (3, 3)])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("block", [5, 16])
+def test_native_paged_attention_tiles_of_keys_equal_the_reference(heads, d, block):
+    # Widths that are a multiple of 8 take the tiled path (8 keys scored at once): key counts on both sides of
+    # a whole tile and of a page, pages scattered over the pool, and query heads in groups of 1-3 per key head.
+    lens = [(1, 1), (1, 7), (1, 8), (1, 9), (1, 15), (1, 16), (1, 17), (2, 23), (5, 40), (1, 130)]
+    q, kc, vc, bt, cu, kl = _paged_case(lens, heads[0], heads[1], d, block, seed=d + block)
+    got = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=5, backend="native")
+    want = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=5, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
