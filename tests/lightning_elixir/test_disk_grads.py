@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.multiprocess import run_distributed
-from tests.lightning_elixir.test_disk_params import _plan_with_disk_world, _strategy
+from tests.lightning_elixir.test_disk_params import _plan_with_disk_world, _strategy, fit_beside_ram
 from tests.lightning_elixir.test_disk_tier import CHUNK, ENV, _fit, _plan_with_disk
 
 STEPS = 3
@@ -56,22 +56,13 @@ class _Watch:
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["sums-in-ram", "read-add-write"])
 def test_one_rank_grads_on_disk_bit_equal_to_ram_with_the_bytes_asserted(tmp_path, on_host):
-    from lightning_elixir import ElixirStrategy
     from tightfit.storage import TensorStore
 
     plan = _tier4(_plan_with_disk(tmp_path), on_host=on_host, every=2)
     assert plan.grad_disk_units and len(plan.grad_disk_units) < len(plan.param_disk_units)  # tiers 3 and 4 mixed
-    watch, seen = _Watch(), []
-    strategy = _strategy(plan, tmp_path / "disk")
-    original_teardown = strategy.teardown
-    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
-    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, steps=STEPS, callbacks=[watch.callback()])
-    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
-                                      steps=STEPS)
-    assert losses == ram_losses and len(losses) == STEPS * MICRO
-    for n in weights:
-        assert weights[n].equal(ram_weights[n]), n
-    state, grads = seen[0], watch.grads
+    watch = _Watch()
+    state = fit_beside_ram(plan, _ram(plan), tmp_path, watch.callback(), steps=STEPS, micro=MICRO)
+    grads = watch.grads
     assert state is not None and grads is not None and state.steps == STEPS
     # Before every step (after backward and clipping) no tier-4 gradient is in RAM: all of them wait on disk.
     numel = {u.index: sum(n for _, _, n in u.pieces) for u in grads.units}

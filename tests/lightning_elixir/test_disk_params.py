@@ -60,23 +60,32 @@ def _strategy(plan, disk: Path):
     return s
 
 
-def test_one_rank_params_on_disk_bit_equal_to_ram_with_the_bytes_asserted(tmp_path):
+def fit_beside_ram(plan, ram_plan, tmp_path: Path, callback, *, steps: int, micro: int):
+    """Fit ``plan`` (state on disk) and ``ram_plan`` (all in RAM) on one rank; assert their losses and final weights
+    bit-equal; the disk run's state as it was at teardown."""
     from lightning_elixir import ElixirStrategy
+
+    seen = []
+    strategy = _strategy(plan, tmp_path / "disk")
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
+    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, steps=steps, callbacks=[callback])
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=ram_plan, verbose=False), tmp_path / "b", devices=1,
+                                      steps=steps)
+    assert losses == ram_losses and len(losses) == steps * micro
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
+    return seen[0]
+
+
+def test_one_rank_params_on_disk_bit_equal_to_ram_with_the_bytes_asserted(tmp_path):
     from tightfit.storage import TensorStore
 
     plan = _tier3(_plan_with_disk(tmp_path), every=2)
     assert plan.param_disk_units and len(plan.param_disk_units) < len(plan.disk_units)  # tiers 2 and 3 mixed
-    watch, seen = _Watch(), []
-    strategy = _strategy(plan, tmp_path / "disk")
-    original_teardown = strategy.teardown
-    strategy.teardown = lambda: (seen.append(strategy.disk_state), original_teardown())  # type: ignore[method-assign]
-    losses, weights, _ = _fit(strategy, tmp_path / "a", devices=1, steps=STEPS, callbacks=[watch.callback()])
-    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
-                                      steps=STEPS)
-    assert losses == ram_losses and len(losses) == STEPS * MICRO
-    for n in weights:
-        assert weights[n].equal(ram_weights[n]), n
-    state, master = seen[0], watch.master
+    watch = _Watch()
+    state = fit_beside_ram(plan, _ram(plan), tmp_path, watch.callback(), steps=STEPS, micro=MICRO)
+    master = watch.master
     assert state is not None and master is not None and state.steps == STEPS
     # Between uses no tier-3 unit holds its shards: not before an optimizer step, not at a batch start.
     assert watch.held and all(h == () for h in watch.held), watch.held
