@@ -21,6 +21,7 @@ from tightfit.cuda.quant_linear import (
 )
 from tightfit.cuda.quant_linear_a8 import (
     A8_ENV_VAR,
+    _call,
     a8_applies,
     a8_available,
     int4_linear_a8,
@@ -54,12 +55,14 @@ def _on_pool(fn, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, NATIVE_MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 3, 6, 37])  # tiles of 4 and 2 features and the odd one
-def test_int8_native_equals_reference(threads, rows, n):
+def test_int8_native_equals_reference(threads, rows, n, monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)  # set to fp32, "native" would quietly run the reference
     gen = torch.Generator().manual_seed(rows * 100 + n + threads)
     k = 192
     q, s = _int8(n, k, gen)
     b = torch.randn(n, generator=gen)
     x = torch.randn(rows, k + 7, generator=gen)[:, 5:5 + k]  # rows apart by more than k
+    assert _on_pool(lambda: _call(x, q, s, None, 0, b, n, k), threads) is not None  # the kernel takes the call
     want = int8_linear_a8(x, q, s, b, backend="reference")
     got = _on_pool(lambda: int8_linear_a8(x, q, s, b, backend="native"), threads)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -69,12 +72,14 @@ def test_int8_native_equals_reference(threads, rows, n):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
 @pytest.mark.parametrize(("k", "group"), [(128, 64), (384, 64), (256, 128), (768, 128), (512, 256)])
-def test_int4_native_equals_reference(threads, rows, k, group):
+def test_int4_native_equals_reference(threads, rows, k, group, monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)  # set to fp32, "native" would quietly run the reference
     gen = torch.Generator().manual_seed(rows * k + group + threads)
     n = 19
     p, s, z = _int4(n, k, group, gen)
     b = torch.randn(n, generator=gen)
     x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+    assert _on_pool(lambda: _call(x, p, s, z, group, b, n, k), threads) is not None  # the kernel takes the call
     want = int4_linear_a8(x, p, s, z, group, b, backend="reference")
     got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, b, backend="native"), threads)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
