@@ -107,6 +107,9 @@ def digests(named: Any) -> dict[str, str]:
     return out
 
 
+PORT_TRIES = 4
+
+
 def data(spec: dict) -> torch.Tensor:
     """This repeat's tokens (fresh per repeat, the same for every contender of the repeat)."""
     g = torch.Generator().manual_seed(1000 + spec["seed"])
@@ -175,12 +178,23 @@ def run_lightning(spec: dict) -> dict:
     kwargs: dict[str, Any] = {"plan": spec["plan"], "verbose": False}
     if spec["role"] == "elixir":
         kwargs.update(host_budget=spec["host_budget"], disk_dir=spec["disk_dir"])
-    strategy = ElixirStrategy(**kwargs)
     module = Bench()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[Clock()], default_root_dir=spec["work_dir"])
-    trainer.fit(module)
+    for attempt in range(1, PORT_TRIES + 1):
+        trainer = L.Trainer(strategy=ElixirStrategy(**kwargs), accelerator="cpu", devices=1,
+                            max_steps=spec["steps"], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            callbacks=[Clock()], default_root_dir=spec["work_dir"])
+        try:
+            trainer.fit(module)
+            break
+        except Exception as exc:
+            # Lightning finds its rendezvous port by binding port 0 and closing it; another process can take the
+            # port before the store listens on it. Nothing has run then (no step, no disk state): start again.
+            if "EADDRINUSE" not in str(exc) or clock.steps or attempt == PORT_TRIES:
+                raise
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            os.environ.pop("MASTER_PORT", None)
     return {"steps": clock.steps, "setup_rss_peak": setup_rss.get("setup"),
             "digests": digests(module.model.named_parameters())}
 

@@ -112,3 +112,28 @@ def test_quick_mode_writes_its_result(tmp_path):
     assert set(res["headline"]["targets_met"]) == {"exact", "prediction", "disk", "deepspeed", "never_killed",
                                                    "state_3x_limit"}
     assert not list(tmp_path.glob("tightfit-elixir-disk-*"))  # its stores and swap files are removed
+
+
+def test_the_child_starts_again_when_its_rendezvous_port_is_taken(tmp_path):
+    """Lightning binds port 0 and closes it to choose MASTER_PORT; when another process takes the port before the
+    store listens (EADDRINUSE, seen in CI), the child trains on a new port instead of failing. Here the port is
+    taken for certain: MASTER_PORT names one this test holds."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    cfg = {"vocab_size": 64, "n_positions": 8, "hidden": 32, "layers": 1, "heads": 2, "name": "gpt-port"}
+    spec = {"role": "ram", "config": cfg, "batch": 1, "seq": 8, "steps": 2, "seed": 0, "lr": 1e-3, "plan": None,
+            "work_dir": str(tmp_path), "disk_dir": str(tmp_path), "threads": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1]),
+           "PYTHONWARNINGS": "ignore"}
+    try:
+        run = subprocess.run([sys.executable, "-m", "benchmarks._elixir_disk_child", str(tmp_path / "spec.json")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        held.close()
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["ok"], out.get("traceback")
+    assert len(out["steps"]) == 2

@@ -7,6 +7,10 @@
 (gloo, a free port on 127.0.0.1) before it runs and destroyed after. The first rank that fails
 raises :class:`DistributedTestError` in the caller with that rank's traceback, the other ranks are
 killed, and a run longer than ``timeout`` seconds fails instead of blocking CI.
+
+The free port is found by binding port 0 and closing it, so another process can take it before rank 0's store
+listens on it (CI saw ``EADDRINUSE`` from ``init_process_group``). Such a run, which failed before ``fn`` ran
+on any rank, is started again on a new port, up to ``PORT_TRIES`` times; a failure inside ``fn`` never is.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "free_port", "run_distributed"]
+__all__ = ["DistributedTestError", "PORT_TRIES", "free_port", "run_distributed"]
+
+PORT_TRIES = 4
+_PORT_TAKEN = "port taken"  # a rank's status: its store could not listen on the port, nothing of fn ran
 
 
 class DistributedTestError(AssertionError):
@@ -49,7 +56,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     torch.set_num_threads(threads)
     ok = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except Exception as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+            results.put((rank, _PORT_TAKEN, traceback.format_exc()))
+            raise
         out = fn(rank, world_size, *args)
         # Plain pickle to bytes: tensors then travel by value. Through the queue's own pickler they
         # would travel as shared-memory handles that close when this rank exits.
@@ -84,11 +97,27 @@ def run_distributed(
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return their results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _run_once(fn, world_size, tuple(args), timeout, dict(env or {}), threads)
+        except _PortTaken as taken:
+            if attempt == PORT_TRIES:
+                raise DistributedTestError(
+                    f"{fn.__name__}: the rendezvous port was taken {PORT_TRIES} times in a row:\n{taken}") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """Rank 0's store could not listen on the chosen port; no rank ran ``fn``."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, env: dict[str, str],
+              threads: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), dict(env or {}), threads, results),
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, env, threads, results),
                     daemon=False)
         for r in range(world_size)
     ]
@@ -120,6 +149,8 @@ def run_distributed(
                         ) from None
                 else:
                     continue
+            if ok == _PORT_TAKEN:
+                raise _PortTaken(payload)
             if not ok:
                 others = []
                 try:  # collect what the other ranks said for context, briefly
