@@ -48,9 +48,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,20 +56,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _offload_report as report
 from benchmarks._offload_children import RESULT_TAG
-from benchmarks.common import parser, plot_path, write_result
+from benchmarks._offload_report import ACCEL, ENERGON, ENERGON_RAM, LLAMA, NAME, GiB, MiB
+from benchmarks.common import parser, write_result
 from benchmarks.memlimit import drop_page_cache, limit_unavailable, run_limited
 
-NAME = "energon_offload"
 TITLE = "energon_infer beyond memory: weights streamed from the checkpoint's files under a hard memory limit"
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENV = ROOT / ".venv-offload"
 WORK = Path("/tmp/energon-disk-bench")
 LLAMA_CPP_VERSION = "0.3.36"
-GiB, MiB = 2**30, 2**20
-ENERGON, ENERGON_RAM = "energon (limit)", "energon all in RAM (no limit)"
-ACCEL, LLAMA = "transformers + accelerate (limit)", "llama.cpp mmap (limit)"
-TARGETS = {"roofline": 0.80, "vs_accelerate": 3.0}
 
 __all__ = ["prepare_peers", "save_model", "to_gguf", "disk_bandwidth", "main"]
 
@@ -127,10 +122,9 @@ def llama_cmake_args(cpuinfo: str | None = None) -> str:
     (``ggml_backend_amx_mul_mat``) and dies with SIGSEGV on the first ``llama_decode`` of a Q8_0 or Q4_0 model,
     every run; without AMX it keeps AVX-512 VNNI, its fastest kernels that run here."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+        from tightfit.cuda.native import _cpu_flags  # the flags line the native kernels' cache key is made of
+
+        cpuinfo = _cpu_flags()
     args = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
     if "amx_int8" in cpuinfo.split():
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -450,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             results["batches"].setdefault(str(batch), []).append({"prompts": prompts[r, batch],
                                                                   "cells": cells_of[r][batch]})
     _finish(results, new_tokens)
-    md = _markdown(results, hidden, layers, vocab, new_tokens, threads, repeats)
+    md = report.markdown(results, hidden, layers, vocab, new_tokens, threads, repeats)
     print(md)
     write_result(NAME, title=TITLE, params={**params, "commit": _commit()}, results=results, markdown=md,
-                 plots=_plot(results), measures=("benchmarks/_offload_children.py", "core", "plugins/energon_infer"))
+                 plots=report.plot(results), measures=("benchmarks/_offload_children.py", "core", "plugins/energon_infer"))
     return 0
 
 
@@ -486,7 +480,7 @@ def render(path: Path) -> int:
     data = json.loads(path.read_text())
     pr, res = data["params"], data["results"]
     _finish(res, pr["new_tokens"])
-    data["markdown"] = _markdown(res, pr["hidden"], pr["layers"], pr["vocab"], pr["new_tokens"], pr["threads"],
+    data["markdown"] = report.markdown(res, pr["hidden"], pr["layers"], pr["vocab"], pr["new_tokens"], pr["threads"],
                                  pr["repeats"])
     path.write_text(json.dumps(data, indent=2, default=str))
     print(data["markdown"])
@@ -497,122 +491,6 @@ def _commit() -> str:
     done = _run(["git", "rev-parse", "HEAD"], cwd=ROOT)
     dirty = _run(["git", "status", "--porcelain", "--", "plugins/energon_infer", "benchmarks"], cwd=ROOT).stdout
     return done.stdout.strip() + (" (uncommitted changes)" if dirty.strip() else "")
-
-
-def _median(runs: list[dict[str, Any]], contender: str, key: str) -> float | None:
-    vals = [r["cells"][contender].get(key) for r in runs if contender in r["cells"]]
-    vals = [v for v in vals if isinstance(v, (int, float))]
-    return statistics.median(vals) if vals else None
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def _markdown(r: dict[str, Any], hidden: int, layers: int, vocab: int, new_tokens: int, threads: int,
-              repeats: int) -> str:
-    lim = r["limit_bytes"]
-    lines = [f"Random LLaMA (hidden {hidden}, {layers} layers, vocabulary {vocab}, fp32): **{r['weight_bytes'] / GiB:.2f} "
-             f"GiB of weights under a {lim / GiB:.2f} GiB cgroup v1 limit** ({r['weight_bytes'] / lim:.1f}x), host "
-             f"budget given to energon and accelerate {r['budget_bytes'] / MiB:.0f} MiB; disk "
-             f"{r['disk_bytes_per_s'] / 1e9:.2f} GB/s (the best of O_DIRECT reads, 4 MiB requests, 1 or 2 threads, before and after "
-             "the run: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["disk_bandwidths"].items()) + "); "
-             f"{new_tokens} greedy tokens "
-             f"per prompt of 4-12 tokens; {threads} threads each; page cache dropped before every cell; "
-             f"{repeats} run(s) per cell (median where more)."]
-    for c, why in r["skipped"].items():
-        lines += ["", f"**{c}: not run**: {why}."]
-    lines += ["", "| batch | contender | tokens/s | decode tokens/s | of the I/O roofline | TTFT s | peak MiB | "
-              "OOM kills | disk read per step MiB | greedy = reference |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for batch, runs in r["batches"].items():
-        names = list(runs[0]["cells"])
-        for c in sorted(names, key=[ENERGON, ACCEL, LLAMA, ENERGON_RAM].index):
-            cell = runs[0]["cells"][c]
-            if "error" in cell:
-                m = re.search(r"killed after (\d+) s", cell["error"])
-                what = (f"< {int(batch) * new_tokens / int(m.group(1)):.2f} (not done in {m.group(1)} s: stopped)"
-                        if m and not cell["oom_kills"] else f"failed: {cell['error'][:160]}")
-                lines.append(f"| {batch} | {c} | {what} | | | | {cell['peak_bytes'] / MiB:.0f} | {cell['oom_kills']} | | |")
-                continue
-            same = cell.get("same_as_ram")
-            lines.append(
-                f"| {batch} | {c} | {_f(_median(runs, c, 'tokens_per_s'), '.2f')} | "
-                f"{_f(_median(runs, c, 'decode_tokens_per_s'), '.2f')} | "
-                f"{_f(_median(runs, c, 'roofline_fraction'), '.0%')} | {_f(_median(runs, c, 'ttft_s'), '.2f')} | "
-                f"{_median(runs, c, 'peak_bytes') / MiB:.0f} | {max(x['cells'][c]['oom_kills'] for x in runs)} | "
-                f"{_mib(_median(runs, c, 'read_bytes_per_step'))} | "
-                f"{'-' if same is None else f'{same:.0%}'} |")
-    lines += ["", *_targets(r)]
-    src = {b: runs[0]["streamed_source"] for b, runs in r["batches"].items()}
-    lines += ["", f"I/O roofline: batch x disk bandwidth / bytes energon streams per step ({', '.join(sorted(set(src.values())))}); "
-              "the decode tokens/s are set against it (the prompts' step is left out of both)."]
-    return "\n".join(lines)
-
-
-def _mib(v: float | None) -> str:
-    return "-" if v is None else f"{v / MiB:.0f}"
-
-
-def _targets(r: dict[str, Any]) -> list[str]:
-    """The issue's targets, each met or not, from the measured cells."""
-    out = ["**Targets** (issue 30):"]
-    cells = {int(b): runs for b, runs in r["batches"].items()}
-    exact = [runs[0]["cells"][ENERGON].get("same_as_ram") for runs in cells.values() if ENERGON in runs[0]["cells"]]
-    ref = next((x[0]["cells"][ENERGON].get("reference") for x in cells.values() if ENERGON in x[0]["cells"]), "-")
-    out.append(f"- exact (greedy tokens equal to {ref}'s, share of the sequences): "
-               f"{'met' if exact and all(e == 1.0 for e in exact) else 'NOT met'} ({exact})")
-    roof = {b: _median(runs, ENERGON, "roofline_fraction") for b, runs in cells.items() if b >= 32}
-    out.append(f"- >= {TARGETS['roofline']:.0%} of the I/O roofline at batch >= 32: "
-               f"{'met' if roof and all((v or 0) >= TARGETS['roofline'] for v in roof.values()) else 'NOT met'} "
-               "(" + ", ".join(f"{b}: {_f(v, '.0%')}" for b, v in roof.items()) + ")")
-    if 32 in cells:
-        a, e = _median(cells[32], ACCEL, "tokens_per_s"), _median(cells[32], ENERGON, "tokens_per_s")
-        ratio = e / a if a and e else None
-        out.append(f"- >= {TARGETS['vs_accelerate']:.0f}x accelerate's tokens/s at batch 32: "
-                   f"{'met' if ratio and ratio >= TARGETS['vs_accelerate'] else 'NOT met'} ({_f(ratio, '.1f')}x)")
-    vs = {b: (_median(runs, ENERGON, "tokens_per_s"), _median(runs, LLAMA, "tokens_per_s"))
-          for b, runs in cells.items() if b >= 8}
-    missing = [b for b, (_, l_) in vs.items() if not l_]
-    vs = {b: v for b, v in vs.items() if v[1]}
-    ok = all(e and l_ and e >= l_ for e, l_ in vs.values())
-    if not any(l_ for _, l_ in vs.values()):
-        out.append("- >= llama.cpp at every batch >= 8: not measured in this run")
-    else:
-        out.append(f"- >= llama.cpp at every batch >= 8: {'met' if vs and ok else 'NOT met'} (" + ", ".join(
-            f"{b}: {_f(e / l_ if e and l_ else None, '.2f')}x" for b, (e, l_) in vs.items()) + ")"
-            + (f"; llama.cpp not measured at batch {', '.join(map(str, missing))}" if missing else ""))
-    kills = sum(runs_[0]["cells"][ENERGON]["oom_kills"] for runs_ in cells.values() if ENERGON in runs_[0]["cells"])
-    out.append(f"- never killed by the limit: {'met' if kills == 0 else 'NOT met'} ({kills} OOM kills of energon)")
-    return out
-
-
-def _plot(r: dict[str, Any]) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    batches = sorted(int(b) for b in r["batches"])
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for c in (ENERGON, ACCEL, LLAMA, ENERGON_RAM):
-        ys = [_median(r["batches"][str(b)], c, "tokens_per_s") for b in batches]
-        if any(y is not None for y in ys):
-            ax.plot(batches, [y if y is not None else float("nan") for y in ys], marker="o", label=c)
-    roof = [r["batches"][str(b)][0]["cells"].get(ENERGON, {}).get("roofline_tokens_per_s") for b in batches]
-    if any(roof):
-        ax.plot(batches, [y or float("nan") for y in roof], "k--", label="I/O roofline (energon's stream)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch (sequences)")
-    ax.set_ylabel("tokens/s")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = plot_path(NAME)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
 
 
 if __name__ == "__main__":
