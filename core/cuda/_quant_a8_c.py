@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void a8_i8(const job_t *j, int64_t 
         }
 }
 
-/* The same for int4 weights (G % 64 == 0): per group the chunks' sums, then times the group's scale. */
+/* The same for int4 weights (G == 64 or G % 128 == 0): per group the chunks' sums, then times the group's scale. */
 static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t n, int64_t m, const int R,
                                                         const int F) {
     const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G;
@@ -160,11 +160,11 @@ static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 #endif
 
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale), else int4
-   (pack_int4 order, G % 64 == 0). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
+   (pack_int4 order, G == 64 or G % 128 == 0). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
 int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *scale, const float *zero,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t threads) {
 #if TF_A8
-    if (K % 64 != 0 || (G != 0 && G % 64 != 0)) return -2;
+    if (K % 64 != 0 || (G != 0 && G != 64 && G % 128 != 0)) return -2; /* G = 64 x odd > 1 would read past a group */
     const int64_t ng = G > 0 ? K / G : 0;
     const size_t need = (size_t)(M * K) + sizeof(float) * (size_t)(M * (K / 4) + M + M * ng) + 64;
     if (need > a8_cap) {

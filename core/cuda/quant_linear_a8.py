@@ -23,7 +23,7 @@ kernel is checked against (dispatcher self-check, tests) to fp32 rounding. The e
 agreement on the trained fixture) hold with it: tests/energon_infer/test_quantization.py.
 
 Where it runs: fp32 ``x`` of at most :data:`~tightfit.cuda.quant_linear.NATIVE_MAX_ROWS` rows, ``K % 64 == 0``
-and (int4) ``group_size % 64 == 0``, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
+and (int4) ``group_size`` 64 or a multiple of 128, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
 library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers
 keep the fp32 kernels (:func:`a8_applies` says which; energon's quantized projections ask it per call), so
 AVX2-only and other CPUs run as before.
@@ -65,7 +65,7 @@ def a8_available() -> bool:
 def a8_applies(x: torch.Tensor, k: int, group_size: int = 0) -> bool:
     """Whether :func:`int8_linear_a8` / :func:`int4_linear_a8` (``group_size`` > 0) run natively for ``x``."""
     return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and k % 64 == 0
-            and group_size % 64 == 0 and not x.is_cuda and a8_available()
+            and (group_size == 64 or group_size % 128 == 0) and not x.is_cuda and a8_available()
             and os.environ.get(A8_ENV_VAR, "int8") != "fp32")
 
 

@@ -85,6 +85,23 @@ def test_int4_native_equals_reference(threads, rows, k, group, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@needs_a8
+@pytest.mark.parametrize(("k", "group"), [(384, 192), (640, 320)])
+def test_int4_groups_of_an_odd_multiple_of_64_keep_the_exact_path(k, group, monkeypatch):
+    """Groups of 64 x an odd number above 1 are not the kernel's layout (it reads 64 bytes at a time past the
+    group's half): it refuses them and the native backend answers like the reference."""
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(k + group)
+    n = 7
+    p, s, z = _int4(n, k, group, gen)
+    x = torch.randn(3, k, generator=gen)
+    assert not a8_applies(x, k, group)
+    assert _on_pool(lambda: _call(x, p, s, z, group, None, n, k), 2) is None
+    want = int4_linear_a8(x, p, s, z, group, backend="reference")
+    got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, backend="native"), 2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def _bound(x, v):
     """The module's bound: sum_k |V_nk| max|x_block(k)| / 254 per output."""
     m, k = x.shape
