@@ -205,17 +205,21 @@ class DiskOptimizerState:
         if not first:
             self._allocate()
             self._read(0)
+        unwritten: list[int] = []  # first step: chunks whose parameters had no gradient, so no state yet
         try:
             for i, chunk in enumerate(self.chunks):
                 if not first and i + 1 < len(self.chunks):
                     self._read(i + 1)  # unit i+1's state comes in while chunk i updates
                 if first:
-                    self._first_chunk(chunk, groups, i)
+                    if not self._first_chunk(chunk, groups, i):
+                        unwritten.append(i)
                 else:
                     s = self._staging[i % 2]
                     self._wait(s.reads)
                     self._chunk_step(chunk, groups, before, s)
                     self._write(chunk, s)  # written back behind it
+            if unwritten and self.keys is not None:
+                self._write_zero_state(unwritten)
         finally:
             for s in self._staging:
                 self._wait(s.reads)
@@ -259,7 +263,10 @@ class DiskOptimizerState:
         if chunk.unit not in self.grad_units or grads is None or not any(grads.holds(pc.param) for pc in chunk.pieces):
             return []
         assert s.grad is not None
-        n, size = chunk.hi - chunk.lo, self.dtype.itemsize
+        # To the end of the last piece with a gradient there: a parameter without one (frozen, unused) wrote
+        # nothing, and where it ends the unit the buffer on disk ends before the chunk does.
+        hi = max(pc.offset + pc.stop - pc.start for pc in chunk.pieces if grads.holds(pc.param))
+        n, size = hi - chunk.lo, self.dtype.itemsize
         self.bytes_read += n * size
         return [self.store.read_into(grads.name(chunk.unit), s.grad[:n], chunk.lo * size)]
 
@@ -341,9 +348,10 @@ class DiskOptimizerState:
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
 
-    def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], i: int) -> None:
+    def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], i: int) -> bool:
         """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
-        (gaps zeroed) and written back like any later step's."""
+        (gaps zeroed) and written back like any later step's. False where no parameter of the chunk stepped (none
+        had a gradient), so nothing of its state was written."""
         s = self._staging[i % 2] if self._staging else None
         master = grad = None
         if chunk.unit in self.master_units or chunk.unit in self.grad_units:
@@ -360,7 +368,7 @@ class DiskOptimizerState:
                 n = chunk.hi - chunk.lo
                 s.writes.append(self.store.write(self.master.name(chunk.unit), master[:n],  # type: ignore[union-attr]
                                                  chunk.lo * self.dtype.itemsize))
-            return
+            return False
         if self.keys is None:
             q0 = pairs[0][1]
             self.keys = tuple(k for k, v in state[q0].items() if torch.is_tensor(v) and v.shape == q0.shape
@@ -376,6 +384,23 @@ class DiskOptimizerState:
                 s.buffers[k][piece.offset - chunk.lo:piece.offset - chunk.lo + q.numel()].copy_(state[q][k])
             self._keep_scalars(piece.param, state[q])
         self._write(chunk, s)
+        return True
+
+    def _write_zero_state(self, indices: list[int]) -> None:
+        """Zeros for the state of chunks no parameter of which stepped in the first step, so every later step
+        reads whole chunks (their parameters still have no gradient there, and the zeros go back unchanged)."""
+        assert self.keys is not None
+        self._allocate()
+        size = self.dtype.itemsize
+        for i in indices:
+            chunk, s = self.chunks[i], self._staging[i % 2]
+            self._wait(s.writes)
+            n = chunk.hi - chunk.lo
+            for k in self.keys:
+                s.buffers[k][:n].zero_()
+            s.writes = [self.store.write(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
+                        for k in self.keys]
+            self.bytes_written += n * size * len(self.keys)
 
     def _chunk_step(self, chunk: Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],
                     s: Staging) -> None:

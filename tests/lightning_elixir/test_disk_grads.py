@@ -150,3 +150,63 @@ def test_sixteen_bit_mixed_precision_is_refused_with_grads_on_disk(tmp_path):
     plan = _tier4(_plan_with_disk(tmp_path), on_host=True)
     with pytest.raises(ValueError, match=r"precision='16-mixed' cannot run.*allow_disk_grads=False"):
         attach_disk_state(None, plan, [], [object()], tmp_path, rank=0, precision="16-mixed")  # type: ignore[arg-type]
+
+
+def _frozen_tail_gpt(**kwargs):
+    """TinyGPT with each block's last parameter (the MLP's output bias) frozen: it gets no gradient, so a tier-4
+    unit's gradient buffer on disk ends before the unit's last element."""
+    from tests.lightning_elixir.common import TinyGPT
+
+    model = TinyGPT(**kwargs)
+    for block in model.model.blocks:
+        block.mlp.c_proj.bias.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(("tier", "chunk"), [("2", CHUNK), ("4-sums-in-ram", CHUNK), ("4-sums-in-ram", 2**20),
+                                             ("4-read-add-write", 2**20)])
+def test_a_unit_whose_last_parameter_has_no_gradient_trains_bit_equal_to_ram(tmp_path, tier, chunk):
+    """Optimizer state on disk (tier 2) and gradients too (tier 4): a frozen last parameter has neither, so the
+    files end before the unit does; the step reads what is there and trains like RAM. Small chunks leave the
+    frozen bias a chunk of its own (no state written in the first step); one chunk per unit reads gradients that
+    end before the chunk."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.disk_state import local_of
+    from lightning_elixir.options import ElixirOptions
+    from lightning_elixir.planning import decide_plan
+    from tests.lightning_elixir.common import cpu_device, token_data, trainer
+    from tightfit.planner.elixir import ElixirConstraints
+    from tightfit.profiler.types import DiskProfile
+
+    disk = DiskProfile(path=str(tmp_path), free_bytes=2**30, read_fit=(1e-4, 1e9), write_fit=(1e-4, 1e9))
+    options = ElixirOptions(device_profile=dataclasses.replace(cpu_device(), disk=disk), disk_dir=tmp_path,
+                            constraints=ElixirConstraints(force_disk=True), verbose=False)
+    batch = next(iter(DataLoader(token_data(8), batch_size=4)))
+    plan = decide_plan(options, _frozen_tail_gpt(), first_batch=lambda: batch, precision="32-true",
+                       device=torch.device("cpu"), world_size=1).plan
+    if tier == "2":
+        assert plan.disk_units and not plan.grad_disk_units and not plan.param_disk_units
+    else:
+        plan = _tier4(plan, on_host=tier.endswith("ram"))
+        assert plan.grad_disk_units
+
+    def fit(strategy, root):
+        L.seed_everything(0)
+        model = _frozen_tail_gpt(samples=48)
+        t = trainer(strategy, root, devices=1, max_steps=STEPS, accumulate_grad_batches=MICRO,
+                    gradient_clip_val=0.05)
+        t.fit(model)
+        return model.losses, {n: local_of(p).detach().clone() for n, p in model.named_parameters()}
+
+    (tmp_path / "disk").mkdir()
+    strategy = ElixirStrategy(plan=plan, disk_dir=tmp_path / "disk", verbose=False)
+    strategy.disk_chunk_elements = chunk
+    losses, weights = fit(strategy, tmp_path / "a")
+    ram_losses, ram_weights = fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b")
+    assert losses == ram_losses and len(losses) == STEPS * MICRO
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
