@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
 
 __all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term"]
@@ -116,8 +117,8 @@ class DiskGradients:
         """Unit ``u``'s gradients to the store (see the module docstring for when)."""
         if not self.final and self.accumulate_on_host:
             return
-        # The unit before it (in backward order) was written while this one computed: done now, so the host holds
-        # two units' gradients at most; and an earlier micro-batch's write of this unit is done before it is read.
+        # Every earlier write is done now: the previous unit's in backward order (written while this one computed),
+        # so the host holds two units' gradients at most, and an earlier micro-batch's of this unit before it is read.
         self.drain()
         offload = {id(fp.sharded_param): fp for fp in getattr(u.group, "fsdp_params", ())}
         for p, start, n in u.pieces:
@@ -147,11 +148,15 @@ class DiskGradients:
 
     def drain(self) -> None:
         """Every gradient write done (before the step reads them)."""
+        pending = []
         for u in self.units:
             if u.writes:
-                pending, u.writes = u.writes, []
-                for f in pending:
-                    f.result()  # a DiskFullError surfaces here, out of backward
+                pending += u.writes
+                u.writes = []
+        try:
+            wait_all(pending)  # a DiskFullError surfaces here, out of backward, once every write is done
+        finally:
+            for u in self.units:
                 u.held.clear()
 
     # ---- clipping: what it does to a gradient on disk, replayed in the step -------------------------------
@@ -224,8 +229,14 @@ class DiskGradients:
         return undo
 
     def close(self) -> None:
-        """Remove the hooks (before tier 3's own close, which removes its hooks on the same groups)."""
-        self.drain()
+        """Remove the hooks (before tier 3's own close, which removes its hooks on the same groups); a write that
+        failed is raised after they are gone."""
+        try:
+            self.drain()
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
         for group, name, original, had in reversed(self._restore):
             if had:
                 setattr(group, name, original)

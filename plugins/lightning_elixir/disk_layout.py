@@ -13,13 +13,27 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StepIO", "Piece", "Chunk", "Staging", "flat_layout", "chunks_of", "local_of", "align", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS"]
+__all__ = ["StepIO", "Piece", "Chunk", "Staging", "flat_layout", "chunks_of", "local_of", "align", "wait_all",
+           "CHUNK_ELEMENTS", "ALIGN_ELEMENTS"]
 
 # 8 Mi elements per state tensor per staging set: fp32 AdamW's two state tensors make 2 x 2 x 32 MiB = 128 MiB,
 # the host staging area core's planner counts per rank (tightfit.planner.elixir.disk.DISK_STAGING_BYTES).
 CHUNK_ELEMENTS = 8 * 2**20
 # Chunk boundaries inside a tensor, and each tensor's offset on disk, are multiples of this (see the docstring).
 ALIGN_ELEMENTS = 4096
+
+
+def wait_all(futures: Sequence[Future[Any]]) -> None:
+    """Wait for every one of ``futures``, then raise the first one's error (a DiskFullError, a ChecksumError):
+    stopping at the first would leave the others in flight over buffers the caller then frees or reuses."""
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest are done
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
 
 __all__ = ["MASTER_KEY", "DiskParameters", "fsdp_group"]
@@ -115,8 +116,7 @@ class DiskParameters:
             if n:
                 futures.append(self.store.write(self.name(u.index), _raw(local), start * local.element_size()))
                 self.bytes_written += n * local.element_size()
-        for f in futures:
-            f.result()  # a DiskFullError surfaces here, before the unit's only copy is dropped
+        wait_all(futures)  # a DiskFullError surfaces here, before the unit's only copy is dropped
         u.stored = True
 
     def release(self, index: int) -> None:
@@ -157,8 +157,7 @@ class DiskParameters:
 
     def _wait(self, u: _Unit) -> None:
         pending, u.pending = u.pending, []
-        for f in pending:
-            f.result()  # a ChecksumError names the file and offset
+        wait_all(pending)  # a ChecksumError names the file and offset
 
     def ensure(self, index: int) -> None:
         """Unit ``index``'s shards held and valid (read now if nobody read them ahead)."""

@@ -64,6 +64,7 @@ from lightning_elixir.disk_layout import (
     chunks_of,
     flat_layout,
     local_of,
+    wait_all,
 )
 from lightning_elixir.disk_params import DiskParameters
 from lightning_elixir.optim import host_group
@@ -139,7 +140,8 @@ class DiskOptimizerState:
                                                                                     if t is not None)))
 
     def disk_bytes(self) -> int:
-        """Bytes of state this rank keeps on disk (every unit's flat buffers)."""
+        """Bytes this rank keeps on disk: every disk unit's optimizer state, and the master weights (tier 3) and
+        gradients (tier 4) of the units that keep them there (one flat buffer per unit and key)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         return (sum(n * size for n in self.lengths.values()) * len(self.keys or ())
                 + sum(n * size for u, n in self.lengths.items() if u in self.master_units)
@@ -151,12 +153,16 @@ class DiskOptimizerState:
             h.remove()
         self._freed_staging = self.staging_bytes
         self._staging = []  # freed before tier 3 reads the weights back
-        if self.grads is not None:
-            self.grads.close()  # its hooks wrap tier 3's: removed first
-            if self._undo_zero_grad is not None:
-                self._undo_zero_grad()
-        if self.master is not None:
-            self.master.close()
+        try:
+            if self.grads is not None:
+                try:
+                    self.grads.close()  # its hooks wrap tier 3's: removed first (a failed write raised after)
+                finally:
+                    if self._undo_zero_grad is not None:
+                        self._undo_zero_grad()
+        finally:
+            if self.master is not None:
+                self.master.close()  # the units hold their weights again even when a gradient write failed
 
     # ---- hooks: the disk parameters leave the user's step and step here ------------------------------
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -301,9 +307,10 @@ class DiskOptimizerState:
     def _wait(self, futures: list[Future[Any]]) -> None:
         pending, futures[:] = list(futures), []
         t0 = time.perf_counter()
-        for f in pending:
-            f.result()  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
-        self._waited += time.perf_counter() - t0
+        try:
+            wait_all(pending)  # a DiskFullError or ChecksumError surfaces here, out of optimizer.step()
+        finally:
+            self._waited += time.perf_counter() - t0
 
     def _surrogates(self, chunk: Chunk, groups: dict[int, dict[str, Any]], master: torch.Tensor | None = None,
                     grad_buf: torch.Tensor | None = None) -> list[tuple[Piece, nn.Parameter]]:

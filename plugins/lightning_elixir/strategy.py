@@ -253,11 +253,15 @@ class ElixirStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.disk_state is not None:
-            self.disk_state.close()
-            self.disk_state.store.close()
-            self.disk_state = None
-        super().teardown()
+        state, self.disk_state = self.disk_state, None
+        try:
+            if state is not None:
+                try:
+                    state.close()  # a write that failed (disk full) is raised once the hooks are gone
+                finally:
+                    state.store.close()
+        finally:
+            super().teardown()
 
     @override
     @contextmanager

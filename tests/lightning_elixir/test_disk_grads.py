@@ -210,3 +210,36 @@ def test_a_unit_whose_last_parameter_has_no_gradient_trains_bit_equal_to_ram(tmp
     assert losses == ram_losses and len(losses) == STEPS * MICRO
     for n in weights:
         assert weights[n].equal(ram_weights[n]), n
+
+
+@pytest.mark.parametrize("size", ["8m"])
+def test_disk_full_with_weights_and_gradients_on_disk_leaves_the_model_whole(tmp_path, mount_tmpfs, size):
+    """A disk that fills up with tiers 3 and 4 (in a backward's gradient writes or in the step): one clear
+    DiskFullError, and at teardown every unit holds its weights again, unhooked, the model usable in RAM."""
+    import lightning as L
+    import torch
+
+    from lightning_elixir import ElixirStrategy
+    from lightning_elixir.disk_grads import _ATTR
+    from lightning_elixir.disk_state import local_of
+    from tests.lightning_elixir.common import TinyGPT, trainer
+    from tightfit.storage import DiskFullError
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=False)
+    assert plan.grad_disk_units and plan.param_disk_units
+    strategy = ElixirStrategy(plan=plan, disk_dir=mount_tmpfs(size), verbose=False)
+    strategy.disk_chunk_elements = CHUNK
+    L.seed_everything(0)
+    model = TinyGPT(samples=48)
+    t = trainer(strategy, tmp_path / "a", devices=1, max_steps=STEPS, accumulate_grad_batches=MICRO)
+    with pytest.raises(DiskFullError, match="free"):
+        t.fit(model)
+    assert strategy.disk_state is None  # closed, its store too
+    for n, p in model.named_parameters():
+        local = local_of(p)
+        assert local.untyped_storage().nbytes() >= local.numel() * local.element_size(), n  # held again
+        assert torch.isfinite(local).all(), n
+        assert not hasattr(p, _ATTR), n  # the gradient hooks' mark is gone
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.isfinite(model.model(x)).all()

@@ -18,9 +18,6 @@ micro-batch reads, adds and writes them back.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
-
-if TYPE_CHECKING:  # sim imports this module
-    from tightfit.planner.elixir.sim import Context, UnitTerms
     >>> disk = DiskProfile(path="/nvme", free_bytes=2**40, read_fit=(1e-3, 1e9), write_fit=(1e-3, 5e8))
     >>> opt, io = disk_optimizer_seconds(disk, 1e9, compute=1.0, sharers=1, overlap=1.0)
     >>> round(io, 3), round(opt, 3)   # read 1.001 s + write 2.001 s, the 1 s update hidden behind it
@@ -29,7 +26,7 @@ if TYPE_CHECKING:  # sim imports this module
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -40,8 +37,8 @@ from tightfit.profiler.types import DiskProfile
 if TYPE_CHECKING:  # sim imports this module
     from tightfit.planner.elixir.sim import Context, UnitTerms
 
-__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES",
-           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "disk_bytes", "tier_name", "param_tier_name",
+__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES", "DISK_COPIES",
+           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes", "tier_name", "param_tier_name",
            "grad_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
@@ -72,6 +69,10 @@ def grad_tier_name(code: int) -> str:
 # per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's
 # default request size), enough to keep its queue full, and small beside the gigabytes it saves.
 DISK_STAGING_BYTES = 2 * 64 * 2**20
+# Copies of a plan's disk state the disk must hold at once: the store writes every update to fresh extents and
+# frees the replaced ones at the step's sync (tightfit.storage: the last synced index must stay readable), so at
+# the end of a step the old state and the new are both there. The planner fits DISK_COPIES x its disk bytes.
+DISK_COPIES = 2
 
 
 def per_element_on_disk(code: int, opt_state: float, master: float) -> tuple[float, float, float]:
@@ -118,9 +119,16 @@ def host_bytes(ctx: Context, terms: Sequence[UnitTerms]) -> float:
     not the device (on unified memory the staging area counts in the device peak instead, see :func:`peak`)."""
     staging = DISK_STAGING_BYTES if not ctx.unified and any(t.disk > 0 for t in terms) else 0.0
     # Tier-3 units' parameter shards live on the host while used: this unit's and the one read ahead; tier 4's
-    # gradient shards from their reduce until written (this unit's and the one still being written behind it).
-    fetched = 2 * max((t.fetch + t.grad_buf for t in terms), default=0.0) if not ctx.unified else 0.0
+    # gradient shards from their reduce until written (this unit's and the one still being written behind it):
+    # two units' at most, bounded by the two largest (one, where a single unit is on disk).
+    fetched = sum(in_flight(t.fetch + t.grad_buf for t in terms)) if not ctx.unified else 0.0
     return sum(t.host for t in terms) + staging + fetched
+
+
+def in_flight(values: Iterable[float]) -> tuple[float, float]:
+    """The two largest of ``values`` (0 where there are fewer): the tier-3/4 shards on the host at once."""
+    top = sorted(values, reverse=True)[:2]
+    return (top[0] if top else 0.0, top[1] if len(top) > 1 else 0.0)
 
 
 def disk_bytes(terms: Sequence[UnitTerms]) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tightfit.planner.elixir.disk import DISK_STAGING_BYTES
+from tightfit.planner.elixir.disk import DISK_STAGING_BYTES, in_flight
 from tightfit.planner.elixir.sim import UnitTerms, peak, step_time
 from tightfit.planner.elixir.space import (
     Candidate,
@@ -197,12 +197,16 @@ class _Family:
         ck_time = [False] * len(ctx.numel)  # undecided blocks not recomputed (least time)
         ul = list(units)
 
-        def visit(u: int, host: float, disk: float) -> None:
+        # host_bytes' shards in flight (tier 3's fetched parameters, tier 4's gradients being written): the two
+        # largest units', on the host where it is not the device; ``fx`` holds the two largest so far.
+        counted = 0.0 if ctx.unified else 1.0
+
+        def visit(u: int, host: float, disk: float, fx: tuple[float, float]) -> None:
             if u == k:
                 decided = [bool(x) for x in ck_mem]  # every unit chose its subset: no None left
                 cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(decided), df=df,
                                  db=db, time=step_time(ctx, ul, terms, decided, df, db),
-                                 peak=peak(ctx, ul, terms, decided, df, db), host=host, disk=disk)
+                                 peak=peak(ctx, ul, terms, decided, df, db), host=host + counted * sum(fx), disk=disk)
                 ev.evaluations += 1
                 if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
                     best[0] = cand
@@ -210,7 +214,8 @@ class _Family:
             a, b = units[u]
             for m, o, subset, t in choices[u]:
                 extra = staging if t.disk > 0 and disk == 0 else 0.0
-                if host + t.host + extra > host_budget or disk + t.disk > disk_budget:
+                fx_u = in_flight((*fx, t.fetch + t.grad_buf))
+                if host + t.host + extra + counted * sum(fx_u) > host_budget or disk + t.disk > disk_budget:
                     continue
                 terms[u] = t
                 fast[u] = t
@@ -226,7 +231,7 @@ class _Family:
                     if peak(ctx, ul, terms, ck_mem, df, db) > budget:
                         continue
                 modes[u], offs[u] = m, o
-                visit(u + 1, host + t.host + extra, disk + t.disk)
+                visit(u + 1, host + t.host + extra, disk + t.disk, fx_u)
             # restore the bounds of this unit for the siblings above
             terms[u] = bounds[u][0]
             fast[u] = bounds[u][1]
@@ -234,5 +239,5 @@ class _Family:
                 ck_mem[i] = undecided[i]
                 ck_time[i] = False
 
-        visit(0, 0.0, 0.0)
+        visit(0, 0.0, 0.0, (0.0, 0.0))
         return best[0]
