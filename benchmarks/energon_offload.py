@@ -78,6 +78,11 @@ def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
+# llama-cpp-python's own dependencies, installed beside it: its build is installed with --force-reinstall
+# --no-deps (a rebuild replaces it alone, not numpy and the rest), and without diskcache `import llama_cpp` fails.
+LLAMA_DEPS = ("diskcache>=5.6.1", "jinja2>=2.11.3", "typing-extensions>=4.5.0")
+
+
 def prepare_peers(install: bool = True) -> dict[str, str]:
     """``.venv-offload`` with transformers + accelerate and llama-cpp-python; ``{peer: why it cannot run}``."""
     py = PEER_VENV / "bin" / "python"
@@ -98,6 +103,10 @@ def prepare_peers(install: bool = True) -> dict[str, str]:
     cmake_args = llama_cmake_args()
     stamp = PEER_VENV / "llama-cpp-build.txt"  # the CMAKE_ARGS of the build in the venv: another build is redone
     built = _run([str(py), "-c", "import llama_cpp"]).returncode == 0
+    if not built and install and stamp.exists() and stamp.read_text() == cmake_args:
+        # Built with these flags, but its Python dependencies missing (it is installed --no-deps): add them.
+        _run([str(py), "-m", "pip", "install", "-q", *LLAMA_DEPS])
+        built = _run([str(py), "-c", "import llama_cpp"]).returncode == 0
     if not built or not stamp.exists() or stamp.read_text() != cmake_args:
         if not install:
             why[LLAMA] = ("llama-cpp-python is not built in .venv-offload, or was built with other flags "
@@ -105,6 +114,7 @@ def prepare_peers(install: bool = True) -> dict[str, str]:
         else:
             src = _llama_sdist()
             env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2", CMAKE_ARGS=cmake_args)
+            _run([str(py), "-m", "pip", "install", "-q", *LLAMA_DEPS])
             done = _run(["nice", "-n", "10", str(py), "-m", "pip", "install", "-q", "--force-reinstall",
                          "--no-deps", "--no-cache-dir", str(src)], env=env)
             if done.returncode != 0:
