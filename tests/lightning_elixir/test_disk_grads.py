@@ -212,9 +212,37 @@ def test_a_unit_whose_last_parameter_has_no_gradient_trains_bit_equal_to_ram(tmp
         assert weights[n].equal(ram_weights[n]), n
 
 
-@pytest.mark.parametrize("size", ["8m"])
+def test_a_failed_write_is_raised_after_every_other_write_is_done():
+    """The disk tier's waits (gradient drain, tier-3 writes, the step's chunks) raise the first failure only once
+    the rest are done: the buffers they write from are freed or reused next."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_elixir.disk_layout import wait_all
+    from tightfit.storage import DiskFullError
+
+    done = threading.Event()
+
+    def fail():
+        raise DiskFullError("disk full: 0 bytes free")
+
+    def slow():
+        time.sleep(0.3)
+        done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(fail), pool.submit(slow)]
+        with pytest.raises(DiskFullError, match="free"):
+            wait_all(futures)
+        assert done.is_set() and futures[1].done()
+
+
+# Where a disk of this size fills with TinyGPT's tiers 3 and 4: the first forward's weight write, a backward's
+# gradient write, the first optimizer step.
+@pytest.mark.parametrize("size", ["8m", "12m", "16m"], ids=["forward", "backward", "step"])
 def test_disk_full_with_weights_and_gradients_on_disk_leaves_the_model_whole(tmp_path, mount_tmpfs, size):
-    """A disk that fills up with tiers 3 and 4 (in a backward's gradient writes or in the step): one clear
+    """A disk that fills up with tiers 3 and 4 (in a forward, a backward's gradient writes or the step): one clear
     DiskFullError, and at teardown every unit holds its weights again, unhooked, the model usable in RAM."""
     import lightning as L
     import torch
