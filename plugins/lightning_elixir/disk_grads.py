@@ -24,7 +24,10 @@ unit's writes are waited for when the unit before it (in backward order) flushes
 units' gradient shards, as the planner counts them (``UnitTerms.grad_buf``).
 
 Limits: ``precision="16-mixed"`` is refused (its loss scaler unscales and checks gradients in RAM); hooks that
-read ``param.grad`` after backward (``on_before_optimizer_step``) see ``None`` for these units.
+read ``param.grad`` after backward (``on_before_optimizer_step``) see ``None`` for these units. Clipping twice in
+one step (``configure_gradient_clipping`` calling ``clip_gradients`` more than once): a second norm clip uses the
+kept terms scaled by the first clip's ``coef ** p``, bit-equal to RAM where the first clip did not scale and
+equal to float64 rounding of the norm where it did; a norm clip after a value clip is refused with the fix.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class DiskGradients:
         self.on_disk: set[int] = set()  # parameters (ids) whose gradient for this step is in the store
         self.terms: dict[int, torch.Tensor] = {}  # id -> sum(|g|^p) of its final gradient (float64 scalar)
         self.ops: list[tuple[str, Any]] = []  # clipping applied to every gradient on disk, in order
+        self.clamped = False  # value clipping ran in this step: the kept norm terms no longer hold
         self.bytes_written = self.bytes_read = 0
         self.flushes = 0
         self._restore: list[tuple[Any, str, Any, bool]] = []
@@ -162,6 +166,11 @@ class DiskGradients:
     # ---- clipping: what it does to a gradient on disk, replayed in the step -------------------------------
     def term(self, p: nn.Parameter, norm_type: float) -> torch.Tensor:
         """The clipping term of ``p``'s final gradient on disk (raises where backward did not keep one)."""
+        if self.clamped:
+            raise ValueError(f"gradient clipping by the {norm_type}-norm after clipping by value in the same step, "
+                             "with gradients waiting on disk: the norms kept in backward no longer describe the "
+                             "clamped gradients; clip by norm before clipping by value, or plan with "
+                             "ElixirConstraints(allow_disk_grads=False)")
         t = self.terms.get(id(p))
         if t is None or norm_type != self.norm_type:
             raise ValueError(f"gradient clipping by the {norm_type}-norm needs the norm of a gradient that waits on "
@@ -172,14 +181,24 @@ class DiskGradients:
         return t
 
     def scale(self, coef: torch.Tensor) -> None:
-        """Norm clipping: every gradient on disk is multiplied by ``coef`` (the host copy) in the step."""
+        """Norm clipping: every gradient on disk is multiplied by ``coef`` (the host copy) in the step.
+
+        The kept norm terms follow (``|c g|^p = |c|^p |g|^p``), so a second norm clip in the same step sees the
+        clipped norm: bit-equal to RAM where the first clip left the gradients as they were (``coef`` 1), equal to
+        float64 rounding of the norm where it scaled them (RAM sums the fp32-rounded products)."""
         if self.on_disk:
-            self.ops.append(("mul", coef.detach().to("cpu")))
+            c = coef.detach().to("cpu")
+            self.ops.append(("mul", c))
+            if self.norm_type is not None and float(c) != 1.0:
+                factor = c.double().abs().pow(self.norm_type)
+                self.terms = {k: t * factor for k, t in self.terms.items()}
 
     def clamp(self, value: float) -> None:
-        """Value clipping: every gradient on disk is clamped to ``[-value, value]`` in the step."""
+        """Value clipping: every gradient on disk is clamped to ``[-value, value]`` in the step (the kept norm
+        terms no longer describe them: a later norm clip in this step is refused, see :meth:`term`)."""
         if self.on_disk:
             self.ops.append(("clamp", float(value)))
+            self.clamped = True
 
     def apply_ops(self, grad: torch.Tensor) -> None:
         """Replay clipping on a chunk of a gradient read from disk (elementwise: equal on any chunk)."""
@@ -194,6 +213,7 @@ class DiskGradients:
         self.on_disk.clear()
         self.terms.clear()
         self.ops.clear()
+        self.clamped = False
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def _wrap(self, u: _Unit) -> None:

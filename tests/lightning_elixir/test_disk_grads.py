@@ -96,6 +96,46 @@ def test_value_clipping_of_gradients_on_disk_is_bit_equal(tmp_path):
         assert weights[n].equal(ram_weights[n]), n
 
 
+def _clips_twice(first: str):
+    """TinyGPT whose ``configure_gradient_clipping`` clips twice per step: by ``first`` at 0.05, then by norm at
+    0.02 (a user's own second clip, or a callback's, after Lightning's)."""
+    from tests.lightning_elixir.common import TinyGPT
+
+    class ClipsTwice(TinyGPT):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm=first)
+            self.clip_gradients(optimizer, gradient_clip_val=0.02, gradient_clip_algorithm="norm")
+
+    return ClipsTwice
+
+
+def test_a_second_norm_clip_in_one_step_sees_the_clipped_gradients_on_disk(tmp_path):
+    import torch
+
+    from lightning_elixir import ElixirStrategy
+
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=True)
+    twice = _clips_twice("norm")
+    losses, weights, _ = _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=STEPS,
+                              model_cls=twice, gradient_clip_val=None)
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
+                                      steps=STEPS, model_cls=twice, gradient_clip_val=None)
+    once, _, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "c", devices=1, steps=STEPS)
+    assert ram_losses[-1] != once[-1]  # the second clip bites
+    # Equal to float64 rounding of the norm: the second norm is derived from the kept terms (RAM sums the
+    # fp32-rounded scaled gradients), so the coefficient can differ in its last fp32 bit at most.
+    assert losses == pytest.approx(ram_losses, rel=1e-6, abs=0)
+    for n in weights:
+        torch.testing.assert_close(weights[n], ram_weights[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_a_norm_clip_after_a_value_clip_with_gradients_on_disk_is_refused(tmp_path):
+    plan = _tier4(_plan_with_disk(tmp_path), on_host=True)
+    with pytest.raises(ValueError, match="after clipping by value in the same step"):
+        _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=STEPS, model_cls=_clips_twice("value"),
+             gradient_clip_val=None)
+
+
 def grads_disk_vs_ram(rank: int, world: int, tmp: str, on_host: bool) -> dict:
     from lightning_elixir import ElixirStrategy
 

@@ -22,7 +22,7 @@ def _fit(strategy, root: Path, *, devices: int, steps: int = 6, **kwargs):
     from tests.lightning_elixir.common import TinyGPT, trainer
 
     L.seed_everything(0)
-    model = TinyGPT(samples=kwargs.pop("samples", 48))
+    model = kwargs.pop("model_cls", TinyGPT)(samples=kwargs.pop("samples", 48))
     ckpt_path = kwargs.pop("ckpt_path", None)
     t = trainer(strategy, root, devices=devices, max_steps=steps, accumulate_grad_batches=2,
                 gradient_clip_val=kwargs.pop("gradient_clip_val", 0.05), **kwargs)
