@@ -7,8 +7,10 @@ may use, as fast as its plan predicts, with the disk busy during the optimizer p
 with both offloads on NVMe under the same limit, without being killed?
 
 Setup, all on this machine's disk (``--dir``, default a temporary directory under /tmp: a real SSD here):
-    * the plan: the model is profiled on the meta device, the CPU measured (``profile_device``, cached), the
-      disk measured (``profile_disk``, cached), and Elixir's search given a device budget ``M`` and a host
+    * the plan, priced as ``ElixirStrategy``'s default (``calibrate=True``) prices it: the model is profiled on
+      the meta device and its blocks timed on this CPU one at a time (``time_module_blocks``), the CPU measured
+      and FSDP2's per-unit overheads fitted (``profile_device`` + ``calibrate_device``, cached), the disk
+      measured with the share of its reads hidden behind compute (``profile_disk``, cached), and Elixir's search given a device budget ``M`` and a host
       budget ``H``: ``H`` is what leaves the limit at a third of the state, ``state / 3.06 - M - B - margin``
       (raised to what the search says a plan needs where that is too little). The group's limit is
       ``L = M + H + B + margin``: on a CPU the "device" is this same RAM, ``B`` is the measured resident size of
@@ -32,6 +34,7 @@ bytes the phase moved (``DiskProfile.read_seconds + write_seconds``) over the ph
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -106,6 +109,19 @@ def deepspeed_unavailable(say) -> str | None:
     return json.loads(lines[-1])
 
 
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of one rank (the strategy's own on one CPU device), for the calibration."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/rendezvous", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int = 0) -> dict:
     """The disk plan at the host budget that puts the limit at a third of the state (``fixed``: the bytes the
     limit adds beside the budgets, baseline and margin), or the smallest one a plan fits in if that is too
@@ -115,11 +131,11 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     import lightning as L
     import torch
 
-    from lightning_elixir.planning import profile_module
+    from lightning_elixir.planning import profile_module, time_module_blocks
     from tightfit.models import GPTConfig, build_gpt
     from tightfit.planner.elixir import search
     from tightfit.planner.errors import PlanInfeasibleError
-    from tightfit.profiler import profile_device, profile_disk
+    from tightfit.profiler import calibrate_device, profile_device, profile_disk
     from tightfit.profiler.disk_presets import with_disk
     from tightfit.profiler.types import ClusterSpec
 
@@ -133,9 +149,15 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
             return torch.nn.functional.cross_entropy(self.model(x).reshape(-1, cfg["vocab_size"]), y.reshape(-1))
 
     tokens = torch.zeros(batch, seq, dtype=torch.long)
-    profile = profile_module(Meta(), (tokens, tokens))
+    module = Meta()
+    profile = profile_module(module, (tokens, tokens))
+    # Priced as ElixirStrategy's default (calibrate=True) prices it: each block timed on this CPU, one at a time
+    # (the model stays on meta), and FSDP2's per-unit overheads fitted in a process group of this run's one rank.
+    profile = time_module_blocks(module, (tokens, tokens), profile, device=torch.device("cpu"))
     device = profile_device("cpu", quick=True, progress=False)
-    disk = profile_disk(disk_dir, quick=True, progress=False)
+    with _one_rank_group():
+        device = calibrate_device(device, device="cpu", quick=True, progress=False)
+    disk = profile_disk(disk_dir, quick=True, progress=False)  # with its overlap of reads and compute measured
     cluster = with_disk(ClusterSpec.uniform(device, 1), disk)
     state = 16 * profile.param_numel
     kw = dict(precision="32-true", optimizer="adamw")

@@ -13,7 +13,14 @@ Measured (``source="measured"``) on a scratch file in the directory, cached unde
   (buffered reads come after ``fsync`` + ``POSIX_FADV_DONTNEED``, so not from the page cache; buffered
   writes are timed until ``fsync`` returns);
 * ``read_fit`` / ``write_fit``: least squares of ``t = latency + bytes / bandwidth`` over transfers of
-  1 .. 32 requests at that size, depth and mode (the collectives' alpha-beta fit).
+  1 .. 32 requests at that size, depth and mode (the collectives' alpha-beta fit);
+* ``compute_overlap``: how much of the store's reading hides behind compute on the same machine. A pass of
+  reads (``D`` s alone) runs beside a compute loop of about the same length (``C`` s alone) on all of torch's
+  threads, and ``o = (C + D - T) / min(C, D)`` where ``T`` is the wall time until both are done: the rule the
+  planner prices with (``T = C + D - o * min(C, D)``). Two loops are timed, matmuls (forward and backward) and
+  an elementwise AdamW-like update (the optimizer step), and the smaller ``o`` is kept. On a machine whose
+  cores also serve the I/O (checksums, copies, the engine's threads) it is well below 1; a profile cached
+  before this was measured gains it on its next use.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import logging
 import os
 import platform
 import re
+import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -40,7 +49,7 @@ from tightfit.storage.fs import open_data
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["profile_disk", "disk_cache_file", "disk_key", "smallest_within"]
+__all__ = ["profile_disk", "disk_cache_file", "disk_key", "overlap_fraction", "smallest_within"]
 
 KiB, MiB = 2**10, 2**20
 _SIZES, _QUICK_SIZES = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB], [256 * KiB, MiB, 4 * MiB]
@@ -119,10 +128,10 @@ def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
     scratch = d / f".tightfit-disk-profile-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
     bench = _Bench(scratch, max(sizes), pass_bytes)
     try:
-        log(f"1/4 writing a {pass_bytes // MiB} MiB scratch file in {d}")
+        log(f"1/5 writing a {pass_bytes // MiB} MiB scratch file in {d}")
         bench.run(size=max(sizes), depth=2, nbytes=pass_bytes, write=True, direct=True)
         rates: dict[str, dict[int, dict[int, float]]] = {"read": {}, "write": {}}
-        log(f"2/4 sequential read/write, O_DIRECT, sizes {sizes[0] // KiB} KiB..{sizes[-1] // MiB} MiB, depths {depths}")
+        log(f"2/5 sequential read/write, O_DIRECT, sizes {sizes[0] // KiB} KiB..{sizes[-1] // MiB} MiB, depths {depths}")
         for size in sizes:
             for depth in depths:
                 moved = max(pass_bytes, 4 * size * depth)
@@ -131,13 +140,13 @@ def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
                     rates[op].setdefault(size, {})[depth] = moved // size * size / t
         request = smallest_within({s: _both(max(rates["read"][s].values()), max(rates["write"][s].values())) for s in sizes})
         depth = smallest_within({q: _both(rates["read"][request][q], rates["write"][request][q]) for q in depths})
-        log(f"3/4 buffered against O_DIRECT at {request // KiB} KiB x {depth}")
+        log(f"3/5 buffered against O_DIRECT at {request // KiB} KiB x {depth}")
         direct_bw = _both(rates["read"][request][depth], rates["write"][request][depth])
         moved = max(pass_bytes, 4 * request * depth)
         buffered = {op: moved / bench.run(size=request, depth=depth, nbytes=moved, write=op == "write", direct=False)
                     for op in ("write", "read")}  # write first: reads check what this size wrote
         direct = direct_bw >= _both(buffered["read"], buffered["write"])
-        log(f"4/4 latency + bandwidth fits ({'O_DIRECT' if direct else 'buffered'})")
+        log(f"4/5 latency + bandwidth fits ({'O_DIRECT' if direct else 'buffered'})")
         fits: dict[str, tuple[float, float]] = {}
         for op in ("write", "read"):
             counts = [1, depth, 4 * depth, 8 * depth, 32 * depth] if not quick else [1, depth, 4 * depth, 8 * depth]
@@ -146,13 +155,105 @@ def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
                 ts.append(bench.run(size=request, depth=depth, nbytes=n * request, write=op == "write", direct=direct))
                 xs.append(float(n * request))
             fits[op] = fit_alpha_beta(xs, ts, 1.0)
+        log("5/5 reads beside compute (the fraction of I/O hidden behind it)")
+        overlap = _overlap(bench, request=request, depth=depth, direct=direct, read_bw=fits["read"][1], quick=quick)
     finally:
         scratch.unlink(missing_ok=True)
     free, total = free_bytes(d)
     return DiskProfile(path=str(d), free_bytes=free, total_bytes=total, filesystem=mount_of(d).filesystem,
                        read_fit=fits["read"], write_fit=fits["write"], read_bytes_per_s=rates["read"],
                        write_bytes_per_s=rates["write"], request_bytes=request, queue_depth=depth, direct=direct,
-                       source="measured", key=disk_key(d))
+                       source="measured", key=disk_key(d), compute_overlap=overlap)
+
+
+def _overlap_of(d: Path, profile: DiskProfile, quick: bool) -> float:
+    """``compute_overlap`` alone, on a fresh scratch file, at ``profile``'s request size, depth and mode."""
+    pass_bytes = 64 * MiB if quick else 256 * MiB
+    scratch = d / f".tightfit-disk-profile-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    bench = _Bench(scratch, profile.request_bytes, pass_bytes)
+    try:
+        bench.run(size=profile.request_bytes, depth=2, nbytes=pass_bytes, write=True, direct=True)
+        return _overlap(bench, request=profile.request_bytes, depth=profile.queue_depth, direct=profile.direct,
+                        read_bw=profile.read_fit[1], quick=quick)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _compute_loop(kind: str) -> Callable[[int], None]:
+    """``run(n)``: ``n`` rounds of the compute that disk I/O must hide behind: ``"matmul"`` (a 512 x 512 fp32
+    product, forward and backward) or ``"update"`` (an AdamW-like elementwise update of 2 M fp32 elements, the
+    optimizer step: memory-bound)."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "matmul":
+        a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
+        out = torch.empty(512, 512)
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                torch.mm(a, b, out=out)
+        return run
+    p, grad, m, v = (torch.randn(2 * MiB, generator=g) for _ in range(4))
+
+    def update(n: int) -> None:
+        for _ in range(n):
+            m.mul_(0.9).add_(grad, alpha=0.1)
+            v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+            p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+    return update
+
+
+def overlap_fraction(compute_s: float, io_s: float, both_s: float) -> float:
+    """The fraction ``o`` of the shorter of compute and I/O hidden when both ran together in ``both_s`` seconds
+    (``both_s = compute_s + io_s - o * min(compute_s, io_s)``), clamped to [0, 1].
+
+    >>> overlap_fraction(1.0, 0.5, 1.0), overlap_fraction(1.0, 0.5, 1.5), overlap_fraction(1.0, 0.5, 1.25)
+    (1.0, 0.0, 0.5)
+    """
+    shorter = min(compute_s, io_s)
+    if not shorter > 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute_s + io_s - both_s) / shorter))
+
+
+def _overlap(bench: _Bench, *, request: int, depth: int, direct: bool, read_bw: float, quick: bool) -> float:
+    """The measured ``compute_overlap`` (see the module docstring): the smaller over the two compute loops, each
+    the median over ``3`` (``quick``: 2) rounds of compute alone, reads alone and both together."""
+    target = 0.2 if quick else 0.4  # seconds of reading per round
+    nbytes = max(request * depth, int(target * read_bw) // request * request)
+    if not direct:  # buffered passes would re-read pages the first pass cached
+        nbytes = min(nbytes, bench.file_bytes // request * request)
+    rounds = 2 if quick else 3
+    fractions = []
+    for kind in ("matmul", "update"):
+        run = _compute_loop(kind)
+        start = time.perf_counter()
+        run(2)
+        one = max((time.perf_counter() - start) / 2, 1e-6)
+        io_alone = bench.run(size=request, depth=depth, nbytes=nbytes, write=False, direct=direct)
+        n = max(2, round(io_alone / one))
+        measured = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            run(n)
+            compute_s = time.perf_counter() - start
+            io_s = bench.run(size=request, depth=depth, nbytes=nbytes, write=False, direct=direct)
+            failed: list[BaseException] = []
+
+            def read(failed: list[BaseException] = failed) -> None:
+                try:
+                    bench.run(size=request, depth=depth, nbytes=nbytes, write=False, direct=direct)
+                except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
+                    failed.append(exc)
+            reader = threading.Thread(target=read, name="tightfit-disk-overlap")
+            start = time.perf_counter()
+            reader.start()
+            run(n)
+            reader.join()
+            if failed:
+                raise failed[0]
+            measured.append(overlap_fraction(compute_s, io_s, time.perf_counter() - start))
+        fractions.append(statistics.median(measured))
+    return min(fractions)
 
 
 def profile_disk(path: str | os.PathLike[str], *, quick: bool = False, refresh: bool = False,
@@ -185,6 +286,11 @@ def profile_disk(path: str | os.PathLike[str], *, quick: bool = False, refresh: 
                 except (ValueError, TypeError, KeyError):
                     say(f"ignoring unreadable cache file {f}")
                     continue
+                if cached.compute_overlap < 0 and cached.source == "measured":
+                    # Cached before the overlap was measured: measure it alone (a few seconds) and keep it.
+                    say(f"cached: {f}; measuring reads beside compute, which it lacks")
+                    cached = dataclasses.replace(cached, compute_overlap=_overlap_of(d, cached, quick))
+                    cached.to_json(f)
                 free, total = free_bytes(d)
                 say(f"cached: {f}")
                 return dataclasses.replace(cached, path=str(d), free_bytes=free, total_bytes=total)
@@ -194,5 +300,6 @@ def profile_disk(path: str | os.PathLike[str], *, quick: bool = False, refresh: 
     profile.to_json(files[-1])
     say(f"done in {time.perf_counter() - start:.1f} s: read {profile.read_fit[1] / 1e9:.2f} GB/s, write "
         f"{profile.write_fit[1] / 1e9:.2f} GB/s at {profile.request_bytes // KiB} KiB x {profile.queue_depth}, "
-        f"{'O_DIRECT' if profile.direct else 'buffered'}; cached in {files[-1]}")
+        f"{'O_DIRECT' if profile.direct else 'buffered'}, {profile.compute_overlap:.2f} of reading hidden behind "
+        f"compute; cached in {files[-1]}")
     return profile

@@ -1,9 +1,13 @@
-"""profile_disk(quick=True): positive fits, the cache reused, refresh re-measures, JSON round trip, and the
-store configured from the profile."""
+"""profile_disk(quick=True): positive fits, the overlap with compute measured (and added to a profile cached
+without it), the cache reused, refresh re-measures, JSON round trip, and the store configured from the profile."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tightfit.profiler import DiskProfile, profile_disk
 from tightfit.profiler.disk import disk_cache_file, disk_key
@@ -29,6 +33,39 @@ def test_quick_profile_has_positive_fits_and_a_choice(measured):
     assert p.request_bytes in p.read_bytes_per_s and p.queue_depth in p.read_bytes_per_s[p.request_bytes]
     assert all(rate > 0 for per in p.write_bytes_per_s.values() for rate in per.values())
     assert not any(f.name.startswith(".tightfit-disk-profile") for f in disk.iterdir())  # scratch removed
+    assert 0.0 <= p.compute_overlap <= 1.0  # measured (-1 would mean not measured: full overlap assumed)
+
+
+def test_a_profile_cached_without_the_overlap_gains_it_and_keeps_the_rest(measured, monkeypatch):
+    p, disk, cache = measured
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(cache))
+    f = disk_cache_file(disk_key(disk), True)
+    dataclasses.replace(p, compute_overlap=-1.0).to_json(f)  # as a profile cached by an earlier version
+    got = profile_disk(disk, quick=True, progress=False)
+    assert 0.0 <= got.compute_overlap <= 1.0
+    assert (got.read_fit, got.write_fit, got.request_bytes, got.queue_depth) == (
+        p.read_fit, p.write_fit, p.request_bytes, p.queue_depth)  # only the overlap was measured
+    assert DiskProfile.from_json(f).compute_overlap == got.compute_overlap  # and kept in the cache
+    assert not any(x.name.startswith(".tightfit-disk-profile") for x in disk.iterdir())
+
+
+@given(st.floats(1e-4, 1e3), st.floats(1e-4, 1e3), st.floats(0.0, 1.0))
+def test_overlap_fraction_inverts_the_rule_the_planner_prices_with(compute, io, o):
+    from tightfit.planner.elixir.disk import disk_optimizer_seconds
+    from tightfit.profiler.disk import overlap_fraction
+
+    both = compute + io - o * min(compute, io)  # disk_optimizer_seconds' rule
+    assert overlap_fraction(compute, io, both) == pytest.approx(o, abs=1e-6)
+    disk = DiskProfile(path="/x", free_bytes=1, read_fit=(0.0, 1e9), write_fit=(0.0, 1e9))
+    opt, io_s = disk_optimizer_seconds(disk, 1e9 * io / 2, compute=compute, sharers=1, overlap=o)
+    assert opt == pytest.approx(compute + io_s - o * min(compute, io_s))
+
+
+@given(st.floats(0.0, 1e3), st.floats(0.0, 1e3), st.floats(0.0, 1e4))
+def test_overlap_fraction_is_a_fraction_for_any_timing(compute, io, both):
+    from tightfit.profiler.disk import overlap_fraction
+
+    assert 0.0 <= overlap_fraction(compute, io, both) <= 1.0
 
 
 def test_second_call_uses_the_cache_and_refresh_measures_again(measured, monkeypatch):
