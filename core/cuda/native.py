@@ -14,8 +14,10 @@ shared between machines never loads code built for another CPU. A build goes to 
 into place, so processes that build at once cannot load a half-written library.
 
 The compiler is ``$CC`` (default ``cc``), compiling with ``-O3 -march=native -ffast-math`` and linking
-without it (so loading a library never switches the process to flush-to-zero); ``TIGHTFIT_NATIVE=0``
-disables every native library (each kernel then runs its PyTorch reference). A missing or failing compiler is
+without it (so loading a library never switches the process to flush-to-zero). A library that asks for
+``openmp`` is built with ``-fopenmp`` where PyTorch's GNU OpenMP runtime is already in the process
+(:func:`torch_openmp`): the loader then binds it to that same ``libgomp.so.1``, so its parallel regions run on
+PyTorch's threads; where that build fails it is built without. ``TIGHTFIT_NATIVE=0`` disables every native library (each kernel then runs its PyTorch reference). A missing or failing compiler is
 not an error: :func:`load_library` returns ``None``, logs the reason once on ``tightfit.cuda.native`` and
 the dispatcher uses the reference.
 """
@@ -35,7 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir"]
+__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir",
+           "torch_openmp"]
 
 NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
@@ -92,9 +95,35 @@ def native_error(name: str) -> str:
     return _ERRORS.get(name, "")
 
 
+def torch_openmp() -> bool:
+    """Whether this process has GNU OpenMP loaded (PyTorch's CPU wheels bring their own ``libgomp.so.1`` and
+    run their ops on it): a library built with ``-fopenmp`` then binds to that same runtime, so its parallel
+    regions run on the threads PyTorch's ops use, sized by ``torch.set_num_threads``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False
+
+
+def _build(cc: str, path: Path, name: str, source: str, flags: Sequence[str], libs: Sequence[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
+        src, obj, out = (Path(tmp) / f"{name}{ext}" for ext in (".c", ".o", ".so"))
+        src.write_text(source)
+        for cmd in ([cc, *flags, "-c", "-o", str(obj), str(src)], [cc, "-shared", "-o", str(out), str(obj), *libs]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, path)  # atomic: a concurrent builder's identical file may win; both are fine
+
+
 @functools.cache
-def load_library(name: str, source: str) -> ctypes.CDLL | None:
-    """The library built from ``source`` (built on first use, then cached on disk); ``None`` if it cannot be."""
+def load_library(name: str, source: str, openmp: bool = False) -> ctypes.CDLL | None:
+    """The library built from ``source`` (built on first use, then cached on disk); ``None`` if it cannot be.
+
+    ``openmp``: build with ``-fopenmp`` where :func:`torch_openmp` (the source's ``#ifdef _OPENMP`` paths then
+    run on PyTorch's team); where that build or its loading fails, the library is built without it."""
     if not native_enabled():
         _ERRORS[name] = f"{NATIVE_ENV_VAR}=0"
         return None
@@ -104,29 +133,29 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
                            "CC, to use the native CPU kernels")
         return None
     cc, version = compiler
-    key = hashlib.sha256("\0".join((source, version, *FLAGS, *LIBS, _cpu_flags())).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{key}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{name}-") as tmp:
-                src, obj, out = (Path(tmp) / f"{name}{ext}" for ext in (".c", ".o", ".so"))
-                src.write_text(source)
-                for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(src)], [cc, "-shared", "-o", str(out), str(obj), *LIBS]):
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-                    if done.returncode != 0:
-                        raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-                os.replace(out, path)  # atomic: a concurrent builder's identical file may win; both are fine
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        _unavailable(name, f"{type(exc).__name__}: {exc}")
-        return None
+    variants: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(FLAGS, LIBS)]
+    if openmp and torch_openmp():
+        variants.insert(0, ((*FLAGS, "-fopenmp"), (*LIBS, "-fopenmp")))
+    failure = ""
+    for flags, libs in variants:
+        key = hashlib.sha256("\0".join((source, version, *flags, *libs, _cpu_flags())).encode()).hexdigest()[:16]
+        path = cache_dir() / f"{name}-{key}.so"
+        try:
+            if not path.exists():
+                _build(cc, path, name, source, flags, libs)
+            return ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+            log.info("native kernel %s: build with %s failed (%s)", name, " ".join(flags), failure)
+    _unavailable(name, failure)
+    return None
 
 
-def load_functions(name: str, source: str, signatures: Sequence[tuple[str, Any, Sequence[Any]]]) -> Any:
+def load_functions(name: str, source: str, signatures: Sequence[tuple[str, Any, Sequence[Any]]],
+                   openmp: bool = False) -> Any:
     """:func:`load_library`, with each ``(function, restype, argtypes)`` of ``signatures`` declared; ``None``
     where the library cannot be built."""
-    lib = load_library(name, source)
+    lib = load_library(name, source, openmp)
     if lib is not None:
         for fn, restype, argtypes in signatures:
             getattr(lib, fn).restype = restype

@@ -23,9 +23,11 @@ reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls
 there; one call serves a mixed step by splitting it that way. Other dtypes than fp32, and caches that are
 not contiguous, go to the reference whole.
 
-With ``torch.get_num_threads() > 1`` the sequences are split over that many POSIX threads, in runs of about
-equal keys x queries, when the call has enough work to pay for starting them (about 200k multiply-adds per
-thread).
+With ``torch.get_num_threads() > 1`` the sequences are split over that many threads, in runs of about equal
+keys x queries, when the call has enough work for them (about 200k multiply-adds per thread). Where PyTorch
+runs on GNU OpenMP the library is built with ``-fopenmp`` and the runs go to PyTorch's own team (see
+:mod:`tightfit.cuda.quant_linear`); at batch 8 of the int4 benchmark model a layer's call took 79 -> 45 us.
+Elsewhere, and in a child forked after a parallel region, each call starts POSIX threads.
 """
 
 from __future__ import annotations
@@ -256,6 +258,20 @@ void tf_store_kv_f32(const float *k, int64_t k_row, const float *v, int64_t v_ro
 
 #define MAX_THREADS 256
 
+/* Built with OpenMP (where PyTorch's runtime is in the process, tightfit.cuda.native) the runs go to its team;
+   a child forked from a process that ran a parallel region (GNU OpenMP's team is gone there) and builds without
+   OpenMP start POSIX threads per call. */
+static int tf_forked = 0;
+static void tf_on_fork_child(void) { tf_forked = 1; }
+__attribute__((constructor)) static void tf_threads_init(void) { pthread_atfork(NULL, NULL, tf_on_fork_child); }
+int tf_attention_threading(void) {
+#ifdef _OPENMP
+    return !tf_forked;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0 on success, 1 when memory could not be had, 2 when Hk does not divide Hq. */
 int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const float *vc, float *out,
                            const int32_t *bt, int64_t bt_stride, const int32_t *cu, const int32_t *kv_lens, int64_t B, int64_t Hq,
@@ -293,8 +309,18 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
             b++;
         }
         jobs[t].end = b;
-        started[t] = t > 0 && pthread_create(&tid[t], NULL, run_range, &jobs[t]) == 0;
+        started[t] = 0;
     }
+#ifdef _OPENMP
+    if (!tf_forked) { /* the process's OpenMP team (PyTorch's): awake from the ops around, no thread started */
+#pragma omp parallel for schedule(static, 1) num_threads((int)threads)
+        for (int64_t t = 0; t < threads; t++) run_range(&jobs[t]);
+        int failed = 0;
+        for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
+        return failed;
+    }
+#endif
+    for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_range, &jobs[t]) == 0;
     run_range(&jobs[0]);
     for (int64_t t = 1; t < threads; t++) {
         if (started[t]) pthread_join(tid[t], NULL);
@@ -314,7 +340,8 @@ def _library() -> Any:
     return load_functions("paged_attention", _SOURCE, (
         ("tf_paged_attention_f32", ctypes.c_int,
          (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I)),
-        ("tf_store_kv_f32", None, (_P, _I, _P, _I, _P, _P, _P, _I, _I))))
+        ("tf_store_kv_f32", None, (_P, _I, _P, _I, _P, _P, _P, _I, _I)),
+        ("tf_attention_threading", ctypes.c_int, ())), openmp=True)
 
 
 def native_attention_error() -> str:

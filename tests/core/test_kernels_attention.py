@@ -94,6 +94,54 @@ def test_paged_attention_checks_shapes():
         paged_attention(q, kc, vc, bt, cu[:1], kl, scale=1.0, max_q_len=3)
 
 
+_THREADED = dict(q_lens=[1] * 16, kv_lens=[300 + 37 * i for i in range(16)], hq=8, hk=2, d=64, block=16)
+
+
+def _attend_on_two_threads(case) -> tuple[torch.Tensor, int]:
+    """The native kernel on 2 threads (a decode step with work enough for both), and how it ran."""
+    from tightfit.cuda.varlen_attention_cpu import _library
+
+    q, kc, vc, bt, cu, kl = case
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = paged_attention(q, kc, vc, bt, cu, kl, scale=0.125, max_q_len=1, backend="native")
+    finally:
+        torch.set_num_threads(old)
+    return out, _library().tf_attention_threading()
+
+
+def _in_forked_child(queue, case) -> None:
+    out, threading = _attend_on_two_threads(case)
+    queue.put((out.tolist(), threading))
+
+
+@RunIf(native=True)
+def test_native_attention_over_two_threads_on_openmp_and_in_a_forked_child():
+    """Split over 2 threads: on PyTorch's OpenMP team where the library is built with it, and on POSIX threads
+    in a child forked after that team ran (GNU OpenMP's team does not survive a fork); exact both ways. (The
+    child runs only the kernel: PyTorch's own parallel ops wait forever there.)"""
+    import multiprocessing
+
+    from tightfit.cuda.native import torch_openmp
+
+    t = _THREADED
+    q, kc, vc, bt, cu, kl, keys, values = _case(t["q_lens"], t["kv_lens"], t["hq"], t["hk"], t["d"], t["block"],
+                                                torch.float32, seed=5)
+    want = _naive(q, keys, values, t["q_lens"], 0.125)
+    out, threading = _attend_on_two_threads((q, kc, vc, bt, cu, kl))
+    assert (out.double() - want).abs().max().item() < 1e-5
+    assert threading == (1 if torch_openmp() else 0)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(queue, (q, kc, vc, bt, cu, kl)))
+    child.start()
+    child_out, child_threading = queue.get(timeout=120)
+    child.join(30)
+    assert (torch.tensor(child_out, dtype=torch.float64) - want).abs().max().item() < 1e-5
+    assert child_threading == 0
+
+
 @RunIf(native=True)
 def test_cpu_tensors_use_the_native_kernel_unless_forced(monkeypatch):
     kernel = get_kernel("paged_attention")

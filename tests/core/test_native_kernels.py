@@ -62,6 +62,52 @@ def test_a_source_that_does_not_compile_gives_the_compiler_error(tmp_path, monke
     assert not list((tmp_path / "native").glob("*.so"))
 
 
+_OMP = """
+#ifdef _OPENMP
+#include <omp.h>
+int tf_team(void) { int n = 0;
+#pragma omp parallel num_threads(2)
+#pragma omp atomic
+  n++;
+  return n; }
+#else
+int tf_team(void) { return -1; }
+#endif
+int tf_k(void) { return K; }
+"""
+
+
+@RunIf(native=True)
+def test_an_openmp_library_binds_to_pytorchs_runtime(tmp_path, monkeypatch):
+    """openmp=True builds with -fopenmp where PyTorch's libgomp is in the process; the library's regions then run
+    on that one runtime (no second libgomp mapped), two threads strong."""
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    if not native.torch_openmp():
+        pytest.skip("PyTorch here does not run on GNU OpenMP")
+    lib = native.load_library("t_omp", "#define K 1\n" + _OMP, True)
+    assert lib is not None and lib.tf_team() == 2
+    with open("/proc/self/maps") as maps:
+        assert len({line.split()[-1] for line in maps if "libgomp" in line}) == 1
+
+
+@RunIf(native=True)
+def test_an_openmp_library_is_built_without_it_where_fopenmp_fails(tmp_path, monkeypatch):
+    """A compiler that refuses -fopenmp (clang without libomp) still gives the library, on its serial paths."""
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "unsupported: -fopenmp" >&2; exit 1; }; '
+                  'done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    native._compiler.cache_clear()
+    try:
+        lib = native.load_library("t_omp_off", "#define K 2\n" + _OMP, True)
+        assert lib is not None and lib.tf_k() == 2 and lib.tf_team() == -1
+        assert native.native_error("t_omp_off") == ""
+    finally:
+        native._compiler.cache_clear()
+
+
 def test_switched_off_by_environment(tmp_path, monkeypatch):
     source = _fresh(tmp_path, monkeypatch, 3)
     monkeypatch.setenv("TIGHTFIT_NATIVE", "0")

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tightfit.cuda import quant_linear
-from tightfit.cuda.native import native_error
+from tightfit.cuda.native import native_error, torch_openmp
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
+    _library,
     _native_mode,
     dequantize_int4,
     int4_linear,
@@ -199,16 +200,42 @@ def test_pool_serves_many_calls_and_a_forked_child():
                 torch.testing.assert_close(int4_linear(x, p, s, z, 64, backend="native"), want, atol=1e-4, rtol=1e-4)
             ctx = multiprocessing.get_context("fork")
             with ctx.Pool(1) as pool:
-                got = pool.apply(_child_int4, (x, p, s, z))
+                got, child_threading = pool.apply(_child_int4, (x, p, s, z))
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert child_threading == 0  # GNU OpenMP's team did not survive the fork: the child runs on the pool
 
 
 def _child_int4(x, p, s, z):
     torch.set_num_threads(2)
     with _native_mode(min_work=0):
-        return int4_linear(x, p, s, z, 64, backend="native")
+        return int4_linear(x, p, s, z, 64, backend="native"), _library().tf_quant_threading()
+
+
+def test_calls_run_on_pytorchs_openmp_team_where_it_is_in_the_process():
+    """Built with -fopenmp where PyTorch's GNU OpenMP is loaded: the library binds to that one runtime (no second
+    libgomp in the process) and its calls run on that team, with results equal to the reference."""
+    if _library() is None:
+        pytest.skip("native library not built here")
+    if not torch_openmp():
+        pytest.skip("PyTorch here does not run on GNU OpenMP")
+    assert _library().tf_quant_threading() == 1
+    with open("/proc/self/maps") as maps:
+        gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomps) == 1, gomps
+    gen = torch.Generator().manual_seed(9)
+    p, s, z = _int4(301, 256, 64, gen)
+    x = torch.randn(3, 256, generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _native_mode(min_work=0):
+            got = [int4_linear(x, p, s, z, 64, backend="native") for _ in range(50)]
+    finally:
+        torch.set_num_threads(old)
+    for g in got:
+        torch.testing.assert_close(g, int4_linear(x, p, s, z, 64, backend="reference"), atol=1e-4, rtol=1e-4)
 
 
 def test_concurrent_callers_share_the_pool():
