@@ -7,7 +7,9 @@ SOURCE = r"""
    row meet 64 weights in one vpdpbusd (unsigned 8-bit weights times signed 8-bit inputs, sums of four in 16
    int32 lanes: lanes 0-7 hold block 2c, lanes 8-15 block 2c + 1), converted and scaled by d per lane.
    int8 weights are made unsigned by w ^ 0x80 (= w + 128): the 128 * sum(xq) that adds is taken off per row
-   (corr). int4 weights are 0..15 already: W = q s + (zero - 8 s); the second term meets the fp32 x's group sums. */
+   (corr). int4 weights are 0..15 already: W = q s + (zero - 8 s); the second term meets the fp32 x's group sums.
+   int4 with groups of 128 or a multiple of 256 quantises x per block of 128 instead (a8_quantize_b128): a block's
+   two vpdpbusd then add in int32 and are converted and scaled once, and no per-group partial sums are held. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TF_A8 1
 #else
@@ -81,39 +83,25 @@ static inline __attribute__((always_inline)) void a8_i8(const job_t *j, int64_t 
         }
 }
 
-/* The same for int4 weights (G == 64 or G % 128 == 0): per group the chunks' sums, then times the group's scale. */
+/* The same for int4 weights with G == 64 (x per block of 32): per group one chunk, then times its scale. */
 static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t n, int64_t m, const int R,
                                                         const int F) {
-    const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G;
+    const int64_t K = j->K, N = j->N, ng = K / 64;
     const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
-    const __m512i lo = _mm512_set1_epi8(15);
+    const __m256i l4 = _mm256_set1_epi8(15);
     __m512 acc[4][4], ga[4][4];
     for (int r = 0; r < R; r++)
         for (int f = 0; f < F; f++) acc[r][f] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         for (int r = 0; r < R; r++)
             for (int f = 0; f < F; f++) ga[r][f] = _mm512_setzero_ps();
-        if (G == 64) { /* 32 bytes: low nibbles are inputs 0-31, high 32-63 */
-            __m512i w[4];
-            for (int f = 0; f < F; f++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + f * (K / 2) + g * 32));
-                const __m256i l4 = _mm256_set1_epi8(15);
-                w[f] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
-                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), l4), 1);
-            }
-            A8_CHUNK(ga, w, g * 64);
-        } else { /* 64 bytes at byte c of the group: low nibbles inputs c.., high H + c.. */
-            for (int64_t c = 0; c < H; c += 64) {
-                __m512i wl[4], wh[4];
-                for (int f = 0; f < F; f++) {
-                    const __m512i v = _mm512_loadu_si512(p + f * (K / 2) + g * H + c);
-                    wl[f] = _mm512_and_si512(v, lo);
-                    wh[f] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-                }
-                A8_CHUNK(ga, wl, g * G + c);
-                A8_CHUNK(ga, wh, g * G + H + c);
-            }
+        __m512i w[4]; /* 32 bytes: low nibbles are inputs 0-31, high 32-63 */
+        for (int f = 0; f < F; f++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + f * (K / 2) + g * 32));
+            w[f] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
+                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), l4), 1);
         }
+        A8_CHUNK(ga, w, g * 64);
         for (int f = 0; f < F; f++) {
             const __m512 s = _mm512_set1_ps(j->scale[(n + f) * ng + g]);
             for (int r = 0; r < R; r++) acc[r][f] = _mm512_fmadd_ps(ga[r][f], s, acc[r][f]);
@@ -128,6 +116,116 @@ static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t 
             for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * xs[g];
             j->y[(m + r) * N + n + f] = _mm512_reduce_add_ps(acc[r][f]) + e;
         }
+    }
+}
+
+/* x quantised per row and block of 128 inputs (the int4 kernel for G == 128 or G % 256 == 0): d per row and
+   block in d128 (M x K/128), the fp32 group sums in xsum as above. */
+static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *d128,
+                             float *xsum) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * xs;
+        for (int64_t b = 0; b < K / 128; b++) {
+            __m512 v[8], mx = _mm512_setzero_ps();
+            for (int i = 0; i < 8; i++) {
+                v[i] = _mm512_loadu_ps(xr + 128 * b + 16 * i);
+                mx = _mm512_max_ps(mx, _mm512_and_ps(v[i], absmask));
+            }
+            const float amax = _mm512_reduce_max_ps(mx), inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 8; i++)
+                _mm_storeu_si128((__m128i *)(xq + m * K + 128 * b + 16 * i),
+                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)))));
+            d128[m * (K / 128) + b] = amax / 127.f;
+        }
+        for (int64_t g = 0; g < K / G; g++) {
+            __m512 sm = _mm512_setzero_ps();
+            for (int64_t i = 0; i < G; i += 16) sm = _mm512_add_ps(sm, _mm512_loadu_ps(xr + g * G + i));
+            xsum[m * (K / G) + g] = _mm512_reduce_add_ps(sm);
+        }
+    }
+}
+
+/* One block of 128 inputs at input offset o (block index b): its two 64-weight halves WA, WB meet the block's
+   two 64-byte runs of xq in two vpdpbusd (int32 lanes, no rounding), converted once, times the block's d and the
+   group's scale. */
+#define A8_BLOCK128(WA, WB, o, b)                                                                            \
+    do {                                                                                                     \
+        for (int r_ = 0; r_ < R; r_++) {                                                                     \
+            const __m512i x0_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                              \
+            const __m512i x1_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o) + 64);                         \
+            const __m512 d_ = _mm512_set1_ps(j->dv[(m + r_) * nb + (b)]);                                    \
+            for (int f_ = 0; f_ < F; f_++) {                                                                 \
+                const __m512i s_ = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(A8_ZERO, WA[f_], x0_), WB[f_], x1_); \
+                acc[r_][f_] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s_), d_), sf[f_], acc[r_][f_]);  \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
+
+/* int4 weights with x per block of 128 (G == 128 or G % 256 == 0), rows m..m+R-1 by features n..n+F-1
+   (R, F <= 4). G == 128: one 64-byte load holds a feature's whole group (low nibbles inputs 0-63, high
+   64-127), one block. G % 256 == 0: bytes c .. c + 127 of a group (c = 0, 128, ...) hold in their low nibbles
+   the block of inputs c .. c + 127 and in their high nibbles the block H + c .. H + c + 127. */
+static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t n, int64_t m, const int R,
+                                                         const int F) {
+    const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G, nb = K / 128;
+    const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
+    const __m512i lo = _mm512_set1_epi8(15);
+    __m512 acc[4][4], sf[4];
+    for (int r = 0; r < R; r++)
+        for (int f = 0; f < F; f++) acc[r][f] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        for (int f = 0; f < F; f++) sf[f] = _mm512_set1_ps(j->scale[(n + f) * ng + g]);
+        if (G == 128) {
+            __m512i wl[4], wh[4];
+            for (int f = 0; f < F; f++) {
+                const __m512i v = _mm512_loadu_si512(p + f * (K / 2) + g * 64);
+                wl[f] = _mm512_and_si512(v, lo);
+                wh[f] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+            }
+            A8_BLOCK128(wl, wh, g * 128, g);
+        } else {
+            for (int64_t c = 0; c < H; c += 128) {
+                __m512i wa[4], wb[4];
+                for (int f = 0; f < F; f++) {
+                    wa[f] = _mm512_and_si512(_mm512_loadu_si512(p + f * (K / 2) + g * H + c), lo);
+                    wb[f] = _mm512_and_si512(_mm512_loadu_si512(p + f * (K / 2) + g * H + c + 64), lo);
+                }
+                A8_BLOCK128(wa, wb, g * G + c, (g * G + c) / 128);
+                for (int f = 0; f < F; f++) {
+                    wa[f] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + f * (K / 2) + g * H + c), 4), lo);
+                    wb[f] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + f * (K / 2) + g * H + c + 64), 4),
+                                             lo);
+                }
+                A8_BLOCK128(wa, wb, g * G + H + c, (g * G + H + c) / 128);
+            }
+        }
+    }
+    for (int f = 0; f < F; f++) {
+        const float *sc = j->scale + (n + f) * ng, *zc = j->zero + (n + f) * ng;
+        const float b = j->bias ? j->bias[n + f] : 0.f;
+        for (int r = 0; r < R; r++) {
+            const float *xs = j->xsum + (m + r) * ng;
+            float e = b;
+            for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * xs[g];
+            j->y[(m + r) * N + n + f] = _mm512_reduce_add_ps(acc[r][f]) + e;
+        }
+    }
+}
+
+/* Four features by four rows (16 accumulators: no per-group partial sums to hold), then the tails. */
+static void a8_int4b_range(const job_t *j) {
+    const int64_t M = j->M;
+    int64_t n = j->n0;
+    for (; n + 4 <= j->n1; n += 4) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) a8_i4b(j, n, m, 4, 4);
+        for (; m < M; m++) a8_i4b(j, n, m, 1, 4);
+    }
+    for (; n < j->n1; n++) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) a8_i4b(j, n, m, 4, 1);
+        for (; m < M; m++) a8_i4b(j, n, m, 1, 1);
     }
 }
 
@@ -160,11 +258,11 @@ static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 #endif
 
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale), else int4
-   (pack_int4 order, G == 64 or G % 128 == 0). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
+   (pack_int4 order, G == 64: x per block of 32; G == 128 or G % 256 == 0: x per block of 128). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
 int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *scale, const float *zero,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t threads) {
 #if TF_A8
-    if (K % 64 != 0 || (G != 0 && G != 64 && G % 128 != 0)) return -2; /* G = 64 x odd > 1 would read past a group */
+    if (K % 64 != 0 || (G != 0 && G != 64 && G != 128 && G % 256 != 0)) return -2; /* other G: not these layouts */
     const int64_t ng = G > 0 ? K / G : 0;
     const size_t need = (size_t)(M * K) + sizeof(float) * (size_t)(M * (K / 4) + M + M * ng) + 64;
     if (need > a8_cap) {
@@ -177,12 +275,14 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
     }
     float *dv = a8_buf, *corr = dv + M * (K / 4), *xsum = corr + M;
     int8_t *xqb = (int8_t *)(xsum + M * ng);
-    a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
+    const int b128 = G >= 128; /* int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
+    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, xsum);
+    else a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
     job_t j = {x, scale, zero, bias, xsum, q, y, xs, M, N, K, G, 0, N};
     j.xq = xqb;
     j.dv = dv;
     j.corr = corr;
-    return run(G == 0 ? a8_int8_range : a8_int4_range, j, threads);
+    return run(G == 0 ? a8_int8_range : b128 ? a8_int4b_range : a8_int4_range, j, threads);
 #else
     (void)x; (void)xs; (void)q; (void)scale; (void)zero; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
     (void)threads;

@@ -4,8 +4,13 @@
     y = int4_linear_a8(x, packed, scale, zero, group_size, bias)   # same weights as quant_linear.int4_linear
     if a8_applies(x, k, group_size): ...                           # where the native kernel takes this call
 
-Each row of ``x`` is quantised per block of 32 inputs: ``d = max|x_block| / 127``, ``xq = round(x / d)``
-(nearest even, in -127..127), ``x^ = d * xq``. The product is then integer: on a CPU with AVX-512 VNNI one
+Each row of ``x`` is quantised per block of inputs: ``d = max|x_block| / 127``, ``xq = round(x / d)``
+(nearest even, in -127..127), ``x^ = d * xq``. Blocks are of 32 inputs (llama.cpp's Q8_0) for int8 weights and
+int4 groups of 64, and of 128 for int4 groups of 128 (the default) or a multiple of 256
+(:func:`activation_block`): there a block's two ``vpdpbusd`` add in int32 and are converted and scaled once
+(llama.cpp's K-quants quantise their activations per 256). On the benchmark's model (2 threads, two runs of
+10 x 11 decode steps each) that took an int4 step's projections from 4.1-4.7 to 3.5-3.7 ms at batch 8 and from
+17.0-18.8 to 12.9-13.5 ms at batch 32. The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
 :mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
 ``y = s * (x^ . q) + b`` exactly as ``F.linear(x^, W)``; int4 (torchao's tinygemm scheme,
@@ -23,7 +28,7 @@ kernel is checked against (dispatcher self-check, tests) to fp32 rounding. The e
 agreement on the trained fixture) hold with it: tests/energon_infer/test_quantization.py.
 
 Where it runs: fp32 ``x`` of at most :data:`~tightfit.cuda.quant_linear.NATIVE_MAX_ROWS` rows, ``K % 64 == 0``
-and (int4) ``group_size`` 64 or a multiple of 128, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
+and (int4) ``group_size`` 64, 128 or a multiple of 256, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
 library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers
 keep the fp32 kernels (:func:`a8_applies` says which; energon's quantized projections ask it per call), so
 AVX2-only and other CPUs run as before.
@@ -48,10 +53,11 @@ from tightfit.cuda.quant_linear import (
     unpack_int4,
 )
 
-__all__ = ["A8_BLOCK", "A8_ENV_VAR", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
+__all__ = ["A8_BLOCK", "A8_INT4_BLOCK", "A8_ENV_VAR", "activation_block", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
            "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference"]
 
-A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block)
+A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int8 weights, int4 groups of 64
+A8_INT4_BLOCK = 128  # int4 groups of 128 or a multiple of 256
 A8_ENV_VAR = "TIGHTFIT_QUANT_ACTIVATIONS"  # "fp32": callers asking a8_applies keep the fp32-activation kernels
 
 
@@ -62,27 +68,33 @@ def a8_available() -> bool:
     return lib is not None and lib.tf_a8_available() == 1
 
 
+def activation_block(group_size: int = 0) -> int:
+    """Inputs per activation scale: 128 for int4 groups of 128 or a multiple of 256, else 32 (int8: ``0``)."""
+    return A8_INT4_BLOCK if group_size == 128 or (group_size > 0 and group_size % 256 == 0) else A8_BLOCK
+
+
 def a8_applies(x: torch.Tensor, k: int, group_size: int = 0) -> bool:
     """Whether :func:`int8_linear_a8` / :func:`int4_linear_a8` (``group_size`` > 0) run natively for ``x``."""
     return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and k % 64 == 0
-            and (group_size == 64 or group_size % 128 == 0) and not x.is_cuda and a8_available()
+            and (group_size in (0, 64, 128) or group_size % 256 == 0) and not x.is_cuda and a8_available()
             and os.environ.get(A8_ENV_VAR, "int8") != "fp32")
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xq, d)``: ``x (M, K)`` as int8 ``(M, K)`` and one fp32 scale per block of 32 ``(M, K / 32)``."""
+def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, d)``: ``x (M, K)`` as int8 ``(M, K)`` and one fp32 scale per block of ``block`` inputs
+    ``(M, K / block)``."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // A8_BLOCK, A8_BLOCK)
+    xb = x.float().reshape(m, k // block, block)
     amax = xb.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return xq.reshape(m, k), amax / 127.0
 
 
-def _dequantize_activations(x: torch.Tensor) -> torch.Tensor:
-    xq, d = quantize_activations(x)
+def _dequantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> torch.Tensor:
+    xq, d = quantize_activations(x, block)
     m, k = x.shape
-    return (xq.float().reshape(m, k // A8_BLOCK, A8_BLOCK) * d[..., None]).reshape(m, k)
+    return (xq.float().reshape(m, k // block, block) * d[..., None]).reshape(m, k)
 
 
 def int8_linear_a8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -97,7 +109,8 @@ def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch
     ng = k // group_size
     qs = (q.reshape(n, ng, group_size) * scale.float()[:, :, None]).reshape(n, k)
     xf = x.float()
-    y = F.linear(_dequantize_activations(xf), qs, bias) + xf.reshape(-1, ng, group_size).sum(-1) @ (
+    y = F.linear(_dequantize_activations(xf, activation_block(group_size)), qs, bias) + xf.reshape(
+        -1, ng, group_size).sum(-1) @ (
         zero.float() - 8.0 * scale.float()).t()
     return y.to(x.dtype)
 

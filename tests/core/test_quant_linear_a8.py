@@ -24,6 +24,7 @@ from tightfit.cuda.quant_linear_a8 import (
     _call,
     a8_applies,
     a8_available,
+    activation_block,
     int4_linear_a8,
     int8_linear_a8,
     quantize_activations,
@@ -71,7 +72,7 @@ def test_int8_native_equals_reference(threads, rows, n, monkeypatch):
 @needs_a8
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
-@pytest.mark.parametrize(("k", "group"), [(128, 64), (384, 64), (256, 128), (768, 128), (512, 256)])
+@pytest.mark.parametrize(("k", "group"), [(128, 64), (384, 64), (256, 128), (768, 128), (512, 256), (1024, 512)])
 def test_int4_native_equals_reference(threads, rows, k, group, monkeypatch):
     monkeypatch.delenv(A8_ENV_VAR, raising=False)  # set to fp32, "native" would quietly run the reference
     gen = torch.Generator().manual_seed(rows * k + group + threads)
@@ -86,10 +87,10 @@ def test_int4_native_equals_reference(threads, rows, k, group, monkeypatch):
 
 
 @needs_a8
-@pytest.mark.parametrize(("k", "group"), [(384, 192), (640, 320)])
-def test_int4_groups_of_an_odd_multiple_of_64_keep_the_exact_path(k, group, monkeypatch):
-    """Groups of 64 x an odd number above 1 are not the kernel's layout (it reads 64 bytes at a time past the
-    group's half): it refuses them and the native backend answers like the reference."""
+@pytest.mark.parametrize(("k", "group"), [(384, 192), (640, 320), (768, 384)])
+def test_int4_groups_of_an_odd_multiple_of_64_or_128_keep_the_exact_path(k, group, monkeypatch):
+    """Groups of 64 or 128 x an odd number above 1 are not the kernel's layouts (it reads 64 or 128 bytes at a
+    time past the group's half): it refuses them and the native backend answers like the reference."""
     monkeypatch.delenv(A8_ENV_VAR, raising=False)
     gen = torch.Generator().manual_seed(k + group)
     n = 7
@@ -102,19 +103,20 @@ def test_int4_groups_of_an_odd_multiple_of_64_keep_the_exact_path(k, group, monk
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def _bound(x, v):
+def _bound(x, v, block=32):
     """The module's bound: sum_k |V_nk| max|x_block(k)| / 254 per output."""
     m, k = x.shape
-    amax = x.abs().reshape(m, k // 32, 32).amax(-1)
-    e = amax.repeat_interleave(32, dim=1) / 254
+    amax = x.abs().reshape(m, k // block, block).amax(-1)
+    e = amax.repeat_interleave(block, dim=1) / 254
     return e @ v.abs().t()
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("native", marks=needs_a8)])
 @pytest.mark.parametrize("outliers", [False, True])
-def test_error_is_within_the_stated_bound_of_the_dequantised_product(backend, outliers):
-    gen = torch.Generator().manual_seed(11 + outliers)
-    n, k, group = 40, 512, 128
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_error_is_within_the_stated_bound_of_the_dequantised_product(backend, outliers, group):
+    gen = torch.Generator().manual_seed(11 + outliers + group)
+    n, k = 40, 512
     x = torch.randn(7, k, generator=gen)
     if outliers:  # a few channels 50x the rest (as LLM activations have): their blocks lose resolution
         x[:, ::97] *= 50
@@ -127,9 +129,24 @@ def test_error_is_within_the_stated_bound_of_the_dequantised_product(backend, ou
     w4 = dequantize_int4(p, s4, z4, group, torch.float32)
     qs = w4 - (z4 - 8 * s4).repeat_interleave(group, dim=1)  # V = q s: the zero point meets the fp32 x
     err4 = (int4_linear_a8(x, p, s4, z4, group, backend=backend) - F.linear(x, w4)).abs()
-    assert (err4 <= _bound(x, qs) * 1.001 + 1e-4).all()
+    block = activation_block(group)
+    assert block == (32 if group == 64 else 128)
+    assert (err4 <= _bound(x, qs, block) * 1.001 + 1e-4).all()
     # The bound is not loose by orders of magnitude: on random inputs the rounding errors mostly cancel.
-    assert err4.max() > 1e-3 * _bound(x, qs).max()
+    assert err4.max() > 1e-3 * _bound(x, qs, block).max()
+    if block > 32:  # the same product with blocks of 32 stays within the tighter bound, which this one may not
+        assert _bound(x, qs, 32).max() <= _bound(x, qs, block).max()
+
+
+def test_quantize_activations_per_block_of_128():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 256, generator=gen)
+    x[0, 130] = 40.0  # one outlier: its whole block of 128 (not of 32) takes its scale
+    xq, d = quantize_activations(x, 128)
+    assert d.shape == (2, 2) and d[0, 1] == pytest.approx(40.0 / 127)
+    assert (xq[0, 128:].abs() <= 127).all() and xq[0, 130] == 127
+    back = xq.float().reshape(2, 2, 128) * d[..., None]
+    assert ((back - x.reshape(2, 2, 128)).abs() <= d[..., None] / 2 * 1.0001 + 1e-7).all()
 
 
 def test_quantize_activations_rounds_within_half_a_step():
@@ -151,6 +168,8 @@ def test_where_it_applies(monkeypatch):
     assert not a8_applies(torch.zeros(NATIVE_MAX_ROWS + 1, 128), 128)  # prefill: dequantise + BLAS
     assert not a8_applies(x.bfloat16(), 128)
     assert a8_applies(x, 128) == a8_applies(x, 128, 128) == a8_available()
+    assert a8_applies(torch.zeros(4, 512), 512, 256) == a8_available()
+    assert not a8_applies(torch.zeros(4, 384), 384, 384)  # 128 x an odd number above 1: not the kernel's layout
     monkeypatch.setenv(A8_ENV_VAR, "fp32")
     assert not a8_applies(x, 128)
 

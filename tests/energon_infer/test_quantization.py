@@ -79,8 +79,8 @@ def test_quantized_runtime_equals_torchao_dequantised_weights(wide_dirs, family,
         mp.setenv(A8_ENV_VAR, "fp32")
         got = _logits(quant)
     assert _rel(got, want) <= TOL, f"{family} {method}: {_rel(got, want)}"
-    # By default (decode rows on an AVX-512 VNNI CPU, group % 64 == 0) the activations are int8 per block of 32
-    # (tightfit.cuda.quant_linear_a8): a bounded error, not another summation order. Group 32 keeps fp32 inputs.
+    # By default (decode rows on an AVX-512 VNNI CPU, group % 64 == 0) the activations are int8 per block of 32,
+    # of 128 for int4 groups of 128 / 256 (tightfit.cuda.quant_linear_a8): a bounded error, not another summation order. Group 32 keeps fp32 inputs.
     a8 = _logits(ModelRunner.from_pretrained(path, block_size=4, progress=False, quantization=method,
                                              group_size=group))  # a fresh runner: the first holds these sequences
     if a8_available() and (group or 0) % 64 == 0:
