@@ -8,8 +8,9 @@ SOURCE = r"""
    int32 lanes: lanes 0-7 hold block 2c, lanes 8-15 block 2c + 1), converted and scaled by d per lane.
    int8 weights are made unsigned by w ^ 0x80 (= w + 128): the 128 * sum(xq) that adds is taken off per row
    (corr). int4 weights are 0..15 already: W = q s + (zero - 8 s); the second term meets the fp32 x's group sums.
-   int4 with groups of 128 or a multiple of 256 quantises x per block of 128 instead (a8_quantize_b128): a block's
-   two vpdpbusd then add in int32 and are converted and scaled once, and no per-group partial sums are held. */
+   int8 with K % 128 == 0 and int4 with groups of 128 or a multiple of 256 quantise x per block of 128 instead
+   (a8_quantize_b128): a block's two vpdpbusd then add in int32 and are converted and scaled once, and int4 holds
+   no per-group partial sums. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TF_A8 1
 #else
@@ -122,10 +123,11 @@ static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t 
 /* x quantised per row and block of 128 inputs (the int4 kernel for G == 128 or G % 256 == 0): d per row and
    block in d128 (M x K/128), the fp32 group sums in xsum as above. */
 static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *d128,
-                             float *xsum) {
+                             float *corr, float *xsum) {
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * xs;
+        float c = 0.f;
         for (int64_t b = 0; b < K / 128; b++) {
             __m512 v[8], mx = _mm512_setzero_ps();
             for (int i = 0; i < 8; i++) {
@@ -133,12 +135,17 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
                 mx = _mm512_max_ps(mx, _mm512_and_ps(v[i], absmask));
             }
             const float amax = _mm512_reduce_max_ps(mx), inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 8; i++)
-                _mm_storeu_si128((__m128i *)(xq + m * K + 128 * b + 16 * i),
-                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)))));
+            __m512i qs = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+                _mm_storeu_si128((__m128i *)(xq + m * K + 128 * b + 16 * i), _mm512_cvtsepi32_epi8(qi));
+                qs = _mm512_add_epi32(qs, qi);
+            }
             d128[m * (K / 128) + b] = amax / 127.f;
+            c += amax / 127.f * (float)_mm512_reduce_add_epi32(qs);
         }
-        for (int64_t g = 0; g < K / G; g++) {
+        corr[m] = 128.f * c;
+        for (int64_t g = 0; G > 0 && g < K / G; g++) {
             __m512 sm = _mm512_setzero_ps();
             for (int64_t i = 0; i < G; i += 16) sm = _mm512_add_ps(sm, _mm512_loadu_ps(xr + g * G + i));
             xsum[m * (K / G) + g] = _mm512_reduce_add_ps(sm);
@@ -213,21 +220,51 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
     }
 }
 
-/* Four features by four rows (16 accumulators: no per-group partial sums to hold), then the tails. */
-static void a8_int4b_range(const job_t *j) {
-    const int64_t M = j->M;
-    int64_t n = j->n0;
-    for (; n + 4 <= j->n1; n += 4) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) a8_i4b(j, n, m, 4, 4);
-        for (; m < M; m++) a8_i4b(j, n, m, 1, 4);
+/* int8 weights with x per block of 128 (K % 128 == 0): per block two vpdpbusd in int32, converted and scaled by
+   the block's d once; the row's weight scale and the w ^ 0x80 correction at the end. */
+static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t n, int64_t m, const int R,
+                                                         const int F) {
+    const int64_t K = j->K, N = j->N, nb = K / 128;
+    const int8_t *q = (const int8_t *)j->w + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512 one = _mm512_set1_ps(1.f);
+    __m512 acc[4][4], sf[4];
+    for (int f = 0; f < F; f++) sf[f] = one;
+    for (int r = 0; r < R; r++)
+        for (int f = 0; f < F; f++) acc[r][f] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i wa[4], wb[4];
+        for (int f = 0; f < F; f++) {
+            wa[f] = _mm512_xor_si512(_mm512_loadu_si512(q + f * K + 128 * b), flip);
+            wb[f] = _mm512_xor_si512(_mm512_loadu_si512(q + f * K + 128 * b + 64), flip);
+        }
+        A8_BLOCK128(wa, wb, 128 * b, b);
     }
-    for (; n < j->n1; n++) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) a8_i4b(j, n, m, 4, 1);
-        for (; m < M; m++) a8_i4b(j, n, m, 1, 1);
-    }
+    for (int r = 0; r < R; r++)
+        for (int f = 0; f < F; f++) {
+            const float bi = j->bias ? j->bias[n + f] : 0.f;
+            j->y[(m + r) * N + n + f] = j->scale[n + f] * (_mm512_reduce_add_ps(acc[r][f]) - j->corr[m + r]) + bi;
+        }
 }
+
+/* Four features by four rows (16 accumulators: no per-group partial sums to hold), then the tails. */
+#define A8_RANGE44(NAME, TILE)                                                                               \
+    static void NAME(const job_t *j) {                                                                       \
+        const int64_t M = j->M;                                                                              \
+        int64_t n = j->n0;                                                                                   \
+        for (; n + 4 <= j->n1; n += 4) {                                                                     \
+            int64_t m = 0;                                                                                   \
+            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 4);                                                  \
+            for (; m < M; m++) TILE(j, n, m, 1, 4);                                                          \
+        }                                                                                                    \
+        for (; n < j->n1; n++) {                                                                             \
+            int64_t m = 0;                                                                                   \
+            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 1);                                                  \
+            for (; m < M; m++) TILE(j, n, m, 1, 1);                                                          \
+        }                                                                                                    \
+    }
+A8_RANGE44(a8_int4b_range, a8_i4b)
+A8_RANGE44(a8_int8b_range, a8_i8b)
 
 #define A8_RANGE(NAME, TILE)                                                                                 \
     static void NAME(const job_t *j) {                                                                       \
@@ -275,14 +312,15 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
     }
     float *dv = a8_buf, *corr = dv + M * (K / 4), *xsum = corr + M;
     int8_t *xqb = (int8_t *)(xsum + M * ng);
-    const int b128 = G >= 128; /* int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
-    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, xsum);
+    /* int8 with K % 128 == 0 and int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
+    const int b128 = G >= 128 || (G == 0 && K % 128 == 0);
+    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, corr, xsum);
     else a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
     job_t j = {x, scale, zero, bias, xsum, q, y, xs, M, N, K, G, 0, N};
     j.xq = xqb;
     j.dv = dv;
     j.corr = corr;
-    return run(G == 0 ? a8_int8_range : b128 ? a8_int4b_range : a8_int4_range, j, threads);
+    return run(G == 0 ? (b128 ? a8_int8b_range : a8_int8_range) : b128 ? a8_int4b_range : a8_int4_range, j, threads);
 #else
     (void)x; (void)xs; (void)q; (void)scale; (void)zero; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
     (void)threads;

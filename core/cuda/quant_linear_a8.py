@@ -5,12 +5,14 @@
     if a8_applies(x, k, group_size): ...                           # where the native kernel takes this call
 
 Each row of ``x`` is quantised per block of inputs: ``d = max|x_block| / 127``, ``xq = round(x / d)``
-(nearest even, in -127..127), ``x^ = d * xq``. Blocks are of 32 inputs (llama.cpp's Q8_0) for int8 weights and
-int4 groups of 64, and of 128 for int4 groups of 128 (the default) or a multiple of 256
-(:func:`activation_block`): there a block's two ``vpdpbusd`` add in int32 and are converted and scaled once
+(nearest even, in -127..127), ``x^ = d * xq``. Blocks are of 128 inputs for int8 weights (where ``K % 128 == 0``)
+and int4 groups of 128 (the default) or a multiple of 256, else of 32 (llama.cpp's Q8_0 block)
+(:func:`activation_block`): a block's two ``vpdpbusd`` add in int32 and are converted and scaled once
 (llama.cpp's K-quants quantise their activations per 256). On the benchmark's model (2 threads, two runs of
 10 x 11 decode steps each) that took an int4 step's projections from 4.1-4.7 to 3.5-3.7 ms at batch 8 and from
-17.0-18.8 to 12.9-13.5 ms at batch 32. The product is then integer: on a CPU with AVX-512 VNNI one
+17.0-18.8 to 12.9-13.5 ms at batch 32, and int8's at batch 32 from 14.1-15.3 to 11.0-12.1 ms; on the trained
+fixture the logit KL against fp32 went 1.87e-5 -> 3.64e-5 (int8) and 1.29e-3 -> 1.47e-3 (int4), greedy
+agreement 100% both ways. The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
 :mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
 ``y = s * (x^ . q) + b`` exactly as ``F.linear(x^, W)``; int4 (torchao's tinygemm scheme,
@@ -53,11 +55,11 @@ from tightfit.cuda.quant_linear import (
     unpack_int4,
 )
 
-__all__ = ["A8_BLOCK", "A8_INT4_BLOCK", "A8_ENV_VAR", "activation_block", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
+__all__ = ["A8_BLOCK", "A8_WIDE_BLOCK", "A8_ENV_VAR", "activation_block", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
            "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference"]
 
-A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int8 weights, int4 groups of 64
-A8_INT4_BLOCK = 128  # int4 groups of 128 or a multiple of 256
+A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int4 groups of 64, int8 with K % 128 != 0
+A8_WIDE_BLOCK = 128  # int8 weights with K % 128 == 0, int4 groups of 128 or a multiple of 256
 A8_ENV_VAR = "TIGHTFIT_QUANT_ACTIVATIONS"  # "fp32": callers asking a8_applies keep the fp32-activation kernels
 
 
@@ -68,9 +70,12 @@ def a8_available() -> bool:
     return lib is not None and lib.tf_a8_available() == 1
 
 
-def activation_block(group_size: int = 0) -> int:
-    """Inputs per activation scale: 128 for int4 groups of 128 or a multiple of 256, else 32 (int8: ``0``)."""
-    return A8_INT4_BLOCK if group_size == 128 or (group_size > 0 and group_size % 256 == 0) else A8_BLOCK
+def activation_block(k: int, group_size: int = 0) -> int:
+    """Inputs per activation scale for ``k`` inputs: 128 for int8 weights (``group_size`` 0) where ``k % 128 == 0``
+    and for int4 groups of 128 or a multiple of 256; else 32."""
+    if group_size == 0:
+        return A8_WIDE_BLOCK if k % A8_WIDE_BLOCK == 0 else A8_BLOCK
+    return A8_WIDE_BLOCK if group_size == 128 or group_size % 256 == 0 else A8_BLOCK
 
 
 def a8_applies(x: torch.Tensor, k: int, group_size: int = 0) -> bool:
@@ -99,7 +104,8 @@ def _dequantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> torch.Ten
 
 def int8_linear_a8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                              bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(_dequantize_activations(x), dequantize_int8(qweight, scale, torch.float32), bias).to(x.dtype)
+    xd = _dequantize_activations(x, activation_block(x.shape[1]))
+    return F.linear(xd, dequantize_int8(qweight, scale, torch.float32), bias).to(x.dtype)
 
 
 def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -109,7 +115,7 @@ def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch
     ng = k // group_size
     qs = (q.reshape(n, ng, group_size) * scale.float()[:, :, None]).reshape(n, k)
     xf = x.float()
-    y = F.linear(_dequantize_activations(xf, activation_block(group_size)), qs, bias) + xf.reshape(
+    y = F.linear(_dequantize_activations(xf, activation_block(k, group_size)), qs, bias) + xf.reshape(
         -1, ng, group_size).sum(-1) @ (
         zero.float() - 8.0 * scale.float()).t()
     return y.to(x.dtype)

@@ -192,8 +192,8 @@ class _Projection(nn.Module):
         return 0 if self.packed is None else w.numel() * w.element_size()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 32 (128 for
-        # int4 groups of 128 / 256: tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32 ones.
+        # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 128 or 32
+        # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         if self.quant == "int8":
             if a8_applies(x, x.shape[-1]):
                 return int8_linear_a8(x, self.qweight, self.qscale, bias)
