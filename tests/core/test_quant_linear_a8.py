@@ -56,10 +56,11 @@ def _on_pool(fn, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, NATIVE_MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 3, 6, 37])  # tiles of 4 and 2 features and the odd one
-def test_int8_native_equals_reference(threads, rows, n, monkeypatch):
+@pytest.mark.parametrize("k", [192, 256])  # activations per block of 32 (K % 128 != 0) and of 128
+def test_int8_native_equals_reference(threads, rows, n, k, monkeypatch):
     monkeypatch.delenv(A8_ENV_VAR, raising=False)  # set to fp32, "native" would quietly run the reference
-    gen = torch.Generator().manual_seed(rows * 100 + n + threads)
-    k = 192
+    gen = torch.Generator().manual_seed(rows * 100 + n + threads + k)
+    assert activation_block(k) == (32 if k == 192 else 128)
     q, s = _int8(n, k, gen)
     b = torch.randn(n, generator=gen)
     x = torch.randn(rows, k + 7, generator=gen)[:, 5:5 + k]  # rows apart by more than k
