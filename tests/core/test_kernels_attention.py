@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.runif import RunIf
+from tests.helpers.threads import torch_threads
 from tightfit.cuda.dispatch import get_kernel
 from tightfit.cuda.packing import pack, unpack
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
@@ -102,12 +103,8 @@ def _attend_on_two_threads(case) -> tuple[torch.Tensor, int]:
     from tightfit.cuda.varlen_attention_cpu import _library
 
     q, kc, vc, bt, cu, kl = case
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         out = paged_attention(q, kc, vc, bt, cu, kl, scale=0.125, max_q_len=1, backend="native")
-    finally:
-        torch.set_num_threads(old)
     return out, _library().tf_attention_threading()
 
 

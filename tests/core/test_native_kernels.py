@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.runif import RunIf
+from tests.helpers.threads import torch_threads
 from tightfit.cuda import native
 from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
@@ -185,12 +186,8 @@ def _sequences(draw):
 def test_native_paged_attention_equals_the_reference(lens, heads, d, block, threads, seed):
     q, kc, vc, bt, cu, kl = _paged_case(lens, heads[0], heads[1], d, block, seed)
     max_q = max(n for n, _ in lens)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # the native kernel splits sequences over this many threads
-    try:
+    with torch_threads(threads):  # the native kernel splits sequences over this many threads
         got = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max_q, backend="native")
-    finally:
-        torch.set_num_threads(before)
     want = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=max_q, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -213,12 +210,8 @@ def test_native_paged_attention_tiles_of_keys_equal_the_reference(heads, d, bloc
 def test_native_paged_attention_splits_work_over_threads_on_a_large_call():
     # ~3 M multiply-adds: enough for the kernel to start threads (it starts none for small calls).
     q, kc, vc, bt, cu, kl = _paged_case([(1, 300)] * 24, 8, 4, 32, 16, seed=5)
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with torch_threads(4):
         got = paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=1, backend="native")
-    finally:
-        torch.set_num_threads(before)
     want = paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=1, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.threads import torch_threads
 from tightfit.cuda import quant_linear
 from tightfit.cuda.native import native_error, torch_openmp
 from tightfit.cuda.quant_linear import (
@@ -227,13 +228,8 @@ def test_calls_run_on_pytorchs_openmp_team_where_it_is_in_the_process():
     gen = torch.Generator().manual_seed(9)
     p, s, z = _int4(301, 256, 64, gen)
     x = torch.randn(3, 256, generator=gen)
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with _native_mode(min_work=0):
-            got = [int4_linear(x, p, s, z, 64, backend="native") for _ in range(50)]
-    finally:
-        torch.set_num_threads(old)
+    with torch_threads(2), _native_mode(min_work=0):
+        got = [int4_linear(x, p, s, z, 64, backend="native") for _ in range(50)]
     for g in got:
         torch.testing.assert_close(g, int4_linear(x, p, s, z, 64, backend="reference"), atol=1e-4, rtol=1e-4)
 
