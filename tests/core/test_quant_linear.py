@@ -71,14 +71,10 @@ def test_strided_rows_and_threads():
     p, s, z = _int4(1501, 512, 64, gen)  # 6 x 1501 x 512 multiply-adds: two threads (one per ~4M)
     wide = torch.randn(6, 700, generator=gen)
     x = wide[:, 100:612]
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    q8, s8 = _int8(1501, 512, gen)
+    with torch_threads(2):
         got = int4_linear(x, p, s, z, 64, backend="native")
-        q8, s8 = _int8(1501, 512, gen)
         got8 = int8_linear(x, q8, s8, backend="native")
-    finally:
-        torch.set_num_threads(old)
     torch.testing.assert_close(got, int4_linear(x.contiguous(), p, s, z, 64, backend="reference"), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got8, int8_linear(x.contiguous(), q8, s8, backend="reference"), atol=1e-4, rtol=1e-4)
 
@@ -125,15 +121,11 @@ def test_bad_shapes_are_refused_in_one_line():
 
 def _both_paths(fn, threads: int):
     """``fn()`` with the AVX2 loops and with the scalar loops, at ``threads`` threads, every call on the pool."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         with _native_mode(simd=True, min_work=0) as simd:
             fast = fn()
         with _native_mode(simd=False, min_work=0):
             scalar = fn()
-    finally:
-        torch.set_num_threads(old)
     return fast, scalar, simd
 
 
@@ -193,17 +185,12 @@ def test_pool_serves_many_calls_and_a_forked_child():
     p, s, z = _int4(301, 256, 64, gen)
     x = torch.randn(2, 256, generator=gen)
     want = int4_linear(x, p, s, z, 64, backend="reference")
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with _native_mode(min_work=0):
-            for _ in range(200):
-                torch.testing.assert_close(int4_linear(x, p, s, z, 64, backend="native"), want, atol=1e-4, rtol=1e-4)
-            ctx = multiprocessing.get_context("fork")
-            with ctx.Pool(1) as pool:
-                got, child_threading = pool.apply(_child_int4, (x, p, s, z))
-    finally:
-        torch.set_num_threads(old)
+    with torch_threads(2), _native_mode(min_work=0):
+        for _ in range(200):
+            torch.testing.assert_close(int4_linear(x, p, s, z, 64, backend="native"), want, atol=1e-4, rtol=1e-4)
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1) as pool:
+            got, child_threading = pool.apply(_child_int4, (x, p, s, z))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert child_threading == 0  # GNU OpenMP's team did not survive the fork: the child runs on the pool
 
@@ -243,13 +230,8 @@ def test_concurrent_callers_share_the_pool():
     xs = [torch.randn(1 + i % 5, 192, generator=gen) for i in range(8)]
     want8 = [int8_linear(x, q, s, backend="reference") for x in xs]
     want4 = [int4_linear(x, p, s4, z4, 32, backend="reference") for x in xs]
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with _native_mode(min_work=0), concurrent.futures.ThreadPoolExecutor(4) as ex:
-            got8 = list(ex.map(lambda x: [int8_linear(x, q, s, backend="native") for _ in range(50)][-1], xs))
-            got4 = list(ex.map(lambda x: [int4_linear(x, p, s4, z4, 32, backend="native") for _ in range(50)][-1], xs))
-    finally:
-        torch.set_num_threads(old)
+    with torch_threads(2), _native_mode(min_work=0), concurrent.futures.ThreadPoolExecutor(4) as ex:
+        got8 = list(ex.map(lambda x: [int8_linear(x, q, s, backend="native") for _ in range(50)][-1], xs))
+        got4 = list(ex.map(lambda x: [int4_linear(x, p, s4, z4, 32, backend="native") for _ in range(50)][-1], xs))
     for g, w in zip(got8 + got4, want8 + want4):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

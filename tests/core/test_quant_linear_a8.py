@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.threads import torch_threads
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
     _native_mode,
@@ -43,13 +44,8 @@ def _int4(n, k, g, gen):
 
 
 def _on_pool(fn, threads):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with _native_mode(min_work=0):
-            return fn()
-    finally:
-        torch.set_num_threads(old)
+    with torch_threads(threads), _native_mode(min_work=0):
+        return fn()
 
 
 @needs_a8
