@@ -10,7 +10,8 @@ SOURCE = r"""
    (corr). int4 weights are 0..15 already: W = q s + (zero - 8 s); the second term meets the fp32 x's group sums.
    int8 with K % 128 == 0 and int4 with groups of 128 or a multiple of 256 quantise x per block of 128 instead
    (a8_quantize_b128): a block's two vpdpbusd then add in int32 and are converted and scaled once, and int4 holds
-   no per-group partial sums. */
+   no per-group partial sums. From a8t_min_rows rows on, int4 per block of 128 goes 16 features at a time with the
+   block's weights transposed (a8_i4t): a row's 16 sums come out in one vector. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TF_A8 1
 #else
@@ -19,7 +20,23 @@ SOURCE = r"""
 
 int tf_a8_available(void) { return TF_A8; }
 
+/* Rows from which int4 groups of 128 / a multiple of 256 take the 16-feature transposed tiles (a8_i4t); the
+   tests turn it to check both tilings (above A8T_MAX_ROWS: never). Returns the old value; < 0 only asks. */
+static int a8t_min_rows = 4; /* fewer rows: the transpose costs more than it saves (int4 benchmark shapes, 2 threads) */
+int tf_a8_set_transposed_rows(int rows) {
+    const int old = a8t_min_rows;
+    if (rows >= 0) a8t_min_rows = rows;
+    return old;
+}
+
 #if TF_A8
+#include <string.h>
+/* 127 / amax (0 for amax 0) rounded once, as the reference computes it: under -ffast-math `127.f / amax` may
+   become 127 * (1 / amax), an ulp away, which flips x / d where it lies within an ulp of a rounding tie. */
+static inline float a8_inv(float amax) {
+    return amax > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.f), _mm_set_ss(amax))) : 0.f;
+}
+
 /* Per call, on the caller: xq (M x K int8), dv (M x K/4: 16 floats per 64 inputs), corr (M), xsum (M x K/G). */
 static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *dv,
                         float *corr, float *xsum) {
@@ -31,7 +48,7 @@ static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_
             const __m512 u = _mm512_loadu_ps(xr + 32 * b), v = _mm512_loadu_ps(xr + 32 * b + 16);
             const float amax =
                 _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(u, absmask), _mm512_and_ps(v, absmask)));
-            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            const float d = amax / 127.f, inv = a8_inv(amax);
             const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, _mm512_set1_ps(inv)));
             const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
             _mm_storeu_si128((__m128i *)(xq + m * K + 32 * b), _mm512_cvtsepi32_epi8(qu));
@@ -84,10 +101,27 @@ static inline __attribute__((always_inline)) void a8_i8(const job_t *j, int64_t 
         }
 }
 
+/* The int4 tiles' outputs: y = sum of acc's lanes + bias + sum_g (zero - 8 scale) xsum_g (the zero-point term
+   on the fp32 x's group sums). */
+static inline __attribute__((always_inline)) void a8_i4_store(const job_t *j, int64_t n, int64_t m, const int R,
+                                                              const int F, __m512 acc[4][4]) {
+    const int64_t N = j->N, ng = j->K / j->G;
+    for (int f = 0; f < F; f++) {
+        const float *sc = j->scale + (n + f) * ng, *zc = j->zero + (n + f) * ng;
+        const float b = j->bias ? j->bias[n + f] : 0.f;
+        for (int r = 0; r < R; r++) {
+            const float *xs = j->xsum + (m + r) * ng;
+            float e = b;
+            for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * xs[g];
+            j->y[(m + r) * N + n + f] = _mm512_reduce_add_ps(acc[r][f]) + e;
+        }
+    }
+}
+
 /* The same for int4 weights with G == 64 (x per block of 32): per group one chunk, then times its scale. */
 static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t n, int64_t m, const int R,
                                                         const int F) {
-    const int64_t K = j->K, N = j->N, ng = K / 64;
+    const int64_t K = j->K, ng = K / 64;
     const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
     const __m256i l4 = _mm256_set1_epi8(15);
     __m512 acc[4][4], ga[4][4];
@@ -108,16 +142,7 @@ static inline __attribute__((always_inline)) void a8_i4(const job_t *j, int64_t 
             for (int r = 0; r < R; r++) acc[r][f] = _mm512_fmadd_ps(ga[r][f], s, acc[r][f]);
         }
     }
-    for (int f = 0; f < F; f++) {
-        const float *sc = j->scale + (n + f) * ng, *zc = j->zero + (n + f) * ng;
-        const float b = j->bias ? j->bias[n + f] : 0.f;
-        for (int r = 0; r < R; r++) {
-            const float *xs = j->xsum + (m + r) * ng;
-            float e = b;
-            for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * xs[g];
-            j->y[(m + r) * N + n + f] = _mm512_reduce_add_ps(acc[r][f]) + e;
-        }
-    }
+    a8_i4_store(j, n, m, R, F, acc);
 }
 
 /* x quantised per row and block of 128 inputs (the int4 kernel for G == 128 or G % 256 == 0): d per row and
@@ -134,7 +159,7 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
                 v[i] = _mm512_loadu_ps(xr + 128 * b + 16 * i);
                 mx = _mm512_max_ps(mx, _mm512_and_ps(v[i], absmask));
             }
-            const float amax = _mm512_reduce_max_ps(mx), inv = amax > 0.f ? 127.f / amax : 0.f;
+            const float amax = _mm512_reduce_max_ps(mx), inv = a8_inv(amax);
             __m512i qs = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) {
                 const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
@@ -156,7 +181,7 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
 /* One block of 128 inputs at input offset o (block index b): its two 64-weight halves WA, WB meet the block's
    two 64-byte runs of xq in two vpdpbusd (int32 lanes, no rounding), converted once, times the block's d and the
    group's scale. */
-#define A8_BLOCK128(WA, WB, o, b)                                                                            \
+#define A8_BLOCK128(WA, WB, o, b, DS)                                                                        \
     do {                                                                                                     \
         for (int r_ = 0; r_ < R; r_++) {                                                                     \
             const __m512i x0_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                              \
@@ -164,10 +189,12 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
             const __m512 d_ = _mm512_set1_ps(j->dv[(m + r_) * nb + (b)]);                                    \
             for (int f_ = 0; f_ < F; f_++) {                                                                 \
                 const __m512i s_ = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(A8_ZERO, WA[f_], x0_), WB[f_], x1_); \
-                acc[r_][f_] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s_), d_), sf[f_], acc[r_][f_]);  \
+                acc[r_][f_] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), DS(d_, f_), acc[r_][f_]);              \
             }                                                                                                \
         }                                                                                                    \
     } while (0)
+#define A8_DS_GROUP(d, f) _mm512_mul_ps(d, sf[f]) /* int4: the block's d times the feature's group scale */
+#define A8_DS_ROW(d, f) (d)                       /* int8: the row scale comes at the end */
 
 /* int4 weights with x per block of 128 (G == 128 or G % 256 == 0), rows m..m+R-1 by features n..n+F-1
    (R, F <= 4). G == 128: one 64-byte load holds a feature's whole group (low nibbles inputs 0-63, high
@@ -175,7 +202,7 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
    the block of inputs c .. c + 127 and in their high nibbles the block H + c .. H + c + 127. */
 static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t n, int64_t m, const int R,
                                                          const int F) {
-    const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G, nb = K / 128;
+    const int64_t K = j->K, G = j->G, H = G / 2, ng = K / G, nb = K / 128;
     const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
     const __m512i lo = _mm512_set1_epi8(15);
     __m512 acc[4][4], sf[4];
@@ -190,7 +217,7 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
                 wl[f] = _mm512_and_si512(v, lo);
                 wh[f] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
             }
-            A8_BLOCK128(wl, wh, g * 128, g);
+            A8_BLOCK128(wl, wh, g * 128, g, A8_DS_GROUP);
         } else {
             for (int64_t c = 0; c < H; c += 128) {
                 __m512i wa[4], wb[4];
@@ -198,26 +225,112 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
                     wa[f] = _mm512_and_si512(_mm512_loadu_si512(p + f * (K / 2) + g * H + c), lo);
                     wb[f] = _mm512_and_si512(_mm512_loadu_si512(p + f * (K / 2) + g * H + c + 64), lo);
                 }
-                A8_BLOCK128(wa, wb, g * G + c, (g * G + c) / 128);
+                A8_BLOCK128(wa, wb, g * G + c, (g * G + c) / 128, A8_DS_GROUP);
                 for (int f = 0; f < F; f++) {
                     wa[f] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + f * (K / 2) + g * H + c), 4), lo);
                     wb[f] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + f * (K / 2) + g * H + c + 64), 4),
                                              lo);
                 }
-                A8_BLOCK128(wa, wb, g * G + H + c, (g * G + H + c) / 128);
+                A8_BLOCK128(wa, wb, g * G + H + c, (g * G + H + c) / 128, A8_DS_GROUP);
             }
         }
     }
-    for (int f = 0; f < F; f++) {
-        const float *sc = j->scale + (n + f) * ng, *zc = j->zero + (n + f) * ng;
-        const float b = j->bias ? j->bias[n + f] : 0.f;
-        for (int r = 0; r < R; r++) {
-            const float *xs = j->xsum + (m + r) * ng;
-            float e = b;
-            for (int64_t g = 0; g < ng; g++) e += (zc[g] - 8.f * sc[g]) * xs[g];
-            j->y[(m + r) * N + n + f] = _mm512_reduce_add_ps(acc[r][f]) + e;
+    a8_i4_store(j, n, m, R, F, acc);
+}
+
+/* Sixteen features' 64-byte runs (feature f's at src + f * stride) transposed: lo[i] and hi[i] hold in 32-bit
+   lane f the bytes 4i .. 4i + 3 of feature f's run, their low nibbles in lo, their high nibbles in hi (a 16 x 16
+   transpose of 32-bit words: within 128-bit lanes, then the lanes). */
+static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int64_t stride, __m512i *lo,
+                                                         __m512i *hi) {
+    __m512i r[16], t[16];
+    for (int f = 0; f < 16; f++) r[f] = _mm512_loadu_si512(src + f * stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) { /* r[q + c]: in 128-bit lane L, word 4L + c of features q .. q + 3 */
+        r[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+        r[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+        r[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+        r[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+    }
+    const __m512i l4 = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44),
+                      v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        const __m512i w[4] = {_mm512_shuffle_i32x4(v0, v2, 0x88), _mm512_shuffle_i32x4(v0, v2, 0xDD),
+                              _mm512_shuffle_i32x4(v1, v3, 0x88), _mm512_shuffle_i32x4(v1, v3, 0xDD)};
+        for (int L = 0; L < 4; L++) { /* word 4L + c */
+            lo[4 * L + c] = _mm512_and_si512(w[L], l4);
+            hi[4 * L + c] = _mm512_and_si512(_mm512_srli_epi16(w[L], 4), l4);
         }
     }
+}
+
+#define A8T_MAX_ROWS 32
+/* One block of 128 inputs (index b) of rows m .. m + R - 1 against 16 features' transposed weights wt[0..31]
+   (wt[i]: inputs 4i .. 4i + 3 of the block, lane f feature f): per row one broadcast of four int8 inputs per
+   vpdpbusd, sums in int32 lanes (one per feature), converted once and scaled by the block's d times the group's
+   scales (sv, per lane). */
+static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, const __m512i *wt, int64_t b,
+                                                             int64_t m, const int R, __m512 sv, __m512 *acc) {
+    const int64_t K = j->K, nb = K / 128;
+    __m512i s[4];
+    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+    const int8_t *xb = j->xq + m * K + b * 128;
+    for (int i = 0; i < 32; i++)
+        for (int r = 0; r < R; r++) {
+            int32_t x4;
+            memcpy(&x4, xb + r * K + 4 * i, 4);
+            s[r] = _mm512_dpbusd_epi32(s[r], wt[i], _mm512_set1_epi32(x4));
+        }
+    for (int r = 0; r < R; r++)
+        acc[m + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]),
+                                     _mm512_mul_ps(sv, _mm512_set1_ps(j->dv[(m + r) * nb + b])), acc[m + r]);
+}
+
+/* int4 weights with x per block of 128 (G == 128 or G % 256 == 0), features n .. n + 15 by all M rows
+   (M <= A8T_MAX_ROWS): each block's weights are transposed once (a8_t16) and meet every row, so the 16 sums
+   of a row come out in one vector: no per-feature horizontal sums, and the zero-point term is one FMA per row
+   and group. */
+static void a8_i4t(const job_t *j, int64_t n) {
+    const int64_t K = j->K, N = j->N, M = j->M, G = j->G, H = G / 2, ng = K / G, st = K / 2;
+    const uint8_t *p = (const uint8_t *)j->w + n * st;
+    const __m512i gi = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)ng));
+    __m512 acc[A8T_MAX_ROWS];
+    __m512i wa[32], wb[32];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const __m512 sv = _mm512_i32gather_ps(gi, j->scale + n * ng + g, 4);
+        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_i32gather_ps(gi, j->zero + n * ng + g, 4));
+        for (int64_t c = 0; c < (G == 128 ? 64 : H); c += 128) {
+            int64_t b0, b1 = -1;
+            if (G == 128) { /* one block: low nibbles inputs 0-63, high 64-127 */
+                a8_t16(p + g * 64, st, wa, wa + 16);
+                b0 = g;
+            } else { /* bytes c .. c + 127: low nibbles block g G + c, high block g G + H + c */
+                a8_t16(p + g * H + c, st, wa, wb);
+                a8_t16(p + g * H + c + 64, st, wa + 16, wb + 16);
+                b0 = (g * G + c) / 128;
+                b1 = (g * G + H + c) / 128;
+            }
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) {
+                a8_t_block(j, wa, b0, m, 4, sv, acc);
+                if (b1 >= 0) a8_t_block(j, wb, b1, m, 4, sv, acc);
+            }
+            for (; m < M; m++) {
+                a8_t_block(j, wa, b0, m, 1, sv, acc);
+                if (b1 >= 0) a8_t_block(j, wb, b1, m, 1, sv, acc);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(zc, _mm512_set1_ps(j->xsum[m * ng + g]), acc[m]);
+    }
+    const __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + n) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(j->y + m * N + n, _mm512_add_ps(acc[m], bias));
 }
 
 /* int8 weights with x per block of 128 (K % 128 == 0): per block two vpdpbusd in int32, converted and scaled by
@@ -227,9 +340,7 @@ static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t
     const int64_t K = j->K, N = j->N, nb = K / 128;
     const int8_t *q = (const int8_t *)j->w + n * K;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512 one = _mm512_set1_ps(1.f);
-    __m512 acc[4][4], sf[4];
-    for (int f = 0; f < F; f++) sf[f] = one;
+    __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int f = 0; f < F; f++) acc[r][f] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -238,7 +349,7 @@ static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t
             wa[f] = _mm512_xor_si512(_mm512_loadu_si512(q + f * K + 128 * b), flip);
             wb[f] = _mm512_xor_si512(_mm512_loadu_si512(q + f * K + 128 * b + 64), flip);
         }
-        A8_BLOCK128(wa, wb, 128 * b, b);
+        A8_BLOCK128(wa, wb, 128 * b, b, A8_DS_ROW);
     }
     for (int r = 0; r < R; r++)
         for (int f = 0; f < F; f++) {
@@ -247,32 +358,19 @@ static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t
         }
 }
 
-/* Four features by four rows (16 accumulators: no per-group partial sums to hold), then the tails. */
-#define A8_RANGE44(NAME, TILE)                                                                               \
+/* A chunk's features in tiles: FW == 4, four features by four rows (int4 / int8 per block of 128: 16
+   accumulators, no per-group partial sums to hold); FW == 2, pairs of features by four rows (per block of 32),
+   fours by one row where M < 4; then the features and rows left. */
+#define A8_RANGE(NAME, TILE, FW)                                                                             \
     static void NAME(const job_t *j) {                                                                       \
         const int64_t M = j->M;                                                                              \
         int64_t n = j->n0;                                                                                   \
-        for (; n + 4 <= j->n1; n += 4) {                                                                     \
-            int64_t m = 0;                                                                                   \
-            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 4);                                                  \
-            for (; m < M; m++) TILE(j, n, m, 1, 4);                                                          \
-        }                                                                                                    \
-        for (; n < j->n1; n++) {                                                                             \
-            int64_t m = 0;                                                                                   \
-            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 1);                                                  \
-            for (; m < M; m++) TILE(j, n, m, 1, 1);                                                          \
-        }                                                                                                    \
-    }
-A8_RANGE44(a8_int4b_range, a8_i4b)
-A8_RANGE44(a8_int8b_range, a8_i8b)
-
-#define A8_RANGE(NAME, TILE)                                                                                 \
-    static void NAME(const job_t *j) {                                                                       \
-        const int64_t M = j->M;                                                                              \
-        int64_t n = j->n0;                                                                                   \
-        if (M < 4)                                                                                           \
-            for (; n + 4 <= j->n1; n += 4)                                                                   \
-                for (int64_t m = 0; m < M; m++) TILE(j, n, m, 1, 4);                                         \
+        if (FW == 4 || M < 4)                                                                                \
+            for (; n + 4 <= j->n1; n += 4) {                                                                 \
+                int64_t m = 0;                                                                               \
+                for (; FW == 4 && m + 4 <= M; m += 4) TILE(j, n, m, 4, 4);                                   \
+                for (; m < M; m++) TILE(j, n, m, 1, 4);                                                      \
+            }                                                                                                \
         for (; n + 2 <= j->n1; n += 2) {                                                                     \
             int64_t m = 0;                                                                                   \
             for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 2);                                                  \
@@ -284,8 +382,18 @@ A8_RANGE44(a8_int8b_range, a8_i8b)
             for (; m < M; m++) TILE(j, n, m, 1, 1);                                                          \
         }                                                                                                    \
     }
-A8_RANGE(a8_int8_range, a8_i8)
-A8_RANGE(a8_int4_range, a8_i4)
+A8_RANGE(a8_int4b_tiles, a8_i4b, 4)
+A8_RANGE(a8_int8b_range, a8_i8b, 4)
+A8_RANGE(a8_int8_range, a8_i8, 2)
+A8_RANGE(a8_int4_range, a8_i4, 2)
+
+/* int4 per block of 128: tiles of 16 features by all rows (a8_i4t), the features left in 4 x 4 tiles. */
+static void a8_int4b_range(const job_t *j) {
+    job_t rest = *j;
+    if (j->M <= A8T_MAX_ROWS && j->M >= a8t_min_rows)
+        for (; rest.n0 + 16 <= j->n1; rest.n0 += 16) a8_i4t(j, rest.n0);
+    a8_int4b_tiles(&rest);
+}
 
 static __thread void *a8_buf = NULL; /* per calling thread, grown, never shrunk: no allocation per call */
 static __thread size_t a8_cap = 0;

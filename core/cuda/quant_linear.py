@@ -688,6 +688,7 @@ def _library() -> Any:
     return load_functions("quant_linear", _SOURCE + _A8_SOURCE, (
         ("tf_a8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
         ("tf_a8_available", ctypes.c_int, ()),
+        ("tf_a8_set_transposed_rows", ctypes.c_int, (ctypes.c_int,)),
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
         ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
         ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I)),

@@ -12,7 +12,14 @@ and int4 groups of 128 (the default) or a multiple of 256, else of 32 (llama.cpp
 10 x 11 decode steps each) that took an int4 step's projections from 4.1-4.7 to 3.5-3.7 ms at batch 8 and from
 17.0-18.8 to 12.9-13.5 ms at batch 32, and int8's at batch 32 from 14.1-15.3 to 11.0-12.1 ms; on the trained
 fixture the logit KL against fp32 went 1.87e-5 -> 3.64e-5 (int8) and 1.29e-3 -> 1.47e-3 (int4), greedy
-agreement 100% both ways. The product is then integer: on a CPU with AVX-512 VNNI one
+agreement 100% both ways. From four rows on, int4 groups of 128 or a multiple of 256 go 16 features at a time:
+each block's weights are transposed once (a 16 x 16 transpose of 32-bit words), so one ``vpdpbusd`` takes four
+inputs of a row (broadcast) against those inputs' weights of 16 features and the sums land in 16 lanes, one per
+feature: no horizontal sum per output, and the zero-point term is one FMA per row and group (the 4 x 4 tiles
+spent about as much on those as on the products at K = 768). The benchmark's four projection shapes (768 and
+2048 wide, one call each, 2 threads) took 673 -> 458 us at 8 rows and 2066 -> 1164 us at 32 (336 -> 294 at 4);
+below four rows the transpose costs more than it saves (1 row: 185 us on the 4 x 4 tiles, 258 transposed).
+The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
 :mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
 ``y = s * (x^ . q) + b`` exactly as ``F.linear(x^, W)``; int4 (torchao's tinygemm scheme,
@@ -38,8 +45,10 @@ AVX2-only and other CPUs run as before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +79,18 @@ def a8_available() -> bool:
     return lib is not None and lib.tf_a8_available() == 1
 
 
+@contextlib.contextmanager
+def _transposed_rows(rows: int) -> Iterator[None]:
+    """Within: int4 calls (groups of 128 / a multiple of 256) of at least ``rows`` rows take the 16-feature
+    transposed tiles, fewer the 4 x 4 ones (the tests check both; ``NATIVE_MAX_ROWS + 1``: never)."""
+    lib = _library()
+    old = lib.tf_a8_set_transposed_rows(rows)
+    try:
+        yield
+    finally:
+        lib.tf_a8_set_transposed_rows(old)
+
+
 def activation_block(k: int, group_size: int = 0) -> int:
     """Inputs per activation scale for ``k`` inputs: 128 for int8 weights (``group_size`` 0) where ``k % 128 == 0``
     and for int4 groups of 128 or a multiple of 256; else 32."""
@@ -91,7 +112,9 @@ def quantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> tuple[torch.
     m, k = x.shape
     xb = x.float().reshape(m, k // block, block)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # torch.full_like(...) / amax divides once; `127.0 / amax` is reciprocal(amax) * 127 (two roundings), an ulp
+    # off the kernel's division, which flips x * inv where it lies within an ulp of a rounding tie
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return xq.reshape(m, k), amax / 127.0
 

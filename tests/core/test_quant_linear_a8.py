@@ -23,6 +23,7 @@ from tightfit.cuda.quant_linear import (
 from tightfit.cuda.quant_linear_a8 import (
     A8_ENV_VAR,
     _call,
+    _transposed_rows,
     a8_applies,
     a8_available,
     activation_block,
@@ -70,17 +71,50 @@ def test_int8_native_equals_reference(threads, rows, n, k, monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
 @pytest.mark.parametrize(("k", "group"), [(128, 64), (384, 64), (256, 128), (768, 128), (512, 256), (1024, 512)])
-def test_int4_native_equals_reference(threads, rows, k, group, monkeypatch):
+@pytest.mark.parametrize("n", [19, 67])  # 67 on 2 threads: chunks of 16-17 features, a 16-feature tile each
+@pytest.mark.parametrize("transposed", [1, NATIVE_MAX_ROWS + 1])  # 16-feature transposed tiles from 1 row / never
+def test_int4_native_equals_reference(threads, rows, k, group, n, transposed, monkeypatch):
     monkeypatch.delenv(A8_ENV_VAR, raising=False)  # set to fp32, "native" would quietly run the reference
-    gen = torch.Generator().manual_seed(rows * k + group + threads)
-    n = 19
+    gen = torch.Generator().manual_seed(rows * k + group + threads + n)
     p, s, z = _int4(n, k, group, gen)
     b = torch.randn(n, generator=gen)
     x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
     assert _on_pool(lambda: _call(x, p, s, z, group, b, n, k), threads) is not None  # the kernel takes the call
     want = int4_linear_a8(x, p, s, z, group, b, backend="reference")
-    got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, b, backend="native"), threads)
+    with _transposed_rows(transposed):
+        got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, b, backend="native"), threads)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_a8
+@pytest.mark.parametrize(("k", "group"), [(256, 128), (1024, 256), (1536, 512)])
+def test_int4_transposed_tiles_agree_with_the_4x4_tiles_feature_by_feature(k, group, monkeypatch):
+    """Every one of 16 features in a transposed tile is its own: a weight changed in feature f alone changes
+    output f alone, by what the 4 x 4 tiles compute (catches a transpose that mixes lanes or inputs)."""
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(k + group)
+    n, rows = 48, 6
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    s, z = torch.rand(n, k // group, generator=gen) * 0.02, torch.randn(n, k // group, generator=gen) * 0.02
+    x = torch.randn(rows, k, generator=gen)
+
+    def both(qw):
+        p = pack_int4(qw, group)
+        out = []
+        for t in (1, NATIVE_MAX_ROWS + 1):
+            with _transposed_rows(t):
+                out.append(_on_pool(lambda: int4_linear_a8(x, p, s, z, group, backend="native"), 1))
+        return out
+
+    base_t, base_4 = both(q)
+    torch.testing.assert_close(base_t, base_4, atol=1e-4, rtol=1e-4)
+    for f, i in [(0, 0), (5, 3), (17, k // 2 + 1), (31, k - 1), (40, k // 3)]:
+        q2 = q.clone()
+        q2[f, i] = 15 - q2[f, i]
+        got_t, got_4 = both(q2)
+        torch.testing.assert_close(got_t, got_4, atol=1e-4, rtol=1e-4)
+        changed = (got_t - base_t).abs().amax(0) > 0
+        assert changed.nonzero().flatten().tolist() == [f]
 
 
 @needs_a8
