@@ -37,10 +37,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir",
+__all__ = ["NATIVE_ENV_VAR", "FORK_FLAG_SOURCE", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir",
            "torch_openmp"]
 
 NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
+# C for sources with `#ifdef _OPENMP` paths (needs <pthread.h>): `tf_forked` turns 1 in a child forked after the
+# library was loaded. GNU OpenMP's team does not survive a fork (a region in such a child waits forever), so those
+# paths check it and use threads of their own there.
+FORK_FLAG_SOURCE = r"""
+static int tf_forked = 0;
+static void tf_on_fork_child(void) { tf_forked = 1; }
+__attribute__((constructor)) static void tf_threads_init(void) { pthread_atfork(NULL, NULL, tf_on_fork_child); }
+"""
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
 # Linked in a second command without -ffast-math: given at link time it adds crtfastmath.o, whose
 # constructor sets flush-to-zero for the whole process once the library loads (subnormals vanish from

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from tightfit.cuda._quant_a8_c import SOURCE as _A8_SOURCE
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
 __all__ = ["NATIVE_MAX_ROWS", "INT4_GROUP_SIZES", "int8_linear", "int8_linear_reference", "int4_linear",
            "int4_linear_reference", "pack_int4", "unpack_int4", "dequantize_int4", "dequantize_int8"]
@@ -449,9 +449,7 @@ static void int4_avx2(const job_t *j) {
    no second set of threads competes with them for the cores. In a child forked from a process that ran a
    parallel region, GNU OpenMP's team does not exist and a region would wait for it forever: such a child (and
    every build without OpenMP) uses the pool below. */
-static int tf_forked = 0;
-static void tf_on_fork_child(void) { tf_forked = 1; }
-__attribute__((constructor)) static void tf_threads_init(void) { pthread_atfork(NULL, NULL, tf_on_fork_child); }
+""" + FORK_FLAG_SOURCE + r"""
 
 /* 1 where calls run on the process's OpenMP team, 0 where on the pool below. */
 int tf_quant_threading(void) {

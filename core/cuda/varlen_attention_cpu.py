@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
 __all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
 
@@ -261,9 +261,7 @@ void tf_store_kv_f32(const float *k, int64_t k_row, const float *v, int64_t v_ro
 /* Built with OpenMP (where PyTorch's runtime is in the process, tightfit.cuda.native) the runs go to its team;
    a child forked from a process that ran a parallel region (GNU OpenMP's team is gone there) and builds without
    OpenMP start POSIX threads per call. */
-static int tf_forked = 0;
-static void tf_on_fork_child(void) { tf_forked = 1; }
-__attribute__((constructor)) static void tf_threads_init(void) { pthread_atfork(NULL, NULL, tf_on_fork_child); }
+""" + FORK_FLAG_SOURCE + r"""
 int tf_attention_threading(void) {
 #ifdef _OPENMP
     return !tf_forked;
@@ -309,7 +307,6 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
             b++;
         }
         jobs[t].end = b;
-        started[t] = 0;
     }
 #ifdef _OPENMP
     if (!tf_forked) { /* the process's OpenMP team (PyTorch's): awake from the ops around, no thread started */
