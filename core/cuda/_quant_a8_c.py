@@ -11,7 +11,9 @@ SOURCE = r"""
    int8 with K % 128 == 0 and int4 with groups of 128 or a multiple of 256 quantise x per block of 128 instead
    (a8_quantize_b128): a block's two vpdpbusd then add in int32 and are converted and scaled once, and int4 holds
    no per-group partial sums. From a8t_min_rows rows on, int4 per block of 128 goes 16 features at a time with the
-   block's weights transposed (a8_i4t): a row's 16 sums come out in one vector. */
+   block's weights transposed (a8_i4t): a row's 16 sums come out in one vector. Weights in tile_int4's order
+   (job_t.tiled) are so already: a8_i4t_rows splits each run in registers for groups of four rows, a8_i4t (from
+   a8t_tiled_block_rows rows) splits each block once for all rows. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TF_A8 1
 #else
@@ -20,12 +22,17 @@ SOURCE = r"""
 
 int tf_a8_available(void) { return TF_A8; }
 
-/* Rows from which int4 groups of 128 / a multiple of 256 take the 16-feature transposed tiles (a8_i4t); the
-   tests turn it to check both tilings (above A8T_MAX_ROWS: never). Returns the old value; < 0 only asks. */
-static int a8t_min_rows = 4; /* fewer rows: the transpose costs more than it saves (int4 benchmark shapes, 2 threads) */
-int tf_a8_set_transposed_rows(int rows) {
-    const int old = a8t_min_rows;
-    if (rows >= 0) a8t_min_rows = rows;
+/* Row thresholds of the int4 kernels per block of 128 (groups of 128 or a multiple of 256), turned by the tests
+   to check every kernel (above A8T_MAX_ROWS: never). which 0: rows from which row-order weights take the
+   16-feature transposed tiles (a8_i4t; fewer: the 4 x 4 tiles, the transpose costing more than it saves);
+   which 1: rows from which tiled weights (tile_int4) take a8_i4t, each block split once and kept for all rows
+   (fewer: a8_i4t_rows, groups of four rows splitting each run in registers). Returns the old value; rows < 0
+   only asks. */
+static int a8t_min_rows = 4, a8t_tiled_block_rows = 8;
+int tf_a8_set_rows(int which, int rows) {
+    int *v = which == 0 ? &a8t_min_rows : &a8t_tiled_block_rows;
+    const int old = *v;
+    if (rows >= 0) *v = rows;
     return old;
 }
 
@@ -238,11 +245,21 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
     a8_i4_store(j, n, m, R, F, acc);
 }
 
-/* Sixteen features' 64-byte runs (feature f's at src + f * stride) transposed: lo[i] and hi[i] hold in 32-bit
-   lane f the bytes 4i .. 4i + 3 of feature f's run, their low nibbles in lo, their high nibbles in hi (a 16 x 16
-   transpose of 32-bit words: within 128-bit lanes, then the lanes). */
-static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int64_t stride, __m512i *lo,
+/* Sixteen features' 64-byte runs as 16 vectors, vector i holding in 32-bit lane f the bytes 4i .. 4i + 3 of
+   feature f's run; the low nibbles go to lo[i], the high ones to hi[i]. tiled: the runs are stored so already
+   (tile_int4), 1 KiB at src. Else feature f's run is at src + f * stride and is transposed here (16 x 16 32-bit
+   words: within 128-bit lanes, then the lanes). */
+static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int64_t stride, int tiled, __m512i *lo,
                                                          __m512i *hi) {
+    const __m512i l4 = _mm512_set1_epi8(15);
+    if (tiled) {
+        for (int i = 0; i < 16; i++) {
+            const __m512i w = _mm512_loadu_si512(src + 64 * i);
+            lo[i] = _mm512_and_si512(w, l4);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16(w, 4), l4);
+        }
+        return;
+    }
     __m512i r[16], t[16];
     for (int f = 0; f < 16; f++) r[f] = _mm512_loadu_si512(src + f * stride);
     for (int i = 0; i < 16; i += 2) {
@@ -255,7 +272,6 @@ static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int
         r[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
         r[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
     }
-    const __m512i l4 = _mm512_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
         const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44),
@@ -277,18 +293,23 @@ static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int
 static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, const __m512i *wt, int64_t b,
                                                              int64_t m, const int R, __m512 sv, __m512 *acc) {
     const int64_t K = j->K, nb = K / 128;
-    __m512i s[4];
-    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
-    const int8_t *xb = j->xq + m * K + b * 128;
-    for (int i = 0; i < 32; i++)
-        for (int r = 0; r < R; r++) {
-            int32_t x4;
-            memcpy(&x4, xb + r * K + 4 * i, 4);
-            s[r] = _mm512_dpbusd_epi32(s[r], wt[i], _mm512_set1_epi32(x4));
-        }
+    const int P = R == 1 ? 4 : 2; /* partial sums a row: several vpdpbusd chains in flight (one waits on its latency) */
+    __m512i s[4][8];
     for (int r = 0; r < R; r++)
-        acc[m + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]),
+        for (int q = 0; q < P; q++) s[r][q] = _mm512_setzero_si512();
+    const int8_t *xb = j->xq + m * K + b * 128;
+    for (int i = 0; i < 32; i += P)
+        for (int q = 0; q < P; q++)
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xb + r * K + 4 * (i + q), 4);
+                s[r][q] = _mm512_dpbusd_epi32(s[r][q], wt[i + q], _mm512_set1_epi32(x4));
+            }
+    for (int r = 0; r < R; r++) {
+        for (int q = 1; q < P; q++) s[r][0] = _mm512_add_epi32(s[r][0], s[r][q]);
+        acc[m + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]),
                                      _mm512_mul_ps(sv, _mm512_set1_ps(j->dv[(m + r) * nb + b])), acc[m + r]);
+    }
 }
 
 /* int4 weights with x per block of 128 (G == 128 or G % 256 == 0), features n .. n + 15 by all M rows
@@ -298,22 +319,27 @@ static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, con
 static void a8_i4t(const job_t *j, int64_t n) {
     const int64_t K = j->K, N = j->N, M = j->M, G = j->G, H = G / 2, ng = K / G, st = K / 2;
     const uint8_t *p = (const uint8_t *)j->w + n * st;
-    const __m512i gi = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)ng));
+    /* byte offset c of every row's packed weight: at p + c * 16 in a tile (runs of 64 bytes, 1 KiB each) */
+    const int64_t rs = j->tiled ? 16 : 1;
     __m512 acc[A8T_MAX_ROWS];
     __m512i wa[32], wb[32];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const __m512 sv = _mm512_i32gather_ps(gi, j->scale + n * ng + g, 4);
-        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_i32gather_ps(gi, j->zero + n * ng + g, 4));
+        float sb[16], zb[16];
+        for (int f = 0; f < 16; f++) {
+            sb[f] = j->scale[(n + f) * ng + g];
+            zb[f] = j->zero[(n + f) * ng + g];
+        }
+        const __m512 sv = _mm512_loadu_ps(sb);
+        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_loadu_ps(zb));
         for (int64_t c = 0; c < (G == 128 ? 64 : H); c += 128) {
             int64_t b0, b1 = -1;
             if (G == 128) { /* one block: low nibbles inputs 0-63, high 64-127 */
-                a8_t16(p + g * 64, st, wa, wa + 16);
+                a8_t16(p + g * 64 * rs, st, j->tiled, wa, wa + 16);
                 b0 = g;
             } else { /* bytes c .. c + 127: low nibbles block g G + c, high block g G + H + c */
-                a8_t16(p + g * H + c, st, wa, wb);
-                a8_t16(p + g * H + c + 64, st, wa + 16, wb + 16);
+                a8_t16(p + (g * H + c) * rs, st, j->tiled, wa, wb);
+                a8_t16(p + (g * H + c + 64) * rs, st, j->tiled, wa + 16, wb + 16);
                 b0 = (g * G + c) / 128;
                 b1 = (g * G + H + c) / 128;
             }
@@ -358,6 +384,70 @@ static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t
         }
 }
 
+/* Tiled int4 (tile_int4): rows m .. m + R - 1 (R <= 4) against features n .. n + 15. Each 64-byte run is
+   split in registers and meets the rows' inputs at once: no transposed block is kept in memory, and a tile
+   (16 x K/2 bytes) stays in L1 while the call's row groups pass over it. A run's low nibbles are inputs
+   ol .. ol + 63 of block bl, its high nibbles oh .. oh + 63 of block bh; 8 vpdpbusd chains are in flight
+   (P partial sums a row and nibble half). */
+static inline __attribute__((always_inline)) void a8_i4t_rows(const job_t *j, int64_t n, int64_t m, const int R) {
+    const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G, nb = K / 128;
+    const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
+    const int P = 4 / R;
+    const __m512i l4 = _mm512_set1_epi8(15);
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        float sb[16], zb[16];
+        for (int f = 0; f < 16; f++) {
+            sb[f] = j->scale[(n + f) * ng + g];
+            zb[f] = j->zero[(n + f) * ng + g];
+        }
+        const __m512 sv = _mm512_loadu_ps(sb);
+        for (int64_t c = 0; c < H; c += 64) {
+            const uint8_t *run = p + (g * H + c) * 16;
+            const int64_t half = c % 128, base = g * G + c - half;
+            const int64_t bl = G == 128 ? g : base / 128, bh = G == 128 ? g : (base + H) / 128;
+            const int64_t ol = bl * 128 + (G == 128 ? 0 : half), oh = bh * 128 + (G == 128 ? 64 : half);
+            __m512i sl[4][4], sh[4][4];
+            for (int r = 0; r < R; r++)
+                for (int q = 0; q < P; q++) sl[r][q] = sh[r][q] = _mm512_setzero_si512();
+            for (int i = 0; i < 16; i++) {
+                const __m512i w = _mm512_loadu_si512(run + 64 * i);
+                const __m512i lo = _mm512_and_si512(w, l4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), l4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = j->xq + (m + r) * K;
+                    int32_t a, b;
+                    memcpy(&a, xr + ol + 4 * i, 4);
+                    memcpy(&b, xr + oh + 4 * i, 4);
+                    sl[r][i % P] = _mm512_dpbusd_epi32(sl[r][i % P], lo, _mm512_set1_epi32(a));
+                    sh[r][i % P] = _mm512_dpbusd_epi32(sh[r][i % P], hi, _mm512_set1_epi32(b));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                for (int q = 1; q < P; q++) {
+                    sl[r][0] = _mm512_add_epi32(sl[r][0], sl[r][q]);
+                    sh[r][0] = _mm512_add_epi32(sh[r][0], sh[r][q]);
+                }
+                const float *dr = j->dv + (m + r) * nb;
+                if (bl == bh) { /* G == 128: one block, one conversion */
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r][0], sh[r][0])),
+                                             _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])), acc[r]);
+                } else {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])),
+                                             acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bh])),
+                                             acc[r]);
+                }
+            }
+        }
+        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_loadu_ps(zb));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(zc, _mm512_set1_ps(j->xsum[(m + r) * ng + g]), acc[r]);
+    }
+    const __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(j->y + (m + r) * N + n, _mm512_add_ps(acc[r], bias));
+}
+
 /* A chunk's features in tiles: FW == 4, four features by four rows (int4 / int8 per block of 128: 16
    accumulators, no per-group partial sums to hold); FW == 2, pairs of features by four rows (per block of 32),
    fours by one row where M < 4; then the features and rows left. */
@@ -389,6 +479,18 @@ A8_RANGE(a8_int4_range, a8_i4, 2)
 
 /* int4 per block of 128: tiles of 16 features by all rows (a8_i4t), the features left in 4 x 4 tiles. */
 static void a8_int4b_range(const job_t *j) {
+    if (j->tiled) { /* every feature is in a tile (N % 16 == 0): the tiles that start in [n0, n1) */
+        for (int64_t n = (j->n0 + 15) / 16 * 16; n < j->n1; n += 16) {
+            if (j->M >= a8t_tiled_block_rows) {
+                a8_i4t(j, n);
+                continue;
+            }
+            int64_t m = 0;
+            for (; m + 4 <= j->M; m += 4) a8_i4t_rows(j, n, m, 4);
+            for (; m < j->M; m++) a8_i4t_rows(j, n, m, 1);
+        }
+        return;
+    }
     job_t rest = *j;
     if (j->M <= A8T_MAX_ROWS && j->M >= a8t_min_rows)
         for (; rest.n0 + 16 <= j->n1; rest.n0 += 16) a8_i4t(j, rest.n0);
@@ -405,9 +507,11 @@ static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale), else int4
    (pack_int4 order, G == 64: x per block of 32; G == 128 or G % 256 == 0: x per block of 128). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
 int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *scale, const float *zero,
-                     const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t threads) {
+                     const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t tiled,
+                     int64_t threads) {
 #if TF_A8
     if (K % 64 != 0 || (G != 0 && G != 64 && G != 128 && G % 256 != 0)) return -2; /* other G: not these layouts */
+    if (tiled && (G < 128 || N % 16 != 0 || M > A8T_MAX_ROWS)) return -2;          /* not a tiled layout's call */
     const int64_t ng = G > 0 ? K / G : 0;
     const size_t need = (size_t)(M * K) + sizeof(float) * (size_t)(M * (K / 4) + M + M * ng) + 64;
     if (need > a8_cap) {
@@ -428,10 +532,11 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
     j.xq = xqb;
     j.dv = dv;
     j.corr = corr;
+    j.tiled = (int)tiled;
     return run(G == 0 ? (b128 ? a8_int8b_range : a8_int8_range) : b128 ? a8_int4b_range : a8_int4_range, j, threads);
 #else
     (void)x; (void)xs; (void)q; (void)scale; (void)zero; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
-    (void)threads;
+    (void)tiled; (void)threads;
     return -2;
 #endif
 }

@@ -89,6 +89,7 @@ typedef struct {
     int64_t xs, M, N, K, G, n0, n1;
     const int8_t *xq; /* the int8-activation kernels (tightfit.cuda._quant_a8_c): quantised x, its scales */
     const float *dv, *corr;
+    int tiled; /* int4 weights in 16-feature tiles (tightfit.cuda.quant_linear_a8.tile_int4) */
 } job_t;
 
 typedef void (*range_fn)(const job_t *);
@@ -684,9 +685,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @functools.cache
 def _library() -> Any:
     return load_functions("quant_linear", _SOURCE + _A8_SOURCE, (
-        ("tf_a8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
+        ("tf_a8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I)),
         ("tf_a8_available", ctypes.c_int, ()),
-        ("tf_a8_set_transposed_rows", ctypes.c_int, (ctypes.c_int,)),
+        ("tf_a8_set_rows", ctypes.c_int, (ctypes.c_int, ctypes.c_int)),
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
         ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
         ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I)),

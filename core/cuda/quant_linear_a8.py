@@ -19,6 +19,11 @@ feature: no horizontal sum per output, and the zero-point term is one FMA per ro
 spent about as much on those as on the products at K = 768). The benchmark's four projection shapes (768 and
 2048 wide, one call each, 2 threads) took 673 -> 458 us at 8 rows and 2066 -> 1164 us at 32 (336 -> 294 at 4);
 below four rows the transpose costs more than it saves (1 row: 185 us on the 4 x 4 tiles, 258 transposed).
+Weights held in :func:`tile_int4`'s order (same bytes, each 16 rows' reordered so that one 64-byte load is the
+16 features' next four inputs; energon holds its int4 projections so where :func:`int4_tiles_apply`) need no
+transpose: below 8 rows each run is split in registers and meets groups of four rows at once, from 8 rows each
+block is split once and kept for all rows. Those four shapes, row order -> tiled: 138 -> 68 us at 1 row,
+227 -> 145 at 4, 319 -> 280 at 8, 799 -> 728 at 32.
 The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
 :mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
@@ -65,11 +70,13 @@ from tightfit.cuda.quant_linear import (
 )
 
 __all__ = ["A8_BLOCK", "A8_WIDE_BLOCK", "A8_ENV_VAR", "activation_block", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
-           "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference"]
+           "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference", "INT4_TILE", "int4_tiles_apply",
+           "tile_int4", "untile_int4"]
 
 A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int4 groups of 64, int8 with K % 128 != 0
 A8_WIDE_BLOCK = 128  # int8 weights with K % 128 == 0, int4 groups of 128 or a multiple of 256
 A8_ENV_VAR = "TIGHTFIT_QUANT_ACTIVATIONS"  # "fp32": callers asking a8_applies keep the fp32-activation kernels
+INT4_TILE = 16  # features per tile of the tiled int4 layout (tile_int4)
 
 
 @functools.cache
@@ -80,15 +87,18 @@ def a8_available() -> bool:
 
 
 @contextlib.contextmanager
-def _transposed_rows(rows: int) -> Iterator[None]:
-    """Within: int4 calls (groups of 128 / a multiple of 256) of at least ``rows`` rows take the 16-feature
-    transposed tiles, fewer the 4 x 4 ones (the tests check both; ``NATIVE_MAX_ROWS + 1``: never)."""
+def _kernel_rows(transposed: int | None = None, tiled_block: int | None = None) -> Iterator[None]:
+    """Within: int4 calls (groups of 128 / a multiple of 256) of at least ``transposed`` rows take the
+    16-feature transposed tiles on row-order weights (fewer: the 4 x 4 ones), and tiled weights
+    (:func:`tile_int4`) of at least ``tiled_block`` rows the kernel that splits each block once for all rows
+    (fewer: groups of four rows); ``NATIVE_MAX_ROWS + 1``: never. The tests run every kernel so."""
     lib = _library()
-    old = lib.tf_a8_set_transposed_rows(rows)
+    old = [lib.tf_a8_set_rows(w, -1 if v is None else v) for w, v in enumerate((transposed, tiled_block))]
     try:
         yield
     finally:
-        lib.tf_a8_set_transposed_rows(old)
+        for w, v in enumerate(old):
+            lib.tf_a8_set_rows(w, v)
 
 
 def activation_block(k: int, group_size: int = 0) -> int:
@@ -97,6 +107,34 @@ def activation_block(k: int, group_size: int = 0) -> int:
     if group_size == 0:
         return A8_WIDE_BLOCK if k % A8_WIDE_BLOCK == 0 else A8_BLOCK
     return A8_WIDE_BLOCK if group_size == 128 or group_size % 256 == 0 else A8_BLOCK
+
+
+def int4_tiles_apply(n: int, k: int, group_size: int) -> bool:
+    """Whether an ``(n, k)`` int4 weight in groups of ``group_size`` can be held tiled (:func:`tile_int4`): ``n`` a
+    multiple of 16, groups of 128 or a multiple of 256 dividing ``k``."""
+    return (n > 0 and n % INT4_TILE == 0 and k % group_size == 0
+            and (group_size == 128 or (group_size > 0 and group_size % 256 == 0)))
+
+
+def tile_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` (:func:`~tightfit.cuda.quant_linear.pack_int4`, ``(N, K/2)`` uint8, ``N % 16 == 0``, ``K % 128
+    == 0``) with each 16 rows' bytes reordered for the int8-activation kernel: per 64-byte run ``u`` of a row, 16
+    runs of 64 bytes, run ``i`` holding bytes ``64u + 4i .. 64u + 4i + 3`` of the tile's 16 rows side by side.
+    Same shape, dtype and bytes; a tile's bytes stay its rows' bytes (rows can still be split at multiples of 16).
+    The kernel then reads 16 features' four inputs with one load, where the row order costs it a 16 x 16
+    transpose per 1 KiB of weight and call. :func:`untile_int4` inverts it."""
+    n, half = packed.shape
+    words = packed.contiguous().view(torch.int32)  # 4 bytes = one 32-bit lane of the kernel
+    return words.view(n // INT4_TILE, INT4_TILE, half // 64, 16).permute(0, 2, 3, 1).contiguous().view(
+        torch.uint8).view(n, half)
+
+
+def untile_int4(tiled: torch.Tensor) -> torch.Tensor:
+    """The row order (:func:`~tightfit.cuda.quant_linear.pack_int4`) of a :func:`tile_int4` weight."""
+    n, half = tiled.shape
+    words = tiled.contiguous().view(torch.int32)
+    return words.view(n // INT4_TILE, half // 64, 16, INT4_TILE).permute(0, 3, 1, 2).contiguous().view(
+        torch.uint8).view(n, half)
 
 
 def a8_applies(x: torch.Tensor, k: int, group_size: int = 0) -> bool:
@@ -132,8 +170,8 @@ def int8_linear_a8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torc
 
 
 def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    q = unpack_int4(packed, group_size).float()
+                             group_size: int, bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    q = unpack_int4(untile_int4(packed) if tiled else packed, group_size).float()
     n, k = q.shape
     ng = k // group_size
     qs = (q.reshape(n, ng, group_size) * scale.float()[:, :, None]).reshape(n, k)
@@ -145,7 +183,7 @@ def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch
 
 
 def _call(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
-          bias: torch.Tensor | None, n: int, k: int) -> torch.Tensor | None:
+          bias: torch.Tensor | None, n: int, k: int, tiled: bool = False) -> torch.Tensor | None:
     if not (a8_applies(x, k, group_size) and _native_ok(x, q, scale, zero, bias) and scale.dtype == torch.float32
             and (zero is None or zero.dtype == torch.float32) and (bias is None or bias.dtype == torch.float32)):
         return None
@@ -153,7 +191,7 @@ def _call(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     rc = _library().tf_a8_linear_f32(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
                                      None if zero is None else zero.data_ptr(),
                                      None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, k,
-                                     group_size, torch.get_num_threads())
+                                     group_size, int(tiled), torch.get_num_threads())
     if rc == -1:
         raise MemoryError(f"int{8 if zero is None else 4}_linear_a8: no memory for {x.shape[0]} x {k} int8 inputs")
     return y if rc == 0 else None
@@ -166,9 +204,9 @@ def _int8_native(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = _call(x, packed, scale, zero, group_size, bias, packed.shape[0], packed.shape[1] * 2)
-    return int4_linear_a8_reference(x, packed, scale, zero, group_size, bias) if y is None else y
+                 bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    y = _call(x, packed, scale, zero, group_size, bias, packed.shape[0], packed.shape[1] * 2, tiled)
+    return int4_linear_a8_reference(x, packed, scale, zero, group_size, bias, tiled) if y is None else y
 
 
 def _probe_x(x: torch.Tensor) -> torch.Tensor:
@@ -182,8 +220,8 @@ def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 
 
 def _int4_class(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> tuple:
-    return (str(x.dtype), tuple(packed.shape), group_size, bias is None)
+                bias: torch.Tensor | None = None, tiled: bool = False) -> tuple:
+    return (str(x.dtype), tuple(packed.shape), group_size, bias is None, tiled)
 
 
 _int8 = register_kernel(
@@ -193,7 +231,7 @@ _int8 = register_kernel(
 _int4 = register_kernel(
     "int4_linear_a8", reference=int4_linear_a8_reference, triton=None, native=_int4_native, native_error=_native_error,
     doc="x (int8 per block of 32) @ dequantised int4 weight^T + bias", shape_class=_int4_class,
-    probe=lambda x, p, s, z, g, b=None: ((_probe_x(x), p, s, z, g, b), {}))
+    probe=lambda x, p, s, z, g, b=None, t=False: ((_probe_x(x), p, s, z, g, b, t), {}))
 
 
 def _check_k(name: str, x: torch.Tensor, k: int) -> None:
@@ -214,8 +252,9 @@ def int8_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
 
 
 def int4_linear_a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                   bias: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
-    """:func:`~tightfit.cuda.quant_linear.int4_linear` with ``x`` quantised per block of 32 (module docstring)."""
+                   bias: torch.Tensor | None = None, *, tiled: bool = False, backend: str | None = None) -> torch.Tensor:
+    """:func:`~tightfit.cuda.quant_linear.int4_linear` with ``x`` quantised to int8 per block (module docstring);
+    ``tiled``: ``packed`` is in :func:`tile_int4`'s order."""
     n, half = packed.shape if packed.dim() == 2 else (0, 0)
     k = half * 2
     if (packed.dtype != torch.uint8 or packed.dim() != 2 or group_size < 2 or group_size % 2 or k % group_size
@@ -223,5 +262,9 @@ def int4_linear_a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, z
         raise ValueError(f"int4_linear_a8: needs a uint8 packed weight (N, K/2), an even group_size dividing K and "
                          f"scale/zero (N, K / group_size); got packed {packed.dtype} {tuple(packed.shape)}, "
                          f"group_size {group_size}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
+    if tiled and not int4_tiles_apply(n, k, group_size):
+        raise ValueError(f"int4_linear_a8: tiled=True needs a multiple of {INT4_TILE} output features and groups of 128 "
+                         f"or a multiple of 256 (tile_int4); got {n} features, group_size {group_size}: pass the "
+                         "row-order weight with tiled=False")
     _check_k("int4_linear_a8", x, k)
-    return _int4(x, packed, scale, zero, group_size, bias, backend=backend)
+    return _int4(x, packed, scale, zero, group_size, bias, tiled, backend=backend)

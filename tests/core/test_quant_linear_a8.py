@@ -11,6 +11,8 @@ import concurrent.futures
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.threads import torch_threads
 from tightfit.cuda.quant_linear import (
@@ -23,13 +25,16 @@ from tightfit.cuda.quant_linear import (
 from tightfit.cuda.quant_linear_a8 import (
     A8_ENV_VAR,
     _call,
-    _transposed_rows,
+    _kernel_rows,
     a8_applies,
     a8_available,
     activation_block,
     int4_linear_a8,
+    int4_tiles_apply,
     int8_linear_a8,
     quantize_activations,
+    tile_int4,
+    untile_int4,
 )
 
 needs_a8 = pytest.mark.skipif(not a8_available(), reason="no AVX-512 VNNI native build on this CPU")
@@ -81,7 +86,7 @@ def test_int4_native_equals_reference(threads, rows, k, group, n, transposed, mo
     x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
     assert _on_pool(lambda: _call(x, p, s, z, group, b, n, k), threads) is not None  # the kernel takes the call
     want = int4_linear_a8(x, p, s, z, group, b, backend="reference")
-    with _transposed_rows(transposed):
+    with _kernel_rows(transposed=transposed):
         got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, b, backend="native"), threads)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -102,7 +107,7 @@ def test_int4_transposed_tiles_agree_with_the_4x4_tiles_feature_by_feature(k, gr
         p = pack_int4(qw, group)
         out = []
         for t in (1, NATIVE_MAX_ROWS + 1):
-            with _transposed_rows(t):
+            with _kernel_rows(transposed=t):
                 out.append(_on_pool(lambda: int4_linear_a8(x, p, s, z, group, backend="native"), 1))
         return out
 
@@ -132,6 +137,63 @@ def test_int4_groups_of_an_odd_multiple_of_64_or_128_keep_the_exact_path(k, grou
     want = int4_linear_a8(x, p, s, z, group, backend="reference")
     got = _on_pool(lambda: int4_linear_a8(x, p, s, z, group, backend="native"), 2)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiles=st.integers(1, 5), runs=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_tile_int4_is_a_byte_permutation_its_inverse_undoes(tiles, runs, seed):
+    """Same bytes, reordered within each 16 rows as the kernel reads them: byte 4i + b of run u of row f lands at
+    u * 1024 + i * 64 + f * 4 + b of its tile; untile_int4 gives the row order back."""
+    n, half = 16 * tiles, 64 * runs
+    packed = torch.randint(0, 256, (n, half), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    tiled = tile_int4(packed)
+    assert tiled.shape == packed.shape and tiled.dtype == torch.uint8
+    assert torch.equal(untile_int4(tiled), packed)
+    assert torch.equal(tiled.flatten().sort().values, packed.flatten().sort().values)
+    t, f, u, i, b = tiles - 1, 5, runs - 1, 9, 3
+    assert tiled[16 * t:16 * t + 16].flatten()[u * 1024 + i * 64 + f * 4 + b] == packed[16 * t + f, 64 * u + 4 * i + b]
+
+
+def test_where_int4_tiles_apply():
+    assert int4_tiles_apply(48, 256, 128) and int4_tiles_apply(16, 1024, 512)
+    assert not int4_tiles_apply(40, 256, 128)  # 16 features a tile
+    assert not int4_tiles_apply(48, 256, 64) and not int4_tiles_apply(48, 384, 384)  # not the block-128 layouts
+
+
+@needs_a8
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize(("k", "group"), [(256, 128), (768, 128), (512, 256), (1024, 512), (1536, 512)])
+@pytest.mark.parametrize("n", [16, 80])  # 80 on 2 threads: chunks of 20 features, tiles starting inside each
+@pytest.mark.parametrize("block", [1, NATIVE_MAX_ROWS + 1])  # tiled weights: the block kernel from 1 row / never
+def test_int4_tiled_native_equals_reference(threads, rows, k, group, n, block, monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(rows * k + group + threads + n)
+    p, s, z = _int4(n, k, group, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+    t = tile_int4(p)
+    assert _on_pool(lambda: _call(x, t, s, z, group, b, n, k, True), threads) is not None  # the kernel takes it
+    want = int4_linear_a8(x, p, s, z, group, b, backend="reference")
+    torch.testing.assert_close(int4_linear_a8(x, t, s, z, group, b, tiled=True, backend="reference"), want)
+    with _kernel_rows(tiled_block=block):
+        got = _on_pool(lambda: int4_linear_a8(x, t, s, z, group, b, tiled=True, backend="native"), threads)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_a8
+def test_int4_tiled_calls_the_kernel_does_not_take_answer_like_the_reference(monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(3)
+    n, k, group = 32, 256, 128
+    p, s, z = _int4(n, k, group, gen)
+    x = torch.randn(NATIVE_MAX_ROWS + 1, k, generator=gen)
+    assert _call(x, tile_int4(p), s, z, group, None, n, k, True) is None  # more rows than the kernel takes
+    got = int4_linear_a8(x, tile_int4(p), s, z, group, tiled=True, backend="native")
+    torch.testing.assert_close(got, int4_linear_a8(x, p, s, z, group, backend="reference"), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"int4_linear_a8: tiled=True needs a multiple of 16 output features and "
+                                         r"groups of 128 or a multiple of 256 \(tile_int4\); got 24 features"):
+        int4_linear_a8(x[:2], p[:24], s[:24], z[:24], group, tiled=True)
 
 
 def _bound(x, v, block=32):
