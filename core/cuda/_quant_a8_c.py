@@ -1,7 +1,9 @@
 """C source of the int8-activation kernels (:mod:`tightfit.cuda.quant_linear_a8`), appended to
 :mod:`tightfit.cuda.quant_linear`'s library so they share its thread pool (``run``) and ``job_t``."""
 
-SOURCE = r"""
+from tightfit.cuda._quant_a8_avx2_c import SOURCE as AVX2_SOURCE
+
+SOURCE = (r"""
 /* ------------------------------------------------------------------ int8 activations (AVX-512 VNNI)
    x is quantised per row and block of 32 inputs (d = amax / 127, xq = round(x / d)), then every 64 inputs of a
    row meet 64 weights in one vpdpbusd (unsigned 8-bit weights times signed 8-bit inputs, sums of four in 16
@@ -19,8 +21,16 @@ SOURCE = r"""
 #else
 #define TF_A8 0
 #endif
+/* AVX2 without AVX-512 VNNI: tiled int4 in groups of 128 or a multiple of 256 only (tightfit.cuda._quant_a8_avx2_c) */
+#if !TF_A8 && defined(__AVX2__) && defined(__FMA__)
+#define TF_A8V 1
+#else
+#define TF_A8V 0
+#endif
+#define A8T_MAX_ROWS 32
 
-int tf_a8_available(void) { return TF_A8; }
+/* 1: every layout below (AVX-512 VNNI); 2: the AVX2 kernel's (tiled int4 per block of 128); 0: none. */
+int tf_a8_available(void) { return TF_A8 ? 1 : TF_A8V ? 2 : 0; }
 
 /* Row thresholds of the int4 kernels per block of 128 (groups of 128 or a multiple of 256), turned by the tests
    to check every kernel (above A8T_MAX_ROWS: never). which 0: rows from which row-order weights take the
@@ -36,13 +46,16 @@ int tf_a8_set_rows(int which, int rows) {
     return old;
 }
 
-#if TF_A8
+#if TF_A8 || TF_A8V
 #include <string.h>
 /* 127 / amax (0 for amax 0) rounded once, as the reference computes it: under -ffast-math `127.f / amax` may
    become 127 * (1 / amax), an ulp away, which flips x / d where it lies within an ulp of a rounding tie. */
 static inline float a8_inv(float amax) {
     return amax > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.f), _mm_set_ss(amax))) : 0.f;
 }
+#endif
+
+#if TF_A8
 
 /* Per call, on the caller: xq (M x K int8), dv (M x K/4: 16 floats per 64 inputs), corr (M), xsum (M x K/G). */
 static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *dv,
@@ -285,7 +298,6 @@ static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int
     }
 }
 
-#define A8T_MAX_ROWS 32
 /* One block of 128 inputs (index b) of rows m .. m + R - 1 against 16 features' transposed weights wt[0..31]
    (wt[i]: inputs 4i .. 4i + 3 of the block, lane f feature f): per row one broadcast of four int8 inputs per
    vpdpbusd, sums in int32 lanes (one per feature), converted once and scaled by the block's d times the group's
@@ -312,6 +324,19 @@ static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, con
     }
 }
 
+/* Features n .. n + 15's scales of group g (sv) and zero-point terms zero - 8 scale (zc), one lane each. */
+static inline __attribute__((always_inline)) void a8_t_scales(const job_t *j, int64_t n, int64_t g, __m512 *sv,
+                                                              __m512 *zc) {
+    const int64_t ng = j->K / j->G;
+    float sb[16], zb[16];
+    for (int f = 0; f < 16; f++) {
+        sb[f] = j->scale[(n + f) * ng + g];
+        zb[f] = j->zero[(n + f) * ng + g];
+    }
+    *sv = _mm512_loadu_ps(sb);
+    *zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *sv, _mm512_loadu_ps(zb));
+}
+
 /* int4 weights with x per block of 128 (G == 128 or G % 256 == 0), features n .. n + 15 by all M rows
    (M <= A8T_MAX_ROWS): each block's weights are transposed once (a8_t16) and meet every row, so the 16 sums
    of a row come out in one vector: no per-feature horizontal sums, and the zero-point term is one FMA per row
@@ -325,13 +350,8 @@ static void a8_i4t(const job_t *j, int64_t n) {
     __m512i wa[32], wb[32];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        float sb[16], zb[16];
-        for (int f = 0; f < 16; f++) {
-            sb[f] = j->scale[(n + f) * ng + g];
-            zb[f] = j->zero[(n + f) * ng + g];
-        }
-        const __m512 sv = _mm512_loadu_ps(sb);
-        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_loadu_ps(zb));
+        __m512 sv, zc;
+        a8_t_scales(j, n, g, &sv, &zc);
         for (int64_t c = 0; c < (G == 128 ? 64 : H); c += 128) {
             int64_t b0, b1 = -1;
             if (G == 128) { /* one block: low nibbles inputs 0-63, high 64-127 */
@@ -384,68 +404,72 @@ static inline __attribute__((always_inline)) void a8_i8b(const job_t *j, int64_t
         }
 }
 
-/* Tiled int4 (tile_int4): rows m .. m + R - 1 (R <= 4) against features n .. n + 15. Each 64-byte run is
-   split in registers and meets the rows' inputs at once: no transposed block is kept in memory, and a tile
-   (16 x K/2 bytes) stays in L1 while the call's row groups pass over it. A run's low nibbles are inputs
-   ol .. ol + 63 of block bl, its high nibbles oh .. oh + 63 of block bh; 8 vpdpbusd chains are in flight
-   (P partial sums a row and nibble half). */
-static inline __attribute__((always_inline)) void a8_i4t_rows(const job_t *j, int64_t n, int64_t m, const int R) {
-    const int64_t K = j->K, N = j->N, G = j->G, H = G / 2, ng = K / G, nb = K / 128;
-    const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
+/* Tiled int4 (tile_int4): one 64-byte run of 16 features (run) against rows m .. m + R - 1 (R <= 4). The run is
+   split in registers and meets the rows' inputs at once: no transposed block is kept in memory. Its low nibbles
+   are inputs ol .. ol + 63 of block bl, its high nibbles oh .. oh + 63 of block bh; 8 vpdpbusd chains are in
+   flight (P partial sums a row and nibble half). */
+static inline __attribute__((always_inline)) void a8_i4t_run(const job_t *j, const uint8_t *run, int64_t m,
+                                                             const int R, int64_t bl, int64_t bh, int64_t ol,
+                                                             int64_t oh, __m512 sv, __m512 *acc) {
+    const int64_t K = j->K, nb = K / 128;
     const int P = 4 / R;
     const __m512i l4 = _mm512_set1_epi8(15);
-    __m512 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        float sb[16], zb[16];
-        for (int f = 0; f < 16; f++) {
-            sb[f] = j->scale[(n + f) * ng + g];
-            zb[f] = j->zero[(n + f) * ng + g];
+    __m512i sl[4][4], sh[4][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) sl[r][q] = sh[r][q] = _mm512_setzero_si512();
+    for (int i = 0; i < 16; i++) {
+        const __m512i w = _mm512_loadu_si512(run + 64 * i);
+        const __m512i lo = _mm512_and_si512(w, l4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), l4);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = j->xq + (m + r) * K;
+            int32_t a, b;
+            memcpy(&a, xr + ol + 4 * i, 4);
+            memcpy(&b, xr + oh + 4 * i, 4);
+            sl[r][i % P] = _mm512_dpbusd_epi32(sl[r][i % P], lo, _mm512_set1_epi32(a));
+            sh[r][i % P] = _mm512_dpbusd_epi32(sh[r][i % P], hi, _mm512_set1_epi32(b));
         }
-        const __m512 sv = _mm512_loadu_ps(sb);
+    }
+    for (int r = 0; r < R; r++) {
+        for (int q = 1; q < P; q++) {
+            sl[r][0] = _mm512_add_epi32(sl[r][0], sl[r][q]);
+            sh[r][0] = _mm512_add_epi32(sh[r][0], sh[r][q]);
+        }
+        const float *dr = j->dv + (m + r) * nb;
+        __m512 *a = acc + m + r;
+        if (bl == bh) { /* G == 128: one block, one conversion */
+            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r][0], sh[r][0])),
+                                 _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])), *a);
+        } else {
+            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])), *a);
+            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bh])), *a);
+        }
+    }
+}
+
+/* Tiled int4, fewer rows than a8t_tiled_block_rows (M <= A8T_MAX_ROWS): features n .. n + 15 by all rows, the
+   rows in groups of four per run, so a group's scales are gathered once and its runs (1 KiB each) stay in L1
+   while the row groups pass over them. */
+static void a8_i4t_rows(const job_t *j, int64_t n) {
+    const int64_t K = j->K, N = j->N, M = j->M, G = j->G, H = G / 2, ng = K / G;
+    const uint8_t *p = (const uint8_t *)j->w + n * (K / 2);
+    __m512 acc[A8T_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 sv, zc;
+        a8_t_scales(j, n, g, &sv, &zc);
         for (int64_t c = 0; c < H; c += 64) {
             const uint8_t *run = p + (g * H + c) * 16;
             const int64_t half = c % 128, base = g * G + c - half;
             const int64_t bl = G == 128 ? g : base / 128, bh = G == 128 ? g : (base + H) / 128;
             const int64_t ol = bl * 128 + (G == 128 ? 0 : half), oh = bh * 128 + (G == 128 ? 64 : half);
-            __m512i sl[4][4], sh[4][4];
-            for (int r = 0; r < R; r++)
-                for (int q = 0; q < P; q++) sl[r][q] = sh[r][q] = _mm512_setzero_si512();
-            for (int i = 0; i < 16; i++) {
-                const __m512i w = _mm512_loadu_si512(run + 64 * i);
-                const __m512i lo = _mm512_and_si512(w, l4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), l4);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xr = j->xq + (m + r) * K;
-                    int32_t a, b;
-                    memcpy(&a, xr + ol + 4 * i, 4);
-                    memcpy(&b, xr + oh + 4 * i, 4);
-                    sl[r][i % P] = _mm512_dpbusd_epi32(sl[r][i % P], lo, _mm512_set1_epi32(a));
-                    sh[r][i % P] = _mm512_dpbusd_epi32(sh[r][i % P], hi, _mm512_set1_epi32(b));
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                for (int q = 1; q < P; q++) {
-                    sl[r][0] = _mm512_add_epi32(sl[r][0], sl[r][q]);
-                    sh[r][0] = _mm512_add_epi32(sh[r][0], sh[r][q]);
-                }
-                const float *dr = j->dv + (m + r) * nb;
-                if (bl == bh) { /* G == 128: one block, one conversion */
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r][0], sh[r][0])),
-                                             _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])), acc[r]);
-                } else {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bl])),
-                                             acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh[r][0]), _mm512_mul_ps(sv, _mm512_set1_ps(dr[bh])),
-                                             acc[r]);
-                }
-            }
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) a8_i4t_run(j, run, m, 4, bl, bh, ol, oh, sv, acc);
+            for (; m < M; m++) a8_i4t_run(j, run, m, 1, bl, bh, ol, oh, sv, acc);
         }
-        const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv, _mm512_loadu_ps(zb));
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(zc, _mm512_set1_ps(j->xsum[(m + r) * ng + g]), acc[r]);
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(zc, _mm512_set1_ps(j->xsum[m * ng + g]), acc[m]);
     }
     const __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(j->y + (m + r) * N + n, _mm512_add_ps(acc[r], bias));
+    for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(j->y + m * N + n, _mm512_add_ps(acc[m], bias));
 }
 
 /* A chunk's features in tiles: FW == 4, four features by four rows (int4 / int8 per block of 128: 16
@@ -481,13 +505,8 @@ A8_RANGE(a8_int4_range, a8_i4, 2)
 static void a8_int4b_range(const job_t *j) {
     if (j->tiled) { /* every feature is in a tile (N % 16 == 0): the tiles that start in [n0, n1) */
         for (int64_t n = (j->n0 + 15) / 16 * 16; n < j->n1; n += 16) {
-            if (j->M >= a8t_tiled_block_rows) {
-                a8_i4t(j, n);
-                continue;
-            }
-            int64_t m = 0;
-            for (; m + 4 <= j->M; m += 4) a8_i4t_rows(j, n, m, 4);
-            for (; m < j->M; m++) a8_i4t_rows(j, n, m, 1);
+            if (j->M >= a8t_tiled_block_rows) a8_i4t(j, n);
+            else a8_i4t_rows(j, n);
         }
         return;
     }
@@ -497,6 +516,11 @@ static void a8_int4b_range(const job_t *j) {
     a8_int4b_tiles(&rest);
 }
 
+#endif
+"""
+          + AVX2_SOURCE
+          + r"""
+#if TF_A8 || TF_A8V
 static __thread void *a8_buf = NULL; /* per calling thread, grown, never shrunk: no allocation per call */
 static __thread size_t a8_cap = 0;
 static pthread_key_t a8_key; /* its destructor frees a thread's buffer when the thread exits */
@@ -505,13 +529,16 @@ static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 #endif
 
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale), else int4
-   (pack_int4 order, G == 64: x per block of 32; G == 128 or G % 256 == 0: x per block of 128). Needs K % 64 == 0. Returns -2 where the CPU lacks AVX-512 VNNI, -1 on no memory. */
+   (pack_int4 order, G == 64: x per block of 32; G == 128 or G % 256 == 0: x per block of 128; tiled: in
+   tile_int4's order). Needs K % 64 == 0. Returns -2 for a call this CPU's kernel does not take (none without
+   AVX2; with AVX2 but not AVX-512 VNNI all but tiled int4 per block of 128), -1 on no memory. */
 int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *scale, const float *zero,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t tiled,
                      int64_t threads) {
-#if TF_A8
+#if TF_A8 || TF_A8V
     if (K % 64 != 0 || (G != 0 && G != 64 && G != 128 && G % 256 != 0)) return -2; /* other G: not these layouts */
     if (tiled && (G < 128 || N % 16 != 0 || M > A8T_MAX_ROWS)) return -2;          /* not a tiled layout's call */
+    if (TF_A8V && !tiled) return -2;                                               /* the AVX2 kernel's: tiled */
     const int64_t ng = G > 0 ? K / G : 0;
     const size_t need = (size_t)(M * K) + sizeof(float) * (size_t)(M * (K / 4) + M + M * ng) + 64;
     if (need > a8_cap) {
@@ -524,20 +551,25 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
     }
     float *dv = a8_buf, *corr = dv + M * (K / 4), *xsum = corr + M;
     int8_t *xqb = (int8_t *)(xsum + M * ng);
-    /* int8 with K % 128 == 0 and int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
-    const int b128 = G >= 128 || (G == 0 && K % 128 == 0);
-    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, corr, xsum);
-    else a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
     job_t j = {x, scale, zero, bias, xsum, q, y, xs, M, N, K, G, 0, N};
     j.xq = xqb;
     j.dv = dv;
     j.corr = corr;
     j.tiled = (int)tiled;
+#if TF_A8
+    /* int8 with K % 128 == 0 and int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
+    const int b128 = G >= 128 || (G == 0 && K % 128 == 0);
+    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, corr, xsum);
+    else a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
     return run(G == 0 ? (b128 ? a8_int8b_range : a8_int8_range) : b128 ? a8_int4b_range : a8_int4_range, j, threads);
+#else
+    a8v_quantize_b128(x, xs, M, K, G, xqb, dv, xsum);
+    return run(a8v_int4t_range, j, threads);
+#endif
 #else
     (void)x; (void)xs; (void)q; (void)scale; (void)zero; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
     (void)tiled; (void)threads;
     return -2;
 #endif
 }
-"""
+""")

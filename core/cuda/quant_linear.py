@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from tightfit.cuda._quant_a8_c import SOURCE as _A8_SOURCE
 from tightfit.cuda.dispatch import register_kernel
+from tightfit.cuda.int4_tiles import check_tiled, untile_int4
 from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
 __all__ = ["NATIVE_MAX_ROWS", "INT4_GROUP_SIZES", "int8_linear", "int8_linear_reference", "int4_linear",
@@ -71,6 +72,7 @@ _SOURCE = r"""
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -603,7 +605,9 @@ static int run(range_fn fn, job_t base, int64_t threads) {
     return 0;
 }
 
-/* Dequantise rows [n0, n1) into out (N, K) fp32: the prefill path (many rows) multiplies that with BLAS. */
+/* Dequantise rows [n0, n1) into out (N, K) fp32: the prefill path (many rows) multiplies that with BLAS. A tiled
+   int4 weight (tile_int4) is read a 64-byte run at a time: byte 4i + b of row n's run u lies at
+   u * 1024 + i * 64 + (n % 16) * 4 + b of its tile (a run never straddles two groups: G / 2 % 64 == 0). */
 static void dequant_range(const job_t *j) {
     const int64_t K = j->K, G = j->G;
     for (int64_t n = j->n0; n < j->n1; n++) {
@@ -612,25 +616,32 @@ static void dequant_range(const job_t *j) {
             const int8_t *q = (const int8_t *)j->w + n * K;
             const float s = j->scale[n];
             for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * s;
-        } else {
-            const uint8_t *row = (const uint8_t *)j->w + n * (K / 2);
-            const int64_t H = G / 2, ng = K / G;
-            for (int64_t g = 0; g < ng; g++) {
-                const uint8_t *p = row + g * H;
-                const float s = j->scale[n * ng + g], c = j->zero[n * ng + g] - 8.f * s;
-                float *og = o + g * G;
-                for (int64_t i = 0; i < H; i++) {
-                    og[i] = (float)(p[i] & 15) * s + c;
-                    og[H + i] = (float)(p[i] >> 4) * s + c;
-                }
+            continue;
+        }
+        const int64_t H = G / 2, ng = K / G, run = j->tiled ? 64 : H;
+        const uint8_t *row = (const uint8_t *)j->w + (j->tiled ? (n - n % 16) * (K / 2) + (n % 16) * 4 : n * (K / 2));
+        uint8_t buf[64];
+        for (int64_t c = 0; c < K / 2; c += run) { /* bytes c .. c + run - 1 of the row: one group's, from i0 */
+            const int64_t g = c / H, i0 = c % H;
+            const uint8_t *p = row + c;
+            if (j->tiled) {
+                for (int i = 0; i < 16; i++) memcpy(buf + 4 * i, row + c * 16 + 64 * i, 4);
+                p = buf;
+            }
+            const float s = j->scale[n * ng + g], z = j->zero[n * ng + g] - 8.f * s;
+            float *og = o + g * G + i0;
+            for (int64_t i = 0; i < run; i++) {
+                og[i] = (float)(p[i] & 15) * s + z;
+                og[H + i] = (float)(p[i] >> 4) * s + z;
             }
         }
     }
 }
 
 int tf_dequantize_f32(const void *q, const float *scale, const float *zero, float *out, int64_t N, int64_t K,
-                      int64_t G, int64_t threads) {
+                      int64_t G, int64_t tiled, int64_t threads) {
     job_t j = {NULL, scale, zero, NULL, NULL, q, out, 0, 1, N, K, G, 0, N};
+    j.tiled = (int)tiled;
     return run(dequant_range, j, threads);
 }
 
@@ -690,19 +701,21 @@ def _library() -> Any:
         ("tf_a8_set_rows", ctypes.c_int, (ctypes.c_int, ctypes.c_int)),
         ("tf_int8_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I)),
         ("tf_int4_linear_f32", ctypes.c_int, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I)),
-        ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I)),
+        ("tf_dequantize_f32", ctypes.c_int, (_P, _P, _P, _P, _I, _I, _I, _I, _I)),
         ("tf_quant_set_simd", ctypes.c_int, (ctypes.c_int,)),
         ("tf_quant_set_min_work", _I, (_I,)),
         ("tf_quant_threading", ctypes.c_int, ())), openmp=True)
 
 
-def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
-                       ) -> torch.Tensor:
-    """The fp32 ``(N, K)`` weight, dequantised in C over all threads (int8 when ``zero`` is None)."""
+def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
+                       tiled: bool = False) -> torch.Tensor:
+    """The fp32 ``(N, K)`` weight in row order, dequantised in C over all threads (int8 when ``zero`` is None;
+    ``tiled``: an int4 ``q`` in :func:`~tightfit.cuda.int4_tiles.tile_int4`'s order)."""
     n, k = q.shape[0], q.shape[1] * (1 if zero is None else 2)
     out = torch.empty((n, k), dtype=torch.float32)
     _library().tf_dequantize_f32(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(),
-                                 out.data_ptr(), n, k, 0 if zero is None else group_size, torch.get_num_threads())
+                                 out.data_ptr(), n, k, 0 if zero is None else group_size, int(tiled),
+                                 torch.get_num_threads())
     return out
 
 
@@ -825,17 +838,20 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 
 
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, dequantize_int4(packed, scale, zero, group_size, x.dtype), bias)
+                          group_size: int, bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    q = untile_int4(packed) if tiled else packed
+    return F.linear(x, dequantize_int4(q, scale, zero, group_size, x.dtype), bias)
 
 
 def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
     if (not _native_ok(x, packed, scale, zero, bias) or scale.dtype != torch.float32 or zero.dtype != torch.float32
             or (bias is not None and bias.dtype != torch.float32)):
-        return int4_linear_reference(x, packed, scale, zero, group_size, bias)
+        return int4_linear_reference(x, packed, scale, zero, group_size, bias, tiled)
     if x.shape[0] > NATIVE_MAX_ROWS:
-        return F.linear(x, _dequantize_native(packed, scale, zero, group_size), bias)
+        return F.linear(x, _dequantize_native(packed, scale, zero, group_size, tiled), bias)
+    if tiled:  # these loops read the row order (decode takes quant_linear_a8's kernel, which reads the tiles)
+        packed = untile_int4(packed)
     n, k = packed.shape[0], packed.shape[1] * 2
     m = x.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
@@ -847,15 +863,15 @@ def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
 
 
 def _int4_class(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> tuple:
-    return (str(x.dtype), x.shape[0] <= NATIVE_MAX_ROWS, tuple(packed.shape), group_size, bias is None)
+                bias: torch.Tensor | None = None, tiled: bool = False) -> tuple:
+    return (str(x.dtype), x.shape[0] <= NATIVE_MAX_ROWS, tuple(packed.shape), group_size, bias is None, tiled)
 
 
 def _int4_probe(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> tuple[tuple, dict]:
+                bias: torch.Tensor | None = None, tiled: bool = False) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(0)
     xp = torch.randn(_probe_rows(x), x.shape[1], generator=gen).to(x.dtype)
-    return (xp, packed, scale, zero, group_size, bias), {}
+    return (xp, packed, scale, zero, group_size, bias, tiled), {}
 
 
 _int4 = register_kernel("int4_linear", reference=int4_linear_reference, triton=None,
@@ -864,10 +880,11 @@ _int4 = register_kernel("int4_linear", reference=int4_linear_reference, triton=N
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, tiled: bool = False, backend: str | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W = (q - 8) * scale + zero`` per row and group of ``group_size`` inputs.
 
-    ``packed``: :func:`pack_int4` of ``q`` ``(N, K)``; ``scale``, ``zero``: ``(N, K / group_size)``.
+    ``packed``: :func:`pack_int4` of ``q`` ``(N, K)``, or with ``tiled`` that in
+    :func:`~tightfit.cuda.int4_tiles.tile_int4`'s order; ``scale``, ``zero``: ``(N, K / group_size)``.
     """
     n, half = packed.shape if packed.dim() == 2 else (0, 0)
     k = half * 2
@@ -877,4 +894,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
             f"int4_linear: x {tuple(x.shape)} needs a uint8 packed weight (N, {x.shape[-1] // 2}), an even group_size "
             f"dividing {x.shape[-1]} and scale/zero (N, K / group_size); got packed {packed.dtype} "
             f"{tuple(packed.shape)}, group_size {group_size}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
-    return _int4(x, packed, scale, zero, group_size, bias, backend=backend)
+    if tiled:
+        check_tiled("int4_linear", n, k, group_size)
+    return _int4(x, packed, scale, zero, group_size, bias, tiled, backend=backend)

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
+from tightfit.cuda.int4_tiles import INT4_TILE, check_tiled, int4_tiles_apply, tile_int4, untile_int4
 from tightfit.cuda.native import native_enabled
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
@@ -69,21 +70,26 @@ from tightfit.cuda.quant_linear import (
     unpack_int4,
 )
 
-__all__ = ["A8_BLOCK", "A8_WIDE_BLOCK", "A8_ENV_VAR", "activation_block", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
+__all__ = ["A8_BLOCK", "A8_WIDE_BLOCK", "A8_ENV_VAR", "activation_block", "a8_level", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
            "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference", "INT4_TILE", "int4_tiles_apply",
            "tile_int4", "untile_int4"]
 
 A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int4 groups of 64, int8 with K % 128 != 0
 A8_WIDE_BLOCK = 128  # int8 weights with K % 128 == 0, int4 groups of 128 or a multiple of 256
 A8_ENV_VAR = "TIGHTFIT_QUANT_ACTIVATIONS"  # "fp32": callers asking a8_applies keep the fp32-activation kernels
-INT4_TILE = 16  # features per tile of the tiled int4 layout (tile_int4)
 
 
 @functools.cache
-def a8_available() -> bool:
-    """Whether the native int8-activation kernel runs on this CPU (AVX-512 VNNI in the native build)."""
+def a8_level() -> int:
+    """Which native int8-activation kernel this CPU runs: 1 every layout (AVX-512 VNNI in the native build),
+    2 tiled int4 per block of 128 only (AVX2 without AVX-512 VNNI), 0 none."""
     lib = _library() if native_enabled() else None
-    return lib is not None and lib.tf_a8_available() == 1
+    return 0 if lib is None else int(lib.tf_a8_available())
+
+
+def a8_available() -> bool:
+    """Whether a native int8-activation kernel runs on this CPU (:func:`a8_level` above 0)."""
+    return a8_level() > 0
 
 
 @contextlib.contextmanager
@@ -109,38 +115,13 @@ def activation_block(k: int, group_size: int = 0) -> int:
     return A8_WIDE_BLOCK if group_size == 128 or group_size % 256 == 0 else A8_BLOCK
 
 
-def int4_tiles_apply(n: int, k: int, group_size: int) -> bool:
-    """Whether an ``(n, k)`` int4 weight in groups of ``group_size`` can be held tiled (:func:`tile_int4`): ``n`` a
-    multiple of 16, groups of 128 or a multiple of 256 dividing ``k``."""
-    return (n > 0 and n % INT4_TILE == 0 and k % group_size == 0
-            and (group_size == 128 or (group_size > 0 and group_size % 256 == 0)))
-
-
-def tile_int4(packed: torch.Tensor) -> torch.Tensor:
-    """``packed`` (:func:`~tightfit.cuda.quant_linear.pack_int4`, ``(N, K/2)`` uint8, ``N % 16 == 0``, ``K % 128
-    == 0``) with each 16 rows' bytes reordered for the int8-activation kernel: per 64-byte run ``u`` of a row, 16
-    runs of 64 bytes, run ``i`` holding bytes ``64u + 4i .. 64u + 4i + 3`` of the tile's 16 rows side by side.
-    Same shape, dtype and bytes; a tile's bytes stay its rows' bytes (rows can still be split at multiples of 16).
-    The kernel then reads 16 features' four inputs with one load, where the row order costs it a 16 x 16
-    transpose per 1 KiB of weight and call. :func:`untile_int4` inverts it."""
-    n, half = packed.shape
-    words = packed.contiguous().view(torch.int32)  # 4 bytes = one 32-bit lane of the kernel
-    return words.view(n // INT4_TILE, INT4_TILE, half // 64, 16).permute(0, 2, 3, 1).contiguous().view(
-        torch.uint8).view(n, half)
-
-
-def untile_int4(tiled: torch.Tensor) -> torch.Tensor:
-    """The row order (:func:`~tightfit.cuda.quant_linear.pack_int4`) of a :func:`tile_int4` weight."""
-    n, half = tiled.shape
-    words = tiled.contiguous().view(torch.int32)
-    return words.view(n // INT4_TILE, half // 64, 16, INT4_TILE).permute(0, 3, 1, 2).contiguous().view(
-        torch.uint8).view(n, half)
-
-
-def a8_applies(x: torch.Tensor, k: int, group_size: int = 0) -> bool:
-    """Whether :func:`int8_linear_a8` / :func:`int4_linear_a8` (``group_size`` > 0) run natively for ``x``."""
+def a8_applies(x: torch.Tensor, k: int, group_size: int = 0, tiled: bool = False) -> bool:
+    """Whether :func:`int8_linear_a8` / :func:`int4_linear_a8` (``group_size`` > 0; ``tiled``: weights in
+    :func:`tile_int4`'s order) run natively for ``x``."""
+    level = a8_level()
     return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and k % 64 == 0
-            and (group_size in (0, 64, 128) or group_size % 256 == 0) and not x.is_cuda and a8_available()
+            and (group_size in (0, 64, 128) or group_size % 256 == 0) and not x.is_cuda
+            and (level == 1 or (level == 2 and tiled and group_size >= 128))
             and os.environ.get(A8_ENV_VAR, "int8") != "fp32")
 
 
@@ -184,7 +165,7 @@ def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch
 
 def _call(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
           bias: torch.Tensor | None, n: int, k: int, tiled: bool = False) -> torch.Tensor | None:
-    if not (a8_applies(x, k, group_size) and _native_ok(x, q, scale, zero, bias) and scale.dtype == torch.float32
+    if not (a8_applies(x, k, group_size, tiled) and _native_ok(x, q, scale, zero, bias) and scale.dtype == torch.float32
             and (zero is None or zero.dtype == torch.float32) and (bias is None or bias.dtype == torch.float32)):
         return None
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -262,9 +243,7 @@ def int4_linear_a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, z
         raise ValueError(f"int4_linear_a8: needs a uint8 packed weight (N, K/2), an even group_size dividing K and "
                          f"scale/zero (N, K / group_size); got packed {packed.dtype} {tuple(packed.shape)}, "
                          f"group_size {group_size}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
-    if tiled and not int4_tiles_apply(n, k, group_size):
-        raise ValueError(f"int4_linear_a8: tiled=True needs a multiple of {INT4_TILE} output features and groups of 128 "
-                         f"or a multiple of 256 (tile_int4); got {n} features, group_size {group_size}: pass the "
-                         "row-order weight with tiled=False")
+    if tiled:
+        check_tiled("int4_linear_a8", n, k, group_size)
     _check_k("int4_linear_a8", x, k)
     return _int4(x, packed, scale, zero, group_size, bias, tiled, backend=backend)

@@ -26,17 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
+from tightfit.cuda.int4_tiles import int4_tiles_apply, tile_int4
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
-from tightfit.cuda.quant_linear_a8 import (
-    A8_ENV_VAR,
-    a8_applies,
-    a8_available,
-    int4_linear_a8,
-    int4_tiles_apply,
-    int8_linear_a8,
-    tile_int4,
-    untile_int4,
-)
+from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_available, int4_linear_a8, int8_linear_a8
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
            "microbatches"]
@@ -225,13 +217,13 @@ class _Projection(nn.Module):
                 return int8_linear_a8(x, self.qweight, self.qscale, bias)
             return int8_linear(x, self.qweight, self.qscale, bias)
         if self.quant == "int4":
-            if a8_applies(x, x.shape[-1], self.group_size):
+            if a8_applies(x, x.shape[-1], self.group_size, self.int4_tiled):
                 return int4_linear_a8(x, self.qweight, self.qscale, self.qzero, self.group_size, bias,
                                       tiled=self.int4_tiled)
-            # prefill (more rows than the kernel takes) or TIGHTFIT_QUANT_ACTIVATIONS=fp32 set after loading: the
-            # row order, reordered per call (0.12 ms for a 4096 x 768 weight here, beside its dequantisation)
-            q = untile_int4(self.qweight) if self.int4_tiled else self.qweight
-            return int4_linear(x, q, self.qscale, self.qzero, self.group_size, bias)
+            # prefill (more rows than the kernel takes: dequantised from the tiles in C) or
+            # TIGHTFIT_QUANT_ACTIVATIONS=fp32 set after loading
+            return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias,
+                               tiled=self.int4_tiled)
         packed, w = self.packed, self.weight
         if packed is not None and x.shape[0] >= MIN_ROWS:
             if (id(w), w._version) == self._packed_from:

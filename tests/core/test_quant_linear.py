@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.helpers.threads import torch_threads
 from tightfit.cuda import quant_linear
+from tightfit.cuda.int4_tiles import tile_int4
 from tightfit.cuda.native import native_error, torch_openmp
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
@@ -63,6 +64,30 @@ def test_int4_native_equals_reference(rows, group):
     want = int4_linear(x, p, s, z, group, b, backend="reference")
     got = int4_linear(x, p, s, z, group, b, backend="native")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [3, NATIVE_MAX_ROWS + 1, 70])  # the fp32-activation loops; prefill (dequantised)
+@pytest.mark.parametrize(("k", "group"), [(256, 128), (768, 128), (512, 256), (1536, 512)])
+def test_int4_tiled_weights_answer_like_the_row_order(threads, rows, k, group):
+    """tile_int4's order (tiled=True): prefill dequantises straight from the tiles in C (each 64-byte run of a
+    row gathered from its tile), and both backends give the row-order weight's result."""
+    gen = torch.Generator().manual_seed(rows + k + group)
+    n = 48
+    p, s, z = _int4(n, k, group, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    t = tile_int4(p)
+    assert not torch.equal(t, p)
+    want = int4_linear(x, p, s, z, group, b, backend="reference")
+    torch.testing.assert_close(int4_linear(x, t, s, z, group, b, tiled=True, backend="reference"), want)
+    with torch_threads(threads), _native_mode(min_work=0):
+        got = int4_linear(x, t, s, z, group, b, tiled=True, backend="native")
+        deq = quant_linear._dequantize_native(t, s, z, group, tiled=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(deq, quant_linear._dequantize_native(p, s, z, group))  # the same weight, value for value
+    with pytest.raises(ValueError, match=r"int4_linear: tiled=True needs a multiple of 16 output features"):
+        int4_linear(x, p[:40], s[:40], z[:40], group, tiled=True)
 
 
 def test_strided_rows_and_threads():

@@ -28,6 +28,7 @@ from tightfit.cuda.quant_linear_a8 import (
     _kernel_rows,
     a8_applies,
     a8_available,
+    a8_level,
     activation_block,
     int4_linear_a8,
     int4_tiles_apply,
@@ -37,7 +38,10 @@ from tightfit.cuda.quant_linear_a8 import (
     untile_int4,
 )
 
-needs_a8 = pytest.mark.skipif(not a8_available(), reason="no AVX-512 VNNI native build on this CPU")
+needs_a8 = pytest.mark.skipif(a8_level() != 1, reason="no AVX-512 VNNI native build on this CPU")
+# tiled int4 per block of 128: AVX-512 VNNI, or the AVX2 kernel (tightfit.cuda._quant_a8_avx2_c)
+needs_a8_tiled = pytest.mark.skipif(not a8_available(), reason="no int8-activation native build (AVX2 or AVX-512 "
+                                                                "VNNI) on this CPU")
 
 
 def _int8(n, k, gen):
@@ -160,7 +164,7 @@ def test_where_int4_tiles_apply():
     assert not int4_tiles_apply(48, 256, 64) and not int4_tiles_apply(48, 384, 384)  # not the block-128 layouts
 
 
-@needs_a8
+@needs_a8_tiled
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, NATIVE_MAX_ROWS])
 @pytest.mark.parametrize(("k", "group"), [(256, 128), (768, 128), (512, 256), (1024, 512), (1536, 512)])
@@ -181,7 +185,7 @@ def test_int4_tiled_native_equals_reference(threads, rows, k, group, n, block, m
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@needs_a8
+@needs_a8_tiled
 def test_int4_tiled_calls_the_kernel_does_not_take_answer_like_the_reference(monkeypatch):
     monkeypatch.delenv(A8_ENV_VAR, raising=False)
     gen = torch.Generator().manual_seed(3)
@@ -261,8 +265,10 @@ def test_where_it_applies(monkeypatch):
     assert not a8_applies(torch.zeros(4, 96), 96)  # K % 64
     assert not a8_applies(torch.zeros(NATIVE_MAX_ROWS + 1, 128), 128)  # prefill: dequantise + BLAS
     assert not a8_applies(x.bfloat16(), 128)
-    assert a8_applies(x, 128) == a8_applies(x, 128, 128) == a8_available()
-    assert a8_applies(torch.zeros(4, 512), 512, 256) == a8_available()
+    assert a8_applies(x, 128) == a8_applies(x, 128, 128) == (a8_level() == 1)  # AVX-512 VNNI: every layout
+    assert a8_applies(torch.zeros(4, 512), 512, 256) == (a8_level() == 1)
+    # tiled int4 per block of 128: also the AVX2 kernel; groups of 64 never tiled
+    assert a8_applies(x, 128, 128, tiled=True) == a8_applies(torch.zeros(4, 512), 512, 256, True) == a8_available()
     assert not a8_applies(torch.zeros(4, 384), 384, 384)  # 128 x an odd number above 1: not the kernel's layout
     monkeypatch.setenv(A8_ENV_VAR, "fp32")
     assert not a8_applies(x, 128)
@@ -297,4 +303,58 @@ def test_concurrent_callers_each_quantise_their_own_inputs():
         return g8 + g4
 
     for g, w in zip(_on_pool(both, 2), want8 + want4):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(a8_level() != 2, reason="the AVX2 kernel's own refusals: a CPU with AVX2 but no AVX-512 VNNI")
+def test_the_avx2_kernel_takes_tiled_int4_only_and_the_rest_answer_like_the_reference(monkeypatch):
+    """Where only the AVX2 kernel is built, int8 weights and row-order int4 are refused in C (callers asking
+    a8_applies keep the fp32-activation kernels) and the native backend answers like the reference."""
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(12)
+    n, k = 32, 256
+    q, s = _int8(n, k, gen)
+    p, s4, z4 = _int4(n, k, 128, gen)
+    x = torch.randn(4, k, generator=gen)
+    assert not a8_applies(x, k) and not a8_applies(x, k, 128) and a8_applies(x, k, 128, tiled=True)
+    assert _call(x, q, s, None, 0, None, n, k) is None and _call(x, p, s4, z4, 128, None, n, k) is None
+    assert _call(x, tile_int4(p), s4, z4, 128, None, n, k, True) is not None
+    torch.testing.assert_close(int8_linear_a8(x, q, s, backend="native"), int8_linear_a8(x, q, s, backend="reference"))
+    torch.testing.assert_close(int4_linear_a8(x, p, s4, z4, 128, backend="native"),
+                               int4_linear_a8(x, p, s4, z4, 128, backend="reference"))
+
+
+@needs_a8_tiled
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("group", [128, 256])
+def test_tiled_native_error_is_within_the_stated_bound(outliers, group, monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(21 + outliers + group)
+    n, k = 48, 512
+    x = torch.randn(7, k, generator=gen)
+    if outliers:
+        x[:, ::97] *= 50
+    p, s4, z4 = _int4(n, k, group, gen)
+    w4 = dequantize_int4(p, s4, z4, group, torch.float32)
+    qs = w4 - (z4 - 8 * s4).repeat_interleave(group, dim=1)
+    got = _on_pool(lambda: int4_linear_a8(x, tile_int4(p), s4, z4, group, tiled=True, backend="native"), 2)
+    err = (got - F.linear(x, w4)).abs()
+    assert (err <= _bound(x, qs, 128) * 1.001 + 1e-4).all()
+    assert err.max() > 1e-3 * _bound(x, qs, 128).max()
+
+
+@needs_a8_tiled
+def test_concurrent_callers_of_the_tiled_kernel_each_quantise_their_own_inputs():
+    gen = torch.Generator().manual_seed(9)
+    p, s4, z4 = _int4(64, 512, 128, gen)
+    t = tile_int4(p)
+    xs = [torch.randn(1 + i % 9, 512, generator=gen) for i in range(8)]
+    want = [int4_linear_a8(x, p, s4, z4, 128, backend="reference") for x in xs]
+
+    def run():
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            return list(ex.map(lambda x: [int4_linear_a8(x, t, s4, z4, 128, tiled=True, backend="native")
+                                          for _ in range(30)][-1], xs))
+
+    for g, w in zip(_on_pool(run, 2), want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -35,7 +35,8 @@ pytest.importorskip("torchao", reason="quantization needs torchao (scripts/setup
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 SPECS = [("int8", None), ("int4", 32)]
 WIDE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4)  # int4 groups of 32 tile every width
-# Groups of 128: on an AVX-512 VNNI CPU the int4 projections are held (and stored) in tile_int4's order.
+# Groups of 128: where an int8-activation kernel is built (AVX2 or AVX-512 VNNI) the int4 projections are held
+# (and stored) in tile_int4's order.
 WIDE128 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4)
 # Packed bytes per layer / fp32 bytes per layer at most (int8: 1 byte + a row scale per 4; int4: 0.75 per 4).
 RATIO = {"int8": 0.3, "int4": 0.2}

@@ -385,7 +385,7 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
             rows, cols = module._parameters["qweight"].shape  # type: ignore[union-attr]
             n, kk = int(rows), int(cols) * (2 if spec.method == "int4" else 1)  # int4: two inputs a byte
             quantize_into(prefix + "weight", (n, kk), views)
-            if getattr(module, "int4_tiled", False):  # the byte order the layer runs from (parallel.int4_tiling)
+            if module.int4_tiled:  # the byte order the layer runs from (parallel.int4_tiling)
                 views["qweight"].copy_(tile_int4(views["qweight"]))
         else:
             value = build_param(cfg, grid, prefix + pname, tuple(shape), hf_parts(cfg, prefix + pname, keys), fetch,
