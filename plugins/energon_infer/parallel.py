@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
 from tightfit.cuda.int4_tiles import int4_tiles_apply, tile_int4
+from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
 from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_available, int4_linear_a8, int8_linear_a8
 
