@@ -1,7 +1,7 @@
 """C source of the int8-activation kernel for CPUs with AVX2 but not AVX-512 VNNI (:mod:`tightfit.cuda.quant_linear_a8`),
 placed inside :mod:`tightfit.cuda._quant_a8_c`'s source before the entry point it shares.
 
-Where it runs: int4 weights held tiled (:func:`~tightfit.cuda.int4_tiles.tile_int4`) in groups of 128 or a multiple
+Where it runs: int4 weights held tiled (:func:`~tightfit.cuda.weight_tiles.tile_int4`) in groups of 128 or a multiple
 of 256, x quantised per block of 128 inputs as the AVX-512 kernel does (same ``xq`` and ``d``, so the same
 reference). Other layouts and int8 weights return -2 there and keep the fp32-activation kernels
 (:func:`~tightfit.cuda.quant_linear_a8.a8_applies` says so before the call)."""

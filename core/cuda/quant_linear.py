@@ -57,8 +57,8 @@ import torch.nn.functional as F
 
 from tightfit.cuda._quant_a8_c import SOURCE as _A8_SOURCE
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.int4_tiles import check_tiled, untile_int4
 from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
+from tightfit.cuda.weight_tiles import check_tiled, check_tiled_int8, untile_int4, untile_int8
 
 __all__ = ["NATIVE_MAX_ROWS", "INT4_GROUP_SIZES", "int8_linear", "int8_linear_reference", "int4_linear",
            "int4_linear_reference", "pack_int4", "unpack_int4", "dequantize_int4", "dequantize_int8"]
@@ -91,7 +91,7 @@ typedef struct {
     int64_t xs, M, N, K, G, n0, n1;
     const int8_t *xq; /* the int8-activation kernels (tightfit.cuda._quant_a8_c): quantised x, its scales */
     const float *dv, *corr;
-    int tiled; /* int4 weights in 16-feature tiles (tightfit.cuda.quant_linear_a8.tile_int4) */
+    int tiled; /* weights in 16-feature tiles (tightfit.cuda.weight_tiles: tile_int8, tile_int4) */
 } job_t;
 
 typedef void (*range_fn)(const job_t *);
@@ -606,15 +606,22 @@ static int run(range_fn fn, job_t base, int64_t threads) {
 }
 
 /* Dequantise rows [n0, n1) into out (N, K) fp32: the prefill path (many rows) multiplies that with BLAS. A tiled
-   int4 weight (tile_int4) is read a 64-byte run at a time: byte 4i + b of row n's run u lies at
+   weight (tile_int8 / tile_int4) is read a 64-byte run at a time: byte 4i + b of row n's run u lies at
    u * 1024 + i * 64 + (n % 16) * 4 + b of its tile (a run never straddles two groups: G / 2 % 64 == 0). */
 static void dequant_range(const job_t *j) {
     const int64_t K = j->K, G = j->G;
     for (int64_t n = j->n0; n < j->n1; n++) {
         float *o = j->y + n * K;
         if (G == 0) {
-            const int8_t *q = (const int8_t *)j->w + n * K;
             const float s = j->scale[n];
+            if (j->tiled) { /* tile_int8: byte 4i + b of row n's run u at u * 1024 + i * 64 + (n % 16) * 4 + b */
+                const int8_t *row = (const int8_t *)j->w + (n - n % 16) * K + (n % 16) * 4;
+                for (int64_t u = 0; u < K / 64; u++)
+                    for (int i = 0; i < 16; i++)
+                        for (int b = 0; b < 4; b++) o[64 * u + 4 * i + b] = (float)row[u * 1024 + i * 64 + b] * s;
+                continue;
+            }
+            const int8_t *q = (const int8_t *)j->w + n * K;
             for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * s;
             continue;
         }
@@ -710,7 +717,7 @@ def _library() -> Any:
 def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
                        tiled: bool = False) -> torch.Tensor:
     """The fp32 ``(N, K)`` weight in row order, dequantised in C over all threads (int8 when ``zero`` is None;
-    ``tiled``: an int4 ``q`` in :func:`~tightfit.cuda.int4_tiles.tile_int4`'s order)."""
+    ``tiled``: ``q`` in :func:`~tightfit.cuda.weight_tiles.tile_int8` / ``tile_int4``'s order)."""
     n, k = q.shape[0], q.shape[1] * (1 if zero is None else 2)
     out = torch.empty((n, k), dtype=torch.float32)
     _library().tf_dequantize_f32(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(),
@@ -777,8 +784,9 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
+                          bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    q = untile_int8(qweight) if tiled else qweight
+    return F.linear(x, dequantize_int8(q, scale, x.dtype), bias)
 
 
 def _native_ok(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -788,12 +796,14 @@ def _native_ok(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
 
 
 def _int8_native(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
     if not _native_ok(x, qweight, scale, bias) or scale.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.float32):
-        return int8_linear_reference(x, qweight, scale, bias)
+        return int8_linear_reference(x, qweight, scale, bias, tiled)
     if x.shape[0] > NATIVE_MAX_ROWS:
-        return F.linear(x, _dequantize_native(qweight, scale, None, 0), bias)
+        return F.linear(x, _dequantize_native(qweight, scale, None, 0, tiled), bias)
+    if tiled:  # these loops read the row order (decode takes quant_linear_a8's kernel, which reads the tiles)
+        qweight = untile_int8(qweight)
     n, k = qweight.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
     _library().tf_int8_linear_f32(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale.data_ptr(),
@@ -807,16 +817,16 @@ def _probe_rows(x: torch.Tensor) -> int:
     return min(x.shape[0], 5) if x.shape[0] <= NATIVE_MAX_ROWS else NATIVE_MAX_ROWS + 1
 
 
-def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple:
-    return (str(x.dtype), x.shape[0] <= NATIVE_MAX_ROWS, tuple(qweight.shape), bias is None)
+def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                tiled: bool = False) -> tuple:
+    return (str(x.dtype), x.shape[0] <= NATIVE_MAX_ROWS, tuple(qweight.shape), bias is None, tiled)
 
 
-def _int8_probe(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple[tuple, dict]:
+def _int8_probe(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                tiled: bool = False) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(0)
     xp = torch.randn(_probe_rows(x), x.shape[1], generator=gen).to(x.dtype)
-    return (xp, qweight, scale, bias), {}
+    return (xp, qweight, scale, bias, tiled), {}
 
 
 _int8 = register_kernel("int8_linear", reference=int8_linear_reference, triton=None,
@@ -825,13 +835,16 @@ _int8 = register_kernel("int8_linear", reference=int8_linear_reference, triton=N
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-                backend: str | None = None) -> torch.Tensor:
-    """``x @ (qweight * scale[:, None]).T + bias`` for ``x (M, K)``, ``qweight (N, K)`` int8, ``scale (N,)``."""
+                tiled: bool = False, backend: str | None = None) -> torch.Tensor:
+    """``x @ (qweight * scale[:, None]).T + bias`` for ``x (M, K)``, ``qweight (N, K)`` int8 (with ``tiled``: in
+    :func:`~tightfit.cuda.weight_tiles.tile_int8`'s order), ``scale (N,)``."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.shape[-1] != qweight.shape[1] or \
             scale.numel() != qweight.shape[0]:
         raise ValueError(f"int8_linear: x {tuple(x.shape)} needs an int8 qweight (N, {x.shape[-1]}) and N scales; got "
                          f"qweight {qweight.dtype} {tuple(qweight.shape)}, scale {tuple(scale.shape)}")
-    return _int8(x, qweight, scale, bias, backend=backend)
+    if tiled:
+        check_tiled_int8("int8_linear", *qweight.shape)
+    return _int8(x, qweight, scale, bias, tiled, backend=backend)
 
 
 # --------------------------------------------------------------------------- int4
@@ -884,7 +897,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x @ W.T + bias`` with ``W = (q - 8) * scale + zero`` per row and group of ``group_size`` inputs.
 
     ``packed``: :func:`pack_int4` of ``q`` ``(N, K)``, or with ``tiled`` that in
-    :func:`~tightfit.cuda.int4_tiles.tile_int4`'s order; ``scale``, ``zero``: ``(N, K / group_size)``.
+    :func:`~tightfit.cuda.weight_tiles.tile_int4`'s order; ``scale``, ``zero``: ``(N, K / group_size)``.
     """
     n, half = packed.shape if packed.dim() == 2 else (0, 0)
     k = half * 2

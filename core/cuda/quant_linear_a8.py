@@ -59,7 +59,6 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.int4_tiles import INT4_TILE, check_tiled, int4_tiles_apply, tile_int4, untile_int4
 from tightfit.cuda.native import native_enabled
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
@@ -69,10 +68,21 @@ from tightfit.cuda.quant_linear import (
     dequantize_int8,
     unpack_int4,
 )
+from tightfit.cuda.weight_tiles import (
+    TILE,
+    check_tiled,
+    check_tiled_int8,
+    int4_tiles_apply,
+    int8_tiles_apply,
+    tile_int4,
+    tile_int8,
+    untile_int4,
+    untile_int8,
+)
 
 __all__ = ["A8_BLOCK", "A8_WIDE_BLOCK", "A8_ENV_VAR", "activation_block", "a8_level", "a8_available", "a8_applies", "quantize_activations", "int8_linear_a8",
-           "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference", "INT4_TILE", "int4_tiles_apply",
-           "tile_int4", "untile_int4"]
+           "int4_linear_a8", "int8_linear_a8_reference", "int4_linear_a8_reference", "TILE", "int4_tiles_apply",
+           "int8_tiles_apply", "tile_int4", "untile_int4", "tile_int8", "untile_int8"]
 
 A8_BLOCK = 32  # inputs per activation scale (llama.cpp's Q8_0 block): int4 groups of 64, int8 with K % 128 != 0
 A8_WIDE_BLOCK = 128  # int8 weights with K % 128 == 0, int4 groups of 128 or a multiple of 256
@@ -117,7 +127,7 @@ def activation_block(k: int, group_size: int = 0) -> int:
 
 def a8_applies(x: torch.Tensor, k: int, group_size: int = 0, tiled: bool = False) -> bool:
     """Whether :func:`int8_linear_a8` / :func:`int4_linear_a8` (``group_size`` > 0; ``tiled``: weights in
-    :func:`tile_int4`'s order) run natively for ``x``."""
+    :func:`tile_int8` / :func:`tile_int4`'s order) run natively for ``x``."""
     level = a8_level()
     return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and k % 64 == 0
             and (group_size in (0, 64, 128) or group_size % 256 == 0) and not x.is_cuda
@@ -145,9 +155,10 @@ def _dequantize_activations(x: torch.Tensor, block: int = A8_BLOCK) -> torch.Ten
 
 
 def int8_linear_a8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
+                             bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
     xd = _dequantize_activations(x, activation_block(x.shape[1]))
-    return F.linear(xd, dequantize_int8(qweight, scale, torch.float32), bias).to(x.dtype)
+    q = untile_int8(qweight) if tiled else qweight
+    return F.linear(xd, dequantize_int8(q, scale, torch.float32), bias).to(x.dtype)
 
 
 def int4_linear_a8_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -179,9 +190,9 @@ def _call(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 
 def _int8_native(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = _call(x, qweight, scale, None, 0, bias, qweight.shape[0], qweight.shape[1])
-    return int8_linear_a8_reference(x, qweight, scale, bias) if y is None else y
+                 bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    y = _call(x, qweight, scale, None, 0, bias, qweight.shape[0], qweight.shape[1], tiled)
+    return int8_linear_a8_reference(x, qweight, scale, bias, tiled) if y is None else y
 
 
 def _int4_native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -195,9 +206,9 @@ def _probe_x(x: torch.Tensor) -> torch.Tensor:
     return torch.randn(min(x.shape[0], 5), x.shape[1], generator=gen).to(x.dtype)
 
 
-def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple:
-    return (str(x.dtype), tuple(qweight.shape), bias is None)
+def _int8_class(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                tiled: bool = False) -> tuple:
+    return (str(x.dtype), tuple(qweight.shape), bias is None, tiled)
 
 
 def _int4_class(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -208,7 +219,7 @@ def _int4_class(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 _int8 = register_kernel(
     "int8_linear_a8", reference=int8_linear_a8_reference, triton=None, native=_int8_native, native_error=_native_error,
     doc="x (int8 per block of 32) @ (int8 weight * per-row scale)^T + bias", shape_class=_int8_class,
-    probe=lambda x, q, s, b=None: ((_probe_x(x), q, s, b), {}))
+    probe=lambda x, q, s, b=None, t=False: ((_probe_x(x), q, s, b, t), {}))
 _int4 = register_kernel(
     "int4_linear_a8", reference=int4_linear_a8_reference, triton=None, native=_int4_native, native_error=_native_error,
     doc="x (int8 per block of 32) @ dequantised int4 weight^T + bias", shape_class=_int4_class,
@@ -223,13 +234,16 @@ def _check_k(name: str, x: torch.Tensor, k: int) -> None:
 
 
 def int8_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   *, backend: str | None = None) -> torch.Tensor:
-    """:func:`~tightfit.cuda.quant_linear.int8_linear` with ``x`` quantised per block of 32 (module docstring)."""
+                   *, tiled: bool = False, backend: str | None = None) -> torch.Tensor:
+    """:func:`~tightfit.cuda.quant_linear.int8_linear` with ``x`` quantised to int8 per block (module docstring);
+    ``tiled``: ``qweight`` is in :func:`tile_int8`'s order."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.numel() != qweight.shape[0]:
         raise ValueError(f"int8_linear_a8: needs an int8 qweight (N, K) and N scales; got qweight {qweight.dtype} "
                          f"{tuple(qweight.shape)}, scale {tuple(scale.shape)}")
+    if tiled:
+        check_tiled_int8("int8_linear_a8", *qweight.shape)
     _check_k("int8_linear_a8", x, qweight.shape[1])
-    return _int8(x, qweight, scale, bias, backend=backend)
+    return _int8(x, qweight, scale, bias, tiled, backend=backend)
 
 
 def int4_linear_a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,

@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tightfit.cuda.int4_tiles import int4_tiles_apply, tile_int4
 from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
-from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_available, int4_linear_a8, int8_linear_a8
+from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
+from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
            "microbatches"]
@@ -155,14 +155,27 @@ def linear_weight(out_features: int, in_features: int, dtype: torch.dtype, devic
                         requires_grad=False)
 
 
-def int4_tiling(dtype: torch.dtype | None, device: torch.device | str) -> bool:
-    """Whether int4 projections of a ``dtype`` model on ``device`` are held tiled (:func:`tightfit.cuda.
-    quant_linear_a8.tile_int4`, where the shape takes it): fp32 on a CPU whose int8-activation kernel runs
-    (``meta``: a layer streamed in later, on the CPU unless CUDA is here), unless ``TIGHTFIT_QUANT_ACTIVATIONS``
-    is ``fp32`` (the fp32-activation kernels read the row order)."""
+def quant_tiling(method: str | None, dtype: torch.dtype | None, device: torch.device | str) -> bool:
+    """Whether ``method`` ("int8" / "int4") projections of a ``dtype`` model on ``device`` are held tiled
+    (:mod:`tightfit.cuda.weight_tiles`, where the shape takes it): fp32 on a CPU whose int8-activation kernel reads
+    that method's tiles (int4: AVX2 or AVX-512 VNNI; int8: AVX-512 VNNI) (``meta``: a layer streamed in later, on
+    the CPU unless CUDA is here), unless ``TIGHTFIT_QUANT_ACTIVATIONS`` is ``fp32`` (the fp32-activation kernels
+    read the row order)."""
     kind = torch.device(device).type
+    level = a8_level()
     return (dtype == torch.float32 and (kind == "cpu" or (kind == "meta" and not torch.cuda.is_available()))
-            and os.environ.get(A8_ENV_VAR, "int8") != "fp32" and a8_available())
+            and os.environ.get(A8_ENV_VAR, "int8") != "fp32"
+            and (level == 1 or (level == 2 and method == "int4")) and method in ("int8", "int4"))
+
+
+def tile_applies(method: str, n: int, k: int, group_size: int | None) -> bool:
+    """Whether an ``(n, k)`` ``method`` weight has a tiled layout (:mod:`tightfit.cuda.weight_tiles`)."""
+    return int4_tiles_apply(n, k, group_size or 0) if method == "int4" else int8_tiles_apply(n, k)
+
+
+def tile_weight(method: str, qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight`` (:func:`energon_infer.loading.quantization.quantize_weight`'s) in its method's tiled order."""
+    return tile_int4(qweight) if method == "int4" else tile_int8(qweight)
 
 
 class _Projection(nn.Module):
@@ -180,22 +193,25 @@ class _Projection(nn.Module):
     # parameters qweight, qscale (and qzero for int4) instead of ``weight``.
     quant: str | None = None
     group_size: int = 0
-    # int4 only: qweight in tile_int4's order (the int8-activation kernel's; int4_tiling says where), not pack_int4's
-    int4_tiled: bool = False
+    # qweight in tile_int8 / tile_int4's order (the int8-activation kernel's; quant_tiling says where), not the row
+    # order quantize_weight gives
+    tiled: bool = False
 
     def set_quantized(self, method: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> int:
         """Hold the weight quantized (``tensors`` from :func:`energon_infer.loading.quantization.quantize_weight`);
-        ``weight`` goes away. An int4 weight is tiled where :func:`int4_tiling` says (same bytes). Returns the
+        ``weight`` goes away. The weight is tiled where :func:`quant_tiling` says (same bytes). Returns the
         bytes now held for the weight."""
         old = self._parameters.pop("weight", None)
         self.packed = None
         q = tensors["qweight"]
-        self.int4_tiled = (method == "int4" and old is not None and int4_tiling(old.dtype, q.device)
-                           and int4_tiles_apply(q.shape[0], q.shape[1] * 2, group_size or 0))
+        k = q.shape[1] * (2 if method == "int4" else 1)  # int4: two inputs a byte
+        self.tiled = (old is not None and quant_tiling(method, old.dtype, q.device)
+                      and tile_applies(method, q.shape[0], k, group_size))
         for name in ("qweight", "scale", "zero"):
             if name in tensors:
                 key = name if name == "qweight" else "q" + name
-                value = tile_int4(q) if name == "qweight" and self.int4_tiled and q.device.type != "meta" else tensors[name]
+                value = (tile_weight(method, q) if name == "qweight" and self.tiled and q.device.type != "meta"
+                         else tensors[name])
                 self._parameters[key] = nn.Parameter(value, requires_grad=False)
         self.quant, self.group_size = method, group_size or 0
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -212,18 +228,17 @@ class _Projection(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 128 or 32
         # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
+        # Else prefill (more rows than the kernel takes: dequantised from the tiles in C) or
+        # TIGHTFIT_QUANT_ACTIVATIONS=fp32 set after loading.
         if self.quant == "int8":
-            if a8_applies(x, x.shape[-1]):
-                return int8_linear_a8(x, self.qweight, self.qscale, bias)
-            return int8_linear(x, self.qweight, self.qscale, bias)
+            if a8_applies(x, x.shape[-1], 0, self.tiled):
+                return int8_linear_a8(x, self.qweight, self.qscale, bias, tiled=self.tiled)
+            return int8_linear(x, self.qweight, self.qscale, bias, tiled=self.tiled)
         if self.quant == "int4":
-            if a8_applies(x, x.shape[-1], self.group_size, self.int4_tiled):
+            if a8_applies(x, x.shape[-1], self.group_size, self.tiled):
                 return int4_linear_a8(x, self.qweight, self.qscale, self.qzero, self.group_size, bias,
-                                      tiled=self.int4_tiled)
-            # prefill (more rows than the kernel takes: dequantised from the tiles in C) or
-            # TIGHTFIT_QUANT_ACTIVATIONS=fp32 set after loading
-            return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias,
-                               tiled=self.int4_tiled)
+                                      tiled=self.tiled)
+            return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias, tiled=self.tiled)
         packed, w = self.packed, self.weight
         if packed is not None and x.shape[0] >= MIN_ROWS:
             if (id(w), w._version) == self._packed_from:

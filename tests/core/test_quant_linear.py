@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from tests.helpers.threads import torch_threads
 from tightfit.cuda import quant_linear
-from tightfit.cuda.int4_tiles import tile_int4
 from tightfit.cuda.native import native_error, torch_openmp
 from tightfit.cuda.quant_linear import (
     NATIVE_MAX_ROWS,
@@ -27,6 +26,7 @@ from tightfit.cuda.quant_linear import (
     pack_int4,
     unpack_int4,
 )
+from tightfit.cuda.weight_tiles import tile_int4, tile_int8
 
 
 def _int8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +88,31 @@ def test_int4_tiled_weights_answer_like_the_row_order(threads, rows, k, group):
     assert torch.equal(deq, quant_linear._dequantize_native(p, s, z, group))  # the same weight, value for value
     with pytest.raises(ValueError, match=r"int4_linear: tiled=True needs a multiple of 16 output features"):
         int4_linear(x, p[:40], s[:40], z[:40], group, tiled=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [3, NATIVE_MAX_ROWS + 1, 70])  # the fp32-activation loops; prefill (dequantised)
+@pytest.mark.parametrize("k", [128, 768])
+def test_int8_tiled_weights_answer_like_the_row_order(threads, rows, k):
+    """tile_int8's order (tiled=True): prefill dequantises straight from the tiles in C, and both backends give the
+    row-order weight's result."""
+    gen = torch.Generator().manual_seed(rows + k)
+    n = 48
+    q, s = _int8(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    t = tile_int8(q)
+    assert not torch.equal(t, q)
+    want = int8_linear(x, q, s, b, backend="reference")
+    torch.testing.assert_close(int8_linear(x, t, s, b, tiled=True, backend="reference"), want)
+    with torch_threads(threads), _native_mode(min_work=0):
+        got = int8_linear(x, t, s, b, tiled=True, backend="native")
+        deq = quant_linear._dequantize_native(t, s, None, 0, tiled=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(deq, quant_linear._dequantize_native(q, s, None, 0))  # the same weight, value for value
+    with pytest.raises(ValueError, match=r"int8_linear: tiled=True needs a multiple of 16 output features and of "
+                                         r"128 inputs \(tile_int8\); got 40 features"):
+        int8_linear(x, q[:40], s[:40], tiled=True)
 
 
 def test_strided_rows_and_threads():

@@ -33,9 +33,12 @@ from tightfit.cuda.quant_linear_a8 import (
     int4_linear_a8,
     int4_tiles_apply,
     int8_linear_a8,
+    int8_tiles_apply,
     quantize_activations,
     tile_int4,
+    tile_int8,
     untile_int4,
+    untile_int8,
 )
 
 needs_a8 = pytest.mark.skipif(a8_level() != 1, reason="no AVX-512 VNNI native build on this CPU")
@@ -200,6 +203,63 @@ def test_int4_tiled_calls_the_kernel_does_not_take_answer_like_the_reference(mon
         int4_linear_a8(x[:2], p[:24], s[:24], z[:24], group, tiled=True)
 
 
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(1, 4), runs=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_tile_int8_is_the_same_byte_permutation_on_int8_rows(tiles, runs, seed):
+    """tile_int8 reorders an int8 weight's bytes exactly as tile_int4 reorders packed bytes (weight f's input
+    64u + 4i + b at u * 1024 + i * 64 + f * 4 + b of its tile), keeps the dtype, and untile_int8 undoes it."""
+    n, k = 16 * tiles, 64 * runs
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    tiled = tile_int8(q)
+    assert tiled.shape == q.shape and tiled.dtype == torch.int8
+    assert torch.equal(untile_int8(tiled), q)
+    assert torch.equal(tiled.view(torch.uint8), tile_int4(q.view(torch.uint8)))
+    t, f, u, i, b = tiles - 1, 11, runs - 1, 7, 2
+    assert tiled[16 * t:16 * t + 16].flatten()[u * 1024 + i * 64 + f * 4 + b] == q[16 * t + f, 64 * u + 4 * i + b]
+
+
+def test_where_int8_tiles_apply():
+    assert int8_tiles_apply(16, 128) and int8_tiles_apply(48, 2048)
+    assert not int8_tiles_apply(40, 256)  # 16 features a tile
+    assert not int8_tiles_apply(48, 192)  # activations per block of 32: the row-order kernel's layout
+
+
+@needs_a8
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("k", [128, 768, 2048])
+@pytest.mark.parametrize("n", [16, 80])  # 80 on 2 threads: chunks of 20 features, tiles starting inside each
+def test_int8_tiled_native_equals_reference(threads, rows, k, n, monkeypatch):
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(rows * k + threads + n)
+    q, s = _int8(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+    t = tile_int8(q)
+    assert _on_pool(lambda: _call(x, t, s, None, 0, b, n, k, True), threads) is not None  # the kernel takes it
+    want = int8_linear_a8(x, q, s, b, backend="reference")
+    torch.testing.assert_close(int8_linear_a8(x, t, s, b, tiled=True, backend="reference"), want)
+    got = _on_pool(lambda: int8_linear_a8(x, t, s, b, tiled=True, backend="native"), threads)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_a8
+def test_int8_tiled_calls_the_kernel_does_not_take_answer_like_the_reference(monkeypatch):
+    """More rows than the kernel takes: refused in C, answered from the tiles by the reference; a shape with no
+    tiled layout is refused in one line naming the fix."""
+    monkeypatch.delenv(A8_ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(4)
+    n, k = 32, 256
+    q, s = _int8(n, k, gen)
+    x = torch.randn(NATIVE_MAX_ROWS + 1, k, generator=gen)
+    assert _call(x, tile_int8(q), s, None, 0, None, n, k, True) is None
+    got = int8_linear_a8(x, tile_int8(q), s, tiled=True, backend="native")
+    torch.testing.assert_close(got, int8_linear_a8(x, q, s, backend="reference"), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"int8_linear_a8: tiled=True needs a multiple of 16 output features and of "
+                                         r"128 inputs \(tile_int8\); got 24 features, 256 inputs: pass the row-order"):
+        int8_linear_a8(x[:2], q[:24], s[:24], tiled=True)
+
+
 def _bound(x, v, block=32):
     """The module's bound: sum_k |V_nk| max|x_block(k)| / 254 per output."""
     m, k = x.shape
@@ -319,7 +379,11 @@ def test_the_avx2_kernel_takes_tiled_int4_only_and_the_rest_answer_like_the_refe
     assert not a8_applies(x, k) and not a8_applies(x, k, 128) and a8_applies(x, k, 128, tiled=True)
     assert _call(x, q, s, None, 0, None, n, k) is None and _call(x, p, s4, z4, 128, None, n, k) is None
     assert _call(x, tile_int4(p), s4, z4, 128, None, n, k, True) is not None
+    assert _call(x, tile_int8(q), s, None, 0, None, n, k, True) is None  # int8 tiles: AVX-512 VNNI only
+    assert not a8_applies(x, k, 0, tiled=True)
     torch.testing.assert_close(int8_linear_a8(x, q, s, backend="native"), int8_linear_a8(x, q, s, backend="reference"))
+    torch.testing.assert_close(int8_linear_a8(x, tile_int8(q), s, tiled=True, backend="native"),
+                               int8_linear_a8(x, q, s, backend="reference"))
     torch.testing.assert_close(int4_linear_a8(x, p, s4, z4, 128, backend="native"),
                                int4_linear_a8(x, p, s4, z4, 128, backend="reference"))
 

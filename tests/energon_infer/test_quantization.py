@@ -299,34 +299,38 @@ def test_quantizing_rows_at_a_time_gives_the_values_of_all_at_once(method, group
         assert torch.equal(whole[k], parts[k]), k
 
 
-def test_int4_projections_are_tiled_where_the_kernel_runs_them_and_give_the_row_order_logits(tmp_path, monkeypatch):
-    """int4 at group 128 on an fp32 CPU model: the projections whose widths take tiles hold their bytes in
-    tile_int4's order (the same bytes as quantize_weight's, reordered), and the model gives the logits of the same
-    model held in row order (another summation order only), at decode, prefill (above the kernel's rows: the
+@pytest.mark.parametrize(("method", "group"), [("int4", 128), ("int8", None)])
+def test_projections_are_tiled_where_the_kernel_runs_them_and_give_the_row_order_logits(tmp_path, monkeypatch, method,
+                                                                                       group):
+    """int4 at group 128 and int8 on an fp32 CPU model: the projections whose widths take tiles hold their bytes in
+    tile_int4 / tile_int8's order (the same bytes as quantize_weight's, reordered), and the model gives the logits of
+    the same model held in row order (another summation order only), at decode, prefill (above the kernel's rows: the
     weights dequantised from the tiles) and with the fp32-activation kernels chosen after loading."""
     import energon_infer.parallel as parallel
     from energon_infer import ModelRunner
     from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_available, a8_level, untile_int4
+    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_available, a8_level, untile_int4, untile_int8
 
     if not a8_available():
-        pytest.skip("no int8-activation native build (AVX2 or AVX-512 VNNI) on this CPU: int4 weights stay in row "
-                    "order")
+        pytest.skip("no int8-activation native build (AVX2 or AVX-512 VNNI) on this CPU: weights stay in row order")
+    if method == "int8" and a8_level() != 1:
+        pytest.skip("int8 tiles are read by the AVX-512 VNNI kernel only: int8 weights stay in row order here")
+    untile = untile_int4 if method == "int4" else untile_int8
     path = str(save_tiny("llama", tmp_path / "m", hidden_size=128, intermediate_size=256))
-    opts = dict(block_size=4, progress=False, quantization="int4", group_size=128)
+    opts = dict(block_size=4, progress=False, quantization=method, group_size=group)
     tiled = ModelRunner.from_pretrained(path, **opts)
     plain = ModelRunner.from_pretrained(path, block_size=4, progress=False)
-    spec = QuantSpec(method="int4", group_size=128)
+    spec = QuantSpec(method=method, group_size=group)
     for name in PROJECTIONS:
         proj, w = getattr(tiled.stage.layers["1"], name), getattr(plain.stage.layers["1"], name)
-        assert proj.int4_tiled, name
-        assert torch.equal(untile_int4(proj.qweight), quantize_weight(w.weight, spec)["qweight"]), name
+        assert proj.tiled, name
+        assert torch.equal(untile(proj.qweight), quantize_weight(w.weight, spec)["qweight"]), name
     head = tiled.stage.lm_head
-    assert head.int4_tiled == (head.qweight.shape[0] % 16 == 0)
+    assert head.tiled == (head.qweight.shape[0] % 16 == 0)
     with monkeypatch.context() as mp:
-        mp.setattr(parallel, "int4_tiling", lambda dtype, device: False)
+        mp.setattr(parallel, "quant_tiling", lambda method, dtype, device: False)
         rows = ModelRunner.from_pretrained(path, **opts)
-    assert not rows.stage.layers["1"].qkv.int4_tiled
+    assert not rows.stage.layers["1"].qkv.tiled
     # With AVX-512 VNNI both orders take the int8-activation kernel; with only the AVX2 kernel the row order keeps
     # fp32 inputs, so both then run the fp32-activation kernels (chosen after loading: the tiles stay, and are read)
     same_kernel = a8_level() == 1
@@ -349,10 +353,10 @@ def test_int4_projections_are_tiled_where_the_kernel_runs_them_and_give_the_row_
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         a, b = tiled.generate(PROMPTS, greedy), rows.generate(PROMPTS, greedy)  # decode: a few rows a step
         assert [g.token_ids for g in a] == [g.token_ids for g in b]
-    reference = _logits(_dequantised_runner(path, "int4", 128))
+    reference = _logits(_dequantised_runner(path, method, group))
     with monkeypatch.context() as mp:
         mp.setenv(A8_ENV_VAR, "fp32")
         assert _rel(_logits(tiled), reference) <= TOL  # the fp32-activation kernels: reordered back per call
         fresh = ModelRunner.from_pretrained(path, **opts)
-        assert not fresh.stage.layers["1"].qkv.int4_tiled  # chosen before loading: held in row order
+        assert not fresh.stage.layers["1"].qkv.tiled  # chosen before loading: held in row order
         assert _rel(_logits(fresh), reference) <= TOL

@@ -35,8 +35,8 @@ pytest.importorskip("torchao", reason="quantization needs torchao (scripts/setup
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 SPECS = [("int8", None), ("int4", 32)]
 WIDE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4)  # int4 groups of 32 tile every width
-# Groups of 128: where an int8-activation kernel is built (AVX2 or AVX-512 VNNI) the int4 projections are held
-# (and stored) in tile_int4's order.
+# Groups of 128 (int4) and widths of 128 (int8): where an int8-activation kernel reads their tiles (int4: AVX2 or
+# AVX-512 VNNI; int8: AVX-512 VNNI) the projections are held (and stored) in tile_int4 / tile_int8's order.
 WIDE128 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4)
 # Packed bytes per layer / fp32 bytes per layer at most (int8: 1 byte + a row scale per 4; int4: 0.75 per 4).
 RATIO = {"int8": 0.3, "int4": 0.2}
@@ -107,9 +107,10 @@ def _unified_budget(path, method, group, keep: int) -> tuple[int, list[int]]:
     return resident + store_buffer_bytes(layers, 2) + (keep + 2) * max(layers), layers
 
 
-@pytest.mark.parametrize("method,group", [*SPECS, ("int4", 128)])
-def test_disk_tier_streams_the_quantized_store_and_equals_the_in_memory_model(tmp_path, method, group):
-    path = save_tiny("llama", tmp_path / "m", shard="40KB", **(WIDE128 if group == 128 else WIDE))
+@pytest.mark.parametrize("method,group,dims", [(m, g, WIDE) for m, g in SPECS] + [("int4", 128, WIDE128),
+                                                                                  ("int8", None, WIDE128)])
+def test_disk_tier_streams_the_quantized_store_and_equals_the_in_memory_model(tmp_path, method, group, dims):
+    path = save_tiny("llama", tmp_path / "m", shard="40KB", **dims)
     ref = ModelRunner.from_pretrained(path, **_opts(method, group))
     budget, layers = _unified_budget(path, method, group, keep=1)
     runner, pool, plan = _tiered(path, method, group, budget)

@@ -39,9 +39,8 @@ from torch import nn
 
 from energon_infer.loading.quantization import QuantSpec, quantize_weight
 from energon_infer.loading.weights import CheckpointReader, Part, build_param, hf_parts
-from energon_infer.parallel import int4_tiling
+from energon_infer.parallel import quant_tiling, tile_weight
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer
-from tightfit.cuda.quant_linear_a8 import tile_int4
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.storage import ALIGN, TensorStore, aligned_empty
 
@@ -50,7 +49,7 @@ __all__ = ["ByteSlotLayer", "QuantHostLayer", "StoredLayer", "packed_layer_bytes
            "STORE_FORMAT"]
 
 TENSOR_ALIGN = 64  # bytes: every tensor of a packed block starts here, so a byte slot views as any dtype
-STORE_FORMAT = 2  # the layout of a stored layer; a store written with another is rewritten (2: int4 tiles)
+STORE_FORMAT = 3  # the layout of a stored layer; a store written with another is rewritten (2: int4 tiles, 3: int8)
 _COMPONENTS = {"qweight": "qweight", "qscale": "scale", "qzero": "zero"}  # parameter -> quantize_weight key
 
 
@@ -270,7 +269,7 @@ def _manifest(model_path: str | Path, spec: QuantSpec, dtype: str, grid: Any) ->
     finally:
         files.close()
     return {"format": STORE_FORMAT, "method": spec.method, "group_size": spec.group_size, "dtype": dtype,
-            "int4_tiles": int4_tiling(getattr(torch, dtype, None), "meta"),
+            "tiles": quant_tiling(spec.method, getattr(torch, dtype, None), "meta"),
             "tp": grid.tp, "pp": grid.pp, "tp_rank": grid.tp_rank, "stage": grid.stage, "files": stamps}
 
 
@@ -385,8 +384,8 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
             rows, cols = module._parameters["qweight"].shape  # type: ignore[union-attr]
             n, kk = int(rows), int(cols) * (2 if spec.method == "int4" else 1)  # int4: two inputs a byte
             quantize_into(prefix + "weight", (n, kk), views)
-            if module.int4_tiled:  # the byte order the layer runs from (parallel.int4_tiling)
-                views["qweight"].copy_(tile_int4(views["qweight"]))
+            if module.tiled:  # the byte order the layer runs from (parallel.quant_tiling)
+                views["qweight"].copy_(tile_weight(spec.method, views["qweight"]))
         else:
             value = build_param(cfg, grid, prefix + pname, tuple(shape), hf_parts(cfg, prefix + pname, keys), fetch,
                                 nonfinite=nonfinite)
