@@ -264,8 +264,10 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
    2 threads) took 1.60 ms a step at 8 rows, slower than the row-order 4 x 4 tiles' four streams a thread (1.42-1.47).
    So a8_i8t asks for the bytes A8_AHEAD KiB ahead of those it loads, 1 KiB (16 lines) at a time: 2, 4, 8 and 16 KiB
    ahead gave 1.11, 0.95, 0.91 and 0.95 ms (4.46 -> 2.82 ms at 32 rows, 551 -> 513 us at one). Past a chunk's end
-   it asks for the next chunk's, which another thread reads: harmless. The int4 tiles (20 MB, within the L3)
-   measured the same with it and without (1.02-1.05 ms at 8 rows), so their kernels do not ask. */
+   it asks for the next chunk's, which another thread reads: harmless. The int4 tiles (20 MB, within the L3) measured
+   the same alone (1.02-1.05 ms at 8 rows) but gained in the model, where the KV cache and activations share the L3:
+   the benchmark's int4 model decoding, 7 alternating process pairs, median of the paired ratios 1.04 at batch 1, 8
+   and 32 (pairs ranged 0.87-1.19), so a8_i4t and a8_i4t_rows ask too. */
 #define A8_AHEAD 8
 static inline __attribute__((always_inline)) void a8_prefetch_kib(const void *at) {
     for (int i = 0; i < 16; i++) _mm_prefetch((const char *)at + A8_AHEAD * 1024 + 64 * i, _MM_HINT_T0);
@@ -368,9 +370,14 @@ static void a8_i4t(const job_t *j, int64_t n) {
         for (int64_t c = 0; c < (G == 128 ? 64 : H); c += 128) {
             int64_t b0, b1 = -1;
             if (G == 128) { /* one block: low nibbles inputs 0-63, high 64-127 */
+                if (j->tiled) a8_prefetch_kib(p + g * 64 * rs);
                 a8_t16(p + g * 64 * rs, st, j->tiled, wa, wa + 16);
                 b0 = g;
             } else { /* bytes c .. c + 127: low nibbles block g G + c, high block g G + H + c */
+                if (j->tiled) {
+                    a8_prefetch_kib(p + (g * H + c) * rs);
+                    a8_prefetch_kib(p + (g * H + c + 64) * rs);
+                }
                 a8_t16(p + (g * H + c) * rs, st, j->tiled, wa, wb);
                 a8_t16(p + (g * H + c + 64) * rs, st, j->tiled, wa + 16, wb + 16);
                 b0 = (g * G + c) / 128;
@@ -501,6 +508,7 @@ static void a8_i4t_rows(const job_t *j, int64_t n) {
         a8_t_scales(j, n, g, &sv, &zc);
         for (int64_t c = 0; c < H; c += 64) {
             const uint8_t *run = p + (g * H + c) * 16;
+            a8_prefetch_kib(run);
             const int64_t half = c % 128, base = g * G + c - half;
             const int64_t bl = G == 128 ? g : base / 128, bh = G == 128 ? g : (base + H) / 128;
             const int64_t ol = bl * 128 + (G == 128 ? 0 : half), oh = bh * 128 + (G == 128 ? 64 : half);
