@@ -279,7 +279,9 @@ def test_an_idle_stopped_worker_is_found_by_the_heartbeat(model_dir):
 
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(model_dir):
     engine = Engine.from_pretrained(model_dir, **OPTS)
-    srv = BackgroundServer(engine, ServerConfig(port=0, max_tokens_limit=2000, drain_timeout_s=1.0),
+    # A drain of 0.1 s: the tiny model generates its 2000 tokens in about 1 s here (0.95-1.02 s), so a 1 s drain
+    # at times let the stream finish instead of cutting it.
+    srv = BackgroundServer(engine, ServerConfig(port=0, max_tokens_limit=2000, drain_timeout_s=0.1),
                            owns_engine=True).start()
     lines: list[str] = []
     first = threading.Event()
