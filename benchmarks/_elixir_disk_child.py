@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks._child_sources import tag
+
 
 def proc_io() -> tuple[int, int]:
     """(read_bytes, write_bytes) this process has moved to and from storage so far."""
@@ -270,7 +272,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - reported in the result JSON with its traceback, not swallowed
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     out["peak_rss_bytes"] = peak_rss()
-    print(json.dumps(out), flush=True)
+    print(json.dumps(tag(out)), flush=True)
     return 0 if out["ok"] or "unavailable" in out else 1
 
 

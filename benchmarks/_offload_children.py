@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._child_sources import tag
 from benchmarks.common import left_padded
 
 RESULT_TAG = "OFFLOAD_RESULT "
@@ -221,7 +222,7 @@ RUNNERS = {"energon": run_energon, "accelerate": run_accelerate, "llamacpp": run
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     out = RUNNERS[spec["runner"]](spec)
-    print(RESULT_TAG + json.dumps(out), flush=True)
+    print(RESULT_TAG + json.dumps(tag(out)), flush=True)
     return 0
 
 

@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._child_sources import collect
 from benchmarks.common import parser, plot_path, summarize, write_result
 
 NAME = "elixir_disk"
@@ -524,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     write_result(NAME, title="Elixir with optimizer state and master weights on disk under a hard memory limit vs DeepSpeed ZeRO-Infinity",
                  params=params, results={"headline": head, "stats": stats, "exactness": exact, "runs": runs},
                  markdown=text, plots=_plot(stats),
-                 measures=("benchmarks/_elixir_disk_child.py", "core", "plugins/lightning_elixir"))  # its children
+                 measures=collect([runs.get("elixir disk", []), runs.get("ram", []),  # the children's own files
+                                   runs.get("deepspeed nvme", []) + runs.get(DS_UNCAPPED, [])],
+                                  fallback=("benchmarks/_elixir_disk_child.py", "core", "plugins/lightning_elixir")))
     print(text)
     return 0
 

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _offload_report as report
+from benchmarks._child_sources import collect
 from benchmarks._offload_children import RESULT_TAG
 from benchmarks._offload_report import ACCEL, ENERGON, ENERGON_RAM, LLAMA, NAME, GiB, MiB
 from benchmarks.common import parser, write_result
@@ -456,8 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     _finish(results, new_tokens)
     md = report.markdown(results, hidden, layers, vocab, new_tokens, threads, repeats)
     print(md)
+    groups: dict[str, list[dict[str, Any]]] = {}  # a contender's cells run the same code
+    for by_batch in cells_of.values():
+        for cells in by_batch.values():
+            for contender, cell in cells.items():
+                groups.setdefault(contender, []).append(cell)
+    measures = collect(groups.values(), fallback=("benchmarks/_offload_children.py", "core", "plugins/energon_infer"))
     write_result(NAME, title=TITLE, params={**params, "commit": _commit()}, results=results, markdown=md,
-                 plots=report.plot(results), measures=("benchmarks/_offload_children.py", "core", "plugins/energon_infer"))
+                 plots=report.plot(results), measures=measures)
     return 0
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._child_sources import collect, tag
 from benchmarks.common import parser, summarize, write_result
 from benchmarks.memlimit import run_limited
 
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         import logging
 
         logging.disable(logging.WARNING)
-        print(json.dumps(child(args.child, scale, args.disk_dir if args.child == "disk" else None,
-                               args.host_budget or 0, steps, repeats, args.trace, args.capacity)))
+        print(json.dumps(tag(child(args.child, scale, args.disk_dir if args.child == "disk" else None,
+                                   args.host_budget or 0, steps, repeats, args.trace, args.capacity))))
         return 0
     from benchmarks.torchrec_cache import belady
 
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     md = _markdown(params, results, summary) if ok else f"a contender failed: {json.dumps({k: r.get('run') for k, r in results.items()})}"
     write_result(NAME, title="Embedding tables larger than memory: DLRM with its tables on disk",
                  params=params, results={"contenders": results, "summary": summary}, markdown=md,
-                 measures=("core", "plugins"))
+                 measures=collect(([r] for r in results.values()), fallback=("core", "plugins")))
     print(md)
     return 0 if ok else 1
 

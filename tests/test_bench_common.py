@@ -75,3 +75,33 @@ def test_run_two_ranks_adds_what_the_ranks_imported(monkeypatch):
     assert common.run_two_ranks(_rank, True, 1) == {"world": 2}
     assert "core/serde.py" in common._CHILD_SOURCES
     assert "core/serde.py" in common.measured_paths("demo_bench")
+
+
+def test_a_child_reports_the_files_it_imported_and_the_parent_measures_those():
+    """A child process tags its result JSON with the project files it imported (benchmarks._child_sources): the
+    memory-limit helper it imported is there, a kernel it never imported is not, and collect takes the lists out
+    of the outputs."""
+    from benchmarks._child_sources import SOURCES_KEY, collect
+
+    code = ("import json, tightfit.units\nfrom benchmarks._child_sources import tag\n"
+            "print(json.dumps(tag({'ok': True})))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"core/units.py", "benchmarks/_child_sources.py", "benchmarks/common.py"} <= set(out[SOURCES_KEY])
+    assert "core/cuda/quant_linear.py" not in out[SOURCES_KEY]
+    measures = collect([[out]], fallback=("core",))
+    assert "core/units.py" in measures and "core" not in measures and SOURCES_KEY not in out
+
+
+def test_a_contender_whose_children_all_died_counts_its_folders_whole():
+    """collect per group (the repeats of one contender): one repeat reporting is enough for its group; a group
+    where none reported (every child killed before printing) falls back to the folders its code comes from."""
+    from benchmarks._child_sources import SOURCES_KEY, collect
+
+    reported = {SOURCES_KEY: ["core/units.py"], "ok": True}
+    killed = {"ok": False, "error": "exit -9, no result line"}
+    assert collect([[dict(reported), dict(killed)]], fallback=("core",)) == ("core/units.py",)
+    assert collect([[dict(reported)], [dict(killed)]], fallback=("core", "plugins/x")) == (
+        "core", "core/units.py", "plugins/x")
+    assert collect([], fallback=("core",)) == ()
