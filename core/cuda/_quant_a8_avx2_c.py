@@ -54,12 +54,8 @@ static void a8v_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, 
 /* Eight features' scales of group g (sv) and zero-point terms zero - 8 scale (zc), one lane each. */
 static inline __attribute__((always_inline)) void a8v_scales(const job_t *j, int64_t n, int64_t g, __m256 *sv,
                                                              __m256 *zc) {
-    const int64_t ng = j->K / j->G;
     float sb[8], zb[8];
-    for (int f = 0; f < 8; f++) {
-        sb[f] = j->scale[(n + f) * ng + g];
-        zb[f] = j->zero[(n + f) * ng + g];
-    }
+    a8_group_scales(j, n, g, 8, sb, zb);
     *sv = _mm256_loadu_ps(sb);
     *zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *sv, _mm256_loadu_ps(zb));
 }

@@ -37,9 +37,12 @@ int tf_a8_available(void) { return TF_A8 ? 1 : TF_A8V ? 2 : 0; }
    to check every kernel (above A8T_MAX_ROWS: never). which 0: rows from which row-order weights take the
    16-feature transposed tiles (a8_i4t; fewer: the 4 x 4 tiles, the transpose costing more than it saves);
    which 1: rows from which tiled weights (tile_int4) take a8_i4t, each block split once and kept for all rows
-   (fewer: a8_i4t_rows, groups of four rows splitting each run in registers). Returns the old value; rows < 0
-   only asks. */
-static int a8t_min_rows = 4, a8t_tiled_block_rows = 8;
+   (fewer: a8_i4t_rows, groups of four rows splitting each run in registers). With both asking for their weights
+   ahead (a8_prefetch_kib) a8_i4t_rows was the faster up to 28 rows and level at 32 (the benchmark model's 25 int4
+   projections, 2 threads: 8 rows 0.91-1.00 vs 1.10-1.15 ms, 20 rows 2.07 vs 2.32, 32 rows 3.10 vs 3.11; decoding,
+   9 interleaved rounds: batch 8 3364 vs 3233 tokens/s, 16 4429 vs 4365, 32 4941 vs 4906), so tiled weights take
+   a8_i4t from 32 rows only (it was 8). Returns the old value; rows < 0 only asks. */
+static int a8t_min_rows = 4, a8t_tiled_block_rows = 32;
 int tf_a8_set_rows(int which, int rows) {
     int *v = which == 0 ? &a8t_min_rows : &a8t_tiled_block_rows;
     const int old = *v;
@@ -49,6 +52,15 @@ int tf_a8_set_rows(int which, int rows) {
 
 #if TF_A8 || TF_A8V
 #include <string.h>
+/* Features n .. n + w - 1's scales and zero points of int4 group g, side by side (one vector's lanes). */
+static inline __attribute__((always_inline)) void a8_group_scales(const job_t *j, int64_t n, int64_t g, const int w,
+                                                                  float *sb, float *zb) {
+    const int64_t ng = j->K / j->G;
+    for (int f = 0; f < w; f++) {
+        sb[f] = j->scale[(n + f) * ng + g];
+        zb[f] = j->zero[(n + f) * ng + g];
+    }
+}
 /* 127 / amax (0 for amax 0) rounded once, as the reference computes it: under -ffast-math `127.f / amax` may
    become 127 * (1 / amax), an ulp away, which flips x / d where it lies within an ulp of a rounding tie. */
 static inline float a8_inv(float amax) {
@@ -342,12 +354,8 @@ static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, con
 /* Features n .. n + 15's scales of group g (sv) and zero-point terms zero - 8 scale (zc), one lane each. */
 static inline __attribute__((always_inline)) void a8_t_scales(const job_t *j, int64_t n, int64_t g, __m512 *sv,
                                                               __m512 *zc) {
-    const int64_t ng = j->K / j->G;
     float sb[16], zb[16];
-    for (int f = 0; f < 16; f++) {
-        sb[f] = j->scale[(n + f) * ng + g];
-        zb[f] = j->zero[(n + f) * ng + g];
-    }
+    a8_group_scales(j, n, g, 16, sb, zb);
     *sv = _mm512_loadu_ps(sb);
     *zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *sv, _mm512_loadu_ps(zb));
 }

@@ -21,9 +21,10 @@ spent about as much on those as on the products at K = 768). The benchmark's fou
 below four rows the transpose costs more than it saves (1 row: 185 us on the 4 x 4 tiles, 258 transposed).
 Weights held in :func:`tile_int4`'s order (same bytes, each 16 rows' reordered so that one 64-byte load is the
 16 features' next four inputs; energon holds its int4 projections so where :func:`int4_tiles_apply`) need no
-transpose: below 8 rows each run is split in registers and meets groups of four rows at once, from 8 rows each
+transpose: below 32 rows each run is split in registers and meets groups of four rows at once, at 32 each
 block is split once and kept for all rows. Those four shapes, row order -> tiled: 138 -> 68 us at 1 row,
-227 -> 145 at 4, 319 -> 280 at 8, 799 -> 728 at 32.
+227 -> 145 at 4, 319 -> 280 at 8, 799 -> 728 at 32 (another machine than the figures in _quant_a8_c.py).
+int8 weights held in :func:`tile_int8`'s order (the same tiles) go 16 features at a time the same way.
 The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
 :mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
