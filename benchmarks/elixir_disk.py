@@ -58,8 +58,6 @@ DS_UNCAPPED = "deepspeed nvme, no cap"  # run only where the capped DeepSpeed ru
 # DeepSpeed's parameter swapper holds every parameter of the module it gathers in its own buffer of the largest
 # parameter's size: a GPT block has 12 tensors (weights and biases) and the head/embedding one; prefetch is off.
 PARAM_BUFFERS = 14
-# The budgets cover the fp32 model built in RAM at setup (4 B/param) with this much slack (see make_plans).
-SETUP_SLACK = 1.35
 
 
 def model_config(quick: bool) -> dict:
@@ -166,13 +164,12 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     state = 16 * profile.param_numel
     kw = dict(precision="32-true", optimizer="adamw")
     device_budget = 256 * MiB  # raised to what the search says the device needs (one unit's working set here)
-    # The target: state 3x the limit (2% of headroom); raised to what the search says a plan needs, and to what
-    # setting up needs: the child builds the fp32 model in RAM (4 B/param) before the plan is applied and the disk
-    # tier takes its master weights, and teardown reads them back (measured at 319 M parameters, uncapped: the
-    # setup peak 6% and the teardown peak 30% above that, beside the interpreter): the budgets cover it, SETUP_SLACK.
+    # The target: state 3x the limit (2% of headroom); raised to what the search says a plan needs. The child builds
+    # the model on meta (configure_model): the strategy allocates and initialises it one tier-3 unit at a time into
+    # the store, and after fit leaves those weights there when they do not fit, so neither setup nor teardown holds
+    # the fp32 model in RAM (the setup peak is in the samples).
     target = int(state / (TARGETS["state_over_limit"] * 1.02)) - fixed
-    setup = int(4 * profile.param_numel * SETUP_SLACK)
-    host = max(64 * MiB, target - device_budget, setup - device_budget)
+    host = max(64 * MiB, target - device_budget)
     target_host_infeasible = None
     for _ in range(4):
         try:
@@ -185,7 +182,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
                 target_host_infeasible = str(exc)
             if exc.tier == "device":
                 device_budget = int(exc.needed_bytes * 1.05)
-                host = max(64 * MiB, min(host, target - device_budget), setup - device_budget)
+                host = max(64 * MiB, min(host, target - device_budget))
             else:
                 host = int(max(exc.needed_bytes, host) * 1.03)
     else:
@@ -195,8 +192,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     ram = dataclasses.replace(plan, units=units, disk_bytes_per_rank=0, disk_path="")
     return {"plan": plan, "ram_plan": ram, "disk": disk, "device": device, "state_bytes": state,
             "device_budget": device_budget, "host_budget": host, "params": profile.param_numel,
-            "target_host_infeasible": target_host_infeasible, "setup_bytes": setup,
-            "setup_binds": setup >= target}
+            "target_host_infeasible": target_host_infeasible}
 
 
 def deepspeed_config(cfg: dict, disk: object, disk_dir: Path, lr: float, limit: int) -> dict:
@@ -375,15 +371,7 @@ def markdown(stats: dict, exact: dict, p: dict) -> tuple[str, dict]:
         f"- never OOM-killed under the limit: {yn(met['never_killed'])}",
         f"- state >= 3x the limit: {yn(met['state_3x_limit'])} ({head['state_over_limit']:.2f}x)"
         + ("" if met["state_3x_limit"] else
-           (f"; the limit is set by setting up and tearing down, not by training: the child builds the fp32 model "
-            f"in RAM (4 B/param) before the plan is applied and the disk tier takes its master weights, and "
-            f"teardown reads them back (the module usable as it was), so the budgets cover "
-            f"{p.get('setup_bytes', 0) / GiB:.2f} GiB ({SETUP_SLACK - 1:.0%} over the model: measured uncapped, "
-            "setup peaks 6% and teardown 30% over it beside the interpreter; limits at a third of the state and at "
-            "the model + 10% were OOM-killed); training itself needs the plan's host budget only (host state "
-            f"{p.get('plan_host_bytes', 0) / GiB:.2f} GiB predicted; the peak per phase is in the samples)"
-            if p.get("setup_binds") else
-              "; the search found no plan within the host budget that would put the limit at a third of the state: "
+           ("; the search found no plan within the host budget that would put the limit at a third of the state: "
               "the interpreter baseline, the margin, the staging area and the largest unit's gathered parameters "
               "and gradients are a fixed cost beside the state")
            + (f". The search at a third of the state said: {p['target_host_infeasible'][:300]}"
@@ -510,8 +498,7 @@ def main(argv: list[str] | None = None) -> int:
               "limit_enforced": reason is None, "limit_reason": reason, "baseline": baseline, "margin": args.margin * MiB,
               "deepspeed_unavailable": ds_reason,
               "device_budget": plans["device_budget"], "host_budget": plans["host_budget"],
-              "target_host_infeasible": plans["target_host_infeasible"], "setup_bytes": plans["setup_bytes"],
-              "setup_binds": plans["setup_binds"], "disk_dir_fs": mount_of(base).filesystem,
+              "target_host_infeasible": plans["target_host_infeasible"], "disk_dir_fs": mount_of(base).filesystem,
               "disk_read_gb_s": disk.read_fit[1] / 1e9, "disk_write_gb_s": disk.write_fit[1] / 1e9,
               "disk_request_mib": disk.request_bytes / MiB, "disk_queue_depth": disk.queue_depth,
               "disk_compute_overlap": disk.compute_overlap,

@@ -27,11 +27,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tightfit.planner.elixir import ElixirPlan, UnitPlan
+
+if TYPE_CHECKING:
+    from lightning_elixir.disk_params import DiskParameters
 
 __all__ = [
     "AppliedUnit",
@@ -274,30 +278,46 @@ def _has_meta(module: nn.Module, recurse: bool) -> bool:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.device) -> bool:
+def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.device, *,
+                streamed: DiskParameters | None = None) -> bool:
     """Allocate meta parameters where each unit lives and initialise them; ``False`` if nothing was on meta.
 
     Offloaded units are allocated on the host (never on the device, whose memory they do not fit),
     the rest on ``device``. Initialisation: ``reset_parameters()`` of every module that has one, then
     ``init_weights()`` of the outermost modules that define it (e.g. :class:`tightfit.models.GPT`,
     whose GPT-2 initialisation and tied head it restores).
+
+    ``streamed``: the tier-3 units' parameters (``DiskParameters``): each of those units is allocated and dropped
+    in turn, and the initialisation runs with the units paged in from the store one at a time as it touches them
+    (``DiskParameters.paging``), so the model is never whole in host memory; the values are those of the
+    in-memory initialisation (same operations, same random draws, same order).
     """
     if not _has_meta(module, recurse=True):
         return False
     cpu = torch.device("cpu")
     placed: list[str] = []
+    paged = {u.index for u in streamed.units} if streamed is not None else set()
     for unit in units:
         for name, m in zip(unit.names, unit.modules):
             if _has_meta(m, recurse=True):
                 m.to_empty(device=cpu if unit.plan.offload else device)
             placed.append(name)
+        if unit.index in paged and unit.modules and streamed is not None:
+            streamed.drop_blank(unit.index)  # before the next unit is allocated: one unit in memory at a time
     root_offload = next((u.plan.offload for u in units if u.on_root), False)
     for name, m in module.named_modules():
         if not _inside(name, placed) and _has_meta(m, recurse=False):
             m.to_empty(device=cpu if root_offload else device, recurse=False)
     # Re-register the root group's sharded parameters (FSDP2 does it in its ``_apply`` override).
     module._apply(lambda t: t, recurse=False)
-    _initialise(module)
+    for unit in units:
+        if unit.index in paged and not unit.modules and streamed is not None:
+            streamed.drop_blank(unit.index)  # a unit the root group holds: allocated with the root's parameters
+    if streamed is None:
+        _initialise(module)
+    else:
+        with streamed.paging():
+            _initialise(module)
     return True
 
 
@@ -320,7 +340,7 @@ def _initialise(module: nn.Module) -> None:
 
 # ---- the whole thing -----------------------------------------------------------------------------
 def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.device | None = None,
-               switchable: bool = False) -> list[AppliedUnit]:
+               switchable: bool = False, defer_materialize: bool = False) -> list[AppliedUnit]:
     """Apply ``plan`` to ``module`` in place on the 1-D data-parallel ``mesh``; returns the applied units.
 
     Args:
@@ -330,6 +350,8 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
         device: where resident units live (default: the mesh's device for this rank).
         switchable: checkpoint hooks on every block, off where the plan does not recompute
             (:func:`set_checkpointing` switches them later; used by re-planning).
+        defer_materialize: leave meta parameters on meta (step 5 is the caller's: :func:`materialize`, e.g. with
+            the disk tier's units streamed).
     """
     if plan.world_size != mesh.size():
         raise ValueError(f"plan was made for world size {plan.world_size}, the mesh has {mesh.size()} ranks; "
@@ -341,7 +363,8 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
     apply_activation_checkpointing(module, plan, switchable=switchable)  # 2. recompute before sharding (hooks order)
     shard_units(module, plan, units, mesh)                  # 3. fully_shard per unit, then the root
     apply_prefetch(units, plan.forward_prefetch, plan.backward_prefetch)  # 4. explicit prefetch
-    materialize(module, units, device)                      # 5. allocate + initialise meta parameters
+    if not defer_materialize:
+        materialize(module, units, device)                  # 5. allocate + initialise meta parameters
     return units
 
 

@@ -24,13 +24,16 @@ counts them (``UnitTerms.fetch``); no buffer of the whole model.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
@@ -61,6 +64,7 @@ class _Unit:
     pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
     nbytes: dict[int, int] = field(default_factory=dict)  # storage bytes per parameter id, to resize back to
     stored: bool = False  # the store holds this unit's current weights
+    blank: bool = False  # allocated never: its first fetch gives memory without reading (initialisation follows)
     resident: bool = True  # its shards have memory (their values valid once ``pending`` is done)
     pending: list[Future[Any]] = field(default_factory=list)
 
@@ -135,6 +139,35 @@ class DiskParameters:
             storage.resize_(0)
         u.resident = False
 
+    def drop_blank(self, index: int) -> None:
+        """Drop unit ``index``'s freshly allocated, not yet initialised shards without writing them: its next fetch
+        gives them memory again without reading (:meth:`paging`, while the model is initialised unit by unit)."""
+        u = self.by_index[index]
+        self._wait(u)
+        for p, start, _ in u.pieces:
+            storage = _local(p).untyped_storage()
+            u.nbytes[id(p)] = storage.nbytes()
+            self._owners[storage._cdata] = (u, p, start)
+            storage.resize_(0)
+        u.resident, u.stored, u.blank = False, False, True
+
+    @contextmanager
+    def paging(self, window: int = 1) -> Iterator[None]:
+        """Within: any torch operation on a dropped unit's parameter first brings that unit back (read, or only
+        allocated if :meth:`drop_blank` dropped it), and at most ``window`` units are held this way (the least
+        recently used one is written and dropped first); on exit the held ones are written and dropped. What runs
+        inside sees the whole model, so an initialisation (``reset_parameters``, ``init_weights``) gives the values
+        it gives in RAM, with the same random draws in the same order, while host memory holds ``window`` units."""
+        if window < 1:
+            raise ValueError(f"paging(window={window}): hold at least one unit")
+        mode = _PageOnTouch(self, window)
+        try:
+            with mode:
+                yield
+        finally:
+            for u in mode.held:
+                self.release(u.index)
+
     def fetch(self, index: int) -> None:
         """Start reading unit ``index``'s shards back (nothing to do if they are held or on their way)."""
         u = self.by_index[index]
@@ -148,10 +181,10 @@ class DiskParameters:
                 # FSDP2's padding past the local shard (uneven shards): all-gathered, never used; zeroed anyway.
                 flat = torch.empty(0, dtype=local.dtype).set_(storage, 0, (storage.nbytes() // local.element_size(),), (1,))
                 flat[local.storage_offset() + local.numel():].zero_()
-            if n:
+            if n and not u.blank:
                 u.pending.append(self.store.read_into(self.name(u.index), _raw(local), start * local.element_size()))
                 self.bytes_read += n * local.element_size()
-        u.resident = True
+        u.resident, u.blank = True, False
         self.fetches += 1
         self.peak_resident = max(self.peak_resident, len(self.resident_units))
 
@@ -243,18 +276,69 @@ class DiskParameters:
         wrap("post_forward", then_release)
         wrap("post_backward", then_release)
 
-    def close(self) -> None:
-        """After training: remove the hooks and hold every unit again, so the module is usable as it was; each
-        unit's gradients are dropped before its weights come back, so this needs no more memory than a step
-        did (the store is the caller's to close)."""
+    def held_bytes(self) -> int:
+        """Host bytes every unit's shards take when held (what :meth:`close` reads back)."""
+        return sum(sum(_local(p).numel() * _local(p).element_size() for p, _, _ in u.pieces) for u in self.units)
+
+    def close(self, read_back: bool = True) -> None:
+        """After training: remove the hooks and, with ``read_back``, hold every unit again, so the module is usable
+        as it was; each unit's gradients are dropped before its weights come back, so this needs no more memory
+        than a step did beside the weights. Without it the weights stay in the store only and the shards hold
+        memory that was never read (untouched pages: no host memory), not the weights (the store is the caller's
+        to close)."""
         for group, name, _ in reversed(self._restore):
             if name in vars(group):
                 delattr(group, name)
         self._restore.clear()
+        if not read_back:
+            self.settle()
+            for u in self.units:
+                for p, _, _ in u.pieces:
+                    p.grad = None
+                    # Memory behind every view FSDP2 holds again (a zero-byte storage under a shaped tensor is read
+                    # out of bounds), but never read: pages nobody touches take no host memory. The values are not
+                    # the weights; the strategy stops the module's forward and checkpoints from using them.
+                    _local(p).untyped_storage().resize_(u.nbytes[id(p)])
+                u.resident = True
+            return
         for u in self.units:
             for p, _, _ in u.pieces:
                 p.grad = None
             self.ensure(u.index)
+
+
+class _PageOnTouch(TorchFunctionMode):
+    """:meth:`DiskParameters.paging`'s mode: brings a dropped unit back when an operation touches its shards."""
+
+    def __init__(self, disk: DiskParameters, window: int) -> None:
+        super().__init__()
+        self.disk, self.window = disk, window
+        self.held: list[_Unit] = []  # units this mode brought back, least recently touched first
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                try:
+                    hit = self.disk._owners.get(_local(t).untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):  # a tensor without a storage (sparse, nested)
+                    continue
+                if hit is not None:
+                    self._touch(hit[0])
+        return func(*args, **kwargs)
+
+    def _touch(self, u: _Unit) -> None:
+        if u in self.held:
+            self.held.remove(u)
+            self.held.append(u)
+            return
+        if u.resident:
+            return  # held by its hooks or by the caller: not this mode's to drop
+        while len(self.held) >= self.window:
+            self.disk.release(self.held.pop(0).index)
+        self.disk.ensure(u.index)
+        u.stored = False  # what runs next may change it: written back when dropped
+        self.held.append(u)
 
 
 def fsdp_group(module: nn.Module, units: Sequence[Any], index: int) -> Any:

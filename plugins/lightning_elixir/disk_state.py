@@ -147,8 +147,9 @@ class DiskOptimizerState:
                 + sum(n * size for u, n in self.lengths.items() if u in self.master_units)
                 + sum(n * size for u, n in self.lengths.items() if u in self.grad_units))
 
-    def close(self) -> None:
-        """Remove the hooks, and tier 3's (its units hold their weights again; the store is the caller's to close)."""
+    def close(self, read_back: bool = True) -> None:
+        """Remove the hooks, and tier 3's (with ``read_back`` its units hold their weights again, else they stay in
+        the store only: :meth:`DiskParameters.close`; the store is the caller's to close)."""
         for h in self._handles:
             h.remove()
         self._freed_staging = self.staging_bytes
@@ -162,7 +163,7 @@ class DiskOptimizerState:
                         self._undo_zero_grad()
         finally:
             if self.master is not None:
-                self.master.close()  # the units hold their weights again even when a gradient write failed
+                self.master.close(read_back)  # the units hold their weights again even when a gradient write failed
 
     # ---- hooks: the disk parameters leave the user's step and step here ------------------------------
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:

@@ -22,6 +22,7 @@ Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``el
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -35,7 +36,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated, is_sharded
+from lightning_elixir.apply import (
+    AppliedUnit,
+    apply_plan,
+    describe_units,
+    is_replicated,
+    is_sharded,
+    materialize,
+)
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.disk_attach import attach_disk_state, clips_by_norm
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
@@ -55,7 +63,10 @@ from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
-from tightfit.storage import return_large_frees
+from tightfit.storage import host_available_bytes, return_large_frees
+
+# After fit, tier-3 weights are read back into the module only with this much more host memory free than they take.
+READ_BACK_MARGIN = 1.25
 
 __all__ = ["ElixirStrategy"]
 
@@ -153,6 +164,8 @@ class ElixirStrategy(ModelParallelStrategy):
         # How the plan runs: "FSDP2" (fully_shard per unit), or "DDP" for a plan that replicates every unit on the
         # device without recomputation (composable replicate: lightning_elixir.replicate); set at setup.
         self.runtime = ""
+        self._left_on_disk: str | None = None  # after fit: why tier-3 weights were not read back (None: they were)
+        self._streamed_init = False  # setup: the model's allocation waits for the disk tier (tier-3 units on meta)
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -198,8 +211,12 @@ class ElixirStrategy(ModelParallelStrategy):
                 self.units = apply_replicated(module, self.plan, self.device_mesh, device=self.root_device)
             else:
                 self.runtime = "FSDP2"
+                # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised
+                # once the disk tier is attached, one unit at a time (below), never whole in host memory.
+                self._streamed_init = (trainer.state.fn == TrainerFn.FITTING and bool(self.plan.param_disk_units)
+                                       and self.options.disk_dir is not None)
                 self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
-                                        switchable=self.options.replan)
+                                        switchable=self.options.replan, defer_materialize=self._streamed_init)
             self._report(trainer)
             if self.options.replan:
                 self.replanner = Replanner(decision.profile, decision.cluster, self.options.memory_budget,
@@ -217,6 +234,10 @@ class ElixirStrategy(ModelParallelStrategy):
                 print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
                       f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",
                       flush=True)
+            if self._streamed_init:
+                streamed = self.disk_state.master if self.disk_state is not None else None
+                materialize(self._module, self.units, self.root_device, streamed=streamed)
+                self._streamed_init = False
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
             self.precision_plugin.bind(self.root_device)  # autocast and the loss scale on this rank's device
@@ -251,13 +272,40 @@ class ElixirStrategy(ModelParallelStrategy):
         for opt in self.optimizers:
             step_per_mesh(opt, fused_on_host=fused)
 
+    def _read_back(self, state: DiskOptimizerState) -> bool:
+        """After fit: whether the tier-3 units' weights come back into the module (they fit the host memory left,
+        with READ_BACK_MARGIN to spare); otherwise they stay in the store and this says so once."""
+        master = state.master
+        if master is None:
+            return True
+        need, free = master.held_bytes(), host_available_bytes()
+        if free is None or need * READ_BACK_MARGIN <= free:
+            return True
+        self._left_on_disk = (f"the fp32 weights of units {list(master.order)} ({need / 2**30:.2f} GiB on this rank) "
+                              f"stay in {state.store.path}, not read back into the module after fit: this host "
+                              f"has {free / 2**30:.2f} GiB free")
+        warnings.warn(f"[elixir] {self._left_on_disk}. The module cannot run or be checkpointed now; to keep the "
+                      "trained weights, checkpoint during fit (ModelCheckpoint, or trainer.save_checkpoint in a "
+                      "callback: it streams them from the store)", stacklevel=2)
+        owned = {id(p) for u in master.units for p, _, _ in u.pieces}
+        for m in self._module.modules():
+            if any(id(p) in owned for p in m.parameters(recurse=False)):
+                m.register_forward_pre_hook(self._refuse_left_on_disk)
+        return False
+
+    def _refuse_left_on_disk(self, *_: Any) -> None:
+        raise RuntimeError(f"{self._left_on_disk}: their parameters do not hold them. Load a checkpoint written "
+                           "during fit (ModelCheckpoint) into the module, or train with more host memory free at the "
+                           "end of fit")
+
     @override
     def teardown(self) -> None:
         state, self.disk_state = self.disk_state, None
         try:
             if state is not None:
                 try:
-                    state.close()  # a write that failed (disk full) is raised once the hooks are gone
+                    # a write that failed (disk full) is raised once the hooks are gone
+                    state.close(read_back=self._read_back(state))
                 finally:
                     state.store.close()
         finally:
@@ -323,6 +371,9 @@ class ElixirStrategy(ModelParallelStrategy):
     # ---- checkpoints ------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._left_on_disk is not None:
+            raise RuntimeError(f"cannot checkpoint: {self._left_on_disk}; checkpoint during fit (ModelCheckpoint, or "
+                               "trainer.save_checkpoint in a callback)")
         if storage_options is not None:
             raise TypeError("ElixirStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
                             "sharded torch.distributed.checkpoint directories")

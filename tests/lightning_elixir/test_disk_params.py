@@ -184,3 +184,104 @@ def test_tied_weights_cannot_wait_on_disk():
     tied = torch.nn.Parameter(w.data)  # shares w's storage
     with pytest.raises(ValueError, match="share one storage"):
         DiskParameters([(0, None, [(w, 0, 8), (tied, 4096, 8)])], store=None)  # type: ignore[arg-type]
+
+
+def test_a_model_built_on_meta_is_initialised_one_unit_at_a_time_equal_to_ram(tmp_path):
+    """``configure_model`` on meta with tier-3 units: each unit is allocated, initialised and written in turn (paged
+    in from the store as the initialisation touches it), never the whole model; the values are the in-RAM ones."""
+    import lightning as L
+
+    from lightning_elixir import ElixirStrategy
+    from tests.lightning_elixir.common import TinyGPT
+
+    plan = _tier3(_plan_with_disk(tmp_path))
+    assert len(plan.param_disk_units) >= 2
+    seen: list = []
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, module):
+            m = trainer.strategy.disk_state.master
+            seen.append((m.resident_units, m.peak_resident, all(u.stored for u in m.units), m.bytes_written,
+                         sum(n for u in m.units for _, _, n in u.pieces) * 4))
+
+    losses, weights, _ = _fit(_strategy(plan, tmp_path / "disk"), tmp_path / "a", devices=1, steps=STEPS,
+                              model_cls=lambda samples: TinyGPT(meta=True, samples=samples), callbacks=[AtStart()])
+    # The reference is built in __init__, eagerly, all in RAM.
+    ram_losses, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1,
+                                      steps=STEPS)
+    assert losses == ram_losses and len(losses) == STEPS * MICRO
+    for n in weights:
+        assert weights[n].equal(ram_weights[n]), n
+    held, peak, stored, written, total = seen[0]
+    assert held == () and stored  # initialised into the store, none held when training starts
+    assert peak == 1  # one tier-3 unit in memory at a time while the model was allocated and initialised
+    assert written >= 2 * total  # written after reset_parameters and again after init_weights
+
+
+def test_paging_brings_back_the_unit_an_operation_touches_and_writes_what_it_changed(tmp_path):
+    import torch
+
+    from lightning_elixir.disk_params import DiskParameters
+    from tightfit.storage import TensorStore
+
+    params = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(3)]
+    with TensorStore(tmp_path) as store:
+        disk = DiskParameters([(i, None, [(p, 0, 1024)]) for i, p in enumerate(params)], store)
+        for i in range(3):
+            disk.drop_blank(i)
+        assert disk.resident_units == () and all(p.untyped_storage().nbytes() == 0 for p in params)
+        with torch.no_grad(), disk.paging(window=1):
+            for i, p in enumerate(params):
+                p.fill_(i + 1.0)  # allocated without a read (blank), then filled
+            params[0].mul_(10.0)  # read back from the store (unit 1..2 dropped in turn)
+            assert disk.resident_units == (0,)
+        assert disk.resident_units == () and disk.peak_resident == 1
+        assert disk.bytes_read == 1024 * 4  # only unit 0's second touch read anything
+        for i, want in enumerate((10.0, 2.0, 3.0)):
+            disk.ensure(i)
+            assert params[i].eq(want).all(), (i, params[i][:4])
+        with pytest.raises(ValueError, match=r"paging\(window=0\)"):
+            with disk.paging(window=0):
+                pass
+
+
+def test_weights_that_do_not_fit_the_free_host_memory_stay_in_the_store_after_fit(tmp_path, monkeypatch):
+    """At teardown tier-3 weights come back into the module only if the host has room (READ_BACK_MARGIN times
+    their size free); here the margin is set beyond any host: they stay on disk, equal to the RAM run's, a warning
+    says where and how to keep them, and the module refuses to run or be checkpointed with what it holds."""
+    import lightning as L
+    import torch
+
+    import lightning_elixir.strategy as strategy_module
+    from lightning_elixir import ElixirStrategy
+    from tests.lightning_elixir.common import TinyGPT, token_data, trainer
+    from tightfit.storage import TensorStore
+
+    plan = _tier3(_plan_with_disk(tmp_path))
+    monkeypatch.setattr(strategy_module, "READ_BACK_MARGIN", float(2**60))
+    strategy = _strategy(plan, tmp_path / "disk")
+    kept = []
+    original_teardown = strategy.teardown
+    strategy.teardown = lambda: (kept.append(strategy.disk_state.master), original_teardown())  # type: ignore
+    L.seed_everything(0)
+    model = TinyGPT(samples=48)
+    t = trainer(strategy, tmp_path / "a", devices=1, max_steps=STEPS, accumulate_grad_batches=2,
+                gradient_clip_val=0.05)
+    with pytest.warns(UserWarning, match=r"stay in .*rank0, not read back into the module.*checkpoint during fit"):
+        t.fit(model)
+    master = kept[0]
+    with pytest.raises(RuntimeError, match=r"stay in .*do not hold them\. Load a checkpoint"):
+        model.model(token_data(2).tensors[0][:1])
+    with pytest.raises(RuntimeError, match=r"cannot checkpoint: .*stay in"):
+        t.save_checkpoint(tmp_path / "after.ckpt")
+    _, ram_weights, _ = _fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b", devices=1, steps=STEPS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    with TensorStore(tmp_path / "disk" / "rank0") as store:
+        checked = 0
+        for u in master.units:
+            for p, start, n in u.pieces:
+                got = torch.empty(n)
+                store.read_into(master.name(u.index), got, start * 4).result()
+                assert got.equal(ram_weights[names[id(p)]].reshape(-1)), names[id(p)]
+                checked += 1
+    assert checked == sum(len(u.pieces) for u in master.units) > 0
