@@ -250,7 +250,7 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
         red_buf=0.0 if alias else p * spec.reduce_bytes,
         opt_tmp=owned * ctx.temp_per_elem if on_device and not on_disk else 0.0,
         kept=mode == "keep",
-        grad_state=owned * spec.master_bytes if on_device else 0.0,
+        grad_state=owned * spec.master_bytes if on_device and not grad_disk else 0.0,  # tier 4: not in state
         disk=owned * (streamed + grad_disk) if on_disk else 0.0,
         disk_io=io,
         fetch=fetch,
