@@ -80,25 +80,49 @@ def peak_rss() -> int:
     return -1
 
 
+def thread_cpu() -> tuple[float, float]:
+    """(CPU seconds of the store's I/O threads, CPU seconds of every other thread) of this process so far: a
+    diagnostic of how much of the cores the disk tier's reads, writes and checksums take from the compute."""
+    import threading
+
+    io = {str(t.native_id) for t in threading.enumerate() if t.name.startswith("tightfit-io")}
+    hz = os.sysconf("SC_CLK_TCK")
+    io_s = other_s = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / hz  # utime + stime
+        if task.name in io:
+            io_s += cpu
+        else:
+            other_s += cpu
+    return io_s, other_s
+
+
 class StepClock:
-    """Marks of one step: start, end of backward, end; the disk bytes at each."""
+    """Marks of one step: start, end of backward, end; the disk bytes and the threads' CPU time at each."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
-        self._start: tuple[float, int, int] = (0.0, 0, 0)
-        self._mid: tuple[float, int, int] = (0.0, 0, 0)
+        self._start: tuple[float, ...] = (0.0, 0, 0, 0.0, 0.0)
+        self._mid: tuple[float, ...] = (0.0, 0, 0, 0.0, 0.0)
 
     def start(self) -> None:
-        self._start = (time.perf_counter(), *proc_io())
+        self._start = (time.perf_counter(), *proc_io(), *thread_cpu())
 
     def backward_done(self) -> None:
-        self._mid = (time.perf_counter(), *proc_io())
+        self._mid = (time.perf_counter(), *proc_io(), *thread_cpu())
 
     def end(self, loss: float) -> None:
-        t, r, w = time.perf_counter(), *proc_io()
-        (t0, r0, w0), (t1, r1, w1) = self._start, self._mid
+        t, r, w, io, other = time.perf_counter(), *proc_io(), *thread_cpu()
+        (t0, r0, w0, io0, other0), (t1, r1, w1, io1, other1) = self._start, self._mid
         self.steps.append({"wall_s": t - t0, "opt_s": t - t1, "read_bytes": r - r0, "write_bytes": w - w0,
-                           "opt_read_bytes": r - r1, "opt_write_bytes": w - w1, "loss": loss})
+                           "opt_read_bytes": r - r1, "opt_write_bytes": w - w1, "loss": loss,
+                           "io_cpu_fwd_bwd_s": io1 - io0, "other_cpu_fwd_bwd_s": other1 - other0,
+                           "io_cpu_opt_s": io - io1, "other_cpu_opt_s": other - other1})
 
 
 def digests(named: Any, master: Any = None, store_dir: Any = None) -> dict[str, str]:

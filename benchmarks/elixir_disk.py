@@ -133,7 +133,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
 
     from lightning_elixir.planning import profile_module, time_module_blocks
     from tightfit.models import GPTConfig, build_gpt
-    from tightfit.planner.elixir import search
+    from tightfit.planner.elixir import estimate, search
     from tightfit.planner.errors import PlanInfeasibleError
     from tightfit.profiler import calibrate_device, profile_device, profile_disk
     from tightfit.profiler.disk_presets import with_disk
@@ -190,9 +190,13 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
     units = tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False, grads_disk=False)
                   for u in plan.units)
     ram = dataclasses.replace(plan, units=units, disk_bytes_per_rank=0, disk_path="")
+    # The same units all in RAM, priced by the same model: its error against the RAM run is the compute model's
+    # share of the disk plan's error.
+    ram_priced = estimate(profile, cluster, units, forward_prefetch=plan.forward_prefetch,
+                          backward_prefetch=plan.backward_prefetch, **kw)
     return {"plan": plan, "ram_plan": ram, "disk": disk, "device": device, "state_bytes": state,
             "device_budget": device_budget, "host_budget": host, "params": profile.param_numel,
-            "target_host_infeasible": target_host_infeasible}
+            "target_host_infeasible": target_host_infeasible, "ram_predicted_step_s": ram_priced.step_time_s}
 
 
 def deepspeed_config(cfg: dict, disk: object, disk_dir: Path, lr: float, limit: int) -> dict:
@@ -271,6 +275,10 @@ def analyse(runs: dict[str, list[dict]], disk: object, plan: object) -> dict:
                     / s["stream_s"] for s in streamed])
                 row["stream_bytes_per_step"] = statistics.median(s["stream_read_bytes"] + s["stream_write_bytes"]
                                                                  for s in streamed)
+            if all("io_cpu_fwd_bwd_s" in s for s in steps):  # where the cores went (the threads' CPU seconds)
+                for key in ("io_cpu_fwd_bwd_s", "other_cpu_fwd_bwd_s", "io_cpu_opt_s", "other_cpu_opt_s"):
+                    row[key] = statistics.median(s[key] for s in steps)
+                row["fwd_bwd_s"] = statistics.median(s["wall_s"] - s["opt_s"] for s in steps)
             row["samples"] = [{k: v for k, v in s.items()} for s in steps]
         out[name] = row
     el = out.get("elixir disk", {})
@@ -357,6 +365,7 @@ def markdown(stats: dict, exact: dict, p: dict) -> tuple[str, dict]:
         f"- predicted step within 20% of measured: {yn(met['prediction'])}"
         + (f" (plan {pred:.2f} s vs measured {el['step_s']['median']:.2f} s, error {head['prediction_error']:.0%})"
            if pred is not None and "step_s" in el else ""),
+        *([_prediction_split(p, el, stats.get("ram", {}))] if not met["prediction"] else []),
         f"- disk at >= 70% of its profiled bandwidth in the optimizer phase: {yn(met['disk'])}"
         + (f" ({head['disk_fraction']:.2f})" if head["disk_fraction"] is not None else "")
         + (f"; the runtime's own timing of its streamed step (DiskOptimizerState.last_step): "
@@ -401,6 +410,25 @@ def markdown(stats: dict, exact: dict, p: dict) -> tuple[str, dict]:
                      f"{' (killed by the OOM killer)' if ds.get('oom_killed') else ''}: "
                      f"{'; '.join(e for e in ds['errors'] if e)[:400]}")
     return "\n".join(lines), head
+
+
+def _prediction_split(p: dict, el: dict, ram: dict) -> str:
+    """Where the disk plan's prediction error comes from: the compute model (the same units in RAM, priced by the
+    same model, against the RAM run) and the disk tier's forward/backward and optimizer phases, with the CPU
+    seconds the store's I/O threads took from the cores."""
+    if "step_s" not in el or "step_s" not in ram or p.get("ram_predicted_step_s") is None:
+        return "  - (no split: a contender did not finish)"
+    ram_pred, ram_step = p["ram_predicted_step_s"], ram["step_s"]["median"]
+    out = (f"  - the compute model's share: the same units all in RAM are priced at {ram_pred:.2f} s and measured "
+           f"{ram_step:.2f} s (error {abs(ram_pred - ram_step) / ram_step:.0%})")
+    if "fwd_bwd_s" in el and "fwd_bwd_s" in ram:
+        out += (f"; forward + backward took {el['fwd_bwd_s']:.2f} s on disk against {ram['fwd_bwd_s']:.2f} s in RAM, "
+                f"the optimizer phase {el['opt_s']['median']:.2f} s against {ram['opt_s']['median']:.2f} s; in forward + "
+                f"backward the store's I/O threads used {el['io_cpu_fwd_bwd_s']:.2f} CPU s (reading parameters ahead, "
+                f"writing gradients, checksums) and the other threads {el['other_cpu_fwd_bwd_s']:.2f} CPU s against "
+                f"{ram['other_cpu_fwd_bwd_s']:.2f} in RAM, on {os.cpu_count()} cores: the plan prices the disk's time "
+                "with the measured share of reads that hides behind compute, not the CPU the I/O takes from it")
+    return out
 
 
 def _plot(stats: dict) -> list[Path]:
@@ -499,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
               "deepspeed_unavailable": ds_reason,
               "device_budget": plans["device_budget"], "host_budget": plans["host_budget"],
               "target_host_infeasible": plans["target_host_infeasible"], "disk_dir_fs": mount_of(base).filesystem,
+              "ram_predicted_step_s": plans["ram_predicted_step_s"],
               "disk_read_gb_s": disk.read_fit[1] / 1e9, "disk_write_gb_s": disk.write_fit[1] / 1e9,
               "disk_request_mib": disk.request_bytes / MiB, "disk_queue_depth": disk.queue_depth,
               "disk_compute_overlap": disk.compute_overlap,

@@ -39,6 +39,32 @@ def test_step_clock_counts_the_bytes_this_process_writes_to_disk(tmp_path):
     assert step["opt_write_bytes"] >= len(payload) and step["write_bytes"] >= step["opt_write_bytes"]
 
 
+def test_step_clock_splits_the_cpu_between_the_stores_threads_and_the_rest():
+    import threading
+    import time
+
+    from benchmarks._elixir_disk_child import StepClock
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    clock = StepClock()
+    clock.start()
+    worker = threading.Thread(target=spin, args=(0.3,), name="tightfit-io_0")  # named as the store's pool names them
+    worker.start()
+    spin(0.15)  # this (main) thread: "other"
+    clock.backward_done()
+    spin(0.3)
+    worker.join()
+    clock.end(1.0)
+    (step,) = clock.steps
+    # A thread's CPU counts where it was alive at the mark: the worker ran in forward+backward and ended after it.
+    assert step["io_cpu_fwd_bwd_s"] >= 0.1 and step["other_cpu_fwd_bwd_s"] >= 0.1
+    assert step["other_cpu_opt_s"] >= 0.25
+
+
 def _run(steps: list[tuple[float, float, int, int]], ok: bool = True, peak: int = 1 << 30, oom: bool = False) -> dict:
     return {"ok": ok, "steps": [{"wall_s": w, "opt_s": o, "read_bytes": r, "write_bytes": wr, "opt_read_bytes": r,
                                   "opt_write_bytes": wr, "loss": 2.0} for w, o, r, wr in steps],
