@@ -18,12 +18,11 @@ from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
-from tightfit.storage.host import host_available_bytes, return_large_frees
+from tightfit.storage.host import return_large_frees
 from tightfit.storage.store import DEFAULT_EXTENT_BYTES, DEFAULT_WORKERS, TensorInfo, TensorStore
 
 __all__ = [
     "TensorStore",
-    "host_available_bytes",
     "TensorInfo",
     "StorageError",
     "ChecksumError",

@@ -62,8 +62,9 @@ from lightning_elixir.replicate import (
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
+from tightfit.profiler.host_memory import host_available_bytes
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
-from tightfit.storage import host_available_bytes, return_large_frees
+from tightfit.storage import return_large_frees
 
 # After fit, tier-3 weights are read back into the module only with this much more host memory free than they take.
 READ_BACK_MARGIN = 1.25
