@@ -55,9 +55,17 @@ HERE = Path(__file__).resolve().parent
 TARGETS = {"prediction_error": 0.20, "disk_fraction": 0.70, "vs_deepspeed": 1.5, "state_over_limit": 3.0}
 CONTENDERS = ("elixir disk", "deepspeed nvme", "ram")
 DS_UNCAPPED = "deepspeed nvme, no cap"  # run only where the capped DeepSpeed run was killed by the limit
-# DeepSpeed's parameter swapper holds every parameter of the module it gathers in its own buffer of the largest
-# parameter's size: a GPT block has 12 tensors (weights and biases) and the head/embedding one; prefetch is off.
-PARAM_BUFFERS = 14
+
+
+def param_buffers(cfg: dict) -> int:
+    """Buffers for DeepSpeed's parameter swapper: half the model's parameter tensors, plus 16.
+
+    It takes one buffer (of the largest parameter's size) per parameter it swaps in and returns them late: on the
+    24-block benchmark GPT (293 parameter tensors) 14, 28 and 80 buffers all failed in the first forward ("Not
+    enough buffers 0 for swapping 1"); 160 ran (uncapped: peak 10.3 GB, 5.7 s a step), as did 400 (18.1 GB). So
+    the uncapped peer can be timed; no count fits the limit."""
+    tensors = 12 * cfg["layers"] + 4 + (0 if cfg.get("tie_embeddings", True) else 1)  # blocks, wte, wpe, ln_f, head
+    return tensors // 2 + 16
 
 
 def model_config(quick: bool) -> dict:
@@ -214,7 +222,7 @@ def deepspeed_config(cfg: dict, disk: object, disk_dir: Path, lr: float, limit: 
             "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir), "pin_memory": False,
                                   "pipeline_read": False, "pipeline_write": False, "buffer_count": 4},
             "offload_param": {"device": "nvme", "nvme_path": str(disk_dir), "pin_memory": False,
-                              "buffer_count": PARAM_BUFFERS, "buffer_size": int(largest), "max_in_cpu": 0},
+                              "buffer_count": param_buffers(cfg), "buffer_size": int(largest), "max_in_cpu": 0},
         },
         "aio": {"block_size": int(disk.request_bytes), "queue_depth": int(disk.queue_depth),  # type: ignore[attr-defined]
                 "intra_op_parallelism": 1, "single_submit": False, "overlap_events": True},

@@ -118,6 +118,15 @@ def test_the_deepspeed_peer_is_configured_as_zero_infinity_with_the_profiled_aio
     assert not zero["offload_optimizer"]["pin_memory"] and not zero["offload_param"]["pin_memory"]
     assert zero["offload_param"]["buffer_size"] >= cfg["vocab_size"] * cfg["hidden"]  # holds the largest parameter
     assert ds["optimizer"]["params"]["torch_adam"] is True
+    # Buffers for half the model's parameter tensors and 16 more (fewer failed in the first forward, see
+    # param_buffers), counted on the model itself, at both sizes.
+    from benchmarks.elixir_disk import param_buffers
+    from tightfit.models import GPTConfig, build_gpt
+
+    for c in (cfg, model_config(quick=False)):
+        tensors = len(list(build_gpt(GPTConfig(**c), device="meta").parameters()))
+        assert param_buffers(c) == tensors // 2 + 16
+    assert zero["offload_param"]["buffer_count"] == param_buffers(cfg)
     assert (ds["aio"]["block_size"], ds["aio"]["queue_depth"]) == (disk.request_bytes, disk.queue_depth)
 
 
