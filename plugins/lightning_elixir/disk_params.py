@@ -131,6 +131,17 @@ class DiskParameters:
         self._wait(u)
         if not u.stored:
             self._write_unit(u)
+        self._free(u)
+
+    def drop_blank(self, index: int) -> None:
+        """Drop unit ``index``'s freshly allocated, not yet initialised shards without writing them: its next fetch
+        gives them memory again without reading (:meth:`paging`, while the model is initialised unit by unit)."""
+        u = self.by_index[index]
+        self._wait(u)
+        self._free(u)
+        u.stored, u.blank = False, True
+
+    def _free(self, u: _Unit) -> None:
         for p, start, _ in u.pieces:
             # Looked up at each drop: loading a checkpoint may have given FSDP2 a new local tensor.
             storage = _local(p).untyped_storage()
@@ -138,18 +149,6 @@ class DiskParameters:
             self._owners[storage._cdata] = (u, p, start)
             storage.resize_(0)
         u.resident = False
-
-    def drop_blank(self, index: int) -> None:
-        """Drop unit ``index``'s freshly allocated, not yet initialised shards without writing them: its next fetch
-        gives them memory again without reading (:meth:`paging`, while the model is initialised unit by unit)."""
-        u = self.by_index[index]
-        self._wait(u)
-        for p, start, _ in u.pieces:
-            storage = _local(p).untyped_storage()
-            u.nbytes[id(p)] = storage.nbytes()
-            self._owners[storage._cdata] = (u, p, start)
-            storage.resize_(0)
-        u.resident, u.stored, u.blank = False, False, True
 
     @contextmanager
     def paging(self, window: int = 1) -> Iterator[None]:
