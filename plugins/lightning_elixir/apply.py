@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -287,10 +288,8 @@ def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.devic
     ``init_weights()`` of the outermost modules that define it (e.g. :class:`tightfit.models.GPT`,
     whose GPT-2 initialisation and tied head it restores).
 
-    ``streamed``: the tier-3 units' parameters (``DiskParameters``): each of those units is allocated and dropped
-    in turn, and the initialisation runs with the units paged in from the store one at a time as it touches them
-    (``DiskParameters.paging``), so the model is never whole in host memory; the values are those of the
-    in-memory initialisation (same operations, same random draws, same order).
+    ``streamed`` (tier-3 units' ``DiskParameters``): those units are allocated and dropped in turn, initialised
+    paged in one at a time as touched (``DiskParameters.paging``: same values, draws and order as in memory).
     """
     if not _has_meta(module, recurse=True):
         return False
@@ -313,11 +312,8 @@ def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.devic
     for unit in units:
         if unit.index in paged and not unit.modules and streamed is not None:
             streamed.drop_blank(unit.index)  # a unit the root group holds: allocated with the root's parameters
-    if streamed is None:
+    with streamed.paging() if streamed is not None else nullcontext():
         _initialise(module)
-    else:
-        with streamed.paging():
-            _initialise(module)
     return True
 
 
@@ -350,8 +346,7 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
         device: where resident units live (default: the mesh's device for this rank).
         switchable: checkpoint hooks on every block, off where the plan does not recompute
             (:func:`set_checkpointing` switches them later; used by re-planning).
-        defer_materialize: leave meta parameters on meta (step 5 is the caller's: :func:`materialize`, e.g. with
-            the disk tier's units streamed).
+        defer_materialize: leave step 5 (:func:`materialize`) to the caller (e.g. with the disk tier streamed).
     """
     if plan.world_size != mesh.size():
         raise ValueError(f"plan was made for world size {plan.world_size}, the mesh has {mesh.size()} ranks; "
