@@ -373,7 +373,7 @@ def markdown(stats: dict, exact: dict, p: dict) -> tuple[str, dict]:
         f"- predicted step within 20% of measured: {yn(met['prediction'])}"
         + (f" (plan {pred:.2f} s vs measured {el['step_s']['median']:.2f} s, error {head['prediction_error']:.0%})"
            if pred is not None and "step_s" in el else ""),
-        *([_prediction_split(p, el, stats.get("ram", {}))] if not met["prediction"] else []),
+        _prediction_split(p, el, stats.get("ram", {})),
         f"- disk at >= 70% of its profiled bandwidth in the optimizer phase: {yn(met['disk'])}"
         + (f" ({head['disk_fraction']:.2f})" if head["disk_fraction"] is not None else "")
         + (f"; the runtime's own timing of its streamed step (DiskOptimizerState.last_step): "
