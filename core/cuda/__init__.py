@@ -9,7 +9,9 @@ checked against the reference on a small probe; a disagreement falls back to the
 
 Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``),
 :mod:`tightfit.cuda.varlen_attention` (``paged_attention``, ``store_kv``; native: :mod:`~tightfit.cuda.varlen_attention_cpu`),
-:mod:`tightfit.cuda.elementwise` (``silu_mul``, ``rotary_``: native and reference only).
+:mod:`tightfit.cuda.elementwise` (``silu_mul``, ``rotary_``: native and reference only),
+:mod:`tightfit.cuda.gumbel` (``gumbel_argmax``: one Gumbel-max draw per row with counter-based noise; native and
+reference only).
 
 How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layout):
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tightfit.checks import check_number
+from tightfit.cuda.gumbel import counter_uniform, gumbel_argmax
 
 __all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
            "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
@@ -153,16 +154,6 @@ class SampleOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
 
-_M31 = 0x7FFFFFFF
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """An integer hash of 31-bit values (int64 tensors; products stay below 2**58, so nothing overflows)."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
-    return x ^ (x >> 16)
-
-
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -170,18 +161,9 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``(B, vocab)`` uniforms in (0, 1), a pure function of each row's ``(seed, position)`` and the token index.
-
-    Counter-based, so a request's draw for the token at ``position`` is the same whatever ran before it
-    (batch mates, a preemption and recompute, a prefill split into chunks), with no generator state to keep.
-    """
-    dev = seeds.device
-    key = _mix((seeds ^ (seeds >> 31)) & _M31)
-    key = _mix(key ^ _mix((positions * 0x2545F491) & _M31))
-    cols = (torch.arange(vocab, device=dev, dtype=torch.long) * 0x9E3779B1) & _M31
-    x = _mix(_mix((key[:, None] ^ cols[None, :]) & _M31) ^ key[:, None])
-    return (x.to(torch.float64) + 0.5).div_(2.0 ** 31).float()
+#: ``(B, vocab)`` uniforms, a pure function of each row's ``(seed, position)`` and the token index: the noise of
+#: every draw (:func:`tightfit.cuda.gumbel.counter_uniform`).
+uniform_noise = counter_uniform
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -255,28 +237,37 @@ class Sampler:
             return SampleOutput(out.tolist())
         sub = [params[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.long, device=dev)
-        raw = logits.index_select(0, index).float()
+        raw = (logits if len(rows) == len(params) else logits.index_select(0, index)).float()  # no copy for all rows
         scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
         ban = [(j, t) for j, i in enumerate(rows) for t in banned.get(i, ()) if 0 <= t < vocab]
         if ban:
             scores = scores.clone() if scores is raw else scores
             scores[torch.tensor([j for j, _ in ban], device=dev), torch.tensor([t for _, t in ban], device=dev)] = \
                 float("-inf")
-        greedy = torch.tensor([p.greedy for p in sub], device=dev)
-        choice = _argmax(scores)
-        if not bool(greedy.all()):
+        greedy_rows = [p.greedy for p in sub]
+        if not all(greedy_rows):
             pos = positions if positions is not None else [0] * len(seq_ids)
             seeds = torch.tensor([self.seed_of(seq_ids[i], params[i]) for i in rows], dtype=torch.long, device=dev)
             where = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=dev)
             filtered = filter_logits(scores, sub)
-            gumbel = -torch.log(-torch.log(uniform_noise(seeds, where, vocab)))
-            choice = torch.where(greedy, choice, _argmax(filtered + gumbel))
-            # An overflow (logits / a tiny temperature reaching +inf, or NaN) would make softmax NaN: fail the row.
-            broken = torch.isnan(filtered).any(dim=-1) | torch.isposinf(filtered).any(dim=-1)
-            usable = greedy | (torch.isfinite(filtered).any(dim=-1) & ~broken)
+            drawn = gumbel_argmax(filtered, seeds, where)
+            # The drawn token's score says whether the row could be sampled: it is NaN or +inf where the row has
+            # one (logits / a tiny temperature overflowed: softmax would be NaN), -inf where it has no finite one.
+            usable = torch.isfinite(filtered.gather(1, drawn[:, None])[:, 0])
+            choice = drawn
+            if any(greedy_rows):
+                greedy = torch.tensor(greedy_rows, device=dev)
+                choice, usable = torch.where(greedy, _argmax(scores), drawn), greedy | usable
         else:
             usable = torch.ones(len(rows), dtype=torch.bool, device=dev)
-        ok = torch.isfinite(raw).any(dim=-1) & usable
+            choice = _argmax(scores)
+        # A row has a finite logit where its largest is finite; only a NaN or +inf largest needs the whole row.
+        largest = raw.gather(1, out.index_select(0, index)[:, None])[:, 0]
+        finite = torch.isfinite(largest)
+        odd = torch.isnan(largest) | torch.isposinf(largest)
+        if bool(odd.any()):
+            finite = finite | (odd & torch.isfinite(raw).any(dim=-1))
+        ok = finite & usable
         out = out.index_copy(0, index, torch.where(ok, choice, torch.zeros_like(choice)))
         result = SampleOutput(out.tolist())
         for j in (~ok).nonzero().flatten().tolist():  # rows that fail alone (empty in a healthy batch)
@@ -341,8 +332,9 @@ class Sampler:
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``(B, V)`` logits divided by each row's temperature, with tokens outside its top-k / top-p set to ``-inf``."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype, device=dev)  # 0: greedy rows
-    logits = logits / temps[:, None]
+    temps = [p.temperature or 1.0 for p in params]  # 0: greedy rows
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         kmax = max(ks)
