@@ -22,6 +22,7 @@ says why and stops.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -41,6 +42,10 @@ from benchmarks.common import parser, write_result
 from benchmarks.peers import vllm_cli, vllm_env, vllm_python
 
 NAME = "energon_serve"
+# `tightfit serve` runs in a process of its own and its model in a worker of that: import here what they run, so
+# the result records that code and goes stale when it changes.
+SERVED = ("energon_infer.serving.serve", "energon_infer.serving.server", "energon_infer.worker.runtime",
+          "energon_infer.worker.model")
 TITLE = "energon_infer serving vs vLLM, through vLLM's own benchmark client (vllm bench serve)"
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 6, 384, 6, 2, 1024, 8192
@@ -165,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__ or NAME)
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 2 quick, 3 full)")
     args = p.parse_args(argv)
+    for module in SERVED:
+        importlib.import_module(module)
     py, why = vllm_python(install=True)
     if py is None:
         print(f"{NAME}: no vLLM peer ({why}); nothing to compare", file=sys.stderr)
