@@ -91,7 +91,7 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def _scatter_add_rows_kernel(dst_ptr, src_ptr, sorted_idx_ptr, order_ptr, starts_ptr, ends_ptr, n_cols,
-                                 dst_s0, dst_s1, src_s0, src_s1, BLOCK_D: tl.constexpr):
+                                 dst_s0, dst_s1, src_s0, src_s1, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
         # One program per (position in sorted order, column block); only the first position of
         # each run of equal indices does work, so every destination row is written exactly once.
         i = tl.program_id(0)
@@ -101,13 +101,13 @@ def _kernels() -> dict[str, Any]:
         if start == i:
             end = tl.load(ends_ptr + i)
             row = tl.load(sorted_idx_ptr + i).to(tl.int64)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_D], dtype=ACC)
             for j in range(start, end):
                 pos = tl.load(order_ptr + j).to(tl.int64)
-                acc += tl.load(src_ptr + pos * src_s0 + cols * src_s1, mask=cmask, other=0.0).to(tl.float32)
+                acc += tl.load(src_ptr + pos * src_s0 + cols * src_s1, mask=cmask, other=0.0).to(ACC)
             dst = dst_ptr + row * dst_s0 + cols * dst_s1
             old = tl.load(dst, mask=cmask, other=0.0)
-            tl.store(dst, (old.to(tl.float32) + acc).to(old.dtype), mask=cmask)
+            tl.store(dst, (old.to(ACC) + acc).to(old.dtype), mask=cmask)
 
     return {"gather": _gather_rows_kernel, "scatter": _scatter_rows_kernel, "scatter_add": _scatter_add_rows_kernel}
 
@@ -147,7 +147,7 @@ def scatter_rows_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tenso
 
 
 def scatter_add_rows_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Triton launcher: ``dst[index[i]] += src[i]`` in place, fp32 accumulation, deterministic."""
+    """Triton launcher: ``dst[index[i]] += src[i]`` in place, fp32 accumulation (fp64 for fp64), deterministic."""
     kernels = _kernels()
     n_idx, n_cols = src.shape
     if n_idx and n_cols:
@@ -158,7 +158,8 @@ def scatter_add_rows_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.T
         _, block_d = _blocks(n_cols)
         grid = (n_idx, triton.cdiv(n_cols, block_d))
         kernels["scatter_add"][grid](dst, src, sorted_idx, order, starts, ends, n_cols, dst.stride(0),
-                                     dst.stride(1), src.stride(0), src.stride(1), BLOCK_D=block_d)
+                                     dst.stride(1), src.stride(0), src.stride(1), BLOCK_D=block_d,
+                                     ACC=tl.float64 if dst.dtype == torch.float64 else tl.float32)
     return dst
 
 

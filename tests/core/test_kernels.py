@@ -182,6 +182,17 @@ def test_scatter_add_rows_matches_reference_with_duplicates(shape, dtype):
 
 @RunIf(triton=True)
 @triton_interp
+def test_scatter_add_rows_keeps_float64_precision():
+    # 1 + 3e-9 is 1.0 in fp32: a kernel that sums fp64 rows in fp32 loses every update here.
+    dst = torch.ones(2, 5, dtype=torch.float64)
+    src = torch.full((3, 5), 1e-9, dtype=torch.float64)
+    got = scatter_add_rows(dst.clone(), torch.zeros(3, dtype=torch.int64), src, backend="triton")
+    assert torch.equal(got[0], torch.full((5,), 1.0 + 3e-9, dtype=torch.float64))
+    assert torch.equal(got[1], dst[1])
+
+
+@RunIf(triton=True)
+@triton_interp
 def test_strided_views_and_skewed_indices():
     """Non-contiguous tables (a transposed view) and a hot row hit 50 times, as frequency-skewed lookups do."""
     base = _table(24, 40, torch.float32)
