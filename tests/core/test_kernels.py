@@ -238,10 +238,12 @@ for dt in ("fp32", "bf16", "fp16"):
         sig = {"dst_ptr": "*" + dt, "idx_ptr": "*" + idx, "src_ptr": "*" + dt, "n_idx": "i32", "n_cols": "i32",
                **{n: "i64" for n in ("dst_s0", "dst_s1", "src_s0", "src_s1")}, "BLOCK_M": "constexpr", "BLOCK_D": "constexpr"}
         assert compile_for_gpu(k["scatter"], sig, {"BLOCK_M": 32, "BLOCK_D": 128})["cubin"]
+for dt in ("fp32", "bf16", "fp16", "fp64"):  # fp64 rows are summed in fp64, the others in fp32
     sig = {"dst_ptr": "*" + dt, "src_ptr": "*" + dt, "sorted_idx_ptr": "*i64", "order_ptr": "*i64", "starts_ptr": "*i64",
            "ends_ptr": "*i64", "n_cols": "i32", **{n: "i64" for n in ("dst_s0", "dst_s1", "src_s0", "src_s1")},
-           "BLOCK_D": "constexpr"}
-    assert compile_for_gpu(k["scatter_add"], sig, {"BLOCK_D": 128})["cubin"]
+           "BLOCK_D": "constexpr", "ACC": "constexpr"}
+    acc = index_rows.tl.float64 if dt == "fp64" else index_rows.tl.float32
+    assert compile_for_gpu(k["scatter_add"], sig, {"BLOCK_D": 128, "ACC": acc})["cubin"]
 print("compiled")
 """
 
