@@ -50,8 +50,13 @@ def _launch_two_nodes(strategy: str, out: Path) -> list[dict]:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
+    written = all((out / f"{strategy}-rank{r}.json").exists() for r in range(2))
     for node, log in zip(nodes, logs):
-        assert node.returncode == 0, log[-4000:]
+        # The c10d rendezvous lives in the store of the launcher that bound the endpoint: a launcher that finishes
+        # after it may find the store gone when it shuts the rendezvous down, and exit 1 with both ranks done
+        # (seen in a loaded make test run). The results are checked against one process below either way.
+        teardown_only = written and "failed to shutdown the rendezvous" in log
+        assert node.returncode == 0 or teardown_only, log[-4000:]
     return [json.loads((out / f"{strategy}-rank{r}.json").read_text()) for r in range(2)]
 
 
