@@ -84,6 +84,11 @@ def main() -> None:
               "num_nodes": trainer.num_nodes, "strategy": type(trainer.strategy).__name__,
               "group_rank_env": os.environ.get("GROUP_RANK"), "losses": losses.values}
     (args.out / f"{args.strategy}-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    # Leave together: a rank that exited while its peer still tore gloo down aborted in its own teardown
+    # ("terminate called without an active exception", SIGABRT) with its results already written.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
