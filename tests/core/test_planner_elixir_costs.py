@@ -264,3 +264,39 @@ def test_a_recomputed_forward_prefetches_the_next_unit_again(calibrated, df, pea
     plan = estimate(prof, cluster, units, forward_prefetch=df, optimizer="adamw", precision="32-true",
                     constraints=ElixirConstraints(**NO_MARGIN))
     assert (plan.peak_bytes, plan.memory.phase, plan.memory.block) == (peak, "backward", "layers.0")
+
+
+def test_replicated_units_hold_copies_unless_the_whole_plan_runs_on_ddp():
+    # Calibrated, one dtype: a plan that replicates every unit on the device without recompute runs on DDP, which
+    # computes on the master parameters (no gathered copy); any other plan runs its replicate units as FSDP2 groups
+    # of one rank, which gather into a copy (P * c) and reduce through their own buffers.
+    import dataclasses
+
+    from tightfit.planner.elixir.replan import replan_in_place
+
+    cluster = _cluster()
+    cluster = ClusterSpec.uniform(dataclasses.replace(cluster.devices[0], comm_overlap=0.0), 2)
+
+    def plan(u0: dict, u1: dict):
+        units = [UnitPlan(blocks=("layers.0",), **u0), UnitPlan(blocks=("layers.1",), **u1)]
+        return estimate(_profile(), cluster, units, optimizer="adamw", precision="32-true",
+                        constraints=ElixirConstraints(**NO_MARGIN))
+
+    ddp = plan({"mode": "replicate"}, {"mode": "replicate"})
+    assert [u.gathered_bytes for u in ddp.units] == [0, 0]
+    mixed = plan({"mode": "replicate"}, {"mode": "reshard"})
+    assert [u.gathered_bytes for u in mixed.units] == [1000 * 4, 2000 * 4]
+    recomputed = plan({"mode": "replicate", "checkpoint": ("layers.0",)}, {"mode": "replicate"})
+    assert [u.gathered_bytes for u in recomputed.units] == [1000 * 4, 2000 * 4]
+    # The same state per unit either way: only the copies differ, and they raise the peak.
+    assert [u.device_bytes for u in mixed.units][0] == [u.device_bytes for u in ddp.units][0]
+    assert recomputed.peak_bytes > ddp.peak_bytes
+    # Re-planning keeps FSDP2 groups: the all-replicate plan, re-planned in place, is priced with its copies.
+    again = replan_in_place(_profile(), cluster, ddp, memory_budget=10**9, constraints=ElixirConstraints(**NO_MARGIN))
+    assert again is not None and [u.gathered_bytes for u in again.units] == [1000 * 4, 2000 * 4]
+    assert again.peak_bytes > ddp.peak_bytes
+    # Uncalibrated, every replicate unit is priced with its copies, as before.
+    plain = estimate(_profile(), _cluster(), [UnitPlan(blocks=("layers.0",), mode="replicate"),
+                                              UnitPlan(blocks=("layers.1",), mode="replicate")],
+                     optimizer="adamw", precision="32-true", constraints=ElixirConstraints(**NO_MARGIN))
+    assert [u.gathered_bytes for u in plain.units] == [1000 * 4, 2000 * 4]

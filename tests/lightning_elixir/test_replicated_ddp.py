@@ -113,3 +113,33 @@ def test_only_a_plan_that_replicates_every_unit_on_the_device_without_recompute_
         assert not replicates_everything(replace(plan, units=(changed, *plan.units[1:])))
     # Mixed precision casts the parameters for compute (FSDP2's MixedPrecisionPolicy): not plain DDP.
     assert not replicates_everything(replace(plan, param_dtype="bfloat16"))
+
+
+def _unsharded_storage(rank: int, world: int) -> tuple[bool, bool]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model[0], mesh=hsdp)
+    fully_shard(model, mesh=hsdp)
+    sharded = model[0].weight.to_local()
+    seen: dict[str, bool] = {}
+
+    def before_forward(mod, _inputs) -> None:
+        seen["aliased"] = mod.weight.untyped_storage().data_ptr() == sharded.untyped_storage().data_ptr()
+
+    model[0].register_forward_pre_hook(before_forward)
+    model(torch.randn(4, 32)).sum().backward()
+    grad = model[0].weight.grad.to_local()
+    return seen["aliased"], grad.untyped_storage().data_ptr() == sharded.untyped_storage().data_ptr()
+
+
+def test_fsdp2_copies_a_replicated_unit_which_the_planner_prices_unless_the_plan_runs_as_ddp():
+    # The planner prices a replicate unit of a mixed plan (an FSDP2 group on a (world, 1) mesh) with a gathered copy
+    # of its parameters, and one of an all-replicate plan (DDP) without: FSDP2 copies the one-rank shard into its
+    # all-gather output. If a torch release aliases them, the planner's rule (sim.unit_terms) should follow.
+    for aliased_params, aliased_grads in run_distributed(_unsharded_storage, world_size=2):
+        assert not aliased_params and not aliased_grads

@@ -101,7 +101,8 @@ def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms
     holds when gradients exist only from their backward on) takes its own minimum through ``grad_state``;
     ``kept=False`` is the least at every point for the same gathered bytes.
     """
-    opts = [ev.terms(a, b, m, o) for m in space.modes for o in space.offload]
+    # A replicated unit of a plan that runs on DDP holds no copies at all: its terms count among the minima too.
+    opts = [ev.terms(a, b, m, o, ddp) for m in space.modes for o in space.offload for ddp in {False, ev.ddp}]
     state = min(t.state for t in opts)
     mem = UnitTerms(
         cf=0.0, cb=0.0, h2d_f=0.0, ag_f=0.0, h2d_b=0.0, ag_b=0.0, red=0.0, d2h=0.0, opt=0.0,
@@ -131,6 +132,8 @@ def _choices(ev: Evaluator, space: Space, a: int, b: int) -> list[tuple[str, int
             t = ev.terms(a, b, m, o)
             # Everything but the host and disk bytes: equal signatures behave identically on the device.
             sig = tuple(getattr(t, f) for f in UnitTerms.__slots__ if f not in _OFF_DEVICE)  # type: ignore[attr-defined]
+            # A choice a DDP plan can be made of is not interchangeable with one that has the same FSDP2 terms.
+            sig += (ev.on_ddp((m,), (o,), ()),)
             mine = (int(o), t.host, t.disk, m, o)
             same = kept.setdefault(sig, [])
             if any(all(x <= y for x, y in zip(other[:3], mine[:3])) for other in same):
@@ -146,7 +149,10 @@ def _choices(ev: Evaluator, space: Space, a: int, b: int) -> list[tuple[str, int
         base = t.cf + t.cb + t.opt + t.h2d_f + t.ag_f + t.h2d_b + t.ag_b + t.red + t.d2h
         for subset in _product(flags):
             rc = sum(ctx.rfwd[i] for i, f in zip(range(a, b), subset) if f)
-            out.append((base + rc, int(o) + sum(subset), m, o, subset, t))
+            # A choice that a DDP plan can be made of is bounded by its DDP terms (no more memory, the same
+            # durations) until the leaf prices the whole plan with the terms it really runs with.
+            bound = ev.terms(a, b, m, o, True) if ev.on_ddp((m,), (o,), subset) else t
+            out.append((base + rc, int(o) + sum(subset), m, o, subset, bound))
     out.sort(key=lambda c: (c[0], c[1]))
     return [(m, o, s, t) for _, _, m, o, s, t in out]
 
@@ -204,9 +210,10 @@ class _Family:
         def visit(u: int, host: float, disk: float, fx: tuple[float, float]) -> None:
             if u == k:
                 decided = [bool(x) for x in ck_mem]  # every unit chose its subset: no None left
+                real = ev.terms_for(ul, modes, offs, decided)
                 cand = Candidate(units=units, modes=tuple(modes), offload=tuple(offs), ckpt=tuple(decided), df=df,
-                                 db=db, time=step_time(ctx, ul, terms, decided, df, db),
-                                 peak=peak(ctx, ul, terms, decided, df, db), host=host + counted * sum(fx), disk=disk)
+                                 db=db, time=step_time(ctx, ul, real, decided, df, db),
+                                 peak=peak(ctx, ul, real, decided, df, db), host=host + counted * sum(fx), disk=disk)
                 ev.evaluations += 1
                 if cand.peak <= budget and (best[0] is None or cand.key < best[0].key):
                     best[0] = cand

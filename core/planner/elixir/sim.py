@@ -74,7 +74,7 @@ class Context:
     compute_model: str = "FLOPs / rate"  # or "measured block timings"
     overhead: tuple[tuple[str, tuple[float, float, float]], ...] = ()  # per-unit (fwd, bwd, opt) s by mode
     overlap: float = -1.0            # measured comm/compute overlap; < 0: full overlap assumed
-    alias_replicated: bool = False   # replicate units hold no second copy of parameters / gradients (see unit_terms)
+    alias_replicated: bool = False   # calibrated, one dtype: a plan on DDP holds no second copy (see unit_terms)
     grads_on_demand: bool = False    # gradients exist from their backward on (zero_grad(set_to_none=True)), see peak
     unified: bool = False            # host and device are one memory: offloaded state counts in the device peak
     disk: DiskProfile | None = None  # the disk tier's profile (the slowest over the ranks); None: no disk tier
@@ -194,9 +194,10 @@ def _dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
-def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> UnitTerms:
+def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int, *, on_ddp: bool = False) -> UnitTerms:
     """Price blocks ``[start, end)`` as one unit in state tier ``offload`` (0 device, 1 host, 2 disk; bools
-    read as 0 and 1); the formulas are on :class:`UnitTerms`' fields."""
+    read as 0 and 1); the formulas are on :class:`UnitTerms`' fields. ``on_ddp``: the unit belongs to a plan
+    that runs on DDP (``evaluator.runs_on_ddp``), whose replicated parameters and gradients are not copied."""
     if offload in DISK_CODES and ctx.disk is None:
         raise ValueError("a unit with its optimizer state on disk needs a disk tier: give every device a disk "
                          "profile (DeviceProfile.disk, from tightfit.profiler.profile_disk(disk_dir))")
@@ -228,11 +229,10 @@ def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int) -> U
     fetch = owned * fetched
     fetch_s = disk_seconds(ctx.disk, fetch, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
     grad_w = disk_seconds(ctx.disk, owned * grad_disk, write=True, sharers=ctx.ranks_per_node) if ctx.disk else 0.0
-    # A replicate unit on a shard group of one rank, without a dtype cast, computes on its own master parameters
-    # and gradients (measured on 2 CPU ranks, 5.8 M parameters fp32: DDP and replicate plans peak at 140 MiB, state +
-    # activations; pricing a gathered copy and a gradient copy gave 228 MiB).
-    # Only in the calibrated model, so uncalibrated numbers stay as they were.
-    alias = mode == "replicate" and ctx.alias_replicated
+    # DDP computes on the master parameters and gradients (2 CPU ranks, 5.8 M fp32: DDP peaks at 140 MiB, state +
+    # activations; priced with both copies, 228). In any other plan a replicate unit is an FSDP2 group on a (world, 1)
+    # mesh, which copies its one-rank shard into the all-gather output and reduces through its own buffers.
+    alias = mode == "replicate" and ctx.alias_replicated and on_ddp
     return UnitTerms(
         cf=sum(ctx.fwd[start:end]) + ovh_f,
         cb=sum(ctx.bwd[start:end]) + ovh_b,

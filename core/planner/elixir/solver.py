@@ -185,7 +185,7 @@ def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan
 # ---- internals --------------------------------------------------------------------------------
 def detail(ev: S.Evaluator, c: S.Candidate) -> Detail:
     d = Detail()
-    terms = [ev.terms(a, b, m, o) for (a, b), m, o in zip(c.units, c.modes, c.offload)]
+    terms = terms_of(ev, c)
     step_time(ev.ctx, list(c.units), terms, list(c.ckpt), c.df, c.db, d)
     peak(ev.ctx, list(c.units), terms, list(c.ckpt), c.df, c.db, d)
     return d
@@ -199,8 +199,7 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
     disk_io = 0.0
     # Accumulating tier 4's gradients in RAM between micro-batches holds all of them at once: only if that fits.
     grads_on_host = c.host + sum(t.grad_buf for t in terms_of(ev, c)) <= host_budget
-    for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
-        t = ev.terms(a, b, m, o)
+    for u, (t, (a, b), m, o) in enumerate(zip(terms_of(ev, c), c.units, c.modes, c.offload)):
         disk_io += t.disk_io
         rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
@@ -233,7 +232,7 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
 
 
 def terms_of(ev: S.Evaluator, c: S.Candidate) -> list:
-    return [ev.terms(a, b, m, o) for (a, b), m, o in zip(c.units, c.modes, c.offload)]
+    return ev.terms_for(c.units, c.modes, c.offload, c.ckpt)
 
 
 def describe_model(ctx: Context, cluster: ClusterSpec, *, disk: bool = False) -> str:

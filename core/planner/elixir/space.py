@@ -37,7 +37,8 @@ from tightfit.planner.elixir.disk import (
     disk_bytes,
     host_bytes,
 )
-from tightfit.planner.elixir.sim import MODES, Context, UnitTerms, peak, step_time, unit_terms
+from tightfit.planner.elixir.evaluator import Candidate, Evaluator
+from tightfit.planner.elixir.sim import MODES, Context
 
 __all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
            "groupings", "compositions", "least_memory_choice"]
@@ -54,70 +55,6 @@ class Space:
     checkpointing: bool
     depths: tuple[int, ...]
     unit_blocks: tuple[int, ...] | None  # blocks per unit to try in greedy mode (None: auto)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    units: tuple[tuple[int, int], ...]
-    modes: tuple[str, ...]
-    offload: tuple[int, ...]  # state tier per unit: 0 device, 1 host, 2 optimizer state on disk (bools read as 0/1)
-    ckpt: tuple[bool, ...]
-    df: int
-    db: int
-    time: float
-    peak: float
-    host: float
-    disk: float = 0.0
-
-    def fits(self, host_budget: float, disk_budget: float) -> bool:
-        """Within the host and disk budgets (the device budget is the caller's)."""
-        return self.host <= host_budget and self.disk <= disk_budget
-
-    @property
-    def changes(self) -> int:
-        # A disk unit counts as two changes (host offload, then its state to disk): equal times prefer the host.
-        return sum(self.offload) + sum(self.ckpt)
-
-    @property
-    def key(self) -> tuple[float, int, float]:
-        # Fastest first; among equal times (1e-9 relative) the one that offloads and recomputes least.
-        return (float(f"{self.time:.9e}"), self.changes, self.peak)
-
-    @property
-    def family(self) -> str:
-        lengths = [b - a for a, b in self.units]
-        sizes = sorted(set(lengths))
-        if len(sizes) == 1:
-            return f"{len(self.units)} units of {sizes[0]} block(s)"
-        if len(lengths) <= 6:
-            return f"{len(self.units)} units of {'+'.join(map(str, lengths))} blocks"
-        return f"{len(self.units)} units of {sizes[0]}-{sizes[-1]} blocks"
-
-
-class Evaluator:
-    """Prices candidates, caching each unit's terms."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self._terms: dict[tuple[int, int, str, int], UnitTerms] = {}
-        self.evaluations = 0
-
-    def terms(self, a: int, b: int, mode: str, off: int) -> UnitTerms:
-        key = (a, b, mode, off)
-        t = self._terms.get(key)
-        if t is None:
-            t = self._terms[key] = unit_terms(self.ctx, a, b, mode, off)
-        return t
-
-    def make(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[int],
-             ckpt: Sequence[bool], df: int, db: int) -> Candidate:
-        self.evaluations += 1
-        u = list(units)
-        terms = [self.terms(a, b, m, o) for (a, b), m, o in zip(u, modes, offload)]
-        ck = list(ckpt)
-        return Candidate(units=tuple(u), modes=tuple(modes), offload=tuple(offload), ckpt=tuple(ck), df=df, db=db,
-                         time=step_time(self.ctx, u, terms, ck, df, db), peak=peak(self.ctx, u, terms, ck, df, db),
-                         host=host_bytes(self.ctx, terms), disk=disk_bytes(terms))
 
 
 def compositions(n: int) -> Iterator[tuple[tuple[int, int], ...]]:
