@@ -146,23 +146,13 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def peak_flops(n: int = 768, repeats: int = 20, warm_s: float = 1.0) -> float:
-    """The fp32 matmul rate of every core (the best of ``repeats`` after ``warm_s`` of the same product), FLOP/s.
+def peak_flops() -> float:
+    """The fp32 matmul rate of every core, FLOP/s: :func:`benchmarks.energon_engine.peak_flops` over 1.5 s of 768-square
+    products. The first products of a fresh process ran at a quarter of the rate (38 and 51 GFLOP/s, then 140-219),
+    and one of them once became the whole limit; the best over a second and a half is past them."""
+    from benchmarks.energon_engine import peak_flops as best_rate
 
-    Warmed first: the first few products of a fresh process ran at a quarter of the rate (38 and 51 GFLOP/s,
-    then 140-219), and one of them once became the whole limit."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    end = time.perf_counter() + warm_s
-    while time.perf_counter() < end:
-        a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * n ** 3 / best
-
-
-def _timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return best_rate(768, 20, seconds=1.5)
 
 
 def flops_per_token(vocab: int) -> float:
