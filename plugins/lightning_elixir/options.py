@@ -154,6 +154,8 @@ class ElixirOptions:
             force_offload=cons.force_offload or self.offload == "all",
             allow_checkpointing=cons.allow_checkpointing and self.activation_checkpointing is not False,
             force_checkpointing=cons.force_checkpointing or self.activation_checkpointing is True,
+            # Re-planning keeps FSDP2 units, so an all-replicate plan runs on FSDP2, not DDP (strategy.setup).
+            replicate_on_ddp=cons.replicate_on_ddp and not self.replan,
         )
 
 

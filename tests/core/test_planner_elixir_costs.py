@@ -295,6 +295,15 @@ def test_replicated_units_hold_copies_unless_the_whole_plan_runs_on_ddp():
     again = replan_in_place(_profile(), cluster, ddp, memory_budget=10**9, constraints=ElixirConstraints(**NO_MARGIN))
     assert again is not None and [u.gathered_bytes for u in again.units] == [1000 * 4, 2000 * 4]
     assert again.peak_bytes > ddp.peak_bytes
+    # An all-replicate plan that runs on FSDP2 (ElixirStrategy(replan=True)) is priced with its copies from the start.
+    on_fsdp2 = estimate(_profile(), cluster, [UnitPlan(blocks=("layers.0",), mode="replicate"),
+                                              UnitPlan(blocks=("layers.1",), mode="replicate")],
+                        optimizer="adamw", precision="32-true",
+                        constraints=ElixirConstraints(**NO_MARGIN, replicate_on_ddp=False))
+    assert [u.gathered_bytes for u in on_fsdp2.units] == [1000 * 4, 2000 * 4]
+    assert on_fsdp2.peak_bytes == again.peak_bytes
+    with pytest.raises(ValueError, match="replicate_on_ddp=.no.*True"):
+        ElixirConstraints(replicate_on_ddp="no")  # type: ignore[arg-type]
     # Uncalibrated, every replicate unit is priced with its copies, as before.
     plain = estimate(_profile(), _cluster(), [UnitPlan(blocks=("layers.0",), mode="replicate"),
                                               UnitPlan(blocks=("layers.1",), mode="replicate")],

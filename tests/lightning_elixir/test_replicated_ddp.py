@@ -143,3 +143,11 @@ def test_fsdp2_copies_a_replicated_unit_which_the_planner_prices_unless_the_plan
     # all-gather output. If a torch release aliases them, the planner's rule (sim.unit_terms) should follow.
     for aliased_params, aliased_grads in run_distributed(_unsharded_storage, world_size=2):
         assert not aliased_params and not aliased_grads
+
+
+def test_replanning_plans_replicated_units_as_the_fsdp2_groups_it_runs():
+    # replan=True keeps FSDP2 (strategy.setup): the search must not price an all-replicate plan as DDP runs it.
+    from lightning_elixir.options import ElixirOptions
+
+    assert ElixirOptions().planner_constraints().replicate_on_ddp
+    assert not ElixirOptions(replan=True).planner_constraints().replicate_on_ddp

@@ -62,15 +62,11 @@ class Candidate:
 
 
 class Evaluator:
-    """Prices candidates, caching each unit's terms.
+    """Prices candidates, caching each unit's terms. A plan that replicates everything is priced as DDP runs it
+    where ``ctx.alias_replicated`` (calibrated, one dtype, and ``ElixirConstraints.replicate_on_ddp``)."""
 
-    ``ddp``: a plan that replicates everything runs on DDP (the strategy's default); ``False`` where every plan
-    runs on FSDP2 (re-planning keeps FSDP2 units, whose replicate groups copy their parameters).
-    """
-
-    def __init__(self, ctx: Context, *, ddp: bool = True) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.ddp = ddp
         self._terms: dict[tuple[int, int, str, int, bool], UnitTerms] = {}
         self.evaluations = 0
 
@@ -83,7 +79,7 @@ class Evaluator:
 
     def on_ddp(self, modes: Sequence[str], offload: Sequence[int], ckpt: Sequence[bool | None]) -> bool:
         """Whether a plan of these choices runs on DDP (priced without FSDP2's copies of replicated units)."""
-        return self.ddp and runs_on_ddp(modes, offload, [bool(c) for c in ckpt])
+        return self.ctx.alias_replicated and runs_on_ddp(modes, offload, [bool(c) for c in ckpt])
 
     def terms_for(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[int],
                   ckpt: Sequence[bool]) -> list[UnitTerms]:

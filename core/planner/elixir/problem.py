@@ -50,6 +50,9 @@ class ElixirConstraints:
         exhaustive: ``True`` exact search, ``False`` greedy, ``None`` exact when the space has at
             most ``exhaustive_limit`` plans.
         exhaustive_limit: see ``exhaustive``.
+        replicate_on_ddp: a plan that replicates every unit on the device without recompute runs on DDP
+            (``ElixirStrategy``'s default), which computes on the replicated parameters and gradients themselves;
+            ``False`` where it runs on FSDP2 (``ElixirStrategy(replan=True)``), whose one-rank groups copy them.
         replication_margin: with memory to spare, the plan DDP would run (one unit, replicated, nothing
             offloaded or recomputed) is kept unless another is predicted faster by more than this fraction
             (0.10 = 10%, about the calibrated model's error; 0 = the fastest prediction always wins).
@@ -72,6 +75,7 @@ class ElixirConstraints:
     allow_disk_params: bool = True
     allow_disk_grads: bool = True
     replication_margin: float = 0.10
+    replicate_on_ddp: bool = True
 
     def __post_init__(self) -> None:
         where = "ElixirConstraints"
@@ -95,6 +99,9 @@ class ElixirConstraints:
         if not (isinstance(self.replication_margin, (int, float)) and 0 <= self.replication_margin < 1):
             raise PlanError(f"ElixirConstraints.replication_margin={self.replication_margin!r}: must be in [0, 1), "
                             "e.g. 0.1 (0: always take the fastest prediction)")
+        if not isinstance(self.replicate_on_ddp, bool):
+            raise PlanError(f"ElixirConstraints.replicate_on_ddp={self.replicate_on_ddp!r}: use True (an all-replicate "
+                            "plan runs on DDP) or False (it runs on FSDP2)")
         if not 0 <= self.fragmentation < 1:
             raise PlanError(f"ElixirConstraints.fragmentation={self.fragmentation}: must be in [0, 1), e.g. 0.1")
         if not 0 < self.host_memory_fraction <= 1:
@@ -220,6 +227,8 @@ class ElixirProblem:
         budget, reserved = resolve_budget(self.memory_budget, cluster, cons)
         ctx = build_context(model, cluster, precision=self.precision, optimizer=self.optimizer,
                             fragmentation=cons.fragmentation, reserved=reserved)
+        if not cons.replicate_on_ddp:
+            ctx = replace(ctx, alias_replicated=False)
         if act_scale != 1.0:
             ctx = replace(ctx, saved=tuple(x * act_scale for x in ctx.saved), ckpt=tuple(x * act_scale for x in ctx.ckpt),
                           transient=tuple(x * act_scale for x in ctx.transient),

@@ -74,7 +74,7 @@ class Context:
     compute_model: str = "FLOPs / rate"  # or "measured block timings"
     overhead: tuple[tuple[str, tuple[float, float, float]], ...] = ()  # per-unit (fwd, bwd, opt) s by mode
     overlap: float = -1.0            # measured comm/compute overlap; < 0: full overlap assumed
-    alias_replicated: bool = False   # calibrated, one dtype: a plan on DDP holds no second copy (see unit_terms)
+    alias_replicated: bool = False   # calibrated, one dtype, replicate_on_ddp: DDP plans hold no copy (unit_terms)
     grads_on_demand: bool = False    # gradients exist from their backward on (zero_grad(set_to_none=True)), see peak
     unified: bool = False            # host and device are one memory: offloaded state counts in the device peak
     disk: DiskProfile | None = None  # the disk tier's profile (the slowest over the ranks); None: no disk tier
