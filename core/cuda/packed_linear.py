@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import forced_backend
 
-__all__ = ["MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "packing_available", "pack_linear_weight", "packed_linear"]
+__all__ = ["ACTIVATIONS", "MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "apply_activation", "packing_available",
+           "pack_linear_weight", "packed_linear"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # one row: F.linear is as fast (see the module docstring)
@@ -97,6 +98,56 @@ def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) ->
     return packed
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` from the weight :func:`pack_linear_weight` returned (``x``: ``(..., in)``)."""
-    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
+#: activation -> (oneDNN post-op, algorithm) fused into the product's epilogue, and the PyTorch it stands for.
+ACTIVATIONS = {
+    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+    "gelu": ("gelu", "none", F.gelu),
+    "relu": ("relu", "", F.relu),
+}
+
+
+def apply_activation(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """``y`` through :data:`ACTIVATIONS`' ``activation`` (``""``: unchanged), as PyTorch computes it."""
+    return ACTIVATIONS[activation][2](y) if activation else y
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str = "") -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from the weight :func:`pack_linear_weight` returned (``x``: ``(..., in)``),
+    then ``activation`` (a key of :data:`ACTIVATIONS`, ``""`` for none).
+
+    The activation runs in oneDNN's epilogue, on the output while it is in cache. Measured here, 2 threads, a
+    256 -> 1024 projection with bias and tanh GELU (GPT-2's MLP up projection at hidden 256): 32 rows 97 -> 58 us,
+    512 rows 1169 -> 602 us, 3000 rows 6.8 -> 3.4 ms, against the product alone 51, 528 and 3012 us: PyTorch's
+    separate ``gelu`` cost as much as the product. Where the fused result disagrees with PyTorch's on a probe (checked
+    once per activation and dtype), the activation runs separately.
+    """
+    if activation and not _fuses(activation, packed.dtype):
+        return apply_activation(torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], ""),
+                                activation)
+    attr, algorithm = ACTIVATIONS[activation][:2] if activation else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, attr, [], algorithm)
+
+
+_FUSES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fuses(activation: str, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's fused ``activation`` matches PyTorch's on a probe (cached per activation and dtype)."""
+    key = (activation, dtype)
+    if key not in _FUSES:
+        attr, algorithm, ref = ACTIVATIONS[activation]
+        w = torch.linspace(-1.0, 1.0, 64 * 32, dtype=torch.float32).view(64, 32).to(dtype)
+        probe = torch.linspace(-3.0, 3.0, 5 * 32, dtype=torch.float32).view(5, 32).to(dtype)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            got = torch.ops.mkldnn._linear_pointwise.default(probe, packed, None, attr, [], algorithm).float()
+            want = ref(F.linear(probe.float(), w.float()))
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            _FUSES[key] = bool(torch.allclose(got, want, rtol=tol, atol=tol))
+        except (RuntimeError, TypeError):
+            _FUSES[key] = False
+        if not _FUSES[key]:
+            _warn_once(f"fuse:{activation}:{dtype}", f"oneDNN's fused {activation} disagrees with PyTorch's for "
+                       f"{dtype}; the activation runs separately")
+    return _FUSES[key]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tightfit.cuda.packed_linear import MIN_ROWS, pack_linear_weight, packed_linear
+from tightfit.cuda.packed_linear import MIN_ROWS, apply_activation, pack_linear_weight, packed_linear
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
 from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
 from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
@@ -225,7 +225,11 @@ class _Projection(nn.Module):
         self._packed_from = (id(w), w._version)
         return 0 if self.packed is None else w.numel() * w.element_size()
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "") -> torch.Tensor:
+        """``activation(x W^T + bias)``; ``activation`` a key of ``packed_linear.ACTIVATIONS`` (``""``: none), fused
+        into the product where the weight is packed."""
+        if activation and self.packed is None:
+            return apply_activation(self.matmul(x, bias), activation)
         # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 128 or 32
         # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         # Else prefill (more rows than the kernel takes: dequantised from the tiles in C) or
@@ -242,9 +246,9 @@ class _Projection(nn.Module):
         packed, w = self.packed, self.weight
         if packed is not None and x.shape[0] >= MIN_ROWS:
             if (id(w), w._version) == self._packed_from:
-                return packed_linear(x, packed, bias)
+                return packed_linear(x, packed, bias, activation)
             self.packed = None  # stale: the weight was replaced or written since
-        return F.linear(x, w, bias)
+        return apply_activation(F.linear(x, w, bias), activation)
 
 
 def pack_weights(module: nn.Module) -> int:
@@ -267,8 +271,8 @@ class ColumnLinear(_Projection):
         self.weight = linear_weight(out_local, in_features, dtype, device)
         self.bias = _empty((out_local,), dtype, device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, activation: str = "") -> torch.Tensor:
+        return self.matmul(x, self.bias, activation)
 
 
 class RowLinear(_Projection):
@@ -282,6 +286,8 @@ class RowLinear(_Projection):
         self.bias = _empty((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grid.tp == 1:  # nothing to reduce: the bias goes into the product (one pass fewer)
+            return self.matmul(x, self.bias)
         y = self.grid.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 

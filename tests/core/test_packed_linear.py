@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tightfit.cuda.packed_linear import MIN_NUMEL, pack_linear_weight, packed_linear, packing_available
+from tightfit.cuda.packed_linear import (
+    ACTIVATIONS,
+    MIN_NUMEL,
+    apply_activation,
+    pack_linear_weight,
+    packed_linear,
+    packing_available,
+)
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
 
@@ -26,6 +33,31 @@ def test_packed_linear_equals_f_linear_fp32(rows, inp, out, bias, transposed, se
     packed = pack_linear_weight(w, min_numel=0)
     assert packed is not None
     torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), inp=st.integers(1, 70), out=st.integers(1, 90), bias=st.booleans(),
+       activation=st.sampled_from(sorted(ACTIVATIONS)), seed=st.integers(0, 2**16))
+def test_an_activation_fused_into_the_product_equals_pytorch_after_it(rows, inp, out, bias, activation, seed):
+    # GPT-2's tanh GELU (and GELU, ReLU) run in oneDNN's epilogue: the same values as F.linear, then PyTorch's op.
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    x = torch.randn(rows, inp, generator=g) * 2
+    packed = pack_linear_weight(w, min_numel=0)
+    assert packed is not None
+    want = apply_activation(F.linear(x, w, b), activation)
+    torch.testing.assert_close(packed_linear(x, packed, b, activation), want, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_activation_is_pytorch_and_refuses_an_unknown_name():
+    y = torch.linspace(-4, 4, 17)
+    torch.testing.assert_close(apply_activation(y, "gelu_tanh"), F.gelu(y, approximate="tanh"))
+    torch.testing.assert_close(apply_activation(y, "relu"), F.relu(y))
+    assert apply_activation(y, "") is y
+    with pytest.raises(KeyError):
+        apply_activation(y, "swish")
 
 
 def _onednn_bf16() -> bool:

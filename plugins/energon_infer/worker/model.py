@@ -48,6 +48,10 @@ def _activation(name: str):
     return {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[name]
 
 
+#: a model's activation -> the name a projection fuses into its product (``packed_linear.ACTIVATIONS``)
+_FUSED = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
 class _Norm(nn.Module):
     """LayerNorm or RMSNorm (RMSNorm in fp32 and cast back, as LLaMA's reference does)."""
 
@@ -116,6 +120,7 @@ class Block(nn.Module):
         self.up = ColumnLinear(h, inter * (2 if self.gated else 1), cfg.mlp_bias, dtype, device)
         self.down = RowLinear(inter, h, cfg.mlp_bias, grid, dtype, device)
         self.act = _activation(cfg.activation)
+        self.fused_act = _FUSED.get(cfg.activation, "")
         self.silu = cfg.activation == "silu"
 
     def attention(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -143,6 +148,8 @@ class Block(nn.Module):
         if self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
             return self.down(self.act(gate) * up)
+        if self.fused_act:
+            return self.down(self.up(x, self.fused_act))  # in the product's epilogue where it is packed
         return self.down(self.act(self.up(x)))
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
