@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -464,6 +465,10 @@ def _plot(stats: dict) -> list[Path]:
     return [path]
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through ``finally``: the child is killed, the work directory removed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to use (default: a temporary directory in /tmp)")
@@ -477,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     from tightfit.storage import mount_of
 
     base = Path(args.dir or tempfile.gettempdir())
+    # A SIGTERM (kill, a job scheduler, a timeout) ends the run through the cleanup below, not around it: the run's
+    # stores and swap files are several GiB (one killed run left 9.7 GiB in /tmp, and the next found its disk short).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="tightfit-elixir-disk-", dir=base))
     say = lambda m: print(f"[elixir_disk] {m}", file=sys.stderr, flush=True)  # noqa: E731
     load_before = os.getloadavg()

@@ -139,6 +139,27 @@ def test_the_deepspeed_peer_is_configured_as_zero_infinity_with_the_profiled_aio
     assert (ds["aio"]["block_size"], ds["aio"]["queue_depth"]) == (disk.request_bytes, disk.queue_depth)
 
 
+def test_a_terminated_run_removes_its_work_directory(tmp_path):
+    """SIGTERM while the run is under way (its work directory made): the process exits 143 and leaves nothing."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.elixir_disk", "--quick", "--dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not list(tmp_path.glob("tightfit-elixir-disk-*")) and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert list(tmp_path.glob("tightfit-elixir-disk-*")), "the run never made its work directory"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert not list(tmp_path.glob("tightfit-elixir-disk-*"))
+
+
 @pytest.mark.slow
 def test_quick_mode_writes_its_result(tmp_path):
     """The whole quick run (three contenders in their own processes, under the limit where root): the JSON the
