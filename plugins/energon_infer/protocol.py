@@ -46,6 +46,9 @@ class Step:
     With steps planned ahead (``depth > 1``): ``send_back`` has the last stage send this step's tokens
     straight to the first stage's ranks; ``take_back`` has those receive the previous ``send_back`` step
     of ``group``'s tokens and put them in place of the placeholders (``-1``) before running.
+    ``late``: admissions only, planned while the group's steps were all in flight (see
+    :meth:`~energon_infer.scheduling.scheduler.Scheduler.schedule_late`); a worker that has not yet started the
+    step before it runs both as one (:mod:`energon_infer.worker.late_steps`), else it runs after it.
     """
 
     step_id: int
@@ -61,6 +64,7 @@ class Step:
     history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, before anything else
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks, after the assignments
+    late: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,7 +146,7 @@ class Controller:
                 except QueueFullError:
                     self._wait_for_room(block, deadline)
             self.live[req.request_id] = req
-            wake = self.scheduler.in_flight < self.scheduler.capacity
+            wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
         if wake:
             self.wake()
 
@@ -177,7 +177,7 @@ class Controller:
             for req in reqs:
                 self.scheduler.add(req)
                 self.live[req.request_id] = req
-            wake = self.scheduler.in_flight < self.groups
+            wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
         if wake:
             self.wake()
 
@@ -221,6 +221,12 @@ class Controller:
                                 self.inflight[plan.step_id] = plan
                                 more = True
                         frees = [] if plans or self.inflight else self.scheduler.take_frees()
+                    # Arrivals while every step is in flight (none planned this turn): a late step each.
+                    for g in range(self.groups) if self.status == "ready" and not plans else ():
+                        late = self.scheduler.schedule_late(g)
+                        if late is not None:
+                            plans.append(late)
+                            self.inflight[late.step_id] = late
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan in plans:

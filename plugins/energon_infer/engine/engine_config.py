@@ -147,6 +147,7 @@ class EngineConfig:
         """The scheduler's limits once the workers have reported their cache: these options with its shape."""
         return replace(self.scheduler, kv_blocks=kv_blocks, block_size=block_size, max_context=max_context,
                        groups=self.groups, depth=self.depth,
+                       late_admission=self.scheduler.late_admission and self.runtime.tp * self.runtime.pp == 1,
                        preemption=self.scheduler.preemption if host_blocks else "recompute",
                        host_blocks=host_blocks, swap_s_per_block=swap_s_per_block,
                        recompute_s_per_token=recompute_s_per_token)

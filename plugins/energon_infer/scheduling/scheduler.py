@@ -145,6 +145,7 @@ class Scheduler:
         self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
                                    blocks=block_ids)
         self.preemptions = 0
+        self.late_steps = 0  # late steps planned (schedule_late)
         self.swap = SwapSpace(config.host_blocks, mode=config.preemption, swap_s_per_block=config.swap_s_per_block,
                               recompute_s_per_token=config.recompute_s_per_token)
         self._swap_out: list[tuple[int, int]] = []
@@ -152,6 +153,8 @@ class Scheduler:
         self._frees: list[int] = []
         self._busy, self._last_step = [0] * config.groups, [0] * config.groups
         self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
+        self._late = [False] * config.groups  # a late step (schedule_late) is in flight
+        self._last_tokens = [0] * config.groups  # tokens of the group's last planned step (a late one's budget)
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
@@ -362,19 +365,57 @@ class Scheduler:
                 budget -= took
         if not plan.step.items:
             return None
+        self._seal(plan, plan.step.step_id)
+        if ahead:
+            self._owed[group] = True
+        self._busy[group], self._last_step[group] = self._busy[group] + 1, plan.step.step_id
+        self._last_tokens[group] = plan.n_tokens
+        return plan
+
+    def _seal(self, plan: StepPlan, sampled_in: int) -> None:
+        """``plan`` leaves: its requests are in flight, and each sampled one's token counts as ``sampled_in``'s."""
         # Name the blocks this step fills only now: a block is shared from the next step on, once written
         # (and only blocks of known tokens: a placeholder's value comes later).
         for r in plan.requests:
             self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
         self._frees, self._swap_out, plan.started = [], [], self.clock()  # they left with the step
-        step_id = plan.step.step_id
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
             if sampled:
-                r.last_sampled = step_id
-        if ahead:
-            self._owed[group] = True
-        self._busy[group], self._last_step[group] = self._busy[group] + 1, step_id
+                r.last_sampled = sampled_in
+
+    def schedule_late(self, group: int) -> StepPlan | None:
+        """Admit waiting requests now, while every step of ``group`` is in flight (``late_admission``).
+
+        Without it an arrival waits for the step planned ahead to run before its prompt can (one whole step
+        of time to first token). The late step holds admissions only, so a worker that has not yet started
+        the step planned ahead can run both as one; otherwise it runs right after it. Either way its tokens
+        count as that step's: the group's next step feeds their placeholders. It is planned only when that
+        is safe in both orders: nothing freed or swapped out since the step planned ahead (so no block a step
+        in flight still writes is handed out), no swapped-in request, and no shared prefix (whose blocks a
+        step in flight may not have written yet). ``None``: no late step now.
+        """
+        cfg = self.config
+        if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous" or self._late[group]
+                or self._busy[group] < cfg.depth or not self.waiting or self._frees or self._swap_out):
+            return None
+        plan = StepPlan(Step(next(self._step_ids), [], [], {}, group=group, send_back=True, late=True))
+        budget = cfg.max_batch_tokens - self._last_tokens[group]  # the two may run as one step
+        share = math.ceil((len(self.running) + len(self.waiting)) / cfg.groups)
+        while self.waiting and len(plan.requests) < share and len(self.running) < cfg.max_running and budget > 0:
+            head = self.waiting[0]
+            shared, _, cow = self.blocks.lookup(self._tokens(head))
+            if head.swapped or head.computed or shared or cow:
+                break
+            took = self._admit(plan, head, budget)
+            if not took:
+                break
+            budget -= took
+        if not plan.step.items:
+            return None
+        self._seal(plan, self._last_step[group])
+        self._late[group] = True
+        self.late_steps += 1
         return plan
 
     def take_frees(self) -> list[int]:
@@ -404,7 +445,10 @@ class Scheduler:
         step = plan.step
         if len(tokens) != len(step.items):
             raise RuntimeError(f"step {step.step_id} ran {len(step.items)} sequences but returned {len(tokens)} tokens")
-        self._busy[step.group] -= 1
+        if step.late:
+            self._late[step.group] = False
+        else:
+            self._busy[step.group] -= 1
         out: list[tuple[Request, int | None, bool]] = []
         samples = plan.samples or [True] * len(tokens)
         for req, tok, sampled in zip(plan.requests, tokens, samples):
@@ -471,6 +515,7 @@ class Scheduler:
             req.swapped, req.computed = [], 0
         self._reserved, self._frees = 0, []
         self._busy, self._owed = [0] * self.config.groups, [False] * self.config.groups
+        self._late = [False] * self.config.groups
         return lost
 
     def drain_waiting(self) -> list[Request]:

@@ -73,6 +73,11 @@ class SchedulerConfig:
             the groups already keep every stage busy and planning ahead only adds the token messages
             (measured at pp=2, 64 sequences: 3228 tokens/s at depth 1, 2872 at depth 2, 2946 blocking);
             1 for a scheduler of its own.
+        late_admission: with steps planned ahead (``depth > 1``), a request that arrives while every step of its
+            group is in flight is admitted at once in a late, admissions-only step
+            (:meth:`~energon_infer.scheduling.scheduler.Scheduler.schedule_late`), which a single worker runs
+            together with the step planned ahead when that one has not started yet: the request's prompt runs
+            one step sooner. The engine uses it at ``tp = pp = 1`` only (several ranks could not agree on a merge).
         preemption: how an on-demand victim gives its blocks back: ``"recompute"``, ``"swap"`` (to
             ``host_blocks`` of host memory when they have room) or ``"auto"`` (whichever the measured
             ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper, recompute without host blocks;
@@ -93,6 +98,7 @@ class SchedulerConfig:
     prefix_caching: bool = True
     chunked_prefill: bool = False
     depth: int = AUTO
+    late_admission: bool = True
     preemption: Preemption = "auto"
     host_blocks: int = 0
     swap_s_per_block: float = 0.0

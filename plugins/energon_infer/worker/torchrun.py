@@ -158,10 +158,18 @@ class TorchrunWorkerGroup:
 
     def _local_worker(self, runner: Any, timer: Any) -> None:
         try:
-            serve_commands(runner, timer, 0, self._local.get, self.results.put)
+            # One rank alone may merge late steps into the step before them (it polls its queue).
+            poll = self._poll_local if self.world == 1 else None
+            serve_commands(runner, timer, 0, self._local.get, self.results.put, poll)
         except BaseException:
             self._failed.append((0, 1))
             self.results.put(WorkerError(0, traceback.format_exc()))
+
+    def _poll_local(self) -> Command | None:
+        try:
+            return self._local.get_nowait()
+        except queue.Empty:
+            return None
 
     def _sender(self) -> None:
         while True:

@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,10 +46,10 @@ from energon_infer.protocol import (
     StatsReport,
     Step,
     Stop,
-    Tokens,
     WorkerError,
     WorkerInfo,
 )
+from energon_infer.worker.late_steps import merge, split, take_late
 
 __all__ = ["ModelSource", "SpawnedWorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
            "StageTimer"]
@@ -171,8 +172,9 @@ class TokenFeedback:
 
     def give(self, cmd: Step, tokens: list[int]) -> None:
         grid = self.grid
-        if grid.first:
-            self.ids[cmd.group] = [s for s, _ in cmd.items]
+        if grid.first:  # a late step run alone adds to the tokens of the step before it (one rank: no sends)
+            ids = [s for s, _ in cmd.items]
+            self.ids[cmd.group] = self.ids.get(cmd.group, []) + ids if cmd.late else ids
         if grid.rank != grid.result_rank:
             return
         # The group's previous send was received when its next step (this one) started on the first stage.
@@ -182,7 +184,7 @@ class TokenFeedback:
         works = []
         for dst in range(grid.tp):  # the first stage's ranks
             if dst == grid.rank:
-                self.local[cmd.group] = list(tokens)
+                self.local[cmd.group] = self.local.get(cmd.group, []) + list(tokens) if cmd.late else list(tokens)
             else:
                 works.append(torch.distributed.isend(out, dst=dst, tag=100 + cmd.group))
         self.sends[cmd.group] = works
@@ -296,21 +298,28 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
 
 
 def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Callable[[], Command | None],
-                   reply: Callable[[Reply], None]) -> None:
-    """The worker loop (SPMD): obey commands in order until :class:`Stop` or ``next_command()`` gives ``None``."""
+                   reply: Callable[[Reply], None], poll: Callable[[], Command | None] | None = None) -> None:
+    """The worker loop (SPMD): obey commands in order until :class:`Stop` or ``next_command()`` gives ``None``.
+
+    ``poll`` (a single worker only): the next command if one is queued, else ``None`` without waiting; with it,
+    late steps queued behind a step run together with it (:mod:`energon_infer.worker.late_steps`)."""
     result_rank = runner.grid.result_rank
     feedback = TokenFeedback(runner.grid, runner.device)
+    held: deque[Command] = deque()
     while True:
-        cmd = next_command()
+        cmd = held.popleft() if held else next_command()
         if cmd is None or isinstance(cmd, Stop):
             return
         if isinstance(cmd, Step):
+            parts = [cmd, *take_late(cmd, poll, held)] if poll is not None and not cmd.late else [cmd]
+            run = merge(parts)
             # take_back: the placeholders' tokens arrive from the last stage (received before anything runs).
-            result = runner.run_step(cmd, feedback.take(cmd) if cmd.take_back else None, broadcast=False)
-            if cmd.send_back:
-                feedback.give(cmd, result.tokens)
+            result = runner.run_step(run, feedback.take(run) if run.take_back else None, broadcast=False)
+            if run.send_back:
+                feedback.give(run, result.tokens)
             if rank == result_rank:
-                reply(Tokens(cmd.step_id, result.tokens, result.logprobs, result.errors))
+                for msg in split(parts, result.tokens, result.logprobs, result.errors):
+                    reply(msg)
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
@@ -367,7 +376,13 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                     if os.getppid() != parent:  # the controller is gone: nobody will read our answers
                         return None
 
-        serve_commands(runner, timer, rank, next_command, out_q.put)
+        def poll() -> Command | None:
+            try:
+                return in_q.get_nowait()
+            except queue.Empty:
+                return None
+
+        serve_commands(runner, timer, rank, next_command, out_q.put, poll if world == 1 else None)
     except BaseException as exc:
         from energon_infer.loading.safetensors_files import CheckpointChangedError
 
