@@ -90,8 +90,7 @@ def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) ->
         _warn_once(f"error:{w.dtype}", f"oneDNN weight packing failed for {w.dtype} ({exc}); F.linear is used")
         return None
     want = F.linear(probe.float(), w.float())
-    tol = 1e-4 if w.dtype == torch.float32 else 2e-2
-    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp_min(1.0))):
+    if not _agrees(got, want, w.dtype, scale=float(want.abs().max().clamp_min(1.0))):
         _warn_once(f"check:{w.dtype}", f"oneDNN packed linear disagrees with F.linear for {w.dtype} "
                    f"(max error {(got - want).abs().max().item():.3g}); F.linear is used")
         return None
@@ -122,11 +121,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     separate ``gelu`` cost as much as the product. Where the fused result disagrees with PyTorch's on a probe (checked
     once per activation and dtype), the activation runs separately.
     """
-    if activation and not _fuses(activation, packed.dtype):
-        return apply_activation(torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], ""),
-                                activation)
-    attr, algorithm = ACTIVATIONS[activation][:2] if activation else ("none", "")
-    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, attr, [], algorithm)
+    fused = bool(activation) and _fuses(activation, packed.dtype)
+    attr, algorithm = ACTIVATIONS[activation][:2] if fused else ("none", "")
+    y = torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, attr, [], algorithm)
+    return y if fused else apply_activation(y, activation)
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, *, scale: float = 1.0) -> bool:
+    """Whether oneDNN's ``got`` matches PyTorch's fp32 ``want`` within ``dtype``'s tolerance (absolute: ``scale``)."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol * scale))
 
 
 _FUSES: dict[tuple[str, torch.dtype], bool] = {}
@@ -142,9 +146,7 @@ def _fuses(activation: str, dtype: torch.dtype) -> bool:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             got = torch.ops.mkldnn._linear_pointwise.default(probe, packed, None, attr, [], algorithm).float()
-            want = ref(F.linear(probe.float(), w.float()))
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
-            _FUSES[key] = bool(torch.allclose(got, want, rtol=tol, atol=tol))
+            _FUSES[key] = _agrees(got, ref(F.linear(probe.float(), w.float())), dtype)
         except (RuntimeError, TypeError):
             _FUSES[key] = False
         if not _FUSES[key]:

@@ -227,9 +227,16 @@ class _Projection(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "") -> torch.Tensor:
         """``activation(x W^T + bias)``; ``activation`` a key of ``packed_linear.ACTIVATIONS`` (``""``: none), fused
-        into the product where the weight is packed."""
-        if activation and self.packed is None:
-            return apply_activation(self.matmul(x, bias), activation)
+        into the product where the weight is packed (a quantized weight is never packed)."""
+        packed = self.packed
+        if packed is not None and x.shape[0] >= MIN_ROWS:
+            w = self.weight
+            if (id(w), w._version) == self._packed_from:
+                return packed_linear(x, packed, bias, activation)
+            self.packed = None  # stale: the weight was replaced or written since
+        return apply_activation(self._product(x, bias), activation)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 128 or 32
         # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         # Else prefill (more rows than the kernel takes: dequantised from the tiles in C) or
@@ -243,12 +250,7 @@ class _Projection(nn.Module):
                 return int4_linear_a8(x, self.qweight, self.qscale, self.qzero, self.group_size, bias,
                                       tiled=self.tiled)
             return int4_linear(x, self.qweight, self.qscale, self.qzero, self.group_size, bias, tiled=self.tiled)
-        packed, w = self.packed, self.weight
-        if packed is not None and x.shape[0] >= MIN_ROWS:
-            if (id(w), w._version) == self._packed_from:
-                return packed_linear(x, packed, bias, activation)
-            self.packed = None  # stale: the weight was replaced or written since
-        return apply_activation(F.linear(x, w, bias), activation)
+        return F.linear(x, self.weight, bias)
 
 
 def pack_weights(module: nn.Module) -> int:

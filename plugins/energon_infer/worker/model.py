@@ -13,7 +13,9 @@ is what the reference-equality tests hold it to.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
 from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
+from tightfit.cuda.packed_linear import apply_activation
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
 
 __all__ = ["DecoderStage", "Block", "check_tp"]
@@ -42,14 +45,13 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
             )
 
 
-def _activation(name: str):
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    return {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[name]
-
-
-#: a model's activation -> the name a projection fuses into its product (``packed_linear.ACTIVATIONS``)
+#: a model's activation -> the name a projection fuses into its product (``packed_linear.ACTIVATIONS``); SiLU, the
+#: one left, runs on its own (or in ``silu_mul`` for a gated MLP)
 _FUSED = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return F.silu if name == "silu" else functools.partial(apply_activation, activation=_FUSED[name])
 
 
 class _Norm(nn.Module):
