@@ -153,10 +153,13 @@ def test_vllm_bench_serve_runs_unmodified(server, model_dir, tmp_path):
     assert result["total_output_tokens"] == 4 * 6
 
 
-@pytest.mark.parametrize("policy", [None, "ACTIVE"])
-def test_cpu_workers_start_with_a_passive_openmp_wait_policy_unless_told(model_dir, monkeypatch, policy):
+@pytest.mark.parametrize("policy", [None, "PASSIVE"])
+def test_cpu_workers_spin_briefly_at_a_barrier_unless_told(model_dir, monkeypatch, policy):
     import os
 
+    from energon_infer.worker.workers import SPIN_COUNT
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
@@ -164,5 +167,6 @@ def test_cpu_workers_start_with_a_passive_openmp_wait_policy_unless_told(model_d
     with Engine.from_pretrained(model_dir, **OPTS) as eng:
         (pid,) = eng.health()["pids"]
         env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
-    assert env["OMP_WAIT_POLICY"] == (policy or "PASSIVE")
-    assert os.environ.get("OMP_WAIT_POLICY") == policy  # the user's own environment is left as it was
+    assert env.get("OMP_WAIT_POLICY") == policy
+    assert env.get("GOMP_SPINCOUNT") == (str(SPIN_COUNT) if policy is None else None)  # the user's choice is kept
+    assert "GOMP_SPINCOUNT" not in os.environ and os.environ.get("OMP_WAIT_POLICY") == policy  # the user's own is kept
