@@ -149,6 +149,10 @@ def run_limited(
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         stderr = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")) + \
             f"\n[memlimit] killed after the {timeout} s timeout"
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM, an error): kill what is left of the tree, drop the group
+        if reason is None:
+            _remove_group(group)
+        raise
     wall = time.perf_counter() - start
     if reason is not None:
         return LimitedRun(returncode, limit_bytes, False, None, False, wall, stdout, stderr, reason)

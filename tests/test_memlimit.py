@@ -53,3 +53,37 @@ def test_streaming_a_file_larger_than_the_limit_works(tmp_path):
 def test_bad_limit_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="limit_bytes=0: a memory limit must be positive"):
         run_limited(["true"], 0, name="test-bad")
+
+
+def test_an_interrupted_run_leaves_no_group_and_no_process_behind(tmp_path):
+    import os
+    import signal
+    import time
+
+    from benchmarks.memlimit import CGROUP_V1_MEMORY
+
+    pid_file = tmp_path / "grandchild"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    try:
+        with pytest.raises(Interrupted):
+            run_limited([sys.executable, "-c", code], 256 * MiB, name="test-interrupted")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not (CGROUP_V1_MEMORY / f"tightfit-test-interrupted-{os.getpid()}").exists()
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{grandchild}") and \
+            open(f"/proc/{grandchild}/stat").read().split()[2] != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{grandchild}") or open(f"/proc/{grandchild}/stat").read().split()[2] == "Z"
