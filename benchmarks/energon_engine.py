@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             results["offline"] = res
 
         if sections & {"offline", "shapes"} and not args.no_vllm:
-            results["shapes"] = _shapes_case(Path(tmp), quick, max(3, repeats // 2) if quick else repeats)
+            # Every repeat even when quick: a round costs seconds beside each engine's start, and with 3 the
+            # median swung with one noisy round (rounds of one run here spread 2165-3663 tokens/s).
+            results["shapes"] = _shapes_case(Path(tmp), quick, repeats)
 
         if "stream" in sections:
             print(f"[stream] {n_requests} requests, Poisson {rate}/s, prompts 8-200, outputs 8-64 tokens",
