@@ -7,7 +7,7 @@ admits it at once in a *late* step instead (``Step.late``: admissions only, see
 late steps queued right behind it (:func:`take_late`) and runs them all as one (:func:`merge`): the new prompts
 ride on the step that was about to run anyway. Each part still gets its own reply (:func:`split`), so the
 controller sees the steps it planned. A late step that comes too late (its step already started) runs alone,
-right after it; :class:`~energon_infer.worker.workers.TokenFeedback` then keeps both steps' tokens for the
+right after it; :class:`~energon_infer.worker.token_feedback.TokenFeedback` then keeps both steps' tokens for the
 group's next step.
 
 Only one rank may decide this (ranks that merge differently would run different collectives), so the engine
