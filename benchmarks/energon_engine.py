@@ -496,7 +496,7 @@ def _shapes_case(tmp: Path, quick: bool, repeats: int) -> dict[str, Any]:
                      got: dict[str, Any] = got) -> dict[str, float]:
             r = peer.run([(0.0, q, tokens) for q in sets[k]])
             got.setdefault("vllm", r.pop("tokens"))
-            return {"tokens_per_s": r["tokens_per_s"]}
+            return {"tokens_per_s": r["tokens_per_s"], "settle_s": r["settle_s"]}
 
         try:
             with Engine.from_pretrained(path, progress=False, kv_cache_tokens=16384, max_batch_tokens=2048,
@@ -695,6 +695,12 @@ def _markdown(r: dict[str, Any], n: int, rate: float, hidden: int, layers: int, 
             lines.append(f"| {name} | {_fmt(s['energon']['tokens_per_s'])} | {_fmt(s['vLLM-cpu']['tokens_per_s'])} | "
                          f"**{_ratio(s, 'energon', 'vLLM-cpu')}** | {c['same_greedy']} of {c['prompts']} | "
                          f"{c['limit_flops'] / 1e9:.0f} | {frac['energon']} | {frac['vLLM-cpu']} |")
+        settles = [x["settle_s"] for c in sh["cases"].values() if "runs" in c for x in c["runs"]["vLLM-cpu"]
+                   if "settle_s" in x]
+        if settles:
+            lines += ["", f"vLLM's engine keeps a core busy for a while after a batch, so each vLLM run returns once its "
+                      f"processes are idle (waits of {statistics.median(settles):.1f} s median, {max(settles):.1f} s "
+                      "at most, not timed): the run after it has the machine to itself, as a user's would."]
     if "stream" in r:
         s = r["stream"]["summary"]
         lines += ["", f"**Request stream** ({n} requests, Poisson {rate:g}/s, prompts 8-200, outputs 8-64 tokens): "
