@@ -18,7 +18,11 @@ as in a real decode step), F.linear / packed took 4.38 / 3.97 ms at 2 rows on on
 call also pays ~11 us of fixed oneDNN overhead, which small weights do not earn back (one projection, weights
 in cache, F.linear / packed us at 4 and 16 rows: 64x64 2.8/14.1, 15.6/14.7; 256x256 12.4/17.7, 28.0/32.3;
 256x512 28.5/25.4, 62.2/59.1; 256x1344 62.3/45.0, 143/117; 256x4096 252/100, 508/319), so weights of fewer
-than :data:`MIN_NUMEL` elements are not packed.
+than :data:`MIN_NUMEL` elements are not packed for decode-sized inputs. From :data:`SMALL_MIN_ROWS` rows on they
+earn it back (2 threads, F.linear / packed us: 256x256 at 64 rows 45/30, 256 rows 154/78, 1900 rows 1116/484;
+128x256 at 64 rows 24/19, 1900 rows 562/250; at 32 rows even, 14/15): :func:`rows_worth_packing` says from how
+many rows a weight's packed copy is the faster one, down to weights of :data:`SMALL_NUMEL` elements. The
+every-core benchmark's LLaMA 6 x 256 multiplies its 256 x 256 out projection by ~1900 rows a prefill chunk.
 
 The same reorder and op back ``torch.compile``'s CPU weight freezing (``mkldnn::_reorder_linear_weight``,
 ``mkldnn::_linear_pointwise``); they are PyTorch-internal, so everything here degrades to ``None``
@@ -42,12 +46,14 @@ import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import forced_backend
 
-__all__ = ["ACTIVATIONS", "MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "apply_activation", "packing_available",
-           "pack_linear_weight", "packed_linear"]
+__all__ = ["ACTIVATIONS", "MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "SMALL_MIN_ROWS", "SMALL_NUMEL", "apply_activation",
+           "packing_available", "pack_linear_weight", "packed_linear", "rows_worth_packing"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # one row: F.linear is as fast (see the module docstring)
 MIN_NUMEL = 1 << 17  # smaller weights: F.linear is as fast (see the module docstring)
+SMALL_NUMEL = 1 << 15  # weights of SMALL_NUMEL to MIN_NUMEL elements: packed, used from SMALL_MIN_ROWS rows
+SMALL_MIN_ROWS = 64
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 
@@ -64,6 +70,15 @@ def _warn_once(key: str, msg: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         log.warning(msg)
+
+
+def rows_worth_packing(numel: int) -> int | None:
+    """The fewest input rows from which a packed copy of a weight of ``numel`` elements beats ``F.linear``:
+    :data:`MIN_ROWS` from :data:`MIN_NUMEL` elements, :data:`SMALL_MIN_ROWS` from :data:`SMALL_NUMEL`, ``None``
+    (never worth a copy) below that. See the module docstring for the measurements."""
+    if numel >= MIN_NUMEL:
+        return MIN_ROWS
+    return SMALL_MIN_ROWS if numel >= SMALL_NUMEL else None
 
 
 def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) -> torch.Tensor | None:

@@ -25,7 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tightfit.cuda.packed_linear import MIN_ROWS, apply_activation, pack_linear_weight, packed_linear
+from tightfit.cuda.packed_linear import (
+    MIN_ROWS,
+    apply_activation,
+    pack_linear_weight,
+    packed_linear,
+    rows_worth_packing,
+)
 from tightfit.cuda.quant_linear import int4_linear, int8_linear
 from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
 from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
@@ -181,7 +187,8 @@ def tile_weight(method: str, qweight: torch.Tensor) -> torch.Tensor:
 class _Projection(nn.Module):
     """A ``weight`` (:func:`linear_weight`) with, on the CPU, an optional oneDNN-packed copy (:meth:`pack`).
 
-    The copy is used for inputs of at least ``MIN_ROWS`` rows (fewer run as fast through ``F.linear``), and
+    The copy is used for inputs of at least ``rows_worth_packing`` rows for the weight's size (fewer run as fast
+    through ``F.linear``: 2 rows for most weights, 64 for small ones such as a 256 x 256 out projection), and
     only while ``weight`` is the same tensor at the same version it was packed from: a memory pool
     rebinding the parameter, or anything writing to it, makes :meth:`matmul` drop the copy for good.
     """
@@ -189,6 +196,7 @@ class _Projection(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] = (0, -1)
+    _min_rows: int = MIN_ROWS  # the fewest rows that use ``packed``
     # Weight-only quantization (energon_infer.loading.quantization): "int8" or "int4", with the weight held as the
     # parameters qweight, qscale (and qzero for int4) instead of ``weight``.
     quant: str | None = None
@@ -221,7 +229,9 @@ class _Projection(nn.Module):
         if self.quant is not None:
             return 0
         w = self.weight
-        self.packed = pack_linear_weight(w)
+        rows = rows_worth_packing(w.numel())
+        self.packed = None if rows is None else pack_linear_weight(w, min_numel=0)
+        self._min_rows = rows or MIN_ROWS
         self._packed_from = (id(w), w._version)
         return 0 if self.packed is None else w.numel() * w.element_size()
 
@@ -229,7 +239,7 @@ class _Projection(nn.Module):
         """``activation(x W^T + bias)``; ``activation`` a key of ``packed_linear.ACTIVATIONS`` (``""``: none), fused
         into the product where the weight is packed (a quantized weight is never packed)."""
         packed = self.packed
-        if packed is not None and x.shape[0] >= MIN_ROWS:
+        if packed is not None and x.shape[0] >= self._min_rows:
             w = self.weight
             if (id(w), w._version) == self._packed_from:
                 return packed_linear(x, packed, bias, activation)

@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 from tightfit.cuda.packed_linear import (
     ACTIVATIONS,
     MIN_NUMEL,
+    MIN_ROWS,
+    SMALL_MIN_ROWS,
+    SMALL_NUMEL,
     apply_activation,
     pack_linear_weight,
     packed_linear,
     packing_available,
+    rows_worth_packing,
 )
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
@@ -91,3 +95,17 @@ def test_what_is_not_packed(monkeypatch):
     assert pack_linear_weight(nan, min_numel=0) is None  # F.linear keeps NaN's spread
     monkeypatch.setenv("TIGHTFIT_KERNELS", "reference")  # the A/B switch turns packing off with the CPU kernels
     assert not packing_available() and pack_linear_weight(torch.randn(4, 4), min_numel=0) is None
+
+
+@given(numel=st.integers(0, 1 << 20))
+def test_rows_worth_packing_grows_as_weights_shrink(numel):
+    rows = rows_worth_packing(numel)
+    if numel >= MIN_NUMEL:
+        assert rows == MIN_ROWS
+    elif numel >= SMALL_NUMEL:
+        assert rows == SMALL_MIN_ROWS > MIN_ROWS
+    else:
+        assert rows is None
+    bigger = rows_worth_packing(numel * 2)  # a larger weight is never packed from more rows
+    assert bigger is not None if rows is not None else True
+    assert rows is None or bigger <= rows  # type: ignore[operator]

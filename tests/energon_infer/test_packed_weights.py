@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from energon_infer import ModelRunner, RuntimeConfig, SamplingParams
 from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
 from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool
 from tests.energon_infer.tiny import FAMILIES, PROMPTS
-from tightfit.cuda.packed_linear import packing_available
+from tightfit.cuda.packed_linear import MIN_ROWS, SMALL_MIN_ROWS, packed_linear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
 
@@ -82,9 +83,15 @@ def test_only_weights_worth_packing_are_packed(tmp_path, monkeypatch):
     runner = ModelRunner.from_pretrained(path, block_size=4, progress=False)
     block = runner.stage.layers["0"]
     # (256 x 512 qkv, 256 x 256 out, 256 x 1024 gate/up, 512 x 256 down, 256 x 600 head): the out projection
-    # (65536 elements) is under MIN_NUMEL and keeps F.linear; the others are packed.
-    assert block.o.packed is None
-    assert all(m.packed is not None for m in (block.qkv, block.up, block.down, runner.stage.lm_head))
+    # (65536 elements) is under MIN_NUMEL: packed, but used only from SMALL_MIN_ROWS rows; the others from MIN_ROWS.
+    assert all(m.packed is not None for m in (block.o, block.qkv, block.up, block.down, runner.stage.lm_head))
+    assert block.o._min_rows == SMALL_MIN_ROWS and block.qkv._min_rows == MIN_ROWS
+    torch.manual_seed(0)
+    for rows, packed in ((SMALL_MIN_ROWS - 1, False), (SMALL_MIN_ROWS, True)):
+        x = torch.randn(rows, 256)
+        plain, from_copy = F.linear(x, block.o.weight), packed_linear(x, block.o.packed)
+        assert not torch.equal(plain, from_copy)  # the two paths round differently: which one ran shows
+        assert torch.equal(block.o.matmul(x), from_copy if packed else plain)
 
 
 def test_packed_weights_is_validated_and_can_be_turned_off(tiny_dirs, monkeypatch):
