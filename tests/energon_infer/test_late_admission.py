@@ -5,6 +5,7 @@ runtime's either way."""
 
 from __future__ import annotations
 
+import queue
 from collections import deque
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from energon_infer import ModelRunner, SamplingParams
 from energon_infer.protocol import Free, Ping, Step, Tokens
 from energon_infer.scheduling.scheduler import PLACEHOLDER, Request, Scheduler, SchedulerConfig
-from energon_infer.worker.late_steps import merge, split, take_late
+from energon_infer.worker.late_steps import merge, poller, split, take_late
 from energon_infer.worker.workers import StageTimer, serve_commands
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -77,6 +78,14 @@ def test_no_late_step_when_it_could_touch_what_a_step_in_flight_writes():
     assert s.schedule_late(0) is not None
 
 
+def test_a_refused_late_step_takes_no_step_id():
+    s, a, first, second = _two_in_flight(prompt=(5, 6, 7, 8, 9))
+    s.add(Request("p", [5, 6, 7, 8, 42], GREEDY))  # a prefix hit: refused, turn after turn
+    assert s.schedule_late(0) is None and s.schedule_late(0) is None
+    s.waiting[0].prompt = [1, 2, 3, 4, 42]
+    assert s.schedule_late(0).step_id == second.step_id + 1
+
+
 def test_the_late_budget_is_what_the_step_planned_ahead_leaves():
     s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, depth=2, max_batch_tokens=8))
     s.add(Request("a", [5, 6, 7], GREEDY))
@@ -93,6 +102,14 @@ def test_the_late_budget_is_what_the_step_planned_ahead_leaves():
 def _step(step_id: int, *, late: bool = False, seqs: tuple[int, ...] = (1,)) -> Step:
     return Step(step_id, [], [(s, [s, s]) for s in seqs], {s: GREEDY for s in seqs}, blocks={s: [s] for s in seqs},
                 starts={s: 0 for s in seqs}, send_back=True, late=late)
+
+
+def test_poller_answers_at_once():
+    q: queue.Queue = queue.Queue()
+    poll = poller(q)
+    assert poll() is None
+    q.put(Ping(4))
+    assert poll() == Ping(4) and poll() is None
 
 
 def test_take_late_takes_only_late_steps_of_the_group_right_behind():

@@ -214,13 +214,15 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
-        """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit)."""
+    def _admit(self, plan: StepPlan, req: Request, budget: int,
+               found: tuple[list[int], int, tuple[int, int] | None] | None = None) -> int:
+        """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit).
+        ``found``: what ``blocks.lookup`` gave for the request's tokens, where the caller asked already."""
         cfg, mgr = self.config, self.blocks
         if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
             return 0
         tokens = self._tokens(req)
-        shared, _, cow = mgr.lookup(tokens) if not req.swapped else ([], 0, None)
+        shared, _, cow = found if found is not None else mgr.lookup(tokens) if not req.swapped else ([], 0, None)
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
         if cfg.chunked_prefill:
@@ -335,19 +337,24 @@ class Scheduler:
         if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous" or self._late[group]
                 or self._busy[group] < cfg.depth or not self.waiting or self._frees or self._swap_out):
             return None
-        plan = StepPlan(Step(next(self._step_ids), [], [], {}, group=group, send_back=True, late=True))
+        plan: StepPlan | None = None  # made (and a step id taken) once a request can join it
         budget = cfg.max_batch_tokens - self._last_tokens[group]  # the two may run as one step
         share = math.ceil((len(self.running) + len(self.waiting)) / cfg.groups)
-        while self.waiting and len(plan.requests) < share and len(self.running) < cfg.max_running and budget > 0:
+        while (self.waiting and (plan is None or len(plan.requests) < share) and len(self.running) < cfg.max_running
+               and budget > 0):
             head = self.waiting[0]
-            shared, _, cow = self.blocks.lookup(self._tokens(head))
-            if head.swapped or head.computed or shared or cow:
+            if head.swapped or head.computed:
                 break
-            took = self._admit(plan, head, budget)
+            found = self.blocks.lookup(self._tokens(head))
+            if found[0] or found[2]:  # a shared prefix
+                break
+            if plan is None:
+                plan = StepPlan(Step(next(self._step_ids), [], [], {}, group=group, send_back=True, late=True))
+            took = self._admit(plan, head, budget, found)
             if not took:
                 break
             budget -= took
-        if not plan.step.items:
+        if plan is None or not plan.step.items:
             return None
         self._seal(plan, self._last_step[group])
         self._late[group] = True

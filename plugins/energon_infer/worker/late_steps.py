@@ -17,13 +17,25 @@ plans late steps at ``tp = pp = 1`` only.
 from __future__ import annotations
 
 import dataclasses
+import queue
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from energon_infer.protocol import Command, Step, Tokens
 
-__all__ = ["take_late", "merge", "split"]
+__all__ = ["take_late", "merge", "split", "poller"]
+
+
+def poller(q: Any) -> Callable[[], Command | None]:
+    """The ``poll`` :func:`take_late` asks: the next command on ``q`` (a ``queue.Queue`` or a multiprocessing
+    queue) if one is there, else ``None`` at once."""
+    def poll() -> Command | None:
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            return None
+    return poll
 
 
 def take_late(step: Step, poll: Callable[[], Command | None], held: deque[Command]) -> list[Step]:

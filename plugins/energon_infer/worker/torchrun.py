@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from energon_infer.protocol import Bye, Command, Reply, Stop, WorkerError, WorkerInfo
+from energon_infer.worker.late_steps import poller
 from energon_infer.worker.workers import ModelSource, load_worker, serve_commands
 
 __all__ = ["TorchrunWorkerGroup", "run_worker", "in_torchrun"]
@@ -159,17 +160,11 @@ class TorchrunWorkerGroup:
     def _local_worker(self, runner: Any, timer: Any) -> None:
         try:
             # One rank alone may merge late steps into the step before them (it polls its queue).
-            poll = self._poll_local if self.world == 1 else None
+            poll = poller(self._local) if self.world == 1 else None
             serve_commands(runner, timer, 0, self._local.get, self.results.put, poll)
         except BaseException:
             self._failed.append((0, 1))
             self.results.put(WorkerError(0, traceback.format_exc()))
-
-    def _poll_local(self) -> Command | None:
-        try:
-            return self._local.get_nowait()
-        except queue.Empty:
-            return None
 
     def _sender(self) -> None:
         while True:

@@ -49,7 +49,7 @@ from energon_infer.protocol import (
     WorkerError,
     WorkerInfo,
 )
-from energon_infer.worker.late_steps import merge, split, take_late
+from energon_infer.worker.late_steps import merge, poller, split, take_late
 from energon_infer.worker.token_feedback import TokenFeedback
 
 __all__ = ["ModelSource", "SpawnedWorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
@@ -334,13 +334,7 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                     if os.getppid() != parent:  # the controller is gone: nobody will read our answers
                         return None
 
-        def poll() -> Command | None:
-            try:
-                return in_q.get_nowait()
-            except queue.Empty:
-                return None
-
-        serve_commands(runner, timer, rank, next_command, out_q.put, poll if world == 1 else None)
+        serve_commands(runner, timer, rank, next_command, out_q.put, poller(in_q) if world == 1 else None)
     except BaseException as exc:
         from energon_infer.loading.safetensors_files import CheckpointChangedError
 
