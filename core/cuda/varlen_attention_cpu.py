@@ -18,9 +18,25 @@ time too. Other widths and CPUs keep the loop above. At the every-core benchmark
 of 38-230 keys, 8 / 4 heads of 32, one thread) this took 225 -> 207 us with the pool out of L2 (the case of a
 real step, where the kernel is mostly waiting for memory) and 192 -> 113 us with it in L2.
 
-Rows whose sequence has more than :data:`NATIVE_MAX_Q` new tokens (a long prefill chunk) are left to the
+Sequences of up to :data:`NATIVE_MAX_Q` new tokens always run here. Prefill chunks of up to
+:data:`NATIVE_PREFILL_MAX_Q` do too when a call has at least as many of them as threads (:func:`native_q_limit`):
+the kernel splits a call's sequences over its threads, never one sequence, so a lone prompt would run on one core
+while ``scaled_dot_product_attention`` uses them all. Longer chunks, and the lone ones, are left to the
 reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls beat a loop over queries
-there; one call serves a mixed step by splitting it that way. Other dtypes than fp32, and caches that are
+there; one call serves a mixed step by splitting it that way. Measured on 2 threads here, the sdpa path / this
+kernel in ms (keys and values gathered from shuffled pages by the sdpa path, read in place here):
+
+    =====================  ==================  ==================  ==============  ==============
+    query / key heads x D  32 prompts of 8-200  4 prompts of 256    1 prompt of 192  1 prompt of 512
+    =====================  ==================  ==================  ==============  ==============
+    8 / 4 x 32             7.34 / 2.53          2.74 / 1.40         0.45 / 0.44      2.13 / 2.71
+    12 / 12 x 64           17.18 / 8.53         6.20 / 4.24         0.90 / 1.12      5.00 / 8.77
+    32 / 8 x 128           74.37 / 45.36        27.02 / 18.26       3.89 / 4.65      25.33 / 34.06
+    =====================  ==================  ==================  ==============  ==============
+
+(4 prompts of 384 new tokens: 5.30 / 3.12, 12.40 / 10.23, 58.57 / 40.84; one of 2048: 0.35x, 0.35x, 0.41x.) In the
+every-core benchmark's LLaMA 6 x 256 batch (32 prompts of 8-200 tokens, ``ModelRunner``, 2 threads) the prefill's
+attention took 62.9 -> 26.3 ms. Other dtypes than fp32, and caches that are
 not contiguous, go to the reference whole.
 
 With ``torch.get_num_threads() > 1`` the sequences are split over that many threads, in runs of about equal
@@ -40,9 +56,20 @@ import torch
 
 from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
-__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
+__all__ = ["NATIVE_MAX_Q", "NATIVE_PREFILL_MAX_Q", "native_q_limit", "paged_attention_native", "native_attention_error",
+           "store_kv_native"]
 
-NATIVE_MAX_Q = 32  # new tokens per sequence up to which the native loop beats sdpa's blocked matmuls
+NATIVE_MAX_Q = 32  # new tokens per sequence the native kernel always takes
+NATIVE_PREFILL_MAX_Q = 384  # ... and up to which it takes prefill chunks, at least one per thread (the docstring)
+
+
+def native_q_limit(q_lens: list[int], threads: int) -> int:
+    """The most new tokens a sequence may have for the native kernel to take it, in a call with sequences of
+    ``q_lens`` new tokens on ``threads`` threads: :data:`NATIVE_PREFILL_MAX_Q` when at least ``threads`` of them
+    have more than :data:`NATIVE_MAX_Q` and at most that many (the kernel splits sequences over its threads, so
+    each thread gets one), else :data:`NATIVE_MAX_Q`."""
+    chunks = sum(1 for n in q_lens if NATIVE_MAX_Q < n <= NATIVE_PREFILL_MAX_Q)
+    return NATIVE_PREFILL_MAX_Q if chunks and chunks >= threads else NATIVE_MAX_Q
 
 _SOURCE = r"""
 #include <math.h>
@@ -382,14 +409,17 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
+    threads, limit, starts = torch.get_num_threads(), NATIVE_MAX_Q, []
+    if max_q_len > NATIVE_MAX_Q:
+        starts = cu.tolist()
+        limit = native_q_limit([starts[b + 1] - starts[b] for b in range(batch)], threads)
     failed = lib.tf_paged_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
         cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        float(scale), NATIVE_MAX_Q, torch.get_num_threads())
+        float(scale), limit, threads)
     if failed:
         raise MemoryError(f"paged_attention (native): could not allocate its score buffer (code {failed})")
-    if max_q_len > NATIVE_MAX_Q:
-        starts = cu.tolist()
-        long = [b for b in range(batch) if starts[b + 1] - starts[b] > NATIVE_MAX_Q]
+    if max_q_len > limit:
+        long = [b for b in range(batch) if starts[b + 1] - starts[b] > limit]
         attend_sequences(q, k_cache, v_cache, block_tables, starts, lens.tolist(), long, out, scale=scale)
     return out

@@ -16,7 +16,7 @@ from tightfit.cuda import native
 from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
-from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
+from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q, NATIVE_PREFILL_MAX_Q, native_q_limit
 
 _ADD = "#include <stdint.h>\nint64_t tf_add(int64_t a, int64_t b) {{ return a + b + {k}; }}\n"
 
@@ -174,7 +174,8 @@ def _sequences(draw):
     n = draw(st.integers(1, 5))
     out = []
     for _ in range(n):
-        q = draw(st.sampled_from([0, 1, 1, 2, 7, NATIVE_MAX_Q, NATIVE_MAX_Q + 1, 50]))
+        q = draw(st.sampled_from([0, 1, 1, 2, 7, NATIVE_MAX_Q, NATIVE_MAX_Q + 1, 50, NATIVE_PREFILL_MAX_Q,
+                                  NATIVE_PREFILL_MAX_Q + 1]))
         out.append((q, q + draw(st.integers(0 if q else 1, 40))))
     return out
 
@@ -203,6 +204,30 @@ def test_native_paged_attention_tiles_of_keys_equal_the_reference(heads, d, bloc
     q, kc, vc, bt, cu, kl = _paged_case(lens, heads[0], heads[1], d, block, seed=d + block)
     got = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=5, backend="native")
     want = paged_attention(q, kc, vc, bt, cu, kl, scale=d ** -0.5, max_q_len=5, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@given(q_lens=st.lists(st.integers(0, 2 * NATIVE_PREFILL_MAX_Q), max_size=12), threads=st.integers(1, 8))
+def test_prefill_chunks_go_native_when_every_thread_gets_one(q_lens, threads):
+    chunks = [n for n in q_lens if NATIVE_MAX_Q < n <= NATIVE_PREFILL_MAX_Q]
+    limit = native_q_limit(q_lens, threads)
+    assert limit == (NATIVE_PREFILL_MAX_Q if chunks and len(chunks) >= threads else NATIVE_MAX_Q)
+
+
+@RunIf(native=True)
+def test_prefill_chunks_run_in_the_kernel_or_in_sdpa_as_native_q_limit_says():
+    # The sdpa path's bits are the reference's own (the same per-sequence call); the kernel's differ in the last
+    # places. Two prompts on two threads: the kernel; one prompt beside a decode row: sdpa, all cores on it.
+    def both(lens):
+        q, kc, vc, bt, cu, kl = _paged_case(lens, 8, 4, 32, 16, seed=3)
+        with torch_threads(2):
+            return [paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=max(n for n, _ in lens), backend=b)
+                    for b in ("native", "reference")]
+    got, want = both([(100, 100), (120, 130)])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert not torch.equal(got, want)
+    got, want = both([(100, 100), (1, 50)])
+    assert torch.equal(got[:100], want[:100])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
