@@ -12,6 +12,11 @@ step of the benchmark's 6-layer LLaMA, hidden 256, MLP 672, 8 + 4 heads of 32), 
 1804 -> 66 us, ``silu_mul``
 5.43 -> 0.54 ms, ``rotary_`` 6.33 -> 0.16 ms; at 32 tokens both are launch-bound (0.02-0.03 ms either way).
 
+A call of more than 16384 elements a thread splits its rows over PyTorch's OpenMP team (each row computed as on
+one thread, so the bits do not change): ``silu_mul`` of 1900 x 1344 took 395 -> 171 us on 2 threads, and the
+every-core benchmark's LLaMA 6 x 256 prefill of 32 prompts 106 -> 101 ms (3 interleaved process pairs). Decode
+steps stay on the calling thread.
+
 Neither op has a Triton kernel: on CUDA they run the PyTorch reference (a GPU fuses little here but
 launches, and CUDA graphs remove those for decode steps).
 """
@@ -26,18 +31,33 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
 __all__ = ["silu_mul", "silu_mul_reference", "rotary_", "rotary_reference", "rms_norm",
            "rms_norm_reference"]
 
 _SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+""" + FORK_FLAG_SOURCE + r"""
+/* Rows of a call are split over PyTorch's OpenMP team where the library is built with it (tightfit.cuda.native)
+   and the call has PARALLEL_MIN elements a thread at least; smaller calls (decode steps), forked children and builds
+   without OpenMP run on the calling thread. Each row is computed the same way either way. */
+#define PARALLEL_MIN 16384
+static int64_t team(int64_t threads, int64_t elements) {
+    const int64_t most = elements / PARALLEL_MIN;
+#ifdef _OPENMP
+    if (tf_forked) return 1;
+#else
+    return 1;
+#endif
+    return threads < most ? threads : most < 1 ? 1 : most;
+}
 
 /* out[t, i] = silu(x[t, i]) * x[t, I + i]; rows of x are x_stride apart. */
-void tf_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t I) {
-    for (int64_t t = 0; t < T; t++) {
+static void silu_mul_rows(const float *x, int64_t x_stride, float *out, int64_t t0, int64_t t1, int64_t I) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *g = x + t * x_stride, *u = g + I;
         float *o = out + t * I;
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
@@ -45,8 +65,9 @@ void tf_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, in
 }
 
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w (w may be NULL); rows of x are x_stride apart. */
-void tf_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t N, float eps) {
-    for (int64_t t = 0; t < T; t++) {
+static void rms_norm_rows(const float *x, int64_t x_stride, const float *w, float *out, int64_t t0, int64_t t1,
+                          int64_t N, float eps) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *r = x + t * x_stride;
         float *o = out + t * N, ss = 0.f;
         for (int64_t i = 0; i < N; i++) ss += r[i] * r[i];
@@ -59,10 +80,10 @@ void tf_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *ou
 }
 
 /* x[t, h, :] <- x * cos[t] + rotate_half(x) * sin[t], in place; rotate_half(x) = (-x[D/2:], x[:D/2]). */
-void tf_rotary_f32(float *x, int64_t x_row, int64_t x_head, const float *cos, const float *sin, int64_t cs_row,
-                   int64_t T, int64_t H, int64_t D) {
+static void rotary_rows(float *x, int64_t x_row, int64_t x_head, const float *cos, const float *sin, int64_t cs_row,
+                        int64_t t0, int64_t t1, int64_t H, int64_t D) {
     const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *c = cos + t * cs_row, *s = sin + t * cs_row;
         for (int64_t h = 0; h < H; h++) {
             float *v = x + t * x_row + h * x_head;
@@ -74,6 +95,38 @@ void tf_rotary_f32(float *x, int64_t x_row, int64_t x_head, const float *cos, co
         }
     }
 }
+
+/* Runs BODY(t0, t1) over rows [0, T) in n contiguous runs, on the OpenMP team where n > 1. */
+#ifdef _OPENMP
+#define OVER_ROWS(T, n, BODY) do { \
+        if ((n) > 1) { \
+            _Pragma("omp parallel for schedule(static, 1) num_threads((int)(n))") \
+            for (int64_t k = 0; k < (n); k++) BODY((T) * k / (n), (T) * (k + 1) / (n)); \
+        } else BODY(0, (T)); \
+    } while (0)
+#else
+#define OVER_ROWS(T, n, BODY) BODY(0, (T))
+#endif
+
+void tf_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t I, int64_t threads) {
+    const int64_t n = team(threads, T * I);
+#define SILU(a, b) silu_mul_rows(x, x_stride, out, a, b, I)
+    OVER_ROWS(T, n, SILU);
+}
+
+void tf_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t N, float eps,
+                     int64_t threads) {
+    const int64_t n = team(threads, T * N);
+#define RMS(a, b) rms_norm_rows(x, x_stride, w, out, a, b, N, eps)
+    OVER_ROWS(T, n, RMS);
+}
+
+void tf_rotary_f32(float *x, int64_t x_row, int64_t x_head, const float *cos, const float *sin, int64_t cs_row,
+                   int64_t T, int64_t H, int64_t D, int64_t threads) {
+    const int64_t n = team(threads, T * H * D);
+#define ROT(a, b) rotary_rows(x, x_row, x_head, cos, sin, cs_row, a, b, H, D)
+    OVER_ROWS(T, n, ROT);
+}
 """
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -82,9 +135,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @functools.cache
 def _library() -> Any:
     return load_functions("elementwise", _SOURCE, (
-        ("tf_silu_mul_f32", None, (_P, _I, _P, _I, _I)),
-        ("tf_rms_norm_f32", None, (_P, _I, _P, _P, _I, _I, ctypes.c_float)),
-        ("tf_rotary_f32", None, (_P, _I, _I, _P, _P, _I, _I, _I, _I))))
+        ("tf_silu_mul_f32", None, (_P, _I, _P, _I, _I, _I)),
+        ("tf_rms_norm_f32", None, (_P, _I, _P, _P, _I, _I, ctypes.c_float, _I)),
+        ("tf_rotary_f32", None, (_P, _I, _I, _P, _P, _I, _I, _I, _I, _I))), openmp=True)
 
 
 def _native_error() -> str:
@@ -105,7 +158,8 @@ def _silu_mul_native(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view where it can be; a copy keeps the last dimension contiguous too
     half = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], half), dtype=x.dtype, device=x.device)
-    _library().tf_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], half)
+    _library().tf_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], half,
+                               torch.get_num_threads())
     return out
 
 
@@ -145,7 +199,7 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -
         return rms_norm_reference(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _library().tf_rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr() if weight is not None else None,
-                               out.data_ptr(), x.shape[0], x.shape[1], float(eps))
+                               out.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out
 
 
@@ -196,7 +250,7 @@ def _rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
             or cs.stride(-1) != 1 or cs.stride() != sn.stride()):
         return rotary_reference(x, cos, sin)
     _library().tf_rotary_f32(x.data_ptr(), x.stride(0), x.stride(1), cs.data_ptr(), sn.data_ptr(), cs.stride(0),
-                             t, h, d)
+                             t, h, d, torch.get_num_threads())
     return x
 
 

@@ -310,6 +310,32 @@ def test_native_rms_norm_equals_the_reference(rows, n, weighted, extra, scale):
 
 
 @RunIf(native=True)
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(60, 700), threads=st.integers(2, 4), seed=st.integers(0, 99))
+def test_element_wise_kernels_split_large_calls_over_threads_with_the_same_bits(rows, threads, seed):
+    # A prefill-sized call (over 16384 elements a thread) runs its rows on several threads; every row is computed as
+    # on one thread, so the results are bit-equal, and equal the reference.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * 300 + 1, generator=g)[:, :600] * 3
+    w = torch.randn(300, generator=g)
+    angles = torch.rand(rows, 1, 64, generator=g) * 7
+    qk = torch.randn(rows, 6, 64, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        return [silu_mul(x, backend="native"), rms_norm(x[:, :300], w, 1e-6, backend="native"),
+                rotary_(qk.clone(), angles.cos(), angles.sin(), backend="native")]
+    with torch_threads(1):
+        one = run()
+    with torch_threads(threads):
+        many = run()
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    torch.testing.assert_close(many[0], silu_mul(x, backend="reference"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(many[1], rms_norm(x[:, :300], w, 1e-6, backend="reference"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(many[2], rotary_(qk.clone(), angles.cos(), angles.sin(), backend="reference"),
+                               atol=1e-5, rtol=1e-5)
+
+
+@RunIf(native=True)
 def test_rms_norm_of_one_row_runs_native(monkeypatch):
     kernel = get_kernel("rms_norm")
     calls = []
