@@ -18,25 +18,23 @@ time too. Other widths and CPUs keep the loop above. At the every-core benchmark
 of 38-230 keys, 8 / 4 heads of 32, one thread) this took 225 -> 207 us with the pool out of L2 (the case of a
 real step, where the kernel is mostly waiting for memory) and 192 -> 113 us with it in L2.
 
-Sequences of up to :data:`NATIVE_MAX_Q` new tokens always run here. Prefill chunks of up to
-:data:`NATIVE_PREFILL_MAX_Q` do too when a call has at least as many of them as threads (:func:`native_q_limit`):
-the kernel splits a call's sequences over its threads, never one sequence, so a lone prompt would run on one core
-while ``scaled_dot_product_attention`` uses them all. Longer chunks, and the lone ones, are left to the
-reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls beat a loop over queries
+Sequences of up to :data:`NATIVE_MAX_Q` new tokens run here, prefill chunks included: a call's rows are split over
+the threads in runs of about equal work (the keys each row sees), a lone prompt's too. Longer chunks are left to
+the reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls beat a loop over queries
 there; one call serves a mixed step by splitting it that way. Measured on 2 threads here, the sdpa path / this
 kernel in ms (keys and values gathered from shuffled pages by the sdpa path, read in place here):
 
-    =====================  ==================  ==================  ==============  ==============
-    query / key heads x D  32 prompts of 8-200  4 prompts of 256    1 prompt of 192  1 prompt of 512
-    =====================  ==================  ==================  ==============  ==============
-    8 / 4 x 32             7.34 / 2.53          2.74 / 1.40         0.45 / 0.44      2.13 / 2.71
-    12 / 12 x 64           17.18 / 8.53         6.20 / 4.24         0.90 / 1.12      5.00 / 8.77
-    32 / 8 x 128           74.37 / 45.36        27.02 / 18.26       3.89 / 4.65      25.33 / 34.06
-    =====================  ==================  ==================  ==============  ==============
+    =====================  ===================  ================  ===============  ================  ================
+    query / key heads x D  32 prompts of 8-200  4 prompts of 256  1 prompt of 384  1 prompt of 512   1 prompt of 768
+    =====================  ===================  ================  ===============  ================  ================
+    8 / 4 x 32             7.52 / 2.39          2.50 / 1.43       1.26 / 0.77      2.10 / 1.36       3.09 / 3.07
+    12 / 12 x 64           18.72 / 8.77         5.79 / 4.15       3.16 / 2.72      5.31 / 5.13       7.99 / 11.65
+    32 / 8 x 128           74.65 / 43.29        26.37 / 17.82     14.57 / 9.67     24.96 / 17.57     37.63 / 38.74
+    =====================  ===================  ================  ===============  ================  ================
 
-(4 prompts of 384 new tokens: 5.30 / 3.12, 12.40 / 10.23, 58.57 / 40.84; one of 2048: 0.35x, 0.35x, 0.41x.) In the
-every-core benchmark's LLaMA 6 x 256 batch (32 prompts of 8-200 tokens, ``ModelRunner``, 2 threads) the prefill's
-attention took 62.9 -> 26.3 ms. Other dtypes than fp32, and caches that are
+(One prompt of 2048: 0.68x, 0.53x, 0.73x.) Until this was measured, chunks of over 32 new tokens all went to sdpa;
+in the every-core benchmark's LLaMA 6 x 256 batch (32 prompts of 8-200 tokens, ``ModelRunner``, 2 threads) the
+prefill's attention took 62.9 -> 26.3 ms once they came here. Other dtypes than fp32, and caches that are
 not contiguous, go to the reference whole.
 
 With ``torch.get_num_threads() > 1`` the sequences are split over that many threads, in runs of about equal
@@ -56,20 +54,10 @@ import torch
 
 from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
-__all__ = ["NATIVE_MAX_Q", "NATIVE_PREFILL_MAX_Q", "native_q_limit", "paged_attention_native", "native_attention_error",
-           "store_kv_native"]
+__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
 
-NATIVE_MAX_Q = 32  # new tokens per sequence the native kernel always takes
-NATIVE_PREFILL_MAX_Q = 384  # ... and up to which it takes prefill chunks, at least one per thread (the docstring)
+NATIVE_MAX_Q = 512  # new tokens per sequence up to which the native kernel beats sdpa's blocked matmuls
 
-
-def native_q_limit(q_lens: list[int], threads: int) -> int:
-    """The most new tokens a sequence may have for the native kernel to take it, in a call with sequences of
-    ``q_lens`` new tokens on ``threads`` threads: :data:`NATIVE_PREFILL_MAX_Q` when at least ``threads`` of them
-    have more than :data:`NATIVE_MAX_Q` and at most that many (the kernel splits sequences over its threads, so
-    each thread gets one), else :data:`NATIVE_MAX_Q`."""
-    chunks = sum(1 for n in q_lens if NATIVE_MAX_Q < n <= NATIVE_PREFILL_MAX_Q)
-    return NATIVE_PREFILL_MAX_Q if chunks and chunks >= threads else NATIVE_MAX_Q
 
 _SOURCE = r"""
 #include <math.h>
@@ -82,7 +70,8 @@ typedef struct {
     const float *q, *kc, *vc;
     float *out;
     const int32_t *bt, *cu, *kv_lens;
-    int64_t bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, begin, end;
+    int64_t bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv;
+    int64_t begin, row0, end, row1; /* rows from (sequence begin, its row row0) up to, not with, (end, row1) */
     float scale;
     int failed;
 } job_t;
@@ -91,13 +80,14 @@ typedef struct {
    page by page in memory order (a token's row holds all Hk heads, so a page is read front to back; a
    walk per head read a quarter of each row and ran ~3x slower once the weights had pushed the pool out
    of cache), with no division per key, and each row is read once for all query heads. */
-static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t b, float *scores, float *acc,
-                                                        const int64_t D) {
+static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t b, int64_t i0, int64_t i1,
+                                                        float *scores, float *acc, const int64_t D) {
     const int64_t q0 = j->cu[b], qlen = j->cu[b + 1] - q0;
     if (qlen <= 0 || qlen > j->max_q) return;
+    if (i1 > qlen) i1 = qlen;
     const int64_t kv = j->kv_lens[b], Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, BS = j->BS, row = Hk * D;
     const int32_t *table = j->bt + b * j->bt_stride;
-    for (int64_t i = 0; i < qlen; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         const int64_t seen = kv - qlen + i + 1; /* causal: keys 0 .. kv - qlen + i */
         const float *qrow = j->q + (q0 + i) * j->q_row;
         for (int64_t hq = 0; hq < Hq; hq++) acc[hq] = -INFINITY; /* acc[0:Hq] holds the running maxima first */
@@ -173,16 +163,17 @@ static inline __attribute__((always_inline)) int64_t tile_rows(const int32_t *ta
     return n;
 }
 
-static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, int64_t b, float *scores, float *acc,
-                                                              const int64_t D) {
+static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, int64_t b, int64_t i0, int64_t i1,
+                                                              float *scores, float *acc, const int64_t D) {
     const int64_t q0 = j->cu[b], qlen = j->cu[b + 1] - q0;
     if (qlen <= 0 || qlen > j->max_q) return;
+    if (i1 > qlen) i1 = qlen;
     const int64_t kv = j->kv_lens[b], Hq = j->Hq, G = Hq / j->Hk, BS = j->BS, row = j->Hk * D;
     const int64_t stride = j->max_kv + TILE; /* a head's scores, room for a whole last tile */
     const int32_t *table = j->bt + b * j->bt_stride;
     const __m256 scale = _mm256_set1_ps(j->scale);
     int64_t rows[TILE];
-    for (int64_t i = 0; i < qlen; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         const int64_t seen = kv - qlen + i + 1; /* causal: keys 0 .. kv - qlen + i */
         const float *qrow = j->q + (q0 + i) * j->q_row;
         int64_t pg = 0, off = 0;
@@ -239,10 +230,18 @@ static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, i
     }
 }
 
-static void tiled_any(const job_t *j, int64_t b, float *s, float *a) { attend_tiled(j, b, s, a, j->D); }
-static void tiled_32(const job_t *j, int64_t b, float *s, float *a) { attend_tiled(j, b, s, a, 32); }
-static void tiled_64(const job_t *j, int64_t b, float *s, float *a) { attend_tiled(j, b, s, a, 64); }
-static void tiled_128(const job_t *j, int64_t b, float *s, float *a) { attend_tiled(j, b, s, a, 128); }
+static void tiled_any(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend_tiled(j, b, i0, i1, s, a, j->D);
+}
+static void tiled_32(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend_tiled(j, b, i0, i1, s, a, 32);
+}
+static void tiled_64(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend_tiled(j, b, i0, i1, s, a, 64);
+}
+static void tiled_128(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend_tiled(j, b, i0, i1, s, a, 128);
+}
 #else
 #define TILE 1
 #define HAVE_TILED 0
@@ -250,10 +249,18 @@ static void tiled_128(const job_t *j, int64_t b, float *s, float *a) { attend_ti
 
 /* The usual head widths get a copy of the loop with the width known, so the compiler unrolls the dot
    products and the value updates into whole vector registers. */
-static void attend_any(const job_t *j, int64_t b, float *s, float *a) { attend(j, b, s, a, j->D); }
-static void attend_32(const job_t *j, int64_t b, float *s, float *a) { attend(j, b, s, a, 32); }
-static void attend_64(const job_t *j, int64_t b, float *s, float *a) { attend(j, b, s, a, 64); }
-static void attend_128(const job_t *j, int64_t b, float *s, float *a) { attend(j, b, s, a, 128); }
+static void attend_any(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend(j, b, i0, i1, s, a, j->D);
+}
+static void attend_32(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend(j, b, i0, i1, s, a, 32);
+}
+static void attend_64(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend(j, b, i0, i1, s, a, 64);
+}
+static void attend_128(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
+    attend(j, b, i0, i1, s, a, 128);
+}
 
 static void *run_range(void *arg) {
     job_t *j = (job_t *)arg;
@@ -263,13 +270,14 @@ static void *run_range(void *arg) {
         j->failed = 1;
         return NULL;
     }
-    void (*fn)(const job_t *, int64_t, float *, float *) =
+    void (*fn)(const job_t *, int64_t, int64_t, int64_t, float *, float *) =
         j->D == 32 ? attend_32 : j->D == 64 ? attend_64 : j->D == 128 ? attend_128 : attend_any;
 #if HAVE_TILED
     if (j->D % 8 == 0)
         fn = j->D == 32 ? tiled_32 : j->D == 64 ? tiled_64 : j->D == 128 ? tiled_128 : tiled_any;
 #endif
-    for (int64_t t = j->begin; t < j->end; t++) fn(j, t, scores + per, scores);
+    for (int64_t t = j->begin; t <= j->end && t < j->B; t++)
+        fn(j, t, t == j->begin ? j->row0 : 0, t == j->end ? j->row1 : INT64_MAX, scores + per, scores);
     free(scores);
     return NULL;
 }
@@ -308,8 +316,8 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
         if (kv_lens[b] > max_kv) max_kv = kv_lens[b];
         if (qlen <= max_q) work += qlen * kv_lens[b];
     }
-    job_t base = {q, kc, vc, out, bt, cu, kv_lens, bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, 0, B, scale, 0};
-    const int64_t tasks = B, enough = 1 + work * Hq * D / 200000; /* ~200k multiply-adds a thread */
+    job_t base = {q, kc, vc, out, bt, cu, kv_lens, bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, 0, 0, B, 0, scale, 0};
+    const int64_t tasks = cu[B] > B ? cu[B] : B, enough = 1 + work * Hq * D / 200000; /* ~200k multiply-adds a thread */
     if (threads > enough) threads = enough;
     if (threads > tasks) threads = tasks;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -320,20 +328,32 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
     job_t jobs[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
-    /* Contiguous runs of sequences with about equal keys x queries each (+1 a sequence), not equal counts:
-       the lengths of a batch differ by 10x and more. */
-    const int64_t total = work + B;
-    int64_t b = 0, done = 0;
+    /* Contiguous runs of rows with about equal work each: a row costs the keys it sees, +8; a sequence the kernel
+       leaves to sdpa costs 1. Not equal counts of sequences: the lengths of a batch differ by 10x and more, and a
+       lone prompt's rows are split too, so that every thread has a share of it. */
+    int64_t total = 0;
+    for (int64_t s = 0; s < B; s++) {
+        const int64_t qlen = cu[s + 1] - cu[s], kv = kv_lens[s];
+        total += qlen <= max_q ? qlen * (kv - qlen) + qlen * (qlen + 1) / 2 + 8 * qlen : 1;
+    }
+    int64_t b = 0, i = 0, done = 0;
     for (int64_t t = 0; t < threads; t++) {
         jobs[t] = base;
         jobs[t].begin = b;
-        const int64_t goal = total * (t + 1) / threads;
-        while (b < B && (done < goal || t == threads - 1)) {
+        jobs[t].row0 = i;
+        const int64_t goal = t == threads - 1 ? total : total * (t + 1) / threads;
+        while (b < B && done < goal) {
             const int64_t qlen = cu[b + 1] - cu[b];
-            done += 1 + (qlen <= max_q ? qlen * kv_lens[b] : 0);
-            b++;
+            if (qlen > max_q || qlen <= 0) { /* not ours: past it whole */
+                done += qlen > max_q ? 1 : 0;
+                b++, i = 0;
+                continue;
+            }
+            done += kv_lens[b] - qlen + i + 1 + 8; /* row i sees kv - qlen + i + 1 keys */
+            if (++i == qlen) b++, i = 0;
         }
         jobs[t].end = b;
+        jobs[t].row1 = i;
     }
 #ifdef _OPENMP
     if (!tf_forked) { /* the process's OpenMP team (PyTorch's): awake from the ops around, no thread started */
@@ -409,17 +429,14 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
-    threads, limit, starts = torch.get_num_threads(), NATIVE_MAX_Q, []
-    if max_q_len > NATIVE_MAX_Q:
-        starts = cu.tolist()
-        limit = native_q_limit([starts[b + 1] - starts[b] for b in range(batch)], threads)
     failed = lib.tf_paged_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
         cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        float(scale), limit, threads)
+        float(scale), NATIVE_MAX_Q, torch.get_num_threads())
     if failed:
         raise MemoryError(f"paged_attention (native): could not allocate its score buffer (code {failed})")
-    if max_q_len > limit:
-        long = [b for b in range(batch) if starts[b + 1] - starts[b] > limit]
+    if max_q_len > NATIVE_MAX_Q:
+        starts = cu.tolist()
+        long = [b for b in range(batch) if starts[b + 1] - starts[b] > NATIVE_MAX_Q]
         attend_sequences(q, k_cache, v_cache, block_tables, starts, lens.tolist(), long, out, scale=scale)
     return out

@@ -16,7 +16,7 @@ from tightfit.cuda import native
 from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
 from tightfit.cuda.varlen_attention import paged_attention, store_kv
-from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q, NATIVE_PREFILL_MAX_Q, native_q_limit
+from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
 
 _ADD = "#include <stdint.h>\nint64_t tf_add(int64_t a, int64_t b) {{ return a + b + {k}; }}\n"
 
@@ -174,8 +174,7 @@ def _sequences(draw):
     n = draw(st.integers(1, 5))
     out = []
     for _ in range(n):
-        q = draw(st.sampled_from([0, 1, 1, 2, 7, NATIVE_MAX_Q, NATIVE_MAX_Q + 1, 50, NATIVE_PREFILL_MAX_Q,
-                                  NATIVE_PREFILL_MAX_Q + 1]))
+        q = draw(st.sampled_from([0, 1, 1, 2, 7, 32, 33, 50, 200, NATIVE_MAX_Q, NATIVE_MAX_Q + 1]))
         out.append((q, q + draw(st.integers(0 if q else 1, 40))))
     return out
 
@@ -207,28 +206,39 @@ def test_native_paged_attention_tiles_of_keys_equal_the_reference(heads, d, bloc
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@given(q_lens=st.lists(st.integers(0, 2 * NATIVE_PREFILL_MAX_Q), max_size=12), threads=st.integers(1, 8))
-def test_prefill_chunks_go_native_when_every_thread_gets_one(q_lens, threads):
-    chunks = [n for n in q_lens if NATIVE_MAX_Q < n <= NATIVE_PREFILL_MAX_Q]
-    limit = native_q_limit(q_lens, threads)
-    assert limit == (NATIVE_PREFILL_MAX_Q if chunks and len(chunks) >= threads else NATIVE_MAX_Q)
-
-
 @RunIf(native=True)
-def test_prefill_chunks_run_in_the_kernel_or_in_sdpa_as_native_q_limit_says():
+def test_prefill_chunks_run_in_the_kernel_up_to_native_max_q():
     # The sdpa path's bits are the reference's own (the same per-sequence call); the kernel's differ in the last
-    # places. Two prompts on two threads: the kernel; one prompt beside a decode row: sdpa, all cores on it.
+    # places. A lone prompt's rows are split over the threads; a longer chunk goes to sdpa, beside a decode row.
     def both(lens):
         q, kc, vc, bt, cu, kl = _paged_case(lens, 8, 4, 32, 16, seed=3)
         with torch_threads(2):
             return [paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=max(n for n, _ in lens), backend=b)
                     for b in ("native", "reference")]
-    got, want = both([(100, 100), (120, 130)])
+    for lens in ([(300, 300)], [(100, 100), (120, 130)], [(NATIVE_MAX_Q, NATIVE_MAX_Q + 20)]):
+        got, want = both(lens)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert not torch.equal(got, want)
+    got, want = both([(NATIVE_MAX_Q + 1, NATIVE_MAX_Q + 1), (1, 50)])
+    assert torch.equal(got[:NATIVE_MAX_Q + 1], want[:NATIVE_MAX_Q + 1])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    assert not torch.equal(got, want)
-    got, want = both([(100, 100), (1, 50)])
-    assert torch.equal(got[:100], want[:100])
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@RunIf(native=True)
+@settings(max_examples=15, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 60)), min_size=1, max_size=4),
+       threads=st.integers(2, 4), seed=st.integers(0, 99))
+def test_rows_split_over_threads_give_the_bits_of_one_thread(lens, threads, seed):
+    # Every row (of a lone prompt too) is computed the same way whichever thread runs it: a row left out or
+    # written twice by the split would show.
+    lens = [(n, n + extra) for n, extra in lens]
+    q, kc, vc, bt, cu, kl = _paged_case(lens, 8, 4, 32, 16, seed)
+    outs = []
+    for t in (1, threads):
+        with torch_threads(t):
+            outs.append(paged_attention(q, kc, vc, bt, cu, kl, scale=0.2, max_q_len=max(n for n, _ in lens),
+                                        backend="native"))
+    assert torch.equal(outs[0], outs[1])
 
 
 @RunIf(native=True)
