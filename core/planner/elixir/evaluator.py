@@ -16,7 +16,7 @@ from tightfit.planner.elixir.sim import Context, UnitTerms, peak, step_time, uni
 __all__ = ["Candidate", "Evaluator", "runs_on_ddp"]
 
 
-def runs_on_ddp(modes: Sequence[str], offload: Sequence[int], ckpt: Sequence[bool]) -> bool:
+def runs_on_ddp(modes: Sequence[str], offload: Sequence[int], ckpt: Sequence[bool | None]) -> bool:
     """Whether a plan runs on DDP rather than FSDP2 (the rule ``lightning_elixir.replicate.replicates_everything``
     applies): every unit replicated and on the device, no block recomputed. The dtype half of that rule is in
     :attr:`Context.alias_replicated`."""
@@ -79,7 +79,7 @@ class Evaluator:
 
     def on_ddp(self, modes: Sequence[str], offload: Sequence[int], ckpt: Sequence[bool | None]) -> bool:
         """Whether a plan of these choices runs on DDP (priced without FSDP2's copies of replicated units)."""
-        return self.ctx.alias_replicated and runs_on_ddp(modes, offload, [bool(c) for c in ckpt])
+        return self.ctx.alias_replicated and runs_on_ddp(modes, offload, ckpt)
 
     def terms_for(self, units: Sequence[tuple[int, int]], modes: Sequence[str], offload: Sequence[int],
                   ckpt: Sequence[bool]) -> list[UnitTerms]:

@@ -101,8 +101,10 @@ def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms
     holds when gradients exist only from their backward on) takes its own minimum through ``grad_state``;
     ``kept=False`` is the least at every point for the same gathered bytes.
     """
-    # A replicated unit of a plan that runs on DDP holds no copies at all: its terms count among the minima too.
-    opts = [ev.terms(a, b, m, o, ddp) for m in space.modes for o in space.offload for ddp in (False, True)]
+    # A replicated unit of a plan that runs on DDP holds no copies at all: its terms count among the minima too,
+    # where plans may run on DDP (Evaluator.on_ddp).
+    on_ddp = (False, True) if ev.ctx.alias_replicated else (False,)
+    opts = [ev.terms(a, b, m, o, ddp) for m in space.modes for o in space.offload for ddp in on_ddp]
     state = min(t.state for t in opts)
     mem = UnitTerms(
         cf=0.0, cb=0.0, h2d_f=0.0, ag_f=0.0, h2d_b=0.0, ag_b=0.0, red=0.0, d2h=0.0, opt=0.0,
