@@ -35,16 +35,19 @@ def test_an_arrival_while_both_steps_fly_is_admitted_in_a_late_step_and_decodes_
     late = s.schedule_late(0)
     assert late.late and late.send_back and not late.take_back and not late.frees
     assert late.items == [(b.seq_id, [9, 10, 11, 12, 13])] and b.seq_id in late.new_params and b.state == "running"
-    assert s.schedule_late(0) is None  # one late step in flight at a time
-    s.add(Request("c", [30, 31], GREEDY))
-    assert s.schedule_late(0) is None and s.late_steps == 1
+    assert s.schedule_late(0) is None  # nothing waiting
+    c = s.add(Request("c", [30, 31], GREEDY))  # arrives while the first late step is in flight: a second one
+    later = s.schedule_late(0)
+    assert later.late and later.items == [(c.seq_id, [30, 31])] and s.late_steps == 2
     s.complete(first, [20])
-    third = s.schedule(0)  # b's first token counts as the step planned ahead's: fed as a placeholder beside a's
-    assert third.items[:2] == [(a.seq_id, [PLACEHOLDER]), (b.seq_id, [PLACEHOLDER])] and third.take_back
+    third = s.schedule(0)  # b's and c's first tokens count as the step planned ahead's: fed as placeholders
+    assert third.items == [(a.seq_id, [PLACEHOLDER]), (b.seq_id, [PLACEHOLDER]), (c.seq_id, [PLACEHOLDER])]
+    assert third.take_back
     s.complete(second, [21])
     s.complete(late, [40])
-    s.complete(third, [22, 41, 50])
-    assert a.generated == [20, 21, 22] and b.generated == [40, 41]
+    s.complete(later, [60])
+    s.complete(third, [22, 41, 61])
+    assert a.generated == [20, 21, 22] and b.generated == [40, 41] and c.generated == [60, 61]
 
 
 def test_no_late_step_when_it_could_touch_what_a_step_in_flight_writes():
@@ -94,6 +97,18 @@ def test_the_late_budget_is_what_the_step_planned_ahead_leaves():
     assert s.schedule_late(0) is None
     s.add(Request("c", [1], GREEDY))  # FIFO: c does not pass b
     assert s.schedule_late(0) is None
+
+
+def test_late_steps_together_stay_within_the_budget_of_the_step_planned_ahead():
+    s = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=64, depth=2, max_batch_tokens=8))
+    s.add(Request("a", [5, 6, 7], GREEDY))
+    s.schedule(0), s.schedule(0)  # the second carries one decode token: 7 left
+    b = s.add(Request("b", [10, 11, 12, 13], GREEDY))
+    assert s.schedule_late(0).items == [(b.seq_id, [10, 11, 12, 13])]  # 3 left
+    s.add(Request("c", [20, 21, 22, 23], GREEDY))  # 4 > 3: waits for the group's next step
+    assert s.schedule_late(0) is None
+    s.waiting[0].prompt = [20, 21, 22]
+    assert s.schedule_late(0) is not None and s.late_steps == 2  # exactly the 3 left
 
 
 # ---------------------------------------------------------------------- the worker side
@@ -164,11 +179,15 @@ def test_late_arrivals_equal_the_runtime_through_the_worker_loop(runner, referen
     reqs = [s.add(Request("r0", PROMPTS[0], GREEDY))]
     inflight = {p.step_id: p for p in (s.schedule(0), s.schedule(0))}
     queue = deque(p.step for p in inflight.values())
-    reqs += [s.add(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(PROMPTS[1:], 1)]  # while both fly
+    reqs += [s.add(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(PROMPTS[1:3], 1)]  # while both fly
     late = s.schedule_late(0)
-    assert late is not None and len(late.items) == 3
-    inflight[late.step_id] = late
-    queue.append(late.step)
+    assert late is not None and len(late.items) == 2
+    reqs += [s.add(Request(f"r{i}", p, GREEDY)) for i, p in enumerate(PROMPTS[3:], 3)]  # and while it is queued
+    later = s.schedule_late(0)
+    assert later is not None and len(later.items) == len(PROMPTS) - 3
+    for plan in (late, later):
+        inflight[plan.step_id] = plan
+        queue.append(plan.step)
     runs: list[int] = []
     run_step = runner.run_step
 
@@ -194,5 +213,6 @@ def test_late_arrivals_equal_the_runtime_through_the_worker_loop(runner, referen
             if r.seq_id in runner.cache:
                 runner.free(r.seq_id)
     assert [r.generated for r in reqs] == reference
-    assert (late.step_id in runs) is not merged  # merged: it ran as part of the step planned ahead
+    # merged: both ran as part of the step planned ahead; else each alone, after it
+    assert (late.step_id in runs) is not merged and (later.step_id in runs) is not merged
     assert not inflight and s.num_running == 0

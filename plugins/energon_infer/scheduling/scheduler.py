@@ -89,8 +89,8 @@ class Scheduler:
         self._frees: list[int] = []
         self._busy, self._last_step = [0] * config.groups, [0] * config.groups
         self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
-        self._late = [False] * config.groups  # a late step (schedule_late) is in flight
-        self._last_tokens = [0] * config.groups  # tokens of the group's last planned step (a late one's budget)
+        # Tokens of the group's last planned step and of the late steps since (what a late one may add).
+        self._last_tokens = [0] * config.groups
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._step_ids = itertools.count(1)
 
@@ -215,14 +215,14 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, req: Request, budget: int,
-               found: tuple[list[int], int, tuple[int, int] | None] | None = None) -> int:
+               found: tuple[list[int], tuple[list[int], int, tuple[int, int] | None]] | None = None) -> int:
         """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit).
-        ``found``: what ``blocks.lookup`` gave for the request's tokens, where the caller asked already."""
+        ``found``: the request's tokens and what ``blocks.lookup`` gave for them, where the caller asked already."""
         cfg, mgr = self.config, self.blocks
         if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
             return 0
-        tokens = self._tokens(req)
-        shared, _, cow = found if found is not None else mgr.lookup(tokens) if not req.swapped else ([], 0, None)
+        tokens, looked = found if found is not None else (self._tokens(req), None)
+        shared, _, cow = looked if looked is not None else mgr.lookup(tokens) if not req.swapped else ([], 0, None)
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
         if cfg.chunked_prefill:
@@ -328,36 +328,39 @@ class Scheduler:
         Without it an arrival waits for the step planned ahead to run before its prompt can (one whole step
         of time to first token). The late step holds admissions only, so a worker that has not yet started
         the step planned ahead can run both as one; otherwise it runs right after it. Either way its tokens
-        count as that step's: the group's next step feeds their placeholders. It is planned only when that
+        count as that step's: the group's next step feeds their placeholders. Arrivals while a late step is in flight
+        get another one (a worker merges every late step queued behind the step planned ahead), all of them
+        together within that step's ``max_batch_tokens``. It is planned only when that
         is safe in both orders: nothing freed or swapped out since the step planned ahead (so no block a step
         in flight still writes is handed out), no swapped-in request, and no shared prefix (whose blocks a
         step in flight may not have written yet). ``None``: no late step now.
         """
         cfg = self.config
-        if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous" or self._late[group]
+        if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous"
                 or self._busy[group] < cfg.depth or not self.waiting or self._frees or self._swap_out):
             return None
         plan: StepPlan | None = None  # made (and a step id taken) once a request can join it
-        budget = cfg.max_batch_tokens - self._last_tokens[group]  # the two may run as one step
+        budget = cfg.max_batch_tokens - self._last_tokens[group]  # they all may run as one step
         share = math.ceil((len(self.running) + len(self.waiting)) / cfg.groups)
         while (self.waiting and (plan is None or len(plan.requests) < share) and len(self.running) < cfg.max_running
                and budget > 0):
             head = self.waiting[0]
             if head.swapped or head.computed:
                 break
-            found = self.blocks.lookup(self._tokens(head))
+            tokens = self._tokens(head)
+            found = self.blocks.lookup(tokens)
             if found[0] or found[2]:  # a shared prefix
                 break
             if plan is None:
                 plan = StepPlan(Step(next(self._step_ids), [], [], {}, group=group, send_back=True, late=True))
-            took = self._admit(plan, head, budget, found)
+            took = self._admit(plan, head, budget, (tokens, found))
             if not took:
                 break
             budget -= took
         if plan is None or not plan.step.items:
             return None
         self._seal(plan, self._last_step[group])
-        self._late[group] = True
+        self._last_tokens[group] += plan.n_tokens
         self.late_steps += 1
         return plan
 
@@ -388,9 +391,7 @@ class Scheduler:
         step = plan.step
         if len(tokens) != len(step.items):
             raise RuntimeError(f"step {step.step_id} ran {len(step.items)} sequences but returned {len(tokens)} tokens")
-        if step.late:
-            self._late[step.group] = False
-        else:
+        if not step.late:
             self._busy[step.group] -= 1
         out: list[tuple[Request, int | None, bool]] = []
         samples = plan.samples or [True] * len(tokens)
@@ -458,7 +459,6 @@ class Scheduler:
             req.swapped, req.computed = [], 0
         self._reserved, self._frees = 0, []
         self._busy, self._owed = [0] * self.config.groups, [False] * self.config.groups
-        self._late = [False] * self.config.groups
         return lost
 
     def drain_waiting(self) -> list[Request]:
