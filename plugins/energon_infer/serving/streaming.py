@@ -8,10 +8,13 @@ frees its KV blocks). Used by :class:`energon_infer.serving.server.EnergonServer
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Request
 
@@ -19,7 +22,7 @@ from energon_infer.engine.delivery import Completion, TokenEvent
 from energon_infer.serving.http_guard import ClientGone, engine_error
 from energon_infer.serving.openai_format import Reply, error_event, sse, usage
 
-__all__ = ["wait_all", "TokenStream"]
+__all__ = ["wait_all", "TokenStream", "LoopInbox"]
 
 
 def _cancel_unfinished(futures: list[Future[Completion]]) -> None:
@@ -46,6 +49,49 @@ async def wait_all(request: Request, futures: list[Future[Completion]], poll_s: 
         _cancel_unfinished(futures)
 
 
+class LoopInbox:
+    """Token events from the engine's controller thread to one event loop, a batch for one wake-up of the loop.
+
+    The controller hands out a step's tokens together (one per running request); waking the loop once per token
+    cost a write to the loop's self-pipe each, from the controller thread, between the step's reply and the
+    planning of the next step. Here the first event of a batch wakes the loop, and the events that come before it
+    runs ride along. One inbox per loop (:meth:`of`), shared by every stream on it.
+    """
+
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopInbox]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[TokenStream, tuple[int, TokenEvent]]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopInbox:
+        """The inbox of ``loop`` (made on first use; call it on the loop's thread)."""
+        inbox = cls._by_loop.get(loop)
+        if inbox is None:
+            inbox = cls._by_loop[loop] = cls(loop)
+        return inbox
+
+    def put(self, stream: TokenStream, item: tuple[int, TokenEvent]) -> None:
+        """From any thread: ``item`` to ``stream`` on the loop; wakes the loop unless a wake-up is on its way."""
+        with self._lock:
+            self._pending.append((stream, item))
+            if len(self._pending) > 1:
+                return  # the loop has not run the batch yet: this one goes with it
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (the server stopped): nobody is left to read it
+            with self._lock:
+                self._pending.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for stream, item in batch:
+            stream.receive(item)
+
+
 class TokenStream:
     """The token events of several requests (one per choice), as OpenAI's server-sent events.
 
@@ -64,11 +110,31 @@ class TokenStream:
         self.reply, self.include_usage, self.prompt_tokens = reply, include_usage, prompt_tokens
         self.closing_since, self.drain_timeout_s = closing_since, drain_timeout_s
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+        self._inbox = LoopInbox.of(self._loop)
+        self._events: deque[tuple[int, TokenEvent]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
     def listener(self, index: int) -> Callable[[TokenEvent], Any]:
         """Called from the engine's controller thread for each token of choice ``index``."""
-        return lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, (index, ev))
+        return lambda ev: self._inbox.put(self, (index, ev))
+
+    def receive(self, item: tuple[int, TokenEvent]) -> None:
+        """On the loop: the next event (from :class:`LoopInbox`); wakes :meth:`body` if it waits."""
+        self._events.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next(self, timeout: float) -> tuple[int, TokenEvent] | None:
+        """The next event, or ``None`` after ``timeout`` seconds without one."""
+        if not self._events:
+            self._waiter = self._loop.create_future()
+            try:
+                await asyncio.wait_for(self._waiter, timeout)
+            except asyncio.TimeoutError:
+                return None
+            finally:
+                self._waiter = None
+        return self._events.popleft()
 
     def _drain_expired(self) -> bool:
         at = self.closing_since()
@@ -86,10 +152,10 @@ class TokenStream:
                                           f"drain_timeout_s={self.drain_timeout_s:g} s; it was aborted, resubmit it "
                                           "to a running server", type="service_unavailable", code=503)
                     break
-                try:
-                    index, ev = await asyncio.wait_for(self._events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
+                got = await self._next(0.25)
+                if got is None:
                     continue
+                index, ev = got
                 if ev.error is not None:
                     err = engine_error(ev.error)
                     yield error_event(err.message, type=err.type, code=err.status)
