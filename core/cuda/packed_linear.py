@@ -84,15 +84,17 @@ def rows_worth_packing(numel: int) -> int | None:
 def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) -> torch.Tensor | None:
     """The ``(out, in)`` ``weight`` reordered for :func:`packed_linear`, or ``None`` where that cannot help.
 
-    ``None`` for a weight of fewer than ``min_numel`` elements (default :data:`MIN_NUMEL`), one that is
-    not a 2-D CPU tensor of a :data:`PACKABLE_DTYPES` dtype, where
+    ``None`` for a weight too small to earn a packed copy at any row count (:func:`rows_worth_packing`; a
+    caller's own ``min_numel`` elements instead where given), one that is not a 2-D CPU tensor of a :data:`PACKABLE_DTYPES` dtype, where
     :func:`packing_available` says no, for a weight with NaN or infinite entries (which no probe can check),
     or where the packed copy disagrees with ``F.linear`` on a probe (logged once per dtype on
     ``tightfit.cuda.packed_linear``; the caller then keeps ``F.linear``).
     """
     if (weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
-            or weight.is_mkldnn or weight.numel() < max(1, MIN_NUMEL if min_numel is None else min_numel)
-            or not packing_available()):
+            or weight.is_mkldnn or not packing_available()):
+        return None
+    if (rows_worth_packing(weight.numel()) is None if min_numel is None
+            else weight.numel() < max(1, min_numel)):
         return None
     w = weight.detach()
     if not bool(torch.isfinite(w).all()):

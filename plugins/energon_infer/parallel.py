@@ -230,7 +230,7 @@ class _Projection(nn.Module):
             return 0
         w = self.weight
         rows = rows_worth_packing(w.numel())
-        self.packed = None if rows is None else pack_linear_weight(w, min_numel=0)
+        self.packed = pack_linear_weight(w)  # None where rows is None: too small to earn a copy
         self._min_rows = rows or MIN_ROWS
         self._packed_from = (id(w), w._version)
         return 0 if self.packed is None else w.numel() * w.element_size()

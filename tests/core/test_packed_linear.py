@@ -84,9 +84,14 @@ def test_packed_linear_bf16_and_batched_inputs():
 
 @needs_onednn
 def test_what_is_not_packed(monkeypatch):
-    # Small weights are left to F.linear by default: oneDNN's fixed cost per call outweighs the gain there.
-    assert pack_linear_weight(torch.randn(256, 256)) is None
+    # Weights too small to earn a packed copy at any row count are left to F.linear by default (oneDNN's fixed
+    # cost per call outweighs the gain there); the size is rows_worth_packing's, or a caller's own.
+    too_small = torch.randn(SMALL_NUMEL // 256 - 1, 256)
+    assert rows_worth_packing(too_small.numel()) is None and pack_linear_weight(too_small) is None
+    assert pack_linear_weight(too_small, min_numel=0) is not None
+    assert pack_linear_weight(torch.randn(SMALL_NUMEL // 256, 256)) is not None  # packed, used from SMALL_MIN_ROWS
     assert pack_linear_weight(torch.randn(MIN_NUMEL // 256, 256)) is not None
+    assert pack_linear_weight(torch.randn(MIN_NUMEL // 256, 256), min_numel=MIN_NUMEL + 1) is None
     assert pack_linear_weight(torch.randn(4, 4, dtype=torch.float64), min_numel=0) is None  # no fp64 matmul
     assert pack_linear_weight(torch.randn(4), min_numel=0) is None
     assert pack_linear_weight(torch.empty(0, 4), min_numel=0) is None
