@@ -131,6 +131,17 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
     }
 }
 
+/* The usual head widths get a copy of the loop with the width known, so the compiler unrolls the dot
+   products and the value updates into whole vector registers: prefix_32, _64, _128 and, for any other
+   width, prefix_any, each calling body with its width. */
+#define WIDTH(prefix, body, name, width)                                                                  \
+    static void prefix##_##name(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) { \
+        body(j, b, i0, i1, s, a, width);                                                                  \
+    }
+#define WIDTHS(prefix, body)                                                                              \
+    WIDTH(prefix, body, any, j->D) WIDTH(prefix, body, 32, 32) WIDTH(prefix, body, 64, 64)                \
+    WIDTH(prefix, body, 128, 128)
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* Built with -march=native for this CPU (the library's cache key holds its instruction-set flags), so
    this branch is the CPU's own: AVX2 + FMA. Head widths that are a multiple of 8 score a tile of 8 keys
@@ -230,37 +241,13 @@ static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, i
     }
 }
 
-static void tiled_any(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend_tiled(j, b, i0, i1, s, a, j->D);
-}
-static void tiled_32(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend_tiled(j, b, i0, i1, s, a, 32);
-}
-static void tiled_64(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend_tiled(j, b, i0, i1, s, a, 64);
-}
-static void tiled_128(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend_tiled(j, b, i0, i1, s, a, 128);
-}
+WIDTHS(tiled, attend_tiled)
 #else
 #define TILE 1
 #define HAVE_TILED 0
 #endif
 
-/* The usual head widths get a copy of the loop with the width known, so the compiler unrolls the dot
-   products and the value updates into whole vector registers. */
-static void attend_any(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend(j, b, i0, i1, s, a, j->D);
-}
-static void attend_32(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend(j, b, i0, i1, s, a, 32);
-}
-static void attend_64(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend(j, b, i0, i1, s, a, 64);
-}
-static void attend_128(const job_t *j, int64_t b, int64_t i0, int64_t i1, float *s, float *a) {
-    attend(j, b, i0, i1, s, a, 128);
-}
+WIDTHS(attend, attend)
 
 static void *run_range(void *arg) {
     job_t *j = (job_t *)arg;
