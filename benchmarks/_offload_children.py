@@ -22,31 +22,21 @@ from typing import Any
 
 from benchmarks._child_sources import tag
 from benchmarks.common import left_padded
+from benchmarks.proc_tree import descendants
 
 RESULT_TAG = "OFFLOAD_RESULT "
 
 
 def _tree_read_bytes() -> int:
     """``read_bytes`` (from the block device) of this process and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    total = 0
+    for pid in descendants(os.getpid()) or []:
         try:
             for line in Path(f"/proc/{pid}/io").read_text().splitlines():
                 if line.startswith("read_bytes:"):
                     total += int(line.split()[1])
         except OSError:
-            pass
+            pass  # exited while we read
     return total
 
 

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.proc_tree import descendants, stat_fields
+
 __all__ = ["PEER_VENV", "VLLM_VERSION", "vllm_python", "vllm_cli", "vllm_env", "VllmPeer", "run_vllm", "root_cause",
            "tree_cpu_seconds", "wait_until_idle"]
 
@@ -150,29 +152,12 @@ _WRAPPERS = ("EngineDeadError", "EngineGenerateError")
 def tree_cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) that process ``pid`` and every descendant have used so far, read from
     ``/proc``; ``None`` where there is no ``/proc`` (not Linux) or ``pid`` is gone."""
-    parents: dict[int, int] = {}
-    used: dict[int, float] = {}
+    tree = descendants(pid)
+    if tree is None:
+        return None
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return None
-    for e in entries:
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited while we read
-        parents[int(e)] = int(fields[1])
-        used[int(e)] = (int(fields[11]) + int(fields[12])) / tick
-    if pid not in used:
-        return None
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        kids = [c for c, p in parents.items() if p in frontier and c not in tree]
-        tree.update(kids)
-        frontier = kids
-    return sum(used[p] for p in tree)
+    fields = [f for f in map(stat_fields, tree) if f is not None]  # a descendant may exit while we read
+    return sum(int(f[11]) + int(f[12]) for f in fields) / tick
 
 
 def wait_until_idle(pid: int, *, max_wait_s: float = 5.0, window_s: float = 0.1, busy_cores: float = 0.1) -> float:

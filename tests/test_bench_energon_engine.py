@@ -7,7 +7,7 @@ import pytest
 
 
 def test_matmul_work_counts_fed_tokens_through_layers_and_the_head_per_generated_token():
-    from benchmarks.energon_engine import matmul_work
+    from benchmarks._energon_shapes import matmul_work
 
     # 2 sequences, 10 prompt tokens, 6 generated: 10 + 6 - 2 = 14 tokens through the layers, 6 head products.
     assert matmul_work(100.0, 1000.0, 10, 6, 2) == 2.0 * (100 * 14 + 1000 * 6)
@@ -17,7 +17,8 @@ def test_matmul_work_counts_fed_tokens_through_layers_and_the_head_per_generated
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_matmul_params_counts_the_head_once_and_no_embedding_lookups(tmp_path, family):
-    from benchmarks.energon_engine import _matmul_params, save_gpt2, save_model
+    from benchmarks._energon_shapes import matmul_params
+    from benchmarks.energon_engine import save_gpt2, save_model
 
     hidden, layers, vocab = 64, 2, 128
     if family == "llama":
@@ -28,7 +29,7 @@ def test_matmul_params_counts_the_head_once_and_no_embedding_lookups(tmp_path, f
     else:
         path = save_gpt2(tmp_path / "m", hidden=hidden, layers=layers, vocab=vocab)
         per_layer = hidden * 3 * hidden + hidden * hidden + 2 * hidden * 4 * hidden
-    assert _matmul_params(path) == (layers * per_layer, hidden * vocab)
+    assert matmul_params(path) == (layers * per_layer, hidden * vocab)
 
 
 def test_gpt2_checkpoint_keeps_its_special_tokens_inside_the_vocabulary(tmp_path):

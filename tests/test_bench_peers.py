@@ -1,4 +1,5 @@
-"""benchmarks/peers.py's idle wait: a peer's run returns once the peer's process tree has stopped using the CPU."""
+"""benchmarks/peers.py's idle wait (a peer's run returns once the peer's process tree has stopped using the CPU) and
+benchmarks/proc_tree.py's walk of a process tree, which it and the offload children sum their counters over."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from benchmarks.peers import tree_cpu_seconds, wait_until_idle
+from benchmarks.proc_tree import descendants, stat_fields
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 
@@ -59,3 +61,19 @@ def test_wait_until_idle_waits_out_a_busy_tree_and_returns_at_once_for_an_idle_o
     finally:
         _stop(proc)
     assert wait_until_idle(proc.pid) < 0.5  # gone: nothing to wait for
+
+
+def test_descendants_walks_the_whole_tree_from_its_root():
+    proc = _spinner(0.0)
+    try:
+        tree = descendants(proc.pid)
+        assert tree is not None and tree[0] == proc.pid and len(tree) == 2  # the parent, then the grandchild
+        child = tree[1]
+        fields = stat_fields(child)
+        assert fields is not None and int(fields[1]) == proc.pid
+        assert descendants(child) == [child]
+        mine = descendants(os.getpid())
+        assert mine is not None and proc.pid in mine and child in mine  # started by this process: below it too
+    finally:
+        _stop(proc)
+    assert descendants(proc.pid) is None and stat_fields(proc.pid) is None
