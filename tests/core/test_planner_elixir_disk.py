@@ -35,7 +35,13 @@ from tightfit.planner.elixir import (
     estimate,
     search,
 )
-from tightfit.planner.elixir.disk import DISK_COPIES, DISK_STAGING_BYTES, slowest_disk
+from tightfit.planner.elixir.disk import (
+    DISK_COPIES,
+    DISK_STAGING_BYTES,
+    disk_bytes_needed,
+    disk_state_budget,
+    slowest_disk,
+)
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.sim import MODES
 from tightfit.planner.elixir.space import Evaluator, compositions
@@ -470,3 +476,11 @@ def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, u
             # Its host bytes as the plan is priced (tier 3/4 shards in flight included), not the search's sum.
             again = ev.make(found.units, found.modes, found.offload, found.ckpt, found.df, found.db)
             assert found.host == pytest.approx(again.host, rel=1e-12), label
+
+
+@given(state=st.floats(0, 1e15, allow_nan=False), free=st.integers(0, 1 << 52))
+def test_the_disk_copies_rule_reads_the_same_both_ways(state, free):
+    # The solver filters plans by disk_state_budget, the diagnosis names disk_bytes_needed: one rule, so a plan the
+    # solver keeps is never one the diagnosis calls too large, and the other way round.
+    assert (state <= disk_state_budget(free)) == (disk_bytes_needed(state) <= free)
+    assert disk_bytes_needed(state) >= state * DISK_COPIES

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import DISK_COPIES
+from tightfit.planner.elixir.disk import disk_state_budget
 from tightfit.planner.elixir.plan import BASELINES, DISK_BASELINES, ElixirPlan, UnitPlan
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.solver import estimate, search, to_plan
@@ -51,7 +51,7 @@ def frontier(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "ada
                                      constraints=constraints).prepare_tiers()
     ev = S.Evaluator(ctx)
     host = float("inf") if tiers.host_bytes is None else float(tiers.host_bytes)
-    pool = S.greedy_pool(ev, cons.space(disk=tiers.has_disk), host, disk_budget=float(tiers.disk_bytes) / DISK_COPIES)
+    pool = S.greedy_pool(ev, cons.space(disk=tiers.has_disk), host, disk_budget=disk_state_budget(tiers.disk_bytes))
     path = tiers.disk.path if tiers.disk is not None else ""
     return [to_plan(ev, c, model, int(tiers.device_bytes or 0), cluster, disk_path=path) for c in S.pareto(pool)]
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import DISK_COPIES, ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS
+from tightfit.planner.elixir.disk import ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS, disk_bytes_needed
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.sim import Context
@@ -121,8 +121,8 @@ def _short_tier(ctx: Context, space: S.Space, tiers: MemoryTiers, exact: bool) -
         found = [c for c in S.greedy_pool(ev, space, host_budget) if c.peak <= budget]
     if found:
         best = min(found, key=lambda c: c.key)
-        if best.disk * DISK_COPIES > tiers.disk_bytes:
-            return tier_error(tiers, "disk", needed=math.ceil(best.disk * DISK_COPIES),
+        if disk_bytes_needed(best.disk) > tiers.disk_bytes:
+            return tier_error(tiers, "disk", needed=disk_bytes_needed(best.disk),
                               what=f"the fastest plan within the device and host budgets ({format_bytes(best.disk)} "
                                    "of state, held twice at a step's end: the old copy stays until the store syncs)")
         return None

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # sim imports this module
     from tightfit.planner.elixir.sim import Context, UnitTerms
 
 __all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES", "DISK_COPIES",
-           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes", "tier_name", "param_tier_name",
+           "disk_state_budget", "disk_bytes_needed", "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes", "tier_name", "param_tier_name",
            "grad_tier_name"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
@@ -73,6 +74,16 @@ DISK_STAGING_BYTES = 2 * 64 * 2**20
 # frees the replaced ones at the step's sync (tightfit.storage: the last synced index must stay readable), so at
 # the end of a step the old state and the new are both there. The planner fits DISK_COPIES x its disk bytes.
 DISK_COPIES = 2
+
+
+def disk_state_budget(disk_bytes: float) -> float:
+    """The bytes of state a plan may keep on a disk of ``disk_bytes`` free (:data:`DISK_COPIES` copies at a step's end)."""
+    return float(disk_bytes) / DISK_COPIES
+
+
+def disk_bytes_needed(state_bytes: float) -> int:
+    """The free disk a plan with ``state_bytes`` of state on disk needs (:data:`DISK_COPIES` copies at a step's end)."""
+    return math.ceil(state_bytes * DISK_COPIES)
 
 
 def per_element_on_disk(code: int, opt_state: float, master: float) -> tuple[float, float, float]:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
-from tightfit.planner.elixir.disk import DISK_CODES, DISK_COPIES, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import DISK_CODES, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST, disk_state_budget
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
@@ -63,7 +63,7 @@ def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> Elixir
     cons, ctx, tiers = problem.prepare_tiers()
     budget = int(tiers.device_bytes or 0)
     host_budget = math.inf if tiers.host_bytes is None else float(tiers.host_bytes)
-    disk_budget = float(tiers.disk_bytes) / DISK_COPIES  # the state's bytes; the old copy stays until the sync
+    disk_budget = disk_state_budget(tiers.disk_bytes)  # the state's bytes; the old copy stays until the sync
     ev = S.Evaluator(ctx)
     space = cons.space(disk=tiers.has_disk)
     exact = cons.exhaustive if cons.exhaustive is not None else S.count_space(ctx, space) <= cons.exhaustive_limit
