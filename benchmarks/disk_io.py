@@ -9,7 +9,7 @@ each repeat so that none is always first after the caches are dropped):
     * raw: one thread, ``O_DIRECT``, 4 MiB requests (``os.pwrite``/``os.preadv`` on a page-aligned buffer),
       ``fsync`` after writing: what ``dd bs=4M oflag=direct`` / ``iflag=direct`` measures.
     * store T MiB (the headline): ``TensorStore(dir)`` at its defaults (``--profile``: with the disk's measured
-      profile), the same bytes as float32 tensors of T MiB, used as docs/storage.md tells users to: writes from
+      profile), the same bytes as float32 tensors of T MiB, used as docs/disk-tier.md tells users to: writes from
       the tensors as they come (ordinary torch tensors, 64-byte aligned: each O_DIRECT request goes through the
       store's bounce buffer), every write submitted (``store.write``), waited, then ``store.sync()`` (durable, as
       a checkpoint); reads with ``store.read_into`` into buffers from ``tightfit.storage.aligned_empty``
@@ -334,7 +334,7 @@ def _markdown(stats: dict, run: dict, params: dict) -> tuple[str, dict]:
         f" GB/s, writes {raw['write']['gb_per_s']['median']:.2f} GB/s. {params['mib']} MiB per contender per "
         f"repeat, median of {params['repeats']} interleaved repeats [min-max]; ratios pairwise per repeat; "
         f"store settings: {params['store_settings']}, checksum {params['checksum']}. The `store T MiB` rows "
-        f"are the store as docs/storage.md tells users to run it: writes from the tensors as they come "
+        f"are the store as docs/disk-tier.md tells users to run it: writes from the tensors as they come "
         f"(ordinary torch tensors), reads into `aligned_empty` buffers; each `store 4 MiB, ...` row below them "
         f"is a diagnostic that changes one thing (benchmarks/disk_io.py says what).",
         "",

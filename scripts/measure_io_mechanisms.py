@@ -1,7 +1,7 @@
 """Measure the I/O mechanisms the store could use, on one directory: threads with os.preadv/os.pwritev,
 libaio (Debian libaio1, through ctypes) and io_uring (the PyPI ``liburing`` binding), each with 4 MiB
 O_DIRECT requests kept ``depth`` deep over a file of ``--gib`` GiB, plus ``dd`` as the raw reference.
-Prints one line per (mechanism, op, depth): GB/s and CPU seconds per GB. Results: docs/storage.md.
+Prints one line per (mechanism, op, depth): GB/s and CPU seconds per GB. Results: docs/disk-tier.md.
 
     python scripts/measure_io_mechanisms.py /var/tmp --gib 1 [--pythonpath /tmp/storage-mech]
 """

@@ -1,4 +1,4 @@
-"""The disk tier: a file-backed store of tensors and flat buffers (``docs/storage.md``).
+"""The disk tier: a file-backed store of tensors and flat buffers (``docs/disk-tier.md``).
 
 Example:
     >>> import tempfile, torch

@@ -1,7 +1,7 @@
 """The store's I/O engine: a few worker threads issuing ``os.preadv`` / ``os.pwritev``, a bound on
 requests in flight, and the extent-level read and write with alignment and checksums.
 
-Why threads: measured in ``docs/storage.md`` against libaio and io_uring on this project's machine;
+Why threads: measured in ``docs/disk-tier.md`` against libaio and io_uring on this project's machine;
 each blocking ``preadv``/``pwritev`` releases the GIL, so ``workers`` threads keep ``workers``
 requests at the device, and at MiB-sized requests the system-call cost is noise.
 

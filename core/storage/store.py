@@ -49,7 +49,7 @@ from tightfit.storage.buffers import aligned_empty, readable, writable
 
 __all__ = ["TensorStore", "TensorInfo", "DEFAULT_EXTENT_BYTES", "DEFAULT_WORKERS", "MIN_PROFILE_EXTENT_BYTES"]
 
-# 4 MiB requests reach the disk's bandwidth (docs/storage.md); smaller ones pay the per-request latency.
+# 4 MiB requests reach the disk's bandwidth (docs/disk-tier.md); smaller ones pay the per-request latency.
 DEFAULT_EXTENT_BYTES = 4 * 2**20
 # Without a profile: 4 I/O threads. Measured here (512 MiB of 1 MiB tensors written and synced, 8 interleaved
 # repeats): 2 workers wrote 0.78x of raw O_DIRECT 4 MiB requests, 4 workers 1.13x (4 MiB tensors: 1.10x with 2).
@@ -193,7 +193,7 @@ class TensorStore:
         Each block holding a range (``checksum_block`` bytes; a whole extent in a store without block
         checksums) is read once and verified, consecutive blocks of an extent in one request, the requests
         spread over the workers: a scattered batch of 128-byte rows reads a 4 KiB block per row, not an
-        extent (``docs/storage.md``). A failed checksum raises :class:`ChecksumError` naming the file and the
+        extent (``docs/disk-tier.md``). A failed checksum raises :class:`ChecksumError` naming the file and the
         block's byte offset.
         """
         what = f"read_ranges({name!r})"
@@ -323,7 +323,7 @@ class TensorStore:
 
     def _give_back(self, slot: int) -> None:
         """A slot the new index dropped: a deleted name's blocks go back to the filesystem; an overwritten
-        extent's stay allocated for the next write to reuse. Measured (docs/storage.md, 4 MiB tensors):
+        extent's stay allocated for the next write to reuse. Measured (docs/disk-tier.md, 4 MiB tensors):
         punching every freed slot made each overwrite allocate its blocks again, 0.46x of raw write
         bandwidth against 0.99x reusing them (benchmarks/disk_io.py, 15 repeats)."""
         if slot in self._deleted:
