@@ -25,7 +25,7 @@ RESULTS = Path(os.environ.get("TIGHTFIT_BENCH_RESULTS", Path(__file__).resolve()
 
 __all__ = ["RESULTS", "parser", "machine_info", "interleave", "summarize", "write_result", "plot_path",
            "resident_bytes", "measure_peak", "run_two_ranks", "source_commit", "imported_sources", "measured_paths",
-           "left_padded"]
+           "left_padded", "paired", "format_paired"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,6 +88,35 @@ def interleave(
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def paired(a: Sequence[float], b: Sequence[float], *, higher_is_better: bool = True) -> dict[str, object]:
+    """Contender ``a`` against ``b`` round by round: the ratio ``a_i / b_i`` of each round, their median, min and
+    max, and ``wins``, the rounds where ``a`` beat ``b`` (a higher value when ``higher_is_better``, e.g. tokens/s;
+    a lower one otherwise, e.g. seconds). Round ``i`` of both must have measured the same work (same prompts, same
+    order) close in time, so that whatever the machine did then weighs on both; a ratio of two separately taken
+    medians would not cancel it.
+
+    >>> p = paired([10.0, 12.0, 9.0], [10.0, 10.0, 10.0])
+    >>> p["median"], p["wins"], p["rounds"]
+    (1.0, 1, 3)
+    >>> format_paired(p)
+    '1.00x (1/3 rounds, 0.90-1.20x)'
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired: {len(a)} rounds against {len(b)}; pair rounds one to one (equal, non-zero counts)")
+    if any(y == 0 for y in b):
+        raise ValueError(f"paired: a round of the baseline measured 0 ({list(b)}); a ratio needs a non-zero baseline")
+    ratios = [float(x) / float(y) for x, y in zip(a, b)]
+    wins = sum((x > y) if higher_is_better else (x < y) for x, y in zip(a, b))
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "wins": wins,
+            "rounds": len(ratios), "ratios": ratios, "higher_is_better": higher_is_better}
+
+
+def format_paired(p: dict[str, object], digits: int = 2) -> str:
+    """``"1.02x (4/5 rounds, 0.95-1.10x)"``: the median ratio, the rounds ``a`` won out of all, the range."""
+    return (f"{p['median']:.{digits}f}x ({p['wins']}/{p['rounds']} rounds, "
+            f"{p['min']:.{digits}f}-{p['max']:.{digits}f}x)")
 
 
 def plot_path(name: str, suffix: str = "") -> Path:

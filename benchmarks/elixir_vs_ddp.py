@@ -1,6 +1,6 @@
 """``Trainer(strategy="elixir")`` with memory to spare vs ``Trainer(strategy="ddp")``: wall step time, 2 CPU processes.
 
-Issue 32's promise: when replicating fits the budget, Elixir is never slower than DDP (within 5%). Two models
+The promise: when replicating fits the budget, Elixir is never slower than DDP (within 5%). Two models
 nobody here wrote, each in a plain LightningModule with AdamW in fp32, default strategy options:
 
 - ``llama``: a Hugging Face ``LlamaForCausalLM`` built ``from_config`` (4 layers, hidden 256, GQA: 8 query heads,
@@ -14,8 +14,9 @@ of the steps after the first two (warm-up: lazy init, first allocations), on ran
 per step beside it (a diagnostic: on a loaded host the wall time of one fit swings by 10-30%, the CPU time a step
 spends much less). Rounds run every contender after a warm-up round (Elixir's calibration runs, and is cached,
 there), in an order that reverses every round (A B C, C B A, ...), so drift on the host does not favour whoever runs
-first. Reported: the median of the repeats beside min/max, the ratio of medians, the median of the paired per-round
-ratios, and the plan Elixir chose (unit modes, offload, recomputation, how it searched and which cost model priced
+first. Every contender of a round trains on the same batches (one seed per round), so the rounds pair up. Reported:
+the median of the repeats beside min/max, each ratio to DDP paired (:func:`benchmarks.common.paired`: the median of
+the per-round ratios, the rounds Elixir was faster, the range), and the plan Elixir chose (unit modes, offload, recomputation, how it searched and which cost model priced
 it) and how the runtime applied it (``DDP``: torch's composable ``replicate``; ``FSDP2``).
 
 Per step, an all-replicate Elixir run does what ``strategy="ddp"`` does: the same ``DistributedDataParallel``
@@ -25,9 +26,9 @@ pre/post hook that regroups parameters by placement (one group here), Lightning'
 prediction monitor that reads ``perf_counter`` at the first steps' starts. What only Elixir pays is at fit start:
 planning, and on the first run the calibration (``first_fit_s``; cached after).
 
-A third contender, ``elixir on FSDP2``, runs the same default strategy with the all-replicate plan applied the way
-it was before ``lightning_elixir.replicate`` existed (``fully_shard`` on a ``(world, 1)`` mesh): the before/after of
-that change, measured in the same interleaved rounds.
+A third contender, ``elixir on FSDP2``, runs the same default strategy with the all-replicate plan applied by
+``fully_shard`` on a ``(world, 1)`` mesh instead of ``lightning_elixir.replicate``: what applying an all-replicate
+plan with DDP semantics saves, measured in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import parser, run_two_ranks, summarize, write_result
+from benchmarks.common import format_paired, paired, parser, run_two_ranks, summarize, write_result
 
 NAME = "elixir_vs_ddp"
 VOCAB, BATCH, SEQ = 4096, 8, 128
@@ -120,7 +121,7 @@ def _fit(model_cls, name: str, seed: int, steps: int, root: Path) -> tuple[float
     L.seed_everything(seed, verbose=False)
     module = model_cls(seed, steps)
     strategy = "ddp" if name == "ddp" else ElixirStrategy(verbose=False)
-    # "elixir_fsdp2": the runtime as it was before (every plan on FSDP2); the plan itself is the same search's.
+    # "elixir_fsdp2": the same search's plan, applied on FSDP2 even when it replicates everything.
     elixir_strategy.replicates_everything = (lambda plan: False) if name == "elixir_fsdp2" else replicates_everything
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -184,32 +185,37 @@ def _plan_text(plan: dict) -> str:
             f"{plan['search_method']}, {plan['cost_model']}; applied with {plan['runtime']}")
 
 
+def over_ddp(data: dict, model: str, name: str, key: str = "times") -> dict[str, object]:
+    """Contender ``name``'s step time over DDP's, paired round by round (lower is better)."""
+    return paired(data[key][model][name], data[key][model]["ddp"], higher_is_better=False)
+
+
 def markdown(data: dict, repeats: int) -> str:
     def cell(t: list[float]) -> str:
         return f"{statistics.median(t) * 1e3:.0f} ({min(t) * 1e3:.0f}-{max(t) * 1e3:.0f})"
 
     rows = []
     for model in MODELS:
-        t, c = data["times"][model], data["cpu"][model]
-        ddp, eli, old = (statistics.median(t[n]) for n in CONTENDERS)
-        paired = statistics.median(e / d for e, d in zip(t["elixir"], t["ddp"]))
-        cpu_ratio = statistics.median(c["elixir"]) / statistics.median(c["ddp"])
+        t = data["times"][model]
         first = data["first_fit_s"][model]
-        rows.append(f"| {model} | {cell(t['ddp'])} | {cell(t['elixir_fsdp2'])} | {old / ddp:.3f}x | "
-                    f"{cell(t['elixir'])} | {eli / ddp:.3f}x | {paired:.3f}x | {cpu_ratio:.3f}x | "
+        rows.append(f"| {model} | {cell(t['ddp'])} | {cell(t['elixir_fsdp2'])} | "
+                    f"{format_paired(over_ddp(data, model, 'elixir_fsdp2'), 3)} | {cell(t['elixir'])} | "
+                    f"**{format_paired(over_ddp(data, model, 'elixir'), 3)}** | "
+                    f"{format_paired(over_ddp(data, model, 'elixir', 'cpu'), 3)} | "
                     f"{first['elixir']:.1f} / {first['ddp']:.1f} | {_plan_text(data['plans'][f'{model}/elixir'])} |")
     return "\n".join([
         f"`Trainer(strategy=\"elixir\")` (default options, whole device) vs `Trainer(strategy=\"ddp\")`, 2 gloo "
         f"processes x {data['threads']} threads, AdamW fp32, batch {BATCH} x {SEQ}. Wall step time in ms: median of "
         f"{repeats} interleaved repeats (min-max), each a fresh fit of {data['steps']} steps on fresh batches, "
-        "timed after its first two steps. Target: Elixir / DDP <= 1.05. *Before*: the same plan on the FSDP2 "
-        "runtime (`fully_shard` on a (world, 1) mesh); *after*: an all-replicate plan applied with DDP semantics "
-        "(composable `replicate`). *Paired*: the median of the per-round Elixir / DDP ratios; *CPU*: the ratio of "
-        "rank 0's median process CPU time per step (diagnostic). *First fit*: the warm-up round's whole `fit`, "
-        "Elixir's including its calibration (cached after; the later rounds plan from the cache).", "",
-        "| model | DDP ms | Elixir before (FSDP2) ms | before / DDP | Elixir after ms | after / DDP | paired | CPU "
-        "after / DDP | first fit s Elixir / DDP | Elixir's plan |",
-        "|---|---|---|---|---|---|---|---|---|---|", *rows])
+        "timed after its first two steps. Target: Elixir / DDP <= 1.05 (the paired median). *Elixir on FSDP2*: "
+        "the same plan applied by `fully_shard` on a (world, 1) mesh; *Elixir*: an all-replicate plan applied with "
+        "DDP semantics (composable `replicate`). Ratios to DDP are paired: the median of the per-round ratios "
+        "(lower is faster), the rounds won, the range; *CPU*: the same for rank 0's process CPU time per step "
+        "(diagnostic). *First fit*: the warm-up round's whole `fit`, Elixir's including its calibration (cached "
+        "after; the later rounds plan from the cache).", "",
+        "| model | DDP ms | Elixir on FSDP2 ms | on FSDP2 / DDP | Elixir ms | Elixir / DDP | CPU Elixir / DDP | "
+        "first fit s Elixir / DDP | Elixir's plan |",
+        "|---|---|---|---|---|---|---|---|---|", *rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,11 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                        for name in CONTENDERS} for model in MODELS}
     for model in MODELS:
         for name in ("elixir", "elixir_fsdp2"):
-            results[model][f"{name}_over_ddp"] = results[model][name]["median"] / results[model]["ddp"]["median"]
-            results[model][f"{name}_over_ddp_paired"] = statistics.median(
-                e / d for e, d in zip(data["times"][model][name], data["times"][model]["ddp"]))
-            results[model][f"{name}_over_ddp_cpu"] = (statistics.median(data["cpu"][model][name])
-                                                      / statistics.median(data["cpu"][model]["ddp"]))
+            results[model][f"{name}_over_ddp"] = over_ddp(data, model, name)
+            results[model][f"{name}_over_ddp_cpu"] = over_ddp(data, model, name, "cpu")
             results[model][f"{name}_plan"] = data["plans"][f"{model}/{name}"]
         results[model]["first_fit_s"] = data["first_fit_s"][model]
     text = markdown(data, repeats)

@@ -13,8 +13,10 @@ prompts, so no prefix cache is warmed on the timed data), over:
 * two Poisson request rates (``--request-rate``), and
 * a ``--max-concurrency`` sweep (requests sent as fast as the slots free up).
 
-Reported side by side, the median over the rounds: output tokens/s, time to first token and time per output
-token (mean and p99), and every run in the JSON. Beside the tokens/s: the fraction of the machine's limit, the
+Round ``r`` of both servers uses the same seed, so the same prompts in the same order: the two runs of a round
+are a pair. Reported side by side, the median over the rounds of each server's output tokens/s, time to first
+token and time per output token (mean and p99), and for each metric the paired ratio energon / vLLM (the median of
+the per-round ratios, the rounds energon won, their range: ``benchmarks/README.md``); every run is in the JSON. Beside the tokens/s: the fraction of the machine's limit, the
 model's matmul FLOPs for the tokens processed (prompt + output) over the time, divided by the measured fp32 matmul
 rate of all cores. vLLM comes from ``.venv-peers/`` (``python -m benchmarks.peers``); without it the benchmark
 says why and stops.
@@ -38,7 +40,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.common import parser, write_result
+from benchmarks.common import format_paired, paired, parser, write_result
 from benchmarks.peers import vllm_cli, vllm_env, vllm_python
 
 NAME = "energon_serve"
@@ -206,12 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             peer.stop()
     per_token = flops_per_token(vocab)
     summary = {label: {name: _median(rows, per_token, peak) for name, rows in by.items()} for label, by in runs.items()}
-    results = {"runs": runs, "summary": summary, "peak_flops": peak, "flops_per_token": per_token}
+    ratios = {label: _paired(by) for label, by in runs.items()}
+    results = {"runs": runs, "summary": summary, "paired": ratios, "peak_flops": peak, "flops_per_token": per_token}
     params = {"quick": args.quick, "rounds": rounds, "works": works, "layers": LAYERS, "hidden": HIDDEN,
               "heads": HEADS, "kv_heads": KV_HEADS, "intermediate": INTERMEDIATE, "vocab": vocab, "cores": cores,
               "input": [int(INPUT * (1 - RANGE)), int(INPUT * (1 + RANGE))],
               "output": [int(OUTPUT * (1 - RANGE)), int(OUTPUT * (1 + RANGE))]}
-    md = _markdown(summary, params)
+    md = _markdown(summary, ratios, params)
     print(md)
     write_result(NAME, title=TITLE, params=params, results=results, markdown=md)
     return 0
@@ -228,13 +231,26 @@ def _median(rows: list[dict[str, Any]], per_token: float, peak: float) -> dict[s
     return out
 
 
-def _markdown(summary: dict[str, dict[str, dict[str, float]]], params: dict[str, Any]) -> str:
+# Metric -> whether higher is better (tokens/s) or lower (times).
+METRICS = {"output_throughput": True, "mean_ttft_ms": False, "p99_ttft_ms": False, "mean_tpot_ms": False,
+           "p99_tpot_ms": False}
+
+
+def _paired(by: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, object]]:
+    """energon / vLLM per metric, round by round (round r of both ran the same prompts)."""
+    return {k: paired([float(r[k]) for r in by["energon"]], [float(r[k]) for r in by["vllm"]], higher_is_better=up)
+            for k, up in METRICS.items()}
+
+
+def _markdown(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str, dict[str, dict[str, object]]],
+              params: dict[str, Any]) -> str:
     lines = [f"A random `LlamaForCausalLM` ({params['layers']} layers x {params['hidden']}, GQA "
              f"{params['heads']}/{params['kv_heads']}, vocabulary {params['vocab']} of a trained BPE tokenizer), "
              f"fp32, both servers at their defaults with all {params['cores']} cores; `vllm bench serve --backend "
              f"openai --endpoint /v1/completions --dataset-name random --ignore-eos` (input {params['input'][0]}-"
              f"{params['input'][1]} tokens, output {params['output'][0]}-{params['output'][1]}) against each, "
-             f"alternating, fresh prompts every run; median of {params['rounds']} rounds. Ratios: energon / vLLM "
+             f"alternating, the same fresh prompts for both in a round; median of {params['rounds']} rounds. Ratios: "
+             "energon / vLLM, paired: the median of the per-round ratios, the rounds energon won of all, the range "
              "(tokens/s: higher is better; times: lower is better). Limit: the model's matmul FLOPs for the tokens "
              "processed over the time, as a fraction of the measured fp32 matmul rate of all cores.", "",
              "| load | server | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | TPOT p99 ms | "
@@ -245,9 +261,8 @@ def _markdown(summary: dict[str, dict[str, dict[str, float]]], params: dict[str,
             lines.append(f"| {label} | {name} | {s['output_throughput']:.1f} | {s['mean_ttft_ms']:.0f} | "
                          f"{s['p99_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} | {s['p99_tpot_ms']:.1f} | "
                          f"{s['limit_fraction']:.2f} | {s['completed']} |")
-        lines.append(f"| {label} | **ratio** | **{e['output_throughput'] / v['output_throughput']:.2f}x** | "
-                     f"{e['mean_ttft_ms'] / v['mean_ttft_ms']:.2f}x | {e['p99_ttft_ms'] / v['p99_ttft_ms']:.2f}x | "
-                     f"{e['mean_tpot_ms'] / v['mean_tpot_ms']:.2f}x | {e['p99_tpot_ms'] / v['p99_tpot_ms']:.2f}x | | |")
+        cells = [format_paired(ratios[label][k]) for k in METRICS]
+        lines.append(f"| {label} | **paired ratio** | **{cells[0]}** | " + " | ".join(cells[1:]) + " | | |")
     return "\n".join(lines)
 
 

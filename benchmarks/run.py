@@ -20,7 +20,8 @@ from benchmarks import report
 from benchmarks.common import write_result
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"__init__", "common", "run", "report", "memlimit"}  # memlimit: a helper the benchmarks share
+# Modules of benchmarks/ that are not benchmarks: the shared helpers, the runner, the report and its staleness check.
+NOT_BENCHMARKS = {"__init__", "common", "run", "report", "staleness", "memlimit", "peers", "proc_tree"}
 SUITE = "suite"  # results/suite.json: the time of each benchmark in the last whole-suite run
 
 

@@ -33,9 +33,10 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "tightfit.plugins"
+"""The entry-point group :func:`discover` reads: a package registers a plugin under it."""
 
-# What a plugin plugs into. Third-party plugins pick one of these.
 KINDS = ("lightning-strategy", "inference-backend", "embedding-cache", "planner", "kernel")
+"""What a plugin plugs into. Third-party plugins pick one of these."""
 
 
 class PluginError(RuntimeError):
@@ -194,6 +195,7 @@ class PluginRegistry:
 
 
 registry = PluginRegistry()
+"""The process's plugin registry: what :func:`discover` fills."""
 
 
 # True while discover(register=False) loads plugins: their packages then skip the registration they do

@@ -41,3 +41,17 @@ def mount_tmpfs(tmp_path):
     yield mount
     for d in mounted:
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say once, at the end of the run, how many committed benchmark results measured code that changed since
+    (benchmarks/staleness.py): a warning for whoever reruns them, never a failure."""
+    try:
+        from tests.helpers.staleness import summary_for_checkout
+
+        line = summary_for_checkout()
+    except Exception as e:  # the summary must never turn a run red
+        line = f"could not check the benchmark results' staleness: {type(e).__name__}: {e}"
+    if line:
+        terminalreporter.write_sep("-", "benchmark results")
+        terminalreporter.write_line(line)

@@ -105,3 +105,46 @@ def test_a_contender_whose_children_all_died_counts_its_folders_whole():
     assert collect([[dict(reported)], [dict(killed)]], fallback=("core", "plugins/x")) == (
         "core", "core/units.py", "plugins/x")
     assert collect([], fallback=("core",)) == ()
+
+
+def test_paired_takes_the_median_of_per_round_ratios():
+    """A ratio of two contenders is the median of their round-by-round ratios, with wins and the range beside it,
+    not a ratio of two separately taken medians (here those would read 1.00x)."""
+    from benchmarks.common import format_paired, paired
+
+    a, b = [10.0, 30.0, 20.0, 21.0, 9.0], [20.0, 10.0, 21.0, 20.0, 10.0]
+    assert statistics_median_ratio(a, b) == 1.0
+    p = paired(a, b)
+    assert p["ratios"] == [0.5, 3.0, 20 / 21, 1.05, 0.9]
+    assert p["median"] == 20 / 21 and p["min"] == 0.5 and p["max"] == 3.0
+    assert p["wins"] == 2 and p["rounds"] == 5 and p["higher_is_better"] is True
+    assert format_paired(p) == "0.95x (2/5 rounds, 0.50-3.00x)"
+
+
+def statistics_median_ratio(a, b):
+    import statistics
+
+    return statistics.median(a) / statistics.median(b)
+
+
+def test_paired_wins_follow_the_direction_of_better():
+    """Times: lower wins; a tie is nobody's win."""
+    from benchmarks.common import format_paired, paired
+
+    p = paired([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], higher_is_better=False)
+    assert p["wins"] == 1 and p["median"] == 1.0
+    assert paired([1.0, 2.0, 3.0], [2.0, 2.0, 2.0])["wins"] == 1
+    assert format_paired(paired([1.02], [1.0]), digits=3) == "1.020x (1/1 rounds, 1.020-1.020x)"
+
+
+def test_paired_refuses_unpaired_rounds():
+    import pytest
+
+    from benchmarks.common import paired
+
+    with pytest.raises(ValueError, match="3 rounds against 2"):
+        paired([1.0, 2.0, 3.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="0 rounds against 0"):
+        paired([], [])
+    with pytest.raises(ValueError, match="non-zero baseline"):
+        paired([1.0], [0.0])

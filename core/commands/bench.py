@@ -3,8 +3,10 @@
 The benchmarks live in the repository (``benchmarks/``), not in the installed package. The checkout
 is the one holding the current directory (``--root`` to name another), so a branch's benchmarks
 run on that branch's code. Results go to ``runs/bench-<time>/`` (git-ignored): JSON per benchmark,
-plots and a ``REPORT.md``. The committed report (``benchmarks/results/``, the source of the
-README's numbers) changes only with ``--update-report``.
+plots and a ``REPORT.md``. The committed results (``benchmarks/results/``) change only with
+``--update-report``, which copies the run's JSON and plots there and runs ``python -m benchmarks.report``:
+it regenerates ``benchmarks/results/REPORT.md`` and the README's results table (the block between
+``<!-- generated: results-table -->`` and ``<!-- end generated: results-table -->``) from the JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directory for the results (default: ROOT/runs/bench-YYYYmmdd-HHMMSS)")
     parser.add_argument("--update-report", action="store_true",
                         help="after a run without failures, copy its JSON and plots into benchmarks/results/ and "
-                             "rewrite benchmarks/results/REPORT.md (the committed report)")
+                             "regenerate benchmarks/results/REPORT.md and the README's results table from them")
 
 
 def find_checkout(start: Path) -> Path | None:
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.copy2(item, committed / item.name)
         subprocess.check_call([sys.executable, "-m", "benchmarks.report"], cwd=root,
                               env={**env, "TIGHTFIT_BENCH_RESULTS": str(committed)})
-        print(f"updated the committed report: {committed / 'REPORT.md'} (review and commit it)")
+        print(f"updated the committed report: {committed / 'REPORT.md'} and the README's results table "
+              "(review and commit them)")
     else:
         print("the committed report (benchmarks/results/) is unchanged; rerun with --update-report to replace it")
     return 0

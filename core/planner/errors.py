@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __all__ = ["TIERS", "PlanError", "PlanInfeasibleError", "PlanMismatchError"]
 
-TIERS = ("device", "host", "disk")  # the three memory tiers every memory planner sees (docs/architecture.md)
+TIERS = ("device", "host", "disk")
+"""The three memory tiers every memory planner sees (docs/architecture.md)."""
 
 
 class PlanError(ValueError):

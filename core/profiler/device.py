@@ -95,6 +95,8 @@ DATASHEETS: dict[str, DeviceProfile] = {
     "v100-32g": _sheet("v100-32g", memory=32 * GiB, fp32=15.7, bf16=None, fp16=125, pcie=16, link=150,
                        host_memory=512 * GiB, label="Tesla V100-SXM2-32GB"),
 }
+"""Datasheet profiles by preset name (``"a100-40g"``): what :func:`device_preset` returns, for planning a
+device this machine does not have."""
 
 
 def device_preset(name: str) -> DeviceProfile:

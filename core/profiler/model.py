@@ -40,7 +40,7 @@ from tightfit.profiler.types import BlockProfile, MemoryEvent, ModelProfile, Par
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["profile_model", "MetaProfilingError", "default_loss", "split_inputs"]
+__all__ = ["profile_model", "MetaProfilingError", "default_loss", "split_inputs", "is_meta_failure"]
 
 
 class MetaProfilingError(RuntimeError):
@@ -352,7 +352,7 @@ def profile_model(
     except MetaProfilingError:
         raise
     except Exception as exc:
-        if not meta or not _is_meta_failure(exc):
+        if not meta or not is_meta_failure(exc):
             raise
         what = type(model_or_factory).__name__ if isinstance(model_or_factory, nn.Module) else "this model"
         first_line = str(exc).splitlines()[0] if str(exc) else ""
@@ -369,7 +369,10 @@ def profile_model(
         ) from exc
 
 
-def _is_meta_failure(exc: Exception) -> bool:
+def is_meta_failure(exc: Exception) -> bool:
+    """Whether ``exc`` says the step cannot run on the meta device (fake tensors): an unsupported operator,
+    a data-dependent value or output shape (``loss.item()``), a missing meta kernel. The profilers then run
+    the step on a real device instead; any other exception is the model's own and is raised."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,

@@ -93,9 +93,9 @@ def block_inputs(model: nn.Module, example_inputs: Any) -> dict[str, tuple[tuple
     try:
         return _block_inputs_on(copy.deepcopy(model).to("meta") if real else model, example_inputs, "meta")
     except Exception as exc:
-        from tightfit.profiler.model import _is_meta_failure
+        from tightfit.profiler.model import is_meta_failure
 
-        if not real or not _is_meta_failure(exc):
+        if not real or not is_meta_failure(exc):
             raise
     # A step that cannot run on meta (``loss.item()``, a value-dependent op): a copy on the CPU records the
     # shapes instead, as profile_model's fallback does (the copy keeps the user's module untouched).
@@ -270,18 +270,20 @@ def time_blocks(model: nn.Module, example_inputs: Any, profile: ModelProfile, *,
         device: where to time (default: CUDA if available, else CPU).
         dtype: run blocks and float inputs in this dtype (the compute dtype under ``*-true`` precisions;
             default: the model's own).
-        repeats / warmup: timed and untimed rounds per distinct block (the median is kept).
+        repeats: timed rounds per distinct block (the median is kept).
+        warmup: untimed rounds per distinct block before the timed ones.
         loss_fn: ``loss_fn(output) -> scalar`` timed with the last block (default: the profile's
             ``default_loss``; pass the training loss, e.g. cross-entropy, for its real cost).
-        cache / refresh: read and write the on-disk cache / ignore what it holds.
-
-    With an initialised process group every rank must call it (same model and inputs): each rank
-    times its blocks, then all keep the slowest rank's numbers, so every rank plans the same way.
+        cache: read and write the on-disk cache.
+        refresh: ignore what the cache holds (and overwrite it).
         progress: log each distinct block's time at INFO (on stderr unless logging is configured).
         clock: ``"wall"`` (elapsed) or ``"cpu"`` (process CPU time: immune to other jobs on a shared
             CPU host; use the same clock when measuring the steps it predicts), see :func:`clock_of`.
         agree: with a process group, keep the slowest rank's numbers (a collective: every rank calls);
             ``False`` times on the calling rank alone (a rank that plans for the others and shares the plan).
+
+    With an initialised process group and ``agree=True`` every rank must call it (same model and inputs): each
+    rank times its blocks, then all keep the slowest rank's numbers, so every rank plans the same way.
     """
 
     from tightfit.profiler.blocks import find_blocks

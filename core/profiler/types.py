@@ -36,6 +36,7 @@ __all__ = [
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
                "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+"""Bytes per element of each dtype, by its ``torch`` name without the ``torch.`` prefix."""
 
 
 class ProfileError(ValueError):
@@ -97,9 +98,10 @@ class BlockProfile:
             backward. The loss's backward runs before any of this block's nodes, so before a sharded runtime
             gathers the block's parameters or allocates its gradients. 0: no loss folded in, or not measured apart
             (profiles from before: ``transient_bytes`` covers both).
-        fwd_s / bwd_s / recompute_s: measured seconds of its forward, its backward and its re-run
-            forward under checkpointing on the profiled micro-batch (:func:`tightfit.profiler.time_blocks`);
-            0.0 = not measured (planners then use FLOPs / matmul rate).
+        fwd_s: measured seconds of its forward on the profiled micro-batch
+            (:func:`tightfit.profiler.time_blocks`); 0.0 = not measured (planners then use FLOPs / matmul rate).
+        bwd_s: measured seconds of its backward, as ``fwd_s``.
+        recompute_s: measured seconds of its re-run forward under checkpointing, as ``fwd_s``.
 
     The step model that combines these is in :func:`tightfit.profiler.memory.estimate_peak`.
     """
@@ -160,14 +162,16 @@ class ModelProfile:
         activation_peak_bytes: peak of the timeline (no checkpointing).
         peak_bytes: peak of a whole training step without optimizer state: parameters + gradients
             + activations at the peak.
-        fwd_flops: total forward FLOPs; bwd_flops: total backward FLOPs.
+        fwd_flops: total forward FLOPs.
+        bwd_flops: total backward FLOPs.
         param_dtype: dtype the parameters were profiled in.
         notes: anything the profiler wants the reader to know (fallbacks used, unsupported ops).
         device: device type the step was traced for (``"cpu"``, ``"cuda"``): kernels, and so saved
             activations, depend on it (e.g. which fused attention runs).
         checkpointed: blocks the ``checkpointed_*`` numbers assume recomputed (``profile_model(checkpointing=...)``).
-        checkpointed_activation_peak_bytes / checkpointed_peak_bytes: the peaks with those blocks
-            checkpointed (0 when none were asked for); any other set: :meth:`estimate_peak`.
+        checkpointed_activation_peak_bytes: ``activation_peak_bytes`` with those blocks checkpointed (0 when none
+            were asked for); any other set: :meth:`estimate_peak`.
+        checkpointed_peak_bytes: ``peak_bytes`` with those blocks checkpointed, as above.
     """
 
     model: str

@@ -39,6 +39,7 @@ except ImportError:  # core needs only torch, numpy and entrypoints: zlib is the
 else:
     CHECKSUMS["crc32c"] = _crc32c_module.crc32c
 DEFAULT_CHECKSUM = next(name for name in KNOWN_CHECKSUMS if name in CHECKSUMS)
+"""The checksum new stores record: ``"crc32c"`` when the ``crc32c`` package is installed, else ``"crc32"``."""
 
 
 def checksum_function(name: str, where: str = "") -> Checksum:

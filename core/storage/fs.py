@@ -33,9 +33,10 @@ __all__ = ["ALIGN", "Mount", "mount_of", "free_bytes", "check_disk_dir", "open_d
            "address", "pread_full", "pwrite_full", "disk_full", "punch_hole",
            "lock_directory"]
 
-# O_DIRECT needs buffer addresses, file offsets and lengths aligned to the device's logical block
-# (512 B or 4 KiB); 4 KiB is safe on every device and costs nothing at MiB-sized requests.
 ALIGN = 4096
+"""Alignment of O_DIRECT buffer addresses, file offsets and lengths, in bytes. O_DIRECT needs them aligned to
+the device's logical block (512 B or 4 KiB); 4 KiB is safe on every device and costs nothing at MiB-sized
+requests."""
 _RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 

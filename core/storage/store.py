@@ -49,11 +49,13 @@ from tightfit.storage.buffers import aligned_empty, readable, writable
 
 __all__ = ["TensorStore", "TensorInfo", "DEFAULT_EXTENT_BYTES", "DEFAULT_WORKERS", "MIN_PROFILE_EXTENT_BYTES"]
 
-# 4 MiB requests reach the disk's bandwidth (docs/disk-tier.md); smaller ones pay the per-request latency.
 DEFAULT_EXTENT_BYTES = 4 * 2**20
-# Without a profile: 4 I/O threads. Measured here (512 MiB of 1 MiB tensors written and synced, 8 interleaved
-# repeats): 2 workers wrote 0.78x of raw O_DIRECT 4 MiB requests, 4 workers 1.13x (4 MiB tensors: 1.10x with 2).
+"""Extent (request) size without a disk profile: 4 MiB requests reach the disk's bandwidth
+(docs/disk-tier.md); smaller ones pay the per-request latency."""
 DEFAULT_WORKERS = 4
+"""I/O threads without a disk profile: with MiB-sized tensors two threads leave the disk idle between requests,
+four keep it busy; with these defaults the store keeps up with the raw device
+(benchmarks/results/REPORT.md#disk_io)."""
 # A profile's request size becomes the extent size, but not below 1 MiB: the index holds ~30 bytes of JSON per
 # extent, 30 KB per GiB at 1 MiB, 480 KB per GiB at 64 KiB (rewritten at every sync).
 MIN_PROFILE_EXTENT_BYTES = 2**20

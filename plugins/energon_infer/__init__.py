@@ -111,3 +111,5 @@ plugin = Plugin(
     command="serve",
     cli=_serve,
 )
+"""EnergonAI's entry in tightfit's plugin registry (the ``tightfit.plugins`` entry point):
+its name, what it needs, its demo."""

@@ -75,6 +75,8 @@ plugin = Plugin(
     register_hook=register,
     demo=_demo,
 )
+"""Elixir's entry in tightfit's plugin registry (the ``tightfit.plugins`` entry point):
+its name, what it needs, its demo."""
 
 if registers_on_import():  # False only while `tightfit plugins` lists plugins without Lightning
     try:  # registering at import is what makes Trainer(strategy="elixir") work after `import lightning_elixir`

@@ -342,7 +342,7 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
     Args:
         module: the model (parameters real or on the meta device).
         plan: an :class:`ElixirPlan` for this model and ``mesh.size()`` ranks.
-        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        mesh (DeviceMesh): a 1-D ``DeviceMesh`` over the data-parallel ranks.
         device: where resident units live (default: the mesh's device for this rank).
         switchable: checkpoint hooks on every block, off where the plan does not recompute
             (:func:`set_checkpointing` switches them later; used by re-planning).

@@ -155,9 +155,17 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
     """Elixir's plan executed by DeepSpeed ZeRO (``Trainer(strategy="elixir_deepspeed")``).
 
     Args:
-        memory_budget / plan / offload / activation_checkpointing / optimizer / cluster /
-            device_profile / constraints / verbose / calibrate: as :class:`~lightning_elixir.strategy.ElixirStrategy`
-            (validated into :attr:`options`, an :class:`~lightning_elixir.options.ElixirOptions`).
+        memory_budget: as :class:`~lightning_elixir.strategy.ElixirStrategy`; it and the nine arguments below
+            are validated into :attr:`options`, an :class:`~lightning_elixir.options.ElixirOptions`.
+        plan: as ``ElixirStrategy``.
+        offload: as ``ElixirStrategy``.
+        activation_checkpointing: as ``ElixirStrategy``.
+        optimizer: as ``ElixirStrategy``.
+        cluster: as ``ElixirStrategy``.
+        device_profile: as ``ElixirStrategy``.
+        constraints: as ``ElixirStrategy``.
+        verbose: as ``ElixirStrategy``.
+        calibrate: as ``ElixirStrategy``.
         host_budget: host bytes per rank the plan may use (``"4GiB"``; ``None``: what the host has free),
             as ``ElixirStrategy``. DeepSpeed does not enforce it (module docstring: the gaps).
         disk_dir: a directory on an NVMe/SSD drive for the disk tier (``None``: no disk tier). Units the

@@ -189,8 +189,10 @@ class ElixirPrecision(ClipAcrossMeshes):
         precision: ``"16-mixed"`` (the only one it implements; the others use Lightning's own plugins).
         device: device type compute runs on (``"cuda"`` / ``"cpu"``); ``None``: the strategy's device,
             set when the strategy sets up.
-        init_scale / growth_factor / backoff_factor / growth_interval: the loss scaler's, as
-            ``torch.amp.GradScaler`` (defaults 2**16, 2, 0.5, 2000).
+        init_scale: the loss scaler's initial scale, as ``torch.amp.GradScaler``'s.
+        growth_factor: the scale's factor after ``growth_interval`` steps without an overflow, as ``GradScaler``'s.
+        backoff_factor: the scale's factor after an overflow, as ``GradScaler``'s.
+        growth_interval: steps without an overflow before the scale grows, as ``GradScaler``'s.
         scaler: an :class:`ElixirGradScaler` to use instead of building one.
 
     Example:

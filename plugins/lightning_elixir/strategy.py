@@ -87,8 +87,9 @@ class ElixirStrategy(ModelParallelStrategy):
         activation_checkpointing: ``"auto"`` (the search decides per block), ``True`` (every block) or ``False``.
         optimizer: the optimizer the plan prices (``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"`` ...);
             the one ``configure_optimizers`` returns is used unchanged.
-        cluster / device_profile: the devices to plan for instead of measuring this one (objects, JSON
-            paths, or a datasheet preset name for ``device_profile``).
+        cluster: the devices to plan for instead of measuring this one (a ``ClusterSpec`` or its JSON path).
+        device_profile: the device to plan for instead of measuring this one (a ``DeviceProfile``, its JSON
+            path, or a datasheet preset name such as ``"a100-40g"``).
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
         replan: when the steps after warm-up are off the prediction by more than ``check_tolerance``, re-plan
@@ -97,7 +98,8 @@ class ElixirStrategy(ModelParallelStrategy):
         calibrate: ``True`` (default): when planning for this machine, time the first batch's blocks and fit
             the collectives and FSDP2's overheads here, cached for the next run, so the plan is priced from
             measurements; ``False``: from FLOPs / rate. The plan's ``cost_model`` says which priced it.
-        process_group_backend / timeout: as Lightning's ``ModelParallelStrategy``.
+        process_group_backend: as Lightning's ``ModelParallelStrategy``.
+        timeout: as Lightning's ``ModelParallelStrategy``.
         host_budget: host memory per rank for offloaded state (``"4GiB"``; ``None``: what the host has).
         disk_dir: a directory on a local SSD/NVMe for the disk tier (``None``: none). Units the plan puts there
             keep their fp32 optimizer state in a :class:`tightfit.storage.TensorStore` under

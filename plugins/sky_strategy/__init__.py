@@ -50,6 +50,8 @@ plugin = Plugin(
     register_hook=register,
     demo=_demo,
 )
+"""Sky's entry in tightfit's plugin registry (the ``tightfit.plugins`` entry point):
+its name, what it needs, its demo."""
 
 if registers_on_import():  # False only while `tightfit plugins` lists plugins without Lightning
     try:  # registering at import is what makes Trainer(strategy="sky") work after `import sky_strategy`

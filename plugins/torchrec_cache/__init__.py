@@ -68,3 +68,5 @@ plugin = Plugin(
     requires=("torchrec", "fbgemm_gpu"),
     demo=_demo,
 )
+"""The embedding cache's entry in tightfit's plugin registry (the ``tightfit.plugins`` entry point):
+its name, what it needs, its demo."""

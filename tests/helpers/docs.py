@@ -70,13 +70,14 @@ def strip_generated(text: str) -> str:
     return _GENERATED.sub(lambda m: "\n" * m.group().count("\n"), text)
 
 
-def run_script(code: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess:
-    """Write ``code`` to ``cwd/snippet.py`` and run it there; asserts it exited 0 (its output tails if not)."""
+def run_script(code: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
+               args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Write ``code`` to ``cwd/snippet.py`` and run it there with ``args``; asserts it exited 0 (its output tails
+    if not)."""
     script = cwd / "snippet.py"
     script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                         env=env)
+    out = subprocess.run([sys.executable, str(script), *(args or [])], cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

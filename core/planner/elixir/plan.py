@@ -161,16 +161,32 @@ class ElixirPlan:
     """A plan FSDP2 can execute, with its predictions and the identity of what it was made for.
 
     Args:
-        model / param_numel / blocks / blocks_hash / inputs / world_size: identity checked by
-            :meth:`check_compatible` before a runtime applies the plan.
-        precision / param_dtype / reduce_dtype / optimizer: what the plan was priced for.
+        model: the profiled model's name; with the five fields below, the identity
+            :meth:`check_compatible` checks before a runtime applies the plan.
+        param_numel: the model's parameter count.
+        blocks: the model's block names in first-use order.
+        blocks_hash: a short hash of each block's name and parameter count (``model_identity``).
+        inputs: the profiled micro-batch's input shapes.
+        world_size: the number of ranks it was planned for.
+        precision: the Lightning precision it was priced for.
+        param_dtype: the dtype parameters are gathered in.
+        reduce_dtype: the dtype gradients are reduced in.
+        optimizer: the optimizer whose state it places.
         units: the units in first-use order.
-        forward_prefetch / backward_prefetch: prefetch depths.
-        step_time_s / peak_bytes / budget_bytes / host_bytes_per_rank: predictions and the budget.
-        breakdown / memory: where the time and the peak memory go.
+        forward_prefetch: how many units ahead the forward gathers.
+        backward_prefetch: how many units ahead the backward gathers.
+        step_time_s: the predicted seconds of one training step.
+        peak_bytes: the predicted peak memory per device.
+        budget_bytes: the device memory budget it was planned under.
+        host_bytes_per_rank: host memory each rank uses for offloaded state.
+        breakdown: where the step time goes.
+        memory: where the peak memory goes.
         runner_ups: the best plans of other families (fastest first).
-        search_method / search_seconds / candidates_evaluated: how it was found.
-        device: the device it was planned for; notes: assumptions the cost model made.
+        search_method: how it was found (``"exhaustive"``, ``"greedy frontier"``, a baseline's name...).
+        search_seconds: how long the search took.
+        candidates_evaluated: how many plans the search priced.
+        device: the device it was planned for.
+        notes: assumptions the cost model made.
         checkpointable_blocks: how many of the model's blocks can be checkpointed.
         cost_model: how the step time was priced: ``"FLOPs / rate"`` or ``"measured block timings"``,
             then the calibration terms used (collective latency, per-unit overhead, measured overlap).
@@ -319,8 +335,10 @@ class ElixirPlan:
 
 
 BASELINES = ("ddp", "zero2", "zero2-offload", "zero3", "zero3-offload")
-# ZeRO-Infinity's optimizer state on NVMe (offload_optimizer device "nvme"): needs a disk tier, so apart.
+"""The fixed configurations a plan is compared with (``tightfit.planner.elixir.baseline``)."""
 DISK_BASELINES = ("zero3-offload-nvme",)
+"""ZeRO-Infinity's optimizer state on NVMe (DeepSpeed's ``offload_optimizer`` device ``"nvme"``): a baseline that
+needs a disk tier, so it is listed apart from :data:`BASELINES`."""
 
 
 def model_identity(profile: ModelProfile) -> tuple[tuple[str, ...], str]:

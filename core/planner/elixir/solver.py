@@ -28,6 +28,7 @@ from tightfit.profiler.types import ClusterSpec, ModelProfile
 __all__ = ["search", "solve", "estimate", "detail", "to_plan", "Progress"]
 
 Progress = Callable[[int, int, str], None]
+"""``progress(done, total, what)``: called while a search runs."""
 
 
 def search(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw", precision: str = "bf16-mixed",
@@ -45,7 +46,8 @@ def search(model: ModelProfile, cluster: ClusterSpec, *, optimizer: str = "adamw
             memory, or ``None`` for all of it.
         constraints: :class:`ElixirConstraints`.
         progress: ``progress(done, total, what)`` called while searching.
-        host_budget / disk_budget: host and disk bytes per rank (:class:`ElixirProblem`; ``None``: the defaults).
+        host_budget: host bytes per rank (:class:`ElixirProblem`; ``None``: the default).
+        disk_budget: disk bytes per rank (:class:`ElixirProblem`; ``None``: the default).
 
     Raises:
         PlanInfeasibleError: nothing fits; names the tier that is short (``tier``), the smallest budget that

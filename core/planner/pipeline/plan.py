@@ -33,10 +33,12 @@ class StagePlan:
     Args:
         index: position in the pipeline (0 = first).
         device: index into the plan's devices.
-        start, stop: the stage holds layers ``start .. stop - 1``.
+        start: the stage's first layer.
+        stop: one past the stage's last layer (it holds layers ``start .. stop - 1``).
         compute_s: forward+backward seconds per microbatch on its device.
         comm_s: seconds per microbatch to send its output and receive the gradient back.
-        memory_bytes: predicted peak memory; memory_cap_bytes: what the device (or chunk) may use.
+        memory_bytes: predicted peak memory.
+        memory_cap_bytes: what the device (or chunk) may use.
     """
 
     index: int

@@ -61,6 +61,7 @@ from tightfit.planner.pipeline.plan import PartitionPlan, StagePlan
 __all__ = ["SCHEDULES", "LayerMemory", "DeviceSpec", "PipelineProblem"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+"""The pipeline schedules a :class:`PipelineProblem` may name."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

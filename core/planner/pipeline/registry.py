@@ -109,6 +109,8 @@ class PartitionerRegistry:
 
 
 partitioners = PartitionerRegistry()
+"""The registered partitioners by name: ``"balanced"`` (ours), ``"even"``, ``"parameter-balanced"``, ``"sky"``,
+``"sky-fixed"``; :func:`plan_pipeline` looks ``partition`` up here."""
 partitioners.register("balanced", balance, searches_order=True,
                       summary="ours: the smallest predicted step time that fits memory (exact per device order)")
 partitioners.register("even", even, summary="equal layer counts per stage")

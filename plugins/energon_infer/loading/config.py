@@ -110,12 +110,15 @@ class ModelConfig:
         rope_scaling: ``None`` or ``("linear", factor)``.
         mlp: ``"gelu"``-style two-matrix MLP (``"dense"``) or ``"swiglu"``.
         activation: one of :data:`ACTIVATIONS`.
-        qkv_bias / o_bias / mlp_bias: which projections have a bias.
+        qkv_bias: whether the query, key and value projections have a bias.
+        o_bias: whether the attention's output projection has a bias.
+        mlp_bias: whether the MLP's projections have a bias.
         embed_dim: width of the token embedding; differs from ``hidden_size`` only for OPT-350m, which
             projects in and out.
         tie_embeddings: the head reuses the token embedding.
         attn_scale_by_layer: GPT-2's ``scale_attn_by_inverse_layer_idx`` (scores also divided by layer+1).
-        bos_token_id / eos_token_ids: special tokens from the config (``eos_token_ids`` stop generation).
+        bos_token_id: the beginning-of-sequence token from the config, if any.
+        eos_token_ids: the end-of-sequence tokens from the config: they stop generation.
     """
 
     family: str

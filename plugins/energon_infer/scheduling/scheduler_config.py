@@ -82,8 +82,9 @@ class SchedulerConfig:
             ``host_blocks`` of host memory when they have room) or ``"auto"`` (whichever the measured
             ``swap_s_per_block`` / ``recompute_s_per_token`` say is cheaper, recompute without host blocks;
             see :mod:`energon_infer.scheduling.swap`).
-        host_blocks / swap_s_per_block / recompute_s_per_token: the workers' host swap space and measured
-            costs (reported, not set).
+        host_blocks: the workers' host swap space, in KV blocks (reported by the workers, not set).
+        swap_s_per_block: the measured seconds to swap one block out and back (reported, not set).
+        recompute_s_per_token: the measured seconds to recompute one token's KV (reported, not set).
     """
 
     kv_blocks: int = 0

@@ -81,7 +81,8 @@ class ModelRunner:
         source: checkpoint tensors: a :class:`~energon_infer.loading.weights.CheckpointReader` or a ``{name: tensor}`` map.
         runtime: layout and cache settings.
         tokenizer: a ``tokenizers.Tokenizer`` (for string prompts, stop strings and output text), or ``None``.
-        parts_fn: maps runtime parameter names to checkpoint tensors (default: Hugging Face names).
+        parts_fn (Callable): ``parts_fn(config, name, keys)``: the checkpoint tensors runtime parameter ``name`` is
+            built from (default: :func:`~energon_infer.loading.weights.hf_parts`, Hugging Face names).
         offload: positions (within this rank's stage) of blocks that are not loaded: their parameters stay
             on the meta device for a memory pool to stream in (:mod:`energon_infer.worker.disk_pool`).
     """
