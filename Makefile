@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint bench bench-report gpu-check mutate clean
+.PHONY: setup demo test test-all lint docs docs-serve report bench bench-report gpu-check mutate clean
 
 setup:
 	@bash scripts/setup.sh
@@ -22,10 +22,20 @@ test: setup lint
 test-all: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The docs site (mkdocs-material, API pages from the docstrings) into site/; --strict fails on a broken link, a page
+# missing from the nav or an API name that does not resolve. tests/test_docs.py builds it too.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+# Regenerate benchmarks/results/REPORT.md and the README's results table from the committed JSON (no benchmark runs).
+report: setup
+	$(PY) -m benchmarks.report
+
 # Results go to runs/bench-<time>/; `make bench-report` also replaces the committed benchmarks/results/.
-# The quick suite takes longer than BENCHMARKS.md's 10 minutes on 2 cores: the cost-model benchmark alone runs
-# about 5-6 minutes (2 gloo ranks x 7 contenders x 5 repeats, calibration included). Each benchmark's time is
-# printed as it ends and, for a whole-suite run, kept in results/suite.json (the report's last section).
+# Each benchmark's wall time is printed as it ends and, for a whole-suite run, kept in results/suite.json.
 # `make bench ONLY=sky_simulation` runs one benchmark (repeatable: ONLY="a b").
 BENCH_ONLY = $(foreach name,$(ONLY),--only $(name))
 

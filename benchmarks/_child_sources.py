@@ -1,12 +1,12 @@
 """Which project files a benchmark's child processes ran.
 
-A benchmark that measures in subprocesses (under a memory limit, in a peer's venv) used to declare whole folders
-(``core``, ``plugins``) as measured, so any change there made its committed result stale. Instead each child adds
+A benchmark that measures in subprocesses (under a memory limit, in a peer's venv) cannot see what they import, and
+declaring whole folders (``core``, ``plugins``) as measured would make any change there stale its result. Each child adds
 the files it imported to the JSON it prints (:func:`tag`), and the parent passes their union to
 ``write_result(measures=...)`` (:func:`collect`): the result goes stale when code a child ran changes, and only then.
 Children that run the same code form a group (the repeats of one contender); a group none of whose children
 printed anything (all killed, e.g. by the memory limit) reported nothing, and then ``fallback`` (the folders its
-code comes from) counts whole, as before.
+code comes from) counts whole.
 
     print(json.dumps(tag(result)))                                       # in the child, last
     measures = collect([disk_runs, ram_runs], fallback=("core",))        # in the parent

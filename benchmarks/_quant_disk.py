@@ -2,7 +2,7 @@
 
     python -m benchmarks._quant_disk [--quick]        # this part alone: prints its JSON and report section
 
-The setup of benchmarks/energon_offload.py (the energon disk issue's): one engine process per cell, started in a
+The setup of benchmarks/energon_offload.py: one engine process per cell, started in a
 fresh cgroup v1 memory group (benchmarks/memlimit.py; the page cache counts) after the page cache is dropped,
 ``memory_budget = limit - 896 MiB`` for the weights (the rest: the interpreter, torch, the worker, KV cache;
 192 MiB less for the quantized formats, whose two processes import torchao),

@@ -1,5 +1,5 @@
-"""What every benchmark shares (../shared/BENCHMARKS.md): interleaved timing, machine facts,
-one JSON file per benchmark under ``benchmarks/results/``, and plots for the report.
+"""What every benchmark shares (the protocol: ``benchmarks/README.md``): interleaved timing, paired ratios,
+machine facts, one JSON file per benchmark under ``benchmarks/results/``, and plots for the report.
 
 A benchmark module ``benchmarks/<name>.py`` defines ``main(argv=None) -> int``, accepts ``--quick``,
 and ends by calling :func:`write_result` with its numbers and a Markdown section; ``benchmarks.run``

@@ -1,7 +1,7 @@
 """Elixir with its optimizer state, master weights and gradients on disk, under a hard memory limit, vs DeepSpeed
 ZeRO-Infinity.
 
-Question (issue 29): can ``ElixirStrategy(memory_budget=, host_budget=, disk_dir=)`` train a GPT whose fp32 AdamW
+Question: can ``ElixirStrategy(memory_budget=, host_budget=, disk_dir=)`` train a GPT whose fp32 AdamW
 state (parameters, gradients and two moments: 16 bytes per parameter) is larger than the memory the process
 may use, as fast as its plan predicts, with the disk busy during the optimizer phase, and faster than ZeRO-3
 with both offloads on NVMe under the same limit, without being killed?
@@ -26,6 +26,9 @@ Setup, all on this machine's disk (``--dir``, default a temporary directory unde
           skipped, saying why, where DeepSpeed's ``async_io`` op cannot build (``apt-get install libaio-dev``);
         - ``ram``: the same plan with every unit's state in RAM (no disk tier), no limit: the speed reference
           and the exactness reference (losses and final weights bit for bit, per repeat).
+      A repeat's contenders train on the same tokens, so their step times pair up: DeepSpeed's step over Elixir's
+      is paired repeat by repeat (``benchmarks/README.md``); where DeepSpeed is killed by the limit, it runs once
+      more without one, paired with that repeat's Elixir run.
 Measured per step (the first step of each process is warm-up, not counted): wall time, the optimizer phase
 (end of backward to end of step), bytes read and written by the process (``/proc/self/io``), and per process
 the group's peak (``memory.max_usage_in_bytes``) and whether the OOM killer fired.
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "deepspeed nvme" and out["limit"].get("oom_killed") and DS_UNCAPPED not in runs:
                     # Killed by the limit: run it once (first such repeat) without one, for its speed and its need.
                     (work / "disk").mkdir(parents=True)
-                    runs.setdefault(DS_UNCAPPED, []).append(run_child(DS_UNCAPPED, spec, None, root))
+                    runs.setdefault(DS_UNCAPPED, []).append({**run_child(DS_UNCAPPED, spec, None, root),
+                                                             "repeat": rep})
                     shutil.rmtree(work, ignore_errors=True)
                 step = statistics.median(s["wall_s"] for s in _timed(out["steps"])) if out.get("ok") else None
                 say(f"repeat {rep + 1}/{repeats} {name}: " + (f"{step:.2f} s/step" if step else

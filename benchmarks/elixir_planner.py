@@ -6,7 +6,7 @@ ZeRO-2, ZeRO-2 + offload, ZeRO-3 and ZeRO-3 + offload priced by the same cost mo
 activation checkpointing added when it does not fit otherwise, as a user would), and the search
 time. The limit reported beside it is the compute bound (the profile's FLOPs over the matmul
 rate): no plan can be faster. A second table gives the search time for 20B on 8 devices (the
-issue's bound: under 5 s) as the median of repeats, and the greedy search's distance to the exact
+bound: under 5 s) as the median of repeats, and the greedy search's distance to the exact
 optimum on random small instances.
 
     python -m benchmarks.elixir_planner --quick
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{speedup:.2f}x vs {best_b or 'none fits'} | {seconds:.2f} s |")
                 print(f"{name} {world}x{mem}GiB: {tput:,.0f} tok/s, {speedup:.2f}x vs {best_b}, search {seconds:.2f} s",
                       file=sys.stderr, flush=True)
-    # The bound: gpt2-20b on 8 devices in under 5 s (median of repeats, both memory sizes).
+    # The bound: gpt2-20b on 8 devices in under 5 s (median of repeats, both memory sizes).
     timing = {}
     for mem in (40, 80):
         cluster = ClusterSpec.uniform(_device(mem)[0], 8)

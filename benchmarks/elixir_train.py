@@ -5,7 +5,8 @@ memory budget is 60% of what DDP needs by the planner's own accounting, the situ
 the contenders a user would try are DDP, FSDP2 full shard (one unit per block), FSDP2 full shard +
 CPU offload, DeepSpeed ZeRO-3 and ZeRO-3 + offload (when DeepSpeed is installed), and Elixir's plan
 applied with ``apply_plan``. Each contender is built once; rounds alternate A B C ... after a warm-up
-round, each timing ``steps`` training steps between barriers; the median of the repeats is reported.
+round, each timing ``steps`` training steps between barriers on the round's batches; the median of the repeats is
+reported, and every ratio between contenders is paired round by round (``benchmarks/README.md``).
 
 Also: the planner's predicted step time and peak memory for Elixir and the FSDP2 baselines (priced by
 the same cost model), next to the measured step time and, for Elixir, the measured step peak
@@ -30,8 +31,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
+    format_paired,
     interleave,
     measure_peak,
+    paired,
     parser,
     plot_path,
     run_two_ranks,
@@ -189,15 +192,16 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, out: str)
     dist.destroy_process_group()
 
 
-def _none_fits(times: dict, pred: dict, elixir_s: float) -> str:
+def _none_fits(times: dict, pred: dict) -> str:
     """The headline when no hand-picked FSDP2 configuration fits: say so, and how the fastest of them compares."""
     priced = [n for n in times if n in pred and n not in ("elixir", "ddp")]
     if not priced:
         return "no hand-picked FSDP2 configuration fits the budget"
     fastest = min(priced, key=lambda n: statistics.median(times[n]))
     return (f"no hand-picked FSDP2 configuration fits the budget (on a CPU offloading saves no memory: host and device "
-            f"are one); the fastest, {fastest}, takes {statistics.median(times[fastest]) / elixir_s:.2f}x Elixir's "
-            f"time and needs {pred[fastest]['peak_bytes'] / 2**20:.1f} MiB")
+            f"are one); the fastest, {fastest}, takes "
+            f"{format_paired(paired(times[fastest], times['elixir'], higher_is_better=False))} Elixir's time "
+            f"(paired per repeat) and needs {pred[fastest]['peak_bytes'] / 2**20:.1f} MiB")
 
 
 def main(argv=None) -> int:
@@ -212,31 +216,30 @@ def main(argv=None) -> int:
         p = pred.get(name)
         fits = "" if p is None else ("yes" if p["peak_bytes"] <= res["budget"] else "no (over budget)")
         rows.append(f"| {name} | {s['median'] * 1e3:.0f} [{s['min'] * 1e3:.0f}-{s['max'] * 1e3:.0f}] | "
-                    f"{s['median'] / el:.2f}x | "
+                    f"{'-' if name == 'elixir' else format_paired(paired(samples, times['elixir'], higher_is_better=False))} | "
                     + (f"{p['step_s'] * 1e3:.0f} | {p['peak_bytes'] / 2**20:.1f} | {fits} |" if p else "- | - | - |"))
-    ratios = {n: [a / b for a, b in zip(t, times["elixir"])] for n, t in times.items() if n != "elixir"}
-    fitting = [n for n in ratios if n in pred and pred[n]["peak_bytes"] <= res["budget"]]
+    fitting = [n for n in times if n != "elixir" and n in pred and pred[n]["peak_bytes"] <= res["budget"]]
     best_fit = min(fitting, key=lambda n: statistics.median(times[n])) if fitting else None
     p_el = pred["elixir"]
-    # Said as it is: the ratio of the medians the table shows (peer / Elixir: > 1 is faster), "slower" under 1
-    # (never "0.98x faster"), a tie when the repeats' spreads overlap; the median of the paired per-repeat
-    # ratios beside it (on a loaded host the two can disagree, and then neither is a clear verdict).
-    el_s, peer_s = summarize(times["elixir"]), summarize(times[best_fit]) if best_fit else None
-    speed = peer_s["median"] / el_s["median"] if peer_s else 1.0
-    paired = statistics.median(ratios[best_fit]) if best_fit else 1.0
-    tie = peer_s is not None and el_s["min"] <= peer_s["max"] and peer_s["min"] <= el_s["max"]
-    verdict = ("faster" if speed > 1 else "slower" if speed < 1 else "as fast") + (
-        ", a tie within the spread of the repeats" if tie else "")
-    headline = (f"Elixir's plan runs at **{speed:.2f}x** the speed of {best_fit}, {abs(speed - 1) * 100:.0f}% "
-                f"{verdict} ({el_s['median'] * 1e3:.0f} vs {peer_s['median'] * 1e3:.0f} ms median wall step; the "
-                f"median of the paired per-repeat ratios is {paired:.2f}x); {best_fit} is the fastest hand-picked "
-                f"FSDP2 configuration that fits the budget (median of {repeats} interleaved repeats)"
-                if best_fit and peer_s else _none_fits(times, pred, el_s["median"]))
+    # Said as it is: Elixir's speed over the peer's, paired per repeat (peer time / Elixir time: > 1 is faster),
+    # with the repeats Elixir won; "mixed" when each won some (then the median alone is no clear verdict).
+    if best_fit:
+        speed = paired(times[best_fit], times["elixir"])
+        wins, rounds = speed["wins"], speed["rounds"]
+        verdict = "faster in every repeat" if wins == rounds else "slower in every repeat" if wins == 0 else (
+            f"mixed: faster in {wins} of {rounds} repeats")
+        el_m, peer_m = statistics.median(times["elixir"]), statistics.median(times[best_fit])
+        headline = (f"Elixir's plan runs at **{format_paired(speed)}** the speed of {best_fit} ({verdict}; "
+                    f"{el_m * 1e3:.0f} vs {peer_m * 1e3:.0f} ms median wall step); {best_fit} is the fastest "
+                    f"hand-picked FSDP2 configuration that fits the budget ({repeats} interleaved repeats, paired)")
+    else:
+        headline = _none_fits(times, pred)
     markdown = "\n".join([
         f"Headline: {headline}. Budget {res['budget'] / 2**20:.1f} MiB per rank ({res['budget_note']}); "
         f"{res['params'] / 1e6:.1f} M parameters, 2 gloo ranks x 1 thread, fp32 AdamW. Priced by: {res['cost_model']} "
         f"(blocks timed and device calibrated in {res['calibration_s']:.1f} s, in the run).",
-        "", "| contender | step ms median [min-max] | time / Elixir | predicted ms | predicted peak MiB | fits budget |",
+        "", "| contender | step ms median [min-max] | time / Elixir (paired) | predicted ms | predicted peak MiB | "
+        "fits budget |",
         "|---|---|---|---|---|---|", *rows, "",
         f"Elixir plan: {res['plan']['units']} units, {res['plan']['offloaded']} offloaded, "
         f"{res['plan']['checkpointed']} blocks recomputed. Predicted step {p_el['step_s'] * 1e3:.0f} ms vs measured "

@@ -15,11 +15,13 @@
 4. **Concurrency at a fixed KV budget.** The same requests (``max_tokens=256``, most stop far
    earlier) through one KV cache: on-demand blocks with preemption vs reservation of prompt +
    ``max_tokens`` at admission: sequences running at once and tokens/s.
-5. **Peer memory pooling** and 6. **the pp=2 pipeline** (on 16 and 64 sequences), as before (see the report).
+5. **Peer memory pooling** (0%, 50% and 100% of the layers held in a peer's pool and copied in ahead of use)
+   and 6. **the pp=2 pipeline** (on 16 and 64 sequences): the engine's schedules against a blocking pipeline.
 
 Beside each tokens/s: the fraction of the machine's limit, the model's matmul FLOPs for the
 tokens processed (prompt + generated) over the time, divided by the measured single-thread fp32
-matmul rate (``peak_flops``). All contenders alternate (A B C, A B C ...) after a warm-up; the
+matmul rate (``peak_flops``). All contenders alternate (A B C, A B C ...) after a warm-up, each round's contenders
+on the same prompts, so a ratio is paired round by round (``benchmarks/README.md``); the
 model is a random LLaMA-architecture checkpoint saved with ``save_pretrained``, fp32, one thread
 per worker process (and for transformers and vLLM), so the comparison is per core.
 """

@@ -6,7 +6,7 @@ disk offload and llama.cpp under the same hard limit, with the all-in-RAM engine
     python -m benchmarks.energon_offload --batches 8 --contenders "energon (limit);llama.cpp mmap (limit)"
                                                           # one batch, llama.cpp beside energon (a few minutes)
 
-Question (issue 30): with fp32 weights at least 3x the cgroup memory limit of the serving process, how many
+Question: with fp32 weights at least 3x the cgroup memory limit of the serving process, how many
 tokens/s does each contender sustain on offline batches of 1, 8, 32 and 64 sequences, how far is that from the
 I/O roofline (batch x measured disk bandwidth / bytes streamed per decode step), and does anyone get killed?
 
@@ -22,7 +22,8 @@ process started inside its own cgroup v1 memory group (hard limit; ``memory.max_
 ``memory.oom_control`` says whether the OOM killer fired), after ``sync; echo 3 > /proc/sys/vm/drop_caches`` so
 nothing is read from a page cache another contender filled. The order of the contenders rotates from batch to
 batch. Contenders, each with all the cores (2 threads), greedy, prompts of 4-12 random tokens drawn fresh for each
-batch (the same for every contender of that batch):
+batch and repeat (the same for every contender of that batch and repeat, so a repeat's cells pair up: ratios are
+paired, ``benchmarks/README.md``):
 
 * **energon (limit)**: ``Engine.from_pretrained(dir, memory_pool=MemoryPoolConfig(...))`` with the host budget
   below the limit: the plan keeps some layers in host memory and reads the others from the model's own

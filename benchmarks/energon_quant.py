@@ -5,7 +5,8 @@
 1. Bytes: the weights each rank holds (fp32, int8, int4 at group 128), from the loaded stage's parameters.
 2. Decode tokens/s at batch 1, 8 and 32: each repeat prefills fresh random prompts of 32 tokens, then decodes
    ``new_tokens - 1`` steps of one token per sequence; the figure is ``batch * (new_tokens - 1) / decode time``.
-   energon fp32, int8 and int4 alternate (A B C A B C ...) in this process; llama.cpp (``llama-cpp-python``'s C
+   energon fp32, int8 and int4 alternate (A B C A B C ...) in this process, every contender of a repeat on the
+   same prompts (fresh each repeat), so ratios are paired repeat by repeat (``benchmarks/README.md``); llama.cpp (``llama-cpp-python``'s C
    API, as benchmarks/energon_offload.py drives it: all prompts in one ``llama_decode``, then one token per
    sequence per step) runs the same prompts in its own venv, alternated with them, on the same model converted
    by llama.cpp's own converter (f32 GGUF) and quantized by its own ``llama_model_quantize`` to Q8_0 and Q4_0.
@@ -18,8 +19,9 @@
 
 The speed model is a random LLaMA-architecture checkpoint (heads of 128, 2 key/value heads, fp32), large enough
 that a decode step is bound by the weight bytes it reads, not by per-op overhead. All threads the process has, on
-both sides. Targets (issue 34): int4 weights <= 0.3x fp32's bytes; int4 decode at batch 1 >= 1.5x fp32; greedy
-agreement >= 95% on the trained fixture; energon at or above llama.cpp's tokens/s at the same bits, batch >= 8.
+both sides. Targets: int4 weights <= 0.3x fp32's bytes; int4 decode at batch 1 >= 1.5x fp32; greedy
+agreement >= 95% on the trained fixture; energon at or above llama.cpp's tokens/s at the same bits, batch >= 8
+(each a paired median).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import interleave, parser, summarize, write_result
+from benchmarks.common import format_paired, interleave, paired, parser, summarize, write_result
 
 NAME = "energon_quant"
 TITLE = "energon weight-only quantization (torchao int8/int4) vs fp32 and llama.cpp Q8_0/Q4_0 (CPU)"
@@ -155,13 +157,16 @@ def _llama_run(gguf: Path, model: Path, prompts: list[list[int]], new_tokens: in
 def decode_case(path: Path, runners: dict[str, Any], llama: dict[str, Path], *, batch: int, new_tokens: int,
                 vocab: int, repeats: int, threads: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(batch)
-    fresh: dict[str, list[list[int]]] = {}
+    rounds: list[list[list[int]]] = []  # the prompts of each round (the warm-up is round 0)
+    calls: dict[str, int] = {}
 
     def prompts_for(name: str) -> list[list[int]]:
-        # Fresh random prompts for every call (same length and batch for all contenders): nothing is replayed.
-        key = f"{name}-{len(fresh)}"
-        fresh[key] = _prompts(batch, 32, vocab, gen)
-        return fresh[key]
+        # A contender's i-th call decodes round i's prompts: fresh every round (no cache serves a repeat), the
+        # same for every contender of the round (so the rounds pair up).
+        i = calls[name] = calls.get(name, -1) + 1
+        while len(rounds) <= i:
+            rounds.append(_prompts(batch, 32, vocab, gen))
+        return rounds[i]
 
     contenders: dict[str, Any] = {n: (lambda r=r, n=n: _decode(r, prompts_for(n), new_tokens))
                                   for n, r in runners.items()}
@@ -229,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     results = {"weight_bytes": bytes_, "projection_bytes": proj, "llama_gguf_bytes": llama_bytes,
                "llama_note": llama_note, "decode": decode, "ttft_s": ttft,
                "ttft": {k: summarize(v) for k, v in ttft.items()}, "quality": quality, "disk_tier": disk}
-    med = {d["batch"]: {k: v["median"] for k, v in d["summary"].items()} for d in decode}
-    results["ratios"] = {
+    tps = {d["batch"]: d["tokens_per_s"] for d in decode}
+    results["ratios"] = {  # bytes: one number each; tokens/s: paired per repeat
         "int4_bytes_vs_fp32": bytes_["int4"] / bytes_["fp32"], "int8_bytes_vs_fp32": bytes_["int8"] / bytes_["fp32"],
         "int4_projection_bytes_vs_fp32": proj["int4"] / proj["fp32"],
-        **{f"{q}_decode_vs_fp32_batch{b}": med[b][q] / med[b]["fp32"] for b in batches for q in ("int8", "int4")},
-        **{f"{q}_vs_llama_batch{b}": med[b][q] / med[b][BITS[q]] for b in batches for q in ("int8", "int4")
-           if BITS[q] in med[b]},
+        **{f"{q}_decode_vs_fp32_batch{b}": paired(tps[b][q], tps[b]["fp32"]) for b in batches for q in ("int8", "int4")},
+        **{f"{q}_vs_llama_batch{b}": paired(tps[b][q], tps[b][BITS[q]]) for b in batches for q in ("int8", "int4")
+           if BITS[q] in tps[b]},
     }
     md = _markdown(results, hidden=hidden, layers=layers, vocab=vocab, threads=threads, repeats=repeats,
                    new_tokens=new_tokens) + "\n\n" + disk_markdown(disk)
@@ -255,7 +260,9 @@ def _markdown(r: dict[str, Any], *, hidden: int, layers: int, vocab: int, thread
     lines = [
         f"Random LLaMA-architecture model (hidden {hidden}, {layers} layers, heads of 128, 2 key/value heads, vocab "
         f"{vocab}), {threads} threads, int4 at group 128; median of {repeats} interleaved repeats (min-max), mean "
-        f"beside; fresh prompts of 32 tokens every repeat, {new_tokens - 1} decode steps timed.",
+        f"beside; fresh prompts of 32 tokens every repeat (the same for every contender of a repeat), "
+        f"{new_tokens - 1} decode steps timed. Ratios of tokens/s are paired: the median of the per-repeat ratios, "
+        "the repeats the first was faster, the range.",
         "",
         "| weights | energon bytes | projections only |",
         "|---|---|---|",
@@ -278,11 +285,13 @@ def _markdown(r: dict[str, Any], *, hidden: int, layers: int, vocab: int, thread
         f"int4 holds **{ratios['int4_bytes_vs_fp32']:.2f}x** fp32's weight bytes (projections "
         f"{ratios['int4_projection_bytes_vs_fp32']:.2f}x; the head is quantized too, the embedding stays fp32) "
         "and decodes "
-        f"**{ratios['int4_decode_vs_fp32_batch1']:.2f}x** fp32's tokens/s at batch 1 "
-        f"({ratios['int4_decode_vs_fp32_batch8']:.2f}x at 8, {ratios['int4_decode_vs_fp32_batch32']:.2f}x at 32); "
-        f"int8: {ratios['int8_bytes_vs_fp32']:.2f}x the bytes, {ratios['int8_decode_vs_fp32_batch1']:.2f}x at batch 1.",
+        f"**{format_paired(ratios['int4_decode_vs_fp32_batch1'])}** fp32's tokens/s at batch 1 "
+        f"({format_paired(ratios['int4_decode_vs_fp32_batch8'])} at 8, "
+        f"{format_paired(ratios['int4_decode_vs_fp32_batch32'])} at 32); "
+        f"int8: {ratios['int8_bytes_vs_fp32']:.2f}x the bytes, {format_paired(ratios['int8_decode_vs_fp32_batch1'])} "
+        "at batch 1.",
     ]
-    vs = [f"{q} / {BITS[q]} at batch {b}: {ratios[f'{q}_vs_llama_batch{b}']:.2f}x" for q in ("int8", "int4")
+    vs = [f"{q} / {BITS[q]} at batch {b}: {format_paired(ratios[f'{q}_vs_llama_batch{b}'])}" for q in ("int8", "int4")
           for b in (1, 8, 32) if f"{q}_vs_llama_batch{b}" in ratios]
     lines += ["", ("energon vs llama.cpp tokens/s: " + "; ".join(vs) + ".") if vs else
               f"llama.cpp: {r['llama_note']}.", *([f"llama.cpp note: {r['llama_note']}."] if vs and r["llama_note"] else [])]

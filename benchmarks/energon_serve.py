@@ -150,8 +150,8 @@ def _cores() -> int:
 
 def peak_flops() -> float:
     """The fp32 matmul rate of every core, FLOP/s: :func:`benchmarks.energon_engine.peak_flops` over 1.5 s of 768-square
-    products. The first products of a fresh process ran at a quarter of the rate (38 and 51 GFLOP/s, then 140-219),
-    and one of them once became the whole limit; the best over a second and a half is past them."""
+    products. The first products of a fresh process run at a quarter of the rate (38 and 51 GFLOP/s, then 140-219)
+    and would set the whole limit; the best over a second and a half is past them."""
     from benchmarks.energon_engine import peak_flops as best_rate
 
     return best_rate(768, 20, seconds=1.5)

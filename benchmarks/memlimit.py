@@ -1,7 +1,7 @@
-"""Run a command under a hard memory limit and read back what it really used (BENCHMARKS.md, rule 12).
+"""Run a command under a hard memory limit and read back what it really used (``benchmarks/README.md``, "Beyond memory, proved").
 
 "Larger than memory" is shown under a kernel-enforced limit, never by a budget the code promises to
-respect. On these machines that is a cgroup v1 memory group (SETUP_NOTES.md): the child joins the group
+respect. On these machines that is a cgroup v1 memory group: the child joins the group
 before it executes (so every process it spawns, gloo ranks included, is counted), the page cache it
 fills counts too (and is reclaimed under pressure), and there is no swap to hide behind. After the
 child exits the group's high-water mark and the OOM killer's count are read, and the group removed.

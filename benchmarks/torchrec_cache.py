@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 import torch
 
-from benchmarks.common import interleave, parser, plot_path, summarize, write_result
+from benchmarks.common import format_paired, interleave, paired, parser, plot_path, summarize, write_result
 
 RATIOS = (0.005, 0.01, 0.015, 0.03, 0.05, 0.10)
 QUICK_RATIOS = (0.005, 0.015, 0.05)
@@ -192,7 +192,7 @@ def step_times(scale: float, batch: int, steps: int, repeats: int) -> dict[str, 
 
     tables = criteo_like_tables(scale=scale, dim=16)
     # Fresh batches for every round (the warm-up's and each timed repeat's; both contenders see the same ones in a
-    # round): no repeat replays the batches the cache was warmed on (BENCHMARKS.md, rule 10).
+    # round): no repeat replays the batches the cache was warmed on (``benchmarks/README.md``).
     rounds = [list(SyntheticCriteo(tables, batch_size=batch, batches=steps, seed=1000 + r)) for r in range(1 + repeats)]
     served: dict[int, int] = {}
 
@@ -240,7 +240,8 @@ def step_times(scale: float, batch: int, steps: int, repeats: int) -> dict[str, 
 
     return {"rows": sum(t.num_embeddings for t in tables), "batch": batch, "steps_per_repeat": steps,
             "samples": samples, "summary": {k: summarize(v) for k, v in samples.items()},
-            "ratio": summarize(samples["cached_1.5pct_fused_adam"])["median"] / summarize(samples["ebc_sparse_adam"])["median"],
+            # cached / plain step time, paired per repeat (both ran the repeat's batches): lower is better
+            "ratio": paired(samples["cached_1.5pct_fused_adam"], samples["ebc_sparse_adam"], higher_is_better=False),
             "hit_rate": model_cache_stats(cached)["hit_rate"], "syncs_per_step": sum(syncs) / max(1, len(syncs))}
 
 
@@ -303,12 +304,14 @@ def main(argv: list[str] | None = None) -> int:
           f"\n\nDrifting trace (the hot set moves by 1/40 of the table every {DRIFT_EVERY} batches):\n\n"
           + _table(rates["drifting"]) +
           f"\n\nDLRM step time, 26 Criteo-like tables ({steps_result['rows']:,} rows, dim 16), batch 1024, "
-          f"interleaved, median of {repeats} repeats (each the median of {steps} steps, fresh batches every repeat): cached (1.5% of the "
+          f"interleaved, median of {repeats} repeats (each the median of {steps} steps, fresh batches every repeat, "
+          "the same for both): cached (1.5% of the "
           f"collection's rows, fused lazy Adam) {s['cached_1.5pct_fused_adam']['median'] * 1e3:.1f} ms "
           f"[{s['cached_1.5pct_fused_adam']['min'] * 1e3:.1f}-{s['cached_1.5pct_fused_adam']['max'] * 1e3:.1f}] vs "
           f"TorchRec EBC + SparseAdam {s['ebc_sparse_adam']['median'] * 1e3:.1f} ms "
           f"[{s['ebc_sparse_adam']['min'] * 1e3:.1f}-{s['ebc_sparse_adam']['max'] * 1e3:.1f}]: "
-          f"ratio **{steps_result['ratio']:.2f}x** (cached / plain), hit rate {steps_result['hit_rate']:.1%}, "
+          f"cached / plain **{format_paired(steps_result['ratio'])}** (paired per repeat: the median ratio, the "
+          f"repeats the cache was faster, the range), hit rate {steps_result['hit_rate']:.1%}, "
           f"{steps_result['syncs_per_step']:.1f} device-to-host reads per step. On a CPU host and device are the "
           "same memory, so this is the cache's bookkeeping cost; the gain is on a GPU "
           "(benchmarks/gpu/torchrec_cache.py).")

@@ -136,8 +136,8 @@ def load_cluster(args: argparse.Namespace):
         log.info("[plan] no --preset/--device-profile: profiling this machine's device (cached) ...")
         device = profile_device(quick=True)
         if device.kind == "cpu" and args.device_memory and args.device_memory < device.memory_bytes:
-            # A CPU's matmul rate priced a GPT-2 XL step on "4 x 24GiB" at 79,705 s: the memory said
-            # accelerator, the rates said laptop. Planning a CPU for less memory than it has is that case.
+            # A CPU's matmul rate prices a GPT-2 XL step on "4 x 24GiB" at about a day: the memory says
+            # accelerator, the rates say laptop. Planning a CPU for less memory than it has is that case.
             raise UsageError(
                 f"tightfit plan: no --preset or --device-profile, so this machine's CPU profile ({device.name}) would "
                 f"price the step, but --device-memory {args.device_memory} describes another device; pass "

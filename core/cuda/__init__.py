@@ -27,8 +27,9 @@ How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layo
    and a ``probe`` (a small input of that class) for the first-use self-check (``index_rows._row_probe``).
 5. Tests: ``tightfit.cuda.testing.assert_matches_reference`` runs both backends under
    ``TRITON_INTERPRET=1`` on CPU tensors (tests/conftest.py sets it) over odd shapes and several dtypes.
-6. Benchmark: add a case to ``benchmarks/gpu/kernels.py`` (CUDA-event timing against the reference)
-   and put the measured speed-up in a comment next to the launcher's block sizes; add a CUDA test to
+6. Benchmark: add a case to ``benchmarks/gpu/kernels.py`` (CUDA-event timing against the reference);
+   a comment next to the launcher's block sizes says why they were chosen (the figures stay in the
+   benchmark's results); add a CUDA test to
    ``tests/gpu/test_kernels.py`` (run by ``make gpu-check``).
 """
 

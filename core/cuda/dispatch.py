@@ -26,8 +26,8 @@ class and one host sync; a class has a handful of members in practice (dtypes x 
 
 A model whose layers repeat the same calls (same kernels, shapes, dtypes and devices in every layer of a
 step) can run them under :func:`repeated_calls`: there each kernel decides (and self-checks) on its first
-call only and later calls go straight to that implementation, which saves the per-call decision (~4 us;
-two dozen calls a decode step).
+call only and later calls go straight to that implementation, which saves the per-call decision (microseconds,
+two dozen times a decode step).
 
 Triton is never imported by this module at import time: :func:`triton_available` imports it on
 first use and caches the answer, so ``import tightfit`` works where Triton is not installed.
@@ -311,7 +311,7 @@ class Kernel:
         # The rule's inputs are the environment and where the tensors are (Triton's and the native
         # library's availability are fixed per process; Triton reads TRITON_INTERPRET at import): its
         # answer is remembered per combination. A model calls a handful of kernels per layer, and
-        # deciding afresh cost ~15 us a call (0.45 ms of a 7 ms decode step of the benchmark's model).
+        # deciding afresh cost a noticeable share of a small model's decode step.
         env = os.environ
         tensors = _tensors_of(args, kwargs)
         key = (self.name, env.get(ENV_VAR), env.get(CHECK_ENV_VAR), *(t.is_cuda for t in tensors))

@@ -7,15 +7,12 @@
 In PyTorch each is a chain of ops over the whole activation (``chunk``, ``silu``, ``mul``; ``cat``, ``neg``,
 two ``mul`` and an ``add``), each reading and writing every element; on a long prefill on one CPU thread
 they cost as much as a third of the projections' matmuls. The native CPU backend (C on raw pointers, see
-:mod:`tightfit.cuda.native`; fp32) does one pass. Measured on one thread here at 1660 tokens (a prefill
-step of the benchmark's 6-layer LLaMA, hidden 256, MLP 672, 8 + 4 heads of 32), per call: ``rms_norm``
-1804 -> 66 us, ``silu_mul``
-5.43 -> 0.54 ms, ``rotary_`` 6.33 -> 0.16 ms; at 32 tokens both are launch-bound (0.02-0.03 ms either way).
+:mod:`tightfit.cuda.native`; fp32) does one pass: on a prefill step of the benchmark's 6-layer LLaMA it is an
+order of magnitude faster per call or more; at a few dozen tokens both are launch-bound.
 
 A call of more than 16384 elements a thread splits its rows over PyTorch's OpenMP team (each row computed as on
-one thread, so the bits do not change): ``silu_mul`` of 1900 x 1344 took 395 -> 171 us on 2 threads, and the
-every-core benchmark's LLaMA 6 x 256 prefill of 32 prompts 106 -> 101 ms (3 interleaved process pairs). Decode
-steps stay on the calling thread.
+one thread, so the bits do not change), which about halves a prefill-sized call on two threads. Decode steps
+stay on the calling thread.
 
 Neither op has a Triton kernel: on CUDA they run the PyTorch reference (a GPU fuses little here but
 launches, and CUDA graphs remove those for decode steps).
@@ -224,9 +221,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backen
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` (``F.rms_norm`` over the last dimension).
 
     Every size goes through the dispatcher: ``F.rms_norm`` is a composite of about ten ATen ops on the
-    CPU, so even at the 1-16 rows of a decode step the native kernel wins in situ (whole decode steps of
-    the energon benchmark model, interleaved: 4.33 -> 4.01 ms at 1 sequence, 4.60 -> 4.35 at 4,
-    7.44 -> 7.17 at 16; an earlier threshold of 64 rows had been set from an isolated loop).
+    CPU, so even at the 1-16 rows of a decode step the native kernel wins in situ, timed in whole decode steps
+    of the energon benchmark model (a loop over the op alone understates the composite's cost there).
     """
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match the last dimension of x "

@@ -3,26 +3,17 @@
 ``F.linear`` on the CPU hands a plain row-major weight to the BLAS on every call. For the few rows of
 a decode step the BLAS spends much of the call repacking that weight into the panels its kernel
 reads; oneDNN (bundled with PyTorch as ``mkldnn``) can do that reordering once, ahead of time, and
-then multiply straight from the blocked copy. Measured on one thread here (AMD EPYC, AVX-512) over
-the energon benchmark model's 25 projections per step (21 MB of fp32 weights):
+then multiply straight from the blocked copy. Timed over the energon benchmark models' projections (one and two
+threads, weights cold in the caches as in a real decode step), the packed copy is faster from a few rows up to thousands
+of rows, most of all at a decode batch's handful:
 
-    rows       1     4     8     16    32    64   256    1024
-    F.linear  1.16  2.43  3.13  3.81  6.07  9.83  32.2  113.8 ms
-    packed    1.18  1.44  2.00  2.53  4.16  7.42  27.7  103.2 ms
-
-At one or two rows the BLAS's matrix-vector path is as fast or faster (another run: 0.75 vs 1.04 ms at 1 row,
-1.43 vs 1.48 at 2, 2.29 vs 1.42 at 3), so callers keep ``F.linear`` below :data:`MIN_ROWS` rows. Two rows pack:
-with the 25 projections' 50 MB of distinct weights of the serving benchmark's 6 x 384 LLaMA (cold in the caches,
-as in a real decode step), F.linear / packed took 4.38 / 3.97 ms at 2 rows on one thread and 4.90 / 2.97 on two
-(2.56 / 2.74 at 1 row on two threads: one row stays with the BLAS). Each packed
-call also pays ~11 us of fixed oneDNN overhead, which small weights do not earn back (one projection, weights
-in cache, F.linear / packed us at 4 and 16 rows: 64x64 2.8/14.1, 15.6/14.7; 256x256 12.4/17.7, 28.0/32.3;
-256x512 28.5/25.4, 62.2/59.1; 256x1344 62.3/45.0, 143/117; 256x4096 252/100, 508/319), so weights of fewer
-than :data:`MIN_NUMEL` elements are not packed for decode-sized inputs. From :data:`SMALL_MIN_ROWS` rows on they
-earn it back (2 threads, F.linear / packed us: 256x256 at 64 rows 45/30, 256 rows 154/78, 1900 rows 1116/484;
-128x256 at 64 rows 24/19, 1900 rows 562/250; at 32 rows even, 14/15): :func:`rows_worth_packing` says from how
-many rows a weight's packed copy is the faster one, down to weights of :data:`SMALL_NUMEL` elements. The
-every-core benchmark's LLaMA 6 x 256 multiplies its 256 x 256 out projection by ~1900 rows a prefill chunk.
+* at one row the BLAS's matrix-vector path is as fast or faster, so callers keep ``F.linear`` below
+  :data:`MIN_ROWS` rows; from two rows packing pays, more so on two threads than on one;
+* each packed call also pays a fixed oneDNN overhead (microseconds), which small weights do not earn back at
+  decode-sized inputs, so weights of fewer than :data:`MIN_NUMEL` elements are not packed for those;
+* from :data:`SMALL_MIN_ROWS` rows on (a prefill chunk's hundreds to thousands of rows) they earn it back down to
+  weights of :data:`SMALL_NUMEL` elements: :func:`rows_worth_packing` says from how many rows a weight's packed
+  copy is the faster one.
 
 The same reorder and op back ``torch.compile``'s CPU weight freezing (``mkldnn::_reorder_linear_weight``,
 ``mkldnn::_linear_pointwise``); they are PyTorch-internal, so everything here degrades to ``None``
@@ -75,7 +66,7 @@ def _warn_once(key: str, msg: str) -> None:
 def rows_worth_packing(numel: int) -> int | None:
     """The fewest input rows from which a packed copy of a weight of ``numel`` elements beats ``F.linear``:
     :data:`MIN_ROWS` from :data:`MIN_NUMEL` elements, :data:`SMALL_MIN_ROWS` from :data:`SMALL_NUMEL`, ``None``
-    (never worth a copy) below that. See the module docstring for the measurements."""
+    (never worth a copy) below that. The module docstring says why."""
     if numel >= MIN_NUMEL:
         return MIN_ROWS
     return SMALL_MIN_ROWS if numel >= SMALL_NUMEL else None
@@ -132,10 +123,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` from the weight :func:`pack_linear_weight` returned (``x``: ``(..., in)``),
     then ``activation`` (a key of :data:`ACTIVATIONS`, ``""`` for none).
 
-    The activation runs in oneDNN's epilogue, on the output while it is in cache. Measured here, 2 threads, a
-    256 -> 1024 projection with bias and tanh GELU (GPT-2's MLP up projection at hidden 256): 32 rows 97 -> 58 us,
-    512 rows 1169 -> 602 us, 3000 rows 6.8 -> 3.4 ms, against the product alone 51, 528 and 3012 us: PyTorch's
-    separate ``gelu`` cost as much as the product. Where the fused result disagrees with PyTorch's on a probe (checked
+    The activation runs in oneDNN's epilogue, on the output while it is in cache: on a GPT-2 MLP up projection
+    PyTorch's separate ``gelu`` costs about as much as the product itself, and the fused one little. Where the fused result disagrees with PyTorch's on a probe (checked
     once per activation and dtype), the activation runs separately.
     """
     fused = bool(activation) and _fuses(activation, packed.dtype)

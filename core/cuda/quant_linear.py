@@ -16,9 +16,8 @@ Core never imports torchao: the references below dequantise with plain PyTorch a
 quantises (``energon_infer.loading.quantization``) checks them against torchao's own ``dequantize``.
 
 Why a native CPU kernel: a decode step multiplies a few rows by every weight, so it is bound by the bytes of
-weight read. torchao's CPU paths on this machine's torch 2.13 are slower than fp32 there (one 1024 x 1024
-projection, 1 / 8 / 32 rows, us: fp32 ``F.linear`` 1587 / 225 / 7738 on a loaded machine; ``Int8Tensor``
-2732 / 6177 / 15762; the tinygemm int4 ``Int4OpaqueTensor`` 6527 / 16192 / 61445). This kernel dequantises
+weight read. torchao's CPU paths (``Int8Tensor``, the tinygemm int4 ``Int4OpaqueTensor``) are slower than
+fp32's ``F.linear`` there, several times so at a few rows. This kernel dequantises
 inside the dot products: each weight byte is read once per call and converted in registers. Where the CPU has
 AVX2 and FMA (the build is ``-march=native``) the loops are intrinsics: int8 sign-extends and converts eight
 weights per FMA; int4 reads a 32-byte block as eight 32-bit lanes and takes nibble ``j`` of every lane with one
@@ -28,20 +27,18 @@ loops, which stay as the SIMD loops' reference in the tests. The output features
 ``torch.get_num_threads()`` threads, in chunks claimed from one counter. Where PyTorch runs on GNU OpenMP (its
 CPU wheels do) the library is built with ``-fopenmp`` and binds to that same runtime, so a call runs on the
 team PyTorch's own ops use: awake from the ops around it, and no second set of threads competes with it for the
-cores. On the benchmark's int4 model at batch 8 (2 cores) that took a decode step's projections from 7.4 to
-3.9 ms (tokens/s 792 -> 1276): the pool that ran them before slept between calls, and PyTorch's OpenMP threads,
-spinning after their own ops, took its core. Elsewhere (no OpenMP, or a child forked after a parallel region,
+cores: a pool of its own would sleep between calls while PyTorch's OpenMP threads, spinning after their own
+ops, took its core. Elsewhere (no OpenMP, or a child forked after a parallel region,
 where GNU OpenMP's team is gone) a pool started once per process runs the chunks; a worker slow to wake costs
 only its own wake-up (the caller takes its chunks). Calls under ~256k
 multiply-adds stay on the caller. From four rows on, each pass takes two output features by four rows (every
-input vector feeds two FMAs, every weight vector four). At batch 1 on the benchmark's model (2 cores) this took
-int4 from 1.25x to 2.39x fp32's decode tokens/s and int8 from 1.58x to 2.32x (at batch 32 both are still below
-fp32's BLAS: int8 0.95x, int4 0.79x); int4's projections (21 MB) and the fp32 head
-(12.6 MB) nearly fit this CPU's 32 MB L3, fp32's 150 MB do not. It runs for fp32 inputs of up to
+input vector feeds two FMAs, every weight vector four). At small batches the quantized model decodes faster
+than fp32 (its weights nearly fit a server CPU's L3, fp32's do not); at large batches fp32's BLAS catches up
+(benchmarks/results/REPORT.md#energon_quant). It runs for fp32 inputs of up to
 :data:`NATIVE_MAX_ROWS` rows; above that (prefill) the native backend dequantises the weight in C (all threads)
 and multiplies with BLAS, whose blocked matmul wins once the weight's bytes are amortised over many rows (the
-pure-PyTorch dequantisation of a 2048 x 5632 weight alone took ~60 ms here). Other dtypes run the reference.
-Figures: benchmarks/energon_quant.py.
+pure-PyTorch dequantisation of a large weight is slow enough to matter in a prefill). Other dtypes run the
+reference.
 """
 
 from __future__ import annotations

@@ -8,22 +8,18 @@ Each row of ``x`` is quantised per block of inputs: ``d = max|x_block| / 127``, 
 (nearest even, in -127..127), ``x^ = d * xq``. Blocks are of 128 inputs for int8 weights (where ``K % 128 == 0``)
 and int4 groups of 128 (the default) or a multiple of 256, else of 32 (llama.cpp's Q8_0 block)
 (:func:`activation_block`): a block's two ``vpdpbusd`` add in int32 and are converted and scaled once
-(llama.cpp's K-quants quantise their activations per 256). On the benchmark's model (2 threads, two runs of
-10 x 11 decode steps each) that took an int4 step's projections from 4.1-4.7 to 3.5-3.7 ms at batch 8 and from
-17.0-18.8 to 12.9-13.5 ms at batch 32, and int8's at batch 32 from 14.1-15.3 to 11.0-12.1 ms; on the trained
-fixture the logit KL against fp32 went 1.87e-5 -> 3.64e-5 (int8) and 1.29e-3 -> 1.47e-3 (int4), greedy
-agreement 100% both ways. From four rows on, int4 groups of 128 or a multiple of 256 go 16 features at a time:
+(llama.cpp's K-quants quantise their activations per 256). The larger blocks make a step's projections faster
+than blocks of 32 and keep greedy agreement on the trained fixture, at a slightly larger logit KL against fp32
+(the quality and speed figures: benchmarks/results/REPORT.md#energon_quant). From four rows on, int4 groups of 128 or a multiple of 256 go 16 features at a time:
 each block's weights are transposed once (a 16 x 16 transpose of 32-bit words), so one ``vpdpbusd`` takes four
 inputs of a row (broadcast) against those inputs' weights of 16 features and the sums land in 16 lanes, one per
-feature: no horizontal sum per output, and the zero-point term is one FMA per row and group (the 4 x 4 tiles
-spent about as much on those as on the products at K = 768). The benchmark's four projection shapes (768 and
-2048 wide, one call each, 2 threads) took 673 -> 458 us at 8 rows and 2066 -> 1164 us at 32 (336 -> 294 at 4);
-below four rows the transpose costs more than it saves (1 row: 185 us on the 4 x 4 tiles, 258 transposed).
+feature: no horizontal sum per output, and the zero-point term is one FMA per row and group (4 x 4 tiles spend
+about as much on those as on the products). Below four rows the transpose costs more than it saves, so those
+rows keep the 4 x 4 tiles.
 Weights held in :func:`tile_int4`'s order (same bytes, each 16 rows' reordered so that one 64-byte load is the
 16 features' next four inputs; energon holds its int4 projections so where :func:`int4_tiles_apply`) need no
 transpose: below 32 rows each run is split in registers and meets groups of four rows at once, at 32 each
-block is split once and kept for all rows. Those four shapes, row order -> tiled: 138 -> 68 us at 1 row,
-227 -> 145 at 4, 319 -> 280 at 8, 799 -> 728 at 32 (another machine than the figures in _quant_a8_c.py).
+block is split once and kept for all rows; the saving is largest at one row, where the transpose's share is.
 int8 weights held in :func:`tile_int8`'s order (the same tiles) go 16 features at a time the same way.
 The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
@@ -37,8 +33,8 @@ Error bound against torchao's dequantised result ``F.linear(x, W)`` (held by tes
 
     |y - F.linear(x, W)| <= sum_k |V_nk| * max|x_block(k)| / 254     (+ fp32 rounding)
 
-with ``V = W`` for int8 and ``V = q s`` for int4. On random inputs and int8 weights the error measured 2.4% of
-that bound on average (at most 8.7%; 0.03% of ``|x| . |V|``): the inputs' rounding errors mostly cancel. The references below (PyTorch) compute ``x^`` the same way and are what the native
+with ``V = W`` for int8 and ``V = q s`` for int4. On random inputs the error stays far below that bound: the
+inputs' rounding errors mostly cancel. The references below (PyTorch) compute ``x^`` the same way and are what the native
 kernel is checked against (dispatcher self-check, tests) to fp32 rounding. The end-to-end bounds (KL, greedy
 agreement on the trained fixture) hold with it: tests/energon_infer/test_quantization.py.
 
@@ -46,7 +42,7 @@ Where it runs: fp32 ``x`` of at most :data:`~tightfit.cuda.quant_linear.NATIVE_M
 and (int4) ``group_size`` 64, 128 or a multiple of 256, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
 library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers
 keep the fp32 kernels (:func:`a8_applies` says which; energon's quantized projections ask it per call), so
-AVX2-only and other CPUs run as before.
+AVX2-only and other CPUs run the fp32 kernels.
 """
 
 from __future__ import annotations

@@ -184,10 +184,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if max_q_len == 1 and q.shape[0] == batch:
         # Decode: one query per sequence. Gather every sequence's keys into (B, max_kv) with a
         # key mask; the padding here is only along the key axis of attention, never a linear layer.
-        # Whole pages are gathered with one index_select (not a per-slot index: 5.3 -> 0.9 ms for 32
-        # sequences of <= 232 keys, 4 kv heads x 32, one CPU thread), and the g query heads sharing a
-        # key head are that head's g queries (B, Hk, g, D): no copy of the keys per query head, as
-        # enable_gqa makes (2.7 -> 2.2 ms).
+        # Whole pages are gathered with one index_select (a per-slot index is several times slower on
+        # the CPU), and the g query heads sharing a key head are that head's g queries (B, Hk, g, D): no
+        # copy of the keys per query head, as enable_gqa makes (which is slower).
         max_kv = int(kv_lens.max())
         pos = torch.arange(max_kv, device=q.device)
         n_blocks = (max_kv + block_size - 1) // block_size

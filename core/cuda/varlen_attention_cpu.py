@@ -5,42 +5,30 @@ sequence's pages out of the pool with ``index_select`` and then runs ``scaled_do
 on the copy with a key mask: two passes over the keys and values, plus a dozen op launches per layer.
 This kernel reads keys and values in place through the block table, once: per sequence it walks the pages
 in memory order, scores every query head against each key (a query head reads its group's key head), takes
-an exact softmax (max, exp, sum in fp32) and accumulates the values. Measured on one thread of this
-machine's AMD EPYC, the benchmark's 6-layer LLaMA (8 query / 4 key heads of 32, 16384-token pool): alone,
-16 sequences of 8-250 keys take 546 -> 178 us per layer, launch included; inside whole decode steps, where
-the weights push the pool out of cache between layers, a step takes 12.8 -> 10.3 ms at 16 sequences and
-21.0 -> 13.3 ms at 32 (interleaved blocks of 10 steps, medians of 6).
+an exact softmax (max, exp, sum in fp32) and accumulates the values. It is several times faster than the
+reference on a layer alone; inside whole decode steps, where the weights push the pool out of cache between
+layers, the gain is smaller but grows with the batch (energon's figures:
+benchmarks/results/REPORT.md#energon_engine).
 
 Where the CPU has AVX2 + FMA (the library is built with ``-march=native``, keyed by the CPU's flags) and the
 head width is a multiple of 8, keys are scored 8 at a time: one register of 8 dot products from 8 accumulators
 and a single hadd tree, instead of a horizontal sum per key and head; the values are accumulated a tile at a
-time too. Other widths and CPUs keep the loop above. At the every-core benchmark's decode shape (32 sequences
-of 38-230 keys, 8 / 4 heads of 32, one thread) this took 225 -> 207 us with the pool out of L2 (the case of a
-real step, where the kernel is mostly waiting for memory) and 192 -> 113 us with it in L2.
+time too. Other widths and CPUs keep the loop above. This matters most with the pool in cache; in a real step,
+with the pool out of L2, the kernel mostly waits for memory and the tiles gain less.
 
 Sequences of up to :data:`NATIVE_MAX_Q` new tokens run here, prefill chunks included: a call's rows are split over
 the threads in runs of about equal work (the keys each row sees), a lone prompt's too. Longer chunks are left to
 the reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls beat a loop over queries
-there; one call serves a mixed step by splitting it that way. Measured on 2 threads here, the sdpa path / this
-kernel in ms (keys and values gathered from shuffled pages by the sdpa path, read in place here):
-
-    =====================  ===================  ================  ===============  ================  ================
-    query / key heads x D  32 prompts of 8-200  4 prompts of 256  1 prompt of 384  1 prompt of 512   1 prompt of 768
-    =====================  ===================  ================  ===============  ================  ================
-    8 / 4 x 32             7.52 / 2.39          2.50 / 1.43       1.26 / 0.77      2.10 / 1.36       3.09 / 3.07
-    12 / 12 x 64           18.72 / 8.77         5.79 / 4.15       3.16 / 2.72      5.31 / 5.13       7.99 / 11.65
-    32 / 8 x 128           74.65 / 43.29        26.37 / 17.82     14.57 / 9.67     24.96 / 17.57     37.63 / 38.74
-    =====================  ===================  ================  ===============  ================  ================
-
-(One prompt of 2048: 0.68x, 0.53x, 0.73x.) Until this was measured, chunks of over 32 new tokens all went to sdpa;
-in the every-core benchmark's LLaMA 6 x 256 batch (32 prompts of 8-200 tokens, ``ModelRunner``, 2 threads) the
-prefill's attention took 62.9 -> 26.3 ms once they came here. Other dtypes than fp32, and caches that are
+there; one call serves a mixed step by splitting it that way. Timed against the sdpa path (which gathers keys
+and values from shuffled pages first) over head shapes from 8 / 4 x 32 to 32 / 8 x 128, this kernel wins from
+batches of short prompts up to single prompts of :data:`NATIVE_MAX_Q` new tokens, breaks even around 768 and
+loses at 2048, hence the bound. Other dtypes than fp32, and caches that are
 not contiguous, go to the reference whole.
 
 With ``torch.get_num_threads() > 1`` the sequences are split over that many threads, in runs of about equal
 keys x queries, when the call has enough work for them (about 200k multiply-adds per thread). Where PyTorch
 runs on GNU OpenMP the library is built with ``-fopenmp`` and the runs go to PyTorch's own team (see
-:mod:`tightfit.cuda.quant_linear`); at batch 8 of the int4 benchmark model a layer's call took 79 -> 45 us.
+:mod:`tightfit.cuda.quant_linear`), which wakes faster than threads started per call.
 Elsewhere, and in a child forked after a parallel region, each call starts POSIX threads.
 """
 

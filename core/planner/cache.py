@@ -41,18 +41,17 @@ from tightfit.units import format_bytes, format_table
 __all__ = ["INDEX_BYTES_PER_ROW", "INDEX_BYTES_PER_SLOT", "HOST_INDEX_BYTES_PER_ROW", "DISK_PAGE_BYTES",
            "CacheTableSpec", "CachePlan", "plan_cache", "split_slots"]
 
-# Device bytes a cache index costs. A direct-mapped index (an int32 slot number per table row) costs
-# INDEX_BYTES_PER_ROW per table row; a hashed / set-associative index (torchrec_cache's) costs nothing
-# per row: pass ``index_bytes_per_row=0``. Per slot: the key it holds, its policy score and its pin
-# step (three int64).
 INDEX_BYTES_PER_ROW = 4
+"""Device bytes a direct-mapped cache index costs per table row (an int32 slot number). A hashed /
+set-associative index (torchrec_cache's) costs nothing per row: pass ``index_bytes_per_row=0``."""
 INDEX_BYTES_PER_SLOT = 24
-# Host bytes the second cache level's index costs per cached row: its table row id and its position
-# in the host buffer (two int64).
+"""Device bytes a cache index costs per slot: the key it holds, its policy score and its pin step (three int64)."""
 HOST_INDEX_BYTES_PER_ROW = 16
-# The smallest read a disk serves: a missed row costs at least one page (rows are read in batches sorted
-# by offset, so neighbouring rows of one page are read once, which this bound ignores).
+"""Host bytes the second cache level's index costs per cached row: its table row id and its position in the
+host buffer (two int64)."""
 DISK_PAGE_BYTES = 4096
+"""The smallest read a disk serves: a missed row costs at least one page (rows are read in batches sorted by
+offset, so neighbouring rows of one page are read once, which this bound ignores)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

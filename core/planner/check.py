@@ -45,10 +45,15 @@ class PredictionRecord:
     Args:
         planner: ``"elixir"`` or ``"sky"``.
         cost_model: how the prediction was made (``"measured block timings; ..."`` or ``"FLOPs / rate"``).
-        predicted_step_s / measured_step_s: seconds per step (measured: median over ``steps``).
-        predicted_peak_bytes / measured_peak_bytes: device peak (measured 0: not available, e.g. on a CPU).
-        steps: how many steps were timed; time_error / peak_error: ``predicted / measured - 1``.
-        tolerance: the allowed relative error; within_tolerance: both errors inside it.
+        predicted_step_s: the plan's seconds per step.
+        measured_step_s: the median seconds per step over the ``steps`` timed.
+        predicted_peak_bytes: the plan's device peak.
+        measured_peak_bytes: the device peak of the run (0: not available, e.g. on a CPU).
+        steps: how many steps were timed.
+        time_error: ``predicted_step_s / measured_step_s - 1``.
+        peak_error: ``predicted_peak_bytes / measured_peak_bytes - 1`` (``None``: no measured peak).
+        tolerance: the allowed relative error.
+        within_tolerance: both errors inside it.
         advice: what to do when not within tolerance (empty otherwise).
     """
 
@@ -90,11 +95,14 @@ class StepMonitor:
 
     Args:
         planner: name for messages and metrics.
-        predicted_step_s / predicted_peak_bytes: the plan's predictions.
+        predicted_step_s: the plan's seconds per step.
+        predicted_peak_bytes: the plan's device peak.
         cost_model: how they were made (the plan's ``cost_model``).
-        warmup: steps skipped before timing; steps: steps timed (the median is compared).
+        warmup: steps skipped before timing.
+        steps: steps timed (the median is compared).
         tolerance: relative error beyond which the record carries advice (0.25: 25%).
-        clock: seconds (``time.perf_counter``); peak: bytes the device peaked at so far (``None``: not measured).
+        clock: returns seconds (``time.perf_counter``).
+        peak: returns the bytes the device peaked at so far (``None``: not measured).
         refresh_hint: the call that re-measures the device (quoted in the advice).
     """
 

@@ -45,12 +45,13 @@ __all__ = [
 ]
 
 # Assumptions used only when a profile lacks the number (each use is reported as a note).
-# 50 GB/s: a conservative NVLink-class bus bandwidth (A100 NVLink all-gather reaches ~230 GB/s,
-# PCIe-only nodes ~20 GB/s); 2 GB/s: gloo over loopback on a loaded CPU host.
 FALLBACK_BUS_BYTES_PER_S = {"cuda": 50e9, "cpu": 2e9}
-# A "device" that is itself the CPU has no PCIe link: FSDP2's CPU offload then costs a host
-# memcpy; 10 GB/s is one core's memcpy rate on a 2020s server.
+"""Collective bus bandwidth by device type when a profile has none: for CUDA a conservative NVLink-class
+bandwidth (A100 NVLink all-gather reaches ~230 GB/s, PCIe-only nodes ~20 GB/s); for the CPU gloo over
+loopback on a loaded host."""
 FALLBACK_HOST_COPY_BYTES_PER_S = 10e9
+"""Host copy rate when a profile has none. A "device" that is itself the CPU has no PCIe link: FSDP2's CPU
+offload then costs a host memcpy, one core's memcpy rate on a 2020s server."""
 # Host AdamW when unmeasured: ~1e9 elements/s is a fused CPU AdamW on ~16 cores (DeepSpeed's
 # CPUAdam paper reports 1.4e9/s on 48 cores); on-device AdamW ~ HBM bandwidth / 16 B per element.
 FALLBACK_HOST_ADAM_ELEMS_PER_S = 1e9

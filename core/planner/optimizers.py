@@ -1,8 +1,7 @@
 """The one table of optimizer state and training precisions every planner and the profiler read.
 
-Before this table the same facts lived in four places (the Elixir cost model, the profiler's memory
-arithmetic, Sky's per-class state factors and the embedding cache's row optimizer) and had drifted
-(Sky counted RMSprop's momentum buffer as absent, the profiler knew no RMSprop at all).
+The Elixir cost model, the profiler's memory arithmetic, Sky's per-class state factors and the embedding
+cache's row optimizer all read it, so they cannot drift apart.
 
 * :data:`OPTIMIZERS`: one :class:`OptimizerSpec` per optimizer, keyed by a lower-case name; lookups
   accept ``torch.optim`` class names too (``"AdamW"``, ``"RMSprop"``, TorchRec's ``"RowWiseAdagrad"``).
@@ -35,7 +34,8 @@ __all__ = [
     "precision_spec",
 ]
 
-STEP_TENSOR_BYTES = 4  # torch.optim keeps `step` as a float32 scalar tensor per parameter
+STEP_TENSOR_BYTES = 4
+"""Bytes of ``torch.optim``'s ``step``: a float32 scalar tensor per parameter."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +90,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec(name="nadam", element_states=2, temp_states=1),
     OptimizerSpec(name="radam", element_states=2, temp_states=1),
 )}
+"""One :class:`OptimizerSpec` per optimizer, keyed by its lower-case name (:func:`optimizer_spec` also takes
+``torch.optim`` class names)."""
 # torch / TorchRec class names whose lower-case form is not the table's name.
 _ALIASES = {"rowwiseadagrad": "rowwise_adagrad", "sparseadam": "adam"}
 
@@ -155,8 +157,6 @@ class PrecisionSpec:
         return self.master_bytes if self.master_bytes != self.compute_bytes else 0
 
 
-# Mixed precision keeps fp32 master weights and reduces gradients in fp32 (torchtitan's default:
-# bf16 reductions over 8+ ranks lose ~3 significant bits of the averaged gradient).
 PRECISIONS: dict[str, PrecisionSpec] = {
     "32-true": PrecisionSpec(name="32-true", param_dtype="float32", reduce_dtype="float32", master_bytes=4,
                              compute_bytes=4, reduce_bytes=4, matmul_dtype="float32"),
@@ -167,9 +167,11 @@ PRECISIONS: dict[str, PrecisionSpec] = {
     "bf16-true": PrecisionSpec(name="bf16-true", param_dtype="bfloat16", reduce_dtype="bfloat16",
                                master_bytes=2, compute_bytes=2, reduce_bytes=2, matmul_dtype="bfloat16"),
 }
-# The profiler's short names. "mixed": low-precision parameters plus an fp32 master copy and fp32
-# state (ZeRO's K = 12 for Adam). fp16 weights everywhere has no Lightning-planner entry ("16-true"
-# is not a plan Elixir makes), so it is spelled out here.
+"""One :class:`PrecisionSpec` per Lightning precision string. Mixed precision keeps fp32 master weights and
+reduces gradients in fp32, as torchtitan does by default (bf16 reductions over many ranks lose precision in the
+averaged gradient)."""
+# fp16 weights everywhere has no Lightning-planner entry ("16-true" is not a plan Elixir makes), so it is
+# spelled out here.
 PRECISION_ALIASES: dict[str, PrecisionSpec] = {
     "fp32": PRECISIONS["32-true"],
     "bf16": PRECISIONS["bf16-true"],
@@ -179,6 +181,8 @@ PRECISION_ALIASES: dict[str, PrecisionSpec] = {
     "mixed-bf16": PRECISIONS["bf16-mixed"],
     "mixed-fp16": PRECISIONS["16-mixed"],
 }
+"""The profiler's short precision names: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"mixed"`` (low-precision parameters
+plus an fp32 master copy and fp32 state, ZeRO's K = 12 for Adam), ``"mixed-bf16"``, ``"mixed-fp16"``."""
 
 
 def precision_spec(precision: str) -> PrecisionSpec:

@@ -6,8 +6,8 @@ process group initialised, every rank calls :func:`calibrate_device` and gets it
 * **collectives as latency + bandwidth**: all-gather, reduce-scatter and all-reduce timed over
   message sizes from 4 KiB to a few MiB, fitted by least squares to ``t = alpha + S * (W-1)/W / busbw``
   (all-reduce: twice the bandwidth term) per collective at this world size. On gloo over loopback
-  alpha is ~0.1-1 ms: a 64 KiB all-gather costs mostly latency, which the bandwidth table priced
-  at the 1 MiB rate (0.03 ms);
+  alpha dominates small messages: a 64 KiB all-gather costs mostly latency, which a bandwidth table
+  alone would price at a large message's rate;
 * **FSDP2's per-unit overhead**: a stack of ``K`` tiny linear layers trained as ``K`` units and as
   one unit; ``(t_K - t_1) / (K - 1)`` per phase (forward, backward, optimizer) is what one more unit
   costs beyond its collectives (hooks, copy-in/copy-out, DTensor dispatch in ``optimizer.step``),
@@ -124,8 +124,8 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     world = dist.get_world_size()
-    # 16 units: the per-unit difference is ~1 ms on gloo; with 8, keep's backward came out 1.3 ms dearer than
-    # reshard's (which does strictly more), noise at load 15 on 2 cores.
+    # 16 units: the per-unit difference is small on gloo; with 8, noise on a loaded host could make keep's
+    # backward dearer than reshard's (which does strictly more).
     k, width, big = 16, 32, 192
     mesh = init_device_mesh(device.type, (world,))
     hsdp = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
@@ -193,8 +193,8 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
                                  for b, c, p1, p6 in zip(one, one6, plain1, plain6)]
         # Per unsharded parameter byte: the same tensors 36x larger (3.6 M parameters). What grows with the
         # bytes beyond the compute and the collectives' bandwidth: copy-in/copy-out, and on a CPU the page
-        # faults of the unsharded buffers FSDP2 allocates and frees every step (measured on 2 gloo ranks:
-        # ~0.5 ms per MB gathered, which tiny units cannot show). The optimizer runs on the shard it owns.
+        # faults of the unsharded buffers FSDP2 allocates and frees every step (on gloo ranks a cost per MB
+        # gathered that tiny units cannot show). The optimizer runs on the shard it owns.
         owned = 1.0 if mode == "replicate" else 1.0 / world
         comm_f = bandwidth_s("all_gather", extra_bytes) if mode != "replicate" else 0.0
         comm_b = (bandwidth_s("all_reduce", extra_bytes) if mode == "replicate"
@@ -218,10 +218,9 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
 
 def _overlap(device: torch.device, repeats: int) -> float:
     """Median over ``repeats`` interleaved trials of ``(t_c + t_n - t_b) / min(t_c, t_n)``, the matmul loop sized to
-    last as long as the all-reduce. A loop sized from an assumed rate ran 0.65 ms beside a 4 ms all-reduce on this
-    project's 2-core machine, where 0.7 ms of the all-reduce's noise swung the ratio over the whole [0, 1]: six
-    calibrations in a row gave 0, 0.53, 0, 1, 1, 0.78, and the planner priced every step as overlapped or not by
-    chance."""
+    last as long as the all-reduce. A loop sized from an assumed rate can be much shorter than the all-reduce, and
+    then the all-reduce's own noise swings the ratio over the whole [0, 1] from one calibration to the next, so the
+    planner would price every step as overlapped or not by chance."""
     import torch.distributed as dist
 
     n = 256 if device.type == "cpu" else 4096

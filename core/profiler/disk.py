@@ -19,8 +19,8 @@ Measured (``source="measured"``) on a scratch file in the directory, cached unde
   threads, and ``o = (C + D - T) / min(C, D)`` where ``T`` is the wall time until both are done: the rule the
   planner prices with (``T = C + D - o * min(C, D)``). Two loops are timed, matmuls (forward and backward) and
   an elementwise AdamW-like update (the optimizer step), and the smaller ``o`` is kept. On a machine whose
-  cores also serve the I/O (checksums, copies, the engine's threads) it is well below 1; a profile cached
-  before this was measured gains it on its next use.
+  cores also serve the I/O (checksums, copies, the engine's threads) it is well below 1; a cached profile
+  without it gains it on its next use.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``time_blocks``: measured forward, backward and recompute seconds of each block, on the real device.
 
 FLOPs divided by one square-matmul rate ignore every non-matmul op (layer norms, GELU, softmax,
-attention's reshapes, the loss) and the shape-dependence of matmul speed; on 2 CPU ranks the
-FLOPs model predicted 88 ms for a step that took 161 ms. Timing the blocks themselves removes
+attention's reshapes, the loss) and the shape-dependence of matmul speed, so on CPU ranks the
+FLOPs model predicts steps far shorter than they take (benchmarks/results/REPORT.md#cost_model). Timing the blocks themselves removes
 both errors, and stays affordable for models that do not fit the machine:
 
 * the model is traced on the meta device once, recording the shape and dtype of every block's
@@ -173,9 +173,8 @@ def _sync(device: torch.device) -> None:
 def clock_of(name: str) -> Callable[[], float]:
     """``"wall"``: ``time.perf_counter``; ``"cpu"``: this process's CPU time (user + system, every thread).
 
-    CPU time is what a step costs on cores of its own: on a host shared with other jobs (load 16
-    on 2 cores while this was written) wall times of one step varied 3x between repeats, its CPU
-    time by a few percent. Only for CPU devices; a GPU's work is not the host's CPU time.
+    CPU time is what a step costs on cores of its own: on a host shared with other jobs the wall time
+    of one step can vary several-fold between repeats while its CPU time varies by a few percent. Only for CPU devices; a GPU's work is not the host's CPU time.
     """
     if name == "wall":
         return time.perf_counter
@@ -191,9 +190,8 @@ def _evict_caches(device: torch.device) -> None:
     """Touch 64 MiB so the next timed phase starts with cold CPU caches, as it does inside a step.
 
     Timed alone, a block's weights and saved activations stay cached from one repeat to the next; inside
-    a training step every other block's traffic evicted them (measured on 2 CPU ranks, 1.3 M-parameter
-    GPT: forward + backward timed warm summed to 81 ms against 94 ms in DDP steps; medium model, whose
-    blocks do not fit the caches anyway, within 2%). A GPU's caches are small next to its bandwidth."""
+    a training step every other block's traffic evicts them, so warm timings of a small model undershoot its
+    steps (a larger model's blocks do not fit the caches anyway). A GPU's caches are small next to its bandwidth."""
     if device.type != "cpu":
         return
     if not _EVICT:

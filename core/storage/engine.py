@@ -1,8 +1,8 @@
 """The store's I/O engine: a few worker threads issuing ``os.preadv`` / ``os.pwritev``, a bound on
 requests in flight, and the extent-level read and write with alignment and checksums.
 
-Why threads: measured in ``docs/disk-tier.md`` against libaio and io_uring on this project's machine;
-each blocking ``preadv``/``pwritev`` releases the GIL, so ``workers`` threads keep ``workers``
+Why threads: they matched libaio when measured against it, and PyPI's io_uring binding cannot do O_DIRECT
+(docs/disk-tier.md, "Design choices"); each blocking ``preadv``/``pwritev`` releases the GIL, so ``workers`` threads keep ``workers``
 requests at the device, and at MiB-sized requests the system-call cost is noise.
 
 O_DIRECT needs aligned buffers, offsets and lengths (:data:`~tightfit.storage.fs.ALIGN`). Extents
@@ -136,8 +136,8 @@ class ExtentIO:
             buf = self.bounce()
             padded = -(-rest // ALIGN) * ALIGN
             buf[:rest] = src[head:]
-            # checksummed after the copy, from the bounce buffer the copy left in cache: 4.7-5.8 GB/s for copy
-            # + CRC-32C of 4 MiB extents here, 3.6-4.5 GB/s checksumming the source first
+            # checksummed after the copy, from the bounce buffer the copy left in cache: faster than
+            # checksumming the source first and copying after
             crc = self.checksum(buf[:rest], crc)
             buf[rest:padded] = bytes(padded - rest)  # the pad stays inside this extent's own slot
             pwrite_full(self.fd, buf[:padded], file_offset + head, self.path)

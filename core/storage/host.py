@@ -4,9 +4,9 @@ glibc's ``malloc`` serves a request of at least ``M_MMAP_THRESHOLD`` bytes with 
 on ``free``; smaller ones come from the heap, whose free space stays with the process. The threshold starts at
 128 KiB and is *dynamic*: each freed mmap'd block raises it to that block's size (up to 32 MiB). A run that keeps
 freeing 4-16 MiB tensors (parameters dropped between uses, gradients, staging buffers, FSDP2's unsharded
-parameters) soon has its tensors on the heap, where freed pages stay resident and fragment. Measured with
-``benchmarks/elixir_disk.py``'s child on an 8-block GPT (33.6 M parameters, tier 3, 3 steps): resident peak
-1368 MiB growing 60-100 MiB a step with the default; 983 MiB and flat with the threshold fixed at 1 MiB.
+parameters) soon has its tensors on the heap, where freed pages stay resident and fragment: in
+``benchmarks/elixir_disk.py``'s child the resident peak grows every step with the default and stays flat with the
+threshold fixed at 1 MiB.
 
 :func:`return_large_frees` fixes the threshold (setting it turns the dynamic adjustment off); it affects
 allocations made after the call.

@@ -325,9 +325,9 @@ class TensorStore:
 
     def _give_back(self, slot: int) -> None:
         """A slot the new index dropped: a deleted name's blocks go back to the filesystem; an overwritten
-        extent's stay allocated for the next write to reuse. Measured (docs/disk-tier.md, 4 MiB tensors):
-        punching every freed slot made each overwrite allocate its blocks again, 0.46x of raw write
-        bandwidth against 0.99x reusing them (benchmarks/disk_io.py, 15 repeats)."""
+        extent's stay allocated for the next write to reuse. Punching every freed slot makes each overwrite
+        allocate its blocks again, which about halves the write bandwidth (the "hole punching at sync" row of
+        benchmarks/results/REPORT.md#disk_io)."""
         if slot in self._deleted:
             self._deleted.discard(slot)
             punch_hole(self._fd, slot * self.extent_bytes, self.extent_bytes)

@@ -4,7 +4,7 @@
     runner = ModelRunner.from_pretrained("path/to/hf-model-dir")          # tp=2, pp=2 under torchrun
     out = runner.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
-The runtime (this issue) loads GPT-2, OPT and LLaMA-family checkpoints (and the tightfit example
+The runtime loads GPT-2, OPT and LLaMA-family checkpoints (and the tightfit example
 GPT's training checkpoints), runs batches packed with no padding over a paged KV cache, and splits
 models over a ``tp x pp`` grid of ranks. Names load on first use, so ``tightfit plugins`` stays fast.
 

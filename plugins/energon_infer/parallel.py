@@ -152,9 +152,8 @@ def linear_weight(out_features: int, in_features: int, dtype: torch.dtype, devic
     """An ``(out, in)`` weight stored input-major (the transpose of a contiguous ``(in, out)`` tensor).
 
     ``F.linear`` then multiplies by a contiguous ``(in, out)`` matrix, a plain product instead of one with
-    a transposed operand, which BLAS runs faster at the few rows a decode step has: measured on one thread
-    here, the benchmark model's 25 projections per step (21 MB of fp32 weights, more than the caches keep
-    between steps) took 2.17 -> 1.08 ms at 1 row, 3.64 -> 2.84 at 8, 4.71 -> 4.20 at 16, 62.4 -> 60.7 at 512.
+    a transposed operand, which BLAS runs faster at the few rows a decode step has (about twice as fast at one
+    row on the benchmark model's projections, weights cold in the caches; the gain shrinks as rows grow).
     Loading (``copy_``) and the shape are unchanged.
     """
     return nn.Parameter(torch.empty((in_features, out_features), dtype=dtype, device=device).t(),

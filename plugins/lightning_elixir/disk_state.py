@@ -8,7 +8,7 @@ for tier-2 units; a tier-3 unit (``UnitPlan.params_disk``) keeps its fp32 master
 (:mod:`lightning_elixir.disk_params`: parameters between uses), and its chunks stream them with the state.
 
 The step. The user's optimizer is used unchanged: a step pre-hook takes the disk parameters out of the step
-the user runs (host and device parameters step as before), a post-hook then steps the disk parameters
+the user runs (host and device parameters step as usual), a post-hook then steps the disk parameters
 chunk by chunk in the plan's unit order. A chunk is a range of one unit's flattened local shards
 (:data:`CHUNK_ELEMENTS` elements at most); its state is read into one of two fixed staging sets while the
 chunk before it updates, and written back behind it (the store's asynchronous ``read_into`` / ``write``).

@@ -250,8 +250,8 @@ def forked_rng(device: torch.device) -> Iterator[None]:
     CUDA generator, Python's ``random`` and NumPy's global state.
 
     Planning measures the device (``torch.randn`` matrices, an AdamW step) and profiles a step; without
-    this, a seeded Elixir run's first dropout masks differ from a seeded DDP run's (measured: step-1
-    loss 5.548 vs 5.553 on TinyGPT with dropout 0.1 and an empty device cache).
+    this, a seeded Elixir run's first dropout masks differ from a seeded DDP run's, and so does its first loss
+    under dropout.
     """
     state = random.getstate()
     try:

@@ -334,8 +334,8 @@ def measure_layers(layers: list[Layer], sample, *, device: torch.device, repeats
     host memory until it is partitioned), its repeats back to back. Without it the repeats go round
     the layers in model order (layer 0..N-1, then again): in a pipeline a layer runs after its
     stage's other layers and microbatches, not right after itself, and a layer timed back to back
-    finds its weights and gradients still in cache (on a 2-core host with a 32 MiB cache the
-    back-to-back timings were ~1.4x faster than the same layers inside the running pipeline).
+    finds its weights and gradients still in cache (back-to-back timings of a small model come out well
+    below the same layers inside the running pipeline).
     ``clock``: ``time.perf_counter`` (elapsed) or a CPU clock (:func:`tightfit.profiler.timing.clock_of`,
     CPU devices on a shared host).
     """

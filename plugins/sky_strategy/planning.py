@@ -153,7 +153,7 @@ def profile_pipeline(module: nn.Module, layers: list[Layer], inputs: Any, *, con
             links, latency = measure_link_fits((*LINK_SIZES, act), device=device)
         allreduce = fit_allreduce(groups.replicas, device=device) if layout.replicas > 1 else None
         # the schedule's own cost per step (stand-in stages that compute nothing, real schedule class,
-        # planned microbatches, this rank's slowdown): 4.5 ms of a 94 ms step in sky_train, which the
+        # planned microbatches, this rank's slowdown): a few percent of a small model's step, which the
         # layer timings miss
         schedule_s = pipeline_overhead(config.microbatches, config.schedule, device=device, group=groups.pipeline,
                                        slowdown=speeds.slowdown_of(rank)) if layout.pipeline_ranks > 1 else 0.0

@@ -8,11 +8,11 @@ What the step model gets from here (``tightfit.planner.pipeline.problem`` prices
 
 * per device, per layer *kind* (type, parameter and input shapes): layers of one kind are timed
   together and share the median of all their repeats (6 identical blocks x 5 repeats = 30 samples:
-  one preempted 1 ms sample no longer moves a layer's cost; with 3 repeats per layer identical
-  blocks read 1.3-4.8 ms on one rank of a loaded 2-core host);
+  one preempted sample no longer moves a layer's cost; with 3 repeats per layer identical blocks
+  could read several-fold apart on a loaded host);
 * links as latency + bandwidth: ping-pongs at several sizes fitted by
-  :func:`tightfit.profiler.calibrate.fit_alpha_beta` (a 48 KiB activation on gloo over loopback is
-  mostly the ~0.2 ms latency that one bandwidth number cannot express);
+  :func:`tightfit.profiler.calibrate.fit_alpha_beta` (a small activation on gloo over loopback costs
+  mostly latency, which one bandwidth number cannot express);
 * the optimizer step's rate on this rank (the user's optimizer class and settings on a scratch tensor),
   the data-parallel all-reduce's alpha-beta (replicas only), and the per-step collectives every step
   pays whatever the partition (:func:`step_overhead`).
@@ -125,7 +125,7 @@ def _trimmed_mean(samples: list[float], cut: float = 0.2) -> float:
     which a median (the fastest half's edge) understates where the host's other work slows some runs."""
     xs = sorted(samples)
     # at least one sample off each end once there are three: one preempted repeat of a layer timed
-    # 3 times (14.9 ms for a 0.1 ms embedding on a loaded host) would otherwise set its cost
+    # 3 times (on a loaded host, a hundred times the embedding's own cost) would otherwise set its cost
     k = max(int(len(xs) * cut), 1 if len(xs) >= 3 else 0)
     mid = xs[k:len(xs) - k] or xs
     return statistics.fmean(mid)

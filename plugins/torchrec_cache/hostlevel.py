@@ -383,15 +383,14 @@ def _merge(old_pos: torch.Tensor, old_rec: torch.Tensor, new_pos: torch.Tensor,
 
 # The store's extent is the unit a missed row costs on disk: small, so a scattered miss reads little, but not
 # so small that writing the tables and the store's index (~180 bytes of Python per extent) cost too much:
-# at most 2**18 extents (16 KiB for 4 GiB of tables). Measured on the DLRM benchmark (3.8 GiB of tables, 2
-# loaded cores): 4 KiB extents took 310 s to write the tables and read 148,654 rows in 4 KiB requests at
-# 0.03 GB/s; the requests' count, not their size, bounds the reads.
+# at most 2**18 extents (16 KiB for 4 GiB of tables). On the DLRM benchmark 4 KiB extents made writing the
+# tables take minutes; the requests' count, not their size, bounds the reads.
 _MIN_EXTENT, _MAX_EXTENTS = 4096, 2**18
 
 
 # A missed row is read as the 4 KiB checksum block holding it (TensorStore.read_ranges), not its extent. Those
-# reads are short and scattered: the disk answers them by queue depth, not bandwidth. Measured here (virtio
-# disk, random 4 KiB O_DIRECT preads, one thread each): 4 threads 23k/s, 8 33k/s, 16 48k/s, 32 82k/s.
+# reads are short and scattered: the disk answers them by queue depth, not bandwidth (random 4 KiB O_DIRECT
+# reads, one thread each, scale with the threads well past 16 on a virtio disk).
 CHECKSUM_BLOCK, READ_WORKERS = 4096, 16
 
 

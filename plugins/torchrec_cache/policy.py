@@ -29,10 +29,9 @@ _WINDOW = 2**61  # victim keys of rows a prefetch window needs: _WINDOW - next s
 # level (an average halving its weight per batch) means the hot set moved: every count, sketch and resident
 # scores, is shifted right by DRIFT_SHIFT bits, so the new hot rows win their slots within a batch. A
 # stationary trace never triggers it and keeps its counts (aged only every AGE_EVERY increments per slot).
-# Measured at 0.5 / 1.5 / 5% of a 100k-row Zipf(1.05) table (traffic hit rate): stationary 0.168 / 0.332 /
-# 0.500 (static 0.147 / 0.317 / 0.459); drifting 0.092 / 0.212 / 0.339 (LRU 0.081 / 0.185 / 0.334). The rule
-# it replaces (a resident row's count halved for every 2 steps it went unused) lost to static when stationary
-# (0.304 at 1.5%) and to LRU when drifting (0.185 vs 0.1851).
+# With it, on a Zipf table cached at a few percent, the policy beats the static cache on a stationary trace and
+# LRU on a drifting one (benchmarks/results/REPORT.md#torchrec_cache). Halving a resident row's count for every
+# few steps it goes unused instead loses to static when stationary and to LRU when drifting.
 DRIFT_DROP = 0.7
 DRIFT_SHIFT = 8
 

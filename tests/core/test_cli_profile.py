@@ -77,14 +77,13 @@ def test_profile_device(tmp_path, monkeypatch, capsys):
     assert "unknown device preset 'tpu-v9'" in capsys.readouterr().err
 
 
-def test_readme_profiling_snippet_runs():
-    from pathlib import Path
+def test_docs_profiling_snippet_runs(monkeypatch):
+    from tests.helpers.docs import python_block
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Profiling", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.delenv("TIGHTFIT_README_MODEL", raising=False)  # as written: gpt2-xl, profiled on meta
+    code = python_block("docs/profiling.md", "Profiling a model from Python")
     scope: dict = {}
-    exec(compile(code, "README.md#profiling", "exec"), scope)
+    exec(compile(code, "docs/profiling.md: Profiling a model from Python", "exec"), scope)
     prof = scope["prof"]
     assert prof.param_numel == 1_557_611_200
     assert prof.estimate_peak(["blocks.0", "blocks.1"]).activation_bytes < prof.activation_peak_bytes

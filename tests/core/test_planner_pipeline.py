@@ -240,14 +240,14 @@ def test_tightfit_plan_sky_cli(tmp_path, capsys):
 
 
 def test_readme_planner_snippet_runs():
-    """The README's Sky planner example is executed as written."""
-    import re
-    from pathlib import Path
+    """docs/sky.md's planner example (section "The planner") is executed as written, and plans what it says."""
+    from tests.helpers.docs import python_block
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "tightfit.planner.pipeline" in b]
-    assert blocks, "the README lost its Sky planner example"
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    code = python_block("docs/sky.md", "The planner")
+    assert "tightfit.planner.pipeline" in code, "docs/sky.md's section 'The planner' lost its planner example"
+    namespace: dict = {}
+    exec(compile(code, "docs/sky.md: The planner", "exec"), namespace)
+    assert namespace["plan"].layer_counts() == (20, 4)
 
 
 # --------------------------------------------------------------------------------------------------

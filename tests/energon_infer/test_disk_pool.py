@@ -282,11 +282,12 @@ def test_tp2_ranks_read_only_their_slices_and_equal_the_loaded_model(tmp_path):
         assert st_["disk_bytes_read"] < reads * full_layer
 
 
-def test_readme_serving_beyond_memory_snippet_runs(tmp_path):
-    """The README's "### Serving beyond memory" block, as a script (its engine spawns a worker that imports it)."""
-    from tests.helpers.readme import python_block, run_script
+def test_docs_serving_beyond_memory_snippet_runs(tmp_path):
+    """docs/energon-memory.md's "Serving a model larger than memory" block, as a script (its engine spawns a worker
+    that imports it)."""
+    from tests.helpers.docs import python_block, run_script
 
-    out = run_script(python_block("### Serving beyond memory"), tmp_path)
+    out = run_script(python_block("docs/energon-memory.md", "Serving a model larger than memory"), tmp_path)
     assert "'disk'" in out.stdout and "I/O roofline" in out.stdout
 
 

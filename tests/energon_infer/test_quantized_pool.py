@@ -255,10 +255,10 @@ def test_tp2_ranks_stream_their_own_quantized_slices(tmp_path, llama):
         assert all(b < 0.75 * full[i] for i, b in st["disk_layer_bytes"].items())  # this rank's slice only
 
 
-def test_readme_quantized_weights_beyond_memory_snippet_runs(tmp_path):
-    """The README's "### Quantized weights beyond memory" block, as a script (its engine spawns a worker)."""
-    from tests.helpers.readme import python_block, run_script
+def test_docs_quantized_weights_beyond_memory_snippet_runs(tmp_path):
+    """docs/energon-memory.md's "Quantized weights beyond memory" block, as a script (its engine spawns a worker)."""
+    from tests.helpers.docs import python_block, run_script
 
-    out = run_script(python_block("### Quantized weights beyond memory"), tmp_path)
+    out = run_script(python_block("docs/energon-memory.md", "Quantized weights beyond memory"), tmp_path)
     assert "int4 (group 64)" in out.stdout and "'disk'" in out.stdout and ".tightfit-quantized" in out.stdout
     assert (tmp_path / "model-q" / ".tightfit-quantized").is_dir()

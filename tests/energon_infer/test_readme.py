@@ -1,4 +1,4 @@
-"""The README's energon section and the example script run as written."""
+"""docs/energon.md's "Generate in your process" block and the example script run as written."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_snippet_runs(tiny_dirs, capsys):
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### EnergonAI inference runtime"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {"MODEL_DIR": tiny_dirs["llama"]})
+def test_docs_generate_snippet_runs(tiny_dirs, capsys):
+    from tests.helpers.docs import python_block
+
+    code = python_block("docs/energon.md", "Generate in your process")
+    exec(compile(code, "docs/energon.md", "exec"), {"MODEL_DIR": tiny_dirs["llama"]})
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and all(re.search(r" (stop|length) \[\d+", ln) for ln in lines), lines
 

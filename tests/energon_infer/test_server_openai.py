@@ -50,13 +50,13 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=60)
 
 
-def test_readme_openai_snippet_runs(server, capsys):
+def test_docs_openai_snippet_runs(server, capsys):
     import re
-    from pathlib import Path
 
-    section = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("### EnergonAI serving", 1)[1]
-    code = next(c for c in re.findall(r"```python\n(.*?)```", section.split("\n### ", 1)[0], re.S) if "OpenAI(" in c)
-    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"),
+    from tests.helpers.docs import python_block
+
+    code = python_block("docs/serving.md", "Call it with the OpenAI client")
+    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/serving.md", "exec"),
          {"API_KEY": "k", "MODEL": "tiny-chat"})
     assert re.fullmatch(r"\['.*', '.*'\] \d+\n", capsys.readouterr().out, re.S)
 

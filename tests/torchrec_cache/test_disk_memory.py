@@ -64,7 +64,7 @@ def test_tables_larger_than_the_limit_save_and_load_under_it(tmp_path):
     # glibc raises its mmap threshold after the first chunk buffer is freed, so later 16 MiB chunks come from
     # its heap and stay there once freed: measured +244 MiB anonymous memory after building 610 MiB of tables
     # (RssAnon), +39 MiB with a fixed threshold. The streaming paths allocate a chunk at a time and do not
-    # reuse buffers yet, so the child runs with a fixed threshold (README, "Limits").
+    # reuse buffers yet, so the child runs with a fixed threshold (docs/embedding-cache.md, "Limits").
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = run_limited([sys.executable, "-c", CHILD, str(ROWS), str(DIM), str(tmp_path), "adagrad"], LIMIT,
                       name="test-save-tables", timeout=600, env=env)

@@ -39,7 +39,7 @@ pytestmark = RunIf(torchrec=True)
 
 SUITE = Path("torchrec", "modules", "tests", "test_embedding_modules.py")
 
-# The suite's tests the cached collections do not pass, and why (the README's "TorchRec parity" says the same).
+# The suite's tests the cached collections do not pass, and why (docs/embedding-cache.md, "TorchRec parity", says the same).
 NOT_SUPPORTED = {
     "EmbeddingBagCollectionTest.test_scripting": "torch.jit.script of the collection itself: TorchScript",
     "EmbeddingCollectionTest.test_scripting": "torch.jit.script of the collection itself: TorchScript",
@@ -99,7 +99,7 @@ def _run(suite: ModuleType, test: str) -> unittest.TestResult:
 
 @pytest.mark.skipif(not _TESTS, reason=_NO_SUITE)
 def test_the_suite_is_torchrecs_fifteen_with_the_cached_classes_in_place(suite):
-    assert len(_TESTS) == 15, f"TorchRec's suite changed ({len(_TESTS)} tests): update NOT_SUPPORTED and the README"
+    assert len(_TESTS) == 15, f"TorchRec's suite changed ({len(_TESTS)} tests): update NOT_SUPPORTED and docs/embedding-cache.md"
     assert set(NOT_SUPPORTED) <= set(_TESTS)
     assert suite.EmbeddingBagCollection is CachedEmbeddingBagCollection
     assert suite.EmbeddingCollection is CachedEmbeddingCollection
@@ -118,7 +118,7 @@ def test_torchrec_suite_passes_with_the_cached_collections(suite, test):
 def test_torchrec_suite_scripting_tests_fail_in_torchscript(suite, test):
     result = _run(suite, test)
     problems = [text for _, text in result.errors + result.failures]
-    assert len(problems) == 1, f"{test} passes now: update NOT_SUPPORTED and the README"
+    assert len(problems) == 1, f"{test} passes now: update NOT_SUPPORTED and docs/embedding-cache.md"
     assert "torch/jit" in problems[0], problems[0]  # it fails inside TorchScript's compiler, not before
 
 

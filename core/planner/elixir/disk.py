@@ -1,7 +1,7 @@
 """The disk tier in Elixir's cost model: state-tier codes, the host staging area, the disk a synchronous step
 sees, and the price of a disk unit's optimizer step (part of :mod:`tightfit.planner.elixir`).
 
-A unit's ``offload`` is a state-tier code, backward compatible with the bools it was: ``0``/``False`` = state on
+A unit's ``offload`` is a state-tier code, and bools are accepted: ``0``/``False`` = state on
 the device, ``1``/``True`` = on the host (FSDP2 ``CPUOffloadPolicy``), ``2`` = like ``1`` but the optimizer state
 (``o`` bytes per owned element, 8 of the 16 of fp32 AdamW) waits on disk between steps and is streamed through
 the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first),
@@ -53,7 +53,7 @@ DISK_CODES = (ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS)
 
 def tier_name(code: int) -> str:
     """Where a unit of state-tier ``code`` keeps its master weights and optimizer state (``TIERS`` names it;
-    code 2 keeps the master weights on the host and only the optimizer state on disk: named "disk" as before)."""
+    code 2 keeps the master weights on the host and only the optimizer state on disk, and is named "disk")."""
     return TIERS[min(int(code), ON_DISK)]
 
 

@@ -126,7 +126,7 @@ class ElixirConstraints:
             deep = ((ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS) if self.allow_disk_params and self.allow_disk_grads
                     else (ON_DISK, ON_DISK_PARAMS) if self.allow_disk_params else (ON_DISK,))
             tiers = deep if self.force_disk else tiers + deep
-        offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as before
+        offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as plans without a disk tier hold
         return Space(modes=tuple(self.modes), offload=offload,
                        checkpointing=self.allow_checkpointing, depths=tuple(sorted(set(self.prefetch_depths))),
                        unit_blocks=self.unit_blocks)

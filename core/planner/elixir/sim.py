@@ -89,8 +89,8 @@ class Context:
         to forward, backward and the optimizer step: per unit + per tensor + per byte (0 when not measured)."""
         table = dict(self.overhead)
         # Where host and device are one memory, CPUOffloadPolicy's copies are no-ops and an offloaded unit runs
-        # reshard's code path (measured, 1.3 M parameters on 2 CPU ranks, full shard vs + offload: 150 vs 143,
-        # 143 vs 140, 135 vs 138 ms); its tiny-unit calibration came out up to 3x dearer, which is noise.
+        # reshard's code path (full shard with and without offload time the same on CPU ranks); its tiny-unit
+        # calibration can come out dearer, which is noise.
         key = "offload" if offload and not self.unified else mode
         unit = table.get(key, (0.0, 0.0, 0.0))
         per = table.get(f"{key}/tensor", (0.0, 0.0, 0.0))
@@ -281,8 +281,7 @@ def step_time(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms]
     Measured overlap ``o`` (``ctx.overlap >= 0``): each collective of ``d`` seconds also takes
     ``(1 - o) * d`` from the compute stream (gloo's copies and reductions run on the cores the
     compute needs), paid before the next compute starts, less any time the compute stream sat
-    idle waiting since it was issued (the collective ran alone then). Unmeasured: full overlap,
-    as before.
+    idle waiting since it was issued (the collective ran alone then). Unmeasured: full overlap.
     """
     n = len(units)
     comp = net = h2d_free = d2h_free = disk_free = 0.0

@@ -106,9 +106,9 @@ def solve(problem: ElixirProblem, *, progress: Progress | None = None) -> Elixir
 
 # ElixirConstraints.replication_margin (default 10%): with memory to spare, the plan DDP would run (every unit
 # replicated, nothing offloaded or recomputed) is kept unless another plan is predicted faster by more than
-# the margin. The calibrated model's step errors on the cost-model benchmark reach ~10-20%, and on a Hugging
-# Face Llama with the whole device free a FLOPs-priced plan that sharded every unit measured 1.39x slower than
-# DDP (issue 32): a predicted gain within the model's error is no reason to leave the plan users compare against.
+# the margin, which is about the calibrated model's step error (benchmarks/results/REPORT.md#cost_model); a plan
+# that shards every unit can run slower than DDP with the whole device free: a predicted gain within the model's
+# error is no reason to leave the plan users compare against (benchmarks/results/REPORT.md#elixir_vs_ddp).
 def _replicate_everything(ev: S.Evaluator, space: S.Space, best: S.Candidate, budget: int, host_budget: float,
                           disk_budget: float, margin: float) -> S.Candidate | None:
     """The all-replicated candidate when it fits and ``best`` is not predicted faster by ``margin``."""

@@ -23,9 +23,9 @@ Cost model (one microbatch unless said otherwise; ``M`` microbatches, ``S`` stag
       by alpha but does not occupy a rank (the sender goes on with its next microbatch), so it is paid
       on the pipeline's critical path once per boundary and direction, ``2 x alpha`` per boundary per
       step (the first activation forward, the last gradient back), and per microbatch without
-      pipelining; on gloo over loopback alpha is ~0.05-1 ms, most of what a 48 KiB activation costs.
-      Charged per microbatch to the sending stage instead, a loaded host's 1 ms alpha outweighed a small
-      model's whole compute and every plan put one layer on the first stage;
+      pipelining; on gloo over loopback alpha is most of what a small activation costs. Charged per
+      microbatch to the sending stage instead, a loaded host's alpha would outweigh a small model's whole
+      compute and every plan would put one layer on the first stage;
     * once per step, after the pipeline drains: ``step_overhead_s`` (what the runtime does per step
       whatever the partition: output broadcast, framework loop) plus, for the slowest device, its
       optimizer step (``param_bytes / optimizer_bytes_per_s``) and, with ``replicas > 1``, the
@@ -151,12 +151,12 @@ class PipelineProblem:
         allreduce: ``(alpha s, bus bandwidth bytes/s)`` of an all-reduce among the replicas.
         gradient_copies: gradient buffers alive at a stage's peak: 1, or 2 where the previous step's
             gradients are freed only after the pipeline ran (``SkyStrategy`` under Lightning, whose
-            ``zero_grad`` comes after the training step; measured: a 7.3 MB stage peaked at 3.3x its
-            parameters, not 2x).
+            ``zero_grad`` comes after the training step: such a stage peaks well above twice its
+            parameters).
         accumulation_buffer: with more than one microbatch a layer's gradient for the next microbatch is
             computed whole before it is added into the accumulated one, so the stage's largest layer's
-            parameters count once more (measured: 2.2-2.4 MiB above the model on every rank of a 768-wide
-            MLP, one block's weight). Off by default (the numbers pinned before it stay).
+            parameters count once more (one block's weight above the model on every rank of an MLP). Off by
+            default.
 
     Derived once (read by the solvers): ``num_layers``, ``num_devices``, ``chunks`` (chunks per
     device actually used), ``num_stages``; prefix sums ``cost_prefix``, ``param_prefix``,

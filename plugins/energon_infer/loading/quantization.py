@@ -16,8 +16,8 @@ The quantizers are torchao's (``Int8Tensor.from_hp`` with ``PerRow``, the format
 the tinygemm affine choose/quantize of ``Int4WeightOnlyConfig``); the matmuls are
 :mod:`tightfit.cuda.quant_linear`'s (a native CPU kernel for decode, dequantise + BLAS otherwise). torchao's own
 CPU int4 path (``torchao.prototype.quantization.int4.Int4OpaqueTensor``, ATen's tinygemm
-``_weight_int4pack_mm_for_cpu``) exists in torchao 0.18 but needs an output width divisible by 16 and ran
-4-60x slower than fp32 at 1-32 rows here; ``Int4WeightOnlyConfig``'s default needs the ``mslk`` package (CUDA).
+``_weight_int4pack_mm_for_cpu``) exists in torchao 0.18 but needs an output width divisible by 16 and runs
+many times slower than fp32 at decode-sized inputs; ``Int4WeightOnlyConfig``'s default needs the ``mslk`` package (CUDA).
 torchao is imported only here, only when quantization is asked for.
 """
 

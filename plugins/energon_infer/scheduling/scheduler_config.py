@@ -70,8 +70,8 @@ class SchedulerConfig:
             are back: a request feeds :data:`PLACEHOLDER`, which the first stage replaces with the token the
             last stage sent it; a request that stopped meanwhile has that one token dropped. :data:`AUTO` (the
             default): in an engine 2 at pp=1, where it hides the controller's round trip between steps, and 1 at pp > 1, where
-            the groups already keep every stage busy and planning ahead only adds the token messages
-            (measured at pp=2, 64 sequences: 3228 tokens/s at depth 1, 2872 at depth 2, 2946 blocking);
+            the groups already keep every stage busy and planning ahead only adds the token messages (depth 1
+            is the fastest there);
             1 for a scheduler of its own.
         late_admission: with steps planned ahead (``depth > 1``), a request that arrives while every step of its
             group is in flight is admitted at once in a late, admissions-only step

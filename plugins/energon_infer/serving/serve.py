@@ -125,7 +125,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto says TCP.
-    # With it on, a keep-alive connection's small writes waited for the client's delayed ACK: 40 ms per response.
+    # With Nagle on, a keep-alive connection's small writes wait for the client's delayed ACK on every response.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Linux hands it on to accepted connections

@@ -53,7 +53,7 @@ class LoopInbox:
     """Token events from the engine's controller thread to one event loop, a batch for one wake-up of the loop.
 
     The controller hands out a step's tokens together (one per running request); waking the loop once per token
-    cost a write to the loop's self-pipe each, from the controller thread, between the step's reply and the
+    would cost a write to the loop's self-pipe each, from the controller thread, between the step's reply and the
     planning of the next step. Here the first event of a batch wakes the loop, and the events that come before it
     runs ride along. One inbox per loop (:meth:`of`), shared by every stream on it.
     """

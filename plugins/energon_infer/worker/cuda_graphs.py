@@ -15,7 +15,7 @@ its largest bucket, and runs a step of ``b`` sequences in the smallest bucket ``
 * block tables are padded to ``ceil(max_context / block_size)`` columns; entries past a row's
   context are never read.
 
-What runs eagerly as before: steps with prefill or chunked tokens (``max_q_len > 1``), steps of more
+What runs eagerly: steps with prefill or chunked tokens (``max_q_len > 1``), steps of more
 sequences than the largest bucket, ``all_logits`` steps, and every step when graphs are off.
 
 The bucketing and buffers are separate from the capture: with ``capture=False`` the same padded

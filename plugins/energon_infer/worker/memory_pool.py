@@ -274,8 +274,8 @@ class LayerPool:
         if (not self.cuda and cpu_prefetch == "thread") or self._threaded:
             workers = max(1, min(io_threads if self._threaded else 1, n_slots))
             # One intra-op thread each: a copy on a thread of its own would otherwise start a second OpenMP
-            # team as wide as the compute's, and the teams' spinning barriers fight over the cores (profiled
-            # with two intra-op threads on 2 busy cores: 32 ms per F.linear of a 64-wide layer while copies ran).
+            # team as wide as the compute's, and the teams' spinning barriers fight over the cores (a tiny
+            # F.linear then takes milliseconds while copies run).
             self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="energon-prefetch",
                                                 initializer=torch.set_num_threads, initargs=(1,))
         self.copies = 0

@@ -325,9 +325,9 @@ def write_missing_layers(store: TensorStore, model_path: str | Path, runner: Any
 def _release_freed_heap() -> None:
     """Give the C heap's freed pages back to the system (glibc ``malloc_trim``; elsewhere nothing): quantizing
     leaves freed temporaries in the heap, which a process serving under a memory cap next cannot otherwise give
-    to the page cache or the pool. Measured on benchmarks/_quant_disk.py's int8 4096-wide model under its 1.5 GiB
-    cap: the first load (writing the store) then serving was OOM-killed in 1 of 1 runs without it, 1 of 2 with
-    it: still at the edge of that cap."""
+    to the page cache or the pool. Under the memory cap of benchmarks/_quant_disk.py's int8 model the first load
+    (writing the store) then serving runs at the edge of the cap, and without it over
+    (benchmarks/results/REPORT.md#energon_quant)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -339,9 +339,8 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
     where it is. A quantized projection is built and quantized part by part (qkv, gate and up are fused), each
     part's rows going straight into their place in ``flat``: the quantization is per row (int8) or per row and
     group of inputs (int4), so the values are those of the fused weight, and only one part's full-precision rows
-    and its quantized copy are in memory besides ``flat`` (measured on a 4096-wide LLaMA's gate+up: the peak RSS
-    rise 953 MiB part by part vs 1048-1427 MiB fused; before, the whole layer's quantized values were also
-    held apart from ``flat`` until packed)."""
+    and its quantized copy are in memory besides ``flat``, which keeps the peak below quantizing the fused weight
+    whole."""
     cfg, grid, spec = runner.config, runner.grid, runner.quant
     keys = set(reader.keys())
     names = {id(m): n for n, m in layer.block.named_modules()}

@@ -169,8 +169,8 @@ _WARMUP_SEQ = -(1 << 40)  # never a controller's id (those are positive) nor the
 
 
 def _warm_up(runner: Any, *, decode: bool = True) -> None:
-    """A 2-token step and a decode step (SPMD): the first request does not pay for lazy initialisation (~2 s
-    here). ``decode=False`` (a stage streams from disk: each step reads its disk layers) runs the first only."""
+    """A 2-token step and a decode step (SPMD): the first request does not pay for lazy initialisation (seconds
+    on a CPU). ``decode=False`` (a stage streams from disk: each step reads its disk layers) runs the first only."""
     from energon_infer.sampling import SamplingParams
 
     first = runner.step([(_WARMUP_SEQ, [0, 0])], SamplingParams(temperature=0, max_tokens=2)).tokens
@@ -290,13 +290,10 @@ def _worker_environment(cpu: bool) -> Iterator[None]:
     """The environment the workers are spawned with: on CPUs, OpenMP threads that spin briefly at a barrier, then
     sleep (``GOMP_SPINCOUNT=3000``), unless the user chose (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set:
     ``OMP_WAIT_POLICY=PASSIVE`` sleeps at once). OpenMP reads it once, when the worker's torch loads, so it is set
-    around the spawn. Measured on this project's 2-core machine, the serving benchmark's 6 x 384 LLaMA, 2
-    threads, an offline batch of 16 prompts (8-200 tokens), interleaved runs, tokens/s: on the machine alone 2241
-    against 1761 sleeping at once (PASSIVE), 275 against 280 at one sequence; beside three busy processes 444
-    against 446, and 98 against 111 at one. libgomp's own default spin (300000) measured 228 and 84 there: a
-    long spin holds the core its partner needs to reach the barrier. Served (``vllm bench serve``, 64 requests,
-    2 rounds): at 4 req/s TTFT 24.2 against 26.7 ms and TPOT 3.5 against 4.3 ms; at 16 req/s TPOT 4.3 against
-    5.0 ms, TTFT 19.7 against 16.4 ms (docs/architecture.md has the table)."""
+    around the spawn. On the serving benchmark's model with 2 threads, the short spin beats sleeping at once on a
+    batch with the machine to itself and is on a par beside busy processes, where libgomp's own default spin
+    (300000) falls far behind: a long spin holds the core its partner needs to reach the barrier
+    (docs/architecture.md, "Threads on a shared CPU")."""
     if not cpu or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         yield
         return
