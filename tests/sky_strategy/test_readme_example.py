@@ -3,13 +3,20 @@ partition for a 3x slower rank 1 and train four steps."""
 
 from __future__ import annotations
 
+import os
+import socket
+
 from tests.helpers.docs import python_block, run_script
 from tests.helpers.runif import RunIf
 
 
 @RunIf(min_world=2)
 def test_readme_sky_example_trains_on_two_processes(tmp_path):
-    out = run_script(python_block("README.md", "Sky: pipelines balanced"), tmp_path, timeout=600)
+    with socket.socket() as s:  # a free port for Lightning's rendezvous: other tests' ranks may hold its default
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    out = run_script(python_block("README.md", "Sky: pipelines balanced"), tmp_path, timeout=600, env=env)
     text = out.stdout + out.stderr
     assert "balanced partition of 7 layers over 2 devices" in text, text[-3000:]
     assert "`max_steps=4` reached" in text, text[-3000:]

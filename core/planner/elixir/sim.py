@@ -38,8 +38,7 @@ from tightfit.profiler.types import ClusterSpec, DiskProfile, ModelProfile
 __all__ = ["MODES", "Context", "UnitTerms", "build_context", "unit_terms", "step_time", "peak", "Detail"]
 
 MODES = ("reshard", "keep", "replicate")
-"""A unit's sharding modes: ``reshard`` (ZeRO-3-like), ``keep`` (sharded, kept gathered from forward to
-backward), ``replicate`` (every rank holds the full state)."""
+"""A unit's sharding: ``reshard`` (ZeRO-3-like), ``keep`` (gathered forward to backward), ``replicate``."""
 
 
 @dataclass(frozen=True, slots=True)
