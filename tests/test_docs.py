@@ -38,8 +38,9 @@ def _rel(page: Path) -> str:
     return page.relative_to(ROOT).as_posix()
 
 
-def _elsewhere(page: str, heading: str) -> str | None:
-    return next((test for (p, prefix), test in ELSEWHERE.items() if p == page and heading.startswith(prefix)), None)
+def _elsewhere(page: str, heading: str) -> tuple[str, str] | None:
+    """The ELSEWHERE key (page, heading prefix) that covers this section, if any."""
+    return next((key for key in ELSEWHERE if key[0] == page and heading.startswith(key[1])), None)
 
 
 def _python_sections() -> list[tuple[str, str, list[str]]]:
@@ -58,13 +59,11 @@ def _run_here() -> list[tuple[str, str, list[str]]]:
 
 
 def test_every_python_block_is_run_by_some_test():
-    for page, heading, _ in _python_sections():
-        test = _elsewhere(page, heading)
-        if test is not None:  # that test must really read this section of this page
-            text = (ROOT / test).read_text()
-            prefix = next(pre for (p, pre) in ELSEWHERE if p == page and heading.startswith(pre))
-            assert page in text and prefix in text, f"{test} does not read {page}, section {prefix!r}"
-    live = {(p, pre) for p, h, _ in _python_sections() for (q, pre) in ELSEWHERE if p == q and h.startswith(pre)}
+    live = {key for page, heading, _ in _python_sections() if (key := _elsewhere(page, heading)) is not None}
+    for page, prefix in live:  # the named test must really read this section of this page
+        test = ELSEWHERE[(page, prefix)]
+        text = (ROOT / test).read_text()
+        assert page in text and prefix in text, f"{test} does not read {page}, section {prefix!r}"
     assert live == set(ELSEWHERE), f"ELSEWHERE entries that match no section any more: {set(ELSEWHERE) - live}"
 
 
@@ -102,11 +101,10 @@ CHECKS = {
 }
 
 
-@pytest.mark.parametrize(("page", "heading"), [(p, h) for p, h, _ in _run_here()])
-def test_python_blocks_run_as_written(page, heading, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("page", "heading", "code"), [pytest.param(p, h, c, id=f"{p}-{h}") for p, h, c in _run_here()])
+def test_python_blocks_run_as_written(page, heading, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files the snippets write (plan.json, logs) land here
     monkeypatch.setenv("TIGHTFIT_README_MODEL", "gpt2")  # the pages say so: a large preset as written, smaller here
-    code = next(c for p, h, c in _run_here() if (p, h) == (page, heading))
     namespace: dict = {"__name__": "docs"}
     for block in code:  # a section's blocks share one namespace, as a reader's session would
         exec(compile(block, f"{page}: {heading}", "exec"), namespace)

@@ -8,13 +8,14 @@ spawn a second process that imports Lightning again, so they take the longest (~
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.multiprocess import unlaunched_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +41,8 @@ NEEDS = {"torchrec_cache/train_dlrm.py": "torchrec", "lightning_elixir/train_gpt
 def _run_timed(argv: list[str], cwd: Path, timeout: float) -> tuple[int, list[tuple[float, str]]]:
     """Run, reading stdout+stderr line by line as it arrives: (exit code, [(seconds since start, line)])."""
     # A user's shell has no rendezvous variables; earlier in-process Lightning tests leave MASTER_PORT etc. in this
-    # process's environment, naming a port this process (or a finished job's TIME_WAIT socket) may still hold, so
-    # the example's second rank would fail with EADDRINUSE (seen in CI twice). Start the example as a user would.
-    rendezvous = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                  "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS"}
-    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    # process's environment. Start the example as a user would.
+    env = unlaunched_env(PYTHONUNBUFFERED="1", COLUMNS="120")
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

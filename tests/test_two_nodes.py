@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,22 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.multiprocess import free_port, unlaunched_env
 from tests.helpers.runif import RunIf
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "two_nodes_train.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_two_nodes(strategy: str, out: Path) -> list[dict]:
-    port, run_id = _free_port(), uuid.uuid4().hex[:8]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "GROUP_RANK", "TORCHELASTIC"))}
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    env = unlaunched_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["PYTHONWARNINGS"] = "ignore"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.helpers.multiprocess import free_port
+from tests.helpers.multiprocess import free_port, unlaunched_env
 from tests.helpers.runif import RunIf
 
 SCRIPT = '''
@@ -44,8 +43,7 @@ def test_engine_joins_a_torchrun_world(tmp_path):
                                                                              ignore_eos=True))]
     script = tmp_path / "serve_it.py"
     script.write_text(f"PROMPTS = {PROMPTS!r}\n" + SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = unlaunched_env(OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(path),
                           json.dumps(expected)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

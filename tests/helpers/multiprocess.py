@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "PORT_TRIES", "free_port", "run_distributed"]
+__all__ = ["DistributedTestError", "PORT_TRIES", "free_port", "run_distributed", "unlaunched_env"]
 
 PORT_TRIES = 4
 _PORT_TAKEN = "port taken"  # a rank's status: its store could not listen on the port, nothing of fn ran
@@ -41,6 +41,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What a launcher (Lightning, torchrun) leaves in a process's environment. Lightning's script launcher sets some of
+# them in its own process, so after an in-process Trainer a child that inherits them believes it is one rank of a
+# group already launched and waits for peers that never come.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_",
+                  "TORCHELASTIC_", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
+
+
+def unlaunched_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a launcher's rank variables, plus ``extra``: for a child that must start
+    its own ranks (a Lightning script, ``torchrun``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    env.update(extra)
+    return env
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, env: dict,

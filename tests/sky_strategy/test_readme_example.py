@@ -3,19 +3,16 @@ partition for a 3x slower rank 1 and train four steps."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 from tests.helpers.docs import python_block, run_script
+from tests.helpers.multiprocess import free_port, unlaunched_env
 from tests.helpers.runif import RunIf
 
 
 @RunIf(min_world=2)
 def test_readme_sky_example_trains_on_two_processes(tmp_path):
-    with socket.socket() as s:  # a free port for Lightning's rendezvous: other tests' ranks may hold its default
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # Lightning starts the ranks itself (no rank variables inherited), on a free port: other tests' ranks may hold
+    # the one it would pick.
+    env = unlaunched_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = run_script(python_block("README.md", "Sky: pipelines balanced"), tmp_path, timeout=600, env=env)
     text = out.stdout + out.stderr
     assert "balanced partition of 7 layers over 2 devices" in text, text[-3000:]
