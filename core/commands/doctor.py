@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tightfit.commands.args import UsageError
 from tightfit.console import log, terminal_width
+from tightfit.memory_limit import read_memory
 from tightfit.units import format_bytes, format_table
 
 __all__ = ["CHECKS", "add_arguments", "run"]
@@ -270,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
     report["C compiler"] = {"version": cc_version, "usable": cc_ok, "detail": cc_detail}
     disk_row, report["disk"] = _disk(args.disk_dir)
     rows.append(disk_row)
+    memory = read_memory()  # the one reading every planner uses: a container's limit, not the machine's RAM
+    rows.append(("memory", format_bytes(memory.capacity), "yes", memory.describe()))
+    report["memory"] = memory.to_dict()
     if args.imports:
         report.update(_torch_facts())
     else:

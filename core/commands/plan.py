@@ -226,13 +226,18 @@ def _elixir_run(args: argparse.Namespace) -> int:
         model_config(args.model)
     cluster = load_cluster(args)  # before the model: a bad preset or file stops here, not after profiling
     profile = load_model_profile(args)
+    here = _planned_here(args, cluster)
     constraints = ElixirConstraints(allow_offload=not args.no_offload, allow_checkpointing=not args.no_checkpointing,
-                                    exhaustive=True if args.exhaustive else None)
+                                    exhaustive=True if args.exhaustive else None,
+                                    # this machine's CPU: device and host are the memory this interpreter lives in
+                                    reserved_bytes=here.resident if here is not None else None)
     try:
         plan = search(profile, cluster, optimizer=args.optimizer, precision=args.precision, memory_budget=args.budget,
                       host_budget=args.host_budget, constraints=constraints, progress=progress_bar("plan elixir"))
     except PlanInfeasibleError as e:
-        log.error("tightfit plan elixir: %s", e)
+        limit = (f"under the memory limit of {format_bytes(here.capacity)} ({here.limit_file}): "
+                 if here is not None and here.limited else "")
+        log.error("tightfit plan elixir: %s%s", limit, e)
         return 3
     print(fit_text(plan.explain(full=args.full)))
     if args.baselines:
@@ -255,6 +260,19 @@ def _elixir_run(args: argparse.Namespace) -> int:
         plot_elixir_plan(plan, args.plot)
         print(f"wrote {args.plot} (units: where their state lives, recompute, predicted time and memory)")
     return 0
+
+
+def _planned_here(args: argparse.Namespace, cluster):
+    """Core's reading of memory (:mod:`tightfit.memory_limit`) where the plan is for this machine's CPU (nothing
+    given but perhaps --device-memory): its device memory is the memory limit this process runs under, and the
+    interpreter's resident set is part of the process the plan must fit; ``None`` otherwise."""
+    if args.cluster or args.device_profile or args.preset or args.device_memory:
+        return None
+    if any(d.kind != "cpu" for d in cluster.devices):
+        return None
+    from tightfit.memory_limit import read_memory
+
+    return read_memory()
 
 
 # name -> (help, add_arguments(parser), run(args) -> int). Add a row for another planner.

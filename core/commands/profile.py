@@ -166,10 +166,17 @@ def _run_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_device(p: Any) -> str:
-    """A device profile as a two-column table."""
+def format_device(p: Any, reading: Any = None) -> str:
+    """A device profile as a two-column table; ``reading`` (a :class:`tightfit.memory_limit.MemoryReading`) adds
+    the memory limit this process runs under, where there is one."""
     rows: list[tuple[str, str]] = [("device", f"{p.name} ({p.kind})"), ("source", p.source),
                                    ("memory", f"{format_bytes(p.memory_bytes)} ({format_bytes(p.free_bytes)} free)")]
+    if reading is not None and reading.limited:
+        rows.append(("memory limit", f"{format_bytes(reading.capacity)} from {reading.limit_file} "
+                                     f"({format_bytes(reading.usage)} in use; the machine has "
+                                     f"{format_bytes(reading.total)}): "
+                                     + ("device and host memory are bounded by it" if p.kind == "cpu"
+                                        else "host memory is bounded by it")))
     for dt, rate in p.matmul_flops.items():
         rows.append((f"matmul {dt}", f"{rate / 1e12:.3f} TFLOP/s"))
     for label, table in (("host->device", p.h2d_bytes_per_s), ("device->host", p.d2h_bytes_per_s)):
@@ -201,7 +208,9 @@ def _run_device(args: argparse.Namespace) -> int:
                                                                              refresh=args.refresh)
     except KeyError as exc:
         raise UsageError(f"tightfit profile device: {exc.args[0]}") from None
-    print(format_device(prof))
+    from tightfit.memory_limit import read_memory
+
+    print(format_device(prof, None if args.preset else read_memory()))
     if args.json:
         prof.to_json(args.json)
         print(f"wrote {args.json}")

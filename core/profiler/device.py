@@ -42,14 +42,15 @@ import torch
 
 from tightfit.console import reporter
 from tightfit.distributed import slowest
+from tightfit.memory_limit import read_memory
 from tightfit.profiler.disk_presets import add_disk_arguments, disk_tier, with_disk
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, DiskProfile
 from tightfit.units import parse_bytes
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["DATASHEETS", "device_preset", "profile_device", "cluster_spec", "cache_dir", "cache_file", "add_cluster_arguments",
-           "cluster_from_args"]
+__all__ = ["DATASHEETS", "device_preset", "profile_device", "cluster_spec", "cache_dir", "cache_file",
+           "add_cluster_arguments", "cluster_from_args", "with_memory_now"]
 
 GiB = 2**30
 GB = 10**9
@@ -127,15 +128,30 @@ def _cpu_name() -> str:
 
 
 def _host_memory() -> tuple[int, int]:
+    """(capacity, free) of host memory for this process: core's one reading (:mod:`tightfit.memory_limit`), so a
+    memory cgroup limit bounds both; the machine's page count where ``/proc/meminfo`` cannot be read."""
+    reading = read_memory()
+    if reading.capacity:
+        known = reading.available or reading.limit is not None  # a kernel without MemAvailable: say all is free
+        return reading.capacity, reading.free if known else reading.capacity
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    free = total
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(total), int(free)
+    return int(total), int(total)
+
+
+def with_memory_now(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` (measured, perhaps cached under another limit) with its memory read now where the memory this
+    process lives in differs from the profile's (a memory limit, or another one than when it was cached): on a CPU
+    the device's memory and free bytes, and on any device the host's memory. Rates stay as measured; a profile
+    cached under the same memory comes back unchanged."""
+    if not profile.source.startswith("measured"):
+        return profile
+    capacity, free = _host_memory()
+    if not capacity or capacity == (profile.memory_bytes if profile.kind == "cpu" else profile.host_memory_bytes):
+        return profile
+    if profile.kind == "cpu":
+        return dataclasses.replace(profile, memory_bytes=capacity, free_bytes=min(free, capacity),
+                                   host_memory_bytes=capacity)
+    return dataclasses.replace(profile, host_memory_bytes=capacity)
 
 
 def _driver(device: torch.device) -> str:
@@ -269,7 +285,7 @@ def profile_device(device: str | torch.device | None = None, *, quick: bool = Fa
             cached = None
     if cached is not None:
         say(f"cached: {f}")
-        return cached
+        return with_memory_now(cached)  # the rates are the machine's; its memory is what this process's limit leaves
     start = time.perf_counter()
     repeats = 3 if quick else 10
     steps = 4 + (dev.type == "cuda") + grouped

@@ -24,7 +24,7 @@ from typing import Any
 from tightfit.plugins import Plugin, registers_on_import
 
 __all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
-           "apply_plan", "export_checkpoint"]
+           "apply_plan", "export_checkpoint", "MemoryLimitError"]
 
 _LAZY = {
     "ElixirStrategy": ("lightning_elixir.strategy", "ElixirStrategy"),
@@ -33,6 +33,7 @@ _LAZY = {
     "ElixirPrecision": ("lightning_elixir.precision", "ElixirPrecision"),
     "apply_plan": ("lightning_elixir.apply", "apply_plan"),
     "export_checkpoint": ("lightning_elixir.export", "export_checkpoint"),
+    "MemoryLimitError": ("lightning_elixir.memory_budget", "MemoryLimitError"),
 }
 
 

@@ -35,11 +35,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir.memory_budget import MemoryLimitError, check_given_budgets, module_bytes, process_budget
 from lightning_elixir.options import OFFLOAD_CHOICES, ElixirOptions
 from tightfit.distributed import decide_on_rank0
+from tightfit.memory_limit import read_memory
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan, search
+from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.profiler import calibrate_device, profile_model
 from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
+from tightfit.units import format_bytes, parse_bytes
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "PlanDecision",
            "stage_method", "forked_rng", "time_module_blocks", "OFFLOAD_CHOICES", "STAGE_METHODS"]
@@ -311,6 +315,10 @@ def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Calla
     match DDP's. An error on rank 0 is raised on every rank with its type and numbers.
     """
     say = _say if options.verbose and rank == 0 else (lambda text: None)
+    # A budget larger than the memory limit this process runs under is refused on every rank, before any work.
+    ranks_per_node = max(1, world_size // max(1, num_nodes))
+    check_given_budgets(options.owner, options.memory_budget, options.host_budget, device_type=device.type,
+                        ranks_per_node=ranks_per_node, reading=read_memory())
     with forked_rng(device):
         measured: DeviceProfile | None = None
         calibration_s = 0.0
@@ -338,7 +346,8 @@ def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Calla
                 blocks_s = time.perf_counter() - start
             cluster = _with_disk_tier(options, _cluster(options, measured, world_size, num_nodes), say)
             planned_from.append((profile, cluster))
-            plan = _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say)
+            plan = _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say,
+                             device_type=device.type, held_by_model=module_bytes(module))
             if options.calibrates:
                 note = (f"calibrated on this hardware in {calibration_s + blocks_s:.1f} s (blocks {blocks_s:.1f} s, "
                         f"collectives and FSDP2 overheads {calibration_s:.1f} s; cached: a second run re-measures "
@@ -379,7 +388,8 @@ def _with_disk_tier(options: ElixirOptions, cluster: ClusterSpec | None,
 
 
 def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpec | None, *, world_size: int,
-              precision: str, say: Callable[[str], None]) -> ElixirPlan:
+              precision: str, say: Callable[[str], None], device_type: str = "cpu",
+              held_by_model: int = 0) -> ElixirPlan:
     """Rank 0's decision: the given plan checked against this model and world, or core's search."""
     if options.plan is not None:
         plan = load_plan(options.plan)
@@ -395,9 +405,30 @@ def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpe
                          f"{world_size} ranks; give one DeviceProfile per rank")
     say(f"[elixir] {profile.model}: {profile.param_numel / 1e6:,.2f} M parameters in {len(profile.blocks)} "
         f"blocks; searching a plan for {world_size} x {cluster.devices[0].name} ...")
-    return search(profile, cluster, optimizer=options.optimizer, precision=precision,
-                  memory_budget=options.memory_budget, constraints=options.planner_constraints(),
-                  host_budget=options.host_budget)
+    constraints = options.planner_constraints()
+    if not options.measures_device:  # planning for a described cluster or device: its budgets as given
+        return search(profile, cluster, optimizer=options.optimizer, precision=precision,
+                      memory_budget=options.memory_budget, constraints=constraints, host_budget=options.host_budget)
+    # Planning for this machine: the whole process within the memory it may use (the limit, on a CPU shared by the
+    # device and the host), counting what it holds outside the plan as the reserve.
+    reading = read_memory()
+    budget = process_budget(options.memory_budget, options.host_budget, device_type=device_type,
+                            ranks_per_node=max(1, world_size // cluster.nodes), held_by_model=held_by_model,
+                            reading=reading, reserved_given=constraints.reserved_bytes is not None)
+    if budget.reserved_bytes is not None:
+        constraints = dataclasses.replace(constraints, reserved_bytes=budget.reserved_bytes)
+    if budget.source:
+        say(f"[elixir] device budget {format_bytes(parse_bytes(budget.memory_budget))}: {budget.source}")
+    try:
+        plan = search(profile, cluster, optimizer=options.optimizer, precision=precision,
+                      memory_budget=budget.memory_budget, constraints=constraints, host_budget=budget.host_budget)
+    except PlanInfeasibleError as exc:
+        if not reading.limited or isinstance(exc, MemoryLimitError):
+            raise
+        raise MemoryLimitError(f"{options.owner}: under the memory limit of {format_bytes(reading.capacity)} "
+                               f"({reading.limit_file}): {exc}", needed_bytes=exc.needed_bytes,
+                               budget_bytes=exc.budget_bytes, suggestions=exc.suggestions, tier=exc.tier) from None
+    return dataclasses.replace(plan, budget_source=budget.source) if budget.source else plan
 
 
 def _say(text: str) -> None:

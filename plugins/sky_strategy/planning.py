@@ -34,6 +34,7 @@ from sky_strategy.profiling import (
     LINK_SIZES,
     InjectedSpeeds,
     RankProfile,
+    check_memory_caps,
     fit_allreduce,
     measure_link_fits,
     pipeline_overhead,
@@ -135,6 +136,7 @@ def profile_pipeline(module: nn.Module, layers: list[Layer], inputs: Any, *, con
     restored after. Every rank receives every profile (a few numbers per layer).
     """
     rank = layout.rank
+    check_memory_caps(config.memory_caps, device=device, local_world_size=local_world_size)  # before any collective
     was_training = module.training
     with torch.inference_mode(False), torch.enable_grad():
         mb, sample = _microbatch(inputs, config.microbatches)

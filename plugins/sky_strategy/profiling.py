@@ -20,7 +20,6 @@ What the step model gets from here (``tightfit.planner.pipeline.problem`` prices
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,12 +30,14 @@ import torch.distributed as dist
 
 from sky_strategy.layers import Layer, LayerMeasurement, measure_layers
 from tightfit.distributed import slowest
+from tightfit.memory_limit import read_memory
 from tightfit.planner.pipeline import DeviceSpec, LayerMemory
 from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.timing import clock_of
 
 __all__ = ["InjectedSpeeds", "RankProfile", "profile_rank", "measure_links", "measure_link_fits", "fit_allreduce", "optimizer_rate",
-           "step_overhead", "pipeline_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES"]
+           "step_overhead", "pipeline_overhead", "planner_inputs", "usable_memory", "pooled_seconds", "LINK_SIZES",
+           "check_memory_caps"]
 
 # Ping-pong sizes for the link fit: 4 KiB (latency-bound) to 1 MiB (bandwidth-bound), plus the model's
 # own activation size (added by the strategy).
@@ -160,21 +161,31 @@ def optimizer_rate(optimizers: Sequence[torch.optim.Optimizer], *, device: torch
 
 
 def usable_memory(device: torch.device, resident_bytes: int, local_world_size: int) -> int:
-    """Memory a stage may use: free device memory (CUDA) or this rank's share of available host
-    memory (CPU), plus what the full model already occupies there (it is released when partitioned)."""
+    """Memory a stage may use: free device memory (CUDA) or this rank's share of what the host (and the memory
+    cgroup limit the process runs under, :mod:`tightfit.memory_limit`) leaves free (CPU), plus what the full model
+    already occupies there (it is released when partitioned)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + resident_bytes)
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        avail = 8 * 2**30  # unknown platform: assume 8 GiB
+    reading = read_memory()
+    avail = reading.free if reading.capacity else 8 * 2**30  # unknown platform: assume 8 GiB
     return int(avail // max(1, local_world_size) + resident_bytes)
+
+
+def check_memory_caps(caps: Sequence[int] | None, *, device: torch.device, local_world_size: int) -> None:
+    """Refuse, in one line and on every rank alike, a per-rank memory cap above a rank's share of the memory limit
+    this process runs under (:mod:`tightfit.memory_limit`; ranks of a host share one limit). Nothing to check on a
+    GPU (its memory is the device's), without caps, or without a limit below the machine's memory."""
+    if caps is None or device.type != "cpu":
+        return
+    reading = read_memory()
+    share = reading.share(local_world_size)
+    for rank, cap in enumerate(caps):
+        if reading.limited and int(cap) > share:
+            raise ValueError(f"SkyStrategy(memory_caps[{rank}]={int(cap):,}) is more than a rank's share of the memory "
+                             f"limit this process runs under ({share:,} bytes of {reading.capacity:,} in "
+                             f"{reading.limit_file}, {local_world_size} rank(s) per host); give at most {share:,} "
+                             "bytes, or leave memory_caps=None to plan within the limit")
 
 
 def profile_rank(layers: list[Layer], sample, *, rank: int, device: torch.device, speed_factor: float,
@@ -185,8 +196,13 @@ def profile_rank(layers: list[Layer], sample, *, rank: int, device: torch.device
     if clock == "cpu" and device.type != "cpu":
         raise ValueError(f"profile_clock='cpu' on {device}: a GPU's time is not host CPU time; use 'wall'")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    # Timing the layers round-robin keeps every layer's gradients at once (the model's size again); where the
+    # memory limit this process runs under does not leave room for them, each layer is timed alone and its
+    # gradients freed after it (measure_layers' offload mode: on a CPU the move is a no-op).
+    grads = sum(p.numel() * p.element_size() for layer in layers for _, p in layer.parameters() if p.requires_grad)
+    short = device.type == "cpu" and grads > read_memory().free // max(1, local_world_size)
     measured = measure_layers(layers, sample, device=device, repeats=repeats, speed_factor=speed_factor, sync=sync,
-                              progress=progress, offload=device.type != "cpu", clock=clock_of(clock))
+                              progress=progress, offload=device.type != "cpu" or short, clock=clock_of(clock))
     resident = sum(m.param_bytes for m in measured)
     mem = usable_memory(device, resident, local_world_size)
     if memory_cap is not None:

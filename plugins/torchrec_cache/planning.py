@@ -13,17 +13,19 @@ from typing import Any
 import torch
 from torchrec.modules.embedding_configs import DataType
 
+from tightfit.memory_limit import read_memory
 from tightfit.planner.cache import CacheTableSpec, plan_cache, split_slots
+from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.profiler.types import DiskProfile
 from tightfit.storage import check_disk_dir, free_bytes
-from tightfit.units import parse_bytes
+from tightfit.units import format_bytes, parse_bytes
 from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
 from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import TableSpec
 
-__all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile", "fused_cache_for"]
+__all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile", "fused_cache_for", "check_host_memory"]
 
 
 def table_specs(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None) -> list[TableSpec]:
@@ -86,10 +88,38 @@ def slot_split(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStat
                       index_bytes_per_row=0).slots
 
 
+def check_host_memory(tables: list[Any], cache: CacheConfig) -> None:
+    """Refuse, in one line and before any row is allocated, host memory the process does not have: core's reading
+    of memory (:mod:`tightfit.memory_limit`, the memory cgroup limit it runs under) against the full tables with
+    their optimizer state (no ``disk_dir``: they live in host memory) or the host level's ``host_budget``."""
+    reading = read_memory()
+    if not reading.capacity:
+        return
+    where = (f"the memory limit of {format_bytes(reading.capacity)} ({reading.limit_file}) leaves"
+             if reading.limited else "this machine has")
+    if cache.disk_dir is None:
+        need = sum(t.rows * t.row_bytes for t in _specs(tables, cache))
+        if need > reading.free:
+            raise PlanInfeasibleError(
+                f"the {len(tables)} tables with their optimizer state need {format_bytes(need)} of host memory but "
+                f"{where} {format_bytes(reading.free)} free; give CacheConfig(disk_dir='/nvme/cache') so the full "
+                "tables live on disk (a fused optimizer is needed there), or use smaller tables",
+                needed_bytes=need, budget_bytes=reading.free, tier="host",
+                suggestions=("give CacheConfig(disk_dir=...) on an NVMe/SSD drive",))
+    elif cache.host_budget_bytes() > reading.free:
+        raise PlanInfeasibleError(
+            f"CacheConfig(host_budget={cache.host_budget!r}) asks for {format_bytes(cache.host_budget_bytes())} but "
+            f"{where} {format_bytes(reading.free)} free; give at most that, or leave host_budget=None (no host level: "
+            "every device miss reads the disk)", needed_bytes=cache.host_budget_bytes(), budget_bytes=reading.free,
+            tier="host", suggestions=(f"host_budget={reading.free // 2} or None",))
+
+
 def fused_cache_for(tables: list[Any], cache: CacheConfig, frequencies: FrequencyStats | None,
                     device: torch.device) -> FusedCache:
     """The collection's :class:`FusedCache`: slots split by :func:`table_specs`; with ``cache.disk_dir`` its disk
     tier, the host level sized by :func:`host_level_rows` with the disk's profile."""
+    if torch.device(device).type != "meta":  # on meta nothing is allocated: a shape-only collection of any size
+        check_host_memory(tables, cache)
     specs = table_specs(tables, cache, frequencies)
     if cache.disk_dir is None:
         return FusedCache(specs, policy=cache.policy, optimizer=cache.optimizer, device=device)

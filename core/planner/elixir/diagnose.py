@@ -75,6 +75,11 @@ def infeasible(problem: ElixirProblem, cons: ElixirConstraints, tiers: MemoryTie
             suggestions.append(f"reduce the per-device batch from {batch} to {smaller} (use gradient accumulation "
                                f"to keep the global batch): needs {format_bytes(need)}")
             break
+    one_memory = ctx.unified or all(d.kind == "cpu" for d in cluster.devices)
+    if one_memory and not tiers.has_disk and cons.allow_offload and cons.allow_disk:
+        # One memory (a CPU device): offloading to "host" frees nothing; the disk tier is the move that does.
+        suggestions.append("give a disk directory (disk_dir) on an NVMe/SSD drive: device and host are one memory "
+                           "here, so only the disk tier takes optimizer state and master weights out of it")
     rpn = cluster.world_size // cluster.nodes
 
     def need_at(count: int) -> float:

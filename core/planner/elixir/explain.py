@@ -86,6 +86,7 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         + (f" (disk I/O {b.disk_io_s:.3f} s of reads and write-backs, overlapped with the host step)"
            if disk else "") + f" = {step:.3f} s",
     ]
+    lines += _process_budget(plan)
     if params_disk:
         lines.append(f"units {_ids(plan.param_disk_units)}: fp32 master weights on disk with the optimizer state "
                      "(streamed together in the step); parameters wait on disk between uses and are read one unit "
@@ -108,6 +109,33 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _process_budget(plan: ElixirPlan) -> list[str]:
+    """The whole process per device against its budget, line by line: what the process held before the plan (the
+    reserve), the plan's state, in-flight parameters and temporaries (the disk tier's staging buffers named),
+    activations, the allocator's slack, and what is left."""
+    m = plan.memory
+    slack = max(0, m.margin_bytes - m.reserved_bytes)
+    source = f" ({plan.budget_source})" if plan.budget_source else ""
+    in_flight = "parameters and gradients in flight" if m.phase != "optimizer" else "optimizer-step temporaries"
+    rows = [
+        ("reserve: held outside the plan (interpreter, libraries, data; a CUDA context)", m.reserved_bytes),
+        ("training state (parameters, gradients, optimizer state)", m.state_bytes),
+        (in_flight + (f" (disk-tier staging buffers {format_bytes(m.staging_bytes)})" if m.staging_bytes else ""),
+         m.params_bytes),
+        ("activations", m.activation_bytes),
+        ("allocator slack (fragmentation margin)", slack),
+    ]
+    width = max(len(label) for label, _ in rows)
+    out = [f"whole process per device, at the peak ({m.phase} of {m.block or '<root>'}), budget "
+           f"{format_bytes(plan.budget_bytes)}{source}:"]
+    out += [f"  {label:<{width}}  {format_bytes(value):>11}" for label, value in rows]
+    left = plan.budget_bytes - plan.peak_bytes
+    out.append(f"  {'= predicted peak':<{width}}  {format_bytes(plan.peak_bytes):>11}  "
+               + (f"({format_bytes(left)} left of the budget)" if left >= 0 else
+                  f"({format_bytes(-left)} over the budget)"))
+    return out
 
 
 def _ids(ids: tuple[int, ...]) -> str:

@@ -133,7 +133,20 @@ class StepBreakdown:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
-    """The predicted peak, taken apart (bytes per device, before the margin)."""
+    """The predicted peak, taken apart (bytes per device, before the margin).
+
+    Args:
+        phase: the phase of the step where the peak falls (``"forward"``, ``"backward"``, ``"optimizer"``).
+        block: the block running at the peak.
+        state_bytes: sharded training state at the peak.
+        params_bytes: parameters and gradients in flight (the optimizer step's temporaries at its peak).
+        activation_bytes: activations at the peak.
+        margin_bytes: the allocator's slack (``fragmentation``) plus the reserve.
+        reserved_bytes: the reserve, part of ``margin_bytes``: the CUDA context, or on a CPU the interpreter,
+            libraries and data the process held before planning (``ElixirConstraints.reserved_bytes``).
+        staging_bytes: the disk tier's staging buffers, part of ``params_bytes`` (the optimizer step's
+            temporaries) where the peak is the optimizer step on unified memory (a CPU device), else 0 here.
+    """
 
     phase: str
     block: str
@@ -141,6 +154,8 @@ class MemoryBreakdown:
     params_bytes: int
     activation_bytes: int
     margin_bytes: int
+    reserved_bytes: int = 0
+    staging_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -195,6 +210,8 @@ class ElixirPlan:
         grads_accumulate_on_host: under gradient accumulation, the units with ``grads_disk`` keep the sum of the
             micro-batches' gradients in RAM until the last one (the host budget has room for all of them beside
             the plan's host bytes); ``False``: each micro-batch reads, adds and writes the sums on disk.
+        budget_source: where the device budget came from, for :meth:`explain` (``"the memory limit 1.00 GiB
+            (/sys/fs/cgroup/.../memory.max)"``); ``""``: given or the device's memory.
     """
 
     model: str
@@ -227,6 +244,7 @@ class ElixirPlan:
     disk_bytes_per_rank: int = 0
     disk_path: str = ""
     grads_accumulate_on_host: bool = True
+    budget_source: str = ""
 
     # ---- views -------------------------------------------------------------------------------
     @property

@@ -10,7 +10,14 @@ from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
-from tightfit.planner.elixir.disk import DISK_CODES, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST, disk_state_budget
+from tightfit.planner.elixir.disk import (
+    DISK_CODES,
+    DISK_STAGING_BYTES,
+    ON_DISK_GRADS,
+    ON_DISK_PARAMS,
+    ON_HOST,
+    disk_state_budget,
+)
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.plan import (
     ElixirPlan,
@@ -227,7 +234,9 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
                                 disk_io_s=disk_io, param_io_s=sum(t.disk_f + t.disk_b for t in terms_of(ev, c))),
         memory=MemoryBreakdown(phase=d.peak_phase, block=d.peak_block, state_bytes=int(d.peak_state),
                                params_bytes=int(d.peak_params), activation_bytes=int(d.peak_acts),
-                               margin_bytes=int(c.peak - raw)),
+                               margin_bytes=int(c.peak - raw), reserved_bytes=int(ctx.reserved),
+                               staging_bytes=DISK_STAGING_BYTES if ctx.unified and c.disk > 0
+                               and d.peak_phase == "optimizer" else 0),
         device=f"{cluster.world_size} x {ctx.device_name}", notes=ctx.notes,
         checkpointable_blocks=sum(ctx.checkpointable), cost_model=describe_model(ctx, cluster, disk=c.disk > 0),
     )
