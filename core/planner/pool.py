@@ -170,7 +170,8 @@ def spread_layers(n_layers: int, k: int) -> tuple[int, ...]:
 def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_bytes: int | None = None,
               fraction: float = 0.5, lookahead: int = 2, host_budget_bytes: int | None = None,
               disk: DiskProfile | None = None, unified: bool = False,
-              layer_seconds: Sequence[float] | None = None, sharers: int = 1) -> PoolPlan:
+              layer_seconds: Sequence[float] | None = None, sharers: int = 1,
+              kept_extra_bytes: Sequence[int] | None = None) -> PoolPlan:
     """Choose the pooled layers of a stage, and the tier of each.
 
     Args:
@@ -185,6 +186,8 @@ def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_byt
             ``budget_bytes`` covers everything the stage holds.
         layer_seconds: each layer's compute per pass (prices how much of the disk reads compute hides).
         sharers: ranks of a node reading the same disk at once (they split its bandwidth).
+        kept_extra_bytes: bytes each layer adds on the device while it is kept there (not pooled), e.g. the
+            packed copy of its projections on a CPU (``None``: none).
 
     Raises:
         PoolInfeasibleError: not even pooling every layer fits ``budget_bytes`` (the device tier).
@@ -211,6 +214,10 @@ def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_byt
         raise PlanError(f"plan_pool: layer_seconds has {len(layer_seconds)} entries for {len(layer_bytes)} layers; "
                         "give one compute time per layer, or None")
     n = len(layer_bytes)
+    extra = [0] * n if kept_extra_bytes is None else [int(b) for b in kept_extra_bytes]
+    if len(extra) != n or any(b < 0 for b in extra):
+        raise PlanError(f"plan_pool: kept_extra_bytes has {len(extra)} entries for {n} layers; give one byte count "
+                        ">= 0 per layer, or None")
     tiers = MemoryTiers(device_bytes=budget_bytes, host_bytes=host_budget_bytes, disk=disk, unified=unified)
     compute = float(sum(layer_seconds)) if layer_seconds is not None else 0.0
 
@@ -218,7 +225,7 @@ def plan_pool(layer_bytes: Sequence[int], *, resident_bytes: int = 0, budget_byt
         pooled = spread_layers(n, k)
         slots = min(lookahead + 1, len(pooled))
         slot = max((layer_bytes[i] for i in pooled), default=0)
-        kept = sum(b for i, b in enumerate(layer_bytes) if i not in pooled)
+        kept = sum(b + extra[i] for i, b in enumerate(layer_bytes) if i not in pooled)
         disk_at = {pooled[j] for j in spread_layers(len(pooled), on_disk)}
         placed = tuple("disk" if i in disk_at else "host" for i in pooled) if disk is not None else ()
         read = [layer_bytes[i] for i in sorted(disk_at)]

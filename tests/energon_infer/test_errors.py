@@ -34,12 +34,13 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_dirs, tmp_path):
     path = _copy(tiny_dirs["gpt2"], tmp_path / "m")
     _edit_config(path, model_type="bert", architectures=["BertForMaskedLM"])
     with pytest.raises(UnsupportedModelError, match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is "
-                                                    r"not supported; supported model types: gpt2, llama, mistral"):
+                                                    r"not supported; supported model types: gemma, gemma2, "
+                                                    r"gemma3_text, gpt2, granite, llama, mistral"):
         ModelRunner.from_pretrained(path, progress=False)
-    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="llama: rope_type='ntk_v2' is not supported"):
         config_from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
                         "num_attention_heads": 2, "intermediate_size": 8, "max_position_embeddings": 8,
-                        "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+                        "rope_parameters": {"rope_type": "ntk_v2", "factor": 4.0}})
 
 
 def test_missing_weights_are_named(tiny_dirs, tmp_path):
@@ -134,7 +135,7 @@ def test_sampling_params_are_validated(kwargs, match):
 def test_runtime_config_is_validated():
     from energon_infer import RuntimeConfig
 
-    with pytest.raises(ValueError, match=r"dtype='int8' is not supported; use one of float32"):
+    with pytest.raises(ValueError, match=r"dtype='int8' is not supported; use 'auto' or one of float32"):
         RuntimeConfig(dtype="int8")
     with pytest.raises(ValueError, match=r"kv_cache_tokens=8 at least one block"):
         RuntimeConfig(block_size=16, kv_cache_tokens=8)

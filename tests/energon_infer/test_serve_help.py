@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
+
+import pytest
 
 from energon_infer.engine.engine_config import FaultConfig, LaunchConfig
 from energon_infer.scheduling.scheduler_config import SchedulerConfig
@@ -41,3 +45,24 @@ def test_the_help_text_shows_each_flags_config_default():
         assert shown[flag] == str(_default(kind, name)), (flag, shown[flag], _default(kind, name))
         assert action.default == _default(kind, name), flag
     assert shown["--max-batch-tokens"] == "4096"  # the engine's budget (the help once said 4096 where it ran 2048)
+
+
+_HELP_WITHOUT_TORCH = """
+import sys
+from tightfit.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "transformers", "lightning", "torchrec") if m in sys.modules)
+print("IMPORTED", ",".join(heavy) or "-")
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]], ids=["tightfit", "serve"])
+def test_help_imports_no_framework(argv):
+    """``--help`` answers without importing torch (the seconds a user waits on a help text are torch's import)."""
+    out = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage:" in out.stdout and "IMPORTED -" in out.stdout, out.stdout[-2000:]

@@ -11,6 +11,7 @@ import pytest
 
 from energon_infer import SamplingParams
 from energon_infer.engine.engine import Engine
+from energon_infer.loading import hf_files
 from energon_infer.loading.hf_files import ChatTemplate, generation_defaults, resolve_dtype
 from energon_infer.serving.server import BackgroundServer, ServerConfig
 from tests.helpers.runif import RunIf
@@ -149,7 +150,7 @@ def test_an_autotokenizer_object_is_accepted(model_dir):
         assert ChatTemplate.for_engine(engine).hf is tok
 
 
-def test_generation_config_defaults_and_dtype_auto(tmp_path):
+def test_generation_config_defaults_and_dtype_auto(tmp_path, monkeypatch):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "max_new_tokens": 32}))
     assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1,
@@ -157,7 +158,8 @@ def test_generation_config_defaults_and_dtype_auto(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert generation_defaults(tmp_path) == {"temperature": 0.0}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
-    assert resolve_dtype(tmp_path, "auto") == "bfloat16" and resolve_dtype(tmp_path, "float16") == "float16"
+    monkeypatch.setattr(hf_files, "cpu_has_native_bf16", lambda: True)  # auto keeps bf16 where the CPU computes in it
+    assert resolve_dtype(tmp_path, "auto", "cpu") == "bfloat16" and resolve_dtype(tmp_path, "float16") == "float16"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "int8"}))
     with pytest.raises(ValueError, match="dtype 'int8'.*pass dtype='float32'"):
         resolve_dtype(tmp_path, "auto")

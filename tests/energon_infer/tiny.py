@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CORPUS", "FAMILIES", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model", "hf_logits", "hf_greedy"]
+__all__ = ["CORPUS", "FAMILIES", "NATIVE", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model", "hf_logits",
+           "hf_greedy"]
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -56,11 +57,61 @@ def _config(family: str, **overrides):
         kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=96)
         return MistralConfig(**{**kw, **overrides})
+    if family in NATIVE:
+        return _native_config(family, overrides)
     raise ValueError(family)
 
 
 FAMILIES = ("gpt2", "opt", "llama")
 VARIANTS = ("gpt2-layerscale", "opt-postln", "qwen2", "mistral")
+
+# The rotary families' checkpoints (tests/energon_infer/test_families.py): model_type and the options that set
+# each apart. 3-4 layers of 4 query / 2 key-value heads; windows of 6 tokens, shorter than the 21-token prompt.
+# No eos_token_id: transformers' generate (min_new_tokens) would mask it, the runner's ignore_eos does not.
+_ROTARY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=1, eos_token_id=None,
+               pad_token_id=0)
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16}
+NATIVE: dict[str, tuple[str, dict]] = {
+    # Llama 3.x: llama3 rope scaling, tied (3.2) and untied (3.1) heads; the other scaling kinds
+    "llama3-tied": ("llama", dict(rope_theta=500.0, rope_scaling=_LLAMA3, tie_word_embeddings=True)),
+    "llama3-untied": ("llama", dict(rope_theta=500.0, rope_scaling=_LLAMA3, tie_word_embeddings=False)),
+    "llama-linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # NTK: the base grows past max_position_embeddings (16), which the 21-token prompt passes
+    "llama-dynamic": ("llama", dict(max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "llama-yarn": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32})),
+    "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3-window": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "olmo2": ("olmo2", dict()),
+    "granite": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                                logits_scaling=4.0)),
+    "gemma": ("gemma", dict(head_dim=16, hidden_act="gelu")),
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=4, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention"], final_logit_softcapping=3.0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}})),
+    "mistral-window": ("mistral", dict(sliding_window=6)),
+    "phi3": ("phi3", dict(sliding_window=6)),
+    # Phi-4-mini's shape: 3/4 of each head rotated, longrope past 16 tokens (the 21-token prompt), tied head
+    "phi4-mini": ("phi3", dict(hidden_size=64, tie_word_embeddings=True, max_position_embeddings=64,
+                               original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                               rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0],
+                                             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+}
+
+
+def _native_config(name: str, overrides: dict):
+    from transformers import AutoConfig
+
+    model_type, kw = NATIVE[name]
+    return AutoConfig.for_model(model_type, **{**_ROTARY, **kw, **overrides})
 
 
 def build_tokenizer(path: Path) -> None:
@@ -86,6 +137,8 @@ def save_tiny(family: str, path: Path, *, seed: int = 0, shard: str | None = "40
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
+            elif family in NATIVE:  # norms start at 1 (or 0 with Gemma's 1 + w): make each feature's its own
+                p.add_(torch.randn_like(p) * 0.3)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)

@@ -32,6 +32,7 @@ import atexit
 import dataclasses
 import functools
 import logging
+import sys
 import time
 import uuid
 import weakref
@@ -48,10 +49,11 @@ from energon_infer.engine.controller import (
 )
 from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
 from energon_infer.engine.engine_config import EngineConfig, engine_config
+from energon_infer.engine.memory_plan import fit_memory
 from energon_infer.engine.memory_report import ReportMark, check_tiered_plan, memory_report
 from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
-from energon_infer.loading.hf_files import as_engine_tokenizer, generation_defaults, resolve_dtype
+from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
 from energon_infer.protocol import WorkerGroup, WorkerInfo
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
@@ -60,6 +62,7 @@ from energon_infer.worker.memory_pool import MemoryPoolConfig
 from energon_infer.worker.runtime import RuntimeConfig
 from energon_infer.worker.workers import ModelSource
 from tightfit.planner.pool import PoolPlan, streaming_groups
+from tightfit.planner.serving import ServingPlan
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
            "QueueFullError", "RequestFailedError"]
@@ -94,6 +97,8 @@ def _default_params(source: ModelSource) -> SamplingParams:
 
 
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+# Options the serving plan chooses where the caller left them open (a whole config= counts as setting them).
+_PLANNED = ("max_batch_tokens", "kv_cache_tokens", "chunked_prefill")
 
 
 @atexit.register
@@ -126,9 +131,15 @@ class Engine:
     """
 
     def __init__(self, source: ModelSource, config: EngineConfig | None = None, *,
-                 memory_pool: Any = None, tokenizer: Any = None, model_name: str | None = None):
+                 memory_pool: Any = None, tokenizer: Any = None, model_name: str | None = None,
+                 memory_plan: ServingPlan | None = None):
         self.source = source
+        self.memory_plan = memory_plan  # the whole-process budget from_pretrained planned (explain())
         self.config = config or EngineConfig()
+        if self.config.runtime.dtype == "auto":  # from_pretrained resolved (and stated) it; a Lightning file is fp32
+            dtype = auto_dtype(source.path, self.config.runtime.device)[0] if Path(source.path).is_dir() else "float32"
+            runtime = dataclasses.replace(self.config.runtime, dtype=dtype)
+            self.config = dataclasses.replace(self.config, runtime=runtime)
         self.runtime: RuntimeConfig = self.config.runtime
         self.memory_pool = _pool_config(memory_pool)
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
@@ -209,6 +220,7 @@ class Engine:
         config.json names; see :data:`~energon_infer.engine.engine_config.FLAT_OPTIONS`), set on ``config`` (default:
         every default). The directory's ``tokenizer.json`` is used when there is one.
         """
+        from energon_infer.loading.backend import check_fallback_options, choose_backend, model_type_of
         from energon_infer.loading.config import load_config
         from energon_infer.loading.torchao_checkpoint import checkpoint_quantization
         from energon_infer.parallel import split_layers
@@ -218,33 +230,47 @@ class Engine:
         if not path.is_dir():
             raise MissingFileError(f"model directory {path} does not exist; give a directory saved with "
                                    "save_pretrained (config.json + *.safetensors)")
-        if "dtype" in options:
-            options["dtype"] = resolve_dtype(path, options["dtype"])  # "auto": the dtype config.json was saved in
         cfg = engine_config(config, **options)
-        # Fail here, in the caller's process, before any worker is spawned.
+        # Fail here, in the caller's process, before any worker is spawned; say what was chosen once all is checked.
         if (method := checkpoint_quantization(path, cfg.runtime.quantization)) != cfg.runtime.quantization:
             cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quantization=method))  # torchao's
-        model = load_config(path)
-        try:  # both only check the layout the caller asked for against the model's shape
-            check_tp(model, cfg.runtime.tp)
-            split_layers(model.n_layers, cfg.runtime.pp)
-        except ValueError as exc:
-            raise OptionError(str(exc)) from None
-        if cfg.runtime.quantization is not None:  # group size vs this model's widths, torchao installed
-            from energon_infer.loading.quantization import QuantSpec, check_quantization
-            from energon_infer.worker.runtime_config import DTYPES
-
-            check_quantization(model, QuantSpec.create(cfg.runtime.quantization, cfg.runtime.group_size),
-                               tp=cfg.runtime.tp, dtype=DTYPES[cfg.runtime.dtype])
         pool = _pool_config(memory_pool)
-        if pool is not None and pool.tiered:  # an impossible budget raises PlanInfeasibleError here, naming the tier
+        backend, why = choose_backend(path)  # a native family, or transformers' modeling code (the fallback)
+        said = [why]
+        if cfg.runtime.dtype == "auto":  # the checkpoint's dtype where the device computes in it, else float32
+            dtype, dtype_why = auto_dtype(path, cfg.runtime.device)
+            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
+            said.append(f"dtype {dtype}: {dtype_why}")
+        if backend == "transformers":
+            check_fallback_options(model_type_of(path), tp=cfg.runtime.tp, pp=cfg.runtime.pp,
+                                   quantization=cfg.runtime.quantization, memory_pool=pool is not None)
+        else:
+            model = load_config(path)
+            try:  # both only check the layout the caller asked for against the model's shape
+                check_tp(model, cfg.runtime.tp)
+                split_layers(model.n_layers, cfg.runtime.pp)
+            except ValueError as exc:
+                raise OptionError(str(exc)) from None
+            if cfg.runtime.quantization is not None:  # group size vs this model's widths, torchao installed
+                from energon_infer.loading.quantization import QuantSpec, check_quantization
+                from energon_infer.worker.runtime_config import DTYPES
+
+                check_quantization(model, QuantSpec.create(cfg.runtime.quantization, cfg.runtime.group_size),
+                                   tp=cfg.runtime.tp, dtype=DTYPES[cfg.runtime.dtype])
+        plan = None
+        if backend != "transformers":  # the whole serving process inside the memory it may use (a CPU), or one line
+            given = frozenset(options) | (frozenset(_PLANNED) if config is not None else frozenset())
+            cfg, pool, plan = fit_memory(path, model, cfg, pool, given=given)
+        if plan is None and pool is not None and pool.tiered:  # a GPU: an impossible budget raises here
             check_tiered_plan(str(path), cfg.runtime, pool)
+        if cfg.runtime.progress:
+            print("\n".join(f"energon: {line}" for line in said), file=sys.stderr, flush=True)
         if tokenizer is None and (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         return cls(ModelSource("pretrained", str(path)), cfg, memory_pool=pool, tokenizer=tokenizer,
-                   model_name=model_name)
+                   model_name=model_name, memory_plan=plan)
 
     @classmethod
     def from_lightning_checkpoint(cls, path: str | Path, *, config: EngineConfig | None = None, memory_pool: Any = None,
@@ -423,13 +449,25 @@ class Engine:
         return self.metrics.render(queue_depth=self.scheduler.num_waiting, running=self.scheduler.num_running,
                                    up=self.status == "ready", extra=extra)
 
+    def explain(self) -> str:
+        """The whole-process memory budget the engine was planned with, one line per item (the memory the limit
+        left, each worker's interpreter, weights, prefetch slots, read buffers, KV cache, activations, slack), or
+        why there is none (:mod:`energon_infer.engine.memory_plan`)."""
+        if self.memory_plan is None:
+            return "no serving memory plan: planned on a CPU from a model directory only (a GPU or a training "\
+                "checkpoint is not planned)"
+        return self.memory_plan.explain()
+
     def memory_report(self, *, timeout: float = 60.0) -> dict[str, Any]:
         """Where each layer lives and what the memory pool did (:mod:`energon_infer.engine.memory_report`): per rank
         the tier of every layer, disk reads by layer and bytes read; since the previous report, tokens/s against
-        the I/O roofline (``batch x disk bandwidth / bytes streamed per step``)."""
+        the I/O roofline (``batch x disk bandwidth / bytes streamed per step``); ``budget``: the whole-process
+        budget the engine was planned with, line by line (:meth:`explain`), where there is one."""
         stats = self.pipeline_stats(reset=True, timeout=timeout)["ranks"]  # each report times its own interval
         report, self._mark = memory_report(self.worker_info, stats, steps=self.metrics.steps,
                                            generated=self.metrics.generated_tokens, since=self._mark)
+        if self.memory_plan is not None:  # what was planned, line by line, beside what the pool did
+            report["budget"] = [dict(what=w, bytes=b) for w, b in self.memory_plan.lines[0]]
         self._last_report = report
         return report
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from energon_infer.errors import OptionError, UnknownOptionError, check_choice
 from energon_infer.scheduling.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
-from energon_infer.worker.runtime import RuntimeConfig
+from energon_infer.worker.runtime_config import RuntimeConfig
 
 __all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "Launcher", "Backend"]
 

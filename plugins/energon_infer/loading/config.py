@@ -1,11 +1,12 @@
 """One configuration for every decoder-only family the runtime runs, read from a Hugging Face ``config.json``.
 
-GPT-2, OPT and the LLaMA family (LLaMA, Mistral, Qwen2) differ only in a handful of switches: the
-norm (LayerNorm or RMSNorm), where it sits (pre or post), positions (learned table or rotary),
-the MLP (two matrices with an activation, or SwiGLU with three), which projections carry a bias,
-and whether the head is tied to the embedding. :class:`ModelConfig` names those switches once and
-:func:`config_from_hf` fills them from each family's own field names, so the model code has one
-block and no ``if family == ...`` branches.
+GPT-2, OPT and the rotary families (LLaMA 3, Mistral, Qwen 2 / 3, OLMo 2, Granite, Gemma 1 / 2 / 3, Phi-3 / 4)
+differ in a handful of switches: the norm (LayerNorm or RMSNorm, its weight offset) and where it sits (before,
+after, around the sublayers), positions (learned table or rotary, with its scaling), q/k norms, the MLP (two
+matrices with an activation, or gated with three), biases, sliding-window layers, soft-capping and scale factors,
+and whether the head is tied to the embedding. :class:`ModelConfig` names those switches once;
+:func:`config_from_hf` fills them from each family's declaration (:mod:`energon_infer.loading.families`), so the
+model code has one block and no ``if family == ...`` branches.
 
 Example:
     >>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 32,
@@ -18,18 +19,30 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from energon_infer.errors import BadInputError, MissingFileError
+from energon_infer.errors import MissingFileError
+from energon_infer.loading.config_fields import (
+    ConfigError,
+    UnsupportedModelError,
+    divides,
+    eos_ids,
+    or_default,
+    real,
+)
+from energon_infer.loading.config_fields import required as _int
+from energon_infer.loading.config_fields import whole as _whole
+from energon_infer.loading.families import FAMILIES
+from energon_infer.loading.rope_config import Rope
 
 __all__ = [
     "ACTIVATIONS",
     "SUPPORTED_MODEL_TYPES",
     "ConfigError",
     "ModelConfig",
+    "Rope",
     "UnsupportedModelError",
     "config_from_hf",
     "load_config",
@@ -38,50 +51,11 @@ __all__ = [
 # Hugging Face activation names -> the function the model applies (see model._activation).
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu")
 
-# model_type in config.json -> family of blocks. Other LLaMA-style models can be added here when
-# their checkpoints use the same tensor names (q_proj/k_proj/v_proj/o_proj, gate/up/down_proj).
-SUPPORTED_MODEL_TYPES = {"gpt2": "gpt2", "opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+#: model_type in config.json -> the family that reads it (GPT-2 and OPT here; the rotary families are declared in
+#: energon_infer.loading.families)
+SUPPORTED_MODEL_TYPES = {"gpt2": "gpt2", "opt": "opt", **{name: name for name in FAMILIES}}
 
-
-class UnsupportedModelError(BadInputError, ValueError):
-    """The checkpoint's architecture or one of its options is not one this runtime implements."""
-
-
-class ConfigError(BadInputError, ValueError):
-    """``config.json`` (or a :class:`ModelConfig`) holds a value of the wrong type or out of range."""
-
-
-def _or_default(value: object, default: int) -> object:
-    """GPT-2's "null or 0 means the default" (an empty string or False is a mistake, not a default)."""
-    return default if value is None or (type(value) is int and value == 0) else value
-
-
-def _whole(value: Any, name: str, *, low: int = 1) -> int:
-    """``value`` as a whole number >= ``low``; a bool, a string or ``2.5`` raises naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and (not math.isfinite(value) or value != int(value))):
-        raise ConfigError(f"{name}={value!r} must be a whole number >= {low}; fix config.json "
-                          "(numbers without quotes, e.g. 12)")
-    if value < low:
-        raise ConfigError(f"{name}={value!r} must be a whole number >= {low}; fix config.json")
-    return int(value)
-
-
-def _real(value: Any, name: str, *, positive: bool = True) -> float:
-    """``value`` as a finite float (> 0 when ``positive``); raises naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            positive and not value > 0):
-        raise ConfigError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}; fix config.json "
-                          "(e.g. 1e-5 for a norm epsilon, 10000.0 for rope_theta)")
-    return float(value)
-
-
-def _int(raw: dict[str, Any], key: str) -> int:
-    """Required whole-number field ``key`` of config.json, named as config.json names it."""
-    if key not in raw:
-        raise ConfigError(f"config.json has no {key!r}, which model_type {raw.get('model_type')!r} needs; "
-                          "save the config with transformers' save_pretrained")
-    return _whole(raw[key], key)
+NORM_LAYOUTS = ("pre", "post", "sandwich", "output")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,8 +63,9 @@ class ModelConfig:
     """The shape and switches of a decoder-only transformer.
 
     Args:
-        family: block family and tensor naming: ``"gpt2"``, ``"opt"`` or ``"llama"``.
-        model_type: the ``model_type`` of the checkpoint (``"mistral"`` runs as family ``"llama"``).
+        family: block family and tensor naming: ``"gpt2"``, ``"opt"`` or a rotary family's name
+            (:data:`SUPPORTED_MODEL_TYPES`).
+        model_type: the ``model_type`` of the checkpoint.
         vocab_size: rows of the token embedding and the head.
         hidden_size: width of the residual stream.
         n_layers: decoder blocks.
@@ -102,13 +77,29 @@ class ModelConfig:
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
         norm_eps: epsilon of every norm.
         norm_affine: whether norms have a weight (and a bias, for LayerNorm).
-        pre_norm: norm before attention/MLP (GPT-2, LLaMA, most OPT) or after the residual add (OPT-350m).
+        norm_offset: an RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, its weights are stored minus 1).
+        norm_weight_fp32: an RMSNorm multiplies by its weight in fp32 and then casts to the activations' dtype
+            (Gemma, OLMo 2); otherwise it casts first (LLaMA). The same at fp32.
+        norm_layout: where each sublayer's norms sit: ``"pre"`` (on its input: GPT-2, LLaMA, most OPT),
+            ``"post"`` (after the residual add: OPT-350m), ``"sandwich"`` (on its input and its output before the
+            add: Gemma 2 / 3), ``"output"`` (on its output before the add only: OLMo 2).
         final_norm: whether a norm follows the last block.
+        qk_norm: RMSNorm of queries and keys before the rotation: ``""`` (none), ``"head"`` (each head over
+            ``head_dim``: Qwen 3, Gemma 3) or ``"full"`` (over all heads' features at once: OLMo 2).
         positions: ``"learned"`` (a table added to the embedding) or ``"rotary"``.
         position_offset: rows of the learned table skipped before position 0 (OPT: 2).
-        rope_theta: rotary base.
-        rope_scaling: ``None`` or ``("linear", factor)``.
-        mlp: ``"gelu"``-style two-matrix MLP (``"dense"``) or ``"swiglu"``.
+        rope: the rotary embedding (base and scaling, :class:`~energon_infer.loading.rope_config.Rope`).
+        local_rope: the sliding-window layers' own rotary embedding (Gemma 3), or ``None`` (they share ``rope``).
+        rotary_dim: features of each head that are rotated (0: all; Phi-4-mini rotates 3/4).
+        windows: each layer's sliding window in tokens (0: full attention); empty: no windowed layer. A query at
+            position ``p`` of a windowed layer sees keys ``p - window + 1 .. p``; the context is not capped.
+        attn_scale: the attention scores' scale (0: ``head_dim ** -0.5``).
+        attn_softcap: attention scores become ``cap * tanh(scores / cap)`` (0: not capped; Gemma 2).
+        final_softcap: the same for the logits (Gemma 2 / 3).
+        embed_scale: the token embedding is multiplied by it (Gemma: ``sqrt(hidden_size)``; Granite).
+        residual_scale: each sublayer's output is multiplied by it before the residual add (Granite).
+        logits_divisor: the logits are divided by it (Granite's ``logits_scaling``).
+        mlp: ``"dense"`` two-matrix MLP or ``"swiglu"`` (gated: ``act(gate) * up``, any activation).
         activation: one of :data:`ACTIVATIONS`.
         qkv_bias: whether the query, key and value projections have a bias.
         o_bias: whether the attention's output projection has a bias.
@@ -134,12 +125,23 @@ class ModelConfig:
     norm: str = "layer"
     norm_eps: float = 1e-5
     norm_affine: bool = True
-    pre_norm: bool = True
+    norm_offset: float = 0.0
+    norm_weight_fp32: bool = False
+    norm_layout: str = "pre"
     final_norm: bool = True
+    qk_norm: str = ""
     positions: str = "learned"
     position_offset: int = 0
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[str, float] | None = None
+    rope: Rope = Rope()
+    local_rope: Rope | None = None
+    rotary_dim: int = 0
+    windows: tuple[int, ...] = ()
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
     mlp: str = "dense"
     activation: str = "gelu_new"
     qkv_bias: bool = True
@@ -159,36 +161,53 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "intermediate_size", "max_positions"):
             _whole(getattr(self, name), name)
-        _whole(self.position_offset, "position_offset", low=0)
-        _whole(self.embed_dim, "embed_dim", low=0)
+        for name in ("position_offset", "embed_dim", "rotary_dim"):
+            _whole(getattr(self, name), name, low=0)
         # A negative or zero epsilon lets a norm divide by ~0 (NaN logits, token 0 forever).
-        _real(self.norm_eps, "norm_eps (layer_norm_epsilon / rms_norm_eps)")
-        _real(self.rope_theta, "rope_theta")
-        if self.rope_scaling is not None:
-            _real(self.rope_scaling[1], "rope_scaling factor")
+        real(self.norm_eps, "norm_eps (layer_norm_epsilon / rms_norm_eps)")
+        for name in ("norm_offset", "attn_scale", "attn_softcap", "final_softcap"):
+            if real(getattr(self, name), name, positive=False) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("embed_scale", "residual_scale", "logits_divisor"):
+            real(getattr(self, name), name)
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                real(rope.theta, "rope_theta")
+                real(rope.factor, "rope factor")
         for tok in ((self.bos_token_id,) if self.bos_token_id is not None else ()) + self.eos_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok:
                 raise ConfigError(f"token id {tok!r} (bos_token_id / eos_token_id) must be a whole number >= 0; "
                                   "fix config.json")
+        self._check_switches()
+        if self.embed_dim == 0:
+            object.__setattr__(self, "embed_dim", self.hidden_size)
+
+    def _check_switches(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: grouped-query "
                 "attention shares each key/value head among n_heads/n_kv_heads query heads"
             )
-        if self.norm not in ("layer", "rms"):
-            raise ConfigError(f"norm={self.norm!r} must be 'layer' or 'rms'")
-        if self.positions not in ("learned", "rotary"):
-            raise ConfigError(f"positions={self.positions!r} must be 'learned' or 'rotary'")
-        if self.positions == "rotary" and self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.mlp not in ("dense", "swiglu"):
-            raise ConfigError(f"mlp={self.mlp!r} must be 'dense' or 'swiglu'")
+        choices = (("norm", ("layer", "rms")), ("positions", ("learned", "rotary")), ("mlp", ("dense", "swiglu")),
+                   ("norm_layout", NORM_LAYOUTS), ("qk_norm", ("", "head", "full")))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.positions == "rotary" and (self.head_dim % 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise ConfigError(f"head_dim={self.head_dim} and rotary_dim={self.rotary_dim} must be even, rotary_dim "
+                              "<= head_dim, for rotary embeddings")
+        if self.windows and (len(self.windows) != self.n_layers or any(w < 0 for w in self.windows)):
+            raise ConfigError(f"windows={self.windows!r} must give each of the {self.n_layers} layers a window "
+                              ">= 0 (0: full attention)")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(
-                f"activation {self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+                f"{self.model_type}: activation {self.activation!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
             )
-        if self.embed_dim == 0:
-            object.__setattr__(self, "embed_dim", self.hidden_size)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (0: it attends to the whole context)."""
+        return self.windows[layer] if self.windows else 0
 
     @property
     def n_params(self) -> int:
@@ -208,40 +227,12 @@ class ModelConfig:
         return replace(self, **changes)
 
 
-def _eos(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise ConfigError(f"eos_token_id={value!r} must be a token id or a list of token ids; fix config.json")
-    return tuple(value)
-
-
-def _rope(raw: dict[str, Any]) -> tuple[float, tuple[str, float] | None]:
-    # transformers 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}}; 4.x wrote
-    # "rope_theta" and "rope_scaling" at the top level. Read both.
-    params, scaling = raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}
-    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r} must be an object like {{\"rope_type\": \"linear\", \"factor\": 2.0}}")
-    theta = _real(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        return theta, ("linear", _real(params.get("factor", scaling.get("factor", 1.0)), "rope factor"))
-    raise UnsupportedModelError(
-        f"rope_type {kind!r} is not supported (supported: 'default', 'linear'); use a checkpoint without "
-        "rope scaling or add the scaling rule to energon_infer.worker.model.rotary_cos_sin"
-    )
-
-
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face ``config.json`` dictionary.
 
     Raises :class:`ConfigError` (a missing field, a string or list where a number belongs, a zero
-    head count, a size that does not divide) or :class:`UnsupportedModelError`, never a bare
+    head count, a size that does not divide) or :class:`UnsupportedModelError` (a model type no family reads, or
+    an option its family does not run: the family, the option, the value and the fix), never a bare
     ``KeyError``/``ZeroDivisionError``.
     """
     if not isinstance(raw, dict):
@@ -254,75 +245,54 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
         raise UnsupportedModelError(
             f"model_type {model_type!r} (architectures {archs}) is not supported; supported model types: "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}. Convert the checkpoint to one of them or add a "
-            "family to energon_infer.loading.config"
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}. A new native family is a declaration in "
+            "energon_infer.loading.families (docs/model-families.md)"
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
     common: dict[str, Any] = dict(model_type=model_type, family=family, bos_token_id=raw.get("bos_token_id"),
-                  eos_token_ids=_eos(raw.get("eos_token_id")))
+                                  eos_token_ids=eos_ids(raw.get("eos_token_id")))
     if family == "gpt2":
-        h, heads = _int(raw, "n_embd"), _int(raw, "n_head")
-        _divides(h, heads, "n_embd", "n_head")
-        if raw.get("add_cross_attention"):
-            raise UnsupportedModelError("GPT-2 with add_cross_attention=True is an encoder-decoder; not supported")
-        if not raw.get("scale_attn_weights", True):
-            raise UnsupportedModelError("GPT-2 with scale_attn_weights=False is not supported")
-        return ModelConfig(
-            **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "n_layer"),
-            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_whole(_or_default(raw.get("n_inner"), 4 * h), "n_inner"),
-            max_positions=_int(raw, "n_positions"), norm="layer",
-            norm_eps=_real(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
-            positions="learned", mlp="dense", activation=raw.get("activation_function", "gelu_new"),
-            tie_embeddings=raw.get("tie_word_embeddings", True),
-            attn_scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
-        )
+        return ModelConfig(**common, **_gpt2_fields(raw))
     if family == "opt":
-        h = _int(raw, "hidden_size")
-        heads = _int(raw, "num_attention_heads")
-        _divides(h, heads, "hidden_size", "num_attention_heads")
-        pre = bool(raw.get("do_layer_norm_before", True))
-        bias = bool(raw.get("enable_bias", True))
-        return ModelConfig(
-            **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "num_hidden_layers"),
-            n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_int(raw, "ffn_dim"),
-            max_positions=_int(raw, "max_position_embeddings"), norm="layer", norm_eps=1e-5,
-            norm_affine=bool(raw.get("layer_norm_elementwise_affine", True)), pre_norm=pre,
-            final_norm=pre and not raw.get("_remove_final_layer_norm", False), positions="learned",
-            position_offset=2, mlp="dense", activation=raw.get("activation_function", "relu"),
-            qkv_bias=bias, o_bias=bias, mlp_bias=bias, embed_dim=raw.get("word_embed_proj_dim") or h,
-            tie_embeddings=raw.get("tie_word_embeddings", True),
-        )
-    # llama family
-    h = _int(raw, "hidden_size")
-    heads = _int(raw, "num_attention_heads")
-    if not raw.get("head_dim"):
-        _divides(h, heads, "hidden_size", "num_attention_heads")
-    theta, scaling = _rope(raw)
-    max_positions = _int(raw, "max_position_embeddings")
-    window = raw.get("sliding_window")
-    if window and (model_type == "mistral" or raw.get("use_sliding_window")):
-        window = _whole(window, "sliding_window")
-        # Within the window, sliding-window attention equals full attention; beyond it, it does not,
-        # and this runtime has no windowed kernel, so the context is capped at the window.
-        max_positions = min(max_positions, int(window))
-    qkv_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
-    act = raw.get("hidden_act", "silu")
-    return ModelConfig(
-        **common, vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "num_hidden_layers"),
-        n_heads=heads, n_kv_heads=_whole(raw.get("num_key_value_heads") or heads, "num_key_value_heads"),
-        head_dim=_whole(raw.get("head_dim") or h // heads, "head_dim"),
-        intermediate_size=_int(raw, "intermediate_size"), max_positions=max_positions, norm="rms",
-        norm_eps=_real(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps"), positions="rotary",
-        rope_theta=theta, rope_scaling=scaling, mlp="swiglu", activation=act, qkv_bias=qkv_bias,
-        o_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
-        tie_embeddings=raw.get("tie_word_embeddings", False),
+        return ModelConfig(**common, **_opt_fields(raw))
+    return ModelConfig(**common, **FAMILIES[family].read(raw))
+
+
+def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    h, heads = _int(raw, "n_embd"), _int(raw, "n_head")
+    divides(h, heads, "n_embd", "n_head")
+    if raw.get("add_cross_attention"):
+        raise UnsupportedModelError("GPT-2 with add_cross_attention=True is an encoder-decoder; not supported")
+    if not raw.get("scale_attn_weights", True):
+        raise UnsupportedModelError("GPT-2 with scale_attn_weights=False is not supported")
+    return dict(
+        vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "n_layer"), n_heads=heads,
+        n_kv_heads=heads, head_dim=h // heads,
+        intermediate_size=_whole(or_default(raw.get("n_inner"), 4 * h), "n_inner"),
+        max_positions=_int(raw, "n_positions"), norm="layer",
+        norm_eps=real(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
+        positions="learned", mlp="dense", activation=raw.get("activation_function", "gelu_new"),
+        tie_embeddings=raw.get("tie_word_embeddings", True),
+        attn_scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
     )
 
 
-def _divides(size: int, heads: int, size_name: str, heads_name: str) -> None:
-    if size % heads:
-        raise ConfigError(f"{size_name}={size} is not divisible by {heads_name}={heads}: every head gets "
-                          f"{size_name} / {heads_name} features; fix config.json")
+def _opt_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    h = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    divides(h, heads, "hidden_size", "num_attention_heads")
+    pre = bool(raw.get("do_layer_norm_before", True))
+    bias = bool(raw.get("enable_bias", True))
+    return dict(
+        vocab_size=_int(raw, "vocab_size"), hidden_size=h, n_layers=_int(raw, "num_hidden_layers"),
+        n_heads=heads, n_kv_heads=heads, head_dim=h // heads, intermediate_size=_int(raw, "ffn_dim"),
+        max_positions=_int(raw, "max_position_embeddings"), norm="layer", norm_eps=1e-5,
+        norm_affine=bool(raw.get("layer_norm_elementwise_affine", True)), norm_layout="pre" if pre else "post",
+        final_norm=pre and not raw.get("_remove_final_layer_norm", False), positions="learned",
+        position_offset=2, mlp="dense", activation=raw.get("activation_function", "relu"),
+        qkv_bias=bias, o_bias=bias, mlp_bias=bias, embed_dim=raw.get("word_embed_proj_dim") or h,
+        tie_embeddings=raw.get("tie_word_embeddings", True),
+    )
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -7,7 +7,8 @@
   ``raise_exception``, ``strftime_now``, the special tokens); without one, ``"role: content"`` lines.
 * :func:`generation_defaults`: ``generation_config.json``'s sampling defaults as
   :class:`~energon_infer.sampling.SamplingParams` fields (``do_sample: false`` means greedy).
-* :func:`resolve_dtype`: ``dtype="auto"``: the dtype ``config.json`` was saved in.
+* :func:`resolve_dtype`: ``dtype="auto"`` (the default): the dtype ``config.json`` was saved in, where the device
+  computes in it natively (bf16 on a CPU with bf16 matrix instructions, fp16 on CUDA), else float32.
 * :class:`HFTokenizer`: a transformers tokenizer (``AutoTokenizer`` objects) behind the ``tokenizers``
   interface the engine uses (``encode(text).ids``, ``decode(ids)``).
 
@@ -23,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatTemplate", "HFTokenizer", "as_engine_tokenizer", "generation_defaults", "resolve_dtype",
-           "load_hf_tokenizer"]
+__all__ = ["ChatTemplate", "HFTokenizer", "as_engine_tokenizer", "auto_dtype", "cpu_has_native_bf16",
+           "generation_defaults", "resolve_dtype", "load_hf_tokenizer"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                     "tokenizer.model", "vocab.json")
@@ -147,16 +148,64 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
                 "half": "float16"}
 
 
-def resolve_dtype(path: str | Path, dtype: str) -> str:
-    """``dtype`` itself, or for ``"auto"`` the dtype in ``path/config.json`` (``dtype`` or ``torch_dtype``;
-    float32 when it names none)."""
-    if dtype != "auto":
-        return dtype
+# CPU flags of matrix instructions that compute in bf16 (x86: AVX512-BF16, AMX; Arm: the BF16 extension).
+_CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU's flags include bf16 matrix instructions (without them bf16 runs emulated, slower than
+    float32). False where ``/proc/cpuinfo`` is unreadable."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return bool(_CPU_BF16_FLAGS & set(value.split()))
+    return False
+
+
+def _checkpoint_dtype(path: str | Path) -> str:
     file = Path(path) / "config.json"
     raw = json.loads(file.read_text()) if file.is_file() else {}
+    if not isinstance(raw, dict):  # not a config: the config loader refuses it, naming the file
+        return "float32"
     named = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     named = str(named).removeprefix("torch.")
     if named not in _DTYPE_NAMES:
         raise ValueError(f"dtype='auto': {file} says dtype {named!r}, which this runtime does not run; pass "
                          "dtype='float32', 'bfloat16' or 'float16'")
     return _DTYPE_NAMES[named]
+
+
+def auto_dtype(source: Any, device: str | None = None) -> tuple[str, str]:
+    """``(dtype, why)`` for ``dtype="auto"``: the checkpoint's dtype where ``device`` computes in it natively, else
+    float32. ``source``: a model directory (``config.json``'s ``dtype`` or ``torch_dtype``; float32 when it names
+    none), or a ``{name: tensor}`` map (its floating tensors' dtype). ``device`` None: CUDA when there is one, else
+    the CPU."""
+    import torch
+
+    if isinstance(source, (str, Path)):
+        named = _checkpoint_dtype(source)
+    else:
+        values = source.values() if hasattr(source, "values") else ()
+        first = next((t.dtype for t in values if t.is_floating_point()), torch.float32)
+        named = _DTYPE_NAMES.get(str(first).removeprefix("torch."), "float32")
+    if named == "float32":
+        return named, "the checkpoint's dtype"
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if cuda:
+        if named == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return "float16", "the checkpoint is bfloat16, which this GPU does not compute in"
+        return named, "the checkpoint's dtype"
+    if named == "bfloat16" and cpu_has_native_bf16():
+        return named, "the checkpoint's dtype; this CPU has bf16 matrix instructions"
+    why = ("this CPU has no bf16 matrix instructions" if named == "bfloat16"
+           else "float16 runs emulated on a CPU")
+    return "float32", f"the checkpoint is {named}, but {why} (pass --dtype {named} to keep it)"
+
+
+def resolve_dtype(path: str | Path, dtype: str, device: str | None = None) -> str:
+    """``dtype`` itself, or for ``"auto"`` what :func:`auto_dtype` chooses."""
+    return dtype if dtype != "auto" else auto_dtype(path, device)[0]

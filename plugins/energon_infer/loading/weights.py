@@ -25,6 +25,7 @@ import torch
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig
+from energon_infer.loading.families import FAMILIES
 from energon_infer.parallel import Grid, vocab_shard
 
 __all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",
@@ -40,17 +41,15 @@ class ModelTooLargeError(BadInputError, ValueError):
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for a new allocation on ``device``: ``cudaMemGetInfo``'s free bytes, or the host's
-    ``MemAvailable`` for the CPU; ``None`` where it cannot be read (the check is then skipped)."""
+    """Memory free for a new allocation on ``device``: ``cudaMemGetInfo``'s free bytes, or for the CPU core's
+    reading of host memory (``MemAvailable`` bounded by the memory cgroup limit, :mod:`tightfit.memory_limit`);
+    ``None`` where it cannot be read (the check is then skipped)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from tightfit.memory_limit import read_memory
+
+    reading = read_memory()
+    return reading.free if reading.capacity else None
 
 
 def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, kv_tokens: int,
@@ -238,25 +237,38 @@ def hf_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
         if kind == "bias" and split == "row":
             split = None
         return [Part(f"{src}.{kind}", split)]
-    # llama family
-    simple = {"embed.weight": ("model.embed_tokens.weight", "vocab"), "final_norm.weight": ("model.norm.weight", None)}
+    return _decoder_parts(cfg, name, keys)
+
+
+def _rows(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Rows lo:hi of a tensor a checkpoint fuses (Phi-3's qkv_proj and gate_up_proj).
+    return lambda t: t[lo:hi]
+
+
+def _decoder_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
+    """The rotary families' parts, by their declaration's tensor names (:mod:`energon_infer.loading.families`)."""
+    tensors = FAMILIES[cfg.family].tensors
     if name == "lm_head.weight":
         tied = cfg.tie_embeddings and "lm_head.weight" not in keys
         return [Part("model.embed_tokens.weight" if tied else "lm_head.weight", "vocab")]
-    if name in simple:
-        return [Part(*simple[name])]
-    i, rest = head[1], ".".join(head[2:])
-    p = f"model.layers.{i}."
-    kind = rest.split(".")[-1]
-    if rest.startswith("qkv."):
-        return [Part(f"{p}self_attn.{x}_proj.{kind}", "col") for x in "qkv"]
-    if rest.startswith("up."):
-        return [Part(f"{p}mlp.{x}_proj.{kind}", "col") for x in ("gate", "up")]
-    llama_splits: dict[str, tuple[str, str | None]] = {
-        "attn_norm": (f"{p}input_layernorm", None), "mlp_norm": (f"{p}post_attention_layernorm", None),
-        "o": (f"{p}self_attn.o_proj", "row"), "down": (f"{p}mlp.down_proj", "row")}
-    src, split = llama_splits[rest.split(".")[0]]
-    return [Part(f"{src}.{kind}", None if kind == "bias" and split == "row" else split)]
+    if name == "embed.weight":
+        return [Part("model.embed_tokens.weight", "vocab")]
+    if name == "final_norm.weight":
+        return [Part("model.norm.weight")]
+    head = name.split(".")
+    p, module, kind = f"model.layers.{head[1]}.", head[2], head[-1]
+    if module in ("qkv", "up"):
+        names = ("q", "k", "v") if module == "qkv" else ("gate", "up")
+        fused = tensors.get("qkv" if module == "qkv" else "gate_up")
+        if fused is None:
+            return [Part(f"{p}{tensors[x]}.{kind}", "col") for x in names]
+        q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+        bounds = [0, q, q + kv, q + 2 * kv] if module == "qkv" else [0, inter, 2 * inter]
+        return [Part(f"{p}{fused}.{kind}", "col", _rows(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+    split = {"o": "row", "down": "row", "q_norm": "col", "k_norm": "col"}.get(module)
+    if kind == "bias" and split == "row" or module in ("q_norm", "k_norm") and cfg.qk_norm == "head":
+        split = None  # a row-parallel bias is added once, after the all-reduce; a per-head norm is shared
+    return [Part(f"{p}{tensors[module]}.{kind}", split)]
 
 
 def _full_shape(local: tuple[int, ...], split: str | None, tp: int, cfg: ModelConfig) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
     from energon_infer.scheduling.scheduler_config import SchedulerConfig
     from energon_infer.serving.server_config import ServerConfig
-    from energon_infer.worker.runtime import RuntimeConfig
+    from energon_infer.worker.runtime_config import RuntimeConfig
 
     rt, sched, faults = _defaults(RuntimeConfig), _defaults(SchedulerConfig), _defaults(FaultConfig)
     launch, http = _defaults(LaunchConfig), _defaults(ServerConfig)
@@ -58,21 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tp", type=positive_int, default=rt["tp"], help="tensor-parallel workers per stage")
     m.add_argument("--pp", type=positive_int, default=rt["pp"], help="pipeline stages")
     m.add_argument("--dtype", default=rt["dtype"],
-                   help="float32, bfloat16, float16, or auto: the dtype config.json names")
+                   help="auto: the dtype config.json names where this device computes in it natively, else float32 "
+                        "(the choice is printed at start); or float32, bfloat16, float16")
     m.add_argument("--kv-cache-tokens", type=positive_int, default=rt["kv_cache_tokens"],
-                   help="KV cache capacity in tokens per worker")
+                   help="KV cache capacity in tokens per worker (when not given, on a CPU: at most this, what the "
+                        "memory limit leaves)")
     m.add_argument("--memory-pool", default=None,
                    help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
     m.add_argument("--memory-budget", default=None,
-                   help="serve beyond memory: bytes each worker's weights may hold in memory (2GiB); the layers that "
-                        "do not fit are read from the model directory's safetensors files on every pass")
+                   help="serve beyond memory: bytes each worker's weights may hold in memory (2GiB), checked against "
+                        "the memory limit; the layers that do not fit are read from the model directory's safetensors "
+                        "files on every pass. Omitted on a CPU: the plan fits the whole process under the memory limit "
+                        "(cgroup or machine) and streams layers from disk only where they do not fit")
     m.add_argument("--host-budget", default=None,
                    help="with --memory-budget on a GPU: host bytes for pooled layers and staging (default: what is free)")
     m.add_argument("--quantized-dir", default=None,
                    help="with --quantization and --memory-budget: where the quantized layers read from disk are "
                         "written once (default: .tightfit-quantized beside the model, or the cache directory)")
     m.add_argument("--lookahead", type=nonnegative_int, default=None,
-                   help="pooled layers fetched ahead of the one running (default 2)")
+                   help="pooled layers fetched ahead of the one running (default 2; on a CPU the most: the plan "
+                        "fetches fewer where memory is short)")
     m.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly (on a GPU at tp=1 they are replayed from CUDA graphs by default)")
     m.add_argument("--no-packed-weights", action="store_true",
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
     b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
-                   help="tokens per batched step")
+                   help="tokens per batched step (when not given, on a CPU: at most this, fewer where memory is short)")
     b.add_argument("--max-running", type=positive_int, default=sched["max_running"],
                    help="requests in the running batch at most")
     b.add_argument("--max-queue", type=positive_int, default=sched["max_queue"],
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     layout energon refuses: an :class:`~energon_infer.errors.EnergonError`); anything else is a bug in energon:
     its traceback, and 1."""
     from energon_infer.errors import EnergonError
+    from tightfit.planner.errors import PlanInfeasibleError
 
     try:
         return _serve(argv)
@@ -177,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except EnergonError as e:
         print(f"tightfit serve: {e}", file=sys.stderr)
         return 2
+    except PlanInfeasibleError as e:  # no plan fits the memory: one line with what it needs and the cheapest change
+        print(f"tightfit serve: {e}", file=sys.stderr)
+        return 3
     except Exception:  # noqa: BLE001 - a bug: show where, and say it is not the user's input
         traceback.print_exc()
         print("tightfit serve: failed with the error above (a bug in energon, not in the input: please report it)",
@@ -202,7 +211,6 @@ def _serve(argv: list[str] | None) -> int:
         print(f"tightfit serve: {exc.strerror}", file=sys.stderr)
         return 2
     from energon_infer.engine.engine import Engine
-    from energon_infer.loading.hf_files import resolve_dtype
     from energon_infer.serving.server import serve
     from energon_infer.serving.server_config import ServerConfig
 
@@ -214,16 +222,22 @@ def _serve(argv: list[str] | None) -> int:
                                   max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
                                   default_max_tokens=min(_defaults(ServerConfig)["default_max_tokens"], args.max_tokens_limit), max_n=args.max_n,
                                   drain_timeout_s=args.drain_timeout, log_level=args.log_level)
-        dtype = resolve_dtype(path, args.dtype) if path.is_dir() else ("float32" if args.dtype == "auto" else args.dtype)
+        # "auto" is resolved (and the choice stated) by the engine; a Lightning checkpoint is float32
+        dtype = args.dtype if path.is_dir() or args.dtype != "auto" else "float32"
         pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead,
                             quantized_dir=args.quantized_dir)
     except ValueError as exc:  # the values of these flags were checked by their own classes
         sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)
         return 2
-    common = dict(tp=args.tp, pp=args.pp, dtype=dtype, max_batch_tokens=args.max_batch_tokens,
+    argv = sys.argv[1:] if argv is None else argv
+    # Left out unless given: on a CPU the serving plan chooses them within the memory limit (engine/memory_plan.py).
+    chosen = {name: value for name, flag, value in (("max_batch_tokens", "--max-batch-tokens", args.max_batch_tokens),
+                                                    ("kv_cache_tokens", "--kv-cache-tokens", args.kv_cache_tokens))
+              if any(a == flag or a.startswith(flag + "=") for a in argv)}
+    common = dict(tp=args.tp, pp=args.pp, dtype=dtype, **chosen,
                   memory_pool=pool, model_name=args.served_model_name,
-                  kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running, max_queue=args.max_queue,
+                  max_running=args.max_running, max_queue=args.max_queue,
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,
@@ -238,9 +252,12 @@ def _serve(argv: list[str] | None) -> int:
         sock.close()
         raise
     w = engine.worker_info[0]
-    print(f"energon: serving {engine.model_name!r} ({w['config']['model_type']}, {dtype}, context "
+    rt = engine.config.runtime
+    print(f"energon: serving {engine.model_name!r} ({w['config']['model_type']}, {rt.dtype}, context "
           f"{engine.max_context}) on tp={args.tp} x pp={args.pp} at http://{args.host}:{args.port}/v1 "
           f"(Ctrl-C to stop)", file=sys.stderr, flush=True)
+    if engine.memory_plan is not None and engine.memory_plan.streams:  # what the memory holds, and what streams
+        print(engine.explain(), file=sys.stderr, flush=True)
     if engine.tokenizer is None:
         print("energon: warning: this model has no tokenizer (no tokenizer.json), so only token-id prompts work: "
               "/v1/completions with \"prompt\": [ids...]; text prompts and /v1/chat/completions get 400",

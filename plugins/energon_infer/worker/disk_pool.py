@@ -55,7 +55,7 @@ from energon_infer.worker.runtime_config import DTYPES
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.profiler.types import DiskProfile
 
-__all__ = ["DiskLayer", "plan_tiers", "resolve_disk", "install_tiered_pool", "pool_snapshot", "read_buffer_bytes"]
+__all__ = ["DiskLayer", "plan_tiers", "stage_weights", "resolve_disk", "install_tiered_pool", "pool_snapshot", "read_buffer_bytes"]
 
 
 class _Scratch(threading.local):
@@ -183,6 +183,29 @@ def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) ->
     return direct_buffer_bytes(largest) if largest else 0
 
 
+def stage_weights(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: str, io_threads: int,
+                  quant: QuantSpec | None = None) -> list[tuple[DecoderStage, list[int], int, int]]:
+    """Per stage ``(its meta copy, bytes of each layer as a pool holds it, bytes of everything else, the read
+    buffers of io_threads)``: quantized bytes where ``quant`` (pure but for reading the checkpoint's headers)."""
+    files = TensorFiles(path)
+    try:
+        out = []
+        for s in range(pp):
+            stage = _meta_stage(cfg, tp, pp, s, DTYPES[dtype])
+            if quant is None:
+                layers, resident = stage_layer_bytes(stage)
+                buffers = read_buffer_bytes(stage, cfg, files) * io_threads
+            else:
+                meta_quantize(stage.layers.values(), quant)
+                quantize_head(stage, quant)  # as load_quantized holds it
+                layers, resident = packed_layer_bytes(stage)
+                buffers = store_buffer_bytes(layers, io_threads)
+            out.append((stage, layers, resident, buffers))
+        return out
+    finally:
+        files.close()
+
+
 def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: str, device_type: str,
                config: MemoryPoolConfig, quant: QuantSpec | None = None) -> list[PoolPlan]:
     """Every stage's pool plan over device, host and disk (pure but for reading headers and the disk profile).
@@ -191,38 +214,37 @@ def plan_tiers(path: str | Path, cfg: ModelConfig, *, tp: int, pp: int, dtype: s
     stage's resident weights, kept layers, prefetch slots and read buffers, and only the disk tier saves
     memory. On a GPU ``memory_budget`` is the device's and ``host_budget`` (default: the host's free memory
     split among the ranks) the host's. With ``quant`` every layer counts its quantized bytes as the pool packs
-    them, and the disk is the quantized store's (:mod:`energon_infer.worker.quantized_pool`).
+    them, and the disk is the quantized store's (:mod:`energon_infer.worker.quantized_pool`). Plans the engine's
+    serving plan made (``config.plans``) are returned as they are.
     """
     assert config.memory_budget is not None, "plan_tiers needs MemoryPoolConfig(memory_budget=...)"
+    if config.plans is not None:  # the engine's serving plan chose them (energon_infer.engine.memory_plan)
+        plans = decode_plans(config.plans)
+        if len(plans) != pp:
+            raise ValueError(f"MemoryPoolConfig.plans has {len(plans)} stage plans for pp={pp}; leave plans=None "
+                             "to plan here")
+        return plans
+    if dtype == "auto":  # the runtime's default: the checkpoint's dtype where the device computes in it
+        from energon_infer.loading.hf_files import auto_dtype
+
+        dtype = auto_dtype(path, "cuda" if device_type == "cuda" else "cpu")[0]
     where = path if quant is None else quantized_store_dir(path, config.quantized_dir, quant, dtype, tp, pp)
     disk = resolve_disk(config.disk, where)
     unified = device_type != "cuda"
-    files = TensorFiles(path)
-    try:
-        plans = []
-        for s in range(pp):
-            stage = _meta_stage(cfg, tp, pp, s, DTYPES[dtype])
-            if quant is None:
-                layers, resident = stage_layer_bytes(stage)
-                buffers = read_buffer_bytes(stage, cfg, files) * config.io_threads
-            else:
-                meta_quantize(stage.layers.values(), quant)
-                quantize_head(stage, quant)  # as load_quantized holds it
-                layers, resident = packed_layer_bytes(stage)
-                buffers = store_buffer_bytes(layers, config.io_threads)
-            host = config.host_budget
-            if not unified and host is None:
-                free = available_bytes(torch.device("cpu"))
-                host = None if free is None else free // (tp * pp)
-            if not unified and host is not None:
-                host = max(0, int(host) - buffers)
-            plans.append(plan_pool(layers, resident_bytes=resident + (buffers if unified else 0),
-                                   budget_bytes=int(config.memory_budget), lookahead=config.lookahead,
-                                   host_budget_bytes=None if unified else host, disk=disk, unified=unified,
-                                   sharers=tp * pp))
-        return plans
-    finally:
-        files.close()
+    plans = []
+    for _, layers, resident, buffers in stage_weights(path, cfg, tp=tp, pp=pp, dtype=dtype,
+                                                      io_threads=config.io_threads, quant=quant):
+        host = config.host_budget
+        if not unified and host is None:
+            free = available_bytes(torch.device("cpu"))
+            host = None if free is None else free // (tp * pp)
+        if not unified and host is not None:
+            host = max(0, int(host) - buffers)
+        plans.append(plan_pool(layers, resident_bytes=resident + (buffers if unified else 0),
+                               budget_bytes=int(config.memory_budget), lookahead=config.lookahead,
+                               host_budget_bytes=None if unified else host, disk=disk, unified=unified,
+                               sharers=tp * pp))
+    return plans
 
 
 def encode_plans(plans: list[PoolPlan]) -> str:

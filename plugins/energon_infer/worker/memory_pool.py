@@ -67,7 +67,8 @@ class MemoryPoolConfig:
             :func:`tightfit.profiler.disk.profile_disk` (quick, cached per filesystem), a preset name
             (:func:`tightfit.profiler.disk_presets.disk_preset`, e.g. ``"nvme-gen4"``) or a
             :class:`~tightfit.profiler.types.DiskProfile`.
-        lookahead: pooled layers fetched ahead of the one running (slots = lookahead + 1).
+        lookahead: pooled layers fetched ahead of the one running (slots = lookahead + 1); with ``memory_budget``
+            on a CPU the most: the engine's serving plan may fetch fewer where memory is short.
         pool_device: where pooled weights live: ``"cpu"`` (host memory, pinned when the compute
             device is a GPU) or a peer GPU (``"cuda:1"``).
         cpu_prefetch: on a CPU-only machine, ``"thread"`` copies on a background thread (overlaps when
@@ -83,6 +84,9 @@ class MemoryPoolConfig:
         direct_io: read disk layers with ``O_DIRECT`` (page cache bypassed: no readahead past each tensor, no
             cached pages counted against a memory limit) where the filesystem allows it; ``False``, or a
             filesystem that refuses it (tmpfs): buffered reads with readahead off.
+        plans: each stage's pool plan, made by the engine's serving plan
+            (:mod:`energon_infer.engine.memory_plan`) as a JSON list; the workers apply it instead of planning
+            (``None``: they plan from ``memory_budget``).
     """
 
     fraction: float = 0.5
@@ -97,6 +101,7 @@ class MemoryPoolConfig:
     drop_page_cache: bool = True
     quantized_dir: str | None = None
     direct_io: bool = True
+    plans: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:

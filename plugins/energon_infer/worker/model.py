@@ -1,14 +1,18 @@
-"""One configurable decoder block for GPT-2, OPT and the LLaMA family, run on packed tokens.
+"""One configurable decoder block for every family the runtime runs natively, on packed tokens.
 
 A :class:`DecoderStage` is the part of a model one rank runs: the embedding if it is the first
 pipeline stage, its range of blocks, and the final norm and head if it is the last. Every tensor
 is ``(tokens, features)``: the new tokens of all sequences in a step back to back with no padding,
 so each linear layer does exactly the work of the real tokens, and attention is restricted per
-sequence by :func:`tightfit.cuda.varlen_attention.paged_attention`.
+sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (or, for sliding-window and
+soft-capped layers, :func:`energon_infer.worker.attention.masked_attention`).
 
-The math follows each family's Hugging Face implementation term for term (norm placement, fp32
-RMSNorm, rotary ``rotate_half`` layout, OPT's position offset of 2 and its project in/out), which
-is what the reference-equality tests hold it to.
+The block reads :class:`~energon_infer.loading.config.ModelConfig`'s switches only (norm layout and offset,
+q/k norms, rotary width and scaling, windows, soft-caps, multipliers); which family a checkpoint belongs to
+is decided once, by its declaration in :mod:`energon_infer.loading.families`. The math follows each
+family's Hugging Face implementation term for term (norm placement, fp32 RMSNorm, rotary ``rotate_half``
+layout, OPT's position offset of 2 and its project in/out), which is what the reference-equality tests
+hold it to.
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ from torch import nn
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding, VocabHead
+from energon_infer.worker.attention import attention
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
+from energon_infer.worker.rope import step_ropes
 from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
 from tightfit.cuda.packed_linear import apply_activation
-from tightfit.cuda.varlen_attention import paged_attention, store_kv
+from tightfit.cuda.varlen_attention import store_kv
 
-__all__ = ["DecoderStage", "Block", "check_tp"]
+__all__ = ["DecoderStage", "Block", "check_tp", "step_ropes"]
+
+Ropes = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -55,20 +63,38 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Norm(nn.Module):
-    """LayerNorm or RMSNorm (RMSNorm in fp32 and cast back, as LLaMA's reference does)."""
+    """LayerNorm or RMSNorm (RMSNorm in fp32 and cast back, as LLaMA's reference does).
 
-    def __init__(self, cfg: ModelConfig, dim: int, dtype: torch.dtype, device: torch.device | str):
+    ``norm_offset`` (Gemma) multiplies by ``offset + weight``; with it or ``norm_weight_fp32`` (OLMo 2) the weight
+    multiplies in fp32 before the cast back, as those references do (LLaMA's casts first).
+    ``full`` > ``dim``: the norm spans ``full`` features of which this rank holds ``dim`` (OLMo 2's q/k norm
+    over all heads, split by tensor parallelism): the sum of squares is all-reduced over the ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 grid: Grid | None = None, full: int = 0):
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind, self.eps, self.offset, self.weight_fp32 = cfg.norm, cfg.norm_eps, cfg.norm_offset, \
+            cfg.norm_weight_fp32
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False) \
             if cfg.norm_affine else None
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False) \
             if cfg.norm_affine and cfg.norm == "layer" else None
         self.dim = dim
+        self.grid: Grid | None = grid if grid is not None and full > dim else None
+        self.full = full if self.grid is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+        if self.grid is not None:
+            return self._split(x)
+        if self.offset or (self.weight_fp32 and x.dtype != torch.float32):
+            w = self.weight.float() + self.offset if self.weight is not None else None
+            if x.dtype == torch.float32:
+                return rms_norm(x, w, self.eps)
+            h = F.rms_norm(x.float(), (self.dim,), None, self.eps)  # the weight in fp32, then the cast (Gemma, OLMo 2)
+            return (h * w if w is not None else h).to(x.dtype)
         if x.dtype == torch.float32:
             # One fused op instead of five (pow, mean, add, rsqrt, mul): a decode step runs 2 norms per
             # layer, so at small batches these launches are a visible part of the step; on long prefills
@@ -77,30 +103,25 @@ class _Norm(nn.Module):
         h = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)  # fp32, cast, then the weight (HF)
         return h * self.weight if self.weight is not None else h
 
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.grid is not None
+        h = x.float()
+        squares = self.grid.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(squares / self.full + self.eps)
+        if self.weight is None:
+            return h.to(x.dtype)
+        if self.weight_fp32 or self.offset:
+            return (h * (self.weight.float() + self.offset)).to(x.dtype)
+        return h.to(x.dtype) * self.weight
 
-def rotary_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``(T, head_dim)`` in fp32 for the given positions."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device)
-                                         .float() / d))
-    if cfg.rope_scaling is not None and cfg.rope_scaling[0] == "linear":
-        inv_freq = inv_freq / cfg.rope_scaling[1]
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
 
-
-def step_rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``cos, sin`` as ``(T, 1, head_dim)`` in ``dtype``: computed and shaped once per step, not per layer."""
-    if cfg.positions != "rotary":
-        return None
-    cos, sin = rotary_cos_sin(cfg, positions)
-    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+def _norm_or_none(present: bool, cfg: ModelConfig, dim: int, dtype: torch.dtype, device: torch.device | str
+                  ) -> _Norm | None:
+    return _Norm(cfg, dim, dtype, device) if present else None
 
 
 class Block(nn.Module):
-    """Attention + MLP with residuals; pre-norm or post-norm; fused QKV and (for SwiGLU) fused gate/up.
+    """Attention + MLP with residuals and the norms ``norm_layout`` places; fused QKV and (gated) fused gate/up.
 
     Projections are column-parallel (qkv, gate/up) and row-parallel (o, down): two all-reduces per block.
     """
@@ -110,13 +131,21 @@ class Block(nn.Module):
         tp = grid.tp
         self.cfg = cfg
         self.heads, self.kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim
-        self.scale = 1.0 / math.sqrt(cfg.head_dim) / ((layer + 1) if cfg.attn_scale_by_layer else 1)
+        scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = scale / ((layer + 1) if cfg.attn_scale_by_layer else 1)
+        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap
+        self.rope_key = "local" if self.window and cfg.local_rope is not None else "global"
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         h = cfg.hidden_size
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
-        self.attn_norm = _Norm(cfg, h, dtype, device)
+        layout = cfg.norm_layout
+        self.attn_norm = _norm_or_none(layout != "output", cfg, h, dtype, device)
+        self.attn_out_norm = _norm_or_none(layout in ("sandwich", "output"), cfg, h, dtype, device)
         self.qkv = ColumnLinear(h, qkv_out, cfg.qkv_bias, dtype, device)
+        self.q_norm, self.k_norm = self._qk_norms(cfg, grid, dtype, device)
         self.o = RowLinear(self.heads * self.head_dim, h, cfg.o_bias, grid, dtype, device)
-        self.mlp_norm = _Norm(cfg, h, dtype, device)
+        self.mlp_norm = _norm_or_none(layout != "output", cfg, h, dtype, device)
+        self.mlp_out_norm = _norm_or_none(layout in ("sandwich", "output"), cfg, h, dtype, device)
         inter = cfg.intermediate_size // tp
         self.gated = cfg.mlp == "swiglu"
         self.up = ColumnLinear(h, inter * (2 if self.gated else 1), cfg.mlp_bias, dtype, device)
@@ -125,23 +154,40 @@ class Block(nn.Module):
         self.fused_act = _FUSED.get(cfg.activation, "")
         self.silu = cfg.activation == "silu"
 
+    def _qk_norms(self, cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: torch.device | str
+                  ) -> tuple[_Norm | None, _Norm | None]:
+        if cfg.qk_norm == "head":  # one norm per head (its weight shared by every head)
+            return _Norm(cfg, self.head_dim, dtype, device), _Norm(cfg, self.head_dim, dtype, device)
+        if cfg.qk_norm == "full":  # one norm over all heads' features (its weight split by rank as the heads are)
+            d = self.head_dim
+            return (_Norm(cfg, self.heads * d, dtype, device, grid=grid, full=cfg.n_heads * d),
+                    _Norm(cfg, self.kv_heads * d, dtype, device, grid=grid, full=cfg.n_kv_heads * d))
+        return None, None
+
+    def _norm_qk(self, qkv: torch.Tensor, n_q: int, n_k: int) -> None:
+        """q/k norms, written back into the QKV output (the rotation then runs on it in place)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_k]
+        width = self.head_dim if self.cfg.qk_norm == "head" else None
+        q.copy_(self.q_norm(q.reshape(-1, width or n_q)).view(q.shape))
+        k.copy_(self.k_norm(k.reshape(-1, width or n_k)).view(k.shape))
+
     def attention(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x)
         n_q, n_k = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.q_norm is not None:
+            self._norm_qk(qkv, n_q, n_k)
         v = qkv[:, n_q + n_k:].view(t, self.kv_heads, self.head_dim)
+        qk = qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim)
         if rope is not None:
-            # Queries and keys rotated together (heads + kv_heads rows of head_dim), in place in the
-            # QKV output: one fused pass on CPU (tightfit.cuda.elementwise), one rotation's ops elsewhere.
-            qk = rotary_(qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim), *rope)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-        else:
-            q = qkv[:, :n_q].view(t, self.heads, self.head_dim)
-            k = qkv[:, n_q:n_q + n_k].view(t, self.kv_heads, self.head_dim)
+            # Queries and keys rotated together (heads + kv_heads rows of head_dim; the first rotary_dim features
+            # of each), in place in the QKV output: one fused pass on CPU (tightfit.cuda.elementwise).
+            rotary_(qk if self.rotary_dim == self.head_dim else qk[..., :self.rotary_dim], *rope)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens,
-                              scale=self.scale, max_q_len=meta.max_q_len)
+        out = attention(q, k_cache, v_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.o(out.reshape(t, self.heads * self.head_dim))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,13 +200,23 @@ class Block(nn.Module):
             return self.down(self.up(x, self.fused_act))  # in the product's epilogue where it is packed
         return self.down(self.act(self.up(x)))
 
+    def _add(self, x: torch.Tensor, h: torch.Tensor, out_norm: _Norm | None) -> torch.Tensor:
+        """The residual add of a sublayer's output ``h``: normed first (sandwich, output layouts), scaled (Granite)."""
+        if out_norm is not None:
+            h = out_norm(h)
+        scale = self.cfg.residual_scale
+        return x + (h * scale if scale != 1.0 else h)
+
     def forward(self, x: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        if self.cfg.pre_norm:
-            x = x + self.attention(self.attn_norm(x), meta, k_cache, v_cache, rope)
-            return x + self.mlp(self.mlp_norm(x))
-        x = self.attn_norm(x + self.attention(x, meta, k_cache, v_cache, rope))
-        return self.mlp_norm(x + self.mlp(x))
+                ropes: Ropes | None) -> torch.Tensor:
+        rope = ropes[self.rope_key] if ropes is not None else None
+        if self.cfg.norm_layout == "post":  # OPT-350m: the norm follows the residual add
+            assert self.attn_norm is not None and self.mlp_norm is not None
+            x = self.attn_norm(x + self.attention(x, meta, k_cache, v_cache, rope))
+            return self.mlp_norm(x + self.mlp(x))
+        h = self.attention(x if self.attn_norm is None else self.attn_norm(x), meta, k_cache, v_cache, rope)
+        x = self._add(x, h, self.attn_out_norm)
+        return self._add(x, self.mlp(x if self.mlp_norm is None else self.mlp_norm(x)), self.mlp_out_norm)
 
 
 class DecoderStage(nn.Module):
@@ -176,6 +232,9 @@ class DecoderStage(nn.Module):
         self.cfg, self.grid, self.layer_range = cfg, grid, layers
         h, e = cfg.hidden_size, cfg.embed_dim
         self.first, self.last = grid.first, grid.last
+        # Rounded to the activations' dtype as Gemma's reference rounds it (a host float: no copy to the device
+        # inside a captured CUDA graph)
+        self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
         if self.first:
             self.embed = VocabEmbedding(cfg.vocab_size, e, grid, dtype, device)
             if cfg.positions == "learned":
@@ -197,12 +256,14 @@ class DecoderStage(nn.Module):
             x = self.project_in(x)
         if self.cfg.positions == "learned":
             x = x + self.pos_embed(meta.positions + self.cfg.position_offset)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         return x
 
     def run_layers(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
-        rope = step_rope(self.cfg, meta.positions, x.dtype)
+        ropes = step_ropes(self.cfg, meta, x.dtype)
         for i, block in enumerate(self.layers.values()):
-            x = block(x, meta, cache.k[i], cache.v[i], rope)
+            x = block(x, meta, cache.k[i], cache.v[i], ropes)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +272,13 @@ class DecoderStage(nn.Module):
             x = self.final_norm(x)
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if self.cfg.logits_divisor != 1.0:
+            logits = logits / self.cfg.logits_divisor
+        if self.cfg.final_softcap:
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache, *, all_logits: bool = False

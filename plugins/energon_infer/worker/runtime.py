@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig, load_config
+from energon_infer.loading.hf_files import auto_dtype
 from energon_infer.loading.quantization import (
     QuantSpec,
     check_quantization,
@@ -90,8 +91,11 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, source: Any, runtime: RuntimeConfig | None = None, *,
                  tokenizer: Any = None, parts_fn=hf_parts, offload: Sequence[int] = ()):
         rt = runtime or RuntimeConfig()
+        device = torch.device(rt.device) if rt.device else local_rank_device()
+        if rt.dtype == "auto":
+            rt = dataclasses.replace(rt, dtype=auto_dtype(getattr(source, "path", source), str(device))[0])
         self.config, self.runtime, self.tokenizer = config, rt, tokenizer
-        self.device = torch.device(rt.device) if rt.device else local_rank_device()
+        self.device = device
         self.dtype = DTYPES[rt.dtype]
         check_tp(config, rt.tp)
         layers = split_layers(config.n_layers, rt.pp)
@@ -150,6 +154,11 @@ class ModelRunner:
         if (method := checkpoint_quantization(path, rt.quantization)) != rt.quantization:  # saved quantized by torchao
             rt = dataclasses.replace(rt, quantization=method)
         config = load_config(path)
+        if rt.dtype == "auto":  # once config.json has been read and checked
+            dtype, why = auto_dtype(path, rt.device)
+            rt = dataclasses.replace(rt, dtype=dtype)
+            if rt.progress:
+                print(f"energon: dtype {dtype}: {why}", file=sys.stderr, flush=True)
         reader = CheckpointReader(path)
         try:
             runner = cls(config, reader, rt, tokenizer=_load_tokenizer(path), offload=offload)

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from energon_infer.scheduling.scheduler_config import DEFAULT_MAX_BATCH_TOKENS
-from energon_infer.worker.cuda_graphs import check_cuda_graphs
 from tightfit.checks import check_number
 
-__all__ = ["RuntimeConfig", "DTYPES"]
+__all__ = ["RuntimeConfig", "DTYPE_NAMES"]  # and DTYPES, built on first use (below)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+#: the dtype names a runtime takes -> torch's attribute; this module imports without torch (``tightfit serve --help``
+#: reads these configs), so :data:`DTYPES`, the same names mapped to torch dtypes, is built on first use
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {key: getattr(torch, value) for key, value in DTYPE_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,7 +31,9 @@ class RuntimeConfig:
     Args:
         tp: tensor-parallel ranks per stage (must divide the heads, key/value heads and MLP width).
         pp: pipeline stages (contiguous, even layer ranges).
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and the cache).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and the cache), or ``"auto"``:
+            the checkpoint's dtype where the device computes in it natively, else float32
+            (:func:`energon_infer.loading.hf_files.auto_dtype`).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks ``cuda:<LOCAL_RANK>`` when CUDA is there.
         block_size: tokens per KV-cache block.
         kv_cache_tokens: cache capacity in tokens (rounded up to whole blocks), shared by all sequences.
@@ -45,7 +55,7 @@ class RuntimeConfig:
 
     tp: int = 1
     pp: int = 1
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
     kv_cache_tokens: int = 32768
@@ -66,6 +76,8 @@ class RuntimeConfig:
             check_number(getattr(self, name), name, where="RuntimeConfig", integer=True,
                          fix="give a whole number (e.g. tp=2, kv_cache_tokens=32768)")
             object.__setattr__(self, name, int(getattr(self, name)))  # 2.0 -> 2: ranks and ranges need ints
+        from energon_infer.worker.cuda_graphs import check_cuda_graphs
+
         object.__setattr__(self, "cuda_graphs", check_cuda_graphs(self.cuda_graphs, device=self.device, tp=self.tp))
         if not isinstance(self.packed_weights, bool):
             raise ValueError(f"packed_weights={self.packed_weights!r} must be True or False")
@@ -76,8 +88,8 @@ class RuntimeConfig:
         QuantSpec.create(self.quantization, self.group_size)  # an unknown method or a bad group size: one line
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {', '.join(DTYPE_NAMES)}")
         if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"block_size={self.block_size} must be >= 1 and kv_cache_tokens={self.kv_cache_tokens} at least "

@@ -83,6 +83,12 @@ class ModelSource:
 def build_runner(source: ModelSource, runtime: Any) -> Any:
     """Load ``source`` on this rank with ``runtime`` (a :class:`~energon_infer.worker.runtime.RuntimeConfig`)."""
     if source.kind == "pretrained":
+        from energon_infer.loading.backend import choose_backend
+
+        if choose_backend(source.path)[0] == "transformers":  # no native family: transformers' modeling code
+            from energon_infer.worker.hf_runner import TransformersRunner
+
+            return TransformersRunner.from_pretrained(source.path, runtime)
         from energon_infer.worker.runtime import ModelRunner
 
         return ModelRunner.from_pretrained(source.path, runtime)

@@ -1,0 +1,155 @@
+"""The engine's serving plan: the whole serving process fitted into the memory it may use, before anything loads.
+
+:func:`fit_memory` runs in the caller's process before any worker starts (on a CPU, where the device and the host
+are one memory and a memory limit binds the whole process tree). It measures what it can (the memory the limit
+leaves, :func:`tightfit.memory_limit.read_memory`; one worker's interpreter and libraries, from this process after
+the same imports), derives the rest from the model (each stage's weights as held, their packed copies, the read
+buffers, the KV cache per token, a step's working memory per token), asks core's pure planner
+(:func:`tightfit.planner.serving.plan_serving`) and applies its choices to the engine's configuration: the token
+budget and the KV cache where the caller left them open, and, where layers must be read from disk, a memory pool
+carrying each stage's plan (the workers apply it as it is).
+
+An infeasible limit raises :class:`~tightfit.planner.errors.PlanInfeasibleError` here, in one line naming what the
+least-memory plan needs and the cheapest change (``tightfit serve`` exits with code 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, cast
+
+from energon_infer.worker.memory_pool import MemoryPoolConfig
+from tightfit.planner.serving import ServingPlan, StageShape, plan_serving
+
+__all__ = ["fit_memory", "worker_baseline_bytes", "stage_shapes", "WORKER_RUNTIME_BYTES"]
+
+#: What a loaded worker holds beyond the controller's imports: its intra-op thread pool and their allocator arenas,
+#: its process group, the kernels it loads and the warm-up step's tensors the allocator keeps.
+WORKER_RUNTIME_BYTES = 64 * 2**20
+
+
+def worker_baseline_bytes() -> int:
+    """This process's anonymous resident bytes (``/proc/self/statm``: resident less file-backed pages), measured after
+    the engine's imports: what a worker spawned with the same imports holds before it loads. The libraries' file
+    pages are shared by every process and charged to a memory limit once, so they are not counted again."""
+    try:
+        fields = Path("/proc/self/statm").read_text().split()
+        return max(0, int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _packed_bytes(module: Any) -> int:
+    """Bytes the CPU's packed copies of ``module``'s projection weights take (:func:`energon_infer.parallel.pack_weights`
+    packs those big enough to earn a copy)."""
+    from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
+    from tightfit.cuda.packed_linear import rows_worth_packing
+
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnLinear, RowLinear, VocabHead)) and getattr(m, "weight", None) is not None:
+            w = m.weight
+            if w.is_floating_point() and rows_worth_packing(w.numel()) is not None:
+                total += w.numel() * w.element_size()
+    return total
+
+
+def stage_shapes(path: str | Path, cfg: Any, *, tp: int, pp: int, dtype: str, io_threads: int, quant: Any,
+                 packed: bool) -> list[StageShape]:
+    """Each stage's :class:`~tightfit.planner.serving.StageShape` from the model (meta copies and file headers)."""
+    from energon_infer.worker.disk_pool import stage_weights
+    from energon_infer.worker.runtime_config import DTYPES
+
+    itemsize = DTYPES[dtype].itemsize
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * d // tp
+    mlp = cfg.intermediate_size // tp
+    # A step's live tensors per token at the widest point of a block: the residual stream, its norm and the block's
+    # output (3 h), q/k/v and the attention output (2 qkv), the MLP's gate, up and activated product (3 mlp).
+    per_token = (3 * h + 2 * qkv + 3 * mlp) * itemsize
+    logits_row = 3 * 4 * -(-cfg.vocab_size // tp)  # fp32 logits, the sampler's probabilities and one working copy
+    shapes = []
+    for s, (stage, layers, resident, buffers) in enumerate(stage_weights(path, cfg, tp=tp, pp=pp, dtype=dtype,
+                                                                         io_threads=io_threads, quant=quant)):
+        blocks = list(stage.layers.values())
+        extra = [_packed_bytes(b) if packed else 0 for b in blocks]
+        rest = sum(_packed_bytes(m) for name, m in stage.named_children() if name != "layers") if packed else 0
+        # Each read also makes a working copy as large as its buffer (a transform, the first read's finite
+        # check), which the I/O thread's allocator keeps while layers stream.
+        shapes.append(StageShape(layer_bytes=tuple(layers), resident_bytes=resident + rest,
+                                 kept_extra_bytes=tuple(extra), read_buffer_bytes=buffers, read_work_bytes=buffers,
+                                 kv_bytes_per_token=len(blocks) * 2 * max(1, cfg.n_kv_heads // tp) * d * itemsize,
+                                 activation_bytes_per_token=per_token, logits_bytes_per_row=logits_row if s == pp - 1 else 0,
+                                 ranks=tp))
+    return shapes
+
+
+def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | None, *,
+               given: frozenset[str] = frozenset()) -> tuple[Any, MemoryPoolConfig | None, ServingPlan | None]:
+    """Plan the serving process on a CPU and apply the plan: ``(engine config, memory pool, plan)``.
+
+    ``given``: the flat options the caller set (``max_batch_tokens``, ``kv_cache_tokens``, ``chunked_prefill``);
+    the planner chooses the others. On a GPU, or with a pool sized by ``device_budget`` / ``fraction``, nothing is
+    planned here (``plan`` is ``None``).
+    """
+    import torch
+
+    from energon_infer.loading.quantization import QuantSpec
+    from energon_infer.worker.disk_pool import encode_plans, resolve_disk
+    from tightfit.memory_limit import read_memory
+
+    rt, sched = cfg.runtime, cfg.scheduler
+    device = rt.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") or (pool is not None and not pool.tiered):
+        return cfg, pool, None
+    dtype = rt.dtype
+    if dtype == "auto":
+        from energon_infer.loading.hf_files import auto_dtype
+
+        dtype = auto_dtype(path, "cpu")[0]
+    quant = QuantSpec.create(rt.quantization, rt.group_size)
+    io_threads = pool.io_threads if pool is not None else MemoryPoolConfig().io_threads
+    shapes = stage_shapes(path, model, tp=rt.tp, pp=rt.pp, dtype=dtype, io_threads=io_threads, quant=quant,
+                          packed=rt.packed_weights and quant is None)
+    reading = read_memory()
+    where = f"the memory limit ({reading.limit_file})" if reading.limited else "this machine's free memory"
+    fixes = []
+    if quant is None:
+        fixes.append("quantized weights (--quantization int8)")
+    fixes.append("a larger memory limit, or more ranks (tp/pp) on more machines")
+    common = dict(free_bytes=reading.free, worker_bytes=worker_baseline_bytes() + WORKER_RUNTIME_BYTES,
+                  weight_budget_bytes=None if pool is None else cast(int, pool.memory_budget),  # parsed to bytes
+                  lookahead=(pool or MemoryPoolConfig()).lookahead,
+                  max_batch_tokens=sched.max_batch_tokens, fix_batch_tokens="max_batch_tokens" in given,
+                  kv_cache_tokens=rt.kv_cache_tokens, fix_kv_tokens="kv_cache_tokens" in given,
+                  block_size=rt.block_size, max_running=sched.max_running, swap_tokens=rt.swap_space_tokens,
+                  where=where, fixes=tuple(fixes))
+    from tightfit.planner.errors import PlanInfeasibleError
+
+    plan = None
+    if pool is None:  # everything in memory with the knobs as given: the plan the disk would give too, unmeasured
+        try:
+            plan = plan_serving(shapes, disk=None, **common)
+        except PlanInfeasibleError:
+            plan = None
+        if plan is not None and (plan.max_batch_tokens, plan.lookahead) != (sched.max_batch_tokens,
+                                                                            MemoryPoolConfig().lookahead):
+            plan = None  # a knob was lowered to keep every layer: ask again with the disk tier
+    if plan is None:
+        at: Any = path
+        if quant is not None:  # quantized layers stream from the quantized store
+            from energon_infer.worker.quantized_pool import quantized_store_dir
+
+            at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp,
+                                     rt.pp)
+        plan = plan_serving(shapes, disk=resolve_disk(pool.disk if pool is not None else None, at), **common)
+    scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
+    if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
+        scheduler = dataclasses.replace(scheduler, chunked_prefill=True)  # prompts longer than a step still run
+    runtime = dataclasses.replace(rt, kv_cache_tokens=plan.kv_cache_tokens, max_batch_tokens=plan.max_batch_tokens)
+    if plan.streams or pool is not None:
+        pool = dataclasses.replace(pool or MemoryPoolConfig(memory_budget=max(0, *plan.weight_budgets)),
+                                   lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)))
+    return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan

@@ -1,0 +1,111 @@
+"""Attention with a sliding window and tanh soft-capping, over the same paged KV cache as every other layer.
+
+:func:`tightfit.cuda.varlen_attention.paged_attention` attends to the whole context and takes neither a window
+nor a soft-cap. A layer with either runs :func:`masked_attention` instead: as transformers' eager attention
+(``scores * scale``, then ``cap * tanh(scores / cap)``, then the causal and window mask, softmax in fp32), a query
+at position ``p`` seeing the keys at ``p - window + 1 .. p``. Nothing caps the context: the window is a mask.
+
+Only the blocks a window can reach are read: a decode step gathers the last ``window // block_size + 2`` blocks of
+each sequence's table, and a prefill chunk the blocks from its first query's window on, so blocks before the
+window are never touched (what lets a later change free them while the sequence runs).
+
+On the CPU, a windowed layer with no soft-cap whose step's contexts all fit in the window runs ``paged_attention``
+(the window then masks nothing). A decode step needs no host value, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from energon_infer.worker.kv_cache import StepMetadata
+from tightfit.cuda.varlen_attention import paged_attention
+
+__all__ = ["attention", "masked_attention"]
+
+#: scores per query chunk of a prefill (query rows x keys x heads) before it is split into smaller chunks
+_CHUNK_SCORES = 1 << 24
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *, scale: float,
+              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of the step's queries ``(T, H, D)``: ``paged_attention`` where the window and soft-cap
+    change nothing, :func:`masked_attention` otherwise."""
+    if not softcap and (not window or (q.device.type == "cpu" and int(meta.kv_lens.max()) <= window)):
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens, scale=scale,
+                               max_q_len=meta.max_q_len)
+    return masked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """``q (..., Hk, g, n, D)``, ``k``/``v (..., Hk, L, D)``, ``visible (..., 1, 1|n, L)`` -> ``(..., Hk, g, n, D)``."""
+    scores = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(-3))
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, scale: float,
+            window: int, softcap: float) -> torch.Tensor:
+    """One query per sequence: each gathers the blocks its window reaches (the whole table without a window)."""
+    b, h, d = q.shape
+    block, hk = k_cache.shape[1], k_cache.shape[2]
+    tables, lens = meta.block_tables, meta.kv_lens.long()
+    width = tables.shape[1] if not window else min(tables.shape[1], (window - 1) // block + 2)
+    last = lens - 1  # each query's position
+    first = torch.zeros_like(lens) if not window else (last - window + 1).clamp(min=0) // block
+    first = torch.minimum(first, torch.full_like(first, tables.shape[1] - width))
+    cols = first[:, None] + torch.arange(width, device=q.device)
+    blocks = tables.long().gather(1, cols).flatten()
+    k = k_cache.index_select(0, blocks).view(b, width * block, hk, d).transpose(1, 2)  # (B, Hk, L, D)
+    v = v_cache.index_select(0, blocks).view(b, width * block, hk, d).transpose(1, 2)
+    pos = cols[:, :, None] * block + torch.arange(block, device=q.device)  # (B, width, block)
+    pos = pos.flatten(1)
+    visible = pos <= last[:, None]
+    if window:
+        visible &= pos > (last - window)[:, None]
+    out = _attend(q.view(b, hk, h // hk, 1, d), k, v, visible[:, None, None, :], scale, softcap)
+    return out.reshape(b, h, d)
+
+
+def _sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, kv: int,
+              scale: float, window: int, softcap: float) -> torch.Tensor:
+    """The ``n`` new queries ``(n, H, D)`` of one sequence with ``kv`` tokens of context, in query chunks."""
+    n, h, d = q.shape
+    block, hk = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    rows = max(1, _CHUNK_SCORES // max(1, (min(kv, window) if window else kv) * h))
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        first_q, last_q = kv - n + lo, kv - n + hi - 1
+        start = max(0, first_q - window + 1) // block * block if window else 0
+        blocks = table[start // block: last_q // block + 1].long()
+        length = last_q + 1 - start
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)  # (Hk, L, D)
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
+        qpos = torch.arange(first_q, last_q + 1, device=q.device)[:, None]
+        kpos = torch.arange(start, last_q + 1, device=q.device)[None, :]
+        visible = kpos <= qpos
+        if window:
+            visible &= kpos > qpos - window
+        qs = q[lo:hi].transpose(0, 1).reshape(hk, h // hk, hi - lo, d)
+        o = _attend(qs, k, v, visible[None, None], scale, softcap)  # (Hk, g, n, D)
+        out[lo:hi] = o.reshape(h, hi - lo, d).transpose(0, 1)
+    return out
+
+
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``q (T, H, D)`` within a sliding ``window`` (0: none), scores soft-capped at ``softcap``
+    (0: not capped), over the paged cache; the layout of :mod:`tightfit.cuda.varlen_attention`."""
+    if meta.max_q_len == 1 and q.shape[0] == meta.kv_lens.shape[0]:
+        return _decode(q, k_cache, v_cache, meta, scale, window, softcap)
+    out = torch.empty_like(q)
+    cu, lens = meta.cu_seqlens.tolist(), meta.kv_lens.tolist()
+    for b, kv in enumerate(lens):
+        if cu[b + 1] > cu[b]:
+            out[cu[b]:cu[b + 1]] = _sequence(q[cu[b]:cu[b + 1]], k_cache, v_cache, meta.block_tables[b], kv, scale,
+                                             window, softcap)
+    return out
