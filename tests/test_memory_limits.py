@@ -20,7 +20,7 @@ from benchmarks.memlimit import LimitedRun, last_json_line, limit_unavailable, r
 from tests.helpers.multiprocess import free_port, unlaunched_env
 from tests.helpers.runif import RunIf
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(limit_unavailable() is not None, reason=str(limit_unavailable()))]
+pytestmark = pytest.mark.skipif(limit_unavailable() is not None, reason=str(limit_unavailable()))
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]

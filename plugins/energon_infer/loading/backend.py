@@ -17,16 +17,16 @@ Example:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from energon_infer.errors import MissingFileError, OptionError
+from energon_infer.errors import OptionError
 from energon_infer.loading.config import (
     SUPPORTED_MODEL_TYPES,
     ConfigError,
     UnsupportedModelError,
     load_config,
+    read_config_json,
 )
 
 __all__ = ["Backend", "FALLBACK_RULE", "check_fallback_options", "choose_backend", "model_type_of",
@@ -44,16 +44,8 @@ def transformers_causal_lm_types() -> frozenset[str]:
 
 def model_type_of(path: str | Path) -> str:
     """The ``model_type`` in ``<path>/config.json``; a missing file, bad JSON or no string there raises in one line."""
-    path = Path(path)
-    file = path / "config.json"
-    if not file.is_file():
-        raise MissingFileError(f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
-                               "(save one with transformers' save_pretrained)")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{file} is not valid JSON ({err}); restore it from the original model directory "
-                          "or save it again with save_pretrained") from None
+    file = Path(path) / "config.json"
+    raw = read_config_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: config.json holds a {type(raw).__name__}, not an object; it must be a JSON object "
                           'like {"model_type": "gpt2", "n_layer": 12, ...} (save it with save_pretrained)')

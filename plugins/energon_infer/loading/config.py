@@ -46,6 +46,7 @@ __all__ = [
     "UnsupportedModelError",
     "config_from_hf",
     "load_config",
+    "read_config_json",
 ]
 
 # Hugging Face activation names -> the function the model applies (see model._activation).
@@ -295,17 +296,23 @@ def _opt_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """Read ``<path>/config.json`` (a Hugging Face model directory); every error names the file."""
+def read_config_json(path: str | Path) -> Any:
+    """The parsed ``<path>/config.json``: a missing file or bad JSON raises in one line naming the file."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise MissingFileError(f"{file} does not exist: a model directory needs config.json next to its *.safetensors "
                                "(save one with transformers' save_pretrained)")
     try:
-        raw = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{file} is not valid JSON ({err}); restore it from the original model directory "
                           "or save it again with save_pretrained") from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read ``<path>/config.json`` (a Hugging Face model directory); every error names the file."""
+    file = Path(path) / "config.json"
+    raw = read_config_json(path)
     try:
         return config_from_hf(raw)
     except ConfigError as err:
