@@ -12,12 +12,20 @@ os.environ.setdefault("TIGHTFIT_CACHE_DIR", os.path.join(os.path.dirname(__file_
 
 @pytest.fixture(autouse=True)
 def _destroy_process_group():
-    """A test that leaves a process group behind must not leak it into the next test."""
+    """A test that leaves a process group behind, or a launcher's rank variables in ``os.environ`` (an in-process
+    Lightning Trainer sets MASTER_PORT, LOCAL_RANK, WORLD_SIZE...), must not leak them into the next test: a child
+    started later would believe it is one rank of a launched group and wait for peers or reuse a taken port."""
+    from tests.helpers.multiprocess import LAUNCHER_VARS
+
+    before = {k: v for k, v in os.environ.items() if k.startswith(LAUNCHER_VARS)}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for k in [k for k in os.environ if k.startswith(LAUNCHER_VARS) and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)
 
 
 @pytest.fixture

@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(kind: str, work: Path, limit: int, env: dict[str, str] | None = None) -> LimitedRun:
+    # The child starts its own ranks: a launcher's variables left by an earlier in-process Trainer must not reach it.
     return run_limited([sys.executable, "-m", "tests.helpers.memory_limit_children", kind, str(work)], limit,
-                       name=f"test-{kind}", cwd=ROOT, env=env, timeout=300)
+                       name=f"test-{kind}", cwd=ROOT, env=env if env is not None else unlaunched_env(), timeout=300)
 
 
 def _fits_or_refuses(run: LimitedRun) -> dict:

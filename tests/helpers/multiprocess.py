@@ -46,14 +46,14 @@ def free_port() -> int:
 # What a launcher (Lightning, torchrun) leaves in a process's environment. Lightning's script launcher sets some of
 # them in its own process, so after an in-process Trainer a child that inherits them believes it is one rank of a
 # group already launched and waits for peers that never come.
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_",
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_",
                   "TORCHELASTIC_", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
 
 
 def unlaunched_env(**extra: str) -> dict[str, str]:
     """This process's environment without a launcher's rank variables, plus ``extra``: for a child that must start
     its own ranks (a Lightning script, ``torchrun``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
     env.update(extra)
     return env
 
