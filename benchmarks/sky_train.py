@@ -138,9 +138,8 @@ def _priority() -> tuple[str, object]:
 
     With ``sched_autogroup`` (Linux's default for interactive sessions) a niceness only orders the
     processes of one session against each other; the session's autogroup has a niceness of its own
-    (``/proc/self/autogroup``), which is what sets its share against other sessions' jobs. Without
-    it, at load 14 on 2 cores, a 4-microbatch step of a tiny model took 21-80 ms for 6-16 ms of CPU;
-    with it, 5-10 ms.
+    (``/proc/self/autogroup``), which is what sets its share against other sessions' jobs: without it a busy
+    machine's other sessions stretch a short step's wall time to several times its CPU time.
     """
     got = []
     before_nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0

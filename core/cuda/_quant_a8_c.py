@@ -37,11 +37,9 @@ int tf_a8_available(void) { return TF_A8 ? 1 : TF_A8V ? 2 : 0; }
    to check every kernel (above A8T_MAX_ROWS: never). which 0: rows from which row-order weights take the
    16-feature transposed tiles (a8_i4t; fewer: the 4 x 4 tiles, the transpose costing more than it saves);
    which 1: rows from which tiled weights (tile_int4) take a8_i4t, each block split once and kept for all rows
-   (fewer: a8_i4t_rows, groups of four rows splitting each run in registers). With both asking for their weights
-   ahead (a8_prefetch_kib) a8_i4t_rows was the faster up to 28 rows and level at 32 (the benchmark model's 25 int4
-   projections, 2 threads: 8 rows 0.91-1.00 vs 1.10-1.15 ms, 20 rows 2.07 vs 2.32, 32 rows 3.10 vs 3.11; decoding,
-   9 interleaved rounds: batch 8 3364 vs 3233 tokens/s, 16 4429 vs 4365, 32 4941 vs 4906), so tiled weights take
-   a8_i4t from 32 rows only (it was 8). Returns the old value; rows < 0 only asks. */
+   (fewer: a8_i4t_rows, groups of four rows splitting each run in registers). a8_i4t_rows splits a block once per
+   four rows, a8_i4t once for all rows: the split it repeats only pays for itself at many rows, hence the higher
+   threshold for tiled weights. Returns the old value; rows < 0 only asks. */
 static int a8t_min_rows = 4, a8t_tiled_block_rows = 32;
 int tf_a8_set_rows(int which, int rows) {
     int *v = which == 0 ? &a8t_min_rows : &a8t_tiled_block_rows;
@@ -271,15 +269,11 @@ static inline __attribute__((always_inline)) void a8_i4b(const job_t *j, int64_t
     a8_i4_store(j, n, m, R, F, acc);
 }
 
-/* A tiled int8 weight is read as one stream per thread, a tile after another, and the hardware prefetchers alone
-   left the loads waiting on memory: the benchmark model's 25 int8 projections (38 MB, beyond this EPYC's 32 MB L3;
-   2 threads) took 1.60 ms a step at 8 rows, slower than the row-order 4 x 4 tiles' four streams a thread (1.42-1.47).
-   So a8_i8t asks for the bytes A8_AHEAD KiB ahead of those it loads, 1 KiB (16 lines) at a time: 2, 4, 8 and 16 KiB
-   ahead gave 1.11, 0.95, 0.91 and 0.95 ms (4.46 -> 2.82 ms at 32 rows, 551 -> 513 us at one). Past a chunk's end
-   it asks for the next chunk's, which another thread reads: harmless. The int4 tiles (20 MB, within the L3) measured
-   the same alone (1.02-1.05 ms at 8 rows) but gained in the model, where the KV cache and activations share the L3:
-   the benchmark's int4 model decoding, 7 alternating process pairs, median of the paired ratios 1.04 at batch 1, 8
-   and 32 (pairs ranged 0.87-1.19), so a8_i4t and a8_i4t_rows ask too. */
+/* A tiled weight is read as one stream per thread, a tile after another; once the weights outgrow the last-level
+   cache, the hardware prefetchers alone leave those loads waiting on memory (row-order 4 x 4 tiles read four
+   streams a thread and hide more of it). So a8_i8t asks for the bytes A8_AHEAD KiB ahead of those it loads, 1 KiB
+   (16 lines) at a time. Past a chunk's end it asks for the next chunk's, which another thread reads: harmless.
+   a8_i4t and a8_i4t_rows ask too: in a model the KV cache and activations share the cache with the weights. */
 #define A8_AHEAD 8
 static inline __attribute__((always_inline)) void a8_prefetch_kib(const void *at) {
     for (int i = 0; i < 16; i++) _mm_prefetch((const char *)at + A8_AHEAD * 1024 + 64 * i, _MM_HINT_T0);

@@ -464,8 +464,8 @@ int tf_quant_threading(void) {
    Workers are started once (per process: a forked child starts its own) and wait for a generation number.
    A call splits its output features into chunks that the caller and the workers claim from one counter, so a
    worker that is slow to wake (a busy machine) costs nothing: the caller takes its chunks. Between calls a
-   worker sleeps on a condition variable: spinning 200 us after each call for the next one measured no faster
-   (int4 decode steps of the benchmark's model 4.36 vs 4.33 ms) and takes a core from other work. */
+   worker sleeps on a condition variable: spinning after each call for the next one gains nothing a step's
+   matmuls can see and takes a core from other work. */
 
 static struct {
     pthread_mutex_t call, mu;
