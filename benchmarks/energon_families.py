@@ -15,8 +15,8 @@ Llama at batch 16.
    both the same fresh prompts of 8-200 tokens, all submitted at once, greedy, a fixed number of new tokens,
    alternating after a warm-up. The ratio is energon / vLLM, paired round by round (``benchmarks/README.md``),
    beside each side's median tokens/s and the count of prompts whose greedy tokens agree.
-2. **Fallback vs native on Llama.** The Llama 3 checkpoint of section 1 through ``TransformersRunner`` (the path a
-   model type without a native family takes) and ``ModelRunner`` (the native path), in this process with every
+2. **Fallback vs native on Llama.** The Llama 3 checkpoint of section 1 served by two Engines at their defaults,
+   one with ``model_impl="transformers"`` (the path a model type without a native family takes), one native, every
    core, batch 16 (16 fresh prompts a round, all at once), alternating: fallback / native, paired.
 """
 
@@ -140,28 +140,31 @@ def family_case(name: str, path: Path, *, prompts: int, tokens: int, repeats: in
 
 
 def fallback_case(path: Path, *, batch: int, tokens: int, repeats: int) -> dict[str, Any]:
-    """The transformers-backed runner against the native one on one checkpoint, batch ``batch``, paired."""
-    from energon_infer import ModelRunner, SamplingParams
-    from energon_infer.worker.hf_runner import TransformersRunner
+    """The transformers-backed path against the native one on one checkpoint, through the Engine as a user serves
+    it (``model_impl="transformers"`` against the default), batch ``batch``, paired."""
+    import contextlib
 
-    torch.set_num_threads(_cores())
-    opts = dict(progress=False, block_size=BLOCK, kv_cache_tokens=16384, dtype="float32")
-    runners = {"fallback": TransformersRunner.from_pretrained(path, **opts),
-               "native": ModelRunner.from_pretrained(path, **opts)}
+    from energon_infer.engine.engine import Engine
+    from energon_infer.sampling import SamplingParams
+
     sets = [_prompts(2000 + r, batch, SIZES["vocab_size"]) for r in range(repeats + 1)]
     greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}
+    with contextlib.ExitStack() as stack:
+        engines = {name: stack.enter_context(Engine.from_pretrained(
+            path, progress=False, kv_cache_tokens=16384, max_batch_tokens=2048, block_size=BLOCK, model_impl=impl))
+            for name, impl in (("fallback", "transformers"), ("native", "auto"))}
 
-    def timed(name: str):
-        def run(r: int) -> float:
-            start = time.perf_counter()
-            done = runners[name].generate(sets[r], greedy)
-            seconds = time.perf_counter() - start
-            outputs.setdefault(name, [c.token_ids for c in done])
-            return sum(len(c.token_ids) for c in done) / seconds
-        return run
+        def timed(name: str):
+            def run(r: int) -> float:
+                start = time.perf_counter()
+                done = engines[name].generate(sets[r], greedy)
+                seconds = time.perf_counter() - start
+                outputs.setdefault(name, [c.token_ids for c in done])
+                return sum(len(c.token_ids) for c in done) / seconds
+            return run
 
-    runs = _alternate({name: timed(name) for name in runners}, repeats, f"fallback vs native, batch {batch}")
+        runs = _alternate({name: timed(name) for name in engines}, repeats, f"fallback vs native, batch {batch}")
     same = sum(a == b for a, b in zip(outputs["fallback"], outputs["native"]))
     return {"runs": runs, "stats": {k: summarize(v) for k, v in runs.items()},
             "paired": paired(runs["fallback"], runs["native"]), "same_greedy": same, "batch": batch,
@@ -195,9 +198,10 @@ def markdown(results: dict[str, Any], params: dict[str, Any]) -> str:
         p, s = fb["paired"], fb["stats"]
         lines += [
             "",
-            f"The transformers-backed path (`TransformersRunner`) against the native one (`ModelRunner`) on the "
-            f"llama3 checkpoint, batch {fb['batch']} (fresh prompts of 8-200 tokens each round), {fb['new_tokens']} "
-            f"greedy tokens, in one process with {params['cores']} cores, {params['repeats']} rounds alternating:",
+            f"The transformers-backed path (`Engine.from_pretrained(..., model_impl=\"transformers\")`) against the "
+            f"native one on the llama3 checkpoint, batch {fb['batch']} (fresh prompts of 8-200 tokens each round), "
+            f"{fb['new_tokens']} greedy tokens, both Engines at their defaults with {params['cores']} cores, "
+            f"{params['repeats']} rounds alternating:",
             "",
             "| path | tok/s median [min-max] | fallback / native (paired) | greedy agree | "
             f"target >= {FALLBACK_TARGET:.1f}x |",

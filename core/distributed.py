@@ -77,7 +77,7 @@ def broadcast_text(text: str | None, *, src: int = 0, group: Any = None) -> str:
 
 
 def _error_record(exc: BaseException) -> dict[str, Any]:
-    rec: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    rec: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc), "class": _qualified(type(exc))}
     if isinstance(exc, PlanInfeasibleError):
         rec["attrs"] = {"needed_bytes": exc.needed_bytes, "budget_bytes": exc.budget_bytes,
                         "suggestions": list(exc.suggestions), "tier": exc.tier}
@@ -94,16 +94,34 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def _qualified(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _same_class(base: type, qualified: str | None) -> type:
+    """``base``, or its subclass this process has defined whose qualified name is ``qualified``.
+
+    Every rank runs the same code, so the plugin whose subclass rank 0 raised (a ``MemoryLimitError``) has defined
+    it here too; core never imports a plugin to find it (the one-way rule), it looks among the classes defined.
+    """
+    stack = [base]
+    while qualified and stack:
+        kind = stack.pop()
+        if _qualified(kind) == qualified:
+            return kind
+        stack.extend(kind.__subclasses__())
+    return base
+
+
 def _raise_record(rec: dict[str, Any]) -> None:
-    name, message, attrs = rec["error"], rec["message"], rec.get("attrs", {})
-    if name == "PlanInfeasibleError":
-        raise PlanInfeasibleError(message, needed_bytes=attrs.get("needed_bytes", 0),
-                                  budget_bytes=attrs.get("budget_bytes", 0),
-                                  suggestions=tuple(attrs.get("suggestions", ())),
-                                  tier=attrs.get("tier", "device"))
-    if name == "PlanMismatchError":
-        raise PlanMismatchError(message, field=attrs.get("field", ""), expected=attrs.get("expected"),
-                                actual=attrs.get("actual"))
+    name, message, attrs, qualified = rec["error"], rec["message"], rec.get("attrs"), rec.get("class")
+    if attrs is not None and "needed_bytes" in attrs:  # a PlanInfeasibleError, or a plugin's subclass of it
+        raise _same_class(PlanInfeasibleError, qualified)(
+            message, needed_bytes=attrs.get("needed_bytes", 0), budget_bytes=attrs.get("budget_bytes", 0),
+            suggestions=tuple(attrs.get("suggestions", ())), tier=attrs.get("tier", "device"))
+    if attrs is not None and "field" in attrs:  # a PlanMismatchError, or a subclass
+        raise _same_class(PlanMismatchError, qualified)(
+            message, field=attrs.get("field", ""), expected=attrs.get("expected"), actual=attrs.get("actual"))
     if name == "PlanError":
         raise PlanError(message)
     raise RuntimeError(f"{name} on rank 0: {message}")

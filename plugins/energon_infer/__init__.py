@@ -4,9 +4,11 @@
     runner = ModelRunner.from_pretrained("path/to/hf-model-dir")          # tp=2, pp=2 under torchrun
     out = runner.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
-The runtime loads GPT-2, OPT and LLaMA-family checkpoints (and the tightfit example
-GPT's training checkpoints), runs batches packed with no padding over a paged KV cache, and splits
-models over a ``tp x pp`` grid of ranks. Names load on first use, so ``tightfit plugins`` stays fast.
+The runtime loads the native families' checkpoints (GPT-2, OPT, Llama 1-3, Mistral, Qwen 2/3, Gemma 1-3, Phi-3,
+OLMo 2, Granite; ``docs/model-families.md``) and the tightfit example GPT's training checkpoints, runs
+batches packed with no padding over a paged KV cache, and splits models over a ``tp x pp`` grid of ranks. Any other
+causal LM transformers builds loads as a :class:`TransformersRunner` (its modeling code over energon's scheduler and
+cache). Names load on first use, so ``tightfit plugins`` stays fast.
 
 The engine drives that runtime from one controller (continuous batching, worker processes, memory
 pooling, faults) and the server puts it behind an OpenAI-compatible HTTP API:
@@ -26,6 +28,7 @@ from tightfit.plugins import Plugin
 __all__ = [
     "plugin",
     "ModelRunner",
+    "TransformersRunner",
     "RuntimeConfig",
     "Generation",
     "ContextLengthError",
@@ -54,6 +57,7 @@ __all__ = [
 
 _LAZY = {
     "ModelRunner": "energon_infer.worker.runtime",
+    "TransformersRunner": "energon_infer.worker.hf_runner",
     "RuntimeConfig": "energon_infer.worker.runtime",
     "Generation": "energon_infer.worker.runtime",
     "ContextLengthError": "energon_infer.worker.runtime",

@@ -49,6 +49,28 @@ def test_planner_error_on_rank0_is_raised_on_every_rank_with_its_numbers():
     assert outs == [("PlanInfeasibleError", 3 << 30, 1 << 30, ("offload", "recompute"))] * 2
 
 
+def _plugin_subclass(rank: int, world_size: int) -> tuple[str, str, int, str]:
+    """A plugin's subclass of a planner error (Elixir's MemoryLimitError) raised on rank 0 reaches the other ranks
+    as that subclass, so ``except MemoryLimitError`` behaves alike on every rank."""
+    from lightning_elixir.memory_budget import MemoryLimitError
+
+    def decide() -> dict:
+        raise MemoryLimitError("needs 2 GiB under a 1 GiB limit", needed_bytes=2 << 30, budget_bytes=1 << 30,
+                               tier="host")
+
+    try:
+        decide_on_rank0(decide, encode=json.dumps, decode=json.loads)
+    except PlanInfeasibleError as exc:
+        return type(exc).__module__, type(exc).__name__, exc.needed_bytes, exc.tier
+    return "", "no error", 0, ""
+
+
+@RunIf(min_world=2, lightning=True)
+def test_a_plugins_subclass_of_a_planner_error_keeps_its_class_on_every_rank():
+    outs = run_distributed(_plugin_subclass, 2)
+    assert outs == [("lightning_elixir.memory_budget", "MemoryLimitError", 2 << 30, "host")] * 2
+
+
 def _other_error(rank: int, world_size: int) -> None:
     def decide() -> dict:
         raise KeyError("boom")

@@ -235,7 +235,8 @@ class Engine:
         if (method := checkpoint_quantization(path, cfg.runtime.quantization)) != cfg.runtime.quantization:
             cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quantization=method))  # torchao's
         pool = _pool_config(memory_pool)
-        backend, why = choose_backend(path)  # a native family, or transformers' modeling code (the fallback)
+        # a native family, or transformers' modeling code (the fallback, or what model_impl asks for)
+        backend, why = choose_backend(path, cfg.runtime.model_impl)
         said = [why]
         if cfg.runtime.dtype == "auto":  # the checkpoint's dtype where the device computes in it, else float32
             dtype, dtype_why = auto_dtype(path, cfg.runtime.device)

@@ -29,10 +29,21 @@ from energon_infer.loading.config import (
     read_config_json,
 )
 
-__all__ = ["Backend", "FALLBACK_RULE", "check_fallback_options", "choose_backend", "model_type_of",
-           "transformers_causal_lm_types", "uses_attention_interface"]
+__all__ = ["Backend", "MODEL_IMPLS", "FALLBACK_RULE", "check_fallback_options", "check_model_impl", "choose_backend",
+           "model_type_of", "transformers_causal_lm_types", "uses_attention_interface"]
 
 Backend = Literal["native", "transformers"]
+#: what ``model_impl`` (``RuntimeConfig``, ``tightfit serve --model-impl``) takes: ``auto`` lets
+#: :func:`choose_backend` decide; ``native`` and ``transformers`` insist on one path.
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def check_model_impl(model_impl: object) -> str:
+    """``model_impl`` if it is one of :data:`MODEL_IMPLS`, else a one-line ``ValueError``."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl={model_impl!r} is not a model implementation; use 'auto' (a native family where "
+                         "one reads the checkpoint, else transformers' modeling code), 'native' or 'transformers'")
+    return str(model_impl)
 
 
 def transformers_causal_lm_types() -> frozenset[str]:
@@ -56,24 +67,36 @@ def model_type_of(path: str | Path) -> str:
     return model_type
 
 
-def choose_backend(path: str | Path) -> tuple[Backend, str]:
+def choose_backend(path: str | Path, model_impl: str = "auto") -> tuple[Backend, str]:
     """``("native" | "transformers", why)`` for the model directory ``path``.
 
-    Native when a family reads the config; the transformers fallback when the model type has no native family, or
-    its family refuses one of its options (an unknown rope type, an attention variant), and transformers builds a
-    causal LM for it. A config with a malformed value (:class:`ConfigError`) is refused on either path; a model type
-    neither path knows raises :class:`UnsupportedModelError` naming both lists.
+    ``model_impl="auto"``: native when a family reads the config; the transformers fallback when the model type has
+    no native family, or its family refuses one of its options (an unknown rope type, an attention variant), and
+    transformers builds a causal LM for it. ``"native"`` refuses what no native family reads (with the family's
+    reason) instead of falling back; ``"transformers"`` takes transformers' modeling code even where a native family
+    exists (to compare the two, or to step around a family's bug). A config with a malformed value
+    (:class:`ConfigError`) is refused on either path; a model type neither path knows raises
+    :class:`UnsupportedModelError` naming both lists.
     """
     path = Path(path)
+    check_model_impl(model_impl)
     model_type = model_type_of(path)
     refusal = ""
     if model_type in SUPPORTED_MODEL_TYPES:
         try:
             cfg = load_config(path)
         except UnsupportedModelError as err:
+            if model_impl == "native":
+                raise
             refusal = str(err).removeprefix(f"{path / 'config.json'}: ")
         else:
-            return "native", f"{model_type} runs on energon's native {cfg.family} family"
+            if model_impl != "transformers":
+                return "native", f"{model_type} runs on energon's native {cfg.family} family"
+    elif model_impl == "native":
+        raise UnsupportedModelError(
+            f"{path / 'config.json'}: model_type {model_type!r} has no native energon family "
+            f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}) and model_impl='native' rules out transformers' modeling "
+            "code; leave model_impl at 'auto' (or --model-impl auto) to serve it through transformers")
     if model_type not in transformers_causal_lm_types():
         import transformers
 
@@ -83,7 +106,10 @@ def choose_backend(path: str | Path) -> tuple[Backend, str]:
             "causal LM for it; upgrade transformers or convert the checkpoint to one of those types"
             + (f" ({refusal})" if refusal else "")
         )
-    why = f"its native family refuses it: {refusal}" if refusal else "no native family for this model type"
+    if model_impl == "transformers" and not refusal:
+        why = "model_impl='transformers' asked for it"
+    else:
+        why = f"its native family refuses it: {refusal}" if refusal else "no native family for this model type"
     return "transformers", f"{model_type} runs through transformers' modeling code ({why})"
 
 

@@ -45,6 +45,7 @@ def _defaults(kind: type) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
+    from energon_infer.loading.backend import MODEL_IMPLS
     from energon_infer.scheduling.scheduler_config import SchedulerConfig
     from energon_infer.serving.server_config import ServerConfig
     from energon_infer.worker.runtime_config import RuntimeConfig
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=rt["dtype"],
                    help="auto: the dtype config.json names where this device computes in it natively, else float32 "
                         "(the choice is printed at start); or float32, bfloat16, float16")
+    m.add_argument("--model-impl", choices=MODEL_IMPLS, default=rt["model_impl"],
+                   help="auto: a native family where one reads the checkpoint, else transformers' modeling code (the "
+                        "choice and why are printed at start); native: refuse instead of falling back; transformers: "
+                        "transformers' modeling code even for a native family")
     m.add_argument("--kv-cache-tokens", type=positive_int, default=rt["kv_cache_tokens"],
                    help="KV cache capacity in tokens per worker (when not given, on a CPU: at most this, what the "
                         "memory limit leaves)")
@@ -235,7 +240,7 @@ def _serve(argv: list[str] | None) -> int:
     chosen = {name: value for name, flag, value in (("max_batch_tokens", "--max-batch-tokens", args.max_batch_tokens),
                                                     ("kv_cache_tokens", "--kv-cache-tokens", args.kv_cache_tokens))
               if any(a == flag or a.startswith(flag + "=") for a in argv)}
-    common = dict(tp=args.tp, pp=args.pp, dtype=dtype, **chosen,
+    common = dict(tp=args.tp, pp=args.pp, dtype=dtype, model_impl=args.model_impl, **chosen,
                   memory_pool=pool, model_name=args.served_model_name,
                   max_running=args.max_running, max_queue=args.max_queue,
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,

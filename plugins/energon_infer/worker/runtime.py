@@ -144,13 +144,24 @@ class ModelRunner:
         """Load a Hugging Face directory (``config.json``, ``*.safetensors``, optional ``tokenizer.json``).
 
         ``kwargs`` are :class:`RuntimeConfig` fields (``tp=2, pp=2, dtype="bfloat16"``); ``offload``: blocks
-        left unloaded (see the class).
+        left unloaded (see the class). A checkpoint no native family reads (or ``model_impl="transformers"``)
+        loads as a :class:`~energon_infer.worker.hf_runner.TransformersRunner`, the path the engine takes for it.
         """
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {path} does not exist; give a directory saved with "
                                     "save_pretrained (config.json + *.safetensors)")
         rt = runtime if runtime is not None else RuntimeConfig(**kwargs)
+        if cls is ModelRunner:  # a subclass (TransformersRunner) has chosen its path already
+            from energon_infer.loading.backend import choose_backend
+
+            backend, why = choose_backend(path, rt.model_impl)
+            if backend == "transformers":
+                from energon_infer.worker.hf_runner import TransformersRunner
+
+                if rt.progress:
+                    print(f"energon: {why}", file=sys.stderr, flush=True)
+                return TransformersRunner.from_pretrained(path, rt, offload=offload)
         if (method := checkpoint_quantization(path, rt.quantization)) != rt.quantization:  # saved quantized by torchao
             rt = dataclasses.replace(rt, quantization=method)
         config = load_config(path)

@@ -51,6 +51,9 @@ class RuntimeConfig:
         quantization: ``None``, ``"int8"`` or ``"int4"``: hold every block's projection weights quantized with
             torchao (energon_infer.loading.quantization); needs torchao installed.
         group_size: inputs per int4 group (32, 64, 128 or 256; default 128); int4 only.
+        model_impl: ``"auto"`` (a native family where one reads the checkpoint, else transformers' modeling code),
+            ``"native"`` (refuse what no native family reads) or ``"transformers"`` (transformers' modeling code
+            even where a native family exists); see :func:`energon_infer.loading.backend.choose_backend`.
     """
 
     tp: int = 1
@@ -69,6 +72,7 @@ class RuntimeConfig:
     packed_weights: bool = True
     quantization: str | None = None
     group_size: int | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "block_size", "kv_cache_tokens", "swap_space_tokens", "microbatches",
@@ -88,6 +92,9 @@ class RuntimeConfig:
         QuantSpec.create(self.quantization, self.group_size)  # an unknown method or a bad group size: one line
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
+        from energon_infer.loading.backend import check_model_impl
+
+        check_model_impl(self.model_impl)
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {', '.join(DTYPE_NAMES)}")
         if self.block_size < 1 or self.kv_cache_tokens < self.block_size:

@@ -85,7 +85,7 @@ def build_runner(source: ModelSource, runtime: Any) -> Any:
     if source.kind == "pretrained":
         from energon_infer.loading.backend import choose_backend
 
-        if choose_backend(source.path)[0] == "transformers":  # no native family: transformers' modeling code
+        if choose_backend(source.path, runtime.model_impl)[0] == "transformers":  # transformers' modeling code
             from energon_infer.worker.hf_runner import TransformersRunner
 
             return TransformersRunner.from_pretrained(source.path, runtime)
