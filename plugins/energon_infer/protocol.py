@@ -42,7 +42,9 @@ class Step:
 
     Block decisions of the scheduler, applied before the step runs: ``copies`` (``(src, dst)`` block
     copies, copy-on-write of a shared prefix), ``blocks`` (blocks appended to each sequence's table;
-    a new sequence's whole table) and ``starts`` (a new sequence's tokens already cached).
+    a new sequence's whole table, whose leading entries may be holes, ``-1``) and ``starts`` (a new sequence's
+    tokens already cached); ``trims`` (a running sequence's leading table entries released, a sliding window
+    having passed them: holes from now on, never read), applied after the swap-outs and before the frees.
     With steps planned ahead (``depth > 1``): ``send_back`` has the last stage send this step's tokens
     straight to the first stage's ranks; ``take_back`` has those receive the previous ``send_back`` step
     of ``group``'s tokens and put them in place of the placeholders (``-1``) before running.
@@ -65,6 +67,7 @@ class Step:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, before anything else
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks, after the assignments
     late: bool = False
+    trims: dict[int, int] = field(default_factory=dict)  # seq -> leading table entries released (holes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,7 @@ class WorkerInfo:
     host_blocks: int = 0  # swap space (see energon_infer.scheduling.swap) and its measured costs
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
+    kv_window: int = 0  # every layer's sliding window, the scheduler's to free blocks by (0: none)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -16,7 +16,7 @@ from energon_infer import (
     UnsupportedModelError,
     WeightError,
 )
-from energon_infer.loading.config import config_from_hf
+from energon_infer.loading.config import config_from_hf, load_config
 
 
 def _copy(src, dst):
@@ -36,6 +36,10 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_dirs, tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is "
                                                     r"not supported; supported model types: gemma, gemma2, "
                                                     r"gemma3_text, gpt2, granite, llama, mistral"):
+        load_config(path)
+    # transformers builds a causal LM for it: ModelRunner (native families only) names the runner that loads it
+    with pytest.raises(UnsupportedModelError, match=r"bert runs through transformers' modeling code .* "
+                                                    r"TransformersRunner\.from_pretrained"):
         ModelRunner.from_pretrained(path, progress=False)
     with pytest.raises(UnsupportedModelError, match="llama: rope_type='ntk_v2' is not supported"):
         config_from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,

@@ -74,18 +74,20 @@ def test_any_other_model_impl_is_refused_naming_the_choices(value):
         RuntimeConfig(model_impl=value)
 
 
-def test_model_runner_takes_the_path_the_engine_takes(llama_dir, phi_dir):
-    """``ModelRunner.from_pretrained`` on a model without a native family gives the transformers path's runner
-    as the Engine does; both paths give transformers' greedy tokens."""
-    fallback = ModelRunner.from_pretrained(phi_dir, **OPTS)
-    assert type(fallback) is TransformersRunner
-    assert [g.token_ids for g in fallback.generate(PROMPTS, GREEDY)] == hf_greedy(phi_dir, PROMPTS, TOKENS)
+def test_model_runner_points_to_the_runner_of_the_path_the_engine_takes(llama_dir, phi_dir):
+    """``ModelRunner`` runs the native families; a model on the transformers path (its type, or
+    ``model_impl="transformers"``) is refused in one line naming ``TransformersRunner``, which gives transformers'
+    greedy tokens for both."""
+    for path, kw in ((phi_dir, {}), (llama_dir, {"model_impl": "transformers"})):
+        with pytest.raises(UnsupportedModelError, match=r"runs through transformers' modeling code .* load it with "
+                                                        r"TransformersRunner\.from_pretrained") as err:
+            ModelRunner.from_pretrained(path, **OPTS, **kw)
+        assert "\n" not in str(err.value)
+        runner = TransformersRunner.from_pretrained(path, **OPTS)
+        assert [g.token_ids for g in runner.generate(PROMPTS, GREEDY)] == hf_greedy(path, PROMPTS, TOKENS)
     native = ModelRunner.from_pretrained(llama_dir, **OPTS)
-    forced = ModelRunner.from_pretrained(llama_dir, **OPTS, model_impl="transformers")
-    assert type(native) is ModelRunner and type(forced) is TransformersRunner
-    want = hf_greedy(llama_dir, PROMPTS, TOKENS)
-    assert [g.token_ids for g in native.generate(PROMPTS, GREEDY)] == want
-    assert [g.token_ids for g in forced.generate(PROMPTS, GREEDY)] == want
+    assert type(native) is ModelRunner
+    assert [g.token_ids for g in native.generate(PROMPTS, GREEDY)] == hf_greedy(llama_dir, PROMPTS, TOKENS)
 
 
 def test_engine_runs_a_native_family_through_transformers_when_asked(llama_dir, capfd):

@@ -21,15 +21,14 @@ from tests.energon_infer.tiny import VOCAB, hf_greedy
 NEW_TOKENS = 5
 PROMPTS = [[1, 17, 42, 99, 7, 3, 50, 11], [1, 5, 9], [1, 100, 13, 77, 31, 64, 8, 20, 45, 2, 19, 6]]  # ids < VOCAB
 
-#: model type -> the path it takes. The MoE types run through transformers' modeling code until a native MoE
-#: family exists.
+#: model type -> the path it takes (the MoE types on energon's native MoE families, energon_infer.worker.moe)
 TYPES = {
     "gpt2": "native", "opt": "native", "llama": "native", "mistral": "native", "qwen2": "native",
     "qwen3": "native", "gemma": "native", "gemma2": "native", "gemma3_text": "native", "phi3": "native",
     "olmo2": "native", "granite": "native",
     "phi": "transformers", "gpt_neox": "transformers", "falcon": "transformers", "stablelm": "transformers",
     "cohere": "transformers",
-    "mixtral": "transformers", "qwen2_moe": "transformers", "qwen3_moe": "transformers",
+    "mixtral": "native", "qwen2_moe": "native", "qwen3_moe": "native",
 }
 
 # Sizes only: the names each type's config takes for them (those it does not take are left out).

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CORPUS", "FAMILIES", "NATIVE", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model", "hf_logits",
-           "hf_greedy"]
+__all__ = ["CORPUS", "FAMILIES", "MOE", "NATIVE", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model",
+           "hf_logits", "hf_greedy"]
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -57,7 +57,7 @@ def _config(family: str, **overrides):
         kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=96)
         return MistralConfig(**{**kw, **overrides})
-    if family in NATIVE:
+    if family in NATIVE or family in MOE:
         return _native_config(family, overrides)
     raise ValueError(family)
 
@@ -107,10 +107,23 @@ NATIVE: dict[str, tuple[str, dict]] = {
 }
 
 
+# The Mixture-of-Experts families' checkpoints (tests/energon_infer/test_moe.py). At tp=2 "mixtral" and "qwen3_moe"
+# split their experts whole across the ranks (4 and 6 experts); "mixtral-sliced" and "qwen2_moe" (3 and 5) slice
+# every expert's intermediate dimension. Qwen 2 MoE's middle layer is dense (mlp_only_layers).
+MOE: dict[str, tuple[str, dict]] = {
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral-sliced": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=24, mlp_only_layers=[1])),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16, head_dim=16,
+                                    norm_topk_prob=True)),
+}
+
+
 def _native_config(name: str, overrides: dict):
     from transformers import AutoConfig
 
-    model_type, kw = NATIVE[name]
+    model_type, kw = NATIVE[name] if name in NATIVE else MOE[name]
     return AutoConfig.for_model(model_type, **{**_ROTARY, **kw, **overrides})
 
 
@@ -137,7 +150,7 @@ def save_tiny(family: str, path: Path, *, seed: int = 0, shard: str | None = "40
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
-            elif family in NATIVE:  # norms start at 1 (or 0 with Gemma's 1 + w): make each feature's its own
+            elif family in NATIVE or family in MOE:  # norms start at 1 (or 0 with Gemma's 1 + w): each its own
                 p.add_(torch.randn_like(p) * 0.3)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -143,19 +143,20 @@ class EngineConfig:
         return 2 if self.runtime.pp == 1 else 1
 
     def scheduler_for(self, *, kv_blocks: int, block_size: int, max_context: int, host_blocks: int = 0,
-                      swap_s_per_block: float = 0.0, recompute_s_per_token: float = 0.0) -> SchedulerConfig:
+                      swap_s_per_block: float = 0.0, recompute_s_per_token: float = 0.0,
+                      kv_window: int = 0) -> SchedulerConfig:
         """The scheduler's limits once the workers have reported their cache: these options with its shape."""
         return replace(self.scheduler, kv_blocks=kv_blocks, block_size=block_size, max_context=max_context,
                        groups=self.groups, depth=self.depth,
                        late_admission=self.scheduler.late_admission and self.runtime.tp * self.runtime.pp == 1,
                        preemption=self.scheduler.preemption if host_blocks else "recompute",
                        host_blocks=host_blocks, swap_s_per_block=swap_s_per_block,
-                       recompute_s_per_token=recompute_s_per_token)
+                       recompute_s_per_token=recompute_s_per_token, kv_window=kv_window)
 
 
 # Scheduler fields the workers report, not options; and the runtime's token budget, which is the scheduler's.
 _REPORTED = {"kv_blocks", "block_size", "max_context", "host_blocks", "swap_s_per_block", "recompute_s_per_token",
-             "groups", "depth"}
+             "groups", "depth", "kv_window"}
 # The flat names of the steps in flight predate the tree (``Engine.from_pretrained(d, pipeline_depth=3)``).
 _RENAMED = {"pipeline_groups": "groups", "pipeline_depth": "depth"}
 

@@ -1,10 +1,11 @@
 """One configuration for every decoder-only family the runtime runs, read from a Hugging Face ``config.json``.
 
-GPT-2, OPT and the rotary families (LLaMA 3, Mistral, Qwen 2 / 3, OLMo 2, Granite, Gemma 1 / 2 / 3, Phi-3 / 4)
-differ in a handful of switches: the norm (LayerNorm or RMSNorm, its weight offset) and where it sits (before,
-after, around the sublayers), positions (learned table or rotary, with its scaling), q/k norms, the MLP (two
-matrices with an activation, or gated with three), biases, sliding-window layers, soft-capping and scale factors,
-and whether the head is tied to the embedding. :class:`ModelConfig` names those switches once;
+GPT-2, OPT and the rotary families (LLaMA 3, Mistral, Qwen 2 / 3, OLMo 2, Granite, Gemma 1 / 2 / 3, Phi-3 / 4,
+and the Mixture-of-Experts Mixtral and Qwen 2 / 3 MoE) differ in a handful of switches: the norm (LayerNorm or
+RMSNorm, its weight offset) and where it sits (before, after, around the sublayers), positions (learned table or
+rotary, with its scaling), q/k norms, the MLP (two matrices with an activation, or gated with three, or experts
+behind a router), biases, sliding-window layers, soft-capping and scale factors, and whether the head is tied to
+the embedding. :class:`ModelConfig` names those switches once;
 :func:`config_from_hf` fills them from each family's declaration (:mod:`energon_infer.loading.families`), so the
 model code has one block and no ``if family == ...`` branches.
 
@@ -105,6 +106,17 @@ class ModelConfig:
         qkv_bias: whether the query, key and value projections have a bias.
         o_bias: whether the attention's output projection has a bias.
         mlp_bias: whether the MLP's projections have a bias.
+        n_experts: experts of each Mixture-of-Experts layer (0: a dense model; :mod:`energon_infer.worker.moe`).
+        experts_per_token: experts each token runs through in an MoE layer (the router's top-k).
+        moe_intermediate_size: each expert's MLP width (``intermediate_size`` stays the dense layers' width).
+        moe_step: with experts, every ``moe_step``-th layer (``layer + 1`` a multiple of it) has the MoE MLP
+            (Qwen MoE's ``decoder_sparse_step``; 1: every layer).
+        dense_layers: layers whose MLP stays dense although ``moe_step`` picks them (Qwen MoE's ``mlp_only_layers``).
+        norm_topk: the chosen experts' probabilities are renormalised to sum to 1.
+        routing_fp32: the routing weights scale the experts' outputs in fp32 (Mixtral), not cast to the
+            activations' dtype first (Qwen MoE). The same at fp32.
+        shared_expert_size: width of the shared expert every token of an MoE layer runs, scaled by a sigmoid
+            gate (Qwen 2 MoE; 0: none).
         embed_dim: width of the token embedding; differs from ``hidden_size`` only for OPT-350m, which
             projects in and out.
         tie_embeddings: the head reuses the token embedding.
@@ -148,6 +160,14 @@ class ModelConfig:
     qkv_bias: bool = True
     o_bias: bool = True
     mlp_bias: bool = True
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    norm_topk: bool = False
+    routing_fp32: bool = False
+    shared_expert_size: int = 0
     embed_dim: int = 0
     tie_embeddings: bool = True
     attn_scale_by_layer: bool = False
@@ -162,7 +182,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "intermediate_size", "max_positions"):
             _whole(getattr(self, name), name)
-        for name in ("position_offset", "embed_dim", "rotary_dim"):
+        _whole(self.moe_step, "moe_step (decoder_sparse_step)")
+        for name in ("position_offset", "embed_dim", "rotary_dim", "n_experts", "experts_per_token",
+                     "moe_intermediate_size", "shared_expert_size"):
             _whole(getattr(self, name), name, low=0)
         # A negative or zero epsilon lets a norm divide by ~0 (NaN logits, token 0 forever).
         real(self.norm_eps, "norm_eps (layer_norm_epsilon / rms_norm_eps)")
@@ -180,6 +202,7 @@ class ModelConfig:
                 raise ConfigError(f"token id {tok!r} (bos_token_id / eos_token_id) must be a whole number >= 0; "
                                   "fix config.json")
         self._check_switches()
+        self._check_experts()
         if self.embed_dim == 0:
             object.__setattr__(self, "embed_dim", self.hidden_size)
 
@@ -206,6 +229,44 @@ class ModelConfig:
                 f"{', '.join(ACTIVATIONS)}"
             )
 
+    def _check_experts(self) -> None:
+        for i in self.dense_layers:
+            _whole(i, "a layer of dense_layers (mlp_only_layers)", low=0)
+        if not self.n_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"num_experts_per_tok={self.experts_per_token} must be between 1 and the "
+                              f"{self.n_experts} experts (num_experts); fix config.json")
+        if not self.moe_intermediate_size:
+            raise ConfigError("moe_intermediate_size=0: each expert needs an MLP width >= 1; fix config.json")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the Mixture-of-Experts one (transformers' rule for Qwen MoE's layers)."""
+        return bool(self.n_experts) and (layer + 1) % self.moe_step == 0 and layer not in self.dense_layers
+
+    @property
+    def n_sparse(self) -> int:
+        """How many layers have the MoE MLP."""
+        if not self.n_experts:
+            return 0
+        dense = {i for i in self.dense_layers if i < self.n_layers and (i + 1) % self.moe_step == 0}
+        return self.n_layers // self.moe_step - len(dense)
+
+    def expert_parallel(self, tp: int) -> bool:
+        """Whether ``tp`` ranks split the experts whole (each holds ``n_experts / tp`` of them) rather than slicing
+        every expert's intermediate dimension: where ``tp`` divides the expert count (why: the docstring of
+        :mod:`energon_infer.worker.moe`)."""
+        return self.n_experts > 0 and self.n_experts % tp == 0
+
+    def mlp_params(self, sparse: bool) -> int:
+        """Parameters of a dense layer's MLP, or of a ``sparse`` one's (every expert, the router and the shared
+        expert)."""
+        h = self.hidden_size
+        if not sparse:
+            return h * self.intermediate_size * (3 if self.mlp == "swiglu" else 2)
+        shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size else 0)
+        return self.n_experts * (3 * h * self.moe_intermediate_size + h) + shared
+
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` (0: it attends to the whole context)."""
         return self.windows[layer] if self.windows else 0
@@ -213,13 +274,13 @@ class ModelConfig:
     @property
     def n_params(self) -> int:
         """Parameter count (tied head counted once); used for progress output and benchmarks."""
-        h, e, i = self.hidden_size, self.embed_dim, self.intermediate_size
+        h, e = self.hidden_size, self.embed_dim
         attn = h * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = h * i * (3 if self.mlp == "swiglu" else 2)
+        mlp = (self.n_layers - self.n_sparse) * self.mlp_params(False) + self.n_sparse * self.mlp_params(True)
         embed = self.vocab_size * e * (1 if self.tie_embeddings else 2)
         pos = (self.max_positions + self.position_offset) * h if self.positions == "learned" else 0
         proj = 2 * h * e if e != h else 0
-        return self.n_layers * (attn + mlp) + embed + pos + proj
+        return self.n_layers * attn + mlp + embed + pos + proj
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,7 +7,8 @@ A :class:`Family` says four things about a model type, and nothing else:
   norm weight offset, q/k norms, MLP activation, ...);
 * ``options``: readers of the ``config.json`` fields its block depends on (rope, windows, soft-capping,
   multipliers); each returns the ModelConfig fields it sets, and refuses a value the block does not run;
-* ``tensors``: where each runtime tensor sits in its checkpoint, under ``model.layers.<i>.``.
+* ``tensors``: where each runtime tensor sits in its checkpoint, under ``model.layers.<i>.`` (an expert's with
+  ``{e}`` for its index).
 
 The block (:class:`energon_infer.worker.model.Block`) reads only ModelConfig's switches, so a family is added
 here without touching the model code. The GPT-2 and OPT readers (learned positions, their own tensor layouts)
@@ -30,7 +31,7 @@ from typing import Any
 from energon_infer.loading.config_fields import ConfigError, divides, real, refuse, required, whole
 from energon_infer.loading.rope_config import read_rope, rope_sources, rotary_fraction
 
-__all__ = ["FAMILIES", "Family", "LLAMA_TENSORS", "decoder_fields"]
+__all__ = ["FAMILIES", "Family", "LLAMA_TENSORS", "MIXTRAL_TENSORS", "QWEN_MOE_TENSORS", "decoder_fields"]
 
 #: an option reader: (config.json, the ModelConfig fields read so far) -> the fields it sets
 Option = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
@@ -42,6 +43,19 @@ LLAMA_TENSORS: Mapping[str, str] = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
     "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+
+#: Mixture-of-Experts layers (:mod:`energon_infer.worker.moe`): the router, each expert's gate / up / down and,
+#: Qwen 2 MoE, the shared expert's and its sigmoid gate, as ``save_pretrained`` writes them (one tensor per expert)
+MIXTRAL_TENSORS: Mapping[str, str] = {
+    **LLAMA_TENSORS, "router": "block_sparse_moe.gate", "expert_gate": "block_sparse_moe.experts.{e}.w1",
+    "expert_up": "block_sparse_moe.experts.{e}.w3", "expert_down": "block_sparse_moe.experts.{e}.w2",
+}
+QWEN_MOE_TENSORS: Mapping[str, str] = {
+    **LLAMA_TENSORS, "router": "mlp.gate", "expert_gate": "mlp.experts.{e}.gate_proj",
+    "expert_up": "mlp.experts.{e}.up_proj", "expert_down": "mlp.experts.{e}.down_proj",
+    "shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+    "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate",
 }
 
 
@@ -133,18 +147,21 @@ def _layer_types(raw: dict[str, Any], n_layers: int, default: Callable[[int], bo
 def windows(rule: str, pattern: int = 2) -> Option:
     """Sliding-window layers, by the family's rule: ``"all"`` (Mistral, Phi-3: every layer when
     ``sliding_window`` is set), ``"qwen"`` (only with ``use_sliding_window``, layers from ``max_window_layers``
-    on), ``"pattern"`` (Gemma 2 / 3: ``layer_types``, else every ``pattern``-th layer global)."""
+    on), ``"qwen2_moe"`` (only with ``use_sliding_window``: ``layer_types``, else the even layers before
+    ``max_window_layers``), ``"qwen3_moe"`` (every layer, only with ``use_sliding_window``), ``"pattern"``
+    (Gemma 2 / 3: ``layer_types``, else every ``pattern``-th layer global)."""
 
     def read(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         window, n = raw.get("sliding_window"), fields["n_layers"]
-        if window is None or (rule == "qwen" and not raw.get("use_sliding_window")):
+        if window is None or (rule.startswith("qwen") and not raw.get("use_sliding_window")):
             return {}
         window = whole(window, "sliding_window")
-        if rule == "all":
+        if rule in ("all", "qwen3_moe"):
             sliding = [True] * n
-        elif rule == "qwen":
+        elif rule.startswith("qwen"):
             first = whole(raw.get("max_window_layers", n), "max_window_layers", low=0)
-            sliding = _layer_types(raw, n, lambda i: i >= first)
+            moe = rule == "qwen2_moe"
+            sliding = _layer_types(raw, n, lambda i: (i < first and i % 2 == 0) if moe else i >= first)
         else:
             every = whole(raw.get("sliding_window_pattern", pattern), "sliding_window_pattern")
             sliding = _layer_types(raw, n, lambda i: bool((i + 1) % every))
@@ -186,6 +203,47 @@ def granite_multipliers(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str
             "logits_divisor": real(raw.get("logits_scaling", 1.0), "logits_scaling")}
 
 
+def experts(kind: str, n_experts: int) -> Option:
+    """A Mixture-of-Experts MLP (:mod:`energon_infer.worker.moe`), ``n_experts`` its transformers default:
+    ``"mixtral"`` (every layer, the chosen experts' probabilities always renormalised and kept in fp32, experts as
+    wide as ``intermediate_size``), ``"qwen"`` (layers by ``decoder_sparse_step`` / ``mlp_only_layers``,
+    ``norm_topk_prob``, ``moe_intermediate_size``) or ``"qwen_shared"`` (Qwen 2 MoE: and a shared expert of
+    ``shared_expert_intermediate_size`` with its sigmoid gate)."""
+
+    def read(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        model_type = raw["model_type"]
+        key = next((k for k in ("num_experts", "num_local_experts") if raw.get(k) is not None), "num_experts")
+        n = whole(raw.get(key, n_experts), key, low=1 if kind == "mixtral" else 0)  # Qwen: 0 makes every MLP dense
+        if fields["activation"] != "silu":
+            refuse(model_type, "hidden_act", fields["activation"], "energon's experts run SiLU-gated MLPs; serve "
+                   "the model through the transformers fallback")
+        out: dict[str, Any] = {"n_experts": n, "experts_per_token": whole(raw["num_experts_per_tok"],
+                                                                         "num_experts_per_tok")}
+        if kind == "mixtral":
+            return {**out, "moe_intermediate_size": fields["intermediate_size"], "norm_topk": True,
+                    "routing_fp32": True}
+        dense = raw.get("mlp_only_layers")
+        dense = [] if dense is None else dense
+        if not isinstance(dense, list):
+            raise ConfigError(f"mlp_only_layers={dense!r} must be a list of layer indices (e.g. [0, 1]); fix "
+                              "config.json")
+        out.update(moe_intermediate_size=whole(raw["moe_intermediate_size"], "moe_intermediate_size"),
+                   norm_topk=bool(raw.get("norm_topk_prob", False)),
+                   moe_step=whole(raw["decoder_sparse_step"], "decoder_sparse_step"),
+                   dense_layers=tuple(whole(i, "a layer of mlp_only_layers", low=0) for i in dense))
+        if kind == "qwen_shared":
+            out["shared_expert_size"] = whole(raw["shared_expert_intermediate_size"],
+                                              "shared_expert_intermediate_size", low=0)
+        return out
+
+    return read
+
+
+def qwen2_moe_bias(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Qwen 2 MoE names its q/k/v bias ``qkv_bias`` (its output projection has none)."""
+    return {"qkv_bias": bool(raw.get("qkv_bias", True)), "o_bias": False}
+
+
 def causal(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     """Refuses Gemma's ``use_bidirectional_attention`` (an embedding model's encoder, not a causal LM)."""
     if raw.get("use_bidirectional_attention"):
@@ -201,6 +259,7 @@ def causal(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
 _NO_MLP_BIAS = {"mlp_bias": False}
 _NO_BIAS = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
 _GEMMA = {**_NO_MLP_BIAS, "norm_offset": 1.0, "norm_weight_fp32": True}
+_QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False}
 _GEMMA2_TENSORS = {**LLAMA_TENSORS, "attn_out_norm": "post_attention_layernorm",
                    "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
 
@@ -228,4 +287,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi3", defaults={"rms_norm_eps": 1e-5}, switches=_NO_BIAS, rope=rotary(partial=True),
            options=(windows("all"),),
            tensors={**LLAMA_TENSORS, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}),
+    Family("mixtral", defaults={"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2}, switches=_NO_BIAS,
+           options=(windows("all"), experts("mixtral", 8)), tensors=MIXTRAL_TENSORS),
+    Family("qwen2_moe", defaults={**_QWEN_MOE, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                                  "shared_expert_intermediate_size": 5632},
+           switches=_NO_MLP_BIAS, options=(qwen2_moe_bias, windows("qwen2_moe"), experts("qwen_shared", 60)),
+           tensors=QWEN_MOE_TENSORS),
+    Family("qwen3_moe", defaults={**_QWEN_MOE, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+           switches={**_NO_MLP_BIAS, "qk_norm": "head"}, options=(windows("qwen3_moe"), experts("qwen", 128)),
+           tensors=QWEN_MOE_TENSORS),
 )}

@@ -137,6 +137,10 @@ def check_quantization(cfg: ModelConfig, spec: QuantSpec | None, *, tp: int, dty
     """Raise :class:`QuantizationError` (one line: the value, the rule, the fix) unless ``spec`` applies."""
     if spec is None:
         return
+    if cfg.n_sparse:  # the block projections quantized here are qkv / o / up / down; an MoE layer's are its experts
+        raise QuantizationError(f"quantization={spec.method!r}: this {cfg.model_type} model's experts "
+                                "(energon_infer.worker.moe) are not quantized by energon yet, and they hold most of "
+                                "its weights; drop the quantization option (or --quantization) to serve it")
     why = torchao_error()
     if why:
         raise QuantizationError(why)

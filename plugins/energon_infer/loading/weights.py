@@ -63,7 +63,8 @@ def check_stage_fits(cfg: ModelConfig, layers: int, *, tp: int, itemsize: int, k
     """
     h, e = cfg.hidden_size, cfg.embed_dim
     attn = h * cfg.head_dim * (cfg.n_heads * 2 + cfg.n_kv_heads * 2)
-    mlp = h * cfg.intermediate_size * (3 if cfg.mlp == "swiglu" else 2)
+    # the smaller of a dense and an MoE layer's MLP, of those the model has (a lower bound for any stage)
+    mlp = min(cfg.mlp_params(sparse) for sparse in {cfg.n_sparse > 0, cfg.n_sparse < cfg.n_layers})
     # weight_itemsize: bytes per projection weight when they are held quantized (energon_infer.loading.quantization)
     weights = int(layers * (attn + mlp) // tp * (itemsize if weight_itemsize is None else weight_itemsize))
     cache = layers * kv_tokens * 2 * (cfg.n_kv_heads // tp) * cfg.head_dim * itemsize
@@ -174,6 +175,8 @@ class CheckpointReader:
 #   "row":  columns split evenly (input features of o / down)
 #   "vocab": rows split in vocab_shard(V, tp) chunks, the last padded with zeros
 #   None:   replicated
+#   "expert_col" / "expert_row": an expert's weights: whole where the ranks split the experts whole (expert
+#           parallelism, ModelConfig.expert_parallel), else "col" / "row" like the dense MLP's
 @dataclass(frozen=True, slots=True)
 class Part:
     source: str
@@ -257,6 +260,8 @@ def _decoder_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
         return [Part("model.norm.weight")]
     head = name.split(".")
     p, module, kind = f"model.layers.{head[1]}.", head[2], head[-1]
+    if module == "moe":
+        return _moe_parts(tensors, p, head[3:])
     if module in ("qkv", "up"):
         names = ("q", "k", "v") if module == "qkv" else ("gate", "up")
         fused = tensors.get("qkv" if module == "qkv" else "gate_up")
@@ -269,6 +274,28 @@ def _decoder_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
     if kind == "bias" and split == "row" or module in ("q_norm", "k_norm") and cfg.qk_norm == "head":
         split = None  # a row-parallel bias is added once, after the all-reduce; a per-head norm is shared
     return [Part(f"{p}{tensors[module]}.{kind}", split)]
+
+
+def _moe_parts(tensors: Mapping[str, str], p: str, rest: list[str]) -> list[Part]:
+    """An MoE layer's parts (:class:`energon_infer.worker.moe.MoE`): ``router.weight``, ``experts.<e>.gate_up`` /
+    ``.down``, ``shared_up.weight`` (the shared expert's gate and up), ``shared_down.weight``,
+    ``shared_expert_gate.weight``."""
+    if rest[0] == "experts":
+        e, which = rest[1], rest[2]
+        if which == "gate_up":
+            return [Part(f"{p}{tensors[x].format(e=e)}.weight", "expert_col") for x in ("expert_gate", "expert_up")]
+        return [Part(f"{p}{tensors['expert_down'].format(e=e)}.weight", "expert_row")]
+    if rest[0] == "shared_up":
+        return [Part(f"{p}{tensors[x]}.weight", "col") for x in ("shared_gate", "shared_up")]
+    split = "row" if rest[0] == "shared_down" else None
+    return [Part(f"{p}{tensors[rest[0]]}.weight", split)]
+
+
+def _resolve(split: str | None, cfg: ModelConfig, tp: int) -> str | None:
+    """An expert part's split at ``tp`` (whole experts, or sliced like the dense MLP); any other as given."""
+    if split in ("expert_col", "expert_row"):
+        return None if cfg.expert_parallel(tp) else split.removeprefix("expert_")
+    return split
 
 
 def _full_shape(local: tuple[int, ...], split: str | None, tp: int, cfg: ModelConfig) -> tuple[int, ...]:
@@ -385,7 +412,8 @@ def build_param(cfg: ModelConfig, grid: Grid, name: str, shape: tuple[int, ...],
         shapes = [(r, *shape[1:]) for r in (q_rows, kv_rows, kv_rows)]
     pieces, row = [], 0
     for part, local in zip(parts, shapes):
-        want = _full_shape(local, part.split, grid.tp, cfg)
+        split = _resolve(part.split, cfg, grid.tp)
+        want = _full_shape(local, split, grid.tp, cfg)
         t, full, sliced = fetch(part, want)
         if full != want:
             raise WeightError(
@@ -396,7 +424,7 @@ def build_param(cfg: ModelConfig, grid: Grid, name: str, shape: tuple[int, ...],
             )
         if nonfinite != "ignore" and t.is_floating_point():
             _check_finite(t, part.source, nonfinite)
-        piece = t if sliced else _shard(t, part.split, grid)
+        piece = t if sliced else _shard(t, split, grid)
         if out is None:
             pieces.append(piece)
         else:

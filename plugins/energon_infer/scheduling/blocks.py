@@ -14,6 +14,12 @@ cached prompt, since at least one token must run to give logits) is copied into 
 and the shared original is never written. Blocks nobody references stay named and cached until the
 free list runs dry; then the least recently released one is evicted (its name forgotten).
 
+Sliding windows: with ``window`` set (every layer of the model attends to at most its last ``window`` tokens),
+a block whose tokens every later query is past is released while the sequence runs (:meth:`BlockManager.trim`):
+its table entry becomes :data:`HOLE` and the block goes back to the pool (a named one stays cached for another
+sequence's prefix, until evicted). Holes are only ever the leading entries of a table. A prefix hit still needs
+its whole chain of named blocks, but holds only the ones its window reaches (the rest are holes from the start).
+
 Names are Python's tuple hash (64 bit, deterministic for ints); a match also compares the block's
 tokens, so only two different prefixes with one 64-bit name could ever be confused.
 
@@ -34,7 +40,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockManager", "PrefixHit"]
+__all__ = ["HOLE", "BlockManager", "PrefixHit"]
+
+#: A table entry whose block was released (:meth:`BlockManager.trim`): no query reads it any more.
+HOLE = -1
 
 
 @dataclass(slots=True)
@@ -61,11 +70,16 @@ class BlockManager:
         block_size: tokens per block.
         prefix_caching: name full blocks and share them between sequences.
         blocks: the block ids to manage (default ``range(num_blocks)``).
+        window: tokens back from a query that every layer reads at most (0: some layer reads the whole
+            context); blocks before every running query's window are released (:meth:`trim`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 blocks: Iterable[int] | None = None):
+                 blocks: Iterable[int] | None = None, window: int = 0):
+        if window < 0:
+            raise ValueError(f"window={window} must be >= 0 (0: no sliding window)")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.window = window
         self._free: deque[int] = deque(range(num_blocks) if blocks is None else blocks)
         self._ref: dict[int, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: evictable, LRU first
@@ -96,6 +110,29 @@ class BlockManager:
     def grow_cost(self, seq_id: int, length: int) -> int:
         """New blocks ``seq_id``'s table needs to hold ``length`` tokens."""
         return max(0, self.blocks_for(length) - len(self.tables.get(seq_id, ())))
+
+    def peak(self, tokens: int, step: int) -> int:
+        """The most blocks a sequence of ``tokens`` tokens holds at once when no step runs more than ``step``
+        of them: all of them, or with a window the step's tokens, the window before them and one block more."""
+        whole = self.blocks_for(tokens)
+        return min(whole, self.blocks_for(step + self.window - 1) + 1) if self.window else whole
+
+    def unneeded(self, start: int) -> int:
+        """Leading blocks no query at position ``start`` or later reads: those wholly before its window."""
+        return max(0, start - self.window + 1) // self.block_size if self.window else 0
+
+    def holes(self, seq_id: int) -> int:
+        """Leading entries of ``seq_id``'s table that were released (:data:`HOLE`)."""
+        n = 0
+        for block in self.tables.get(seq_id, ()):
+            if block != HOLE:
+                break
+            n += 1
+        return n
+
+    def held(self, seq_id: int) -> list[int]:
+        """The blocks ``seq_id`` holds, in table order (its table without the holes)."""
+        return [b for b in self.tables.get(seq_id, ()) if b != HOLE]
 
     # ------------------------------------------------------------------ allocation
 
@@ -148,16 +185,50 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def trim(self, seq_id: int, start: int) -> int:
+        """Release the blocks of ``seq_id`` that no query from position ``start`` on reads (:meth:`unneeded`);
+        returns how many leading entries of its table are holes now (unchanged without a window)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return 0
+        drop = min(self.unneeded(start), len(table))
+        for i in range(drop):
+            if table[i] != HOLE:
+                self._release(table[i])
+                table[i] = HOLE
+        return self.holes(seq_id)
+
+    def resume(self, seq_id: int, length: int, held: int) -> list[int]:
+        """A table for a swapped-out sequence of ``length`` tokens whose last ``held`` blocks come back (the
+        ones before are holes, as are those :meth:`unneeded` now); returns the blocks taken, in table order."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks; free it first")
+        total = self.blocks_for(length)
+        back = min(held, total - self.unneeded(length))
+        if back > self.num_free:
+            raise RuntimeError(f"sequence {seq_id} needs {back} blocks but {self.num_free} are free; check "
+                               "resume_cost first (this is a scheduler bug)")
+        new = [self._take() for _ in range(back)]
+        self.tables[seq_id] = [HOLE] * (total - back) + new
+        return new
+
+    def resume_cost(self, length: int, grown: int, held: int) -> int:
+        """Blocks :meth:`resume` (``length`` tokens, ``held`` blocks back) and growing to ``grown`` tokens take."""
+        total = self.blocks_for(length)
+        return min(held, total - self.unneeded(length)) + self.blocks_for(grown) - total
+
     def free(self, seq_id: int) -> None:
         """Release ``seq_id``'s blocks; named ones stay cached (the deepest evicted first)."""
         table = self.tables.pop(seq_id, None)
         self._named_upto.pop(seq_id, None)
         for block in reversed(table or ()):
-            self._release(block)
+            if block != HOLE:
+                self._release(block)
 
     def reset(self) -> None:
         """Forget everything (the workers restarted with empty caches)."""
-        self.__init__(self.num_blocks, self.block_size, prefix_caching=self.prefix_caching)  # type: ignore[misc]
+        self.__init__(self.num_blocks, self.block_size, prefix_caching=self.prefix_caching,  # type: ignore[misc]
+                      window=self.window)
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -203,19 +274,22 @@ class BlockManager:
     def start_cost(self, shared: Sequence[int], cow: tuple[int, int] | None, length: int) -> int:
         """Blocks a new sequence takes from :attr:`num_free` to hold ``length`` tokens, given its :meth:`lookup`."""
         cached = len(shared) * self.block_size + (cow[1] if cow else 0)
-        revived = sum(1 for b in shared if b not in self._ref)  # cached blocks leave the evictable set
+        drop = self.unneeded(cached)  # shared blocks before the window: holes, never held
+        revived = sum(1 for b in shared[drop:] if b not in self._ref)  # cached blocks leave the evictable set
         if cow is not None and cow[0] not in self._ref:
             revived += 1  # held while its copy is taken, so it cannot be the block evicted for it
         return max(0, self.blocks_for(max(length, cached + 1)) - len(shared)) + revived
 
-    def start(self, seq_id: int, tokens: Sequence[int]) -> PrefixHit:
-        """Begin ``seq_id``: share the cached prefix of ``tokens`` (see :meth:`lookup`); grow it afterwards."""
+    def start(self, seq_id: int, tokens: Sequence[int], *, share: bool = True) -> PrefixHit:
+        """Begin ``seq_id``: share the cached prefix of ``tokens`` (see :meth:`lookup`; nothing with ``share``
+        off); grow it afterwards."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks; free it first")
-        shared, parent, cow = self.lookup(tokens)
-        for block in shared:
+        shared, parent, cow = self.lookup(tokens) if share else ([], 0, None)
+        drop = self.unneeded(len(shared) * self.block_size + (cow[1] if cow else 0))
+        for block in shared[drop:]:
             self._hold(block)
-        table = list(shared)
+        table = [HOLE] * drop + list(shared[drop:])
         self.tables[seq_id] = table
         self._named_upto[seq_id] = (len(shared), parent)
         hit = PrefixHit(len(shared) * self.block_size, table)
@@ -242,8 +316,8 @@ class BlockManager:
         for i in range(done, full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             key = self._key(parent, chunk)
-            block = table[i]
-            if key not in self._by_key and block not in self._name:
+            block = table[i]  # a hole (released before it was named) is skipped, its key still chains
+            if block != HOLE and key not in self._by_key and block not in self._name:
                 self._by_key[key] = block
                 self._name[block] = _Named(key, parent, chunk)
                 self._children.setdefault(parent, set()).add(block)

@@ -7,7 +7,9 @@ chunk of a prompt) plus, first come first served, waiting requests while the ste
 (:mod:`energon_infer.scheduling.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
 the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
 tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
-only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step.
+only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step. With a sliding
+window on every layer (``kv_window``), a running sequence's blocks before its window are released as it
+grows (``Step.trims``), so it holds about ``kv_window / block_size + 2`` blocks however long it runs.
 
 Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead.
 Backpressure: :meth:`Scheduler.add` raises :class:`QueueFullError` beyond ``max_queue`` waiting.
@@ -79,7 +81,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
-                                   blocks=block_ids)
+                                   blocks=block_ids, window=config.kv_window)
         self.preemptions = 0
         self.late_steps = 0  # late steps planned (schedule_late)
         self.swap = SwapSpace(config.host_blocks, mode=config.preemption, swap_s_per_block=config.swap_s_per_block,
@@ -87,6 +89,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._reserved = 0
         self._frees: list[int] = []
+        self._trims: dict[int, int] = {}  # seq -> holes at the front of its table, not yet sent with a step
         self._busy, self._last_step = [0] * config.groups, [0] * config.groups
         self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
         # Tokens of the group's last planned step and of the late steps since (what a late one may add).
@@ -99,8 +102,20 @@ class Scheduler:
         return self._reserved if self.config.kv_admission == "reserve" else self.blocks.used
 
     def blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
-        """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context."""
-        return -(-min(prompt_len + params.max_tokens, self.config.max_context) // self.config.block_size)
+        """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context; with a
+        window, at most its largest step (the prompt, or a chunk of it) plus the window, and one block more."""
+        cfg = self.config
+        step = min(prompt_len, cfg.max_batch_tokens) if cfg.chunked_prefill else prompt_len
+        return self.blocks.peak(min(prompt_len + params.max_tokens, cfg.max_context), step)
+
+    def _most(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` one step may run: ``budget`` with chunked prefill; with a window never more than its
+        prompt (or a chunk of it) either, so a recompute after a preemption runs in steps that hold no more
+        blocks than :meth:`blocks_for` promised, however long its context has grown."""
+        if not self.config.kv_window:
+            return budget
+        most = min(len(req.prompt), self.config.max_batch_tokens) if self.config.chunked_prefill else len(req.prompt)
+        return min(most, budget) if self.config.chunked_prefill else most
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
         """Raise :class:`InvalidRequestError` if the request can never run here; return the blocks it needs at most."""
@@ -162,9 +177,19 @@ class Scheduler:
     def _tokens(req: Request) -> list[int]:
         return req.prompt + req.generated if req.generated else req.prompt
 
+    def _trim(self, plan: StepPlan, req: Request) -> None:
+        """Release ``req``'s blocks before the window of its next token; a sequence the workers hold is told."""
+        if not self.config.kv_window:
+            return
+        before = self.blocks.holes(req.seq_id)
+        holes = self.blocks.trim(req.seq_id, req.computed)
+        if holes > before and req.seq_id not in plan.step.starts:  # a new one gets its table with the holes
+            plan.step.trims[req.seq_id] = holes
+
     def _feed(self, plan: StepPlan, req: Request, n: int) -> None:
         """``req``'s next ``n`` tokens into ``plan`` (blocks grown first); a token still sampled: a placeholder."""
         tokens, step = self._tokens(req), plan.step
+        self._trim(plan, req)
         new = self.blocks.grow(req.seq_id, req.computed + n)
         if req.seq_id in step.starts or new:  # new on the workers: its whole table
             step.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in step.starts else new
@@ -184,7 +209,7 @@ class Scheduler:
         """Free a running request's blocks; it waits at the head of the queue and, when readmitted, is
         recomputed or (when swapping its blocks to host memory is cheaper) swapped back in."""
         del self.running[req.seq_id]
-        table = self.blocks.tables.get(req.seq_id, [])
+        table = self.blocks.held(req.seq_id)  # the blocks before its window were released already
         if self.swap.choose(blocks=len(table), tokens=req.computed):
             req.swapped = self.swap.take(len(table))
             self._swap_out.extend(zip(table, req.swapped))
@@ -225,25 +250,28 @@ class Scheduler:
         shared, _, cow = looked if looked is not None else mgr.lookup(tokens) if not req.swapped else ([], 0, None)
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
-        if cfg.chunked_prefill:
-            n = min(n, budget)
+        if cfg.chunked_prefill or cfg.kv_window:
+            n = min(n, self._most(req, budget))
         if n < 1 or n > budget:
             return 0
-        cost = mgr.blocks_for(cached + n) if req.swapped else mgr.start_cost(shared, cow, cached + n)
+        cost = (mgr.resume_cost(cached, cached + n, len(req.swapped)) if req.swapped
+                else mgr.start_cost(shared, cow, cached + n))
         # On demand, leave ~1% of the cache free for the running requests' next blocks (fewer preemptions).
         watermark = max(1, cfg.kv_blocks // 100) if self.running and cfg.kv_admission == "on_demand" else 0
+        if cost > mgr.num_free and not self.running and (shared or cow):  # the prefix (its copy's source held too)
+            return self._admit(plan, req, budget, (tokens, ([], 0, None)))  # costs more than the pool: start afresh
         if cost + watermark > mgr.num_free:
             return 0
         self.waiting.popleft()
         step = plan.step
-        if req.swapped:  # its keys/values come back from host memory into fresh blocks
-            table = mgr.grow(req.seq_id, req.computed)
-            step.swap_in.extend(zip(req.swapped, table))
+        if req.swapped:  # its keys/values come back from host memory into fresh blocks (those its window reaches)
+            table = mgr.resume(req.seq_id, req.computed, len(req.swapped))
+            step.swap_in.extend(zip(req.swapped[len(req.swapped) - len(table):], table))
             self.swap.give(req.swapped)
             req.swapped = []
             step.starts[req.seq_id] = req.computed
         else:
-            hit = mgr.start(req.seq_id, tokens)
+            hit = mgr.start(req.seq_id, tokens, share=bool(shared or cow))
             req.computed = hit.start
             step.starts[req.seq_id] = hit.start
             step.copies.extend(hit.copies)
@@ -267,7 +295,7 @@ class Scheduler:
         # takes them (a placeholder is only ever fed after such a step, so take_back covers it).
         ahead = cfg.depth > 1
         plan = StepPlan(Step(next(self._step_ids), self._frees, [], {}, group=group, send_back=ahead,
-                             take_back=ahead and self._owed[group], swap_out=self._swap_out))
+                             take_back=ahead and self._owed[group], swap_out=self._swap_out, trims=self._trims))
         mine = [r for r in self.running.values() if r.group == group]
         budget = cfg.max_batch_tokens
         before = self.preemptions
@@ -283,10 +311,11 @@ class Scheduler:
                         or known + r.pending >= cfg.max_context):
                     continue
                 n = 1
-            if cfg.chunked_prefill:
-                n = min(n, budget)
+            if cfg.chunked_prefill or cfg.kv_window:
+                n = min(n, self._most(r, budget))
             if n < 1 or n > budget:
                 continue
+            self._trim(plan, r)  # its blocks before the window go first: fewer to find room for
             if not self._make_room(r, n, plan):
                 continue
             self._feed(plan, r, n)
@@ -316,7 +345,7 @@ class Scheduler:
         # (and only blocks of known tokens: a placeholder's value comes later).
         for r in plan.requests:
             self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
-        self._frees, self._swap_out, plan.started = [], [], self.clock()  # they left with the step
+        self._frees, self._swap_out, self._trims, plan.started = [], [], {}, self.clock()  # they left with the step
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
             if sampled:
@@ -337,7 +366,7 @@ class Scheduler:
         """
         cfg = self.config
         if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous"
-                or self._busy[group] < cfg.depth or not self.waiting or self._frees or self._swap_out):
+                or self._busy[group] < cfg.depth or not self.waiting or self._frees or self._swap_out or self._trims):
             return None
         plan: StepPlan | None = None  # made (and a step id taken) once a request can join it
         budget = cfg.max_batch_tokens - self._last_tokens[group]  # they all may run as one step
@@ -454,7 +483,7 @@ class Scheduler:
         self.running.clear()
         self.blocks.reset()
         self.swap.reset()
-        self._swap_out = []
+        self._swap_out, self._trims = [], {}
         for req in self.waiting:  # swapped out to workers that are gone: recompute
             req.swapped, req.computed = [], 0
         self._reserved, self._frees = 0, []

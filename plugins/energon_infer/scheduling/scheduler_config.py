@@ -85,6 +85,9 @@ class SchedulerConfig:
         host_blocks: the workers' host swap space, in KV blocks (reported by the workers, not set).
         swap_s_per_block: the measured seconds to swap one block out and back (reported, not set).
         recompute_s_per_token: the measured seconds to recompute one token's KV (reported, not set).
+        kv_window: tokens back from a query that every layer of the model reads at most, its sliding window (0:
+            some layer reads the whole context). A running sequence's blocks before its window are released
+            (:meth:`~energon_infer.scheduling.blocks.BlockManager.trim`). Reported by the workers, not set.
     """
 
     kv_blocks: int = 0
@@ -104,6 +107,7 @@ class SchedulerConfig:
     host_blocks: int = 0
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
+    kv_window: int = 0
 
     @property
     def bound(self) -> bool:
@@ -132,6 +136,8 @@ class SchedulerConfig:
         if self.host_blocks < 0 or self.swap_s_per_block < 0 or self.recompute_s_per_token < 0:
             raise OptionError(f"host_blocks={self.host_blocks}, swap_s_per_block={self.swap_s_per_block} and "
                               f"recompute_s_per_token={self.recompute_s_per_token} must be >= 0")
+        if self.kv_window < 0:
+            raise OptionError(f"kv_window={self.kv_window} must be >= 0 (0: no sliding window)")
         if self.bound and self.preemption == "swap" and self.host_blocks < 1:
             raise OptionError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
                               "(host_blocks=0 here), or use preemption='recompute'")

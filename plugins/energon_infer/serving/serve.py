@@ -43,6 +43,25 @@ def _defaults(kind: type) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
 
 
+def _memory_flags(m: Any) -> None:
+    """The flags that pool or stream weights beyond the device (:func:`_memory_pool` reads them)."""
+    m.add_argument("--memory-pool", default=None,
+                   help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
+    m.add_argument("--memory-budget", default=None,
+                   help="serve beyond memory: bytes each worker's weights may hold in memory (2GiB), checked against "
+                        "the memory limit; the layers that do not fit are read from the model directory's safetensors "
+                        "files on every pass. Omitted on a CPU: the plan fits the whole process under the memory limit "
+                        "(cgroup or machine) and streams layers from disk only where they do not fit")
+    m.add_argument("--host-budget", default=None,
+                   help="with --memory-budget on a GPU: host bytes for pooled layers and staging (default: what is free)")
+    m.add_argument("--quantized-dir", default=None,
+                   help="with --quantization and --memory-budget: where the quantized layers read from disk are "
+                        "written once (default: .tightfit-quantized beside the model, or the cache directory)")
+    m.add_argument("--lookahead", type=nonnegative_int, default=None,
+                   help="pooled layers fetched ahead of the one running (default 2; on a CPU the most: the plan "
+                        "fetches fewer where memory is short)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
     from energon_infer.loading.backend import MODEL_IMPLS
@@ -68,21 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache-tokens", type=positive_int, default=rt["kv_cache_tokens"],
                    help="KV cache capacity in tokens per worker (when not given, on a CPU: at most this, what the "
                         "memory limit leaves)")
-    m.add_argument("--memory-pool", default=None,
-                   help="pool layers' weights outside the device: a fraction of layers (0.5) or a device budget (2GiB)")
-    m.add_argument("--memory-budget", default=None,
-                   help="serve beyond memory: bytes each worker's weights may hold in memory (2GiB), checked against "
-                        "the memory limit; the layers that do not fit are read from the model directory's safetensors "
-                        "files on every pass. Omitted on a CPU: the plan fits the whole process under the memory limit "
-                        "(cgroup or machine) and streams layers from disk only where they do not fit")
-    m.add_argument("--host-budget", default=None,
-                   help="with --memory-budget on a GPU: host bytes for pooled layers and staging (default: what is free)")
-    m.add_argument("--quantized-dir", default=None,
-                   help="with --quantization and --memory-budget: where the quantized layers read from disk are "
-                        "written once (default: .tightfit-quantized beside the model, or the cache directory)")
-    m.add_argument("--lookahead", type=nonnegative_int, default=None,
-                   help="pooled layers fetched ahead of the one running (default 2; on a CPU the most: the plan "
-                        "fetches fewer where memory is short)")
+    _memory_flags(p.add_argument_group("memory beyond the device"))
     m.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly (on a GPU at tp=1 they are replayed from CUDA graphs by default)")
     m.add_argument("--no-packed-weights", action="store_true",

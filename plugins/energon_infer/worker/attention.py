@@ -5,9 +5,11 @@ nor a soft-cap. A layer with either runs :func:`masked_attention` instead: as tr
 (``scores * scale``, then ``cap * tanh(scores / cap)``, then the causal and window mask, softmax in fp32), a query
 at position ``p`` seeing the keys at ``p - window + 1 .. p``. Nothing caps the context: the window is a mask.
 
-Only the blocks a window can reach are read: a decode step gathers the last ``window // block_size + 2`` blocks of
-each sequence's table, and a prefill chunk the blocks from its first query's window on, so blocks before the
-window are never touched (what lets a later change free them while the sequence runs).
+Only the blocks a window can reach are read: a decode step gathers the ``(window - 1) // block_size + 2`` blocks
+from its query's window on (columns past the sequence's last block repeat that block, masked), and a prefill
+chunk the blocks from its first query's window on. Blocks before the window are never touched, so the scheduler
+releases them while the sequence runs (their table entries become holes, ``-1``; see
+:mod:`energon_infer.scheduling.blocks`).
 
 On the CPU, a windowed layer with no soft-cap whose step's contexts all fit in the window runs ``paged_attention``
 (the window then masks nothing). A decode step needs no host value, so it can be captured in a CUDA graph.
@@ -17,13 +19,20 @@ from __future__ import annotations
 
 import torch
 
+from energon_infer.loading.config import ModelConfig
 from energon_infer.worker.kv_cache import StepMetadata
 from tightfit.cuda.varlen_attention import paged_attention
 
-__all__ = ["attention", "masked_attention"]
+__all__ = ["attention", "every_layer_window", "masked_attention"]
 
 #: scores per query chunk of a prefill (query rows x keys x heads) before it is split into smaller chunks
 _CHUNK_SCORES = 1 << 24
+
+
+def every_layer_window(cfg: ModelConfig) -> int:
+    """The window every layer of ``cfg`` attends within (0: a layer reads the whole context): the scheduler
+    releases a sequence's blocks before it, since no layer reads them again."""
+    return max(cfg.windows) if cfg.windows and all(cfg.windows) else 0
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *, scale: float,
@@ -56,9 +65,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     width = tables.shape[1] if not window else min(tables.shape[1], (window - 1) // block + 2)
     last = lens - 1  # each query's position
     first = torch.zeros_like(lens) if not window else (last - window + 1).clamp(min=0) // block
-    first = torch.minimum(first, torch.full_like(first, tables.shape[1] - width))
     cols = first[:, None] + torch.arange(width, device=q.device)
-    blocks = tables.long().gather(1, cols).flatten()
+    # Columns past the query's own last block (the step's longer tables, or the window's spare column) gather
+    # that block again, masked: never another sequence's padding, nor a released block before the window.
+    blocks = tables.long().gather(1, torch.minimum(cols, (last // block)[:, None])).flatten()
     k = k_cache.index_select(0, blocks).view(b, width * block, hk, d).transpose(1, 2)  # (B, Hk, L, D)
     v = v_cache.index_select(0, blocks).view(b, width * block, hk, d).transpose(1, 2)
     pos = cols[:, :, None] * block + torch.arange(block, device=q.device)  # (B, width, block)

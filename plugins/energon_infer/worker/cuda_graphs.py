@@ -95,7 +95,12 @@ def decode_graphs_for(runner: Any) -> DecodeGraphs | None:
     """The :class:`DecodeGraphs` a :class:`~energon_infer.worker.runtime.ModelRunner` asks for, or ``None``."""
     rt, device = runner.runtime, runner.device
     wanted = rt.cuda_graphs
-    if wanted is False or (wanted is None and (device.type != "cuda" or rt.tp > 1)):
+    if runner.config.n_sparse and wanted not in (None, False):
+        # which experts a step runs depends on its tokens (energon_infer.worker.moe), and a graph replays one set
+        raise ValueError(f"cuda_graphs={wanted!r}: this {runner.config.model_type} model's Mixture-of-Experts layers "
+                         "run the experts its tokens choose, which a captured graph cannot follow; leave "
+                         "cuda_graphs=None (off for MoE models)")
+    if wanted is False or (wanted is None and (device.type != "cuda" or rt.tp > 1 or runner.config.n_sparse)):
         return None
     if device.type != "cuda":  # device=None resolved to a CPU only now (__post_init__ could not tell)
         check_cuda_graphs(wanted, device=str(device), tp=rt.tp)

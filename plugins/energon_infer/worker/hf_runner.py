@@ -44,6 +44,8 @@ class TransformersRunner(ModelRunner):
         tokenizer: a ``tokenizers.Tokenizer``, or ``None``.
     """
 
+    kv_window = 0  # transformers' attention reads a sequence's whole block table: no block is released early
+
     def __init__(self, path: str | Path, runtime: RuntimeConfig | None = None, *, tokenizer: Any = None):
         rt = runtime or RuntimeConfig()
         self.device = torch.device(rt.device) if rt.device else local_rank_device()

@@ -25,13 +25,14 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from energon_infer.errors import EnergonError
+from energon_infer.scheduling.blocks import HOLE
 
 __all__ = ["KVCache", "KVCacheFullError", "StepMetadata", "UnknownSequenceError"]
 
@@ -122,7 +123,7 @@ class KVCache:
     @property
     def free_blocks(self) -> int:
         """Blocks in no sequence's table."""
-        return self.num_blocks - len({b for seq in self._seqs.values() for b in seq.blocks})
+        return self.num_blocks - len({b for seq in self._seqs.values() for b in seq.blocks if b != HOLE})
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +134,7 @@ class KVCache:
 
     def free_block_ids(self) -> list[int]:
         """The blocks in no sequence's table (what an allocator may hand out), lowest first."""
-        held = {b for seq in self._seqs.values() for b in seq.blocks}
+        held = {b for seq in self._seqs.values() for b in seq.blocks if b != HOLE}
         return [b for b in range(self.num_blocks) if b not in held]
 
     def sequences(self) -> list[int]:
@@ -167,10 +168,21 @@ class KVCache:
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._seqs[seq_id] = _Seq(length=start or 0)
-        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks and not (b == HOLE and not seq.blocks)]
         if bad:
-            raise ValueError(f"blocks {bad[:5]} are outside the cache's {self.num_blocks} blocks")
+            raise ValueError(f"blocks {bad[:5]} are outside the cache's {self.num_blocks} blocks (a new table may "
+                             f"start with holes, {HOLE})")
         seq.blocks.extend(blocks)
+
+    def trim(self, trims: Mapping[int, int]) -> None:
+        """``{seq_id: holes}``: the first ``holes`` entries of each table were released (a sliding window passed
+        them) and become :data:`~energon_infer.scheduling.blocks.HOLE`, so a read of one fails instead of
+        reading a block another sequence now writes."""
+        for seq_id, holes in trims.items():
+            seq = self._get(seq_id)
+            if not 0 <= holes <= len(seq.blocks):
+                raise ValueError(f"cannot release {holes} blocks of sequence {seq_id}: its table has {len(seq.blocks)}")
+            seq.blocks[:holes] = [HOLE] * holes
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared prefix block)."""

@@ -29,6 +29,7 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, RowLinear, VocabEmbedding, VocabHead
 from energon_infer.worker.attention import attention
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
+from energon_infer.worker.moe import MoE, moe_tp_widths
 from energon_infer.worker.rope import step_ropes
 from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
@@ -40,13 +41,18 @@ __all__ = ["DecoderStage", "Block", "check_tp", "step_ropes"]
 Ropes = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def _tp_widths(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
+    widths = [("attention heads", cfg.n_heads), ("key/value heads", cfg.n_kv_heads)]
+    if cfg.n_sparse < cfg.n_layers:  # some layer has the dense MLP
+        widths.append(("MLP width (intermediate_size)", cfg.intermediate_size))
+    return widths + moe_tp_widths(cfg, tp)
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise unless ``tp`` splits the query heads, key/value heads and MLP evenly."""
-    for what, value in (("attention heads", cfg.n_heads), ("key/value heads", cfg.n_kv_heads),
-                        ("MLP width (intermediate_size)", cfg.intermediate_size)):
+    """Raise unless ``tp`` splits the query heads, key/value heads, MLP and experts evenly."""
+    for what, value in _tp_widths(cfg, tp):
         if value % tp:
-            divisors = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_kv_heads % d == 0
-                        and cfg.n_heads % d == 0 and cfg.intermediate_size % d == 0]
+            divisors = [d for d in range(1, cfg.n_kv_heads + 1) if all(v % d == 0 for _, v in _tp_widths(cfg, d))]
             raise ValueError(
                 f"tp={tp} does not divide the {value} {what} of this {cfg.model_type} model; tensor parallelism "
                 f"splits them evenly across ranks, so use tp in {divisors}"
@@ -148,8 +154,11 @@ class Block(nn.Module):
         self.mlp_out_norm = _norm_or_none(layout in ("sandwich", "output"), cfg, h, dtype, device)
         inter = cfg.intermediate_size // tp
         self.gated = cfg.mlp == "swiglu"
-        self.up = ColumnLinear(h, inter * (2 if self.gated else 1), cfg.mlp_bias, dtype, device)
-        self.down = RowLinear(inter, h, cfg.mlp_bias, grid, dtype, device)
+        # a Mixture-of-Experts layer's MLP (energon_infer.worker.moe) in place of up / down
+        self.moe = MoE(cfg, grid, dtype, device) if cfg.sparse(layer) else None
+        if self.moe is None:
+            self.up = ColumnLinear(h, inter * (2 if self.gated else 1), cfg.mlp_bias, dtype, device)
+            self.down = RowLinear(inter, h, cfg.mlp_bias, grid, dtype, device)
         self.act = _activation(cfg.activation)
         self.fused_act = _FUSED.get(cfg.activation, "")
         self.silu = cfg.activation == "silu"
@@ -191,6 +200,8 @@ class Block(nn.Module):
         return self.o(out.reshape(t, self.heads * self.head_dim))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
         if self.gated and self.silu:
             return self.down(silu_mul(self.up(x)))  # one fused pass on CPU (tightfit.cuda.elementwise)
         if self.gated:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from energon_infer.errors import BadInputError
-from energon_infer.loading.config import ModelConfig, load_config
+from energon_infer.loading.config import ModelConfig, UnsupportedModelError, load_config
 from energon_infer.loading.hf_files import auto_dtype
 from energon_infer.loading.quantization import (
     QuantSpec,
@@ -48,6 +48,7 @@ from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
 from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
+from energon_infer.worker.attention import every_layer_window
 from energon_infer.worker.building import build_stage as _build_stage
 from energon_infer.worker.building import extra_eos as _extra_eos
 from energon_infer.worker.building import load_tokenizer as _load_tokenizer
@@ -129,6 +130,7 @@ class ModelRunner:
         # Blocks for the sequences of the step-level API (prefill/decode/step/forward without assign_blocks);
         # the engine's scheduler assigns its own, and the cache only holds tables.
         self.allocator = BlockManager(num_blocks, rt.block_size, prefix_caching=False)
+        self.kv_window = every_layer_window(config)  # the scheduler releases blocks before it (0: none)
         # None: every step runs on self.stage eagerly (always with offloaded blocks: their weights move).
         self.decode_graphs = None if offload else decode_graphs_for(self)
         self.sampler = Sampler(rt.seed)
@@ -144,8 +146,9 @@ class ModelRunner:
         """Load a Hugging Face directory (``config.json``, ``*.safetensors``, optional ``tokenizer.json``).
 
         ``kwargs`` are :class:`RuntimeConfig` fields (``tp=2, pp=2, dtype="bfloat16"``); ``offload``: blocks
-        left unloaded (see the class). A checkpoint no native family reads (or ``model_impl="transformers"``)
-        loads as a :class:`~energon_infer.worker.hf_runner.TransformersRunner`, the path the engine takes for it.
+        left unloaded (see the class). A checkpoint no native family reads (or ``model_impl="transformers"``) is
+        refused in one line pointing to :class:`~energon_infer.worker.hf_runner.TransformersRunner`, the runner of
+        the path the engine takes for it (this module cannot load it: that runner is built on this one).
         """
         path = Path(path)
         if not path.is_dir():
@@ -157,11 +160,10 @@ class ModelRunner:
 
             backend, why = choose_backend(path, rt.model_impl)
             if backend == "transformers":
-                from energon_infer.worker.hf_runner import TransformersRunner
-
-                if rt.progress:
-                    print(f"energon: {why}", file=sys.stderr, flush=True)
-                return TransformersRunner.from_pretrained(path, rt, offload=offload)
+                raise UnsupportedModelError(
+                    f"{path}: {why}; ModelRunner runs the native families only: load it with "
+                    "TransformersRunner.from_pretrained(path, ...) (from energon_infer import TransformersRunner), "
+                    "or serve it with Engine.from_pretrained, which picks the path itself")
         if (method := checkpoint_quantization(path, rt.quantization)) != rt.quantization:  # saved quantized by torchao
             rt = dataclasses.replace(rt, quantization=method)
         config = load_config(path)
@@ -326,12 +328,13 @@ class ModelRunner:
 
     def run_step(self, step: Step, items: Sequence[tuple[int, Sequence[int]]] | None = None, *,
                  broadcast: bool = True) -> StepResult:
-        """Apply one :class:`~energon_infer.protocol.Step` in its order: swap-outs, frees, the block decisions,
-        then run ``items`` (default the step's own; the worker fills placeholders first) and sample.
+        """Apply one :class:`~energon_infer.protocol.Step` in its order: swap-outs, trims (blocks a window passed),
+        frees, the block decisions, then run ``items`` (default the step's own; placeholders filled first), sample.
 
         The one way a step is applied: the engine's worker loop and :meth:`generate` both call it.
         """
         self.cache.swap_out(step.swap_out)
+        self.cache.trim(step.trims)
         for seq_id in step.frees:
             self.free(seq_id)
         self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
@@ -443,8 +446,9 @@ class ModelRunner:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
         encoded = [self.encode(p) for p in prompts]
-        bs = self.cache.block_size
-        reserve = [-(-min(len(e) + p.max_tokens, self.max_context) // bs) for e, p in zip(encoded, plist)]
+        peak, most = BlockManager(1, self.cache.block_size, window=self.kv_window).peak, self.runtime.max_batch_tokens
+        reserve = [peak(min(len(e) + p.max_tokens, self.max_context), min(len(e), most if chunked_prefill else len(e)))
+                   for e, p in zip(encoded, plist)]
         for i, e in enumerate(encoded):
             if not e or len(e) > self.max_context:
                 raise ContextLengthError(

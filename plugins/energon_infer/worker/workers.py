@@ -240,7 +240,8 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       block_size=runner.cache.block_size, config=runner.config.to_dict(),
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=weights, pool=pool_info, layer_bytes=runner.layer_bytes(),
-                      weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start)
+                      weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start,
+                      kv_window=runner.kv_window)
     _warm_up(runner, decode=not streams)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)

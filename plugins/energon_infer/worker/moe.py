@@ -1,0 +1,133 @@
+"""The Mixture-of-Experts MLP of the native MoE families (Mixtral, Qwen 2 MoE, Qwen 3 MoE), on packed tokens.
+
+A router scores every token against every expert; each token runs through its ``experts_per_token`` best experts
+and the block's output is their outputs weighted by the router's probabilities. The math follows transformers'
+``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock`` term for term: router logits in
+the activations' dtype, softmax in fp32, top-k, the chosen probabilities renormalised to sum to 1 where the model
+says (Mixtral always, Qwen's ``norm_topk_prob``), kept in fp32 when they scale the experts' outputs (Mixtral) or cast
+to the activations' dtype first (Qwen); Qwen 2 MoE adds a shared expert that every token runs, scaled by a sigmoid
+gate.
+
+The experts run grouped: the step's (token, expert) pairs are sorted by expert once, and each expert that has
+tokens runs once over all of them (a gate/up product, the gated activation, a down product), its rows scaled by
+their routing weights and added back into their tokens' rows. A token's weighted expert outputs are summed in fp32
+and rounded to the activations' dtype once, as transformers' grouped experts (its default implementation) sum them.
+
+Tensor parallelism (``tp > 1``): **expert parallelism** where ``tp`` divides the expert count
+(:meth:`~energon_infer.loading.config.ModelConfig.expert_parallel`): rank ``r`` holds experts
+``r * E/tp .. (r+1) * E/tp - 1`` whole and runs those of them its tokens chose. An expert's products then stay
+as wide as the checkpoint made them (a slice of ``moe_intermediate_size / tp`` columns is a thinner product for
+the same per-call overhead, and MoE experts are narrow already), each expert's weights are read by one rank only,
+and an expert is a whole unit a placement plan can move. Where ``tp`` does not divide the expert count, every rank
+holds every expert's slice of the intermediate dimension, split as the dense MLP is (gate/up by rows, down by
+columns). The router is replicated (each rank routes every token the same way); either way each rank's output
+is a partial sum over experts (or over intermediate slices), the shared expert's slice is added in, and one
+all-reduce gives the block's output, as the dense MLP's row-parallel ``down`` does.
+
+Example:
+    >>> from energon_infer.loading.config import config_from_hf
+    >>> cfg = config_from_hf({"model_type": "mixtral", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+    ...     "num_attention_heads": 2, "intermediate_size": 4, "max_position_embeddings": 16,
+    ...     "num_local_experts": 4, "num_experts_per_tok": 2})
+    >>> moe = MoE(cfg, Grid(), torch.float32, "cpu")
+    >>> sorted(moe.experts), tuple(moe.experts["0"].gate_up.shape)
+    (['0', '1', '2', '3'], (8, 8))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from energon_infer.loading.config import ModelConfig
+from energon_infer.parallel import ColumnLinear, Grid, linear_weight
+from tightfit.cuda.elementwise import silu_mul
+
+__all__ = ["Expert", "MoE", "local_experts", "moe_tp_widths"]
+
+
+def local_experts(cfg: ModelConfig, grid: Grid) -> range:
+    """The experts this rank holds: a contiguous ``E / tp`` of them with expert parallelism, else all."""
+    if not cfg.expert_parallel(grid.tp):
+        return range(cfg.n_experts)
+    per = cfg.n_experts // grid.tp
+    return range(grid.tp_rank * per, (grid.tp_rank + 1) * per)
+
+
+def moe_tp_widths(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
+    """The MoE widths ``tp`` must divide (for :func:`energon_infer.worker.model.check_tp`): each expert's
+    intermediate size where experts are sliced rather than split whole across ranks, and the shared expert's."""
+    widths = []
+    if cfg.n_sparse and not cfg.expert_parallel(tp):
+        widths.append(("expert MLP width (moe_intermediate_size; or a tp dividing num_experts)",
+                       cfg.moe_intermediate_size))
+    if cfg.n_sparse and cfg.shared_expert_size:
+        widths.append(("shared expert width (shared_expert_intermediate_size)", cfg.shared_expert_size))
+    return widths
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP on this rank: ``gate_up`` (gate rows, then up rows) and ``down``, held input-major
+    (:func:`~energon_infer.parallel.linear_weight`); whole, or this rank's slice of the intermediate dimension."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.gate_up = linear_weight(2 * inter, hidden, dtype, device)
+        self.down = linear_weight(hidden, inter, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_mul(F.linear(x, self.gate_up)), self.down)
+
+
+class MoE(nn.Module):
+    """A sparse MLP: router, this rank's experts (:func:`local_experts`) and, where the model has one, the shared
+    expert with its sigmoid gate (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        h, tp = cfg.hidden_size, grid.tp
+        self.grid, self.n_experts, self.top_k = grid, cfg.n_experts, cfg.experts_per_token
+        self.norm_topk, self.fp32_weights = cfg.norm_topk, cfg.routing_fp32
+        self.router = nn.Linear(h, cfg.n_experts, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        inter = cfg.moe_intermediate_size // (1 if cfg.expert_parallel(tp) else tp)
+        self.local = local_experts(cfg, grid)
+        self.experts = nn.ModuleDict({str(e): Expert(h, inter, dtype, device) for e in self.local})
+        self.shared_up = self.shared_down = self.shared_expert_gate = None
+        if cfg.shared_expert_size:
+            shared = cfg.shared_expert_size // tp
+            self.shared_up = ColumnLinear(h, 2 * shared, False, dtype, device)
+            self.shared_down = ColumnLinear(shared, h, False, dtype, device)  # a row slice: reduced with the experts
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)``, each ``(tokens, top_k)``: the chosen experts and their routing weights."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.fp32_weights else weights.to(x.dtype)), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        # (token, expert) pairs grouped by expert; a stable sort keeps each expert's tokens in token order
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        scale = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # one host sync for the whole layer
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = sum(counts[:self.local.start])
+        for e in self.local:
+            n = counts[e]
+            if n:
+                rows = tokens[start:start + n]
+                y = self.experts[str(e)](x.index_select(0, rows)) * scale[start:start + n, None]
+                out.index_add_(0, rows, y.float())
+            start += n
+        out = out.to(x.dtype)
+        if self.shared_up is not None:
+            assert self.shared_down is not None and self.shared_expert_gate is not None
+            shared = self.shared_down(silu_mul(self.shared_up(x)))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.grid.all_reduce(out)
