@@ -91,8 +91,10 @@ def test_lowering_the_budget_never_raises_lookahead_slots_or_the_token_budget(sh
         return
     assert low.lookahead <= high.lookahead
     assert low.max_batch_tokens <= high.max_batch_tokens
-    for lo, hi in zip(low.pools, high.pools):  # layers only leave memory as it shrinks
-        assert len(lo.disk_layers) >= len(hi.disk_layers)
+    for lo, hi in zip(low.pools, high.pools):
+        assert lo.device_bytes <= hi.device_bytes  # the weights held (kept layers, slots) never grow as it shrinks
+        if lo.lookahead == hi.lookahead:  # a slot given up may keep a layer: layers leave only at the same slots
+            assert len(lo.disk_layers) >= len(hi.disk_layers)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
