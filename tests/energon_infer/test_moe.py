@@ -16,15 +16,12 @@ import shutil
 import pytest
 import torch
 
-from energon_infer import ModelRunner, SamplingParams
+from energon_infer import ModelRunner
 from tests.energon_infer.conftest import GREEDY_TOKENS
+from tests.energon_infer.test_families import GREEDY, OPTS, TOL, _check
 from tests.energon_infer.tiny import MOE, PROMPTS, hf_greedy, hf_logits, hf_model, save_tiny
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
-
-TOL = 1e-4
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-OPTS = dict(block_size=4, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +34,6 @@ def moe_dirs(tmp_path_factory) -> dict[str, str]:
 def moe_refs(moe_dirs) -> dict[str, dict]:
     return {n: {"logits": hf_logits(d, PROMPTS), "greedy": hf_greedy(d, PROMPTS, GREEDY_TOKENS)}
             for n, d in moe_dirs.items()}
-
-
-def _check(runner: ModelRunner, ref: dict, what: str) -> float:
-    logits = runner.forward(list(enumerate(PROMPTS)), all_logits=True, broadcast=True)
-    err = (logits - torch.cat(ref["logits"])).abs().max().item()
-    assert err <= TOL, f"{what}: logits differ by {err}"
-    for seq in range(len(PROMPTS)):
-        runner.free(seq)
-    gens = runner.generate(PROMPTS, GREEDY)
-    assert [g.token_ids for g in gens] == ref["greedy"], what
-    return err
 
 
 @pytest.mark.parametrize("name", list(MOE))
