@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from tightfit.units import format_bytes
 
-__all__ = ["MemoryReading", "read_memory", "NO_LIMIT"]
+__all__ = ["MemoryReading", "read_memory", "release_freed_heap", "NO_LIMIT"]
 
 NO_LIMIT = 1 << 60
 """Limits at or above this many bytes mean "no limit" (cgroup v1 writes a page-rounded 2**63 there)."""
@@ -139,13 +141,30 @@ def _groups(cgroups: str, cgroup_root: Path) -> Iterator[tuple[Path, str, str, s
             group = group.parent
 
 
-def read_memory(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> MemoryReading:
+def release_freed_heap() -> None:
+    """Give the C heap's freed pages back to the system: collect Python's garbage, then glibc's ``malloc_trim(0)``
+    (elsewhere nothing). Freed memory below the heap's top stays resident until trimmed, so a process that has
+    just measured something (a calibration, a quantization pass) would count it as held and plan for less
+    memory than it has, or leave it for the kernel to OOM-kill it over."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def read_memory(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT, *, settle: bool = False) -> MemoryReading:
     """Read the machine's memory (``/proc/meminfo``) and the tightest memory cgroup limit above this process.
+
+    ``settle=True`` first gives freed heap pages back (:func:`release_freed_heap`): what a planner budgets from,
+    so its reserve (what the process holds now) counts only memory in use.
 
     A group counts where its limit and usage both read as whole bytes below :data:`NO_LIMIT` (``"max"``, an
     unreadable file or a missing group is no limit); the tightest is the one that leaves the least free
     (``limit - usage + inactive file pages``). Never raises: what cannot be read is left out.
     """
+    if settle:
+        release_freed_heap()
     meminfo = _read(proc / "meminfo") or ""
     total, available = _meminfo(meminfo, "MemTotal"), _meminfo(meminfo, "MemAvailable")
     statm = (_read(proc / "self" / "statm") or "").split()

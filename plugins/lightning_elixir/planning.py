@@ -411,7 +411,7 @@ def _plan_for(options: ElixirOptions, profile: ModelProfile, cluster: ClusterSpe
                       memory_budget=options.memory_budget, constraints=constraints, host_budget=options.host_budget)
     # Planning for this machine: the whole process within the memory it may use (the limit, on a CPU shared by the
     # device and the host), counting what it holds outside the plan as the reserve.
-    reading = read_memory()
+    reading = read_memory(settle=True)
     budget = process_budget(options.memory_budget, options.host_budget, device_type=device_type,
                             ranks_per_node=max(1, world_size // cluster.nodes), held_by_model=held_by_model,
                             reading=reading, reserved_given=constraints.reserved_bytes is not None)

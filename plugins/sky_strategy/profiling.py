@@ -167,7 +167,7 @@ def usable_memory(device: torch.device, resident_bytes: int, local_world_size: i
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + resident_bytes)
-    reading = read_memory()
+    reading = read_memory(settle=True)
     avail = reading.free if reading.capacity else 8 * 2**30  # unknown platform: assume 8 GiB
     return int(avail // max(1, local_world_size) + resident_bytes)
 

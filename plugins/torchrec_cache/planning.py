@@ -92,7 +92,7 @@ def check_host_memory(tables: list[Any], cache: CacheConfig) -> None:
     """Refuse, in one line and before any row is allocated, host memory the process does not have: core's reading
     of memory (:mod:`tightfit.memory_limit`, the memory cgroup limit it runs under) against the full tables with
     their optimizer state (no ``disk_dir``: they live in host memory) or the host level's ``host_budget``."""
-    reading = read_memory()
+    reading = read_memory(settle=True)
     if not reading.capacity:
         return
     where = (f"the memory limit of {format_bytes(reading.capacity)} ({reading.limit_file}) leaves"

@@ -5,6 +5,7 @@ cgroup v1 limit, from the kernel's own files; and no other module of tightfit re
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import sys
@@ -138,6 +139,20 @@ def test_under_a_real_limit_a_child_reads_it():
     assert got["limit_bytes"] == 300 * MiB and got["capacity_bytes"] == 300 * MiB
     assert "tightfit-test-memory-reading" in got["limit_file"] and got["limit_file"].endswith("limit_in_bytes")
     assert 0 < got["free_bytes"] < 300 * MiB and 0 < got["usage_bytes"] < 300 * MiB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_a_settled_reading_does_not_count_freed_heap_pages_as_held():
+    """Freed allocations below the heap's top stay resident until trimmed: a planner reading what the process holds
+    right after a measurement would count them as its reserve. ``settle=True`` gives them back first."""
+    code = ("import json; from tightfit.memory_limit import read_memory\n"
+            "blocks = [bytearray(8192) for _ in range(12000)]; top = bytearray(8192); del blocks\n"
+            "print(json.dumps([read_memory().resident, read_memory(settle=True).resident]))")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    held, settled = json.loads(out.splitlines()[-1])
+    assert held - settled > 12000 * 8192 // 2, (held, settled)
 
 
 _READERS = re.compile(r"meminfo|\bmemory\.(max|limit_in_bytes|current|usage_in_bytes)\b|SC_AVPHYS_PAGES|MemAvailable")

@@ -113,7 +113,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     io_threads = pool.io_threads if pool is not None else MemoryPoolConfig().io_threads
     shapes = stage_shapes(path, model, tp=rt.tp, pp=rt.pp, dtype=dtype, io_threads=io_threads, quant=quant,
                           packed=rt.packed_weights and quant is None)
-    reading = read_memory()
+    reading = read_memory(settle=True)
     where = f"the memory limit ({reading.limit_file})" if reading.limited else "this machine's free memory"
     fixes = []
     if quant is None:

@@ -48,7 +48,7 @@ def available_bytes(device: torch.device) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     from tightfit.memory_limit import read_memory
 
-    reading = read_memory()
+    reading = read_memory(settle=True)
     return reading.free if reading.capacity else None
 
 

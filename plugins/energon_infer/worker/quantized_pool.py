@@ -24,7 +24,6 @@ in-memory quantized model holds, so a pooled or streamed model gives exactly its
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -41,6 +40,7 @@ from energon_infer.loading.quantization import QuantSpec, quantize_weight
 from energon_infer.loading.weights import CheckpointReader, Part, build_param, hf_parts
 from energon_infer.parallel import quant_tiling, tile_weight
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer
+from tightfit.memory_limit import release_freed_heap
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.storage import ALIGN, TensorStore, aligned_empty
 
@@ -312,7 +312,7 @@ def write_missing_layers(store: TensorStore, model_path: str | Path, runner: Any
                 layer.written = True
         finally:
             reader.close()
-        _release_freed_heap()
+        release_freed_heap()  # quantizing leaves freed temporaries in the heap; the pool and page cache want it
     if todo or "manifest" not in store:  # the manifest last: a store cut short lacks layers, never holds wrong ones
         store.sync()
         want = _manifest(model_path, runner.quant, runner.runtime.dtype, runner.grid)
@@ -320,18 +320,6 @@ def write_missing_layers(store: TensorStore, model_path: str | Path, runner: Any
                                                dtype=torch.uint8))
         store.sync()
     return len(todo)
-
-
-def _release_freed_heap() -> None:
-    """Give the C heap's freed pages back to the system (glibc ``malloc_trim``; elsewhere nothing): quantizing
-    leaves freed temporaries in the heap, which a process serving under a memory cap next cannot otherwise give
-    to the page cache or the pool. Under the memory cap of benchmarks/_quant_disk.py's int8 model the first load
-    (writing the store) then serving runs at the edge of the cap, and without it over
-    (benchmarks/results/REPORT.md#energon_quant)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteSlotLayer, flat: torch.Tensor) -> None:
