@@ -8,8 +8,11 @@ ranks of the node), line by line, and chooses what the user left open:
 
 * ``lookahead`` (prefetch slots = lookahead + 1) and the token budget (``max_batch_tokens``) walk down one ladder,
   each step lowering whichever of the two saves more bytes (lookahead 0, which overlaps no read with compute,
-  last), until a setting leaves the layers at least half of what the knobs could take (or keeps every layer in
-  memory); lowering the memory never raises either knob;
+  last), until a setting fits and its token budget (activations and KV floor) takes at most half of what the
+  limit leaves the layers and it (or every layer stays in memory). The prefetch slots are not traded for kept
+  layers: a kept layer saves one read a pass, a slot overlaps every read with compute. A user's weights budget
+  (``weight_budget_bytes``) is the layers' whole: the token budget falls until it fits beside it. Lowering the
+  memory never raises either knob;
 * the layers kept in memory: the most that fit (:func:`tightfit.planner.pool.plan_pool`, one memory: the rest are
   read from disk on every pass);
 * the KV cache: what is left, up to ``kv_cache_tokens``, and never less than one step at the token budget.
@@ -29,7 +32,7 @@ Example:
     ((), 2, 4096, 32768)
     >>> plan = plan_serving([stage], free_bytes=150 * MiB, worker_bytes=100 * MiB, disk=disk)
     >>> plan.pools[0].disk_layers, plan.lookahead, plan.max_batch_tokens, plan.kv_cache_tokens
-    ((0, 2), 0, 256, 5120)
+    ((0, 1, 2), 1, 1024, 2048)
     >>> ServingPlan.from_json(plan.to_json()) == plan
     True
     >>> try:
@@ -42,7 +45,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tightfit.checks import check_number
@@ -167,24 +170,23 @@ class ServingPlan:
                       "lines": tuple(tuple((w, int(b)) for w, b in stage) for stage in raw["lines"])})
 
 
-def _ladder(lookahead: int, tokens: int, *, fix_lookahead: bool, fix_tokens: bool, slot: int,
-            act: int) -> list[tuple[int, int]]:
-    """(lookahead, token budget) from the given down to the floors, each step lowering the knob that saves more
-    (one slot of ``slot`` bytes, or half the tokens at ``act`` bytes each), lookahead 1 -> 0 last: every knob never
-    rises along it."""
+def _walk(lookahead: int, tokens: int, *, fix_lookahead: bool, fix_tokens: bool, slot: int, act: int,
+          good: Callable[[int, int], bool], fits: Callable[[int, int], bool]) -> tuple[int, int]:
+    """The first (lookahead, token budget) that is ``good``, from the given down to the floors, the floors where none
+    is. Where the setting ``fits`` (only the token budget's share is too large) the token budget halves; where it
+    does not, the knob that saves more (one slot of ``slot`` bytes, or half the tokens at ``act`` bytes each), and
+    lookahead 1 -> 0 last. Every knob only falls along the way."""
     floor = tokens if fix_tokens else min(tokens, TOKEN_BUDGET_FLOOR)
     low = lookahead if fix_lookahead else 0
     a, t = lookahead, tokens
-    out = [(a, t)]
-    while a > low or t > floor:
+    while not good(a, t) and (a > low or t > floor):
         half = max(floor, t // 2)
         # Lookahead 0 (one slot) leaves no read overlapped with compute: the last step, after the token budget.
-        if a > low and (t <= floor or (a > 1 and slot >= (t - half) * act)):
+        if a > low and (t <= floor or (not fits(a, t) and a > 1 and slot >= (t - half) * act)):
             a -= 1
         else:
             t = half
-        out.append((a, t))
-    return out
+    return a, t
 
 
 def _blocks(tokens: int, block: int) -> int:
@@ -286,12 +288,19 @@ def plan_serving(stages: Sequence[StageShape], *, free_bytes: int, worker_bytes:
                                        and low + stage.read_work_bytes <= room(stage, t))
 
     def knobs_leave_room(a: int, t: int) -> bool:
-        # The knobs take at most half of what the limit leaves the layers and the knobs together.
+        """A user's weights budget is what the layers get, whole: the token budget takes the rest. The planner's
+        own: the token budget (its activations and KV floor) takes at most half of what the limit leaves the layers
+        and it together. The prefetch slots are the streaming's, not the token budget's: lookahead falls only where
+        the setting does not fit, so a layer kept never costs the overlap of every read with compute."""
         for s in stages:
-            fixed = worker_bytes + slack + s.resident_bytes + s.read_buffer_bytes + s.read_work_bytes + \
+            if user is not None:
+                if user + (0 if keeps_all(s, t) else s.read_work_bytes) > room(s, t):
+                    return False
+                continue
+            slots = min(a + 1, len(s.layer_bytes)) * max(s.layer_bytes, default=0)
+            fixed = worker_bytes + slack + s.resident_bytes + s.read_buffer_bytes + s.read_work_bytes + slots + \
                 swap_tokens * s.kv_bytes_per_token
-            knobs = (min(a + 1, len(s.layer_bytes)) * max(s.layer_bytes, default=0) + s.activation_bytes(t, max_running)
-                     + kv_floor(t) * s.kv_bytes_per_token)
+            knobs = s.activation_bytes(t, max_running) + kv_floor(t) * s.kv_bytes_per_token
             if 2 * knobs > share - fixed:
                 return False
         return True
@@ -301,11 +310,15 @@ def plan_serving(stages: Sequence[StageShape], *, free_bytes: int, worker_bytes:
             lookahead -= 1
     widest = max((max(s.layer_bytes, default=0) for s in stages), default=0)
     per_token = max((s.activation_bytes_per_token + s.kv_bytes_per_token for s in stages), default=0)
-    ladder = _ladder(lookahead, max_batch_tokens, fix_lookahead=fix_lookahead, fix_tokens=fix_batch_tokens,
-                     slot=widest, act=per_token)
-    chosen = next((k for k in ladder if all(keeps_all(s, k[1]) for s in stages)
-                   or (all(fits(s, *k) for s in stages) and knobs_leave_room(*k))), ladder[-1])
-    a, t = chosen
+
+    def fits_all(a: int, t: int) -> bool:
+        return all(fits(s, a, t) for s in stages)
+
+    def good(a: int, t: int) -> bool:
+        return all(keeps_all(s, t) for s in stages) or (fits_all(a, t) and knobs_leave_room(a, t))
+
+    chosen = a, t = _walk(lookahead, max_batch_tokens, fix_lookahead=fix_lookahead, fix_tokens=fix_batch_tokens,
+                          slot=widest, act=per_token, good=good, fits=fits_all)
     if not all(fits(s, a, t) for s in stages):
         # The slack is a share of each rank's memory: the smallest share that holds the rest and its slack.
         needs = [(-(-(least(s, a) + others(s, t, kv_floor(t)) - slack) // (1 - slack_fraction)),

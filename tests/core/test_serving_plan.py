@@ -133,6 +133,35 @@ def test_a_users_weights_budget_is_checked_against_the_limit_and_lookahead_chose
                      weight_budget_bytes=900 * MiB)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=stages(), k=knobs, free=budgets, user=st.integers(1, 2048).map(lambda m: m * MiB))
+def test_a_users_weights_budget_is_given_whole_and_the_token_budget_takes_the_rest(shapes, k, free, user):
+    """The weights budget a user gives is the pool's, whole, wherever some token budget leaves room for it: the
+    planner lowers the token budget first, not the budget (a plan made for less than the user gave)."""
+    try:
+        plan = _plan(shapes, free, k, weight_budget_bytes=user)
+    except PlanInfeasibleError:
+        return
+    _check_lines(plan, shapes, k)
+    assert plan.weight_budgets == (user,) * len(shapes)
+    for pool in plan.pools:
+        assert pool.device_bytes + pool.host_bytes <= user
+
+
+def test_streaming_keeps_a_token_budget_beside_a_users_weights_budget():
+    """A model of 41 layers streamed under a weights budget that holds two prefetch slots: the rest of the limit
+    goes to the token budget and KV cache (each step reads every layer once: a small token budget multiplies the
+    reads of a prompt), not left unused beside a budget the layers cannot exceed."""
+    layer = 93 * MiB
+    shape = StageShape(layer_bytes=(layer,) * 41, resident_bytes=72 * MiB, read_buffer_bytes=48 * MiB,
+                       read_work_bytes=48 * MiB, kv_bytes_per_token=80 * 1024, activation_bytes_per_token=88 * 1024,
+                       logits_bytes_per_row=48 * 1024)
+    plan = plan_serving([shape], free_bytes=1126 * MiB, worker_bytes=221 * MiB, disk=DISK,
+                        weight_budget_bytes=384 * MiB, max_batch_tokens=4096, max_running=64)
+    assert plan.weight_budgets == (384 * MiB,) and plan.lookahead == 1  # three slots do not fit 384 MiB
+    assert plan.max_batch_tokens >= 1024 and len(plan.pools[0].disk_layers) == 41
+
+
 def test_without_a_disk_tier_every_layer_stays_and_the_refusal_says_so():
     shape = StageShape(layer_bytes=(8 * MiB,) * 4, resident_bytes=4 * MiB)
     assert plan_serving([shape], free_bytes=512 * MiB, worker_bytes=100 * MiB).pools[0].disk_layers == ()
