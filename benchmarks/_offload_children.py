@@ -62,7 +62,7 @@ def run_energon(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for prompts in spec.get("prompt_sets") or [spec["prompts"]]:
-            if pool is not None:
+            if pool is not None or spec.get("planned"):
                 engine.memory_report()  # the report below covers this set only
             read0 = _tree_read_bytes()
             start = time.monotonic()
@@ -71,7 +71,8 @@ def run_energon(spec: dict[str, Any]) -> dict[str, Any]:
             read1 = _tree_read_bytes()
             first = min(c.first_token for c in done if c.first_token)
             runs.append({"tokens": [list(c.token_ids) for c in done], "ttft_s": first - start, "seconds": end - start,
-                         "load_s": load_s, "read_bytes": read1 - read0, "pool": _pool_info(engine, pool is not None)})
+                         "load_s": load_s, "read_bytes": read1 - read0,
+                         "pool": _pool_info(engine, pool is not None or bool(spec.get("planned")))})
     finally:
         engine.shutdown()
     return runs[0] if "prompt_sets" not in spec else {"runs": runs}

@@ -4,11 +4,11 @@
 
 The setup of benchmarks/energon_offload.py: one engine process per cell, started in a
 fresh cgroup v1 memory group (benchmarks/memlimit.py; the page cache counts) after the page cache is dropped,
-``memory_budget = limit - 896 MiB`` for the weights (the rest: the interpreter, torch, the worker, KV cache;
-192 MiB less for the quantized formats, whose two processes import torchao),
+no weights budget (the serving planner fits the whole process under the cap, as for a user who gives none),
 one core fewer than the machine for compute (the other for the reads). The candidates are random LLaMA models of
 one depth and growing width (heads of 128, 2 key/value heads); for each format (fp32, int8, int4 at group 32, a
-size every candidate's widths take) the planner says which candidates fit the budget with every layer it must
+size every candidate's widths take) the pool planner says which candidates fit ``limit - 896 MiB`` of weights
+(192 MiB less for the quantized formats, whose two processes import torchao) with every layer it must
 stream read from disk (``plan_tiers`` on headers only: the candidates are written as safetensors headers over
 sparse files, no bytes), and the largest is then served for real under the cap: its greedy tokens/s at one
 batch, its peak memory and the bytes its disk layers move per step. A quantized model's first load writes its
@@ -89,7 +89,7 @@ def fits(path: Path, method: str | None, group: int | None, budget: int) -> bool
     return True
 
 
-def _serve(model: Path, method: str | None, group: int | None, *, budget: int, limit: int, batch: int,
+def _serve(model: Path, method: str | None, group: int | None, *, limit: int, batch: int,
            new_tokens: int, threads: int, timeout: float) -> dict[str, Any]:
     from benchmarks.energon_offload import _prompts
 
@@ -98,9 +98,10 @@ def _serve(model: Path, method: str | None, group: int | None, *, budget: int, l
                                "max_running": max(64, batch)}
     if method:
         options.update(quantization=method, group_size=group)
+    # Served as a user serves under a limit: no weights budget, the serving planner fits the whole process in it
+    # (the quantized store beside the model, where a first load writes it).
     spec = {"model": str(model), "prompts": prompts, "new_tokens": new_tokens, "threads": threads,
-            "runner": "energon", "options": options,
-            "pool": {"memory_budget": budget, "lookahead": 1, "quantized_dir": str(WORK / "quantized")}}
+            "runner": "energon", "options": options, "planned": True}
     first = run_cell("energon", sys.executable, spec, limit, timeout) if method else None
     capped = first is None or "error" not in first
     if not capped:  # writing the store holds a layer's fp32 tensors and torchao's temporaries: try it uncapped
@@ -129,7 +130,9 @@ def disk_case(quick: bool) -> dict[str, Any]:
     threads = max(1, (os.cpu_count() or 1) - 1)
     planned = {name: [h for h in hiddens if fits(shapes_only_model(h, layers, vocab), m, g, budgets[name])]
                for name, (m, g) in FORMATS.items()}
-    shutil.rmtree(WORK / "quantized", ignore_errors=True)  # every quantized store is written by this run
+    for name in ("quantized", "models"):  # every quantized store is written by this run
+        for store in (WORK / name).glob("**/.tightfit-quantized") if name == "models" else [WORK / name]:
+            shutil.rmtree(store, ignore_errors=True)
     out: dict[str, Any] = {"limit_bytes": limit, "budget_bytes": budgets, "layers": layers, "vocab": vocab,
                            "hiddens": list(hiddens), "fits": planned, "batch": batch, "new_tokens": new_tokens,
                            "threads": threads, "largest": {}, "same_model": {}}
@@ -139,7 +142,7 @@ def disk_case(quick: bool) -> dict[str, Any]:
             continue
         h = max(planned[name])
         model = save_model(h, layers, vocab)
-        cell = _serve(model, m, g, budget=budgets[name], limit=limit, batch=batch, new_tokens=new_tokens,
+        cell = _serve(model, m, g, limit=limit, batch=batch, new_tokens=new_tokens,
                       threads=threads, timeout=600.0)
         out["largest"][name] = {"hidden": h, "weight_bytes": sum(f.stat().st_size for f in model.glob("*.safetensors")),
                                 **cell}
@@ -152,7 +155,7 @@ def disk_case(quick: bool) -> dict[str, Any]:
         if out["largest"].get(name, {}).get("hidden") == same:
             out["same_model"][name] = out["largest"][name]
             continue
-        out["same_model"][name] = _serve(small, m, g, budget=budgets[name], limit=limit, batch=batch, new_tokens=new_tokens,
+        out["same_model"][name] = _serve(small, m, g, limit=limit, batch=batch, new_tokens=new_tokens,
                                          threads=threads, timeout=600.0)
     return out
 
@@ -161,8 +164,10 @@ def markdown(r: dict[str, Any]) -> str:
     if "skipped" in r:
         return f"With the disk tier under a memory cap: not measured ({r['skipped']})."
     budgets = ", ".join(f"{n} {b / MiB:.0f} MiB" for n, b in r["budget_bytes"].items())
-    lines = [f"With the disk tier under a {r['limit_bytes'] / GiB:.2f} GiB cgroup limit (weights' budget "
-             f"{budgets}, the quantized ones less torchao's imports; {r['layers']} layers, vocab {r['vocab']}, widths "
+    lines = [f"With the disk tier under a {r['limit_bytes'] / GiB:.2f} GiB cgroup limit (served with no weights "
+             f"budget: the serving planner fits each process under the limit; candidates are the widths whose "
+             f"weights the pool planner fits in {budgets}, the quantized ones less torchao's imports; "
+             f"{r['layers']} layers, vocab {r['vocab']}, widths "
              f"{', '.join(map(str, r['hiddens']))}; batch {r['batch']}, {r['new_tokens']} tokens, {r['threads']} "
              "compute thread(s)):", "",
              "| format | largest that serves | its fp32 checkpoint | tokens/s | peak | disk bytes / step | same model "
