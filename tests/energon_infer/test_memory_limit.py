@@ -29,13 +29,14 @@ LIMIT = 600 * MiB
 TOO_SMALL = 400 * MiB  # below the least-memory plan: refused
 
 _CHILD = """
-import json, sys
+import json, os, sys
 from energon_infer import Engine, MemoryPoolConfig, SamplingParams
 
 if __name__ == "__main__":
     path, budget = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     pool = MemoryPoolConfig(memory_budget=budget) if budget else None
-    with Engine.from_pretrained(path, memory_pool=pool, progress=False) as engine:
+    options = json.loads(os.environ.get("CHILD_OPTIONS", "{}"))
+    with Engine.from_pretrained(path, memory_pool=pool, progress=False, **options) as engine:
         # the third prompt is longer than the token budget the plan chooses: it runs in chunks
         outs = engine.generate([[5, 6, 7, 8], [9, 10], [(7 * i) % 8000 for i in range(1, 301)]],
                                SamplingParams(temperature=0, max_tokens=6))
@@ -171,3 +172,65 @@ def test_serve_with_no_budget_fits_the_limit_and_answers_the_unlimited_tokens(mo
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+_FLOORS = """
+import json, sys
+from energon_infer.engine.engine_config import engine_config
+from energon_infer.engine.memory_plan import WORKER_RUNTIME_BYTES, stage_shapes, worker_baseline_bytes
+from energon_infer.loading.config import load_config
+from tightfit.memory_limit import read_memory
+from tightfit.planner.errors import PlanInfeasibleError
+from tightfit.planner.serving import plan_serving
+from tightfit.profiler.types import DiskProfile
+
+path = sys.argv[1]
+cfg, model = engine_config(None, dtype="float32"), load_config(path)
+rt, sched = cfg.runtime, cfg.scheduler
+floors = {}
+for packed in (True, False):
+    shapes = stage_shapes(path, model, tp=1, pp=1, dtype="float32", io_threads=2, quant=None, packed=packed)
+    try:
+        plan_serving(shapes, free_bytes=0, worker_bytes=worker_baseline_bytes() + WORKER_RUNTIME_BYTES,
+                     max_batch_tokens=sched.max_batch_tokens, kv_cache_tokens=rt.kv_cache_tokens,
+                     block_size=rt.block_size, max_running=sched.max_running,
+                     disk=DiskProfile(path=path, free_bytes=2**40, read_fit=(1e-4, 1e9)))
+    except PlanInfeasibleError as exc:
+        floors[str(packed)] = exc.needed_bytes
+reading = read_memory(settle=True)
+print(json.dumps({"held": reading.usage - reading.reclaimable, **floors}))
+"""
+
+
+def test_the_packed_copies_give_way_where_only_they_do_not_fit(tmp_path):
+    """A model with a large vocabulary, whose head's packed copy (a CPU's second layout, a speed-up) is what a
+    limit cannot hold: with no option given the plan serves without the packed copies, exact against the
+    unlimited run; given ``packed_weights=True`` by name, it refuses in one line instead."""
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "wide", vocab=32000, hidden=768, layers=2, heads=12, kv_heads=4,
+                              intermediate=2048, max_positions=512)
+    (tmp_path / "floors.py").write_text(_FLOORS)
+    (tmp_path / "child.py").write_text(_CHILD)
+    measured = run_limited([sys.executable, str(tmp_path / "floors.py"), str(path)], 16 * 2**30, name="energon-floors",
+                           timeout=120)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    got = last_json_line(measured.stdout)
+    packed, plain = got["True"], got["False"]
+    assert packed - plain > 60 * MiB  # the head's packed copy: 32000 x 768 fp32
+    limit = got["held"] + (packed + plain) // 2
+    free = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], 16 * 2**30, name="energon-wide",
+                       timeout=300)
+    assert free.returncode == 0, free.stderr[-3000:]
+    run = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], limit, name="energon-wide",
+                      timeout=300)
+    assert not run.oom_killed and run.returncode == 0, run.stderr[-3000:]
+    out = last_json_line(run.stdout)
+    assert out["tokens"] == last_json_line(free.stdout)["tokens"]
+    head = 32000 * 768 * 4
+    lines = {b["what"]: b["bytes"] for b in out["budget"]}
+    assert lines["embedding, head and norms"] < 2 * head + MiB  # embedding and head, no packed copy of the head
+    given = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], limit, name="energon-wide",
+                        timeout=300, env={**os.environ, "CHILD_OPTIONS": '{"packed_weights": true}'})
+    assert not given.oom_killed and given.returncode != 0
+    assert "PlanInfeasibleError: the least-memory serving plan" in given.stderr, given.stderr[-3000:]

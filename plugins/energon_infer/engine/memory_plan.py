@@ -9,6 +9,8 @@ buffers, the KV cache per token, a step's working memory per token), asks core's
 budget and the KV cache where the caller left them open, and, where layers must be read from disk, a memory pool
 carrying each stage's plan (the workers apply it as it is).
 
+Where the plan fits only without the CPU's packed weight copies (``packed_weights``, on by default, a second copy
+of each projection and of the vocabulary head), they are turned off, unless the caller set ``packed_weights``.
 An infeasible limit raises :class:`~tightfit.planner.errors.PlanInfeasibleError` here, in one line naming what the
 least-memory plan needs and the cheapest change (``tightfit serve`` exits with code 3).
 """
@@ -111,8 +113,13 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
         dtype = auto_dtype(path, "cpu")[0]
     quant = QuantSpec.create(rt.quantization, rt.group_size)
     io_threads = pool.io_threads if pool is not None else MemoryPoolConfig().io_threads
-    shapes = stage_shapes(path, model, tp=rt.tp, pp=rt.pp, dtype=dtype, io_threads=io_threads, quant=quant,
-                          packed=rt.packed_weights and quant is None)
+    packed = rt.packed_weights and quant is None
+
+    def shapes_of(packed: bool) -> list[StageShape]:
+        return stage_shapes(path, model, tp=rt.tp, pp=rt.pp, dtype=dtype, io_threads=io_threads, quant=quant,
+                            packed=packed)
+
+    shapes = shapes_of(packed)
     reading = read_memory(settle=True)
     where = f"the memory limit ({reading.limit_file})" if reading.limited else "this machine's free memory"
     fixes = []
@@ -144,7 +151,16 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
 
             at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp,
                                      rt.pp)
-        plan = plan_serving(shapes, disk=resolve_disk(pool.disk if pool is not None else None, at), **common)
+        disk = resolve_disk(pool.disk if pool is not None else None, at)
+        try:
+            plan = plan_serving(shapes, disk=disk, **common)
+        except PlanInfeasibleError:
+            # The packed copies (a CPU's second, faster layout of each projection and of the vocabulary head) are a
+            # speed-up the caller did not ask for by name: where they are what does not fit, serve without them.
+            if not packed or "packed_weights" in given:
+                raise
+            plan = plan_serving(shapes_of(False), disk=disk, **common)
+            rt = dataclasses.replace(rt, packed_weights=False)
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
         scheduler = dataclasses.replace(scheduler, chunked_prefill=True)  # prompts longer than a step still run

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run decode steps eagerly (on a GPU at tp=1 they are replayed from CUDA graphs by default)")
     m.add_argument("--no-packed-weights", action="store_true",
                    help="keep one copy of the weights on a CPU (by default the projections also keep a oneDNN-packed "
-                        "copy, which decodes faster)")
+                        "copy, which decodes faster; the serving plan turns it off where only that fits the memory "
+                        "limit)")
     m.add_argument("--quantization", choices=("int8", "int4"), default=None,
                    help="hold the block projections' weights quantized with torchao: int8 (one scale per row) or int4 "
                         "(a scale and zero per group); needs torchao installed")
@@ -251,7 +252,7 @@ def _serve(argv: list[str] | None) -> int:
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,
-                  packed_weights=not args.no_packed_weights, quantization=args.quantization,
+                  **({"packed_weights": False} if args.no_packed_weights else {}), quantization=args.quantization,
                   group_size=args.group_size)
     try:
         if path.is_dir():
