@@ -99,7 +99,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     import torch
 
     from energon_infer.loading.quantization import QuantSpec
-    from energon_infer.worker.disk_pool import encode_plans, resolve_disk
+    from energon_infer.worker.disk_pool import encode_plans
     from tightfit.memory_limit import read_memory
 
     rt, sched = cfg.runtime, cfg.scheduler
@@ -145,21 +145,9 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                                                                             MemoryPoolConfig().lookahead):
             plan = None  # a knob was lowered to keep every layer: ask again with the disk tier
     if plan is None:
-        at: Any = path
-        if quant is not None:  # quantized layers stream from the quantized store
-            from energon_infer.worker.quantized_pool import quantized_store_dir
-
-            at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp,
-                                     rt.pp)
-        disk = resolve_disk(pool.disk if pool is not None else None, at)
-        try:
-            plan = plan_serving(shapes, disk=disk, **common)
-        except PlanInfeasibleError:
-            # The packed copies (a CPU's second, faster layout of each projection and of the vocabulary head) are a
-            # speed-up the caller did not ask for by name: where they are what does not fit, serve without them.
-            if not packed or "packed_weights" in given:
-                raise
-            plan = plan_serving(shapes_of(False), disk=disk, **common)
+        fixed = None if packed and "packed_weights" not in given else packed
+        plan, packed = _plan_with_disk(path, pool, quant, dtype, rt, shapes_of, packed=fixed, common=common)
+        if fixed is None and not packed:  # given up by the plan
             rt = dataclasses.replace(rt, packed_weights=False)
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
@@ -169,3 +157,26 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
         pool = dataclasses.replace(pool or MemoryPoolConfig(memory_budget=max(0, *plan.weight_budgets)),
                                    lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)))
     return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan
+
+
+def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any, dtype: str, rt: Any,
+                    shapes_of: Any, *, packed: bool | None, common: dict[str, Any]) -> tuple[ServingPlan, bool]:
+    """The plan with the disk tier, and whether it keeps the packed copies. ``packed``: ``None`` where the packed
+    copies are the planner's to give up (on by default, not named by the caller), else as fixed."""
+    from energon_infer.worker.disk_pool import resolve_disk
+    from tightfit.planner.errors import PlanInfeasibleError
+
+    at: Any = path
+    if quant is not None:  # quantized layers stream from the quantized store
+        from energon_infer.worker.quantized_pool import quantized_store_dir
+
+        at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp, rt.pp)
+    disk = resolve_disk(pool.disk if pool is not None else None, at)
+    try:
+        return plan_serving(shapes_of(packed is not False), disk=disk, **common), packed is not False
+    except PlanInfeasibleError:
+        # The packed copies (a CPU's second, faster layout of each projection and of the vocabulary head) are a
+        # speed-up the caller did not ask for by name: where they are what does not fit, serve without them.
+        if packed is not None:
+            raise
+        return plan_serving(shapes_of(False), disk=disk, **common), False
