@@ -24,21 +24,13 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from tightfit.policy.frequency import mix_hash
+
 __all__ = ["column_order", "check_table_names", "group_feature_spans", "TableSpec", "GroupSpan", "KeySpace", "KeyIndex",
            "SlotGroup", "Batch", "mix_hash", "out_of_range", "spill_notice"]
 
 log = logging.getLogger("torchrec_cache")
 _SPILL_WARNED = False
-
-_M32 = 0xFFFFFFFF
-
-
-def mix_hash(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash of int64 keys (low bits of the products are exact under int64 wrap-around)."""
-    x = (x ^ (x >> 32)) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    return (x >> 16) ^ x
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

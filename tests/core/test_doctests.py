@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["tightfit.planner.tiers", "tightfit.planner.pool", "tightfit.planner.cache", "tightfit.planner.errors",
-           "tightfit.planner.cost", "tightfit.checks", "tightfit.serde"]
+           "tightfit.planner.cost", "tightfit.checks", "tightfit.serde", "tightfit.planner.experts",
+           "tightfit.policy.frequency", "tightfit.policy.experts", "tightfit.profiler.experts"]
 
 
 @pytest.mark.parametrize("name", MODULES)
