@@ -35,7 +35,7 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_dirs, tmp_path):
     _edit_config(path, model_type="bert", architectures=["BertForMaskedLM"])
     with pytest.raises(UnsupportedModelError, match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is "
                                                     r"not supported; supported model types: gemma, gemma2, "
-                                                    r"gemma3_text, gpt2, granite, llama, mistral"):
+                                                    r"gemma3_text, gpt2, gpt_oss, granite, llama, mistral"):
         load_config(path)
     # transformers builds a causal LM for it: ModelRunner (native families only) names the runner that loads it
     with pytest.raises(UnsupportedModelError, match=r"bert runs through transformers' modeling code .* "

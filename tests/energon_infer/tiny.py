@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CORPUS", "FAMILIES", "MOE", "NATIVE", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny", "hf_model",
-           "hf_logits", "hf_greedy"]
+__all__ = ["CORPUS", "FAMILIES", "GPT_OSS", "MOE", "NATIVE", "VARIANTS", "PROMPTS", "build_tokenizer", "save_tiny",
+           "hf_model", "hf_logits", "hf_greedy"]
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -57,7 +57,7 @@ def _config(family: str, **overrides):
         kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=96)
         return MistralConfig(**{**kw, **overrides})
-    if family in NATIVE or family in MOE:
+    if family in NATIVE or family in MOE or family in GPT_OSS:
         return _native_config(family, overrides)
     raise ValueError(family)
 
@@ -120,10 +120,22 @@ MOE: dict[str, tuple[str, dict]] = {
 }
 
 
+# gpt-oss (tests/energon_infer/test_gpt_oss.py): attention sinks, q/k/v/o biases, sliding and full layers in turn,
+# yarn, a biased router and biased experts with the clamped SwiGLU (a limit of 1, which the tiny model's gates and
+# ups pass, so the clamps bind). At tp=2 "gpt_oss" splits its 4 experts whole, "gpt_oss-sliced" slices its 3.
+_GPT_OSS = dict(head_dim=16, intermediate_size=24, num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.0,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
+GPT_OSS: dict[str, tuple[str, dict]] = {
+    "gpt_oss": ("gpt_oss", dict(_GPT_OSS, num_local_experts=4)),
+    "gpt_oss-sliced": ("gpt_oss", dict(_GPT_OSS, num_local_experts=3)),
+}
+
+
 def _native_config(name: str, overrides: dict):
     from transformers import AutoConfig
 
-    model_type, kw = NATIVE[name] if name in NATIVE else MOE[name]
+    model_type, kw = NATIVE[name] if name in NATIVE else MOE[name] if name in MOE else GPT_OSS[name]
     return AutoConfig.for_model(model_type, **{**_ROTARY, **kw, **overrides})
 
 
@@ -150,8 +162,11 @@ def save_tiny(family: str, path: Path, *, seed: int = 0, shard: str | None = "40
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
-            elif family in NATIVE or family in MOE:  # norms start at 1 (or 0 with Gemma's 1 + w): each its own
-                p.add_(torch.randn_like(p) * 0.3)
+            elif family in NATIVE or family in MOE or family in GPT_OSS:
+                p.add_(torch.randn_like(p) * 0.3)  # norms start at 1 (or 0 with Gemma's 1 + w): each its own
+        for name, p in model.named_parameters():
+            if family in GPT_OSS and name.endswith("_bias"):  # gpt-oss's experts' biases start at zero
+                p.normal_(0.0, 0.3)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)

@@ -1,11 +1,11 @@
 """One configuration for every decoder-only family the runtime runs, read from a Hugging Face ``config.json``.
 
 GPT-2, OPT and the rotary families (LLaMA 3, Mistral, Qwen 2 / 3, OLMo 2, Granite, Gemma 1 / 2 / 3, Phi-3 / 4,
-and the Mixture-of-Experts Mixtral and Qwen 2 / 3 MoE) differ in a handful of switches: the norm (LayerNorm or
-RMSNorm, its weight offset) and where it sits (before, after, around the sublayers), positions (learned table or
-rotary, with its scaling), q/k norms, the MLP (two matrices with an activation, or gated with three, or experts
-behind a router), biases, sliding-window layers, soft-capping and scale factors, and whether the head is tied to
-the embedding. :class:`ModelConfig` names those switches once;
+and the Mixture-of-Experts Mixtral, Qwen 2 / 3 MoE and gpt-oss) differ in a handful of switches: the norm
+(LayerNorm or RMSNorm, its weight offset) and where it sits (before, after, around the sublayers), positions
+(learned table or rotary, with its scaling), q/k norms, the MLP (two matrices with an activation, or gated with
+three, or experts behind a router), biases, sliding-window layers, attention sinks, soft-capping and scale factors,
+and whether the head is tied to the embedding. :class:`ModelConfig` names those switches once;
 :func:`config_from_hf` fills them from each family's declaration (:mod:`energon_infer.loading.families`), so the
 model code has one block and no ``if family == ...`` branches.
 
@@ -117,6 +117,14 @@ class ModelConfig:
             activations' dtype first (Qwen MoE). The same at fp32.
         shared_expert_size: width of the shared expert every token of an MoE layer runs, scaled by a sigmoid
             gate (Qwen 2 MoE; 0: none).
+        router: how the router picks: ``"softmax"`` (a softmax over every expert, then its top-k: Mixtral, Qwen MoE)
+            or ``"topk_softmax"`` (the top-k logits, then a softmax over those k only: gpt-oss).
+        expert_bias: the router and each expert's gate/up and down products have biases (gpt-oss).
+        swiglu_limit: an expert's gate is clamped to ``<= limit`` and its up to ``[-limit, limit]``, and it computes
+            ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` (gpt-oss's clamped SwiGLU; 0: ``silu(gate) * up``).
+        swiglu_alpha: the sigmoid's gain in that clamped SwiGLU.
+        attn_sinks: each query head has a learned sink logit that joins its softmax's denominator and attends to
+            nothing (gpt-oss's ``sinks``).
         embed_dim: width of the token embedding; differs from ``hidden_size`` only for OPT-350m, which
             projects in and out.
         tie_embeddings: the head reuses the token embedding.
@@ -168,6 +176,11 @@ class ModelConfig:
     norm_topk: bool = False
     routing_fp32: bool = False
     shared_expert_size: int = 0
+    router: str = "softmax"
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
+    attn_sinks: bool = False
     embed_dim: int = 0
     tie_embeddings: bool = True
     attn_scale_by_layer: bool = False
@@ -188,7 +201,7 @@ class ModelConfig:
             _whole(getattr(self, name), name, low=0)
         # A negative or zero epsilon lets a norm divide by ~0 (NaN logits, token 0 forever).
         real(self.norm_eps, "norm_eps (layer_norm_epsilon / rms_norm_eps)")
-        for name in ("norm_offset", "attn_scale", "attn_softcap", "final_softcap"):
+        for name in ("norm_offset", "attn_scale", "attn_softcap", "final_softcap", "swiglu_limit", "swiglu_alpha"):
             if real(getattr(self, name), name, positive=False) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
         for name in ("embed_scale", "residual_scale", "logits_divisor"):
@@ -213,7 +226,8 @@ class ModelConfig:
                 "attention shares each key/value head among n_heads/n_kv_heads query heads"
             )
         choices = (("norm", ("layer", "rms")), ("positions", ("learned", "rotary")), ("mlp", ("dense", "swiglu")),
-                   ("norm_layout", NORM_LAYOUTS), ("qk_norm", ("", "head", "full")))
+                   ("norm_layout", NORM_LAYOUTS), ("qk_norm", ("", "head", "full")),
+                   ("router", ("softmax", "topk_softmax")))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
@@ -265,7 +279,8 @@ class ModelConfig:
         if not sparse:
             return h * self.intermediate_size * (3 if self.mlp == "swiglu" else 2)
         shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size else 0)
-        return self.n_experts * (3 * h * self.moe_intermediate_size + h) + shared
+        biases = (2 * self.moe_intermediate_size + h + 1) if self.expert_bias else 0  # gate/up, down, router's
+        return self.n_experts * (3 * h * self.moe_intermediate_size + h + biases) + shared
 
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` (0: it attends to the whole context)."""

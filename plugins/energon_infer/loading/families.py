@@ -16,7 +16,7 @@ stay in :mod:`energon_infer.loading.config`.
 
 Example:
     >>> sorted(FAMILIES)[:4]
-    ['gemma', 'gemma2', 'gemma3_text', 'granite']
+    ['gemma', 'gemma2', 'gemma3_text', 'gpt_oss']
     >>> FAMILIES["qwen3"].switches
     {'mlp_bias': False, 'qk_norm': 'head'}
 """
@@ -31,7 +31,8 @@ from typing import Any
 from energon_infer.loading.config_fields import ConfigError, divides, real, refuse, required, whole
 from energon_infer.loading.rope_config import read_rope, rope_sources, rotary_fraction
 
-__all__ = ["FAMILIES", "Family", "LLAMA_TENSORS", "MIXTRAL_TENSORS", "QWEN_MOE_TENSORS", "decoder_fields"]
+__all__ = ["FAMILIES", "Family", "GPT_OSS_TENSORS", "LLAMA_TENSORS", "MIXTRAL_TENSORS", "QWEN_MOE_TENSORS",
+           "decoder_fields"]
 
 #: an option reader: (config.json, the ModelConfig fields read so far) -> the fields it sets
 Option = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
@@ -56,6 +57,12 @@ QWEN_MOE_TENSORS: Mapping[str, str] = {
     "expert_up": "mlp.experts.{e}.up_proj", "expert_down": "mlp.experts.{e}.down_proj",
     "shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
     "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate",
+}
+#: gpt-oss: each head's attention sink, the router (with its bias) and the experts fused in four tensors per layer
+#: (``experts`` names their prefix: ``gate_up_proj`` (experts, hidden, 2 x width) with gate and up columns
+#: interleaved, ``down_proj`` (experts, width, hidden), and a bias of each), split per expert at load
+GPT_OSS_TENSORS: Mapping[str, str] = {
+    **LLAMA_TENSORS, "sinks": "self_attn.sinks", "router": "mlp.router", "experts": "mlp.experts",
 }
 
 
@@ -239,6 +246,29 @@ def experts(kind: str, n_experts: int) -> Option:
     return read
 
 
+def gpt_oss_experts(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's experts: every layer's MLP, ``intermediate_size`` wide, picked by the top-k of the router's logits
+    (a softmax over those k), with biases and the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``; the experts
+    ignore ``hidden_act``, as transformers' do). An MXFP4-quantized checkpoint is refused: its expert tensors are
+    packed blocks and scales, not the weights."""
+    qc = raw.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ConfigError(f"gpt_oss: quantization_config quant_method={method!r} is not supported; energon runs "
+                          "gpt-oss's experts unquantized: dequantize once with transformers (from_pretrained(dir, "
+                          "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16), then "
+                          "save_pretrained) and serve that directory")
+    n = whole(raw["num_local_experts"], "num_local_experts")
+    top_k = whole(raw["num_experts_per_tok"], "num_experts_per_tok")
+    if top_k > n:
+        raise ConfigError(f"num_experts_per_tok={top_k} must be at most num_local_experts={n} (a token runs through "
+                          "that many of the experts); fix config.json")
+    return {"n_experts": n, "experts_per_token": top_k, "moe_intermediate_size": fields["intermediate_size"],
+            "router": "topk_softmax", "expert_bias": True,
+            "swiglu_limit": real(raw["swiglu_limit"], "swiglu_limit"),
+            "swiglu_alpha": real(raw["swiglu_alpha"], "swiglu_alpha")}
+
+
 def qwen2_moe_bias(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     """Qwen 2 MoE names its q/k/v bias ``qkv_bias`` (its output projection has none)."""
     return {"qkv_bias": bool(raw.get("qkv_bias", True)), "o_bias": False}
@@ -296,4 +326,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", defaults={**_QWEN_MOE, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
            switches={**_NO_MLP_BIAS, "qk_norm": "head"}, options=(windows("qwen3_moe"), experts("qwen", 128)),
            tensors=QWEN_MOE_TENSORS),
+    # transformers' GptOssConfig defaults: yarn (factor 32 over 4096 positions), every other layer windowed
+    Family("gpt_oss", defaults={"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64, "num_key_value_heads": 8,
+                                "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+                                "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+                                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False,
+                                                    "original_max_position_embeddings": 4096}},
+           switches={**_NO_MLP_BIAS, "norm_weight_fp32": True, "attn_sinks": True},
+           options=(windows("pattern", 2), gpt_oss_experts), tensors=GPT_OSS_TENSORS),
 )}

@@ -261,7 +261,9 @@ def _decoder_parts(cfg: ModelConfig, name: str, keys: set[str]) -> list[Part]:
     head = name.split(".")
     p, module, kind = f"model.layers.{head[1]}.", head[2], head[-1]
     if module == "moe":
-        return _moe_parts(tensors, p, head[3:])
+        return _fused_expert_parts(tensors, p, head[3:]) if "experts" in tensors else _moe_parts(tensors, p, head[3:])
+    if module == "sinks":  # one logit per query head: split by heads, as q's rows are
+        return [Part(f"{p}{tensors['sinks']}", "col")]
     if module in ("qkv", "up"):
         names = ("q", "k", "v") if module == "qkv" else ("gate", "up")
         fused = tensors.get("qkv" if module == "qkv" else "gate_up")
@@ -289,6 +291,32 @@ def _moe_parts(tensors: Mapping[str, str], p: str, rest: list[str]) -> list[Part
         return [Part(f"{p}{tensors[x]}.weight", "col") for x in ("shared_gate", "shared_up")]
     split = "row" if rest[0] == "shared_down" else None
     return [Part(f"{p}{tensors[rest[0]]}.weight", split)]
+
+
+def _expert(e: int, cols: slice | None = None, t: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Expert ``e`` of a fused experts tensor, its columns ``cols`` (gate or up of an interleaved gate_up), as an
+    ``(out, in)`` weight where ``t`` (the checkpoint holds them ``(in, out)``)."""
+    def take(x: torch.Tensor) -> torch.Tensor:
+        x = x[e] if cols is None else x[e][..., cols]
+        return x.t() if t else x
+    return take
+
+
+def _fused_expert_parts(tensors: Mapping[str, str], p: str, rest: list[str]) -> list[Part]:
+    """gpt-oss's MoE parts (:data:`~energon_infer.loading.families.GPT_OSS_TENSORS`): ``router.weight`` / ``.bias``
+    and each expert's ``gate_up`` / ``gate_up_bias`` (gate rows, then up rows: de-interleaved here) and ``down`` /
+    ``down_bias``, sliced out of the four fused tensors."""
+    if rest[0] == "router":
+        return [Part(f"{p}{tensors['router']}.{rest[1]}")]
+    e, which, src = int(rest[1]), rest[2], f"{p}{tensors['experts']}"
+    gate, up = slice(0, None, 2), slice(1, None, 2)
+    if which == "gate_up":
+        return [Part(f"{src}.gate_up_proj", "expert_col", _expert(e, c, t=True)) for c in (gate, up)]
+    if which == "gate_up_bias":
+        return [Part(f"{src}.gate_up_proj_bias", "expert_col", _expert(e, c)) for c in (gate, up)]
+    if which == "down":
+        return [Part(f"{src}.down_proj", "expert_row", _expert(e, t=True))]
+    return [Part(f"{src}.down_proj_bias", None, _expert(e))]
 
 
 def _resolve(split: str | None, cfg: ModelConfig, tp: int) -> str | None:
@@ -365,14 +393,26 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
             f"{missing[:5]}; it holds {len(keys)} tensors. Check that config.json belongs to these weights "
             "and that every shard listed in model.safetensors.index.json is present"
         )
+    # The tensor read last stays until the next read (released before it: one checkpoint tensor in memory at a
+    # time): a fused tensor that many parameters are sliced from (gpt-oss's experts) is read once, as the
+    # parameters are loaded grouped by the tensor they come from (in their own order where each has its own).
+    last: dict[str, torch.Tensor] = {}
+    first: dict[str, int] = {}
+    for name in params:
+        first.setdefault(plan[name][0].source, len(first))
+
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
-        t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]
+        if part.source not in last:
+            last.clear()
+            last[part.source] = source.get(part.source) if isinstance(source, CheckpointReader) \
+                else source[part.source]
+        t = last[part.source]
         if part.transform is not None:
             t = part.transform(t)
         return t, tuple(t.shape), False
 
     done = 0
-    for name, param in params.items():
+    for name, param in sorted(params.items(), key=lambda item: first[plan[item[0]][0].source]):
         value = build_param(cfg, grid, name, tuple(param.shape), plan[name], fetch, nonfinite=nonfinite)
         with torch.no_grad():
             param.copy_(value.to(param.dtype))

@@ -1,9 +1,11 @@
-"""Attention with a sliding window and tanh soft-capping, over the same paged KV cache as every other layer.
+"""Attention with a sliding window, tanh soft-capping and sinks, over the same paged KV cache as every other layer.
 
-:func:`tightfit.cuda.varlen_attention.paged_attention` attends to the whole context and takes neither a window
-nor a soft-cap. A layer with either runs :func:`masked_attention` instead: as transformers' eager attention
+:func:`tightfit.cuda.varlen_attention.paged_attention` attends to the whole context and takes neither a window,
+a soft-cap nor sinks. A layer with any runs :func:`masked_attention` instead: as transformers' eager attention
 (``scores * scale``, then ``cap * tanh(scores / cap)``, then the causal and window mask, softmax in fp32), a query
 at position ``p`` seeing the keys at ``p - window + 1 .. p``. Nothing caps the context: the window is a mask.
+A sink (gpt-oss) is one learned logit per query head that joins the softmax as one more column and is then
+dropped: the probabilities over the real keys sum to less than one, by what the sink took.
 
 Only the blocks a window can reach are read: a decode step gathers the ``(window - 1) // block_size + 2`` blocks
 from its query's window on (columns past the sequence's last block repeat that block, masked), and a prefill
@@ -36,28 +38,36 @@ def every_layer_window(cfg: ModelConfig) -> int:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *, scale: float,
-              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the step's queries ``(T, H, D)``: ``paged_attention`` where the window and soft-cap
-    change nothing, :func:`masked_attention` otherwise."""
-    if not softcap and (not window or (q.device.type == "cpu" and int(meta.kv_lens.max()) <= window)):
+    change nothing and there are no ``sinks`` (``(H,)``), :func:`masked_attention` otherwise."""
+    if sinks is None and not softcap and (not window or (q.device.type == "cpu"
+                                                         and int(meta.kv_lens.max()) <= window)):
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens, scale=scale,
                                max_q_len=meta.max_q_len)
-    return masked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap)
+    return masked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-            softcap: float) -> torch.Tensor:
-    """``q (..., Hk, g, n, D)``, ``k``/``v (..., Hk, L, D)``, ``visible (..., 1, 1|n, L)`` -> ``(..., Hk, g, n, D)``."""
+            softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``q (..., Hk, g, n, D)``, ``k``/``v (..., Hk, L, D)``, ``visible (..., 1, 1|n, L)`` -> ``(..., Hk, g, n, D)``;
+    ``sinks (Hk * g,)``."""
     scores = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink as one more column of every query's scores, dropped after the softmax
+        hk, g = q.shape[-4], q.shape[-3]
+        column = sinks.to(scores.dtype).view(hk, g, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        probs = probs.to(q.dtype)
     return torch.matmul(probs, v.unsqueeze(-3))
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, scale: float,
-            window: int, softcap: float) -> torch.Tensor:
+            window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence: each gathers the blocks its window reaches (the whole table without a window)."""
     b, h, d = q.shape
     block, hk = k_cache.shape[1], k_cache.shape[2]
@@ -76,12 +86,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     visible = pos <= last[:, None]
     if window:
         visible &= pos > (last - window)[:, None]
-    out = _attend(q.view(b, hk, h // hk, 1, d), k, v, visible[:, None, None, :], scale, softcap)
+    out = _attend(q.view(b, hk, h // hk, 1, d), k, v, visible[:, None, None, :], scale, softcap, sinks)
     return out.reshape(b, h, d)
 
 
 def _sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, kv: int,
-              scale: float, window: int, softcap: float) -> torch.Tensor:
+              scale: float, window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """The ``n`` new queries ``(n, H, D)`` of one sequence with ``kv`` tokens of context, in query chunks."""
     n, h, d = q.shape
     block, hk = k_cache.shape[1], k_cache.shape[2]
@@ -101,21 +111,23 @@ def _sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
         if window:
             visible &= kpos > qpos - window
         qs = q[lo:hi].transpose(0, 1).reshape(hk, h // hk, hi - lo, d)
-        o = _attend(qs, k, v, visible[None, None], scale, softcap)  # (Hk, g, n, D)
+        o = _attend(qs, k, v, visible[None, None], scale, softcap, sinks)  # (Hk, g, n, D)
         out[lo:hi] = o.reshape(h, hi - lo, d).transpose(0, 1)
     return out
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
-                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Causal attention of ``q (T, H, D)`` within a sliding ``window`` (0: none), scores soft-capped at ``softcap``
-    (0: not capped), over the paged cache; the layout of :mod:`tightfit.cuda.varlen_attention`."""
+    (0: not capped), each head's softmax joined by its sink logit where ``sinks`` (``(H,)``) are given, over the
+    paged cache; the layout of :mod:`tightfit.cuda.varlen_attention`."""
     if meta.max_q_len == 1 and q.shape[0] == meta.kv_lens.shape[0]:
-        return _decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        return _decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     out = torch.empty_like(q)
     cu, lens = meta.cu_seqlens.tolist(), meta.kv_lens.tolist()
     for b, kv in enumerate(lens):
         if cu[b + 1] > cu[b]:
             out[cu[b]:cu[b + 1]] = _sequence(q[cu[b]:cu[b + 1]], k_cache, v_cache, meta.block_tables[b], kv, scale,
-                                             window, softcap)
+                                             window, softcap, sinks)
     return out

@@ -4,8 +4,8 @@ A :class:`DecoderStage` is the part of a model one rank runs: the embedding if i
 pipeline stage, its range of blocks, and the final norm and head if it is the last. Every tensor
 is ``(tokens, features)``: the new tokens of all sequences in a step back to back with no padding,
 so each linear layer does exactly the work of the real tokens, and attention is restricted per
-sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (or, for sliding-window and
-soft-capped layers, :func:`energon_infer.worker.attention.masked_attention`).
+sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (or, for sliding-window,
+soft-capped and sink layers, :func:`energon_infer.worker.attention.masked_attention`).
 
 The block reads :class:`~energon_infer.loading.config.ModelConfig`'s switches only (norm layout and offset,
 q/k norms, rotary width and scaling, windows, soft-caps, multipliers); which family a checkpoint belongs to
@@ -149,6 +149,9 @@ class Block(nn.Module):
         self.attn_out_norm = _norm_or_none(layout in ("sandwich", "output"), cfg, h, dtype, device)
         self.qkv = ColumnLinear(h, qkv_out, cfg.qkv_bias, dtype, device)
         self.q_norm, self.k_norm = self._qk_norms(cfg, grid, dtype, device)
+        # gpt-oss: one sink logit per query head of this rank (energon_infer.worker.attention)
+        self.sinks = nn.Parameter(torch.empty(self.heads, dtype=dtype, device=device), requires_grad=False) \
+            if cfg.attn_sinks else None
         self.o = RowLinear(self.heads * self.head_dim, h, cfg.o_bias, grid, dtype, device)
         self.mlp_norm = _norm_or_none(layout != "output", cfg, h, dtype, device)
         self.mlp_out_norm = _norm_or_none(layout in ("sandwich", "output"), cfg, h, dtype, device)
@@ -196,7 +199,8 @@ class Block(nn.Module):
             rotary_(qk if self.rotary_dim == self.head_dim else qk[..., :self.rotary_dim], *rope)
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = attention(q, k_cache, v_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap)
+        out = attention(q, k_cache, v_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap,
+                        sinks=self.sinks)
         return self.o(out.reshape(t, self.heads * self.head_dim))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts MLP of the native MoE families (Mixtral, Qwen 2 MoE, Qwen 3 MoE), on packed tokens.
+"""The Mixture-of-Experts MLP of the native MoE families (Mixtral, Qwen 2 / 3 MoE, gpt-oss), on packed tokens.
 
 A router scores every token against every expert; each token runs through its ``experts_per_token`` best experts
 and the block's output is their outputs weighted by the router's probabilities. The math follows transformers'
@@ -6,7 +6,9 @@ and the block's output is their outputs weighted by the router's probabilities. 
 the activations' dtype, softmax in fp32, top-k, the chosen probabilities renormalised to sum to 1 where the model
 says (Mixtral always, Qwen's ``norm_topk_prob``), kept in fp32 when they scale the experts' outputs (Mixtral) or cast
 to the activations' dtype first (Qwen); Qwen 2 MoE adds a shared expert that every token runs, scaled by a sigmoid
-gate.
+gate. gpt-oss (``GptOssMLP``) routes the other way round: its router has a bias, the top-k of the logits are chosen
+and a softmax over those k alone (in the activations' dtype) weights them; its experts have biases and a clamped
+SwiGLU: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``.
 
 The experts run grouped: the step's (token, expert) pairs are sorted by expert once, and each expert that has
 tokens runs once over all of them (a gate/up product, the gated activation, a down product), its rows scaled by
@@ -22,7 +24,9 @@ and an expert is a whole unit a placement plan can move. Where ``tp`` does not d
 holds every expert's slice of the intermediate dimension, split as the dense MLP is (gate/up by rows, down by
 columns). The router is replicated (each rank routes every token the same way); either way each rank's output
 is a partial sum over experts (or over intermediate slices), the shared expert's slice is added in, and one
-all-reduce gives the block's output, as the dense MLP's row-parallel ``down`` does.
+all-reduce gives the block's output, as the dense MLP's row-parallel ``down`` does. An expert's ``down`` bias
+(gpt-oss) is added, scaled by the expert's routing weight, by one rank only: the rank holding the expert, or
+rank 0 where every rank holds a slice of it.
 
 Example:
     >>> from energon_infer.loading.config import config_from_hf
@@ -69,15 +73,30 @@ def moe_tp_widths(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
 
 class Expert(nn.Module):
     """One expert's gated MLP on this rank: ``gate_up`` (gate rows, then up rows) and ``down``, held input-major
-    (:func:`~energon_infer.parallel.linear_weight`); whole, or this rank's slice of the intermediate dimension."""
+    (:func:`~energon_infer.parallel.linear_weight`); whole, or this rank's slice of the intermediate dimension.
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
+    With ``bias`` (gpt-oss), ``gate_up_bias`` and, where ``down_bias`` (the one rank that adds it), ``down_bias``;
+    with ``limit`` > 0 the clamped SwiGLU of gain ``alpha`` (see the module docstring) replaces ``silu(gate) * up``.
+    """
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str, *,
+                 bias: bool = False, down_bias: bool = False, limit: float = 0.0, alpha: float = 0.0):
         super().__init__()
         self.gate_up = linear_weight(2 * inter, hidden, dtype, device)
         self.down = linear_weight(hidden, inter, dtype, device)
+        self.gate_up_bias = nn.Parameter(torch.empty(2 * inter, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+        self.down_bias = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False) \
+            if down_bias else None
+        self.limit, self.alpha = limit, alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(x, self.gate_up)), self.down)
+        h = F.linear(x, self.gate_up, self.gate_up_bias)
+        if not self.limit:
+            return F.linear(silu_mul(h), self.down, self.down_bias)
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return F.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), self.down, self.down_bias)
 
 
 class MoE(nn.Module):
@@ -88,11 +107,16 @@ class MoE(nn.Module):
         super().__init__()
         h, tp = cfg.hidden_size, grid.tp
         self.grid, self.n_experts, self.top_k = grid, cfg.n_experts, cfg.experts_per_token
-        self.norm_topk, self.fp32_weights = cfg.norm_topk, cfg.routing_fp32
-        self.router = nn.Linear(h, cfg.n_experts, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.norm_topk, self.fp32_weights, self.topk_first = cfg.norm_topk, cfg.routing_fp32, \
+            cfg.router == "topk_softmax"
+        bias = cfg.expert_bias
+        self.router = nn.Linear(h, cfg.n_experts, bias=bias, dtype=dtype, device=device).requires_grad_(False)
         inter = cfg.moe_intermediate_size // (1 if cfg.expert_parallel(tp) else tp)
         self.local = local_experts(cfg, grid)
-        self.experts = nn.ModuleDict({str(e): Expert(h, inter, dtype, device) for e in self.local})
+        down_bias = bias and (cfg.expert_parallel(tp) or grid.tp_rank == 0)
+        self.experts = nn.ModuleDict({str(e): Expert(h, inter, dtype, device, bias=bias, down_bias=down_bias,
+                                                     limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+                                      for e in self.local})
         self.shared_up = self.shared_down = self.shared_expert_gate = None
         if cfg.shared_expert_size:
             shared = cfg.shared_expert_size // tp
@@ -102,6 +126,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``(tokens, top_k)``: the chosen experts and their routing weights."""
+        if self.topk_first:  # gpt-oss: the top-k logits, a softmax over them in the activations' dtype
+            logits, chosen = torch.topk(self.router(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), chosen
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
