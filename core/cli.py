@@ -32,7 +32,8 @@ CORE_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "run the benchmark suite of the current checkout into a run directory"),
     "profile": ("profile", "profile a model on the meta device (`profile model`), this machine's device "
                            "(`profile device`) or a disk directory (`profile disk PATH`)"),
-    "plan": ("plan", "compute a plan from profiles (`plan elixir`, `plan sky`) and write the plan file"),
+    "plan": ("plan", "compute a plan from profiles (`plan elixir`, `plan sky`; `plan serve` from plugin energon) "
+                     "and write the plan file"),
 }
 # Listed in `tightfit --help` although they come from plugins (the plugin must be installed and usable).
 PLUGIN_COMMANDS: dict[str, str] = {
@@ -63,12 +64,12 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
-def _plugin_command(name: str):
+def _plugin_command(name: str, field: str = "command"):
     from tightfit.plugins import discover
 
     # register=False: finding the command must not import every plugin's host framework (Lightning: ~8 s).
     for result in discover(register=False):
-        if result.plugin is not None and result.plugin.command == name:
+        if result.plugin is not None and getattr(result.plugin, field) == name:
             return result.plugin
     return None
 
@@ -123,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command is not None and command not in CORE_COMMANDS:
             return _run_plugin_command(command, rest[1:])
+        if command == "plan" and len(rest) > 1 and rest[1] in importlib.import_module(
+                "tightfit.commands.plan").PLUGIN_PLANNERS:
+            return _run_plugin_planner(rest[1], rest[2:])
         parser = build_parser()
         args = parser.parse_args(argv)
         args.debug = debug
@@ -161,6 +165,15 @@ def _run_plugin_command(command: str, argv: list[str]) -> int:
         raise UsageError(f"tightfit {command}: plugin {plugin.name!r} is {plugin.status()}")
     assert plugin.cli is not None
     return int(plugin.cli(argv) or 0)
+
+
+def _run_plugin_planner(planner: str, argv: list[str]) -> int:
+    plugin = _plugin_command(planner, "planner")
+    if plugin is None or not plugin.is_usable():
+        why = "no installed plugin provides it" if plugin is None else f"plugin {plugin.name!r} is {plugin.status()}"
+        raise UsageError(f"tightfit plan {planner}: {why} (see `tightfit plugins`)")
+    assert plugin.plan_cli is not None
+    return int(plugin.plan_cli(argv) or 0)
 
 
 if __name__ == "__main__":

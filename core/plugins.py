@@ -72,6 +72,8 @@ class Plugin:
         demo: optional callable ``demo(quick: bool) -> str`` run by ``tightfit demo``; returns a summary.
         command: optional name of a ``tightfit`` subcommand the plugin provides (``"serve"``).
         cli: ``cli(argv: list[str]) -> int`` run for ``tightfit <command> ...``.
+        planner: optional name of a ``tightfit plan`` planner the plugin provides (``"serve"``).
+        plan_cli: ``plan_cli(argv: list[str]) -> int`` run for ``tightfit plan <planner> ...``.
 
     Example:
         >>> p = Plugin(name="mine", kind="planner", summary="my planner")
@@ -89,6 +91,8 @@ class Plugin:
     demo: Callable[[bool], str] | None = field(default=None, compare=False, repr=False)
     command: str | None = None
     cli: Callable[[list[str]], int] | None = field(default=None, compare=False, repr=False)
+    planner: str | None = None
+    plan_cli: Callable[[list[str]], int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -102,6 +106,8 @@ class Plugin:
             )
         if (self.command is None) != (self.cli is None):
             raise PluginError(f"plugin {self.name!r}: give both `command` and `cli`, or neither")
+        if (self.planner is None) != (self.plan_cli is None):
+            raise PluginError(f"plugin {self.name!r}: give both `planner` and `plan_cli`, or neither")
         if not self.available and not self.reason:
             raise PluginError(f"plugin {self.name!r} is marked unavailable: give a `reason` saying why")
 

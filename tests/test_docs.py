@@ -142,6 +142,11 @@ def test_commands_parse(page, command):
 
         serve_parser().parse_args(argv[1:])
         return
+    if argv[:2] == ["plan", "serve"]:
+        from energon_infer.serving.plan_serve import build_parser as plan_serve_parser
+
+        plan_serve_parser().parse_args(argv[2:])
+        return
     build_parser().parse_args(argv)  # raises UsageError with the reason if the page drifted from the CLI
 
 

@@ -27,7 +27,7 @@ from tightfit.planner.optimizers import OPTIMIZERS as _OPTIMIZER_TABLE
 from tightfit.planner.optimizers import PRECISIONS as _PRECISION_TABLE
 from tightfit.units import format_bytes, format_table
 
-__all__ = ["PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
+__all__ = ["PLANNERS", "PLUGIN_PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
            "load_cluster", "progress_bar", "check_devices", "model_config", "PRECISIONS", "OPTIMIZERS"]
 
 
@@ -284,6 +284,13 @@ PLANNERS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 }
 
 
+# `tightfit plan` planners that come from plugins, listed in `tightfit plan --help` (run by the plugin's plan_cli).
+PLUGIN_PLANNERS: dict[str, str] = {
+    "serve": "the serving process of a model directory under this machine's memory, and an MoE model's expert "
+             "placement, before anything loads (plugin energon; `tightfit plan serve --help`)",
+}
+
+
 def _plan_sky():
     import importlib
 
@@ -291,6 +298,8 @@ def _plan_sky():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("plugin planners:\n" + "\n".join(f"  {n:<9} {h}" for n, h in PLUGIN_PLANNERS.items())
+                     + ("\n\n" + parser.epilog if parser.epilog else ""))
     sub = parser.add_subparsers(dest="planner", metavar="PLANNER")
     for name, (help_text, add, _) in PLANNERS.items():
         add(sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
@@ -299,5 +308,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not getattr(args, "planner", None):
-        raise UsageError(f"tightfit plan: name a planner: {', '.join(PLANNERS)} (e.g. `tightfit plan elixir --help`)")
+        raise UsageError(f"tightfit plan: name a planner: {', '.join([*PLANNERS, *PLUGIN_PLANNERS])} (e.g. "
+                         "`tightfit plan elixir --help`)")
     return PLANNERS[args.planner][2](args)

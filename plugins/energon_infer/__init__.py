@@ -106,6 +106,12 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+def _plan_serve(argv: list[str]) -> int:
+    from energon_infer.serving.plan_serve import main
+
+    return main(argv)
+
+
 plugin = Plugin(
     name="energon",
     kind="inference-backend",
@@ -114,6 +120,8 @@ plugin = Plugin(
     demo=_demo,
     command="serve",
     cli=_serve,
+    planner="serve",
+    plan_cli=_plan_serve,
 )
 """EnergonAI's entry in tightfit's plugin registry (the ``tightfit.plugins`` entry point):
 its name, what it needs, its demo."""

@@ -111,6 +111,8 @@ def test_plugin_validation_and_status():
         Plugin(name="x", kind="planner", summary="", available=False)
     with pytest.raises(PluginError, match="both `command` and `cli`"):
         Plugin(name="x", kind="planner", summary="", command="go")
+    with pytest.raises(PluginError, match="both `planner` and `plan_cli`"):
+        Plugin(name="x", kind="planner", summary="", planner="go")
     needs = Plugin(name="x", kind="planner", summary="", requires=("no_such_module_xyz",))
     assert needs.status().startswith("unavailable: needs no_such_module_xyz")
     assert not needs.is_usable()

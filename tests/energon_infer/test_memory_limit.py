@@ -4,6 +4,7 @@ the unlimited run) or ``tightfit serve`` refuses in one line with exit code 3 be
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -234,3 +235,21 @@ def test_the_packed_copies_give_way_where_only_they_do_not_fit(tmp_path):
                         timeout=300, env={**os.environ, "CHILD_OPTIONS": '{"packed_weights": true}'})
     assert not given.oom_killed and given.returncode != 0
     assert "PlanInfeasibleError: the least-memory serving plan" in given.stderr, given.stderr[-3000:]
+
+
+def test_plan_serve_prints_the_plan_the_engine_then_runs(model, tmp_path):
+    """``tightfit plan serve DIR`` under the limit, before anything loads, shows the plan the engine started under the
+    same limit runs: the same layers read from disk, lookahead and token budget."""
+    from tightfit.planner.serving import ServingPlan
+
+    tightfit = Path(sys.executable).with_name("tightfit")
+    shown = run_limited([str(tightfit), "plan", "serve", str(model), "--json", str(tmp_path / "plan.json")], LIMIT,
+                        name="energon-plan", timeout=120)
+    assert shown.returncode == 0 and not shown.oom_killed, shown.stderr[-3000:]
+    assert "read from disk each pass" in shown.stdout and "the memory limit" in shown.stdout
+    printed = ServingPlan.from_json(json.dumps(json.loads((tmp_path / "plan.json").read_text())["serving"]))
+    run = _engine(model, LIMIT, name="plan-run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ran = ServingPlan.from_json(last_json_line(run.stdout)["plan"])
+    assert printed.streams and [p.disk_layers for p in printed.pools] == [p.disk_layers for p in ran.pools]
+    assert (printed.lookahead, printed.max_batch_tokens) == (ran.lookahead, ran.max_batch_tokens)
