@@ -28,7 +28,7 @@ TYPES = {
     "olmo2": "native", "granite": "native",
     "phi": "transformers", "gpt_neox": "transformers", "falcon": "transformers", "stablelm": "transformers",
     "cohere": "transformers",
-    "mixtral": "native", "qwen2_moe": "native", "qwen3_moe": "native",
+    "mixtral": "native", "qwen2_moe": "native", "qwen3_moe": "native", "gpt_oss": "native",
 }
 
 # Sizes only: the names each type's config takes for them (those it does not take are left out).

@@ -51,6 +51,11 @@ def torchao_config_type(path: str | Path) -> str | None:
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "mxfp4":  # gpt-oss's shipped experts: packed blocks and scales, not weights
+        raise QuantizationError(f"{file} has quantization_config quant_method='mxfp4' (gpt-oss's packed experts); "
+                                "energon runs the experts unquantized: dequantize once with transformers "
+                                "(from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True), "
+                                "dtype=torch.bfloat16), then save_pretrained) and serve that directory")
     if method != "torchao":
         raise QuantizationError(f"{file} has quantization_config quant_method={method!r}; energon reads only "
                                 f"torchao-quantized checkpoints (Int8WeightOnlyConfig): {FIX}")
