@@ -209,6 +209,18 @@ def test_gpt_oss_layers_stream_from_disk_and_a_host_pool_exactly(tmp_path):
         assert len(plan.disk_layers) == 4
         assert runner.stage.layers[str(plan.disk_layers[0])].sinks.device.type == "meta"
         assert torch.equal(runner.forward(items, all_logits=True), want)
+        # Every checkpoint tensor of a streamed layer is read once a pass, the fused experts tensors included.
+        from energon_infer.loading.safetensors_files import TensorFiles
+        from energon_infer.worker.disk_pool import pool_snapshot
+
+        files = TensorFiles(path)
+        try:
+            per_layer = {i: sum(e.nbytes for name, e in files.extents.items() if name.startswith(f"model.layers.{i}."))
+                         for i in plan.disk_layers}
+        finally:
+            files.close()
+        snap = pool_snapshot(pool, plan)
+        assert snap["disk_bytes_read"] == sum(n * per_layer[i] for i, n in snap["disk_reads"].items())
     finally:
         pool.close()
     runner = ModelRunner.from_pretrained(path, packed_weights=False, **OPTS)

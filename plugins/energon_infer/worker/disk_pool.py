@@ -102,6 +102,12 @@ class DiskLayer(SlotLayer):
         self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
         self.nonfinite = nonfinite
         self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
+        # Parameters filled grouped by the checkpoint tensor they come from (in first-use order): a fused tensor
+        # many parameters are sliced from (gpt-oss's experts) is read once a fill, not once per parameter.
+        first: dict[str, int] = {}
+        for _, parts in self.recipe:
+            first.setdefault(parts[0].source, len(first))
+        self._order = sorted(range(len(self.recipe)), key=lambda i: first[self.recipe[i][1][0].source])
         # (reads, bytes, seconds) of the completed fills, replaced whole when a fill ends: a report taken while
         # a prefetch is reading never counts its bytes without its read.
         self.totals: tuple[int, int, float] = (0, 0, 0.0)
@@ -144,7 +150,8 @@ class DiskLayer(SlotLayer):
         self.files.check(self.used)
         self._last, self._pending = None, 0
         nonfinite = self.nonfinite if self.reads == 0 else "ignore"  # checked once, as loading does
-        for (_, _, off, shape, transposed), (name, parts) in zip(self.entries, self.recipe):
+        for i in self._order:
+            (_, _, off, shape, transposed), (name, parts) = self.entries[i], self.recipe[i]
             view = _view(dst[off: off + shape.numel()], shape, transposed)
             build_param(self.cfg, self.grid, name, tuple(shape), parts, self._fetch, nonfinite=nonfinite, out=view)
         self.files.check(self.used)  # changed while we read: these bytes may mix two versions
