@@ -19,7 +19,7 @@ import torch
 from energon_infer import ModelRunner, SamplingParams
 from energon_infer.loading.config import UnsupportedModelError, config_from_hf, load_config
 from tests.energon_infer.conftest import GREEDY_TOKENS
-from tests.energon_infer.tiny import NATIVE, PROMPTS, hf_greedy, hf_logits, save_tiny
+from tests.energon_infer.tiny import NATIVE, PROMPTS, hf_logits, references, save_all, save_tiny
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
 
@@ -32,14 +32,12 @@ LAYERED = ("gemma2", "gemma3", "qwen3-window")
 
 @pytest.fixture(scope="module")
 def native_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("native_families")
-    return {name: str(save_tiny(name, root / name)) for name in NATIVE}
+    return save_all(NATIVE, tmp_path_factory.mktemp("native_families"))
 
 
 @pytest.fixture(scope="module")
 def native_refs(native_dirs) -> dict[str, dict]:
-    return {n: {"logits": hf_logits(d, PROMPTS), "greedy": hf_greedy(d, PROMPTS, GREEDY_TOKENS)}
-            for n, d in native_dirs.items()}
+    return references(native_dirs, GREEDY_TOKENS)
 
 
 def _check(runner: ModelRunner, ref: dict, what: str) -> float:

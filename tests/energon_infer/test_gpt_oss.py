@@ -26,21 +26,27 @@ from energon_infer import ModelRunner
 from energon_infer.loading.config import ConfigError, UnsupportedModelError, config_from_hf
 from tests.energon_infer.conftest import GREEDY_TOKENS
 from tests.energon_infer.test_families import GREEDY, OPTS, TOL, _check
-from tests.energon_infer.tiny import GPT_OSS, PROMPTS, hf_greedy, hf_logits, hf_model, save_tiny
+from tests.energon_infer.tiny import (
+    GPT_OSS,
+    PROMPTS,
+    hf_logits,
+    hf_model,
+    references,
+    save_all,
+    save_tiny,
+)
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
 
 
 @pytest.fixture(scope="module")
 def oss_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("gpt_oss")
-    return {name: str(save_tiny(name, root / name)) for name in GPT_OSS}
+    return save_all(GPT_OSS, tmp_path_factory.mktemp("gpt_oss"))
 
 
 @pytest.fixture(scope="module")
 def oss_refs(oss_dirs) -> dict[str, dict]:
-    return {n: {"logits": hf_logits(d, PROMPTS), "greedy": hf_greedy(d, PROMPTS, GREEDY_TOKENS)}
-            for n, d in oss_dirs.items()}
+    return references(oss_dirs, GREEDY_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(GPT_OSS))

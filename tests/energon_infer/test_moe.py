@@ -19,21 +19,27 @@ import torch
 from energon_infer import ModelRunner
 from tests.energon_infer.conftest import GREEDY_TOKENS
 from tests.energon_infer.test_families import GREEDY, OPTS, TOL, _check
-from tests.energon_infer.tiny import MOE, PROMPTS, hf_greedy, hf_logits, hf_model, save_tiny
+from tests.energon_infer.tiny import (
+    MOE,
+    PROMPTS,
+    hf_logits,
+    hf_model,
+    references,
+    save_all,
+    save_tiny,
+)
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
 
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("moe_families")
-    return {name: str(save_tiny(name, root / name)) for name in MOE}
+    return save_all(MOE, tmp_path_factory.mktemp("moe_families"))
 
 
 @pytest.fixture(scope="module")
 def moe_refs(moe_dirs) -> dict[str, dict]:
-    return {n: {"logits": hf_logits(d, PROMPTS), "greedy": hf_greedy(d, PROMPTS, GREEDY_TOKENS)}
-            for n, d in moe_dirs.items()}
+    return references(moe_dirs, GREEDY_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(MOE))

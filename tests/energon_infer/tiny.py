@@ -197,3 +197,13 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
                              pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
+
+
+def save_all(names, root: Path) -> dict[str, str]:
+    """Each of ``names`` (keys of the family tables above) saved as a tiny model under ``root``."""
+    return {name: str(save_tiny(name, Path(root) / name)) for name in names}
+
+
+def references(dirs: dict[str, str], new_tokens: int) -> dict[str, dict]:
+    """transformers' logits (every position of PROMPTS, one prompt at a time) and greedy tokens of each model."""
+    return {n: {"logits": hf_logits(d, PROMPTS), "greedy": hf_greedy(d, PROMPTS, new_tokens)} for n, d in dirs.items()}
