@@ -134,8 +134,12 @@ def test_layers_stream_from_disk_exactly(name, tmp_path):
 
 def test_chunks_and_decode_steps_of_windowed_soft_capped_layers_match_one_shot(native_dirs, native_refs):
     """The 21-token prompt in chunks and single tokens (past the 6-token window), beside another sequence."""
-    runner = ModelRunner.from_pretrained(native_dirs["gemma2"], **OPTS)
-    ref = native_refs["gemma2"]["logits"]
+    chunked_matches_one_shot(ModelRunner.from_pretrained(native_dirs["gemma2"], **OPTS), native_refs["gemma2"]["logits"])
+
+
+def chunked_matches_one_shot(runner: ModelRunner, ref: list[torch.Tensor]) -> None:
+    """PROMPTS[2] in two chunks (the second beside PROMPTS[0]'s first tokens), then one token a step: every position's
+    logits within TOL of ``ref`` (transformers' one-shot logits of each prompt)."""
     long, short = PROMPTS[2], PROMPTS[0]
     got = [runner.forward([(0, long[:9])], all_logits=True)]
     got.append(runner.forward([(0, long[9:17]), (1, short[:3])], all_logits=True)[:8])

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from energon_infer import ModelRunner
 from energon_infer.loading.config import ConfigError, UnsupportedModelError, config_from_hf
 from tests.energon_infer.conftest import GREEDY_TOKENS
-from tests.energon_infer.test_families import GREEDY, OPTS, TOL, _check
+from tests.energon_infer.test_families import GREEDY, OPTS, TOL, _check, chunked_matches_one_shot
 from tests.energon_infer.tiny import (
     GPT_OSS,
     PROMPTS,
@@ -62,15 +62,7 @@ def test_gpt_oss_equals_transformers(name, oss_dirs, oss_refs):
 def test_chunks_and_decode_steps_with_sinks_past_the_window_match_one_shot(oss_dirs, oss_refs):
     """The 21-token prompt in chunks and then one token a step (past the 6-token window, the decode path's sinks),
     beside another sequence."""
-    runner = ModelRunner.from_pretrained(oss_dirs["gpt_oss"], **OPTS)
-    ref = oss_refs["gpt_oss"]["logits"]
-    long, short = PROMPTS[2], PROMPTS[0]
-    got = [runner.forward([(0, long[:9])], all_logits=True)]
-    got.append(runner.forward([(0, long[9:17]), (1, short[:3])], all_logits=True)[:8])
-    for t in long[17:]:
-        rest = [(1, short[3:])] if runner.cache.length(1) == 3 else []
-        got.append(runner.forward([(0, [t]), *rest], all_logits=True)[:1])
-    assert (torch.cat(got) - ref[2]).abs().max().item() <= TOL
+    chunked_matches_one_shot(ModelRunner.from_pretrained(oss_dirs["gpt_oss"], **OPTS), oss_refs["gpt_oss"]["logits"])
 
 
 def _parallel(rank: int, world: int, dirs: dict, refs: dict) -> dict:
