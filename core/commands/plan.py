@@ -27,8 +27,8 @@ from tightfit.planner.optimizers import OPTIMIZERS as _OPTIMIZER_TABLE
 from tightfit.planner.optimizers import PRECISIONS as _PRECISION_TABLE
 from tightfit.units import format_bytes, format_table
 
-__all__ = ["PLANNERS", "PLUGIN_PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments", "load_model_profile",
-           "load_cluster", "progress_bar", "check_devices", "model_config", "PRECISIONS", "OPTIMIZERS"]
+__all__ = ["PLANNERS", "PLUGIN_PLANNERS", "add_arguments", "run", "add_model_arguments", "add_device_arguments",
+           "load_model_profile", "load_cluster", "progress_bar", "check_devices", "model_config", "PRECISIONS", "OPTIMIZERS"]
 
 
 # The planner's cost model knows these: read from the one optimizer/precision table (a torch-free module,

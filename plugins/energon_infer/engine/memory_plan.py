@@ -25,7 +25,7 @@ from typing import Any, cast
 from energon_infer.worker.memory_pool import MemoryPoolConfig
 from tightfit.planner.serving import ServingPlan, StageShape, plan_serving
 
-__all__ = ["fit_memory", "worker_baseline_bytes", "stage_shapes", "WORKER_RUNTIME_BYTES"]
+__all__ = ["fit_memory", "cpu_dtype", "worker_baseline_bytes", "stage_shapes", "WORKER_RUNTIME_BYTES"]
 
 #: What a loaded worker holds beyond the controller's imports: its intra-op thread pool and their allocator arenas,
 #: its process group, the kernels it loads and the warm-up step's tensors the allocator keeps.
@@ -88,6 +88,15 @@ def stage_shapes(path: str | Path, cfg: Any, *, tp: int, pp: int, dtype: str, io
     return shapes
 
 
+def cpu_dtype(path: str | Path, rt: Any) -> str:
+    """The dtype a CPU serves ``path`` in under runtime config ``rt``: its own, or the checkpoint's for ``"auto"``."""
+    if rt.dtype != "auto":
+        return str(rt.dtype)
+    from energon_infer.loading.hf_files import auto_dtype
+
+    return str(auto_dtype(path, "cpu")[0])
+
+
 def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | None, *,
                given: frozenset[str] = frozenset()) -> tuple[Any, MemoryPoolConfig | None, ServingPlan | None]:
     """Plan the serving process on a CPU and apply the plan: ``(engine config, memory pool, plan)``.
@@ -106,11 +115,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     device = rt.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") or (pool is not None and not pool.tiered):
         return cfg, pool, None
-    dtype = rt.dtype
-    if dtype == "auto":
-        from energon_infer.loading.hf_files import auto_dtype
-
-        dtype = auto_dtype(path, "cpu")[0]
+    dtype = cpu_dtype(path, rt)
     quant = QuantSpec.create(rt.quantization, rt.group_size)
     io_threads = pool.io_threads if pool is not None else MemoryPoolConfig().io_threads
     packed = rt.packed_weights and quant is None
@@ -145,9 +150,9 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                                                                             MemoryPoolConfig().lookahead):
             plan = None  # a knob was lowered to keep every layer: ask again with the disk tier
     if plan is None:
-        fixed = None if packed and "packed_weights" not in given else packed
-        plan, packed = _plan_with_disk(path, pool, quant, dtype, rt, shapes_of, packed=fixed, common=common)
-        if fixed is None and not packed:  # given up by the plan
+        plan, kept = _plan_with_disk(path, pool, quant, dtype, rt, shapes_of, packed=packed,
+                                     may_unpack="packed_weights" not in given, common=common)
+        if packed and not kept:  # given up by the plan
             rt = dataclasses.replace(rt, packed_weights=False)
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
@@ -160,9 +165,10 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
 
 
 def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any, dtype: str, rt: Any,
-                    shapes_of: Any, *, packed: bool | None, common: dict[str, Any]) -> tuple[ServingPlan, bool]:
-    """The plan with the disk tier, and whether it keeps the packed copies. ``packed``: ``None`` where the packed
-    copies are the planner's to give up (on by default, not named by the caller), else as fixed."""
+                    shapes_of: Any, *, packed: bool, may_unpack: bool,
+                    common: dict[str, Any]) -> tuple[ServingPlan, bool]:
+    """The plan with the disk tier, and whether it keeps the packed copies: ``packed`` ones are given up where only
+    they do not fit and ``may_unpack`` (the caller did not name ``packed_weights``)."""
     from energon_infer.worker.disk_pool import resolve_disk
     from tightfit.planner.errors import PlanInfeasibleError
 
@@ -173,10 +179,10 @@ def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any,
         at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp, rt.pp)
     disk = resolve_disk(pool.disk if pool is not None else None, at)
     try:
-        return plan_serving(shapes_of(packed is not False), disk=disk, **common), packed is not False
+        return plan_serving(shapes_of(packed), disk=disk, **common), packed
     except PlanInfeasibleError:
         # The packed copies (a CPU's second, faster layout of each projection and of the vocabulary head) are a
         # speed-up the caller did not ask for by name: where they are what does not fit, serve without them.
-        if packed is not None:
+        if not (packed and may_unpack):
             raise
         return plan_serving(shapes_of(False), disk=disk, **common), False

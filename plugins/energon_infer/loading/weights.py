@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from energon_infer.loading.families import FAMILIES
 from energon_infer.parallel import Grid, vocab_shard
 
 __all__ = ["CheckpointReader", "WeightError", "ModelTooLargeError", "load_stage_weights", "hf_parts",
-           "check_stage_fits", "available_bytes", "build_param", "Part"]
+           "check_stage_fits", "available_bytes", "build_param", "Part", "source_order"]
 
 
 class WeightError(BadInputError, ValueError):
@@ -319,6 +319,16 @@ def _fused_expert_parts(tensors: Mapping[str, str], p: str, rest: list[str]) -> 
     return [Part(f"{src}.down_proj_bias", None, _expert(e))]
 
 
+def source_order(recipes: Sequence[Sequence[Part]]) -> list[int]:
+    """The indices of ``recipes`` (each parameter's parts) grouped by the checkpoint tensor of their first part, the
+    groups in first-use order and each in its own: a reader that keeps the tensor it read last reads a fused tensor
+    many parameters are sliced from once."""
+    first: dict[str, int] = {}
+    for parts in recipes:
+        first.setdefault(parts[0].source, len(first))
+    return sorted(range(len(recipes)), key=lambda i: first[recipes[i][0].source])
+
+
 def _resolve(split: str | None, cfg: ModelConfig, tp: int) -> str | None:
     """An expert part's split at ``tp`` (whole experts, or sliced like the dense MLP); any other as given."""
     if split in ("expert_col", "expert_row"):
@@ -395,11 +405,9 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
         )
     # The tensor read last stays until the next read (released before it: one checkpoint tensor in memory at a
     # time): a fused tensor that many parameters are sliced from (gpt-oss's experts) is read once, as the
-    # parameters are loaded grouped by the tensor they come from (in their own order where each has its own).
+    # parameters are loaded grouped by the tensor they come from (source_order).
     last: dict[str, torch.Tensor] = {}
-    first: dict[str, int] = {}
-    for name in params:
-        first.setdefault(plan[name][0].source, len(first))
+    names = list(params)
 
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
         if part.source not in last:
@@ -412,7 +420,8 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
         return t, tuple(t.shape), False
 
     done = 0
-    for name, param in sorted(params.items(), key=lambda item: first[plan[item[0]][0].source]):
+    for name in (names[i] for i in source_order([plan[n] for n in names])):
+        param = params[name]
         value = build_param(cfg, grid, name, tuple(param.shape), plan[name], fetch, nonfinite=nonfinite)
         with torch.no_grad():
             param.copy_(value.to(param.dtype))

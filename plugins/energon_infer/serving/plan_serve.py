@@ -122,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
 def _expert_plan(path: Path, model: Any, cfg: Any, plan: Any) -> Any:
     """Core's expert placement within the serving plan's weights budget (one memory on a CPU), the disk the
     checkpoint is read from, and the popularity profile beside the model where there is one."""
+    from energon_infer.engine.memory_plan import cpu_dtype
     from energon_infer.loading.quantization import QuantSpec
     from energon_infer.worker.disk_pool import resolve_disk
     from tightfit.planner.experts import plan_experts
     from tightfit.profiler.experts import POPULARITY_FILE, ExpertPopularity
 
     rt = cfg.runtime
-    dtype = rt.dtype if rt.dtype != "auto" else "float32"
-    layers, other = moe_shapes(path, model, dtype=dtype, quant=QuantSpec.create(rt.quantization, rt.group_size))
+    layers, other = moe_shapes(path, model, dtype=cpu_dtype(path, rt),
+                               quant=QuantSpec.create(rt.quantization, rt.group_size))
     counts = len(layers[0].expert_bytes) if layers else 0
     popularity = None
     if (path / POPULARITY_FILE).is_file():

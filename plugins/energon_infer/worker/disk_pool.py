@@ -40,7 +40,7 @@ from torch import nn
 from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.quantization import QuantSpec, meta_quantize, quantize_head
 from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
-from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts
+from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts, source_order
 from energon_infer.parallel import Grid, split_layers
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
 from energon_infer.worker.model import DecoderStage
@@ -102,12 +102,9 @@ class DiskLayer(SlotLayer):
         self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
         self.nonfinite = nonfinite
         self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
-        # Parameters filled grouped by the checkpoint tensor they come from (in first-use order): a fused tensor
-        # many parameters are sliced from (gpt-oss's experts) is read once a fill, not once per parameter.
-        first: dict[str, int] = {}
-        for _, parts in self.recipe:
-            first.setdefault(parts[0].source, len(first))
-        self._order = sorted(range(len(self.recipe)), key=lambda i: first[self.recipe[i][1][0].source])
+        # Parameters filled grouped by the checkpoint tensor they come from: a fused tensor many parameters are
+        # sliced from (gpt-oss's experts) is read once a fill, not once per parameter.
+        self._order = source_order([parts for _, parts in self.recipe])
         # (reads, bytes, seconds) of the completed fills, replaced whole when a fill ends: a report taken while
         # a prefetch is reading never counts its bytes without its read.
         self.totals: tuple[int, int, float] = (0, 0, 0.0)
