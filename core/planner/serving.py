@@ -82,6 +82,7 @@ class StageShape:
         activation_bytes_per_token: a step's working memory per token of the token budget.
         logits_bytes_per_row: the logits (and the sampler's copies) of one sequence sampled in a step.
         ranks: tensor-parallel ranks of the stage (each holds this shape).
+        resident_what: what ``resident_bytes`` holds, as :meth:`ServingPlan.explain` names it.
     """
 
     layer_bytes: tuple[int, ...]
@@ -93,6 +94,7 @@ class StageShape:
     activation_bytes_per_token: int = 0
     logits_bytes_per_row: int = 0
     ranks: int = 1
+    resident_what: str = "embedding, head and norms"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_bytes", tuple(int(b) for b in self.layer_bytes))
@@ -366,7 +368,7 @@ def _lines(s: StageShape, plan: PoolPlan, *, a: int, t: int, kv: int, worker: in
     extra = s.kept_extra_bytes or (0,) * n
     slots = min(a + 1, len(disk)) if disk else 0
     out = [("interpreter, libraries and runtime", worker),
-           ("embedding, head and norms", s.resident_bytes),
+           (s.resident_what, s.resident_bytes),
            (f"{len(kept)} of {n} layers kept in memory", sum(s.layer_bytes[i] for i in kept)),
            ("their packed copies", sum(extra[i] for i in kept)),
            (f"{slots} prefetch slot(s), lookahead {a}", slots * plan.slot_bytes),

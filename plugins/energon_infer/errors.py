@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, get_args
 
 __all__ = ["EnergonError", "BadInputError", "BusyError", "UnavailableError", "InvalidRequestError", "OptionError",
-           "UnknownOptionError", "MissingFileError", "check_choice"]
+           "UnknownOptionError", "MissingFileError", "ContextLengthError", "check_choice"]
 
 
 class EnergonError(Exception):
@@ -55,6 +55,10 @@ class UnavailableError(EnergonError):
 
 class InvalidRequestError(BadInputError, ValueError):
     """A request that can never run as given: an empty or too long prompt, token ids outside the vocabulary."""
+
+
+class ContextLengthError(BadInputError, ValueError):
+    """A sequence would grow past the model's context (:class:`~energon_infer.worker.runtime.ModelRunner`)."""
 
 
 class OptionError(BadInputError, ValueError):

@@ -51,6 +51,8 @@ class Step:
     ``late``: admissions only, planned while the group's steps were all in flight (see
     :meth:`~energon_infer.scheduling.scheduler.Scheduler.schedule_late`); a worker that has not yet started the
     step before it runs both as one (:mod:`energon_infer.worker.late_steps`), else it runs after it.
+    ``prefill_lengths`` (a ``longrope`` model's steps only): a sequence whose items are a chunk of a longer prefill
+    (a prompt, or a recompute) -> that prefill's whole length, which the rope takes as transformers' one call would.
     """
 
     step_id: int
@@ -68,6 +70,7 @@ class Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks, after the assignments
     late: bool = False
     trims: dict[int, int] = field(default_factory=dict)  # seq -> leading table entries released (holes)
+    prefill_lengths: dict[int, int] = field(default_factory=dict)  # seq -> its prefill's length, this a chunk of it
 
 
 @dataclass(frozen=True, slots=True)

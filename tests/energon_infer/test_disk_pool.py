@@ -252,11 +252,11 @@ def test_engine_serves_beyond_its_budget_and_reports_the_disk_tier(tmp_path):
     assert err.value.tier == "device"
 
 
-def _tp2_reads(rank: int, world: int, path: str, budget: int, tp: int = 2, pp: int = 1) -> dict:
+def _tp2_reads(rank: int, world: int, path: str, budget: int, tp: int = 2, pp: int = 1, disk_vocab=()) -> dict:
     from energon_infer.worker.runtime import RuntimeConfig
     from energon_infer.worker.workers import ModelSource, load_worker
 
-    pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
+    pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1, disk_vocab=disk_vocab)
     runner, timer, info = load_worker(ModelSource("pretrained", path), RuntimeConfig(tp=tp, pp=pp, **OPTS), pool, rank)
     gen = [g.token_ids for g in runner.generate(PROMPTS, GREEDY)]
     return {"gen": gen, "stats": timer.snapshot(), "plan": info.pool.plan}

@@ -43,7 +43,9 @@ if __name__ == "__main__":
                                SamplingParams(temperature=0, max_tokens=6))
         plan, budget = engine.memory_plan, engine.memory_report()["budget"]
         print(engine.explain(), file=sys.stderr)
-    print(json.dumps({"tokens": [o.token_ids for o in outs], "plan": plan.to_json(), "budget": budget}))
+        pool = engine.memory_pool
+        choices = {"packed": engine.config.runtime.packed_weights, "tables": list(pool.disk_vocab if pool else ())}
+    print(json.dumps({"tokens": [o.token_ids for o in outs], "plan": plan.to_json(), "budget": budget, **choices}))
 """
 
 
@@ -189,24 +191,27 @@ path = sys.argv[1]
 cfg, model = engine_config(None, dtype="float32"), load_config(path)
 rt, sched = cfg.runtime, cfg.scheduler
 floors = {}
-for packed in (True, False):
-    shapes = stage_shapes(path, model, tp=1, pp=1, dtype="float32", io_threads=2, quant=None, packed=packed)
+for packed, tables in ((True, ()), (True, ("embed",)), (False, ("embed",)), (True, ("embed", "lm_head")),
+                       (False, ("embed", "lm_head"))):
+    shapes = stage_shapes(path, model, tp=1, pp=1, dtype="float32", io_threads=2, quant=None, packed=packed,
+                          tables=tables)
     try:
         plan_serving(shapes, free_bytes=0, worker_bytes=worker_baseline_bytes() + WORKER_RUNTIME_BYTES,
                      max_batch_tokens=sched.max_batch_tokens, kv_cache_tokens=rt.kv_cache_tokens,
                      block_size=rt.block_size, max_running=sched.max_running,
                      disk=DiskProfile(path=path, free_bytes=2**40, read_fit=(1e-4, 1e9)))
     except PlanInfeasibleError as exc:
-        floors[str(packed)] = exc.needed_bytes
+        floors["packed" * packed + "+".join(tables)] = exc.needed_bytes
 reading = read_memory(settle=True)
 print(json.dumps({"held": reading.usage - reading.reclaimable, **floors}))
 """
 
 
-def test_the_packed_copies_give_way_where_only_they_do_not_fit(tmp_path):
-    """A model with a large vocabulary, whose head's packed copy (a CPU's second layout, a speed-up) is what a
-    limit cannot hold: with no option given the plan serves without the packed copies, exact against the
-    unlimited run; given ``packed_weights=True`` by name, it refuses in one line instead."""
+def test_each_step_down_gives_up_the_next_cheapest_thing_and_stays_exact(tmp_path):
+    """A model with a large vocabulary under three limits, each between two of the plan's floors: where the tables
+    held do not fit, the embedding is read from disk by row (the packed copies kept); lower, the packed copies give
+    way too; lower still, the head is read from disk in chunks as well. Every run gives the unlimited run's tokens.
+    Given ``packed_weights=True`` by name at the lowest limit, the copies are kept and the head read from disk."""
     from energon_infer.demo import write_random_llama
 
     path = write_random_llama(tmp_path / "wide", vocab=32000, hidden=768, layers=2, heads=12, kv_heads=4,
@@ -216,25 +221,36 @@ def test_the_packed_copies_give_way_where_only_they_do_not_fit(tmp_path):
     measured = run_limited([sys.executable, str(tmp_path / "floors.py"), str(path)], 16 * 2**30, name="energon-floors",
                            timeout=120)
     assert measured.returncode == 0, measured.stderr[-3000:]
-    got = last_json_line(measured.stdout)
-    packed, plain = got["True"], got["False"]
-    assert packed - plain > 60 * MiB  # the head's packed copy: 32000 x 768 fp32
-    limit = got["held"] + (packed + plain) // 2
+    f = last_json_line(measured.stdout)
+    table = 32000 * 768 * 4
+    assert f["packed"] - f["packedembed"] > table - MiB  # the embedding read by row saves the table
+    assert f["embed+lm_head"] < f["embed"]  # the least-memory plan
     free = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], 16 * 2**30, name="energon-wide",
                        timeout=300)
     assert free.returncode == 0, free.stderr[-3000:]
-    run = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], limit, name="energon-wide",
-                      timeout=300)
-    assert not run.oom_killed and run.returncode == 0, run.stderr[-3000:]
-    out = last_json_line(run.stdout)
-    assert out["tokens"] == last_json_line(free.stdout)["tokens"]
-    head = 32000 * 768 * 4
-    lines = {b["what"]: b["bytes"] for b in out["budget"]}
-    assert lines["embedding, head and norms"] < 2 * head + MiB  # embedding and head, no packed copy of the head
+    expected = {"packed": True, "tables": ["embed"]}, {"packed": False, "tables": ["embed"]}, \
+        {"packed": False, "tables": ["embed", "lm_head"]}
+    bounds = (f["packedembed"], f["packed"]), (f["embed"], f["packedembed"]), \
+        (f["embed+lm_head"], f["embed"])
+    for (low, high), want in zip(bounds, expected):
+        limit = f["held"] + (low + high) // 2
+        run = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], limit, name="energon-wide",
+                          timeout=300)
+        assert not run.oom_killed and run.returncode == 0, run.stderr[-3000:]
+        out = last_json_line(run.stdout)
+        assert out["tokens"] == last_json_line(free.stdout)["tokens"]
+        assert {"packed": out["packed"], "tables": out["tables"]} == want
+        what = "embedding read from disk; the rest" if want["tables"] == ["embed"] else \
+            "embedding and head read from disk; the rest"
+        assert what in {b["what"] for b in out["budget"]}
+    # Named by the caller, the packed copies are never given up: the head goes to disk instead (every layer streams
+    # at this limit, and a streamed layer has no packed copy, so this plan needs little more).
     given = run_limited([sys.executable, str(tmp_path / "child.py"), str(path)], limit, name="energon-wide",
                         timeout=300, env={**os.environ, "CHILD_OPTIONS": '{"packed_weights": true}'})
-    assert not given.oom_killed and given.returncode != 0
-    assert "PlanInfeasibleError: the least-memory serving plan" in given.stderr, given.stderr[-3000:]
+    assert not given.oom_killed and given.returncode == 0, given.stderr[-3000:]
+    out = last_json_line(given.stdout)
+    assert (out["packed"], out["tables"]) == (True, ["embed", "lm_head"])
+    assert out["tokens"] == last_json_line(free.stdout)["tokens"]
 
 
 def test_plan_serve_prints_the_plan_the_engine_then_runs(model, tmp_path):

@@ -167,9 +167,7 @@ class Engine:
                 self.config = dataclasses.replace(
                     self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
         scheduler = Scheduler(
-            self.config.scheduler_for(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=self.max_context,
-                                      host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
-                                      recompute_s_per_token=info.recompute_s_per_token, kv_window=info.kv_window),
+            self.config.scheduler_from(info, max_context=self.max_context),
             eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
         self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None)  # the frontend: outputs
         self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,

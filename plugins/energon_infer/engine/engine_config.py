@@ -26,11 +26,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from energon_infer.errors import OptionError, UnknownOptionError, check_choice
+from energon_infer.scheduling.rope_switch import switch_of
 from energon_infer.scheduling.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
 from energon_infer.worker.runtime_config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from energon_infer.protocol import WorkerInfo
 
 __all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "Launcher", "Backend"]
 
@@ -144,19 +148,26 @@ class EngineConfig:
 
     def scheduler_for(self, *, kv_blocks: int, block_size: int, max_context: int, host_blocks: int = 0,
                       swap_s_per_block: float = 0.0, recompute_s_per_token: float = 0.0,
-                      kv_window: int = 0) -> SchedulerConfig:
+                      kv_window: int = 0, rope_switch: int = 0) -> SchedulerConfig:
         """The scheduler's limits once the workers have reported their cache: these options with its shape."""
         return replace(self.scheduler, kv_blocks=kv_blocks, block_size=block_size, max_context=max_context,
                        groups=self.groups, depth=self.depth,
                        late_admission=self.scheduler.late_admission and self.runtime.tp * self.runtime.pp == 1,
                        preemption=self.scheduler.preemption if host_blocks else "recompute",
                        host_blocks=host_blocks, swap_s_per_block=swap_s_per_block,
-                       recompute_s_per_token=recompute_s_per_token, kv_window=kv_window)
+                       recompute_s_per_token=recompute_s_per_token, kv_window=kv_window, rope_switch=rope_switch)
+
+    def scheduler_from(self, info: WorkerInfo, *, max_context: int) -> SchedulerConfig:
+        """:meth:`scheduler_for` with what a worker reported: its cache, swap costs, window and model's rope switch."""
+        return self.scheduler_for(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=max_context,
+                                  host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
+                                  recompute_s_per_token=info.recompute_s_per_token, kv_window=info.kv_window,
+                                  rope_switch=switch_of(info.config.get("rope")))
 
 
 # Scheduler fields the workers report, not options; and the runtime's token budget, which is the scheduler's.
 _REPORTED = {"kv_blocks", "block_size", "max_context", "host_blocks", "swap_s_per_block", "recompute_s_per_token",
-             "groups", "depth", "kv_window"}
+             "groups", "depth", "kv_window", "rope_switch"}
 # The flat names of the steps in flight predate the tree (``Engine.from_pretrained(d, pipeline_depth=3)``).
 _RENAMED = {"pipeline_groups": "groups", "pipeline_depth": "depth"}
 

@@ -58,9 +58,38 @@ def _packed_bytes(module: Any) -> int:
     return total
 
 
+def disk_tables(path: str | Path, cfg: Any, quant: Any) -> tuple[str, ...]:
+    """The vocabulary tables (``"embed"``, ``"lm_head"``) that can be read from the checkpoint per step
+    (:mod:`energon_infer.worker.disk_vocab`): each stored whole in one tensor, the model not quantized."""
+    from energon_infer.loading.safetensors_files import TensorFiles
+    from energon_infer.worker.disk_vocab import DISK_VOCAB, vocab_source
+
+    if quant is not None:
+        return ()
+    files = TensorFiles(path)
+    try:
+        keys = set(files.keys())
+        return tuple(t for t in DISK_VOCAB if vocab_source(cfg, f"{t}.weight", keys) is not None)
+    finally:
+        files.close()
+
+
+def _table_bytes(stage: Any, tables: tuple[str, ...], cfg: Any, file_itemsize: int, itemsize: int, tp: int) -> int:
+    """What reading ``tables`` from disk saves in ``stage``: their bytes, less what the head holds instead."""
+    from energon_infer.worker.disk_vocab import disk_vocab_bytes
+
+    saved = 0
+    for t in tables:
+        module = getattr(stage, t, None)
+        if module is not None:
+            saved += module.weight.numel() * itemsize - disk_vocab_bytes(t, cfg, file_itemsize, itemsize, tp)
+    return saved
+
+
 def stage_shapes(path: str | Path, cfg: Any, *, tp: int, pp: int, dtype: str, io_threads: int, quant: Any,
-                 packed: bool) -> list[StageShape]:
-    """Each stage's :class:`~tightfit.planner.serving.StageShape` from the model (meta copies and file headers)."""
+                 packed: bool, tables: tuple[str, ...] = ()) -> list[StageShape]:
+    """Each stage's :class:`~tightfit.planner.serving.StageShape` from the model (meta copies and file headers);
+    ``tables``: the vocabulary tables read from disk instead of held (:func:`disk_tables`)."""
     from energon_infer.worker.disk_pool import stage_weights
     from energon_infer.worker.runtime_config import DTYPES
 
@@ -72,20 +101,39 @@ def stage_shapes(path: str | Path, cfg: Any, *, tp: int, pp: int, dtype: str, io
     # output (3 h), q/k/v and the attention output (2 qkv), the MLP's gate, up and activated product (3 mlp).
     per_token = (3 * h + 2 * qkv + 3 * mlp) * itemsize
     logits_row = 3 * 4 * -(-cfg.vocab_size // tp)  # fp32 logits, the sampler's probabilities and one working copy
+    if "embed" in tables:  # a step's embedding rows, read per token
+        per_token += cfg.embed_dim * itemsize
+    file_itemsize = _file_itemsize(path, itemsize)
+    what = "embedding, head and norms" if not tables else \
+        f"{' and '.join({'embed': 'embedding', 'lm_head': 'head'}[t] for t in tables)} read from disk; the rest"
     shapes = []
     for s, (stage, layers, resident, buffers) in enumerate(stage_weights(path, cfg, tp=tp, pp=pp, dtype=dtype,
                                                                          io_threads=io_threads, quant=quant)):
         blocks = list(stage.layers.values())
         extra = [_packed_bytes(b) if packed else 0 for b in blocks]
-        rest = sum(_packed_bytes(m) for name, m in stage.named_children() if name != "layers") if packed else 0
+        rest = sum(_packed_bytes(m) for name, m in stage.named_children()
+                   if name != "layers" and name not in tables) if packed else 0
+        resident -= _table_bytes(stage, tables, cfg, file_itemsize, itemsize, tp)
         # Each read also makes a working copy as large as its buffer (a transform, the first read's finite
         # check), which the I/O thread's allocator keeps while layers stream.
-        shapes.append(StageShape(layer_bytes=tuple(layers), resident_bytes=resident + rest,
+        shapes.append(StageShape(layer_bytes=tuple(layers), resident_bytes=resident + rest, resident_what=what,
                                  kept_extra_bytes=tuple(extra), read_buffer_bytes=buffers, read_work_bytes=buffers,
                                  kv_bytes_per_token=len(blocks) * 2 * max(1, cfg.n_kv_heads // tp) * d * itemsize,
                                  activation_bytes_per_token=per_token, logits_bytes_per_row=logits_row if s == pp - 1 else 0,
                                  ranks=tp))
     return shapes
+
+
+def _file_itemsize(path: str | Path, default: int) -> int:
+    """Bytes per element of the checkpoint's vocabulary tables as stored (the largest of its float dtypes)."""
+    from energon_infer.loading.safetensors_files import TensorFiles
+
+    files = TensorFiles(path)
+    try:
+        sizes = [e.dtype.itemsize for e in files.extents.values() if e.dtype.is_floating_point]
+        return max(sizes, default=default)
+    finally:
+        files.close()
 
 
 def cpu_dtype(path: str | Path, rt: Any) -> str:
@@ -120,9 +168,9 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     io_threads = pool.io_threads if pool is not None else MemoryPoolConfig().io_threads
     packed = rt.packed_weights and quant is None
 
-    def shapes_of(packed: bool) -> list[StageShape]:
+    def shapes_of(packed: bool, tables: tuple[str, ...] = ()) -> list[StageShape]:
         return stage_shapes(path, model, tp=rt.tp, pp=rt.pp, dtype=dtype, io_threads=io_threads, quant=quant,
-                            packed=packed)
+                            packed=packed, tables=tables)
 
     shapes = shapes_of(packed)
     reading = read_memory(settle=True)
@@ -140,7 +188,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                   where=where, fixes=tuple(fixes))
     from tightfit.planner.errors import PlanInfeasibleError
 
-    plan = None
+    plan, tables = None, pool.disk_vocab if pool is not None else ()
     if pool is None:  # everything in memory with the knobs as given: the plan the disk would give too, unmeasured
         try:
             plan = plan_serving(shapes, disk=None, **common)
@@ -150,25 +198,30 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                                                                             MemoryPoolConfig().lookahead):
             plan = None  # a knob was lowered to keep every layer: ask again with the disk tier
     if plan is None:
-        plan, kept = _plan_with_disk(path, pool, quant, dtype, rt, shapes_of, packed=packed,
-                                     may_unpack="packed_weights" not in given, common=common)
+        plan, kept, tables = _plan_with_disk(path, pool, quant, dtype, rt, shapes_of, packed=packed,
+                                             may_unpack="packed_weights" not in given,
+                                             tables=(tables, disk_tables(path, model, quant)), common=common)
         if packed and not kept:  # given up by the plan
             rt = dataclasses.replace(rt, packed_weights=False)
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
         scheduler = dataclasses.replace(scheduler, chunked_prefill=True)  # prompts longer than a step still run
     runtime = dataclasses.replace(rt, kv_cache_tokens=plan.kv_cache_tokens, max_batch_tokens=plan.max_batch_tokens)
-    if plan.streams or pool is not None:
+    if plan.streams or pool is not None or tables:
         pool = dataclasses.replace(pool or MemoryPoolConfig(memory_budget=max(0, *plan.weight_budgets)),
-                                   lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)))
+                                   lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)), disk_vocab=tables)
     return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan
 
 
 def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any, dtype: str, rt: Any,
-                    shapes_of: Any, *, packed: bool, may_unpack: bool,
-                    common: dict[str, Any]) -> tuple[ServingPlan, bool]:
-    """The plan with the disk tier, and whether it keeps the packed copies: ``packed`` ones are given up where only
-    they do not fit and ``may_unpack`` (the caller did not name ``packed_weights``)."""
+                    shapes_of: Any, *, packed: bool, may_unpack: bool, tables: tuple[tuple[str, ...], tuple[str, ...]],
+                    common: dict[str, Any]) -> tuple[ServingPlan, bool, tuple[str, ...]]:
+    """The plan with the disk tier, whether it keeps the packed copies and the vocabulary tables it reads from disk.
+
+    ``tables``: (those the caller put there, those that may go). Each step down gives up the next cheapest thing
+    where the plan does not fit: the embedding read per step by row (a few KiB a token), the ``packed`` copies where
+    ``may_unpack`` (the caller did not name ``packed_weights``), then the head read per step in chunks (its bytes
+    once a step, as one more streamed layer). The last step's refusal names the least-memory plan."""
     from energon_infer.worker.disk_pool import resolve_disk
     from tightfit.planner.errors import PlanInfeasibleError
 
@@ -178,11 +231,18 @@ def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any,
 
         at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp, rt.pp)
     disk = resolve_disk(pool.disk if pool is not None else None, at)
-    try:
-        return plan_serving(shapes_of(packed), disk=disk, **common), packed
-    except PlanInfeasibleError:
-        # The packed copies (a CPU's second, faster layout of each projection and of the vocabulary head) are a
-        # speed-up the caller did not ask for by name: where they are what does not fit, serve without them.
-        if not (packed and may_unpack):
-            raise
-        return plan_serving(shapes_of(False), disk=disk, **common), False
+    given, may = tables
+    steps = [(packed, given)]
+    for step in ("embed", "unpack", "lm_head"):
+        keep, held = steps[-1]
+        if step == "unpack" and keep and may_unpack:
+            steps.append((False, held))
+        elif step in may and step not in held:
+            steps.append((keep, tuple(t for t in may if t in held or t == step)))
+    for keep, held in steps[:-1]:
+        try:
+            return plan_serving(shapes_of(keep, held), disk=disk, **common), keep, held
+        except PlanInfeasibleError:
+            continue
+    keep, held = steps[-1]
+    return plan_serving(shapes_of(keep, held), disk=disk, **common), keep, held

@@ -21,7 +21,9 @@ sequence's prefix, until evicted). Holes are only ever the leading entries of a 
 its whole chain of named blocks, but holds only the ones its window reaches (the rest are holes from the start).
 
 Names are Python's tuple hash (64 bit, deterministic for ints); a match also compares the block's
-tokens, so only two different prefixes with one 64-bit name could ever be confused.
+tokens, so only two different prefixes with one 64-bit name could ever be confused. A chain of names starts
+from a ``root`` key (0 unless told): sequences whose blocks hold other values for the same tokens (a longrope
+model's past its switch, :mod:`energon_infer.scheduling.rope_switch`) name and find theirs in a chain of their own.
 
 Example:
     >>> m = BlockManager(num_blocks=8, block_size=4)
@@ -198,9 +200,10 @@ class BlockManager:
                 table[i] = HOLE
         return self.holes(seq_id)
 
-    def resume(self, seq_id: int, length: int, held: int) -> list[int]:
+    def resume(self, seq_id: int, length: int, held: int, root: int = 0) -> list[int]:
         """A table for a swapped-out sequence of ``length`` tokens whose last ``held`` blocks come back (the
-        ones before are holes, as are those :meth:`unneeded` now); returns the blocks taken, in table order."""
+        ones before are holes, as are those :meth:`unneeded` now), named in the chain from ``root``; returns the
+        blocks taken, in table order."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks; free it first")
         total = self.blocks_for(length)
@@ -210,6 +213,7 @@ class BlockManager:
                                "resume_cost first (this is a scheduler bug)")
         new = [self._take() for _ in range(back)]
         self.tables[seq_id] = [HOLE] * (total - back) + new
+        self._named_upto[seq_id] = (0, root)
         return new
 
     def resume_cost(self, length: int, grown: int, held: int) -> int:
@@ -235,12 +239,12 @@ class BlockManager:
     def _key(self, parent: int, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[list[int], int, tuple[int, int] | None]:
+    def lookup(self, tokens: Sequence[int], root: int = 0) -> tuple[list[int], int, tuple[int, int] | None]:
         """``(shared full blocks, their key chain's last key, (block to copy, tokens of it to keep) or None)``.
 
-        Read only. At least one token is always left to compute.
+        Read only. At least one token is always left to compute. ``root``: the key the chain starts from.
         """
-        bs, parent = self.block_size, 0
+        bs, parent = self.block_size, root
         shared: list[int] = []
         if not self.prefix_caching:
             return shared, parent, None
@@ -280,12 +284,12 @@ class BlockManager:
             revived += 1  # held while its copy is taken, so it cannot be the block evicted for it
         return max(0, self.blocks_for(max(length, cached + 1)) - len(shared)) + revived
 
-    def start(self, seq_id: int, tokens: Sequence[int], *, share: bool = True) -> PrefixHit:
+    def start(self, seq_id: int, tokens: Sequence[int], *, share: bool = True, root: int = 0) -> PrefixHit:
         """Begin ``seq_id``: share the cached prefix of ``tokens`` (see :meth:`lookup`; nothing with ``share``
-        off); grow it afterwards."""
+        off), its blocks named in the chain from ``root``; grow it afterwards."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks; free it first")
-        shared, parent, cow = self.lookup(tokens) if share else ([], 0, None)
+        shared, parent, cow = self.lookup(tokens, root) if share else ([], root, None)
         drop = self.unneeded(len(shared) * self.block_size + (cow[1] if cow else 0))
         for block in shared[drop:]:
             self._hold(block)

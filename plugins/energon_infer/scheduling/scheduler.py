@@ -9,7 +9,9 @@ the newest idle running request is preempted (its blocks freed, recomputed from 
 tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
 only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step. With a sliding
 window on every layer (``kv_window``), a running sequence's blocks before its window are released as it
-grows (``Step.trims``), so it holds about ``kv_window / block_size + 2`` blocks however long it runs.
+grows (``Step.trims``), so it holds about ``kv_window / block_size + 2`` blocks however long it runs. A
+sequence about to pass a longrope model's switch (``rope_switch``) is recomputed whole with the long factors, once
+(:mod:`energon_infer.scheduling.rope_switch`).
 
 Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead.
 Backpressure: :meth:`Scheduler.add` raises :class:`QueueFullError` beyond ``max_queue`` waiting.
@@ -39,12 +41,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from energon_infer.errors import InvalidRequestError
 from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
 from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
 from energon_infer.scheduling.requests import Request, StepPlan
+from energon_infer.scheduling.rope_switch import chain_root, is_long
 from energon_infer.scheduling.scheduler_config import (
     DEFAULT_MAX_BATCH_TOKENS,
     KV_ADMISSION,
@@ -52,6 +54,8 @@ from energon_infer.scheduling.scheduler_config import (
     POLICIES,
     QueueFullError,
     SchedulerConfig,
+    check_request,
+    request_blocks,
 )
 from energon_infer.scheduling.swap import SwapSpace
 
@@ -83,6 +87,7 @@ class Scheduler:
         self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
                                    blocks=block_ids, window=config.kv_window)
         self.preemptions = 0
+        self.rope_recomputes = 0  # sequences recomputed at the rope switch (rope_switch)
         self.late_steps = 0  # late steps planned (schedule_late)
         self.swap = SwapSpace(config.host_blocks, mode=config.preemption, swap_s_per_block=config.swap_s_per_block,
                               recompute_s_per_token=config.recompute_s_per_token)
@@ -102,41 +107,22 @@ class Scheduler:
         return self._reserved if self.config.kv_admission == "reserve" else self.blocks.used
 
     def blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
-        """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context; with a
-        window, at most its largest step (the prompt, or a chunk of it) plus the window, and one block more."""
-        cfg = self.config
-        step = min(prompt_len, cfg.max_batch_tokens) if cfg.chunked_prefill else prompt_len
-        return self.blocks.peak(min(prompt_len + params.max_tokens, cfg.max_context), step)
+        """KV blocks a request needs at most (:func:`~energon_infer.scheduling.scheduler_config.request_blocks`)."""
+        return request_blocks(self.config, self.blocks.peak, prompt_len, params.max_tokens)
 
     def _most(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` one step may run: ``budget`` with chunked prefill; with a window never more than its
-        prompt (or a chunk of it) either, so a recompute after a preemption runs in steps that hold no more
-        blocks than :meth:`blocks_for` promised, however long its context has grown."""
+        """Tokens of ``req`` one step may run: ``budget`` with chunked prefill or in a recompute (prompt + output); with
+        a window never more than its prompt (or a chunk of it) either, so a recompute after a preemption runs in steps
+        that hold no more blocks than :meth:`blocks_for` promised, however long its context has grown."""
         if not self.config.kv_window:
             return budget
         most = min(len(req.prompt), self.config.max_batch_tokens) if self.config.chunked_prefill else len(req.prompt)
         return min(most, budget) if self.config.chunked_prefill else most
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Raise :class:`InvalidRequestError` if the request can never run here; return the blocks it needs at most."""
-        cfg = self.config
-        n = len(prompt)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        if n > cfg.max_context:
-            raise InvalidRequestError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
-        if n > cfg.max_batch_tokens and not cfg.chunked_prefill:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, more than max_batch_tokens={cfg.max_batch_tokens} (the tokens one step "
-                "runs); shorten it, or start the engine with a larger max_batch_tokens or chunked_prefill=True"
-            )
-        blocks = self.blocks_for(n, params)
-        if blocks > cfg.kv_blocks:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens={params.max_tokens} needs {blocks} KV blocks of {cfg.block_size} "
-                f"tokens but the cache has {cfg.kv_blocks}; lower max_tokens or load with a larger kv_cache_tokens"
-            )
-        return blocks
+        """Raise :class:`InvalidRequestError` if the request can never run here; return the blocks it needs at most
+        (:func:`~energon_infer.scheduling.scheduler_config.check_request`)."""
+        return check_request(self.config, self.blocks.peak, len(prompt), params.max_tokens)
 
     def add(self, request: Request) -> Request:
         """Queue ``request`` (validated); raises :class:`QueueFullError` when ``max_queue`` are waiting."""
@@ -196,6 +182,8 @@ class Scheduler:
         known = req.computed - req.fed_unknown
         if known < len(tokens):
             step.items.append((req.seq_id, tokens[known:known + n]))
+            if known + n < len(tokens) and self.config.rope_switch:  # a chunk: longrope takes the whole's length
+                step.prefill_lengths[req.seq_id] = len(tokens)
         else:
             step.items.append((req.seq_id, [PLACEHOLDER]))  # the step's take_back fills it in on the first stage
             req.fed_unknown += 1
@@ -205,12 +193,15 @@ class Scheduler:
         req.pending += sampled
         plan.requests.append(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, *, switch: bool = False) -> None:
         """Free a running request's blocks; it waits at the head of the queue and, when readmitted, is
-        recomputed or (when swapping its blocks to host memory is cheaper) swapped back in."""
+        recomputed or (when swapping its blocks to host memory is cheaper) swapped back in. ``switch``: it is
+        about to pass ``rope_switch`` (its keys no longer hold): recomputed, and not counted as a preemption."""
         del self.running[req.seq_id]
         table = self.blocks.held(req.seq_id)  # the blocks before its window were released already
-        if self.swap.choose(blocks=len(table), tokens=req.computed):
+        if switch:
+            self.rope_recomputes += 1
+        elif self.swap.choose(blocks=len(table), tokens=req.computed):
             req.swapped = self.swap.take(len(table))
             self._swap_out.extend(zip(table, req.swapped))
             self.swap.swaps += 1
@@ -222,8 +213,9 @@ class Scheduler:
         self._frees.append(req.seq_id)
         req.state, req.group = "waiting", -1
         req.computed = req.computed if req.swapped else 0
-        req.preemptions += 1
-        self.preemptions += 1
+        if not switch:
+            req.preemptions += 1
+            self.preemptions += 1
         self.waiting.appendleft(req)  # victims go newest first, so the queue keeps their age order
 
     def _make_room(self, req: Request, n: int, plan: StepPlan) -> bool:
@@ -247,10 +239,13 @@ class Scheduler:
         if cfg.kv_admission == "reserve" and self._reserved + req.reserve > cfg.kv_blocks:
             return 0
         tokens, looked = found if found is not None else (self._tokens(req), None)
-        shared, _, cow = looked if looked is not None else mgr.lookup(tokens) if not req.swapped else ([], 0, None)
+        long = req.rope_long if req.swapped else is_long(cfg.rope_switch, len(tokens))
+        if looked is None:
+            looked = mgr.lookup(tokens, chain_root(long)) if not req.swapped else ([], 0, None)
+        shared, _, cow = looked
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
-        if cfg.chunked_prefill or cfg.kv_window:
+        if cfg.chunked_prefill or cfg.kv_window or req.generated:  # a recompute in chunks: it may pass the budget
             n = min(n, self._most(req, budget))
         if n < 1 or n > budget:
             return 0
@@ -265,17 +260,17 @@ class Scheduler:
         self.waiting.popleft()
         step = plan.step
         if req.swapped:  # its keys/values come back from host memory into fresh blocks (those its window reaches)
-            table = mgr.resume(req.seq_id, req.computed, len(req.swapped))
+            table = mgr.resume(req.seq_id, req.computed, len(req.swapped), chain_root(long))
             step.swap_in.extend(zip(req.swapped[len(req.swapped) - len(table):], table))
             self.swap.give(req.swapped)
             req.swapped = []
             step.starts[req.seq_id] = req.computed
         else:
-            hit = mgr.start(req.seq_id, tokens, share=bool(shared or cow))
+            hit = mgr.start(req.seq_id, tokens, share=bool(shared or cow), root=chain_root(long))
             req.computed = hit.start
             step.starts[req.seq_id] = hit.start
             step.copies.extend(hit.copies)
-        req.state, req.group = "running", step.group
+        req.state, req.group, req.rope_long = "running", step.group, long
         self.running[req.seq_id] = req
         if cfg.kv_admission == "reserve":
             self._reserved += req.reserve
@@ -311,10 +306,15 @@ class Scheduler:
                         or known + r.pending >= cfg.max_context):
                     continue
                 n = 1
-            if cfg.chunked_prefill or cfg.kv_window:
+            if cfg.chunked_prefill or cfg.kv_window or r.generated:
                 n = min(n, self._most(r, budget))
             if n < 1 or n > budget:
                 continue
+            if cfg.rope_switch and not r.rope_long and r.computed + n > cfg.rope_switch:
+                if not (r.in_flight or r.pending):  # its keys are short-factor ones: recompute it whole, long
+                    self._preempt(r, switch=True)
+                    budget -= self._admit(plan, r, budget)  # at the queue's head: now, or when it fits
+                continue  # else its latest token is still being sampled: recomputed once it is known
             self._trim(plan, r)  # its blocks before the window go first: fewer to find room for
             if not self._make_room(r, n, plan):
                 continue
@@ -377,7 +377,7 @@ class Scheduler:
             if head.swapped or head.computed:
                 break
             tokens = self._tokens(head)
-            found = self.blocks.lookup(tokens)
+            found = self.blocks.lookup(tokens, chain_root(is_long(cfg.rope_switch, len(tokens))))
             if found[0] or found[2]:  # a shared prefix
                 break
             if plan is None:

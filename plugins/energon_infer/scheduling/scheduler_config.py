@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from energon_infer.errors import BusyError, OptionError, check_choice
+from energon_infer.errors import BusyError, InvalidRequestError, OptionError, check_choice
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "PREEMPTIONS", "KVAdmission",
-           "Policy", "Preemption", "QueueFullError", "SchedulerConfig"]
+           "Policy", "Preemption", "QueueFullError", "SchedulerConfig", "check_request", "request_blocks"]
 
 Policy = Literal["continuous", "static"]
 KVAdmission = Literal["on_demand", "reserve"]
@@ -88,6 +89,9 @@ class SchedulerConfig:
         kv_window: tokens back from a query that every layer of the model reads at most, its sliding window (0:
             some layer reads the whole context). A running sequence's blocks before its window are released
             (:meth:`~energon_infer.scheduling.blocks.BlockManager.trim`). Reported by the workers, not set.
+        rope_switch: the context length past which a sequence's cached keys no longer hold (a ``longrope`` model's
+            ``original_max_position_embeddings``; 0: none). A running sequence about to pass it is recomputed whole,
+            as transformers' ``generate`` does (:mod:`energon_infer.scheduling.rope_switch`). Reported, not set.
     """
 
     kv_blocks: int = 0
@@ -108,6 +112,7 @@ class SchedulerConfig:
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
     kv_window: int = 0
+    rope_switch: int = 0
 
     @property
     def bound(self) -> bool:
@@ -136,8 +141,37 @@ class SchedulerConfig:
         if self.host_blocks < 0 or self.swap_s_per_block < 0 or self.recompute_s_per_token < 0:
             raise OptionError(f"host_blocks={self.host_blocks}, swap_s_per_block={self.swap_s_per_block} and "
                               f"recompute_s_per_token={self.recompute_s_per_token} must be >= 0")
-        if self.kv_window < 0:
-            raise OptionError(f"kv_window={self.kv_window} must be >= 0 (0: no sliding window)")
+        if self.kv_window < 0 or self.rope_switch < 0:
+            raise OptionError(f"kv_window={self.kv_window} and rope_switch={self.rope_switch} must be >= 0 (0: none)")
         if self.bound and self.preemption == "swap" and self.host_blocks < 1:
             raise OptionError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
                               "(host_blocks=0 here), or use preemption='recompute'")
+
+
+def request_blocks(cfg: SchedulerConfig, peak: Callable[[int, int], int], prompt_len: int, max_tokens: int) -> int:
+    """KV blocks a request needs at most: its prompt plus ``max_tokens``, capped at the context; with a window,
+    at most its largest step (the prompt, or a chunk of it) plus the window, and one block more (``peak``:
+    :meth:`~energon_infer.scheduling.blocks.BlockManager.peak` of the scheduler's blocks)."""
+    step = min(prompt_len, cfg.max_batch_tokens) if cfg.chunked_prefill else prompt_len
+    return peak(min(prompt_len + max_tokens, cfg.max_context), step)
+
+
+def check_request(cfg: SchedulerConfig, peak: Callable[[int, int], int], n: int, max_tokens: int) -> int:
+    """Raise :class:`InvalidRequestError` if a request of an ``n``-token prompt can never run under ``cfg``; return
+    the blocks it needs at most (:func:`request_blocks`)."""
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty; give at least one token")
+    if n > cfg.max_context:
+        raise InvalidRequestError(f"the prompt has {n} tokens but the model's context is {cfg.max_context}; shorten it")
+    if n > cfg.max_batch_tokens and not cfg.chunked_prefill:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, more than max_batch_tokens={cfg.max_batch_tokens} (the tokens one step "
+            "runs); shorten it, or start the engine with a larger max_batch_tokens or chunked_prefill=True"
+        )
+    blocks = request_blocks(cfg, peak, n, max_tokens)
+    if blocks > cfg.kv_blocks:
+        raise InvalidRequestError(
+            f"prompt ({n} tokens) + max_tokens={max_tokens} needs {blocks} KV blocks of {cfg.block_size} "
+            f"tokens but the cache has {cfg.kv_blocks}; lower max_tokens or load with a larger kv_cache_tokens"
+        )
+    return blocks

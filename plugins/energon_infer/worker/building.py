@@ -37,7 +37,7 @@ def extra_eos(path: Path) -> tuple[int, ...]:
 
 
 def build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype, device: torch.device,
-                 offload: Sequence[int], quantized: bool = False) -> DecoderStage:
+                 offload: Sequence[int | str], quantized: bool = False) -> DecoderStage:
     """The stage with its parameters allocated on ``device``, except the ``offload`` blocks' (left on meta:
     never allocated, so a model larger than memory can be built) and, when ``quantized``, the block projections'
     weights (left on meta for :func:`energon_infer.loading.quantization.load_quantized` to fill quantized)."""
@@ -45,7 +45,9 @@ def build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype,
         return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
     stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")
     blocks = list(stage.layers.values())
-    skip = {id(m) for i in offload for m in blocks[i].modules()}
+    # ints: block positions; names ("embed", "lm_head"): tables read from the checkpoint per step (disk_vocab)
+    parts = [blocks[i] if isinstance(i, int) else getattr(stage, i, None) for i in offload]
+    skip = {id(m) for part in parts if part is not None for m in part.modules()}
     later = {id(getattr(b, p)) for b in blocks for p in PROJECTIONS} if quantized else set()
     for module in stage.modules():
         if id(module) in skip:
@@ -58,7 +60,7 @@ def build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype,
 
 
 def pack_loaded(stage: DecoderStage) -> int:
-    """:func:`pack_weights` for every part of ``stage`` that was loaded (offloaded blocks have nothing to pack)."""
-    loaded = [m for name, m in stage.named_children() if name != "layers"]
-    loaded += [b for b in stage.layers.values() if next(b.parameters()).device.type != "meta"]
-    return sum(pack_weights(m) for m in loaded)
+    """:func:`pack_weights` for every part of ``stage`` that was loaded (offloaded blocks and tables have nothing to
+    pack)."""
+    loaded = [m for name, m in stage.named_children() if name != "layers"] + list(stage.layers.values())
+    return sum(pack_weights(m) for m in loaded if next(m.parameters(), torch.empty(0)).device.type != "meta")

@@ -164,10 +164,11 @@ class DecodeGraphs(nn.Module):
         self.eager_steps = 0  # steps that did not fit a bucket
 
     def bucket(self, meta: StepMetadata) -> int | None:
-        """The bucket a step runs in, or ``None`` when it runs eagerly (not decode-only, or too wide)."""
+        """The bucket a step runs in, or ``None`` when it runs eagerly (not decode-only, too wide, or a chunk of a
+        longer prefill, whose rope lengths the captured step does not hold)."""
         b = meta.n_tokens
         if meta.max_q_len != 1 or b != meta.kv_lens.shape[0] or b > self.buckets[-1] \
-                or meta.block_tables.shape[1] > self.max_blocks:
+                or meta.block_tables.shape[1] > self.max_blocks or meta.rope_lens is not None:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, b)]
 

@@ -262,9 +262,16 @@ def decode_plans(text: str) -> list[PoolPlan]:
 def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, path: str | Path) -> LayerPool:
     """Install the pool of ``plan`` on a runner loaded with ``offload=plan.disk_layers`` (those blocks on meta)."""
     if runner.quant is not None:  # quantized layers: from the quantized store, held quantized
+        if config.disk_vocab:
+            raise ValueError(f"MemoryPoolConfig(disk_vocab={config.disk_vocab!r}) reads the tables as the checkpoint "
+                             "stores them, not quantized; leave disk_vocab empty with quantization")
         return install_quantized_pool(runner, plan, config, path)
     stage, cfg, grid = runner.stage, runner.config, runner.grid
     files = TensorFiles(path, drop_page_cache=config.drop_page_cache, direct=config.direct_io)
+    if config.disk_vocab:
+        from energon_infer.worker.disk_vocab import install_disk_vocab
+
+        install_disk_vocab(stage, cfg, grid, files, config.disk_vocab, runner.dtype)
     scratch = _Scratch(read_buffer_bytes(stage, cfg, files))
     blocks = list(stage.layers.items())
     disk = {i: DiskLayer(blocks[i][1], int(blocks[i][0]), files, cfg, grid, scratch,

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class StepMetadata:
         last_index: ``(B,)`` row of each sequence's last new token (where next-token logits come from).
         max_q_len: the most new tokens of any sequence (host int).
         n_tokens: ``T`` (host int).
+        rope_lens: ``(B,)`` the length a length-dependent rope takes per sequence where a step runs a chunk of a
+            longer prefill (:attr:`~energon_infer.protocol.Step.prefill_lengths`: that prefill's); ``None``: ``kv_lens``.
     """
 
     positions: torch.Tensor
@@ -82,6 +85,7 @@ class StepMetadata:
     last_index: torch.Tensor
     max_q_len: int
     n_tokens: int
+    rope_lens: torch.Tensor | None = None
 
 
 class KVCache:
@@ -214,8 +218,10 @@ class KVCache:
 
     # ------------------------------------------------------------------ one step
 
-    def prepare(self, items: Sequence[tuple[int, int]], device: torch.device | str) -> StepMetadata:
-        """Append ``(seq_id, new_tokens)`` items to their sequences and describe the step.
+    def prepare(self, items: Sequence[tuple[int, int]], device: torch.device | str,
+                prefill_lengths: Mapping[int, int] | None = None) -> StepMetadata:
+        """Append ``(seq_id, new_tokens)`` items to their sequences and describe the step (``prefill_lengths``:
+        of the sequences running a chunk of a longer prefill, its length, :attr:`StepMetadata.rope_lens`).
 
         Every sequence's table must already hold its new tokens (:meth:`assign`); the whole step is checked
         before anything changes.
@@ -237,7 +243,11 @@ class KVCache:
             ns.append(n)
             tables.append(seq.blocks)
             seq.length += n
-        return self._metadata(starts, ns, tables, device)
+        meta = self._metadata(starts, ns, tables, device)
+        if prefill_lengths and any(s in prefill_lengths for s, _ in items):
+            lens = [max(seq.length, prefill_lengths.get(s, 0)) for seq, (s, _) in zip(seqs, items)]
+            meta = dataclasses.replace(meta, rope_lens=torch.tensor(lens, dtype=torch.int32).to(meta.kv_lens.device))
+        return meta
 
     def _metadata(self, starts: list[int], ns: list[int], tables: list[list[int]],
                   device: torch.device | str) -> StepMetadata:

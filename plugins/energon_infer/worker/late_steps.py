@@ -61,7 +61,7 @@ def merge(parts: Sequence[Step]) -> Step:
         return first
     items = [item for p in parts for item in p.items]
     joined: dict[str, Any] = {name: {k: v for p in parts for k, v in getattr(p, name).items()}
-                              for name in ("new_params", "blocks", "starts", "history")}
+                              for name in ("new_params", "blocks", "starts", "history", "prefill_lengths")}
     return dataclasses.replace(first, items=items, **joined)
 
 

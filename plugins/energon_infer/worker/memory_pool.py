@@ -87,6 +87,9 @@ class MemoryPoolConfig:
         plans: each stage's pool plan, made by the engine's serving plan
             (:mod:`energon_infer.engine.memory_plan`) as a JSON list; the workers apply it instead of planning
             (``None``: they plan from ``memory_budget``).
+        disk_vocab: with ``memory_budget`` on a CPU: the stage's vocabulary tables left in the checkpoint and read
+            per step (``"embed"``: the rows a step looks up; ``"lm_head"``: the head in chunks), see
+            :mod:`energon_infer.worker.disk_vocab`; the serving plan chooses them where memory is short.
     """
 
     fraction: float = 0.5
@@ -102,8 +105,13 @@ class MemoryPoolConfig:
     quantized_dir: str | None = None
     direct_io: bool = True
     plans: str | None = None
+    disk_vocab: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "disk_vocab", tuple(self.disk_vocab))
+        if set(self.disk_vocab) - {"embed", "lm_head"}:
+            raise ValueError(f"disk_vocab={self.disk_vocab!r} may name only 'embed' and 'lm_head' (the tables read "
+                             "from the checkpoint per step)")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction={self.fraction} must be in [0, 1] (0 pools nothing, 1 pools every layer)")
         if self.lookahead < 0:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from energon_infer.sampling import SamplingParams
+from energon_infer.scheduling.rope_switch import switch_of
 from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
 from energon_infer.scheduling.swap import swap_costs
@@ -48,7 +49,7 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
                         max_running=len(encoded), max_queue=len(encoded), kv_admission=kv_admission,
                         prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
                         host_blocks=cache.host_k.shape[1], kv_window=runner.kv_window,
-                        **swap_costs(runner, preemption)),
+                        rope_switch=switch_of(getattr(runner.config, "rope", None)), **swap_costs(runner, preemption)),
         eos_token_ids=runner.eos_token_ids, decode=decode, seq_ids=seq_ids, block_ids=cache.free_block_ids())
     requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, params))]
     steps = 0
@@ -66,5 +67,6 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
                 runner.free(seq_id)
     if stats is not None:
         stats.update(steps=steps, preemptions=sched.preemptions, swaps=sched.swap.swaps,
-                     prefix_hit_tokens=sched.blocks.hit_tokens, prefix_query_tokens=sched.blocks.query_tokens)
+                     prefix_hit_tokens=sched.blocks.hit_tokens, prefix_query_tokens=sched.blocks.query_tokens,
+                     rope_recomputes=sched.rope_recomputes)
     return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]

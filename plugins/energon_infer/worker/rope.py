@@ -2,14 +2,15 @@
 
 The static kinds (``default``, ``linear``, ``llama3``, ``yarn``) have one ``inv_freq`` per model, computed once.
 Two kinds depend on the sequence's length, which transformers takes per forward call as ``max(position_ids) + 1``;
-here each sequence of a packed step uses its own (its context after the step, ``kv_lens``), which is the same
-thing for one sequence:
+here each sequence of a packed step uses its own: its context after the step (``kv_lens``), or, for a chunk of a
+longer prefill where the step says so (``rope_lens``; a longrope model's), the whole prefill's length, since
+transformers runs a prefill in one call:
 
 * ``dynamic``: past ``max_position_embeddings`` the base grows with that length;
 * ``longrope``: ``long_factor`` once that length passes ``original_max_position_embeddings``, ``short_factor``
-  before. transformers' ``generate`` recomputes the whole sequence at the switch; a sequence served here keeps the
-  keys it cached with the short factors, so its tokens past the switch may differ from transformers' (prompts
-  that start past it are exact).
+  before. transformers' ``generate`` recomputes the whole sequence when it passes that switch, and so does the
+  scheduler (:mod:`energon_infer.scheduling.rope_switch`): a sequence's cached keys are all short-factor or all
+  long-factor ones, as transformers' are.
 
 Everything is tensor ops on the step's metadata (no host synchronisation), so a decode step stays capturable in a
 CUDA graph.
@@ -87,11 +88,13 @@ def inv_freq(rope: Rope, dim: int, device: torch.device, long: bool = False) -> 
 
 
 def token_lengths(meta: StepMetadata) -> torch.Tensor:
-    """``(T,)`` the context length (after this step) of each new token's sequence."""
+    """``(T,)`` the length each new token's sequence is rotated for: its context after this step, or the whole
+    prefill's where the step runs a chunk of one (``meta.rope_lens``)."""
     t = meta.positions.shape[0]
     rows = torch.arange(t, dtype=meta.cu_seqlens.dtype, device=meta.cu_seqlens.device)
     seq = torch.searchsorted(meta.cu_seqlens[1:].contiguous(), rows, right=True)
-    return meta.kv_lens.long().index_select(0, seq.clamp_(max=meta.kv_lens.shape[0] - 1))
+    lens = meta.kv_lens if meta.rope_lens is None else meta.rope_lens
+    return lens.long().index_select(0, seq.clamp_(max=lens.shape[0] - 1))
 
 
 def _frequencies(rope: Rope, dim: int, meta: StepMetadata) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from energon_infer.errors import BadInputError
+from energon_infer.errors import ContextLengthError
 from energon_infer.loading.config import ModelConfig, UnsupportedModelError, load_config
 from energon_infer.loading.hf_files import auto_dtype
 from energon_infer.loading.quantization import (
@@ -61,10 +61,6 @@ from energon_infer.worker.runtime_config import DTYPES, RuntimeConfig
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "StepResult", "ContextLengthError", "DTYPES"]
 
-class ContextLengthError(BadInputError, ValueError):
-    """A sequence would grow past the model's context."""
-
-
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one step sampled: a token per item (``[]`` off the result rank when not broadcast) and, on the
@@ -85,12 +81,12 @@ class ModelRunner:
         tokenizer: a ``tokenizers.Tokenizer`` (for string prompts, stop strings and output text), or ``None``.
         parts_fn (Callable): ``parts_fn(config, name, keys)``: the checkpoint tensors runtime parameter ``name`` is
             built from (default: :func:`~energon_infer.loading.weights.hf_parts`, Hugging Face names).
-        offload: positions (within this rank's stage) of blocks that are not loaded: their parameters stay
-            on the meta device for a memory pool to stream in (:mod:`energon_infer.worker.disk_pool`).
+        offload: blocks (positions within this rank's stage) and tables (``"embed"``, ``"lm_head"``) not loaded: on
+            meta for a memory pool to stream in (:mod:`~energon_infer.worker.disk_pool`, ``worker.disk_vocab``).
     """
 
     def __init__(self, config: ModelConfig, source: Any, runtime: RuntimeConfig | None = None, *,
-                 tokenizer: Any = None, parts_fn=hf_parts, offload: Sequence[int] = ()):
+                 tokenizer: Any = None, parts_fn=hf_parts, offload: Sequence[int | str] = ()):
         rt = runtime or RuntimeConfig()
         device = torch.device(rt.device) if rt.device else local_rank_device()
         if rt.dtype == "auto":
@@ -104,13 +100,14 @@ class ModelRunner:
         self._say(f"energon: {config.model_type} {config.n_params / 1e6:.1f}M params, {config.n_layers} layers "
                   f"on tp={rt.tp} x pp={rt.pp} ({self.device}, {rt.dtype})")
         num_blocks = -(-rt.kv_cache_tokens // rt.block_size)
-        offload = sorted(set(offload))
+        tables: list[Any] = [i for i in offload if isinstance(i, str)]
+        blocks = sorted({i for i in offload if isinstance(i, int)})
         self.quant = QuantSpec.create(rt.quantization, rt.group_size)
         check_quantization(config, self.quant, tp=rt.tp, dtype=self.dtype)
-        check_stage_fits(config, len(layers[self.grid.stage]) - len(offload), tp=rt.tp, itemsize=self.dtype.itemsize,
+        check_stage_fits(config, len(layers[self.grid.stage]) - len(blocks), tp=rt.tp, itemsize=self.dtype.itemsize,
                          kv_tokens=(num_blocks + 1) * rt.block_size, device=self.device,  # + the scratch block
                          weight_itemsize=quantized_bytes_per_weight(self.quant, self.dtype.itemsize))
-        self.stage = _build_stage(config, self.grid, layers[self.grid.stage], self.dtype, self.device, offload,
+        self.stage = _build_stage(config, self.grid, layers[self.grid.stage], self.dtype, self.device, blocks + tables,
                                   quantized=self.quant is not None)
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
@@ -118,7 +115,7 @@ class ModelRunner:
             # Offloaded blocks get their quantized shapes on meta: the memory pool streams them quantized
             # (energon_infer.worker.quantized_pool).
             held = load_quantized(self.stage, config, self.grid, source, self.quant, parts_fn=parts_fn,
-                                  nonfinite=rt.nonfinite_weights, skip=offload, saved=TorchaoWeights.of(source))
+                                  nonfinite=rt.nonfinite_weights, skip=blocks, saved=TorchaoWeights.of(source))
             self._say(f"energon: block projections quantized to {self.quant.method}"
                       f"{f' (group {self.quant.group_size})' if self.quant.group_size else ''}: "
                       f"{held / 2**20:.1f} MiB")
@@ -141,7 +138,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig | None = None, *, offload: Sequence[int] = (),
+    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig | None = None, *, offload: Sequence[Any] = (),
                         **kwargs: Any) -> ModelRunner:
         """Load a Hugging Face directory (``config.json``, ``*.safetensors``, optional ``tokenizer.json``).
 
@@ -248,12 +245,13 @@ class ModelRunner:
             cache.assign(seq_id, own.grow(seq_id, length))
 
     def forward(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
-                broadcast: bool = False) -> torch.Tensor | None:
+                broadcast: bool = False, prefill_lengths: Mapping[int, int] | None = None) -> torch.Tensor | None:
         """Run one packed step; append the tokens to each sequence's cache; return logits.
 
         ``items`` are ``(seq_id, new_tokens)``: an unknown ``seq_id`` starts a sequence. Returns the
         next-token logits ``(len(items), vocab)`` (every token's with ``all_logits``: ``(total, vocab)``)
-        on the last stage's ranks, ``None`` on the others unless ``broadcast``.
+        on the last stage's ranks, ``None`` on the others unless ``broadcast``. ``prefill_lengths``: the sequences
+        whose items are a chunk of a longer prefill, and its length (:class:`~energon_infer.protocol.Step`).
         """
         items = [(s, list(t)) for s, t in items]
         self._validate(items)
@@ -261,7 +259,7 @@ class ModelRunner:
         grid, stage = self.grid, self.stage
         outputs, sends = [], []
         for chunk in microbatches(items, min(len(items), self.runtime.microbatches or self.runtime.pp)):
-            meta = self.cache.prepare([(s, len(t)) for s, t in chunk], self.device)
+            meta = self.cache.prepare([(s, len(t)) for s, t in chunk], self.device, prefill_lengths)
             if grid.first:
                 x = torch.tensor([tok for _, t in chunk for tok in t], dtype=torch.long, device=self.device)
             else:
@@ -288,7 +286,7 @@ class ModelRunner:
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]],
              params: SamplingParams | Mapping[int, SamplingParams] | None = None, *,
-             broadcast: bool = True) -> StepResult:
+             broadcast: bool = True, prefill_lengths: Mapping[int, int] | None = None) -> StepResult:
         """Run a step and sample one next token per item (on every rank, identical): ``.tokens``.
 
         New sequences need sampling ``params`` (one for all, or per ``seq_id``); running ones keep theirs.
@@ -305,7 +303,7 @@ class ModelRunner:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
         starts = {seq_id: self.cache.length(seq_id) for seq_id, _ in items}  # tokens cached before this step
-        logits = self.forward(items)
+        logits = self.forward(items, prefill_lengths=prefill_lengths)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         logprobs: dict[int, Any] = {}
@@ -339,7 +337,9 @@ class ModelRunner:
             self.free(seq_id)
         self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
         run = step.items if items is None else items  # the default call keeps step's two-argument shape for wrappers
-        return self.step(run, step.new_params) if broadcast else self.step(run, step.new_params, broadcast=False)
+        kw: dict[str, Any] = {"prefill_lengths": step.prefill_lengths} if step.prefill_lengths else {}
+        kw.update({} if broadcast else {"broadcast": False})
+        return self.step(run, step.new_params, **kw)
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
                       copies: Sequence[tuple[int, int]] = (),

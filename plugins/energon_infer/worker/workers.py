@@ -210,8 +210,9 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
                             encode=encode_plans, decode=decode_plans)
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
-    runner = ModelRunner.from_pretrained(source.path, runtime, offload=plan.disk_layers)
-    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, any(p.disk_layers for p in plans)
+    runner = ModelRunner.from_pretrained(source.path, runtime, offload=[*plan.disk_layers, *pool.disk_vocab])
+    streams = any(p.disk_layers for p in plans) or bool(pool.disk_vocab)
+    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, streams
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
