@@ -16,10 +16,17 @@ and a single hadd tree, instead of a horizontal sum per key and head; the values
 time too. Other widths and CPUs keep the loop above. This matters most with the pool in cache; in a real step,
 with the pool out of L2, the kernel mostly waits for memory and the tiles gain less.
 
+A sliding window, tanh soft-capping and per-head sinks (the options of
+:func:`~tightfit.cuda.varlen_attention.paged_attention`) run here too: a query's walk starts at its window's first
+key, so the pages before it are never read (the scheduler releases them: their table entries may be ``-1``); the
+scaled scores are capped (``softcap * tanh(score / softcap)``) before the exact softmax; a sink logit joins the
+softmax's max and sum, and its share is dropped. Rows are split over threads by the keys each sees within its window.
+
 Sequences of up to :data:`NATIVE_MAX_Q` new tokens run here, prefill chunks included: a call's rows are split over
 the threads in runs of about equal work (the keys each row sees), a lone prompt's too. Longer chunks are left to
 the reference's per-sequence ``scaled_dot_product_attention``, whose blocked matmuls beat a loop over queries
-there; one call serves a mixed step by splitting it that way. Timed against the sdpa path (which gathers keys
+there (with a window, soft-cap or sinks, the reference's masked softmax); one call serves a mixed step by
+splitting it that way. Timed against the sdpa path (which gathers keys
 and values from shuffled pages first) over head shapes from 8 / 4 x 32 to 32 / 8 x 128, this kernel wins from
 batches of short prompts up to single prompts of :data:`NATIVE_MAX_Q` new tokens, breaks even around 768 and
 loses at 2048, hence the bound. Other dtypes than fp32, and caches that are
@@ -42,7 +49,7 @@ import torch
 
 from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
 
-__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "store_kv_native"]
+__all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "native_runs", "store_kv_native"]
 
 NATIVE_MAX_Q = 512  # new tokens per sequence up to which the native kernel beats sdpa's blocked matmuls
 
@@ -55,17 +62,43 @@ _SOURCE = r"""
 #include <string.h>
 
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q, *kc, *vc, *sinks; /* sinks: one logit per query head, or NULL */
     float *out;
     const int32_t *bt, *cu, *kv_lens;
     int64_t bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv;
     int64_t begin, row0, end, row1; /* rows from (sequence begin, its row row0) up to, not with, (end, row1) */
-    float scale;
+    int64_t window; /* a query at position p sees keys p - window + 1 .. p; 0: every key up to p */
+    float scale, softcap; /* softcap > 0: scores become softcap * tanh(score / softcap) */
     int failed;
 } job_t;
 
-/* One sequence: every new token's Hq query heads against the keys it sees. Keys and values are walked
-   page by page in memory order (a token's row holds all Hk heads, so a page is read front to back; a
+/* The first key a query at position pos sees: 0, or its window's first. */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+
+/* One query head's n scaled scores -> its probabilities: soft-capped first where softcap > 0, then an exact
+   softmax (max, exp and sum in fp32). A sink logit joins the max and the sum as one more key and its share is
+   dropped, so the probabilities over the keys sum to less than one. */
+static inline __attribute__((always_inline)) void softmax(float *sc, int64_t n, float softcap, const float *sink) {
+    if (softcap > 0.f) {
+        const float inv_cap = 1.f / softcap;
+        for (int64_t p = 0; p < n; p++) sc[p] = softcap * tanhf(sc[p] * inv_cap);
+    }
+    float mx = sink ? *sink : -INFINITY, sum = 0.f;
+    for (int64_t p = 0; p < n; p++) mx = sc[p] > mx ? sc[p] : mx;
+    for (int64_t p = 0; p < n; p++) {
+        sc[p] = expf(sc[p] - mx);
+        sum += sc[p];
+    }
+    if (sink) sum += expf(*sink - mx);
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < n; p++) sc[p] *= inv;
+}
+
+/* One sequence: every new token's Hq query heads against the keys it sees (from its window's first key, or
+   0, up to its own position: pages wholly before the window are never read, and may be holes). Keys and values
+   are walked page by page in memory order (a token's row holds all Hk heads, so a page is read front to back; a
    walk per head read a quarter of each row and ran ~3x slower once the weights had pushed the pool out
    of cache), with no division per key, and each row is read once for all query heads. */
 static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t b, int64_t i0, int64_t i1,
@@ -76,44 +109,35 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
     const int64_t kv = j->kv_lens[b], Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, BS = j->BS, row = Hk * D;
     const int32_t *table = j->bt + b * j->bt_stride;
     for (int64_t i = i0; i < i1; i++) {
-        const int64_t seen = kv - qlen + i + 1; /* causal: keys 0 .. kv - qlen + i */
+        const int64_t pos = kv - qlen + i, lo = first_key(pos, j->window), seen = pos + 1 - lo; /* keys lo .. pos */
         const float *qrow = j->q + (q0 + i) * j->q_row;
-        for (int64_t hq = 0; hq < Hq; hq++) acc[hq] = -INFINITY; /* acc[0:Hq] holds the running maxima first */
-        for (int64_t p0 = 0; p0 < seen; p0 += BS) {
-            const float *k = j->kc + (int64_t)table[p0 / BS] * BS * row;
-            const int64_t n = seen - p0 < BS ? seen - p0 : BS;
+        for (int64_t p0 = lo; p0 <= pos;) { /* p0 .. p0 + n - 1: the rest of p0's page, or of the keys */
+            const int64_t off = p0 % BS, n = pos + 1 - p0 < BS - off ? pos + 1 - p0 : BS - off;
+            const float *k = j->kc + ((int64_t)table[p0 / BS] * BS + off) * row;
             for (int64_t s = 0; s < n; s++, k += row) {
                 for (int64_t hq = 0; hq < Hq; hq++) {
                     const float *qq = qrow + hq * D, *kk = k + (hq / G) * D;
                     float dot = 0.f;
                     for (int64_t d = 0; d < D; d++) dot += qq[d] * kk[d];
-                    dot *= j->scale;
-                    scores[hq * seen + p0 + s] = dot;
-                    acc[hq] = dot > acc[hq] ? dot : acc[hq];
+                    scores[hq * seen + p0 - lo + s] = dot * j->scale;
                 }
             }
+            p0 += n;
         }
-        for (int64_t hq = 0; hq < Hq; hq++) {
-            float *sc = scores + hq * seen, sum = 0.f;
-            const float mx = acc[hq];
-            for (int64_t p = 0; p < seen; p++) {
-                sc[p] = expf(sc[p] - mx);
-                sum += sc[p];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t p = 0; p < seen; p++) sc[p] *= inv;
-        }
+        for (int64_t hq = 0; hq < Hq; hq++)
+            softmax(scores + hq * seen, seen, j->softcap, j->sinks ? j->sinks + hq : 0);
         memset(acc, 0, sizeof(float) * (size_t)(Hq * D));
-        for (int64_t p0 = 0; p0 < seen; p0 += BS) {
-            const float *v = j->vc + (int64_t)table[p0 / BS] * BS * row;
-            const int64_t n = seen - p0 < BS ? seen - p0 : BS;
+        for (int64_t p0 = lo; p0 <= pos;) {
+            const int64_t off = p0 % BS, n = pos + 1 - p0 < BS - off ? pos + 1 - p0 : BS - off;
+            const float *v = j->vc + ((int64_t)table[p0 / BS] * BS + off) * row;
             for (int64_t s = 0; s < n; s++, v += row) {
                 for (int64_t hq = 0; hq < Hq; hq++) {
-                    const float w = scores[hq * seen + p0 + s], *vv = v + (hq / G) * D;
+                    const float w = scores[hq * seen + p0 - lo + s], *vv = v + (hq / G) * D;
                     float *o = acc + hq * D;
                     for (int64_t d = 0; d < D; d++) o[d] += w * vv[d];
                 }
             }
+            p0 += n;
         }
         memcpy(j->out + (q0 + i) * Hq * D, acc, sizeof(float) * (size_t)(Hq * D));
     }
@@ -173,9 +197,9 @@ static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, i
     const __m256 scale = _mm256_set1_ps(j->scale);
     int64_t rows[TILE];
     for (int64_t i = i0; i < i1; i++) {
-        const int64_t seen = kv - qlen + i + 1; /* causal: keys 0 .. kv - qlen + i */
+        const int64_t pos = kv - qlen + i, lo = first_key(pos, j->window), seen = pos + 1 - lo; /* keys lo .. pos */
         const float *qrow = j->q + (q0 + i) * j->q_row;
-        int64_t pg = 0, off = 0;
+        int64_t pg = lo / BS, off = lo % BS; /* p0 counts from key lo */
         for (int64_t p0 = 0; p0 < seen; p0 += TILE) {
             tile_rows(table, BS, row, seen - p0 < TILE ? seen - p0 : TILE, &pg, &off, rows);
             for (int64_t hq = 0; hq < Hq; hq++) {
@@ -189,18 +213,10 @@ static inline __attribute__((always_inline)) void attend_tiled(const job_t *j, i
                 _mm256_storeu_ps(scores + hq * stride + p0, _mm256_mul_ps(sum8(a), scale));
             }
         }
-        for (int64_t hq = 0; hq < Hq; hq++) {
-            float *sc = scores + hq * stride, mx = -INFINITY, sum = 0.f;
-            for (int64_t p = 0; p < seen; p++) mx = sc[p] > mx ? sc[p] : mx;
-            for (int64_t p = 0; p < seen; p++) {
-                sc[p] = expf(sc[p] - mx);
-                sum += sc[p];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t p = 0; p < seen; p++) sc[p] *= inv;
-        }
+        for (int64_t hq = 0; hq < Hq; hq++)
+            softmax(scores + hq * stride, seen, j->softcap, j->sinks ? j->sinks + hq : 0);
         memset(acc, 0, sizeof(float) * (size_t)(Hq * D));
-        pg = 0, off = 0;
+        pg = lo / BS, off = lo % BS;
         for (int64_t p0 = 0; p0 < seen; p0 += TILE) {
             const int64_t n = tile_rows(table, BS, row, seen - p0 < TILE ? seen - p0 : TILE, &pg, &off, rows);
             for (int64_t hq = 0; hq < Hq; hq++) {
@@ -280,18 +296,34 @@ int tf_attention_threading(void) {
 #endif
 }
 
-/* Returns 0 on success, 1 when memory could not be had, 2 when Hk does not divide Hq. */
+/* The keys row i of a sequence of qlen new tokens and kv keys sees (causal, within the window). */
+static inline int64_t row_keys(int64_t kv, int64_t qlen, int64_t i, int64_t window) {
+    const int64_t pos = kv - qlen + i;
+    return pos + 1 - first_key(pos, window);
+}
+
+/* Returns 0 on success, 1 when memory could not be had, 2 when Hk does not divide Hq. window, softcap and sinks
+   (NULL: none) as job_t's. */
 int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const float *vc, float *out,
-                           const int32_t *bt, int64_t bt_stride, const int32_t *cu, const int32_t *kv_lens, int64_t B, int64_t Hq,
-                           int64_t Hk, int64_t D, int64_t BS, float scale, int64_t max_q, int64_t threads) {
+                           const int32_t *bt, int64_t bt_stride, const int32_t *cu, const int32_t *kv_lens, int64_t B,
+                           int64_t Hq, int64_t Hk, int64_t D, int64_t BS, float scale, int64_t window, float softcap,
+                           const float *sinks, int64_t max_q, int64_t threads) {
     if (Hq % Hk) return 2;
-    int64_t max_kv = 0, work = 0;
+    int64_t max_kv = 0, work = 0, total = 0;
+    /* Work per row: the keys it sees, +8; a sequence the kernel leaves to sdpa costs 1 (see the split below). */
     for (int64_t b = 0; b < B; b++) {
         const int64_t qlen = cu[b + 1] - cu[b];
         if (kv_lens[b] > max_kv) max_kv = kv_lens[b];
-        if (qlen <= max_q) work += qlen * kv_lens[b];
+        if (qlen > max_q) total += 1;
+        else
+            for (int64_t i = 0; i < qlen; i++) {
+                const int64_t keys = row_keys(kv_lens[b], qlen, i, window);
+                work += keys;
+                total += keys + 8;
+            }
     }
-    job_t base = {q, kc, vc, out, bt, cu, kv_lens, bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv, 0, 0, B, 0, scale, 0};
+    job_t base = {q, kc, vc, sinks, out, bt, cu, kv_lens, bt_stride, q_row, B, Hq, Hk, D, BS, max_q, max_kv,
+                  0, 0, B, 0, window, scale, softcap, 0};
     const int64_t tasks = cu[B] > B ? cu[B] : B, enough = 1 + work * Hq * D / 200000; /* ~200k multiply-adds a thread */
     if (threads > enough) threads = enough;
     if (threads > tasks) threads = tasks;
@@ -303,14 +335,9 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
     job_t jobs[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
-    /* Contiguous runs of rows with about equal work each: a row costs the keys it sees, +8; a sequence the kernel
-       leaves to sdpa costs 1. Not equal counts of sequences: the lengths of a batch differ by 10x and more, and a
-       lone prompt's rows are split too, so that every thread has a share of it. */
-    int64_t total = 0;
-    for (int64_t s = 0; s < B; s++) {
-        const int64_t qlen = cu[s + 1] - cu[s], kv = kv_lens[s];
-        total += qlen <= max_q ? qlen * (kv - qlen) + qlen * (qlen + 1) / 2 + 8 * qlen : 1;
-    }
+    /* Contiguous runs of rows with about equal work each (total, above). Not equal counts of sequences: the
+       lengths of a batch differ by 10x and more, and a lone prompt's rows are split too, so that every thread has
+       a share of it. */
     int64_t b = 0, i = 0, done = 0;
     for (int64_t t = 0; t < threads; t++) {
         jobs[t] = base;
@@ -324,7 +351,7 @@ int tf_paged_attention_f32(const float *q, int64_t q_row, const float *kc, const
                 b++, i = 0;
                 continue;
             }
-            done += kv_lens[b] - qlen + i + 1 + 8; /* row i sees kv - qlen + i + 1 keys */
+            done += row_keys(kv_lens[b], qlen, i, window) + 8;
             if (++i == qlen) b++, i = 0;
         }
         jobs[t].end = b;
@@ -358,7 +385,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def _library() -> Any:
     return load_functions("paged_attention", _SOURCE, (
         ("tf_paged_attention_f32", ctypes.c_int,
-         (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I)),
+         (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_float, _P, _I, _I)),
         ("tf_store_kv_f32", None, (_P, _I, _P, _I, _P, _P, _P, _I, _I)),
         ("tf_attention_threading", ctypes.c_int, ())), openmp=True)
 
@@ -385,17 +412,26 @@ def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         slots.data_ptr(), k2.shape[0], width)
 
 
+def native_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention_native` runs these tensors itself (fp32, on the CPU, contiguous caches, the
+    library built) rather than handing them to the reference."""
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32
+            and q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and _library() is not None)
+
+
 def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
-                           *, scale: float, max_q_len: int) -> torch.Tensor:
+                           *, scale: float, max_q_len: int, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Native launcher (no argument checks; call :func:`~tightfit.cuda.varlen_attention.paged_attention`)."""
     from tightfit.cuda.varlen_attention import attend_sequences, paged_attention_reference
 
-    lib = _library()
-    if (lib is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.is_cuda
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    options = {"window": window, "softcap": softcap, "sinks": sinks}
+    if not native_runs(q, k_cache, v_cache):
         return paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, scale=scale,
-                                         max_q_len=max_q_len)
+                                         max_q_len=max_q_len, **options)
+    lib = _library()
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # heads side by side in each token's row; the rows may be apart (a view of a QKV output)
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -404,14 +440,16 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # No-ops for the runtime's own metadata (already contiguous int32); a copy for anything else.
     bt, cu, lens = (t.to(torch.int32).contiguous() for t in (block_tables, cu_seqlens_q, kv_lens))
+    sink = sinks.to(torch.float32).contiguous() if sinks is not None else None
     failed = lib.tf_paged_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
         cu.data_ptr(), lens.data_ptr(), batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        float(scale), NATIVE_MAX_Q, torch.get_num_threads())
+        float(scale), int(window), float(softcap), sink.data_ptr() if sink is not None else None, NATIVE_MAX_Q,
+        torch.get_num_threads())
     if failed:
         raise MemoryError(f"paged_attention (native): could not allocate its score buffer (code {failed})")
     if max_q_len > NATIVE_MAX_Q:
         starts = cu.tolist()
         long = [b for b in range(batch) if starts[b + 1] - starts[b] > NATIVE_MAX_Q]
-        attend_sequences(q, k_cache, v_cache, block_tables, starts, lens.tolist(), long, out, scale=scale)
+        attend_sequences(q, k_cache, v_cache, block_tables, starts, lens.tolist(), long, out, scale=scale, **options)
     return out

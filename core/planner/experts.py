@@ -22,7 +22,7 @@ touched expert once at ``device_bytes_per_s`` (decode is bound by the weights' b
 token; moves cost ``bytes / host_bytes_per_s`` (host to device) and ``latency + bytes / bandwidth`` from the disk
 profile's read fit, hidden behind compute as far as the profile's measured ``compute_overlap`` says (fully when
 not measured). Hits of the device slots are not counted (a lower bound: a slot that keeps an expert only saves a
-read). The engine does not use this planner yet.
+read). energon's engine serves its plans (``energon_infer.engine.expert_plan``).
 
 Pure: numbers in, a frozen JSON-serialisable :class:`ExpertPlan` out.
 

@@ -181,17 +181,20 @@ from tightfit.cuda import varlen_attention
 from tightfit.cuda.testing import compile_for_gpu
 kernel = varlen_attention._kernel()
 strides = ("q_st", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "o_st", "o_sh", "bt_s0")
-# (dtype, dot precision, BLOCK_M, head_dim, BLOCK_D): decode and prefill tiles in bf16, a head width that
-# is not a power of two, and the fp16 / fp32 variants.
-for dt, precision, block_m, head_dim, block_d in (("bf16", "tf32", 16, 128, 128), ("bf16", "tf32", 64, 128, 128),
-                                                  ("bf16", "tf32", 64, 80, 128), ("fp16", "tf32", 64, 64, 64),
-                                                  ("fp32", "ieee", 64, 64, 64)):
+# (dtype, dot precision, BLOCK_M, head_dim, BLOCK_D, window/cap/sinks): decode and prefill tiles in bf16, a head
+# width that is not a power of two, and the fp16 / fp32 variants; Gemma 2's and gpt-oss's options in bf16 and fp32.
+for dt, precision, block_m, head_dim, block_d, options in (
+        ("bf16", "tf32", 16, 128, 128, False), ("bf16", "tf32", 64, 128, 128, False),
+        ("bf16", "tf32", 64, 80, 128, False), ("fp16", "tf32", 64, 64, 64, False), ("fp32", "ieee", 64, 64, 64, False),
+        ("bf16", "tf32", 16, 128, 128, True), ("fp32", "ieee", 64, 64, 64, True)):
     sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "o_ptr": "*" + dt, "bt_ptr": "*i32",
-           "cu_ptr": "*i32", "kvlen_ptr": "*i32", "scale": "fp32", **{s: "i32" for s in strides},
+           "cu_ptr": "*i32", "kvlen_ptr": "*i32", "sink_ptr": "*fp32", "scale": "fp32", "window": "i32",
+           "softcap": "fp32", **{s: "i32" for s in strides},
            **{c: "constexpr" for c in ("GROUP", "PAGE", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D", "UPCAST",
-                                       "PRECISION")}}
+                                       "PRECISION", "WINDOWED", "CAPPED", "SINKS")}}
     consts = {"GROUP": 2, "PAGE": 16, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": 64,
-              "BLOCK_D": block_d, "UPCAST": False, "PRECISION": precision}
+              "BLOCK_D": block_d, "UPCAST": False, "PRECISION": precision, "WINDOWED": options, "CAPPED": options,
+              "SINKS": options}
     assert compile_for_gpu(kernel, sig, consts)["cubin"]
 print("compiled")
 """

@@ -219,3 +219,26 @@ def test_every_kernel_passes_its_first_use_check_on_cuda(monkeypatch):
                                             "cache_lookup", "victim_keys"}
     assert all(v.passed and v.device.startswith("cuda") for v in verdicts), [v for v in verdicts if not v.passed]
     reset_kernel_checks()
+
+
+@DTYPES
+@pytest.mark.parametrize("window, softcap, sinks", [(13, 0.0, False), (13, 7.5, False), (13, 0.0, True),
+                                                   (0, 7.5, True)], ids=["window", "gemma2", "gpt-oss", "cap+sinks"])
+def test_paged_attention_windows_caps_and_sinks_on_cuda(dtype, window, softcap, sinks):
+    """The Triton kernel's window (released pages: table entries -1, the pages NaN), soft-cap and sinks."""
+    kernels_compiled()
+    from tests.helpers.paged_attention import masked_softmax, released_pages_case
+    from tightfit.cuda.varlen_attention import paged_attention
+
+    lens = [(1, 70), (40, 140), (9, 20), (300, 300)]
+    args, keys, values = released_pages_case(lens, 8, 2, 64, 16, window, seed=window)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(1)) if sinks else None
+    q, kc, vc, bt, cu, kl = (t.to(cuda()) for t in args)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    want = masked_softmax(q.cpu(), [k.to(dtype) for k in keys], [v.to(dtype) for v in values], [n for n, _ in lens],
+                          0.125, window, softcap, sink)
+    out = paged_attention(q, kc, vc, bt, cu, kl, scale=0.125, max_q_len=300, window=window, softcap=softcap,
+                          sinks=sink.to(cuda()) if sink is not None else None, backend="triton")
+    assert out.dtype == dtype and not out.isnan().any()
+    err = (out.double().cpu() - want).abs().max().item()
+    assert err < ATOL[dtype], f"max error {err:.3g} vs float64"

@@ -50,7 +50,7 @@ from energon_infer.engine.controller import (
 from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
 from energon_infer.engine.engine_config import EngineConfig, engine_config
 from energon_infer.engine.memory_plan import fit_memory
-from energon_infer.engine.memory_report import ReportMark, check_tiered_plan, memory_report
+from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, check_tiered_plan, memory_report
 from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
@@ -442,9 +442,8 @@ class Engine:
 
     def render_metrics(self) -> str:
         """Prometheus text for ``/metrics`` (with the last :meth:`memory_report`'s pool figures, if any)."""
-        keys = ("tokens_per_s", "io_roofline_tokens_per_s", "roofline_fraction", "disk_bytes_per_step", "mean_batch")
         extra = {f"pool_{k}": float(v) for k, v in self._last_report.items()
-                 if k in keys and v not in (float("inf"),)}
+                 if k in METRIC_KEYS and v not in (float("inf"),)}
         return self.metrics.render(queue_depth=self.scheduler.num_waiting, running=self.scheduler.num_running,
                                    up=self.status == "ready", extra=extra)
 

@@ -188,7 +188,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                   where=where, fixes=tuple(fixes))
     from tightfit.planner.errors import PlanInfeasibleError
 
-    plan, tables = None, pool.disk_vocab if pool is not None else ()
+    plan, tables, experts = None, pool.disk_vocab if pool is not None else (), None
     if pool is None:  # everything in memory with the knobs as given: the plan the disk would give too, unmeasured
         try:
             plan = plan_serving(shapes, disk=None, **common)
@@ -203,13 +203,22 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
                                              tables=(tables, disk_tables(path, model, quant)), common=common)
         if packed and not kept:  # given up by the plan
             rt = dataclasses.replace(rt, packed_weights=False)
+        if plan.streams and model.n_experts:  # experts placed one by one where they allow it
+            from energon_infer.engine.expert_plan import place_experts
+            from energon_infer.worker.disk_pool import resolve_disk
+
+            placed = place_experts(path, model, rt, dtype, plan, shapes_of(packed and kept, tables)[0],
+                                   io_threads=io_threads, disk=resolve_disk(pool.disk if pool else None, path))
+            if placed is not None:
+                experts, plan = placed
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
         scheduler = dataclasses.replace(scheduler, chunked_prefill=True)  # prompts longer than a step still run
     runtime = dataclasses.replace(rt, kv_cache_tokens=plan.kv_cache_tokens, max_batch_tokens=plan.max_batch_tokens)
-    if plan.streams or pool is not None or tables:
+    if plan.streams or pool is not None or tables or experts is not None:
         pool = dataclasses.replace(pool or MemoryPoolConfig(memory_budget=max(0, *plan.weight_budgets)),
-                                   lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)), disk_vocab=tables)
+                                   lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)), disk_vocab=tables,
+                                   experts=None if experts is None else experts.to_json())
     return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan
 
 

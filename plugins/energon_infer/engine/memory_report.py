@@ -9,7 +9,10 @@ counters (in order with the steps, as :meth:`~energon_infer.engine.engine.Engine
 * for the interval since the previous report: steps, generated tokens, the mean batch (tokens per step),
   measured tokens/s (over the busiest stage's span of steps), the bytes streamed per step, and the I/O roofline ``batch × disk bandwidth ÷ bytes
   streamed per step`` (``batch / io_seconds`` of the slowest rank's plan, from the measured disk), with
-  the fraction of it reached.
+  the fraction of it reached, and the bytes read per generated token;
+* where an MoE model's experts are placed one by one (:mod:`energon_infer.worker.expert_pool`), since the start:
+  routed expert uses, the share served without a read (``expert_hit_rate``: in memory or a cache hit), the expert
+  cache's own hit rate over the disk experts it was asked for, and the bytes the expert reads took.
 
 :func:`check_tiered_plan` makes the plan once in the caller's process before any worker starts, so an
 impossible budget raises :class:`~tightfit.planner.errors.PlanInfeasibleError` (naming the tier) there.
@@ -24,7 +27,11 @@ from typing import Any
 from energon_infer.protocol import WorkerInfo
 from tightfit.planner.pool import PoolPlan
 
-__all__ = ["memory_report", "ReportMark", "check_tiered_plan"]
+__all__ = ["memory_report", "ReportMark", "check_tiered_plan", "METRIC_KEYS"]
+
+#: The report's figures ``/metrics`` carries (as ``energon_pool_<key>``).
+METRIC_KEYS = ("tokens_per_s", "io_roofline_tokens_per_s", "roofline_fraction", "disk_bytes_per_step", "mean_batch",
+               "disk_bytes_per_token", "expert_hit_rate", "expert_cache_hit_rate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +68,7 @@ def _rank_entry(info: WorkerInfo, stats: dict[str, Any]) -> tuple[dict[str, Any]
         first = pool.first_layer
         entry.update(tiers={first + i: plan.tier_of(i) for i in range(plan.n_layers)},
                      device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, io_seconds=plan.io_seconds)
-    entry.update({k: v for k, v in stats.items() if k.startswith(("disk_", "pool_", "io_"))})
+    entry.update({k: v for k, v in stats.items() if k.startswith(("disk_", "pool_", "io_", "expert"))})
     return entry, plan
 
 
@@ -87,6 +94,14 @@ def memory_report(infos: list[WorkerInfo], stats: list[dict[str, Any]], *, steps
     report = {"ranks": ranks, "steps": d_steps, "generated_tokens": d_gen, "seconds": seconds, "mean_batch": batch,
               "tokens_per_s": tps, "io_seconds_per_step": io,
               "disk_bytes_per_step": (read - since.bytes_read) / d_steps if d_steps else 0.0,
+              "disk_bytes_per_token": (read - since.bytes_read) / d_gen if d_gen else 0.0,
               "io_roofline_tokens_per_s": roofline,
               "roofline_fraction": tps / roofline if roofline not in (0.0, float("inf")) else 0.0}
+    uses = sum(int(r.get("expert_uses", 0)) for r in ranks)
+    if uses:  # experts placed one by one (energon_infer.worker.expert_pool): uses served without a read, since start
+        cached = sum(int(r.get("expert_cache_hits", 0)) for r in ranks)
+        looked_up = uses - sum(int(r.get("expert_uses_in_memory", 0)) for r in ranks)
+        report.update(expert_uses=uses, expert_hit_rate=(uses - looked_up + cached) / uses,
+                      expert_cache_hit_rate=cached / looked_up if looked_up else 0.0,
+                      expert_bytes_read=sum(int(r.get("expert_bytes_read", 0)) for r in ranks))
     return report, ReportMark(now, steps, generated, read)

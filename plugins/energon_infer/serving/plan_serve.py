@@ -9,11 +9,12 @@ layers kept and read from disk, lookahead, the token budget and the KV cache. No
 come from ``config.json`` and the safetensors headers. On a GPU the memory planner is the pool's (nothing is printed
 beyond the model's shapes).
 
-For a Mixture-of-Experts model it also prints the expert-level placement core's planner
-(:func:`tightfit.planner.experts.plan_experts`) gives within the weights budget of that plan: each layer's experts
-on the device (in memory on a CPU) or on disk, from the expert-popularity profile beside the model
-(``tightfit-expert-popularity.json``) or uniform routing, priced at batch 1 and 32 with this machine's measured
-weight-read rate and the disk's. The engine itself places whole MoE layers today; the section says so.
+For a Mixture-of-Experts model it also prints the expert-level placement (core's
+:func:`tightfit.planner.experts.plan_experts`): each layer's experts in memory or on disk, from the
+expert-popularity profile beside the model (``tightfit-expert-popularity.json``) or uniform routing, priced at batch
+1 and 32 with this machine's measured weight-read rate and the disk's: the placement the engine serves
+(:mod:`energon_infer.engine.expert_plan`) where it places experts one by one, else, marked so, the one core's planner
+gives within the weights budget while the engine serves whole layers.
 
 ``--json PATH`` writes ``{"serving": ServingPlan JSON, "experts": ExpertPlan JSON or null}``.
 """
@@ -21,14 +22,13 @@ weight-read rate and the disk's. The engine itself places whole MoE layers today
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from tightfit.cli import Parser
 from tightfit.commands.args import byte_size, exit_codes_help, positive_int
 
-__all__ = ["main", "build_parser", "moe_shapes", "weight_read_rate"]
+__all__ = ["main", "build_parser", "moe_shapes"]
 
 
 def build_parser() -> Parser:
@@ -46,21 +46,6 @@ def build_parser() -> Parser:
     p.add_argument("--dtype", default="auto", help="the weights' dtype (default: the checkpoint's, on a CPU fp32/bf16)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the plans as JSON to PATH")
     return p
-
-
-def weight_read_rate(total_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second this machine's compute reads a weight matrix at in a decode step (a matrix-vector product
-    over ``total_bytes`` of fp32, the fastest of ``repeats``): the rate a batch-1 step streams the weights it holds."""
-    import torch
-
-    n = int((total_bytes // 4) ** 0.5)
-    w, x = torch.randn(n, n), torch.randn(n)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mv(w, x)
-        best = min(best, time.perf_counter() - start)
-    return n * n * 4 / max(best, 1e-9)
 
 
 def moe_shapes(path: Path, cfg: Any, *, dtype: str, quant: Any) -> tuple[list[Any], int]:
@@ -108,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(plan.explain())
     experts = None
-    if model.n_experts:
+    if pool is not None and pool.experts is not None:  # the engine serves this placement
+        from tightfit.planner.experts import ExpertPlan
+
+        experts = ExpertPlan.from_json(pool.experts)
+        print("\nexpert placement (the engine reads the disk experts when routed, the hot ones cached):")
+        print(experts.explain())
+    elif model.n_experts:
         experts = _expert_plan(path, model, cfg, plan)
-        print("\nexpert placement (planned by core; the engine places whole MoE layers today, not single experts):")
+        print("\nexpert placement core's planner gives (the engine serves whole layers here: the experts fit in "
+              "memory, are fused into one tensor, or the expert plan does not fit beside its read arena):")
         print(experts.explain())
     if args.json:
         Path(args.json).write_text(json.dumps({"serving": json.loads(plan.to_json()),
@@ -122,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 def _expert_plan(path: Path, model: Any, cfg: Any, plan: Any) -> Any:
     """Core's expert placement within the serving plan's weights budget (one memory on a CPU), the disk the
     checkpoint is read from, and the popularity profile beside the model where there is one."""
+    from energon_infer.engine.expert_plan import weight_read_rate
     from energon_infer.engine.memory_plan import cpu_dtype
     from energon_infer.loading.quantization import QuantSpec
     from energon_infer.worker.disk_pool import resolve_disk

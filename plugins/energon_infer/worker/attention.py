@@ -1,11 +1,14 @@
 """Attention with a sliding window, tanh soft-capping and sinks, over the same paged KV cache as every other layer.
 
-:func:`tightfit.cuda.varlen_attention.paged_attention` attends to the whole context and takes neither a window,
-a soft-cap nor sinks. A layer with any runs :func:`masked_attention` instead: as transformers' eager attention
-(``scores * scale``, then ``cap * tanh(scores / cap)``, then the causal and window mask, softmax in fp32), a query
-at position ``p`` seeing the keys at ``p - window + 1 .. p``. Nothing caps the context: the window is a mask.
-A sink (gpt-oss) is one learned logit per query head that joins the softmax as one more column and is then
-dropped: the probabilities over the real keys sum to less than one, by what the sink took.
+As transformers' eager attention: ``scores * scale``, then ``cap * tanh(scores / cap)``, then the causal and window
+mask, softmax in fp32, a query at position ``p`` seeing the keys at ``p - window + 1 .. p``. Nothing caps the
+context: the window is a mask. A sink (gpt-oss) is one learned logit per query head that joins the softmax as one
+more column and is then dropped: the probabilities over the real keys sum to less than one, by what the sink took.
+
+Where the native CPU kernel runs the step (fp32 on the CPU, its library built; see
+:func:`tightfit.cuda.varlen_attention_cpu.native_runs`), :func:`attention` hands it all three options:
+:func:`tightfit.cuda.varlen_attention.paged_attention` takes them. Elsewhere (other dtypes, a GPU, the kernels forced
+to the reference) a layer with any runs :func:`masked_attention`, the PyTorch path below.
 
 Only the blocks a window can reach are read: a decode step gathers the ``(window - 1) // block_size + 2`` blocks
 from its query's window on (columns past the sequence's last block repeat that block, masked), and a prefill
@@ -13,8 +16,7 @@ chunk the blocks from its first query's window on. Blocks before the window are 
 releases them while the sequence runs (their table entries become holes, ``-1``; see
 :mod:`energon_infer.scheduling.blocks`).
 
-On the CPU, a windowed layer with no soft-cap whose step's contexts all fit in the window runs ``paged_attention``
-(the window then masks nothing). A decode step needs no host value, so it can be captured in a CUDA graph.
+On a GPU, :func:`masked_attention`'s decode step needs no host value, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.worker.kv_cache import StepMetadata
+from tightfit.cuda.dispatch import get_kernel
 from tightfit.cuda.varlen_attention import paged_attention
+from tightfit.cuda.varlen_attention_cpu import native_runs
 
 __all__ = ["attention", "every_layer_window", "masked_attention"]
 
@@ -39,13 +43,22 @@ def every_layer_window(cfg: ModelConfig) -> int:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *, scale: float,
               window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the step's queries ``(T, H, D)``: ``paged_attention`` where the window and soft-cap
-    change nothing and there are no ``sinks`` (``(H,)``), :func:`masked_attention` otherwise."""
-    if sinks is None and not softcap and (not window or (q.device.type == "cpu"
-                                                         and int(meta.kv_lens.max()) <= window)):
+    """Causal attention of the step's queries ``(T, H, D)``: ``paged_attention`` for a plain layer, and for a layer
+    with a window, soft-cap or ``sinks`` (``(H,)``) where the native kernel runs it; :func:`masked_attention`
+    otherwise."""
+    if sinks is None and not softcap and not window:
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens, scale=scale,
                                max_q_len=meta.max_q_len)
+    if _native(q, k_cache, v_cache):
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.kv_lens, scale=scale,
+                               max_q_len=meta.max_q_len, window=window, softcap=softcap, sinks=sinks)
     return masked_attention(q, k_cache, v_cache, meta, scale=scale, window=window, softcap=softcap, sinks=sinks)
+
+
+def _native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` runs these on the native CPU kernel (its backend rule picks it and the kernel
+    takes them) rather than on Triton or the reference."""
+    return native_runs(q, k_cache, v_cache) and get_kernel("paged_attention").backend_for(q) == "native"
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,

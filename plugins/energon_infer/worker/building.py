@@ -45,8 +45,10 @@ def build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype,
         return DecoderStage(cfg, grid, layers, dtype=dtype, device=device)
     stage = DecoderStage(cfg, grid, layers, dtype=dtype, device="meta")
     blocks = list(stage.layers.values())
-    # ints: block positions; names ("embed", "lm_head"): tables read from the checkpoint per step (disk_vocab)
-    parts = [blocks[i] if isinstance(i, int) else getattr(stage, i, None) for i in offload]
+    # ints: block positions; names: modules read from the checkpoint when used ("embed" / "lm_head": disk_vocab;
+    # "layers.<i>.moe.experts.<e>": expert_pool), absent ones (another stage's) skipped
+    names = dict(stage.named_modules())
+    parts = [blocks[i] if isinstance(i, int) else names.get(i) for i in offload]
     skip = {id(m) for part in parts if part is not None for m in part.modules()}
     later = {id(getattr(b, p)) for b in blocks for p in PROJECTIONS} if quantized else set()
     for module in stage.modules():

@@ -81,15 +81,17 @@ class DiskLayer(SlotLayer):
         cfg: the model; grid: this rank's place (which rows a column-parallel weight reads).
         scratch: the per-thread read buffer.
         nonfinite: the first read checks the values as loading does (``"warn"``, ``"error"``, ``"ignore"``).
+        prefix: the runtime's name of ``block`` with a trailing dot (default ``layers.<index>.``; an expert of an MoE
+            layer is ``layers.<index>.moe.experts.<e>.``, :mod:`energon_infer.worker.expert_pool`).
     """
 
     def __init__(self, block: nn.Module, index: int, files: TensorFiles, cfg: ModelConfig, grid: Grid,
-                 scratch: _Scratch, *, nonfinite: str = "warn"):
+                 scratch: _Scratch, *, nonfinite: str = "warn", prefix: str | None = None):
         super().__init__(block)
         names = {id(p): n for n, p in block.named_parameters()}
         keys = set(files.keys())
-        self.recipe = [(f"layers.{index}.{names[id(p)]}", hf_parts(cfg, f"layers.{index}.{names[id(p)]}", keys))
-                       for p in self.params]
+        pre = f"layers.{index}." if prefix is None else prefix
+        self.recipe = [(f"{pre}{names[id(p)]}", hf_parts(cfg, f"{pre}{names[id(p)]}", keys)) for p in self.params]
         missing = sorted({part.source for _, parts in self.recipe for part in parts if part.source not in keys})
         if missing:
             from energon_infer.loading.weights import WeightError
@@ -291,7 +293,9 @@ def pool_snapshot(pool: LayerPool | None, plan: PoolPlan | None) -> dict[str, An
     stored = [d for d in disk if isinstance(d, StoredLayer)]
     store = {"disk_store": str(stored[0].store.path), "disk_layers_written": sum(d.written for d in stored),
              "disk_layer_bytes": {d.index: d.numel for d in stored}} if stored else {}
-    return {**store, "disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
-            "disk_bytes_read": sum(d.bytes_read for d in disk), "disk_read_s": sum(d.read_s for d in disk),
+    experts = pool.experts.snapshot() if pool.experts is not None else {}
+    return {**store, **experts, "disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
+            "disk_bytes_read": sum(d.bytes_read for d in disk) + experts.get("expert_bytes_read", 0),
+            "disk_read_s": sum(d.read_s for d in disk),
             "pool_wait_s": pool.wait_s, "pool_waits": pool.waits, "pool_copies": pool.copies,
             "disk_bytes_per_pass": plan.disk_bytes, "io_seconds_per_pass": plan.io_seconds}

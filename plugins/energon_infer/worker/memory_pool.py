@@ -90,6 +90,9 @@ class MemoryPoolConfig:
         disk_vocab: with ``memory_budget`` on a CPU: the stage's vocabulary tables left in the checkpoint and read
             per step (``"embed"``: the rows a step looks up; ``"lm_head"``: the head in chunks), see
             :mod:`energon_infer.worker.disk_vocab`; the serving plan chooses them where memory is short.
+        experts: an MoE model's expert placement (:class:`~tightfit.planner.experts.ExpertPlan` JSON, made by the
+            engine's serving plan, :mod:`energon_infer.engine.expert_plan`): its disk experts are read when routed
+            (:mod:`energon_infer.worker.expert_pool`).
     """
 
     fraction: float = 0.5
@@ -106,6 +109,7 @@ class MemoryPoolConfig:
     direct_io: bool = True
     plans: str | None = None
     disk_vocab: tuple[str, ...] = ()
+    experts: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disk_vocab", tuple(self.disk_vocab))
@@ -294,6 +298,7 @@ class LayerPool:
         self.copies = 0
         self.waits = 0  # times a block had to wait for its copy (it was not prefetched in time or at all)
         self.wait_s = 0.0  # compute thread's time spent waiting for copies
+        self.experts: Any = None  # an MoE model's ExpertPool (worker.expert_pool), where experts are placed singly
         position = {i: k for k, i in enumerate(self.order)}
         self._handles = []
         for i, block in enumerate(blocks):
@@ -418,6 +423,8 @@ class LayerPool:
             self._fill()
 
     def close(self) -> None:
+        if self.experts is not None:
+            self.experts.close()
         for h in self._handles:
             h.remove()
         if self._executor is not None:

@@ -4,8 +4,8 @@ A :class:`DecoderStage` is the part of a model one rank runs: the embedding if i
 pipeline stage, its range of blocks, and the final norm and head if it is the last. Every tensor
 is ``(tokens, features)``: the new tokens of all sequences in a step back to back with no padding,
 so each linear layer does exactly the work of the real tokens, and attention is restricted per
-sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (or, for sliding-window,
-soft-capped and sink layers, :func:`energon_infer.worker.attention.masked_attention`).
+sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (sliding-window, soft-capped and sink layers
+too where its native CPU kernel runs; elsewhere :func:`energon_infer.worker.attention.masked_attention`).
 
 The block reads :class:`~energon_infer.loading.config.ModelConfig`'s switches only (norm layout and offset,
 q/k norms, rotary width and scaling, windows, soft-caps, multipliers); which family a checkpoint belongs to
@@ -33,6 +33,8 @@ from energon_infer.worker.moe import MoE, moe_tp_widths
 from energon_infer.worker.rope import step_ropes
 from tightfit.cuda.dispatch import repeated_calls
 from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
+from tightfit.cuda.gelu_mul import gelu_tanh_mul
+from tightfit.cuda.head_norm import rms_norm_heads_
 from tightfit.cuda.packed_linear import apply_activation
 from tightfit.cuda.varlen_attention import store_kv
 
@@ -179,6 +181,12 @@ class Block(nn.Module):
     def _norm_qk(self, qkv: torch.Tensor, n_q: int, n_k: int) -> None:
         """q/k norms, written back into the QKV output (the rotation then runs on it in place)."""
         assert self.q_norm is not None and self.k_norm is not None
+        wq, wk = self.q_norm.weight, self.k_norm.weight
+        if self.cfg.qk_norm == "head" and self.cfg.norm == "rms" and qkv.dtype == torch.float32 \
+                and wq is not None and wk is not None:  # one pass in place on CPU (tightfit.cuda.head_norm)
+            qk = qkv[:, :n_q + n_k].view(qkv.shape[0], self.heads + self.kv_heads, self.head_dim)
+            rms_norm_heads_(qk, self.heads, wq, wk, self.q_norm.eps, self.q_norm.offset)
+            return
         q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_k]
         width = self.head_dim if self.cfg.qk_norm == "head" else None
         q.copy_(self.q_norm(q.reshape(-1, width or n_q)).view(q.shape))
@@ -208,6 +216,8 @@ class Block(nn.Module):
             return self.moe(x)
         if self.gated and self.silu:
             return self.down(silu_mul(self.up(x)))  # one fused pass on CPU (tightfit.cuda.elementwise)
+        if self.gated and self.fused_act == "gelu_tanh":  # GeGLU (Gemma): one fused pass on CPU too
+            return self.down(gelu_tanh_mul(self.up(x)))
         if self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
             return self.down(self.act(gate) * up)
@@ -291,8 +301,8 @@ class DecoderStage(nn.Module):
         if self.cfg.logits_divisor != 1.0:
             logits = logits / self.cfg.logits_divisor
         if self.cfg.final_softcap:
-            cap = self.cfg.final_softcap
-            logits = torch.tanh(logits / cap) * cap
+            cap = self.cfg.final_softcap  # in place on the logits just made: one (rows, vocab) tensor, not three
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     @torch.inference_mode()

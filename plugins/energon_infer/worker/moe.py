@@ -10,10 +10,12 @@ gate. gpt-oss (``GptOssMLP``) routes the other way round: its router has a bias,
 and a softmax over those k alone (in the activations' dtype) weights them; its experts have biases and a clamped
 SwiGLU: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``.
 
-The experts run grouped: the step's (token, expert) pairs are sorted by expert once, and each expert that has
-tokens runs once over all of them (a gate/up product, the gated activation, a down product), its rows scaled by
-their routing weights and added back into their tokens' rows. A token's weighted expert outputs are summed in fp32
-and rounded to the activations' dtype once, as transformers' grouped experts (its default implementation) sum them.
+The experts run grouped, in one call per layer (:func:`tightfit.cuda.grouped_experts.grouped_experts`: a native
+CPU kernel for fp32, the same grouping in PyTorch otherwise): the step's (token, expert) pairs are sorted by expert
+once, and each expert that has tokens runs once over all of them (a gate/up product, the gated activation, a down
+product), its rows scaled by their routing weights and added back into their tokens' rows. A token's weighted expert
+outputs are summed in fp32 and rounded to the activations' dtype once, as transformers' grouped experts (its default
+implementation) sum them. :class:`Expert` holds one expert's weights (its ``forward`` runs it alone).
 
 Tensor parallelism (``tp > 1``): **expert parallelism** where ``tp`` divides the expert count
 (:meth:`~energon_infer.loading.config.ModelConfig.expert_parallel`): rank ``r`` holds experts
@@ -40,13 +42,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, linear_weight
 from tightfit.cuda.elementwise import silu_mul
+from tightfit.cuda.grouped_experts import expert_mlp, grouped_experts
 
 __all__ = ["Expert", "MoE", "local_experts", "moe_tp_widths"]
 
@@ -91,12 +95,7 @@ class Expert(nn.Module):
         self.limit, self.alpha = limit, alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.gate_up, self.gate_up_bias)
-        if not self.limit:
-            return F.linear(silu_mul(h), self.down, self.down_bias)
-        gate, up = h.chunk(2, dim=-1)
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return F.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), self.down, self.down_bias)
+        return expert_mlp(x, self.gate_up, self.down, self.gate_up_bias, self.down_bias, self.limit, self.alpha)
 
 
 class MoE(nn.Module):
@@ -109,13 +108,13 @@ class MoE(nn.Module):
         self.grid, self.n_experts, self.top_k = grid, cfg.n_experts, cfg.experts_per_token
         self.norm_topk, self.fp32_weights, self.topk_first = cfg.norm_topk, cfg.routing_fp32, \
             cfg.router == "topk_softmax"
-        bias = cfg.expert_bias
+        self.bias, self.limit, self.alpha = bias, limit, alpha = cfg.expert_bias, cfg.swiglu_limit, cfg.swiglu_alpha
         self.router = nn.Linear(h, cfg.n_experts, bias=bias, dtype=dtype, device=device).requires_grad_(False)
         inter = cfg.moe_intermediate_size // (1 if cfg.expert_parallel(tp) else tp)
         self.local = local_experts(cfg, grid)
         down_bias = bias and (cfg.expert_parallel(tp) or grid.tp_rank == 0)
         self.experts = nn.ModuleDict({str(e): Expert(h, inter, dtype, device, bias=bias, down_bias=down_bias,
-                                                     limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+                                                     limit=limit, alpha=alpha)
                                       for e in self.local})
         self.shared_up = self.shared_down = self.shared_expert_gate = None
         if cfg.shared_expert_size:
@@ -135,24 +134,23 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.fp32_weights else weights.to(x.dtype)), chosen
 
+    # Set by an expert pool (energon_infer.worker.expert_pool) where some experts are read when routed: called
+    # with the router's picks before the experts run, and after.
+    fetch_experts: Callable[[torch.Tensor], None] | None = None
+    release_experts: Callable[[], None] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
-        # (token, expert) pairs grouped by expert; a stable sort keeps each expert's tokens in token order
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
-        scale = weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # one host sync for the whole layer
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = sum(counts[:self.local.start])
-        for e in self.local:
-            n = counts[e]
-            if n:
-                rows = tokens[start:start + n]
-                y = self.experts[str(e)](x.index_select(0, rows)) * scale[start:start + n, None]
-                out.index_add_(0, rows, y.float())
-            start += n
-        out = out.to(x.dtype)
+        if self.fetch_experts is not None:
+            self.fetch_experts(chosen)
+        experts = list(self.experts.values())
+        out = grouped_experts(
+            x, weights, chosen, [e.gate_up for e in experts], [e.down for e in experts], first=self.local.start,
+            gate_up_bias=[e.gate_up_bias for e in experts] if self.bias else None,
+            down_bias=[e.down_bias for e in experts] if self.bias else None, limit=self.limit, alpha=self.alpha,
+        ).to(x.dtype)
+        if self.release_experts is not None:
+            self.release_experts()
         if self.shared_up is not None:
             assert self.shared_down is not None and self.shared_expert_gate is not None
             shared = self.shared_down(silu_mul(self.shared_up(x)))

@@ -210,9 +210,26 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
                             encode=encode_plans, decode=decode_plans)
     stage = dist.get_rank() // runtime.tp if dist.is_initialized() else 0
     plan = plans[stage]
-    runner = ModelRunner.from_pretrained(source.path, runtime, offload=[*plan.disk_layers, *pool.disk_vocab])
-    streams = any(p.disk_layers for p in plans) or bool(pool.disk_vocab)
-    return runner, install_tiered_pool(runner, plan, pool, source.path), plan, streams
+    experts: list[str] = []
+    if pool.experts is not None:  # an MoE model's experts placed one by one (worker.expert_pool)
+        from energon_infer.worker.disk_pool import _meta_stage
+        from energon_infer.worker.expert_pool import expert_names
+        from tightfit.planner.experts import ExpertPlan
+
+        meta = _meta_stage(cfg, runtime.tp, runtime.pp, stage, torch.float32)  # for the names: any dtype
+        experts = expert_names(meta, ExpertPlan.from_json(pool.experts))
+    runner = ModelRunner.from_pretrained(source.path, runtime, offload=[*plan.disk_layers, *pool.disk_vocab, *experts])
+    streams = any(p.disk_layers for p in plans) or bool(pool.disk_vocab) or bool(experts)
+    layer_pool = install_tiered_pool(runner, plan, pool, source.path)
+    if experts:  # an MoE model's disk experts, read when routed
+        from energon_infer.loading.safetensors_files import TensorFiles
+        from energon_infer.worker.expert_pool import ExpertPool
+
+        files = TensorFiles(source.path, drop_page_cache=pool.drop_page_cache, direct=pool.direct_io)
+        layer_pool.experts = ExpertPool(runner.stage, cfg, runner.grid, ExpertPlan.from_json(pool.experts), files,
+                                        io_threads=pool.io_threads, nonfinite=runtime.nonfinite_weights)
+        runner.decode_graphs = None  # experts move between steps
+    return runner, layer_pool, plan, streams
 
 
 def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tuple[Any, StageTimer, WorkerInfo]:
@@ -224,6 +241,8 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
 
         runner, layer_pool, plan, streams = _load_tiered(source, runtime, pool)
         report = functools.partial(pool_snapshot, layer_pool, plan)
+        if layer_pool.experts is not None and rank == 0:  # what serving routed, for the next plan
+            runner.on_stop = functools.partial(layer_pool.experts.save_popularity, source.path)
     else:
         runner = build_runner(source, runtime)
     if pool is not None:
@@ -340,6 +359,8 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                         return None
 
         serve_commands(runner, timer, rank, next_command, out_q.put, poller(in_q) if world == 1 else None)
+        if (stop := getattr(runner, "on_stop", None)) is not None:
+            stop()
     except BaseException as exc:
         from energon_infer.loading.safetensors_files import CheckpointChangedError
 
