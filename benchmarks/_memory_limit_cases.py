@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 #: The energon case: a LLaMA of 16 layers x 2048 (GQA 16 / 4, MLP 4096, vocabulary 32000), fp32: 2.8 GB.
 ENERGON_MODEL = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=4, intermediate=4096, max_positions=2048)
@@ -20,7 +21,7 @@ ENERGON_PROMPTS = [[1, 5, 9, 300, 42], [7, 8, 9]]
 ENERGON_TOKENS = 4
 
 #: The Elixir case: Hugging Face GPT-2 of ~240M parameters (its fp32 AdamW state ~3.9 GB), batch 1 x 128, 3 steps.
-ELIXIR_GPT = dict(n_embd=1024, n_layer=15, n_head=16, vocab_size=50257, n_positions=1024)
+ELIXIR_GPT: dict[str, Any] = dict(n_embd=1024, n_layer=15, n_head=16, vocab_size=50257, n_positions=1024)
 ELIXIR_STEPS, ELIXIR_SEQ = 3, 128
 
 

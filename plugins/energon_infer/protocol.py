@@ -145,11 +145,12 @@ class WorkerInfo:
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
     kv_window: int = 0  # every layer's sliding window, the scheduler's to free blocks by (0: none)
+    kv_groups: tuple[int, ...] = ()  # each KV group's window (energon_infer.scheduling.kv_groups; (): one group)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
-        out["layer_bytes"] = list(self.layer_bytes)
+        out["layer_bytes"], out["kv_groups"] = list(self.layer_bytes), list(self.kv_groups)
         if self.pool is not None:
             out["pool"]["pooled"] = list(self.pool.pooled)
         return out

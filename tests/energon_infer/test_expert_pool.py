@@ -50,7 +50,7 @@ def _pooled(path, plan: ExpertPlan) -> tuple[ModelRunner, ExpertPool]:
     return runner, pool
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_disk_experts_are_read_when_routed_and_give_the_loaded_models_logits(tmp_path, family):
     path = save_tiny(family, tmp_path / family, shard=None)
     ref = ModelRunner.from_pretrained(path, **OPTS)

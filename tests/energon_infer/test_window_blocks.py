@@ -61,7 +61,7 @@ def test_long_generations_in_a_cache_smaller_than_their_context_equal_transforme
         assert runner.cache.free_blocks == runner.cache.num_blocks
 
 
-def _drive(runner: ModelRunner, sched: Scheduler, prompts, n: int, *, poison: bool = False,
+def drive(runner: ModelRunner, sched: Scheduler, prompts, n: int, *, poison: bool = False,
            on_step=None) -> list[list[int]]:
     """Run ``prompts`` to the end through ``sched`` and ``runner.run_step``; with ``poison`` every block no table
     holds is filled with NaN before each step (fresh blocks zeroed), so a read of a released block shows."""
@@ -85,10 +85,10 @@ def _drive(runner: ModelRunner, sched: Scheduler, prompts, n: int, *, poison: bo
     return [r.generated for r in reqs]
 
 
-def _scheduler(runner: ModelRunner, **kw) -> Scheduler:
+def scheduler_for(runner: ModelRunner, **kw) -> Scheduler:
     cache = runner.cache
     cfg = dict(kv_blocks=cache.num_blocks, block_size=cache.block_size, max_context=runner.max_context,
-               max_batch_tokens=64, kv_window=runner.kv_window, prefix_caching=False)
+               max_batch_tokens=64, kv_window=runner.kv_window, kv_groups=cache.group_windows, prefix_caching=False)
     return Scheduler(SchedulerConfig(**{**cfg, **kw}), block_ids=cache.free_block_ids())
 
 
@@ -97,7 +97,7 @@ def test_released_blocks_are_never_read(name, dirs, refs):
     """Released blocks hold NaN (those another sequence took were rewritten by it) and the workers' tables hold
     holes there: one read would put NaN in the logits or fail on the hole; the tokens stay transformers'."""
     runner = ModelRunner.from_pretrained(dirs[name], kv_cache_tokens=64, **OPTS)
-    sched = _scheduler(runner)
+    sched = scheduler_for(runner)
     trimmed = set()
 
     def check(plan):
@@ -105,7 +105,7 @@ def test_released_blocks_are_never_read(name, dirs, refs):
             assert runner.cache.block_table(seq)[:holes] == [HOLE] * holes
             trimmed.add(seq)
 
-    assert _drive(runner, sched, PROMPTS, NEW, poison=True, on_step=check) == refs[name]
+    assert drive(runner, sched, PROMPTS, NEW, poison=True, on_step=check) == refs[name]
     assert len(trimmed) == len(PROMPTS)
 
 
@@ -113,10 +113,10 @@ def test_a_long_generation_holds_a_bounded_number_of_blocks(dirs, refs):
     """One sequence decoding 100 tokens past its prompt: without freeing it would hold 31 blocks, it holds at
     most window / block_size + 2 (the pool has 8)."""
     runner = ModelRunner.from_pretrained(dirs["mistral-window"], kv_cache_tokens=32, **OPTS)
-    sched = _scheduler(runner)
+    sched = scheduler_for(runner)
     bound = _window(runner) // runner.cache.block_size + 2
     most = []
-    out = _drive(runner, sched, PROMPTS[:1], 100, on_step=lambda plan: most.append(sched.blocks.used))
+    out = drive(runner, sched, PROMPTS[:1], 100, on_step=lambda plan: most.append(sched.blocks.used))
     assert max(most[1:]) <= bound and len(most) == 100
     assert out[0][:NEW] == refs["mistral-window"][0]
 
@@ -129,7 +129,7 @@ def test_prefix_hits_on_a_windowed_model_equal_transformers(dirs):
     runner = ModelRunner.from_pretrained(dirs[name], kv_cache_tokens=256, **OPTS)
     shared = PROMPTS[0]
     prompts = [shared, shared + [7, 8, 9], shared[:-1] + [3], shared]
-    sched = _scheduler(runner, prefix_caching=True, max_running=2)
+    sched = scheduler_for(runner, prefix_caching=True, max_running=2)
     held_at_start = []
 
     def check(plan):
@@ -137,7 +137,7 @@ def test_prefix_hits_on_a_windowed_model_equal_transformers(dirs):
             if seq in plan.step.starts and plan.step.starts[seq] > runner.kv_window:
                 held_at_start.append(sum(b != HOLE for b in table))
 
-    assert _drive(runner, sched, prompts, 12, on_step=check) == hf_greedy(dirs[name], prompts, 12)
+    assert drive(runner, sched, prompts, 12, on_step=check) == hf_greedy(dirs[name], prompts, 12)
     assert sched.blocks.hit_tokens >= 2 * 20 and sched.blocks.evictions == 0
     assert held_at_start and max(held_at_start) <= runner.kv_window // 4 + 2
 

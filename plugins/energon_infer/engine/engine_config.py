@@ -148,26 +148,27 @@ class EngineConfig:
 
     def scheduler_for(self, *, kv_blocks: int, block_size: int, max_context: int, host_blocks: int = 0,
                       swap_s_per_block: float = 0.0, recompute_s_per_token: float = 0.0,
-                      kv_window: int = 0, rope_switch: int = 0) -> SchedulerConfig:
+                      kv_window: int = 0, rope_switch: int = 0, kv_groups: tuple[int, ...] = ()) -> SchedulerConfig:
         """The scheduler's limits once the workers have reported their cache: these options with its shape."""
         return replace(self.scheduler, kv_blocks=kv_blocks, block_size=block_size, max_context=max_context,
                        groups=self.groups, depth=self.depth,
                        late_admission=self.scheduler.late_admission and self.runtime.tp * self.runtime.pp == 1,
                        preemption=self.scheduler.preemption if host_blocks else "recompute",
                        host_blocks=host_blocks, swap_s_per_block=swap_s_per_block,
-                       recompute_s_per_token=recompute_s_per_token, kv_window=kv_window, rope_switch=rope_switch)
+                       recompute_s_per_token=recompute_s_per_token, kv_window=kv_window, rope_switch=rope_switch,
+                       kv_groups=kv_groups)
 
     def scheduler_from(self, info: WorkerInfo, *, max_context: int) -> SchedulerConfig:
         """:meth:`scheduler_for` with what a worker reported: its cache, swap costs, window and model's rope switch."""
         return self.scheduler_for(kv_blocks=info.kv_blocks, block_size=info.block_size, max_context=max_context,
                                   host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
                                   recompute_s_per_token=info.recompute_s_per_token, kv_window=info.kv_window,
-                                  rope_switch=switch_of(info.config.get("rope")))
+                                  rope_switch=switch_of(info.config.get("rope")), kv_groups=tuple(info.kv_groups))
 
 
 # Scheduler fields the workers report, not options; and the runtime's token budget, which is the scheduler's.
 _REPORTED = {"kv_blocks", "block_size", "max_context", "host_blocks", "swap_s_per_block", "recompute_s_per_token",
-             "groups", "depth", "kv_window", "rope_switch"}
+             "groups", "depth", "kv_window", "rope_switch", "kv_groups"}
 # The flat names of the steps in flight predate the tree (``Engine.from_pretrained(d, pipeline_depth=3)``).
 _RENAMED = {"pipeline_groups": "groups", "pipeline_depth": "depth"}
 

@@ -266,8 +266,7 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
 
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
         t = source.get(part.source) if isinstance(source, CheckpointReader) else source[part.source]  # type: ignore[index]
-        if part.transform is not None:
-            t = part.transform(t)
+        t = part.take(t)
         return t, tuple(t.shape), False
 
     held = 0

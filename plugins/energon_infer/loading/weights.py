@@ -177,11 +177,19 @@ class CheckpointReader:
 #   None:   replicated
 #   "expert_col" / "expert_row": an expert's weights: whole where the ranks split the experts whole (expert
 #           parallelism, ModelConfig.expert_parallel), else "col" / "row" like the dense MLP's
+#   rows: (lo, hi) of the tensor's first dimension the part takes (a fused tensor's expert): ``transform`` applies to
+#         those rows only, so a reader may read just them (:meth:`Part.take` from the whole tensor)
 @dataclass(frozen=True, slots=True)
 class Part:
     source: str
     split: str | None = None
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rows: tuple[int, int] | None = None
+
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        """This part of checkpoint tensor ``whole``: its rows, transformed."""
+        t = whole if self.rows is None else whole[self.rows[0]: self.rows[1]]
+        return t if self.transform is None else self.transform(t)
 
 
 def _cols(lo: int, hi: int, transpose: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -310,13 +318,14 @@ def _fused_expert_parts(tensors: Mapping[str, str], p: str, rest: list[str]) -> 
         return [Part(f"{p}{tensors['router']}.{rest[1]}")]
     e, which, src = int(rest[1]), rest[2], f"{p}{tensors['experts']}"
     gate, up = slice(0, None, 2), slice(1, None, 2)
+    rows = (e, e + 1)  # expert e's slab of each fused tensor: a reader may read only it
     if which == "gate_up":
-        return [Part(f"{src}.gate_up_proj", "expert_col", _expert(e, c, t=True)) for c in (gate, up)]
+        return [Part(f"{src}.gate_up_proj", "expert_col", _expert(0, c, t=True), rows) for c in (gate, up)]
     if which == "gate_up_bias":
-        return [Part(f"{src}.gate_up_proj_bias", "expert_col", _expert(e, c)) for c in (gate, up)]
+        return [Part(f"{src}.gate_up_proj_bias", "expert_col", _expert(0, c), rows) for c in (gate, up)]
     if which == "down":
-        return [Part(f"{src}.down_proj", "expert_row", _expert(e, t=True))]
-    return [Part(f"{src}.down_proj_bias", None, _expert(e))]
+        return [Part(f"{src}.down_proj", "expert_row", _expert(0, t=True), rows)]
+    return [Part(f"{src}.down_proj_bias", None, _expert(0), rows)]
 
 
 def source_order(recipes: Sequence[Sequence[Part]]) -> list[int]:
@@ -414,9 +423,7 @@ def load_stage_weights(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid,
             last.clear()
             last[part.source] = source.get(part.source) if isinstance(source, CheckpointReader) \
                 else source[part.source]
-        t = last[part.source]
-        if part.transform is not None:
-            t = part.transform(t)
+        t = part.take(last[part.source])
         return t, tuple(t.shape), False
 
     done = 0

@@ -74,20 +74,34 @@ class BlockManager:
         blocks: the block ids to manage (default ``range(num_blocks)``).
         window: tokens back from a query that every layer reads at most (0: some layer reads the whole
             context); blocks before every running query's window are released (:meth:`trim`).
+        share: another manager whose blocks, references and prefix-cache names this one shares: one KV group's
+            tables beside another's over one pool (:class:`~energon_infer.scheduling.kv_groups.KVGroups`).
+        salt: this group's number, which gives its chains of names a root of their own (0: the first group's).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 blocks: Iterable[int] | None = None, window: int = 0):
+                 blocks: Iterable[int] | None = None, window: int = 0, share: BlockManager | None = None,
+                 salt: int = 0):
         if window < 0:
             raise ValueError(f"window={window} must be >= 0 (0: no sliding window)")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self.window = window
-        self._free: deque[int] = deque(range(num_blocks) if blocks is None else blocks)
-        self._ref: dict[int, int] = {}
-        self._cached: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: evictable, LRU first
-        self._by_key: dict[int, int] = {}
-        self._name: dict[int, _Named] = {}
-        self._children: dict[int, set[int]] = {}
+        self.window, self.salt = window, salt
+        self._free: deque[int]
+        self._ref: dict[int, int]
+        self._cached: OrderedDict[int, None]  # named, unreferenced: evictable, LRU first
+        self._by_key: dict[int, int]
+        self._name: dict[int, _Named]
+        self._children: dict[int, set[int]]
+        if share is not None:  # another KV group's tables over the same blocks (energon_infer.scheduling.kv_groups)
+            self._free, self._ref, self._cached = share._free, share._ref, share._cached
+            self._by_key, self._name, self._children = share._by_key, share._name, share._children
+        else:
+            self._free = deque(range(num_blocks) if blocks is None else blocks)
+            self._ref = {}
+            self._cached = OrderedDict()
+            self._by_key = {}
+            self._name = {}
+            self._children = {}
         self.tables: dict[int, list[int]] = {}
         self._named_upto: dict[int, tuple[int, int]] = {}  # seq -> (full blocks named, key of the last)
         self.hit_tokens = 0
@@ -213,7 +227,7 @@ class BlockManager:
                                "resume_cost first (this is a scheduler bug)")
         new = [self._take() for _ in range(back)]
         self.tables[seq_id] = [HOLE] * (total - back) + new
-        self._named_upto[seq_id] = (0, root)
+        self._named_upto[seq_id] = (0, self.root_key(root))
         return new
 
     def resume_cost(self, length: int, grown: int, held: int) -> int:
@@ -231,6 +245,8 @@ class BlockManager:
 
     def reset(self) -> None:
         """Forget everything (the workers restarted with empty caches)."""
+        if self.salt:
+            raise RuntimeError("a KV group sharing another's blocks is reset with all of them (KVGroups.reset)")
         self.__init__(self.num_blocks, self.block_size, prefix_caching=self.prefix_caching,  # type: ignore[misc]
                       window=self.window)
 
@@ -239,12 +255,33 @@ class BlockManager:
     def _key(self, parent: int, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
+    def root_key(self, root: int) -> int:
+        """The key this manager's chains start from for ``root``: ``root`` itself, or one of its own for another
+        KV group sharing the blocks (``salt``), so two groups never name their blocks alike."""
+        return hash((root, self.salt)) if self.salt else root
+
+    def chain(self, tokens: Sequence[int], root: int = 0) -> tuple[list[int], list[int]]:
+        """``(key of each full block of tokens, the block named so or HOLE)``: read only, never stopping at a gap
+        (a windowed group needs only the named blocks its window reaches)."""
+        bs, parent = self.block_size, self.root_key(root)
+        keys: list[int] = []
+        blocks: list[int] = []
+        for i in range(len(tokens) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            key = self._key(parent, chunk)
+            block = self._by_key.get(key)
+            ok = block is not None and self._name[block].tokens == chunk and self._name[block].parent == parent
+            keys.append(key)
+            blocks.append(block if ok and block is not None else HOLE)
+            parent = key
+        return keys, blocks
+
     def lookup(self, tokens: Sequence[int], root: int = 0) -> tuple[list[int], int, tuple[int, int] | None]:
         """``(shared full blocks, their key chain's last key, (block to copy, tokens of it to keep) or None)``.
 
         Read only. At least one token is always left to compute. ``root``: the key the chain starts from.
         """
-        bs, parent = self.block_size, root
+        bs, parent = self.block_size, self.root_key(root)
         shared: list[int] = []
         if not self.prefix_caching:
             return shared, parent, None
@@ -284,12 +321,16 @@ class BlockManager:
             revived += 1  # held while its copy is taken, so it cannot be the block evicted for it
         return max(0, self.blocks_for(max(length, cached + 1)) - len(shared)) + revived
 
-    def start(self, seq_id: int, tokens: Sequence[int], *, share: bool = True, root: int = 0) -> PrefixHit:
-        """Begin ``seq_id``: share the cached prefix of ``tokens`` (see :meth:`lookup`; nothing with ``share``
-        off), its blocks named in the chain from ``root``; grow it afterwards."""
+    def start(self, seq_id: int, tokens: Sequence[int], *, share: bool = True, root: int = 0,
+              found: tuple[list[int], int, tuple[int, int] | None] | None = None) -> PrefixHit:
+        """Begin ``seq_id``: share the cached prefix of ``tokens`` (see :meth:`lookup`, or ``found`` where the
+        caller chose it; nothing with ``share`` off), its blocks named in the chain from ``root``; grow it
+        afterwards. ``found`` may hold :data:`HOLE` before the window of its end."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks; free it first")
-        shared, parent, cow = self.lookup(tokens, root) if share else ([], root, None)
+        if found is None:
+            found = self.lookup(tokens, root) if share else ([], self.root_key(root), None)
+        shared, parent, cow = found
         drop = self.unneeded(len(shared) * self.block_size + (cow[1] if cow else 0))
         for block in shared[drop:]:
             self._hold(block)
@@ -315,7 +356,7 @@ class BlockManager:
             return
         bs = self.block_size
         table = self.tables[seq_id]
-        done, parent = self._named_upto.get(seq_id, (0, 0))
+        done, parent = self._named_upto.get(seq_id, (0, self.root_key(0)))
         full = min(len(tokens) if computed is None else computed, len(table) * bs) // bs
         for i in range(done, full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])

@@ -50,6 +50,7 @@ class Request:
     logprobs: list[Any] = field(default_factory=list)  # per generated token, when params.logprobs is set
     error: str | None = None  # why it failed alone in a worker (finish_reason "error")
     swapped: list[int] = field(default_factory=list)  # host blocks holding its keys/values while preempted
+    swap_counts: tuple[int, ...] = ()  # of those, how many each KV group's (energon_infer.scheduling.kv_groups)
     rope_long: bool = False  # (re)started past SchedulerConfig.rope_switch: its keys are long-factor ones
 
 

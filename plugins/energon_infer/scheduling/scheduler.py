@@ -8,8 +8,9 @@ chunk of a prompt) plus, first come first served, waiting requests while the ste
 the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
 tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
 only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step. With a sliding
-window on every layer (``kv_window``), a running sequence's blocks before its window are released as it
-grows (``Step.trims``), so it holds about ``kv_window / block_size + 2`` blocks however long it runs. A
+window (``kv_window``, or the windowed KV groups of ``kv_groups``: :mod:`energon_infer.scheduling.kv_groups`), a
+running sequence's blocks before its window are released as it grows (``Step.trims``), so it holds about
+``kv_window / block_size + 2`` blocks in each windowed group however long it runs. A
 sequence about to pass a longrope model's switch (``rope_switch``) is recomputed whole with the long factors, once
 (:mod:`energon_infer.scheduling.rope_switch`).
 
@@ -43,8 +44,8 @@ from typing import Any
 
 from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
-from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
+from energon_infer.scheduling.kv_groups import KVGroups
 from energon_infer.scheduling.requests import Request, StepPlan
 from energon_infer.scheduling.rope_switch import chain_root, is_long
 from energon_infer.scheduling.scheduler_config import (
@@ -84,8 +85,8 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
-        self.blocks = BlockManager(config.kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
-                                   blocks=block_ids, window=config.kv_window)
+        self.blocks = KVGroups(config.kv_blocks, config.block_size, config.kv_groups or (config.kv_window,),
+                               prefix_caching=config.prefix_caching, blocks=block_ids)
         self.preemptions = 0
         self.rope_recomputes = 0  # sequences recomputed at the rope switch (rope_switch)
         self.late_steps = 0  # late steps planned (schedule_late)
@@ -114,7 +115,7 @@ class Scheduler:
         """Tokens of ``req`` one step may run: ``budget`` with chunked prefill or in a recompute (prompt + output); with
         a window never more than its prompt (or a chunk of it) either, so a recompute after a preemption runs in steps
         that hold no more blocks than :meth:`blocks_for` promised, however long its context has grown."""
-        if not self.config.kv_window:
+        if not self.blocks.window:
             return budget
         most = min(len(req.prompt), self.config.max_batch_tokens) if self.config.chunked_prefill else len(req.prompt)
         return min(most, budget) if self.config.chunked_prefill else most
@@ -165,7 +166,7 @@ class Scheduler:
 
     def _trim(self, plan: StepPlan, req: Request) -> None:
         """Release ``req``'s blocks before the window of its next token; a sequence the workers hold is told."""
-        if not self.config.kv_window:
+        if not self.blocks.window:
             return
         before = self.blocks.holes(req.seq_id)
         holes = self.blocks.trim(req.seq_id, req.computed)
@@ -178,7 +179,7 @@ class Scheduler:
         self._trim(plan, req)
         new = self.blocks.grow(req.seq_id, req.computed + n)
         if req.seq_id in step.starts or new:  # new on the workers: its whole table
-            step.blocks[req.seq_id] = list(self.blocks.tables[req.seq_id]) if req.seq_id in step.starts else new
+            step.blocks[req.seq_id] = self.blocks.table(req.seq_id) if req.seq_id in step.starts else new
         known = req.computed - req.fed_unknown
         if known < len(tokens):
             step.items.append((req.seq_id, tokens[known:known + n]))
@@ -194,15 +195,15 @@ class Scheduler:
         plan.requests.append(req)
 
     def _preempt(self, req: Request, *, switch: bool = False) -> None:
-        """Free a running request's blocks; it waits at the head of the queue and, when readmitted, is
-        recomputed or (when swapping its blocks to host memory is cheaper) swapped back in. ``switch``: it is
-        about to pass ``rope_switch`` (its keys no longer hold): recomputed, and not counted as a preemption."""
+        """Free a running request's blocks; at the head of the queue, it is recomputed or (where swapping its blocks
+        to host memory is cheaper) swapped back in. ``switch``: about to pass ``rope_switch``: recomputed, uncounted."""
         del self.running[req.seq_id]
-        table = self.blocks.held(req.seq_id)  # the blocks before its window were released already
+        groups = self.blocks.held_groups(req.seq_id)  # the blocks before its window were released already
+        table = [b for held in groups for b in held]
         if switch:
             self.rope_recomputes += 1
         elif self.swap.choose(blocks=len(table), tokens=req.computed):
-            req.swapped = self.swap.take(len(table))
+            req.swapped, req.swap_counts = self.swap.take(len(table)), tuple(map(len, groups))
             self._swap_out.extend(zip(table, req.swapped))
             self.swap.swaps += 1
         else:
@@ -232,7 +233,7 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, req: Request, budget: int,
-               found: tuple[list[int], tuple[list[int], int, tuple[int, int] | None]] | None = None) -> int:
+               found: tuple[list[int], tuple[list[Any], int, tuple[int, int] | None]] | None = None) -> int:
         """Start the head of the queue in ``plan`` if it fits; returns the tokens it took (0: it did not fit).
         ``found``: the request's tokens and what ``blocks.lookup`` gave for them, where the caller asked already."""
         cfg, mgr = self.config, self.blocks
@@ -245,11 +246,11 @@ class Scheduler:
         shared, _, cow = looked
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
-        if cfg.chunked_prefill or cfg.kv_window or req.generated:  # a recompute in chunks: it may pass the budget
+        if cfg.chunked_prefill or mgr.window or req.generated:  # a recompute in chunks: it may pass the budget
             n = min(n, self._most(req, budget))
         if n < 1 or n > budget:
             return 0
-        cost = (mgr.resume_cost(cached, cached + n, len(req.swapped)) if req.swapped
+        cost = (mgr.resume_cost(cached, cached + n, req.swap_counts) if req.swapped
                 else mgr.start_cost(shared, cow, cached + n))
         # On demand, leave ~1% of the cache free for the running requests' next blocks (fewer preemptions).
         watermark = max(1, cfg.kv_blocks // 100) if self.running and cfg.kv_admission == "on_demand" else 0
@@ -260,8 +261,7 @@ class Scheduler:
         self.waiting.popleft()
         step = plan.step
         if req.swapped:  # its keys/values come back from host memory into fresh blocks (those its window reaches)
-            table = mgr.resume(req.seq_id, req.computed, len(req.swapped), chain_root(long))
-            step.swap_in.extend(zip(req.swapped[len(req.swapped) - len(table):], table))
+            step.swap_in.extend(mgr.resume(req.seq_id, req.computed, req.swapped, req.swap_counts, chain_root(long)))
             self.swap.give(req.swapped)
             req.swapped = []
             step.starts[req.seq_id] = req.computed
@@ -306,7 +306,7 @@ class Scheduler:
                         or known + r.pending >= cfg.max_context):
                     continue
                 n = 1
-            if cfg.chunked_prefill or cfg.kv_window or r.generated:
+            if cfg.chunked_prefill or self.blocks.window or r.generated:
                 n = min(n, self._most(r, budget))
             if n < 1 or n > budget:
                 continue

@@ -89,6 +89,9 @@ class SchedulerConfig:
         kv_window: tokens back from a query that every layer of the model reads at most, its sliding window (0:
             some layer reads the whole context). A running sequence's blocks before its window are released
             (:meth:`~energon_infer.scheduling.blocks.BlockManager.trim`). Reported by the workers, not set.
+        kv_groups: each KV group's window where the model's windowed and global layers keep their keys and values in
+            block tables of their own (:mod:`energon_infer.scheduling.kv_groups`; ``kv_blocks`` then counts pages,
+            which every group draws from); ``()``: one group, windowed by ``kv_window``. Reported, not set.
         rope_switch: the context length past which a sequence's cached keys no longer hold (a ``longrope`` model's
             ``original_max_position_embeddings``; 0: none). A running sequence about to pass it is recomputed whole,
             as transformers' ``generate`` does (:mod:`energon_infer.scheduling.rope_switch`). Reported, not set.
@@ -112,6 +115,7 @@ class SchedulerConfig:
     swap_s_per_block: float = 0.0
     recompute_s_per_token: float = 0.0
     kv_window: int = 0
+    kv_groups: tuple[int, ...] = ()
     rope_switch: int = 0
 
     @property
@@ -141,8 +145,9 @@ class SchedulerConfig:
         if self.host_blocks < 0 or self.swap_s_per_block < 0 or self.recompute_s_per_token < 0:
             raise OptionError(f"host_blocks={self.host_blocks}, swap_s_per_block={self.swap_s_per_block} and "
                               f"recompute_s_per_token={self.recompute_s_per_token} must be >= 0")
-        if self.kv_window < 0 or self.rope_switch < 0:
-            raise OptionError(f"kv_window={self.kv_window} and rope_switch={self.rope_switch} must be >= 0 (0: none)")
+        if self.kv_window < 0 or self.rope_switch < 0 or any(w < 0 for w in self.kv_groups):
+            raise OptionError(f"kv_window={self.kv_window}, kv_groups={self.kv_groups} and rope_switch="
+                              f"{self.rope_switch} must be >= 0 (0: none)")
         if self.bound and self.preemption == "swap" and self.host_blocks < 1:
             raise OptionError("preemption='swap' needs host swap space: load the workers with swap_space_tokens > 0 "
                               "(host_blocks=0 here), or use preemption='recompute'")

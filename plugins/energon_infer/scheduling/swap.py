@@ -103,7 +103,7 @@ def measure_costs(runner: Any, *, tokens: int = 64, repeats: int = 3) -> tuple[f
                 torch.cuda.synchronize()
             swap = min(swap, (time.perf_counter() - start) / n)
     seq = -(1 << 41)  # never a controller's id nor the runner's own
-    length = min(tokens, runner.max_context - 1, cache.num_blocks * cache.block_size)
+    length = min(tokens, runner.max_context - 1, cache.num_blocks // cache.groups * cache.block_size)  # every group
     prefill = float("inf")
     params = SamplingParams(temperature=0, max_tokens=1)
     for _ in range(repeats):

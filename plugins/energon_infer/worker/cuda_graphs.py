@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -149,12 +150,18 @@ class DecodeGraphs(nn.Module):
         self._positions = torch.zeros(n, dtype=torch.long, device=dev)
         self._slots = torch.full((n,), self._pad_slot, dtype=torch.long, device=dev)
         self._tables = torch.full((n, self.max_blocks), self._pad_block, dtype=torch.int32, device=dev)
+        # Each KV group's own slots and tables (energon_infer.worker.kv_cache; the first group's are the two above).
+        self._groups = [(self._slots, self._tables)] + [(self._slots.clone(), self._tables.clone())
+                                                         for _ in range(cache.groups - 1)]
         self._kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
         cu = torch.arange(n + 1, dtype=torch.int32, device=dev)  # decode: one token per row, row i is token i
         last = torch.arange(n, dtype=torch.long, device=dev)
         self._meta = {b: StepMetadata(positions=self._positions[:b], slot_mapping=self._slots[:b],
                                       block_tables=self._tables[:b], cu_seqlens=cu[:b + 1], kv_lens=self._kv_lens[:b],
                                       last_index=last[:b], max_q_len=1, n_tokens=b) for b in self.buckets}
+        if cache.groups > 1:
+            self._meta = {b: replace(m, groups=tuple(replace(m, slot_mapping=s[:b], block_tables=t[:b])
+                                                     for s, t in self._groups)) for b, m in self._meta.items()}
         self._real = 0  # rows 0.._real-1 of the buffers hold a step's rows; the rest are padding
         self._graphs: dict[int, Any] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -202,8 +209,9 @@ class DecodeGraphs(nn.Module):
         w = meta.block_tables.shape[1]
         self._x[:b].copy_(x)
         self._positions[:b].copy_(meta.positions)
-        self._slots[:b].copy_(meta.slot_mapping)
-        self._tables[:b, :w].copy_(meta.block_tables)
+        for (slots, tables), part in zip(self._groups, meta.groups or (meta,)):
+            slots[:b].copy_(part.slot_mapping)
+            tables[:b, :w].copy_(part.block_tables)
         self._kv_lens[:b].copy_(meta.kv_lens)
         self._pad_from(b)
 
@@ -213,8 +221,9 @@ class DecodeGraphs(nn.Module):
             rows = slice(b, self._real)
             self._x[rows].zero_()
             self._positions[rows].zero_()
-            self._slots[rows].fill_(self._pad_slot)
-            self._tables[rows].fill_(self._pad_block)
+            for slots, tables in self._groups:
+                slots[rows].fill_(self._pad_slot)
+                tables[rows].fill_(self._pad_block)
             self._kv_lens[rows].fill_(1)
         self._real = b
 

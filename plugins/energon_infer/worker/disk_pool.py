@@ -103,7 +103,7 @@ class DiskLayer(SlotLayer):
         self.index, self.files, self.cfg, self.grid, self.scratch = index, files, cfg, grid, scratch
         self.used = {files.extents[part.source].file for _, parts in self.recipe for part in parts}
         self.nonfinite = nonfinite
-        self._last: tuple[str, torch.Tensor] | None = None  # the tensor in the read buffer
+        self._last: tuple[tuple[str, Any], torch.Tensor] | None = None  # (source, rows) in the read buffer
         # Parameters filled grouped by the checkpoint tensor they come from: a fused tensor many parameters are
         # sliced from (gpt-oss's experts) is read once a fill, not once per parameter.
         self._order = source_order([parts for _, parts in self.recipe])
@@ -134,12 +134,13 @@ class DiskLayer(SlotLayer):
             self._pending += t.numel() * t.element_size()
             self._last = None
             return t, ext.shape, True
-        if self._last is not None and self._last[0] == part.source:
+        key = (part.source, part.rows)
+        if self._last is not None and self._last[0] == key:
             t = self._last[1]  # GPT-2's fused c_attn feeds q, k and v: read once (still in the buffer)
-        else:
-            t = self.files.read(part.source, out=buf)
-            self._pending += ext.nbytes
-            self._last = (part.source, t)
+        else:  # the whole tensor, or only the rows the part takes (a fused tensor's expert)
+            t = self.files.read(part.source, part.rows, out=buf)
+            self._pending += t.numel() * t.element_size()
+            self._last = (key, t)
         if part.transform is not None:
             t = part.transform(t)
         return t, tuple(t.shape), False
@@ -185,7 +186,9 @@ def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) ->
         if name.startswith("layers."):
             for part in hf_parts(cfg, name, keys):
                 if part.source in files.extents:
-                    largest = max(largest, files.extents[part.source].nbytes)
+                    ext = files.extents[part.source]
+                    largest = max(largest, ext.nbytes if part.rows is None else
+                                  (part.rows[1] - part.rows[0]) * ext.row_bytes)
     return direct_buffer_bytes(largest) if largest else 0
 
 

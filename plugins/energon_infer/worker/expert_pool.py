@@ -66,16 +66,18 @@ def expert_names(stage: nn.Module, plan: ExpertPlan) -> list[str]:
 
 def expert_read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) -> int:
     """One I/O thread's read buffer: the largest checkpoint tensor an expert reads (with ``O_DIRECT``'s slack);
-    ``-1`` where an expert is assembled by slicing a tensor shared by all experts (gpt-oss's fused experts): an
-    expert read would then read them all, so experts are not placed one by one."""
+    ``-1`` where an expert is transformed out of a whole tensor it cannot read a part of (an expert of a fused tensor
+    reads only its own rows, ``Part.rows``: gpt-oss's)."""
     keys, largest = set(files.keys()), 0
     for idx, moe in moe_layers(stage):
         for e, expert in moe.experts.items():
             for name, _ in expert.named_parameters():
                 for part in hf_parts(cfg, f"layers.{idx}.moe.experts.{e}.{name}", keys):
-                    if part.transform is not None or part.source not in files.extents:
+                    if (part.transform is not None and part.rows is None) or part.source not in files.extents:
                         return -1
-                    largest = max(largest, files.extents[part.source].nbytes)
+                    ext = files.extents[part.source]
+                    largest = max(largest, ext.nbytes if part.rows is None else
+                                  (part.rows[1] - part.rows[0]) * ext.row_bytes)
     return direct_buffer_bytes(largest) if largest else 0
 
 

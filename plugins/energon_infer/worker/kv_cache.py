@@ -11,6 +11,13 @@ step-level API) and hands the cache the tables (:meth:`KVCache.assign`); a step 
 the tables say. Every rank holds the pool of its own stage's layers and its own key/value heads and
 is given the same tables, so the ranks agree without talking to each other.
 
+KV groups: in a model whose windowed and global layers alternate (``layer_windows``), the layers' keys and values
+live in KV groups of their own (:func:`~energon_infer.scheduling.kv_groups.kv_layout`), each with its own table
+per sequence, over one pool of *pages*: a page is one block of tokens for ``slots`` layers (``k[slot, page]``), and
+the cache sized for ``num_blocks`` blocks of every layer holds ``num_blocks * layers / slots`` of them. The tables
+travel interleaved (:meth:`assign`); each layer reads its own group's (:meth:`layer`, :attr:`StepMetadata.groups`),
+and a sliding window releases only the windowed groups' entries (:meth:`trim`).
+
 Example:
     >>> import torch
     >>> cache = KVCache(n_layers=1, num_blocks=8, block_size=4, n_kv_heads=1, head_dim=2, dtype=torch.float32)
@@ -27,13 +34,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from energon_infer.errors import EnergonError
 from energon_infer.scheduling.blocks import HOLE
+from energon_infer.scheduling.kv_groups import kv_layout
 
 __all__ = ["KVCache", "KVCacheFullError", "StepMetadata", "UnknownSequenceError"]
 
@@ -56,7 +64,7 @@ class UnknownSequenceError(EnergonError, KeyError):
 
 @dataclass(slots=True)
 class _Seq:
-    blocks: list[int] = field(default_factory=list)
+    tables: list[list[int]]  # one per KV group, all of the same length
     length: int = 0
 
 
@@ -75,6 +83,8 @@ class StepMetadata:
         n_tokens: ``T`` (host int).
         rope_lens: ``(B,)`` the length a length-dependent rope takes per sequence where a step runs a chunk of a
             longer prefill (:attr:`~energon_infer.protocol.Step.prefill_lengths`: that prefill's); ``None``: ``kv_lens``.
+        groups: with several KV groups, each one's metadata (its own ``slot_mapping`` and ``block_tables``; the
+            first is this one's); ``()``: one group.
     """
 
     positions: torch.Tensor
@@ -86,6 +96,7 @@ class StepMetadata:
     max_q_len: int
     n_tokens: int
     rope_lens: torch.Tensor | None = None
+    groups: tuple[StepMetadata, ...] = ()
 
 
 class KVCache:
@@ -101,15 +112,30 @@ class KVCache:
         host_blocks: blocks of host swap space (``swap_out`` / ``swap_in``; 0: none).
         scratch: one more block after the ``num_blocks`` (:attr:`scratch_block`) that no sequence is ever
             given: the padding rows of a CUDA-graph decode step write there (:mod:`energon_infer.worker.cuda_graphs`).
+        layer_windows: every layer of the model's window (0: whole context). Where windowed and global layers mix
+            and this stage holds every layer (``pp = 1``): KV groups (see the module docstring), ``num_blocks`` and
+            ``host_blocks`` count blocks of every layer and the cache holds as many bytes in pages
+            (:attr:`num_blocks` is then the pages). At ``pp > 1`` a stage's pages would sit unused wherever a
+            group's layers are all on another stage, so there the layers stay in one group (no block is released).
     """
 
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", host_blocks: int = 0, scratch: bool = False):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", host_blocks: int = 0, scratch: bool = False,
+                 layer_windows: Sequence[int] = ()):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        layout = kv_layout(layer_windows, n_layers)
+        hybrid = layout.hybrid and n_layers == len(layer_windows)
+        #: each KV group's window (one entry: every layer in one group, windowed only if every layer is)
+        self.group_windows = layout.windows if hybrid else (min(layer_windows, default=0) and max(layer_windows),)
+        if hybrid:  # pages of layout.slots layers: as many bytes as num_blocks blocks of every layer
+            num_blocks, host_blocks = num_blocks * n_layers // layout.slots, host_blocks * n_layers // layout.slots
+            self._group, self._slot, slots = layout.group_of, layout.slot_of, layout.slots
+        else:
+            self._group, self._slot, slots = (0,) * n_layers, tuple(range(n_layers)), n_layers
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block: int | None = num_blocks if scratch else None  # outside range(num_blocks): never allocated
-        shape = (n_layers, num_blocks + int(scratch), block_size, n_kv_heads, head_dim)
+        shape = (slots, num_blocks + int(scratch), block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._seqs: dict[int, _Seq] = {}
@@ -117,7 +143,7 @@ class KVCache:
         self._copied: Any = None
         # Swap space: host blocks a preempted sequence's keys/values wait in (pinned, so copies to and
         # from a GPU run at full bandwidth); see swap_out / swap_in.
-        host = (n_layers, host_blocks, block_size, n_kv_heads, head_dim)
+        host = (slots, host_blocks, block_size, n_kv_heads, head_dim)
         pin = torch.device(device).type == "cuda"
         self.host_k = torch.zeros(host, dtype=dtype, pin_memory=pin)
         self.host_v = torch.zeros(host, dtype=dtype, pin_memory=pin)
@@ -125,9 +151,27 @@ class KVCache:
     # ------------------------------------------------------------------ bookkeeping
 
     @property
+    def groups(self) -> int:
+        """KV groups (each with its own table per sequence)."""
+        return len(self.group_windows)
+
+    def _held(self) -> set[int]:
+        return {b for seq in self._seqs.values() for table in seq.tables for b in table if b != HOLE}
+
+    @property
     def free_blocks(self) -> int:
-        """Blocks in no sequence's table."""
-        return self.num_blocks - len({b for seq in self._seqs.values() for b in seq.blocks if b != HOLE})
+        """Blocks (pages) in no sequence's table."""
+        return self.num_blocks - len(self._held())
+
+    def layer(self, i: int, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """Keys, values and step metadata of this stage's layer ``i`` (its KV group's tables and slots)."""
+        slot, group = self._slot[i], self._group[i]
+        if len(self.group_windows) > 1:
+            if len(meta.groups) != len(self.group_windows):
+                raise ValueError(f"the step's metadata has {len(meta.groups)} KV groups' tables but the cache has "
+                                 f"{len(self.group_windows)}; build it with this cache's prepare()")
+            meta = meta.groups[group]
+        return self.k[slot], self.v[slot], meta
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +182,7 @@ class KVCache:
 
     def free_block_ids(self) -> list[int]:
         """The blocks in no sequence's table (what an allocator may hand out), lowest first."""
-        held = {b for seq in self._seqs.values() for b in seq.blocks if b != HOLE}
+        held = self._held()
         return [b for b in range(self.num_blocks) if b not in held]
 
     def sequences(self) -> list[int]:
@@ -150,7 +194,9 @@ class KVCache:
         return 0 if seq is None else seq.length
 
     def block_table(self, seq_id: int) -> list[int]:
-        return list(self._get(seq_id).blocks)
+        """``seq_id``'s tables, interleaved as :meth:`assign` takes them (one group: its table)."""
+        tables = self._get(seq_id).tables
+        return [t[i] for i in range(len(tables[0])) for t in tables]
 
     def _get(self, seq_id: int) -> _Seq:
         try:
@@ -168,25 +214,35 @@ class KVCache:
 
     def assign(self, seq_id: int, blocks: Sequence[int], start: int | None = None) -> None:
         """Append allocator-chosen ``blocks`` to ``seq_id``'s table; a new sequence begins with ``start``
-        tokens already cached (a shared prefix, see :mod:`energon_infer.scheduling.blocks`)."""
+        tokens already cached (a shared prefix, see :mod:`energon_infer.scheduling.blocks`). With several KV
+        groups ``blocks`` are interleaved: entry ``i`` of group ``g``'s table is ``blocks[i * groups + g]``."""
+        g = len(self.group_windows)
+        if len(blocks) % g:
+            raise ValueError(f"{len(blocks)} blocks for sequence {seq_id} do not split over the cache's {g} KV "
+                             "groups; give one block per group for each block of tokens (interleaved)")
         seq = self._seqs.get(seq_id)
         if seq is None:
-            seq = self._seqs[seq_id] = _Seq(length=start or 0)
-        bad = [b for b in blocks if not 0 <= b < self.num_blocks and not (b == HOLE and not seq.blocks)]
+            seq = self._seqs[seq_id] = _Seq([[] for _ in range(g)], length=start or 0)
+        new = not seq.tables[0]
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks and not (b == HOLE and new)]
         if bad:
             raise ValueError(f"blocks {bad[:5]} are outside the cache's {self.num_blocks} blocks (a new table may "
                              f"start with holes, {HOLE})")
-        seq.blocks.extend(blocks)
+        for i, table in enumerate(seq.tables):
+            table.extend(blocks[i::g])
 
     def trim(self, trims: Mapping[int, int]) -> None:
-        """``{seq_id: holes}``: the first ``holes`` entries of each table were released (a sliding window passed
-        them) and become :data:`~energon_infer.scheduling.blocks.HOLE`, so a read of one fails instead of
-        reading a block another sequence now writes."""
+        """``{seq_id: holes}``: the first ``holes`` entries of each windowed group's table were released (a sliding
+        window passed them) and become :data:`~energon_infer.scheduling.blocks.HOLE`, so a read of one fails
+        instead of reading a block another sequence now writes."""
         for seq_id, holes in trims.items():
             seq = self._get(seq_id)
-            if not 0 <= holes <= len(seq.blocks):
-                raise ValueError(f"cannot release {holes} blocks of sequence {seq_id}: its table has {len(seq.blocks)}")
-            seq.blocks[:holes] = [HOLE] * holes
+            if not 0 <= holes <= len(seq.tables[0]):
+                raise ValueError(f"cannot release {holes} blocks of sequence {seq_id}: its table has "
+                                 f"{len(seq.tables[0])}")
+            for table, window in zip(seq.tables, self.group_windows):
+                if window or len(self.group_windows) == 1:
+                    table[:holes] = [HOLE] * holes
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared prefix block)."""
@@ -233,17 +289,18 @@ class KVCache:
             if n < 1:
                 raise ValueError(f"sequence {seq_id!r} has {n} new tokens in this step; give at least one")
             seq = self._get(seq_id)
-            if len(seq.blocks) * bs < seq.length + n:
-                raise RuntimeError(f"sequence {seq_id} was assigned {len(seq.blocks)} blocks, too few for "
+            if len(seq.tables[0]) * bs < seq.length + n:
+                raise RuntimeError(f"sequence {seq_id} was assigned {len(seq.tables[0])} blocks, too few for "
                                    f"{seq.length + n} tokens; assign its blocks before the step")
             seqs.append(seq)
-        starts, ns, tables = [], [], []
+        starts, ns = [], []
         for seq, (_, n) in zip(seqs, items):
             starts.append(seq.length)
             ns.append(n)
-            tables.append(seq.blocks)
             seq.length += n
-        meta = self._metadata(starts, ns, tables, device)
+        metas = [self._metadata(starts, ns, [seq.tables[g] for seq in seqs], device)
+                 for g in range(len(self.group_windows))]
+        meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         if prefill_lengths and any(s in prefill_lengths for s, _ in items):
             lens = [max(seq.length, prefill_lengths.get(s, 0)) for seq, (s, _) in zip(seqs, items)]
             meta = dataclasses.replace(meta, rope_lens=torch.tensor(lens, dtype=torch.int32).to(meta.kv_lens.device))

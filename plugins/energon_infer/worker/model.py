@@ -288,7 +288,8 @@ class DecoderStage(nn.Module):
     def run_layers(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
         ropes = step_ropes(self.cfg, meta, x.dtype)
         for i, block in enumerate(self.layers.values()):
-            x = block(x, meta, cache.k[i], cache.v[i], ropes)
+            k_cache, v_cache, layer_meta = cache.layer(i, meta)  # its KV group's keys, values and tables
+            x = block(x, layer_meta, k_cache, v_cache, ropes)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

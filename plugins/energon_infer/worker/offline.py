@@ -48,7 +48,7 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
                         max_batch_tokens=budget if chunked_prefill else max(budget, *map(len, encoded)),
                         max_running=len(encoded), max_queue=len(encoded), kv_admission=kv_admission,
                         prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
-                        host_blocks=cache.host_k.shape[1], kv_window=runner.kv_window,
+                        host_blocks=cache.host_k.shape[1], kv_window=runner.kv_window, kv_groups=cache.group_windows,
                         rope_switch=switch_of(getattr(runner.config, "rope", None)), **swap_costs(runner, preemption)),
         eos_token_ids=runner.eos_token_ids, decode=decode, seq_ids=seq_ids, block_ids=cache.free_block_ids())
     requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, params))]

@@ -335,9 +335,7 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
     nonfinite = runner.runtime.nonfinite_weights
 
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
-        t = reader.get(part.source)
-        if part.transform is not None:
-            t = part.transform(t)
+        t = part.take(reader.get(part.source))
         return t, tuple(t.shape), False
 
     def quantize_into(name: str, shape: tuple[int, ...], views: dict[str, torch.Tensor]) -> None:

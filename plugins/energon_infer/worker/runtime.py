@@ -46,7 +46,7 @@ from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf
 from energon_infer.parallel import Grid, local_rank_device, microbatches, split_layers
 from energon_infer.protocol import Step
 from energon_infer.sampling import Sampler, SamplingParams
-from energon_infer.scheduling.blocks import BlockManager
+from energon_infer.scheduling.kv_groups import allocator
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
 from energon_infer.worker.attention import every_layer_window
 from energon_infer.worker.building import build_stage as _build_stage
@@ -123,10 +123,10 @@ class ModelRunner:
             self._say(f"energon: projection weights packed for oneDNN (+{packed / 2**20:.1f} MiB)")
         self.cache = KVCache(n_layers=len(layers[self.grid.stage]), num_blocks=num_blocks, block_size=rt.block_size,
                              n_kv_heads=config.n_kv_heads // rt.tp, head_dim=config.head_dim, dtype=self.dtype,
-                             device=self.device, host_blocks=-(-rt.swap_space_tokens // rt.block_size), scratch=True)
-        # Blocks for the sequences of the step-level API (prefill/decode/step/forward without assign_blocks);
-        # the engine's scheduler assigns its own, and the cache only holds tables.
-        self.allocator = BlockManager(num_blocks, rt.block_size, prefix_caching=False)
+                             device=self.device, host_blocks=-(-rt.swap_space_tokens // rt.block_size), scratch=True,
+                             layer_windows=config.windows)  # windowed and global layers mixed: KV groups (pp = 1)
+        # Blocks of the step-level API's sequences (no assign_blocks); the engine's scheduler assigns its own.
+        self.allocator = allocator(self.cache.num_blocks, rt.block_size, self.cache.group_windows, prefix_caching=False)
         self.kv_window = every_layer_window(config)  # the scheduler releases blocks before it (0: none)
         # None: every step runs on self.stage eagerly (always with offloaded blocks: their weights move).
         self.decode_graphs = None if offload else decode_graphs_for(self)
@@ -446,7 +446,7 @@ class ModelRunner:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
         encoded = [self.encode(p) for p in prompts]
-        peak, most = BlockManager(1, self.cache.block_size, window=self.kv_window).peak, self.runtime.max_batch_tokens
+        peak, most = allocator(1, self.cache.block_size, self.cache.group_windows).peak, self.runtime.max_batch_tokens
         reserve = [peak(min(len(e) + p.max_tokens, self.max_context), min(len(e), most if chunked_prefill else len(e)))
                    for e, p in zip(encoded, plist)]
         for i, e in enumerate(encoded):

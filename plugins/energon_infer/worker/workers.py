@@ -261,7 +261,7 @@ def load_worker(source: ModelSource, runtime: Any, pool: Any, rank: int) -> tupl
                       eos_token_ids=tuple(runner.eos_token_ids), device=str(runner.device),
                       weight_bytes=weights, pool=pool_info, layer_bytes=runner.layer_bytes(),
                       weights_format=runner.weights_format, first_layer=runner.stage.layer_range.start,
-                      kv_window=runner.kv_window)
+                      kv_window=runner.kv_window, kv_groups=runner.cache.group_windows)
     _warm_up(runner, decode=not streams)
     host_blocks = runner.cache.host_k.shape[1]
     if host_blocks:  # what the scheduler weighs a swap against a recompute with (SPMD: every rank runs it)
