@@ -48,6 +48,10 @@ def run_energon(spec: dict[str, Any]) -> dict[str, Any]:
     from energon_infer.engine.engine import Engine
     from energon_infer.sampling import SamplingParams
 
+    if spec.get("whole_layers"):  # energon_moe's baseline: the plan energon made before placing experts singly
+        import energon_infer.engine.expert_plan as expert_plan
+
+        expert_plan.place_experts = lambda *args, **kwargs: None
     pool = None
     if spec.get("pool"):
         from energon_infer.worker.memory_pool import MemoryPoolConfig

@@ -13,6 +13,7 @@ from energon_infer.loading.safetensors_files import TensorFiles
 from energon_infer.worker.expert_pool import ExpertPool, expert_names, moe_layers
 from tests.energon_infer.tiny import PROMPTS, save_tiny
 from tightfit.planner.experts import ExpertPlan
+from tightfit.policy.experts import belady_hits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 OPTS = dict(progress=False, block_size=4, packed_weights=False)
@@ -102,6 +103,19 @@ def test_the_cache_keeps_what_its_policy_admits_and_hits_it_next_step(tmp_path):
     again = sum(len(now & before) for now, before in zip(routed[1], routed[0]))
     assert second["expert_cache_hits"] == again  # the same prompt routes the same: every expert it reuses is a hit
     assert second["expert_reads"] - first["expert_reads"] == sum(len(layer) for layer in routed[1]) - again
+    # With a slot for every expert nothing is evicted: the offline optimum gets the same hits.
+    assert second["expert_belady_hits"] == second["expert_cache_hits"]
+
+
+def test_the_belady_yardstick_bounds_the_caches_hits(tmp_path):
+    path = save_tiny("qwen3_moe", tmp_path / "m", shard=None)
+    ref = ModelRunner.from_pretrained(path, **OPTS)
+    n_moe, n_experts = len(moe_layers(ref.stage)), ref.config.n_experts
+    runner, pool = _pooled(path, _plan([["disk"] * n_experts] * n_moe, [2] * n_moe, 3))
+    runner.generate(PROMPTS, GREEDY)
+    snap = pool.snapshot()
+    assert snap["expert_cache_hits"] <= snap["expert_belady_hits"]
+    assert snap["expert_belady_hits"] == sum(belady_hits(list(t), 2) for t in pool.trace)  # core's optimum
 
 
 def test_an_expert_plan_for_another_model_is_refused(tmp_path):

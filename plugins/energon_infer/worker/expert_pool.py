@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -41,7 +42,7 @@ from energon_infer.loading.weights import hf_parts
 from energon_infer.parallel import Grid
 from energon_infer.worker.disk_pool import DiskLayer, _Scratch
 from tightfit.planner.experts import ExpertPlan
-from tightfit.policy.experts import ExpertCache
+from tightfit.policy.experts import ExpertCache, belady_hits
 from tightfit.profiler.experts import ExpertPopularity
 from tightfit.profiler.types import ProfileError
 
@@ -50,6 +51,9 @@ __all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "moe_layers
 # Slot ids of an expert's bound views (SlotLayer.slot_views caches them per id): a cache slot is (layer << 20) + slot,
 # the arena's j-th place -1 - j, the shared zero expert this one.
 _ZEROS = -(1 << 40)
+
+#: Lookups per layer the pool keeps for its Belady yardstick (a window: older ones are dropped).
+TRACE_STEPS = 1 << 14
 
 
 def moe_layers(stage: nn.Module) -> list[tuple[str, Any]]:
@@ -128,6 +132,9 @@ class ExpertPool:
         self.popularity = ExpertPopularity(num_layers=len(layers), num_experts=cfg.n_experts,
                                            experts_per_token=cfg.experts_per_token, model=cfg.model_type)
         self._slot_of: list[dict[int, int]] = [{} for _ in layers]
+        # Each layer's lookups of disk experts, the last TRACE_STEPS of them: the offline optimum at the same slots
+        # (belady_hits) is the cache's yardstick in the snapshot.
+        self.trace: list[deque[tuple[int, ...]]] = [deque(maxlen=TRACE_STEPS) for _ in layers]
         self._streamed: list[list[int]] = [[] for _ in layers]
         self._reader = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="energon-expert-read",
                                           initializer=torch.set_num_threads, initargs=(1,))
@@ -153,6 +160,7 @@ class ExpertPool:
         if not disk:
             return
         step = self.cache.lookup(li, disk)
+        self.trace[li].append(tuple(disk))
         free: list[int] = []
         for e in step.evicted:
             units[e].unbind()
@@ -180,12 +188,15 @@ class ExpertPool:
         self._streamed[li] = []
 
     def snapshot(self) -> dict[str, Any]:
-        """Uses per tier since the start, the cache's hit rate, bytes read."""
+        """Uses per tier since the start, the cache's hit rate, bytes read, and ``expert_belady_hits``: the hits the
+        offline optimum (Belady's, reading on demand) gets with the same slots on the same lookups (the last
+        :data:`TRACE_STEPS` per layer; the cache's own hits are counted since the start)."""
         stats = self.cache.stats()
         uses = self.in_memory_uses + stats.uses
+        belady = sum(belady_hits(t, len(s)) for t, s in zip(self.trace, self.slots))
         return {"expert_uses": uses, "expert_uses_in_memory": self.in_memory_uses, "expert_cache_hits": stats.hits,
                 "expert_reads": self.reads, "expert_loads": stats.loads, "expert_streamed": stats.streamed,
-                "expert_cache_hit_rate": stats.hit_rate,
+                "expert_cache_hit_rate": stats.hit_rate, "expert_belady_hits": belady,
                 "expert_hit_rate": (self.in_memory_uses + stats.hits) / uses if uses else 0.0,
                 "expert_bytes_read": self.bytes_read, "experts_on_disk": sum(len(u) for u in self.units),
                 "expert_slots": sum(len(s) for s in self.slots)}
