@@ -20,8 +20,9 @@ that skew (the measured popularity is reported). Each cell is one fresh process 
 page cache dropped first (``benchmarks/_offload_children.py``, as ``energon_offload``): greedy, prompts of 4-12
 random tokens drawn fresh per batch and repeat (the same for every contender of a repeat: ratios are paired), all
 the cores. Contenders: **experts** (the default plan), **layers** (the same engine with the expert placement turned
-off: whole layers streamed), **RAM** (no limit: the ceiling). Not yet here: llama.cpp and transformers + accelerate
-under the same limit (``energon_offload`` runs them for dense models).
+off: whole layers streamed), **llama.cpp** (``llama-cpp-python`` from ``.venv-offload``, the checkpoint converted to
+GGUF f32 by llama.cpp's own converter with a placeholder vocabulary, ``mmap``ed under the same limit, its own MoE
+path; as ``energon_offload`` runs it), **RAM** (no limit: the ceiling). Not yet here: transformers + accelerate.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import paired, parser, write_result
-from benchmarks.energon_offload import run_cell
+from benchmarks.energon_offload import _CONVERT, PEER_VENV, run_cell, to_gguf
 
 NAME = "energon_moe"
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/energon-moe-bench")
 GiB = 2**30
 EXPERTS, LAYERS, RAM = "experts (limit)", "whole layers (limit)", "all in RAM (no limit)"
+LLAMA = "llama.cpp mmap (limit)"
+# llama.cpp's converter as energon_offload runs it, the placeholder vocabulary given to its Qwen3-MoE class too.
+_CONVERT_MOE = _CONVERT.replace("llama.LlamaModel.set_vocab = set_vocab",
+                                "llama.LlamaModel.set_vocab = set_vocab\n"
+                                "from conversion import qwen\nqwen.Qwen3MoeModel.set_vocab = set_vocab")
 FULL = dict(layers=12, hidden=1024, experts=64, inter=512, active=8, limit=1.25 * GiB)
 QUICK = dict(layers=4, hidden=512, experts=32, inter=512, active=4, limit=0.7 * GiB)
 VOCAB = 4096
@@ -99,9 +105,15 @@ def _spec(model: Path, prompts: list[list[int]], new_tokens: int, threads: int, 
             "threads": threads, "planned": True, "whole_layers": whole_layers}
 
 
-def _cell(contender: str, model: Path, prompts: list[list[int]], new_tokens: int, limit: int) -> dict[str, Any]:
-    spec = _spec(model, prompts, new_tokens, os.cpu_count() or 1, contender == LAYERS)
-    cell = run_cell(contender, sys.executable, spec, None if contender == RAM else limit, timeout_s=3600)
+def _cell(contender: str, model: Path, prompts: list[list[int]], new_tokens: int, limit: int,
+          gguf: Path | None = None) -> dict[str, Any]:
+    threads = os.cpu_count() or 1
+    if contender == LLAMA:
+        python, spec = str(PEER_VENV / "bin" / "python"), {"runner": "llamacpp", "gguf": str(gguf), "prompts": prompts,
+                                                           "new_tokens": new_tokens, "threads": threads}
+    else:
+        python, spec = sys.executable, _spec(model, prompts, new_tokens, threads, contender == LAYERS)
+    cell = run_cell(contender, python, spec, None if contender == RAM else limit, timeout_s=3600)
     if "tokens" in cell:
         generated = sum(len(t) for t in cell["tokens"])
         cell["tokens_per_s"] = generated / cell["seconds"]
@@ -143,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         model = save_model(shape, routing)
         (model / "tightfit-expert-popularity.json").unlink(missing_ok=True)  # every run plans from the same start
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-        rows: dict[str, Any] = {"model_bytes": size, "batches": {}}
+        gguf, why = to_gguf(model, _CONVERT_MOE) if (PEER_VENV / "bin" / "python").exists() else \
+            (None, f"{PEER_VENV} is not set up (python -m benchmarks.energon_offload --prepare-only)")
+        rows: dict[str, Any] = {"model_bytes": size, "batches": {}, "llama_cpp": why or "run"}
+        contenders = [EXPERTS, LAYERS, RAM] + ([LLAMA] if gguf is not None else [])
         for batch in batches:
-            cells: dict[str, list[dict[str, Any]]] = {EXPERTS: [], LAYERS: [], RAM: []}
+            cells: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
             for r in range(repeats):
                 prompts = _prompts(batch, r)
-                order = [EXPERTS, LAYERS, RAM] if r % 2 == 0 else [LAYERS, EXPERTS, RAM]
+                order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
                 for contender in order:
-                    cell = _cell(contender, model, prompts, new_tokens, limit)
+                    cell = _cell(contender, model, prompts, new_tokens, limit, gguf)
                     if contender == EXPERTS:  # what the capped engine counted while serving, saved at its stop
                         cell["top_eighth_share"] = _popularity_skew(model)
                     (model / "tightfit-expert-popularity.json").unlink(missing_ok=True)
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    ok = all("tokens" in c for cs in cells.values() for c in cs)
+    ok = all("tokens" in c for k, cs in cells.items() if k != LLAMA for c in cs)
     out: dict[str, Any] = {"cells": cells}
     if not ok:
         return out
@@ -179,6 +194,9 @@ def _summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out["exact"] = all(a["tokens"] == b["tokens"] == c["tokens"] for a, b, c in zip(ex, la, ram))
     out["experts_vs_layers"] = paired([c["tokens_per_s"] for c in ex], [c["tokens_per_s"] for c in la])
     out["experts_vs_ram"] = paired([c["tokens_per_s"] for c in ex], [c["tokens_per_s"] for c in ram])
+    if cells.get(LLAMA) and all("tokens" in c for c in cells[LLAMA]):
+        out["experts_vs_llama"] = paired([c["tokens_per_s"] for c in ex], [c["tokens_per_s"] for c in cells[LLAMA]])
+        out["llama_agree"] = sum(a["tokens"] == b["tokens"] for a, b in zip(ex, cells[LLAMA])) / len(ex)
     pool = ex[-1].get("pool", {})
     hits, belady = pool.get("expert_cache_hits"), pool.get("expert_belady_hits")
     out["cache_vs_belady"] = hits / belady if hits is not None and belady else None
@@ -196,25 +214,31 @@ def _hit_rate(pool: dict[str, Any]) -> float | None:
 def markdown(results: dict[str, Any], limit: int, new_tokens: int) -> str:
     lines = [f"Random Qwen3-MoE checkpoints under a {limit / GiB:.2f} GiB cgroup limit, {new_tokens} greedy tokens "
              "per prompt; tokens/s medians over the repeats; ratios paired (median of per-repeat ratios, wins, range).",
-             "", "| routing | model GB | batch | experts tok/s | whole layers tok/s | RAM tok/s | experts / layers | "
-             "MB read per token (experts / layers) | uses served without a read | cache hits / Belady | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| routing | model GB | batch | experts tok/s | whole layers tok/s | llama.cpp tok/s | RAM tok/s | "
+             "experts / layers | experts / llama.cpp | MB read per token (experts / layers) | uses served without a "
+             "read | cache hits / Belady | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for routing, rows in results.items():
         for batch, b in rows["batches"].items():
             if "experts_vs_layers" not in b:
                 lines.append(f"| {routing} | {rows['model_bytes'] / 1e9:.2f} | {batch} | failed: "
                              f"{next((c.get('error') for cs in b['cells'].values() for c in cs if 'error' in c), '')}"
-                             " | | | | | | | |")
+                             " | | | | | | | | | |")
                 continue
-            med = {k: sorted(c["tokens_per_s"] for c in cs)[len(cs) // 2] for k, cs in b["cells"].items()}
-            mb = {k: sorted(c["bytes_read_per_token"] for c in cs)[len(cs) // 2] / 1e6 for k, cs in b["cells"].items()}
+            med = {k: sorted(c["tokens_per_s"] for c in cs)[len(cs) // 2] for k, cs in b["cells"].items()
+                   if all("tokens_per_s" in c for c in cs)}
+            mb = {k: sorted(c["bytes_read_per_token"] for c in cs)[len(cs) // 2] / 1e6 for k, cs in b["cells"].items()
+                  if all("bytes_read_per_token" in c for c in cs)}
+            lr = b.get("experts_vs_llama")
+            llama = f"{med[LLAMA]:.2f}" if LLAMA in med else rows.get("llama_cpp", "not run")
+            vs_llama = f"{lr['median']:.2f}x ({lr['wins']}/{lr['rounds']})" if lr else "n/a"
             r = b["experts_vs_layers"]
             belady = "n/a" if b["cache_vs_belady"] is None else f"{b['cache_vs_belady']:.2f}"
             hit = "n/a" if b["expert_hit_rate"] is None else f"{b['expert_hit_rate']:.2f}"
             lines.append(f"| {routing} | {rows['model_bytes'] / 1e9:.2f} | {batch} | {med[EXPERTS]:.2f} | "
-                         f"{med[LAYERS]:.2f} | {med[RAM]:.2f} | {r['median']:.2f}x ({r['wins']}/{r['rounds']}, "
-                         f"{r['min']:.2f}-{r['max']:.2f}x) | {mb[EXPERTS]:.1f} / {mb[LAYERS]:.1f} | {hit} | {belady} | "
-                         f"{'yes' if b['exact'] else 'no'} |")
+                         f"{med[LAYERS]:.2f} | {llama} | {med[RAM]:.2f} | {r['median']:.2f}x ({r['wins']}/{r['rounds']}, "
+                         f"{r['min']:.2f}-{r['max']:.2f}x) | {vs_llama} | {mb[EXPERTS]:.1f} / {mb[LAYERS]:.1f} | {hit} | "
+                         f"{belady} | {'yes' if b['exact'] else 'no'} |")
     skew = {k: v.get("top_eighth_share") for k, v in results.items()}
     lines += ["", "Share of routed uses the most used eighth of each layer's experts took (measured): " +
               ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} n/a" for k, v in skew.items()) +

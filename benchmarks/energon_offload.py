@@ -205,8 +205,9 @@ convert_hf_to_gguf.main()
 """
 
 
-def to_gguf(model: Path) -> tuple[Path | None, str]:
-    """The model as GGUF f32 (llama.cpp's converter; cached beside the model); ``(path, "")`` or ``(None, why)``."""
+def to_gguf(model: Path, convert: str = _CONVERT) -> tuple[Path | None, str]:
+    """The model as GGUF f32 (llama.cpp's converter, run by ``convert``; cached beside the model); ``(path, "")`` or
+    ``(None, why)``."""
     out = model / "model-f32.gguf"
     if out.exists():
         return out, ""
@@ -215,7 +216,7 @@ def to_gguf(model: Path) -> tuple[Path | None, str]:
         return None, f"llama.cpp's converter is not at {vendor} (run --prepare-only)"
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "convert.py"
-        script.write_text(_CONVERT)
+        script.write_text(convert)
         part = out.with_suffix(".part")
         done = _run([str(PEER_VENV / "bin" / "python"), str(script), str(vendor), str(model), str(part)])
         if done.returncode != 0:

@@ -91,7 +91,7 @@ def test_pool_config_is_validated():
 
 def test_engine_plans_the_pool_from_a_device_budget(model_dir):
     from energon_infer.engine.engine import Engine
-    from energon_infer.worker.workers import WorkerStartError
+    from tightfit.planner.errors import PlanInfeasibleError
 
     runner = _runner(model_dir)
     layers, resident = stage_layer_bytes(runner.stage)
@@ -105,5 +105,6 @@ def test_engine_plans_the_pool_from_a_device_budget(model_dir):
         out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert out[0].token_ids == runner.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4,
                                                                            ignore_eos=True))[0].token_ids
-    with pytest.raises(WorkerStartError, match=r"PoolInfeasibleError: the stage needs at least .* raise the budget"):
+    # Refused in this process before any worker starts (issue 52), with the planner's own line.
+    with pytest.raises(PlanInfeasibleError, match=r"^the stage needs at least .* raise the budget"):
         Engine.from_pretrained(model_dir, memory_pool=f"{resident // 1024}KiB", progress=False, threads_per_worker=1)

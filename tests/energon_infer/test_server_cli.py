@@ -3,6 +3,7 @@ a busy port fails before anything loads; a model without a tokenizer says so at 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.helpers.multiprocess import free_port
 from tests.helpers.runif import RunIf
@@ -48,8 +50,8 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
         text = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "every rank"})
         assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
-        # uvicorn drains, runs the shutdown hooks, then re-raises the signal so process managers see it.
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        # Drained (nothing in flight here), the shutdown hooks ran, the workers stopped: a clean stop is exit 0.
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -57,6 +59,7 @@ def test_tightfit_serve_answers_then_stops_gracefully_on_sigterm(tmp_path):
     assert "serving 'demo-model' (llama, float32" in log and f"127.0.0.1:{port}" in log
     assert "only token-id prompts work" in log
     assert "energon: stopped; 1 request(s) served, 0 failed, 0 rejected; workers stopped" in log
+    assert "leaked semaphore" not in log and "Traceback" not in log
 
 
 @RunIf(serve=True)
@@ -102,3 +105,152 @@ def test_connections_on_the_bound_socket_send_small_writes_at_once():
         return flag
 
     assert asyncio.run(main()) != 0
+
+
+# ---------------------------------------------------------------------------- stopping with requests in flight
+
+LONG = 1500  # tokens of the request in flight when the signal arrives: seconds of decoding on the tiny model
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory):
+    from tests.energon_infer.tiny import save_tiny
+
+    return save_tiny("llama", tmp_path_factory.mktemp("serve_signals") / "llama", max_position_embeddings=2048)
+
+
+def _start(path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``tightfit serve`` in its own session (a signal to its group reaches it and its workers, as Ctrl-C on a
+    terminal does), once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tightfit.cli", "serve", str(path), "--port", str(port),
+                             "--max-tokens-limit", str(LONG), "--log-level", "warning", "--no-packed-weights",
+                             *flags], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the server did not come up")
+        time.sleep(0.2)
+
+
+def _stream_then_signal(proc: subprocess.Popen, url: str, sig: int, group: bool = False) -> tuple[int, int, list[dict]]:
+    """Stream a LONG-token completion, send ``sig`` after its fifth token, read the stream to its end: (tokens
+    before the signal, tokens in all, the events after the last token). SIGINT goes to the server's process group
+    (Ctrl-C on a terminal reaches the workers too); SIGTERM to the server's process (``kill PID``, Kubernetes), or
+    with ``group`` to the whole group (systemd's ``KillMode=control-group``)."""
+    tokens, at_signal, tail = 0, -1, []
+    body = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            choice = (event.get("choices") or [{}])[0]
+            if "error" in event or choice.get("finish_reason"):
+                tail.append(event)
+            elif choice.get("text") is not None:
+                tokens += 1
+            if tokens == 5 and at_signal < 0:
+                at_signal = tokens
+                os.killpg(proc.pid, sig) if sig == signal.SIGINT or group else proc.send_signal(sig)
+    return at_signal, tokens, tail
+
+
+@RunIf(serve=True)
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGTERM-to-the-group", "ctrl-c"])
+def test_a_signal_drains_the_request_in_flight_and_exits_0(long_llama, sig, group):
+    """SIGTERM (systemd, Kubernetes) and Ctrl-C (SIGINT to the terminal's whole process group): the server stops
+    taking requests, the one in flight runs to its last token, the workers stop, and the process exits 0 with
+    no leaked-semaphore warning (it used to die by the re-raised signal: -15, or 130 for Ctrl-C)."""
+    proc, url = _start(long_llama)
+    try:
+        at_signal, tokens, tail = _stream_then_signal(proc, url, sig, group)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert at_signal == 5 and tokens >= LONG - 1, (tokens, log)  # in flight at the signal, and finished
+    assert tail and tail[-1]["choices"][0]["finish_reason"] == "length", tail
+    assert code == 0, log
+    assert "energon: stopped; 1 request(s) served, 0 failed" in log
+    assert "leaked semaphore" not in log and "Traceback" not in log
+
+
+@RunIf(serve=True)
+def test_a_drain_cut_short_by_its_timeout_ends_the_stream_with_an_error_and_exits_143(long_llama):
+    proc, url = _start(long_llama, "--drain-timeout", "0")
+    try:
+        at_signal, tokens, tail = _stream_then_signal(proc, url, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert at_signal == 5 and tokens < LONG, log
+    assert tail and "did not finish within drain_timeout_s=0 s" in tail[-1]["error"]["message"], tail
+    assert code == 128 + signal.SIGTERM, log
+    assert "leaked semaphore" not in log and "Traceback" not in log
+
+
+# ---------------------------------------------------------------------------- budgets no plan fits
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """1.8M parameters: its least-memory plans need a few MiB, far above 400 KiB."""
+    from tests.energon_infer.tiny import save_tiny
+
+    return save_tiny("llama", tmp_path_factory.mktemp("serve_budget") / "llama", hidden_size=256,
+                     intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, shard="400KB")
+
+
+@RunIf(serve=True)
+@pytest.mark.parametrize("flag, says", [
+    ("--memory-budget", r"--memory-budget 400\.00 KiB is too small: the least-memory plan .* needs at least "),
+    ("--memory-pool", r"the stage needs at least .* but the budget is 400\.00 KiB; raise the budget"),
+])
+def test_serve_refuses_a_budget_below_the_least_memory_plan_in_one_line_with_exit_3(wide_llama, flag, says):
+    import re
+
+    out = subprocess.run([sys.executable, "-m", "tightfit.cli", "serve", str(wide_llama), flag, "400KiB",
+                          "--port", "0"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in out.stderr.splitlines() if not _library_noise(line)]
+    assert out.returncode == 3, out.stderr
+    assert len(lines) == 1 and lines[0].startswith("tightfit serve: ") and re.search(says, lines[0]), lines
+    assert "Traceback" not in out.stderr and "starting" not in out.stderr  # decided before any worker started
+
+
+def _library_noise(line: str) -> bool:
+    """torchao's import-time messages on a CPU-only machine (not the command's output)."""
+    return line.startswith(("Failed to load ", "W1", "W0")) or "register_constant" in line
+
+
+@RunIf(serve=True)
+def test_engine_raises_the_planners_line_before_any_worker_starts(wide_llama, monkeypatch):
+    import multiprocessing
+
+    from energon_infer.engine import engine as engine_module
+    from tightfit.planner.errors import PlanInfeasibleError
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker group was started for a budget no plan fits")
+
+    monkeypatch.setattr(engine_module, "start_group", no_workers)
+    with pytest.raises(PlanInfeasibleError, match=r"^the stage needs at least [0-9.]+ MiB on the device with every "
+                                                  r"layer pooled .* but the budget is 300\.00 KiB; raise the budget, "
+                                                  r"lower lookahead, or split the model over more ranks \(tp/pp\)$"):
+        engine_module.Engine.from_pretrained(wide_llama, memory_pool="300KiB", progress=False)
+    assert multiprocessing.active_children() == []

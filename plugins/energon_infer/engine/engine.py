@@ -50,8 +50,9 @@ from energon_infer.engine.controller import (
 from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
 from energon_infer.engine.engine_config import EngineConfig, engine_config
 from energon_infer.engine.memory_plan import fit_memory
-from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, check_tiered_plan, memory_report
+from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, memory_report
 from energon_infer.engine.metrics import EngineMetrics
+from energon_infer.engine.pool_check import check_pool_plan
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
 from energon_infer.protocol import WorkerGroup, WorkerInfo
@@ -260,8 +261,8 @@ class Engine:
         if backend != "transformers":  # the whole serving process inside the memory it may use (a CPU), or one line
             given = frozenset(options) | (frozenset(_PLANNED) if config is not None else frozenset())
             cfg, pool, plan = fit_memory(path, model, cfg, pool, given=given)
-        if plan is None and pool is not None and pool.tiered:  # a GPU: an impossible budget raises here
-            check_tiered_plan(str(path), cfg.runtime, pool)
+        if pool is not None and (plan is None or not pool.tiered):  # an impossible budget raises here, not in a worker
+            check_pool_plan(str(path), cfg.runtime, pool)
         if cfg.runtime.progress:
             print("\n".join(f"energon: {line}" for line in said), file=sys.stderr, flush=True)
         if tokenizer is None and (path / "tokenizer.json").is_file():

@@ -10,7 +10,8 @@ checkpoint file of the tightfit example GPT (Lightning ``.ckpt``, ``state_dict``
 ``.safetensors``). The port is bound before the model loads, so a busy port fails at once. Ctrl-C
 (or SIGTERM) stops accepting connections, lets in-flight requests finish for up to
 ``--drain-timeout`` seconds (a stream still running then ends with an error event), then stops the
-workers. ``--step-timeout`` is the watchdog: a step without an answer for that long marks the
+workers and exits 0, or 128 + the signal (143 for SIGTERM, 130 for Ctrl-C) where requests were cut
+short. ``--step-timeout`` is the watchdog: a step without an answer for that long marks the
 worker group hung (``/health`` answers 503), fails its requests and restarts it.
 """
 
@@ -180,9 +181,10 @@ def _memory_pool(value: str | None, memory_budget: str | None = None, host_budge
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``tightfit serve ARGV``: 0 after a clean stop; 2 and one line for bad input (a flag, a file, a model or
-    layout energon refuses: an :class:`~energon_infer.errors.EnergonError`); anything else is a bug in energon:
-    its traceback, and 1."""
+    """``tightfit serve ARGV``: 0 after a clean stop (143 / 130 where SIGTERM / Ctrl-C cut requests short); 2 and
+    one line for bad input (a flag, a file, a model or layout energon refuses: an
+    :class:`~energon_infer.errors.EnergonError`); 3 and one line where no plan fits the memory; anything else is a
+    bug in energon: its traceback, and 1."""
     from energon_infer.errors import EnergonError
     from tightfit.planner.errors import PlanInfeasibleError
 
@@ -273,8 +275,7 @@ def _serve(argv: list[str] | None) -> int:
         print("energon: warning: this model has no tokenizer (no tokenizer.json), so only token-id prompts work: "
               "/v1/completions with \"prompt\": [ids...]; text prompts and /v1/chat/completions get 400",
               file=sys.stderr, flush=True)
-    serve(engine, server_cfg, owns_engine=True, sock=sock)
-    return 0
+    return serve(engine, server_cfg, owns_engine=True, sock=sock)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +97,27 @@ class EnergonServer:
         self.template = chat_template or ChatTemplate.for_engine(engine)
         self.defaults = generation_defaults(engine.source.path) if Path(engine.source.path).is_dir() else {}
         self.closing_since: float | None = None  # set when uvicorn begins its graceful shutdown
+        self.signals: list[int] = []  # the signals that stopped the server (serve() turns them into its exit status)
+        self.cut_short = False  # requests failed or were aborted after the shutdown began: the drain did not finish
+        self._failed_at_close = 0
         engine.metrics.bind(model_name=engine.model_name, state=lambda: _engine_state(engine))
         self.app = self._build_app()
 
     def begin_shutdown(self) -> None:
         """Streams still running ``drain_timeout_s`` from now end with an error event."""
         self.closing_since = time.monotonic()
+        self._failed_at_close = self._failed()
+
+    def _failed(self) -> int:
+        done = self.engine.metrics.requests
+        return done.get("error", 0) + done.get("aborted", 0)
+
+    def exit_status(self, forced: bool = False) -> int:
+        """The serving process's exit status once stopped: 0 after a clean drain (or without a signal); 128 + the
+        signal (143 for SIGTERM, 130 for Ctrl-C) where the drain was cut short (``forced``: a second Ctrl-C)."""
+        if not self.signals or not (self.cut_short or forced):
+            return 0
+        return 128 + self.signals[-1]
 
     # ------------------------------------------------------------------ the app
 
@@ -128,6 +143,7 @@ class EnergonServer:
         yield
         if self.owns_engine:  # uvicorn has already let in-flight requests finish (timeout_graceful_shutdown)
             await asyncio.to_thread(self.engine.shutdown, timeout=self.config.drain_timeout_s)
+            self.cut_short = self.closing_since is not None and self._failed() > self._failed_at_close
             served = self.engine.metrics.requests
             print(f"energon: stopped; {served.get('ok', 0)} request(s) served, {served.get('error', 0)} failed, "
                   f"{served.get('rejected', 0)} rejected; workers stopped", file=sys.stderr, flush=True)
@@ -354,6 +370,21 @@ def _uvicorn_server(server: EnergonServer) -> Any:
             server.begin_shutdown()  # streams past the drain timeout end with an error event
             await super().shutdown(sockets)
 
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the signals it caught once it has stopped, so the process died by SIGTERM (-15,
+            # before multiprocessing's exit handlers ran: a leaked-semaphore warning) or KeyboardInterrupt (130)
+            # after a clean drain. The drain is done and the workers are stopped by then: keep the signals for
+            # serve()'s exit status instead.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    caught = getattr(self, "_captured_signals", None)
+                    if isinstance(caught, list):
+                        server.signals.extend(caught)
+                        caught.clear()
+
     cfg = server.config
 
     # uvicorn cancels what is still running 2 s after the streams' own deadline, so they end cleanly first.
@@ -363,13 +394,17 @@ def _uvicorn_server(server: EnergonServer) -> Any:
 
 
 def serve(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bool = True,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None) -> int:
     """Serve until SIGINT/SIGTERM (blocking); then drain in-flight requests and stop the engine's workers.
 
-    ``sock``: a socket bound beforehand (``tightfit serve`` binds before it loads the model).
+    ``sock``: a socket bound beforehand (``tightfit serve`` binds before it loads the model). Returns the exit
+    status: 0 after a clean drain, 128 + the signal (143 for SIGTERM, 130 for Ctrl-C) where in-flight requests
+    had to be failed or aborted (the drain timeout passed, or a second Ctrl-C).
     """
-    server = _uvicorn_server(EnergonServer(engine, config, owns_engine=owns_engine))
+    energon = EnergonServer(engine, config, owns_engine=owns_engine)
+    server = _uvicorn_server(energon)
     server.run(sockets=[sock] if sock is not None else None)
+    return energon.exit_status(forced=bool(server.force_exit))
 
 
 class BackgroundServer:

@@ -335,7 +335,10 @@ def _worker_main(rank: int, world: int, port: int, source: ModelSource, runtime:
                  backend: str, timeout_s: float, in_q: Any, out_q: Any, parent: int) -> None:
     import torch.distributed as dist
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the controller, which stops us in order
+    # Ctrl-C (SIGINT to the terminal's group) and SIGTERM to the whole group (systemd's KillMode=control-group) go to
+    # the controller too, which drains and stops us in order; a worker left alone notices its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     if threads > 0:
