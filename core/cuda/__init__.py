@@ -10,8 +10,10 @@ checked against the reference on a small probe; a disagreement falls back to the
 Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``, ``scatter_add_rows``),
 :mod:`tightfit.cuda.varlen_attention` (``paged_attention``, ``store_kv``; native: :mod:`~tightfit.cuda.varlen_attention_cpu`),
 :mod:`tightfit.cuda.elementwise` (``silu_mul``, ``rotary_``: native and reference only),
-:mod:`tightfit.cuda.gumbel` (``gumbel_argmax``: one Gumbel-max draw per row with counter-based noise; native and
-reference only).
+:mod:`tightfit.cuda.gelu_mul` (``gelu_tanh_mul``, Gemma's GeGLU), :mod:`tightfit.cuda.head_norm` (``rms_norm_heads_``,
+per-head q/k norms in place), :mod:`tightfit.cuda.grouped_experts` (``grouped_experts``, an MoE layer's routed experts
+in one call) and :mod:`tightfit.cuda.gumbel` (``gumbel_argmax``: one Gumbel-max draw per row with counter-based
+noise): native and reference only.
 
 How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layout):
 
