@@ -11,7 +11,8 @@ The plan names blocks (module FQNs, as the profiler found them); this file turns
    so checkpoints and the exported state dict keep the model's own names).
 3. :func:`shard_units` - ``fully_shard`` per unit with ``reshard_after_forward`` from its mode,
    ``CPUOffloadPolicy`` when offloaded, the plan's ``MixedPrecisionPolicy``; ``replicate`` units on
-   a ``(world, 1)`` replicate x shard mesh; then the root ``fully_shard``.
+   a ``(world, 1)`` replicate x shard mesh; then the root ``fully_shard`` (a tied embedding's group is resharded
+   after its head's backward: :mod:`lightning_elixir.tied`).
 4. :func:`apply_prefetch` - explicit ``set_modules_to_forward_prefetch`` /
    ``set_modules_to_backward_prefetch`` with the plan's depths.
 5. :func:`materialize` - meta parameters are allocated where their unit lives (host for offloaded
@@ -33,28 +34,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_elixir.tied import release_tied_after_head
 from tightfit.planner.elixir import ElixirPlan, UnitPlan
 
 if TYPE_CHECKING:
     from lightning_elixir.disk_params import DiskParameters
 
-__all__ = [
-    "AppliedUnit",
-    "UnitState",
-    "apply_plan",
-    "resolve_units",
-    "apply_activation_checkpointing",
-    "set_checkpointing",
-    "shard_units",
-    "apply_prefetch",
-    "materialize",
-    "mixed_precision_policy",
-    "inspect_units",
-    "describe_units",
-    "is_sharded",
-    "is_replicated",
-    "clip_grad_norm_",
-]
+__all__ = ["AppliedUnit", "UnitState", "apply_plan", "resolve_units", "apply_activation_checkpointing",
+           "set_checkpointing", "shard_units", "apply_prefetch", "materialize", "mixed_precision_policy",
+           "inspect_units", "describe_units", "is_sharded", "is_replicated", "clip_grad_norm_"]
 
 
 @dataclass
@@ -357,6 +345,7 @@ def apply_plan(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch.devic
     units = resolve_units(module, plan)                     # 1. which modules each unit shards
     apply_activation_checkpointing(module, plan, switchable=switchable)  # 2. recompute before sharding (hooks order)
     shard_units(module, plan, units, mesh)                  # 3. fully_shard per unit, then the root
+    release_tied_after_head(module, units)                  # 3b. a tied lookup group: gathered in backward for its head
     apply_prefetch(units, plan.forward_prefetch, plan.backward_prefetch)  # 4. explicit prefetch
     if not defer_materialize:
         materialize(module, units, device)                  # 5. allocate + initialise meta parameters

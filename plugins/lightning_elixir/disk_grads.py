@@ -43,7 +43,7 @@ from torch import nn
 from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
 
-__all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term"]
+__all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term", "release_reduce_inputs"]
 
 GRAD_KEY = "grad"  # the store name's key of a tier-4 unit's gradients: u<i>.grad
 _ATTR = "_tightfit_disk_grads"  # set on each tier-4 parameter: the DiskGradients that holds its gradient
@@ -58,6 +58,17 @@ def norm_term(local: torch.Tensor, norm_type: float) -> torch.Tensor:
 def _local(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).detach()
+
+
+def release_reduce_inputs(group: Any) -> None:
+    """Drop the reduce-scatter input buffers FSDP2 keeps after a unit's reduction (it recycles them at the next
+    unit's, for its streams), after their events, as FSDP2 drops them."""
+    states = getattr(getattr(group, "comm_ctx", None), "reduce_scatter_states", None)
+    if states:
+        for state in states:
+            if getattr(state, "event", None) is not None:
+                group.device_handle.current_stream().wait_event(state.event)
+        states.clear()
 
 
 def disk_gradients_of(params: Iterable[nn.Parameter]) -> DiskGradients | None:
@@ -225,6 +236,8 @@ class DiskGradients:
         def run(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             self.flush(u)
+            if getattr(getattr(group, "device", None), "type", "") == "cpu":
+                release_reduce_inputs(group)  # no stream reuses it on a CPU: the next unit computes without it
             if self.final or not self.accumulate_on_host:
                 # FSDP2 keeps a replicated unit's all-reduce buffer (its flat, reduced gradient, which the shards'
                 # gradients view) until the whole backward ends; written to disk, it is garbage: release it now,

@@ -12,13 +12,15 @@ Hooks, per unit, on its FSDP2 parameter group (the order FSDP2 itself runs, pref
     * ``unshard`` (pre-forward, pre-backward, FSDP2's own prefetches): waits for the unit's shards, reading them
       first if nobody asked yet, then reads the next tier-3 unit's shards ahead - the next one in forward, the
       previous one in backward - and runs FSDP2's unshard;
-    * ``post_forward`` and ``post_backward``: drop the unit's shards (the first drop writes them to the store:
-      until the first step they are the model's initial weights).
+    * ``wait_for_unshard``: once FSDP2 has copied the shards into its gathered parameters, drop them: the gathered
+      copy is what forward and backward compute with, and the step reads the master weights from the store;
+    * ``post_forward`` and ``post_backward``: drop the unit's shards if still held (the first drop writes them to
+      the store: until the first step they are the model's initial weights).
 Before each optimizer step, :meth:`DiskParameters.settle` drops what is still held, so the step reads the newest
 weights from the store and nothing in RAM can go stale.
 
-Host memory: the shards of at most two units at a time (the one in use and the one read ahead), as the planner
-counts them (``UnitTerms.fetch``); no buffer of the whole model.
+Host memory: the shards of at most two units at a time (the one being gathered or read ahead, and the one read
+ahead of that by FSDP2's prefetch), as the planner counts them (``UnitTerms.fetch``); no buffer of the whole model.
 """
 
 from __future__ import annotations
@@ -245,6 +247,12 @@ class DiskParameters:
         k = self.order.index(index) + (-1 if backward else 1)
         return self.order[k] if 0 <= k < len(self.order) else None
 
+    def _gathers(self, index: int, state: str) -> bool:
+        """Whether unit ``index``'s group will gather in this pass (a tied lookup does not in backward after its head,
+        :mod:`lightning_elixir.tied`): only then are its shards worth reading ahead."""
+        group = self.by_index[index].group
+        return state != "PRE_BACKWARD" or group is None or getattr(group, "unshard_in_backward", True)
+
     def _wrap(self, u: _Unit) -> None:
         group = u.group
 
@@ -255,11 +263,12 @@ class DiskParameters:
 
         def unshard(original: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
-                if not group.is_unsharded and group._all_gather_result is None:
+                state = getattr(group._training_state, "name", "")
+                skipped = state == "PRE_BACKWARD" and not getattr(group, "unshard_in_backward", True)
+                if not group.is_unsharded and group._all_gather_result is None and not skipped:
                     self.ensure(u.index)
-                    state = getattr(group._training_state, "name", "")
                     ahead = self._neighbour(u.index, backward=state == "PRE_BACKWARD")
-                    if ahead is not None and state in ("FORWARD", "PRE_BACKWARD"):
+                    if ahead is not None and state in ("FORWARD", "PRE_BACKWARD") and self._gathers(ahead, state):
                         self.fetch(ahead)  # read while this unit computes
                 return original(*args, **kwargs)
             return run
@@ -271,7 +280,16 @@ class DiskParameters:
                 return out
             return run
 
+        def copied(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                if group.is_unsharded:  # the gathered copy is made: the shards wait in the store until the next use
+                    self.release(u.index)
+                return out
+            return run
+
         wrap("unshard", unshard)
+        wrap("wait_for_unshard", copied)
         wrap("post_forward", then_release)
         wrap("post_backward", then_release)
 

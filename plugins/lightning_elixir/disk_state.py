@@ -231,6 +231,8 @@ class DiskOptimizerState:
             for s in self._staging:
                 self._wait(s.reads)
                 self._wait(s.writes)
+            # Freed until the next step: forward and backward run without them, as the planner prices the step.
+            self._freed_staging, self._staging = self.staging_bytes, []
         # A durability point each step: the store writes to fresh slots and reuses the replaced ones only after
         # a sync, so without it the state's footprint on disk would grow by a copy every step.
         if self.grads is not None:

@@ -338,13 +338,18 @@ def decide_plan(options: ElixirOptions, module: nn.Module, *, first_batch: Calla
             batch = first_batch()
             profile = profile_module(module, batch, stage_method=method)
             blocks_s = 0.0
+            cluster = _with_disk_tier(options, _cluster(options, measured, world_size, num_nodes), say)
+            if options.calibrates and options.plan is None and read_memory().limited:
+                # Under a memory limit, one that no plan fits is refused before any block runs for real (memory does
+                # not depend on the timings; a large block timed under too small a limit would be killed instead).
+                _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=lambda _: None,
+                          device_type=device.type, held_by_model=module_bytes(module))
             if options.calibrates:
                 say("[elixir] timing each distinct block on this device (cached after the first run) ...")
                 start = time.perf_counter()
                 profile = time_module_blocks(module, batch, profile, device=device, precision=precision,
                                              stage_method=method)
                 blocks_s = time.perf_counter() - start
-            cluster = _with_disk_tier(options, _cluster(options, measured, world_size, num_nodes), say)
             planned_from.append((profile, cluster))
             plan = _plan_for(options, profile, cluster, world_size=world_size, precision=precision, say=say,
                              device_type=device.type, held_by_model=module_bytes(module))

@@ -157,8 +157,9 @@ def test_calibrated_memory_model_frees_gradients_until_backward(flops_profile):
     assert calibrated.calibrated and not dev.calibrated
     lazy = estimate(flops_profile, ClusterSpec.uniform(calibrated, 2), units, **kw)
     grads = flops_profile.param_numel / 2 * 4  # this rank's fp32 gradient shard
+    reduce_buffer = max(b.param_numel for b in flops_profile.blocks) * 4  # a unit's, only in its reduction
     assert lazy.step_time_s == pytest.approx(plain.step_time_s)  # zero overhead: same time
-    assert lazy.peak_bytes < plain.peak_bytes and plain.peak_bytes - lazy.peak_bytes <= grads * 1.1 + 1
+    assert lazy.peak_bytes < plain.peak_bytes and plain.peak_bytes - lazy.peak_bytes <= (grads + reduce_buffer) * 1.1 + 1
 
 
 def test_replan_in_place_prices_the_measured_speed_and_keeps_units(flops_profile):

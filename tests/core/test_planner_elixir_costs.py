@@ -248,9 +248,10 @@ def test_the_loss_backward_runs_before_the_head_unit_gathers(mode, calibrated, p
 
 # layers.0 recomputed, with a backward transient of 100_000 so its backward is the peak. Calibrated, its re-run
 # forward prefetches layers.1's unit again (forward prefetch 1): state 18_000 + layers.1's gradient shard 4000 + acts
-# 10_000 + 100_000 + params g0 + grads0 + red_buf1 20_000 + g1 8000 = 160_000; without forward prefetch 152_000.
+# 10_000 + 100_000 + params g0 + unsharded grads0 + red_buf1 16_000 (layers.0's own reduce buffer comes in its
+# reduction, after its blocks) + g1 8000 = 156_000; without forward prefetch 148_000.
 # Uncalibrated, as before: 24_000 + 110_000 + 20_000 whatever the prefetch.
-@pytest.mark.parametrize(("calibrated", "df", "peak"), [(True, 1, 160_000), (True, 0, 152_000), (False, 1, 154_000)])
+@pytest.mark.parametrize(("calibrated", "df", "peak"), [(True, 1, 156_000), (True, 0, 148_000), (False, 1, 154_000)])
 def test_a_recomputed_forward_prefetches_the_next_unit_again(calibrated, df, peak):
     import dataclasses
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # sim imports this module
 
 __all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES", "DISK_COPIES",
            "disk_state_budget", "disk_bytes_needed", "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes", "tier_name", "param_tier_name",
-           "grad_tier_name"]
+           "grad_tier_name", "fetched_around"]
 
 # A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
 ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
@@ -145,3 +145,11 @@ def in_flight(values: Iterable[float]) -> tuple[float, float]:
 def disk_bytes(terms: Sequence[UnitTerms]) -> float:
     """Disk bytes per rank of a plan: its units' optimizer state (and tier 3's master weights) on disk."""
     return sum(t.disk for t in terms)
+
+
+def fetched_around(fetch: Sequence[float], u: int, step: int) -> float:
+    """Tier-3 shards on the host while unit ``u`` runs (``step`` 1: forward, -1: backward). The runtime drops a unit's
+    shards once they are gathered, and reads the next unit's ahead of each gather (FSDP2's prefetch gathers the next
+    unit while ``u`` computes, which reads the one after): its own and the next at its start, the next two after."""
+    ahead = [f for f in (fetch[k] for k in range(u + step, len(fetch) if step > 0 else -1, step)) if f > 0][:2]
+    return max(fetch[u] + (ahead[0] if ahead else 0.0), sum(ahead))

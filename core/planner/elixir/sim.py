@@ -28,12 +28,14 @@ from tightfit.planner.elixir.disk import (
     DISK_CODES,
     DISK_STAGING_BYTES,
     disk_optimizer_seconds,
+    fetched_around,
     per_element_on_disk,
     slowest_disk,
 )
-from tightfit.planner.elixir.terms import Detail, UnitTerms
+from tightfit.planner.elixir.terms import Detail, UnitTerms, slowest_overheads
+from tightfit.planner.elixir.tied import lookup_blocks, tied_blocks, tied_params, tied_units
 from tightfit.planner.tiers import disk_seconds
-from tightfit.profiler.types import ClusterSpec, DiskProfile, ModelProfile
+from tightfit.profiler.types import DTYPE_BYTES, ClusterSpec, DiskProfile, ModelProfile
 
 __all__ = ["MODES", "Context", "UnitTerms", "build_context", "unit_terms", "step_time", "peak", "Detail"]
 
@@ -81,6 +83,8 @@ class Context:
     disk: DiskProfile | None = None  # the disk tier's profile (the slowest over the ranks); None: no disk tier
     disk_overlap: float = 1.0        # fraction of disk I/O hidden behind the host optimizer step (1.0: unmeasured)
     opt_state_per_elem: float = 0.0  # o: optimizer-state bytes per owned element (what a disk unit keeps on disk)
+    tied_to: tuple[int, ...] = ()    # per block: the last block using one of its parameters (tied.py), else itself
+    lookup: tuple[bool, ...] = ()    # per block: its backward needs none of its parameters (an embedding)
 
     def unit_overhead(self, mode: str, offload: int, tensors: int = 0,
                       nbytes: float = 0.0) -> tuple[float, float, float]:
@@ -121,7 +125,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         host_opt = min(cost.host_optimizer_rate(d, ranks_per_node, notes) for d in devices)
     # Activations were profiled with parameters in ``model.param_dtype``; under mixed precision the
     # matmuls run in the compute dtype, so saved activations shrink by the same ratio (bf16: 1/2).
-    act_scale = spec.compute_bytes / max(1, _dtype_bytes(model.param_dtype))
+    act_scale = spec.compute_bytes / max(1, DTYPE_BYTES.get(model.param_dtype, 4))
     memo: dict[tuple[str, int], float] = {}
     world = cluster.world_size
     ref = devices[0]
@@ -164,7 +168,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         device_name=ref.name,
         collective=collective,
         compute_model="measured block timings" if timed else "FLOPs / rate",
-        overhead=_overheads(devices),
+        overhead=slowest_overheads(devices),
         overlap=min(d.comm_overlap for d in devices) if all(d.comm_overlap >= 0 for d in devices) else -1.0,
         alias_replicated=all(d.calibrated for d in devices)
         and spec.compute_bytes == spec.master_bytes == spec.reduce_bytes,
@@ -173,26 +177,8 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         disk=disk,
         disk_overlap=disk.compute_overlap if disk is not None and disk.compute_overlap >= 0 else 1.0,
         opt_state_per_elem=cost.optimizer_state_bytes(optimizer, spec.master_bytes),
+        tied_to=tied_blocks(model), lookup=lookup_blocks(model),
     )
-
-
-def _overheads(devices: tuple) -> tuple[tuple[str, tuple[float, float, float]], ...]:
-    """Per-unit overheads by mode: the largest over the devices (the slowest rank paces the step)."""
-    if not all(d.unit_overhead_s for d in devices):
-        return ()
-    modes = set.intersection(*(set(d.unit_overhead_s) for d in devices))
-    out: list[tuple[str, tuple[float, float, float]]] = []
-    for m in sorted(modes):
-        vals = [d.unit_overhead_s[m] for d in devices]
-        f, b, o = (max(float(v[i]) for v in vals) for i in range(3))
-        out.append((m, (f, b, o)))
-    return tuple(out)
-
-
-def _dtype_bytes(dtype: str) -> int:
-    from tightfit.profiler.types import DTYPE_BYTES
-
-    return DTYPE_BYTES.get(dtype, 4)
 
 
 def unit_terms(ctx: Context, start: int, end: int, mode: str, offload: int, *, on_ddp: bool = False) -> UnitTerms:
@@ -392,12 +378,12 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
         + gathered(v) for kept units ``v < u``; acts = sum_{j<i} a_j + saved_i + fwd_transient_i with
         ``a_j`` = checkpoint bytes (its output) if block ``j`` is checkpointed else saved bytes (a
         checkpointed block's forward still builds its activations before dropping them);
-      * backward of block ``i`` of unit ``u``: params = gathered(u) + grads(u) + red_buf(u+1)
-        + gathered(prefetched u-1..u-db not kept) + gathered(kept v < u) (calibrated: + gathered(u+1..u+df)
-        when block ``i`` is recomputed: its re-run forward prefetches them again); acts = sum_{j<i} a_j +
-        saved_i + transient_i (a checkpointed block is recomputed to its full saved size, and its
-        re-run forward's temporaries count: ``max(transient_i, fwd_transient_i)``); this is the step
-        model of :func:`tightfit.profiler.memory.estimate_peak`, plus the parameter terms;
+      * backward of block ``i`` of unit ``u``: params = gathered(u) + grads(u) + red_buf(u+1) (calibrated: u's own
+        reduce buffer only in its reduction, after its blocks, u's parameters resharded; on one memory a tier-4
+        unit's gradient being written instead of its reduce buffer) + gathered(prefetched u-1..u-db not kept) +
+        gathered(kept v < u) + tied units (:mod:`~tightfit.planner.elixir.tied`) (calibrated: + gathered(u+1..u+df)
+        when block ``i`` is recomputed); acts = sum_{j<i} a_j + saved_i + transient_i (recomputed: to its full
+        saved size, ``max(transient_i, fwd_transient_i)``): :func:`tightfit.profiler.memory.estimate_peak`'s;
       * the optimizer step: params = 0, acts = 0, plus the foreach temporaries of resident units, plus the
         disk tier's staging area (:data:`DISK_STAGING_BYTES`) where host and device are one memory.
     """
@@ -420,10 +406,14 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
     prefix: list[float] = [0.0] * len(ctx.saved)
     saved, ck, tr, ftr, ltr = ctx.saved, ctx.ckpt, ctx.transient, ctx.fwd_transient, ctx.loss_transient
     tr = tr if ctx.grads_on_demand else tuple(map(max, tr, ltr))  # uncalibrated: a block's whole backward at once
-    # Tier-3 units: the shard read for a unit and the one read ahead live beside it, on the host (in the device peak only where the two are one memory).
-    fetch = [t.fetch if ctx.unified else 0.0 for t in terms] + [0.0]
+    # Tier-3 shards read for a unit and ahead of it: on the host (here where it is the device). Tied units: tied.py.
+    fetch = [t.fetch if ctx.unified else 0.0 for t in terms]
+    tied = tied_units(ctx.tied_to, ctx.lookup, ctx.numel, units) if ctx.tied_to else []
+    tied_fwd, tied_bwd = tied_params(tied, [t.gathered for t in terms], [t.kept for t in terms], n)
+    lookups = {t.unit for t in tied if t.lookup}
+    bfetch = [0.0 if u in lookups else f for u, f in enumerate(fetch)]  # a tied lookup is not read for backward
     for u, (a, b) in enumerate(units):
-        params = terms[u].gathered + kept_before[u] + fetch[u] + fetch[u + 1]
+        params = terms[u].gathered + kept_before[u] + fetched_around(fetch, u, 1) + tied_fwd[u]
         for v in range(u + 1, min(n, u + df + 1)):
             params += terms[v].gathered
         worst_act = 0.0
@@ -441,14 +431,16 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
             where = ("forward", ctx.names[worst_i], state_fwd, params, worst_act)
     for u in range(n - 1, -1, -1):
         a, b = units[u]
-        params = terms[u].gathered + terms[u].grads + kept_before[u] + fetch[u]
-        if u > 0:
-            params += fetch[u - 1]  # read ahead for the backward of the unit before
-        if u + 1 < n:
-            params += terms[u + 1].red_buf
+        # Calibrated: its reduce buffer comes in its reduction (below). A tied lookup is not gathered (tied.py).
+        split = ctx.grads_on_demand or u in lookups
+        own = terms[u].grads - (terms[u].red_buf if split else 0.0) + (0.0 if u in lookups else terms[u].gathered)
+        params = own + kept_before[u] + fetched_around(bfetch, u, -1) + tied_bwd[u]
+        if u + 1 < n and u not in lookups:  # the unit after's reduce buffer, or (CPU, tier 4) its gradient being written
+            params += terms[u + 1].grad_buf if ctx.unified and terms[u + 1].grad_buf else terms[u + 1].red_buf
         for v in range(max(0, u - db), u):
             if not terms[v].kept:
                 params += terms[v].gathered
+        base = params
         # Calibrated: parameter-free blocks a unit ends with (a tied head) and the loss's backward run before FSDP2's
         # pre-backward hook gathers the unit, prefetches the next or allocates its gradients (measured, 1.3 M on 2
         # CPU ranks: full shard peaks at state + activations, 48.2 MiB, in the cross-entropy's backward; 51.2 priced
@@ -487,11 +479,19 @@ def peak(ctx: Context, units: list[tuple[int, int]], terms: list[UnitTerms], ckp
                 if state_fwd + g + act + before_hook > worst_total:
                     worst_total, worst_act, worst_i, state_bwd, worst_params = (state_fwd + g + act + before_hook,
                                                                                 act, i, state_fwd + g, before_hook)
+        reduction = base - own + terms[u].grads  # FSDP2 reshards, then copies the gradients into its reduce buffer
+        if split and state_fwd + grads_after[u + 1] + reduction + prefix[a] > worst_total:
+            state_bwd, worst_params, worst_act = state_fwd + grads_after[u + 1], reduction, prefix[a]
         params = worst_params
         total = state_bwd + params + worst_act
         if total > best:
             best = total
             where = ("backward", ctx.names[worst_i], state_bwd, params, worst_act)
+    for t in tied:  # the tied block's backward gathers the owner again: its shards and the gathered copy at once
+        i, st, par = t.block, state_fwd + grads_after[t.until + 1], terms[t.unit].gathered + fetch[t.unit]
+        act = prefix[i] + saved[i] + ltr[i]
+        if st + par + act > best:
+            best, where = st + par + act, ("backward", ctx.names[i], st, par, act)
     if detail is not None:
         detail.peak_phase, detail.peak_block, detail.peak_state, detail.peak_params, detail.peak_acts = where
         if where[0] == "optimizer":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["UnitTerms", "Detail"]
+__all__ = ["UnitTerms", "Detail", "slowest_overheads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +53,17 @@ class Detail:
     peak_state: float = 0.0
     peak_params: float = 0.0
     peak_acts: float = 0.0
+
+
+def slowest_overheads(devices: tuple) -> tuple[tuple[str, tuple[float, float, float]], ...]:
+    """Per-unit (forward, backward, optimizer) overheads by mode: the largest over the devices (the slowest rank
+    paces the step); ``()`` unless every device measured them."""
+    if not all(d.unit_overhead_s for d in devices):
+        return ()
+    modes = set.intersection(*(set(d.unit_overhead_s) for d in devices))
+    out: list[tuple[str, tuple[float, float, float]]] = []
+    for m in sorted(modes):
+        vals = [d.unit_overhead_s[m] for d in devices]
+        f, b, o = (max(float(v[i]) for v in vals) for i in range(3))
+        out.append((m, (f, b, o)))
+    return tuple(out)
