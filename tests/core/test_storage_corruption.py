@@ -15,19 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from tightfit.storage import ChecksumError, TensorStore, aio
+from tightfit.storage import ChecksumError, TensorStore
 
 E, B = 16384, 4096  # 4 checksum blocks per extent
 EXTENTS = 4
 
 
-@pytest.fixture(params=["aio", "threads"])
-def path(request, monkeypatch):
-    if request.param == "threads":
-        monkeypatch.setenv("TIGHTFIT_AIO", "0")
-    elif not aio.available():
-        pytest.skip("kernel AIO is not available here")
-    return request.param
 
 
 def _flip(directory, name: str, extent: int, byte: int) -> int:
@@ -45,7 +38,7 @@ def _flip(directory, name: str, extent: int, byte: int) -> int:
 
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("block", [B, None])
-def test_one_flipped_byte_in_a_later_block_of_a_batched_read_raises(tmp_path, path, direct, block):
+def test_one_flipped_byte_in_a_later_block_of_a_batched_read_raises(tmp_path, io_path, direct, block):
     data = torch.randint(0, 256, (EXTENTS * E,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     with TensorStore(tmp_path, extent_bytes=E, checksum_block=block, direct=direct) as store:
         store.put("rows", data)

@@ -12,18 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tightfit.storage import ChecksumError, StorageError, TensorStore, aio
+from tightfit.storage import ChecksumError, StorageError, TensorStore
 
 E, B = 16384, 4096  # 4 checksum blocks per extent
 
 
-@pytest.fixture(params=["aio", "threads"])
-def path(request, monkeypatch):
-    if request.param == "threads":
-        monkeypatch.setenv("TIGHTFIT_AIO", "0")
-    elif not aio.available():
-        pytest.skip("kernel AIO is not available here")
-    return request.param
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -31,7 +24,7 @@ def path(request, monkeypatch):
                        max_size=6),
        length=st.integers(1, 2 * B + 10), picks=st.lists(st.floats(0, 1), min_size=1, max_size=40),
        block=st.sampled_from([None, B]), direct=st.booleans())
-def test_ranges_read_what_was_written_and_survive_a_reopen(tmp_path_factory, path, writes, length, picks, block,
+def test_ranges_read_what_was_written_and_survive_a_reopen(tmp_path_factory, io_path, writes, length, picks, block,
                                                            direct):
     """Byte-range writes (partial extents, gaps that read as zeros), then ranges at random offsets, any order and
     repeated: each equals the model, in this store and after reopening it (the block checksums round-trip)."""
@@ -54,7 +47,7 @@ def test_ranges_read_what_was_written_and_survive_a_reopen(tmp_path_factory, pat
         assert 0 <= moved <= len(model) + E  # never more than the name's bytes (rounded to a block)
 
 
-def test_a_few_rows_read_only_their_blocks(tmp_path, path):
+def test_a_few_rows_read_only_their_blocks(tmp_path, io_path):
     """128-byte rows scattered over 1 MiB: the store reads one 4 KiB block per row, not the 16 KiB extent."""
     data = torch.randint(0, 256, (2**20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     with TensorStore(tmp_path, extent_bytes=E, checksum_block=B) as store:
@@ -66,7 +59,7 @@ def test_a_few_rows_read_only_their_blocks(tmp_path, path):
         assert torch.equal(out, data.view(-1, 128)[torch.from_numpy(rows)])
 
 
-def test_a_corrupted_block_raises_naming_file_offset_and_span_and_spares_its_neighbours(tmp_path, path):
+def test_a_corrupted_block_raises_naming_file_offset_and_span_and_spares_its_neighbours(tmp_path, io_path):
     data = torch.randint(0, 256, (3 * E,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     with TensorStore(tmp_path, extent_bytes=E, checksum_block=B) as store:
         store.put("w", data)
