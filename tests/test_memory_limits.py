@@ -47,7 +47,9 @@ def _fits_or_refuses(run: LimitedRun) -> dict:
 def test_elixir_with_only_a_disk_dir_trains_a_model_whose_state_exceeds_the_limit(tmp_path):
     from tests.helpers.memory_limit_children import ELIXIR_GPT
 
-    limit = 1000 * MiB
+    # The tied embedding's backward holds three table-sized copies: the least-memory plan needs about 976 MiB of the
+    # budget (the limit less 10%), which 1150 MiB gives with some margin while the fp32 AdamW state (1.25 GiB) does not fit.
+    limit = 1150 * MiB
     # A first run on a fresh machine, as CI's: nothing cached, so the device and its blocks are measured in this
     # process before it plans (what those measurements import stays resident and counts against the limit).
     env = unlaunched_env(TIGHTFIT_CACHE_DIR=str(tmp_path / "cache"))
