@@ -144,7 +144,8 @@ def source_commit(paths: Sequence[str]) -> dict[str, object]:
 def imported_sources(root: Path = ROOT, modules: dict | None = None) -> list[str]:
     """The project's source files this process imported: ``root``-relative paths of the modules in
     ``sys.modules`` whose file lies under ``root`` (the virtual environment and other hidden folders left out),
-    sorted. ``python -m benchmarks.NAME`` makes the script itself ``__main__``, so it is among them."""
+    sorted, with the files each lists in ``__source_files__`` (``tightfit.kernels.sources``: the C sources). ``python -m
+    benchmarks.NAME`` makes the script itself ``__main__``, so it is among them."""
     root = root.resolve()
     found = set()
     for module in list((sys.modules if modules is None else modules).values()):
@@ -158,6 +159,10 @@ def imported_sources(root: Path = ROOT, modules: dict | None = None) -> list[str
         if any(part.startswith(".") or part in ("site-packages", "__pycache__") for part in rel.parts[:-1]):
             continue
         found.add(rel.as_posix())
+        # Files a module runs that are not Python (tightfit.kernels.sources: the C sources the native libraries are built from).
+        extras = getattr(module, "__source_files__", ())
+        for extra in extras if isinstance(extras, tuple) else ():
+            found.add(Path(extra).resolve().relative_to(root).as_posix())
     return sorted(found)
 
 

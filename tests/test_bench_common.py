@@ -36,6 +36,17 @@ def test_imported_sources_keeps_the_projects_files_only(tmp_path):
     assert imported_sources(tmp_path, modules) == ["benchmarks/demo.py", "core/units.py"]
 
 
+def test_imported_sources_include_the_native_kernels_c_files():
+    """A figure measured through a native kernel goes stale when its C source (or a header) changes."""
+    import tightfit.kernels.sources
+    from benchmarks.common import imported_sources
+
+    root = Path(__file__).resolve().parents[1]
+    found = imported_sources(root, {"tightfit.kernels.sources": tightfit.kernels.sources})
+    assert {"core/kernels/sources.py", "core/kernels/cpu/quant_linear.c", "core/kernels/cpu/quant_a8.h",
+            "core/kernels/cpu/tf_fork.h"} <= set(found), found
+
+
 def test_measured_paths_add_the_script_the_shared_helpers_and_named_children():
     from benchmarks.common import measured_paths
 

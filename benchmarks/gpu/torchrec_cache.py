@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     hit = stats["hits"] / max(1, stats["lookups"])
     cache_bytes = sum(b.numel() * b.element_size() for b in cache.buffers())
     peer_bytes = sum(r * dim * 4 * 3 for r in rows)  # weights + SparseAdam's two moments
-    # Synchronisations the CUDA runtime reports for one step (cache_lookup's own reads included).
+    # Synchronisations the CUDA runtime reports for one step (the cache's own lookup reads included).
     debug_syncs = -1
     if dev.type == "cuda":
         torch.cuda.synchronize()

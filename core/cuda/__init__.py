@@ -1,7 +1,7 @@
 """tightfit's kernel toolkit: Triton and native CPU kernels, each beside a pure-PyTorch reference, and one dispatcher.
 
 A call runs the Triton kernel when every tensor argument is on CUDA and Triton imports, the native
-CPU kernel (C compiled on first use, :mod:`tightfit.cuda.native`) when no tensor is on CUDA and the
+CPU kernel (C from :mod:`tightfit.kernels`' ``cpu/`` compiled on first use by :mod:`tightfit.cuda.native`) when no tensor is on CUDA and the
 kernel has one, the reference otherwise; ``TIGHTFIT_KERNELS=reference|triton|native`` (or ``backend=``
 on a call) forces one (see :mod:`tightfit.cuda.dispatch`). The first Triton call of each shape class on a device is
 checked against the reference on a small probe; a disagreement falls back to the reference with a
@@ -37,7 +37,6 @@ How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layo
 
 from __future__ import annotations
 
-from tightfit.cuda.cache_lookup import cache_lookup, select_victims
 from tightfit.cuda.dispatch import (
     BACKENDS,
     ENV_VAR,
@@ -70,6 +69,4 @@ __all__ = [
     "gather_rows",
     "scatter_rows",
     "scatter_add_rows",
-    "cache_lookup",
-    "select_victims",
 ]

@@ -5,14 +5,11 @@
     rotary_(qk, cos, sin)                  # (T, H, D) rotated in place ("rotate_half" layout, as Hugging Face)
 
 In PyTorch each is a chain of ops over the whole activation (``chunk``, ``silu``, ``mul``; ``cat``, ``neg``,
-two ``mul`` and an ``add``), each reading and writing every element; on a long prefill on one CPU thread
-they cost as much as a third of the projections' matmuls. The native CPU backend (C on raw pointers, see
-:mod:`tightfit.cuda.native`; fp32) does one pass: on a prefill step of the benchmark's 6-layer LLaMA it is an
-order of magnitude faster per call or more; at a few dozen tokens both are launch-bound.
+two ``mul`` and an ``add``), each reading and writing every element. The native CPU backend
+(``core/kernels/cpu/elementwise.c``, built by :mod:`tightfit.cuda.native`; fp32) does one pass over each row.
 
 A call of more than 16384 elements a thread splits its rows over PyTorch's OpenMP team (each row computed as on
-one thread, so the bits do not change), which about halves a prefill-sized call on two threads. Decode steps
-stay on the calling thread.
+one thread, so the bits do not change). Decode steps stay on the calling thread.
 
 Neither op has a Triton kernel: on CUDA they run the PyTorch reference (a GPU fuses little here but
 launches, and CUDA graphs remove those for decode steps).
@@ -28,110 +25,18 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
+from tightfit.cuda.native import load_kernel, native_error
 
 __all__ = ["silu_mul", "silu_mul_reference", "rotary_", "rotary_reference", "rms_norm",
            "rms_norm_reference"]
 
-_SOURCE = r"""
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
-""" + FORK_FLAG_SOURCE + r"""
-/* Rows of a call are split over PyTorch's OpenMP team where the library is built with it (tightfit.cuda.native)
-   and the call has PARALLEL_MIN elements a thread at least; smaller calls (decode steps), forked children and builds
-   without OpenMP run on the calling thread. Each row is computed the same way either way. */
-#define PARALLEL_MIN 16384
-static int64_t team(int64_t threads, int64_t elements) {
-    const int64_t most = elements / PARALLEL_MIN;
-#ifdef _OPENMP
-    if (tf_forked) return 1;
-#else
-    return 1;
-#endif
-    return threads < most ? threads : most < 1 ? 1 : most;
-}
-
-/* out[t, i] = silu(x[t, i]) * x[t, I + i]; rows of x are x_stride apart. */
-static void silu_mul_rows(const float *x, int64_t x_stride, float *out, int64_t t0, int64_t t1, int64_t I) {
-    for (int64_t t = t0; t < t1; t++) {
-        const float *g = x + t * x_stride, *u = g + I;
-        float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
-}
-
-/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w (w may be NULL); rows of x are x_stride apart. */
-static void rms_norm_rows(const float *x, int64_t x_stride, const float *w, float *out, int64_t t0, int64_t t1,
-                          int64_t N, float eps) {
-    for (int64_t t = t0; t < t1; t++) {
-        const float *r = x + t * x_stride;
-        float *o = out + t * N, ss = 0.f;
-        for (int64_t i = 0; i < N; i++) ss += r[i] * r[i];
-        const float inv = 1.f / sqrtf(ss / (float)N + eps);
-        if (w)
-            for (int64_t i = 0; i < N; i++) o[i] = r[i] * inv * w[i];
-        else
-            for (int64_t i = 0; i < N; i++) o[i] = r[i] * inv;
-    }
-}
-
-/* x[t, h, :] <- x * cos[t] + rotate_half(x) * sin[t], in place; rotate_half(x) = (-x[D/2:], x[:D/2]). */
-static void rotary_rows(float *x, int64_t x_row, int64_t x_head, const float *cos, const float *sin, int64_t cs_row,
-                        int64_t t0, int64_t t1, int64_t H, int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t t = t0; t < t1; t++) {
-        const float *c = cos + t * cs_row, *s = sin + t * cs_row;
-        for (int64_t h = 0; h < H; h++) {
-            float *v = x + t * x_row + h * x_head;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-    }
-}
-
-/* Runs BODY(t0, t1) over rows [0, T) in n contiguous runs, on the OpenMP team where n > 1. */
-#ifdef _OPENMP
-#define OVER_ROWS(T, n, BODY) do { \
-        if ((n) > 1) { \
-            _Pragma("omp parallel for schedule(static, 1) num_threads((int)(n))") \
-            for (int64_t k = 0; k < (n); k++) BODY((T) * k / (n), (T) * (k + 1) / (n)); \
-        } else BODY(0, (T)); \
-    } while (0)
-#else
-#define OVER_ROWS(T, n, BODY) BODY(0, (T))
-#endif
-
-void tf_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t I, int64_t threads) {
-    const int64_t n = team(threads, T * I);
-#define SILU(a, b) silu_mul_rows(x, x_stride, out, a, b, I)
-    OVER_ROWS(T, n, SILU);
-}
-
-void tf_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t N, float eps,
-                     int64_t threads) {
-    const int64_t n = team(threads, T * N);
-#define RMS(a, b) rms_norm_rows(x, x_stride, w, out, a, b, N, eps)
-    OVER_ROWS(T, n, RMS);
-}
-
-void tf_rotary_f32(float *x, int64_t x_row, int64_t x_head, const float *cos, const float *sin, int64_t cs_row,
-                   int64_t T, int64_t H, int64_t D, int64_t threads) {
-    const int64_t n = team(threads, T * H * D);
-#define ROT(a, b) rotary_rows(x, x_row, x_head, cos, sin, cs_row, a, b, H, D)
-    OVER_ROWS(T, n, ROT);
-}
-"""
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("elementwise", _SOURCE, (
+    return load_kernel("elementwise", (
         ("tf_silu_mul_f32", None, (_P, _I, _P, _I, _I, _I)),
         ("tf_rms_norm_f32", None, (_P, _I, _P, _P, _I, _I, ctypes.c_float, _I)),
         ("tf_rotary_f32", None, (_P, _I, _I, _P, _P, _I, _I, _I, _I, _I))), openmp=True)
@@ -220,9 +125,8 @@ _rms_norm = register_kernel("rms_norm", reference=rms_norm_reference, triton=Non
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backend: str | None = None) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` (``F.rms_norm`` over the last dimension).
 
-    Every size goes through the dispatcher: ``F.rms_norm`` is a composite of about ten ATen ops on the
-    CPU, so even at the 1-16 rows of a decode step the native kernel wins in situ, timed in whole decode steps
-    of the energon benchmark model (a loop over the op alone understates the composite's cost there).
+    Every size goes through the dispatcher (``F.rms_norm`` is a composite of about ten ATen ops on the CPU, so
+    the one-pass native kernel is used at a decode step's few rows too).
     """
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match the last dimension of x "

@@ -4,8 +4,8 @@
 
 In PyTorch it is three ops over the activation (``chunk``, ``gelu(approximate="tanh")``, ``mul``), the gelu a
 polynomial and a tanh per element; a Gemma decode step runs it once per layer on every row. The native CPU backend
-(C on raw pointers, see :mod:`tightfit.cuda.native`; fp32) reads the gate and up halves once and writes the
-product: ``0.5 * x * (1 + tanh(u))`` is computed as ``x / (1 + exp(-2u))`` (the same function: ``0.5 * (1 +
+(``core/kernels/cpu/gelu_mul.c``, built by :mod:`tightfit.cuda.native`; fp32) reads the gate and up halves once
+and writes the product: ``0.5 * x * (1 + tanh(u))`` is computed as ``x / (1 + exp(-2u))`` (the same function: ``0.5 * (1 +
 tanh(u))`` is the logistic of ``2u``), one ``expf`` per element, which the compiler vectorises, and no cancellation
 near 0. Rows split over PyTorch's OpenMP team as :mod:`tightfit.cuda.elementwise`'s ``silu_mul`` does.
 
@@ -16,64 +16,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import FORK_FLAG_SOURCE, load_functions, native_error
+from tightfit.cuda.native import load_kernel, native_error
 
 __all__ = ["gelu_tanh_mul", "gelu_tanh_mul_reference"]
 
-_SOURCE = r"""
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
-""" + FORK_FLAG_SOURCE + r"""
-/* Calls of PARALLEL_MIN elements a thread or more split their rows over PyTorch's OpenMP team (where the library
-   is built with it, tightfit.cuda.native); decode steps, forked children and builds without OpenMP run on the
-   calling thread. A row is computed the same way either way. */
-#define PARALLEL_MIN 16384
-
-/* out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i]; rows of x are x_stride apart. */
-static void gelu_mul_rows(const float *x, int64_t x_stride, float *out, int64_t t0, int64_t t1, int64_t I) {
-    const float k = """ + repr(2.0 * math.sqrt(2.0 / math.pi)) + r"""f; /* 2 * sqrt(2 / pi) */
-    for (int64_t t = t0; t < t1; t++) {
-        const float *g = x + t * x_stride, *u = g + I;
-        float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) {
-            const float v = g[i], e = -k * (v + 0.044715f * v * v * v);
-            /* capped below expf's overflow: built with -ffast-math, an infinity is not handled (the result is
-               x / 5.5e34 there, 0 in fp32 terms for every x that reaches it) */
-            o[i] = v / (1.f + expf(e < 80.f ? e : 80.f)) * u[i];
-        }
-    }
-}
-
-void tf_gelu_tanh_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t I, int64_t threads) {
-    int64_t n = T * I / PARALLEL_MIN;
-    if (n > threads) n = threads;
-    if (n > T) n = T;
-#ifdef _OPENMP
-    if (n > 1 && !tf_forked) {
-#pragma omp parallel for schedule(static, 1) num_threads((int)n)
-        for (int64_t r = 0; r < n; r++) gelu_mul_rows(x, x_stride, out, T * r / n, T * (r + 1) / n, I);
-        return;
-    }
-#endif
-    gelu_mul_rows(x, x_stride, out, 0, T, I);
-}
-"""
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("gelu_mul", _SOURCE, (("tf_gelu_tanh_mul_f32", None, (_P, _I, _P, _I, _I, _I)),),
-                          openmp=True)
+    return load_kernel("gelu_mul", (("tf_gelu_tanh_mul_f32", None, (_P, _I, _P, _I, _I, _I)),), openmp=True)
 
 
 def _native_error() -> str:

@@ -17,7 +17,7 @@ launches per active expert, which is most of a decode step's MoE time at the few
 gives; a prefill's time is in the matmuls themselves.
 
 The native CPU backend (fp32; other dtypes and weights not held input-major take the reference) is one C call per
-layer (:mod:`tightfit.cuda._grouped_experts_c`). It sorts the pairs by expert with a counting sort, splits each
+layer (``core/kernels/cpu/grouped_experts.c``). It sorts the pairs by expert with a counting sort, splits each
 expert's tokens into units of up to 64 rows and runs the units over PyTorch's OpenMP team (dynamic schedule). A
 unit reads its tokens' rows of ``x`` in place (no gather copy). The weights are read input-major
 (``energon_infer.parallel.linear_weight``'s layout: ``gate_up[i].t()`` contiguous). A unit of up to 6 rows (an
@@ -31,10 +31,8 @@ pass 64 MiB runs in slices of tokens); a second parallel loop over tokens sums a
 the output: no atomics, and the same bits whatever the thread count. Calls with few multiply-adds stay on the calling
 thread, as do forked children and builds without OpenMP.
 
-Why a native kernel rather than a fused PyTorch path: at decode sizes the reference's time is op launches and the
-per-expert gathers and scatters, which any PyTorch formulation keeps (one batched matmul over padded groups also
-multiplies the padding and still gathers and scatters); measured in one process on the energon benchmark's MoE
-shapes, the kernel was faster at decode steps and prefill chunks alike, so it runs at every size.
+The native kernel runs at every size: a PyTorch formulation keeps the op launches and the per-expert gathers and
+scatters (one batched matmul over padded groups also multiplies the padding and still gathers and scatters).
 
 Example:
     >>> import torch
@@ -57,10 +55,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda._grouped_experts_c import SOURCE
 from tightfit.cuda.dispatch import register_kernel
 from tightfit.cuda.elementwise import silu_mul
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import load_kernel, native_error
 
 __all__ = ["expert_mlp", "grouped_experts", "grouped_experts_reference"]
 
@@ -110,7 +107,7 @@ def grouped_experts_reference(x: torch.Tensor, weights: torch.Tensor, chosen: to
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("grouped_experts", SOURCE, (
+    return load_kernel("grouped_experts", (
         ("tf_grouped_experts_f32", _I, (_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _F, _P, _I)),
     ), openmp=True)
 

@@ -11,8 +11,8 @@ The uniforms are ``(k + 1/2) / 2**23`` for a 23-bit hash ``k``: every one is exa
 ``[2**-24, 1 - 2**-24]``, so the noise is finite (a ``u`` that rounded to 1 would give ``+inf`` and pick its
 column whatever the scores, a filtered-out one included).
 
-In PyTorch the noise is two dozen int64 element-wise ops over the whole ``(B, V)`` batch, then two logs: on
-the serving benchmark's model that is a large share of a decode step at a few dozen rows. The native CPU backend (:mod:`tightfit.cuda.native`) hashes in 32-bit lanes
+In PyTorch the noise is two dozen int64 element-wise ops over the whole ``(B, V)`` batch, then two logs. The native
+CPU backend (``core/kernels/cpu/gumbel.c``, built by :mod:`tightfit.cuda.native`) hashes in 32-bit lanes
 (the hash keeps 31 bits, so the low halves of the products suffice) and takes the argmax in the same call.
 Its logs are the C library's vectorised ones rather than PyTorch's, so a draw can differ from the
 reference's only where two columns' noisy scores tie to the last bit. On CUDA the reference runs.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import load_kernel, native_error
 
 __all__ = ["counter_uniform", "first_max", "gumbel_argmax", "gumbel_argmax_reference"]
 
@@ -54,7 +54,7 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximal index, like ``argmax`` (a NaN counts as the maximum); ``max(dim).indices`` is the
-    same index and, on CPU, the faster kernel (about three times as fast on a decode batch's logits)."""
+    same index and, on CPU, the faster kernel."""
     return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
 
 
@@ -63,53 +63,13 @@ def gumbel_argmax_reference(scores: torch.Tensor, seeds: torch.Tensor, positions
     return first_max(scores.float() + gumbel)
 
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-#define M31 0x7FFFFFFFu
-
-static inline uint32_t mix(uint32_t x) {
-    x = ((x ^ (x >> 16)) * 0x45D9F3Bu) & M31;
-    x = ((x ^ (x >> 16)) * 0x45D9F3Bu) & M31;
-    return x ^ (x >> 16);
-}
-
-/* out[b] = the first j maximising scores[b, j] - log(-log(u[b, j])) (a NaN is the maximum, as in PyTorch);
-   rows of scores are stride apart; work holds V floats. */
-void tf_gumbel_argmax_f32(const float *scores, int64_t stride, const int64_t *seeds, const int64_t *positions,
-                          int64_t B, int64_t V, float *work, int64_t *out) {
-    for (int64_t b = 0; b < B; b++) {
-        const uint64_t s = (uint64_t)seeds[b];
-        uint32_t key = mix((uint32_t)((s ^ (s >> 31)) & M31));
-        key = mix(key ^ mix(((uint32_t)positions[b] * 0x2545F491u) & M31));
-        const float *r = scores + b * stride;
-        for (int64_t j = 0; j < V; j++) {
-            const uint32_t col = ((uint32_t)j * 0x9E3779B1u) & M31;
-            const uint32_t x = mix(mix((key ^ col) & M31) ^ key);
-            const float u = ((float)(x >> 8) + 0.5f) * 0x1p-23f;
-            work[j] = r[j] - logf(-logf(u));
-        }
-        int64_t best = 0;
-        float top = work[0];
-        for (int64_t j = 0; j < V; j++) {
-            uint32_t bits;
-            memcpy(&bits, work + j, 4);
-            if ((bits & 0x7FFFFFFFu) > 0x7F800000u) { best = j; break; }  /* NaN */
-            if (work[j] > top) { top = work[j]; best = j; }
-        }
-        out[b] = best;
-    }
-}
-"""
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("gumbel", _SOURCE, (("tf_gumbel_argmax_f32", None, (_P, _I, _P, _P, _I, _I, _P, _P)),))
+    return load_kernel("gumbel", (("tf_gumbel_argmax_f32", None, (_P, _I, _P, _P, _I, _I, _P, _P)),))
 
 
 def _native_error() -> str:

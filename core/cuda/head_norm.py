@@ -23,34 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_functions, native_error
+from tightfit.cuda.native import load_kernel, native_error
 
 __all__ = ["rms_norm_heads_", "rms_norm_heads_reference"]
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-
-/* x: T tokens t_stride floats apart, each H heads of D contiguous floats; heads < split take w1, the rest w2. */
-void tf_rms_norm_heads_f32(float *x, int64_t t_stride, int64_t T, int64_t H, int64_t D, int64_t split,
-                           const float *w1, const float *w2, float eps, float offset) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            float *r = x + t * t_stride + h * D, ss = 0.f;
-            const float *w = h < split ? w1 : w2;
-            for (int64_t i = 0; i < D; i++) ss += r[i] * r[i];
-            const float inv = 1.f / sqrtf(ss / (float)D + eps);
-            for (int64_t i = 0; i < D; i++) r[i] = r[i] * inv * (offset + w[i]);
-        }
-}
-"""
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _library() -> Any:
-    return load_functions("head_norm", _SOURCE, (
+    return load_kernel("head_norm", (
         ("tf_rms_norm_heads_f32", None, (_P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_float, ctypes.c_float)),))
 
 

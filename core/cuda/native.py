@@ -1,12 +1,15 @@
 """Compile a small C source with the system's C compiler on first use and load it with ``ctypes``.
 
 The CPU backend of a kernel (``backend="native"``, see :mod:`tightfit.cuda.dispatch`) is plain C99
-on raw pointers: no PyTorch headers, so a build takes well under a second (a ``torch.utils.cpp_extension``
-build takes about a minute on 2 cores and serialises processes on a file lock), and ``ctypes`` releases the GIL
-during the call.
+on raw pointers: no PyTorch headers, so a build is one short compiler run (no ``torch.utils.cpp_extension``
+build and its file lock), and ``ctypes`` releases the GIL during the call.
 
-    lib = load_library("paged_attention", SOURCE)    # ctypes.CDLL, or None where it cannot be built
-    native_error("paged_attention")                  # why not ('' when it loaded)
+    lib = load_kernel("paged_attention", signatures)  # tightfit/kernels/cpu/paged_attention.c: ctypes.CDLL or None
+    lib = load_library("t_add", "int f(int a) { return a + 1; }")  # any C text
+    native_error("paged_attention")                   # why not ('' when it loaded)
+
+The kernels' sources are ``.c`` files in :mod:`tightfit.kernels` (``kernels/cpu/``); :func:`load_kernel` reads
+one with :func:`tightfit.kernels.sources.cpu_source` (its local headers inlined) and builds that text.
 
 Where the library lives: ``$TIGHTFIT_CACHE/native/`` (default ``~/.cache/tightfit/native/``), one file per
 hash of the source, the compiler's version, the flags and this CPU's instruction-set flags, so a cache
@@ -37,18 +40,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NATIVE_ENV_VAR", "FORK_FLAG_SOURCE", "native_enabled", "load_library", "load_functions", "native_error", "cache_dir",
-           "torch_openmp"]
+from tightfit.kernels.sources import cpu_source
+
+__all__ = ["NATIVE_ENV_VAR", "native_enabled", "load_library", "load_functions", "load_kernel", "native_error",
+           "cache_dir", "torch_openmp"]
 
 NATIVE_ENV_VAR = "TIGHTFIT_NATIVE"
-# C for sources with `#ifdef _OPENMP` paths (needs <pthread.h>): `tf_forked` turns 1 in a child forked after the
-# library was loaded. GNU OpenMP's team does not survive a fork (a region in such a child waits forever), so those
-# paths check it and use threads of their own there.
-FORK_FLAG_SOURCE = r"""
-static int tf_forked = 0;
-static void tf_on_fork_child(void) { tf_forked = 1; }
-__attribute__((constructor)) static void tf_threads_init(void) { pthread_atfork(NULL, NULL, tf_on_fork_child); }
-"""
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
 # Linked in a second command without -ffast-math: given at link time it adds crtfastmath.o, whose
 # constructor sets flush-to-zero for the whole process once the library loads (subnormals vanish from
@@ -169,3 +166,8 @@ def load_functions(name: str, source: str, signatures: Sequence[tuple[str, Any, 
             getattr(lib, fn).restype = restype
             getattr(lib, fn).argtypes = list(argtypes)
     return lib
+
+
+def load_kernel(name: str, signatures: Sequence[tuple[str, Any, Sequence[Any]]], openmp: bool = False) -> Any:
+    """:func:`load_functions` on the C library ``tightfit/kernels/cpu/<name>.c`` (its local headers inlined)."""
+    return load_functions(name, cpu_source(name), signatures, openmp)

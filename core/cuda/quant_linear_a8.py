@@ -8,9 +8,7 @@ Each row of ``x`` is quantised per block of inputs: ``d = max|x_block| / 127``, 
 (nearest even, in -127..127), ``x^ = d * xq``. Blocks are of 128 inputs for int8 weights (where ``K % 128 == 0``)
 and int4 groups of 128 (the default) or a multiple of 256, else of 32 (llama.cpp's Q8_0 block)
 (:func:`activation_block`): a block's two ``vpdpbusd`` add in int32 and are converted and scaled once
-(llama.cpp's K-quants quantise their activations per 256). The larger blocks make a step's projections faster
-than blocks of 32 and keep greedy agreement on the trained fixture, at a slightly larger logit KL against fp32
-(the quality and speed figures: benchmarks/results/REPORT.md#energon_quant). From four rows on, int4 groups of 128 or a multiple of 256 go 16 features at a time:
+(llama.cpp's K-quants quantise their activations per 256). From four rows on, int4 groups of 128 or a multiple of 256 go 16 features at a time:
 each block's weights are transposed once (a 16 x 16 transpose of 32-bit words), so one ``vpdpbusd`` takes four
 inputs of a row (broadcast) against those inputs' weights of 16 features and the sums land in 16 lanes, one per
 feature: no horizontal sum per output, and the zero-point term is one FMA per row and group (4 x 4 tiles spend

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.runif import RunIf
-from tightfit.cuda import cache_lookup, gather_rows, scatter_add_rows, select_victims
-from tightfit.cuda.cache_lookup import LFU
+from tightfit.cuda import gather_rows, scatter_add_rows
 from tightfit.cuda.dispatch import (
     CHECK_ENV_VAR,
     ENV_VAR,
@@ -106,15 +105,11 @@ def test_the_real_kernels_pass_their_checks_and_run_triton():
         assert torch.equal(gather_rows(table, idx), table[idx])
         acc = scatter_add_rows(torch.zeros(20, 6, dtype=torch.bfloat16), idx, torch.ones(4, 6, dtype=torch.bfloat16))
         assert acc[4].tolist() == [2.0] * 6
-        row_slot = torch.tensor([-1, 0, -1, 1], dtype=torch.int32)
-        score, pinned = torch.tensor([5, 2]), torch.zeros(2, dtype=torch.int64)
-        assert cache_lookup(row_slot, torch.tensor([1, 2]), torch.tensor([3, 1]), score, pinned, 7, LFU).tolist() == [0, -1]
-        assert select_victims(score, pinned, 7, 1).tolist() == [1]
         q, kc, vc = torch.randn(3, 2, 8), torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
         out = paged_attention(q, kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 3]),
                               torch.tensor([5]), scale=8 ** -0.5, max_q_len=3)
         assert out.shape == (3, 2, 8)
     verdicts = {v.kernel: v for v in kernel_checks()}
-    assert set(verdicts) == {"gather_rows", "scatter_add_rows", "cache_lookup", "victim_keys", "paged_attention"}
+    assert set(verdicts) == {"gather_rows", "scatter_add_rows", "paged_attention"}
     assert all(v.passed and v.error == "" for v in verdicts.values()), verdicts
     assert verdicts["gather_rows"].shape_class == ("torch.float32", "torch.int64", 6, True, True)

@@ -42,7 +42,7 @@ from tightfit.cuda.quant_linear_a8 import (
 )
 
 needs_a8 = pytest.mark.skipif(a8_level() != 1, reason="no AVX-512 VNNI native build on this CPU")
-# tiled int4 per block of 128: AVX-512 VNNI, or the AVX2 kernel (tightfit.cuda._quant_a8_avx2_c)
+# tiled int4 per block of 128: AVX-512 VNNI, or the AVX2 kernel (core/kernels/cpu/quant_a8_avx2.h)
 needs_a8_tiled = pytest.mark.skipif(not a8_available(), reason="no int8-activation native build (AVX2 or AVX-512 "
                                                                 "VNNI) on this CPU")
 

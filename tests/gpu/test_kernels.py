@@ -60,43 +60,6 @@ def test_row_gather_scatter_scatter_add_on_cuda(dtype):
     check_row_kernels(cuda(), dtype)
 
 
-def check_cache_kernels(device: torch.device) -> None:
-    from tightfit.cuda import get_kernel
-    from tightfit.cuda.cache_lookup import EMPTY_SCORE, LFU, LRU, STATIC
-
-    g = torch.Generator(device=device).manual_seed(0)
-    for rows, slots, n in ((10, 4, 6), (100_003, 1500, 4099), (2_000_000, 30_000, 65_537)):
-        for slot_dtype in (torch.int32, torch.int64):
-            row_slot = torch.full((rows,), -1, dtype=slot_dtype, device=device)
-            resident = torch.randperm(rows, generator=g, device=device)[:slots]
-            row_slot[resident] = torch.arange(slots, device=device).to(slot_dtype)
-            ids = torch.randperm(rows, generator=g, device=device)[:n]
-            hits = min(n // 3, slots)
-            ids[:hits] = resident[:hits]  # a third are hits for sure
-            ids = torch.unique(ids)
-            counts = torch.randint(1, 9, ids.shape, generator=g, device=device)
-            score = torch.randint(0, 1000, (slots,), generator=g, device=device)
-            score[: slots // 10] = EMPTY_SCORE
-            pinned = torch.randint(0, 12, (slots,), generator=g, device=device)
-            for mode in (STATIC, LFU, LRU):
-                assert_matches_reference(get_kernel("cache_lookup"), row_slot, ids, counts, score.clone(),
-                                         pinned.clone(), 10, mode)
-            assert_matches_reference(get_kernel("victim_keys"), score, pinned, 10)
-
-
-def test_cache_lookup_and_victim_selection_on_cuda():
-    kernels_compiled()
-    check_cache_kernels(cuda())
-    # select_victims end to end: free slots first, never a pinned one
-    from tightfit.cuda import select_victims
-    from tightfit.cuda.cache_lookup import EMPTY_SCORE
-
-    score = torch.tensor([5, EMPTY_SCORE, 1, 9, 0], device=cuda())
-    pinned = torch.tensor([0, 0, 20, 0, 0], device=cuda())
-    for backend in ("triton", "reference"):
-        assert sorted(select_victims(score, pinned, 10, 3, backend=backend).tolist()) == [0, 1, 4]
-
-
 def check_packing(device: torch.device, dtype: torch.dtype) -> None:
     from tightfit.cuda.packing import pack, unpack
 
@@ -190,8 +153,7 @@ def test_paged_varlen_attention_prefill_decode_and_mixed_on_cuda(dtype):
 def test_every_kernel_passes_its_first_use_check_on_cuda(monkeypatch):
     """``auto`` on CUDA tensors: each kernel's self-check runs on the GPU and passes, so Triton stays on."""
     kernels_compiled()
-    from tightfit.cuda import cache_lookup, gather_rows, scatter_add_rows, scatter_rows, select_victims
-    from tightfit.cuda.cache_lookup import LFU
+    from tightfit.cuda import gather_rows, scatter_add_rows, scatter_rows
     from tightfit.cuda.dispatch import ENV_VAR, KernelCheckWarning, kernel_checks, reset_kernel_checks
     from tightfit.cuda.varlen_attention import paged_attention
 
@@ -210,13 +172,8 @@ def test_every_kernel_passes_its_first_use_check_on_cuda(monkeypatch):
             paged_attention(q, kc, vc, bt, cu, kl, scale=0.125, max_q_len=5)
             q, kc, vc, bt, cu, kl, _, _ = attention_case(dev, [1, 1], [9, 40], 4, 2, 64, 16, dtype)
             paged_attention(q, kc, vc, bt, cu, kl, scale=0.125, max_q_len=1)
-        row_slot = torch.tensor([-1, 0, -1, 1], dtype=torch.int32, device=dev)
-        score, pinned = torch.tensor([5, 2], device=dev), torch.zeros(2, dtype=torch.int64, device=dev)
-        cache_lookup(row_slot, torch.tensor([1, 2], device=dev), torch.tensor([3, 1], device=dev), score, pinned, 7, LFU)
-        select_victims(score, pinned, 7, 1)
     verdicts = kernel_checks()
-    assert {v.kernel for v in verdicts} == {"gather_rows", "scatter_rows", "scatter_add_rows", "paged_attention",
-                                            "cache_lookup", "victim_keys"}
+    assert {v.kernel for v in verdicts} == {"gather_rows", "scatter_rows", "scatter_add_rows", "paged_attention"}
     assert all(v.passed and v.device.startswith("cuda") for v in verdicts), [v for v in verdicts if not v.passed]
     reset_kernel_checks()
 

@@ -1,12 +1,8 @@
-"""C source of the int8-activation kernel for CPUs with AVX2 but not AVX-512 VNNI (:mod:`tightfit.cuda.quant_linear_a8`),
-placed inside :mod:`tightfit.cuda._quant_a8_c`'s source before the entry point it shares.
+/* Part of quant_a8.h (included before tf_a8_linear_f32): the int8-activation kernel for CPUs with AVX2 but not
+   AVX-512 VNNI. It takes int4 weights held tiled (tile_int4) in groups of 128 or a multiple of 256, x quantised per
+   block of 128 as the AVX-512 kernel does (same xq and d, so the same reference); tf_a8_linear_f32 returns -2 for
+   every other call here, which then keeps the fp32-activation kernels. */
 
-Where it runs: int4 weights held tiled (:func:`~tightfit.cuda.weight_tiles.tile_int4`) in groups of 128 or a multiple
-of 256, x quantised per block of 128 inputs as the AVX-512 kernel does (same ``xq`` and ``d``, so the same
-reference). Other layouts and int8 weights return -2 there and keep the fp32-activation kernels
-(:func:`~tightfit.cuda.quant_linear_a8.a8_applies` says so before the call)."""
-
-SOURCE = r"""
 #if TF_A8V
 /* ------------------------------------------------------------------ int8 activations (AVX2, no VNNI)
    There is no vpdpbusd: vpmaddubsw multiplies 32 unsigned weight bytes (int4: 0..15) by 32 signed input bytes and
@@ -16,8 +12,8 @@ SOURCE = r"""
    kernel takes it as two halves of eight features (32 bytes, 8 int32 lanes). */
 
 /* Per call, on the caller: xq (M x K int8, per block of 128: d in d128, M x K/128) and xsum (M x K/G). */
-static void a8v_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq,
-                              float *d128, float *xsum) {
+static void a8v_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *d128,
+                              float *xsum) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
     for (int64_t m = 0; m < M; m++) {
@@ -66,8 +62,8 @@ static inline __attribute__((always_inline)) void a8v_scales(const job_t *j, int
    nibbles are inputs ol .. ol + 63 of block bl, the high ones oh .. oh + 63 of block bh. S: two blocks (groups
    of a multiple of 256), kept apart to their conversion; else one (groups of 128: both halves add in int16). */
 static inline __attribute__((always_inline)) void a8v_run(const job_t *j, const uint8_t *run, int64_t m, const int R,
-                                                          const int S, int64_t bl, int64_t bh, int64_t ol,
-                                                          int64_t oh, __m256 sv, __m256 *acc) {
+                                                          const int S, int64_t bl, int64_t bh, int64_t ol, int64_t oh,
+                                                          __m256 sv, __m256 *acc) {
     const int64_t K = j->K, nb = K / 128;
     const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256i sl[4], sh[4], wl[4], wh[4]; /* int16 sums, int32 sums (low / high nibbles; S == 0: sl, wl only) */
@@ -134,8 +130,7 @@ static void a8v_tile(const job_t *j, int64_t n) {
                     for (; m < M; m++) a8v_run(j, run, m, 1, 0, bl, bh, ol, oh, sv, acc);
                 }
             }
-            for (int64_t m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(zc, _mm256_set1_ps(j->xsum[m * ng + g]), acc[m]);
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(zc, _mm256_set1_ps(j->xsum[m * ng + g]), acc[m]);
         }
         const __m256 bias = j->bias ? _mm256_loadu_ps(j->bias + nh) : _mm256_setzero_ps();
         for (int64_t m = 0; m < M; m++) _mm256_storeu_ps(j->y + m * N + nh, _mm256_add_ps(acc[m], bias));
@@ -147,4 +142,3 @@ static void a8v_int4t_range(const job_t *j) {
     for (int64_t n = (j->n0 + 15) / 16 * 16; n < j->n1; n += 16) a8v_tile(j, n);
 }
 #endif
-"""

@@ -1,9 +1,7 @@
-"""C source of the int8-activation kernels (:mod:`tightfit.cuda.quant_linear_a8`), appended to
-:mod:`tightfit.cuda.quant_linear`'s library so they share its thread pool (``run``) and ``job_t``."""
+/* Part of quant_linear.c (included at its end, after job_t, run and the fp32 kernels): the int8-activation kernels
+   of tightfit.cuda.quant_linear_a8, sharing quant_linear.c's threads and job_t. Entry points: tf_a8_linear_f32,
+   tf_a8_available, tf_a8_set_rows. */
 
-from tightfit.cuda._quant_a8_avx2_c import SOURCE as AVX2_SOURCE
-
-SOURCE = (r"""
 /* ------------------------------------------------------------------ int8 activations (AVX-512 VNNI)
    x is quantised per row and block of 32 inputs (d = amax / 127, xq = round(x / d)), then every 64 inputs of a
    row meet 64 weights in one vpdpbusd (unsigned 8-bit weights times signed 8-bit inputs, sums of four in 16
@@ -22,7 +20,7 @@ SOURCE = (r"""
 #else
 #define TF_A8 0
 #endif
-/* AVX2 without AVX-512 VNNI: tiled int4 in groups of 128 or a multiple of 256 only (tightfit.cuda._quant_a8_avx2_c) */
+/* AVX2 without AVX-512 VNNI: tiled int4 in groups of 128 or a multiple of 256 only (quant_a8_avx2.h) */
 #if !TF_A8 && defined(__AVX2__) && defined(__FMA__)
 #define TF_A8V 1
 #else
@@ -69,8 +67,8 @@ static inline float a8_inv(float amax) {
 #if TF_A8
 
 /* Per call, on the caller: xq (M x K int8), dv (M x K/4: 16 floats per 64 inputs), corr (M), xsum (M x K/G). */
-static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *dv,
-                        float *corr, float *xsum) {
+static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, int8_t *xq, float *dv, float *corr,
+                        float *xsum) {
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * xs;
@@ -100,15 +98,15 @@ static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_
 
 #define A8_ZERO _mm512_setzero_si512()
 /* acc[r][f] += d * (w[f] . xq[r]) over one 64-input chunk at input offset o. */
-#define A8_CHUNK(ACC, W, o)                                                                                  \
-    do {                                                                                                     \
-        for (int r_ = 0; r_ < R; r_++) {                                                                     \
-            const __m512i xv_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                              \
-            const __m512 dv_ = _mm512_loadu_ps(j->dv + (m + r_) * (K / 4) + (o) / 4);                        \
-            for (int f_ = 0; f_ < F; f_++)                                                                   \
-                ACC[r_][f_] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(A8_ZERO, W[f_], xv_)),   \
-                                              dv_, ACC[r_][f_]);                                             \
-        }                                                                                                    \
+#define A8_CHUNK(ACC, W, o)                                                                                          \
+    do {                                                                                                             \
+        for (int r_ = 0; r_ < R; r_++) {                                                                             \
+            const __m512i xv_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                                      \
+            const __m512 dv_ = _mm512_loadu_ps(j->dv + (m + r_) * (K / 4) + (o) / 4);                                \
+            for (int f_ = 0; f_ < F; f_++)                                                                           \
+                ACC[r_][f_] =                                                                                        \
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(A8_ZERO, W[f_], xv_)), dv_, ACC[r_][f_]); \
+        }                                                                                                            \
     } while (0)
 
 /* Rows m..m+R-1 by features n..n+F-1 (R <= 4, F <= 4, R * F <= 8), int8 weights. */
@@ -212,17 +210,17 @@ static void a8_quantize_b128(const float *x, int64_t xs, int64_t M, int64_t K, i
 /* One block of 128 inputs at input offset o (block index b): its two 64-weight halves WA, WB meet the block's
    two 64-byte runs of xq in two vpdpbusd (int32 lanes, no rounding), converted once, times the block's d and the
    group's scale. */
-#define A8_BLOCK128(WA, WB, o, b, DS)                                                                        \
-    do {                                                                                                     \
-        for (int r_ = 0; r_ < R; r_++) {                                                                     \
-            const __m512i x0_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                              \
-            const __m512i x1_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o) + 64);                         \
-            const __m512 d_ = _mm512_set1_ps(j->dv[(m + r_) * nb + (b)]);                                    \
-            for (int f_ = 0; f_ < F; f_++) {                                                                 \
+#define A8_BLOCK128(WA, WB, o, b, DS)                                                                           \
+    do {                                                                                                        \
+        for (int r_ = 0; r_ < R; r_++) {                                                                        \
+            const __m512i x0_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o));                                 \
+            const __m512i x1_ = _mm512_loadu_si512(j->xq + (m + r_) * K + (o) + 64);                            \
+            const __m512 d_ = _mm512_set1_ps(j->dv[(m + r_) * nb + (b)]);                                       \
+            for (int f_ = 0; f_ < F; f_++) {                                                                    \
                 const __m512i s_ = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(A8_ZERO, WA[f_], x0_), WB[f_], x1_); \
-                acc[r_][f_] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), DS(d_, f_), acc[r_][f_]);              \
-            }                                                                                                \
-        }                                                                                                    \
+                acc[r_][f_] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), DS(d_, f_), acc[r_][f_]);                 \
+            }                                                                                                   \
+        }                                                                                                       \
     } while (0)
 #define A8_DS_GROUP(d, f) _mm512_mul_ps(d, sf[f]) /* int4: the block's d times the feature's group scale */
 #define A8_DS_ROW(d, f) (d)                       /* int8: the row scale comes at the end */
@@ -323,8 +321,8 @@ static inline __attribute__((always_inline)) void a8_t16(const uint8_t *src, int
    (wt[i]: inputs 4i .. 4i + 3 of the block, lane f feature f): per row one broadcast of four int8 inputs per
    vpdpbusd, sums in int32 lanes (one per feature), converted once and scaled by the block's d times the group's
    scales (sv, per lane). */
-static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, const __m512i *wt, int64_t b,
-                                                             int64_t m, const int R, __m512 sv, __m512 *acc) {
+static inline __attribute__((always_inline)) void a8_t_block(const job_t *j, const __m512i *wt, int64_t b, int64_t m,
+                                                             const int R, __m512 sv, __m512 *acc) {
     const int64_t K = j->K, nb = K / 128;
     const int P = R == 1 ? 4 : 2; /* partial sums a row: several vpdpbusd chains in flight (one waits on its latency) */
     __m512i s[4][8];
@@ -459,9 +457,9 @@ static void a8_i8t(const job_t *j, int64_t n) {
    split in registers and meets the rows' inputs at once: no transposed block is kept in memory. Its low nibbles
    are inputs ol .. ol + 63 of block bl, its high nibbles oh .. oh + 63 of block bh; 8 vpdpbusd chains are in
    flight (P partial sums a row and nibble half). */
-static inline __attribute__((always_inline)) void a8_i4t_run(const job_t *j, const uint8_t *run, int64_t m,
-                                                             const int R, int64_t bl, int64_t bh, int64_t ol,
-                                                             int64_t oh, __m512 sv, __m512 *acc) {
+static inline __attribute__((always_inline)) void a8_i4t_run(const job_t *j, const uint8_t *run, int64_t m, const int R,
+                                                             int64_t bl, int64_t bh, int64_t ol, int64_t oh, __m512 sv,
+                                                             __m512 *acc) {
     const int64_t K = j->K, nb = K / 128;
     const int P = 4 / R;
     const __m512i l4 = _mm512_set1_epi8(15);
@@ -527,26 +525,26 @@ static void a8_i4t_rows(const job_t *j, int64_t n) {
 /* A chunk's features in tiles: FW == 4, four features by four rows (int4 / int8 per block of 128: 16
    accumulators, no per-group partial sums to hold); FW == 2, pairs of features by four rows (per block of 32),
    fours by one row where M < 4; then the features and rows left. */
-#define A8_RANGE(NAME, TILE, FW)                                                                             \
-    static void NAME(const job_t *j) {                                                                       \
-        const int64_t M = j->M;                                                                              \
-        int64_t n = j->n0;                                                                                   \
-        if (FW == 4 || M < 4)                                                                                \
-            for (; n + 4 <= j->n1; n += 4) {                                                                 \
-                int64_t m = 0;                                                                               \
-                for (; FW == 4 && m + 4 <= M; m += 4) TILE(j, n, m, 4, 4);                                   \
-                for (; m < M; m++) TILE(j, n, m, 1, 4);                                                      \
-            }                                                                                                \
-        for (; n + 2 <= j->n1; n += 2) {                                                                     \
-            int64_t m = 0;                                                                                   \
-            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 2);                                                  \
-            for (; m < M; m++) TILE(j, n, m, 1, 2);                                                          \
-        }                                                                                                    \
-        for (; n < j->n1; n++) {                                                                             \
-            int64_t m = 0;                                                                                   \
-            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 1);                                                  \
-            for (; m < M; m++) TILE(j, n, m, 1, 1);                                                          \
-        }                                                                                                    \
+#define A8_RANGE(NAME, TILE, FW)                                           \
+    static void NAME(const job_t *j) {                                     \
+        const int64_t M = j->M;                                            \
+        int64_t n = j->n0;                                                 \
+        if (FW == 4 || M < 4)                                              \
+            for (; n + 4 <= j->n1; n += 4) {                               \
+                int64_t m = 0;                                             \
+                for (; FW == 4 && m + 4 <= M; m += 4) TILE(j, n, m, 4, 4); \
+                for (; m < M; m++) TILE(j, n, m, 1, 4);                    \
+            }                                                              \
+        for (; n + 2 <= j->n1; n += 2) {                                   \
+            int64_t m = 0;                                                 \
+            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 2);                \
+            for (; m < M; m++) TILE(j, n, m, 1, 2);                        \
+        }                                                                  \
+        for (; n < j->n1; n++) {                                           \
+            int64_t m = 0;                                                 \
+            for (; m + 4 <= M; m += 4) TILE(j, n, m, 4, 1);                \
+            for (; m < M; m++) TILE(j, n, m, 1, 1);                        \
+        }                                                                  \
     }
 A8_RANGE(a8_int4b_tiles, a8_i4b, 4)
 A8_RANGE(a8_int8b_tiles, a8_i8b, 4)
@@ -566,8 +564,10 @@ static void a8_int8b_range(const job_t *j) {
 static void a8_int4b_range(const job_t *j) {
     if (j->tiled) { /* every feature is in a tile (N % 16 == 0): the tiles that start in [n0, n1) */
         for (int64_t n = (j->n0 + 15) / 16 * 16; n < j->n1; n += 16) {
-            if (j->M >= a8t_tiled_block_rows) a8_i4t(j, n);
-            else a8_i4t_rows(j, n);
+            if (j->M >= a8t_tiled_block_rows)
+                a8_i4t(j, n);
+            else
+                a8_i4t_rows(j, n);
         }
         return;
     }
@@ -578,9 +578,9 @@ static void a8_int4b_range(const job_t *j) {
 }
 
 #endif
-"""
-          + AVX2_SOURCE
-          + r"""
+
+#include "quant_a8_avx2.h"
+
 #if TF_A8 || TF_A8V
 static __thread void *a8_buf = NULL; /* per calling thread, grown, never shrunk: no allocation per call */
 static __thread size_t a8_cap = 0;
@@ -591,16 +591,17 @@ static void a8_key_init(void) { pthread_key_create(&a8_key, free); }
 
 /* y = x W^T + b with x quantised to int8 per row and block of 32; G == 0: int8 weights (q, scale; tiled: in
    tile_int8's order, K % 128 == 0), else int4 (pack_int4 order, G == 64: x per block of 32; G == 128 or
-   G % 256 == 0: x per block of 128; tiled: in tile_int4's order). Needs K % 64 == 0. Returns -2 for a call this CPU's kernel does not take (none without
-   AVX2; with AVX2 but not AVX-512 VNNI all but tiled int4 per block of 128), -1 on no memory. */
+   G % 256 == 0: x per block of 128; tiled: in tile_int4's order). Needs K % 64 == 0. Returns -2 for a call this CPU's
+   kernel does not take (none without AVX2; with AVX2 but not AVX-512 VNNI all but tiled int4 per block of 128), -1 on
+   no memory. */
 int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *scale, const float *zero,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t tiled,
                      int64_t threads) {
 #if TF_A8 || TF_A8V
     if (K % 64 != 0 || (G != 0 && G != 64 && G != 128 && G % 256 != 0)) return -2; /* other G: not these layouts */
     if (tiled && ((G > 0 && G < 128) || (G == 0 && K % 128 != 0) || N % 16 != 0 || M > A8T_MAX_ROWS))
-        return -2;                                      /* not a tiled layout's call */
-    if (TF_A8V && (!tiled || G == 0)) return -2;        /* the AVX2 kernel's: tiled int4 */
+        return -2;                               /* not a tiled layout's call */
+    if (TF_A8V && (!tiled || G == 0)) return -2; /* the AVX2 kernel's: tiled int4 */
     const int64_t ng = G > 0 ? K / G : 0;
     const size_t need = (size_t)(M * K) + sizeof(float) * (size_t)(M * (K / 4) + M + M * ng) + 64;
     if (need > a8_cap) {
@@ -613,7 +614,19 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
     }
     float *dv = a8_buf, *corr = dv + M * (K / 4), *xsum = corr + M;
     int8_t *xqb = (int8_t *)(xsum + M * ng);
-    job_t j = {x, scale, zero, bias, xsum, q, y, xs, M, N, K, G, 0, N};
+    job_t j = {.x = x,
+               .scale = scale,
+               .zero = zero,
+               .bias = bias,
+               .xsum = xsum,
+               .w = q,
+               .y = y,
+               .xs = xs,
+               .M = M,
+               .N = N,
+               .K = K,
+               .G = G,
+               .n1 = N};
     j.xq = xqb;
     j.dv = dv;
     j.corr = corr;
@@ -621,17 +634,29 @@ int tf_a8_linear_f32(const float *x, int64_t xs, const void *q, const float *sca
 #if TF_A8
     /* int8 with K % 128 == 0 and int4 with G == 128 or G % 256 == 0: x per block of 128, d in dv */
     const int b128 = G >= 128 || (G == 0 && K % 128 == 0);
-    if (b128) a8_quantize_b128(x, xs, M, K, G, xqb, dv, corr, xsum);
-    else a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
+    if (b128)
+        a8_quantize_b128(x, xs, M, K, G, xqb, dv, corr, xsum);
+    else
+        a8_quantize(x, xs, M, K, G, xqb, dv, corr, xsum);
     return run(G == 0 ? (b128 ? a8_int8b_range : a8_int8_range) : b128 ? a8_int4b_range : a8_int4_range, j, threads);
 #else
     a8v_quantize_b128(x, xs, M, K, G, xqb, dv, xsum);
     return run(a8v_int4t_range, j, threads);
 #endif
 #else
-    (void)x; (void)xs; (void)q; (void)scale; (void)zero; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
-    (void)tiled; (void)threads;
+    (void)x;
+    (void)xs;
+    (void)q;
+    (void)scale;
+    (void)zero;
+    (void)bias;
+    (void)y;
+    (void)M;
+    (void)N;
+    (void)K;
+    (void)G;
+    (void)tiled;
+    (void)threads;
     return -2;
 #endif
 }
-""")

@@ -1,27 +1,28 @@
-"""C source of :mod:`tightfit.cuda.grouped_experts`'s native backend (fp32; see that module's docstring)."""
-
-from __future__ import annotations
-
-from tightfit.cuda.native import FORK_FLAG_SOURCE
-
-__all__ = ["SOURCE"]
-
-SOURCE = r"""
+/* A Mixture-of-Experts layer's routed experts in fp32 (launcher: tightfit.cuda.grouped_experts).
+     tf_grouped_experts_f32   out[t] = sum over token t's routed experts e (first <= e < first + E) of
+                              weights[t, s] * down_e(act(gate_up_e(x[t])))
+   The (token, expert) pairs are counting-sorted by expert; each expert's tokens then run in units of up to CHUNK
+   rows, both products tiled RB rows by 2 NB columns, and each token's rows are summed in expert order, so the
+   result does not depend on the number of threads. Contract: weights are input-major (gu[e]: H x 2I, dn[e]: I x H),
+   biases optional (NULL); experts outside [first, first + E) are skipped. Returns 0, or -1 where its buffers could
+   not be allocated. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + FORK_FLAG_SOURCE + r"""
-#define RB 6         /* token rows of a tile: each weight vector loaded feeds RB FMAs */
-#define NB 8         /* columns of each of a tile's two column segments (one 8-float vector) */
-#define CHUNK 64     /* rows of one unit of work: up to CHUNK of one expert's tokens */
-#define PACK_ROWS (2 * RB)  /* rows above which a unit copies each weight panel before its tiles run over it */
-#define MIN_WORK 262144  /* multiply-adds below which a call stays on the calling thread */
+#include "tf_fork.h"
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* unaligned loads and stores */
+#define RB 6               /* token rows of a tile: each weight vector loaded feeds RB FMAs */
+#define NB 8               /* columns of each of a tile's two column segments (one 8-float vector) */
+#define CHUNK 64           /* rows of one unit of work: up to CHUNK of one expert's tokens */
+#define PACK_ROWS (2 * RB) /* rows above which a unit copies each weight panel before its tiles run over it */
+#define MIN_WORK 262144    /* multiply-adds below which a call stays on the calling thread */
 
-static inline v8 splat(float a) { v8 v = {a, a, a, a, a, a, a, a}; return v; }
+typedef float v8 __attribute__((vector_size(32), aligned(4))); /* unaligned loads and stores */
+
+/* A macro, not a function: a function returning a vector type warns (-Wpsabi) on targets without AVX. */
+#define splat(a) ((v8){(a), (a), (a), (a), (a), (a), (a), (a)})
 
 /* acc[r][s] = sum_k x[r][k] * w[k * ld + off_s .. + NB) for the RB rows x[r] and the segments off_0, off_1; written
    out for RB = 6: twelve accumulators, two weight vectors and a broadcast fit AVX2's sixteen registers. */
@@ -35,15 +36,36 @@ static inline void tile(const float *const *x, const float *w, int64_t ld, int64
         __builtin_prefetch(w + (k + 8) * ld + off0);
         __builtin_prefetch(w + (k + 8) * ld + off1);
         v8 b = splat(x0[k]);
-        a00 += b * w0; a01 += b * w1;
-        b = splat(x1[k]); a10 += b * w0; a11 += b * w1;
-        b = splat(x2[k]); a20 += b * w0; a21 += b * w1;
-        b = splat(x3[k]); a30 += b * w0; a31 += b * w1;
-        b = splat(x4[k]); a40 += b * w0; a41 += b * w1;
-        b = splat(x5[k]); a50 += b * w0; a51 += b * w1;
+        a00 += b * w0;
+        a01 += b * w1;
+        b = splat(x1[k]);
+        a10 += b * w0;
+        a11 += b * w1;
+        b = splat(x2[k]);
+        a20 += b * w0;
+        a21 += b * w1;
+        b = splat(x3[k]);
+        a30 += b * w0;
+        a31 += b * w1;
+        b = splat(x4[k]);
+        a40 += b * w0;
+        a41 += b * w1;
+        b = splat(x5[k]);
+        a50 += b * w0;
+        a51 += b * w1;
     }
-    acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11; acc[2][0] = a20; acc[2][1] = a21;
-    acc[3][0] = a30; acc[3][1] = a31; acc[4][0] = a40; acc[4][1] = a41; acc[5][0] = a50; acc[5][1] = a51;
+    acc[0][0] = a00;
+    acc[0][1] = a01;
+    acc[1][0] = a10;
+    acc[1][1] = a11;
+    acc[2][0] = a20;
+    acc[2][1] = a21;
+    acc[3][0] = a30;
+    acc[3][1] = a31;
+    acc[4][0] = a40;
+    acc[4][1] = a41;
+    acc[5][0] = a50;
+    acc[5][1] = a51;
 }
 
 /* The K x 2 NB panel of w's columns off0 .. + NB and off1 .. + NB, copied contiguous into panel where the unit has
@@ -80,9 +102,9 @@ typedef struct {
     int64_t xs, H, I;
     const float *const *gu, *const *dn, *const *gub, *const *dnb;
     float limit, alpha;
-    const int64_t *tok;  /* token of each expert-sorted pair */
-    const float *scale;  /* routing weight of each pair */
-    float *ys;           /* each pair's scaled output row (H floats) */
+    const int64_t *tok; /* token of each expert-sorted pair */
+    const float *scale; /* routing weight of each pair */
+    float *ys;          /* each pair's scaled output row (H floats) */
 } job_t;
 
 /* y[0 .. N) += a * w[0 .. N) */
@@ -137,7 +159,10 @@ static void unit(const job_t *j, int64_t e, int64_t p0, int64_t p1, float *h, fl
             for (int r = 0; r < RB && r0 + r < n; r++)
                 for (int i = 0; i < NB; i++) {
                     float g = acc[r][0][i], u = acc[r][1][i];
-                    if (b1) { g += b1[c + i]; u += b1[I + c + i]; }
+                    if (b1) {
+                        g += b1[c + i];
+                        u += b1[I + c + i];
+                    }
                     h[(r0 + r) * I + c + i] = act(g, u, j->limit, j->alpha);
                 }
         }
@@ -146,7 +171,10 @@ static void unit(const job_t *j, int64_t e, int64_t p0, int64_t p1, float *h, fl
         for (int64_t r = 0; r < n; r++) {
             const float *xr = j->x + j->tok[p0 + r] * j->xs;
             float g = column(xr, W1, 2 * I, H, c), u = column(xr, W1, 2 * I, H, I + c);
-            if (b1) { g += b1[c]; u += b1[I + c]; }
+            if (b1) {
+                g += b1[c];
+                u += b1[I + c];
+            }
             h[r * I + c] = act(g, u, j->limit, j->alpha);
         }
     /* ys[p] = (h[r] . W2 + b2) * scale[p], 2 NB columns a tile */
@@ -187,9 +215,9 @@ static void gather_sums(const job_t *j, const int64_t *slots, const int *fill, i
    first .. first + E - 1 with input-major weights gu[e] (H x 2I) and dn[e] (I x H), optional biases; writes the fp32
    (T, H) sums to out. Returns 0, or -1 where its buffers could not be allocated. */
 int64_t tf_grouped_experts_f32(const float *x, int64_t xs, const int64_t *chosen, const float *weights, int64_t T,
-                               int64_t k, int64_t H, int64_t I, int64_t first, int64_t E,
-                               const float *const *gu, const float *const *dn, const float *const *gub,
-                               const float *const *dnb, float limit, float alpha, float *out, int64_t threads) {
+                               int64_t k, int64_t H, int64_t I, int64_t first, int64_t E, const float *const *gu,
+                               const float *const *dn, const float *const *gub, const float *const *dnb, float limit,
+                               float alpha, float *out, int64_t threads) {
     const int64_t P = T * k;
     int64_t *count = calloc((size_t)E + 1, sizeof(int64_t)), *tok = malloc((size_t)(P + 1) * sizeof(int64_t));
     int64_t *slots = malloc((size_t)(P + 1) * sizeof(int64_t));
@@ -208,17 +236,19 @@ int64_t tf_grouped_experts_f32(const float *x, int64_t xs, const int64_t *chosen
         const int64_t e = chosen[f] - first;
         if (e < 0 || e >= E) continue;
         const int64_t p = count[e]++, t = f / k;
-        tok[p] = t; scale[p] = weights[f];
+        tok[p] = t;
+        scale[p] = weights[f];
         used++;
     }
     /* count[e] is now expert e's end; its pairs start at count[e - 1] (0 for the first) */
     for (int64_t e = 0; e < E; e++)
         for (int64_t p = e ? count[e - 1] : 0; p < count[e]; p += CHUNK) {
-            units[3 * nu] = e; units[3 * nu + 1] = p;
+            units[3 * nu] = e;
+            units[3 * nu + 1] = p;
             units[3 * nu + 2] = p + CHUNK < count[e] ? p + CHUNK : count[e];
             nu++;
         }
-    for (int64_t p = 0; p < used; p++) slots[tok[p] * k + fill[tok[p]]++] = p;  /* ascending p: expert order */
+    for (int64_t p = 0; p < used; p++) slots[tok[p] * k + fill[tok[p]]++] = p; /* ascending p: expert order */
     job_t j = {x, xs, H, I, gu, dn, gub, dnb, limit, alpha, tok, scale, ys};
     int64_t n = used * H * 3 * I / MIN_WORK;
     n = n < threads ? n : threads;
@@ -231,17 +261,17 @@ int64_t tf_grouped_experts_f32(const float *x, int64_t xs, const int64_t *chosen
     if (n > 1) {
 #ifdef _OPENMP
         int failed = 0;
-        #pragma omp parallel num_threads((int)n)
+#pragma omp parallel num_threads((int)n)
         {
             float *h = malloc(((size_t)CHUNK * (size_t)I + (size_t)(H > I ? H : I) * 2 * NB) * sizeof(float));
             if (!h) {
-                #pragma omp atomic write
+#pragma omp atomic write
                 failed = 1;
             }
-            #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < nu; u++)
                 if (h) unit(&j, units[3 * u], units[3 * u + 1], units[3 * u + 2], h, h + CHUNK * I);
-            #pragma omp for schedule(static)
+#pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) gather_sums(&j, slots, fill, k, t, out);
             free(h);
         }
@@ -256,7 +286,12 @@ int64_t tf_grouped_experts_f32(const float *x, int64_t xs, const int64_t *chosen
     }
     rc = 0;
 done:
-    free(count); free(tok); free(slots); free(units); free(fill); free(scale); free(ys);
+    free(count);
+    free(tok);
+    free(slots);
+    free(units);
+    free(fill);
+    free(scale);
+    free(ys);
     return rc;
 }
-"""
