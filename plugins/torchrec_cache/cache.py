@@ -258,6 +258,7 @@ class FusedCache(nn.Module):
             batch, counts = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
                 self._place(batch, counts, until=max(batch.step, until), counted=False, window=window)
+                self.store.write_back()  # disk tier: the rows this placement evicted, written behind the step
             return batch
 
     def enter_window(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
@@ -304,6 +305,7 @@ class FusedCache(nn.Module):
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)
+            self.store.write_back()  # disk tier: the rows this batch evicted, written while it computes
             if hold:
                 self._hold(batch)
         return batch

@@ -8,11 +8,13 @@ is the device cache's: the frequency sketch ranks rows (TinyLFU admission: an of
 coldest way of its set only when the sketch counts it as used more; a free way takes any row); a row
 that is not admitted, and a dirty row its admission displaces, go to the *outbox*.
 
-Write-back, behind the step: at the start of the next batch (:meth:`HostLevel.issue`) the outbox becomes one write job
-on a background thread (rows sorted by offset, extents read, patched, written whole), at most one in flight. A row
-leaves host memory only once its write is done: until then reads find it in the outbox or the job in flight. A failed
-job (disk full) raises at the next :meth:`issue` or :meth:`persist`; its rows go back to the outbox, so nothing is
-lost and the next call retries.
+Write-back, behind the step: in the step that evicts rows (:meth:`HostLevel.issue`, once the batch's rows are placed)
+the outbox becomes one write job on a background thread (rows sorted by offset, extents read, patched, written whole),
+so the disk writes while the step computes. Jobs run one after another in the order issued; up to
+:data:`WRITES_IN_FLIGHT` may be queued before :meth:`issue` waits for the oldest. A row leaves host memory only once its
+write is done: until then reads find it in the outbox or a job in flight. A failed job (disk full) raises at the next
+:meth:`issue` or :meth:`persist`; its rows and those of every later job go back to the outbox (newer records over
+older ones), so nothing is lost and the next call retries.
 
 Example:
     >>> import tempfile
@@ -47,9 +49,13 @@ from torchrec_cache.disk import DiskRows, RowRead
 from torchrec_cache.layout import KeySpace, mix_hash
 from torchrec_cache.sketch import FrequencySketch
 
-__all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "CHECKSUM_BLOCK", "READ_WORKERS", "extent_bytes_for"]
+__all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "WRITES_IN_FLIGHT", "CHECKSUM_BLOCK", "READ_WORKERS",
+           "extent_bytes_for"]
 
 WAYS = 8
+# Write jobs queued at once: the prefetch thread's evictions and the step's own each issue one, so two steps'
+# worth stay queued while the disk catches up before the step waits for the oldest.
+WRITES_IN_FLIGHT = 4
 _FREE, _OFF = -1, -2
 _NEVER = 2**62  # the score of a disabled way: never a victim
 
@@ -91,7 +97,7 @@ class HostLevel:
         self.capacity = slots
         R = disk.record_bytes
         self.out_pos, self.out_rec = torch.empty(0, dtype=torch.int64), torch.empty(0, R, dtype=torch.uint8)
-        self.inflight: tuple[torch.Tensor, torch.Tensor, Future[None]] | None = None
+        self.inflight: list[tuple[torch.Tensor, torch.Tensor, Future[None]]] = []  # write jobs, oldest first
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-writeback")
         self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
         self._used = False  # whether any row entered the level, the outbox or the read-ahead
@@ -122,10 +128,7 @@ class HostLevel:
     # ------------------------------------------------------------------ reads
     def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows written but not yet on disk, newest first: the outbox, then the job in flight."""
-        out = [(self.out_pos, self.out_rec)]
-        if self.inflight is not None:
-            out.append((self.inflight[0], self.inflight[1]))
-        return out
+        return [(self.out_pos, self.out_rec)] + [(p, r) for p, r, _ in reversed(self.inflight)]
 
     # ------------------------------------------------------------------ the lookahead window on disk
     def stage(self, pos: torch.Tensor, step: int) -> None:
@@ -288,27 +291,33 @@ class HostLevel:
         self.out_pos, self.out_rec = _merge(self.out_pos, self.out_rec, pos, recs)
 
     def issue(self) -> None:
-        """Start writing the outbox (after the previous write job finished): at the start of a batch."""
+        """Start writing the outbox as one job behind those in flight (waiting for the oldest when
+        :data:`WRITES_IN_FLIGHT` are queued); raises a finished job's error."""
         with self.lock:
-            self._settle_inflight()
+            self._settle_inflight(wait=False)
             if self.out_pos.numel() == 0:
                 return
+            while len(self.inflight) >= WRITES_IN_FLIGHT:
+                cf.wait([self.inflight[0][2]])
+                self._settle_inflight(wait=False)
             pos, rec = self.out_pos, self.out_rec
             self.out_pos, self.out_rec = pos[:0], rec[:0]
-            self.inflight = (pos, rec, self.pool.submit(self.disk.write, pos, rec))
+            self.inflight.append((pos, rec, self.pool.submit(self.disk.write, pos, rec)))
 
-    def _settle_inflight(self) -> None:
-        if self.inflight is None:
-            return
-        pos, rec, fut = self.inflight
-        try:
-            fut.result()
-        except BaseException:
-            # Nothing of it is lost: its rows are pending again, under anything written since.
-            self.inflight = None
-            self.out_pos, self.out_rec = _merge(pos, rec, self.out_pos, self.out_rec)
-            raise
-        self.inflight = None
+    def _settle_inflight(self, *, wait: bool = True) -> None:
+        """Drop the finished jobs at the head of the queue (``wait``: every job, waiting for them). A failed job:
+        every job is waited for and their rows are pending again, oldest first, under the outbox; then it raises."""
+        while self.inflight and (wait or self.inflight[0][2].done()):
+            if self.inflight[0][2].exception() is None:
+                self.inflight.pop(0)
+                continue
+            jobs, self.inflight = self.inflight, []
+            cf.wait([f for _, _, f in jobs])
+            pos, rec = self.out_pos, self.out_rec
+            for p, r, _ in reversed(jobs):  # newest first: each merges under what is newer than it
+                pos, rec = _merge(p, r, pos, rec)
+            self.out_pos, self.out_rec = pos, rec
+            raise next(f.exception() for _, _, f in jobs if f.exception() is not None)  # type: ignore[misc]
 
     def persist(self) -> None:
         """Write every dirty host row and the outbox to disk and wait (a checkpoint's durability point)."""

@@ -149,17 +149,26 @@ class RowStore(nn.Module):
             level.write_range(a + lo, records(w.to(g.dtype), st.float()))
 
     def init_tier(self, init_fns: dict[str, Callable[[torch.Tensor], object] | None], chunk_rows: int = 65536) -> None:
-        """Disk tier: write every table's initial rows (its ``init_fn`` run chunk by chunk; zeros without
-        one) and the optimizer's initial state."""
+        """Disk tier: write every table's initial rows and the optimizer's initial state, chunk by chunk.
+
+        Tables are initialised in ``init_fns``' order (the configs' order, as TorchRec's ``init_parameters``
+        runs them) and each ``init_fn`` runs on consecutive chunks of its table, so one RNG stream fills the rows
+        in the same order as one call on the whole table would (zeros without an ``init_fn``). Chunks hold a
+        multiple of 16 elements and the last one at least 16, so ``normal_``'s 16-element blocks fall where
+        they fall on the whole table. An ``init_fn`` whose result depends on the tensor's shape (``xavier_*``,
+        ``kaiming_*``, ``orthogonal_``) cannot run in chunks: refused, naming the table.
+        """
         assert self.tier is not None
+        chunk_rows = max(16, chunk_rows // 16 * 16)
         inflight: list[tuple[Future[int], torch.Tensor]] = []  # a few chunks in flight while the next is made
-        for name in self.index:
+        for name in list(init_fns) + [n for n in self.index if n not in init_fns]:
             g, a, n = self._table(name)
             disk = self.tier.levels[self.space.group_index[self.index[name]]].disk
-            for lo in range(0, n, chunk_rows):
-                k = min(chunk_rows, n - lo)
+            fn = init_fns.get(name)
+            if fn is not None and n > chunk_rows:
+                _check_chunkable(name, fn, g.dim, g.dtype)
+            for lo, k in _chunks(n, chunk_rows, g.dim):
                 w = torch.zeros(k, g.dim, dtype=g.dtype)
-                fn = init_fns.get(name)
                 if fn is not None:
                     fn(w)
                 recs = records(w, initial_state(self.optimizer, k, g.dim))
@@ -407,3 +416,31 @@ class RowStore(nn.Module):
                 self.copy_in(gi, keys_h, slots)
             g.dirty.clear()
         self.mark_host_changed()
+
+
+def _chunks(rows: int, chunk_rows: int, dim: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of a table's init chunks: ``chunk_rows`` (a multiple of 16) each, the last one
+    merged into the one before when it would hold fewer than 16 elements."""
+    out = [(lo, min(chunk_rows, rows - lo)) for lo in range(0, rows, chunk_rows)]
+    if len(out) > 1 and out[-1][1] * dim < 16:
+        (lo, k), (_, tail) = out[-2], out[-1]
+        out[-2:] = [(lo, k + tail)]
+    return out
+
+
+def _check_chunkable(name: str, fn: Callable[[torch.Tensor], object], dim: int, dtype: torch.dtype) -> None:
+    """Refuse an ``init_fn`` whose rows depend on the tensor's shape: on a private RNG state it fills 64 rows
+    at once and in two halves; the two must agree (the caller's RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0x5EED)
+        whole = torch.zeros(64, dim, dtype=dtype)
+        fn(whole)
+        torch.manual_seed(0x5EED)
+        halves = torch.zeros(64, dim, dtype=dtype)
+        fn(halves[:32])
+        fn(halves[32:])
+    if not torch.equal(whole, halves):
+        raise ValueError(f"table {name!r}: its init_fn {fn!r} gives rows that depend on the tensor's shape "
+                         "(xavier_/kaiming_/orthogonal_ do), so it cannot initialise the table on disk chunk by "
+                         "chunk; give an elementwise init_fn (e.g. functools.partial(torch.nn.init.uniform_, "
+                         "a=-0.01, b=0.01), TorchRec's default) or build on 'cpu' and load_state_dict the rows")

@@ -43,6 +43,13 @@ def _cached(module: nn.Module, cache: CacheConfig, frequencies: FrequencyStats |
             device: torch.device | str | None) -> nn.Module | None:
     if isinstance(module, CachedCollection):
         return None
+    # A collection on the meta device (TorchRec's way to describe tables larger than memory) has no rows to
+    # carry over: with a disk tier the cached collection is built off the meta device, its rows written straight
+    # to disk chunk by chunk by each table's init_fn, as TorchRec's init_parameters would fill them.
+    from_meta = (isinstance(module, (EmbeddingBagCollection, EmbeddingCollection))
+                 and torch.device(module.device).type == "meta" and cache.disk_dir is not None)
+    if from_meta and device is None:
+        device = "cpu"
     if isinstance(module, EmbeddingBagCollection):
         tables = module.embedding_bag_configs()
         new: nn.Module = CachedEmbeddingBagCollection(
@@ -55,7 +62,8 @@ def _cached(module: nn.Module, cache: CacheConfig, frequencies: FrequencyStats |
             frequencies=_subset(frequencies, [t.name for t in tables]))
     else:
         return None
-    new.load_state_dict(module.state_dict())
+    if not from_meta:
+        new.load_state_dict(module.state_dict())
     return new
 
 
@@ -81,7 +89,14 @@ def swap_in(model: nn.Module, cache: CacheConfig | None = None, frequencies: Fre
         model: a model holding ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules, or one of them.
         cache: the :class:`CacheConfig` for every collection (a byte budget applies to each collection).
         frequencies: statistics over the model's tables (warm-up, ``static`` policy, byte-budget split).
-        device: where the caches live (default: each collection's own device).
+        device: where the caches live (default: each collection's own device; ``"cpu"`` for a collection on
+            the meta device whose cache has a ``disk_dir``).
+
+    A collection built on the meta device with a ``disk_dir`` in ``cache`` is materialised straight into the
+    disk tier: each table's ``init_fn`` runs chunk by chunk in the configs' order (the rows TorchRec's
+    ``init_parameters`` would give under the same RNG state), never the whole table in memory. The rest of
+    the model stays where it is (``model.to_empty(device=...)`` then materialises it; the cached collections
+    keep their rows through it).
 
     Returns the model (modified in place), or the new module when ``model`` itself was a collection.
     """
