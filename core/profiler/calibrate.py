@@ -16,7 +16,8 @@ process group initialised, every rank calls :func:`calibrate_device` and gets it
   per unsharded parameter byte (``mode/byte``: the same unit with 36x larger layers; copy-in/copy-out and,
   on a CPU, page faults of the unsharded buffers FSDP2 allocates every step);
 * **overlap of communication with compute**: a matmul loop alone, an all-reduce alone, and both
-  at once; ``overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in ``[0, 1]``. On
+  at once, in interleaved trials; ``overlap = mean(t_compute + t_comm - t_both) / min(t_compute, t_comm)``
+  (a trimmed mean over the trials; the loops' median times) in ``[0, 1]``. On
   gloo with one thread per rank the collective's copies and reductions run on the core the
   matmuls need (overlap near 0); on NCCL with a copy engine it is near 1;
 * ``unified_memory`` for a CPU "device": offload copies cost nothing.
@@ -217,10 +218,18 @@ def _unit_overheads(device: torch.device, repeats: int, fits: dict[str, dict[int
 
 
 def _overlap(device: torch.device, repeats: int) -> float:
-    """Median over ``repeats`` interleaved trials of ``(t_c + t_n - t_b) / min(t_c, t_n)``, the matmul loop sized to
-    last as long as the all-reduce. A loop sized from an assumed rate can be much shorter than the all-reduce, and
-    then the all-reduce's own noise swings the ratio over the whole [0, 1] from one calibration to the next, so the
-    planner would price every step as overlapped or not by chance."""
+    """The share of an all-reduce that a matmul loop as long as it hides: ``3 * repeats`` interleaved trials, each
+    timing the loop alone (``t_c``), the all-reduce alone (``t_n``) and both at once (``t_b``); the trials' mean
+    hidden time ``t_c + t_n - t_b`` (the fastest and slowest fifth left out) over the shorter of the two medians
+    ``t_c`` and ``t_n``, in ``[0, 1]``.
+
+    Sized so: a loop much shorter than the all-reduce would make the all-reduce's own noise the whole figure. Paired
+    per trial, a slow spell that stretches one trial stretches its three timings together. Where the ranks' four
+    threads share two cores, whether the all-reduce gets a core beside the loop differs from trial to trial: the
+    hidden times fall in two clusters, whose median jumps from one to the other as their shares cross half, while
+    a trimmed mean moves with the shares. The denominator is a median of many timings, not a trial's shorter one,
+    which a single fast loop would shrink and so swell that trial's ratio. The figure's spread falls as the square
+    root of the trials, hence three times the ``repeats`` the other measurements take."""
     import torch.distributed as dist
 
     n = 256 if device.type == "cpu" else 4096
@@ -243,11 +252,11 @@ def _overlap(device: torch.device, repeats: int) -> float:
         compute()
         work.wait()
 
-    estimates = []
-    for _ in range(repeats):
-        t_c, t_n, t_b = (_median_time(fn, device, 1, warmup=0) for fn in (compute, comm, both))
-        estimates.append((t_c + t_n - t_b) / max(1e-9, min(t_c, t_n)))
-    return float(min(1.0, max(0.0, statistics.median(estimates))))
+    trials = [[_median_time(fn, device, 1, warmup=0) for fn in (compute, comm, both)] for _ in range(3 * repeats)]
+    hidden = sorted(t_c + t_n - t_b for t_c, t_n, t_b in trials)
+    cut = len(hidden) // 5
+    shorter = min(statistics.median(t[0] for t in trials), statistics.median(t[1] for t in trials))
+    return float(min(1.0, max(0.0, statistics.fmean(hidden[cut: len(hidden) - cut]) / max(1e-9, shorter))))
 
 
 def _adam_rate(device: torch.device, repeats: int) -> float:
@@ -279,7 +288,7 @@ def calibrate_device(profile: DeviceProfile, *, device: str | torch.device | Non
     if not (dist.is_available() and dist.is_initialized()):
         return base
     world = dist.get_world_size()
-    path = cache_file(f"calibrated v6 | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
+    path = cache_file(f"calibrated v7 | {profile.key} | world {world} | threads {torch.get_num_threads()} | {clock}",
                       quick)
     cached = None
     if not refresh and path.is_file():

@@ -27,6 +27,7 @@ from torch import nn
 
 from tightfit.cuda.packed_linear import (
     MIN_ROWS,
+    SMALL_MIN_ROWS,
     apply_activation,
     pack_linear_weight,
     packed_linear,
@@ -37,7 +38,7 @@ from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4
 from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
-           "microbatches"]
+           "move_unpacked", "microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +190,16 @@ class _Projection(nn.Module):
     The copy is used for inputs of at least ``rows_worth_packing`` rows for the weight's size (fewer run as fast
     through ``F.linear``: 2 rows for most weights, 64 for small ones such as a 256 x 256 out projection), and
     only while ``weight`` is the same tensor at the same version it was packed from: a memory pool
-    rebinding the parameter, or anything writing to it, makes :meth:`matmul` drop the copy for good.
+    rebinding the parameter, or anything writing to it, makes :meth:`matmul` drop the copy for good. A weight a
+    memory pool moves keeps no copy but runs the copy's product on the plain weight (:meth:`move_unpacked`).
     """
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] = (0, -1)
     _min_rows: int = MIN_ROWS  # the fewest rows that use ``packed``
+    # oneDNN's packed product on the plain weight, from _min_rows rows (a weight a memory pool moves: move_unpacked)
+    plain_packed: bool = False
     # Weight-only quantization (energon_infer.loading.quantization): "int8" or "int4", with the weight held as the
     # parameters qweight, qscale (and qzero for int4) instead of ``weight``.
     quant: str | None = None
@@ -234,9 +238,23 @@ class _Projection(nn.Module):
         self._packed_from = (id(w), w._version)
         return 0 if self.packed is None else w.numel() * w.element_size()
 
+    def move_unpacked(self, packs: bool) -> None:
+        """The weight will move (a memory pool binds a slot's view to it each pass): drop the packed copy, and where
+        ``packs`` (the weight, loaded whole, is packed) run oneDNN's product on the bound weight as it is, for as
+        many rows as the copy would serve. oneDNN reads the plain weight about as fast as ``F.linear`` (a copy
+        reordered per call would cost several times the product) and gives the packed copy's results, bit for bit
+        (:func:`_plain_matches_packed`; where it does not, ``F.linear`` runs), so a moved layer computes what the
+        engine that holds the weight computes."""
+        self.packed = None
+        rows = rows_worth_packing(self.weight.numel()) if self.quant is None else None
+        self.plain_packed = packs and rows is not None and _plain_matches_packed(self.weight.dtype)
+        self._min_rows = rows or MIN_ROWS
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "") -> torch.Tensor:
         """``activation(x W^T + bias)``; ``activation`` a key of ``packed_linear.ACTIVATIONS`` (``""``: none), fused
         into the product where the weight is packed (a quantized weight is never packed)."""
+        if self.plain_packed and x.shape[0] >= self._min_rows:
+            return packed_linear(x, self.weight, bias, activation)
         packed = self.packed
         if packed is not None and x.shape[0] >= self._min_rows:
             w = self.weight
@@ -265,6 +283,33 @@ class _Projection(nn.Module):
 def pack_weights(module: nn.Module) -> int:
     """Pack every projection weight in ``module`` for the CPU (see :class:`_Projection`); bytes added."""
     return sum(m.pack() for m in module.modules() if isinstance(m, _Projection))
+
+
+_PLAIN_MATCHES: dict[torch.dtype, bool] = {}
+
+
+def _plain_matches_packed(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's product from a plain input-major ``dtype`` weight equals the one from its packed copy, bit for
+    bit, at :data:`MIN_ROWS` and :data:`SMALL_MIN_ROWS` rows (probed once per dtype)."""
+    if dtype not in _PLAIN_MATCHES:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(256, 384, generator=gen).to(dtype).t()  # (384 out, 256 in), stored input-major
+        packed = pack_linear_weight(w, min_numel=0)
+        try:
+            _PLAIN_MATCHES[dtype] = packed is not None and all(
+                torch.equal(packed_linear(x, w), packed_linear(x, packed))
+                for x in (torch.randn(rows, 256, generator=gen).to(dtype) for rows in (MIN_ROWS, SMALL_MIN_ROWS)))
+        except (RuntimeError, TypeError):
+            _PLAIN_MATCHES[dtype] = False
+    return _PLAIN_MATCHES[dtype]
+
+
+def move_unpacked(module: nn.Module, packs: bool | None = None) -> None:
+    """:meth:`_Projection.move_unpacked` for every projection in ``module``, whose weights a memory pool moves;
+    ``packs``: whether the weights, loaded whole, pack (``None``: each projection's own packed copy says)."""
+    for m in module.modules():
+        if isinstance(m, _Projection):
+            m.move_unpacked(m.packed is not None if packs is None else packs)
 
 
 def drop_packed(module: nn.Module) -> None:

@@ -21,9 +21,10 @@ from energon_infer.loading.config import load_config
 from energon_infer.loading.safetensors_files import CheckpointChangedError, TensorFiles, read_header
 from energon_infer.loading.weights import WeightError
 from energon_infer.worker.disk_pool import install_tiered_pool, plan_tiers, pool_snapshot
-from energon_infer.worker.memory_pool import MemoryPoolConfig, stage_layer_bytes
+from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool, stage_layer_bytes
 from tests.energon_infer.tiny import PROMPTS, save_tiny
 from tests.helpers.runif import RunIf
+from tightfit.cuda.packed_linear import packed_linear, packing_available
 from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile
@@ -55,11 +56,11 @@ def _budget(path, keep: int, *, lookahead: int = 1, threads: int = 2, tp: int = 
     return best
 
 
-def _tiered(path, memory_budget, **kw):
+def _tiered(path, memory_budget, opts=OPTS, **kw):
     cfg = load_config(path)
     config = MemoryPoolConfig(memory_budget=memory_budget, disk=_disk(path), lookahead=1, **kw)
     plan = plan_tiers(path, cfg, tp=1, pp=1, dtype="float32", device_type="cpu", config=config)[0]
-    runner = ModelRunner.from_pretrained(path, offload=plan.disk_layers, **OPTS)
+    runner = ModelRunner.from_pretrained(path, offload=plan.disk_layers, **opts)
     return runner, install_tiered_pool(runner, plan, config, path), plan
 
 
@@ -85,6 +86,53 @@ def test_disk_layers_stream_from_the_checkpoint_and_equal_the_loaded_model(tmp_p
         assert passes <= snap["disk_reads"][i] + 1 <= passes + 1 + 1
     assert snap["disk_bytes_read"] == sum(snap["disk_reads"][i] * layers[i] for i in plan.disk_layers)
     assert plan.disk_bytes == sum(layers[i] for i in plan.disk_layers)
+    pool.close()
+
+
+@pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_pooled_layers_at_the_defaults_equal_the_loaded_model(tmp_path, tier, monkeypatch):
+    """At the defaults the loaded model multiplies by oneDNN-packed copies of its projection weights; a layer that
+    moves (host pool) or is read from disk keeps no copy but must run the same products on its plain weights, so
+    its logits are bit-equal too. The weights are wide enough that the real size rule packs them (the tiny models'
+    are not)."""
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "m", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512,
+                              vocab=600, max_positions=256)
+    opts = dict(progress=False, block_size=4)  # packed_weights left at its default
+    ref = ModelRunner.from_pretrained(path, **opts)
+    block = ref.stage.layers["0"]
+    assert all(m.packed is not None for m in (block.qkv, block.o, block.up, block.down, ref.stage.lm_head))
+    if tier == "host":
+        runner = ModelRunner.from_pretrained(path, **opts)
+        pool, plan = apply_memory_pool(runner, MemoryPoolConfig(fraction=0.5, lookahead=1))
+    else:
+        runner, pool, plan = _tiered(path, _budget(path, keep=1)[0], opts=opts)
+        assert len(plan.disk_layers) == 3
+    moved = [runner.stage.layers[str(i)] for i in plan.pooled]
+    assert moved and all(m.plain_packed and m.packed is None for b in moved for m in (b.qkv, b.o, b.up, b.down))
+    plain: list[int] = []
+
+    def recording(x, weight, *args, **kwargs):  # which path ran: the packed product on a plain weight
+        if not weight.is_mkldnn:
+            plain.append(weight.numel())
+        return packed_linear(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr("energon_infer.parallel.packed_linear", recording)
+    # A 70-token prompt: the out projection (256 x 256) takes the packed product from SMALL_MIN_ROWS (64) rows.
+    prompts = [*PROMPTS, list(range(100, 170))]
+    items = list(enumerate(prompts))
+    assert torch.equal(runner.forward(items, all_logits=True), ref.forward(items, all_logits=True))
+    # Each moved layer's four projections once (the step has 130 rows), the out projection (65536 elements) too.
+    assert sorted(plain) == sorted([256 * 512, 256 * 256, 256 * 1024, 512 * 256] * len(moved))
+    plain.clear()
+    for rows in (1, 2, 5):  # decode-sized steps: one row runs F.linear on both sides, more the packed product
+        step = [(100 + i, [7 + i]) for i in range(rows)]
+        assert torch.equal(runner.forward(step), ref.forward(step))
+    assert len(plain) == 2 * 3 * len(moved)  # the 2- and 5-row steps: all but the out projection
+    gen = [g.token_ids for g in runner.generate(prompts, GREEDY)]
+    assert gen == [g.token_ids for g in ref.generate(prompts, GREEDY)]
     pool.close()
 
 
@@ -225,10 +273,12 @@ def test_engine_serves_beyond_its_budget_and_reports_the_disk_tier(tmp_path):
 
     path = save_tiny("llama", tmp_path / "m", shard=None)
     budget, layers, resident = _budget(path, keep=0)
-    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, **OPTS).generate(PROMPTS, GREEDY)]
+    # At the defaults (packed_weights on): test_pooled_layers_at_the_defaults_equal_the_loaded_model checks the
+    # logits of weights wide enough to pack; this model's are not, so its workers run what the reference runs.
+    ref = [g.token_ids for g in ModelRunner.from_pretrained(path, progress=False, block_size=4).generate(PROMPTS, GREEDY)]
     pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
     with Engine.from_pretrained(path, memory_pool=pool, progress=False, threads_per_worker=1, block_size=4,
-                                packed_weights=False, kv_cache_tokens=512) as engine:
+                                kv_cache_tokens=512) as engine:
         out = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
         report = engine.memory_report()
         metrics = engine.render_metrics()

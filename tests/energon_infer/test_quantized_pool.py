@@ -145,6 +145,31 @@ def test_disk_tier_streams_the_quantized_store_and_equals_the_in_memory_model(tm
     pool.close()
 
 
+def test_disk_tier_at_the_defaults_equals_the_in_memory_model(tmp_path):
+    """At the defaults (packed_weights on, weights wide enough for the real size rule to pack them) a quantized
+    model holds no packed copy (its head is quantized too), and the quantized layers streamed from the store give
+    the in-memory model's logits bit for bit."""
+    from energon_infer.demo import write_random_llama
+
+    path = write_random_llama(tmp_path / "m", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512,
+                              vocab=600, max_positions=64)
+    opts = dict(progress=False, block_size=4, quantization="int8")  # packed_weights left at its default
+    ref = ModelRunner.from_pretrained(path, **opts)
+    layers, resident = packed_layer_bytes(ref.stage)
+    budget = resident + store_buffer_bytes(layers, 2) + 3 * max(layers)  # one layer kept, two slots
+    config = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1)
+    plan = plan_tiers(path, load_config(path), tp=1, pp=1, dtype="float32", device_type="cpu", config=config,
+                      quant=QuantSpec(method="int8"))[0]
+    runner = ModelRunner.from_pretrained(path, offload=plan.disk_layers, **opts)
+    pool = install_tiered_pool(runner, plan, config, path)
+    assert plan.disk_layers == (0, 1, 2)
+    for r in (ref, runner):
+        assert r.runtime.packed_weights and r.stage.lm_head.quant == "int8"
+        assert all(getattr(m, "packed", None) is None for m in r.stage.modules())
+    _same_as_in_memory(runner, ref)
+    pool.close()
+
+
 def test_the_store_records_what_it_was_made_from_in_the_directory_given(tmp_path, llama):
     spec = QuantSpec(method="int4", group_size=32)
     budget, _ = _unified_budget(llama, "int4", 32, keep=1)

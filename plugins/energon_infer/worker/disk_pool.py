@@ -41,7 +41,7 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.quantization import QuantSpec, meta_quantize, quantize_head
 from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
 from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts, source_order
-from energon_infer.parallel import Grid, split_layers
+from energon_infer.parallel import Grid, move_unpacked, split_layers
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
 from energon_infer.worker.model import DecoderStage
 from energon_infer.worker.quantized_pool import (
@@ -264,6 +264,14 @@ def decode_plans(text: str) -> list[PoolPlan]:
     return [PoolPlan.from_json(t) for t in json.loads(text)]
 
 
+def _packs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether loading packs a (finite, large enough) projection weight of ``dtype`` on ``device``: the conditions of
+    :func:`tightfit.cuda.packed_linear.pack_linear_weight` that do not depend on the values."""
+    from tightfit.cuda.packed_linear import PACKABLE_DTYPES, packing_available
+
+    return device.type == "cpu" and dtype in PACKABLE_DTYPES and packing_available()
+
+
 def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, path: str | Path) -> LayerPool:
     """Install the pool of ``plan`` on a runner loaded with ``offload=plan.disk_layers`` (those blocks on meta)."""
     if runner.quant is not None:  # quantized layers: from the quantized store, held quantized
@@ -281,6 +289,11 @@ def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, p
     blocks = list(stage.layers.items())
     disk = {i: DiskLayer(blocks[i][1], int(blocks[i][0]), files, cfg, grid, scratch,
                          nonfinite=runner.runtime.nonfinite_weights) for i in plan.disk_layers}
+    # Never loaded, so never packed: the weights the all-in-memory engine packs run the packed product on the
+    # slot's plain weight, so the disk layers' products are its products.
+    packs = runner.runtime.packed_weights and _packs_on(runner.device, runner.dtype)
+    for i in plan.disk_layers:
+        move_unpacked(blocks[i][1], packs)
     pool = LayerPool(stage, plan.pooled, lookahead=plan.lookahead, pool_device=config.pool_device,
                      cpu_prefetch=config.cpu_prefetch, layers=disk, io_threads=config.io_threads, device=runner.device)
     if plan.pooled:  # a CUDA graph replays the weights' old addresses; pooled layers move every step

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from energon_infer.parallel import drop_packed
+from energon_infer.parallel import move_unpacked
 from tightfit.planner.pool import PoolInfeasibleError, PoolPlan, plan_pool
 
 __all__ = ["MemoryPoolConfig", "PoolPlan", "PoolInfeasibleError", "LayerPool", "plan_pool", "stage_layer_bytes",
@@ -203,7 +203,9 @@ class SlotLayer(ABC):
             assert p is not None
             module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
                                                     requires_grad=False)
-        drop_packed(self.block)  # oneDNN copies of the weights would keep them resident (and go stale)
+        # oneDNN copies of the weights would keep them resident (and go stale): the weights the block packed run the
+        # packed product on the slot's plain weight instead, so its products are the all-in-memory engine's
+        move_unpacked(self.block)
         self.placeholders = [m._parameters[n] for m, n, _, _, _ in self.entries]  # type: ignore[misc]
 
     def slot_views(self, slot_id: int, slot: torch.Tensor) -> list[nn.Parameter]:
