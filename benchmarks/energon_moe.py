@@ -2,6 +2,7 @@
 layers streamed, with the all-in-RAM engine as the ceiling.
 
     python -m benchmarks.energon_moe [--quick] [--limit 0.7GiB] [--batches 1,8,32] [--routing skewed,uniform]
+        [--peer-python PATH]
 
 Question: with an MoE model's fp32 weights several times the cgroup memory limit of the serving process, how many
 tokens/s does energon's default plan (experts placed one by one: the dense parts and the experts used most per byte
@@ -22,7 +23,11 @@ random tokens drawn fresh per batch and repeat (the same for every contender of 
 the cores. Contenders: **experts** (the default plan), **layers** (the same engine with the expert placement turned
 off: whole layers streamed), **llama.cpp** (``llama-cpp-python`` from ``.venv-offload``, the checkpoint converted to
 GGUF f32 by llama.cpp's own converter with a placeholder vocabulary, ``mmap``ed under the same limit, its own MoE
-path; as ``energon_offload`` runs it), **RAM** (no limit: the ceiling). Not yet here: transformers + accelerate.
+path; as ``energon_offload`` runs it), **transformers + accelerate** (``device_map="auto"`` under the limit less
+the processes' own 896 MiB, the rest offloaded to disk: ``energon_offload``'s ``accelerate_spec``, run by
+``.venv-offload``'s python or ``--peer-python``), **RAM** (no limit: the ceiling). The experts contender also reports
+the lookahead's accuracy (the share of routed experts the next-layer prediction named) and the share of its reads
+ahead that were used.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import paired, parser, write_result
-from benchmarks.energon_offload import _CONVERT, PEER_VENV, run_cell, to_gguf
+from benchmarks.energon_offload import _CONVERT, PEER_VENV, accelerate_spec, prepare_peers, run_cell, to_gguf
 
 NAME = "energon_moe"
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +50,11 @@ WORK = Path("/tmp/energon-moe-bench")
 GiB = 2**30
 EXPERTS, LAYERS, RAM = "experts (limit)", "whole layers (limit)", "all in RAM (no limit)"
 LLAMA = "llama.cpp mmap (limit)"
+ACCEL = "transformers + accelerate (limit)"
+MiB = 2**20
+# What the peer's process holds besides the weights it keeps (interpreter, torch, KV, page cache): energon_offload's
+# default budget is the limit less this.
+PROCESS_BYTES = 896 * MiB
 # llama.cpp's converter as energon_offload runs it, the placeholder vocabulary given to its Qwen3-MoE class too.
 _CONVERT_MOE = _CONVERT.replace("llama.LlamaModel.set_vocab = set_vocab",
                                 "llama.LlamaModel.set_vocab = set_vocab\n"
@@ -106,9 +116,12 @@ def _spec(model: Path, prompts: list[list[int]], new_tokens: int, threads: int, 
 
 
 def _cell(contender: str, model: Path, prompts: list[list[int]], new_tokens: int, limit: int,
-          gguf: Path | None = None) -> dict[str, Any]:
+          gguf: Path | None = None, peer_python: str | None = None) -> dict[str, Any]:
     threads = os.cpu_count() or 1
-    if contender == LLAMA:
+    if contender == ACCEL:
+        base = {"model": str(model), "prompts": prompts, "new_tokens": new_tokens, "threads": threads}
+        python, spec = accelerate_spec(base, max(limit - PROCESS_BYTES, 64 * MiB), peer_python)
+    elif contender == LLAMA:
         python, spec = str(PEER_VENV / "bin" / "python"), {"runner": "llamacpp", "gguf": str(gguf), "prompts": prompts,
                                                            "new_tokens": new_tokens, "threads": threads}
     else:
@@ -144,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; quick 1,8)")
     p.add_argument("--routing", default="skewed,uniform")
     p.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 16; quick 8)")
+    p.add_argument("--peer-python", default=None, help="a python with transformers and accelerate for their peer "
+                                                       "(default: .venv-offload's, where it is set up)")
     args = p.parse_args(argv)
     shape = QUICK if args.quick else FULL
     limit = int((args.limit * GiB) if args.limit else shape["limit"])
@@ -157,15 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         gguf, why = to_gguf(model, _CONVERT_MOE) if (PEER_VENV / "bin" / "python").exists() else \
             (None, f"{PEER_VENV} is not set up (python -m benchmarks.energon_offload --prepare-only)")
-        rows: dict[str, Any] = {"model_bytes": size, "batches": {}, "llama_cpp": why or "run"}
-        contenders = [EXPERTS, LAYERS, RAM] + ([LLAMA] if gguf is not None else [])
+        accel_why = "" if args.peer_python else prepare_peers(install=False).get(ACCEL, "")
+        rows: dict[str, Any] = {"model_bytes": size, "batches": {}, "llama_cpp": why or "run",
+                                "accelerate": accel_why or "run"}
+        contenders = [EXPERTS, LAYERS, RAM] + ([LLAMA] if gguf is not None else []) + ([] if accel_why else [ACCEL])
         for batch in batches:
             cells: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
             for r in range(repeats):
                 prompts = _prompts(batch, r)
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
                 for contender in order:
-                    cell = _cell(contender, model, prompts, new_tokens, limit, gguf)
+                    cell = _cell(contender, model, prompts, new_tokens, limit, gguf, args.peer_python)
                     if contender == EXPERTS:  # what the capped engine counted while serving, saved at its stop
                         cell["top_eighth_share"] = _popularity_skew(model)
                     (model / "tightfit-expert-popularity.json").unlink(missing_ok=True)
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    ok = all("tokens" in c for k, cs in cells.items() if k != LLAMA for c in cs)
+    ok = all("tokens" in c for k, cs in cells.items() if k not in (LLAMA, ACCEL) for c in cs)
     out: dict[str, Any] = {"cells": cells}
     if not ok:
         return out
@@ -197,10 +214,17 @@ def _summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     if cells.get(LLAMA) and all("tokens" in c for c in cells[LLAMA]):
         out["experts_vs_llama"] = paired([c["tokens_per_s"] for c in ex], [c["tokens_per_s"] for c in cells[LLAMA]])
         out["llama_agree"] = sum(a["tokens"] == b["tokens"] for a, b in zip(ex, cells[LLAMA])) / len(ex)
+    if cells.get(ACCEL) and all("tokens" in c for c in cells[ACCEL]):
+        out["experts_vs_accelerate"] = paired([c["tokens_per_s"] for c in ex], [c["tokens_per_s"] for c in cells[ACCEL]])
+        out["accelerate_agree"] = sum(a["tokens"] == b["tokens"] for a, b in zip(ex, cells[ACCEL])) / len(ex)
     pool = ex[-1].get("pool", {})
     hits, belady = pool.get("expert_cache_hits"), pool.get("expert_belady_hits")
     out["cache_vs_belady"] = hits / belady if hits is not None and belady else None
     out["expert_hit_rate"] = pool.get("expert_hit_rate") or _hit_rate(pool)
+    routed = pool.get("expert_lookahead_routed")
+    out["lookahead_accuracy"] = pool["expert_lookahead_correct"] / routed if routed else None
+    issued = pool.get("expert_prefetches")
+    out["prefetches_used"] = pool["expert_prefetches_used"] / issued if issued else None
     return out
 
 
@@ -214,16 +238,17 @@ def _hit_rate(pool: dict[str, Any]) -> float | None:
 def markdown(results: dict[str, Any], limit: int, new_tokens: int) -> str:
     lines = [f"Random Qwen3-MoE checkpoints under a {limit / GiB:.2f} GiB cgroup limit, {new_tokens} greedy tokens "
              "per prompt; tokens/s medians over the repeats; ratios paired (median of per-repeat ratios, wins, range).",
-             "", "| routing | model GB | batch | experts tok/s | whole layers tok/s | llama.cpp tok/s | RAM tok/s | "
-             "experts / layers | experts / llama.cpp | MB read per token (experts / layers) | uses served without a "
-             "read | cache hits / Belady | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| routing | model GB | batch | experts tok/s | whole layers tok/s | llama.cpp tok/s | accelerate tok/s | "
+             "RAM tok/s | experts / layers | experts / llama.cpp | experts / accelerate | MB read per token (experts / "
+             "layers) | uses served without a read | cache hits / Belady | lookahead accuracy (reads ahead used) | "
+             "exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for routing, rows in results.items():
         for batch, b in rows["batches"].items():
             if "experts_vs_layers" not in b:
                 lines.append(f"| {routing} | {rows['model_bytes'] / 1e9:.2f} | {batch} | failed: "
                              f"{next((c.get('error') for cs in b['cells'].values() for c in cs if 'error' in c), '')}"
-                             " | | | | | | | | | |")
+                             " | | | | | | | | | | | | |")
                 continue
             med = {k: sorted(c["tokens_per_s"] for c in cs)[len(cs) // 2] for k, cs in b["cells"].items()
                    if all("tokens_per_s" in c for c in cs)}
@@ -232,13 +257,19 @@ def markdown(results: dict[str, Any], limit: int, new_tokens: int) -> str:
             lr = b.get("experts_vs_llama")
             llama = f"{med[LLAMA]:.2f}" if LLAMA in med else rows.get("llama_cpp", "not run")
             vs_llama = f"{lr['median']:.2f}x ({lr['wins']}/{lr['rounds']})" if lr else "n/a"
+            ar = b.get("experts_vs_accelerate")
+            accel = f"{med[ACCEL]:.2f}" if ACCEL in med else rows.get("accelerate", "not run")
+            vs_accel = f"{ar['median']:.2f}x ({ar['wins']}/{ar['rounds']})" if ar else "n/a"
+            acc, used = b.get("lookahead_accuracy"), b.get("prefetches_used")
+            ahead = "n/a" if acc is None else f"{acc:.2f} ({'n/a' if used is None else f'{used:.2f}'})"
             r = b["experts_vs_layers"]
             belady = "n/a" if b["cache_vs_belady"] is None else f"{b['cache_vs_belady']:.2f}"
             hit = "n/a" if b["expert_hit_rate"] is None else f"{b['expert_hit_rate']:.2f}"
             lines.append(f"| {routing} | {rows['model_bytes'] / 1e9:.2f} | {batch} | {med[EXPERTS]:.2f} | "
-                         f"{med[LAYERS]:.2f} | {llama} | {med[RAM]:.2f} | {r['median']:.2f}x ({r['wins']}/{r['rounds']}, "
-                         f"{r['min']:.2f}-{r['max']:.2f}x) | {vs_llama} | {mb[EXPERTS]:.1f} / {mb[LAYERS]:.1f} | {hit} | "
-                         f"{belady} | {'yes' if b['exact'] else 'no'} |")
+                         f"{med[LAYERS]:.2f} | {llama} | {accel} | {med[RAM]:.2f} | {r['median']:.2f}x ({r['wins']}/"
+                         f"{r['rounds']}, {r['min']:.2f}-{r['max']:.2f}x) | {vs_llama} | {vs_accel} | "
+                         f"{mb[EXPERTS]:.1f} / {mb[LAYERS]:.1f} | {hit} | {belady} | {ahead} | "
+                         f"{'yes' if b['exact'] else 'no'} |")
     skew = {k: v.get("top_eighth_share") for k, v in results.items()}
     lines += ["", "Share of routed uses the most used eighth of each layer's experts took (measured): " +
               ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} n/a" for k, v in skew.items()) +

@@ -273,12 +273,19 @@ def _spec(contender: str, model: Path, gguf: Path | None, prompts: list[list[int
     if contender == ENERGON:  # one core for the disk reads, as energon's README advises on a CPU
         return sys.executable, {**base, "runner": "energon", "options": opts, "pool": _energon_pool(budget, lookahead),
                                 "threads": max(1, threads - 1)}
-    peer = str(PEER_VENV / "bin" / "python")
     if contender == ACCEL:
-        folder = WORK / "accelerate-offload"
-        shutil.rmtree(folder, ignore_errors=True)
-        return peer, {**base, "runner": "accelerate", "cpu_budget": budget, "offload_folder": str(folder)}
-    return peer, {**base, "runner": "llamacpp", "gguf": str(gguf)}
+        return accelerate_spec(base, budget)
+    return str(PEER_VENV / "bin" / "python"), {**base, "runner": "llamacpp", "gguf": str(gguf)}
+
+
+def accelerate_spec(base: dict[str, Any], budget: int, python: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(python to run, spec)`` of transformers + accelerate's process (``_offload_children.run_accelerate``):
+    ``device_map="auto"`` under ``budget`` bytes of host memory, the rest offloaded to a fresh folder. ``base``:
+    model, prompts, new_tokens, threads; ``python``: one with transformers and accelerate (default .venv-offload's)."""
+    folder = WORK / "accelerate-offload"
+    shutil.rmtree(folder, ignore_errors=True)
+    return python or str(PEER_VENV / "bin" / "python"), {**base, "runner": "accelerate", "cpu_budget": budget,
+                                                         "offload_folder": str(folder)}
 
 
 def _energon_pool(budget: int, lookahead: int = 2) -> dict[str, Any]:

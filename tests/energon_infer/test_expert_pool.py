@@ -47,7 +47,7 @@ def _routed(runner: ModelRunner) -> list[list[set[int]]]:
 def _pooled(path, plan: ExpertPlan) -> tuple[ModelRunner, ExpertPool]:
     meta = ModelRunner.from_pretrained(path, **OPTS)  # for the expert names only
     runner = ModelRunner.from_pretrained(path, offload=expert_names(meta.stage, plan), **OPTS)
-    pool = ExpertPool(runner.stage, runner.config, runner.grid, plan, TensorFiles(path), io_threads=2)
+    pool = ExpertPool(runner.stage, runner.config, runner.grid, plan, TensorFiles(path), io_threads=2, lookahead=0)
     return runner, pool
 
 

@@ -7,9 +7,11 @@ shared expert, with their packed copies where the plan keeps them) and the bytes
 norms) in memory, then the experts most used per byte (the popularity profile beside the model, else uniform
 routing), the rest read from the checkpoint when the router picks them
 (:mod:`energon_infer.worker.expert_pool`). What that runtime holds besides is taken off the budget first: the
-arena the step's uncached disk experts are read into (one layer's experts) and the I/O threads' read buffers.
+arena the step's uncached disk experts are read into (one layer's experts), the two lookahead buffers the next
+layer's predicted experts are read ahead into (one token's picks each) and the I/O threads' read buffers.
 
-The plan's budget lines are rewritten to say so (dense parts, experts kept, cache slots, arena, read buffers) and
+The plan's budget lines are rewritten to say so (dense parts, experts kept, cache slots, arena, lookahead buffers,
+read buffers) and
 the layer pool keeps every layer. Where the expert plan does not fit, where the experts are sliced from one tensor
 shared by all of them (gpt-oss's fused experts: an expert read would read them all), with tensor or pipeline
 parallelism, or with quantized weights, the layer plan stands.
@@ -61,12 +63,14 @@ def moe_shapes(stage: Any, extra: list[int] | None = None) -> tuple[list[Any], i
 
 
 def place_experts(path: str | Path, model: Any, rt: Any, dtype: str, plan: ServingPlan, shape: StageShape, *,
-                  io_threads: int, disk: Any) -> tuple[Any, ServingPlan] | None:
-    """``(the expert plan, the serving plan it replaces the layer plan with)``, or ``None`` where the layer plan stands
-    (see the module docstring). ``shape``: the stage's shape the layer plan was made from."""
+                  io_threads: int, disk: Any, lookahead: int | None = None) -> tuple[Any, ServingPlan, int] | None:
+    """``(the expert plan, the serving plan it replaces the layer plan with, the experts read ahead per layer)``, or
+    ``None`` where the layer plan stands (see the module docstring). ``shape``: the stage's shape the layer plan was
+    made from; ``lookahead``: the experts each lookahead buffer holds (``None``: one token's picks where the plan fits
+    beside them, else none)."""
     from energon_infer.loading.safetensors_files import TensorFiles
     from energon_infer.worker.disk_pool import _meta_stage
-    from energon_infer.worker.expert_pool import expert_read_buffer_bytes
+    from energon_infer.worker.expert_pool import expert_read_buffer_bytes, lookahead_experts
     from energon_infer.worker.runtime_config import DTYPES
     from tightfit.planner.errors import PlanInfeasibleError
     from tightfit.planner.experts import plan_experts
@@ -83,30 +87,40 @@ def place_experts(path: str | Path, model: Any, rt: Any, dtype: str, plan: Servi
     if buffer < 0:
         return None
     layers, dense_layers, _ = moe_shapes(stage, list(shape.kept_extra_bytes) or None)
-    arena = max(sum(s.expert_bytes) for s in layers)  # until the plan says how many of a layer's are on disk
+    widest = max(max(s.expert_bytes) for s in layers)
+    ahead_buffers = 2 if len(layers) > 1 else 0
     buffers = io_threads * buffer
-    budget = plan.weight_budgets[0] - arena - buffers
     popularity = None
     if (Path(path) / POPULARITY_FILE).is_file():
         popularity = ExpertPopularity.load(path, num_layers=len(layers), num_experts=model.n_experts)
-    try:
-        # One cache slot per layer: the arena serves a step's other reads, so more slots only keep more experts.
-        experts = plan_experts(layers, experts_per_token=model.experts_per_token, budget_bytes=budget,
-                               device_bytes_per_s=weight_read_rate(), popularity=popularity,
-                               resident_bytes=shape.resident_bytes + dense_layers, unified=True, disk=disk,
-                               cache_slots=1)
-    except PlanInfeasibleError:
-        return None
-    if not experts.count("disk"):
-        return None
-    # The arena holds the most disk experts of any one layer (the runtime's size), not a whole layer.
-    widest = max(max(s.expert_bytes) for s in layers)
-    arena = max(tiers.count("disk") for tiers in experts.placement) * widest
-    return experts, _rewritten(plan, shape, experts, layers, dense_layers, arena, buffers, rt.block_size)
+    wanted = lookahead_experts(model.experts_per_token, model.n_experts) if lookahead is None else lookahead
+    # One token's picks read ahead where the plan fits beside them, else (lookahead not given) none.
+    for ahead_n in dict.fromkeys([wanted] if lookahead is not None else [wanted, 0]):
+        # The arena and the lookahead buffers at their largest until the plan says how many of a layer's are on disk.
+        budget = plan.weight_budgets[0] - max(sum(s.expert_bytes) for s in layers) - buffers \
+            - ahead_buffers * ahead_n * widest
+        try:
+            # One cache slot per layer: the arena serves a step's other reads, so more slots only keep more experts.
+            experts = plan_experts(layers, experts_per_token=model.experts_per_token, budget_bytes=budget,
+                                   device_bytes_per_s=weight_read_rate(), popularity=popularity,
+                                   resident_bytes=shape.resident_bytes + dense_layers, unified=True, disk=disk,
+                                   cache_slots=1)
+        except PlanInfeasibleError:
+            continue
+        if not experts.count("disk"):
+            return None
+        # The arena holds the most disk experts of any one layer (the runtime's size), not a whole layer; each
+        # lookahead buffer at most that many.
+        on_disk = max(tiers.count("disk") for tiers in experts.placement)
+        ahead_n = min(ahead_n, on_disk)
+        return experts, _rewritten(plan, shape, experts, layers, dense_layers, on_disk * widest,
+                                   (ahead_buffers, ahead_n, ahead_buffers * ahead_n * widest), buffers,
+                                   rt.block_size), ahead_n
+    return None
 
 
 def _rewritten(plan: ServingPlan, shape: StageShape, experts: Any, layers: list[Any], dense_layers: int, arena: int,
-               buffers: int, block_size: int) -> ServingPlan:
+               ahead: tuple[int, int, int], buffers: int, block_size: int) -> ServingPlan:
     """The serving plan with its weights lines for the expert placement, every layer kept by the layer pool."""
     import dataclasses
 
@@ -124,6 +138,7 @@ def _rewritten(plan: ServingPlan, shape: StageShape, experts: Any, layers: list[
             (f"{len(kept)} of {total_experts} experts kept in memory", kept_bytes),
             (f"{sum(experts.slots)} expert cache slot(s)", slots),
             ("expert read arena (one layer's experts)", arena),
+            (f"lookahead buffers ({ahead[0]} x {ahead[1]} expert(s) of the next layer, read ahead)", ahead[2]),
             (f"read buffers ({experts.count('disk')} expert(s) read from disk when routed)", buffers)]
     tail = [(w, b) for w, b in plan.lines[0] if w.startswith(("activations", "KV swap", "allocator"))]
     # The KV cache gets what is left, up to the layer plan's (the expert plan was made with it at its floor).
@@ -136,6 +151,7 @@ def _rewritten(plan: ServingPlan, shape: StageShape, experts: Any, layers: list[
     total = sum(b for _, b in lines)
     lines += [("total", total), ("this rank's share of the limit", share)]
     n = len(shape.layer_bytes)
-    held = shape.resident_bytes + sum(s.dense_bytes for s in layers) + dense_layers + kept_bytes + slots + arena
+    held = shape.resident_bytes + sum(s.dense_bytes for s in layers) + dense_layers + kept_bytes + slots + arena \
+        + ahead[2]
     pool = PoolPlan(pooled=(), n_layers=n, lookahead=0, device_bytes=held, pool_bytes=0, slot_bytes=0)
     return dataclasses.replace(plan, pools=(pool,), lookahead=0, kv_cache_tokens=kv, lines=(tuple(lines),))

@@ -189,6 +189,7 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     from tightfit.planner.errors import PlanInfeasibleError
 
     plan, tables, experts = None, pool.disk_vocab if pool is not None else (), None
+    expert_lookahead = pool.expert_lookahead if pool is not None else None
     if pool is None:  # everything in memory with the knobs as given: the plan the disk would give too, unmeasured
         try:
             plan = plan_serving(shapes, disk=None, **common)
@@ -208,9 +209,10 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
             from energon_infer.worker.disk_pool import resolve_disk
 
             placed = place_experts(path, model, rt, dtype, plan, shapes_of(packed and kept, tables)[0],
-                                   io_threads=io_threads, disk=resolve_disk(pool.disk if pool else None, path))
+                                   io_threads=io_threads, disk=resolve_disk(pool.disk if pool else None, path),
+                                   lookahead=pool.expert_lookahead if pool else None)
             if placed is not None:
-                experts, plan = placed
+                experts, plan, expert_lookahead = placed
     scheduler = dataclasses.replace(sched, max_batch_tokens=plan.max_batch_tokens)
     if plan.max_batch_tokens < sched.max_batch_tokens and "chunked_prefill" not in given:
         scheduler = dataclasses.replace(scheduler, chunked_prefill=True)  # prompts longer than a step still run
@@ -218,7 +220,8 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     if plan.streams or pool is not None or tables or experts is not None:
         pool = dataclasses.replace(pool or MemoryPoolConfig(memory_budget=max(0, *plan.weight_budgets)),
                                    lookahead=plan.lookahead, plans=encode_plans(list(plan.pools)), disk_vocab=tables,
-                                   experts=None if experts is None else experts.to_json())
+                                   experts=None if experts is None else experts.to_json(),
+                                   expert_lookahead=expert_lookahead)
     return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan
 
 

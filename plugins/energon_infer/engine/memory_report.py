@@ -12,7 +12,9 @@ counters (in order with the steps, as :meth:`~energon_infer.engine.engine.Engine
   the fraction of it reached, and the bytes read per generated token;
 * where an MoE model's experts are placed one by one (:mod:`energon_infer.worker.expert_pool`), since the start:
   routed expert uses, the share served without a read (``expert_hit_rate``: in memory or a cache hit), the expert
-  cache's own hit rate over the disk experts it was asked for, and the bytes the expert reads took.
+  cache's own hit rate over the disk experts it was asked for, the bytes the expert reads took, and the lookahead's
+  accuracy (``expert_lookahead_accuracy``: the share of routed experts the next-layer prediction named) with the
+  share of its reads ahead that a layer then used (``expert_prefetch_precision``).
 
 :func:`check_tiered_plan` makes the plan once in the caller's process before any worker starts, so an
 impossible budget raises :class:`~tightfit.planner.errors.PlanInfeasibleError` (naming the tier) there.
@@ -31,7 +33,8 @@ __all__ = ["memory_report", "ReportMark", "check_tiered_plan", "METRIC_KEYS"]
 
 #: The report's figures ``/metrics`` carries (as ``energon_pool_<key>``).
 METRIC_KEYS = ("tokens_per_s", "io_roofline_tokens_per_s", "roofline_fraction", "disk_bytes_per_step", "mean_batch",
-               "disk_bytes_per_token", "expert_hit_rate", "expert_cache_hit_rate")
+               "disk_bytes_per_token", "expert_hit_rate", "expert_cache_hit_rate", "expert_lookahead_accuracy",
+               "expert_prefetch_precision")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,4 +107,10 @@ def memory_report(infos: list[WorkerInfo], stats: list[dict[str, Any]], *, steps
         report.update(expert_uses=uses, expert_hit_rate=(uses - looked_up + cached) / uses,
                       expert_cache_hit_rate=cached / looked_up if looked_up else 0.0,
                       expert_bytes_read=sum(int(r.get("expert_bytes_read", 0)) for r in ranks))
+        routed, issued = (sum(int(r.get(k, 0)) for r in ranks) for k in ("expert_lookahead_routed", "expert_prefetches"))
+        if routed:  # the lookahead predicted the next layer's experts
+            right, used = (sum(int(r.get(k, 0)) for r in ranks)
+                           for k in ("expert_lookahead_correct", "expert_prefetches_used"))
+            report.update(expert_lookahead_accuracy=right / routed,
+                          expert_prefetch_precision=used / issued if issued else 0.0)
     return report, ReportMark(now, steps, generated, read)

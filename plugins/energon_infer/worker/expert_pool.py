@@ -16,11 +16,24 @@ left on the meta device:
   so a step never runs an expert in more than one pass, whatever the batch. Reads run on ``io_threads`` threads, one
   expert each, straight from the files by byte range (:class:`~energon_infer.worker.disk_pool.DiskLayer`: the same
   assembly as loading, so an expert read holds exactly the loaded values);
+* **lookahead**: before this layer's experts run, the next MoE layer's router is applied to this layer's input (a
+  cheap approximation of the next layer's own input: the residual stream changes little in one layer), and the
+  predicted experts that are neither in memory nor cached, most-voted first, are read into a **lookahead buffer**
+  (``lookahead`` experts; two of them, alternate layers, so a layer can run from one while the next layer's reads
+  fill the other). The reads queue behind this layer's own reads on the same threads, so they overlap this layer's
+  expert compute and the next layer's attention. When the next layer routes, a predicted expert the cache admits
+  is copied from the buffer into its slot and one it streams runs from the buffer; either way it is not read again.
+  The cache sees the same lookups it would without lookahead (an expert read ahead is a load or a stream, never a
+  hit), so its hit rate and the Belady yardstick keep their meaning. In a prefill step the same holds for the whole
+  batch: each layer's own routing is known once its router ran (all its reads are issued at once), and the next
+  layer's prediction is the union over the batch's tokens;
 * after the experts ran (``MoE.release_experts``) the arena's experts go back to their placeholders (views of one
   shared zero expert: a kernel handed all of a layer's experts reads real memory).
 
-Every routed use is counted per tier (in memory, a cache hit, a read) with the bytes read, for the engine's metrics
-(:meth:`ExpertPool.snapshot`), and the routing itself is counted into an
+Every routed use is counted per tier (in memory, a cache hit, a read: on demand or ahead) with the bytes read (a
+mispredicted read ahead included), the lookahead's accuracy (the share of the routed experts it predicted) and how
+many of its reads were used, for the engine's metrics (:meth:`ExpertPool.snapshot`); :attr:`ExpertPool.events` keeps
+the order reads were issued in and layers ran. The routing itself is counted into an
 :class:`~tightfit.profiler.experts.ExpertPopularity` that the next plan can start from.
 """
 
@@ -29,7 +42,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,11 +59,12 @@ from tightfit.policy.experts import ExpertCache, belady_hits
 from tightfit.profiler.experts import ExpertPopularity
 from tightfit.profiler.types import ProfileError
 
-__all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "moe_layers"]
+__all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "lookahead_experts", "moe_layers"]
 
 # Slot ids of an expert's bound views (SlotLayer.slot_views caches them per id): a cache slot is (layer << 20) + slot,
-# the arena's j-th place -1 - j, the shared zero expert this one.
+# the arena's j-th place -1 - j, lookahead buffer b's j-th place _AHEAD - (b << 20) - j, the shared zero expert this.
 _ZEROS = -(1 << 40)
+_AHEAD = -(1 << 30)
 
 #: Lookups per layer the pool keeps for its Belady yardstick (a window: older ones are dropped).
 TRACE_STEPS = 1 << 14
@@ -60,6 +74,12 @@ def moe_layers(stage: nn.Module) -> list[tuple[str, Any]]:
     """``(layer number, its MoE module)`` of the stage's MoE layers, in execution order."""
     blocks = cast(nn.ModuleDict, stage.layers)
     return [(idx, block.moe) for idx, block in blocks.items() if getattr(block, "moe", None) is not None]
+
+
+def lookahead_experts(experts_per_token: int, disk_experts: int) -> int:
+    """Experts each of the pool's two lookahead buffers holds by default: one token's picks (all of a batch-1 step's
+    next layer), at most the most disk experts of any layer (``disk_experts``)."""
+    return max(0, min(experts_per_token, disk_experts))
 
 
 def expert_names(stage: nn.Module, plan: ExpertPlan) -> list[str]:
@@ -95,13 +115,18 @@ class ExpertPool:
         files: the checkpoint's tensors by byte range.
         io_threads: experts read at once.
         nonfinite: the first read of each expert checks its values as loading does.
+        lookahead: experts of the next layer read ahead per layer (each of the two lookahead buffers' size; ``None``:
+            :func:`lookahead_experts`, one token's picks; 0: no lookahead).
     """
 
     def __init__(self, stage: nn.Module, cfg: ModelConfig, grid: Grid, plan: ExpertPlan, files: TensorFiles, *,
-                 io_threads: int = 2, nonfinite: str = "warn"):
+                 io_threads: int = 2, nonfinite: str = "warn", lookahead: int | None = None):
         layers = moe_layers(stage)
         if len(layers) != len(plan.placement):
             raise ValueError(f"the expert plan places {len(plan.placement)} MoE layers; this stage has {len(layers)}")
+        if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
+            raise ValueError(f"ExpertPool: lookahead={lookahead!r} must be an int >= 0 (experts read ahead per layer); "
+                             "give 0 to turn lookahead off or None for one token's picks")
         self.plan, self.files = plan, files
         scratch = _Scratch(expert_read_buffer_bytes(stage, cfg, files))
         self.units: list[dict[int, DiskLayer]] = []
@@ -119,7 +144,19 @@ class ExpertPool:
         # The cache's slots, per layer, and the arena the step's other disk experts are read into.
         self.slots = [[torch.empty(numel, dtype=dtype) for _ in range(plan.slots[li] if units else 0)]
                       for li, units in enumerate(self.units)]
-        self.arena = torch.empty(numel * max((len(u) for u in self.units), default=0), dtype=dtype)
+        widest = max((len(u) for u in self.units), default=0)
+        self.arena = torch.empty(numel * widest, dtype=dtype)
+        # Two lookahead buffers, alternate layers: layer i may run from one while layer i + 1's reads fill the other.
+        self.lookahead = lookahead_experts(cfg.experts_per_token, widest) if lookahead is None else \
+            min(lookahead, widest)
+        self.ahead = [torch.empty(numel * self.lookahead, dtype=dtype)
+                      for _ in range(2 if self.lookahead and len(layers) > 1 else 0)]
+        self._moes = [moe for _, moe in layers]
+        # The reads issued ahead: (the layer, the experts predicted for it, {expert: (its read, its buffer place)}).
+        self._pending: tuple[int, set[int], dict[int, tuple[Future[None], int]]] | None = None
+        #: ("read", layer, expert, "demand" | "ahead") as each read is issued, ("ready", layer) once a layer's
+        #: experts are all in memory, ("ran", layer) once they ran: the last TRACE_STEPS events.
+        self.events: deque[tuple[Any, ...]] = deque(maxlen=TRACE_STEPS)
         # Between uses a disk expert's parameters are views of one shared zero expert, not meta tensors: a kernel
         # handed every expert of a layer (its first-use check runs them all) reads real, harmless memory.
         self._zeros = torch.zeros(numel, dtype=dtype)
@@ -138,59 +175,137 @@ class ExpertPool:
         self._streamed: list[list[int]] = [[] for _ in layers]
         self._reader = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="energon-expert-read",
                                           initializer=torch.set_num_threads, initargs=(1,))
-        self.in_memory_uses = self.bytes_read = self.reads = 0
+        self.in_memory_uses = self.reads = 0
+        # The lookahead's counters: experts predicted, predicted and routed, routed where a prediction was made;
+        # reads issued ahead, and those a lookup then used.
+        self.predicted = self.predicted_right = self.predicted_routed = 0
+        self.prefetches = self.prefetches_used = 0
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes every expert read took, on demand and ahead (completed reads only)."""
+        return sum(u.bytes_read for units in self.units for u in units.values())
 
     @property
     def held_bytes(self) -> int:
-        """The slots' and the arena's bytes."""
+        """The slots', the arena's and the lookahead buffers' bytes."""
         each = self.arena.element_size()
-        return sum(s.numel() for slots in self.slots for s in slots) * each + self.arena.numel() * each
+        return (sum(s.numel() for slots in self.slots for s in slots) + self.arena.numel()
+                + sum(b.numel() for b in self.ahead)) * each
 
     def _fill(self, unit: DiskLayer, dst: torch.Tensor, slot_id: int) -> None:
         unit.fill(dst)
         unit.bind(slot_id, dst)
 
-    def _fetch(self, li: int, chosen: torch.Tensor) -> None:
-        """Make every expert ``chosen`` (the router's picks, any shape) names usable for this step of layer ``li``."""
-        used = sorted(set(chosen.reshape(-1).tolist()))
-        self.popularity.add(li, chosen.reshape(-1).tolist())
+    def _ahead_place(self, li: int, j: int, numel: int) -> tuple[int, torch.Tensor]:
+        at = j * self.expert_numel
+        return _AHEAD - ((li % 2) << 20) - j, self.ahead[li % 2][at: at + numel]
+
+    def _take_ahead(self, li: int) -> tuple[set[int] | None, dict[int, tuple[Future[None], int]]]:
+        """The prediction and the reads issued ahead for layer ``li`` (none where they were for another layer: a step
+        that stopped early; those reads are waited for and dropped, their buffer is written again)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None, {}
+        layer, predicted, reads = pending
+        if layer == li:
+            return predicted, reads
+        for done, _ in reads.values():
+            done.exception()
+        return None, {}
+
+    def _read_ahead(self, li: int, x: torch.Tensor) -> None:
+        """Predict the next MoE layer's experts from this layer's input ``x`` and issue the reads of those on disk and
+        not cached, most-voted first, up to the lookahead buffer's size."""
+        nxt = li + 1
+        if not self.lookahead or nxt >= len(self.units):
+            return
+        _, chosen = self._moes[nxt].route(x)
+        votes = torch.bincount(chosen.reshape(-1), minlength=self.cache.num_experts).tolist()
+        predicted = {e for e, v in enumerate(votes) if v}
+        self.predicted += len(predicted)
+        units, cached = self.units[nxt], self._slot_of[nxt]
+        want = sorted((e for e in predicted if e in units and e not in cached), key=lambda e: (-votes[e], e))
+        reads: dict[int, tuple[Future[None], int]] = {}
+        for j, e in enumerate(want[: self.lookahead]):
+            self.events.append(("read", nxt, e, "ahead"))
+            reads[e] = (self._reader.submit(units[e].fill, self._ahead_place(nxt, j, units[e].numel)[1]), j)
+        self.prefetches += len(reads)
+        self._pending = (nxt, predicted, reads)
+
+    def _fetch(self, li: int, chosen: torch.Tensor, x: torch.Tensor) -> None:
+        """Make every expert ``chosen`` (the router's picks, any shape) names usable for this step of layer ``li``,
+        and issue the next layer's reads ahead from ``x`` (this layer's input) before this layer's experts run."""
+        picks = chosen.reshape(-1).tolist()
+        used = sorted(set(picks))
+        self.popularity.add(li, picks)
+        predicted, ahead = self._take_ahead(li)
+        if predicted is not None:
+            self.predicted_routed += len(used)
+            self.predicted_right += len(predicted.intersection(used))
         units = self.units[li]
         disk = [e for e in used if e in units]
         self.in_memory_uses += len(used) - len(disk)
-        if not disk:
-            return
-        step = self.cache.lookup(li, disk)
-        self.trace[li].append(tuple(disk))
-        free: list[int] = []
-        for e in step.evicted:
-            units[e].unbind()
-            free.append(self._slot_of[li].pop(e))
-        taken = set(self._slot_of[li].values())
-        free += [i for i in range(len(self.slots[li])) if i not in taken and i not in free]
-        jobs: list[tuple[DiskLayer, torch.Tensor, int]] = []
-        for e in step.loads:
-            slot = free.pop(0)
-            self._slot_of[li][e] = slot
-            jobs.append((units[e], self.slots[li][slot][: units[e].numel], (li << 20) + slot))
-        for j, e in enumerate(step.streamed):
-            at = j * self.expert_numel
-            jobs.append((units[e], self.arena[at: at + units[e].numel], -1 - j))
-        self._streamed[li] = list(step.streamed)
-        before = sum(u.bytes_read for u, _, _ in jobs)
-        for done in [self._reader.submit(self._fill, *job) for job in jobs]:
+        jobs: list[tuple[int, torch.Tensor, int]] = []  # (expert, where its bytes go, the slot id it is bound as)
+        from_ahead: list[tuple[int, torch.Tensor | None, int]] = []  # (expert, its cache slot or None, slot id)
+        if disk:
+            step = self.cache.lookup(li, disk)
+            self.trace[li].append(tuple(disk))
+            free: list[int] = []
+            for e in step.evicted:
+                units[e].unbind()
+                free.append(self._slot_of[li].pop(e))
+            taken = set(self._slot_of[li].values())
+            free += [i for i in range(len(self.slots[li])) if i not in taken and i not in free]
+            for e in step.loads:
+                slot = free.pop(0)
+                self._slot_of[li][e] = slot
+                dst = self.slots[li][slot][: units[e].numel]
+                if e in ahead:  # read ahead: copied into its slot once the read is done
+                    from_ahead.append((e, dst, (li << 20) + slot))
+                else:
+                    jobs.append((e, dst, (li << 20) + slot))
+            j = 0
+            for e in step.streamed:
+                if e in ahead:  # runs from the lookahead buffer
+                    from_ahead.append((e, None, 0))
+                    continue
+                at = j * self.expert_numel
+                jobs.append((e, self.arena[at: at + units[e].numel], -1 - j))
+                j += 1
+            self._streamed[li] = list(step.streamed)
+        for e, _, _ in jobs:
+            self.events.append(("read", li, e, "demand"))
+        reading = [self._reader.submit(self._fill, units[e], dst, slot_id) for e, dst, slot_id in jobs]
+        self._read_ahead(li, x)  # queued behind this layer's reads: they overlap its expert compute
+        for done in reading:
             done.result()
-        self.reads += len(jobs)
-        self.bytes_read += sum(u.bytes_read for u, _, _ in jobs) - before
+        for done, _ in ahead.values():  # every read issued ahead, used or not: its buffer is written again
+            done.result()
+        for e, kept, slot_id in from_ahead:
+            ahead_id, buf = self._ahead_place(li, ahead[e][1], units[e].numel)
+            if kept is None:
+                units[e].bind(ahead_id, buf)
+            else:
+                kept.copy_(buf)
+                units[e].bind(slot_id, kept)
+        self.reads += len(jobs) + len(from_ahead)
+        self.prefetches_used += len(from_ahead)
+        self.events.append(("ready", li))
 
     def _release(self, li: int) -> None:
         for e in self._streamed[li]:
             self.units[li][e].unbind()
         self._streamed[li] = []
+        self.events.append(("ran", li))
 
     def snapshot(self) -> dict[str, Any]:
-        """Uses per tier since the start, the cache's hit rate, bytes read, and ``expert_belady_hits``: the hits the
-        offline optimum (Belady's, reading on demand) gets with the same slots on the same lookups (the last
-        :data:`TRACE_STEPS` per layer; the cache's own hits are counted since the start)."""
+        """Uses per tier since the start (``expert_reads``: uses served by a read, on demand or ahead), the cache's hit
+        rate, bytes read (mispredicted reads ahead included), ``expert_belady_hits``: the hits the offline optimum
+        (Belady's, reading on demand) gets with the same slots on the same lookups (the last :data:`TRACE_STEPS` per
+        layer; the cache's own hits are counted since the start), and the lookahead's figures:
+        ``expert_lookahead_accuracy`` (the share of the routed experts of the layers it predicted that it predicted),
+        ``expert_prefetches`` (reads issued ahead) and ``expert_prefetches_used`` (those a lookup used)."""
         stats = self.cache.stats()
         uses = self.in_memory_uses + stats.uses
         belady = sum(belady_hits(t, len(s)) for t, s in zip(self.trace, self.slots))
@@ -199,7 +314,11 @@ class ExpertPool:
                 "expert_cache_hit_rate": stats.hit_rate, "expert_belady_hits": belady,
                 "expert_hit_rate": (self.in_memory_uses + stats.hits) / uses if uses else 0.0,
                 "expert_bytes_read": self.bytes_read, "experts_on_disk": sum(len(u) for u in self.units),
-                "expert_slots": sum(len(s) for s in self.slots)}
+                "expert_slots": sum(len(s) for s in self.slots),
+                "expert_lookahead_predicted": self.predicted, "expert_lookahead_correct": self.predicted_right,
+                "expert_lookahead_routed": self.predicted_routed,
+                "expert_lookahead_accuracy": self.predicted_right / self.predicted_routed if self.predicted_routed
+                else 0.0, "expert_prefetches": self.prefetches, "expert_prefetches_used": self.prefetches_used}
 
     def save_popularity(self, model_dir: str | Path) -> Path | None:
         """Add this pool's routing counts to the popularity profile beside the model (``ExpertPopularity.save``,
@@ -221,4 +340,5 @@ class ExpertPool:
             return None
 
     def close(self) -> None:
+        self._take_ahead(-1)  # reads still issued ahead are waited for
         self._reader.shutdown(wait=True)

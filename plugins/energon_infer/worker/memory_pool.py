@@ -93,6 +93,8 @@ class MemoryPoolConfig:
         experts: an MoE model's expert placement (:class:`~tightfit.planner.experts.ExpertPlan` JSON, made by the
             engine's serving plan, :mod:`energon_infer.engine.expert_plan`): its disk experts are read when routed
             (:mod:`energon_infer.worker.expert_pool`).
+        expert_lookahead: with ``experts``: the next MoE layer's predicted experts read ahead per layer (``None``:
+            one token's picks where the serving plan fits them, else none; 0: no lookahead).
     """
 
     fraction: float = 0.5
@@ -110,6 +112,7 @@ class MemoryPoolConfig:
     plans: str | None = None
     disk_vocab: tuple[str, ...] = ()
     experts: str | None = None
+    expert_lookahead: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disk_vocab", tuple(self.disk_vocab))
@@ -120,6 +123,11 @@ class MemoryPoolConfig:
             raise ValueError(f"fraction={self.fraction} must be in [0, 1] (0 pools nothing, 1 pools every layer)")
         if self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead} must be >= 0")
+        if self.expert_lookahead is not None and (isinstance(self.expert_lookahead, bool)
+                                                  or not isinstance(self.expert_lookahead, int)
+                                                  or self.expert_lookahead < 0):
+            raise ValueError(f"expert_lookahead={self.expert_lookahead!r} must be None or an int >= 0 (experts read "
+                             "ahead per MoE layer); give 0 to turn the lookahead off")
         if self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads} must be >= 1")
         if self.cpu_prefetch not in ("thread", "inline"):

@@ -135,14 +135,15 @@ class MoE(nn.Module):
         return (weights if self.fp32_weights else weights.to(x.dtype)), chosen
 
     # Set by an expert pool (energon_infer.worker.expert_pool) where some experts are read when routed: called
-    # with the router's picks before the experts run, and after.
-    fetch_experts: Callable[[torch.Tensor], None] | None = None
+    # with the router's picks and the layer's input before the experts run (the input lets the pool predict the
+    # next layer's picks and read them while these experts run), and after.
+    fetch_experts: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     release_experts: Callable[[], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
         if self.fetch_experts is not None:
-            self.fetch_experts(chosen)
+            self.fetch_experts(chosen, x)
         experts = list(self.experts.values())
         out = grouped_experts(
             x, weights, chosen, [e.gate_up for e in experts], [e.down for e in experts], first=self.local.start,

@@ -227,7 +227,8 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
 
         files = TensorFiles(source.path, drop_page_cache=pool.drop_page_cache, direct=pool.direct_io)
         layer_pool.experts = ExpertPool(runner.stage, cfg, runner.grid, ExpertPlan.from_json(pool.experts), files,
-                                        io_threads=pool.io_threads, nonfinite=runtime.nonfinite_weights)
+                                        io_threads=pool.io_threads, nonfinite=runtime.nonfinite_weights,
+                                        lookahead=pool.expert_lookahead)
         runner.decode_graphs = None  # experts move between steps
     return runner, layer_pool, plan, streams
 
