@@ -258,7 +258,6 @@ class FusedCache(nn.Module):
             batch, counts = self._dedupe(self._ids(values), lengths, feature_table, value_bounds)
             if batch.uniq.numel():
                 self._place(batch, counts, until=max(batch.step, until), counted=False, window=window)
-                self.store.write_back()  # disk tier: the rows this placement evicted, written behind the step
             return batch
 
     def enter_window(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
@@ -305,7 +304,6 @@ class FusedCache(nn.Module):
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)
-            self.store.write_back()  # disk tier: the rows this batch evicted, written while it computes
             if hold:
                 self._hold(batch)
         return batch
@@ -372,8 +370,7 @@ class FusedCache(nn.Module):
         sets, hit, hit_or_trash = self._probe(batch.uniq)
         self.pinned_until.index_copy_(0, hit_or_trash, torch.clamp(
             self.pinned_until.index_select(0, hit_or_trash), min=until))
-        # When the window needs each row again (its step there), or never as far as it knows. A prefetched
-        # batch's hits learn their next use too: after this batch they would look unneeded to the window.
+        # Each row's next use in the window (NEVER: none known); a prefetched batch's hits learn theirs too.
         miss_next = window.next_use(batch.uniq) if window is not None else torch.full_like(batch.uniq, rules.NEVER)
         next_use = None  # without a window every row's next use is unknown: 0
         if window is not None:
@@ -398,6 +395,7 @@ class FusedCache(nn.Module):
         batch.spill_pos, batch.spill_keys = moves.spill_pos, moves.spill_keys
         self.counters.account(counted, batch.key_bounds, moves.load_keys, moves.spill_keys,
                               moves.evicted if self.fused else moves.evicted[:0])
+        self.store.write_back()  # disk tier: the rows this placement evicted, written while the step computes
         if moves.spill_keys.numel() and counted:
             spill_notice(batch.uniq.numel(), moves.spill_keys.numel(), self.num_slots)
 

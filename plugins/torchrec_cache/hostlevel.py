@@ -8,13 +8,12 @@ is the device cache's: the frequency sketch ranks rows (TinyLFU admission: an of
 coldest way of its set only when the sketch counts it as used more; a free way takes any row); a row
 that is not admitted, and a dirty row its admission displaces, go to the *outbox*.
 
-Write-back, behind the step: in the step that evicts rows (:meth:`HostLevel.issue`, once the batch's rows are placed)
-the outbox becomes one write job on a background thread (rows sorted by offset, extents read, patched, written whole),
-so the disk writes while the step computes. Jobs run one after another in the order issued; up to
-:data:`WRITES_IN_FLIGHT` may be queued before :meth:`issue` waits for the oldest. A row leaves host memory only once its
-write is done: until then reads find it in the outbox or a job in flight. A failed job (disk full) raises at the next
-:meth:`issue` or :meth:`persist`; its rows and those of every later job go back to the outbox (newer records over
-older ones), so nothing is lost and the next call retries.
+Write-back, behind the step: in the step that evicts rows (:meth:`HostLevel.issue`, once its rows are placed) the
+outbox becomes one write job on a background thread (rows sorted by offset, extents read, patched, written whole)
+while the step computes; jobs run in order, at most :data:`WRITES_IN_FLIGHT` queued. A row leaves host memory once
+its write is done (until then reads find it in the outbox or a job in flight). A failed job (disk full) raises at the
+next :meth:`issue` or :meth:`persist`; its rows and every later job's go back to the outbox, newer over older, so
+nothing is lost and the next call retries.
 
 Example:
     >>> import tempfile
@@ -53,8 +52,7 @@ __all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "WRITES_IN_FLIGHT", "CHE
            "extent_bytes_for"]
 
 WAYS = 8
-# Write jobs queued at once: the prefetch thread's evictions and the step's own each issue one, so two steps'
-# worth stay queued while the disk catches up before the step waits for the oldest.
+# Write jobs queued before issue() waits for the oldest: two steps' worth (prefetch's evictions and the step's own).
 WRITES_IN_FLIGHT = 4
 _FREE, _OFF = -1, -2
 _NEVER = 2**62  # the score of a disabled way: never a victim
@@ -125,9 +123,8 @@ class HostLevel:
         dev = self.sketch.table.device
         return self.sketch.estimate((pos + self.key_lo).to(dev)).cpu()
 
-    # ------------------------------------------------------------------ reads
     def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Rows written but not yet on disk, newest first: the outbox, then the job in flight."""
+        """Rows written but not yet on disk, newest first: the outbox, then the jobs in flight."""
         return [(self.out_pos, self.out_rec)] + [(p, r) for p, r, _ in reversed(self.inflight)]
 
     # ------------------------------------------------------------------ the lookahead window on disk
@@ -210,8 +207,7 @@ class HostLevel:
                     self.dirty.index_fill_(0, hs, False)
             self.counts["host_hits"] += hit.numel()
             rest = torch.nonzero(slot < 0).squeeze(1)
-            staged = [(p, r) for _, p, r in reversed(self.staged)]
-            for j, (ppos, prec) in enumerate(self._pending() + staged):
+            for j, (ppos, prec) in enumerate(self._pending() + [(p, r) for _, p, r in reversed(self.staged)]):
                 if rest.numel() == 0 or ppos.numel() == 0:
                     continue
                 want = pos.index_select(0, rest)
@@ -246,10 +242,7 @@ class HostLevel:
             miss = torch.nonzero(slot < 0).squeeze(1)
             if miss.numel() == 0:
                 return
-            if self.num_sets == 0:
-                self._to_outbox(pos.index_select(0, miss), recs.index_select(0, miss))
-                return
-            self._admit(pos.index_select(0, miss), recs.index_select(0, miss))
+            (self._to_outbox if self.num_sets == 0 else self._admit)(pos.index_select(0, miss), recs.index_select(0, miss))
 
     def _admit(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
         """TinyLFU admission per set: the k-th most used offered row of a set against its k-th coldest way."""
@@ -271,8 +264,7 @@ class HostLevel:
         victim = s_sorted * WAYS + col.gather(1, r).squeeze(1)
         p_sorted = prio.index_select(0, order)
         admit = (rank < WAYS) & (v_score < _NEVER) & (p_sorted > v_score)
-        a, na = order[admit], order[~admit]
-        vs = victim[admit]
+        a, na, vs = order[admit], order[~admit], victim[admit]
         gone = self.slot_pos.index_select(0, vs)
         drop = (gone >= 0) & self.dirty.index_select(0, vs)
         if bool(drop.any()):
@@ -460,7 +452,7 @@ class DiskTier:
         self._finalizer = weakref.finalize(self, _close, self.store, list(self.levels), self.path)
 
     def issue(self) -> None:
-        """Start the write-back of every group's outbox (the start of a batch); raises a failed write's error."""
+        """Start the write-back of every group's outbox (after a placement); raises a failed write's error."""
         for level in self.levels:
             level.issue()
 

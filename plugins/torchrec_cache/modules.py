@@ -189,14 +189,12 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     reset_parameters = init_parameters
 
     def _apply(self, fn: Any, recurse: bool = True) -> "CachedCollection":  # type: ignore[override]
-        # A materialised cache's slots and index hold rows and their placement, which ``to_empty`` (an
-        # ``fn`` that drops values) would lose: they are copied into whatever ``fn`` made of them.
-        kept = [b.detach().clone() for b in self._cache.buffers()] if self._materialized else None
+        # A materialised cache's slots and index survive an ``fn`` that drops values (``to_empty``).
+        kept = [b.detach().clone() for b in self._cache.buffers()] if self._materialized else []
         super()._apply(fn, recurse)
-        if kept is not None:
-            with torch.no_grad():
-                for b, old in zip(self._cache.buffers(), kept):
-                    b.copy_(old)
+        with torch.no_grad():
+            for b, old in zip(self._cache.buffers(), kept):
+                b.copy_(old)
         self._anchor = fn(self._anchor.detach()).requires_grad_(True)
         self._device = self._anchor.device
         self._feature_table = self._feature_table_host.to(self._device)
