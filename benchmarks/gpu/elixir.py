@@ -52,7 +52,7 @@ def _run(cfg, plan, device, batch: int, seq: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_elixir.apply import apply_plan
-    from lightning_elixir.optim import step_per_mesh
+    from lightning_elixir.optim import mesh_step
     from tightfit.models import build_gpt
 
     cuda = device.type == "cuda"
@@ -61,7 +61,6 @@ def _run(cfg, plan, device, batch: int, seq: int, steps: int) -> dict:
         model = build_gpt(cfg, device="meta")
         apply_plan(model, plan, init_device_mesh(device.type, (1,)), device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
-        step_per_mesh(opt)  # what ElixirStrategy does: one fused launch per (mesh, device), never across meshes
         x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
         times = []
         if cuda:
@@ -72,7 +71,7 @@ def _run(cfg, plan, device, batch: int, seq: int, steps: int) -> dict:
                 logits = model(x[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
             loss.backward()
-            opt.step()
+            mesh_step(opt)  # what ElixirStrategy does: one fused launch per (mesh, device), never across meshes
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()

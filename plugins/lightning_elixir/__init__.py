@@ -50,7 +50,7 @@ def register() -> None:
 
         ElixirDeepSpeedStrategy.register_strategies(StrategyRegistry)
     # Registering patches nothing in Lightning: the 16-mixed precision hook is installed when an
-    # ElixirStrategy is constructed (lightning_elixir.precision.install_trainer_hook).
+    # ElixirStrategy is constructed, while one is alive (lightning_elixir.precision.admit_fp16_flag).
 
 
 def _demo(quick: bool) -> str:

@@ -34,6 +34,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_elixir._torch_adapter import (
+    composable_checkpoint,
+    composable_registry,
+    fsdp_param_groups,
+    reregister_root_parameters,
+)
 from lightning_elixir.tied import release_tied_after_head
 from tightfit.planner.elixir import ElixirPlan, UnitPlan
 
@@ -161,8 +167,7 @@ def apply_activation_checkpointing(module: nn.Module, plan: ElixirPlan, *, switc
     ``switchable``: every block of the plan gets the checkpoint hooks now, before sharding (the hook order
     of a fresh plan), switched off where the plan does not recompute: :func:`set_checkpointing` can then
     turn recomputation on or off between steps (``ElixirStrategy(replan=True)``)."""
-    from torch.distributed._composable import checkpoint
-
+    checkpoint = composable_checkpoint()
     done = []
     wanted = set(plan.checkpointed_blocks)
     blocks = [b for u in plan.units for b in u.blocks]
@@ -181,8 +186,7 @@ def apply_activation_checkpointing(module: nn.Module, plan: ElixirPlan, *, switc
 def set_checkpointing(module: nn.Module, name: str, on: bool) -> None:
     """Turn recomputation of block ``name`` on or off between steps (its hooks were installed by
     ``apply_activation_checkpointing(..., switchable=True)``; the parameters are untouched)."""
-    from torch.distributed._composable import checkpoint
-
+    checkpoint = composable_checkpoint()
     sub = module.get_submodule(name)
     if not _is_checkpointed(sub):
         raise ValueError(f"block {name!r} has no checkpoint hooks to switch; apply the plan with "
@@ -191,9 +195,7 @@ def set_checkpointing(module: nn.Module, name: str, on: bool) -> None:
 
 
 def _is_checkpointed(sub: nn.Module) -> bool:
-    from torch.distributed._composable.contract import _get_registry
-
-    return "checkpoint" in (_get_registry(sub) or {})
+    return "checkpoint" in composable_registry(sub)
 
 
 # ---- 3. fully_shard per unit ---------------------------------------------------------------------
@@ -296,7 +298,7 @@ def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.devic
         if not _inside(name, placed) and _has_meta(m, recurse=False):
             m.to_empty(device=cpu if root_offload else device, recurse=False)
     # Re-register the root group's sharded parameters (FSDP2 does it in its ``_apply`` override).
-    module._apply(lambda t: t, recurse=False)
+    reregister_root_parameters(module)
     for unit in units:
         if unit.index in paged and not unit.modules and streamed is not None:
             streamed.drop_blank(unit.index)  # a unit the root group holds: allocated with the root's parameters
@@ -421,13 +423,7 @@ def is_sharded(module: nn.Module) -> bool:
 
 def is_replicated(module: nn.Module) -> bool:
     """``module`` runs under torch's composable ``replicate`` (an all-replicate plan applied with DDP)."""
-    return "replicate" in (_registry(module) or {})
-
-
-def _registry(module: nn.Module):
-    from torch.distributed._composable.contract import _get_registry
-
-    return _get_registry(module)
+    return "replicate" in composable_registry(module)
 
 
 def inspect_units(module: nn.Module) -> list[UnitState]:
@@ -446,9 +442,7 @@ def inspect_units(module: nn.Module) -> list[UnitState]:
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
-        state = m._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-        for group in (g for g in groups if g is not None):
+        for group in fsdp_param_groups(m):
             if id(group) in seen:
                 continue
             seen.add(id(group))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir._torch_adapter import fsdp_param_group
 from lightning_elixir.disk_grads import DiskGradients
 from lightning_elixir.disk_params import DiskParameters, fsdp_group
 from lightning_elixir.disk_state import ALIGN_ELEMENTS, CHUNK_ELEMENTS, DiskOptimizerState, flat_layout
@@ -31,7 +32,7 @@ def unit_parameters(module: nn.Module, units: Sequence[Any], index: int) -> list
         owner = module
     else:
         return []
-    group = owner._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    group = fsdp_param_group(owner)
     return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
 
 
@@ -49,13 +50,14 @@ def clips_by_norm(trainer: Any) -> bool:
 def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequence[Any],
                       optimizers: Sequence[torch.optim.Optimizer], disk_dir: Any, *, rank: int,
                       chunk_elements: int = CHUNK_ELEMENTS, norm_type: float | None = 2.0,
-                      precision: str = "32-true") -> DiskOptimizerState | None:
+                      precision: str = "32-true", fused_on_host: bool = False) -> DiskOptimizerState | None:
     """The disk tier of ``plan`` applied to the run's optimizer: ``None`` when no unit keeps its state on disk.
 
     Opens this rank's store (``<disk_dir>/rank<rank>``). Raises ``ValueError`` for several optimizers (each would
     need its own layout; the plan prices one), and for tier-4 units under ``precision="16-mixed"`` (its loss
     scaler unscales gradients in RAM). ``norm_type``: the norm the last backward keeps of each gradient that goes
-    to disk, for norm clipping (``None``: no norm clipping configured, none kept)."""
+    to disk, for norm clipping (``None``: no norm clipping configured, none kept). ``fused_on_host``: as
+    :class:`~lightning_elixir.disk_state.DiskOptimizerState`'s."""
     if plan is None or not plan.disk_units:
         return None
     if disk_dir is None:
@@ -86,4 +88,4 @@ def attach_disk_state(module: nn.Module, plan: ElixirPlan | None, units: Sequenc
         tensors = 2 + bool(tier3) + bool(tier4)
         chunk_elements = max(ALIGN_ELEMENTS, CHUNK_ELEMENTS * 2 // tensors // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
     return DiskOptimizerState(optimizers[0], chosen, store, chunk_elements=chunk_elements, master=master,
-                              grads=grads)
+                              grads=grads, fused_on_host=fused_on_host)

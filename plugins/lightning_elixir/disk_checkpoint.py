@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +78,11 @@ class DiskLoadPlanner(DefaultLoadPlanner):
 
 
 def load_sharded(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: DiskOptimizerState,
-                 *, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+                 *, strict: bool, weights_only: bool | None,
+                 init_state: Callable[[], None] | None = None) -> dict[str, Any]:
     """Lightning's sharded-checkpoint load (model, ``optimizer_0``, then the metadata it returns) with the
-    optimizer's disk-resident state streamed into the store."""
+    optimizer's disk-resident state streamed into the store. ``init_state``: gives an optimizer without state its
+    state (through the disk tier) once the model is loaded, before torch's helpers would with a plain step."""
     from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
@@ -92,6 +95,8 @@ def load_sharded(path: Path, module: torch.nn.Module, optimizer: torch.optim.Opt
     model = {"state_dict": get_model_state_dict(module)}
     load(model, checkpoint_id=path)
     module.load_state_dict(model["state_dict"], strict=strict)
+    if init_state is not None:
+        init_state()
     optim = {"optimizer_0": get_optimizer_state_dict(module, optimizer)}  # placeholders for the disk state
     load(optim, checkpoint_id=path, planner=DiskLoadPlanner(state))
     set_optimizer_state_dict(module, optimizer, optim_state_dict=optim["optimizer_0"],

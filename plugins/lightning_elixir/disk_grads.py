@@ -40,10 +40,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir._torch_adapter import (
+    local_tensor,
+    release_all_reduce_buffer,
+    release_reduce_inputs,
+    wait_gradient_offload,
+    wrap_group_method,
+)
 from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
 
-__all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term", "release_reduce_inputs"]
+__all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term"]
 
 GRAD_KEY = "grad"  # the store name's key of a tier-4 unit's gradients: u<i>.grad
 _ATTR = "_tightfit_disk_grads"  # set on each tier-4 parameter: the DiskGradients that holds its gradient
@@ -55,20 +62,7 @@ def norm_term(local: torch.Tensor, norm_type: float) -> torch.Tensor:
     return local.detach().double().abs().pow(norm_type).sum()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else t).detach()
-
-
-def release_reduce_inputs(group: Any) -> None:
-    """Drop the reduce-scatter input buffers FSDP2 keeps after a unit's reduction (it recycles them at the next
-    unit's, for its streams), after their events, as FSDP2 drops them."""
-    states = getattr(getattr(group, "comm_ctx", None), "reduce_scatter_states", None)
-    if states:
-        for state in states:
-            if getattr(state, "event", None) is not None:
-                group.device_handle.current_stream().wait_event(state.event)
-        states.clear()
+_local = local_tensor  # the local shard FSDP2 holds itself (lightning_elixir._torch_adapter)
 
 
 def disk_gradients_of(params: Iterable[nn.Parameter]) -> DiskGradients | None:
@@ -83,7 +77,7 @@ def disk_gradients_of(params: Iterable[nn.Parameter]) -> DiskGradients | None:
 @dataclass
 class _Unit:
     index: int
-    group: Any  # FSDP2's FSDPParamGroup
+    group: Any  # FSDP2's parameter group
     pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
     writes: list[Future[Any]] = field(default_factory=list)
     held: list[torch.Tensor] = field(default_factory=list)  # gradients being written (alive until done)
@@ -112,7 +106,7 @@ class DiskGradients:
         self.clamped = False  # value clipping ran in this step: the kept norm terms no longer hold
         self.bytes_written = self.bytes_read = 0
         self.flushes = 0
-        self._restore: list[tuple[Any, str, Any, bool]] = []
+        self._undo: list[Callable[[], None]] = []
         for u in self.units:
             for p, _, _ in u.pieces:
                 setattr(p, _ATTR, self)
@@ -140,10 +134,8 @@ class DiskGradients:
             g = p.grad
             if g is None or n == 0:
                 continue
-            event = getattr(offload.get(id(p)), "grad_offload_event", None)
-            if event is not None:  # a GPU's non-blocking copy to the host: done before we read it
-                event.synchronize()
-                offload[id(p)].grad_offload_event = None
+            if id(p) in offload:
+                wait_gradient_offload(offload[id(p)])  # a GPU's non-blocking copy to the host: done before we read it
             local = _local(g)
             flat = local.reshape(-1)
             size = flat.element_size()
@@ -229,26 +221,24 @@ class DiskGradients:
     # ---- hooks ---------------------------------------------------------------------------------------
     def _wrap(self, u: _Unit) -> None:
         group = u.group
-        had = "post_backward" in vars(group)
-        original = group.post_backward
-        self._restore.append((group, "post_backward", original, had))
 
-        def run(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
+        def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                after(out)
+                return out
+            return run
+
+        def after(out: Any) -> None:
             self.flush(u)
             if getattr(getattr(group, "device", None), "type", "") == "cpu":
                 release_reduce_inputs(group)  # no stream reuses it on a CPU: the next unit computes without it
             if self.final or not self.accumulate_on_host:
                 # FSDP2 keeps a replicated unit's all-reduce buffer (its flat, reduced gradient, which the shards'
-                # gradients view) until the whole backward ends; written to disk, it is garbage: release it now,
-                # ordering the current stream after the all-reduce as FSDP2's own release does (measured, 319 M
-                # GPT, 25 replicated tier-4 units on 1 CPU rank: backward grew 48 MiB a unit, 1.3 GiB in all).
-                release = getattr(group, "_wait_for_post_backward", None)
-                if callable(release):
-                    release()
-            return out
+                # gradients view) until the whole backward ends; written to disk, it is garbage: release it now.
+                release_all_reduce_buffer(group)
 
-        group.post_backward = run  # an instance attribute: FSDP2 calls self.post_backward(...)
+        self._undo.append(wrap_group_method(group, "post_backward", wrapped))
 
     def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """``optimizer.zero_grad`` forgets the gradients on disk too; returns the undo."""
@@ -278,12 +268,9 @@ class DiskGradients:
             self._unhook()
 
     def _unhook(self) -> None:
-        for group, name, original, had in reversed(self._restore):
-            if had:
-                setattr(group, name, original)
-            elif name in vars(group):
-                delattr(group, name)
-        self._restore.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
         for u in self.units:
             for p, _, _ in u.pieces:
                 if getattr(p, _ATTR, None) is self:

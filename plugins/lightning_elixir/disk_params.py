@@ -35,8 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_elixir._torch_adapter import (
+    fsdp_param_group,
+    gather_started,
+    gathers_in_backward,
+    group_pass,
+    local_tensor,
+    storage_key,
+    wrap_group_method,
+)
 from lightning_elixir.disk_layout import wait_all
 from tightfit.storage import TensorStore
 
@@ -45,11 +53,19 @@ __all__ = ["MASTER_KEY", "DiskParameters", "fsdp_group"]
 MASTER_KEY = "master"  # the store name's key of a tier-3 unit's master weights: u<i>.master
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of ``t``, the tensor FSDP2 holds itself (a DTensor's ``to_local()`` goes through autograd
-    and may hand back a storage that cannot be resized)."""
-    local = getattr(t, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else t).detach()
+_local = local_tensor  # the local shard FSDP2 holds itself (lightning_elixir._torch_adapter)
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of nested tuples, lists and dicts (a torch function's arguments)."""
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _leaves(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _leaves(x)
+    else:
+        yield tree
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -62,7 +78,7 @@ def _raw(t: torch.Tensor) -> memoryview:
 @dataclass
 class _Unit:
     index: int
-    group: Any  # FSDP2's FSDPParamGroup (None: no hooks, e.g. a unit FSDP2 does not manage)
+    group: Any  # FSDP2's parameter group (None: no hooks, e.g. a unit FSDP2 does not manage)
     pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
     nbytes: dict[int, int] = field(default_factory=dict)  # storage bytes per parameter id, to resize back to
     stored: bool = False  # the store holds this unit's current weights
@@ -95,13 +111,13 @@ class DiskParameters:
         seen: set[int] = set()
         for u in self.units:
             for p, _, _ in u.pieces:
-                storage = _local(p).untyped_storage()
-                if storage._cdata in seen:
+                key = storage_key(p)
+                if key in seen:
                     raise ValueError(f"unit {u.index}: two parameters share one storage (tied weights?); a unit "
                                      "whose parameters wait on disk needs its own storage per parameter: keep "
                                      "tied weights in a unit on the host (plan it with allow_disk_params=False)")
-                seen.add(storage._cdata)
-        self._restore: list[tuple[Any, str, Any]] = []
+                seen.add(key)
+        self._undo: list[Callable[[], None]] = []
         for u in self.units:
             if u.group is not None:
                 self._wrap(u)
@@ -148,7 +164,7 @@ class DiskParameters:
             # Looked up at each drop: loading a checkpoint may have given FSDP2 a new local tensor.
             storage = _local(p).untyped_storage()
             u.nbytes[id(p)] = storage.nbytes()
-            self._owners[storage._cdata] = (u, p, start)
+            self._owners[storage_key(p)] = (u, p, start)
             storage.resize_(0)
         u.resident = False
 
@@ -216,17 +232,16 @@ class DiskParameters:
     # ---- reading a parameter whatever its state (checkpoints, digests) -----------------------------------
     def owner(self, t: torch.Tensor) -> tuple[nn.Parameter, int] | None:
         """(parameter, flat offset) of a tier-3 shard ``t`` (a parameter, a DTensor, or a view of its storage)."""
-        hit = self._owners.get(_local(t).untyped_storage()._cdata)
+        hit = self._owners.get(storage_key(t))
         return None if hit is None else (hit[1], hit[2])
 
     def is_released(self, t: torch.Tensor) -> bool:
-        hit = self._owners.get(_local(t).untyped_storage()._cdata)
+        hit = self._owners.get(storage_key(t))
         return hit is not None and not hit[0].resident
 
     def read_parameter(self, t: torch.Tensor) -> torch.Tensor:
         """The values of a released tier-3 shard ``t``, read from the store into a new tensor of its local shape."""
-        hit = self._owners[_local(t).untyped_storage()._cdata]
-        u, _, start = hit
+        u, _, start = self._owners[storage_key(t)]
         local = _local(t)
         out = torch.empty(local.shape, dtype=local.dtype)
         if local.numel():
@@ -236,7 +251,7 @@ class DiskParameters:
 
     def write_parameter(self, t: torch.Tensor, values: torch.Tensor, element: int = 0) -> None:
         """Write ``values`` over a released tier-3 shard ``t`` in the store, from its local ``element`` on."""
-        u, _, start = self._owners[_local(t).untyped_storage()._cdata]
+        u, _, start = self._owners[storage_key(t)]
         if values.numel():
             self.store.write(self.name(u.index), values.contiguous().reshape(-1),
                              (start + element) * values.element_size()).result()
@@ -251,21 +266,19 @@ class DiskParameters:
         """Whether unit ``index``'s group will gather in this pass (a tied lookup does not in backward after its head,
         :mod:`lightning_elixir.tied`): only then are its shards worth reading ahead."""
         group = self.by_index[index].group
-        return state != "PRE_BACKWARD" or group is None or getattr(group, "unshard_in_backward", True)
+        return state != "PRE_BACKWARD" or group is None or gathers_in_backward(group)
 
     def _wrap(self, u: _Unit) -> None:
         group = u.group
 
         def wrap(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-            original = getattr(group, name)
-            self._restore.append((group, name, original))
-            setattr(group, name, make(original))  # an instance attribute: FSDP2 calls self.<name>(...)
+            self._undo.append(wrap_group_method(group, name, make))
 
         def unshard(original: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
-                state = getattr(group._training_state, "name", "")
-                skipped = state == "PRE_BACKWARD" and not getattr(group, "unshard_in_backward", True)
-                if not group.is_unsharded and group._all_gather_result is None and not skipped:
+                state = group_pass(group)
+                skipped = state == "PRE_BACKWARD" and not gathers_in_backward(group)
+                if not group.is_unsharded and not gather_started(group) and not skipped:
                     self.ensure(u.index)
                     ahead = self._neighbour(u.index, backward=state == "PRE_BACKWARD")
                     if ahead is not None and state in ("FORWARD", "PRE_BACKWARD") and self._gathers(ahead, state):
@@ -303,10 +316,9 @@ class DiskParameters:
         than a step did beside the weights. Without it the weights stay in the store only and the shards hold
         memory that was never read (untouched pages: no host memory), not the weights (the store is the caller's
         to close)."""
-        for group, name, _ in reversed(self._restore):
-            if name in vars(group):
-                delattr(group, name)
-        self._restore.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
         if not read_back:
             self.settle()
             for u in self.units:
@@ -334,10 +346,10 @@ class _PageOnTouch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
+        for t in _leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 try:
-                    hit = self.disk._owners.get(_local(t).untyped_storage()._cdata)
+                    hit = self.disk._owners.get(storage_key(t))
                 except (RuntimeError, NotImplementedError):  # a tensor without a storage (sparse, nested)
                     continue
                 if hit is not None:
@@ -364,5 +376,4 @@ def fsdp_group(module: nn.Module, units: Sequence[Any], index: int) -> Any:
     owner = unit.modules[0] if unit.modules else module if unit.on_root else None
     if owner is None:
         return None
-    get = getattr(owner, "_get_fsdp_state", None)
-    return get()._fsdp_param_group if callable(get) else None
+    return fsdp_param_group(owner)

@@ -7,12 +7,14 @@ the optimizer keeps per parameter element, ``exp_avg`` / ``exp_avg_sq`` of AdamW
 for tier-2 units; a tier-3 unit (``UnitPlan.params_disk``) keeps its fp32 master weights in the same store
 (:mod:`lightning_elixir.disk_params`: parameters between uses), and its chunks stream them with the state.
 
-The step. The user's optimizer is used unchanged: a step pre-hook takes the disk parameters out of the step
-the user runs (host and device parameters step as usual), a post-hook then steps the disk parameters
+The step. The user's optimizer is used unchanged: :class:`lightning_elixir.step.ElixirOptimizer` (what
+``ElixirStrategy.optimizer_step`` steps) leaves the disk parameters out of the user's step (host and device
+parameters step as usual), then calls :meth:`DiskOptimizerState.step`, which steps the disk parameters
 chunk by chunk in the plan's unit order. A chunk is a range of one unit's flattened local shards
 (:data:`CHUNK_ELEMENTS` elements at most); its state is read into one of two fixed staging sets while the
 chunk before it updates, and written back behind it (the store's asynchronous ``read_into`` / ``write``).
-The optimizer steps each chunk on surrogate parameters: leaf views of the local shards and gradients, with
+An optimizer of the user's class and hyperparameters (its twin: its own groups and state, none of the user's
+optimizer's hooks) steps each chunk on surrogate parameters: leaf views of the local shards and gradients, with
 the staging views as their state, so every element sees the same kernel with the same operands as in a run
 all in RAM (AdamW, Adam, SGD, Adagrad are elementwise). Inside a tensor, chunk boundaries fall on multiples
 of :data:`ALIGN_ELEMENTS`: torch's fused CPU Adam kernel rounds the scalar tail of a range differently from
@@ -37,7 +39,8 @@ Layout on disk: per unit ``i`` and state key ``k`` one flat buffer ``u<i>.<k>``;
 starts at a multiple of ``ALIGN_ELEMENTS`` (the gaps read as zeros and are never stepped).
 
 Example:
-    >>> state = DiskOptimizerState(optimizer, [params_of_unit_3, params_of_unit_4], store)  # doctest: +SKIP
+    >>> state = DiskOptimizerState(optimizer, [(3, params_of_unit_3), (4, params_of_unit_4)], store)  # doctest: +SKIP
+    >>> ElixirOptimizer(optimizer, disk=state).step()                                     # doctest: +SKIP
     >>> state.bytes_written, state.bytes_read                                               # doctest: +SKIP
 """
 
@@ -72,12 +75,22 @@ from tightfit.storage import TensorStore, aligned_empty
 
 __all__ = ["DiskOptimizerState", "StepIO", "flat_layout", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
 
+def _twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and defaults with no groups, no state and none of its hooks, made the way
+    unpickling makes one (``__setstate__``; its public attributes copied): the disk tier's chunks step on it."""
+    twin = type(optimizer).__new__(type(optimizer))
+    own = {k: v for k, v in vars(optimizer).items() if not k.startswith("_") and k not in ("state", "param_groups")}
+    twin.__setstate__({**own, "defaults": dict(optimizer.defaults), "state": defaultdict(dict), "param_groups": []})
+    return twin
+
+
 class DiskOptimizerState:
     """Keep the optimizer state of ``units``' parameters in ``store``, streamed through the host in each step.
 
     Args:
         optimizer: the user's optimizer (any whose per-parameter state is elementwise: AdamW, Adam, SGD with
-            momentum, Adagrad ...); hooks are added, nothing else about it changes.
+            momentum, Adagrad ...); nothing about it changes (:class:`~lightning_elixir.step.ElixirOptimizer`
+            steps it without the disk parameters, then calls :meth:`step`).
         units: ``(plan unit index, parameters)`` of the disk units, in the plan's order (the step's order).
         store: this rank's store (:meth:`TensorStore.for_rank`).
         chunk_elements: the largest chunk (a multiple of :data:`ALIGN_ELEMENTS`; default :data:`CHUNK_ELEMENTS`).
@@ -85,17 +98,21 @@ class DiskOptimizerState:
             read and write the master weights from the store with the state.
         grads: the tier-4 units' gradients (:class:`~lightning_elixir.disk_grads.DiskGradients`): their chunks
             read the gradients from the store with the state (clipping replayed on them), and write nothing back.
+        fused_on_host: Adam/AdamW chunks step with torch's fused CPU kernel where the user chose neither ``foreach``
+            nor ``fused`` (the choice :func:`lightning_elixir.optim.mesh_step` makes for the host buckets).
 
     ``bytes_read`` / ``bytes_written`` count what moved; ``staging_bytes`` is the host staging area.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[tuple[int, Sequence[nn.Parameter]]],
                  store: TensorStore, *, chunk_elements: int = CHUNK_ELEMENTS,
-                 master: DiskParameters | None = None, grads: DiskGradients | None = None) -> None:
+                 master: DiskParameters | None = None, grads: DiskGradients | None = None,
+                 fused_on_host: bool = False) -> None:
         if chunk_elements <= 0 or chunk_elements % ALIGN_ELEMENTS:
             raise ValueError(f"DiskOptimizerState(chunk_elements={chunk_elements}): use a positive multiple of "
                              f"{ALIGN_ELEMENTS}")
-        self.optimizer, self.store, self.master = optimizer, store, master
+        self.optimizer, self.store, self.master, self.fused_on_host = optimizer, store, master, fused_on_host
+        self.twin = _twin(optimizer)
         self.master_units = frozenset(master.order) if master is not None else frozenset()
         self.grads = grads
         self.grad_units = frozenset(u.index for u in grads.units) if grads is not None else frozenset()
@@ -119,10 +136,6 @@ class DiskOptimizerState:
         self._waited = 0.0
         self._staging: list[Staging] = []
         self._freed_staging = 0
-        self._saved: list[dict[str, Any]] | None = None
-        self._filtered: list[dict[str, Any]] | None = None
-        self._handles = (optimizer.register_step_pre_hook(self._before),
-                         optimizer.register_step_post_hook(self._after))
         self._undo_zero_grad = grads.wrap_zero_grad(optimizer) if grads is not None else None
 
     # ---- names and sizes ---------------------------------------------------------------------------
@@ -148,10 +161,9 @@ class DiskOptimizerState:
                 + sum(n * size for u, n in self.lengths.items() if u in self.grad_units))
 
     def close(self, read_back: bool = True) -> None:
-        """Remove the hooks, and tier 3's (with ``read_back`` its units hold their weights again, else they stay in
-        the store only: :meth:`DiskParameters.close`; the store is the caller's to close)."""
-        for h in self._handles:
-            h.remove()
+        """Free the staging sets and remove tier 3's and tier 4's hooks (with ``read_back`` tier-3 units hold their
+        weights again, else they stay in the store only: :meth:`DiskParameters.close`; the store is the caller's to
+        close)."""
         self._freed_staging = self.staging_bytes
         self._staging = []  # freed before tier 3 reads the weights back
         try:
@@ -165,39 +177,11 @@ class DiskOptimizerState:
             if self.master is not None:
                 self.master.close(read_back)  # the units hold their weights again even when a gradient write failed
 
-    # ---- hooks: the disk parameters leave the user's step and step here ------------------------------
-    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        # Lightning's closure (forward, backward, gradient clipping) runs first, over every parameter: clipping
-        # reads the groups, so it must see the disk parameters too. The step then gets its result back.
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        replaced = None
-        if closure is not None:
-            if self.grads is not None:
-                self.grads.final = True  # this backward is the step's last: its gradients go to disk final
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            finally:
-                if self.grads is not None:
-                    self.grads.final = False
-            args, kwargs = args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": lambda: loss}
-            replaced = (args, kwargs)
-        self._saved = optimizer.param_groups
-        self._filtered = [{**g, "params": [p for p in g["params"] if id(p) not in self.params]}
-                          for g in optimizer.param_groups]
-        optimizer.param_groups = self._filtered
-        return replaced
-
-    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # Another hook (lightning_elixir.optim.step_per_mesh) may have put its own groups back already.
-        if optimizer.param_groups is self._filtered and self._saved is not None:
-            optimizer.param_groups = self._saved
-        self._saved = self._filtered = None
-        self.step()
-
     # ---- the streamed step ----------------------------------------------------------------------------
     def step(self) -> None:
-        """Step every disk parameter that has a gradient, chunk by chunk in plan order (called by the post-hook)."""
+        """Step every disk parameter that has a gradient, chunk by chunk in plan order, with the hyperparameters of
+        its group in the user's optimizer (:class:`~lightning_elixir.step.ElixirOptimizer` calls it after the user's
+        step of the parameters in RAM)."""
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.params}
         before = {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()
                         if k not in (self.keys or ()) and not self.is_placeholder(v)}
@@ -341,22 +325,21 @@ class DiskOptimizerState:
 
     def _run(self, pairs: list[tuple[Piece, nn.Parameter]], groups: dict[int, dict[str, Any]],
              state: dict[nn.Parameter, dict[str, Any]]) -> None:
-        """One step of the user's optimizer over the surrogates, its groups' hyperparameters, without its hooks."""
-        opt = self.optimizer
+        """One step of the twin over the surrogates, with the user's groups' hyperparameters (read now)."""
+        twin = self.twin
         by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
         index = {id(g): g for g in groups.values()}
         for piece, q in pairs:
             by_group[id(groups[id(piece.param)])].append(q)
-        saved_groups, saved_state = opt.param_groups, opt.state
-        opt.param_groups = [host_group(opt, index[g], qs) for g, qs in by_group.items()]
-        opt.state = defaultdict(dict, state.items())
-        step = getattr(type(opt).step, "__wrapped__", type(opt).step)  # the step itself, not its hooks
+        twin.param_groups = [host_group(self.optimizer, index[g], qs, fused_on_host=self.fused_on_host)
+                             for g, qs in by_group.items()]
+        twin.state = defaultdict(dict, state.items())
         try:
             with torch.no_grad():
-                step(opt)
-            state.update((q, v) for q, v in opt.state.items() if isinstance(q, nn.Parameter))
+                twin.step()
+            state.update((q, v) for q, v in twin.state.items() if isinstance(q, nn.Parameter))
         finally:
-            opt.param_groups, opt.state = saved_groups, saved_state
+            twin.param_groups, twin.state = [], defaultdict(dict)
 
     def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], i: int) -> bool:
         """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set

@@ -23,9 +23,10 @@ Three pieces make fp16 work on Elixir's FSDP2 units:
   inf/nan), and the scaler's state saved in and restored from checkpoints.
 
 ``Trainer(strategy="elixir" | ElixirStrategy(...), precision="16-mixed")`` selects the plugin:
-:func:`install_trainer_hook` (run when an ``ElixirStrategy`` is constructed, never on import) lets Lightning's accelerator
-connector hand Elixir strategies an :class:`ElixirPrecision` for ``"16-mixed"`` instead of refusing it
-(a strategy instance) or silently training bf16 (the strategy's name on a CPU). Passing the plugin
+:func:`admit_fp16_flag` (run when an ``ElixirStrategy`` is constructed, never on import) lets Lightning's accelerator
+connector hand that strategy an :class:`ElixirPrecision` for ``"16-mixed"`` instead of refusing it
+(a strategy instance) or silently training bf16 (the strategy's name on a CPU); Lightning's connector is its own
+again once no Elixir strategy is alive (:mod:`lightning_elixir._torch_adapter`). Passing the plugin
 yourself also works and sets the scaler's knobs: ``Trainer(strategy="elixir",
 plugins=[ElixirPrecision(init_scale=2.0**12)])``.
 
@@ -51,18 +52,20 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from typing_extensions import override
 
+from lightning_elixir._torch_adapter import ShardedGradScaler, foreach_unscale_
+from lightning_elixir._torch_adapter import admit_fp16_flag as _admit_while_alive
 from lightning_elixir.apply import clip_grad_norm_
 
 __all__ = ["ElixirGradScaler", "ElixirPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
-           "with_mesh_clipping", "install_trainer_hook"]
+           "with_mesh_clipping", "admit_fp16_flag"]
 
 
-class ElixirGradScaler(torch.amp.GradScaler):
+class ElixirGradScaler(ShardedGradScaler):
     """Dynamic loss scaling for FSDP2 gradients sharded across ranks and devices.
 
-    ``torch.amp.GradScaler`` with one change: the inf/nan check (``_unscale_grads_``, which
+    ``torch.amp.GradScaler`` with one change: the inf/nan check (:meth:`unscale_shards`, which
     ``unscale_`` and ``step`` call) unwraps DTensor gradients to their local shards, unscales them with
-    one ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) - offloaded units' shards on
+    one call of GradScaler's own kernel per (device, dtype) - offloaded units' shards on
     the host, the others on the device - and all-reduces one flag (max) over ``process_group``. Scale
     growth and backoff are GradScaler's own (``update``), and so is the state dict.
 
@@ -79,8 +82,8 @@ class ElixirGradScaler(torch.amp.GradScaler):
         self.process_group = process_group
 
     @override
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def unscale_shards(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                       allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -106,7 +109,7 @@ class ElixirGradScaler(torch.amp.GradScaler):
             for (device, _), grads in buckets.items():
                 if device not in flags:
                     flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], inv_scale.to(device))
+                foreach_unscale_(grads, flags[device], inv_scale.to(device))
             for flag in flags.values():
                 found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
             self._agree(found_inf)
@@ -263,29 +266,14 @@ class ElixirPrecision(ClipAcrossMeshes):
         self.scaler.load_state_dict(state_dict)
 
 
-def install_trainer_hook(strategy_type: type) -> None:
-    """Make ``Trainer(precision="16-mixed")`` give ``strategy_type`` (Elixir's FSDP2 strategy, which passes
-    itself: this module never imports the strategy) an :class:`ElixirPrecision` (idempotent).
+def admit_fp16_flag(strategy: Any) -> None:
+    """Make ``Trainer(precision="16-mixed")`` give ``strategy`` (an ``ElixirStrategy``, which passes itself when
+    constructed: this module never imports the strategy) an :class:`ElixirPrecision` (idempotent).
 
-    Lightning decides the precision plugin in ``_AcceleratorConnector._check_and_init_precision``,
-    which has no extension point: it refuses ``"16-mixed"`` for a ``ModelParallelStrategy`` instance
-    and replaces it with ``"bf16-mixed"`` on a CPU. The wrapper below answers first for exactly one
-    case - an instance of ``strategy_type`` (:class:`ElixirStrategy`; not its DeepSpeed backend, which
-    has its own fp16 engine), the ``"16-mixed"`` flag, no precision plugin given - and leaves every
-    other case to Lightning.
+    Lightning decides the precision plugin in its accelerator connector, which has no extension point: it refuses
+    ``"16-mixed"`` for a ``ModelParallelStrategy`` instance and replaces it with ``"bf16-mixed"`` on a CPU.
+    :func:`lightning_elixir._torch_adapter.admit_fp16_flag` answers first for exactly one case - this strategy (not
+    the DeepSpeed backend, which has its own fp16 engine), the ``"16-mixed"`` flag, no precision plugin given - and
+    only while an Elixir strategy exists; every other case is Lightning's.
     """
-    from lightning.pytorch.accelerators import CUDAAccelerator
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    original = _AcceleratorConnector._check_and_init_precision
-    if getattr(original, "_elixir_fp16", False):
-        return
-
-    def _check_and_init_precision(self: Any) -> Precision:
-        if (isinstance(self.strategy, strategy_type) and self._precision_plugin_flag is None
-                and self._precision_flag == "16-mixed"):
-            return ElixirPrecision("16-mixed", "cuda" if isinstance(self.accelerator, CUDAAccelerator) else "cpu")
-        return original(self)
-
-    _check_and_init_precision._elixir_fp16 = True  # type: ignore[attr-defined]
-    _AcceleratorConnector._check_and_init_precision = _check_and_init_precision  # type: ignore[method-assign]
+    _admit_while_alive(strategy, lambda on_cuda: ElixirPrecision("16-mixed", "cuda" if on_cuda else "cpu"))

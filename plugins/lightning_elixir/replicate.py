@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_elixir._torch_adapter import composable_replicate
 from lightning_elixir.apply import AppliedUnit, is_replicated, materialize, resolve_units
 from tightfit.planner.elixir import ElixirPlan
 
@@ -47,8 +48,7 @@ def apply_replicated(module: nn.Module, plan: ElixirPlan, mesh, *, device: torch
     Meta parameters are allocated on ``device`` and initialised as :func:`lightning_elixir.apply.materialize`
     does; DDP broadcasts rank 0's parameters at the first forward, as ``DistributedDataParallel`` does.
     """
-    from torch.distributed._composable import replicate
-
+    replicate = composable_replicate()
     if not replicates_everything(plan):
         raise ValueError("apply_replicated: the plan does not replicate every unit on the device without "
                          "recomputation; apply it with lightning_elixir.apply.apply_plan")

@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_elixir._torch_adapter import redirect_step, setup_data_parallel_mesh
 from lightning_elixir.apply import (
     AppliedUnit,
     apply_plan,
@@ -47,11 +48,11 @@ from lightning_elixir.apply import (
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.disk_attach import attach_disk_state, clips_by_norm
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
-from lightning_elixir.disk_state import CHUNK_ELEMENTS, DiskOptimizerState
-from lightning_elixir.optim import step_per_mesh
+from lightning_elixir.disk_state import DiskOptimizerState
+from lightning_elixir.optim import splits_by_mesh
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
-from lightning_elixir.precision import ElixirPrecision, install_trainer_hook, with_mesh_clipping
+from lightning_elixir.precision import ElixirPrecision, admit_fp16_flag, with_mesh_clipping
 from lightning_elixir.replan import PlanState, Replanner
 from lightning_elixir.replicate import (
     apply_replicated,
@@ -59,6 +60,7 @@ from lightning_elixir.replicate import (
     no_gradient_sync,
     replicates_everything,
 )
+from lightning_elixir.step import ElixirOptimizer
 from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
@@ -68,8 +70,11 @@ from tightfit.storage import return_large_frees
 
 # After fit, tier-3 weights are read back into the module only with this much more host memory free than they take.
 READ_BACK_MARGIN = 1.25
+# Predicted vs measured: the first steps after warm-up are timed against the plan (tightfit.planner.check); a
+# measured step off the prediction by more than this fraction warns and, with ``replan=True``, re-plans.
+CHECK_TOLERANCE = 0.25
 
-__all__ = ["ElixirStrategy"]
+__all__ = ["ElixirStrategy", "CHECK_TOLERANCE"]
 
 
 class ElixirStrategy(ModelParallelStrategy):
@@ -80,7 +85,8 @@ class ElixirStrategy(ModelParallelStrategy):
             device's memory (``0.8``) or ``None`` for all of it.
         plan: ``None`` (search at fit start), a plan file written by ``tightfit plan elixir --json``
             or an :class:`ElixirPlan`; a given plan is checked against this model and world size.
-        backend: ``"fsdp2"`` only; the DeepSpeed backend is its own class,
+        backend: deprecated, leave it out: this strategy always runs FSDP2 (``"fsdp2"`` is accepted with a
+            ``DeprecationWarning``); the DeepSpeed backend is its own class,
             :class:`~lightning_elixir.deepspeed_backend.ElixirDeepSpeedStrategy` (``strategy="elixir_deepspeed"``),
             and ``backend="deepspeed"`` raises an error saying so.
         offload: ``"auto"`` (the search decides per unit), ``"none"`` or ``"all"``.
@@ -92,7 +98,7 @@ class ElixirStrategy(ModelParallelStrategy):
             path, or a datasheet preset name such as ``"a100-40g"``).
         constraints: limits on the search (:class:`ElixirConstraints`).
         verbose: print the plan table and what was applied (rank 0).
-        replan: when the steps after warm-up are off the prediction by more than ``check_tolerance``, re-plan
+        replan: when the steps after warm-up are off the prediction by more than :data:`CHECK_TOLERANCE`, re-plan
             from the measurement and switch to the new plan at the next checkpoint boundary (after the next
             checkpoint is saved, or at the next epoch's first step): :mod:`lightning_elixir.replan`.
         calibrate: ``True`` (default): when planning for this machine, time the first batch's blocks and fit
@@ -125,9 +131,12 @@ class ElixirStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "elixir"
+    # The disk tier's chunk (elements per state tensor per staging set; ``None``: sized by ``attach_disk_state``).
+    # Not an option: tests lower it on an instance before fit to get many chunks from a small model.
+    _disk_chunk_elements: int | None = None
 
     def __init__(self, memory_budget: int | float | str | None = None, plan: str | Path | ElixirPlan | None = None,
-                 backend: str = "fsdp2", offload: str = "auto", activation_checkpointing: bool | str = "auto",
+                 backend: str | None = None, offload: str = "auto", activation_checkpointing: bool | str = "auto",
                  optimizer: str = "adamw", cluster: ClusterSpec | str | Path | None = None,
                  device_profile: DeviceProfile | str | Path | None = None,
                  constraints: ElixirConstraints | None = None, verbose: bool = True, replan: bool = False,
@@ -137,15 +146,18 @@ class ElixirStrategy(ModelParallelStrategy):
         if backend == "deepspeed":
             raise ValueError("ElixirStrategy(backend='deepspeed'): the DeepSpeed backend is its own strategy; use "
                              "lightning_elixir.ElixirDeepSpeedStrategy(...) or Trainer(strategy='elixir_deepspeed')")
-        if backend != "fsdp2":
-            raise ValueError(f"ElixirStrategy(backend={backend!r}): use 'fsdp2' (default); for 'deepspeed' use "
-                             "ElixirDeepSpeedStrategy or strategy='elixir_deepspeed'")
+        if backend not in (None, "fsdp2"):
+            raise ValueError(f"ElixirStrategy(backend={backend!r}): leave backend out (it runs 'fsdp2'); for "
+                             "'deepspeed' use ElixirDeepSpeedStrategy or strategy='elixir_deepspeed'")
+        if backend is not None:
+            warnings.warn("ElixirStrategy(backend='fsdp2') is deprecated: the strategy always runs FSDP2; leave "
+                          "backend out", DeprecationWarning, stacklevel=2)
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
                                      verbose=verbose, replan=replan, calibrate=calibrate, host_budget=host_budget,
                                      disk_dir=disk_dir, owner="ElixirStrategy")
-        install_trainer_hook(ElixirStrategy)  # Trainer(precision="16-mixed") -> ElixirPrecision, from now on
+        admit_fp16_flag(self)  # Trainer(precision="16-mixed") with this strategy -> ElixirPrecision
         if self.options.host_budget is not None or self.options.disk_dir is not None:
             # A host bound is only kept if freed tensors leave the process (tightfit.storage.host): from here, and
             # again at setup in spawned ranks; before the model is built where the user builds it after this.
@@ -155,15 +167,13 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan: ElixirPlan | None = None
         self.units: list[AppliedUnit] = []
         self.plan_path: Path | None = None
-        # Predicted vs measured: the first steps after warm-up are timed against the plan (monitor.py).
-        self.check_tolerance = 0.25
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
         self.replanner: Replanner | None = None
-        # The disk tier's runtime (units whose optimizer state is on disk), made at fit start; its chunk size
-        # (elements per state tensor per staging set) may be lowered before fit, as the tests do.
+        # The disk tier's runtime (units whose optimizer state is on disk), made at fit start.
         self.disk_state: DiskOptimizerState | None = None
-        self.disk_chunk_elements = CHUNK_ELEMENTS
+        # What each optimizer step runs (optimizer_step), one per optimizer of configure_optimizers; set at fit start.
+        self._stepping: list[ElixirOptimizer] = []
         # How the plan runs: "FSDP2" (fully_shard per unit), or "DDP" for a plan that replicates every unit on the
         # device without recomputation (composable replicate: lightning_elixir.replicate); set at setup.
         self.runtime = ""
@@ -173,16 +183,8 @@ class ElixirStrategy(ModelParallelStrategy):
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._setup_distributed()
-        self._data_parallel_size = self.world_size
-        self._tensor_parallel_size = 1
         # One data-parallel dimension: Elixir shards, offloads and recomputes; it does not split layers.
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,),
-                                             mesh_dim_names=("data_parallel",))
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        setup_data_parallel_mesh(self)
 
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
@@ -227,12 +229,17 @@ class ElixirStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._prefer_fused_host_step()
+            fused = self._fused_on_host()
+            chunk = {"chunk_elements": self._disk_chunk_elements} if self._disk_chunk_elements else {}
             self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
                                                 self.options.disk_dir, rank=self.global_rank,
-                                                chunk_elements=self.disk_chunk_elements,
                                                 norm_type=2.0 if clips_by_norm(trainer) else None,
-                                                precision=str(getattr(self.precision_plugin, "precision", "")))
+                                                precision=str(getattr(self.precision_plugin, "precision", "")),
+                                                fused_on_host=fused, **chunk)
+            disk = self.disk_state
+            self._stepping = [ElixirOptimizer(opt, fused_on_host=fused,
+                                              disk=disk if disk is not None and disk.optimizer is opt else None)
+                              for opt in self.optimizers if splits_by_mesh(opt) or disk is not None]
             if self.disk_state is not None and self.is_global_zero and self.options.verbose:
                 print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
                       f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",
@@ -267,13 +274,20 @@ class ElixirStrategy(ModelParallelStrategy):
             print(f"\napplied ({how}):\n" + describe_units(self._module), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
 
-    def _prefer_fused_host_step(self) -> None:
-        """Each step runs one param group per (mesh, device) (foreach/fused refuse DTensors of two meshes:
-        ``replicate`` units); on a GPU, offloaded units' host buckets of Adam/AdamW use torch's fused CPU
-        kernel when the user did not choose (:func:`lightning_elixir.optim.step_per_mesh`)."""
-        fused = self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
-        for opt in self.optimizers:
-            step_per_mesh(opt, fused_on_host=fused)
+    def _fused_on_host(self) -> bool:
+        """Whether, on a GPU, offloaded units' host buckets of Adam/AdamW step with torch's fused CPU kernel when the
+        user did not choose (:func:`lightning_elixir.optim.mesh_step`)."""
+        return self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, handed to the precision plugin with the user's optimizer as Elixir steps it
+        (:class:`~lightning_elixir.step.ElixirOptimizer`): the closure, then one param group per (mesh, device) -
+        foreach/fused refuse DTensors of two meshes (``replicate`` units) - then the disk units chunk by chunk."""
+        stepping = next((s for s in self._stepping if s.optimizer is optimizer), None)
+        # Lightning's precision plugins step any ``Steppable`` (what ElixirOptimizer is); the base types it Optimizer.
+        return super().optimizer_step(stepping if stepping is not None else optimizer, closure, model,  # type: ignore[arg-type]
+                                      **kwargs)
 
     def _read_back(self, state: DiskOptimizerState) -> bool:
         """After fit: whether the tier-3 units' weights come back into the module (they fit the host memory left,
@@ -304,6 +318,7 @@ class ElixirStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         state, self.disk_state = self.disk_state, None
+        self._stepping = []
         try:
             if state is not None:
                 try:
@@ -336,7 +351,7 @@ class ElixirStrategy(ModelParallelStrategy):
         with context:
             # The LightningModule is FSDP2's root; ``training_step`` calling ``self.model(x)`` directly would
             # skip the root's forward hook (lazy init, root all-gather), so redirect it through ``module(...)``.
-            return self._forward_redirection(module, module, name, *args, **kwargs)
+            return redirect_step(self, module, name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -344,7 +359,7 @@ class ElixirStrategy(ModelParallelStrategy):
         if self.replanner is not None and self.replanner.due(int(getattr(trainer, "current_epoch", 0))):
             self._switch_plan(trainer, "epoch")
         if self.plan is not None and self.monitor is None:
-            self.monitor = make_monitor(self.plan, self.root_device, tolerance=self.check_tolerance)
+            self.monitor = make_monitor(self.plan, self.root_device, tolerance=CHECK_TOLERANCE)
         record = on_step_start(self.monitor, trainer, verbose=self.options.verbose)
         if record is not None:
             self.prediction = record
@@ -372,6 +387,17 @@ class ElixirStrategy(ModelParallelStrategy):
         pass
 
     # ---- checkpoints ------------------------------------------------------------------------------
+    def _init_optimizer_state(self) -> None:
+        """Optimizers without state get it through their Elixir step before torch's state-dict helpers would
+        initialise it with a plain step (:meth:`ElixirOptimizer.init_state`)."""
+        for stepping in self._stepping:
+            stepping.init_state()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._init_optimizer_state()
+        return super().optimizer_state(optimizer)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self._left_on_disk is not None:
@@ -420,7 +446,9 @@ class ElixirStrategy(ModelParallelStrategy):
         if self.disk_state is not None and path.is_dir():
             # The disk units' optimizer state goes from the checkpoint to the store item by item.
             return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
-                                strict=self._module.strict_loading, weights_only=weights_only)
+                                strict=self._module.strict_loading, weights_only=weights_only,
+                                init_state=self._init_optimizer_state)
+        self._init_optimizer_state()
         if is_replicated(self._module):
             return load_replicated(path, self._module, self.optimizers, strict=self._module.strict_loading,
                                    weights_only=weights_only)

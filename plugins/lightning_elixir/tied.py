@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_elixir._torch_adapter import fsdp_param_group, release_reduce_inputs, set_gathers_in_backward
+
 __all__ = ["release_tied_after_head", "is_lookup"]
 
 
@@ -44,8 +46,7 @@ def release_tied_after_head(module: nn.Module, units: Sequence[Any]) -> list[Rem
         heads = [m for name, m in zip(unit.names, unit.modules) if name not in unit.plan.blocks]
         if not own or not heads or not all(is_lookup(m) for m in own):
             continue
-        get = getattr(own[0], "_get_fsdp_state", None)
-        group = get()._fsdp_param_group if callable(get) else None
+        group = fsdp_param_group(own[0])
         if group is None:
             continue
         for head in heads:
@@ -66,7 +67,7 @@ def _release_reduced(module: nn.Module, group: Any) -> None:
     """Before a tied lookup's backward: the gradients of tier-4 units written behind their backward are on disk
     (their buffers dropped), and FSDP2's last reduce-scatter input, kept for the next unit's reduction, is released
     (after its event, as FSDP2 releases it)."""
-    from lightning_elixir.disk_grads import disk_gradients_of, release_reduce_inputs
+    from lightning_elixir.disk_grads import disk_gradients_of
 
     disk = disk_gradients_of(module.parameters())
     if disk is not None:
@@ -76,7 +77,7 @@ def _release_reduced(module: nn.Module, group: Any) -> None:
 
 def _after_backward_of(group: Any) -> Any:
     def pre_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
-        group.unshard_in_backward = True  # this forward's backward gathers the group for the head
+        set_gathers_in_backward(group, True)  # this forward's backward gathers the group for the head
         if not torch.is_grad_enabled():
             return
         x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
@@ -87,7 +88,7 @@ def _after_backward_of(group: Any) -> Any:
             # The head's input has its gradient: the head's backward (which read the gathered weight) is over.
             if group.is_unsharded:
                 group.reshard()
-            group.unshard_in_backward = False
+            set_gathers_in_backward(group, False)
 
         x.register_hook(head_done)
 

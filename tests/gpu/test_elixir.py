@@ -52,15 +52,13 @@ def train_losses(model, device: torch.device, opt_kwargs: dict, *, autocast: tor
     import torch.nn.functional as F
 
     from lightning_elixir.apply import clip_grad_norm_
-    from lightning_elixir.optim import step_per_mesh
+    from lightning_elixir.optim import mesh_step
     from tests.lightning_elixir.common import CONFIG
 
     # Learnable sequences (each counts up from a random start), so the loss must fall.
     start = torch.randint(0, CONFIG.vocab_size, (STEPS, world, 4, 1), generator=torch.Generator().manual_seed(1))
     data = (start + torch.arange(33)) % CONFIG.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, **opt_kwargs)  # TinyGPT's lr in the CPU tests
-    if per_mesh:
-        step_per_mesh(opt, fused_on_host=device.type == "cuda")
     losses = []
     for step in range(STEPS):
         x = data[step, rank].to(device)
@@ -72,7 +70,10 @@ def train_losses(model, device: torch.device, opt_kwargs: dict, *, autocast: tor
             clip_grad_norm_(model.parameters(), 1.0)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if per_mesh:
+            mesh_step(opt, fused_on_host=device.type == "cuda")
+        else:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses

@@ -115,11 +115,16 @@ import lightning_elixir
 from lightning.pytorch.strategies import StrategyRegistry
 after_import = C._check_and_init_precision is before
 registered = "elixir" in StrategyRegistry
-lightning_elixir.ElixirStrategy(verbose=False)
-print(json.dumps([after_import, registered, C._check_and_init_precision is before]))
+strategy = lightning_elixir.ElixirStrategy(verbose=False)
+while_alive = C._check_and_init_precision is before
+del strategy
+import gc
+gc.collect()
+print(json.dumps([after_import, registered, while_alive, C._check_and_init_precision is before]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
-    unchanged_by_import, registered, unchanged_by_strategy = json.loads(out.stdout.strip().splitlines()[-1])
+    unchanged_by_import, registered, unchanged_by_strategy, restored = json.loads(out.stdout.strip().splitlines()[-1])
     assert unchanged_by_import and registered and not unchanged_by_strategy
+    assert restored  # Lightning's own method is back once no Elixir strategy is alive

@@ -244,7 +244,7 @@ def test_a_unit_whose_last_parameter_has_no_gradient_trains_bit_equal_to_ram(tmp
 
     (tmp_path / "disk").mkdir()
     strategy = ElixirStrategy(plan=plan, disk_dir=tmp_path / "disk", verbose=False)
-    strategy.disk_chunk_elements = chunk
+    strategy._disk_chunk_elements = chunk
     losses, weights = fit(strategy, tmp_path / "a")
     ram_losses, ram_weights = fit(ElixirStrategy(plan=_ram(plan), verbose=False), tmp_path / "b")
     assert losses == ram_losses and len(losses) == STEPS * MICRO
@@ -296,7 +296,7 @@ def test_disk_full_with_weights_and_gradients_on_disk_leaves_the_model_whole(tmp
     plan = _tier4(_plan_with_disk(tmp_path), on_host=False)
     assert plan.grad_disk_units and plan.param_disk_units
     strategy = ElixirStrategy(plan=plan, disk_dir=mount_tmpfs(size), verbose=False)
-    strategy.disk_chunk_elements = CHUNK
+    strategy._disk_chunk_elements = CHUNK
     L.seed_everything(0)
     model = TinyGPT(samples=48)
     t = trainer(strategy, tmp_path / "a", devices=1, max_steps=STEPS, accumulate_grad_batches=MICRO)

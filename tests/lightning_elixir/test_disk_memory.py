@@ -1,6 +1,6 @@
 """Host memory of the streamed optimizer step, measured: the resident set grows by the staging sets (plus a
 stated margin), not by the optimizer state, which a step all in RAM holds whole (RSS sampled every ~0.5 ms
-from /proc/self/statm while ``optimizer.step()`` runs)."""
+from /proc/self/statm while the streamed step runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_elixir.disk_state import DiskOptimizerState
+from lightning_elixir.step import ElixirOptimizer
 from tightfit.storage import TensorStore
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -78,11 +79,12 @@ def test_streamed_step_grows_host_memory_by_the_staging_area_only(tmp_path):
     opt = torch.optim.AdamW(params, lr=1e-3)
     with TensorStore(tmp_path, workers=WORKERS, extent_bytes=EXTENT) as store:
         state = DiskOptimizerState(opt, [(0, params[:2]), (1, params[2:])], store, chunk_elements=chunk)
+        stepper = ElixirOptimizer(opt, disk=state)
         _grads(params, 1)
-        opt.step()  # the first step initialises the state (chunk by chunk) and starts the store's workers
+        stepper.step()  # the first step initialises the state (chunk by chunk) and starts the store's workers
         for seed in (2, 3):
             _grads(params, seed)
-            grown = _peak_during(opt.step)
+            grown = _peak_during(stepper.step)
             assert grown <= state.staging_bytes + margin(), (grown, state.staging_bytes)
             print(f"streamed step: RSS +{grown / MiB:.1f} MiB, staging {state.staging_bytes / MiB:.1f} MiB")
         assert state.staging_bytes == 2 * 2 * chunk * 4

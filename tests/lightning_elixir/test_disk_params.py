@@ -56,7 +56,7 @@ def _strategy(plan, disk: Path):
 
     disk.mkdir(parents=True, exist_ok=True)
     s = ElixirStrategy(plan=plan, disk_dir=disk, verbose=False)
-    s.disk_chunk_elements = CHUNK
+    s._disk_chunk_elements = CHUNK
     return s
 
 

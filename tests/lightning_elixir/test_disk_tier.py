@@ -42,7 +42,7 @@ def disk_vs_ram(rank: int, world: int, tmp: str) -> dict:
     disk.mkdir(exist_ok=True)
     strategy = ElixirStrategy(disk_dir=disk, device_profile=cpu_device(), verbose=False,
                               constraints=ElixirConstraints(force_disk=True))
-    strategy.disk_chunk_elements = CHUNK
+    strategy._disk_chunk_elements = CHUNK
     losses, weights, _ = _fit(strategy, root / "a", devices=world, steps=4)
     plan, state = strategy.plan, strategy.disk_state
     assert plan is not None and state is None  # closed at teardown
@@ -71,7 +71,7 @@ def _disk_strategy(disk: Path, **kwargs):
     disk.mkdir(parents=True, exist_ok=True)
     s = ElixirStrategy(disk_dir=disk, device_profile=cpu_device(), verbose=False,
                        constraints=ElixirConstraints(force_disk=True), **kwargs)
-    s.disk_chunk_elements = CHUNK
+    s._disk_chunk_elements = CHUNK
     return s
 
 
@@ -158,7 +158,7 @@ def test_disk_full_in_a_step_is_a_clear_error_and_the_last_checkpoint_survives(t
     plan = _plan_with_disk(tmp_path)
     small = mount_tmpfs("4m")  # the state is 2.8 MB: step 1 fits, step 2 needs a second copy beside it
     strategy = ElixirStrategy(plan=plan, disk_dir=small, verbose=False)
-    strategy.disk_chunk_elements = 2**20  # one write per unit and key: the footprint is exactly known
+    strategy._disk_chunk_elements = 2**20  # one write per unit and key: the footprint is exactly known
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="s{step}",
                            auto_insert_metric_name=False)
     with pytest.raises(DiskFullError, match=r"data\.bin.*free"):

@@ -1,9 +1,9 @@
 """One optimizer over Elixir units on two meshes: each step sees one param group per (mesh, device).
 
 foreach/fused kernels over DTensors of two meshes (``replicate`` units on ``(world, 1)``, the rest on
-the 1-D mesh) are refused by the DTensor of the GPU image's torch; ``step_per_mesh`` presents the
-user's groups split by (mesh, device) for the step only. Checked on 2 gloo ranks against DDP with the
-same optimizer and LR schedule; the groups seen inside each step are recorded by a later pre-hook.
+the 1-D mesh) are refused by the DTensor of the GPU image's torch; ``mesh_step`` presents the
+user's groups split by (mesh, device) for the step only. Checked on 2 gloo ranks against DDP with
+the same optimizer and LR schedule; the groups seen inside each step are recorded by the user's pre-hook.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _mixed_meshes(rank: int, world: int, kw: dict, fused_on_host: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_elixir.apply import apply_plan, inspect_units
-    from lightning_elixir.optim import placement_key, step_per_mesh
+    from lightning_elixir.optim import mesh_step, placement_key
     from tests.lightning_elixir.common import CONFIG, cpu_device
     from tightfit.models import build_gpt
     from tightfit.planner.elixir import estimate, search
@@ -43,8 +43,6 @@ def _mixed_meshes(rank: int, world: int, kw: dict, fused_on_host: bool) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # the schedule must reach every split
         if install:
-            step_per_mesh(opt, fused_on_host=fused_on_host)
-
             def record(o, args, kwargs):
                 seen.append([(len({placement_key(p) for p in g["params"]}), g.get("fused"), g["lr"])
                              for g in o.param_groups])
@@ -54,7 +52,10 @@ def _mixed_meshes(rank: int, world: int, kw: dict, fused_on_host: bool) -> dict:
             x = data[step, rank]
             loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, CONFIG.vocab_size), x[:, 1:].reshape(-1))
             loss.backward()
-            opt.step()
+            if install:
+                mesh_step(opt, fused_on_host=fused_on_host)
+            else:
+                opt.step()
             sched.step()
             opt.zero_grad()
             losses.append(loss.item())
