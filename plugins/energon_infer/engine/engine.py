@@ -59,6 +59,7 @@ from energon_infer.protocol import WorkerGroup, WorkerInfo
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
 from energon_infer.scheduling.scheduler_config import AUTO
+from energon_infer.structured import prepare
 from energon_infer.worker.memory_pool import MemoryPoolConfig
 from energon_infer.worker.runtime import RuntimeConfig
 from energon_infer.worker.workers import ModelSource
@@ -339,7 +340,7 @@ class Engine:
         Cancelling the future aborts the request.
         """
         ids = self.encode(prompt)
-        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params)
+        req = Request(request_id or uuid.uuid4().hex, ids, prepare(self, params or self.default_params))
         deadline = None if timeout is None else time.monotonic() + timeout
         fut = self._delivery.open(req.request_id, listener)  # the caller's side first: no token can come before it
         try:
@@ -357,7 +358,7 @@ class Engine:
         """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
         leaves nothing queued). Returns their futures in order; ``listeners``: one per job, and ``block`` /
         ``timeout`` (wait for room for all of them), as in :meth:`submit`."""
-        reqs = [Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params) for prompt, params in jobs]
+        reqs = [Request(uuid.uuid4().hex, self.encode(p), prepare(self, sp or self.default_params)) for p, sp in jobs]
         futures: list[Future[Completion]] = []
         try:
             for i, req in enumerate(reqs):

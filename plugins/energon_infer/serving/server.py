@@ -73,6 +73,9 @@ from energon_infer.serving.http_guard import (
 from energon_infer.serving.openai_format import ChatReply, CompletionReply, Reply
 from energon_infer.serving.server_config import ServerConfig
 from energon_infer.serving.streaming import TokenStream, wait_all
+from energon_infer.serving.structured_fields import compiled_jobs
+from energon_infer.serving.tool_calls import make_parser, parser_for_template
+from energon_infer.serving.tool_requests import compile_tool_grammar, tool_output_of
 
 __all__ = ["ServerConfig", "ApiError", "EnergonServer", "build_app", "serve", "BackgroundServer"]
 
@@ -95,6 +98,10 @@ class EnergonServer:
         self.engine, self.config, self.owns_engine = engine, config or ServerConfig(), owns_engine
         self.created = int(time.time())
         self.template = chat_template or ChatTemplate.for_engine(engine)
+        # The format tool calls are parsed in: the configured one, else the one the chat template writes.
+        named_parser = self.config.tool_call_parser
+        self.tool_parser = make_parser(named_parser) if named_parser else parser_for_template(self.template.text)
+        self.tool_parser_source = "--tool-call-parser" if named_parser else "the chat template"
         self.defaults = generation_defaults(engine.source.path) if Path(engine.source.path).is_dir() else {}
         self.closing_since: float | None = None  # set when uvicorn begins its graceful shutdown
         self.signals: list[int] = []  # the signals that stopped the server (serve() turns them into its exit status)
@@ -197,7 +204,8 @@ class EnergonServer:
                 min_tokens=body.min_tokens,
                 presence_penalty=float(body.presence_penalty or 0.0),
                 frequency_penalty=float(body.frequency_penalty or 0.0),
-                repetition_penalty=float(pick("repetition_penalty", 1.0)), logprobs=logprobs)
+                repetition_penalty=float(pick("repetition_penalty", 1.0)), logprobs=logprobs,
+                structured=body.structured())
         except ValueError as exc:  # SamplingParams' own checks of the client's values
             named = str(exc).split("=", 1)[0]
             raise ApiError(400, str(exc), param=named if named.isidentifier() else None) from None
@@ -229,6 +237,7 @@ class EnergonServer:
     async def _generate(self, request: Request, reply: Reply, jobs: Jobs, *, prompt_tokens: int, stream: bool,
                         include_usage: bool) -> Any:
         """Submit every job (all admitted or none), then stream their tokens or wait for all of them."""
+        jobs = await compiled_jobs(self.engine, jobs)  # a structured output's grammar: on the engine's pool
         if stream:
             events = TokenStream(reply, include_usage=include_usage, prompt_tokens=prompt_tokens,
                                  closing_since=lambda: self.closing_since, drain_timeout_s=self.config.drain_timeout_s)
@@ -269,10 +278,10 @@ class EnergonServer:
         self._check_model(body.model)
         tok = self._tokenizer("/tokenize")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             try:
-                text = self.template.render(messages, add_generation_prompt=body.add_generation_prompt)
+                text = self.template.render([m.for_template() for m in body.messages],
+                                            add_generation_prompt=body.add_generation_prompt, tools=tools)
             except Exception as exc:  # noqa: BLE001 - the template's own checks speak to the client
                 raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
             ids = self._encode(text)
@@ -324,10 +333,11 @@ class EnergonServer:
         engine = self.engine
         if engine.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer and this model has none; use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        # Tools are rendered whatever tool_choice says (as vLLM does): with "none" the model still knows them.
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            prompt = self.template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt = self.template.render([m.for_template() for m in body.messages],
+                                          add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - the template's own checks (raise_exception) speak to the client
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
         ids = self._encode(prompt)
@@ -340,8 +350,12 @@ class EnergonServer:
         default = min(room, self.config.max_tokens_limit, int(self.defaults.get("max_tokens", room)))
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, key, default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = self._jobs([ids], self._sampling(body, max_tokens=max_tokens, logprobs=logprobs), body.n)
-        reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.decode)
+        params = self._sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+        tool_output, params = tool_output_of(body, params, self.tool_parser)
+        if tool_output.kind in ("named", "required"):
+            params = await compile_tool_grammar(self.engine, body, tool_output, params)
+        jobs = self._jobs([ids], params, body.n)
+        reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.decode, tool_output)
         return await self._generate(request, reply, jobs, prompt_tokens=len(ids), stream=body.stream,
                                     include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
@@ -402,6 +416,10 @@ def serve(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bo
     had to be failed or aborted (the drain timeout passed, or a second Ctrl-C).
     """
     energon = EnergonServer(engine, config, owns_engine=owns_engine)
+    parser = energon.tool_parser.name if energon.tool_parser is not None else "none (tool_choice 'auto' returns text)"
+    print(f"energon: chat template: {energon.template.source}; tool calls: {parser} (from "
+          f"{energon.tool_parser_source}; --tool-call-parser hermes|llama3|mistral|none to change)",
+          file=sys.stderr, flush=True)
     server = _uvicorn_server(energon)
     server.run(sockets=[sock] if sock is not None else None)
     return energon.exit_status(forced=bool(server.force_exit))
