@@ -26,6 +26,7 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("README.md", "Sky: pipelines balanced"): "tests/sky_strategy/test_readme_example.py",
     ("docs/elixir.md", 'Train a model with `strategy="elixir"`'): "tests/lightning_elixir/test_docs_examples.py",
     ("docs/elixir.md", "State on disk"): "tests/lightning_elixir/test_docs_examples.py",
+    ("docs/elixir.md", 'Or write the loop: `Fabric(strategy="elixir")`'): "tests/lightning_elixir/test_docs_examples.py",
     ("docs/energon.md", "Generate in your process"): "tests/energon_infer/test_readme.py",
     ("docs/energon.md", "Serve from one controller"): "tests/energon_infer/test_engine_readme.py",
     ("docs/serving.md", "Call it with the OpenAI client"): "tests/energon_infer/test_server_openai.py",

@@ -31,10 +31,14 @@ EXAMPLES = {
                                        "--batch", "4"], "step ",
                                       ["elixir_demo/summary.json", "elixir_demo/model.safetensors",
                                        "elixir_demo/plan.json", "elixir_demo/config.json"]),
+    "lightning_elixir/fabric_finetune.py": (["--steps", "2", "--device-profile", "a100-40g"], "[fabric_finetune] ",
+                                            ["elixir_fabric/summary.json", "elixir_fabric/plan.json",
+                                             "elixir_fabric/ckpt/meta.pt"]),
     "sky_strategy/train_hetero.py": (["--steps", "4"], "[train_hetero] step",
                                      ["sky_hetero/last.ckpt"]),
 }
 NEEDS = {"torchrec_cache/train_dlrm.py": "torchrec", "lightning_elixir/train_gpt.py": "lightning",
+         "lightning_elixir/fabric_finetune.py": "transformers",
          "sky_strategy/train_hetero.py": "lightning"}
 
 

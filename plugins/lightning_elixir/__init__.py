@@ -1,11 +1,14 @@
-"""Elixir: profile, then search the fastest sharding x offload plan that fits; Trainer(strategy="elixir")
+"""Elixir: profile, then search the fastest sharding x offload plan that fits; Trainer or Fabric(strategy="elixir")
 
 Importing this package registers ``"elixir"`` and its presets (``elixir_offload``,
 ``elixir_no_offload``, ``elixir_checkpoint``, ``elixir_deepspeed``) in Lightning's
-``StrategyRegistry`` when Lightning is installed, so ``Trainer(strategy="elixir")`` works.
+``StrategyRegistry`` when Lightning is installed, so ``Trainer(strategy="elixir")`` works, and
+``"elixir"`` with the same presets but ``elixir_deepspeed`` in Fabric's ``STRATEGY_REGISTRY``, so
+``Fabric(strategy="elixir")`` does.
 
-* :class:`ElixirStrategy` - the Lightning strategy (:mod:`lightning_elixir.strategy`), its options
+* :class:`ElixirStrategy` - the Trainer's strategy (:mod:`lightning_elixir.strategy`), its options
   :class:`ElixirOptions` (:mod:`lightning_elixir.options`);
+* :class:`ElixirFabricStrategy` - Fabric's, the same options and runtime (:mod:`lightning_elixir.fabric_strategy`);
 * :class:`ElixirDeepSpeedStrategy` - the plan run by DeepSpeed ZeRO (``strategy="elixir_deepspeed"``);
 * :class:`ElixirPrecision` - ``precision="16-mixed"`` with loss scaling for sharded gradients (:mod:`lightning_elixir.precision`);
 * :func:`apply_plan` - a plan onto a module with FSDP2, usable without Lightning (:mod:`lightning_elixir.apply`);
@@ -23,11 +26,12 @@ from typing import Any
 
 from tightfit.plugins import Plugin, registers_on_import
 
-__all__ = ["plugin", "register", "ElixirStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
+__all__ = ["plugin", "register", "ElixirStrategy", "ElixirFabricStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
            "apply_plan", "export_checkpoint", "MemoryLimitError"]
 
 _LAZY = {
     "ElixirStrategy": ("lightning_elixir.strategy", "ElixirStrategy"),
+    "ElixirFabricStrategy": ("lightning_elixir.fabric_strategy", "ElixirFabricStrategy"),
     "ElixirDeepSpeedStrategy": ("lightning_elixir.deepspeed_backend", "ElixirDeepSpeedStrategy"),
     "ElixirOptions": ("lightning_elixir.options", "ElixirOptions"),
     "ElixirPrecision": ("lightning_elixir.precision", "ElixirPrecision"),
@@ -38,7 +42,8 @@ _LAZY = {
 
 
 def register() -> None:
-    """Add ``"elixir"`` and its presets to Lightning's strategy registry (idempotent)."""
+    """Add ``"elixir"`` and its presets to the Trainer's and Fabric's strategy registries (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     if "elixir" not in StrategyRegistry:
@@ -49,6 +54,10 @@ def register() -> None:
         from lightning_elixir.deepspeed_backend import ElixirDeepSpeedStrategy
 
         ElixirDeepSpeedStrategy.register_strategies(StrategyRegistry)
+    if "elixir" not in STRATEGY_REGISTRY:
+        from lightning_elixir.fabric_strategy import ElixirFabricStrategy
+
+        ElixirFabricStrategy.register_strategies(STRATEGY_REGISTRY)
     # Registering patches nothing in Lightning: the 16-mixed precision hook is installed when an
     # ElixirStrategy is constructed, while one is alive (lightning_elixir.precision.admit_fp16_flag).
 

@@ -12,7 +12,8 @@ copy exists, write a unit's gradients right after its reduce-scatter), which onl
 :func:`fsdp_param_group` finds the group, :func:`wrap_group_method` wraps one of its methods for one instance
 (undone by the returned callable), :func:`group_pass` / :func:`gather_started` read where the group is.
 
-Lightning. ``Trainer(precision="16-mixed")`` is refused for a ``ModelParallelStrategy`` instance and turned into
+Lightning. Fabric's strategies keep the data-parallel mesh and the gradient-sync control in private attributes
+(:func:`setup_data_parallel_mesh`, :func:`set_backward_sync`). ``Trainer(precision="16-mixed")`` is refused for a ``ModelParallelStrategy`` instance and turned into
 ``"bf16-mixed"`` on a CPU, in ``_AcceleratorConnector._check_and_init_precision``, which has no extension point.
 :func:`admit_fp16_flag` answers first for exactly the Elixir strategies that are alive (each registers itself when
 constructed) and leaves every other case to Lightning; Lightning's own method is put back when the last of them is
@@ -34,6 +35,7 @@ __all__ = ["WRITTEN_AGAINST", "missing_internals", "describe", "fsdp_param_group
            "release_all_reduce_buffer", "wait_gradient_offload", "release_reduce_inputs", "gathers_in_backward",
            "set_gathers_in_backward", "composable_checkpoint", "composable_replicate", "composable_registry",
            "reregister_root_parameters", "foreach_unscale_", "ShardedGradScaler", "setup_data_parallel_mesh",
+           "set_backward_sync",
            "redirect_step", "admit_fp16_flag", "fp16_flag_admitted"]
 
 WRITTEN_AGAINST = {"torch": "2.13", "lightning": "2.6"}
@@ -190,8 +192,23 @@ def setup_data_parallel_mesh(strategy: Any) -> None:
     strategy._tensor_parallel_size = 1
     strategy._device_mesh = init_device_mesh(strategy.root_device.type, (strategy.world_size,),
                                              mesh_dim_names=("data_parallel",))
-    assert strategy.lightning_module is not None
-    strategy.lightning_module._device_mesh = strategy._device_mesh
+    if hasattr(strategy, "lightning_module"):  # the Trainer's strategy; Fabric's has no LightningModule
+        assert strategy.lightning_module is not None
+        strategy.lightning_module._device_mesh = strategy._device_mesh
+
+
+def set_backward_sync(strategy: Any, no_sync: Callable[[nn.Module], Any]) -> None:
+    """``fabric.no_backward_sync(model)`` on a Fabric strategy runs ``no_sync(module)`` (a context manager). Fabric
+    asks the strategy's private ``_backward_sync_control``, an instance of its private ``_BackwardSyncControl``."""
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    class _ElixirBackwardSync(_BackwardSyncControl):
+        def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+            from contextlib import nullcontext
+
+            return no_sync(module) if enabled else nullcontext()
+
+    strategy._backward_sync_control = _ElixirBackwardSync()
 
 
 def redirect_step(strategy: Any, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -271,6 +288,16 @@ def _model_parallel_class() -> Any:
     return ModelParallelStrategy
 
 
+def _fabric_model_parallel_class() -> Any:
+    from lightning.fabric.strategies import ModelParallelStrategy
+    return ModelParallelStrategy
+
+
+def _fabric_strategy_class() -> Any:
+    from lightning.fabric.strategies import Strategy
+    return Strategy
+
+
 def _strategy_class() -> Any:
     from lightning.pytorch.strategies import Strategy
     return Strategy
@@ -335,6 +362,15 @@ def _expected() -> list[tuple[str, Callable[[], bool]]]:
     checks += [("lightning: ModelParallelStrategy._setup_distributed()",
                 _has_method(_model_parallel_class, "_setup_distributed"))]
     checks += [(f"lightning: ModelParallelStrategy.{a}", _sets(_model_parallel_class, a))
+               for a in ("_data_parallel_size", "_tensor_parallel_size", "_device_mesh")]
+    checks += [("lightning: fabric ModelParallelStrategy._setup_distributed()",
+                _has_method(_fabric_model_parallel_class, "_setup_distributed")),
+               ("lightning: fabric Strategy._backward_sync_control", _sets(_fabric_strategy_class, "_backward_sync_control")),
+               ("lightning: fabric _BackwardSyncControl.no_backward_sync()",
+                _has_method(lambda: __import__("lightning.fabric.strategies.strategy",
+                                               fromlist=["_BackwardSyncControl"])._BackwardSyncControl,
+                            "no_backward_sync"))]
+    checks += [(f"lightning: fabric ModelParallelStrategy.{a}", _sets(_fabric_model_parallel_class, a))
                for a in ("_data_parallel_size", "_tensor_parallel_size", "_device_mesh")]
     checks += [("lightning: Strategy._forward_redirection", _sets(_strategy_class, "_forward_redirection")),
                ("lightning: LightningModule._device_mesh", _sets(_module_class, "_device_mesh"))]

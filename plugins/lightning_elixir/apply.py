@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AppliedUnit", "UnitState", "apply_plan", "resolve_units", "apply_activation_checkpointing",
            "set_checkpointing", "shard_units", "apply_prefetch", "materialize", "mixed_precision_policy",
-           "inspect_units", "describe_units", "is_sharded", "is_replicated", "clip_grad_norm_"]
+           "inspect_units", "describe_units", "is_sharded", "is_replicated", "clip_grad_norm_",
+           "clip_grad_value_"]
 
 
 @dataclass
@@ -412,6 +413,20 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     if disk is not None:
         disk.scale(coef)  # the gradients on disk: multiplied as they are read by the step
     return norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters, clip_val: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over gradients in memory and on disk (tier 4: clamped as the step reads
+    them)."""
+    from lightning_elixir.disk_grads import disk_gradients_of
+
+    params = list(parameters)
+    if any(p.grad is not None for p in params):  # torch's refuses a list with no gradient
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+    disk = disk_gradients_of(params)
+    if disk is not None:
+        disk.clamp(float(clip_val))
 
 
 # ---- reading it back -----------------------------------------------------------------------------

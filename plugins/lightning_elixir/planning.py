@@ -46,7 +46,7 @@ from tightfit.profiler.types import ClusterSpec, DeviceProfile, ModelProfile
 from tightfit.units import format_bytes, parse_bytes
 
 __all__ = ["example_batch", "profile_module", "local_device", "make_plan", "load_plan", "decide_plan", "PlanDecision",
-           "stage_method", "forked_rng", "time_module_blocks", "OFFLOAD_CHOICES", "STAGE_METHODS"]
+           "stage_method", "forked_rng", "time_module_blocks", "OFFLOAD_CHOICES", "STAGE_METHODS", "FORWARD"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ def profile_module(module: nn.Module, batch: Any = None, *, stage_method: str = 
     """Profile one step of a LightningModule on the meta device.
 
     With a ``batch``: ``stage_method(batch, 0)`` (its loss is backpropagated). Without: ``forward`` on
-    ``module.example_input_array``. The module is neither changed nor moved.
+    ``module.example_input_array``. ``stage_method="forward"``: ``batch`` is what ``forward`` takes (a tensor, a
+    tuple of arguments or a dict of keyword arguments), profiled with the output's default loss. The module is
+    neither changed nor moved.
 
     Raises:
         ValueError: no batch and no ``example_input_array``; the message says what to add.
@@ -117,6 +119,8 @@ def profile_module(module: nn.Module, batch: Any = None, *, stage_method: str = 
 
     name = name or _model_name(module)
     example = getattr(module, "example_input_array", None)
+    if batch is not None and stage_method == FORWARD:
+        example, batch = batch, None  # a forward input (Fabric's example_input), profiled as example_input_array is
     if batch is not None:
         target = _StepModule(module, stage_method)
         try:
@@ -184,9 +188,10 @@ def time_module_blocks(module: nn.Module, batch: Any, profile: ModelProfile, *, 
     from tightfit.profiler import time_blocks
 
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(precision)
-    # What profile_module traced: the step on the batch, else forward on example_input_array.
-    target: nn.Module = _StepModule(module, stage_method) if batch is not None else module
-    inputs = (batch,) if batch is not None else getattr(module, "example_input_array", None)
+    # What profile_module traced: the step on the batch, else forward on the given input or example_input_array.
+    steps = batch is not None and stage_method != FORWARD
+    target: nn.Module = _StepModule(module, stage_method) if steps else module
+    inputs = (batch,) if steps else batch if batch is not None else getattr(module, "example_input_array", None)
     # The shapes are recorded on a copy of the module: detach the Trainer first, so the copy does not drag it
     # along and the step's self.log() warns and skips (no Trainer) instead of raising (a Trainer mid-setup).
     trainer = module.__dict__.get("_trainer")
@@ -244,6 +249,8 @@ def load_plan(plan: str | Path | ElixirPlan) -> ElixirPlan:
     return ElixirPlan.from_json(path)
 
 
+# The "stage method" of a Fabric loop: the module's forward on an example input (the loss is the user's loop's).
+FORWARD = "forward"
 STAGE_METHODS = {"fit": "training_step", "validate": "validation_step", "test": "test_step",
                  "predict": "predict_step"}
 

@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from lightning_elixir._torch_adapter import ShardedGradScaler, foreach_unscale_
 from lightning_elixir._torch_adapter import admit_fp16_flag as _admit_while_alive
-from lightning_elixir.apply import clip_grad_norm_
+from lightning_elixir.apply import clip_grad_norm_, clip_grad_value_
 
 __all__ = ["ElixirGradScaler", "ElixirPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
            "with_mesh_clipping", "admit_fp16_flag"]
@@ -147,14 +147,7 @@ class ClipAcrossMeshes(Precision):
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float | int) -> None:
-        from lightning_elixir.disk_grads import disk_gradients_of
-
-        params = list(self.main_params(optimizer))
-        if any(p.grad is not None for p in params):  # torch's refuses a list with no gradient
-            torch.nn.utils.clip_grad_value_(params, clip_val)
-        disk = disk_gradients_of(params)
-        if disk is not None:
-            disk.clamp(float(clip_val))  # gradients on disk (tier 4): clamped as the step reads them
+        clip_grad_value_(self.main_params(optimizer), float(clip_val))
 
 
 class ElixirHalfPrecision(ClipAcrossMeshes, HalfPrecision):

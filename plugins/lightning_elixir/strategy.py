@@ -15,6 +15,9 @@ computes in bf16 and reduce-scatters in fp32, fp32 master weights); ``"bf16-true
 rank agrees on, its state in the checkpoints: :mod:`lightning_elixir.precision`, which Lightning's
 ``ModelParallelStrategy`` itself does not offer).
 
+Fabric's front door, ``Fabric(strategy="elixir")``, is :class:`~lightning_elixir.fabric_strategy.ElixirFabricStrategy`:
+the same :class:`~lightning_elixir.options.ElixirOptions`, planning and runtime (:mod:`lightning_elixir.engine`).
+
 Presets registered in ``StrategyRegistry``: ``elixir`` (search everything), ``elixir_offload``
 (every unit offloaded), ``elixir_no_offload``, ``elixir_checkpoint`` (every block recomputed),
 ``elixir_deepspeed`` (the plan translated to DeepSpeed ZeRO; :mod:`lightning_elixir.deepspeed_backend`).
@@ -37,31 +40,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_elixir._torch_adapter import redirect_step, setup_data_parallel_mesh
-from lightning_elixir.apply import (
-    AppliedUnit,
-    apply_plan,
-    describe_units,
-    is_replicated,
-    is_sharded,
-    materialize,
-)
-from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
-from lightning_elixir.disk_attach import attach_disk_state, clips_by_norm
-from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
+from lightning_elixir.apply import AppliedUnit, is_replicated, is_sharded, materialize
+from lightning_elixir.disk_attach import clips_by_norm
 from lightning_elixir.disk_state import DiskOptimizerState
-from lightning_elixir.optim import splits_by_mesh
+from lightning_elixir.engine import (
+    applied_text,
+    apply_decided,
+    attach_optimizers,
+    check_before_load,
+    close_disk_state,
+    load_into,
+    save_atomic,
+)
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
 from lightning_elixir.precision import ElixirPrecision, admit_fp16_flag, with_mesh_clipping
 from lightning_elixir.replan import PlanState, Replanner
-from lightning_elixir.replicate import (
-    apply_replicated,
-    load_replicated,
-    no_gradient_sync,
-    replicates_everything,
-)
+from lightning_elixir.replicate import no_gradient_sync, replicates_everything
 from lightning_elixir.step import ElixirOptimizer
-from tightfit.console import fit_text
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.host_memory import host_available_bytes
@@ -209,19 +205,12 @@ class ElixirStrategy(ModelParallelStrategy):
         if not is_replicated(module) and not any(is_sharded(m) for m in module.modules()):
             decision = self._decide_plan(trainer)
             self.plan = decision.plan
-            # The plan decided; this picks the machinery that runs its decision: an all-replicate plan is
-            # data parallelism, run with DDP's reducer (re-planning needs FSDP2 units that can change mode).
-            if replicates_everything(self.plan) and not self.options.replan:
-                self.runtime = "DDP"
-                self.units = apply_replicated(module, self.plan, self.device_mesh, device=self.root_device)
-            else:
-                self.runtime = "FSDP2"
-                # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised
-                # once the disk tier is attached, one unit at a time (below), never whole in host memory.
-                self._streamed_init = (trainer.state.fn == TrainerFn.FITTING and bool(self.plan.param_disk_units)
-                                       and self.options.disk_dir is not None)
-                self.units = apply_plan(module, self.plan, self.device_mesh, device=self.root_device,
-                                        switchable=self.options.replan, defer_materialize=self._streamed_init)
+            # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised
+            # once the disk tier is attached, one unit at a time (below), never whole in host memory.
+            self._streamed_init = (trainer.state.fn == TrainerFn.FITTING and bool(self.plan.param_disk_units)
+                                   and self.options.disk_dir is not None and not replicates_everything(self.plan))
+            self.runtime, self.units = apply_decided(module, self.plan, self.device_mesh, device=self.root_device,
+                                                     options=self.options, defer_materialize=self._streamed_init)
             self._report(trainer)
             if self.options.replan:
                 self.replanner = Replanner(decision.profile, decision.cluster, self.options.memory_budget,
@@ -229,21 +218,11 @@ class ElixirStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            fused = self._fused_on_host()
-            chunk = {"chunk_elements": self._disk_chunk_elements} if self._disk_chunk_elements else {}
-            self.disk_state = attach_disk_state(self._module, self.plan, self.units, self.optimizers,
-                                                self.options.disk_dir, rank=self.global_rank,
-                                                norm_type=2.0 if clips_by_norm(trainer) else None,
-                                                precision=str(getattr(self.precision_plugin, "precision", "")),
-                                                fused_on_host=fused, **chunk)
-            disk = self.disk_state
-            self._stepping = [ElixirOptimizer(opt, fused_on_host=fused,
-                                              disk=disk if disk is not None and disk.optimizer is opt else None)
-                              for opt in self.optimizers if splits_by_mesh(opt) or disk is not None]
-            if self.disk_state is not None and self.is_global_zero and self.options.verbose:
-                print(f"[elixir] optimizer state of units {list(self.disk_state.lengths)} streamed from "
-                      f"{self.disk_state.store.path} (rank 0), {len(self.disk_state.chunks)} chunks a step",
-                      flush=True)
+            self.disk_state, self._stepping = attach_optimizers(
+                self._module, self.plan, self.units, self.optimizers, self.options, rank=self.global_rank,
+                device=self.root_device, norm_type=2.0 if clips_by_norm(trainer) else None,
+                precision=str(getattr(self.precision_plugin, "precision", "")),
+                chunk_elements=self._disk_chunk_elements)
             if self._streamed_init:
                 streamed = self.disk_state.master if self.disk_state is not None else None
                 materialize(self._module, self.units, self.root_device, streamed=streamed)
@@ -268,16 +247,8 @@ class ElixirStrategy(ModelParallelStrategy):
         self.plan_path = log_dir / "plan.json"
         self.plan.to_json(self.plan_path)
         if self.options.verbose:
-            print(fit_text(self.plan.explain()), flush=True)  # wrapped to the terminal
-            how = ("DDP (every unit replicated: composable replicate)" if self.runtime == "DDP"
-                   else "FSDP2 groups as they run")
-            print(f"\napplied ({how}):\n" + describe_units(self._module), flush=True)
+            print(applied_text(self.plan, self._module, self.runtime), flush=True)
             print(f"[elixir] plan written to {self.plan_path}", flush=True)
-
-    def _fused_on_host(self) -> bool:
-        """Whether, on a GPU, offloaded units' host buckets of Adam/AdamW step with torch's fused CPU kernel when the
-        user did not choose (:func:`lightning_elixir.optim.mesh_step`)."""
-        return self.root_device.type == "cuda" and any(u.plan.offload for u in self.units)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -321,11 +292,7 @@ class ElixirStrategy(ModelParallelStrategy):
         self._stepping = []
         try:
             if state is not None:
-                try:
-                    # a write that failed (disk full) is raised once the hooks are gone
-                    state.close(read_back=self._read_back(state))
-                finally:
-                    state.store.close()
+                close_disk_state(state, read_back=self._read_back)
         finally:
             super().teardown()
 
@@ -409,9 +376,8 @@ class ElixirStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        planner = DiskSavePlanner(self.disk_state) if self.disk_state is not None else None
-        atomic_save(converted, checkpoint, path, rank=self.global_rank, barrier=self.barrier,
-                    broadcast=self.broadcast, planner=planner)
+        save_atomic(converted, checkpoint, path, disk=self.disk_state, rank=self.global_rank, barrier=self.barrier,
+                    broadcast=self.broadcast)
         if self.replanner is not None and self.replanner.pending is not None:
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
@@ -433,26 +399,10 @@ class ElixirStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        problem = None
-        if self.is_global_zero:
-            recover(path)
-            try:
-                verify_checkpoint(path)  # rank 0 re-hashes every shard; all ranks then agree to fail or load
-            except ValueError as err:
-                problem = str(err)
-        problem = self.broadcast(problem)
-        if problem is not None:
-            raise CheckpointCorruptError(problem)
-        if self.disk_state is not None and path.is_dir():
-            # The disk units' optimizer state goes from the checkpoint to the store item by item.
-            return load_sharded(path, self._module, self.optimizers[0], self.disk_state,
-                                strict=self._module.strict_loading, weights_only=weights_only,
-                                init_state=self._init_optimizer_state)
-        self._init_optimizer_state()
-        if is_replicated(self._module):
-            return load_replicated(path, self._module, self.optimizers, strict=self._module.strict_loading,
-                                   weights_only=weights_only)
-        return super().load_checkpoint(path, weights_only=weights_only)
+        check_before_load(path, rank=self.global_rank, broadcast=self.broadcast)
+        return load_into(path, self._module, self.optimizers, disk=self.disk_state, stepping=self._stepping,
+                         strict=self._module.strict_loading, weights_only=weights_only,
+                         otherwise=lambda: super(ElixirStrategy, self).load_checkpoint(path, weights_only=weights_only))
 
     @classmethod
     @override

@@ -4,7 +4,8 @@ Importing this package registers ``"sky"`` in Lightning's ``StrategyRegistry`` (
 installed), so ``Trainer(strategy="sky")`` works; ``SkyStrategy(...)`` takes the knobs of
 :class:`sky_strategy.config.SkyConfig`. The LightningModule convention is in :mod:`sky_strategy.layers`.
 ``SkyStrategy(data_parallel=N)`` runs ``N`` data-parallel replicas of the pipeline when the world is
-larger than it (see :mod:`sky_strategy.strategy`).
+larger than it (see :mod:`sky_strategy.strategy`). ``Fabric(strategy="sky")`` is refused with the reason
+(:data:`FABRIC_REFUSAL`): the pipeline schedule must own each microbatch's loss and backward, which a Fabric loop keeps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ def register() -> None:
 
     if "sky" not in StrategyRegistry:
         SkyStrategy.register_strategies(StrategyRegistry)
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    if "sky" not in STRATEGY_REGISTRY:
+        # Registered to refuse with the reason: without it, Fabric(strategy="sky") would only say the name is unknown.
+        STRATEGY_REGISTRY.register("sky", refuse_fabric, description="Sky runs under the Trainer only: "
+                                   + FABRIC_REFUSAL)
+
+
+FABRIC_REFUSAL = (
+    "Fabric(strategy='sky') is not supported: Sky's pipeline schedules (1F1B, GPipe) run each microbatch's backward "
+    "inside the step, interleaved with the other microbatches' forwards, so the strategy must own the loss and the "
+    "backward; a Fabric loop calls model(x), computes the loss itself and only then fabric.backward(loss), which "
+    "leaves no schedule to run - use Trainer(strategy='sky'), or Fabric(strategy='elixir') to shard instead")
+
+
+def refuse_fabric(**_: object) -> None:
+    """What ``Fabric(strategy="sky")`` builds: an error with the reason (:data:`FABRIC_REFUSAL`)."""
+    raise ValueError(FABRIC_REFUSAL)
 
 
 def _demo(quick: bool) -> str:
