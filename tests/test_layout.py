@@ -135,7 +135,7 @@ def test_plugin_functions_stay_under_80_lines(plugin):
 # energon_infer is grouped by role, bottom to top; a group imports only groups below it and the shared modules
 # at the package's root (docs/architecture.md). The root's entry modules (the package, the demos) may import any.
 ENERGON_GROUPS = ("loading", "scheduling", "worker", "engine", "serving")
-ENERGON_SHARED = ("errors", "sampling", "protocol", "parallel")
+ENERGON_SHARED = ("errors", "sampling", "structured", "protocol", "parallel")
 ENERGON_ENTRY = ("", "demo", "engine_demo")
 
 

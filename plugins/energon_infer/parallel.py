@@ -37,8 +37,8 @@ from tightfit.cuda.quant_linear import int4_linear, int8_linear
 from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
 from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
 
-__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "drop_packed",
-           "move_unpacked", "microbatches"]
+__all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "move_unpacked",
+           "microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,13 +310,6 @@ def move_unpacked(module: nn.Module, packs: bool | None = None) -> None:
     for m in module.modules():
         if isinstance(m, _Projection):
             m.move_unpacked(m.packed is not None if packs is None else packs)
-
-
-def drop_packed(module: nn.Module) -> None:
-    """Free the packed copies in ``module`` (its projections run ``F.linear`` from then on)."""
-    for m in module.modules():
-        if isinstance(m, _Projection):
-            m.packed = None
 
 
 class ColumnLinear(_Projection):

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from energon_infer.structured import StructuredOutput
 from tightfit.checks import check_number
 from tightfit.cuda.gumbel import counter_uniform, first_max, gumbel_argmax
 
-__all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
+__all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "allowed_from_bitmask", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
            "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
 
 # Below 1e-2, logits / temperature overflow float32 for ordinary logit gaps (a gap of 10 at 1e-40 is 1e41 >
@@ -72,6 +73,8 @@ class SamplingParams:
         repetition_penalty: > 1 discourages tokens of the prompt and the output (Hugging Face's; 1: off).
         logprobs: ``None``: none; ``k``: the sampled token's log-probability and the ``k`` most likely tokens'
             (at most ``MAX_LOGPROBS``).
+        structured: the output must match this constraint (a JSON schema, a regex, a choice, a grammar:
+            :class:`~energon_infer.structured.StructuredOutput`), enforced by grammar-constrained decoding.
     """
 
     temperature: float = 1.0
@@ -87,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -129,6 +133,8 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
             raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured={self.structured!r} must be a StructuredOutput (or None)")
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} contains an empty string, which would stop at once; remove it")
 
@@ -214,29 +220,38 @@ class Sampler:
 
     def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
                     positions: Sequence[int] | None = None,
-                    banned: Mapping[int, Sequence[int]] | None = None) -> SampleOutput:
+                    banned: Mapping[int, Sequence[int]] | None = None,
+                    grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SampleOutput:
         """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising.
 
         ``banned``: by row, tokens that cannot be drawn (a request below its ``min_tokens``: its stop tokens);
-        the logprobs stay those of the raw logits."""
+        ``grammar``: rows under a structured-output grammar and their ``(len(rows), ceil(vocab / 32))`` int32
+        bitmask of the tokens they may take (bit ``t % 32`` of word ``t // 32``; see
+        :class:`~energon_infer.worker.grammar.GrammarMasks`): the others are set to ``-inf`` after the penalties, for
+        greedy and sampled rows alike. The logprobs stay those of the raw logits."""
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
         dev, vocab = logits.device, logits.shape[-1]
         out = first_max(logits)
         banned = banned or {}
+        masked = dict(zip(grammar[0], range(len(grammar[0])))) if grammar is not None else {}
         rows = [i for i, p in enumerate(params)
-                if not p.greedy or p.penalised or p.logprobs is not None or i in banned]
+                if not p.greedy or p.penalised or p.logprobs is not None or i in banned or i in masked]
         if not rows:
             return SampleOutput(out.tolist())
         sub = [params[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.long, device=dev)
         raw = (logits if len(rows) == len(params) else logits.index_select(0, index)).float()  # no copy for all rows
         scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
-        ban = [(j, t) for j, i in enumerate(rows) for t in banned.get(i, ()) if 0 <= t < vocab]
+        # Under a grammar the EOS is where the grammar may end: a row's mask overrides its min_tokens ban.
+        ban = [(j, t) for j, i in enumerate(rows) if i not in masked for t in banned.get(i, ()) if 0 <= t < vocab]
         if ban:
             scores = scores.clone() if scores is raw else scores
             scores[torch.tensor([j for j, _ in ban], device=dev), torch.tensor([t for _, t in ban], device=dev)] = \
                 float("-inf")
+        if masked:
+            assert grammar is not None
+            scores = _mask_rows(scores.clone() if scores is raw else scores, rows, masked, grammar[1])
         greedy_rows = [p.greedy for p in sub]
         if not all(greedy_rows):
             pos = positions if positions is not None else [0] * len(seq_ids)
@@ -322,6 +337,26 @@ class Sampler:
         return logits.index_copy(0, rows, sub)
 
 
+def _mask_rows(scores: torch.Tensor, rows: Sequence[int], masked: Mapping[int, int], bitmask: torch.Tensor
+               ) -> torch.Tensor:
+    """``scores`` (rows ``rows`` of the batch) with the tokens a grammar row may not take at ``-inf``, in place;
+    ``masked``: batch row -> its row of ``bitmask``."""
+    js = [j for j, i in enumerate(rows) if i in masked]
+    index = torch.tensor(js, dtype=torch.long, device=scores.device)
+    allowed = allowed_from_bitmask(bitmask.to(scores.device)[[masked[rows[j]] for j in js]], scores.shape[-1])
+    return scores.index_copy_(0, index, scores.index_select(0, index).masked_fill(~allowed, float("-inf")))
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B, width)`` booleans from ``(B, words)`` int32 bitmasks (bit ``t % 32`` of word ``t // 32``: token t)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    flat = bits.reshape(bitmask.shape[0], -1)
+    if flat.shape[1] < width:
+        flat = torch.nn.functional.pad(flat, (0, width - flat.shape[1]))
+    return flat[:, :width].bool()
+
+
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``(B, V)`` logits divided by each row's temperature, with tokens outside its top-k / top-p set to ``-inf``."""
     dev, vocab = logits.device, logits.shape[-1]
@@ -359,7 +394,9 @@ def stop_reason(generated: Sequence[int], params: SamplingParams, eos_token_ids:
     if len(generated) < params.min_tokens:
         return None, None  # the stop tokens could not be drawn (see Sampler.sample_rows' banned)
     last = generated[-1]
-    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+    # Under a grammar the EOS is drawable only where the grammar may end: it ends the request even with ignore_eos.
+    if last in params.stop_token_ids or ((not params.ignore_eos or params.structured is not None)
+                                         and last in eos_token_ids):
         return "stop", None
     if params.stop and (text is not None or decode is not None):
         if text is None:

@@ -189,8 +189,12 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     reset_parameters = init_parameters
 
     def _apply(self, fn: Any, recurse: bool = True) -> "CachedCollection":  # type: ignore[override]
-        # A materialised cache's slots and index survive an ``fn`` that drops values (``to_empty``).
-        kept = [b.detach().clone() for b in self._cache.buffers()] if self._materialized else []
+        # A materialised cache's slots and index survive an ``fn`` that drops values (``to_empty``); one that keeps
+        # them (``.to``, ``.cpu()``, ``.double()``) is applied without a copy. A probe tells the two apart.
+        probe = torch.tensor([0.375, -2.25])
+        out = fn(probe)
+        drops = out.is_meta or not torch.equal(out.detach().cpu().float(), probe)
+        kept = [b.detach().clone() for b in self._cache.buffers()] if self._materialized and drops else []
         super()._apply(fn, recurse)
         with torch.no_grad():
             for b, old in zip(self._cache.buffers(), kept):
@@ -245,11 +249,8 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
     def prefetch(self, features: KeyedJaggedTensor, ahead: int = 1, *, until: int | None = None,
                  window: list[tuple[int, KeyedJaggedTensor]] | None = None) -> None:
         """Load the rows of a batch that runs ``ahead`` forwards from now (or at forward number ``until``),
-        and pin them until then.
-
-        ``window``: ``(forward number, batch)`` of the batches that run after it; a missing row they need
-        again takes the slot of a row needed later (Belady inside the window).
-        """
+        and pin them until then. ``window``: ``(forward number, batch)`` of the batches that run after it; a
+        missing row they need again takes the slot of a row needed later (Belady inside the window)."""
         kjt = self._check_features(features)
         at = until if until is not None else self._cache.step + ahead
         later = None
@@ -322,8 +323,7 @@ class CachedCollection(FusedOptimizerModule, nn.Module):
         self._cache.flush()
 
     def disk_stats(self) -> dict[str, int]:
-        """With a ``disk_dir``: the host level's hits and misses, rows and bytes read from and written to
-        disk, requests, host rows held (empty without a disk tier)."""
+        """With a ``disk_dir``: the host level's hits, misses, rows and bytes read and written, requests, rows held."""
         tier = self._cache.store.tier
         return tier.stats() if tier is not None else {}
 

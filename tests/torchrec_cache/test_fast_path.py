@@ -172,6 +172,23 @@ def test_meta_construction_materialises_on_the_host():
     assert float(w.abs().max()) <= bound * (1 + 1e-6) and float(w.std()) > bound / 4
 
 
+def test_moving_a_materialised_cache_copies_its_slots_only_when_the_move_drops_values():
+    from torch.profiler import ProfilerActivity, profile
+
+    _, cached = _pair(CacheConfig(capacity=0.2))
+    kjt = make_kjt(tables(), 8, torch.Generator().manual_seed(1))
+    before = cached(kjt).values()
+
+    def cloned(move) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            move()
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::clone")
+
+    assert cloned(lambda: cached.to("cpu")) == 0 and cloned(lambda: cached.float()) == 0
+    assert cloned(lambda: cached.to_empty(device="cpu")) >= len(list(cached.fused_cache.buffers())) > 0
+    torch.testing.assert_close(cached(kjt).values(), before, atol=0, rtol=0)  # slots and index kept
+
+
 @pytest.mark.parametrize("tracer", ["torch.fx", "torchrec.fx"])
 def test_fx_tracing_keeps_the_lookup_as_one_leaf_call(tracer):
     import torchrec.fx

@@ -61,6 +61,7 @@ from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.requests import Encoded
 from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
 from energon_infer.scheduling.scheduler_config import AUTO
+from energon_infer.structured import prepare
 from energon_infer.worker.runtime import RuntimeConfig
 from energon_infer.worker.workers import ModelSource
 from tightfit.planner.pool import PoolPlan, streaming_groups
@@ -331,7 +332,7 @@ class Engine:
         """
         stamps = RequestStamps(received=(t0 := now_ns()), tokenize_start=t0)
         ids, stamps.tokenized = self.encode(prompt), now_ns()
-        req = Request(request_id or uuid.uuid4().hex, ids, params or self.default_params)
+        req = Request(request_id or uuid.uuid4().hex, ids, prepare(self, params or self.default_params))
         deadline = None if timeout is None else time.monotonic() + timeout
         fut = self._delivery.open(req.request_id, listener, stamps)  # the caller's side first: no token comes before it
         try:
@@ -352,7 +353,7 @@ class Engine:
         ``timeout`` (wait for room for all of them), as in :meth:`submit`. ``stamps``: one per job, its time account so
         far (:mod:`energon_infer.engine.account`), which the caller closes once it wrote the answer (the server)."""
         t0 = now_ns()
-        reqs = [Request(uuid.uuid4().hex, self.encode(prompt), params or self.default_params) for prompt, params in jobs]
+        reqs = [Request(uuid.uuid4().hex, self.encode(p), prepare(self, sp or self.default_params)) for p, sp in jobs]
         t1, given = now_ns(), stamps is not None
         stamps = stamps or [RequestStamps(received=t0, tokenize_start=t0, tokenized=t1) for _ in reqs]
         futures: list[Future[Completion]] = []
@@ -450,11 +451,10 @@ class Engine:
         """The whole-process memory budget the engine was planned with, one line per item (the memory the limit
         left, each worker's interpreter, weights, prefetch slots, read buffers, KV cache, activations, slack), or
         why there is none (:mod:`energon_infer.engine.memory_plan`); then the token budget and the time account."""
-        memory = self.memory_plan.explain() if self.memory_plan is not None else (
-            "no serving memory plan: planned on a CPU from a model directory only (a GPU or a training checkpoint "
-            "is not planned)")
-        budget = f"token budget ({self.scheduler.config.token_budget}): {self.scheduler.budget.last.why}"
-        return f"{memory}\n{budget}\ntime account:\n{explain_account(self.time_account.view())}"
+        none = "no serving memory plan: one is made on a CPU from a model directory (not on a GPU, not from a checkpoint)"
+        memory = self.memory_plan.explain() if self.memory_plan is not None else none
+        return (f"{memory}\ntoken budget ({self.scheduler.config.token_budget}): {self.scheduler.budget.last.why}\n"
+                f"time account:\n{explain_account(self.time_account.view())}")
 
     def account(self, *, reset: bool = False) -> dict[str, Any]:
         """Each part's mean and share of the time since the last ``reset``, by request and step, and the last ones."""

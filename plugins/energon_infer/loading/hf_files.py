@@ -105,11 +105,25 @@ class ChatTemplate:
     def source(self) -> str:
         return "the model's chat template" if self.hf is not None else "'role: content' lines (no chat template)"
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @property
+    def text(self) -> str:
+        """The template's Jinja source (all of its named templates); ``""`` without one."""
+        raw = self.hf.chat_template if self.hf is not None else None
+        return "\n".join(raw.values()) if isinstance(raw, dict) else (raw or "")
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt of ``messages``; ``tools`` (OpenAI's ``tools`` entries) go to the template, which writes them
+        where the model expects them (without a template: a ``tools:`` line of JSON first)."""
         if self.hf is None:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if
-                                                                                 add_generation_prompt else "")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            def line(m: dict[str, Any]) -> str:
+                calls = [c["function"] for c in m.get("tool_calls") or ()]
+                return f"{m['role']}: {m['content']}" + (json.dumps(calls) if calls else "") + "\n"
+
+            head = f"tools: {json.dumps(tools)}\n" if tools else ""
+            return head + "".join(map(line, messages)) + ("assistant:" if add_generation_prompt else "")
+        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
 
 
 # generation_config.json key -> SamplingParams field

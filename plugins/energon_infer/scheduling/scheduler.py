@@ -279,7 +279,8 @@ class Scheduler:
         if cfg.kv_admission == "reserve":
             self._reserved += req.reserve
         step.new_params[req.seq_id] = req.params
-        if req.params.penalised or req.params.min_tokens:  # min_tokens: the worker needs the prompt's length
+        # min_tokens: the worker needs the prompt's length; structured: the outputs its grammar has taken already
+        if req.params.penalised or req.params.min_tokens or req.params.structured is not None:
             step.history[req.seq_id] = (list(req.prompt), list(req.generated))
         self._feed(plan, req, n)
         return n

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from energon_infer.engine.delivery import Completion
+from energon_infer.serving.tool_calls import ToolCallStream, ToolOutput
 
 __all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
            "chat_choice", "completion_chunk", "chat_chunk"]
@@ -94,9 +95,17 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: Any,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _tool_finish(reason: str | None, called: bool) -> str | None:
+    # A generation that ended by itself after calls ends in them (OpenAI's "tool_calls"); "length" stays.
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def completion_chunk(rid: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,6 +127,11 @@ class Reply(Protocol):
               ) -> dict[str, Any]:
         """The stream chunk of choice ``index``'s new ``text`` (and its tokens' logprobs, when asked)."""
 
+    def chunks(self, index: int, text: str, reason: str | None,
+               lps: tuple[list[int], list[TokenLogprobs]] | None) -> list[dict[str, Any]]:
+        """The stream chunks of choice ``index``'s new ``text``: :meth:`chunk`'s, or more or none where the text
+        holds tool calls."""
+
     def first(self, choices: int) -> list[dict[str, Any]]:
         """The chunks a stream starts with, before any token."""
 
@@ -135,6 +149,9 @@ class CompletionReply:
         logprobs = None if lps is None else completion_logprobs(lps[0], lps[1], self.decode)
         return completion_chunk(self.rid, self.model, [completion_choice(index, text, reason, logprobs)])
 
+    def chunks(self, index: int, text: str, reason: str | None, lps: Any) -> list[dict[str, Any]]:
+        return [self.chunk(index, text, reason, lps)]
+
     def first(self, choices: int) -> list[dict[str, Any]]:
         return [completion_chunk(self.rid, self.model, [completion_choice(i, self.echo[i // self.n], None, None)])
                 for i in range(choices) if self.echo[i // self.n]]
@@ -150,10 +167,14 @@ class CompletionReply:
 
 
 class ChatReply:
-    """``/v1/chat/completions``: a stream opens each choice with the assistant's role."""
+    """``/v1/chat/completions``: a stream opens each choice with the assistant's role; ``tools``: how the output
+    becomes content and tool calls (default: all content)."""
 
-    def __init__(self, rid: str, model: str, decode: Callable[[list[int]], str] | None):
+    def __init__(self, rid: str, model: str, decode: Callable[[list[int]], str] | None,
+                 tools: ToolOutput | None = None):
         self.rid, self.model, self.decode = rid, model, decode
+        self.tools = tools or ToolOutput()
+        self._streams: dict[int, ToolCallStream] = {}
 
     def chunk(self, index: int, text: str, reason: str | None, lps: Any) -> dict[str, Any]:
         delta = {"content": text} if text or reason is None else {}
@@ -161,13 +182,36 @@ class ChatReply:
         return chat_chunk(self.rid, self.model, [{"index": index, "delta": delta, "logprobs": logprobs,
                                                   "finish_reason": reason}])
 
+    def chunks(self, index: int, text: str, reason: str | None, lps: Any) -> list[dict[str, Any]]:
+        if self.tools.kind == "text":
+            return [self.chunk(index, text, reason, lps)]
+        stream = self._streams.setdefault(index, self.tools.stream())
+        deltas = stream.feed(text)
+        if reason is not None:
+            deltas += stream.finish()
+            deltas.append({})
+        logprobs = None if lps is None else chat_logprobs(lps[0], lps[1], self.decode)
+        if not deltas and logprobs is not None:
+            deltas.append({})  # the text is held back, its tokens' logprobs are not
+        out = [chat_chunk(self.rid, self.model, [{"index": index, "delta": d, "logprobs": None,
+                                                  "finish_reason": None}]) for d in deltas]
+        if out:
+            out[0]["choices"][0]["logprobs"] = logprobs
+        if reason is not None:
+            out[-1]["choices"][0]["finish_reason"] = _tool_finish(reason, stream.called)
+        return out
+
     def first(self, choices: int) -> list[dict[str, Any]]:
         return [chat_chunk(self.rid, self.model, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}])
                 for i in range(choices)]
 
     def response(self, done: list[Completion], prompt_tokens: int) -> dict[str, Any]:
-        choices = [chat_choice(i, c.text or "", c.finish_reason, chat_logprobs(c.token_ids, c.logprobs, self.decode))
-                   for i, c in enumerate(done)]
+        choices = []
+        for i, c in enumerate(done):
+            content, calls = self.tools.extract(c.text or "")
+            choices.append(chat_choice(i, content or (None if calls else ""), _tool_finish(c.finish_reason, bool(calls)),
+                                       chat_logprobs(c.token_ids, c.logprobs, self.decode),
+                                       [call.to_openai(self.tools.new_id()) for call in calls]))
         return {"id": self.rid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done))}

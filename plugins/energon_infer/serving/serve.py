@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
     from energon_infer.loading.backend import MODEL_IMPLS
     from energon_infer.scheduling.scheduler_config import SchedulerConfig
-    from energon_infer.serving.server_config import ServerConfig
+    from energon_infer.serving.server_config import TOOL_CALL_PARSERS, ServerConfig
     from energon_infer.worker.runtime_config import RuntimeConfig
 
     rt, sched, faults = _defaults(RuntimeConfig), _defaults(SchedulerConfig), _defaults(FaultConfig)
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest max_tokens a request may ask for")
     s.add_argument("--max-request-bytes", type=int, default=http["max_request_bytes"], help="largest request body")
     s.add_argument("--max-n", type=int, default=http["max_n"], help="largest n (choices per prompt) a request may ask for")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the format the model writes tool calls in (default: the one its chat template writes)")
     s.add_argument("--drain-timeout", type=nonnegative_float, default=http["drain_timeout_s"],
                    help="seconds in-flight requests get on shutdown")
     # The command logs each request (info); ServerConfig's own "warning" keeps in-process servers (tests) quiet.
@@ -240,7 +242,8 @@ def _serve(argv: list[str] | None) -> int:
         server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                   max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
                                   default_max_tokens=min(_defaults(ServerConfig)["default_max_tokens"], args.max_tokens_limit), max_n=args.max_n,
-                                  drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+                                  drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                                  tool_call_parser=args.tool_call_parser)
         # "auto" is resolved (and the choice stated) by the engine; a Lightning checkpoint is float32
         dtype = args.dtype if path.is_dir() or args.dtype != "auto" else "float32"
         pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead,

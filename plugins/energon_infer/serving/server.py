@@ -65,15 +65,20 @@ from energon_infer.serving.api_schema import (
     describe_errors,
 )
 from energon_infer.serving.http_guard import (
+    ARRIVAL,
     ApiError,
     ClientGone,
     SafeJSONResponse,
+    StampArrival,
     engine_error,
     guarded_route,
 )
 from energon_infer.serving.openai_format import ChatReply, CompletionReply, Reply
 from energon_infer.serving.server_config import ServerConfig
 from energon_infer.serving.streaming import TokenStream, wait_all
+from energon_infer.serving.structured_fields import compiled_jobs
+from energon_infer.serving.tool_calls import make_parser, parser_for_template
+from energon_infer.serving.tool_requests import compile_tool_grammar, tool_output_of
 
 __all__ = ["ServerConfig", "ApiError", "EnergonServer", "build_app", "serve", "BackgroundServer"]
 
@@ -96,6 +101,10 @@ class EnergonServer:
         self.engine, self.config, self.owns_engine = engine, config or ServerConfig(), owns_engine
         self.created = int(time.time())
         self.template = chat_template or ChatTemplate.for_engine(engine)
+        # The format tool calls are parsed in: the configured one, else the one the chat template writes.
+        named_parser = self.config.tool_call_parser
+        self.tool_parser = make_parser(named_parser) if named_parser else parser_for_template(self.template.text)
+        self.tool_parser_source = "--tool-call-parser" if named_parser else "the chat template"
         self.defaults = generation_defaults(engine.source.path) if Path(engine.source.path).is_dir() else {}
         self.closing_since: float | None = None  # set when uvicorn begins its graceful shutdown
         self.signals: list[int] = []  # the signals that stopped the server (serve() turns them into its exit status)
@@ -126,7 +135,7 @@ class EnergonServer:
         app = FastAPI(title="energon_infer", summary=f"OpenAI-compatible server for {self.engine.model_name}",
                       lifespan=self._lifespan, default_response_class=SafeJSONResponse, strict_content_type=False)
         app.router.route_class = guarded_route(self.config.max_request_bytes)
-        app.add_middleware(_StampArrival)
+        app.add_middleware(StampArrival)
         app.add_exception_handler(RequestValidationError, self._invalid)
         app.add_exception_handler(EnergonError, self._error)  # ApiError included: its own status
         app.add_exception_handler(Exception, self._error)  # a bug: 500, logged with its traceback
@@ -200,7 +209,8 @@ class EnergonServer:
                 min_tokens=body.min_tokens,
                 presence_penalty=float(body.presence_penalty or 0.0),
                 frequency_penalty=float(body.frequency_penalty or 0.0),
-                repetition_penalty=float(pick("repetition_penalty", 1.0)), logprobs=logprobs)
+                repetition_penalty=float(pick("repetition_penalty", 1.0)), logprobs=logprobs,
+                structured=body.structured())
         except ValueError as exc:  # SamplingParams' own checks of the client's values
             named = str(exc).split("=", 1)[0]
             raise ApiError(400, str(exc), param=named if named.isidentifier() else None) from None
@@ -233,8 +243,9 @@ class EnergonServer:
                         include_usage: bool, tokenized: tuple[int, int]) -> Any:
         """Submit every job (all admitted or none), then stream their tokens or wait for all of them.
         ``tokenized``: when the prompts' encode began and ended (the time account's stamps)."""
-        received = request.scope.get(_ARRIVAL, tokenized[0])
+        received = request.scope.get(ARRIVAL, tokenized[0])
         stamps = [RequestStamps(received=received, tokenize_start=tokenized[0], tokenized=tokenized[1]) for _ in jobs]
+        jobs = await compiled_jobs(self.engine, jobs)  # a structured output's grammar: on the engine's pool
         if stream:
             events = TokenStream(reply, include_usage=include_usage, prompt_tokens=prompt_tokens,
                                  closing_since=lambda: self.closing_since, drain_timeout_s=self.config.drain_timeout_s,
@@ -287,10 +298,10 @@ class EnergonServer:
         self._check_model(body.model)
         tok = self._tokenizer("/tokenize")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             try:
-                text = self.template.render(messages, add_generation_prompt=body.add_generation_prompt)
+                text = self.template.render([m.for_template() for m in body.messages],
+                                            add_generation_prompt=body.add_generation_prompt, tools=tools)
             except Exception as exc:  # noqa: BLE001 - the template's own checks speak to the client
                 raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
             ids = self._encode(text)
@@ -345,10 +356,11 @@ class EnergonServer:
         engine = self.engine
         if engine.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer and this model has none; use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        # Tools are rendered whatever tool_choice says (as vLLM does): with "none" the model still knows them.
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            prompt = self.template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt = self.template.render([m.for_template() for m in body.messages],
+                                          add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - the template's own checks (raise_exception) speak to the client
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
         t0 = now_ns()
@@ -363,27 +375,15 @@ class EnergonServer:
         default = min(room, self.config.max_tokens_limit, int(self.defaults.get("max_tokens", room)))
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, key, default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = self._jobs([ids], self._sampling(body, max_tokens=max_tokens, logprobs=logprobs), body.n)
-        reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.decode)
+        params = self._sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+        tool_output, params = tool_output_of(body, params, self.tool_parser)
+        if tool_output.kind in ("named", "required"):
+            params = await compile_tool_grammar(self.engine, body, tool_output, params)
+        jobs = self._jobs([ids], params, body.n)
+        reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.decode, tool_output)
         return await self._generate(request, reply, jobs, prompt_tokens=len(ids), stream=body.stream,
                                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
                                     tokenized=tokenized)
-
-
-_ARRIVAL = "energon_received_ns"  # the ASGI scope's key: when the request reached the server (the time account)
-
-
-class _StampArrival:
-    """ASGI middleware: stamps each HTTP request's arrival (``time.monotonic_ns()``) in its scope, before the body is
-    read, routed and validated: where the time account's ``http`` part begins."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope[_ARRIVAL] = now_ns()
-        await self.app(scope, receive, send)
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bool = False,
@@ -443,6 +443,10 @@ def serve(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bo
     had to be failed or aborted (the drain timeout passed, or a second Ctrl-C).
     """
     energon = EnergonServer(engine, config, owns_engine=owns_engine)
+    parser = energon.tool_parser.name if energon.tool_parser is not None else "none (tool_choice 'auto' returns text)"
+    print(f"energon: chat template: {energon.template.source}; tool calls: {parser} (from "
+          f"{energon.tool_parser_source}; --tool-call-parser hermes|llama3|mistral|none to change)",
+          file=sys.stderr, flush=True)
     server = _uvicorn_server(energon)
     server.run(sockets=[sock] if sock is not None else None)
     return energon.exit_status(forced=bool(server.force_exit))

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from energon_infer.errors import OptionError
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "TOOL_CALL_PARSERS"]
+
+# The formats of energon_infer.serving.tool_calls (named here so --help needs no import of it).
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +32,8 @@ class ServerConfig:
         max_concurrency: open connections at most (uvicorn answers 503 beyond); ``None``: unlimited.
         disconnect_poll_s: how often a non-streaming request checks whether its client is still there.
         log_level: uvicorn's log level.
+        tool_call_parser: the format tool calls are parsed in (``hermes``, ``llama3``, ``mistral``, ``none``);
+            ``None``: the one the chat template writes.
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +48,7 @@ class ServerConfig:
     max_concurrency: int | None = None
     disconnect_poll_s: float = 0.25
     log_level: str = "warning"
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -53,6 +59,9 @@ class ServerConfig:
         if self.default_max_tokens > self.max_tokens_limit:
             raise OptionError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
                               f"{self.max_tokens_limit}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise OptionError(f"tool_call_parser={self.tool_call_parser!r} is not one of "
+                              f"{', '.join(TOOL_CALL_PARSERS)}; pick one (or leave it out: the chat template's)")
         if not self.drain_timeout_s >= 0 or not self.disconnect_poll_s > 0:
             raise OptionError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0 and disconnect_poll_s="
                               f"{self.disconnect_poll_s} > 0")

@@ -170,7 +170,8 @@ class TokenStream:
                 if ev.token_id is not None:
                     completion_tokens += 1
                 lps = None if ev.logprobs is None or ev.token_id is None else ([ev.token_id], [ev.logprobs])
-                yield sse(self.reply.chunk(index, ev.text, ev.finish_reason, lps))
+                for chunk in self.reply.chunks(index, ev.text, ev.finish_reason, lps):  # none while text is held
+                    yield sse(chunk)
                 if ev.finish_reason is not None:
                     live.discard(index)
                     if ev.completion is not None:

@@ -24,9 +24,9 @@ from energon_infer.loading.backend import check_fallback_options, model_type_of
 from energon_infer.loading.hf_files import auto_dtype
 from energon_infer.loading.weights import ModelTooLargeError, available_bytes
 from energon_infer.parallel import Grid, local_rank_device
-from energon_infer.sampling import Sampler
 from energon_infer.scheduling.blocks import BlockManager
 from energon_infer.worker.building import extra_eos, load_tokenizer
+from energon_infer.worker.grammar import GrammarSampler
 from energon_infer.worker.hf_stage import load_transformers_stage
 from energon_infer.worker.kv_cache import KVCache
 from energon_infer.worker.runtime import ModelRunner
@@ -69,7 +69,7 @@ class TransformersRunner(ModelRunner):
         # The same state ModelRunner.__init__ starts with (its step-level API and the sampler's bookkeeping).
         self.allocator = BlockManager(num_blocks, rt.block_size, prefix_caching=False)
         self.decode_graphs = None
-        self.sampler = Sampler(rt.seed)
+        self.sampler = GrammarSampler(rt.seed, self)
         self._params = {}
         self._last = {}
         self._seen = {}

@@ -45,7 +45,7 @@ from energon_infer.loading.torchao_checkpoint import TorchaoWeights, checkpoint_
 from energon_infer.loading.weights import CheckpointReader, check_stage_fits, hf_parts, load_stage_weights
 from energon_infer.parallel import Grid, local_rank_device, microbatches, split_layers
 from energon_infer.protocol import Step
-from energon_infer.sampling import Sampler, SamplingParams
+from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.kv_groups import allocator
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
 from energon_infer.worker.attention import every_layer_window
@@ -54,6 +54,7 @@ from energon_infer.worker.building import extra_eos as _extra_eos
 from energon_infer.worker.building import load_tokenizer as _load_tokenizer
 from energon_infer.worker.building import pack_loaded as _pack_loaded
 from energon_infer.worker.cuda_graphs import decode_graphs_for
+from energon_infer.worker.grammar import GrammarSampler
 from energon_infer.worker.kv_cache import KVCache, KVCacheFullError
 from energon_infer.worker.model import check_tp
 from energon_infer.worker.offline import Generation, run_offline
@@ -130,7 +131,7 @@ class ModelRunner:
         self.kv_window = every_layer_window(config)  # the scheduler releases blocks before it (0: none)
         # None: every step runs on self.stage eagerly (always with offloaded blocks: their weights move).
         self.decode_graphs = None if offload else decode_graphs_for(self)
-        self.sampler = Sampler(rt.seed)
+        self.sampler = GrammarSampler(rt.seed, self)  # with structured outputs' matchers, on the rank that samples
         self._params: dict[int, SamplingParams] = {}
         self._last: dict[int, int] = {}
         self._seen: dict[int, tuple[int, int]] = {}  # penalised / min_tokens seq -> (prompt length, tokens recorded)
@@ -302,7 +303,7 @@ class ModelRunner:
                 if p is None:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
-        starts = {seq_id: self.cache.length(seq_id) for seq_id, _ in items}  # tokens cached before this step
+        starts = self.sampler.start_masks(items, {s: self.cache.length(s) for s, _ in items}, self._params)
         logits = self.forward(items, prefill_lengths=prefill_lengths)
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)

@@ -1,0 +1,319 @@
+"""Structured outputs: what a request's output must match, enforced by grammar-constrained decoding (xgrammar).
+
+A :class:`StructuredOutput` on :class:`~energon_infer.sampling.SamplingParams` (``structured=``) names one
+constraint: a JSON schema, any JSON object, a regular expression, a choice among strings, or an EBNF grammar (as
+xgrammar takes it). The engine compiles it against the model's vocabulary (:class:`GrammarCache`: compiled once
+per ``(kind, canonical text)``, on a thread pool, off the engine loop), and the rank that samples keeps one
+matcher per request (:class:`energon_infer.worker.grammar.GrammarMasks`): before each draw the tokens the grammar cannot take next are set to
+``-inf``, each sampled token advances the matcher, the EOS is allowed only where the grammar may end, and a
+grammar that has ended ends the request (``finish_reason="stop"``).
+
+Example:
+    >>> StructuredOutput(choice=("yes", "no")).kind
+    'choice'
+    >>> StructuredOutput(json_schema={"type": "object"}, regex="a+")
+    Traceback (most recent call last):
+    ...
+    ValueError: StructuredOutput sets json_schema, regex: set exactly one of json_schema, json_object, regex, choice, grammar
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "GrammarCache", "check", "compile_grammar",
+           "grammar_cache", "prepare", "tokenizer_info"]
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled (an invalid or unsupported schema, regex or grammar)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StructuredOutput:
+    """One constraint on a request's output; exactly one field is set.
+
+    Args:
+        json_schema: the output is JSON valid against this JSON schema (a dict).
+        json_object: the output is any JSON object.
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings.
+        grammar: the output is a sentence of this EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``).
+        strict: with ``json_schema``: properties not listed are refused unless the schema allows them
+            (``additionalProperties``); ``False`` lets the model add any (OpenAI's ``strict``).
+        compiled: set by the engine: the grammar compiled for the model's vocabulary (xgrammar's JSON), which
+            the request carries to the rank that samples; not part of the constraint's identity.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    strict: bool = True
+    compiled: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutput sets {', '.join(given) or 'nothing'}: set exactly one of "
+                             f"{', '.join(KINDS)}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema={self.json_schema!r} must be a JSON schema object (a dict)")
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError(f"regex={self.regex!r} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError(f"choice={self.choice!r} must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"grammar={self.grammar!r} must be a non-empty EBNF grammar (root ::= ...)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical text)``: equal constraints have equal keys (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json_schema":
+            return kind, json.dumps({"schema": self.json_schema, "strict": self.strict}, sort_keys=True,
+                                    separators=(",", ":"))
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice or ()))
+        return kind, str(self.regex if kind == "regex" else self.grammar)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutput) and self.key == other.key
+
+    def __hash__(self) -> int:  # json_schema is a dict: hash the canonical text
+        return hash(self.key)
+
+    def to_json(self) -> str:
+        """The constraint as JSON text (how it travels; :meth:`from_json` reads it back)."""
+        kind, _ = self.key
+        value: Any = {"json_schema": self.json_schema, "json_object": True, "regex": self.regex,
+                      "choice": list(self.choice or ()), "grammar": self.grammar}[kind]
+        return json.dumps({kind: value, "strict": self.strict})
+
+    @classmethod
+    def from_json(cls, text: str) -> StructuredOutput:
+        d = json.loads(text)
+        if "choice" in d:
+            d["choice"] = tuple(d["choice"])
+        return cls(**d)
+
+    def as_grammar_source(self) -> tuple[str, str]:
+        """``(kind, text)`` for the compiler: a choice becomes an EBNF grammar of its literal alternatives."""
+        kind, text = self.key
+        if kind == "choice":
+            return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in (self.choice or ()))
+        return kind, text
+
+
+# ---------------------------------------------------------------------- compiling (xgrammar, imported lazily)
+
+
+def import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - xgrammar is in the serve extra
+        raise ImportError("structured outputs need xgrammar: pip install 'xgrammar==0.2.9' (or tightfit[serve])") \
+            from None
+    return xgrammar
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of ``tokenizer`` for a model whose logits are ``vocab_size`` wide (often more ids than the
+    tokenizer has: the extra ids are never allowed) and which stops at ``stop_token_ids``.
+
+    ``tokenizer``: a ``tokenizers.Tokenizer``, a transformers tokenizer, or the engine's wrapper of one."""
+    xgr = import_xgrammar()
+    hf = getattr(tokenizer, "hf", tokenizer)  # energon's HFTokenizer wraps a transformers tokenizer
+    if not hasattr(hf, "convert_ids_to_tokens"):  # a bare tokenizers.Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=hf)
+    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+def check(structured: StructuredOutput) -> None:
+    """Raise :class:`StructuredOutputError` (the schema path and the rule) if ``structured`` cannot be compiled.
+
+    Builds the grammar only (no vocabulary: milliseconds), so a server refuses a bad schema before any work."""
+    xgr = import_xgrammar()
+    kind, text = structured.as_grammar_source()
+    try:
+        if kind in ("json_schema", "json_object"):
+            json_grammar(structured)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with its own message
+        where = ""
+        if kind == "json_schema" and isinstance(structured.json_schema, dict):
+            where = f" at {_failing_path(structured.json_schema, structured.strict)}"
+        raise StructuredOutputError(f"{kind}{where} cannot be compiled: {_one_line(exc)}; fix or remove it "
+                                    "(supported: docs/serving.md, Structured outputs)") from None
+
+
+_SUB_ONE = ("items", "additionalProperties", "not", "contains", "propertyNames", "additionalItems", "if", "then",
+            "else", "unevaluatedProperties", "unevaluatedItems")
+_SUB_MAP = ("$defs", "definitions", "properties", "patternProperties", "dependentSchemas")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _failing_path(schema: dict[str, Any], strict: bool) -> str:
+    """The JSON pointer (``#/properties/a/items``) of the deepest subschema that fails to compile on its own
+    (with the root's ``$defs`` / ``definitions`` beside it, so its ``$ref`` resolve); ``#`` for the root."""
+    xgr = import_xgrammar()
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+
+    def fails(sub: Any) -> bool:
+        if not isinstance(sub, dict):
+            return not isinstance(sub, bool)
+        try:
+            xgr.Grammar.from_json_schema(json.dumps({**defs, **sub}), any_whitespace=False, strict_mode=strict)
+        except Exception:
+            return True
+        return False
+
+    def children(node: dict[str, Any]) -> list[tuple[str, Any]]:
+        out = [(k, node[k]) for k in _SUB_ONE if k in node]
+        out += [(f"{k}/{_pointer(name)}", sub) for k in _SUB_MAP if isinstance(node.get(k), dict)
+                for name, sub in node[k].items()]
+        out += [(f"{k}/{i}", sub) for k in _SUB_LIST if isinstance(node.get(k), list) for i, sub in enumerate(node[k])]
+        return out
+
+    path, node = "#", schema
+    for _ in range(64):  # deep enough for any schema a request carries
+        bad = next(((p, sub) for p, sub in children(node) if fails(sub)), None)
+        if bad is None or not isinstance(bad[1], dict):
+            return path + (f"/{bad[0]}" if bad is not None else "")
+        path, node = f"{path}/{bad[0]}", bad[1]
+    return path
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def json_grammar(structured: StructuredOutput) -> str:
+    """The EBNF grammar of a ``json_schema`` / ``json_object`` constraint: compact JSON (``", "`` and ``": "``
+    between items, no other whitespace: a model cannot spend its tokens on whitespace), whose strings hold no raw
+    control character (xgrammar 0.2.9's rule for a string with ``maxLength`` lets U+0000-U+001F through, which
+    JSON forbids and strict parsers such as Pydantic's refuse)."""
+    schema = structured.json_schema if structured.json_schema is not None else {"type": "object"}
+    ebnf = str(import_xgrammar().Grammar.from_json_schema(json.dumps(schema, sort_keys=True), any_whitespace=False,
+                                               strict_mode=structured.strict))
+    return ebnf.replace(r"[^\"\\\r\n]", r"[^\"\\\0-\x1f]")
+
+
+def compile_grammar(compiler: Any, structured: StructuredOutput) -> Any:
+    """``structured`` compiled by an xgrammar ``GrammarCompiler`` (raises StructuredOutputError)."""
+    kind, text = structured.as_grammar_source()
+    try:
+        if kind in ("json_schema", "json_object"):
+            return compiler.compile_grammar(json_grammar(structured))
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+    except Exception as exc:
+        check(structured)  # raises with the schema path where the grammar itself is wrong
+        raise StructuredOutputError(f"{kind} cannot be compiled: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = re.sub(r"\[[0-9:]+\] \S+\.cc:\d+: ", "", str(exc))  # xgrammar's "[time] file.cc:line: " prefix
+    return " ".join(text.split())[:500] or type(exc).__name__
+
+
+class GrammarCache:
+    """Compiled grammars by ``(kind, canonical text)`` (least recently used dropped past ``size``), compiled on
+    a thread pool: :meth:`compile` returns a future of the compiled grammar's JSON (what a request carries to
+    the rank that samples, :attr:`StructuredOutput.compiled`), so the caller's thread waits, not the engine loop.
+
+    Args:
+        info: the :func:`tokenizer_info` of the engine's tokenizer.
+        size: compiled grammars kept.
+        threads: compiles at once.
+    """
+
+    def __init__(self, info: Any, *, size: int = 64, threads: int = 2):
+        xgr = import_xgrammar()
+        self.info = info
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="energon-grammar")
+        self._lru: OrderedDict[tuple[str, str], Future[str]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.size = size
+        self.compiles = 0  # compiles started (a cache hit starts none)
+
+    def compile(self, structured: StructuredOutput) -> Future[str]:
+        key = structured.key
+        with self._lock:
+            fut = self._lru.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._lru.move_to_end(key)
+                return fut
+            self.compiles += 1
+            fut = self._pool.submit(self._compile, structured)
+            self._lru[key] = fut
+            while len(self._lru) > self.size:
+                self._lru.popitem(last=False)
+            return fut
+
+    def with_compiled(self, structured: StructuredOutput, timeout: float | None = None) -> StructuredOutput:
+        """``structured`` carrying its compiled grammar (waits for the compile; raises StructuredOutputError)."""
+        if structured.compiled is not None:
+            return structured
+        return dataclasses.replace(structured, compiled=self.compile(structured).result(timeout))
+
+    def _compile(self, structured: StructuredOutput) -> str:
+        return str(compile_grammar(self._compiler, structured).serialize_json())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grammar_cache(engine: Any) -> GrammarCache:
+    """The engine's grammar cache, made on first use (the engine's tokenizer, vocabulary and EOS tokens)."""
+    with _CACHES_LOCK:
+        cache = _CACHES.get(engine)
+        if cache is None:
+            if engine.tokenizer is None:
+                raise StructuredOutputError("structured outputs need the model's tokenizer; put tokenizer.json in "
+                                            "the model directory or pass tokenizer=...")
+            cache = _CACHES[engine] = GrammarCache(tokenizer_info(engine.tokenizer, engine.vocab_size,
+                                                                  engine.eos_token_ids))
+        return cache
+
+
+def prepare(engine: Any, params: Any) -> Any:
+    """``params`` (:class:`~energon_infer.sampling.SamplingParams`) ready to run on ``engine``: a structured output's
+    grammar compiled (on the engine's :class:`GrammarCache` pool: this caller waits, the engine loop does not).
+    Raises StructuredOutputError for a constraint that cannot compile."""
+    so = params.structured
+    if so is None or so.compiled is not None:
+        return params
+    return dataclasses.replace(params, structured=grammar_cache(engine).with_compiled(so))
+
+
+_CACHES: weakref.WeakKeyDictionary[Any, GrammarCache] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()

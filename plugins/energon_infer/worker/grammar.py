@@ -1,0 +1,231 @@
+"""Structured outputs on the rank that samples: each constrained sequence's grammar matcher and a step's bitmask.
+
+The grammar was compiled by the engine (:mod:`energon_infer.structured`) and travels with the request as
+xgrammar's JSON; a request that did not come through the engine (``ModelRunner``'s own API) is compiled here.
+:class:`GrammarSampler` is the runner's sampler with them: :meth:`GrammarSampler.start_masks` (before the
+forward) admits new constrained sequences and starts filling the step's bitmask on the mask thread; the draw
+applies it and advances each matcher with its sampled token; forgetting a sequence frees its matcher.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from energon_infer.sampling import SampleOutput, Sampler, SamplingParams
+from energon_infer.structured import (
+    StructuredOutput,
+    StructuredOutputError,
+    compile_grammar,
+    import_xgrammar,
+    tokenizer_info,
+)
+
+__all__ = ["GrammarMasks", "SequenceGrammars", "GrammarSampler"]
+
+
+class GrammarMasks:
+    """Each constrained request's matcher on the rank that samples, and the token bitmask of a step.
+
+    A matcher has accepted the request's output tokens up to :attr:`next_pos` (a position in the sequence);
+    a step's sampled token for a request is accepted when it is the next output (a non-final chunk of a prefill
+    samples a token nobody keeps). The bitmask of a step depends only on accepted tokens, so :meth:`fill_async`
+    computes it on a thread while the step's forward runs.
+
+    Args:
+        info: the :func:`tokenizer_info` of the model's tokenizer (the same vocabulary the grammar was compiled for).
+        width: the logits' width (the model's vocab size).
+    """
+
+    def __init__(self, info: Any, width: int):
+        self.info, self.width = info, width
+        self._compiler: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # deserialised, by key
+        self.matchers: dict[int, Any] = {}
+        self.next_pos: dict[int, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-mask")
+        self._words = -(-width // 32)
+
+    def _grammar(self, structured: StructuredOutput) -> Any:
+        xgr = import_xgrammar()
+        key = structured.key
+        got = self._compiled.get(key)
+        if got is None:
+            if structured.compiled is not None:
+                got = xgr.CompiledGrammar.deserialize_json(structured.compiled, self.info)
+            else:  # a request that did not come through the engine (ModelRunner's own API): compile here
+                if self._compiler is None:
+                    self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+                got = compile_grammar(self._compiler, structured)
+            self._compiled[key] = got
+            while len(self._compiled) > 64:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
+        return got
+
+    def admit(self, seq_id: int, structured: StructuredOutput, output_start: int, generated: Sequence[int]) -> None:
+        """A new sequence whose outputs start at position ``output_start``, with ``generated`` already sampled."""
+        m = import_xgrammar().GrammarMatcher(self._grammar(structured))
+        for t in generated:
+            if not m.accept_token(int(t)):
+                raise StructuredOutputError(f"sequence {seq_id}: its earlier output token {t} breaks its grammar")
+        self.matchers[seq_id] = m
+        self.next_pos[seq_id] = output_start + len(generated)
+
+    def free(self, seq_id: int) -> None:
+        self.matchers.pop(seq_id, None)
+        self.next_pos.pop(seq_id, None)
+
+    def fill_async(self, rows: Sequence[tuple[int, int]]) -> Future[torch.Tensor]:
+        """The ``(len(rows), words)`` int32 bitmask for ``(row, seq_id)`` rows (computed on the mask thread)."""
+        return self._pool.submit(self._fill, [s for _, s in rows])
+
+    def _fill(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        mask = torch.zeros((len(seq_ids), self._words), dtype=torch.int32)
+        n = self.info.vocab_size
+        for i, s in enumerate(seq_ids):
+            m = self.matchers[s]
+            if m.is_terminated():
+                words = mask[i]  # nothing more: only the stop tokens
+                for t in self.info.stop_token_ids:
+                    words[t // 32] |= _bit(t % 32)
+                continue
+            m.fill_next_token_bitmask(mask, i)
+        if n < self.width:  # ids the tokenizer does not have (a padded vocab): never allowed
+            tail = n % 32
+            if tail:
+                mask[:, n // 32] &= (1 << tail) - 1
+            mask[:, -(-n // 32):] = 0
+        return mask
+
+    def accept(self, seq_id: int, token: int, position: int) -> str | None:
+        """Advance ``seq_id``'s matcher with the token sampled for ``position``; an error text if it refuses."""
+        if self.next_pos.get(seq_id) != position:
+            return None
+        self.next_pos[seq_id] = position + 1
+        m = self.matchers[seq_id]
+        if m.is_terminated():
+            return None  # a stop token after the end (ignore_eos): the request stops on it
+        if not m.accept_token(int(token)):
+            return f"structured output: token {token} does not fit the grammar"
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bit(i: int) -> int:
+    return -(1 << 31) if i == 31 else 1 << i  # int32 words: bit 31 is the sign
+
+
+class SequenceGrammars:
+    """A runner's constrained sequences: admission (with the outputs a preempted one had), the step's bitmask,
+    the matchers' advance, and the sequences whose grammar could not be set up (they fail alone).
+
+    Args:
+        make_info: builds the tokenizer info on the first constrained sequence (raises if there is no tokenizer).
+        width: the logits' width.
+    """
+
+    def __init__(self, make_info: Callable[[], Any], width: int):
+        self._make_info, self.width = make_info, width
+        self.masks: GrammarMasks | None = None
+        self.errors: dict[int, str] = {}
+
+    def start(self, items: Sequence[tuple[int, Sequence[int]]], starts: Mapping[int, int],
+              params: Mapping[int, SamplingParams], history: Mapping[int, tuple[list[int], list[int]]]
+              ) -> tuple[list[int], Future[torch.Tensor]] | None:
+        """Admit new constrained sequences; start filling the bitmask of the rows whose sampled token is their next
+        output (a non-final prefill chunk's is not). ``(rows, future of the bitmask)``, or None."""
+        rows: list[tuple[int, int]] = []
+        for row, (seq_id, fed) in enumerate(items):
+            p = params[seq_id]
+            if p.structured is None or seq_id in self.errors:
+                continue
+            if self.masks is None or seq_id not in self.masks.matchers:
+                # A sequence admitted with a history (a preempted one) has outputs its grammar took already; one
+                # first seen here takes its first feed as its prompt.
+                h = history.get(seq_id)
+                plen, generated = (len(h[0]), list(h[1])) if h is not None else (starts[seq_id] + len(fed), [])
+                try:
+                    if self.masks is None:
+                        self.masks = GrammarMasks(self._make_info(), self.width)
+                    self.masks.admit(seq_id, p.structured, plen, generated)
+                except Exception as exc:  # this request fails alone; the others go on
+                    self.errors[seq_id] = f"structured output: {' '.join(str(exc).split())}"
+                    continue
+            if starts[seq_id] + len(fed) == self.masks.next_pos[seq_id]:
+                rows.append((row, seq_id))
+        if not rows:
+            return None
+        assert self.masks is not None
+        return [r for r, _ in rows], self.masks.fill_async(rows)
+
+    def finish(self, ids: Sequence[int], positions: Sequence[int], tokens: Sequence[int],
+               failed: Mapping[int, str]) -> dict[int, str]:
+        """Advance each constrained row's matcher with its sampled token; by seq_id, the rows that fail."""
+        out = {s: why for s in ids if (why := self.errors.get(s)) is not None}
+        if self.masks is None:
+            return out
+        for seq_id, pos, tok in zip(ids, positions, tokens):
+            if seq_id in self.masks.matchers and seq_id not in failed and seq_id not in out:
+                if (why := self.masks.accept(seq_id, tok, pos)) is not None:
+                    out[seq_id] = why
+        return out
+
+    def free(self, seq_id: int) -> None:
+        self.errors.pop(seq_id, None)
+        if self.masks is not None:
+            self.masks.free(seq_id)
+
+
+class GrammarSampler(Sampler):
+    """The runner's :class:`~energon_infer.sampling.Sampler` with structured outputs' matchers (on the rank that
+    samples; xgrammar is loaded for the first constrained sequence).
+
+    Args:
+        seed: as :class:`~energon_infer.sampling.Sampler`'s.
+        runner: the :class:`~energon_infer.worker.runtime.ModelRunner` (its grid, tokenizer, vocabulary, EOS tokens).
+    """
+
+    def __init__(self, seed: int, runner: Any):
+        super().__init__(seed)
+        self._runner = runner
+        self.grammars = SequenceGrammars(self._info, runner.config.vocab_size)
+        self._pending: tuple[list[int], Future[torch.Tensor]] | None = None
+
+    def _info(self) -> Any:
+        r = self._runner
+        if r.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer (tokenizer.json in the model directory)")
+        return tokenizer_info(r.tokenizer, r.config.vocab_size, r.eos_token_ids)
+
+    def start_masks(self, items: Sequence[tuple[int, Sequence[int]]], starts: dict[int, int],
+                    params: Mapping[int, SamplingParams]) -> dict[int, int]:
+        """Before a step's forward: start filling its grammar bitmask (``starts``: each sequence's tokens cached
+        before the step, returned as given)."""
+        grid = self._runner.grid
+        if grid.rank == grid.result_rank and any(params[s].structured is not None for s, _ in items):
+            self._pending = self.grammars.start(items, starts, params, self._history)
+        return starts
+
+    def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
+                    positions: Sequence[int] | None = None, banned: Mapping[int, Sequence[int]] | None = None,
+                    grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SampleOutput:
+        pending, self._pending = self._pending, None
+        if grammar is None and pending is not None:
+            grammar = (pending[0], pending[1].result())
+        out = super().sample_rows(logits, seq_ids, params, positions, banned, grammar)
+        if positions is not None and (self.grammars.masks is not None or self.grammars.errors):
+            failed = {seq_ids[r] for r in out.errors}
+            why = self.grammars.finish(seq_ids, positions, out.tokens, dict.fromkeys(failed, ""))
+            out.errors.update({row: why[s] for row, s in enumerate(seq_ids) if s in why})
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        super().forget(seq_id)
+        self.grammars.free(seq_id)
