@@ -1,25 +1,32 @@
 """``tightfit serve`` against ``vllm serve``, both measured by vLLM's own client, ``vllm bench serve``.
 
-    python -m benchmarks.energon_serve [--quick] [--rounds N]
+    python -m benchmarks.energon_serve [--quick] [--rounds N] [--shapes h384-v2k,h1024-v32k] [--smoke]
+                                       [--energon-args "--token-budget measured"]
 
-The model is one nobody here wrote: a random ``LlamaForCausalLM`` (6 layers x 384, GQA 6/2 heads) saved with
-``save_pretrained`` beside a byte-level BPE tokenizer trained on this repository's text (``tokenizer.json`` +
-``tokenizer_config.json``, as ``PreTrainedTokenizerFast.save_pretrained`` writes them). Both servers start once at
-their defaults (fp32; vLLM compiled, its default; each given every core of the machine) and stay up; then
-``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random --ignore-eos`` (input
-80-240 tokens, output 32-96) runs against one and then the other, alternating, each run with a fresh seed (fresh
-prompts, so no prefix cache is warmed on the timed data), over:
+The models are ones nobody here tuned for: random ``LlamaForCausalLM`` checkpoints saved with ``save_pretrained``
+over a shape sweep (:data:`SHAPES`: hidden 384 and 1024, vocabularies of about 2k, 32k and 128k), each beside a
+byte-level BPE tokenizer of that vocabulary trained on this repository's text (padded with made-up words where
+the text has too few merges; ``tokenizer.json`` + ``tokenizer_config.json``, as ``PreTrainedTokenizerFast``
+writes them). Per shape both servers start once at their defaults (fp32; vLLM compiled, its default; each given
+every core of the machine) and stay up for that shape's runs (long-lived, not fresh per round; each warmed by a
+few requests first); then ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
+--ignore-eos`` (input 80-240 tokens, output 32-96) runs against one and then the other, alternating, each run with
+a fresh seed (fresh prompts, so no prefix cache is warmed on the timed data), over:
 
-* two Poisson request rates (``--request-rate``), and
-* a ``--max-concurrency`` sweep (requests sent as fast as the slots free up).
+* two Poisson request rates, below and above saturation: half and twice the request rate energon served at
+  ``--max-concurrency 64`` in a calibration run of that shape, and
+* a ``--max-concurrency`` sweep, 1, 4, 16 and 64 (requests sent as fast as the slots free up).
 
 Round ``r`` of both servers uses the same seed, so the same prompts in the same order: the two runs of a round
 are a pair. Reported side by side, the median over the rounds of each server's output tokens/s, time to first
 token and time per output token (mean and p99), and for each metric the paired ratio energon / vLLM (the median of
-the per-round ratios, the rounds energon won, their range: ``benchmarks/README.md``); every run is in the JSON. Beside the tokens/s: the fraction of the machine's limit, the
-model's matmul FLOPs for the tokens processed (prompt + output) over the time, divided by the measured fp32 matmul
-rate of all cores. vLLM comes from ``.venv-peers/`` (``python -m benchmarks.peers``); without it the benchmark
-says why and stops.
+the per-round ratios, the rounds energon won, their range: ``benchmarks/README.md``); every run is in the JSON. Beside
+the tokens/s: the fraction of the machine's limit, the model's matmul FLOPs for the tokens processed (prompt +
+output) over the time, divided by the measured fp32 matmul rate of all cores. With each energon run goes its time
+account (``GET /v1/account``, reset before the run: :mod:`energon_infer.engine.account`); the report shows where a
+request's and a step's time went at the lowest and the highest load. vLLM comes from ``.venv-peers/``
+(``python -m benchmarks.peers``); without it the benchmark says why and stops. ``--smoke``: the smallest shape,
+one round, a few prompts: checks the path, measures nothing worth reporting (nothing is written).
 """
 
 from __future__ import annotations
@@ -50,30 +57,44 @@ SERVED = ("energon_infer.serving.serve", "energon_infer.serving.server", "energo
           "energon_infer.worker.model")
 TITLE = "energon_infer serving vs vLLM, through vLLM's own benchmark client (vllm bench serve)"
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 6, 384, 6, 2, 1024, 8192
+LAYERS = 6
+#: The shape sweep: name -> (hidden, heads, kv heads, intermediate, vocabulary). Head size 64, GQA 3:1 and 4:1.
+SHAPES = {"h384-v2k": (384, 6, 2, 1024, 2048), "h384-v32k": (384, 6, 2, 1024, 32768),
+          "h384-v128k": (384, 6, 2, 1024, 131072), "h1024-v2k": (1024, 16, 4, 2816, 2048),
+          "h1024-v32k": (1024, 16, 4, 2816, 32768), "h1024-v128k": (1024, 16, 4, 2816, 131072)}
 INPUT, OUTPUT, RANGE = 160, 64, 0.5  # uniform in [80, 240] and [32, 96] tokens
+CONCURRENCY = (1, 4, 16, 64)
+RATES = (0.5, 2.0)  # x the request rate energon serves at concurrency 64: below and above saturation
 
 __all__ = ["make_model", "main"]
 
 
-def make_model(path: Path) -> Path:
-    """The random LLaMA (GQA 6/2) and a BPE tokenizer trained on this repository's Markdown and Python."""
+def make_model(path: Path, shape: str = "h384-v2k", *, layers: int = LAYERS) -> Path:
+    """A random LLaMA of ``shape`` (:data:`SHAPES`) and a BPE tokenizer of its vocabulary, trained on this
+    repository's Markdown and Python, padded with made-up words (seeded) where that text has too few merges."""
+    import random
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    hidden, heads, kv_heads, intermediate, vocab = SHAPES[shape]
     texts = [p.read_text(errors="replace") for d in ("docs", "core", "plugins") for p in sorted((ROOT / d).rglob("*"))
              if p.suffix in (".md", ".py")] + [(ROOT / "README.md").read_text()]
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(4, 9))) for _ in range(vocab)]
+    texts += [" ".join(words[i:i + 64] * 3) for i in range(0, len(words), 64)]  # each word often enough to merge
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                        show_progress=False))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                      num_key_value_heads=KV_HEADS, intermediate_size=INTERMEDIATE, vocab_size=tok.get_vocab_size(),
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=tok.get_vocab_size(),
                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
                       eos_token_id=fast.eos_token_id)
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -157,66 +178,106 @@ def peak_flops() -> float:
     return best_rate(768, 20, seconds=1.5)
 
 
-def flops_per_token(vocab: int) -> float:
-    d = HIDDEN // HEADS
-    per_layer = HIDDEN * (HEADS * d + 2 * KV_HEADS * d) + HEADS * d * HIDDEN + 3 * HIDDEN * INTERMEDIATE
-    return 2.0 * (LAYERS * per_layer + HIDDEN * vocab)
+def flops_per_token(shape: str, vocab: int, layers: int = LAYERS) -> float:
+    hidden, heads, kv_heads, intermediate, _ = SHAPES[shape]
+    d = hidden // heads
+    per_layer = hidden * (heads * d + 2 * kv_heads * d) + heads * d * hidden + 3 * hidden * intermediate
+    return 2.0 * (layers * per_layer + hidden * vocab)
+
+
+def account(server: Server, *, reset: bool) -> dict[str, Any]:
+    """energon's time account since the last reset (``reset``: start it again after the read); ``{}`` for vLLM."""
+    if server.name != "energon":
+        return {}
+    view = httpx.get(server.url + "/v1/account", params={"reset": str(reset).lower()}, timeout=30).json()
+    view.pop("recent", None)
+    return view
+
+
+def run_shape(py: Path, shape: str, args: Any, tmp_path: Path, cores: int) -> dict[str, Any]:
+    """Every load of one shape, both servers long-lived, rounds alternating; the runs by load and server."""
+    n = 8 if args.smoke else 32 if args.quick else 64
+    rounds = 1 if args.smoke else args.rounds or (2 if args.quick else 3)
+    layers = 2 if args.smoke else LAYERS
+    model = make_model(tmp_path / shape, shape, layers=layers)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    extra = args.energon_args.split() if args.energon_args else []
+    ours = Server("energon", [str(Path(sys.executable).parent / "tightfit"), "serve", str(model), "--port",
+                              str(port := _free_port()), "--log-level", "warning", *extra], port, dict(os.environ),
+                  tmp_path / f"energon-{shape}.log")
+    vport = _free_port()
+    peer = Server("vllm", vllm_cli(py) + ["serve", str(model), "--port", str(vport), "--host", "127.0.0.1",
+                                          "--dtype", "float32", "--max-model-len", "1024",
+                                          "--uvicorn-log-level", "warning"], vport, vllm_env(f"0-{cores - 1}"),
+                  tmp_path / f"vllm-{shape}.log")
+    try:
+        ours.wait(300)
+        peer.wait(600)
+        for srv in (ours, peer):
+            bench(py, srv, model, {"label": "warm-up", "rate": "inf", "prompts": 4}, 999, tmp_path)
+        # Saturation: the request rate energon serves with 64 requests always in flight.
+        calib = bench(py, ours, model, {"label": "calibration", "concurrency": 64, "prompts": n}, 998, tmp_path)
+        saturated = float(calib["request_throughput"])
+        works = [{"label": f"rate {k:g}x sat ({saturated * k:.1f}/s)", "rate": round(saturated * k, 2), "prompts": n}
+                 for k in RATES]
+        works += [{"label": f"concurrency {c}", "concurrency": c, "prompts": max(4, n * min(c, 16) // 16)}
+                  for c in (CONCURRENCY[:2] if args.smoke else CONCURRENCY)]
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {w["label"]: {"energon": [], "vllm": []} for w in works}
+        for r in range(rounds):
+            for w in works:
+                order = (ours, peer) if r % 2 == 0 else (peer, ours)
+                for srv in order:
+                    account(srv, reset=True)
+                    row = bench(py, srv, model, w, 1000 * r + works.index(w), tmp_path)
+                    row["account"] = account(srv, reset=True)
+                    runs[w["label"]][srv.name].append(row)
+    finally:
+        ours.stop()
+        peer.stop()
+    return {"shape": shape, "vocab": vocab, "layers": layers, "works": works, "runs": runs, "rounds": rounds,
+            "saturated_request_rate": saturated}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__ or NAME)
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 2 quick, 3 full)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all; quick: "
+                                                  "h384-v2k,h384-v128k,h1024-v32k)")
+    p.add_argument("--smoke", action="store_true", help="one small shape, one round, a few prompts; writes nothing")
+    p.add_argument("--energon-args", default="", help="extra `tightfit serve` flags, e.g. '--token-budget measured'")
     args = p.parse_args(argv)
+    shapes = (["h384-v2k"] if args.smoke else args.shapes.split(",") if args.shapes
+              else ["h384-v2k", "h384-v128k", "h1024-v32k"] if args.quick else list(SHAPES))
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes {unknown} are not shapes of this benchmark; give some of {', '.join(SHAPES)}")
     for module in SERVED:
         importlib.import_module(module)
     py, why = vllm_python(install=True)
     if py is None:
         print(f"{NAME}: no vLLM peer ({why}); nothing to compare", file=sys.stderr)
         return 1
-    rounds = args.rounds or (2 if args.quick else 3)
-    n = 32 if args.quick else 64
-    works = [{"label": "rate 4/s", "rate": 4, "prompts": n}, {"label": "rate 16/s", "rate": 16, "prompts": n},
-             {"label": "concurrency 1", "concurrency": 1, "prompts": n // 8},
-             {"label": "concurrency 4", "concurrency": 4, "prompts": n // 2},
-             {"label": "concurrency 16", "concurrency": 16, "prompts": n}]
     cores = _cores()
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        model = make_model(tmp_path / "llama-gqa")
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        ours = Server("energon", [str(Path(sys.executable).parent / "tightfit"), "serve", str(model), "--port",
-                                  str(port := _free_port()), "--log-level", "warning"], port, dict(os.environ),
-                      tmp_path / "energon.log")
-        vport = _free_port()
-        peer = Server("vllm", vllm_cli(py) + ["serve", str(model), "--port", str(vport), "--host", "127.0.0.1",
-                                              "--dtype", "float32", "--max-model-len", "1024",
-                                              "--uvicorn-log-level", "warning"], vport, vllm_env(f"0-{cores - 1}"), tmp_path / "vllm.log")
-        try:
-            ours.wait(300)
-            peer.wait(600)
-            peak = peak_flops()
-            runs: dict[str, dict[str, list[dict[str, Any]]]] = {w["label"]: {"energon": [], "vllm": []} for w in works}
-            bench(py, ours, model, {"label": "warm-up", "rate": "inf", "prompts": 4}, 999, tmp_path)
-            bench(py, peer, model, {"label": "warm-up", "rate": "inf", "prompts": 4}, 999, tmp_path)
-            for r in range(rounds):
-                for w in works:
-                    order = (ours, peer) if r % 2 == 0 else (peer, ours)
-                    for srv in order:
-                        runs[w["label"]][srv.name].append(bench(py, srv, model, w, 1000 * r + works.index(w), tmp_path))
-        finally:
-            ours.stop()
-            peer.stop()
-    per_token = flops_per_token(vocab)
-    summary = {label: {name: _median(rows, per_token, peak) for name, rows in by.items()} for label, by in runs.items()}
-    ratios = {label: _paired(by) for label, by in runs.items()}
-    results = {"runs": runs, "summary": summary, "paired": ratios, "peak_flops": peak, "flops_per_token": per_token}
-    params = {"quick": args.quick, "rounds": rounds, "works": works, "layers": LAYERS, "hidden": HIDDEN,
-              "heads": HEADS, "kv_heads": KV_HEADS, "intermediate": INTERMEDIATE, "vocab": vocab, "cores": cores,
+        peak = peak_flops()
+        by_shape = [run_shape(py, shape, args, Path(tmp), cores) for shape in shapes]
+    for res in by_shape:
+        per_token = flops_per_token(res["shape"], res["vocab"], res["layers"])
+        res["summary"] = {label: {name: _median(rows, per_token, peak) for name, rows in by.items()}
+                          for label, by in res["runs"].items()}
+        res["paired"] = {label: _paired(by) for label, by in res["runs"].items()}
+        res["flops_per_token"] = per_token
+    params = {"quick": args.quick, "smoke": args.smoke, "shapes": {s: SHAPES[s] for s in shapes}, "cores": cores,
+              "energon_args": args.energon_args, "concurrency": CONCURRENCY, "rates_x_saturation": RATES,
+              "servers": "both long-lived per shape, warmed by 4 requests; rounds alternate the order",
               "input": [int(INPUT * (1 - RANGE)), int(INPUT * (1 + RANGE))],
               "output": [int(OUTPUT * (1 - RANGE)), int(OUTPUT * (1 + RANGE))]}
-    md = _markdown(summary, ratios, params)
+    md = "\n\n".join(_markdown(res, params) for res in by_shape)
     print(md)
-    write_result(NAME, title=TITLE, params=params, results=results, markdown=md)
+    if args.smoke:
+        print(f"{NAME}: --smoke: nothing written", file=sys.stderr)
+        return 0
+    write_result(NAME, title=TITLE, params=params, results={"shapes": by_shape, "peak_flops": peak}, markdown=md)
     return 0
 
 
@@ -242,17 +303,34 @@ def _paired(by: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, object]]
             for k, up in METRICS.items()}
 
 
-def _markdown(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str, dict[str, dict[str, object]]],
-              params: dict[str, Any]) -> str:
-    lines = [f"A random `LlamaForCausalLM` ({params['layers']} layers x {params['hidden']}, GQA "
-             f"{params['heads']}/{params['kv_heads']}, vocabulary {params['vocab']} of a trained BPE tokenizer), "
-             f"fp32, both servers at their defaults with all {params['cores']} cores; `vllm bench serve --backend "
-             f"openai --endpoint /v1/completions --dataset-name random --ignore-eos` (input {params['input'][0]}-"
-             f"{params['input'][1]} tokens, output {params['output'][0]}-{params['output'][1]}) against each, "
-             f"alternating, the same fresh prompts for both in a round; median of {params['rounds']} rounds. Ratios: "
-             "energon / vLLM, paired: the median of the per-round ratios, the rounds energon won of all, the range "
-             "(tokens/s: higher is better; times: lower is better). Limit: the model's matmul FLOPs for the tokens "
-             "processed over the time, as a fraction of the measured fp32 matmul rate of all cores.", "",
+def _account_lines(view: dict[str, Any]) -> list[str]:
+    """energon's time account of one run: each part's share of a request's and of a step's wall time."""
+    if not view:
+        return []
+    out = []
+    for kind in ("requests", "steps"):
+        v = view[kind]
+        shares = ", ".join(f"{k} {x * 100:.0f}%" for k, x in sorted(v["share"].items(), key=lambda kv: -kv[1])
+                           if x >= 0.005)
+        out.append(f"  - {kind} ({v['count']}, mean wall {v['wall_mean_s'] * 1e3:.1f} ms): {shares}")
+    return out
+
+
+def _markdown(res: dict[str, Any], params: dict[str, Any]) -> str:
+    hidden, heads, kv_heads, intermediate, _ = params["shapes"][res["shape"]]
+    summary, ratios = res["summary"], res["paired"]
+    lines = [f"**{res['shape']}**: a random `LlamaForCausalLM` ({res['layers']} layers x {hidden}, GQA "
+             f"{heads}/{kv_heads}, MLP {intermediate}, vocabulary {res['vocab']} of a trained BPE tokenizer), fp32, "
+             f"both servers at their defaults with all {params['cores']} cores ({params['servers']}"
+             + (f"; energon with `{params['energon_args']}`" if params["energon_args"] else "") +
+             f"); `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random --ignore-eos` "
+             f"(input {params['input'][0]}-{params['input'][1]} tokens, output {params['output'][0]}-"
+             f"{params['output'][1]}) against each, the same fresh prompts for both in a round; median of "
+             f"{res['rounds']} rounds. Saturation: energon served {res['saturated_request_rate']:.2f} requests/s at "
+             "concurrency 64. Ratios: energon / vLLM, paired: the median of the per-round ratios, the rounds energon "
+             "won of all, the range (tokens/s: higher is better; times: lower is better). Limit: the model's matmul "
+             "FLOPs for the tokens processed over the time, as a fraction of the measured fp32 matmul rate of all "
+             "cores.", "",
              "| load | server | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | TPOT p99 ms | "
              "of limit | ok |", "|---|---|---|---|---|---|---|---|---|"]
     for label, by in summary.items():
@@ -263,6 +341,9 @@ def _markdown(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str,
                          f"{s['limit_fraction']:.2f} | {s['completed']} |")
         cells = [format_paired(ratios[label][k]) for k in METRICS]
         lines.append(f"| {label} | **paired ratio** | **{cells[0]}** | " + " | ".join(cells[1:]) + " | | |")
+    lines += ["", "energon's time account (its last round; shares of the wall time, largest first):"]
+    for label, by in res["runs"].items():
+        lines += [f"- {label}:", *_account_lines(by["energon"][-1].get("account", {}))]
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("docs/energon.md", "Generate in your process"): "tests/energon_infer/test_readme.py",
     ("docs/energon.md", "Serve from one controller"): "tests/energon_infer/test_engine_readme.py",
     ("docs/serving.md", "Call it with the OpenAI client"): "tests/energon_infer/test_server_openai.py",
+    ("docs/serving.md", "The time account"): "tests/energon_infer/test_serving_account.py",
     ("docs/serving.md", "Tool calls"): "tests/energon_infer/test_tool_calls.py",
     ("docs/serving.md", "Structured outputs"): "tests/energon_infer/test_structured_outputs.py",
     ("docs/energon-memory.md", "Serving a model larger than memory"): "tests/energon_infer/test_disk_pool.py",

@@ -176,6 +176,9 @@ class Tokens:
     tokens: list[int]
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    # time.monotonic_ns() on the result rank: the step's start, its forward's start and end, its end (the time
+    # account, energon_infer.engine.account); () where none was taken
+    timing: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

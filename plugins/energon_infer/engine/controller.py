@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from energon_infer.engine.account import ServingAccount, StepStamps, now_ns
 from energon_infer.engine.delivery import Delivery
 from energon_infer.engine.engine_config import EngineConfig
 from energon_infer.engine.metrics import EngineMetrics
@@ -96,12 +97,16 @@ class Controller:
         metrics: counters the engine reports.
         groups: steps in flight at most.
         tp, pp: the layout (for per-stage statistics).
+        account: where each step's time account goes (:mod:`energon_infer.engine.account`).
     """
 
     def __init__(self, group: WorkerGroup, scheduler: Scheduler, start: Callable[..., WorkerGroup],
-                 config: EngineConfig, metrics: EngineMetrics, delivery: Delivery, *, groups: int, tp: int, pp: int):
+                 config: EngineConfig, metrics: EngineMetrics, delivery: Delivery, *, groups: int, tp: int, pp: int,
+                 account: ServingAccount | None = None):
         self.group, self.scheduler, self.start_group, self.config = group, scheduler, start, config
         self.metrics, self.delivery, self.groups, self.tp, self.pp = metrics, delivery, groups, tp, pp
+        self.account = account or ServingAccount()
+        self.step_stamps: dict[int, StepStamps] = {}  # by step id, while in flight
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
         self.stats_ready = threading.Condition(self.lock)
@@ -146,6 +151,7 @@ class Controller:
                 except QueueFullError:
                     self._wait_for_room(block, deadline)
             self.live[req.request_id] = req
+            self.delivery.queued([req])
             wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
         if wake:
             self.wake()
@@ -177,6 +183,7 @@ class Controller:
             for req in reqs:
                 self.scheduler.add(req)
                 self.live[req.request_id] = req
+            self.delivery.queued(reqs)
             wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
         if wake:
             self.wake()
@@ -211,26 +218,33 @@ class Controller:
                     if self.stop_now or (self.closing and not self.scheduler.has_work() and not self.inflight):
                         break
                     plans: list[StepPlan] = []
+                    stamps: list[StepStamps] = []
                     more = self.status == "ready"
                     while more:  # with depth > 1 a group can take several steps ahead
                         more = False
                         for g in self.scheduler.idle_groups():
+                            t0 = now_ns()
                             plan = self.scheduler.schedule(g)
                             if plan is not None:
                                 plans.append(plan)
+                                stamps.append(StepStamps(t0, now_ns()))
                                 self.inflight[plan.step_id] = plan
                                 more = True
                         frees = [] if plans or self.inflight else self.scheduler.take_frees()
                     # Arrivals while every step is in flight (none planned this turn): a late step each.
                     for g in range(self.groups) if self.status == "ready" and not plans else ():
+                        t0 = now_ns()
                         late = self.scheduler.schedule_late(g)
                         if late is not None:
                             plans.append(late)
+                            stamps.append(StepStamps(t0, now_ns()))
                             self.inflight[late.step_id] = late
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
-                for plan in plans:
+                for plan, st in zip(plans, stamps):
                     self.group.send(plan.step)
+                    st.sent = now_ns()
+                    self.step_stamps[plan.step_id] = st
                 if self.status == "ready" and not plans and frees:
                     self.group.send(Free(frees))
                 try:
@@ -238,7 +252,7 @@ class Controller:
                 except queue.Empty:
                     msg = None
                 if msg is not None:
-                    self.handle(msg)
+                    self.handle(msg, now_ns())
                 self.watch()
                 self.heartbeat()
         except BaseException as exc:  # the controller must never die silently
@@ -247,19 +261,27 @@ class Controller:
         finally:
             self.close_down()
 
-    def handle(self, msg: Any) -> None:
+    def handle(self, msg: Any, received: int = 0) -> None:
         if isinstance(msg, Tokens):
+            st = self.step_stamps.pop(msg.step_id, None) or StepStamps()
+            st.received, st.timing = received or now_ns(), msg.timing
             with self.lock:
                 plan = self.inflight.pop(msg.step_id, None)
                 if plan is None:
                     return  # a step of a group that has since failed
+                if len(msg.timing) == 4 and not plan.step.late:  # the step's measured cost (token_budget)
+                    self.scheduler.budget.observe(plan.n_tokens, (msg.timing[3] - msg.timing[0]) / 1e9)
                 events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors)
                 for req, _, done in events:
                     if done:
                         self.live.pop(req.request_id, None)
+            st.completed = now_ns()
             self.last_alive = time.monotonic()
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
+            self.delivery.ran(plan.requests, st.sent, msg.timing)
             self.delivery.notify(events)
+            st.handed = now_ns()
+            self.account.add_step(st, plan.n_tokens)
         elif isinstance(msg, WorkerError):
             # A peer's death usually reaches the survivors as a collective error ("connection reset")
             # before the controller sees the exit: name the dead worker first when there is one.
@@ -320,6 +342,7 @@ class Controller:
         with self.lock:
             lost = self.scheduler.fail_running()
             self.inflight.clear()
+            self.step_stamps.clear()
             self.status = "restarting" if can_restart else "failed"
             self.last_error = reason
             for req in lost:

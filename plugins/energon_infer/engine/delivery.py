@@ -3,10 +3,15 @@
 The scheduler's :class:`~energon_infer.scheduling.scheduler.Request` holds what batching needs (tokens, blocks,
 why it stopped); everything the caller of the engine sees lives here, in one :class:`Output` per
 request, written only by this module: its future, its listener, the text streamed so far and its
-timings (arrival, first token, last token, finish). The data moves one way: the engine opens an
+timings (arrival, first token, last token, finish, and the time account's stamps:
+:mod:`energon_infer.engine.account`). The data moves one way: the engine opens an
 output and queues the request; the controller passes each step's ``(request, token, finished)``
 events to :meth:`Delivery.notify`, which reads the scheduler's request (never writes it) and
 answers the listener and the future. The scheduler never imports this module.
+
+Text: a request with stop strings is decoded by the scheduler (its stop rule reads the text, under the
+controller's lock); every other request's text is decoded here, outside that lock, into the output's own
+:class:`~energon_infer.scheduling.detokenizer.IncrementalDetokenizer`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from energon_infer.engine.account import RequestStamps, ServingAccount, now_ns
 from energon_infer.errors import EnergonError
+from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from energon_infer.scheduling.scheduler import Request
@@ -85,11 +92,21 @@ class Output:
     first_token: float = 0.0
     last_token_at: float = 0.0  # the previous token's delivery (inter-token latency)
     sent_text: str = ""  # streamed so far
+    stamps: RequestStamps | None = None  # the time account's (energon_infer.engine.account)
+    closes: bool = True  # its account is closed here at its last token (else by whoever gave the stamps)
+    detok: IncrementalDetokenizer | None = None  # its text, where the scheduler does not decode it
+
+
+def _text(req: Request, out: Output) -> str | None:
+    """The final text of a finished request: the scheduler's (cut at a stop string), else the frontend's."""
+    if req.text is not None:
+        return req.text
+    return out.detok.finish() if out.detok is not None else None
 
 
 def completion_of(req: Request, out: Output, finished: float) -> Completion:
     """The :class:`Completion` of a finished request: the scheduler's tokens and text, the frontend's timings."""
-    return Completion(req.request_id, list(req.prompt), list(req.generated), req.text, req.finish_reason or "abort",
+    return Completion(req.request_id, list(req.prompt), list(req.generated), _text(req, out), req.finish_reason or "abort",
                       out.arrival, out.first_token, finished,
                       list(req.logprobs) if req.params.logprobs is not None else None)
 
@@ -101,17 +118,28 @@ class Delivery:
         metrics: the engine's :class:`~energon_infer.engine.metrics.EngineMetrics`.
         has_text: whether requests carry text (the engine has a tokenizer).
         clock: the time source of the timings.
+        decode: token ids -> text, for the requests the scheduler does not decode (``None``: it decodes them all).
+        account: where each request's time account goes once it is done (``None``: nowhere).
     """
 
-    def __init__(self, metrics: Any, *, has_text: bool, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, metrics: Any, *, has_text: bool, clock: Callable[[], float] = time.monotonic,
+                 decode: Callable[[Any], str] | None = None, account: ServingAccount | None = None):
         self.metrics = metrics
         self.has_text = has_text
         self.clock = clock
+        self.decode = decode
+        self.account = account
         self.outputs: dict[str, Output] = {}  # by request id, from open to the last event
 
-    def open(self, request_id: str, listener: Callable[[TokenEvent], None] | None = None) -> Future[Completion]:
-        """Start a request's output (before it is queued); returns its future. A live id raises ``ValueError``."""
-        out = Output(request_id, Future(), listener, self.clock())
+    def open(self, request_id: str, listener: Callable[[TokenEvent], None] | None = None,
+             stamps: RequestStamps | None = None, *, closes: bool = True) -> Future[Completion]:
+        """Start a request's output (before it is queued); returns its future. A live id raises ``ValueError``.
+
+        ``stamps``: the request's time account so far (received, tokenized; default: it starts now); ``closes``: it
+        goes to the account at the last token, else its giver closes it
+        (:meth:`~energon_infer.engine.account.ServingAccount.add_request`) once the answer is written (the server)."""
+        out = Output(request_id, Future(), listener, self.clock(), stamps=stamps or RequestStamps(received=now_ns()),
+                     closes=closes)
         if self.outputs.setdefault(request_id, out) is not out:  # atomic: two threads cannot both open one id
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         return out.future
@@ -120,14 +148,35 @@ class Delivery:
         """Forget an output whose request was never queued (the queue refused it)."""
         self.outputs.pop(request_id, None)
 
+    def queued(self, requests: list[Request]) -> None:
+        """The requests are in the scheduler's queue (the controller calls, under its lock: before any step)."""
+        t = now_ns()
+        for req in requests:
+            out = self.outputs.get(req.request_id)
+            if out is not None and out.stamps is not None:
+                out.stamps.queued = t
+
+    def ran(self, requests: list[Request], sent: int, timing: tuple[int, ...]) -> None:
+        """A step holding ``requests`` was sent at ``sent`` and ran on the worker over ``timing`` (the worker's
+        start, forward start, forward end and end; ``()``: not reported): each live one's account adds it."""
+        for req in requests:
+            out = self.outputs.get(req.request_id)
+            if out is None or out.stamps is None:
+                continue
+            if not out.stamps.admitted:
+                out.stamps.admitted = sent
+            if len(timing) == 4:
+                out.stamps.ran(sent, (timing[0], timing[1], timing[2], timing[3]))
+
     def delta(self, req: Request, out: Output, done: bool) -> str:
         """New text since the last event; holds back what may still become a stop string."""
         if not self.has_text:
             return ""
-        if done and req.text is not None:
-            full = req.text
+        if done:
+            full = _text(req, out) or ""
         else:
-            full = req.detok.text if req.detok is not None else ""
+            detok = req.detok if req.detok is not None else out.detok
+            full = detok.text if detok is not None else ""
         if not done:
             hold = max((len(s) - 1 for s in req.params.stop), default=0)
             full = full[: len(full) - hold] if hold else full
@@ -151,7 +200,18 @@ class Delivery:
                 continue
             if tok is not None:
                 self._timing(out, now)
+            stamps = out.stamps
+            if req.detok is None and self.decode is not None and (tok is not None or done):
+                t0 = now_ns()
+                if out.detok is None:
+                    out.detok = IncrementalDetokenizer(self.decode)
+                if tok is not None:
+                    out.detok.add(tok)
+                if stamps is not None:
+                    stamps.detokenize += now_ns() - t0
             completion = completion_of(req, out, now) if done else None
+            if stamps is not None:
+                stamps.last_token = now_ns()  # before the listener: the answer may be written before it returns
             if out.listener is not None:
                 lp = req.logprobs[-1] if tok is not None and req.params.logprobs is not None and req.logprobs else None
                 event = TokenEvent(req.request_id, tok, self.delta(req, out, done), req.finish_reason if done else None,
@@ -160,6 +220,10 @@ class Delivery:
                     out.listener(event)
                 except Exception:  # a listener's bug must not stop the controller
                     traceback.print_exc()
+            if stamps is not None:
+                if done and out.closes and self.account is not None:
+                    stamps.done = stamps.last_token
+                    self.account.add_request(req.request_id, stamps)
             if completion is not None:
                 status = "aborted" if completion.finish_reason == "abort" else "ok"
                 self.metrics.record_finished(latency_s=completion.latency_s, ttft_s=completion.ttft_s,

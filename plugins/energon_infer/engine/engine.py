@@ -41,6 +41,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from energon_infer.engine.account import RequestStamps, ServingAccount, explain_account, now_ns
 from energon_infer.engine.controller import (
     Controller,
     EngineClosedError,
@@ -48,7 +49,7 @@ from energon_infer.engine.controller import (
     start_group,
 )
 from energon_infer.engine.delivery import Completion, Delivery, RequestFailedError, TokenEvent
-from energon_infer.engine.engine_config import EngineConfig, engine_config
+from energon_infer.engine.engine_config import EngineConfig, engine_config, pool_config
 from energon_infer.engine.memory_plan import fit_memory
 from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, memory_report
 from energon_infer.engine.metrics import EngineMetrics
@@ -57,32 +58,17 @@ from energon_infer.errors import InvalidRequestError, MissingFileError, OptionEr
 from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
 from energon_infer.protocol import WorkerGroup, WorkerInfo
 from energon_infer.sampling import SamplingParams
+from energon_infer.scheduling.requests import Encoded
 from energon_infer.scheduling.scheduler import QueueFullError, Request, Scheduler
 from energon_infer.scheduling.scheduler_config import AUTO
 from energon_infer.structured import prepare
-from energon_infer.worker.memory_pool import MemoryPoolConfig
 from energon_infer.worker.runtime import RuntimeConfig
 from energon_infer.worker.workers import ModelSource
 from tightfit.planner.pool import PoolPlan, streaming_groups
 from tightfit.planner.serving import ServingPlan
 
 __all__ = ["Engine", "EngineConfig", "Completion", "TokenEvent", "WorkerFailedError", "EngineClosedError",
-           "QueueFullError", "RequestFailedError"]
-
-
-def _pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
-    if memory_pool is None or memory_pool is False or memory_pool == 0:
-        return None
-    if isinstance(memory_pool, MemoryPoolConfig):
-        return memory_pool
-    if isinstance(memory_pool, (int, float)) and not isinstance(memory_pool, bool):
-        return MemoryPoolConfig(fraction=float(memory_pool))
-    if isinstance(memory_pool, str):
-        return MemoryPoolConfig(device_budget=memory_pool)
-    if isinstance(memory_pool, dict):
-        return MemoryPoolConfig(**memory_pool)
-    raise TypeError(f"memory_pool={memory_pool!r}: give a fraction of layers (0.5), a device budget ('2GiB'), "
-                    "a MemoryPoolConfig, or None")
+           "QueueFullError", "RequestFailedError", "Encoded"]
 
 
 def _default_params(source: ModelSource) -> SamplingParams:
@@ -143,11 +129,12 @@ class Engine:
             runtime = dataclasses.replace(self.config.runtime, dtype=dtype)
             self.config = dataclasses.replace(self.config, runtime=runtime)
         self.runtime: RuntimeConfig = self.config.runtime
-        self.memory_pool = _pool_config(memory_pool)
+        self.memory_pool = pool_config(memory_pool)
         self.tokenizer = as_engine_tokenizer(tokenizer)  # a transformers tokenizer gets the tokenizers interface
         self.model_name = model_name or Path(source.path).name
         self.default_params = _default_params(source)
         self.metrics = EngineMetrics(model_name=self.model_name)
+        self.time_account = ServingAccount(self.metrics.observe_part)  # account() / explain() / /metrics
         self.groups = self.config.groups
         self._ctl: Controller | None = None
         self._mark = ReportMark(time.monotonic())
@@ -168,12 +155,13 @@ class Engine:
             if self.groups != self.config.groups:
                 self.config = dataclasses.replace(
                     self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
-        scheduler = Scheduler(
-            self.config.scheduler_from(info, max_context=self.max_context),
-            eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
-        self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None)  # the frontend: outputs
+        decode = self.decode if self.tokenizer is not None else None  # the scheduler's for stop strings, else delivery's
+        scheduler = Scheduler(self.config.scheduler_from(info, max_context=self.max_context),
+                              eos_token_ids=self.eos_token_ids, decode=decode, stop_text_only=True)
+        self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None, decode=decode,
+                                  account=self.time_account)  # the frontend: outputs
         self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,
-                               tp=self.runtime.tp, pp=self.runtime.pp)
+                               tp=self.runtime.tp, pp=self.runtime.pp, account=self.time_account)
         self._ctl.thread.start()
         _LIVE.add(self)
 
@@ -234,7 +222,7 @@ class Engine:
         # Fail here, in the caller's process, before any worker is spawned; say what was chosen once all is checked.
         if (method := checkpoint_quantization(path, cfg.runtime.quantization)) != cfg.runtime.quantization:
             cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quantization=method))  # torchao's
-        pool = _pool_config(memory_pool)
+        pool = pool_config(memory_pool)
         # a native family, or transformers' modeling code (the fallback, or what model_impl asks for)
         backend, why = choose_backend(path, cfg.runtime.model_impl)
         said = [why]
@@ -301,7 +289,7 @@ class Engine:
                 gpt_config = GPTConfig.from_dict(raw)
         gpt_options = {k: v for k, v in (("gpt_config", gpt_config), ("heads", heads)) if v is not None}
         cfg = engine_config(config, **options)  # before anything loads: an unknown keyword fails at once
-        pool = _pool_config(memory_pool)
+        pool = pool_config(memory_pool)
         if pool is not None and pool.tiered:
             raise OptionError(f"memory_budget streams layers from a Hugging Face safetensors directory; {path} is a "
                               "training checkpoint: export it with save_pretrained and use from_pretrained, or pool "
@@ -311,13 +299,16 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> Encoded:
+        """A text prompt's ids, or ids checked against the vocabulary; :class:`Encoded` ids (encoded once) pass."""
+        if isinstance(prompt, Encoded):
+            return prompt
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer, so prompts must be token ids; put tokenizer.json in "
                                  "the model directory or pass tokenizer=...")
-            return list(self.tokenizer.encode(prompt).ids)
-        ids = [int(t) for t in prompt]
+            return Encoded(self.tokenizer.encode(prompt).ids)
+        ids = Encoded(int(t) for t in prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -339,10 +330,11 @@ class Engine:
         ``block=True`` a full queue waits (up to ``timeout``) instead of raising :class:`QueueFullError`.
         Cancelling the future aborts the request.
         """
-        ids = self.encode(prompt)
+        stamps = RequestStamps(received=(t0 := now_ns()), tokenize_start=t0)
+        ids, stamps.tokenized = self.encode(prompt), now_ns()
         req = Request(request_id or uuid.uuid4().hex, ids, prepare(self, params or self.default_params))
         deadline = None if timeout is None else time.monotonic() + timeout
-        fut = self._delivery.open(req.request_id, listener)  # the caller's side first: no token can come before it
+        fut = self._delivery.open(req.request_id, listener, stamps)  # the caller's side first: no token comes before it
         try:
             self._controller.add(req, block=block, deadline=deadline)
         except BaseException:
@@ -354,15 +346,21 @@ class Engine:
 
     def submit_all(self, jobs: Sequence[tuple[str | Sequence[int], SamplingParams | None]], *,
                    listeners: Sequence[Callable[[TokenEvent], None] | None] | None = None, block: bool = False,
-                   timeout: float | None = None) -> list[Future[Completion]]:
+                   timeout: float | None = None, stamps: Sequence[RequestStamps] | None = None
+                   ) -> list[Future[Completion]]:
         """Queue several requests as one: all are admitted or none (a :class:`QueueFullError` or ``ValueError``
         leaves nothing queued). Returns their futures in order; ``listeners``: one per job, and ``block`` /
-        ``timeout`` (wait for room for all of them), as in :meth:`submit`."""
+        ``timeout`` (wait for room for all of them), as in :meth:`submit`. ``stamps``: one per job, its time account so
+        far (:mod:`energon_infer.engine.account`), which the caller closes once it wrote the answer (the server)."""
+        t0 = now_ns()
         reqs = [Request(uuid.uuid4().hex, self.encode(p), prepare(self, sp or self.default_params)) for p, sp in jobs]
+        t1, given = now_ns(), stamps is not None
+        stamps = stamps or [RequestStamps(received=t0, tokenize_start=t0, tokenized=t1) for _ in reqs]
         futures: list[Future[Completion]] = []
         try:
             for i, req in enumerate(reqs):
-                futures.append(self._delivery.open(req.request_id, listeners[i] if listeners is not None else None))
+                futures.append(self._delivery.open(req.request_id, listeners[i] if listeners is not None else None,
+                                                   stamps[i], closes=not given))
             self._controller.add_all(reqs, block=block,
                                      deadline=None if timeout is None else time.monotonic() + timeout)
         except BaseException:
@@ -452,11 +450,15 @@ class Engine:
     def explain(self) -> str:
         """The whole-process memory budget the engine was planned with, one line per item (the memory the limit
         left, each worker's interpreter, weights, prefetch slots, read buffers, KV cache, activations, slack), or
-        why there is none (:mod:`energon_infer.engine.memory_plan`)."""
-        if self.memory_plan is None:
-            return "no serving memory plan: planned on a CPU from a model directory only (a GPU or a training "\
-                "checkpoint is not planned)"
-        return self.memory_plan.explain()
+        why there is none (:mod:`energon_infer.engine.memory_plan`); then the token budget and the time account."""
+        none = "no serving memory plan: one is made on a CPU from a model directory (not on a GPU, not from a checkpoint)"
+        memory = self.memory_plan.explain() if self.memory_plan is not None else none
+        return (f"{memory}\ntoken budget ({self.scheduler.config.token_budget}): {self.scheduler.budget.last.why}\n"
+                f"time account:\n{explain_account(self.time_account.view())}")
+
+    def account(self, *, reset: bool = False) -> dict[str, Any]:
+        """Each part's mean and share of the time since the last ``reset``, by request and step, and the last ones."""
+        return {"recent": self.time_account.recent(), **self.time_account.view(reset=reset)}
 
     def memory_report(self, *, timeout: float = 60.0) -> dict[str, Any]:
         """Where each layer lives and what the memory pool did (:mod:`energon_infer.engine.memory_report`): per rank

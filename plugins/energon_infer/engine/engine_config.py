@@ -35,8 +35,9 @@ from energon_infer.worker.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
     from energon_infer.protocol import WorkerInfo
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
 
-__all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "Launcher", "Backend"]
+__all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "pool_config", "Launcher", "Backend"]
 
 Launcher = Literal["spawn", "torchrun"]
 Backend = Literal["gloo", "nccl", None]
@@ -211,3 +212,21 @@ def engine_config(base: EngineConfig | None = None, **options: Any) -> EngineCon
     if "scheduler" in changed and "max_batch_tokens" in parts["scheduler"]:
         changed["runtime"] = replace(changed.get("runtime", base.runtime), max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
     return replace(base, **changed)
+
+
+def pool_config(memory_pool: Any) -> MemoryPoolConfig | None:
+    """The ``memory_pool=`` argument of the engine's factories as a :class:`MemoryPoolConfig` (``None``: off)."""
+    from energon_infer.worker.memory_pool import MemoryPoolConfig  # torch: not for `serve --help`
+
+    if memory_pool is None or memory_pool is False or memory_pool == 0:
+        return None
+    if isinstance(memory_pool, MemoryPoolConfig):
+        return memory_pool
+    if isinstance(memory_pool, (int, float)) and not isinstance(memory_pool, bool):
+        return MemoryPoolConfig(fraction=float(memory_pool))
+    if isinstance(memory_pool, str):
+        return MemoryPoolConfig(device_budget=memory_pool)
+    if isinstance(memory_pool, dict):
+        return MemoryPoolConfig(**memory_pool)
+    raise TypeError(f"memory_pool={memory_pool!r}: give a fraction of layers (0.5), a device budget ('2GiB'), "
+                    "a MemoryPoolConfig, or None")

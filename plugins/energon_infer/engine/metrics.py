@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,7 +37,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["EngineMetrics", "CONTENT_TYPE", "TTFT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS"]
+__all__ = ["EngineMetrics", "CONTENT_TYPE", "TTFT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS", "PART_BUCKETS"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets span a tiny CPU model (ms) to a large model under load (minutes); vLLM uses similar ranges.
@@ -46,6 +47,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                10.0, 20.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
                480.0, 960.0)
+# The time account's parts (energon_infer.engine.account): from a few microseconds (a step's hand-off) to a queue.
+PART_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0, 120.0)
 STATUSES = ("ok", "error", "aborted", "rejected")
 
 
@@ -86,6 +90,10 @@ class EngineMetrics:
                                               registry=self.registry)
         self.request_counter = PromCounter("energon_requests", "Finished requests by status (ok, error, aborted, "
                                            "rejected).", [*labels, "status"], registry=self.registry)
+        self.parts = {kind: Histogram(f"energon_{kind}_part_seconds", f"The time account of each {kind}: seconds in "
+                                      "each part (energon_infer.engine.account).", [*labels, "part"],
+                                      buckets=PART_BUCKETS, registry=self.registry) for kind in ("request", "step")}
+        self._part_children: dict[tuple[str, str], Any] = {}
         self._touch()
         self.registry.register(_EngineCollector(self))
         if process:
@@ -98,6 +106,9 @@ class EngineMetrics:
             for metric in (self.ttft, self.itl, self.e2e, self.prompt_counter, self.generation_counter):
                 metric.clear()
             self.request_counter.clear()
+            for hist in self.parts.values():
+                hist.clear()
+            self._part_children = {}
             self.model_name = model_name
             self._touch()
         if state is not None:
@@ -140,6 +151,13 @@ class EngineMetrics:
             self.e2e.labels(self.model_name).observe(latency_s)
             if ttft_s is not None and not first_token_recorded:
                 self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def observe_part(self, kind: str, part: str, seconds: float) -> None:
+        """One part of a request's or a step's time account (``kind``: ``"request"`` or ``"step"``)."""
+        child = self._part_children.get((kind, part))
+        if child is None:
+            child = self._part_children[(kind, part)] = self.parts[kind].labels(self.model_name, part)
+        child.observe(seconds)
 
     def record_rejected(self) -> None:
         with self._lock:

@@ -13,7 +13,14 @@ from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
 
-__all__ = ["Request", "StepPlan"]
+__all__ = ["Encoded", "Request", "StepPlan"]
+
+
+class Encoded(list[int]):
+    """A prompt's token ids as ``Engine.encode`` returned them: tokenized (or checked) once, so the engine takes them
+    as they are (the server encodes a prompt before it submits it)."""
+
+    __slots__ = ()
 
 
 @dataclass(eq=False, slots=True)

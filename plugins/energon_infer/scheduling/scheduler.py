@@ -44,6 +44,7 @@ from typing import Any
 
 from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
+from energon_infer.scheduling.budget import TokenBudget
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
 from energon_infer.scheduling.kv_groups import KVGroups
 from energon_infer.scheduling.requests import Request, StepPlan
@@ -69,8 +70,9 @@ class Scheduler:
         config: limits.
         eos_token_ids: the model's end tokens (requests stop there unless ``ignore_eos``).
         decode: token ids -> text, for stop strings and each request's text (``None``: token ids only, stop
-            strings are not checked). Each request gets one :class:`~energon_infer.scheduling.detokenizer.IncrementalDetokenizer`
-            (``request.detok``) that the frontend streams from too.
+            strings are not checked), in one :class:`~energon_infer.scheduling.detokenizer.IncrementalDetokenizer`
+            per request (``request.detok``); ``stop_text_only``: only requests with stop strings (the others' text is
+            the caller's: the engine's frontend decodes it outside the controller's lock; their ``text`` is None).
         clock: time source of when each step was planned (the controller's watchdog).
         seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
             negative ones, which never collide with a caller's).
@@ -78,10 +80,12 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None):
+                 seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None,
+                 stop_text_only: bool = False):
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.decode = decode
+        self.decode, self.stop_text_only = decode, stop_text_only
+        self.budget = TokenBudget(config.token_budget, config.max_batch_tokens, tpot_target_s=config.tpot_target_s)
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
@@ -133,7 +137,7 @@ class Scheduler:
         request.reserve = reserve
         request.seq_id = next(self._seq_ids)
         request.state = "waiting"
-        if self.decode is not None and request.detok is None:
+        if self.decode is not None and request.detok is None and (request.params.stop or not self.stop_text_only):
             request.detok = IncrementalDetokenizer(self.decode)
         self.waiting.append(request)
         return request
@@ -293,7 +297,7 @@ class Scheduler:
         plan = StepPlan(Step(next(self._step_ids), self._frees, [], {}, group=group, send_back=ahead,
                              take_back=ahead and self._owed[group], swap_out=self._swap_out, trims=self._trims))
         mine = [r for r in self.running.values() if r.group == group]
-        budget = cfg.max_batch_tokens
+        budget = self.budget.choose(len(mine), min(len(self.waiting[0].prompt), cfg.max_batch_tokens) if self.waiting else 0)
         before = self.preemptions
         for r in mine:  # the running requests first (oldest first): decode tokens, then prompt chunks
             if r.state != "running" or r.in_flight >= cfg.depth:
@@ -401,10 +405,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, text: str | None = None) -> None:
         req.state, req.finish_reason = "finished", reason
-        if text is not None:
-            req.text = text
-        elif req.detok is not None:
-            req.text = req.detok.finish()
+        req.text = text if text is not None else req.detok.finish() if req.detok is not None else req.text
         if self.running.pop(req.seq_id, None) is not None:
             self.blocks.free(req.seq_id)
             if self.config.kv_admission == "reserve":

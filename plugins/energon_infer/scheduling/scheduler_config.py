@@ -9,11 +9,13 @@ from typing import Literal, get_args
 from energon_infer.errors import BusyError, InvalidRequestError, OptionError, check_choice
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "PREEMPTIONS", "KVAdmission",
-           "Policy", "Preemption", "QueueFullError", "SchedulerConfig", "check_request", "request_blocks"]
+           "Policy", "Preemption", "QueueFullError", "SchedulerConfig", "TokenBudgetMode", "check_request",
+           "request_blocks"]
 
 Policy = Literal["continuous", "static"]
 KVAdmission = Literal["on_demand", "reserve"]
 Preemption = Literal["auto", "swap", "recompute"]
+TokenBudgetMode = Literal["fixed", "measured"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 KV_ADMISSION: tuple[str, ...] = get_args(KVAdmission)
 PREEMPTIONS: tuple[str, ...] = get_args(Preemption)
@@ -92,6 +94,11 @@ class SchedulerConfig:
         kv_groups: each KV group's window where the model's windowed and global layers keep their keys and values in
             block tables of their own (:mod:`energon_infer.scheduling.kv_groups`; ``kv_blocks`` then counts pages,
             which every group draws from); ``()``: one group, windowed by ``kv_window``. Reported, not set.
+        token_budget: ``"fixed"``: every step may hold ``max_batch_tokens``; ``"measured"``: the running decodes
+            plus the prefill their TPOT target leaves room for at the measured cost per token, at most
+            ``max_batch_tokens`` (:mod:`energon_infer.scheduling.budget`).
+        tpot_target_s: with ``token_budget="measured"``, the step time prefill may fill decode steps up to (0: twice
+            the decode-only step's measured time).
         rope_switch: the context length past which a sequence's cached keys no longer hold (a ``longrope`` model's
             ``original_max_position_embeddings``; 0: none). A running sequence about to pass it is recomputed whole,
             as transformers' ``generate`` does (:mod:`energon_infer.scheduling.rope_switch`). Reported, not set.
@@ -117,6 +124,8 @@ class SchedulerConfig:
     kv_window: int = 0
     kv_groups: tuple[int, ...] = ()
     rope_switch: int = 0
+    token_budget: TokenBudgetMode = "fixed"
+    tpot_target_s: float = 0.0
 
     @property
     def bound(self) -> bool:
@@ -142,6 +151,10 @@ class SchedulerConfig:
         check_choice("policy", self.policy, Policy)
         check_choice("kv_admission", self.kv_admission, KVAdmission)
         check_choice("preemption", self.preemption, Preemption)
+        check_choice("token_budget", self.token_budget, TokenBudgetMode)
+        if not (self.tpot_target_s >= 0 and self.tpot_target_s < float("inf")):
+            raise OptionError(f"tpot_target_s={self.tpot_target_s} must be a finite number of seconds >= 0 (0: twice "
+                              "the measured decode step)")
         if self.host_blocks < 0 or self.swap_s_per_block < 0 or self.recompute_s_per_token < 0:
             raise OptionError(f"host_blocks={self.host_blocks}, swap_s_per_block={self.swap_s_per_block} and "
                               f"recompute_s_per_token={self.recompute_s_per_token} must be >= 0")

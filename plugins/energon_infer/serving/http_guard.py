@@ -6,6 +6,7 @@
 * :func:`guarded_route`: endpoints read their body through :class:`GuardedRequest`: at most ``limit`` bytes
   (413), JSON that nests too deep or is not an object gets 400 instead of a recursion error (500).
 * :class:`SafeJSONResponse`: ASCII escapes and no NaN, so no text can make a response unencodable.
+* :class:`StampArrival`: each request's arrival time in its ASGI scope (where the time account begins).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from energon_infer.engine.account import now_ns
 from energon_infer.errors import EnergonError
 
 log = logging.getLogger("energon_infer")
 
-__all__ = ["ApiError", "engine_error", "ClientGone", "SafeJSONResponse", "GuardedRequest", "guarded_route"]
+__all__ = ["ApiError", "engine_error", "ClientGone", "SafeJSONResponse", "GuardedRequest", "guarded_route", "ARRIVAL",
+           "StampArrival"]
 
 
 class ApiError(EnergonError, HTTPException):
@@ -120,3 +123,19 @@ def guarded_route(limit: int) -> type[APIRoute]:
             return guarded
 
     return GuardedRoute
+
+
+ARRIVAL = "energon_received_ns"  # the ASGI scope's key: when the request reached the server (the time account)
+
+
+class StampArrival:
+    """ASGI middleware: stamps each HTTP request's arrival (``time.monotonic_ns()``) in its scope, before the body is
+    read, routed and validated: where the time account's ``http`` part begins."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[ARRIVAL] = now_ns()
+        await self.app(scope, receive, send)

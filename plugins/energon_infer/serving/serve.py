@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = p.add_argument_group("batching and faults")
     b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
                    help="tokens per batched step (when not given, on a CPU: at most this, fewer where memory is short)")
+    b.add_argument("--token-budget", choices=("fixed", "measured"), default=sched["token_budget"],
+                   help="fixed: each step may hold --max-batch-tokens; measured: the running decodes plus the prefill "
+                        "their TPOT target leaves room for at the measured cost per token")
+    b.add_argument("--tpot-target", type=float, default=sched["tpot_target_s"],
+                   help="with --token-budget measured: seconds a decode step may grow to with prefill (0: twice the "
+                        "decode-only step)")
     b.add_argument("--max-running", type=positive_int, default=sched["max_running"],
                    help="requests in the running batch at most")
     b.add_argument("--max-queue", type=positive_int, default=sched["max_queue"],
@@ -253,7 +259,8 @@ def _serve(argv: list[str] | None) -> int:
               if any(a == flag or a.startswith(flag + "=") for a in argv)}
     common = dict(tp=args.tp, pp=args.pp, dtype=dtype, model_impl=args.model_impl, **chosen,
                   memory_pool=pool, model_name=args.served_model_name,
-                  max_running=args.max_running, max_queue=args.max_queue,
+                  max_running=args.max_running, max_queue=args.max_queue, token_budget=args.token_budget,
+                  tpot_target_s=args.tpot_target,
                   max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                   restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,

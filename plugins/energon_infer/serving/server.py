@@ -3,8 +3,8 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true`` answers
 with server-sent events, ending with ``data: [DONE]``), ``GET /v1/models`` (with vLLM's fields), vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200
-while serving, ``ready`` or ``degraded``; 503 otherwise) and ``GET /metrics`` (Prometheus, see
-:mod:`energon_infer.engine.metrics`). Request bodies are the pydantic models of :mod:`energon_infer.serving.api_schema`,
+while serving, ``ready`` or ``degraded``; 503 otherwise), ``GET /metrics`` (Prometheus, see
+:mod:`energon_infer.engine.metrics`) and ``GET /v1/account`` (the time account, :mod:`energon_infer.engine.account`). Request bodies are the pydantic models of :mod:`energon_infer.serving.api_schema`,
 so ``/docs`` shows them.
 
 No client can break it: every field is validated before anything reaches a worker (400 naming the
@@ -51,6 +51,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
+from energon_infer.engine.account import RequestStamps, now_ns
 from energon_infer.engine.engine import Engine
 from energon_infer.engine.metrics import CONTENT_TYPE
 from energon_infer.errors import EnergonError, InvalidRequestError
@@ -64,9 +65,11 @@ from energon_infer.serving.api_schema import (
     describe_errors,
 )
 from energon_infer.serving.http_guard import (
+    ARRIVAL,
     ApiError,
     ClientGone,
     SafeJSONResponse,
+    StampArrival,
     engine_error,
     guarded_route,
 )
@@ -132,6 +135,7 @@ class EnergonServer:
         app = FastAPI(title="energon_infer", summary=f"OpenAI-compatible server for {self.engine.model_name}",
                       lifespan=self._lifespan, default_response_class=SafeJSONResponse, strict_content_type=False)
         app.router.route_class = guarded_route(self.config.max_request_bytes)
+        app.add_middleware(StampArrival)
         app.add_exception_handler(RequestValidationError, self._invalid)
         app.add_exception_handler(EnergonError, self._error)  # ApiError included: its own status
         app.add_exception_handler(Exception, self._error)  # a bug: 500, logged with its traceback
@@ -139,6 +143,7 @@ class EnergonServer:
         app.add_api_route("/health", self.health, methods=["GET"], tags=["operations"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"], tags=["operations"])
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/account", self.account, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
@@ -235,21 +240,31 @@ class EnergonServer:
     # ------------------------------------------------------------------ the one path of both generating endpoints
 
     async def _generate(self, request: Request, reply: Reply, jobs: Jobs, *, prompt_tokens: int, stream: bool,
-                        include_usage: bool) -> Any:
-        """Submit every job (all admitted or none), then stream their tokens or wait for all of them."""
+                        include_usage: bool, tokenized: tuple[int, int]) -> Any:
+        """Submit every job (all admitted or none), then stream their tokens or wait for all of them.
+        ``tokenized``: when the prompts' encode began and ended (the time account's stamps)."""
+        received = request.scope.get(ARRIVAL, tokenized[0])
+        stamps = [RequestStamps(received=received, tokenize_start=tokenized[0], tokenized=tokenized[1]) for _ in jobs]
         jobs = await compiled_jobs(self.engine, jobs)  # a structured output's grammar: on the engine's pool
         if stream:
             events = TokenStream(reply, include_usage=include_usage, prompt_tokens=prompt_tokens,
-                                 closing_since=lambda: self.closing_since, drain_timeout_s=self.config.drain_timeout_s)
+                                 closing_since=lambda: self.closing_since, drain_timeout_s=self.config.drain_timeout_s,
+                                 account=self.engine.time_account)
             # Submitted before the response starts, so queue-full and validation errors are real HTTP statuses.
-            futures = self.engine.submit_all(jobs, listeners=[events.listener(i) for i in range(len(jobs))])
-            return StreamingResponse(events.body(futures), media_type="text/event-stream")
-        futures = self.engine.submit_all(jobs)
+            futures = self.engine.submit_all(jobs, listeners=[events.listener(i) for i in range(len(jobs))],
+                                             stamps=stamps)
+            return StreamingResponse(events.body(futures, stamps), media_type="text/event-stream")
+        futures = self.engine.submit_all(jobs, stamps=stamps)
         try:
             done = await wait_all(request, futures, self.config.disconnect_poll_s)
         except ClientGone:
             return Response(status_code=499)  # nobody to answer; the requests are aborted
-        return reply.response(done, prompt_tokens)
+        answer = reply.response(done, prompt_tokens)
+        end = now_ns()
+        for c, st in zip(done, stamps):
+            st.done = end
+            self.engine.time_account.add_request(c.request_id, st)
+        return answer
 
     # ------------------------------------------------------------------ endpoints
 
@@ -259,6 +274,11 @@ class EnergonServer:
 
     async def metrics(self) -> Response:
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def account(self, reset: bool = False) -> dict[str, Any]:
+        """The time account (:meth:`Engine.account <energon_infer.engine.engine.Engine.account>`); ``?reset=true``
+        starts it again after this read."""
+        return self.engine.account(reset=reset)
 
     async def models(self) -> dict[str, Any]:
         e = self.engine
@@ -318,7 +338,9 @@ class EnergonServer:
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
                                 "compute; drop one of them", param="echo")
+        t0 = now_ns()
         ids = [self._encode(p) for p in prompts]
+        tokenized = (t0, now_ns())
         default = min(int(self.defaults.get("max_tokens", cfg.default_max_tokens)), cfg.max_tokens_limit)
         max_tokens = self._max_tokens(body.max_tokens, "max_tokens", default)
         jobs = self._jobs(ids, self._sampling(body, max_tokens=max_tokens, logprobs=body.logprobs), body.n)
@@ -326,7 +348,8 @@ class EnergonServer:
         echo = [(p if isinstance(p, str) else (decode(p) if decode else "")) if body.echo else "" for p in prompts]
         reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, echo, body.n, decode)
         return await self._generate(request, reply, jobs, prompt_tokens=sum(len(x) for x in ids), stream=body.stream,
-                                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                    tokenized=tokenized)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
@@ -340,7 +363,9 @@ class EnergonServer:
                                           add_generation_prompt=body.add_generation_prompt, tools=tools)
         except Exception as exc:  # noqa: BLE001 - the template's own checks (raise_exception) speak to the client
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        t0 = now_ns()
         ids = self._encode(prompt)
+        tokenized = (t0, now_ns())
         room = engine.max_context - len(ids)
         if room < 1:
             raise ApiError(400, f"the messages take {len(ids)} tokens, the whole context of {engine.max_context}; "
@@ -357,7 +382,8 @@ class EnergonServer:
         jobs = self._jobs([ids], params, body.n)
         reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.decode, tool_output)
         return await self._generate(request, reply, jobs, prompt_tokens=len(ids), stream=body.stream,
-                                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                    tokenized=tokenized)
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine: bool = False,
@@ -370,7 +396,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
 def _engine_state(engine: Engine) -> dict[str, float]:
     s = engine.scheduler
     return {"waiting": s.num_waiting, "running": s.num_running, "kv_blocks_used": s.reserved,
-            "kv_blocks_total": s.config.kv_blocks, "up": float(engine.status == "ready")}
+            "kv_blocks_total": s.config.kv_blocks, "up": float(engine.status == "ready"),
+            "step_token_budget": s.budget.last.tokens, "step_prefill_budget": s.budget.last.prefill_tokens}
 
 
 # ---------------------------------------------------------------------- running it

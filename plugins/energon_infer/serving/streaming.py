@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from fastapi import Request
 
+from energon_infer.engine.account import RequestStamps, ServingAccount, now_ns
 from energon_infer.engine.delivery import Completion, TokenEvent
 from energon_infer.serving.http_guard import ClientGone, engine_error
 from energon_infer.serving.openai_format import Reply, error_event, sse, usage
@@ -103,10 +104,13 @@ class TokenStream:
         prompt_tokens: for that usage.
         closing_since: when the server began shutting down (``None``: it is not).
         drain_timeout_s: how long a stream may run after that before it ends with an error event.
+        account: where each choice's time account goes once the stream has ended (``None``: nowhere).
     """
 
     def __init__(self, reply: Reply, *, include_usage: bool, prompt_tokens: int,
-                 closing_since: Callable[[], float | None], drain_timeout_s: float):
+                 closing_since: Callable[[], float | None], drain_timeout_s: float,
+                 account: ServingAccount | None = None):
+        self.account = account
         self.reply, self.include_usage, self.prompt_tokens = reply, include_usage, prompt_tokens
         self.closing_since, self.drain_timeout_s = closing_since, drain_timeout_s
         self._loop = asyncio.get_running_loop()
@@ -140,9 +144,12 @@ class TokenStream:
         at = self.closing_since()
         return at is not None and time.monotonic() - at >= self.drain_timeout_s
 
-    async def body(self, futures: list[Future[Completion]]) -> AsyncIterator[bytes]:
-        """The events: the first chunks, one per token, the usage if asked, then ``[DONE]``."""
+    async def body(self, futures: list[Future[Completion]], stamps: list[RequestStamps] | None = None
+                   ) -> AsyncIterator[bytes]:
+        """The events: the first chunks, one per token, the usage if asked, then ``[DONE]``. ``stamps``: each
+        choice's time account, closed once ``[DONE]`` is out (a stream cut short is not accounted)."""
         live, completion_tokens = set(range(len(futures))), 0
+        finished: dict[int, str] = {}  # choice -> its request id, once it completed
         try:
             for chunk in self.reply.first(len(futures)):
                 yield sse(chunk)
@@ -167,9 +174,16 @@ class TokenStream:
                     yield sse(chunk)
                 if ev.finish_reason is not None:
                     live.discard(index)
+                    if ev.completion is not None:
+                        finished[index] = ev.completion.request_id
             if not live and self.include_usage:
                 yield sse({**self.reply.chunk(0, "", None, None), "choices": [],
                                "usage": usage(self.prompt_tokens, completion_tokens)})
             yield b"data: [DONE]\n\n"
+            if stamps is not None and self.account is not None:
+                end = now_ns()
+                for index, request_id in finished.items():
+                    stamps[index].done = end
+                    self.account.add_request(request_id, stamps[index])
         finally:
             _cancel_unfinished(futures)  # the client left (or the stream was cut): abort, which frees the KV blocks

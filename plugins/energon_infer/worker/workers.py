@@ -50,6 +50,7 @@ from energon_infer.protocol import (
     WorkerInfo,
 )
 from energon_infer.worker.late_steps import merge, poller, split, take_late
+from energon_infer.worker.stage_timer import StageTimer
 from energon_infer.worker.token_feedback import TokenFeedback
 
 __all__ = ["ModelSource", "SpawnedWorkerGroup", "WorkerStartError", "build_runner", "load_worker", "serve_commands",
@@ -95,74 +96,6 @@ def build_runner(source: ModelSource, runtime: Any) -> Any:
     from energon_infer.worker.gpt_checkpoint import load_tightfit_gpt
 
     return load_tightfit_gpt(source.path, runtime, **source.options)
-
-
-class StageTimer:
-    """Busy time of a rank's stage: from each stage forward's start to its end.
-
-    Both ends of every span come from one clock: CUDA events on a GPU (a forward's kernels run after
-    the host call returns, so host time would measure launch, not work), ``time.perf_counter`` on a
-    CPU. Utilisation is busy time over the span from the first forward's start to the last one's
-    end, so the time a stage waits for its inputs or for the controller counts as idle.
-
-    ``mark``/``elapsed`` (optional) replace the clock: ``mark()`` a timestamp, ``elapsed(a, b)`` seconds between.
-    """
-
-    def __init__(self, stage: torch.nn.Module, device: torch.device, *, mark: Callable[[], Any] | None = None,
-                 elapsed: Callable[[Any, Any], float] | None = None, report: Callable[[], dict[str, Any]] | None = None):
-        self.report = report  # more to report with the times (the memory pool's counters)
-        self.cuda = device.type == "cuda" and mark is None
-        self.mark: Callable[[], Any] = mark or (self._cuda_mark if self.cuda else time.perf_counter)
-        self.elapsed: Callable[[Any, Any], float] = elapsed or (self._cuda_elapsed if self.cuda else _subtract)
-        self.open: Any = None
-        self.spans: list[tuple[Any, Any]] = []  # (start, end) marks not yet summed
-        self.busy = 0.0
-        self.first: Any = None  # the first start mark since the last reset
-        self.last: Any = None  # the latest end mark
-        self.span_before = 0.0  # span already summed when the marks were folded (CUDA events are freed)
-        self.steps = 0
-        stage.register_forward_pre_hook(lambda *_: self.start())
-        stage.register_forward_hook(lambda *_: self.stop())
-
-    @staticmethod
-    def _cuda_mark() -> Any:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    @staticmethod
-    def _cuda_elapsed(a: Any, b: Any) -> float:
-        return float(a.elapsed_time(b)) / 1e3
-
-    def start(self) -> None:
-        self.open = self.mark()
-        if self.first is None:
-            self.first = self.open
-
-    def stop(self) -> None:
-        self.steps += 1
-        end = self.mark()
-        self.spans.append((self.open, end))
-        self.last = end
-
-    def snapshot(self, reset: bool = False) -> dict[str, Any]:
-        if self.cuda and self.spans:
-            torch.cuda.synchronize()
-        for start, end in self.spans:
-            self.busy += self.elapsed(start, end)
-        self.spans.clear()
-        span = self.elapsed(self.first, self.last) if self.first is not None and self.last is not None else 0.0
-        out: dict[str, Any] = {"busy_s": self.busy, "span_s": span, "steps": float(self.steps),
-                               "utilisation": self.busy / span if span > 0 else 0.0}
-        if self.report is not None:
-            out.update(self.report())
-        if reset:
-            self.busy, self.first, self.last, self.steps = 0.0, None, None, 0
-        return out
-
-
-def _subtract(a: float, b: float) -> float:
-    return b - a
 
 
 def _free_port() -> int:
@@ -292,12 +225,16 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
             parts = [cmd, *take_late(cmd, poll, held)] if poll is not None and not cmd.late else [cmd]
             run = merge(parts)
             # take_back: the placeholders' tokens arrive from the last stage (received before anything runs).
+            began = time.monotonic_ns()
             result = runner.run_step(run, feedback.take(run) if run.take_back else None, broadcast=False)
             if run.send_back:
                 feedback.give(run, result.tokens)
             if rank == result_rank:
+                ended = time.monotonic_ns()
+                f0, f1 = timer.forward_ns
+                timing = (began, f0, f1, ended) if began <= f0 <= f1 <= ended else (began, began, ended, ended)
                 for msg in split(parts, result.tokens, result.logprobs, result.errors):
-                    reply(msg)
+                    reply(dataclasses.replace(msg, timing=timing))
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
