@@ -71,6 +71,7 @@ class Step:
     late: bool = False
     trims: dict[int, int] = field(default_factory=dict)  # seq -> leading table entries released (holes)
     prefill_lengths: dict[int, int] = field(default_factory=dict)  # seq -> its prefill's length, this a chunk of it
+    proposals: dict[int, int] = field(default_factory=dict)  # seq -> proposed tokens ending its item (speculation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +169,14 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Tokens:
     """A step's sampled tokens; by seq_id, the logprobs asked for and the rows that failed alone (see
-    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder)."""
+    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder). ``accepted``: a
+    speculating sequence's tokens in order, each with its logprobs or ``None`` (the last is its entry of ``tokens``)."""
 
     step_id: int
     tokens: list[int]
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

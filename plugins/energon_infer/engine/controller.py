@@ -253,12 +253,15 @@ class Controller:
                 plan = self.inflight.pop(msg.step_id, None)
                 if plan is None:
                     return  # a step of a group that has since failed
-                events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors)
+                events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors, msg.accepted)
                 for req, _, done in events:
                     if done:
                         self.live.pop(req.request_id, None)
             self.last_alive = time.monotonic()
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
+            if plan.step.proposals:
+                self.metrics.record_speculation(sum(plan.step.proposals.values()),
+                                                sum(len(v) - 1 for v in msg.accepted.values()))
             self.delivery.notify(events)
         elif isinstance(msg, WorkerError):
             # A peer's death usually reaches the survivors as a collective error ("connection reset")

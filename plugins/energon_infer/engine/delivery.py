@@ -85,6 +85,7 @@ class Output:
     first_token: float = 0.0
     last_token_at: float = 0.0  # the previous token's delivery (inter-token latency)
     sent_text: str = ""  # streamed so far
+    sent_tokens: int = 0  # token events so far (a speculative step gives several at once: each its own logprobs)
 
 
 def completion_of(req: Request, out: Output, finished: float) -> Completion:
@@ -124,7 +125,7 @@ class Delivery:
         """New text since the last event; holds back what may still become a stop string."""
         if not self.has_text:
             return ""
-        if done and req.text is not None:
+        if req.text is not None:  # finished (a speculative step's earlier tokens too): the text cut at a stop string
             full = req.text
         else:
             full = req.detok.text if req.detok is not None else ""
@@ -151,9 +152,12 @@ class Delivery:
                 continue
             if tok is not None:
                 self._timing(out, now)
+                out.sent_tokens += 1
             completion = completion_of(req, out, now) if done else None
             if out.listener is not None:
-                lp = req.logprobs[-1] if tok is not None and req.params.logprobs is not None and req.logprobs else None
+                at = out.sent_tokens - 1  # this token's place in the output
+                lp = req.logprobs[at] if tok is not None and req.params.logprobs is not None and at < len(req.logprobs) \
+                    else None
                 event = TokenEvent(req.request_id, tok, self.delta(req, out, done), req.finish_reason if done else None,
                                    completion, logprobs=lp)
                 try:

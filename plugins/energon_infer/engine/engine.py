@@ -53,6 +53,7 @@ from energon_infer.engine.memory_plan import fit_memory
 from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, memory_report
 from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.engine.pool_check import check_pool_plan
+from energon_infer.engine.speculators import build_speculator
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
 from energon_infer.protocol import WorkerGroup, WorkerInfo
@@ -153,6 +154,7 @@ class Engine:
         self._last_report: dict[str, Any] = {}
         # The controller restarts a failed group with this factory itself (no call back into the engine).
         start = functools.partial(start_group, source, self.runtime, self.config, self.memory_pool)
+        speculator = build_speculator(self.config.speculative, source.path, self.runtime)  # a bad draft: no workers
         group = start()
         info: WorkerInfo = group.info[0]
         self.vocab_size, self.max_context = int(info.config["vocab_size"]), int(info.config["max_positions"])
@@ -169,7 +171,8 @@ class Engine:
                     self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
         scheduler = Scheduler(
             self.config.scheduler_from(info, max_context=self.max_context),
-            eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None)
+            eos_token_ids=self.eos_token_ids, decode=self.decode if self.tokenizer is not None else None,
+            speculator=speculator)
         self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None)  # the frontend: outputs
         self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,
                                tp=self.runtime.tp, pp=self.runtime.pp)

@@ -296,7 +296,7 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
             if run.send_back:
                 feedback.give(run, result.tokens)
             if rank == result_rank:
-                for msg in split(parts, result.tokens, result.logprobs, result.errors):
+                for msg in split(parts, result.tokens, result.logprobs, result.errors, result.accepted):
                     reply(msg)
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:
