@@ -73,6 +73,7 @@ class Step:
     late: bool = False
     trims: dict[int, int] = field(default_factory=dict)  # seq -> leading table entries released (holes)
     prefill_lengths: dict[int, int] = field(default_factory=dict)  # seq -> its prefill's length, this a chunk of it
+    proposals: dict[int, int] = field(default_factory=dict)  # seq -> proposed tokens ending its item (speculation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +171,8 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Tokens:
     """A step's sampled tokens; by seq_id, the logprobs asked for and the rows that failed alone (see
-    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder)."""
+    :meth:`~energon_infer.sampling.Sampler.sample_rows`; such a row's token is a placeholder). ``accepted``: a
+    speculating sequence's tokens in order, each with its logprobs or ``None`` (the last is its entry of ``tokens``)."""
 
     step_id: int
     tokens: list[int]
@@ -179,6 +181,7 @@ class Tokens:
     # time.monotonic_ns() on the result rank: the step's start, its forward's start and end, its end (the time
     # account, energon_infer.engine.account); () where none was taken
     timing: tuple[int, ...] = ()
+    accepted: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -271,7 +271,7 @@ class Controller:
                     return  # a step of a group that has since failed
                 if len(msg.timing) == 4 and not plan.step.late:  # the step's measured cost (token_budget)
                     self.scheduler.budget.observe(plan.n_tokens, (msg.timing[3] - msg.timing[0]) / 1e9)
-                events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors)
+                events = self.scheduler.complete(plan, msg.tokens, msg.logprobs, msg.errors, msg.accepted)
                 for req, _, done in events:
                     if done:
                         self.live.pop(req.request_id, None)
@@ -279,6 +279,9 @@ class Controller:
             self.last_alive = time.monotonic()
             self.metrics.record_step(plan.n_tokens, sum(1 for _, tok, _ in events if tok is not None))
             self.delivery.ran(plan.requests, st.sent, msg.timing)
+            if plan.step.proposals:
+                self.metrics.record_speculation(sum(plan.step.proposals.values()),
+                                                sum(len(v) - 1 for v in msg.accepted.values()))
             self.delivery.notify(events)
             st.handed = now_ns()
             self.account.add_step(st, plan.n_tokens)

@@ -92,6 +92,7 @@ class Output:
     first_token: float = 0.0
     last_token_at: float = 0.0  # the previous token's delivery (inter-token latency)
     sent_text: str = ""  # streamed so far
+    sent_tokens: int = 0  # token events so far (a speculative step gives several at once: each its own logprobs)
     stamps: RequestStamps | None = None  # the time account's (energon_infer.engine.account)
     closes: bool = True  # its account is closed here at its last token (else by whoever gave the stamps)
     detok: IncrementalDetokenizer | None = None  # its text, where the scheduler does not decode it
@@ -172,7 +173,9 @@ class Delivery:
         """New text since the last event; holds back what may still become a stop string."""
         if not self.has_text:
             return ""
-        if done:
+        if req.text is not None:  # finished (a speculative step's earlier tokens too): the text cut at a stop string
+            full = req.text
+        elif done:
             full = _text(req, out) or ""
         else:
             detok = req.detok if req.detok is not None else out.detok
@@ -200,6 +203,7 @@ class Delivery:
                 continue
             if tok is not None:
                 self._timing(out, now)
+                out.sent_tokens += 1
             stamps = out.stamps
             if req.detok is None and self.decode is not None and (tok is not None or done):
                 t0 = now_ns()
@@ -213,7 +217,9 @@ class Delivery:
             if stamps is not None:
                 stamps.last_token = now_ns()  # before the listener: the answer may be written before it returns
             if out.listener is not None:
-                lp = req.logprobs[-1] if tok is not None and req.params.logprobs is not None and req.logprobs else None
+                at = out.sent_tokens - 1  # this token's place in the output
+                lp = req.logprobs[at] if tok is not None and req.params.logprobs is not None and at < len(req.logprobs) \
+                    else None
                 event = TokenEvent(req.request_id, tok, self.delta(req, out, done), req.finish_reason if done else None,
                                    completion, logprobs=lp)
                 try:

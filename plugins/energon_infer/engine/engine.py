@@ -54,6 +54,7 @@ from energon_infer.engine.memory_plan import fit_memory
 from energon_infer.engine.memory_report import METRIC_KEYS, ReportMark, memory_report
 from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.engine.pool_check import check_pool_plan
+from energon_infer.engine.speculators import build_speculator
 from energon_infer.errors import InvalidRequestError, MissingFileError, OptionError
 from energon_infer.loading.hf_files import as_engine_tokenizer, auto_dtype, generation_defaults
 from energon_infer.protocol import WorkerGroup, WorkerInfo
@@ -121,8 +122,7 @@ class Engine:
     def __init__(self, source: ModelSource, config: EngineConfig | None = None, *,
                  memory_pool: Any = None, tokenizer: Any = None, model_name: str | None = None,
                  memory_plan: ServingPlan | None = None):
-        self.source = source
-        self.memory_plan = memory_plan  # the whole-process budget from_pretrained planned (explain())
+        self.source, self.memory_plan = source, memory_plan  # the budget from_pretrained planned (explain())
         self.config = config or EngineConfig()
         if self.config.runtime.dtype == "auto":  # from_pretrained resolved (and stated) it; a Lightning file is fp32
             dtype = auto_dtype(source.path, self.config.runtime.device)[0] if Path(source.path).is_dir() else "float32"
@@ -137,10 +137,10 @@ class Engine:
         self.time_account = ServingAccount(self.metrics.observe_part)  # account() / explain() / /metrics
         self.groups = self.config.groups
         self._ctl: Controller | None = None
-        self._mark = ReportMark(time.monotonic())
-        self._last_report: dict[str, Any] = {}
+        self._mark, self._last_report = ReportMark(time.monotonic()), dict[str, Any]()
         # The controller restarts a failed group with this factory itself (no call back into the engine).
         start = functools.partial(start_group, source, self.runtime, self.config, self.memory_pool)
+        speculator = build_speculator(self.config.speculative, source.path, self.runtime)  # a bad draft: no workers
         group = start()
         info: WorkerInfo = group.info[0]
         self.vocab_size, self.max_context = int(info.config["vocab_size"]), int(info.config["max_positions"])
@@ -157,7 +157,7 @@ class Engine:
                     self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
         decode = self.decode if self.tokenizer is not None else None  # the scheduler's for stop strings, else delivery's
         scheduler = Scheduler(self.config.scheduler_from(info, max_context=self.max_context),
-                              eos_token_ids=self.eos_token_ids, decode=decode, stop_text_only=True)
+                              eos_token_ids=self.eos_token_ids, decode=decode, stop_text_only=True, speculator=speculator)
         self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None, decode=decode,
                                   account=self.time_account)  # the frontend: outputs
         self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,

@@ -3,7 +3,8 @@
     EngineConfig(scheduler=SchedulerConfig(...),   # batching: the token budget, queue, policy, caching
                  runtime=RuntimeConfig(...),       # each worker's layout and cache: tp, pp, dtype, KV tokens
                  faults=FaultConfig(...),          # restarts and the watchdog
-                 launch=LaunchConfig(...))         # how the workers are started
+                 launch=LaunchConfig(...),         # how the workers are started
+                 speculative=SpeculativeConfig(...))  # speculative decoding (None: off)
 
 Every field is declared once, with one default and one validation, in the part that owns it; the
 engine derives the rest: the scheduler's cache shape from what the workers report
@@ -25,19 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from energon_infer.errors import OptionError, UnknownOptionError, check_choice
 from energon_infer.scheduling.rope_switch import switch_of
 from energon_infer.scheduling.scheduler_config import AUTO, DEFAULT_MAX_BATCH_TOKENS, SchedulerConfig
+from energon_infer.scheduling.speculation import SpeculativeConfig
 from energon_infer.worker.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
     from energon_infer.protocol import WorkerInfo
     from energon_infer.worker.memory_pool import MemoryPoolConfig
 
-__all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "pool_config", "Launcher", "Backend"]
+__all__ = ["EngineConfig", "FaultConfig", "LaunchConfig", "FLAT_OPTIONS", "engine_config", "pool_config", "as_speculative",
+           "Launcher", "Backend", "SpeculativeConfig"]
 
 Launcher = Literal["spawn", "torchrun"]
 Backend = Literal["gloo", "nccl", None]
@@ -108,12 +112,15 @@ class EngineConfig:
             only shrinks the matmuls).
         faults: restarts and the watchdog (:class:`FaultConfig`).
         launch: how the workers start (:class:`LaunchConfig`).
+        speculative: speculative decoding (:class:`~energon_infer.scheduling.speculation.SpeculativeConfig`;
+            ``None``: off). Its steps are verified before the next is planned: one step of a group in flight.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("scheduler", SchedulerConfig), ("runtime", RuntimeConfig), ("faults", FaultConfig),
@@ -128,6 +135,8 @@ class EngineConfig:
         if rt.max_batch_tokens not in (DEFAULT_MAX_BATCH_TOKENS, s.max_batch_tokens):
             raise OptionError(f"runtime.max_batch_tokens={rt.max_batch_tokens} differs from scheduler.max_batch_tokens="
                               f"{s.max_batch_tokens}; the engine has one token budget: set scheduler.max_batch_tokens")
+        if self.speculative is not None:
+            _check_speculative(self.speculative, s, rt)
         if s.preemption == "swap" and not rt.swap_space_tokens:
             raise OptionError("preemption='swap' needs host swap space: pass swap_space_tokens (e.g. 8192), or use "
                               "preemption='auto' / 'recompute'")
@@ -142,9 +151,10 @@ class EngineConfig:
 
     @property
     def depth(self) -> int:
-        """Steps of each group in flight: the scheduler's, or 2 at pp=1 and 1 at pp > 1 (see ``SchedulerConfig.depth``)."""
-        if self.scheduler.depth != AUTO:
-            return self.scheduler.depth
+        """Steps of each group in flight: the scheduler's, or 2 at pp=1 and 1 at pp > 1 (see ``SchedulerConfig.depth``);
+        1 with speculative decoding (a step's tokens are known before the next is planned)."""
+        if self.scheduler.depth != AUTO or self.speculative is not None:
+            return 1 if self.speculative is not None else self.scheduler.depth
         return 2 if self.runtime.pp == 1 else 1
 
     def scheduler_for(self, *, kv_blocks: int, block_size: int, max_context: int, host_blocks: int = 0,
@@ -165,6 +175,32 @@ class EngineConfig:
                                   host_blocks=info.host_blocks, swap_s_per_block=info.swap_s_per_block,
                                   recompute_s_per_token=info.recompute_s_per_token, kv_window=info.kv_window,
                                   rope_switch=switch_of(info.config.get("rope")), kv_groups=tuple(info.kv_groups))
+
+
+def _check_speculative(spec: Any, s: SchedulerConfig, rt: RuntimeConfig) -> None:
+    if not isinstance(spec, SpeculativeConfig):
+        raise OptionError(f"speculative={spec!r} must be a SpeculativeConfig (or, as a keyword, 'ngram' or a draft "
+                          "model directory)")
+    if s.depth not in (AUTO, 1):
+        raise OptionError(f"pipeline_depth={s.depth} with speculative decoding: a speculative step is verified before "
+                          "the next is planned; leave depth unset (1)")
+    if rt.tp * rt.pp != 1:
+        raise OptionError(f"speculative decoding runs on one worker (tp=1, pp=1), not tp={rt.tp} x pp={rt.pp}; serve "
+                          "without speculative=, or on one device")
+
+
+def as_speculative(value: Any) -> SpeculativeConfig | None:
+    """``speculative=`` as given to ``from_pretrained`` / ``serve``: a :class:`SpeculativeConfig`, ``"ngram"``, a draft
+    model's directory, a dict of its fields, or ``None`` (off)."""
+    if value is None or value is False or isinstance(value, SpeculativeConfig):
+        return value or None
+    if isinstance(value, dict):
+        return SpeculativeConfig(**value)
+    if isinstance(value, str) and value == "ngram":
+        return SpeculativeConfig(method="ngram")
+    if isinstance(value, (str, os.PathLike)):
+        return SpeculativeConfig(method="draft", draft_model=os.fspath(value))
+    raise OptionError(f"speculative={value!r}: give 'ngram', a draft model directory, or a SpeculativeConfig")
 
 
 # Scheduler fields the workers report, not options; and the runtime's token budget, which is the scheduler's.
@@ -196,6 +232,8 @@ def engine_config(base: EngineConfig | None = None, **options: Any) -> EngineCon
     Raises :class:`~energon_infer.errors.UnknownOptionError` (a ``TypeError``) for a keyword that names no
     field, listing the known ones, and :class:`~energon_infer.errors.OptionError` for a value a field refuses.
     """
+    if "speculative" in options:  # a part of its own, not a field of one: set whole
+        base = replace(base or EngineConfig(), speculative=as_speculative(options.pop("speculative")))
     unknown = sorted(set(options) - set(FLAT_OPTIONS))
     if unknown:
         close = [m[0] for u in unknown if (m := difflib.get_close_matches(u, list(FLAT_OPTIONS), 1))]

@@ -3,7 +3,8 @@
 Histograms (so Prometheus computes any quantile over any window, and ``_sum`` / ``_count`` give means):
 time to first token, inter-token latency (one observation per generated token after the first) and
 end-to-end latency of requests that finished. Counters: prompt and generation tokens, finished
-requests by status (``ok``, ``error``, ``aborted``, ``rejected``), steps, worker failures and restarts.
+requests by status (``ok``, ``error``, ``aborted``, ``rejected``), steps, worker failures and restarts, and with
+speculative decoding the tokens proposed and accepted (and their ratio).
 Gauges, read from the engine when scraped: waiting and running requests, KV-cache blocks in use and
 their share, whether the worker group serves. Process metrics (CPU seconds, resident memory, open
 files) come from ``prometheus_client``'s process collector. Rates (tokens per second) are
@@ -74,6 +75,7 @@ class EngineMetrics:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.steps = 0
+        self.spec_proposed = self.spec_accepted = 0  # speculative decoding: tokens proposed, and of those accepted
         self.worker_failures = 0
         self.restarts = 0
         self.registry = CollectorRegistry(auto_describe=True)
@@ -128,6 +130,12 @@ class EngineMetrics:
             self.steps += 1
             self.generated_tokens += n_generated
         self.generation_counter.labels(self.model_name).inc(n_generated)
+
+    def record_speculation(self, proposed: int, accepted: int) -> None:
+        """A step verified ``proposed`` proposed tokens, of which ``accepted`` were kept."""
+        with self._lock:
+            self.spec_proposed += proposed
+            self.spec_accepted += accepted
 
     def record_submitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -220,3 +228,14 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, help_text, labels=["model_name"])
             c.add_metric([m.model_name], value)
             yield c
+        if m.spec_proposed:  # speculative decoding: from its first verified step on
+            for name, help_text, value in (
+                    ("energon_spec_proposed_tokens", "Tokens proposed by speculative decoding.", m.spec_proposed),
+                    ("energon_spec_accepted_tokens", "Proposed tokens the model accepted.", m.spec_accepted)):
+                c = CounterMetricFamily(name, help_text, labels=["model_name"])
+                c.add_metric([m.model_name], value)
+                yield c
+            g = GaugeMetricFamily("energon_spec_acceptance_ratio", "Accepted over proposed tokens, since the start.",
+                                  labels=["model_name"])
+            g.add_metric([m.model_name], m.spec_accepted / m.spec_proposed)
+            yield g

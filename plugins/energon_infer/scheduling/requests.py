@@ -59,6 +59,8 @@ class Request:
     swapped: list[int] = field(default_factory=list)  # host blocks holding its keys/values while preempted
     swap_counts: tuple[int, ...] = ()  # of those, how many each KV group's (energon_infer.scheduling.kv_groups)
     rope_long: bool = False  # (re)started past SchedulerConfig.rope_switch: its keys are long-factor ones
+    proposed: int = 0  # speculation: tokens proposed for it, and of those, accepted (scheduling.speculation)
+    accepted: int = 0
 
 
 @dataclass(slots=True)

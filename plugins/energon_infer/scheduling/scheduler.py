@@ -1,18 +1,17 @@
 """Iteration-level (continuous) batching: which requests run in the next step, and what their tokens mean.
 
-The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline can take
-one. A step is the next tokens of every running request of that group (a decode token, or the next
-chunk of a prompt) plus, first come first served, waiting requests while the step's token budget
-(``max_batch_tokens``), ``max_running`` and the KV cache allow. The scheduler owns the KV blocks
+The controller asks :meth:`Scheduler.schedule` for a step whenever a group of the pipeline can take one. A step is the
+next tokens of every running request of that group (a decode token, or the next chunk of a prompt; with a
+``speculator``, a decode and its proposed tokens) plus, first come first served, waiting requests while the step's
+token budget (``max_batch_tokens``), ``max_running`` and the KV cache allow. The scheduler owns the KV blocks
 (:mod:`energon_infer.scheduling.blocks`): on demand, a sequence takes blocks as it grows and, when none is free,
-the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated
-tokens when it is readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits
-only when prompt + ``max_tokens`` fit. Block decisions and frees travel with the step. With a sliding
-window (``kv_window``, or the windowed KV groups of ``kv_groups``: :mod:`energon_infer.scheduling.kv_groups`), a
-running sequence's blocks before its window are released as it grows (``Step.trims``), so it holds about
-``kv_window / block_size + 2`` blocks in each windowed group however long it runs. A
-sequence about to pass a longrope model's switch (``rope_switch``) is recomputed whole with the long factors, once
-(:mod:`energon_infer.scheduling.rope_switch`).
+the newest idle running request is preempted (its blocks freed, recomputed from prompt + generated tokens when it is
+readmitted, at the head of the queue); ``kv_admission="reserve"`` instead admits only when prompt + ``max_tokens``
+fit. Block decisions and frees travel with the step. With a sliding window (``kv_window``, or the windowed KV groups
+of ``kv_groups``: :mod:`energon_infer.scheduling.kv_groups`), a running sequence's blocks before its window are
+released as it grows (``Step.trims``), so it holds about ``kv_window / block_size + 2`` blocks in each windowed group
+however long it runs. A sequence about to pass a longrope model's switch (``rope_switch``) is recomputed whole with
+the long factors, once (:mod:`energon_infer.scheduling.rope_switch`).
 
 Fairness is strict FIFO: when the head of the queue does not fit, nothing behind it jumps ahead.
 Backpressure: :meth:`Scheduler.add` raises :class:`QueueFullError` beyond ``max_queue`` waiting.
@@ -59,6 +58,7 @@ from energon_infer.scheduling.scheduler_config import (
     check_request,
     request_blocks,
 )
+from energon_infer.scheduling.speculation import NoSpeculation, Speculator
 from energon_infer.scheduling.swap import SwapSpace
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "KV_ADMISSION", "PLACEHOLDER", "POLICIES", "QueueFullError", "SchedulerConfig", "Request", "StepPlan", "Scheduler"]
@@ -76,24 +76,22 @@ class Scheduler:
         clock: time source of when each step was planned (the controller's watchdog).
         seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
             negative ones, which never collide with a caller's).
+        speculator: proposes tokens for decodes (:mod:`energon_infer.scheduling.speculation`; ``None``: off).
     """
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
                  seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None,
-                 stop_text_only: bool = False):
-        self.config = config
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.decode, self.stop_text_only = decode, stop_text_only
+                 stop_text_only: bool = False, speculator: Speculator | NoSpeculation | None = None):
+        self.config, self.speculator, self.clock = config, speculator or NoSpeculation(), clock
+        self.eos_token_ids, self.decode, self.stop_text_only = tuple(eos_token_ids), decode, stop_text_only
         self.budget = TokenBudget(config.token_budget, config.max_batch_tokens, tpot_target_s=config.tpot_target_s)
-        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.blocks = KVGroups(config.kv_blocks, config.block_size, config.kv_groups or (config.kv_window,),
                                prefix_caching=config.prefix_caching, blocks=block_ids)
         self.preemptions = 0
-        self.rope_recomputes = 0  # sequences recomputed at the rope switch (rope_switch)
-        self.late_steps = 0  # late steps planned (schedule_late)
+        self.rope_recomputes = self.late_steps = 0  # sequences recomputed at the rope switch; late steps planned
         self.swap = SwapSpace(config.host_blocks, mode=config.preemption, swap_s_per_block=config.swap_s_per_block,
                               recompute_s_per_token=config.recompute_s_per_token)
         self._swap_out: list[tuple[int, int]] = []
@@ -102,10 +100,8 @@ class Scheduler:
         self._trims: dict[int, int] = {}  # seq -> holes at the front of its table, not yet sent with a step
         self._busy, self._last_step = [0] * config.groups, [0] * config.groups
         self._owed = [False] * config.groups  # a step's tokens were sent back and not yet taken
-        # Tokens of the group's last planned step and of the late steps since (what a late one may add).
-        self._last_tokens = [0] * config.groups
-        self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1)
-        self._step_ids = itertools.count(1)
+        self._last_tokens = [0] * config.groups  # tokens of its last planned step and the late ones since
+        self._seq_ids, self._step_ids = seq_ids if seq_ids is not None else itertools.count(1), itertools.count(1)
 
     @property
     def reserved(self) -> int:  # KV blocks held for running requests (reserved up front, or those they hold)
@@ -134,9 +130,7 @@ class Scheduler:
         reserve = self.check(request.prompt, request.params)
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(len(self.waiting), self.config.max_queue)
-        request.reserve = reserve
-        request.seq_id = next(self._seq_ids)
-        request.state = "waiting"
+        request.reserve, request.seq_id, request.state = reserve, next(self._seq_ids), "waiting"
         if self.decode is not None and request.detok is None and (request.params.stop or not self.stop_text_only):
             request.detok = IncrementalDetokenizer(self.decode)
         self.waiting.append(request)
@@ -213,8 +207,7 @@ class Scheduler:
         else:
             self.swap.recomputes += 1
         self.blocks.free(req.seq_id)
-        if self.config.kv_admission == "reserve":
-            self._reserved -= req.reserve
+        self._reserved -= req.reserve if self.config.kv_admission == "reserve" else 0
         self._frees.append(req.seq_id)
         req.state, req.group = "waiting", -1
         req.computed = req.computed if req.swapped else 0
@@ -337,6 +330,7 @@ class Scheduler:
                 budget -= took
         if not plan.step.items:
             return None
+        self.speculator.extend(plan, self.blocks, budget=budget, max_context=cfg.max_context)
         self._seal(plan, plan.step.step_id)
         if ahead:
             self._owed[group] = True
@@ -348,8 +342,8 @@ class Scheduler:
         """``plan`` leaves: its requests are in flight, and each sampled one's token counts as ``sampled_in``'s."""
         # Name the blocks this step fills only now: a block is shared from the next step on, once written
         # (and only blocks of known tokens: a placeholder's value comes later).
-        for r in plan.requests:
-            self.blocks.commit(r.seq_id, self._tokens(r), r.computed - r.fed_unknown)
+        for r in plan.requests:  # (proposals are fed but not known: their blocks are named once accepted)
+            self.blocks.commit(r.seq_id, self._tokens(r), min(r.computed - r.fed_unknown, len(self._tokens(r))))
         self._frees, self._swap_out, self._trims, plan.started = [], [], {}, self.clock()  # they left with the step
         for r, sampled in zip(plan.requests, plan.samples):
             r.in_flight += 1
@@ -359,15 +353,14 @@ class Scheduler:
     def schedule_late(self, group: int) -> StepPlan | None:
         """Admit waiting requests now, while every step of ``group`` is in flight (``late_admission``).
 
-        Without it an arrival waits for the step planned ahead to run before its prompt can (one whole step
-        of time to first token). The late step holds admissions only, so a worker that has not yet started
-        the step planned ahead can run both as one; otherwise it runs right after it. Either way its tokens
-        count as that step's: the group's next step feeds their placeholders. Arrivals while a late step is in flight
-        get another one (a worker merges every late step queued behind the step planned ahead), all of them
-        together within that step's ``max_batch_tokens``. It is planned only when that
-        is safe in both orders: nothing freed or swapped out since the step planned ahead (so no block a step
-        in flight still writes is handed out), no swapped-in request, and no shared prefix (whose blocks a
-        step in flight may not have written yet). ``None``: no late step now.
+        Without it an arrival waits for the step planned ahead to run before its prompt can (one whole step of time to
+        first token). The late step holds admissions only, so a worker that has not yet started the step planned ahead
+        can run both as one; otherwise it runs right after it. Either way its tokens count as that step's: the group's
+        next step feeds their placeholders. Arrivals while a late step is in flight get another one (a worker merges
+        every late step queued behind the step planned ahead), all of them together within that step's
+        ``max_batch_tokens``. It is planned only when that is safe in both orders: nothing freed or swapped out since
+        the step planned ahead (so no block a step in flight still writes is handed out), no swapped-in request, and
+        no shared prefix (whose blocks a step in flight may not have written yet). ``None``: no late step now.
         """
         cfg = self.config
         if (not cfg.late_admission or cfg.depth < 2 or cfg.policy != "continuous"
@@ -408,22 +401,24 @@ class Scheduler:
         req.text = text if text is not None else req.detok.finish() if req.detok is not None else req.text
         if self.running.pop(req.seq_id, None) is not None:
             self.blocks.free(req.seq_id)
-            if self.config.kv_admission == "reserve":
-                self._reserved -= req.reserve
+            self._reserved -= req.reserve if self.config.kv_admission == "reserve" else 0
             self._frees.append(req.seq_id)
 
     def complete(self, plan: StepPlan, tokens: Sequence[int], logprobs: dict[int, Any] | None = None,
-                 errors: dict[int, str] | None = None) -> list[tuple[Request, int | None, bool]]:
-        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per request of the step.
+                 errors: dict[int, str] | None = None, accepted: dict[int, list[tuple[int, Any]]] | None = None
+                 ) -> list[tuple[Request, int | None, bool]]:
+        """Apply a step's sampled tokens; returns ``(request, token or None, finished)`` per token of the step.
 
-        ``logprobs`` / ``errors`` are by seq_id (see :class:`~energon_infer.protocol.Tokens`): a request in
-        ``errors`` finishes with ``finish_reason="error"`` and ``request.error`` set, its placeholder token dropped.
+        ``logprobs`` / ``errors`` / ``accepted`` are by seq_id (see :class:`~energon_infer.protocol.Tokens`): a request
+        in ``errors`` finishes with ``finish_reason="error"`` and ``request.error`` set, its placeholder token dropped;
+        a speculating one takes its ``accepted`` tokens in order, up to the first that stops it.
         """
         step = plan.step
         if len(tokens) != len(step.items):
             raise RuntimeError(f"step {step.step_id} ran {len(step.items)} sequences but returned {len(tokens)} tokens")
         if not step.late:
             self._busy[step.group] -= 1
+        self.speculator.observe_step(plan.n_tokens, self.clock() - plan.started)
         out: list[tuple[Request, int | None, bool]] = []
         samples = plan.samples or [True] * len(tokens)
         for req, tok, sampled in zip(plan.requests, tokens, samples):
@@ -434,30 +429,34 @@ class Scheduler:
                     req.fed_unknown -= 1  # it was fed as a placeholder: now known, and computed
             if req.state != "running":  # failed, aborted or stopped while the step ran
                 continue
-            if req.aborted:
-                self._finish(req, "abort")
-                out.append((req, None, True))
-                continue
-            if errors and req.seq_id in errors:
-                req.error = errors[req.seq_id]
-                self._finish(req, "error")
+            if req.aborted or (errors and req.seq_id in errors):  # aborted meanwhile, or failed alone in a worker
+                req.error = None if req.aborted else (errors or {})[req.seq_id]
+                self._finish(req, "abort" if req.aborted else "error")
                 out.append((req, None, True))
                 continue
             if not sampled:  # a chunk of a longer prompt (or recompute): its token is not the next one
                 continue
-            if logprobs and req.seq_id in logprobs:
-                req.logprobs.append(logprobs[req.seq_id])
-            req.generated.append(int(tok))
-            self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
-            if req.detok is not None:
-                req.detok.add(int(tok))
-            reason, text = stop_reason(req.generated, req.params, self.eos_token_ids,
-                                       text=req.detok.text if req.detok is not None else None)
-            if reason is None and len(req.prompt) + len(req.generated) > self.config.max_context:
-                reason = "length"  # the next step would feed a token past the context
-            if reason is not None:
-                self._finish(req, reason, text)
-            out.append((req, int(tok), reason is not None))
+            emitted = (accepted or {}).get(req.seq_id) or [(tok, (logprobs or {}).get(req.seq_id))]
+            if spec := step.proposals.get(req.seq_id, 0):  # the rejected proposals' slots: written over next
+                req.computed -= spec + 1 - len(emitted)
+                req.proposed, req.accepted = req.proposed + spec, req.accepted + len(emitted) - 1
+                self.speculator.settle(req.seq_id, spec, len(emitted) - 1)
+            for t, lp in emitted:
+                if lp is not None:
+                    req.logprobs.append(lp)
+                req.generated.append(int(t))
+                if req.detok is not None:
+                    req.detok.add(int(t))
+                reason, text = stop_reason(req.generated, req.params, self.eos_token_ids,
+                                           text=req.detok.text if req.detok is not None else None)
+                if reason is None and len(req.prompt) + len(req.generated) > self.config.max_context:
+                    reason = "length"  # the next step would feed a token past the context
+                out.append((req, int(t), reason is not None))
+                if reason is not None:
+                    self._finish(req, reason, text)
+                    break
+            else:
+                self.blocks.commit(req.seq_id, self._tokens(req), req.computed - req.fed_unknown)
         return out
 
     def abort(self, request_id: str) -> Request | None:

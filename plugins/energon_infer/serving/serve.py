@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a scale and zero per group); needs torchao installed")
     m.add_argument("--group-size", type=positive_int, default=None,
                    help="with --quantization int4: inputs per group (32, 64, 128 or 256; default 128)")
+    m.add_argument("--speculative", default=None, metavar="ngram|DRAFT_DIR",
+                   help="speculative decoding: 'ngram' (prompt lookup: outputs that copy from the prompt) or a draft "
+                        "model's directory (a small model with the same tokenizer); several tokens checked per step")
+    m.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="with --speculative: tokens a request proposes per step at most (default 4; fewer are "
+                        "chosen where the measured step costs or acceptance say more would not pay)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
     b = p.add_argument_group("batching and faults")
     b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
@@ -162,6 +168,19 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
                                  "it: stop it or pick another --port") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _speculative(method: str | None, k: int | None) -> dict[str, Any]:
+    """``--speculative`` / ``--num-speculative-tokens`` as the engine's ``speculative=`` keyword (none: off)."""
+    if method is None:
+        if k is not None:
+            raise ValueError(f"--num-speculative-tokens {k} needs --speculative ngram or --speculative DRAFT_DIR")
+        return {}
+    from energon_infer.scheduling.speculation import SpeculativeConfig
+
+    draft = None if method == "ngram" else method
+    return {"speculative": SpeculativeConfig(method="ngram" if draft is None else "draft", draft_model=draft,
+                                             num_speculative_tokens=k or 4)}
 
 
 def _memory_pool(value: str | None, memory_budget: str | None = None, host_budget: str | None = None,
@@ -248,6 +267,7 @@ def _serve(argv: list[str] | None) -> int:
         dtype = args.dtype if path.is_dir() or args.dtype != "auto" else "float32"
         pool = _memory_pool(args.memory_pool, args.memory_budget, args.host_budget, args.lookahead,
                             quantized_dir=args.quantized_dir)
+        spec = _speculative(args.speculative, args.num_speculative_tokens)
     except ValueError as exc:  # the values of these flags were checked by their own classes
         sock.close()
         print(f"tightfit serve: {exc}", file=sys.stderr)
@@ -265,7 +285,7 @@ def _serve(argv: list[str] | None) -> int:
                   restart_workers=not args.no_restart, launcher=args.launcher,
                   step_timeout_s=args.step_timeout, cuda_graphs=False if args.no_cuda_graphs else None,
                   **({"packed_weights": False} if args.no_packed_weights else {}), quantization=args.quantization,
-                  group_size=args.group_size)
+                  group_size=args.group_size, **spec)
     try:
         if path.is_dir():
             engine = Engine.from_pretrained(path, **common)

@@ -244,6 +244,14 @@ class KVCache:
                 if window or len(self.group_windows) == 1:
                     table[:holes] = [HOLE] * holes
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only ``seq_id``'s first ``length`` tokens (speculation's rejected proposals): its table stays, and the
+        slots after ``length`` are written over by the next tokens fed."""
+        seq = self._get(seq_id)
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot truncate sequence {seq_id} to {length} tokens: it holds {seq.length}")
+        seq.length = length
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared prefix block)."""
         if not pairs:

@@ -65,13 +65,14 @@ def merge(parts: Sequence[Step]) -> Step:
     return dataclasses.replace(first, items=items, **joined)
 
 
-def split(parts: Sequence[Step], tokens: Sequence[int], logprobs: dict[int, Any], errors: dict[int, str]
-          ) -> list[Tokens]:
+def split(parts: Sequence[Step], tokens: Sequence[int], logprobs: dict[int, Any], errors: dict[int, str],
+          accepted: dict[int, Any] | None = None) -> list[Tokens]:
     """Each part's reply from the merged step's sampled tokens (in item order) and its by-sequence results."""
     out, at = [], 0
     for p in parts:
         ids = {seq for seq, _ in p.items}
         out.append(Tokens(p.step_id, list(tokens[at:at + len(p.items)]),
-                          {s: v for s, v in logprobs.items() if s in ids}, {s: v for s, v in errors.items() if s in ids}))
+                          {s: v for s, v in logprobs.items() if s in ids}, {s: v for s, v in errors.items() if s in ids},
+                          accepted={s: v for s, v in (accepted or {}).items() if s in ids}))
         at += len(p.items)
     return out

@@ -15,6 +15,7 @@ from energon_infer.sampling import SamplingParams
 from energon_infer.scheduling.rope_switch import switch_of
 from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
 from energon_infer.scheduling.scheduler_config import KVAdmission, Preemption
+from energon_infer.scheduling.speculation import Speculator
 from energon_infer.scheduling.swap import swap_costs
 
 if TYPE_CHECKING:
@@ -36,10 +37,11 @@ class Generation:
 def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Sequence[SamplingParams], *,
                 seq_ids: Iterator[int], decode: Callable[[Sequence[int]], str] | None, kv_admission: KVAdmission,
                 prefix_caching: bool, chunked_prefill: bool, preemption: Preemption,
-                stats: dict[str, int] | None) -> list[Generation]:
+                stats: dict[str, int] | None, speculator: Speculator | None = None) -> list[Generation]:
     """Run validated prompts to the end on ``runner`` (see :meth:`ModelRunner.generate`); results in order.
 
-    ``seq_ids``: the runner's own sequence ids (negative: never a caller's); ``decode``: ids -> text, or ``None``.
+    ``seq_ids``: the runner's own sequence ids (negative: never a caller's); ``decode``: ids -> text, or ``None``;
+    ``speculator``: speculative decoding (:mod:`energon_infer.scheduling.speculation`; ``None``: off).
     """
     cache, budget = runner.cache, runner.runtime.max_batch_tokens
     sched = Scheduler(
@@ -50,7 +52,8 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
                         prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, preemption=preemption,
                         host_blocks=cache.host_k.shape[1], kv_window=runner.kv_window, kv_groups=cache.group_windows,
                         rope_switch=switch_of(getattr(runner.config, "rope", None)), **swap_costs(runner, preemption)),
-        eos_token_ids=runner.eos_token_ids, decode=decode, seq_ids=seq_ids, block_ids=cache.free_block_ids())
+        eos_token_ids=runner.eos_token_ids, decode=decode, seq_ids=seq_ids, block_ids=cache.free_block_ids(),
+        speculator=speculator)
     requests = [sched.add(Request(str(i), e, p)) for i, (e, p) in enumerate(zip(encoded, params))]
     steps = 0
     try:
@@ -59,7 +62,7 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
             if plan is None:
                 raise RuntimeError("the scheduler planned no step with requests left; this is a bug")
             result = runner.run_step(plan.step)
-            sched.complete(plan, result.tokens, result.logprobs, result.errors)
+            sched.complete(plan, result.tokens, result.logprobs, result.errors, result.accepted)
             steps += 1
     finally:
         for seq_id in [*sched.take_frees(), *sched.running]:
@@ -68,5 +71,5 @@ def run_offline(runner: ModelRunner, encoded: Sequence[list[int]], params: Seque
     if stats is not None:
         stats.update(steps=steps, preemptions=sched.preemptions, swaps=sched.swap.swaps,
                      prefix_hit_tokens=sched.blocks.hit_tokens, prefix_query_tokens=sched.blocks.query_tokens,
-                     rope_recomputes=sched.rope_recomputes)
+                     rope_recomputes=sched.rope_recomputes, **sched.speculator.stats())
     return [Generation(r.prompt, list(r.generated), r.text, r.finish_reason or "length") for r in requests]

@@ -1,8 +1,8 @@
 """The model runner: load a checkpoint onto a ``tp x pp`` grid, then run packed steps over a paged KV cache.
 
-This is the API the engine's controller drives. Every rank of the grid holds one
-:class:`ModelRunner` and calls the same methods with the same arguments in the same order (SPMD; a
-controller broadcasts each step's arguments to its workers); results come back on every rank.
+This is the API the engine's controller drives. Every rank of the grid holds one :class:`ModelRunner` and calls
+the same methods with the same arguments in the same order (SPMD; a controller broadcasts each step's arguments to
+its workers); results come back on every rank.
 
     runner = ModelRunner.from_pretrained("path/to/hf-dir", tp=2, pp=2)    # in each of 4 processes
     first = runner.prefill({0: prompt_a, 1: prompt_b}, SamplingParams(temperature=0))   # {seq_id: token}
@@ -11,12 +11,11 @@ controller broadcasts each step's arguments to its workers); results come back o
     runner.free(1)                         # its KV blocks go back to the pool
     outs = runner.generate(["Hello", "Hi there"], SamplingParams(max_tokens=8))   # the whole loop
 
-A step packs the new tokens of all its sequences back to back (a prompt for a new sequence, one
-token for a running one, or any chunk) and runs them with no padding; with ``pp > 1`` the
-sequences are split into micro-batches that flow through the stages concurrently (stage ``s``
-works on micro-batch ``m`` while stage ``s+1`` works on ``m-1``), and only packed hidden states
-travel between stages. A step of the engine (:class:`~energon_infer.protocol.Step`) is applied by
-:meth:`ModelRunner.run_step`, which returns a :class:`StepResult`.
+A step packs the new tokens of all its sequences back to back (a prompt for a new sequence, one token for a running
+one, or any chunk) and runs them with no padding; with ``pp > 1`` the sequences are split into micro-batches that
+flow through the stages concurrently (stage ``s`` works on micro-batch ``m`` while stage ``s+1`` works on ``m-1``),
+and only packed hidden states travel between stages. A step of the engine (:class:`~energon_infer.protocol.Step`) is
+applied by :meth:`ModelRunner.run_step`, which returns a :class:`StepResult`.
 """
 
 from __future__ import annotations
@@ -59,20 +58,23 @@ from energon_infer.worker.kv_cache import KVCache, KVCacheFullError
 from energon_infer.worker.model import check_tp
 from energon_infer.worker.offline import Generation, run_offline
 from energon_infer.worker.runtime_config import DTYPES, RuntimeConfig
+from energon_infer.worker.speculative import SpeculativeVerify
 
 __all__ = ["RuntimeConfig", "ModelRunner", "Generation", "StepResult", "ContextLengthError", "DTYPES"]
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one step sampled: a token per item (``[]`` off the result rank when not broadcast) and, on the
-    result rank, by seq_id, the logprobs asked for and the rows that failed alone (their token is a placeholder)."""
+    result rank, by seq_id, the logprobs asked for and the rows that failed alone (their token is a placeholder);
+    ``accepted``: a speculating sequence's tokens with their logprobs (:class:`~energon_infer.protocol.Tokens`)."""
 
     tokens: list[int]
     logprobs: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
 
 
-class ModelRunner:
+class ModelRunner(SpeculativeVerify):
     """A model stage on this rank, its KV cache, and the sampler (see the module docstring).
 
     Args:
@@ -184,9 +186,7 @@ class ModelRunner:
     def weights_format(self) -> str:
         """How the block projections are held: the dtype, or the quantization (``"int4 (group 128)"``)."""
         q = self.quant
-        if q is None:
-            return self.runtime.dtype
-        return q.method + (f" (group {q.group_size})" if q.group_size else "")
+        return self.runtime.dtype if q is None else q.method + (f" (group {q.group_size})" if q.group_size else "")
 
     def layer_bytes(self) -> tuple[int, ...]:
         """Bytes each block of this stage holds (its quantized weights where quantized); on meta: what it would."""
@@ -286,14 +286,14 @@ class ModelRunner:
         return logits
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]],
-             params: SamplingParams | Mapping[int, SamplingParams] | None = None, *,
-             broadcast: bool = True, prefill_lengths: Mapping[int, int] | None = None) -> StepResult:
+             params: SamplingParams | Mapping[int, SamplingParams] | None = None, *, broadcast: bool = True,
+             prefill_lengths: Mapping[int, int] | None = None, proposals: Mapping[int, int] | None = None) -> StepResult:
         """Run a step and sample one next token per item (on every rank, identical): ``.tokens``.
 
         New sequences need sampling ``params`` (one for all, or per ``seq_id``); running ones keep theirs.
         With ``broadcast=False`` the tokens stay on :attr:`Grid.result_rank` (the others get ``[]``), so
         earlier stages can start the next step at once: the engine's non-blocking pipeline feeds them
-        back itself.
+        back itself. ``proposals``: seq_id -> proposed tokens ending its item (:mod:`~energon_infer.worker.speculative`).
         """
         for seq_id, _ in items:
             if seq_id not in self._params:
@@ -304,7 +304,9 @@ class ModelRunner:
                     raise ValueError(f"sequence {seq_id} is new: give its SamplingParams (params={{seq_id: ...}})")
                 self._params[seq_id] = p
         starts = self.sampler.start_masks(items, {s: self.cache.length(s) for s, _ in items}, self._params)
-        logits = self.forward(items, prefill_lengths=prefill_lengths)
+        logits = self.forward(items, prefill_lengths=prefill_lengths, all_logits=bool(proposals))
+        if proposals:  # never with a grammar: a step holding a structured request has no proposals
+            return StepResult(*self.verify(items, starts, logits, proposals))
         ids = [s for s, _ in items]
         tokens = torch.empty(len(items), dtype=torch.long, device=self.device)
         logprobs: dict[int, Any] = {}
@@ -338,9 +340,8 @@ class ModelRunner:
             self.free(seq_id)
         self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
         run = step.items if items is None else items  # the default call keeps step's two-argument shape for wrappers
-        kw: dict[str, Any] = {"prefill_lengths": step.prefill_lengths} if step.prefill_lengths else {}
-        kw.update({} if broadcast else {"broadcast": False})
-        return self.step(run, step.new_params, **kw)
+        kw: dict[str, Any] = {name: v for name in ("prefill_lengths", "proposals") if (v := getattr(step, name))}
+        return self.step(run, step.new_params, **(kw if broadcast else {**kw, "broadcast": False}))
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
                       copies: Sequence[tuple[int, int]] = (),
@@ -408,9 +409,8 @@ class ModelRunner:
         """Drop a sequence: its KV blocks return to the pool, its sampling state is forgotten."""
         self.cache.free(seq_id)
         self.allocator.free(seq_id)
-        self._seen.pop(seq_id, None)
-        self._params.pop(seq_id, None)
-        self._last.pop(seq_id, None)
+        for state in (self._seen, self._params, self._last):
+            state.pop(seq_id, None)
         self.sampler.forget(seq_id)
 
     # ------------------------------------------------------------------ conveniences

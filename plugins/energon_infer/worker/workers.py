@@ -233,7 +233,7 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
                 ended = time.monotonic_ns()
                 f0, f1 = timer.forward_ns
                 timing = (began, f0, f1, ended) if began <= f0 <= f1 <= ended else (began, began, ended, ended)
-                for msg in split(parts, result.tokens, result.logprobs, result.errors):
+                for msg in split(parts, result.tokens, result.logprobs, result.errors, result.accepted):
                     reply(dataclasses.replace(msg, timing=timing))
         elif isinstance(cmd, Free):
             for seq_id in cmd.seq_ids:

@@ -1,0 +1,118 @@
+"""Speculative decoding through the engine (spawned worker, the controller, delivery, /metrics): outputs, streams,
+logprobs, stop strings and n as without it; the options' errors before any worker starts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from energon_infer import ModelRunner, SamplingParams
+from energon_infer.engine.engine import Engine
+from energon_infer.errors import OptionError
+from energon_infer.scheduling.speculation import SpeculativeConfig
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [12, 13], list(range(20, 61)), [50]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+OPTS = dict(progress=False, threads_per_worker=1, block_size=4, kv_cache_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from energon_infer.demo import write_random_llama
+
+    return write_random_llama(tmp_path_factory.mktemp("spec_engine") / "m", layers=2, hidden=32, heads=4, kv_heads=2,
+                              intermediate=64, max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    runner = ModelRunner.from_pretrained(model_dir, progress=False, block_size=4)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    # The model drafts for itself: every greedy proposal is accepted, so each step carries several tokens.
+    spec = SpeculativeConfig(method="draft", draft_model=str(model_dir), num_speculative_tokens=3, adaptive=False)
+    with Engine.from_pretrained(model_dir, speculative=spec, **OPTS) as eng:
+        yield eng
+
+
+def test_engine_outputs_streams_and_logprobs_as_without_speculation(engine, alone):
+    assert engine.config.depth == 1 and engine.scheduler.speculator.config.method == "draft"
+    steps0 = engine.metrics.steps
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in out] == [g.token_ids for g in alone.generate(PROMPTS, GREEDY)]
+    assert engine.metrics.steps - steps0 < GREEDY.max_tokens  # several tokens per step
+    seeded = [SamplingParams(temperature=0.9, seed=i, max_tokens=10, ignore_eos=True) for i in range(len(PROMPTS))]
+    assert [c.token_ids for c in engine.generate(PROMPTS, seeded)] == [
+        g.token_ids for g in alone.generate(PROMPTS, seeded)]
+    lp = dataclasses.replace(GREEDY, logprobs=2)
+
+    async def consume(prompt, params):
+        return [e async for e in engine.stream(prompt, params)]
+
+    events = asyncio.run(consume("every rank holds a slice", lp))
+    final = events[-1].completion
+    assert [e.token_id for e in events] == final.token_ids and len(final.token_ids) == lp.max_tokens
+    assert [e.logprobs for e in events] == final.logprobs  # each event its own token's, not the step's last
+    assert "".join(e.text for e in events) == final.text
+    assert final.token_ids == alone.generate(["every rank holds a slice"], GREEDY)[0].token_ids
+    # n completions of one prompt (the server submits one request per choice): each as alone.
+    same = engine.generate([PROMPTS[0]] * 3, GREEDY)
+    assert all(c.token_ids == out[0].token_ids for c in same)
+    metrics = engine.render_metrics()
+    assert "energon_spec_proposed_tokens_total" in metrics and "energon_spec_acceptance_ratio" in metrics
+    spec = engine.scheduler.speculator  # sampled requests reject some proposals; the counts agree
+    assert (engine.metrics.spec_proposed, engine.metrics.spec_accepted) == (spec.proposed, spec.accepted)
+    assert 0 < spec.accepted < spec.proposed
+
+
+def test_stop_strings_cut_an_accepted_run(engine):
+    long = dataclasses.replace(GREEDY, max_tokens=24)
+    full = engine.generate(["every rank holds a slice"], long)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+
+    async def consume():
+        return [e async for e in engine.stream("every rank holds a slice", dataclasses.replace(long, stop=(stop,)))]
+
+    events = asyncio.run(consume())
+    final = events[-1].completion
+    assert final.finish_reason == "stop" and final.text == full[: full.find(stop)]
+    assert "".join(e.text for e in events) == final.text and stop not in final.text
+
+
+def test_options_fail_before_any_worker_starts(model_dir, tmp_path):
+    from energon_infer.demo import write_random_llama
+
+    with pytest.raises(OptionError, match="num_speculative_tokens=0 must be an integer >= 1"):
+        Engine.from_pretrained(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 0}, **OPTS)
+    with pytest.raises(OptionError, match="speculative decoding runs on one worker"):
+        Engine.from_pretrained(model_dir, speculative="ngram", tp=2, **OPTS)
+    with pytest.raises(OptionError, match="pipeline_depth=2 with speculative decoding"):
+        Engine.from_pretrained(model_dir, speculative="ngram", pipeline_depth=2, **OPTS)
+    other = write_random_llama(tmp_path / "other", vocab=300, layers=1, hidden=16, heads=2, kv_heads=1,
+                               intermediate=32)
+    with pytest.raises(OptionError, match="has vocab_size=300 but the served model 256"):
+        Engine.from_pretrained(model_dir, speculative=str(other), **OPTS)
+
+
+def test_serve_flags_fail_in_one_line(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from energon_infer.demo import write_random_llama
+
+    def serve(*flags):
+        return subprocess.run([sys.executable, "-m", "tightfit.cli", "serve", str(model_dir), "--port", "0", *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    out = serve("--num-speculative-tokens", "3")
+    assert out.returncode == 2 and "--num-speculative-tokens 3 needs --speculative ngram" in out.stderr
+    other = write_random_llama(tmp_path / "other", vocab=300, layers=1, hidden=16, heads=2, kv_heads=1,
+                               intermediate=32)
+    out = serve("--speculative", str(other))
+    assert out.returncode != 0 and "has vocab_size=300 but the served model 256" in out.stderr
+    assert "Traceback" not in out.stderr and "serving" not in out.stderr
