@@ -190,7 +190,7 @@ class Sampler:
 
     def seed_of(self, seq_id: int, params: SamplingParams) -> int:
         if params.seed is not None:
-            return int(params.seed) % (1 << 64) >> 2
+            return _splitmix64(int(params.seed) % (1 << 64)) >> 2  # hashed: nearby seeds draw unrelated noise
         s = self._seeds.get(seq_id)
         if s is None:
             s = self._seeds[seq_id] = _splitmix64(_splitmix64(self.seed) ^ (seq_id & 0xFFFFFFFFFFFFFFFF)) >> 2

@@ -30,13 +30,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from energon_infer.errors import BadInputError
+
 __all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "GrammarCache", "check", "compile_grammar",
            "grammar_cache", "prepare", "tokenizer_info"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
-class StructuredOutputError(ValueError):
+class StructuredOutputError(BadInputError, ValueError):
     """A constraint that cannot be compiled (an invalid or unsupported schema, regex or grammar)."""
 
 

@@ -19,7 +19,7 @@ EXPECTED = {
     "CheckpointChangedError": (RuntimeError, 400), "ConfigError": (ValueError, 400), "UnsupportedModelError": (ValueError, 400),
     "ContextLengthError": (ValueError, 400), "WeightError": (ValueError, 400),
     "ModelTooLargeError": (ValueError, 400), "InvalidRequestError": (ValueError, 400),
-    "QuantizationError": (ValueError, 400),
+    "QuantizationError": (ValueError, 400), "StructuredOutputError": (ValueError, 400),
     "OptionError": (ValueError, 400), "UnknownOptionError": (TypeError, 400),
     "MissingFileError": (FileNotFoundError, 400), "QueueFullError": (RuntimeError, 429),
     "WorkerFailedError": (RuntimeError, 503), "EngineClosedError": (RuntimeError, 503),

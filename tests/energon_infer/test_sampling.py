@@ -51,6 +51,12 @@ def test_seeded_requests_repeat_whatever_else_is_in_the_batch(tiny_dirs):
                                                         ignore_eos=True))[0].token_ids == greedy
 
 
+def test_nearby_seeds_draw_different_tokens():
+    flat = torch.zeros(1, 4096)  # every token equally likely: equal draws mean equal noise
+    draws = [Sampler().sample(flat, [0], [SamplingParams(temperature=1.0, seed=s)])[0] for s in range(8)]
+    assert len(set(draws)) == len(draws), draws
+
+
 def test_stop_tokens_strings_and_eos(tiny_dirs):
     runner = ModelRunner.from_pretrained(tiny_dirs["llama"], progress=False)
     greedy = runner.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
