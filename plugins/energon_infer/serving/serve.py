@@ -63,8 +63,35 @@ def _memory_flags(m: Any) -> None:
                         "fetches fewer where memory is short)")
 
 
+def _batching_flags(b: Any, sched: dict[str, Any], faults: dict[str, Any], launch: dict[str, Any]) -> None:
+    from energon_infer.engine.engine_config import Launcher
+
+    b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
+                   help="tokens per batched step (when not given, on a CPU: at most this, fewer where memory is short)")
+    b.add_argument("--token-budget", choices=("fixed", "measured"), default=sched["token_budget"],
+                   help="fixed: each step may hold --max-batch-tokens; measured: the running decodes plus the prefill "
+                        "their TPOT target leaves room for at the measured cost per token")
+    b.add_argument("--tpot-target", type=float, default=sched["tpot_target_s"],
+                   help="with --token-budget measured: seconds a decode step may grow to with prefill (0: twice the "
+                        "decode-only step)")
+    b.add_argument("--max-running", type=positive_int, default=sched["max_running"],
+                   help="requests in the running batch at most")
+    b.add_argument("--max-queue", type=positive_int, default=sched["max_queue"],
+                   help="waiting requests at most; more get HTTP 429")
+    b.add_argument("--max-restarts", type=nonnegative_int, default=faults["max_restarts"],
+                   help="worker group restarts allowed within --restart-window")
+    b.add_argument("--restart-window", type=positive_float, default=faults["restart_window_s"],
+                   help="seconds over which --max-restarts counts; older failures are forgiven")
+    b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
+    b.add_argument("--step-timeout", type=positive_float, default=faults["step_timeout_s"],
+                   help="seconds a step may take before the worker group counts as hung and restarts")
+    b.add_argument("--launcher", choices=get_args(Launcher), default=launch["launcher"],
+                   help="spawn: start tp*pp local workers; torchrun: every torchrun rank runs this command, "
+                        "rank 0 serves HTTP and the others are workers (multi-node)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from energon_infer.engine.engine_config import FaultConfig, LaunchConfig, Launcher
+    from energon_infer.engine.engine_config import FaultConfig, LaunchConfig
     from energon_infer.loading.backend import MODEL_IMPLS
     from energon_infer.scheduling.scheduler_config import SchedulerConfig
     from energon_infer.serving.server_config import TOOL_CALL_PARSERS, ServerConfig
@@ -107,29 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --speculative: tokens a request proposes per step at most (default 4; fewer are "
                         "chosen where the measured step costs or acceptance say more would not pay)")
     m.add_argument("--heads", type=int, default=None, help="attention heads, for a GPT checkpoint that does not say")
-    b = p.add_argument_group("batching and faults")
-    b.add_argument("--max-batch-tokens", type=positive_int, default=sched["max_batch_tokens"],
-                   help="tokens per batched step (when not given, on a CPU: at most this, fewer where memory is short)")
-    b.add_argument("--token-budget", choices=("fixed", "measured"), default=sched["token_budget"],
-                   help="fixed: each step may hold --max-batch-tokens; measured: the running decodes plus the prefill "
-                        "their TPOT target leaves room for at the measured cost per token")
-    b.add_argument("--tpot-target", type=float, default=sched["tpot_target_s"],
-                   help="with --token-budget measured: seconds a decode step may grow to with prefill (0: twice the "
-                        "decode-only step)")
-    b.add_argument("--max-running", type=positive_int, default=sched["max_running"],
-                   help="requests in the running batch at most")
-    b.add_argument("--max-queue", type=positive_int, default=sched["max_queue"],
-                   help="waiting requests at most; more get HTTP 429")
-    b.add_argument("--max-restarts", type=nonnegative_int, default=faults["max_restarts"],
-                   help="worker group restarts allowed within --restart-window")
-    b.add_argument("--restart-window", type=positive_float, default=faults["restart_window_s"],
-                   help="seconds over which --max-restarts counts; older failures are forgiven")
-    b.add_argument("--no-restart", action="store_true", help="do not restart the workers after a failure")
-    b.add_argument("--step-timeout", type=positive_float, default=faults["step_timeout_s"],
-                   help="seconds a step may take before the worker group counts as hung and restarts")
-    b.add_argument("--launcher", choices=get_args(Launcher), default=launch["launcher"],
-                   help="spawn: start tp*pp local workers; torchrun: every torchrun rank runs this command, "
-                        "rank 0 serves HTTP and the others are workers (multi-node)")
+    _batching_flags(p.add_argument_group("batching and faults"), sched, faults, launch)
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default=http["host"], help="address to bind (127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=http["port"], help="TCP port to listen on")
