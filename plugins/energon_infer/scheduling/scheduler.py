@@ -298,10 +298,10 @@ class Scheduler:
             known = len(r.prompt) + len(r.generated)
             n = known - (r.computed - r.fed_unknown)
             if n == 0 and r.pending > r.fed_unknown:
-                # Its token is still being sampled: feed it as a placeholder if the group's previous step
-                # samples it (that step's tokens come back to the first stage) and it cannot be the last.
+                # Its token is still being sampled: feed it as a placeholder if the group's previous step samples it
+                # (its tokens come back to the first stage), it cannot be the last, and it does not wait to speculate.
                 if (r.last_sampled != self._last_step[group] or len(r.generated) + r.pending >= r.params.max_tokens
-                        or known + r.pending >= cfg.max_context):
+                        or known + r.pending >= cfg.max_context or self.speculator.waits(r)):
                     continue
                 n = 1
             if cfg.chunked_prefill or self.blocks.window or r.generated:
@@ -330,7 +330,7 @@ class Scheduler:
                 budget -= took
         if not plan.step.items:
             return None
-        self.speculator.extend(plan, self.blocks, budget=budget, max_context=cfg.max_context)
+        self.speculator.extend(plan, self.blocks, budget=budget, max_context=cfg.max_context, ahead=ahead)
         self._seal(plan, plan.step.step_id)
         if ahead:
             self._owed[group] = True
@@ -418,7 +418,7 @@ class Scheduler:
             raise RuntimeError(f"step {step.step_id} ran {len(step.items)} sequences but returned {len(tokens)} tokens")
         if not step.late:
             self._busy[step.group] -= 1
-        self.speculator.observe_step(plan.n_tokens, self.clock() - plan.started)
+        self.speculator.observe_step(step, plan.n_tokens, started=plan.started, ended=self.clock())
         out: list[tuple[Request, int | None, bool]] = []
         samples = plan.samples or [True] * len(tokens)
         for req, tok, sampled in zip(plan.requests, tokens, samples):
@@ -439,8 +439,7 @@ class Scheduler:
             emitted = (accepted or {}).get(req.seq_id) or [(tok, (logprobs or {}).get(req.seq_id))]
             if spec := step.proposals.get(req.seq_id, 0):  # the rejected proposals' slots: written over next
                 req.computed -= spec + 1 - len(emitted)
-                req.proposed, req.accepted = req.proposed + spec, req.accepted + len(emitted) - 1
-                self.speculator.settle(req.seq_id, spec, len(emitted) - 1)
+                self.speculator.settle(req, spec, len(emitted) - 1)
             for t, lp in emitted:
                 if lp is not None:
                     req.logprobs.append(lp)

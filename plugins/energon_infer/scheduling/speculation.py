@@ -16,6 +16,13 @@ the latest earlier occurrence of the sequence's last ``n`` tokens) and a draft m
 the workers' check, "the token this position samples equals the proposal", is exact speculative rejection
 sampling (accept with probability ``p(d)``, else draw from ``p`` without ``d``).
 
+With steps planned ahead (``depth > 1``) a step is planned before the previous one's tokens are back: a request is
+then fed a placeholder for its token being sampled, and a placeholder cannot carry proposals (nothing to look up,
+and no position to put them at until the accepted count is known). So a request whose step in flight verifies
+proposals sits out the next planned step, and one that is worth a proposal (:meth:`Speculator.waits`) sits out
+the next step instead of running in it as a placeholder; every other request keeps two steps in flight as without
+speculation.
+
 Example:
     >>> ngram_propose([1, 2, 3, 4, 1, 2], k=3, min_n=1, max_n=3)
     [3, 4, 1]
@@ -28,9 +35,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from energon_infer.errors import OptionError
-from energon_infer.scheduling.spec_plan import CostFit, plan_proposals, update_acceptance
+from energon_infer.scheduling.spec_plan import CostFit, expected_tokens, plan_proposals, update_acceptance
 
 if TYPE_CHECKING:
+    from energon_infer.protocol import Step
     from energon_infer.scheduling.kv_groups import KVGroups
     from energon_infer.scheduling.requests import Request, StepPlan
 
@@ -133,6 +141,8 @@ class Speculator:
         self.cost = cost or CostFit()
         self.acceptance: dict[int, float] = {}  # seq_id -> its proposals' acceptance rate (online)
         self.proposed = self.accepted = self.steps = 0  # totals: proposed / accepted tokens, verifying steps
+        self.verifying: set[int] = set()  # sequences whose step in flight verifies their proposals
+        self._back: dict[int, float] = {}  # group -> when its latest step came back
 
     def _eligible(self, req: Request, sampled: bool, fed: int, new: bool) -> bool:
         p = req.params
@@ -141,8 +151,34 @@ class Speculator:
         return (sampled and fed == 1 and not new and not req.fed_unknown and bool(req.generated)
                 and not p.penalised and len(req.generated) >= p.min_tokens)
 
-    def extend(self, plan: StepPlan, blocks: KVGroups, *, budget: int, max_context: int) -> int:
-        """Add proposals to ``plan``'s decodes (blocks grown for them); returns the proposed tokens."""
+    def waits(self, req: Request) -> bool:
+        """With steps planned ahead (depth > 1): should ``req``, whose latest token a step in flight samples, sit out
+        the step being planned (and propose in the one after, once its tokens are known) rather than run in it as a
+        placeholder? A proposal's position is only known once the step before it has come back. Yes while its
+        proposals are being verified; otherwise when a speculative step is expected to give it more than the two
+        tokens it would have had from running in both steps (sitting out is priced as a whole step: where other
+        requests keep the steps running it is). A request that does not wait drifts back towards the prior, so it
+        is tried again later."""
+        if req.seq_id in self.verifying:  # its next position is known once its accepted count is
+            return True
+        p = req.params
+        if p.penalised or p.structured is not None or len(req.generated) + 1 < p.min_tokens:
+            return False
+        most = min(self.config.num_speculative_tokens, p.max_tokens - len(req.generated) - 2)
+        if most < 1:
+            return False
+        rate = self.acceptance.get(req.seq_id, self.prior)
+        if not (wait := self._worth_a_step(rate, most)):
+            self.acceptance[req.seq_id] = 0.95 * rate + 0.05 * self.prior
+        return wait
+
+    def _worth_a_step(self, rate: float, k: int) -> bool:
+        """Is proposing ``k`` tokens, accepted with ``rate`` each, worth sitting out a step planned ahead?"""
+        return not self.config.adaptive or expected_tokens(rate, k) > 2.0
+
+    def extend(self, plan: StepPlan, blocks: KVGroups, *, budget: int, max_context: int, ahead: bool = False) -> int:
+        """Add proposals to ``plan``'s decodes (blocks grown for them); returns the proposed tokens. ``ahead``: steps
+        are planned ahead, so a request that proposes sits out the next one (:meth:`waits`)."""
         step = plan.step
         if step.frees:
             self.proposer.release(step.frees)
@@ -164,6 +200,8 @@ class Speculator:
             rates = [self.acceptance.get(r.seq_id, self.prior) for _, r, _ in cands]
             limits = plan_proposals(rates, limits, self.cost.cost(), step_tokens=plan.n_tokens,
                                     emitted=sum(plan.samples), budget=budget)
+            if ahead:  # a request that proposes sits out the next step
+                limits = [k if k and self._worth_a_step(a, k) else 0 for a, k in zip(rates, limits)]
             for (_, r, _), rate, k in zip(cands, rates, limits):  # not proposing: drift back, to be tried again
                 if k == 0:
                     self.acceptance[r.seq_id] = 0.95 * rate + 0.05 * self.prior
@@ -172,24 +210,35 @@ class Speculator:
         total = 0
         for (i, req, _), k in zip(cands, limits):
             proposal = found.get(req.seq_id, [])[:min(k, budget - total)]
+            if k > 0 and req.seq_id not in found and self.config.adaptive:  # nothing found: one failed trial
+                self.acceptance[req.seq_id] = update_acceptance(self.acceptance.get(req.seq_id, self.prior), 1, 0)
             if not proposal or blocks.grow_cost(req.seq_id, req.computed + len(proposal)) > blocks.num_free:
                 continue
             if new := blocks.grow(req.seq_id, req.computed + len(proposal)):
                 step.blocks[req.seq_id] = [*step.blocks.get(req.seq_id, []), *new]
             step.items[i] = (req.seq_id, [*step.items[i][1], *proposal])
             step.proposals[req.seq_id] = len(proposal)
+            self.verifying.add(req.seq_id)
             req.computed += len(proposal)
             total += len(proposal)
         return total
 
-    def settle(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """A verified step of ``seq_id``: ``accepted`` of its ``proposed`` tokens were kept."""
+    def settle(self, req: Request, proposed: int, accepted: int) -> None:
+        """A verified step of ``req``: ``accepted`` of its ``proposed`` tokens were kept (counted in its totals)."""
         self.proposed, self.accepted, self.steps = self.proposed + proposed, self.accepted + accepted, self.steps + 1
-        self.acceptance[seq_id] = update_acceptance(self.acceptance.get(seq_id, self.prior), proposed, accepted)
+        req.proposed, req.accepted = req.proposed + proposed, req.accepted + accepted
+        if not req.spec_histogram:  # dense: one entry per accepted count a step can have
+            req.spec_histogram.extend([0] * (self.config.num_speculative_tokens + 1))
+        req.spec_histogram[accepted] += 1
+        self.acceptance[req.seq_id] = update_acceptance(self.acceptance.get(req.seq_id, self.prior), proposed, accepted)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A step of ``tokens`` tokens took ``seconds`` (planned to tokens back): the cost model's data."""
-        self.cost.add(tokens, seconds)
+    def observe_step(self, step: Step, tokens: int, *, started: float, ended: float) -> None:
+        """``step`` (``tokens`` tokens, planned at ``started``) came back at ``ended``: the cost model's data. A step
+        planned ahead ran from when the one before it came back."""
+        self.verifying.difference_update(step.proposals)
+        began = max(started, self._back.get(step.group, started))
+        self._back[step.group] = ended
+        self.cost.add(tokens, ended - began)
 
     def stats(self) -> dict[str, int]:
         """Totals: tokens proposed and accepted, and the steps that verified proposals."""
@@ -199,13 +248,16 @@ class Speculator:
 class NoSpeculation:
     """The scheduler's speculator when speculation is off: proposes nothing."""
 
-    def extend(self, plan: StepPlan, blocks: KVGroups, *, budget: int, max_context: int) -> int:
+    def waits(self, req: Request) -> bool:
+        return False
+
+    def extend(self, plan: StepPlan, blocks: KVGroups, *, budget: int, max_context: int, ahead: bool = False) -> int:
         return 0
 
-    def settle(self, seq_id: int, proposed: int, accepted: int) -> None:
-        raise RuntimeError(f"sequence {seq_id} came back with {proposed} proposals, but speculation is off")
+    def settle(self, req: Request, proposed: int, accepted: int) -> None:
+        raise RuntimeError(f"sequence {req.seq_id} came back with {proposed} proposals, but speculation is off")
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, step: Step, tokens: int, *, started: float, ended: float) -> None:
         return None
 
     def stats(self) -> dict[str, int]:

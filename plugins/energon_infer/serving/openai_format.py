@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from energon_infer.engine.delivery import Completion
 from energon_infer.serving.tool_calls import ToolCallStream, ToolOutput
 
-__all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "sse", "error_event", "completion_choice",
+__all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "metrics", "sse", "error_event", "completion_choice",
            "chat_choice", "completion_chunk", "chat_chunk"]
 
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (logprob of the token, [(token, logprob), ...])
@@ -78,6 +78,21 @@ def chat_logprobs(tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | Non
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def metrics(done: Sequence[Completion]) -> dict[str, Any]:
+    """A response's ``metrics``, as vLLM's ``--per-request-spec-decode-metrics summary`` writes them: the speculative
+    decoding counts of a single-sequence request that verified proposals (``{}`` otherwise, as vLLM leaves ``n > 1``
+    out). ``acceptance_histogram[j]``: verifying steps that accepted ``j`` proposals (the bonus token not counted)."""
+    if len(done) != 1 or not sum(done[0].spec_histogram):
+        return {}
+    c, hist = done[0], done[0].spec_histogram
+    steps, accepted = sum(hist), sum(j * n for j, n in enumerate(hist))
+    return {"metrics": {"speculative_decoding": {
+        "mean_acceptance_length": 1.0 + accepted / steps,
+        "draft_acceptance_rate": accepted / c.spec_proposed if c.spec_proposed else 0.0,
+        "acceptance_histogram": list(hist), "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": c.spec_proposed, "num_spec_tokens": len(hist) - 1}}}
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -163,7 +178,7 @@ class CompletionReply:
             choices.append(completion_choice(i, echo + (c.text or ""), c.finish_reason,
                                              completion_logprobs(c.token_ids, c.logprobs, self.decode, len(echo))))
         return {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done))}
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done)), **metrics(done)}
 
 
 class ChatReply:
@@ -214,4 +229,4 @@ class ChatReply:
                                        chat_logprobs(c.token_ids, c.logprobs, self.decode),
                                        [call.to_openai(self.tools.new_id()) for call in calls]))
         return {"id": self.rid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
-                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done))}
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done)), **metrics(done)}
