@@ -136,3 +136,16 @@ def test_per_request_counts_in_the_response(engine):
     assert answer["usage"]["completion_tokens"] == GREEDY.max_tokens
     two = engine.generate([PROMPTS[2]] * 2, GREEDY)  # n > 1: left out, as vLLM does
     assert "metrics" not in CompletionReply("cmpl-2", "m", [""], 2, None).response(two, len(PROMPTS[2]))
+
+
+def test_a_structured_request_beside_speculating_ones_keeps_its_grammar_and_theirs_stay_exact(engine, alone):
+    import re
+
+    from energon_infer.structured import StructuredOutput
+
+    constrained = SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutput(regex="[a-c]{3,6}"))
+    proposed0 = engine.scheduler.speculator.proposed
+    out = engine.generate([PROMPTS[0], PROMPTS[2], "every rank"], [GREEDY, GREEDY, constrained])
+    assert re.fullmatch("[a-c]{3,6}", out[2].text), out[2].text
+    assert [c.token_ids for c in out[:2]] == [g.token_ids for g in alone.generate([PROMPTS[0], PROMPTS[2]], GREEDY)]
+    assert engine.scheduler.speculator.proposed > proposed0  # the others speculated once the grammar's steps ended
