@@ -1,7 +1,7 @@
 """``tightfit serve`` against ``vllm serve``, both measured by vLLM's own client, ``vllm bench serve``.
 
     python -m benchmarks.energon_serve [--quick] [--rounds N] [--shapes h384-v2k,h1024-v32k] [--smoke]
-                                       [--energon-args "--token-budget measured"]
+                                       [--energon-args "--token-budget measured"] [--sections shapes,structured]
 
 The models are ones nobody here tuned for: random ``LlamaForCausalLM`` checkpoints saved with ``save_pretrained``
 over a shape sweep (:data:`SHAPES`: hidden 384 and 1024, vocabularies of about 2k, 32k and 128k), each beside a
@@ -26,7 +26,14 @@ output) over the time, divided by the measured fp32 matmul rate of all cores. Wi
 account (``GET /v1/account``, reset before the run: :mod:`energon_infer.engine.account`); the report shows where a
 request's and a step's time went at the lowest and the highest load. vLLM comes from ``.venv-peers/``
 (``python -m benchmarks.peers``); without it the benchmark says why and stops. ``--smoke``: the smallest shape,
-one round, a few prompts: checks the path, measures nothing worth reporting (nothing is written).
+one round, a few prompts: checks the path, measures nothing worth reporting (nothing is written; nor with only some
+``--sections``: the result holds them all).
+
+The ``structured`` section (:mod:`benchmarks._serve_structured`): structured outputs (a 20-field JSON schema) and
+tool calls (``tool_choice`` required and named) at 16 requests/s against ``vllm serve`` on one shape
+(:data:`STRUCTURED_SHAPE`), driven by that module's client; valid outputs on both servers, tokens/s against energon
+unconstrained and against vLLM, time to first token with a fresh schema against a cached one, and whether a large
+schema's compile stalls the other requests.
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ NAME = "energon_serve"
 # `tightfit serve` runs in a process of its own and its model in a worker of that: import here what they run, so
 # the result records that code and goes stale when it changes.
 SERVED = ("energon_infer.serving.serve", "energon_infer.serving.server", "energon_infer.worker.runtime",
-          "energon_infer.worker.model")
+          "energon_infer.worker.model", "energon_infer.structured", "energon_infer.worker.grammar",
+          "energon_infer.serving.tool_calls")
 TITLE = "energon_infer serving vs vLLM, through vLLM's own benchmark client (vllm bench serve)"
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 6
@@ -65,6 +73,8 @@ SHAPES = {"h384-v2k": (384, 6, 2, 1024, 2048), "h384-v32k": (384, 6, 2, 1024, 32
 INPUT, OUTPUT, RANGE = 160, 64, 0.5  # uniform in [80, 240] and [32, 96] tokens
 CONCURRENCY = (1, 4, 16, 64)
 RATES = (0.5, 2.0)  # x the request rate energon serves at concurrency 64: below and above saturation
+STRUCTURED_SHAPE = "h384-v32k"  # the structured section's model: a grammar's mask work grows with the vocabulary
+SECTIONS = ("shapes", "structured")
 
 __all__ = ["make_model", "main"]
 
@@ -238,6 +248,52 @@ def run_shape(py: Path, shape: str, args: Any, tmp_path: Path, cores: int) -> di
             "saturated_request_rate": saturated}
 
 
+def run_structured(py: Path, args: Any, tmp_path: Path, cores: int) -> dict[str, Any]:
+    """The structured section (:mod:`benchmarks._serve_structured`): both servers long-lived on one shape, rounds
+    alternating which goes first, each round the same seeded requests to both."""
+    from benchmarks._serve_structured import add_chat_template, markdown, run_round, summarize
+
+    shape = "h384-v2k" if args.smoke else STRUCTURED_SHAPE
+    n = 4 if args.smoke else 32 if args.quick else 64
+    rounds = 1 if args.smoke else args.rounds or (2 if args.quick else 3)
+    layers = 2 if args.smoke else LAYERS
+    large_fields = 40 if args.smoke else 400
+    model = add_chat_template(make_model(tmp_path / f"structured-{shape}", shape, layers=layers))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    extra = args.energon_args.split() if args.energon_args else []
+    ours = Server("energon", [str(Path(sys.executable).parent / "tightfit"), "serve", str(model), "--port",
+                              str(port := _free_port()), "--log-level", "warning", *extra], port, dict(os.environ),
+                  tmp_path / "energon-structured.log")
+    vport = _free_port()
+    peer = Server("vllm", vllm_cli(py) + ["serve", str(model), "--port", str(vport), "--host", "127.0.0.1",
+                                          "--dtype", "float32", "--max-model-len", "1024",
+                                          # vLLM 0.32 takes tool_choice required / named only with a tool parser,
+                                          # which it loads only with auto tool choice on: the template's format
+                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                          "--uvicorn-log-level", "warning"], vport, vllm_env(f"0-{cores - 1}"),
+                  tmp_path / "vllm-structured.log")
+    runs: dict[str, list[dict[str, Any]]] = {"energon": [], "vllm": []}
+    try:
+        ours.wait(300)
+        peer.wait(600)
+        for r in range(rounds):
+            for srv in (ours, peer) if r % 2 == 0 else (peer, ours):
+                row = run_round(srv.url, n, seed=100 + r, large_fields=large_fields)
+                print(f"  {srv.name:7s} structured round {r}: schema {row['schema']['tok_s']:.1f} tok/s, "
+                      f"{row['schema']['valid']}/{n} valid; tools {row['tools']['valid']}/{n} valid "
+                      f"{(row['schema']['errors'] + row['tools']['errors'])[:2]} {row['schema']['invalid'][:1]}",
+                      file=sys.stderr, flush=True)
+                runs[srv.name].append(row)
+    finally:
+        ours.stop()
+        peer.stop()
+    res = {"shape": shape, "vocab": vocab, "layers": layers, "n": n, "rounds": rounds, "large_fields": large_fields,
+           "runs": runs}
+    res["summary"] = summarize(runs)
+    res["markdown"] = markdown(res)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__ or NAME)
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 2 quick, 3 full)")
@@ -245,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   "h384-v2k,h384-v128k,h1024-v32k)")
     p.add_argument("--smoke", action="store_true", help="one small shape, one round, a few prompts; writes nothing")
     p.add_argument("--energon-args", default="", help="extra `tightfit serve` flags, e.g. '--token-budget measured'")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated, of shapes (the shape sweep) and structured (structured outputs and tool calls)")
     args = p.parse_args(argv)
+    sections = args.sections.split(",")
+    if [s for s in sections if s not in SECTIONS] or not sections:
+        p.error(f"--sections {args.sections!r}: give some of {', '.join(SECTIONS)}, comma-separated")
     shapes = (["h384-v2k"] if args.smoke else args.shapes.split(",") if args.shapes
               else ["h384-v2k", "h384-v128k", "h1024-v32k"] if args.quick else list(SHAPES))
     unknown = [s for s in shapes if s not in SHAPES]
@@ -260,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = _cores()
     with tempfile.TemporaryDirectory() as tmp:
         peak = peak_flops()
-        by_shape = [run_shape(py, shape, args, Path(tmp), cores) for shape in shapes]
+        by_shape = [run_shape(py, shape, args, Path(tmp), cores) for shape in shapes] if "shapes" in sections else []
+        structured = run_structured(py, args, Path(tmp), cores) if "structured" in sections else None
     for res in by_shape:
         per_token = flops_per_token(res["shape"], res["vocab"], res["layers"])
         res["summary"] = {label: {name: _median(rows, per_token, peak) for name, rows in by.items()}
@@ -271,13 +333,17 @@ def main(argv: list[str] | None = None) -> int:
               "energon_args": args.energon_args, "concurrency": CONCURRENCY, "rates_x_saturation": RATES,
               "servers": "both long-lived per shape, warmed by 4 requests; rounds alternate the order",
               "input": [int(INPUT * (1 - RANGE)), int(INPUT * (1 + RANGE))],
-              "output": [int(OUTPUT * (1 - RANGE)), int(OUTPUT * (1 + RANGE))]}
-    md = "\n\n".join(_markdown(res, params) for res in by_shape)
+              "output": [int(OUTPUT * (1 - RANGE)), int(OUTPUT * (1 + RANGE))], "sections": sections}
+    md = "\n\n".join([_markdown(res, params) for res in by_shape]
+                     + ([structured["markdown"]] if structured is not None else []))
     print(md)
-    if args.smoke:
-        print(f"{NAME}: --smoke: nothing written", file=sys.stderr)
+    if args.smoke or len(sections) < len(SECTIONS):  # the result holds every section, measured together
+        print(f"{NAME}: {'--smoke' if args.smoke else '--sections ' + args.sections}: nothing written", file=sys.stderr)
         return 0
-    write_result(NAME, title=TITLE, params=params, results={"shapes": by_shape, "peak_flops": peak}, markdown=md)
+    results: dict[str, Any] = {"shapes": by_shape, "peak_flops": peak}
+    if structured is not None:
+        results["structured"] = structured
+    write_result(NAME, title=TITLE, params=params, results=results, markdown=md)
     return 0
 
 

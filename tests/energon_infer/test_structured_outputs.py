@@ -401,3 +401,85 @@ def test_the_bitmask_is_filled_on_the_mask_thread_during_the_forward(model_dir):
     assert steps.count("submit") == len(out.token_ids) == steps.count("forward")  # one mask per sampled token
     assert all(a == "submit" and b == "forward" for a, b in zip(steps[::2], steps[1::2]))  # each before its forward
     assert {name.split("_")[0] for what, name in events if what == "fill"} == {"energon-mask"}
+
+
+# ---------------------------------------------------------------------- a grammar crosses to the workers once
+
+
+def test_held_grammars_keep_the_controller_and_the_rank_in_step():
+    """The controller's copy and the rank's, changed by the same steps: a grammar goes whole the first time and
+    after it was dropped (least recently used past the bound), by key only otherwise; the rank puts it back."""
+    from energon_infer.structured import HELD, HeldGrammars
+
+    def params(*regexes: str) -> dict[int, SamplingParams]:
+        return {i: SamplingParams(structured=StructuredOutput(regex=r, compiled=f'{{"g": "{r}"}}'))
+                for i, r in enumerate(regexes)}
+
+    controller, rank = HeldGrammars(size=2), HeldGrammars(size=2)
+    whole: list[list[str]] = []
+    for step in (params("a", "a"), params("b"), params("a"), params("c"), params("b"), params("a")):
+        sent = controller.ship(step)
+        whole.append([so.regex for p in sent.values() if (so := p.structured).compiled != HELD])
+        taken, missing = rank.take(sent)
+        assert not missing and taken == step  # equal params: the constraint ...
+        assert [p.structured.compiled for p in taken.values()] == [p.structured.compiled for p in step.values()]
+    # a, b held; a again by key; c drops b (a was used last); b whole again, dropping a; a whole again.
+    assert whole == [["a"], ["b"], [], ["c"], ["b"], ["a"]]
+    assert (controller.shipped, controller.named) == (rank.shipped, rank.named) == (5, 2)
+    # A rank that lost track (a fresh one) fails the sequence alone, naming the fix.
+    taken, missing = HeldGrammars().take(controller.ship(params("a")))
+    assert taken[0].structured.compiled == HELD and "resubmit the request" in missing[0]
+    # Params without a compiled grammar (the runner compiles them itself) change neither copy.
+    plain = {0: SamplingParams(structured=StructuredOutput(regex="z"))}
+    assert controller.ship(plain) == plain and "z" not in {k[1] for k in controller._held}
+
+
+def test_the_grammar_is_sent_once_per_group_and_again_after_a_restart(model_dir, monkeypatch):
+    """The second request with a schema names its grammar by key (its step is a fraction of the first's); the
+    output is the same; a worker killed while idle brings a new group, to which the grammar goes whole again."""
+    import os
+    import pickle
+    import signal
+    import time
+
+    from energon_infer.engine.engine import Engine
+    from energon_infer.protocol import Step
+    from energon_infer.structured import HELD
+    from energon_infer.worker.workers import SpawnedWorkerGroup
+
+    sent: list[Step] = []
+    real_send = SpawnedWorkerGroup.send
+
+    def recording(self: Any, cmd: Any) -> None:
+        if isinstance(cmd, Step) and any(p.structured is not None for p in cmd.new_params.values()):
+            sent.append(cmd)
+        real_send(self, cmd)
+
+    monkeypatch.setattr(SpawnedWorkerGroup, "send", recording)
+    so = StructuredOutput(json_schema=PERSON)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured=so)
+
+    def run_once() -> tuple[list[int], str | None, int]:
+        n = len(sent)
+        out = eng.generate(["the quick"], params)[0]
+        assert out.finish_reason == "stop" and conforms(json.loads(out.text), PERSON)
+        (step,) = sent[n:]  # one new sequence: one step carries its params
+        (p,) = step.new_params.values()
+        return out.token_ids, p.structured.compiled, len(pickle.dumps(step))
+
+    with Engine.from_pretrained(model_dir, max_restarts=1, **OPTS) as eng:
+        first, compiled, first_bytes = run_once()
+        again, held, held_bytes = run_once()
+        assert compiled is not None and compiled.startswith("{") and held == HELD
+        assert again == first and held_bytes < first_bytes - len(compiled) // 2
+        pid = eng.health()["pids"][0]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (eng.health()["restarts"] == 1 and eng.health()["status"] in ("ready", "degraded")
+                   and eng.health()["pids"][0] != pid):
+            assert time.monotonic() < deadline, eng.health()
+            time.sleep(0.05)
+        after, resent, _ = run_once()
+        assert resent == compiled and after == first
+        last, held_again, _ = run_once()
+        assert held_again == HELD and last == first
