@@ -18,6 +18,9 @@ same times to both servers; rounds alternate which server goes first), through `
 * ``stall``: unconstrained requests at :data:`RATE` while a request with a large schema never seen (:func:`large_schema`)
   compiles: their time to first token against the same requests without it.
 
+vLLM runs configured alike (:data:`VLLM_STRUCTURED`: compact JSON, as energon writes it; its default grammar lets a
+model write whitespace between JSON tokens, which random weights do until ``max_tokens``, so few outputs end and
+its tokens/s counts whitespace); :func:`run_schema_validity` measures the default's valid fraction once, as a note.
 Valid fractions are each server's own; every ratio is paired per round (:func:`benchmarks.common.paired`).
 Targets (issue 57): 100% valid; energon's tokens/s with the schema >= 0.9x its unconstrained; >= 1.0x vLLM's with
 the same schema; TTFT fresh <= 1.2x cached.
@@ -38,13 +41,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from benchmarks.common import format_paired, paired
 
-__all__ = ["Invoice", "TOOLS", "CHAT_TEMPLATE", "RATE", "add_chat_template", "large_schema", "fresh_schema",
-           "run_round", "summarize", "markdown"]
+__all__ = ["Invoice", "TOOLS", "CHAT_TEMPLATE", "RATE", "VLLM_STRUCTURED", "add_chat_template", "large_schema",
+           "fresh_schema", "run_round", "run_schema_validity", "summarize", "markdown"]
 
 RATE = 16.0  # requests/s
 # An Invoice is ~490 characters at most; random weights write strings of any characters, up to ~3 byte tokens each.
 MAX_TOKENS = 900
 TOOL_MAX_TOKENS = 300  # the tools' arguments are shorter, and the tools themselves fill the prompt
+#: vLLM's structured-outputs setting in the paired rounds (``--structured-outputs-config``; vLLM 0.32): JSON
+#: without free whitespace, as energon writes it (vLLM takes that with the xgrammar or guidance backend only, not
+#: ``auto``; ``auto`` picks xgrammar for these schemas).
+VLLM_STRUCTURED = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 class _Strict(BaseModel):
@@ -279,17 +286,24 @@ async def _round(url: str, n: int, seed: int, large_fields: int, max_tokens: int
     return await _workloads(url, name, n, seed, large_fields, max_tokens)
 
 
+async def _schema(url: str, m: str, n: int, seed: int, max_tokens: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The ``schema`` workload: its figures and the bodies sent."""
+    bodies = [{"model": m, "messages": _messages(i, seed, "Write the invoice"), "max_tokens": max_tokens,
+               "temperature": 1.0, "seed": seed * 1000 + i, "response_format": _fmt(Invoice.model_json_schema())}
+              for i in range(n)]
+    rows, wall = await at_rate(url, bodies, RATE, seed)
+    return {"tok_s": _tok_s(rows, wall), "valid": sum(map(schema_valid, rows)), "n": n,
+            "ttft_ms": 1e3 * _median([r["ttft"] for r in rows]), "wall_s": wall,
+            "tokens": [r.get("tokens", 0) for r in rows], "errors": [r["error"] for r in rows if r.get("error")][:3],
+            "finish_length": sum(r["finish"] == "length" for r in rows),
+            "invalid": [(r["finish"], r["text"][-160:]) for r in rows
+                        if not r.get("error") and not schema_valid(r)][:2]}, bodies
+
+
 async def _workloads(url: str, m: str, n: int, seed: int, large_fields: int, max_tokens: int) -> dict[str, Any]:
     schema = Invoice.model_json_schema()
-    bodies = [{"model": m, "messages": _messages(i, seed, "Write the invoice"), "max_tokens": max_tokens,
-               "temperature": 1.0, "seed": seed * 1000 + i, "response_format": _fmt(schema)} for i in range(n)]
-    rows, wall = await at_rate(url, bodies, RATE, seed)
-    out: dict[str, Any] = {"schema": {"tok_s": _tok_s(rows, wall), "valid": sum(map(schema_valid, rows)), "n": n,
-                                      "ttft_ms": 1e3 * _median([r["ttft"] for r in rows]), "wall_s": wall,
-                                      "tokens": [r.get("tokens", 0) for r in rows],
-                                      "errors": [r["error"] for r in rows if r.get("error")][:3],
-                                      "invalid": [(r["finish"], r["text"][-160:]) for r in rows
-                                                  if not r.get("error") and not schema_valid(r)][:2]}}
+    got, bodies = await _schema(url, m, n, seed, max_tokens)
+    out: dict[str, Any] = {"schema": got}
     # The same prompts unconstrained, each to the output length this server gave it under the schema.
     free = [{**{k: v for k, v in b.items() if k != "response_format"}, "max_tokens": max(1, m), "ignore_eos": True}
             for b, m in zip(bodies, out["schema"]["tokens"])]
@@ -334,6 +348,16 @@ def run_round(url: str, n: int, seed: int, large_fields: int = 400, max_tokens: 
     """Every workload once against the server at ``url``, seeded (the other server of the round gets the same
     ``seed``: the same requests at the same times)."""
     return asyncio.run(_round(url, n, seed, large_fields, max_tokens))
+
+
+def run_schema_validity(url: str, n: int, seed: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """The ``schema`` workload alone against the server at ``url`` (a server at its defaults: the note)."""
+    async def go() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            name = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        return (await _schema(url, name, n, seed, max_tokens))[0]
+
+    return asyncio.run(go())
 
 
 # ---------------------------------------------------------------------- summary and report
@@ -391,8 +415,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"**Structured outputs and tool calls** ({res['shape']}, {res['layers']} layers, vocabulary "
              f"{res['vocab']}): this benchmark's own client (httpx, streamed chat completions) sends the same requests "
              f"to both servers at {RATE:g} requests/s (Poisson, seeded per round), {res['n']} per workload, "
-             f"{res['rounds']} paired rounds; both servers at their defaults (vLLM's structured outputs backend "
-             "`auto`). Schema: a strict `response_format` of a nested 20-field Pydantic model, each output validated "
+             f"{res['rounds']} paired rounds; vLLM with `--structured-outputs-config "
+             f"'{json.dumps(VLLM_STRUCTURED)}'` (compact JSON, as energon writes it). Schema: a strict `response_format` of a nested 20-field Pydantic model, each output validated "
              "by Pydantic; tools: 3 tools, `tool_choice` `required` and a named function alternating, each call's "
              "arguments validated against its tool's model. Unconstrained: the same prompts, each to the output "
              "length that server gave it under the schema. Fresh / cached: one request at a time, a schema never seen "
@@ -420,4 +444,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"{_ratio(p['vllm_fresh_vs_cached'])}",
              f"- TTFT of unconstrained requests beside a large compile / alone: energon {_ratio(p['stall'])}, "
              f"vLLM {_ratio(p['vllm_stall'])}"]
+    d = res.get("vllm_default")
+    if d is not None:
+        lines += ["", f"Note: vLLM at its default structured-outputs settings (whitespace allowed between JSON tokens), "
+                      f"the schema workload once: {d['valid']}/{d['n']} outputs valid, {d['finish_length']} cut at "
+                      f"`max_tokens`, {d['tok_s']:.1f} output tok/s (whitespace counted)."]
     return "\n".join(lines)

@@ -31,9 +31,10 @@ one round, a few prompts: checks the path, measures nothing worth reporting (not
 
 The ``structured`` section (:mod:`benchmarks._serve_structured`): structured outputs (a 20-field JSON schema) and
 tool calls (``tool_choice`` required and named) at 16 requests/s against ``vllm serve`` on one shape
-(:data:`STRUCTURED_SHAPE`), driven by that module's client; valid outputs on both servers, tokens/s against energon
-unconstrained and against vLLM, time to first token with a fresh schema against a cached one, and whether a large
-schema's compile stalls the other requests.
+(:data:`STRUCTURED_SHAPE`), driven by that module's client, vLLM writing compact JSON as energon does; valid outputs
+on both servers, tokens/s against energon unconstrained and against vLLM, time to first token with a fresh schema
+against a cached one, and whether a large schema's compile stalls the other requests; then vLLM at its defaults
+once, for the valid fraction of the schema workload (a note).
 """
 
 from __future__ import annotations
@@ -251,7 +252,14 @@ def run_shape(py: Path, shape: str, args: Any, tmp_path: Path, cores: int) -> di
 def run_structured(py: Path, args: Any, tmp_path: Path, cores: int) -> dict[str, Any]:
     """The structured section (:mod:`benchmarks._serve_structured`): both servers long-lived on one shape, rounds
     alternating which goes first, each round the same seeded requests to both."""
-    from benchmarks._serve_structured import add_chat_template, markdown, run_round, summarize
+    from benchmarks._serve_structured import (
+        VLLM_STRUCTURED,
+        add_chat_template,
+        markdown,
+        run_round,
+        run_schema_validity,
+        summarize,
+    )
 
     shape = "h384-v2k" if args.smoke else STRUCTURED_SHAPE
     n = 4 if args.smoke else 32 if args.quick else 64
@@ -264,14 +272,18 @@ def run_structured(py: Path, args: Any, tmp_path: Path, cores: int) -> dict[str,
     ours = Server("energon", [str(Path(sys.executable).parent / "tightfit"), "serve", str(model), "--port",
                               str(port := _free_port()), "--log-level", "warning", *extra], port, dict(os.environ),
                   tmp_path / "energon-structured.log")
-    vport = _free_port()
-    peer = Server("vllm", vllm_cli(py) + ["serve", str(model), "--port", str(vport), "--host", "127.0.0.1",
-                                          "--dtype", "float32", "--max-model-len", "1024",
-                                          # vLLM 0.32 takes tool_choice required / named only with a tool parser,
-                                          # which it loads only with auto tool choice on: the template's format
-                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                          "--uvicorn-log-level", "warning"], vport, vllm_env(f"0-{cores - 1}"),
-                  tmp_path / "vllm-structured.log")
+
+    def vllm(name: str, settings: list[str]) -> Server:
+        return Server(name, vllm_cli(py) + ["serve", str(model), "--port", str(vport := _free_port()), "--host",
+                                            "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024",
+                                            # vLLM 0.32 takes tool_choice required / named only with a tool parser,
+                                            # which it loads only with auto tool choice on: the template's format
+                                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                            "--uvicorn-log-level", "warning", *settings], vport,
+                      vllm_env(f"0-{cores - 1}"), tmp_path / f"{name}-structured.log")
+
+    # The paired peer writes compact JSON as energon does (VLLM_STRUCTURED); the default's validity is a note.
+    peer = vllm("vllm", ["--structured-outputs-config", json.dumps(VLLM_STRUCTURED)])
     runs: dict[str, list[dict[str, Any]]] = {"energon": [], "vllm": []}
     try:
         ours.wait(300)
@@ -287,8 +299,14 @@ def run_structured(py: Path, args: Any, tmp_path: Path, cores: int) -> dict[str,
     finally:
         ours.stop()
         peer.stop()
+    default = vllm("vllm-default", [])
+    try:
+        default.wait(600)
+        vllm_default = run_schema_validity(default.url, n, seed=100)
+    finally:
+        default.stop()
     res = {"shape": shape, "vocab": vocab, "layers": layers, "n": n, "rounds": rounds, "large_fields": large_fields,
-           "runs": runs}
+           "runs": runs, "vllm_default": vllm_default}
     res["summary"] = summarize(runs)
     res["markdown"] = markdown(res)
     return res

@@ -42,7 +42,7 @@ def server(tmp_path_factory):
 
 
 def test_every_workload_runs_and_the_grammar_makes_every_output_valid(server):
-    from benchmarks._serve_structured import markdown, run_round, summarize
+    from benchmarks._serve_structured import markdown, run_round, run_schema_validity, summarize
 
     row = run_round(server.url, 2, seed=3, large_fields=8, max_tokens=2000)  # ~1 token a byte
     assert row["schema"]["valid"] == 2 and not row["schema"]["errors"], row["schema"]
@@ -52,9 +52,12 @@ def test_every_workload_runs_and_the_grammar_makes_every_output_valid(server):
     assert not row["stall"]["large_error"] and row["stall"]["large_ttft_ms"] > 0
     summary = summarize({"energon": [row], "vllm": [row]})
     assert summary["energon"]["schema_valid"] == 1.0 and summary["paired"]["schema_vs_vllm"]["median"] == 1.0
+    alone = run_schema_validity(server.url, 2, seed=3, max_tokens=2000)  # the note's run: the schema workload only
+    assert (alone["valid"], alone["n"], alone["finish_length"]) == (2, 2, 0) and alone["tok_s"] > 0
     text = markdown({"shape": "tiny", "vocab": 320, "layers": 2, "n": 2, "rounds": 1, "large_fields": 8,
-                     "summary": summary})
+                     "summary": summary, "vllm_default": alone})
     assert "| schema outputs valid | 100% | 100% |" in text and "target >= 0.9x" in text
+    assert '"backend": "xgrammar", "disable_any_whitespace": true' in text and "the schema workload once: 2/2 outputs valid" in text
 
 
 def test_the_validators_refuse_what_breaks_the_schema():

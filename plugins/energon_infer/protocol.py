@@ -53,9 +53,10 @@ class Step:
     step before it runs both as one (:mod:`energon_infer.worker.late_steps`), else it runs after it.
     ``prefill_lengths`` (a ``longrope`` model's steps only): a sequence whose items are a chunk of a longer prefill
     (a prompt, or a recompute) -> that prefill's whole length, which the rope takes as transformers' one call would.
-    A new sequence's structured output (``new_params[seq].structured``) carries its grammar compiled by the
-    controller, as xgrammar's JSON text, to the rank that samples, the first time this group sees it; then only its key
-    (:class:`~energon_infer.structured.HeldGrammars`); ``history`` then has its outputs so far.
+    A new sequence's structured output (``new_params[seq].structured``) carries its constraint, which the rank that
+    samples compiles (:data:`~energon_infer.structured.ON_RANK`), or a grammar given compiled (xgrammar's JSON
+    text) the first time this group sees it, then only its key (:class:`~energon_infer.structured.HeldGrammars`);
+    ``history`` then has its outputs so far.
     """
 
     step_id: int

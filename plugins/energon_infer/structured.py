@@ -3,7 +3,9 @@
 A :class:`StructuredOutput` on :class:`~energon_infer.sampling.SamplingParams` (``structured=``) names one
 constraint: a JSON schema, any JSON object, a regular expression, a choice among strings, or an EBNF grammar (as
 xgrammar takes it). The engine compiles it against the model's vocabulary (:class:`GrammarCache`: compiled once
-per ``(kind, canonical text)``, on a thread pool, off the engine loop), and the rank that samples keeps one
+per ``(kind, canonical text)``, on a thread pool, off the engine loop), so a constraint that cannot compile is
+refused before it runs; the rank that samples compiles it again for itself, on its mask thread beside the step's
+forward (:data:`ON_RANK`: cheaper than carrying xgrammar's JSON of it there), and keeps one
 matcher per request (:class:`energon_infer.worker.grammar.GrammarMasks`): before each draw the tokens the grammar cannot take next are set to
 ``-inf``, each sampled token advances the matcher, the EOS is allowed only where the grammar may end, and a
 grammar that has ended ends the request (``finish_reason="stop"``).
@@ -32,13 +34,17 @@ from typing import Any
 
 from energon_infer.errors import BadInputError
 
-__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "HELD", "GrammarCache", "HeldGrammars", "check",
+__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "HELD", "ON_RANK", "GrammarCache", "HeldGrammars", "check",
            "compile_grammar", "grammar_cache", "prepare", "tokenizer_info"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 #: :attr:`StructuredOutput.compiled` of a grammar left out of a step: the rank that samples holds it by key
 #: (:class:`HeldGrammars`). xgrammar's JSON always starts with ``{``, so the marker cannot be a grammar.
 HELD = "<held>"
+#: :attr:`StructuredOutput.compiled` of a constraint the engine compiled, which the rank that samples compiles again
+#: for itself: xgrammar's JSON of a compiled grammar serialises and deserialises several times slower than the
+#: grammar compiles, so the request carries the constraint only.
+ON_RANK = "<rank>"
 #: Compiled grammars the rank that samples keeps by key (each is xgrammar's JSON: ~285 KB for a 20-field schema on
 #: a 32k vocabulary, growing with the vocabulary).
 HELD_GRAMMARS = 64
@@ -60,9 +66,10 @@ class StructuredOutput:
         grammar: the output is a sentence of this EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``).
         strict: with ``json_schema``: properties not listed are refused unless the schema allows them
             (``additionalProperties``); ``False`` lets the model add any (OpenAI's ``strict``).
-        compiled: set by the engine: the grammar compiled for the model's vocabulary (xgrammar's JSON), which
-            the request carries to the rank that samples (:data:`HELD` where that rank holds it from an earlier
-            step: :class:`HeldGrammars`); not part of the constraint's identity.
+        compiled: set by the engine: :data:`ON_RANK` once it compiled (the rank that samples compiles it again);
+            or the grammar compiled for the model's vocabulary (xgrammar's JSON), which the request carries to the
+            rank that samples (:data:`HELD` where that rank holds it from an earlier step: :class:`HeldGrammars`);
+            not part of the constraint's identity.
     """
 
     json_schema: dict[str, Any] | None = None
@@ -254,9 +261,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 class GrammarCache:
-    """Compiled grammars by ``(kind, canonical text)`` (least recently used dropped past ``size``), compiled on
-    a thread pool: :meth:`compile` returns a future of the compiled grammar's JSON (what a request carries to
-    the rank that samples, :attr:`StructuredOutput.compiled`), so the caller's thread waits, not the engine loop.
+    """Grammars compiled by ``(kind, canonical text)`` (least recently used dropped past ``size``), on a thread
+    pool: :meth:`compile` returns a future of what a request carries to the rank that samples
+    (:attr:`StructuredOutput.compiled`: :data:`ON_RANK`, the grammar compiled; it raises for one that cannot), so
+    the caller's thread waits, not the engine loop.
 
     Args:
         info: the :func:`tokenizer_info` of the engine's tokenizer.
@@ -295,7 +303,8 @@ class GrammarCache:
         return dataclasses.replace(structured, compiled=self.compile(structured).result(timeout))
 
     def _compile(self, structured: StructuredOutput) -> str:
-        return str(compile_grammar(self._compiler, structured).serialize_json())
+        compile_grammar(self._compiler, structured)
+        return ON_RANK
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -309,8 +318,8 @@ class HeldGrammars:
     new sequences' params, in the order the steps are sent (the workers obey them in that order). So the
     controller's copy (keys only) knows exactly what the rank holds: :meth:`ship` puts :data:`HELD` in place of a
     held grammar's JSON before the step is sent, and :meth:`take` on the rank puts it back. A restarted group holds
-    nothing: the controller starts a new copy with it. Params without a compiled grammar (``compiled`` None:
-    compiled on the rank itself) change neither copy.
+    nothing: the controller starts a new copy with it. Params without a compiled grammar (``compiled`` None or
+    :data:`ON_RANK`: compiled on the rank itself) change neither copy.
 
     Args:
         size: grammars held.
@@ -353,7 +362,7 @@ class HeldGrammars:
         out = dict(params)
         for seq, p in params.items():
             so = p.structured
-            if so is None or so.compiled is None:
+            if so is None or so.compiled in (None, ON_RANK):
                 continue
             key = so.key
             if key in self._held:
@@ -370,7 +379,7 @@ class HeldGrammars:
         out, missing = dict(params), {}
         for seq, p in params.items():
             so = p.structured
-            if so is None or so.compiled is None:
+            if so is None or so.compiled in (None, ON_RANK):
                 continue
             key = so.key
             if so.compiled != HELD:
@@ -403,7 +412,8 @@ def grammar_cache(engine: Any) -> GrammarCache:
 
 def prepare(engine: Any, params: Any) -> Any:
     """``params`` (:class:`~energon_infer.sampling.SamplingParams`) ready to run on ``engine``: a structured output's
-    grammar compiled (on the engine's :class:`GrammarCache` pool: this caller waits, the engine loop does not).
+    grammar compiled (on the engine's :class:`GrammarCache` pool: this caller waits, the engine loop does not;
+    ``compiled`` :data:`ON_RANK`).
     Raises StructuredOutputError for a constraint that cannot compile."""
     so = params.structured
     if so is None or so.compiled is not None:

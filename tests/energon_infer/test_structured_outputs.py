@@ -403,7 +403,7 @@ def test_the_bitmask_is_filled_on_the_mask_thread_during_the_forward(model_dir):
     assert {name.split("_")[0] for what, name in events if what == "fill"} == {"energon-mask"}
 
 
-# ---------------------------------------------------------------------- a grammar crosses to the workers once
+# ---------------------------------------------------------------------- what a step carries to the rank
 
 
 def test_held_grammars_keep_the_controller_and_the_rank_in_step():
@@ -434,17 +434,20 @@ def test_held_grammars_keep_the_controller_and_the_rank_in_step():
     assert controller.ship(plain) == plain and "z" not in {k[1] for k in controller._held}
 
 
-def test_the_grammar_is_sent_once_per_group_and_again_after_a_restart(model_dir, monkeypatch):
-    """The second request with a schema names its grammar by key (its step is a fraction of the first's); the
-    output is the same; a worker killed while idle brings a new group, to which the grammar goes whole again."""
+def test_a_step_carries_the_constraint_and_the_rank_compiles_it_again_after_a_restart(model_dir, monkeypatch):
+    """The engine compiles a schema (so a bad one is refused before it runs) and the step carries the constraint
+    only (ON_RANK: no compiled grammar, the step a fraction of xgrammar's JSON of it); the rank compiles it and gives
+    the same output each time, also in the new group that replaces a worker killed while idle."""
     import os
     import pickle
     import signal
     import time
 
+    import xgrammar
+
     from energon_infer.engine.engine import Engine
     from energon_infer.protocol import Step
-    from energon_infer.structured import HELD
+    from energon_infer.structured import ON_RANK, json_grammar
     from energon_infer.worker.workers import SpawnedWorkerGroup
 
     sent: list[Step] = []
@@ -468,10 +471,11 @@ def test_the_grammar_is_sent_once_per_group_and_again_after_a_restart(model_dir,
         return out.token_ids, p.structured.compiled, len(pickle.dumps(step))
 
     with Engine.from_pretrained(model_dir, max_restarts=1, **OPTS) as eng:
-        first, compiled, first_bytes = run_once()
-        again, held, held_bytes = run_once()
-        assert compiled is not None and compiled.startswith("{") and held == HELD
-        assert again == first and held_bytes < first_bytes - len(compiled) // 2
+        first, carried, first_bytes = run_once()
+        compiled_json = xgrammar.GrammarCompiler(grammar_cache(eng).info).compile_grammar(json_grammar(so))
+        assert carried == ON_RANK and first_bytes < len(compiled_json.serialize_json()) // 2
+        again, carried, _ = run_once()
+        assert carried == ON_RANK and again == first
         pid = eng.health()["pids"][0]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
@@ -479,7 +483,27 @@ def test_the_grammar_is_sent_once_per_group_and_again_after_a_restart(model_dir,
                    and eng.health()["pids"][0] != pid):
             assert time.monotonic() < deadline, eng.health()
             time.sleep(0.05)
-        after, resent, _ = run_once()
-        assert resent == compiled and after == first
-        last, held_again, _ = run_once()
-        assert held_again == HELD and last == first
+        after, carried, _ = run_once()
+        assert carried == ON_RANK and after == first
+
+
+def test_a_grammar_that_fails_on_the_rank_fails_its_request_alone(model_dir):
+    """A new sequence's grammar is compiled on the mask thread beside the forward; one that cannot compile there
+    fails that sequence (its error names the grammar), and the other sequence of the same steps keeps its own."""
+    from energon_infer.structured import ON_RANK
+    from energon_infer.worker.runtime import ModelRunner
+
+    runner = ModelRunner.from_pretrained(model_dir, progress=False, block_size=4)
+    tok = runner.tokenizer
+    bad = SamplingParams(max_tokens=8, structured=StructuredOutput(grammar="root ::= undefined_rule",
+                                                                   compiled=ON_RANK))
+    good = SamplingParams(max_tokens=8, structured=StructuredOutput(choice=("yes", "no"), compiled=ON_RANK))
+    res = runner.step([(1, [5, 6, 7]), (2, [8, 9])], {1: bad, 2: good})
+    assert set(res.errors) == {1} and "undefined_rule" in res.errors[1]
+    runner.free(1)
+    text = [res.tokens[1]]
+    while len(text) < 8 and text[-1] not in runner.eos_token_ids:
+        res = runner.step([(2, [text[-1]])])
+        assert not res.errors
+        text.append(res.tokens[0])
+    assert tok.decode([t for t in text if t not in runner.eos_token_ids]) in ("yes", "no")

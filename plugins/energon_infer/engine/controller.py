@@ -16,7 +16,8 @@ them calls it back. A restart is the controller's own job: it is given the facto
 group (:func:`start_group` with the engine's source and layout bound) and calls it again, with its own
 ``cancelled`` test, after a failure.
 
-A compiled grammar (a structured request's, xgrammar's JSON) goes to the workers once per group: the controller's
+A grammar a structured request carries compiled (xgrammar's JSON; the engine's own requests carry the constraint
+only, :data:`~energon_infer.structured.ON_RANK`) goes to the workers once per group: the controller's
 :class:`~energon_infer.structured.HeldGrammars` copy knows what the rank that samples holds and names those by key
 only; a restarted group starts with a new, empty copy, so every grammar goes whole again.
 """

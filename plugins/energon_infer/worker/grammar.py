@@ -1,10 +1,14 @@
 """Structured outputs on the rank that samples: each constrained sequence's grammar matcher and a step's bitmask.
 
-The grammar was compiled by the engine (:mod:`energon_infer.structured`) and travels with the request as
-xgrammar's JSON; a request that did not come through the engine (``ModelRunner``'s own API) is compiled here.
+The rank compiles a request's grammar itself (once per constraint: the last :data:`GRAMMARS` kept by key), on
+the mask thread while the step's forward runs: the engine checked that it compiles
+(:data:`~energon_infer.structured.ON_RANK`), and compiling it again costs less than carrying it here would
+(xgrammar's JSON of a compiled grammar serialises and deserialises several times slower than the grammar
+compiles). A grammar the request carries compiled (xgrammar's JSON) is read back instead.
 :class:`GrammarSampler` is the runner's sampler with them: :meth:`GrammarSampler.start_masks` (before the
-forward) admits new constrained sequences and starts filling the step's bitmask on the mask thread; the draw
-applies it and advances each matcher with its sampled token; forgetting a sequence frees its matcher.
+forward) hands new constrained sequences' admission (grammar and matcher) and the step's bitmask to the mask
+thread; the draw applies it and advances each matcher with its sampled token; forgetting a sequence frees its
+matcher.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from energon_infer.sampling import SampleOutput, Sampler, SamplingParams
 from energon_infer.structured import (
     HELD,
+    ON_RANK,
     HeldGrammars,
     StructuredOutput,
     StructuredOutputError,
@@ -27,7 +32,9 @@ from energon_infer.structured import (
     tokenizer_info,
 )
 
-__all__ = ["GrammarMasks", "SequenceGrammars", "GrammarSampler"]
+__all__ = ["GRAMMARS", "GrammarMasks", "SequenceGrammars", "GrammarSampler"]
+
+GRAMMARS = 64  #: compiled grammars a rank keeps, by constraint (the least recently used dropped)
 
 
 class GrammarMasks:
@@ -36,7 +43,10 @@ class GrammarMasks:
     A matcher has accepted the request's output tokens up to :attr:`next_pos` (a position in the sequence);
     a step's sampled token for a request is accepted when it is the next output (a non-final chunk of a prefill
     samples a token nobody keeps). The bitmask of a step depends only on accepted tokens, so :meth:`fill_async`
-    computes it on a thread while the step's forward runs.
+    computes it on a thread while the step's forward runs, after admitting the step's new sequences there
+    (:meth:`admit`: compiling a grammar the rank has not seen). The caller marks a sequence admitted
+    (:attr:`next_pos`) before handing its admission over; :meth:`settle` waits for the thread's work, and
+    :attr:`failed` has the sequences whose admission failed.
 
     Args:
         info: the :func:`tokenizer_info` of the model's tokenizer (the same vocabulary the grammar was compiled for).
@@ -49,7 +59,9 @@ class GrammarMasks:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # deserialised, by key
         self.matchers: dict[int, Any] = {}
         self.next_pos: dict[int, int] = {}
+        self.failed: dict[int, str] = {}  # admissions that failed on the mask thread, by seq_id
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-mask")
+        self._last: Future[Any] | None = None  # the mask thread's latest task (it runs them in order)
         self._words = -(-width // 32)
 
     def _grammar(self, structured: StructuredOutput) -> Any:
@@ -59,14 +71,14 @@ class GrammarMasks:
         if got is None:
             if structured.compiled == HELD:  # GrammarSampler.receive puts held grammars back before any admission
                 raise StructuredOutputError("the request's grammar was named by key only and this rank holds none")
-            if structured.compiled is not None:
+            if structured.compiled not in (None, ON_RANK):
                 got = xgr.CompiledGrammar.deserialize_json(structured.compiled, self.info)
-            else:  # a request that did not come through the engine (ModelRunner's own API): compile here
+            else:
                 if self._compiler is None:
-                    self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+                    self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
                 got = compile_grammar(self._compiler, structured)
             self._compiled[key] = got
-            while len(self._compiled) > 64:
+            while len(self._compiled) > GRAMMARS:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
         return got
@@ -81,18 +93,50 @@ class GrammarMasks:
         self.next_pos[seq_id] = output_start + len(generated)
 
     def free(self, seq_id: int) -> None:
+        self.settle()  # an admission still on the mask thread would bring the matcher back
         self.matchers.pop(seq_id, None)
         self.next_pos.pop(seq_id, None)
+        self.failed.pop(seq_id, None)
 
-    def fill_async(self, rows: Sequence[tuple[int, int]]) -> Future[torch.Tensor]:
-        """The ``(len(rows), words)`` int32 bitmask for ``(row, seq_id)`` rows (computed on the mask thread)."""
-        return self._pool.submit(self._fill, [s for _, s in rows])
+    def settle(self) -> None:
+        """Wait for the mask thread's work handed over so far (admissions and fills)."""
+        if self._last is not None:
+            self._last.exception()  # waits; an error is the caller's of that future to see
+
+    def admit_async(self, admits: Sequence[tuple[int, StructuredOutput, int, Sequence[int]]]) -> Future[None]:
+        """Admit ``(seq_id, structured, output_start, generated)`` sequences on the mask thread (:meth:`admit`);
+        one that fails is in :attr:`failed`."""
+        self._last = self._pool.submit(self._admit_all, admits)
+        return self._last
+
+    def fill_async(self, rows: Sequence[tuple[int, int]],
+                   admits: Sequence[tuple[int, StructuredOutput, int, Sequence[int]]] = ()) -> Future[torch.Tensor]:
+        """The ``(len(rows), words)`` int32 bitmask for ``(row, seq_id)`` rows, computed on the mask thread after
+        admitting ``admits`` there (as :meth:`admit_async`). A row whose sequence failed its admission allows
+        every token (it fails after the draw)."""
+        self._last = fut = self._pool.submit(self._admit_and_fill, admits, [s for _, s in rows])
+        return fut
+
+    def _admit_all(self, admits: Sequence[tuple[int, StructuredOutput, int, Sequence[int]]]) -> None:
+        for seq_id, structured, output_start, generated in admits:
+            try:
+                self.admit(seq_id, structured, output_start, generated)
+            except Exception as exc:  # this request fails alone; the others go on
+                self.failed[seq_id] = f"structured output: {' '.join(str(exc).split())}"
+
+    def _admit_and_fill(self, admits: Sequence[tuple[int, StructuredOutput, int, Sequence[int]]],
+                        seq_ids: Sequence[int]) -> torch.Tensor:
+        self._admit_all(admits)
+        return self._fill(seq_ids)
 
     def _fill(self, seq_ids: Sequence[int]) -> torch.Tensor:
         mask = torch.zeros((len(seq_ids), self._words), dtype=torch.int32)
         n = self.info.vocab_size
         for i, s in enumerate(seq_ids):
-            m = self.matchers[s]
+            m = self.matchers.get(s)
+            if m is None:  # its admission failed
+                mask[i] = -1
+                continue
             if m.is_terminated():
                 words = mask[i]  # nothing more: only the stop tokens
                 for t in self.info.stop_token_ids:
@@ -143,35 +187,48 @@ class SequenceGrammars:
     def start(self, items: Sequence[tuple[int, Sequence[int]]], starts: Mapping[int, int],
               params: Mapping[int, SamplingParams], history: Mapping[int, tuple[list[int], list[int]]]
               ) -> tuple[list[int], Future[torch.Tensor]] | None:
-        """Admit new constrained sequences; start filling the bitmask of the rows whose sampled token is their next
-        output (a non-final prefill chunk's is not). ``(rows, future of the bitmask)``, or None."""
+        """Hand new constrained sequences' admission to the mask thread; start filling the bitmask of the rows
+        whose sampled token is their next output (a non-final prefill chunk's is not) there after it.
+        ``(rows, future of the bitmask)``, or None."""
+        self._collect()
         rows: list[tuple[int, int]] = []
+        admits: list[tuple[int, StructuredOutput, int, Sequence[int]]] = []
         for row, (seq_id, fed) in enumerate(items):
             p = params[seq_id]
             if p.structured is None or seq_id in self.errors:
                 continue
-            if self.masks is None or seq_id not in self.masks.matchers:
+            if self.masks is None:
+                try:
+                    self.masks = GrammarMasks(self._make_info(), self.width)
+                except Exception as exc:  # no tokenizer: this request fails alone
+                    self.errors[seq_id] = f"structured output: {' '.join(str(exc).split())}"
+                    continue
+            if seq_id not in self.masks.next_pos:
                 # A sequence admitted with a history (a preempted one) has outputs its grammar took already; one
                 # first seen here takes its first feed as its prompt.
                 h = history.get(seq_id)
                 plen, generated = (len(h[0]), list(h[1])) if h is not None else (starts[seq_id] + len(fed), [])
-                try:
-                    if self.masks is None:
-                        self.masks = GrammarMasks(self._make_info(), self.width)
-                    self.masks.admit(seq_id, p.structured, plen, generated)
-                except Exception as exc:  # this request fails alone; the others go on
-                    self.errors[seq_id] = f"structured output: {' '.join(str(exc).split())}"
-                    continue
+                self.masks.next_pos[seq_id] = plen + len(generated)
+                admits.append((seq_id, p.structured, plen, generated))
             if starts[seq_id] + len(fed) == self.masks.next_pos[seq_id]:
                 rows.append((row, seq_id))
-        if not rows:
+        if self.masks is None or not (rows or admits):
             return None
-        assert self.masks is not None
-        return [r for r, _ in rows], self.masks.fill_async(rows)
+        if not rows:
+            self.masks.admit_async(admits)
+            return None
+        return [r for r, _ in rows], self.masks.fill_async(rows, admits)
+
+    def _collect(self) -> None:
+        """The mask thread's work done; the admissions that failed there become errors (their sequences fail)."""
+        if self.masks is not None:
+            self.masks.settle()
+            self.errors.update(self.masks.failed)
 
     def finish(self, ids: Sequence[int], positions: Sequence[int], tokens: Sequence[int],
                failed: Mapping[int, str]) -> dict[int, str]:
         """Advance each constrained row's matcher with its sampled token; by seq_id, the rows that fail."""
+        self._collect()
         out = {s: why for s in ids if (why := self.errors.get(s)) is not None}
         if self.masks is None:
             return out
