@@ -37,7 +37,7 @@ from lightning_elixir.step import ElixirOptimizer
 from tightfit.console import fit_text
 from tightfit.planner.elixir import ElixirPlan
 
-__all__ = ["apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic", "check_before_load", "load_into",
+__all__ = ["register_presets", "apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic", "check_before_load", "load_into",
            "close_disk_state"]
 
 
@@ -139,3 +139,18 @@ def close_disk_state(state: DiskOptimizerState, *, read_back: Callable[[DiskOpti
         state.close(read_back=read_back(state))
     finally:
         state.store.close()
+
+
+#: The names ``Trainer(strategy=...)`` and ``Fabric(strategy=...)`` both take: (name, description, options).
+PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("elixir", "Elixir: searched FSDP2 sharding x offload x recompute", {}),
+    ("elixir_offload", "Elixir with every unit offloaded to the host", {"offload": "all"}),
+    ("elixir_no_offload", "Elixir without host offloading", {"offload": "none"}),
+    ("elixir_checkpoint", "Elixir with every block recomputed", {"activation_checkpointing": True}),
+)
+
+
+def register_presets(registry: Any, cls: type) -> None:
+    """Register :data:`PRESETS` for ``cls`` in a Lightning strategy registry (the Trainer's or Fabric's)."""
+    for name, description, options in PRESETS:
+        registry.register(name, cls, description=description, **options)

@@ -50,6 +50,7 @@ from lightning_elixir.engine import (
     check_before_load,
     close_disk_state,
     load_into,
+    register_presets,
     save_atomic,
 )
 from lightning_elixir.options import ElixirOptions
@@ -407,10 +408,4 @@ class ElixirStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("elixir", cls, description="Elixir: searched FSDP2 sharding x offload x recompute")
-        strategy_registry.register("elixir_offload", cls, description="Elixir with every unit offloaded to the host",
-                                   offload="all")
-        strategy_registry.register("elixir_no_offload", cls, description="Elixir without host offloading",
-                                   offload="none")
-        strategy_registry.register("elixir_checkpoint", cls, description="Elixir with every block recomputed",
-                                   activation_checkpointing=True)
+        register_presets(strategy_registry, cls)
