@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from energon_infer import ModelRunner, SamplingParams
 from energon_infer.errors import OptionError
@@ -295,6 +297,19 @@ def test_ngram_proposals():
     assert ngram_propose([1, 2, 3, 4], k=3, min_n=1, max_n=3) == []
     assert ngram_propose([4], k=3, min_n=1, max_n=3) == []
     assert NgramProposer(1, 2).propose([(1, [1, 2, 1], 4), (2, [5, 6], 4)]) == {1: [2, 1]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), n=st.tuples(st.integers(1, 3), st.integers(0, 2)),
+       k=st.integers(1, 5), grow=st.integers(1, 4))
+def test_the_indexed_proposer_equals_the_scan_as_a_sequence_grows(tokens, n, k, grow):
+    lo, hi = n[0], n[0] + n[1]
+    proposer = NgramProposer(lo, hi)
+    for size in range(0, len(tokens) + 1, grow):  # several tokens a step, as an accepted run adds them
+        got = proposer.propose([(7, tokens[:size], k)]).get(7, [])
+        assert got == ngram_propose(tokens[:size], k=k, min_n=lo, max_n=hi)
+    proposer.release([7])
+    assert proposer.propose([(7, tokens[:3], k)]).get(7, []) == ngram_propose(tokens[:3], k=k, min_n=lo, max_n=hi)
 
 
 def test_options_fail_in_one_line(dirs, tmp_path):

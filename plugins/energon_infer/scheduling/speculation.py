@@ -109,20 +109,38 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """:func:`ngram_propose` for each request (no state)."""
+    """:func:`ngram_propose` for each request, from an index of its n-grams kept as it grows: each new token adds
+    its ``max_n - min_n + 1`` n-grams (the latest end of each), so a proposal is a few lookups, not a scan."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}  # seq_id -> (ends indexed, n-gram -> end)
 
     def propose(self, batch: Sequence[tuple[int, Sequence[int], int]]) -> dict[int, list[int]]:
         out = {}
         for seq_id, tokens, k in batch:
-            if found := ngram_propose(tokens, k=k, min_n=self.min_n, max_n=self.max_n):
+            if found := self._lookup(seq_id, tokens, k):
                 out[seq_id] = found
         return out
 
+    def _lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]:
+        size = len(tokens)
+        done, index = self._index.get(seq_id, (0, {}))
+        if done > size - 1:  # shorter than what was indexed: not the sequence it was
+            done, index = 0, {}
+        for end in range(done, size - 1):  # n-grams ending before the last token: the tail's earlier occurrences
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                index[tuple(tokens[end - n + 1:end + 1])] = end
+        self._index[seq_id] = (max(done, size - 1), index)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            last = index.get(tuple(tokens[size - n:]))
+            if last is not None:
+                return list(tokens[last + 1:last + 1 + k])
+        return []
+
     def release(self, seq_ids: Sequence[int]) -> None:
-        return None
+        for seq_id in seq_ids:
+            self._index.pop(seq_id, None)
 
 
 class Speculator:
