@@ -55,8 +55,7 @@ class Step:
     (a prompt, or a recompute) -> that prefill's whole length, which the rope takes as transformers' one call would.
     A new sequence's structured output (``new_params[seq].structured``) carries its constraint, which the rank that
     samples compiles (:data:`~energon_infer.structured.ON_RANK`), or a grammar given compiled (xgrammar's JSON
-    text) the first time this group sees it, then only its key (:class:`~energon_infer.structured.HeldGrammars`);
-    ``history`` then has its outputs so far.
+    text); ``history`` then has its outputs so far.
     """
 
     step_id: int

@@ -34,20 +34,14 @@ from typing import Any
 
 from energon_infer.errors import BadInputError
 
-__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "HELD", "ON_RANK", "GrammarCache", "HeldGrammars", "check",
+__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "ON_RANK", "GrammarCache", "check",
            "compile_grammar", "grammar_cache", "prepare", "tokenizer_info"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-#: :attr:`StructuredOutput.compiled` of a grammar left out of a step: the rank that samples holds it by key
-#: (:class:`HeldGrammars`). xgrammar's JSON always starts with ``{``, so the marker cannot be a grammar.
-HELD = "<held>"
 #: :attr:`StructuredOutput.compiled` of a constraint the engine compiled, which the rank that samples compiles again
 #: for itself: xgrammar's JSON of a compiled grammar serialises and deserialises several times slower than the
 #: grammar compiles, so the request carries the constraint only.
 ON_RANK = "<rank>"
-#: Compiled grammars the rank that samples keeps by key (each is xgrammar's JSON: ~285 KB for a 20-field schema on
-#: a 32k vocabulary, growing with the vocabulary).
-HELD_GRAMMARS = 64
 
 
 class StructuredOutputError(BadInputError, ValueError):
@@ -68,8 +62,7 @@ class StructuredOutput:
             (``additionalProperties``); ``False`` lets the model add any (OpenAI's ``strict``).
         compiled: set by the engine: :data:`ON_RANK` once it compiled (the rank that samples compiles it again);
             or the grammar compiled for the model's vocabulary (xgrammar's JSON), which the request carries to the
-            rank that samples (:data:`HELD` where that rank holds it from an earlier step: :class:`HeldGrammars`);
-            not part of the constraint's identity.
+            rank that samples; not part of the constraint's identity.
     """
 
     json_schema: dict[str, Any] | None = None
@@ -308,93 +301,6 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class HeldGrammars:
-    """The compiled grammars a worker group's rank that samples holds, by key (the least recently used dropped
-    past ``size``), so a grammar crosses to the workers once, not with every request.
-
-    The controller and the rank that samples each keep one, changed the same way in the same order: each step's
-    new sequences' params, in the order the steps are sent (the workers obey them in that order). So the
-    controller's copy (keys only) knows exactly what the rank holds: :meth:`ship` puts :data:`HELD` in place of a
-    held grammar's JSON before the step is sent, and :meth:`take` on the rank puts it back. A restarted group holds
-    nothing: the controller starts a new copy with it. Params without a compiled grammar (``compiled`` None or
-    :data:`ON_RANK`: compiled on the rank itself) change neither copy.
-
-    Args:
-        size: grammars held.
-
-    Example:
-        >>> from energon_infer.sampling import SamplingParams
-        >>> p = SamplingParams(structured=StructuredOutput(regex="a+", compiled='{"grammar": 1}'))
-        >>> controller, rank = HeldGrammars(), HeldGrammars()
-        >>> first, again = controller.ship({1: p}), controller.ship({2: p})
-        >>> first[1].structured.compiled == p.structured.compiled, again[2].structured.compiled
-        (True, '<held>')
-        >>> rank.take(first)[0][1] == rank.take(again)[0][2] == p
-        True
-    """
-
-    def __init__(self, size: int = HELD_GRAMMARS):
-        if size < 1:
-            raise ValueError(f"HeldGrammars size={size} must be at least 1")
-        self.size = size
-        self._held: OrderedDict[tuple[str, str], str | None] = OrderedDict()
-        self.shipped = 0  # grammars sent whole (controller) / received whole (rank)
-        self.named = 0  # grammars named by key only, the rank holding them
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._held
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def _use(self, key: tuple[str, str], text: str | None) -> None:
-        if text is not None or key not in self._held:
-            self._held[key] = text
-        self._held.move_to_end(key)
-        while len(self._held) > self.size:
-            self._held.popitem(last=False)
-
-    def ship(self, params: dict[int, Any]) -> dict[int, Any]:
-        """The controller's side: ``params`` (a step's ``new_params``) with each grammar the rank holds replaced by
-        :data:`HELD`; the others go whole and are held from now on."""
-        out = dict(params)
-        for seq, p in params.items():
-            so = p.structured
-            if so is None or so.compiled in (None, ON_RANK):
-                continue
-            key = so.key
-            if key in self._held:
-                self.named += 1
-                out[seq] = dataclasses.replace(p, structured=dataclasses.replace(so, compiled=HELD))
-            else:
-                self.shipped += 1
-            self._use(key, None)
-        return out
-
-    def take(self, params: dict[int, Any]) -> tuple[dict[int, Any], dict[int, str]]:
-        """The rank's side of :meth:`ship`: ``params`` with each :data:`HELD` grammar put back, and by sequence the
-        ones it does not hold (they fail alone; only a controller that lost track of the rank sends one)."""
-        out, missing = dict(params), {}
-        for seq, p in params.items():
-            so = p.structured
-            if so is None or so.compiled in (None, ON_RANK):
-                continue
-            key = so.key
-            if so.compiled != HELD:
-                self.shipped += 1
-                self._use(key, so.compiled)
-                continue
-            text = self._held.get(key)
-            if text is None:
-                missing[seq] = ("structured output: this worker does not hold the request's compiled grammar (the "
-                                "controller named it by key only); resubmit the request")
-                continue
-            self.named += 1
-            self._use(key, None)
-            out[seq] = dataclasses.replace(p, structured=dataclasses.replace(so, compiled=text))
-        return out, missing
 
 
 def grammar_cache(engine: Any) -> GrammarCache:

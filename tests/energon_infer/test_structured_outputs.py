@@ -406,34 +406,6 @@ def test_the_bitmask_is_filled_on_the_mask_thread_during_the_forward(model_dir):
 # ---------------------------------------------------------------------- what a step carries to the rank
 
 
-def test_held_grammars_keep_the_controller_and_the_rank_in_step():
-    """The controller's copy and the rank's, changed by the same steps: a grammar goes whole the first time and
-    after it was dropped (least recently used past the bound), by key only otherwise; the rank puts it back."""
-    from energon_infer.structured import HELD, HeldGrammars
-
-    def params(*regexes: str) -> dict[int, SamplingParams]:
-        return {i: SamplingParams(structured=StructuredOutput(regex=r, compiled=f'{{"g": "{r}"}}'))
-                for i, r in enumerate(regexes)}
-
-    controller, rank = HeldGrammars(size=2), HeldGrammars(size=2)
-    whole: list[list[str]] = []
-    for step in (params("a", "a"), params("b"), params("a"), params("c"), params("b"), params("a")):
-        sent = controller.ship(step)
-        whole.append([so.regex for p in sent.values() if (so := p.structured).compiled != HELD])
-        taken, missing = rank.take(sent)
-        assert not missing and taken == step  # equal params: the constraint ...
-        assert [p.structured.compiled for p in taken.values()] == [p.structured.compiled for p in step.values()]
-    # a, b held; a again by key; c drops b (a was used last); b whole again, dropping a; a whole again.
-    assert whole == [["a"], ["b"], [], ["c"], ["b"], ["a"]]
-    assert (controller.shipped, controller.named) == (rank.shipped, rank.named) == (5, 2)
-    # A rank that lost track (a fresh one) fails the sequence alone, naming the fix.
-    taken, missing = HeldGrammars().take(controller.ship(params("a")))
-    assert taken[0].structured.compiled == HELD and "resubmit the request" in missing[0]
-    # Params without a compiled grammar (the runner compiles them itself) change neither copy.
-    plain = {0: SamplingParams(structured=StructuredOutput(regex="z"))}
-    assert controller.ship(plain) == plain and "z" not in {k[1] for k in controller._held}
-
-
 def test_a_step_carries_the_constraint_and_the_rank_compiles_it_again_after_a_restart(model_dir, monkeypatch):
     """The engine compiles a schema (so a bad one is refused before it runs) and the step carries the constraint
     only (ON_RANK: no compiled grammar, the step a fraction of xgrammar's JSON of it); the rank compiles it and gives

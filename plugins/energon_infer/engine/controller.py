@@ -15,16 +15,10 @@ Data moves one way: the controller calls the scheduler, the worker group and del
 them calls it back. A restart is the controller's own job: it is given the factory that starts a
 group (:func:`start_group` with the engine's source and layout bound) and calls it again, with its own
 ``cancelled`` test, after a failure.
-
-A grammar a structured request carries compiled (xgrammar's JSON; the engine's own requests carry the constraint
-only, :data:`~energon_infer.structured.ON_RANK`) goes to the workers once per group: the controller's
-:class:`~energon_infer.structured.HeldGrammars` copy knows what the rank that samples holds and names those by key
-only; a restarted group starts with a new, empty copy, so every grammar goes whole again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import sys
@@ -58,7 +52,6 @@ from energon_infer.scheduling.scheduler import (
     Scheduler,
     StepPlan,
 )
-from energon_infer.structured import HeldGrammars
 from energon_infer.worker.workers import ModelSource, SpawnedWorkerGroup
 
 __all__ = ["Controller", "EngineConfig", "WorkerFailedError", "EngineClosedError", "start_group"]
@@ -124,7 +117,6 @@ class Controller:
         self.status = "ready"
         self.last_error = ""
         self.budget = RestartBudget(config.faults.max_restarts, config.faults.restart_window_s)
-        self.held = HeldGrammars()  # what the group's rank that samples holds (a new group: a new copy)
         # Heartbeat while idle: a Ping every heartbeat_s without a step in flight; every rank must answer
         # within step_timeout_s, so a frozen worker is found before the next request waits on it.
         self.heartbeat_s = min(1.0, config.faults.step_timeout_s / 4)
@@ -250,10 +242,7 @@ class Controller:
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
                 for plan, st in zip(plans, stamps):
-                    step = plan.step
-                    if any(p.structured is not None for p in step.new_params.values()):
-                        step = dataclasses.replace(step, new_params=self.held.ship(step.new_params))
-                    self.group.send(step)
+                    self.group.send(plan.step)
                     st.sent = now_ns()
                     self.step_stamps[plan.step_id] = st
                 if self.status == "ready" and not plans and frees:
@@ -370,7 +359,6 @@ class Controller:
             self.metrics.restarts += 1
             try:
                 self.group = self.start_group(cancelled=lambda: self.stop_now)
-                self.held = HeldGrammars()
                 with self.lock:
                     self.ping_sent, self.last_alive = None, time.monotonic()
                     self.status = "ready"

@@ -22,9 +22,7 @@ import torch
 
 from energon_infer.sampling import SampleOutput, Sampler, SamplingParams
 from energon_infer.structured import (
-    HELD,
     ON_RANK,
-    HeldGrammars,
     StructuredOutput,
     StructuredOutputError,
     compile_grammar,
@@ -69,8 +67,6 @@ class GrammarMasks:
         key = structured.key
         got = self._compiled.get(key)
         if got is None:
-            if structured.compiled == HELD:  # GrammarSampler.receive puts held grammars back before any admission
-                raise StructuredOutputError("the request's grammar was named by key only and this rank holds none")
             if structured.compiled not in (None, ON_RANK):
                 got = xgr.CompiledGrammar.deserialize_json(structured.compiled, self.info)
             else:
@@ -257,19 +253,7 @@ class GrammarSampler(Sampler):
         super().__init__(seed)
         self._runner = runner
         self.grammars = SequenceGrammars(self._info, runner.config.vocab_size)
-        self.held = HeldGrammars()  # the compiled grammars the controller sent once (the controller keeps a copy)
         self._pending: tuple[list[int], Future[torch.Tensor]] | None = None
-
-    def receive(self, params: dict[int, SamplingParams]) -> dict[int, SamplingParams]:
-        """A step's new sequences' params as the rank that samples uses them: a grammar the controller named by key
-        (:data:`~energon_infer.structured.HELD`) taken from :attr:`held`, one sent whole held from now on; a
-        sequence whose grammar this rank does not hold fails alone. Other ranks never read a grammar."""
-        grid = self._runner.grid
-        if grid.rank != grid.result_rank or not any(p.structured is not None for p in params.values()):
-            return params
-        params, missing = self.held.take(params)
-        self.grammars.errors.update(missing)
-        return params
 
     def _info(self) -> Any:
         r = self._runner

@@ -341,7 +341,7 @@ class ModelRunner(SpeculativeVerify):
         self.assign_blocks(step.blocks, step.starts, step.copies, step.history, step.swap_in)
         run = step.items if items is None else items  # the default call keeps step's two-argument shape for wrappers
         kw: dict[str, Any] = {name: v for name in ("prefill_lengths", "proposals") if (v := getattr(step, name))}
-        return self.step(run, self.sampler.receive(step.new_params), **(kw if broadcast else {**kw, "broadcast": False}))
+        return self.step(run, step.new_params, **(kw if broadcast else {**kw, "broadcast": False}))
 
     def assign_blocks(self, blocks: Mapping[int, Sequence[int]], starts: Mapping[int, int] | None = None,
                       copies: Sequence[tuple[int, int]] = (),
