@@ -78,7 +78,8 @@ def test_hermes_parses_blocks_and_keeps_what_is_not_a_call(text, content, calls)
      [_call("a", n=1), _call("b")]),
     (' {"name": "a", "arguments": {}}\n', "", [_call("a")]),
     ('{"city": "Oslo"}', '{"city": "Oslo"}', []),  # JSON, not a call
-    ('{"name": "a", "parameters": {}} and then words', '{"name": "a", "parameters": {}} and then words', []),
+    # a call from its head on (streamed as it is written): what follows it stays content
+    ('{"name": "a", "parameters": {}} and then words', "and then words", [_call("a")]),
     ("It is sunny.", "It is sunny.", []),
 ])
 def test_llama3_parses_a_whole_output_of_calls(text, content, calls):
@@ -140,10 +141,11 @@ def test_stream_sends_content_before_the_call_completes():
     s = ToolOutput("auto", HermesParser()).stream()
     assert s.feed("The weather") == [{"content": "The weather"}]
     assert s.feed(" <tool") == [{"content": " "}]
-    assert s.feed('_call>{"name": "f", "arguments": {"a"') == []  # a call is being written: nothing yet
-    first, args = s.feed(": 1}}</tool_call>")
+    # The head is written: the call opens, and its arguments go out as they are written.
+    first, args = s.feed('_call>{"name": "f", "arguments": {"a"')
     assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": ""} and first["tool_calls"][0]["id"]
-    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert s.feed(": 1}}</tool_call>") == [{"tool_calls": [{"index": 0, "function": {"arguments": ': 1}'}}]}]
     assert s.feed("\n") == [] and s.finish() == []  # whitespace after a call is dropped
 
 

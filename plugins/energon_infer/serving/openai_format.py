@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from energon_infer.engine.delivery import Completion
+from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
 from energon_infer.serving.tool_calls import ToolCallStream, ToolOutput
+from energon_infer.serving.tool_stream import MarkerText
 
 __all__ = ["Reply", "CompletionReply", "ChatReply", "Choice", "completion_logprobs", "chat_logprobs", "usage", "metrics", "sse", "error_event", "completion_choice",
            "chat_choice", "completion_chunk", "chat_chunk"]
@@ -143,9 +145,9 @@ class Reply(Protocol):
         """The stream chunk of choice ``index``'s new ``text`` (and its tokens' logprobs, when asked)."""
 
     def chunks(self, index: int, text: str, reason: str | None,
-               lps: tuple[list[int], list[TokenLogprobs]] | None) -> list[dict[str, Any]]:
-        """The stream chunks of choice ``index``'s new ``text``: :meth:`chunk`'s, or more or none where the text
-        holds tool calls."""
+               lps: tuple[list[int], list[TokenLogprobs]] | None, token: int | None = None) -> list[dict[str, Any]]:
+        """The stream chunks of choice ``index``'s new ``text`` (of its new ``token``): :meth:`chunk`'s, or more or
+        none where the text holds tool calls."""
 
     def first(self, choices: int) -> list[dict[str, Any]]:
         """The chunks a stream starts with, before any token."""
@@ -164,7 +166,8 @@ class CompletionReply:
         logprobs = None if lps is None else completion_logprobs(lps[0], lps[1], self.decode)
         return completion_chunk(self.rid, self.model, [completion_choice(index, text, reason, logprobs)])
 
-    def chunks(self, index: int, text: str, reason: str | None, lps: Any) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, reason: str | None, lps: Any, token: int | None = None
+               ) -> list[dict[str, Any]]:
         return [self.chunk(index, text, reason, lps)]
 
     def first(self, choices: int) -> list[dict[str, Any]]:
@@ -183,13 +186,18 @@ class CompletionReply:
 
 class ChatReply:
     """``/v1/chat/completions``: a stream opens each choice with the assistant's role; ``tools``: how the output
-    becomes content and tool calls (default: all content)."""
+    becomes content and tool calls (default: all content). Where the parser's markers are special tokens, it reads
+    the output decoded from its tokens with the markers kept."""
 
     def __init__(self, rid: str, model: str, decode: Callable[[list[int]], str] | None,
                  tools: ToolOutput | None = None):
         self.rid, self.model, self.decode = rid, model, decode
         self.tools = tools or ToolOutput()
         self._streams: dict[int, ToolCallStream] = {}
+        parser = self.tools.parser
+        self._keep = (MarkerText(decode, parser.special) if self.tools.kind == "auto" and parser is not None
+                      and parser.special and decode is not None else None)
+        self._texts: dict[int, IncrementalDetokenizer] = {}
 
     def chunk(self, index: int, text: str, reason: str | None, lps: Any) -> dict[str, Any]:
         delta = {"content": text} if text or reason is None else {}
@@ -197,10 +205,17 @@ class ChatReply:
         return chat_chunk(self.rid, self.model, [{"index": index, "delta": delta, "logprobs": logprobs,
                                                   "finish_reason": reason}])
 
-    def chunks(self, index: int, text: str, reason: str | None, lps: Any) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, reason: str | None, lps: Any, token: int | None = None
+               ) -> list[dict[str, Any]]:
         if self.tools.kind == "text":
             return [self.chunk(index, text, reason, lps)]
         stream = self._streams.setdefault(index, self.tools.stream())
+        if self._keep is not None:  # the same text, from the tokens, with the markers in it
+            keep = self._texts.setdefault(index, self._keep.incremental())
+            text = keep.add(token) if token is not None else ""
+            if reason is not None:
+                settled = len(keep.text)
+                text += keep.finish()[settled:]
         deltas = stream.feed(text)
         if reason is not None:
             deltas += stream.finish()
@@ -224,7 +239,7 @@ class ChatReply:
     def response(self, done: list[Completion], prompt_tokens: int) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(done):
-            content, calls = self.tools.extract(c.text or "")
+            content, calls = self.tools.extract(self._keep(c.token_ids) if self._keep is not None else c.text or "")
             choices.append(chat_choice(i, content or (None if calls else ""), _tool_finish(c.finish_reason, bool(calls)),
                                        chat_logprobs(c.token_ids, c.logprobs, self.decode),
                                        [call.to_openai(self.tools.new_id()) for call in calls]))

@@ -77,7 +77,7 @@ from energon_infer.serving.openai_format import ChatReply, CompletionReply, Repl
 from energon_infer.serving.server_config import ServerConfig
 from energon_infer.serving.streaming import TokenStream, wait_all
 from energon_infer.serving.structured_fields import compiled_jobs
-from energon_infer.serving.tool_calls import make_parser, parser_for_template
+from energon_infer.serving.tool_calls import bind_tokenizer, make_parser, parser_for_template
 from energon_infer.serving.tool_requests import compile_tool_grammar, tool_output_of
 
 __all__ = ["ServerConfig", "ApiError", "EnergonServer", "build_app", "serve", "BackgroundServer"]
@@ -102,9 +102,9 @@ class EnergonServer:
         self.created = int(time.time())
         self.template = chat_template or ChatTemplate.for_engine(engine)
         # The format tool calls are parsed in: the configured one, else the one the chat template writes.
-        named_parser = self.config.tool_call_parser
-        self.tool_parser = make_parser(named_parser) if named_parser else parser_for_template(self.template.text)
-        self.tool_parser_source = "--tool-call-parser" if named_parser else "the chat template"
+        named = self.config.tool_call_parser
+        self.tool_parser = bind_tokenizer(make_parser(named) if named else parser_for_template(self.template.text), engine)
+        self.tool_parser_source = "--tool-call-parser" if named else "the chat template"
         self.defaults = generation_defaults(engine.source.path) if Path(engine.source.path).is_dir() else {}
         self.closing_since: float | None = None  # set when uvicorn begins its graceful shutdown
         self.signals: list[int] = []  # the signals that stopped the server (serve() turns them into its exit status)

@@ -170,7 +170,8 @@ class TokenStream:
                 if ev.token_id is not None:
                     completion_tokens += 1
                 lps = None if ev.logprobs is None or ev.token_id is None else ([ev.token_id], [ev.logprobs])
-                for chunk in self.reply.chunks(index, ev.text, ev.finish_reason, lps):  # none while text is held
+                # none while text is held; the token: for a reply that decodes it itself
+                for chunk in self.reply.chunks(index, ev.text, ev.finish_reason, lps, ev.token_id):
                     yield sse(chunk)
                 if ev.finish_reason is not None:
                     live.discard(index)

@@ -7,20 +7,22 @@ assistant's ``tool_calls`` in:
   block per call, anywhere in the text;
 * ``llama3`` (Llama 3.1-3.3 JSON tool calling): the whole output is ``{"name": ..., "parameters": {...}}``,
   possibly after ``<|python_tag|>``, several separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token that
-  decoding drops, so a JSON array of calls at the start of the output counts too).
+* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (a JSON array of calls at the start of
+  the output counts too), and from tokenizer v11 on (Mistral Small 3.x, Devstral) ``[TOOL_CALLS]name[ARGS]{...}``,
+  one marker per call; both are read, and the template's ``[ARGS]`` picks the one :meth:`~ToolCallParser.render`
+  writes.
 
 :func:`parser_for_template` picks the parser whose markers the template writes (``tightfit serve
 --tool-call-parser`` overrides it). Text that does not parse as a call stays the message's ``content``: nothing
-the model wrote is lost. With calls, the whitespace between and around them is dropped.
+the model wrote is lost. With calls, the whitespace between and around them is dropped. A call is a call from
+its head on (``{"name": "f", "arguments":``, see :mod:`~energon_infer.serving.tool_scan`): one cut by
+``max_tokens`` keeps the arguments written.
 
 :class:`ToolOutput` is what one chat request asked for (``tool_choice``): ``auto`` parses the output with the
 parser; a named function and ``required`` constrain decoding to JSON (:func:`required_schema`, the function's
 ``parameters``), so their arguments always validate; ``none`` (and a model without a parser) keeps the text.
-:class:`ToolCallStream` turns one choice's text deltas into OpenAI's streamed deltas: a call is sent once it is
-complete (a first delta with ``index``, ``id``, ``type`` and ``function.name``, then ``function.arguments``),
-a named function's arguments as they come, and content is held back while a call may be starting, so the
-deltas put together equal the answer of the same request without streaming.
+:class:`~energon_infer.serving.tool_stream.ToolCallStream` turns one choice's text deltas into OpenAI's streamed
+deltas.
 
 Example:
     >>> content, calls = HermesParser().parse('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
@@ -31,85 +33,51 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from energon_infer.serving.tool_scan import (
+    MAYBE,
+    OpenCall,
+    ToolCall,
+    as_call,
+    match_head,
+    partial_suffix,
+    read_call,
+    read_tail,
+    skip_ws,
+    visible,
+)
+from energon_infer.serving.tool_stream import ToolCallStream, special_markers
+
 __all__ = ["ToolCall", "ToolCallParser", "HermesParser", "Llama3Parser", "MistralParser", "PARSERS",
-           "parser_for_template", "make_parser", "required_schema", "ToolOutput", "ToolCallStream"]
+           "parser_for_template", "make_parser", "bind_tokenizer", "required_schema", "ToolOutput", "ToolCallStream"]
 
 _DECODER = json.JSONDecoder()
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One call: the function's name and its arguments as JSON text (an object)."""
-
-    name: str
-    arguments: str
-
-    def to_openai(self, call_id: str) -> dict[str, Any]:
-        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _as_call(obj: Any) -> ToolCall | None:
-    """``{"name": str, "arguments" | "parameters": object or its JSON text}`` as a call; anything else ``None``."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
-def _partial_suffix(text: str, pos: int, marker: str) -> int:
-    """How many characters at the end of ``text[pos:]`` could be the beginning of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text) - pos), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
-def _visible(pieces: Sequence[str | ToolCall], final: bool) -> tuple[str, list[ToolCall]]:
-    """The content and calls of scanned pieces. With calls, whitespace-only text between and around them is
-    dropped; text at the end that is only whitespace is held back until the end (a call may follow)."""
-    out, calls, buf = [], [], ""
-    for p in pieces:
-        if isinstance(p, str):
-            buf += p
-            continue
-        if buf and not buf.isspace():
-            out.append(buf)
-        buf = ""
-        calls.append(p)
-    if buf and (not buf.isspace() or (final and not calls)):
-        out.append(buf)
-    return "".join(out), calls
-
-
 class ToolCallParser(ABC):
-    """One tool-call format. :meth:`scan` is the one method a format writes; :meth:`render` its inverse."""
+    """One tool-call format. :meth:`scan` is the one method a format writes; :meth:`render` its inverse.
+
+    ``special``: the format's markers that are special tokens of the served tokenizer (token id -> marker), which
+    decoding drops; the server decodes the output keeping them (:func:`bind_tokenizer`)."""
 
     name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]
+
+    def __init__(self) -> None:
+        self.special: dict[int, str] = {}
 
     @abstractmethod
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
-        """``(pieces, decided)``: ``text[:decided]`` as text and calls, each piece final whatever text follows;
-        ``final``: the output is complete, so everything is decided."""
+    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall | OpenCall], int]:
+        """``(pieces, decided)``: the content and calls of ``text`` that are decided (``tool_scan``'s module
+        docstring), the last call possibly still open, and how far the text is decided; ``final``: the output is
+        complete, so everything is decided."""
 
     @abstractmethod
     def render(self, calls: Sequence[ToolCall]) -> str:
@@ -117,49 +85,61 @@ class ToolCallParser(ABC):
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A finished output as ``(content, calls)``; content is ``""`` when only calls were written."""
-        return _visible(self.scan(text, True)[0], final=True)
+        content, calls = visible(self.scan(text, True)[0], final=True)
+        return content, [c for c in calls if isinstance(c, ToolCall)]  # a finished output has no open call
 
     def new_id(self) -> str:
         return "call_" + secrets.token_hex(12)
 
 
-def _scan_markers(text: str, final: bool, pos: int, pieces: list[str | ToolCall], opener: str,
-                  read: Callable[[str, int, bool], tuple[list[ToolCall] | None, int] | None]
-                  ) -> tuple[list[str | ToolCall], int]:
-    """Text with calls that start at ``opener``; ``read(text, after_opener, final)`` gives the calls (``None``:
-    not calls, the text stays content) and where they end, or ``None`` while they may still be incomplete."""
-    while True:
-        start = text.find(opener, pos)
-        if start < 0:
-            end = len(text) if final else len(text) - _partial_suffix(text, pos, opener)
-            if end > pos:
-                pieces.append(text[pos:end])
-            return pieces, max(pos, end)
-        if start > pos:
-            pieces.append(text[pos:start])
-        got = read(text, start + len(opener), final)
-        if got is None:
-            return pieces, start
-        calls, end = got
-        if calls is None:
-            pieces.append(text[start:end])
-        else:
-            pieces.extend(calls)
-        pos = end
+Pieces = list[str | ToolCall | OpenCall]
 
 
 def _json_list(text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int] | None:
-    """A JSON array (or one object) of calls at ``pos``."""
-    pos = _skip_ws(text, pos)
+    """A whole JSON array (or one object) of calls at ``pos`` (``None`` in the list: not calls)."""
+    pos = skip_ws(text, pos)
     try:
         value, end = _DECODER.raw_decode(text, pos)
     except ValueError:
         return (None, len(text)) if final else None
     items = value if isinstance(value, list) else [value]
-    calls = [_as_call(x) for x in items]
+    calls = [as_call(x) for x in items]
     if not items or any(c is None for c in calls):
         return None, end
     return [c for c in calls if c is not None], end
+
+
+def _read_array(text: str, mark: int, pos: int, final: bool, pieces: Pieces) -> int | None:
+    """The calls of a JSON array whose ``[`` ends at ``pos``, appended to ``pieces``; where the text goes on after
+    them (``None``: the array is not finished). An array whose first item does not open as a call is read whole:
+    calls if it parses as calls, else content from ``mark`` (its marker) on; one that stops being calls leaves the
+    rest to content."""
+    first = True
+    while True:
+        p = skip_ws(text, pos)
+        head = match_head(text, p)
+        if head == MAYBE and not final:
+            return None
+        if not isinstance(head, tuple):
+            if not first:
+                return p
+            got = _json_list(text, pos - 1, final)
+            if got is None:
+                return None
+            calls, end = got
+            pieces.extend(calls if calls is not None else [text[mark:end]])
+            return end
+        call, last = read_call(text, head[0], head[1], None, final)
+        pieces.append(call)
+        if last is None:
+            return None
+        q = skip_ws(text, last)
+        q = skip_ws(text, q + 1) if text.startswith("}", q) else q
+        if q == len(text):
+            return q if final else None
+        if text[q] != ",":
+            return q + 1 if text[q] == "]" else q
+        pos, first = q + 1, False
 
 
 class HermesParser(ToolCallParser):
@@ -167,20 +147,48 @@ class HermesParser(ToolCallParser):
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN, CLOSE)
 
-    def _read(self, text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int] | None:
+    def _whole(self, text: str, pos: int, final: bool) -> tuple[ToolCall | None, int] | None:
+        """A block read whole once it is closed (or the output ended): a call if it parses as one."""
         close = text.find(self.CLOSE, pos)
         if close < 0 and not final:
             return None
         body, end = (text[pos:], len(text)) if close < 0 else (text[pos:close], close + len(self.CLOSE))
         try:
-            call = _as_call(json.loads(body))
+            return as_call(json.loads(body)), end
         except ValueError:
-            call = None
-        return ([call] if call is not None else None), end
+            return None, end
 
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
-        return _scan_markers(text, final, 0, [], self.OPEN, self._read)
+    def scan(self, text: str, final: bool) -> tuple[Pieces, int]:
+        pieces: Pieces = []
+        pos = 0
+        while True:
+            start = text.find(self.OPEN, pos)
+            if start < 0:
+                end = len(text) if final else len(text) - partial_suffix(text, pos, self.OPEN)
+                if end > pos:
+                    pieces.append(text[pos:end])
+                return pieces, max(pos, end)
+            if start > pos:
+                pieces.append(text[pos:start])
+            body = start + len(self.OPEN)
+            head = match_head(text, body)
+            if head == MAYBE and not final:
+                return pieces, start
+            if isinstance(head, tuple):
+                call, last = read_call(text, head[0], head[1], self.CLOSE, final)
+                pieces.append(call)
+                after = None if last is None else read_tail(text, last, (self.CLOSE,), final)
+                if after is None:
+                    return pieces, start
+                pos = after
+                continue
+            got = self._whole(text, body, final)
+            if got is None:
+                return pieces, start
+            whole, pos = got
+            pieces.append(whole if whole is not None else text[start:pos])
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(f"{self.OPEN}\n" + json.dumps({"name": c.name, "arguments": json.loads(c.arguments)},
@@ -188,26 +196,86 @@ class HermesParser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``; a bare array of calls at the start counts too."""
+    """Mistral's two formats, both read whatever the template: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``
+    (tokenizers before v11; a bare array of calls at the start counts too) and ``[TOOL_CALLS]name[ARGS]{...}``,
+    one marker per call (v11 on: Mistral Small 3.x, Devstral; ``[CALL_ID]id`` before ``[ARGS]`` is skipped).
+
+    Args:
+        args_format: :meth:`render` writes the v11 format (the template writes ``[ARGS]``).
+    """
 
     name = "mistral"
-    OPEN = "[TOOL_CALLS]"
+    OPEN, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    markers = (OPEN, ARGS, CALL_ID)
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
-        lead = _skip_ws(text, 0)
-        pieces: list[str | ToolCall] = [text[:lead]] if lead else []
+    def __init__(self, args_format: bool = False) -> None:
+        super().__init__()
+        self.args_format = args_format
+
+    def _named(self, text: str, pos: int, final: bool) -> tuple[str, int] | int | None:
+        """``name[ARGS]`` (or ``name[CALL_ID]id[ARGS]``) at ``pos``: ``(name, where the arguments start)``,
+        ``MAYBE`` or ``None``."""
+        m = self._NAME.match(text, pos)
+        q = m.end() if m else pos
+        rest = text[q:]
+        if rest.startswith(self.CALL_ID):
+            args = text.find(self.ARGS, q)
+            if args < 0:
+                return None if final else MAYBE
+            rest, q = self.ARGS, args
+        if m and rest.startswith(self.ARGS):
+            return m.group(), q + len(self.ARGS)
+        if not final and (self.ARGS.startswith(rest) or self.CALL_ID.startswith(rest)):
+            return MAYBE
+        return None
+
+    def scan(self, text: str, final: bool) -> tuple[Pieces, int]:
+        lead = skip_ws(text, 0)
+        pieces: Pieces = [text[:lead]] if lead else []
+        rest = text[lead:]
+        if not final and len(rest) < len(self.OPEN) and self.OPEN.startswith(rest):
+            return pieces, lead
         pos = 0
-        if text.startswith("[", lead) and not text.startswith(self.OPEN, lead):
-            got = _json_list(text, lead, final)
-            if got is None:
+        if rest.startswith("[") and not rest.startswith(self.OPEN):  # the array, its marker dropped by decoding
+            after = _read_array(text, lead, lead + 1, final, pieces)
+            if after is None:
                 return pieces, lead
-            calls, end = got
-            if calls is not None:
-                pieces.extend(calls)
-                pos = end
-        return _scan_markers(text, final, pos, pieces if pos else [], self.OPEN, _json_list)
+            pos = after
+        else:
+            pieces = []
+        while True:
+            start = text.find(self.OPEN, pos)
+            if start < 0:
+                end = len(text) if final else len(text) - partial_suffix(text, pos, self.OPEN)
+                if end > pos:
+                    pieces.append(text[pos:end])
+                return pieces, max(pos, end)
+            if start > pos:
+                pieces.append(text[pos:start])
+            body = skip_ws(text, start + len(self.OPEN))
+            if body == len(text) and not final:
+                return pieces, start
+            if text.startswith("[", body):
+                after = _read_array(text, start, body + 1, final, pieces)
+            else:
+                head = self._named(text, body, final)
+                if head == MAYBE:
+                    return pieces, start
+                if head is None:  # not a call: the marker and what follows stay content
+                    pieces.append(text[start:body])
+                    pos = body
+                    continue
+                assert isinstance(head, tuple)
+                call, after = read_call(text, head[0], head[1], self.OPEN, final)
+                pieces.append(call)
+            if after is None:
+                return pieces, start
+            pos = after
 
     def render(self, calls: Sequence[ToolCall]) -> str:
+        if self.args_format:
+            return "".join(f"{self.OPEN}{c.name}{self.ARGS}{c.arguments}" for c in calls)
         return self.OPEN + json.dumps([{"name": c.name, "arguments": json.loads(c.arguments)} for c in calls],
                                       ensure_ascii=False)
 
@@ -217,16 +285,18 @@ class MistralParser(ToolCallParser):
 
 
 class Llama3Parser(ToolCallParser):
-    """The whole output is ``{"name": ..., "parameters": {...}}`` (``;``-separated for several), possibly after
-    ``<|python_tag|>``; otherwise it is all content."""
+    """The output is ``{"name": ..., "parameters": {...}}`` (``;``-separated for several), possibly after
+    ``<|python_tag|>``; text after the calls stays content. An output that does not open with a call's head is
+    read whole at the end: calls if it all parses as calls (keys in any order), else content."""
 
     name = "llama3"
     TAG = "<|python_tag|>"
+    markers = (TAG,)
 
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
-        lead = _skip_ws(text, 0)
+    def scan(self, text: str, final: bool) -> tuple[Pieces, int]:
+        lead = skip_ws(text, 0)
         rest = text[lead:]
-        pieces: list[str | ToolCall] = [text[:lead]] if lead else []
+        pieces: Pieces = [text[:lead]] if lead else []
         if rest.startswith(self.TAG):
             pos = lead + len(self.TAG)
         elif rest.startswith("{"):
@@ -235,24 +305,47 @@ class Llama3Parser(ToolCallParser):
             return pieces, lead
         else:
             return ([text] if text else []), len(text)
-        if not final:
-            return pieces, lead  # a call, or not, is known only from the whole output
-        calls: list[ToolCall] = []
+        first = True
         while True:
-            pos = _skip_ws(text, pos)
+            p = skip_ws(text, pos)
+            head = match_head(text, p)
+            if head == MAYBE and not final:
+                return pieces, p
+            if not isinstance(head, tuple):
+                if not first:  # what follows the calls is content, from the separator on
+                    pieces.append(text[pos - 1:])
+                    return pieces, len(text)
+                return (self._whole(text, pos, pieces) if final else pieces), (len(text) if final else lead)
+            call, end = read_call(text, head[0], head[1], None, final)
+            pieces.append(call)
+            after = None if end is None else read_tail(text, end, (), final)
+            if after is None:
+                return pieces, p
+            if after == len(text):
+                return pieces, after
+            if text[after] != ";":
+                pieces.append(text[after:])
+                return pieces, len(text)
+            pos, first = after + 1, False
+
+    def _whole(self, text: str, pos: int, lead: Pieces) -> Pieces:
+        """A finished output that did not open with a head: calls if all of it parses as calls, else content."""
+        calls: Pieces = []
+        while True:
+            pos = skip_ws(text, pos)
             try:
                 value, pos = _DECODER.raw_decode(text, pos)
             except ValueError:
-                return [text], len(text)
-            call = _as_call(value)
+                return [text]
+            call = as_call(value)
             if call is None:
-                return [text], len(text)
+                return [text]
             calls.append(call)
-            pos = _skip_ws(text, pos)
+            pos = skip_ws(text, pos)
             if pos == len(text):
-                return [*pieces, *calls], len(text)
+                return [*lead, *calls]
             if text[pos] != ";":
-                return [text], len(text)
+                return [text]
             pos += 1
 
     def render(self, calls: Sequence[ToolCall]) -> str:
@@ -279,7 +372,7 @@ def parser_for_template(template: str | None) -> ToolCallParser | None:
     if HermesParser.OPEN in template:
         return HermesParser()
     if MistralParser.OPEN in template:
-        return MistralParser()
+        return MistralParser(args_format=MistralParser.ARGS in template)
     if Llama3Parser.TAG in template or ('"parameters"' in template and "ipython" in template):
         return Llama3Parser()
     return None
@@ -299,23 +392,23 @@ def required_schema(functions: Sequence[tuple[str, dict[str, Any] | None]], *, p
     return schema
 
 
-def _scan_required(text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+def _scan_required(text: str, final: bool) -> tuple[Pieces, int]:
     """The output of ``tool_choice="required"``: a JSON array of calls; each call is decided once its object is
     complete; text that is not one (an output cut by ``max_tokens``) stays content."""
-    lead = _skip_ws(text, 0)
+    lead = skip_ws(text, 0)
     if lead == len(text):
         return ([text] if final and text else []), (len(text) if final else 0)
     if text[lead] != "[":
         return [text], len(text)
-    pieces: list[str | ToolCall] = []
+    pieces: Pieces = []
     pos = lead + 1
     while True:
-        pos = _skip_ws(text, pos)
+        pos = skip_ws(text, pos)
         if pos < len(text) and text[pos] == "]":
             return ([*pieces, text[pos + 1:]] if pieces else [text]), len(text)  # no calls: all of it is content
         try:
             value, end = _DECODER.raw_decode(text, pos)
-            call = _as_call(value)
+            call = as_call(value)
         except ValueError:
             call = None
         if call is None:
@@ -323,7 +416,7 @@ def _scan_required(text: str, final: bool) -> tuple[list[str | ToolCall], int]:
                 return pieces, pos if pieces else 0
             return [*pieces, text[pos if pieces else 0:]], len(text)
         pieces.append(call)
-        pos = _skip_ws(text, end)
+        pos = skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos += 1
 
@@ -353,12 +446,13 @@ class ToolOutput:
             assert self.function is not None
             return "", [ToolCall(self.function, text)]
         if self.kind == "required":
-            return _visible(_scan_required(text, True)[0], final=True)
+            content, calls = visible(_scan_required(text, True)[0], final=True)
+            return content, [c for c in calls if isinstance(c, ToolCall)]
         if self.kind == "auto" and self.parser is not None:
             return self.parser.parse(text)
         return text, []
 
-    def scan(self, text: str, final: bool) -> tuple[list[str | ToolCall], int]:
+    def scan(self, text: str, final: bool) -> tuple[Pieces, int]:
         if self.kind == "required":
             return _scan_required(text, final)
         if self.kind == "auto" and self.parser is not None:
@@ -369,59 +463,9 @@ class ToolOutput:
         return ToolCallStream(self)
 
 
-class ToolCallStream:
-    """One choice's text deltas as OpenAI's chat deltas (see the module docstring).
-
-    Example:
-        >>> s = ToolOutput("auto", HermesParser()).stream()
-        >>> s.feed("hi <tool_")
-        [{'content': 'hi '}]
-        >>> [d["tool_calls"][0]["function"] for d in s.feed('call>{"name": "f", "arguments": {}}</tool_call>')]
-        [{'name': 'f', 'arguments': ''}, {'arguments': '{}'}]
-    """
-
-    def __init__(self, output: ToolOutput):
-        self.output = output
-        self.text = ""
-        self._content_sent = 0
-        self.calls: list[ToolCall] = []
-        self._ids: list[str] = []
-
-    @property
-    def called(self) -> bool:
-        return bool(self._ids)
-
-    def _call_deltas(self, call: ToolCall) -> list[dict[str, Any]]:
-        index = len(self._ids)
-        self._ids.append(self.output.new_id())
-        self.calls.append(call)
-        head = {"tool_calls": [{"index": index, "id": self._ids[-1], "type": "function",
-                                "function": {"name": call.name, "arguments": ""}}]}
-        return [head] + ([{"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
-                         if call.arguments else [])
-
-    def feed(self, delta: str, final: bool = False) -> list[dict[str, Any]]:
-        """The deltas ``delta`` (the next text) lets out; ``final``: it is the last."""
-        self.text += delta
-        if self.output.kind == "named":
-            assert self.output.function is not None
-            head = [] if self.called else self._call_deltas(ToolCall(self.output.function, ""))
-            return head + ([{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}] if delta else [])
-        if self.output.kind == "text" or (self.output.kind == "auto" and self.output.parser is None):
-            return [{"content": delta}] if delta else []
-        content, calls = _visible(self.output.scan(self.text, final)[0], final)
-        out: list[dict[str, Any]] = []
-        # Content is sent as it is decided, in order with the calls around it: what was decided before a call is
-        # a prefix of the content (the text between calls is whitespace, dropped, or part of the content).
-        if len(content) > self._content_sent:
-            out.append({"content": content[self._content_sent:]})
-            self._content_sent = len(content)
-        for call in calls[len(self.calls):]:
-            out.extend(self._call_deltas(call))
-        return out
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The deltas still held back at the end of the output."""
-        if self.output.kind == "named" and not self.called:
-            return self.feed("")
-        return self.feed("", final=True) if self.output.kind in ("auto", "required") else []
+def bind_tokenizer(parser: ToolCallParser | None, engine: Any) -> ToolCallParser | None:
+    """``parser``, told which of its markers are special tokens of ``engine``'s tokenizer (Qwen 2.5/3 mark
+    ``<tool_call>`` so): the server then parses a decode of the output that keeps them."""
+    if parser is not None and getattr(engine, "tokenizer", None) is not None:
+        parser.special = special_markers(engine.tokenizer, engine.decode, parser.markers)
+    return parser
