@@ -19,6 +19,15 @@ from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
 from tightfit.storage.host import return_large_frees
+from tightfit.storage.staging import (
+    IOCounters,
+    IOTotals,
+    ReadAhead,
+    StagingBuffers,
+    Tally,
+    WriteBehind,
+    WriteBehindError,
+)
 from tightfit.storage.store import DEFAULT_EXTENT_BYTES, DEFAULT_WORKERS, TensorInfo, TensorStore
 
 __all__ = [
@@ -34,6 +43,13 @@ __all__ = [
     "free_bytes",
     "return_large_frees",
     "aligned_empty",
+    "StagingBuffers",
+    "ReadAhead",
+    "WriteBehind",
+    "WriteBehindError",
+    "IOCounters",
+    "IOTotals",
+    "Tally",
     "IOEngine",
     "ExtentIO",
     "checksum",

@@ -87,7 +87,6 @@ class Chunk:
 class Staging:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     writes: list[Future[Any]] = field(default_factory=list)
-    reads: list[Future[Any]] = field(default_factory=list)
     master: torch.Tensor | None = None  # tier-3 chunks: the chunk's master weights
     grad: torch.Tensor | None = None  # tier-4 chunks: the chunk's gradients, read from disk
 

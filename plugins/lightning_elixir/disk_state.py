@@ -71,7 +71,7 @@ from lightning_elixir.disk_layout import (
 )
 from lightning_elixir.disk_params import DiskParameters
 from lightning_elixir.optim import host_group
-from tightfit.storage import TensorStore, aligned_empty
+from tightfit.storage import ReadAhead, TensorStore, aligned_empty
 
 __all__ = ["DiskOptimizerState", "StepIO", "flat_layout", "CHUNK_ELEMENTS", "ALIGN_ELEMENTS", "local_of"]
 
@@ -193,27 +193,28 @@ class DiskOptimizerState:
         if self.master is not None:
             self.master.settle()  # every tier-3 unit's newest weights in the store, none held: the step updates those
         self._allocate_master()
-        if not first:
+        ahead: ReadAhead[int, Staging] | None = None
+        if not first:  # chunk i+1's state comes in while chunk i updates, into the other staging set
             self._allocate()
-            self._read(0)
+            ahead = ReadAhead(range(len(self.chunks)), self._read, depth=1)
         unwritten: list[int] = []  # first step: chunks whose parameters had no gradient, so no state yet
         try:
             for i, chunk in enumerate(self.chunks):
-                if not first and i + 1 < len(self.chunks):
-                    self._read(i + 1)  # unit i+1's state comes in while chunk i updates
-                if first:
+                if ahead is None:
                     if not self._first_chunk(chunk, groups, i):
                         unwritten.append(i)
                 else:
-                    s = self._staging[i % 2]
-                    self._wait(s.reads)
+                    t = time.perf_counter()
+                    s = ahead.take(i)
+                    self._waited += time.perf_counter() - t
                     self._chunk_step(chunk, groups, before, s)
                     self._write(chunk, s)  # written back behind it
             if unwritten and self.keys is not None:
                 self._write_zero_state(unwritten)
         finally:
+            if ahead is not None:
+                ahead.close()
             for s in self._staging:
-                self._wait(s.reads)
                 self._wait(s.writes)
             # Freed until the next step: forward and backward run without them, as the planner prices the step.
             self._freed_staging, self._staging = self.staging_bytes, []
@@ -271,14 +272,18 @@ class DiskOptimizerState:
         self.bytes_read += n * size
         return [self.store.read_into(self.master.name(chunk.unit), s.master[:n], chunk.lo * size)]
 
-    def _read(self, i: int) -> None:
-        chunk, s = self.chunks[i], self._staging[i % 2]
-        self._wait(s.writes)  # its buffers still hold chunk i-2 on its way out
+    def _read(self, i: int, slot: int) -> Staging:
+        """Chunk ``i``'s state (and master weights, gradients) read into staging set ``slot`` (on the read-ahead
+        thread: the step waits for it only when it takes the chunk)."""
+        chunk, s = self.chunks[i], self._staging[slot]
+        writes, s.writes = s.writes, []
+        wait_all(writes)  # its buffers still hold chunk i-2 on its way out (a failed write raises at the take)
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize
         assert self.keys is not None
-        s.reads = [self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
-                   for k in self.keys] + self._read_master(chunk, s) + self._read_grad(chunk, s)
+        wait_all([self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
+                  for k in self.keys] + self._read_master(chunk, s) + self._read_grad(chunk, s))
         self.bytes_read += n * size * len(self.keys)
+        return s
 
     def _write(self, chunk: Chunk, s: Staging) -> None:
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize

@@ -36,14 +36,13 @@ import shutil
 import tempfile
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tightfit.profiler.types import DiskProfile
-from tightfit.storage import TensorStore, check_disk_dir
+from tightfit.storage import TensorStore, WriteBehind, WriteBehindError, check_disk_dir
 from torchrec_cache.disk import DiskRows, RowRead
 from torchrec_cache.layout import KeySpace, mix_hash
 from torchrec_cache.sketch import FrequencySketch
@@ -95,8 +94,8 @@ class HostLevel:
         self.capacity = slots
         R = disk.record_bytes
         self.out_pos, self.out_rec = torch.empty(0, dtype=torch.int64), torch.empty(0, R, dtype=torch.uint8)
-        self.inflight: list[tuple[torch.Tensor, torch.Tensor, Future[None]]] = []  # write jobs, oldest first
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_cache-writeback")
+        self.writes: WriteBehind[tuple[torch.Tensor, torch.Tensor]] = WriteBehind(
+            lambda job: disk.write(*job), max_pending=WRITES_IN_FLIGHT, name="torchrec_cache-writeback")
         self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
         self._used = False  # whether any row entered the level, the outbox or the read-ahead
         self.reading: list[_Reading] = []  # read-aheads in flight
@@ -125,7 +124,7 @@ class HostLevel:
 
     def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows written but not yet on disk, newest first: the outbox, then the jobs in flight."""
-        return [(self.out_pos, self.out_rec)] + [(p, r) for p, r, _ in reversed(self.inflight)]
+        return [(self.out_pos, self.out_rec), *reversed(self.writes.pending())]
 
     # ------------------------------------------------------------------ the lookahead window on disk
     def stage(self, pos: torch.Tensor, step: int) -> None:
@@ -289,27 +288,27 @@ class HostLevel:
             self._settle_inflight(wait=False)
             if self.out_pos.numel() == 0:
                 return
-            while len(self.inflight) >= WRITES_IN_FLIGHT:
-                cf.wait([self.inflight[0][2]])
-                self._settle_inflight(wait=False)
-            pos, rec = self.out_pos, self.out_rec
-            self.out_pos, self.out_rec = pos[:0], rec[:0]
-            self.inflight.append((pos, rec, self.pool.submit(self.disk.write, pos, rec)))
+            job = (self.out_pos, self.out_rec)
+            try:
+                self.writes.submit(job)
+            except WriteBehindError as err:
+                self._requeue(err)
+            self.out_pos, self.out_rec = job[0][:0], job[1][:0]
 
     def _settle_inflight(self, *, wait: bool = True) -> None:
         """Drop the finished jobs at the head of the queue (``wait``: every job, waiting for them). A failed job:
         every job is waited for and their rows are pending again, oldest first, under the outbox; then it raises."""
-        while self.inflight and (wait or self.inflight[0][2].done()):
-            if self.inflight[0][2].exception() is None:
-                self.inflight.pop(0)
-                continue
-            jobs, self.inflight = self.inflight, []
-            cf.wait([f for _, _, f in jobs])
-            pos, rec = self.out_pos, self.out_rec
-            for p, r, _ in reversed(jobs):  # newest first: each merges under what is newer than it
-                pos, rec = _merge(p, r, pos, rec)
-            self.out_pos, self.out_rec = pos, rec
-            raise next(f.exception() for _, _, f in jobs if f.exception() is not None)  # type: ignore[misc]
+        try:
+            self.writes.settle(wait=wait)
+        except WriteBehindError as err:
+            self._requeue(err)
+
+    def _requeue(self, err: WriteBehindError) -> None:
+        pos, rec = self.out_pos, self.out_rec
+        for p, r in reversed(err.payloads):  # newest first: each merges under what is newer than it
+            pos, rec = _merge(p, r, pos, rec)
+        self.out_pos, self.out_rec = pos, rec
+        raise err.error from None
 
     def persist(self) -> None:
         """Write every dirty host row and the outbox to disk and wait (a checkpoint's durability point)."""
@@ -357,7 +356,7 @@ class HostLevel:
         return int((self.slot_pos >= 0).sum())
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.writes.close()
 
 
 def _isin(x: torch.Tensor, sorted_ref: torch.Tensor) -> torch.Tensor:

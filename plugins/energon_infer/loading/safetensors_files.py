@@ -10,13 +10,10 @@ unpickled or executed, offsets must lie inside the file, each extent must hold e
 :class:`Extent` and reads a whole tensor, or a range of its rows (one tensor-parallel rank's slice of a
 column-parallel weight is a contiguous row range), with ``os.preadv`` into a buffer it returns.
 
-Reads bypass the page cache where the filesystem allows (``O_DIRECT``): the aligned superset of a tensor's
-byte range (whole :data:`DIRECT_ALIGN` blocks) is read into an aligned part of the caller's buffer
-(:func:`direct_buffer_bytes` sizes one) and the tensor is a view inside it. A streamed layer is read again
-next pass anyway, and buffered reads under a memory limit (a cgroup) cost more than their bytes: readahead
-past each tensor's end, and cached pages that count against the limit and evict what the process keeps.
-Where ``O_DIRECT`` is refused (tmpfs, some network filesystems) reads are buffered, with readahead off
-(``POSIX_FADV_RANDOM``) and, with ``drop_page_cache``, the range dropped (``POSIX_FADV_DONTNEED``) after it.
+Each file is read through the store's reader of foreign files (:class:`tightfit.storage.external.ExternalFile`):
+``O_DIRECT`` where the filesystem allows, the aligned superset of a tensor's byte range read into an aligned part
+of the caller's buffer (:func:`direct_buffer_bytes` sizes one) and the tensor a view inside it; else buffered,
+readahead off, and with ``drop_page_cache`` the range dropped from the page cache after it.
 
 A file that changes under a running server (its size or modification time differ from when it was
 opened) is refused: :meth:`TensorFiles.check` raises :class:`CheckpointChangedError` naming it, and the
@@ -36,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import struct
@@ -47,6 +43,9 @@ import torch
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.weights import WeightError, _read_index
+from tightfit.storage import ChecksumError
+from tightfit.storage.external import ExternalFile, direct_buffer_bytes
+from tightfit.storage.fs import ALIGN
 
 __all__ = ["Extent", "TensorFiles", "CheckpointChangedError", "read_header", "direct_buffer_bytes", "DTYPES",
            "MAX_HEADER_BYTES", "DIRECT_ALIGN"]
@@ -60,15 +59,8 @@ DTYPES: dict[str, torch.dtype] = {
 # The format's own limit (the reference implementation refuses larger headers): a hostile length field
 # cannot make the reader allocate gigabytes.
 MAX_HEADER_BYTES = 100_000_000
-# O_DIRECT's alignment of file offsets, lengths and buffer addresses: the page size, a multiple of every
-# common device's logical block (512 or 4096 bytes).
-DIRECT_ALIGN = 4096
-
-
-def direct_buffer_bytes(nbytes: int) -> int:
-    """A read buffer's size that holds any ``nbytes``-byte range read directly (``O_DIRECT``): the range widened
-    to whole aligned blocks at both ends, plus the slack to align the buffer's own address."""
-    return nbytes + 3 * DIRECT_ALIGN
+# O_DIRECT's alignment of file offsets, lengths and buffer addresses (the store's).
+DIRECT_ALIGN = ALIGN
 
 
 class CheckpointChangedError(BadInputError, RuntimeError):
@@ -163,35 +155,27 @@ class TensorFiles:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.path}; the disk "
                                     "tier reads a Hugging Face safetensors directory")
-        self.drop_page_cache = drop_page_cache
         self.stamps: dict[Path, tuple[int, int]] = {}
         self.extents: dict[str, Extent] = {}
-        self._fds: dict[Path, int] = {}
-        self._direct: dict[Path, int] = {}  # files opened with O_DIRECT as well (where the filesystem allows it)
+        self._files: dict[Path, ExternalFile] = {}
         for file in files:
             st = os.stat(file)
             self.stamps[file] = (st.st_size, st.st_mtime_ns)
             self.extents.update(read_header(file, st.st_size))
-            self._fds[file] = os.open(file, os.O_RDONLY)
-            if direct:
-                self._open_direct(file)
-        self.direct_reads = 0
-        self.buffered_reads = 0
-
-    def _open_direct(self, file: Path) -> None:
-        flag = getattr(os, "O_DIRECT", 0)
-        try:
-            if flag:
-                self._direct[file] = os.open(file, os.O_RDONLY | flag)
-        except OSError:  # EINVAL: the filesystem has no direct I/O (tmpfs); buffered reads it is
-            pass
-        if file not in self._direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fds[file], 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is asked
+            self._files[file] = ExternalFile(file, direct=direct, drop_page_cache=drop_page_cache)
 
     @property
     def direct(self) -> bool:
         """Whether every file is read with ``O_DIRECT``."""
-        return bool(self._fds) and set(self._direct) == set(self._fds)
+        return bool(self._files) and all(f.direct for f in self._files.values())
+
+    @property
+    def direct_reads(self) -> int:
+        return sum(f.direct_reads for f in self._files.values())
+
+    @property
+    def buffered_reads(self) -> int:
+        return sum(f.buffered_reads for f in self._files.values())
 
     def keys(self) -> list[str]:
         return list(self.extents)
@@ -222,65 +206,17 @@ class TensorFiles:
         shape = (hi - lo, *ext.shape[1:]) if ext.shape else ()
         start = ext.start + lo * ext.row_bytes
         nbytes = (hi - lo) * ext.row_bytes if ext.shape else ext.nbytes
-        if out is not None and ext.file in self._direct:
-            got = self._read_direct(ext.file, start, nbytes, out, ext.dtype.itemsize)
-            if got is not None:
-                return got.view(ext.dtype).view(shape)
-        buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
-        self.read_bytes(ext.file, start, buf)
-        return buf.view(ext.dtype).view(shape)
-
-    def _read_direct(self, file: Path, start: int, nbytes: int, out: torch.Tensor, itemsize: int
-                     ) -> torch.Tensor | None:
-        """Bytes ``[start, start + nbytes)`` of ``file`` as a view of ``out``, read with ``O_DIRECT`` (whole aligned
-        blocks into an aligned part of ``out``); ``None`` where ``out`` is too small, the range's dtype alignment
-        or the filesystem refuses (then the file is read buffered from now on)."""
-        lead, skew = start % DIRECT_ALIGN, (-out.data_ptr()) % DIRECT_ALIGN
-        span = -(-(lead + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
-        if lead % itemsize or skew + span > out.numel():  # not viewable in place, or no room
-            return None
-        begin = start - lead
-        window = out[skew: skew + span]
-        fd, view, done = self._direct[file], memoryview(window.numpy()), 0  # type: ignore[arg-type]
+        buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
         try:
-            while done < lead + nbytes:  # a short read only at the file's end (the last block is partial)
-                got = os.preadv(fd, [view[done:]], begin + done)
-                if got <= 0:
-                    self._no_data(file, begin + done)
-                done += got
-        except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise
-            refused = self._direct.pop(file, -1)  # this filesystem or device refuses the alignment: buffered now
-            if refused >= 0:
-                os.close(refused)
-                os.posix_fadvise(self._fds[file], 0, 0, os.POSIX_FADV_RANDOM)
-            return None
-        self.direct_reads += 1
-        return window[lead: lead + nbytes]
-
-    def _no_data(self, file: Path, at: int) -> None:
-        """A read came back empty: the file was truncated under the reader (named as a change where it shows)."""
-        self.check({file})
-        raise CheckpointChangedError(f"{file}: a read at byte {at} returned no data (the file is shorter than its "
-                                     "header says: it changed or was truncated while serving); restore it or restart "
-                                     "the engine on the new checkpoint")
-
-    def read_bytes(self, file: Path, start: int, buf: torch.Tensor) -> None:
-        """Fill the contiguous ``uint8`` tensor ``buf`` from ``file`` at byte ``start`` (short reads continue)."""
-        fd, view, done = self._fds[file], memoryview(buf.numpy()), 0  # type: ignore[arg-type]
-        total = len(view)
-        while done < total:
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got <= 0:
-                self._no_data(file, start + done)
-            done += got
-        self.buffered_reads += 1
-        if self.drop_page_cache and total:
-            os.posix_fadvise(fd, start, total, os.POSIX_FADV_DONTNEED)
+            got = self._files[ext.file].read(start, nbytes, buf, ext.dtype.itemsize)
+        except ChecksumError as err:  # the file ends before the range: it changed or was truncated under us
+            self.check({ext.file})
+            raise CheckpointChangedError(f"{ext.file}: a read at byte {err.offset} came back short (the file is shorter "
+                                         "than its header says: it changed or was truncated while serving); restore it "
+                                         "or restart the engine on the new checkpoint") from None
+        return got.view(ext.dtype).view(shape)
 
     def close(self) -> None:
-        for fd in [*self._fds.values(), *self._direct.values()]:
-            os.close(fd)
-        self._fds.clear()
-        self._direct.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

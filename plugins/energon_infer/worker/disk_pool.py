@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +52,9 @@ from energon_infer.worker.quantized_pool import (
 from energon_infer.worker.runtime_config import DTYPES
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.profiler.types import DiskProfile
+from tightfit.storage import IOCounters, StagingBuffers, Tally
 
 __all__ = ["DiskLayer", "plan_tiers", "stage_weights", "resolve_disk", "install_tiered_pool", "pool_snapshot", "read_buffer_bytes"]
-
-
-class _Scratch(threading.local):
-    """One read buffer per I/O thread, reused for every tensor it reads (sized once: no growth while serving)."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.buf: torch.Tensor | None = None
-
-    def get(self) -> torch.Tensor:
-        if self.buf is None:
-            self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
-        return self.buf
 
 
 class DiskLayer(SlotLayer):
@@ -79,14 +65,14 @@ class DiskLayer(SlotLayer):
         index: its layer number in the model (``layers.<index>.`` in the runtime's names).
         files: the checkpoint's tensors by byte range.
         cfg: the model; grid: this rank's place (which rows a column-parallel weight reads).
-        scratch: the per-thread read buffer.
+        scratch: the per-thread read buffers (the checkpoint's tensors pass through them).
         nonfinite: the first read checks the values as loading does (``"warn"``, ``"error"``, ``"ignore"``).
         prefix: the runtime's name of ``block`` with a trailing dot (default ``layers.<index>.``; an expert of an MoE
             layer is ``layers.<index>.moe.experts.<e>.``, :mod:`energon_infer.worker.expert_pool`).
     """
 
     def __init__(self, block: nn.Module, index: int, files: TensorFiles, cfg: ModelConfig, grid: Grid,
-                 scratch: _Scratch, *, nonfinite: str = "warn", prefix: str | None = None):
+                 scratch: StagingBuffers, *, nonfinite: str = "warn", prefix: str | None = None):
         super().__init__(block)
         names = {id(p): n for n, p in block.named_parameters()}
         keys = set(files.keys())
@@ -107,22 +93,8 @@ class DiskLayer(SlotLayer):
         # Parameters filled grouped by the checkpoint tensor they come from: a fused tensor many parameters are
         # sliced from (gpt-oss's experts) is read once a fill, not once per parameter.
         self._order = source_order([parts for _, parts in self.recipe])
-        # (reads, bytes, seconds) of the completed fills, replaced whole when a fill ends: a report taken while
-        # a prefetch is reading never counts its bytes without its read.
-        self.totals: tuple[int, int, float] = (0, 0, 0.0)
-        self._pending = 0  # bytes of the fill in progress
-
-    @property
-    def reads(self) -> int:
-        return self.totals[0]
-
-    @property
-    def bytes_read(self) -> int:
-        return self.totals[1]
-
-    @property
-    def read_s(self) -> float:
-        return self.totals[2]
+        self.io = IOCounters()  # one read per completed fill
+        self._tally = Tally()  # bytes of the fill in progress
 
     def _fetch(self, part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
         ext, grid = self.files.extents[part.source], self.grid
@@ -131,7 +103,7 @@ class DiskLayer(SlotLayer):
                 and ext.shape[0] % grid.tp == 0):
             rows = ext.shape[0] // grid.tp  # this rank's rows only: a contiguous byte range
             t = self.files.read(part.source, (grid.tp_rank * rows, (grid.tp_rank + 1) * rows), out=buf)
-            self._pending += t.numel() * t.element_size()
+            self._tally.bytes += t.numel() * t.element_size()
             self._last = None
             return t, ext.shape, True
         key = (part.source, part.rows)
@@ -139,24 +111,22 @@ class DiskLayer(SlotLayer):
             t = self._last[1]  # GPT-2's fused c_attn feeds q, k and v: read once (still in the buffer)
         else:  # the whole tensor, or only the rows the part takes (a fused tensor's expert)
             t = self.files.read(part.source, part.rows, out=buf)
-            self._pending += t.numel() * t.element_size()
+            self._tally.bytes += t.numel() * t.element_size()
             self._last = (key, t)
         if part.transform is not None:
             t = part.transform(t)
         return t, tuple(t.shape), False
 
     def fill(self, dst: torch.Tensor) -> None:
-        start = time.perf_counter()
-        self.files.check(self.used)
-        self._last, self._pending = None, 0
-        nonfinite = self.nonfinite if self.reads == 0 else "ignore"  # checked once, as loading does
-        for i in self._order:
-            (_, _, off, shape, transposed), (name, parts) = self.entries[i], self.recipe[i]
-            view = _view(dst[off: off + shape.numel()], shape, transposed)
-            build_param(self.cfg, self.grid, name, tuple(shape), parts, self._fetch, nonfinite=nonfinite, out=view)
-        self.files.check(self.used)  # changed while we read: these bytes may mix two versions
-        reads, nbytes, seconds = self.totals
-        self.totals = (reads + 1, nbytes + self._pending, seconds + time.perf_counter() - start)
+        nonfinite = self.nonfinite if self.io.totals.reads == 0 else "ignore"  # checked once, as loading does
+        with self.io.reading() as self._tally:
+            self.files.check(self.used)
+            self._last = None
+            for i in self._order:
+                (_, _, off, shape, transposed), (name, parts) = self.entries[i], self.recipe[i]
+                view = _view(dst[off: off + shape.numel()], shape, transposed)
+                build_param(self.cfg, self.grid, name, tuple(shape), parts, self._fetch, nonfinite=nonfinite, out=view)
+            self.files.check(self.used)  # changed while we read: these bytes may mix two versions
 
 
 def resolve_disk(disk: Any, path: str | Path) -> DiskProfile:
@@ -285,7 +255,8 @@ def install_tiered_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig, p
         from energon_infer.worker.disk_vocab import install_disk_vocab
 
         install_disk_vocab(stage, cfg, grid, files, config.disk_vocab, runner.dtype)
-    scratch = _Scratch(read_buffer_bytes(stage, cfg, files))
+    # Not pinned: the tensors are copied into the slot from here synchronously, as build_param assembles them.
+    scratch = StagingBuffers(read_buffer_bytes(stage, cfg, files), pin=False)
     blocks = list(stage.layers.items())
     disk = {i: DiskLayer(blocks[i][1], int(blocks[i][0]), files, cfg, grid, scratch,
                          nonfinite=runner.runtime.nonfinite_weights) for i in plan.disk_layers}
@@ -306,12 +277,13 @@ def pool_snapshot(pool: LayerPool | None, plan: PoolPlan | None) -> dict[str, An
     if pool is None or plan is None:
         return {}
     disk: list[Any] = [layer for layer in pool.packed if isinstance(layer, (DiskLayer, StoredLayer))]
+    io = {d.index: d.io.totals for d in disk}
     stored = [d for d in disk if isinstance(d, StoredLayer)]
     store = {"disk_store": str(stored[0].store.path), "disk_layers_written": sum(d.written for d in stored),
              "disk_layer_bytes": {d.index: d.numel for d in stored}} if stored else {}
     experts = pool.experts.snapshot() if pool.experts is not None else {}
-    return {**store, **experts, "disk_layers": [d.index for d in disk], "disk_reads": {d.index: d.reads for d in disk},
-            "disk_bytes_read": sum(d.bytes_read for d in disk) + experts.get("expert_bytes_read", 0),
-            "disk_read_s": sum(d.read_s for d in disk),
+    return {**store, **experts, "disk_layers": list(io), "disk_reads": {i: t.reads for i, t in io.items()},
+            "disk_bytes_read": sum(t.bytes_read for t in io.values()) + experts.get("expert_bytes_read", 0),
+            "disk_read_s": sum(t.read_s for t in io.values()),
             "pool_wait_s": pool.wait_s, "pool_waits": pool.waits, "pool_copies": pool.copies,
             "disk_bytes_per_pass": plan.disk_bytes, "io_seconds_per_pass": plan.io_seconds}

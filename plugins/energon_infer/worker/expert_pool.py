@@ -53,11 +53,12 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
 from energon_infer.loading.weights import hf_parts
 from energon_infer.parallel import Grid
-from energon_infer.worker.disk_pool import DiskLayer, _Scratch
+from energon_infer.worker.disk_pool import DiskLayer
 from tightfit.planner.experts import ExpertPlan
 from tightfit.policy.experts import ExpertCache, belady_hits
 from tightfit.profiler.experts import ExpertPopularity
 from tightfit.profiler.types import ProfileError
+from tightfit.storage import StagingBuffers
 
 __all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "lookahead_experts", "moe_layers"]
 
@@ -128,7 +129,7 @@ class ExpertPool:
             raise ValueError(f"ExpertPool: lookahead={lookahead!r} must be an int >= 0 (experts read ahead per layer); "
                              "give 0 to turn lookahead off or None for one token's picks")
         self.plan, self.files = plan, files
-        scratch = _Scratch(expert_read_buffer_bytes(stage, cfg, files))
+        scratch = StagingBuffers(expert_read_buffer_bytes(stage, cfg, files), pin=False)
         self.units: list[dict[int, DiskLayer]] = []
         for li, (idx, moe) in enumerate(layers):
             experts = cast(nn.ModuleDict, moe.experts)
@@ -184,7 +185,7 @@ class ExpertPool:
     @property
     def bytes_read(self) -> int:
         """Bytes every expert read took, on demand and ahead (completed reads only)."""
-        return sum(u.bytes_read for units in self.units for u in units.values())
+        return sum(u.io.totals.bytes_read for units in self.units for u in units.values())
 
     @property
     def held_bytes(self) -> int:

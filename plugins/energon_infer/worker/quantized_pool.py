@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ from energon_infer.parallel import quant_tiling, tile_weight
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer
 from tightfit.memory_limit import release_freed_heap
 from tightfit.planner.pool import PoolPlan, plan_pool
-from tightfit.storage import ALIGN, TensorStore, aligned_empty
+from tightfit.storage import ALIGN, IOCounters, StagingBuffers, TensorStore, aligned_empty
 
 __all__ = ["ByteSlotLayer", "QuantHostLayer", "StoredLayer", "packed_layer_bytes", "apply_quantized_pool",
            "quantized_store_dir", "open_quantized_store", "write_missing_layers", "install_quantized_pool", "store_buffer_bytes",
@@ -144,19 +142,6 @@ class QuantHostLayer(ByteSlotLayer):
         dst.copy_(self.flat, non_blocking=dst.device.type == "cuda")
 
 
-class _Staging(threading.local):
-    """One pinned, aligned host buffer per I/O thread for reads bound for a GPU slot (sized once)."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.buf: torch.Tensor | None = None
-
-    def get(self) -> torch.Tensor:
-        if self.buf is None:
-            self.buf = aligned_empty(self.nbytes, pin_memory=torch.cuda.is_available())
-        return self.buf
-
-
 class StoredLayer(ByteSlotLayer):
     """A block whose quantized bytes live in a :class:`TensorStore` (``layer.<index>.<layout>``), read each pass.
 
@@ -164,10 +149,10 @@ class StoredLayer(ByteSlotLayer):
         block: the block, its (quantized) parameters on the meta device.
         index: its layer number in the model.
         store: the quantized store (:func:`open_quantized_store`).
-        staging: the per-thread host buffer for GPU slots.
+        staging: the per-thread host buffers (pinned) for GPU slots.
     """
 
-    def __init__(self, block: nn.Module, index: int, store: TensorStore, staging: _Staging):
+    def __init__(self, block: nn.Module, index: int, store: TensorStore, staging: StagingBuffers):
         super().__init__(block)
         self.placeholders = list(self.params)  # already meta
         self.params = []
@@ -177,21 +162,17 @@ class StoredLayer(ByteSlotLayer):
         # The layout in the name: a store written by another layout of the block is never read as this one.
         self.name = f"layer.{index}.{hashlib.sha256(repr(layout).encode()).hexdigest()[:12]}"
         self.written = False  # whether this load quantized and wrote it (False: reused from the store)
-        self.reads = 0
-        self.bytes_read = 0
-        self.read_s = 0.0
+        self.io = IOCounters()
 
     def fill(self, dst: torch.Tensor) -> None:
-        start = time.perf_counter()
-        if dst.device.type == "cpu":
-            self.store.read_into(self.name, dst).result()
-        else:  # the store moves host memory: read into this thread's staging buffer, then copy on the stream
-            buf = self.staging.get()[: self.numel]
-            self.store.read_into(self.name, buf).result()
-            dst.copy_(buf, non_blocking=True)
-        self.reads += 1
-        self.bytes_read += self.numel
-        self.read_s += time.perf_counter() - start
+        with self.io.reading() as tally:
+            if dst.device.type == "cpu":
+                self.store.read_into(self.name, dst).result()
+            else:  # the store moves host memory: read into this thread's staging buffer, then copy on the stream
+                buf = self.staging.get()[: self.numel]
+                self.store.read_into(self.name, buf).result()
+                dst.copy_(buf, non_blocking=True)
+            tally.bytes += self.numel
 
     def close(self) -> None:
         self.store.close()  # idempotent: every stored layer of a pool shares the store
@@ -386,7 +367,7 @@ def install_quantized_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig
     layers: dict[int, SlotLayer] = {}
     if plan.disk_layers:
         store = open_quantized_store(path, runner, config, largest)
-        staging = _Staging(largest)
+        staging = StagingBuffers(largest)  # pinned where CUDA is present
         stored = {i: StoredLayer(blocks[i], int(keys[i]), store, staging) for i in plan.disk_layers}
         write_missing_layers(store, path, runner, list(stored.values()))
         layers.update(stored)
