@@ -2,10 +2,10 @@
 
 A :class:`StructuredOutput` on :class:`~energon_infer.sampling.SamplingParams` (``structured=``) names one
 constraint: a JSON schema, any JSON object, a regular expression, a choice among strings, or an EBNF grammar (as
-xgrammar takes it). The engine compiles it against the model's vocabulary (:class:`GrammarCache`: compiled once
-per ``(kind, canonical text)``, on a thread pool, off the engine loop), so a constraint that cannot compile is
-refused before it runs; the rank that samples compiles it again for itself, on its mask thread beside the step's
-forward (:data:`ON_RANK`: cheaper than carrying xgrammar's JSON of it there), and keeps one
+xgrammar takes it). The engine checks it before admitting the request (:func:`prepare`: its grammar built without
+the vocabulary, once per ``(kind, canonical text)``: :class:`CheckCache`), so a constraint that cannot be built is a
+400 naming its schema path; the rank that samples compiles it for the model's vocabulary, on its mask thread beside
+the step's forward (:data:`ON_RANK`: the only compile), and keeps one
 matcher per request (:class:`energon_infer.worker.grammar.GrammarMasks`): before each draw the tokens the grammar cannot take next are set to
 ``-inf``, each sampled token advances the matcher, the EOS is allowed only where the grammar may end, and a
 grammar that has ended ends the request (``finish_reason="stop"``).
@@ -25,23 +25,23 @@ import dataclasses
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from energon_infer.errors import BadInputError
 
-__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "ON_RANK", "GrammarCache", "check",
-           "compile_grammar", "grammar_cache", "prepare", "tokenizer_info"]
+__all__ = ["StructuredOutput", "StructuredOutputError", "KINDS", "ON_RANK", "REFUSED", "CHECKS", "CheckCache", "check",
+           "compile_grammar", "compiles", "prepare", "tokenizer_info"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-#: :attr:`StructuredOutput.compiled` of a constraint the engine compiled, which the rank that samples compiles again
-#: for itself: xgrammar's JSON of a compiled grammar serialises and deserialises several times slower than the
-#: grammar compiles, so the request carries the constraint only.
+#: :attr:`StructuredOutput.compiled` of a constraint the engine checked, which the rank that samples compiles (the
+#: engine compiles nothing: xgrammar's JSON of a compiled grammar serialises and deserialises several times slower
+#: than the grammar compiles, so the request carries the constraint only).
 ON_RANK = "<rank>"
+#: How the error of a request whose constraint the rank could not compile begins (the server answers it with a 400).
+REFUSED = "structured output refused: "
 
 
 class StructuredOutputError(BadInputError, ValueError):
@@ -60,9 +60,9 @@ class StructuredOutput:
         grammar: the output is a sentence of this EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``).
         strict: with ``json_schema``: properties not listed are refused unless the schema allows them
             (``additionalProperties``); ``False`` lets the model add any (OpenAI's ``strict``).
-        compiled: set by the engine: :data:`ON_RANK` once it compiled (the rank that samples compiles it again);
-            or the grammar compiled for the model's vocabulary (xgrammar's JSON), which the request carries to the
-            rank that samples; not part of the constraint's identity.
+        compiled: set by the engine: :data:`ON_RANK` once it checked (the rank that samples compiles it); or the
+            grammar compiled for the model's vocabulary (xgrammar's JSON), which the request carries to the rank that
+            samples; not part of the constraint's identity.
     """
 
     json_schema: dict[str, Any] | None = None
@@ -99,7 +99,7 @@ class StructuredOutput:
         """``(kind, canonical text)``: equal constraints have equal keys (the compile cache's key)."""
         kind = self.kind
         if kind == "json_schema":
-            return kind, json.dumps({"schema": self.json_schema, "strict": self.strict}, sort_keys=True,
+            return kind, json.dumps({"schema": _canonical(self.json_schema), "strict": self.strict},
                                     separators=(",", ":"))
         if kind == "json_object":
             return kind, ""
@@ -133,6 +133,17 @@ class StructuredOutput:
         if kind == "choice":
             return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in (self.choice or ()))
         return kind, text
+
+
+def _canonical(node: Any, names: bool = False) -> Any:
+    """A schema with its keys sorted except the property names of a ``properties`` map (``names``), whose order
+    is the order the output writes them in."""
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    items = node.items() if names else sorted(node.items())
+    return {k: _canonical(v, names=not names and k == "properties") for k, v in items}
 
 
 # ---------------------------------------------------------------------- compiling (xgrammar, imported lazily)
@@ -225,18 +236,36 @@ def _pointer(name: str) -> str:
 
 def json_grammar(structured: StructuredOutput) -> str:
     """The EBNF grammar of a ``json_schema`` / ``json_object`` constraint: compact JSON (``", "`` and ``": "``
-    between items, no other whitespace: a model cannot spend its tokens on whitespace), whose strings hold no raw
-    control character (xgrammar 0.2.9's rule for a string with ``maxLength`` lets U+0000-U+001F through, which
-    JSON forbids and strict parsers such as Pydantic's refuse)."""
+    between items, no other whitespace: a model cannot spend its tokens on whitespace), the properties in the
+    schema's order (a tool call's ``name`` before its ``arguments``: the call is decided early), whose strings hold
+    no raw control character (xgrammar 0.2.9's rule for a string with ``maxLength`` lets U+0000-U+001F through,
+    which JSON forbids and strict parsers such as Pydantic's refuse), no surrogate's bytes (not UTF-8) and no
+    ``\\u`` escape of a lone surrogate (U+D800-U+DFFF outside a high-low pair: Pydantic refuses it too)."""
     schema = structured.json_schema if structured.json_schema is not None else {"type": "object"}
-    ebnf = str(import_xgrammar().Grammar.from_json_schema(json.dumps(schema, sort_keys=True), any_whitespace=False,
-                                               strict_mode=structured.strict))
-    return ebnf.replace(r"[^\"\\\r\n]", r"[^\"\\\0-\x1f]")
+    ebnf = str(import_xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                          strict_mode=structured.strict))
+    for plain, strict in _STRING_CHARACTERS:
+        ebnf = ebnf.replace(plain, strict)
+    return ebnf.replace(_ANY_ESCAPE, _PAIRED_ESCAPE)
+
+
+#: xgrammar's classes of a JSON string's characters, and what energon allows: no control character, and no
+#: surrogate code point (U+D800-U+DFFF, which xgrammar reads from the 3 bytes that would encode one: not UTF-8, so
+#: the text decodes to 3 replacement characters, breaking a ``maxLength`` and any strict parser).
+_STRING_CHARACTERS = ((r"[^\"\\\r\n]", r"[^\"\\\0-\x1f\uD800-\uDFFF]"),
+                      (r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"))
+_HEX = "[A-Fa-f0-9]"
+_ANY_ESCAPE = f'("u" {_HEX} {_HEX} {_HEX} {_HEX})'
+#: ``\\u`` escapes of a code point outside the surrogates, or of a high surrogate followed by a low one.
+_PAIRED_ESCAPE = (f'("u" [0-9A-Ca-cE-Fe-f] {_HEX} {_HEX} {_HEX}) | ("u" [Dd] [0-7] {_HEX} {_HEX}) | '
+                  f'("u" [Dd] [89ABab] {_HEX} {_HEX} "\\\\u" [Dd] [C-Fc-f] {_HEX} {_HEX})')
 
 
 def compile_grammar(compiler: Any, structured: StructuredOutput) -> Any:
     """``structured`` compiled by an xgrammar ``GrammarCompiler`` (raises StructuredOutputError)."""
     kind, text = structured.as_grammar_source()
+    with _COMPILES_LOCK:
+        _COMPILES[0] += 1
     try:
         if kind in ("json_schema", "json_object"):
             return compiler.compile_grammar(json_grammar(structured))
@@ -253,79 +282,66 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:500] or type(exc).__name__
 
 
-class GrammarCache:
-    """Grammars compiled by ``(kind, canonical text)`` (least recently used dropped past ``size``), on a thread
-    pool: :meth:`compile` returns a future of what a request carries to the rank that samples
-    (:attr:`StructuredOutput.compiled`: :data:`ON_RANK`, the grammar compiled; it raises for one that cannot), so
-    the caller's thread waits, not the engine loop.
+class CheckCache:
+    """The outcome of :func:`check` by ``(kind, canonical text)`` (the least recently used dropped past ``size``):
+    a schema a server sees again is not built again, a bad one is refused again from its message.
 
     Args:
-        info: the :func:`tokenizer_info` of the engine's tokenizer.
-        size: compiled grammars kept.
-        threads: compiles at once.
+        size: outcomes kept.
     """
 
-    def __init__(self, info: Any, *, size: int = 64, threads: int = 2):
-        xgr = import_xgrammar()
-        self.info = info
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="energon-grammar")
-        self._lru: OrderedDict[tuple[str, str], Future[str]] = OrderedDict()
+    def __init__(self, size: int = 1024):
+        self._lru: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # None: it builds
         self._lock = threading.Lock()
         self.size = size
-        self.compiles = 0  # compiles started (a cache hit starts none)
+        self.checks = 0  # grammars built (a hit builds none)
 
-    def compile(self, structured: StructuredOutput) -> Future[str]:
+    def check(self, structured: StructuredOutput) -> None:
+        """:func:`check`, once per constraint (raises StructuredOutputError)."""
         key = structured.key
         with self._lock:
-            fut = self._lru.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            known = key in self._lru
+            why = self._lru.get(key)
+            if known:
                 self._lru.move_to_end(key)
-                return fut
-            self.compiles += 1
-            fut = self._pool.submit(self._compile, structured)
-            self._lru[key] = fut
-            while len(self._lru) > self.size:
-                self._lru.popitem(last=False)
-            return fut
-
-    def with_compiled(self, structured: StructuredOutput, timeout: float | None = None) -> StructuredOutput:
-        """``structured`` carrying its compiled grammar (waits for the compile; raises StructuredOutputError)."""
-        if structured.compiled is not None:
-            return structured
-        return dataclasses.replace(structured, compiled=self.compile(structured).result(timeout))
-
-    def _compile(self, structured: StructuredOutput) -> str:
-        compile_grammar(self._compiler, structured)
-        return ON_RANK
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not known:
+            try:
+                check(structured)
+                why = None
+            except StructuredOutputError as exc:
+                why = str(exc)
+            with self._lock:
+                self.checks += 1
+                self._lru[key] = why
+                while len(self._lru) > self.size:
+                    self._lru.popitem(last=False)
+        if why is not None:
+            raise StructuredOutputError(why)
 
 
-def grammar_cache(engine: Any) -> GrammarCache:
-    """The engine's grammar cache, made on first use (the engine's tokenizer, vocabulary and EOS tokens)."""
-    with _CACHES_LOCK:
-        cache = _CACHES.get(engine)
-        if cache is None:
-            if engine.tokenizer is None:
-                raise StructuredOutputError("structured outputs need the model's tokenizer; put tokenizer.json in "
-                                            "the model directory or pass tokenizer=...")
-            cache = _CACHES[engine] = GrammarCache(tokenizer_info(engine.tokenizer, engine.vocab_size,
-                                                                  engine.eos_token_ids))
-        return cache
+CHECKS = CheckCache()  #: the process's :func:`check` outcomes (the server's and the engine's)
+
+
+def compiles() -> int:
+    """Grammars this process compiled for a vocabulary (:func:`compile_grammar`): none on the engine's side,
+    which checks (:class:`CheckCache`) and leaves the compile to the rank that samples."""
+    return _COMPILES[0]
 
 
 def prepare(engine: Any, params: Any) -> Any:
-    """``params`` (:class:`~energon_infer.sampling.SamplingParams`) ready to run on ``engine``: a structured output's
-    grammar compiled (on the engine's :class:`GrammarCache` pool: this caller waits, the engine loop does not;
-    ``compiled`` :data:`ON_RANK`).
-    Raises StructuredOutputError for a constraint that cannot compile."""
+    """``params`` (:class:`~energon_infer.sampling.SamplingParams`) ready to run on ``engine``: a structured output
+    checked (:data:`CHECKS`: built once per constraint, without the vocabulary) and marked :data:`ON_RANK` (the
+    rank that samples compiles it). Raises StructuredOutputError for a constraint that cannot be built, before the
+    request is admitted."""
     so = params.structured
     if so is None or so.compiled is not None:
         return params
-    return dataclasses.replace(params, structured=grammar_cache(engine).with_compiled(so))
+    if engine.tokenizer is None:
+        raise StructuredOutputError("structured outputs need the model's tokenizer; put tokenizer.json in the model "
+                                    "directory or pass tokenizer=...")
+    CHECKS.check(so)
+    return dataclasses.replace(params, structured=dataclasses.replace(so, compiled=ON_RANK))
 
 
-_CACHES: weakref.WeakKeyDictionary[Any, GrammarCache] = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
+_COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()

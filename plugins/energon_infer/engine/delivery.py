@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 from energon_infer.engine.account import RequestStamps, ServingAccount, now_ns
 from energon_infer.errors import EnergonError
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
+from energon_infer.structured import REFUSED
 
 if TYPE_CHECKING:
     from energon_infer.scheduling.scheduler import Request
 
-__all__ = ["Completion", "TokenEvent", "Output", "Delivery", "completion_of", "RequestFailedError"]
+__all__ = ["Completion", "TokenEvent", "Output", "Delivery", "completion_of", "RequestFailedError",
+           "RequestRefusedError"]
 
 # (logprob of the sampled token, [(token, logprob), ...] the most likely first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -39,6 +41,13 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 class RequestFailedError(EnergonError, RuntimeError):
     """This request failed inside a worker (e.g. its sampling probabilities were not finite); the other
     requests of the batch and the worker group were not affected."""
+
+
+class RequestRefusedError(RequestFailedError):
+    """This request's structured output could not be compiled on the rank that samples (it passed the engine's
+    check): the request is at fault (a 400), and it failed alone."""
+
+    http_status = 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +209,9 @@ class Delivery:
             if out is None:
                 continue  # never opened here (a scheduler driven without the engine) or already failed
             if done and req.error is not None:  # failed alone in a worker: an error, not a completion
-                self._fail_one(req, out, RequestFailedError(
+                self._fail_one(req, out, RequestRefusedError(
+                    f"{req.error}; fix or remove the constraint (supported: docs/serving.md, Structured outputs)")
+                    if req.error.startswith(REFUSED) else RequestFailedError(
                     f"this request failed in a worker ({req.error}); the other requests were not affected; resubmit "
                     "it with other sampling settings"))
                 continue

@@ -1,7 +1,7 @@
 """The request fields of structured outputs: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its
 older ``guided_*`` fields, turned into one :class:`~energon_infer.structured.StructuredOutput` (checked: a bad
-schema, regex or grammar is a 400 naming the field, the schema path and the rule, before anything runs); and the
-compile of a request's grammar on the engine's pool, off the server's event loop."""
+schema, regex or grammar is a 400 naming the field, the schema path and the rule, before anything runs; the check's
+outcome kept by constraint); the rank that samples compiles the grammar."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from energon_infer.serving.http_guard import ApiError
-from energon_infer.structured import StructuredOutput, StructuredOutputError, check, prepare
+from energon_infer.structured import CHECKS, StructuredOutput, StructuredOutputError, prepare
 
 __all__ = ["JsonSchemaFormat", "ResponseFormat", "StructuredOutputsParams", "request_structured", "compiled_jobs"]
 
@@ -108,15 +108,15 @@ def request_structured(req: Any) -> StructuredOutput | None:
         return None
     name, out = given[0]
     try:
-        check(out)
+        CHECKS.check(out)  # built once per constraint: a schema sent again is a lookup
     except StructuredOutputError as exc:
         raise ValueError(f"'{name}': {exc}") from None
     return out
 
 
 async def compiled_jobs(engine: Any, jobs: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """``(prompt, params)`` jobs whose structured output carries its compiled grammar (compiled on the engine's
-    pool while the event loop serves other requests); a grammar that does not compile is a 400."""
+    """``(prompt, params)`` jobs whose structured output is checked and marked for the rank to compile
+    (:func:`~energon_infer.structured.prepare`, off the event loop); a grammar that cannot be built is a 400."""
     if not jobs or jobs[0][1].structured is None:
         return list(jobs)
     try:

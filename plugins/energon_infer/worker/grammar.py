@@ -1,10 +1,11 @@
 """Structured outputs on the rank that samples: each constrained sequence's grammar matcher and a step's bitmask.
 
-The rank compiles a request's grammar itself (once per constraint: the last :data:`GRAMMARS` kept by key), on
-the mask thread while the step's forward runs: the engine checked that it compiles
-(:data:`~energon_infer.structured.ON_RANK`), and compiling it again costs less than carrying it here would
-(xgrammar's JSON of a compiled grammar serialises and deserialises several times slower than the grammar
-compiles). A grammar the request carries compiled (xgrammar's JSON) is read back instead.
+The rank compiles a request's grammar (once per constraint: the last :data:`GRAMMARS` kept by key), on the mask
+thread while the step's forward runs: the engine only checked that its grammar builds
+(:data:`~energon_infer.structured.ON_RANK`; compiling here costs less than carrying a compiled grammar here would:
+xgrammar's JSON of one serialises and deserialises several times slower than the grammar compiles). One that
+still cannot compile fails its request alone with a :data:`~energon_infer.structured.REFUSED` error (a 400). A
+grammar the request carries compiled (xgrammar's JSON) is read back instead.
 :class:`GrammarSampler` is the runner's sampler with them: :meth:`GrammarSampler.start_masks` (before the
 forward) hands new constrained sequences' admission (grammar and matcher) and the step's bitmask to the mask
 thread; the draw applies it and advances each matcher with its sampled token; forgetting a sequence frees its
@@ -23,6 +24,7 @@ import torch
 from energon_infer.sampling import SampleOutput, Sampler, SamplingParams
 from energon_infer.structured import (
     ON_RANK,
+    REFUSED,
     StructuredOutput,
     StructuredOutputError,
     compile_grammar,
@@ -61,6 +63,7 @@ class GrammarMasks:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-mask")
         self._last: Future[Any] | None = None  # the mask thread's latest task (it runs them in order)
         self._words = -(-width // 32)
+        self.compiles = 0  # grammars this rank compiled (a constraint kept by key compiles once)
 
     def _grammar(self, structured: StructuredOutput) -> Any:
         xgr = import_xgrammar()
@@ -72,6 +75,7 @@ class GrammarMasks:
             else:
                 if self._compiler is None:
                     self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+                self.compiles += 1
                 got = compile_grammar(self._compiler, structured)
             self._compiled[key] = got
             while len(self._compiled) > GRAMMARS:
@@ -84,7 +88,7 @@ class GrammarMasks:
         m = import_xgrammar().GrammarMatcher(self._grammar(structured))
         for t in generated:
             if not m.accept_token(int(t)):
-                raise StructuredOutputError(f"sequence {seq_id}: its earlier output token {t} breaks its grammar")
+                raise ValueError(f"sequence {seq_id}: its earlier output token {t} breaks its grammar")
         self.matchers[seq_id] = m
         self.next_pos[seq_id] = output_start + len(generated)
 
@@ -117,6 +121,8 @@ class GrammarMasks:
         for seq_id, structured, output_start, generated in admits:
             try:
                 self.admit(seq_id, structured, output_start, generated)
+            except StructuredOutputError as exc:  # its grammar cannot compile: this request fails alone (a 400)
+                self.failed[seq_id] = REFUSED + " ".join(str(exc).split())
             except Exception as exc:  # this request fails alone; the others go on
                 self.failed[seq_id] = f"structured output: {' '.join(str(exc).split())}"
 
