@@ -174,6 +174,10 @@ def _elixir_vs_ddp(r: dict) -> str:
     return format_paired(paired(_rate(m["elixir"]["repeats"]), _rate(m["ddp"]["repeats"])))
 
 
+def _elixir_fabric(r: dict) -> str:
+    return format_paired(r["elixir_over_peer"])
+
+
 def _elixir_disk(r: dict) -> str:
     h, stats = r["headline"], r["stats"]
     ds = stats.get("deepspeed nvme", {})
@@ -217,6 +221,7 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str | None]]] = [
     ("energon_quant", "energon int4 / llama.cpp Q4_0, decode tokens/s at batch 8", _energon_quant),
     ("energon_spec", "energon n-gram speculation / none, tokens/s at batch 1 in RAM (non-copying: and its worst batch)", _energon_spec),
     ("elixir_vs_ddp", "Elixir / DDP, steps/s with memory to spare (LLaMA, 2 ranks)", _elixir_vs_ddp),
+    ("elixir_fabric", "Elixir under Fabric / Fabric's FSDP with CPU offload, steps/s (LLaMA, 2 ranks)", _elixir_fabric),
     ("elixir_disk", "Elixir with optimizer state on disk, under a hard memory limit", _elixir_disk),
     ("torchrec_cache", "embedding cache of 1.5% of the rows / TorchRec EBC", _torchrec_cache),
     ("sky_train", "Sky's balanced partition / even split, samples/s with a 3x slower rank", _sky_train),

@@ -11,6 +11,7 @@ Importing this package registers ``"elixir"`` and its presets (``elixir_offload`
 * :class:`ElixirFabricStrategy` - Fabric's, the same options and runtime (:mod:`lightning_elixir.fabric_strategy`);
 * :class:`ElixirDeepSpeedStrategy` - the plan run by DeepSpeed ZeRO (``strategy="elixir_deepspeed"``);
 * :class:`ElixirPrecision` - ``precision="16-mixed"`` with loss scaling for sharded gradients (:mod:`lightning_elixir.precision`);
+  :class:`ElixirFabricPrecision` - the same for Fabric (``plugins=[ElixirFabricPrecision()]``);
 * :func:`apply_plan` - a plan onto a module with FSDP2, usable without Lightning (:mod:`lightning_elixir.apply`);
 * :func:`export_checkpoint` - a sharded checkpoint to one safetensors file (``python -m lightning_elixir.export``).
 
@@ -27,6 +28,7 @@ from typing import Any
 from tightfit.plugins import Plugin, registers_on_import
 
 __all__ = ["plugin", "register", "ElixirStrategy", "ElixirFabricStrategy", "ElixirDeepSpeedStrategy", "ElixirOptions", "ElixirPrecision",
+           "ElixirFabricPrecision",
            "apply_plan", "export_checkpoint", "MemoryLimitError"]
 
 _LAZY = {
@@ -35,6 +37,7 @@ _LAZY = {
     "ElixirDeepSpeedStrategy": ("lightning_elixir.deepspeed_backend", "ElixirDeepSpeedStrategy"),
     "ElixirOptions": ("lightning_elixir.options", "ElixirOptions"),
     "ElixirPrecision": ("lightning_elixir.precision", "ElixirPrecision"),
+    "ElixirFabricPrecision": ("lightning_elixir.precision", "ElixirFabricPrecision"),
     "apply_plan": ("lightning_elixir.apply", "apply_plan"),
     "export_checkpoint": ("lightning_elixir.export", "export_checkpoint"),
     "MemoryLimitError": ("lightning_elixir.memory_budget", "MemoryLimitError"),

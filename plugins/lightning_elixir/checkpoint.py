@@ -148,8 +148,11 @@ def atomic_save(state: dict[str, Any], metadata: dict[str, Any], path: str | Pat
     failed: BaseException | None = None
     try:
         _stage("shards")
-        save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),  # fsyncs each rank's shards
-             planner=planner)
+        # DCP's writer keeps every tensor of a file until the file is closed (torch's _write_files_from_queue), so a
+        # streamed planner (the disk tier reads each item from its store) writes one file per item: one tensor
+        # held at a time, not the rank's whole state.
+        writer = FileSystemWriter(tmp, sync_files=True, single_file_per_rank=planner is None)  # fsyncs each shard
+        save(state, storage_writer=writer, planner=planner)
         if rank == 0:
             _stage("metadata")
             torch.save(metadata, tmp / METADATA_FILENAME)

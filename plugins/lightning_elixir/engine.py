@@ -8,9 +8,12 @@ precision flag) and calls these functions, which take plain values and never a s
 * :func:`apply_decided` - the plan onto the module: DDP's reducer for an all-replicate plan, FSDP2 otherwise;
 * :func:`attach_optimizers` - the disk tier (when the plan has one) and the :class:`ElixirOptimizer` each optimizer
   steps through;
+* :func:`streams_init` / :func:`materialize_streamed` - a model built on meta whose plan keeps parameters on disk
+  (tier 3) allocated and initialised once the disk tier is attached, one unit at a time, never whole in memory;
 * :func:`save_atomic` / :func:`check_before_load` / :func:`load_into` - sharded, atomic, verified checkpoints
   with the disk tier's state streamed;
-* :func:`close_disk_state` - the disk tier's end of run.
+* :func:`left_on_disk` / :func:`close_disk_state` - the disk tier's end of run (tier-3 weights read back into the
+  module only where they fit).
 
 Planning itself is :func:`lightning_elixir.planning.decide_plan`; the options both take are
 :class:`~lightning_elixir.options.ElixirOptions`.
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated
+from lightning_elixir.apply import AppliedUnit, apply_plan, describe_units, is_replicated, materialize
 from lightning_elixir.checkpoint import CheckpointCorruptError, atomic_save, recover, verify_checkpoint
 from lightning_elixir.disk_attach import attach_disk_state
 from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
@@ -36,9 +39,35 @@ from lightning_elixir.replicate import apply_replicated, load_replicated, replic
 from lightning_elixir.step import ElixirOptimizer
 from tightfit.console import fit_text
 from tightfit.planner.elixir import ElixirPlan
+from tightfit.profiler.host_memory import host_available_bytes
 
-__all__ = ["register_presets", "apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic", "check_before_load", "load_into",
-           "close_disk_state"]
+# At the end of a run, tier-3 weights are read back into the module only with this much more host memory free than
+# they take (:func:`left_on_disk`).
+READ_BACK_MARGIN = 1.25
+
+# Predicted vs measured: the first steps after warm-up are timed against the plan (tightfit.planner.check); a
+# measured step off the prediction by more than this fraction warns (and, under the Trainer with replan=True,
+# re-plans).
+CHECK_TOLERANCE = 0.25
+
+__all__ = ["READ_BACK_MARGIN", "CHECK_TOLERANCE", "register_presets", "apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic",
+           "check_before_load", "load_into", "close_disk_state", "streams_init", "materialize_streamed", "left_on_disk",
+           "refuse_forward"]
+
+
+def streams_init(plan: ElixirPlan, options: ElixirOptions) -> bool:
+    """Whether the module's allocation waits for the disk tier: a plan that keeps parameters on disk (tier 3), run
+    on FSDP2 with a ``disk_dir``. Apply it with ``defer_materialize=True``, attach the optimizer, then
+    :func:`materialize_streamed` (a module not on meta is left as it is)."""
+    return bool(plan.param_disk_units) and options.disk_dir is not None and not replicates_everything(plan)
+
+
+def materialize_streamed(module: nn.Module, units: list[AppliedUnit], device: torch.device,
+                         disk: DiskOptimizerState | None) -> None:
+    """Allocate and initialise the meta parameters that :func:`apply_decided` left (``defer_materialize``): the
+    tier-3 units one at a time into the store (:func:`lightning_elixir.apply.materialize` with ``streamed``), the
+    others where they live."""
+    materialize(module, units, device, streamed=disk.master if disk is not None else None)
 
 
 def apply_decided(module: nn.Module, plan: ElixirPlan, mesh: Any, *, device: torch.device, options: ElixirOptions,
@@ -130,6 +159,34 @@ def load_into(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Op
     if is_replicated(module):
         return load_replicated(path, module, optimizers, strict=strict, weights_only=weights_only)
     return otherwise()
+
+
+def left_on_disk(state: DiskOptimizerState, margin: float) -> str | None:
+    """At the end of the run: ``None`` when the tier-3 units' weights fit the host memory left (``margin`` times
+    their bytes free) and can come back into the module; otherwise why they stay in the store, in one sentence."""
+    master = state.master
+    if master is None:
+        return None
+    need, free = master.held_bytes(), host_available_bytes()
+    if free is None or need * margin <= free:
+        return None
+    return (f"the fp32 weights of units {list(master.order)} ({need / 2**30:.2f} GiB on this rank) stay in "
+            f"{state.store.path}, not read back into the module after training: this host has {free / 2**30:.2f} GiB "
+            "free")
+
+
+def refuse_forward(module: nn.Module, state: DiskOptimizerState, message: str) -> None:
+    """Make every submodule holding a tier-3 parameter raise ``RuntimeError(message)`` at its forward (its weights
+    stayed in the store: :func:`left_on_disk`)."""
+    assert state.master is not None
+    owned = {id(p) for u in state.master.units for p, _, _ in u.pieces}
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError(message)
+
+    for m in module.modules():
+        if any(id(p) in owned for p in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(refuse)
 
 
 def close_disk_state(state: DiskOptimizerState, *, read_back: Callable[[DiskOptimizerState], bool]) -> None:

@@ -19,14 +19,22 @@ disk tier), ``fabric.no_backward_sync(model)`` (an all-replicate plan skips the 
 micro-batch, as ``strategy="ddp"``; FSDP2 plans reduce-scatter every backward, as under the Trainer),
 ``fabric.save`` / ``fabric.load`` (sharded, atomic, verified, the disk tier's state streamed; the layout the
 Trainer's checkpoints have, so ``python -m lightning_elixir.export`` reads them). ``precision=`` is Fabric's:
-``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, priced into the plan.
+``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, priced into the plan; fp16 is ``plugins=[ElixirFabricPrecision()]``
+(:class:`~lightning_elixir.precision.ElixirFabricPrecision`: Fabric's connector refuses the ``"16-mixed"`` flag).
+
+A model on meta whose plan keeps parameters on disk (tier 3) is allocated one unit at a time into the optimizer's
+disk tier, never whole in host memory (:func:`lightning_elixir.engine.streams_init`), so it is set up with
+``fabric.setup(model, optimizer)``: Fabric's ``setup_optimizers`` refuses an optimizer over meta parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,19 +49,27 @@ from lightning_elixir._torch_adapter import set_backward_sync, setup_data_parall
 from lightning_elixir.apply import AppliedUnit, clip_grad_norm_, clip_grad_value_, is_replicated, is_sharded
 from lightning_elixir.disk_state import DiskOptimizerState
 from lightning_elixir.engine import (
+    CHECK_TOLERANCE,
+    READ_BACK_MARGIN,
     applied_text,
     apply_decided,
     attach_optimizers,
     check_before_load,
     close_disk_state,
+    left_on_disk,
     load_into,
+    materialize_streamed,
+    refuse_forward,
     register_presets,
     save_atomic,
+    streams_init,
 )
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import FORWARD, decide_plan
+from lightning_elixir.precision import ElixirGradScaler
 from lightning_elixir.replicate import load_replicated, no_gradient_sync
 from lightning_elixir.step import ElixirOptimizer
+from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.storage import return_large_frees
@@ -81,7 +97,13 @@ class ElixirFabricStrategy(ModelParallelStrategy):
             ``None``: ``model.example_input_array``.
         process_group_backend / timeout: as Fabric's ``ModelParallelStrategy``.
 
-    ``replan`` (re-planning at checkpoint boundaries the Trainer's loops mark) is the Trainer strategy's only.
+        replan: refused (``True`` raises): re-planning at checkpoint boundaries is wired to the Trainer only.
+
+    Precision: Fabric's ``precision=`` flag with ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``; fp16 through
+    ``plugins=[ElixirFabricPrecision()]`` (Fabric refuses the ``"16-mixed"`` flag for every ``ModelParallelStrategy``).
+    A model on meta whose plan keeps parameters on disk is set up with ``fabric.setup(model, optimizer)`` (allocated
+    one unit at a time into the disk tier). Each ``fabric.backward`` starts a step of the predicted-vs-measured check
+    (:attr:`prediction`).
 
     Example:
         >>> import lightning as L, torch
@@ -102,7 +124,10 @@ class ElixirFabricStrategy(ModelParallelStrategy):
                  constraints: ElixirConstraints | None = None, verbose: bool = True, calibrate: bool = True,
                  host_budget: int | str | None = None, disk_dir: str | Path | None = None,
                  example_input: Any = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, replan: bool = False) -> None:
+        if replan:
+            raise ValueError("ElixirFabricStrategy(replan=True): re-planning at checkpoint boundaries is wired to the "
+                             "Trainer only (ElixirStrategy(replan=True)); leave replan out under Fabric")
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
@@ -113,7 +138,14 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         super().__init__(parallelize_fn=_not_called, data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timeout)
-        set_backward_sync(self, no_gradient_sync)
+        set_backward_sync(self, self._no_sync)
+        self._accumulating = False  # inside fabric.no_backward_sync: this backward is not the step's last
+        # Predicted vs measured (as the Trainer's): each fabric.backward starts a step (a batch, as the Trainer's
+        # training_step); after warm-up the steps are timed against the plan and a record kept, a warning beyond
+        # CHECK_TOLERANCE.
+        self.monitor: StepMonitor | None = None
+        self.prediction: PredictionRecord | None = None
+        self._backwards = 0
         self.example_input = example_input
         self.plan: ElixirPlan | None = None
         self.units: list[AppliedUnit] = []
@@ -122,6 +154,10 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         self._stepping: list[ElixirOptimizer] = []
+        # fabric.setup(model, optimizer) of a model on meta with tier-3 units: its allocation waits for the
+        # optimizer's disk tier (setup_module -> setup_optimizer, in one call).
+        self._streamed_init = False
+        self._left_on_disk: str | None = None  # after teardown: why tier-3 weights stayed in the store
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @override
@@ -132,12 +168,20 @@ class ElixirFabricStrategy(ModelParallelStrategy):
     # ---- plan and apply ----------------------------------------------------------------------------
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        return self._setup_module(module, optimizer_follows=False)
+
+    def _setup_module(self, module: nn.Module, *, optimizer_follows: bool) -> nn.Module:
         if self._module is not None:
             raise ValueError(f"ElixirFabricStrategy.setup_module({type(module).__name__}): a model was already set "
                              "up; the plan is made for one model - set up one per Fabric")
         if is_replicated(module) or any(is_sharded(m) for m in module.modules()):
             raise ValueError(f"ElixirFabricStrategy.setup_module({type(module).__name__}): the model is already "
                              "sharded or replicated; pass the plain model and let the plan apply FSDP2")
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ElixirGradScaler):
+            raise ValueError(f"ElixirFabricStrategy with {type(self.precision).__name__}(precision='16-mixed') and a "
+                             f"{type(scaler).__name__}: it checks only this rank's gradient shards, so ranks could skip "
+                             "different steps; pass plugins=[lightning_elixir.ElixirFabricPrecision()] instead")
         example = self.example_input
         if example is None and getattr(module, "example_input_array", None) is None:
             raise ValueError(f"ElixirFabricStrategy cannot profile {type(module).__name__}: no example input; give "
@@ -148,8 +192,17 @@ class ElixirFabricStrategy(ModelParallelStrategy):
                                method=FORWARD, precision=precision, device=self.root_device,
                                world_size=self.world_size, num_nodes=self.num_nodes, rank=self.global_rank)
         self.plan = decision.plan
+        # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised once the
+        # optimizer's disk tier is attached (setup_optimizer), one unit at a time, never whole in host memory.
+        self._streamed_init = streams_init(self.plan, self.options) and any(p.is_meta for p in module.parameters())
+        if self._streamed_init and not optimizer_follows:
+            raise ValueError(f"ElixirFabricStrategy.setup_module({type(module).__name__}): the plan keeps the "
+                             f"parameters of units {list(self.plan.param_disk_units)} on disk, allocated from the meta "
+                             "device into the optimizer's disk tier, and Fabric refuses an optimizer over meta "
+                             "parameters in setup_optimizers: set both up together, model, optimizer = "
+                             "fabric.setup(model, optimizer)")
         self.runtime, self.units = apply_decided(module, self.plan, self.device_mesh, device=self.root_device,
-                                                 options=self.options)
+                                                 options=self.options, defer_materialize=self._streamed_init)
         if self.is_global_zero and self.options.verbose:
             print(applied_text(self.plan, module, self.runtime), flush=True)
         self.barrier()
@@ -169,7 +222,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
             if any(id(p) not in names for g in opt.param_groups for p in g["params"]):
                 raise ValueError(f"fabric.setup(model, {type(opt).__name__}): the optimizer holds parameters that are "
                                  "not the model's; build it from model.parameters()")
-        module = self.setup_module(module)
+        module = self._setup_module(module, optimizer_follows=bool(optimizers))
         placed = dict(module.named_parameters())
         for opt in optimizers:
             for group in opt.param_groups:
@@ -190,7 +243,46 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         self.disk_state = self.disk_state or disk
         self._stepping += stepping
         self._optimizers.append(optimizer)
+        if self._streamed_init:
+            materialize_streamed(self._module, self.units, self.root_device, self.disk_state)
+            self._streamed_init = False
         return optimizer
+
+    # ---- backward and the step ---------------------------------------------------------------------
+    @contextmanager
+    def _no_sync(self, module: nn.Module) -> Generator[None, None, None]:
+        before, self._accumulating = self._accumulating, True
+        try:
+            with no_gradient_sync(module):
+                yield
+        finally:
+            self._accumulating = before
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; one outside ``fabric.no_backward_sync`` is the step's last, so where the plan keeps
+        gradients on disk (tier 4) each unit's are written behind its backward and dropped, as the Trainer's closure
+        marks them (:attr:`lightning_elixir.disk_grads.DiskGradients.final`)."""
+        self._check_prediction()
+        grads = self.disk_state.grads if self.disk_state is not None else None
+        if grads is None or self._accumulating:
+            return super().backward(tensor, module, *args, **kwargs)
+        grads.final = True
+        try:
+            return super().backward(tensor, module, *args, **kwargs)
+        finally:
+            grads.final = False
+
+    def _check_prediction(self) -> None:
+        if self.plan is not None and self.monitor is None:
+            self.monitor = make_monitor(self.plan, self.root_device, tolerance=CHECK_TOLERANCE)
+        # What tightfit.planner.check reads of a Trainer: the rank that reports, the step, no logger (Fabric's
+        # loggers are the loop's; the record is self.prediction, its metrics record.metrics()).
+        view = SimpleNamespace(global_rank=self.global_rank, global_step=self._backwards, logger=None)
+        self._backwards += 1
+        record = on_step_start(self.monitor, view, verbose=self.options.verbose)
+        if record is not None:
+            self.prediction = record
 
     # ---- the step -----------------------------------------------------------------------------------
     def _stepping_of(self, optimizer: Any) -> Any:
@@ -206,7 +298,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """The norm over every unit, whatever mesh, device or disk it lives on (:func:`apply.clip_grad_norm_`)."""
-        self.precision.unscale_gradients(optimizer)
+        self.precision.unscale_gradients(self._stepping_of(optimizer))  # the optimizer the scaler then steps
         norm = clip_grad_norm_(self.precision.main_params(optimizer), float(max_norm), float(norm_type))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({norm.item()}); "
@@ -215,7 +307,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.precision.unscale_gradients(optimizer)
+        self.precision.unscale_gradients(self._stepping_of(optimizer))
         clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -237,6 +329,8 @@ class ElixirFabricStrategy(ModelParallelStrategy):
             get_optimizer_state_dict,
         )
 
+        if self._left_on_disk is not None:
+            raise RuntimeError(f"cannot checkpoint: {self._left_on_disk}; fabric.save before the teardown")
         if storage_options is not None or filter is not None:
             raise ValueError("ElixirFabricStrategy.save_checkpoint(storage_options=/filter=): not supported; "
                              "checkpoints are whole sharded directories - leave both out")
@@ -300,7 +394,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         self._stepping = []
         try:
             if state is not None:
-                close_disk_state(state, read_back=lambda _: True)  # the model was whole in memory at setup
+                close_disk_state(state, read_back=self._read_back)
         finally:
             # Strategy.teardown without its CheckpointIO, which Fabric's ModelParallelStrategy does not have.
             if self.cluster_environment is not None:
@@ -308,6 +402,20 @@ class ElixirFabricStrategy(ModelParallelStrategy):
             self.precision.teardown()
             if self.accelerator is not None:
                 self.accelerator.teardown()
+
+    def _read_back(self, state: DiskOptimizerState) -> bool:
+        """At teardown: whether the tier-3 weights come back into the module (they fit the host memory left, with
+        READ_BACK_MARGIN to spare, as under the Trainer); otherwise they stay in the store and this says so once."""
+        self._left_on_disk = left_on_disk(state, READ_BACK_MARGIN)
+        if self._left_on_disk is None:
+            return True
+        warnings.warn(f"[elixir] {self._left_on_disk}. The module cannot run or be saved now; to keep the trained "
+                      "weights, fabric.save before fabric.strategy.teardown() (it streams them from the store)",
+                      stacklevel=2)
+        assert self._module is not None
+        refuse_forward(self._module, state, f"{self._left_on_disk}: their parameters do not hold them. fabric.load "
+                       "a checkpoint saved before the teardown, or train with more host memory free at the end")
+        return False
 
     @classmethod
     @override

@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from typing_extensions import override
 
@@ -56,7 +57,7 @@ from lightning_elixir._torch_adapter import ShardedGradScaler, foreach_unscale_
 from lightning_elixir._torch_adapter import admit_fp16_flag as _admit_while_alive
 from lightning_elixir.apply import clip_grad_norm_, clip_grad_value_
 
-__all__ = ["ElixirGradScaler", "ElixirPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
+__all__ = ["ElixirGradScaler", "ElixirPrecision", "ElixirFabricPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
            "with_mesh_clipping", "admit_fp16_flag"]
 
 
@@ -257,6 +258,37 @@ class ElixirPrecision(ClipAcrossMeshes):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state_dict)
+
+
+class ElixirFabricPrecision(FabricMixedPrecision):
+    """Fabric's ``"16-mixed"`` for :class:`~lightning_elixir.fabric_strategy.ElixirFabricStrategy`: pass it as
+    ``Fabric(strategy=..., plugins=[ElixirFabricPrecision()])``.
+
+    Fabric's own ``MixedPrecision`` plugin (autocast to fp16, the loss scaled in ``fabric.backward``, the step through
+    the scaler and skipped on inf/nan, the scaler's state in ``fabric.save``) with an :class:`ElixirGradScaler`: the
+    inf/nan check reads every rank's gradient shards, on every device, and all ranks agree, as
+    :class:`ElixirPrecision` does under the Trainer. Fabric's connector refuses the ``precision="16-mixed"`` flag for
+    any ``ModelParallelStrategy`` and has no hook to choose another plugin, so the plugin is passed, not the flag.
+
+    Args:
+        device: device type compute runs on (``None``: ``"cuda"`` where there is one, else ``"cpu"``).
+        init_scale / growth_factor / backoff_factor / growth_interval: as ``torch.amp.GradScaler``'s.
+        scaler: an :class:`ElixirGradScaler` to use instead of building one.
+
+    Example:
+        >>> fabric = L.Fabric(strategy=ElixirFabricStrategy(...), plugins=[ElixirFabricPrecision()])  # doctest: +SKIP
+    """
+
+    def __init__(self, device: str | None = None, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 scaler: ElixirGradScaler | None = None) -> None:
+        if scaler is not None and not isinstance(scaler, ElixirGradScaler):
+            raise TypeError(f"ElixirFabricPrecision(scaler={type(scaler).__name__}): use an ElixirGradScaler; a plain "
+                            "GradScaler checks only this rank's gradient shards and lets ranks skip different steps")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__("16-mixed", device, scaler or ElixirGradScaler(
+            device, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval))
 
 
 def admit_fp16_flag(strategy: Any) -> None:

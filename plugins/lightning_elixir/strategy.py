@@ -40,36 +40,35 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_elixir._torch_adapter import redirect_step, setup_data_parallel_mesh
-from lightning_elixir.apply import AppliedUnit, is_replicated, is_sharded, materialize
+from lightning_elixir.apply import AppliedUnit, is_replicated, is_sharded
 from lightning_elixir.disk_attach import clips_by_norm
 from lightning_elixir.disk_state import DiskOptimizerState
 from lightning_elixir.engine import (
+    CHECK_TOLERANCE,
+    READ_BACK_MARGIN,
     applied_text,
     apply_decided,
     attach_optimizers,
     check_before_load,
     close_disk_state,
+    left_on_disk,
     load_into,
+    materialize_streamed,
+    refuse_forward,
     register_presets,
     save_atomic,
+    streams_init,
 )
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import PlanDecision, decide_plan, example_batch, stage_method
 from lightning_elixir.precision import ElixirPrecision, admit_fp16_flag, with_mesh_clipping
 from lightning_elixir.replan import PlanState, Replanner
-from lightning_elixir.replicate import no_gradient_sync, replicates_everything
+from lightning_elixir.replicate import no_gradient_sync
 from lightning_elixir.step import ElixirOptimizer
 from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
-from tightfit.profiler.host_memory import host_available_bytes
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.storage import return_large_frees
-
-# After fit, tier-3 weights are read back into the module only with this much more host memory free than they take.
-READ_BACK_MARGIN = 1.25
-# Predicted vs measured: the first steps after warm-up are timed against the plan (tightfit.planner.check); a
-# measured step off the prediction by more than this fraction warns and, with ``replan=True``, re-plans.
-CHECK_TOLERANCE = 0.25
 
 __all__ = ["ElixirStrategy", "CHECK_TOLERANCE"]
 
@@ -208,8 +207,7 @@ class ElixirStrategy(ModelParallelStrategy):
             self.plan = decision.plan
             # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised
             # once the disk tier is attached, one unit at a time (below), never whole in host memory.
-            self._streamed_init = (trainer.state.fn == TrainerFn.FITTING and bool(self.plan.param_disk_units)
-                                   and self.options.disk_dir is not None and not replicates_everything(self.plan))
+            self._streamed_init = trainer.state.fn == TrainerFn.FITTING and streams_init(self.plan, self.options)
             self.runtime, self.units = apply_decided(module, self.plan, self.device_mesh, device=self.root_device,
                                                      options=self.options, defer_materialize=self._streamed_init)
             self._report(trainer)
@@ -225,8 +223,7 @@ class ElixirStrategy(ModelParallelStrategy):
                 precision=str(getattr(self.precision_plugin, "precision", "")),
                 chunk_elements=self._disk_chunk_elements)
             if self._streamed_init:
-                streamed = self.disk_state.master if self.disk_state is not None else None
-                materialize(self._module, self.units, self.root_device, streamed=streamed)
+                materialize_streamed(self._module, self.units, self.root_device, self.disk_state)
                 self._streamed_init = False
         self.setup_precision_plugin()
         if isinstance(self.precision_plugin, ElixirPrecision):
@@ -264,28 +261,16 @@ class ElixirStrategy(ModelParallelStrategy):
     def _read_back(self, state: DiskOptimizerState) -> bool:
         """After fit: whether the tier-3 units' weights come back into the module (they fit the host memory left,
         with READ_BACK_MARGIN to spare); otherwise they stay in the store and this says so once."""
-        master = state.master
-        if master is None:
+        self._left_on_disk = left_on_disk(state, READ_BACK_MARGIN)
+        if self._left_on_disk is None:
             return True
-        need, free = master.held_bytes(), host_available_bytes()
-        if free is None or need * READ_BACK_MARGIN <= free:
-            return True
-        self._left_on_disk = (f"the fp32 weights of units {list(master.order)} ({need / 2**30:.2f} GiB on this rank) "
-                              f"stay in {state.store.path}, not read back into the module after fit: this host "
-                              f"has {free / 2**30:.2f} GiB free")
         warnings.warn(f"[elixir] {self._left_on_disk}. The module cannot run or be checkpointed now; to keep the "
                       "trained weights, checkpoint during fit (ModelCheckpoint, or trainer.save_checkpoint in a "
                       "callback: it streams them from the store)", stacklevel=2)
-        owned = {id(p) for u in master.units for p, _, _ in u.pieces}
-        for m in self._module.modules():
-            if any(id(p) in owned for p in m.parameters(recurse=False)):
-                m.register_forward_pre_hook(self._refuse_left_on_disk)
+        refuse_forward(self._module, state, f"{self._left_on_disk}: their parameters do not hold them. Load a "
+                       "checkpoint written during fit (ModelCheckpoint) into the module, or train with more host "
+                       "memory free at the end of fit")
         return False
-
-    def _refuse_left_on_disk(self, *_: Any) -> None:
-        raise RuntimeError(f"{self._left_on_disk}: their parameters do not hold them. Load a checkpoint written "
-                           "during fit (ModelCheckpoint) into the module, or train with more host memory free at the "
-                           "end of fit")
 
     @override
     def teardown(self) -> None:
