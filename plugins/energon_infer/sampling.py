@@ -219,16 +219,17 @@ class Sampler:
         return out.tokens
 
     def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
-                    positions: Sequence[int] | None = None,
-                    banned: Mapping[int, Sequence[int]] | None = None,
-                    grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SampleOutput:
+                    positions: Sequence[int] | None = None, banned: Mapping[int, Sequence[int]] | None = None,
+                    grammar: tuple[Sequence[int], torch.Tensor] | None = None,
+                    extra_output: Mapping[int, Sequence[int]] | None = None) -> SampleOutput:
         """Like :meth:`sample`, with the logprobs each row asked for and per-row errors instead of raising.
 
         ``banned``: by row, tokens that cannot be drawn (a request below its ``min_tokens``: its stop tokens);
         ``grammar``: rows under a structured-output grammar and their ``(len(rows), ceil(vocab / 32))`` int32
         bitmask of the tokens they may take (bit ``t % 32`` of word ``t // 32``; see
         :class:`~energon_infer.worker.grammar.GrammarMasks`): the others are set to ``-inf`` after the penalties, for
-        greedy and sampled rows alike. The logprobs stay those of the raw logits."""
+        greedy and sampled rows alike; ``extra_output``: by row, output the penalties count after what was recorded
+        (a speculative row: the proposals before it). The logprobs stay those of the raw logits."""
         if logits.shape[0] != len(seq_ids) or len(seq_ids) != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seq_ids)} sequences and {len(params)} params")
         dev, vocab = logits.device, logits.shape[-1]
@@ -242,7 +243,8 @@ class Sampler:
         sub = [params[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.long, device=dev)
         raw = (logits if len(rows) == len(params) else logits.index_select(0, index)).float()  # no copy for all rows
-        scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub)
+        scores = self.apply_penalties_batch(raw, [seq_ids[i] for i in rows], sub,
+                                            [extra_output.get(i, ()) for i in rows] if extra_output else None)
         # Under a grammar the EOS is where the grammar may end: a row's mask overrides its min_tokens ban.
         ban = [(j, t) for j, i in enumerate(rows) if i not in masked for t in banned.get(i, ()) if 0 <= t < vocab]
         if ban:
@@ -301,15 +303,18 @@ class Sampler:
         """``logits`` (one row) with ``p``'s penalties for what :meth:`observe` recorded of ``seq_id`` (a copy)."""
         return self.apply_penalties_batch(logits[None], [seq_id], [p])[0]
 
-    def apply_penalties_batch(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
-                              ) -> torch.Tensor:
-        """``(B, V)`` logits with each row's penalties (rows without any are returned as they are)."""
+    def apply_penalties_batch(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
+                              extra_output: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """``(B, V)`` logits with each row's penalties (rows without any are returned as they are); ``extra_output``:
+        by row, output tokens counted after the recorded ones."""
         pen = [j for j, p in enumerate(params) if p.penalised]
         if not pen:
             return logits
         dev, vocab = logits.device, logits.shape[-1]
         logits = logits.clone()
         hist = [self._history.get(seq_ids[j], ([], [])) for j in pen]
+        if extra_output is not None:
+            hist = [(pr, [*ou, *extra_output[j]]) if extra_output[j] else (pr, ou) for j, (pr, ou) in zip(pen, hist)]
         # Every row's seen tokens (prompt + output) and output tokens as (row, token) index pairs, one tensor each.
         seen_r = [r for r, (pr, ou) in enumerate(hist) for _ in range(len(pr) + len(ou))]
         seen_t = [t for pr, ou in hist for t in (*pr, *ou)]

@@ -242,6 +242,30 @@ def test_seeded_sampling_draws_the_same_tokens(dirs, runners, method):
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 
 
+def test_penalties_verify_each_position_as_after_the_accepted_prefix(dirs, runners):
+    """Presence, frequency and repetition penalties with speculation: each proposal's row is penalised for the
+    proposals before it, the accepted ones count as output after, so greedy and seeded outputs equal plain
+    decoding's (one step at a time and two in flight), with proposals both accepted and rejected. The model drafts
+    for itself without the penalties, so its proposals are right until a penalty turns the argmax (penalised
+    outputs avoid repeating themselves, so prompt lookup finds little to propose here)."""
+    method = "draft"
+    runner = runners["llama"]
+    pen = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
+    greedy = dataclasses.replace(GREEDY, **pen)
+    plain = [g.token_ids for g in _run(runner, PROMPTS, greedy)]
+    assert plain != [g.token_ids for g in _run(runner, PROMPTS, GREEDY)]  # the penalties change the outputs
+    stats: dict = {}
+    assert [g.token_ids for g in _run(runner, PROMPTS, greedy, _spec(method, dirs["llama"]), stats=stats)] == plain
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    spec = _spec(method, dirs["llama"], adaptive=True)
+    reqs, _ = _drive_ahead(runner, PROMPTS, greedy, spec)
+    assert [r.generated for r in reqs] == plain and spec.proposed > 0
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=NEW, ignore_eos=True, **pen)
+              for i in range(len(PROMPTS))]
+    assert [g.token_ids for g in _run(runner, PROMPTS, seeded, _spec(method, dirs["llama"]))] == \
+        [g.token_ids for g in _run(runner, PROMPTS, seeded)]
+
+
 def _tv_bound(probs: list[float], n: int, delta: float = 1e-6) -> float:
     """Total variation between an ``n``-sample empirical distribution and ``probs``: its mean is at most
     ``sum(sqrt(p (1 - p) / n)) / 2``, and (McDiarmid, each draw moves it by at most 1/n) it exceeds that by more than

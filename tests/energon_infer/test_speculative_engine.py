@@ -149,3 +149,38 @@ def test_a_structured_request_beside_speculating_ones_keeps_its_grammar_and_thei
     assert re.fullmatch("[a-c]{3,6}", out[2].text), out[2].text
     assert [c.token_ids for c in out[:2]] == [g.token_ids for g in alone.generate([PROMPTS[0], PROMPTS[2]], GREEDY)]
     assert engine.scheduler.speculator.proposed > proposed0  # the others speculated once the grammar's steps ended
+
+
+def test_a_stream_ends_with_the_requests_speculative_counts(engine):
+    """vLLM puts a request's ``metrics.speculative_decoding`` on its stream's final chunk: the same counts as the
+    answer without streaming (greedy, the model drafting for itself: the same steps); ``n > 1`` leaves them out."""
+    import json
+
+    import httpx
+
+    from energon_infer.serving.server import BackgroundServer, ServerConfig
+
+    def sse(r):
+        lines = [x[len("data: "):] for x in r.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(x) for x in lines[:-1]]
+
+    req = {"model": "m", "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(engine, ServerConfig(port=0)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        whole = client.post("/v1/completions", json=req).json()
+        with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+            chunks = sse(r)
+        chat = {"model": "m", "messages": [{"role": "user", "content": "every rank"}], "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True}
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            chat_chunks = sse(r)
+        with client.stream("POST", "/v1/completions", json={**req, "n": 2, "stream": True}) as r:
+            two = sse(r)
+    expected = whole["metrics"]["speculative_decoding"]
+    assert expected["num_draft_tokens"] > 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["metrics"]["speculative_decoding"] == expected
+    assert all("metrics" not in c for c in chunks[:-1])
+    assert chat_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chat_chunks[-1]["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0
+    assert all("metrics" not in c for c in two)

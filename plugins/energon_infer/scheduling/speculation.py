@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from energon_infer.errors import OptionError
-from energon_infer.scheduling.spec_plan import CostFit, expected_tokens, plan_proposals, update_acceptance
+from energon_infer.scheduling.spec_plan import CostFit, plan_proposals, update_acceptance
 
 if TYPE_CHECKING:
     from energon_infer.protocol import Step
@@ -160,39 +160,39 @@ class Speculator:
         self.acceptance: dict[int, float] = {}  # seq_id -> its proposals' acceptance rate (online)
         self.proposed = self.accepted = self.steps = 0  # totals: proposed / accepted tokens, verifying steps
         self.verifying: set[int] = set()  # sequences whose step in flight verifies their proposals
-        self._back: dict[int, float] = {}  # group -> when its latest step came back
+        self.bubble_s = 0.0  # a drained pipeline's gap: a step's result back to the next step planned (measured)
+        self._back: dict[int, tuple[float, set[int]]] = {}  # group -> when its latest step came back, its sequences
+        self._shape: dict[int, tuple[int, int]] = {}  # group -> its latest step's (tokens, sampled requests)
 
     def _eligible(self, req: Request, sampled: bool, fed: int, new: bool) -> bool:
-        p = req.params
-        # Penalties count each output token: a proposal's row would need the ones before it (not sent); a request
-        # still below min_tokens bans its stop tokens per position, which the workers do, but gains little.
+        # A request still below min_tokens bans its stop tokens per position, which the workers do, but gains
+        # little. Penalties are exact: the workers count the proposals before each row (worker.speculative).
         return (sampled and fed == 1 and not new and not req.fed_unknown and bool(req.generated)
-                and not p.penalised and len(req.generated) >= p.min_tokens)
+                and len(req.generated) >= req.params.min_tokens)
 
     def waits(self, req: Request) -> bool:
         """With steps planned ahead (depth > 1): should ``req``, whose latest token a step in flight samples, sit out
         the step being planned (and propose in the one after, once its tokens are known) rather than run in it as a
         placeholder? A proposal's position is only known once the step before it has come back. Yes while its
-        proposals are being verified; otherwise when a speculative step is expected to give it more than the two
-        tokens it would have had from running in both steps (sitting out is priced as a whole step: where other
-        requests keep the steps running it is). A request that does not wait drifts back towards the prior, so it
-        is tried again later."""
+        proposals are being verified; otherwise where the planner would have it propose in a step like its group's
+        latest one, the overlap it gives up priced (:func:`~energon_infer.scheduling.spec_plan.plan_proposals` with
+        ``ahead``). A request that does not wait drifts back towards the prior, so it is tried again later."""
         if req.seq_id in self.verifying:  # its next position is known once its accepted count is
             return True
         p = req.params
-        if p.penalised or p.structured is not None or len(req.generated) + 1 < p.min_tokens:
+        if p.structured is not None or len(req.generated) + 1 < p.min_tokens:
             return False
         most = min(self.config.num_speculative_tokens, p.max_tokens - len(req.generated) - 2)
         if most < 1:
             return False
+        if not self.config.adaptive:
+            return True
         rate = self.acceptance.get(req.seq_id, self.prior)
-        if not (wait := self._worth_a_step(rate, most)):
+        tokens, emitted = self._shape.get(req.group, (1, 1))
+        if not (wait := plan_proposals([rate], [most], self.cost.cost(), step_tokens=max(tokens, 1),
+                                       emitted=max(min(emitted, tokens), 1), ahead=True, bubble_s=self.bubble_s)[0] > 0):
             self.acceptance[req.seq_id] = 0.95 * rate + 0.05 * self.prior
         return wait
-
-    def _worth_a_step(self, rate: float, k: int) -> bool:
-        """Is proposing ``k`` tokens, accepted with ``rate`` each, worth sitting out a step planned ahead?"""
-        return not self.config.adaptive or expected_tokens(rate, k) > 2.0
 
     def extend(self, plan: StepPlan, blocks: KVGroups, *, budget: int, max_context: int, ahead: bool = False) -> int:
         """Add proposals to ``plan``'s decodes (blocks grown for them); returns the proposed tokens. ``ahead``: steps
@@ -202,6 +202,7 @@ class Speculator:
             self.proposer.release(step.frees)
             for seq_id in step.frees:
                 self.acceptance.pop(seq_id, None)
+        self._shape[step.group] = (plan.n_tokens, sum(plan.samples))
         if any(r.params.structured is not None for r in plan.requests):
             return 0  # a grammar masks one row per sequence: a step holding a structured request verifies nothing
         cands = []
@@ -216,10 +217,9 @@ class Speculator:
         limits = [most for _, _, most in cands]
         if self.config.adaptive:
             rates = [self.acceptance.get(r.seq_id, self.prior) for _, r, _ in cands]
+            # Ahead, a request that proposes sits out the next step: the planner prices the overlap it gives up.
             limits = plan_proposals(rates, limits, self.cost.cost(), step_tokens=plan.n_tokens,
-                                    emitted=sum(plan.samples), budget=budget)
-            if ahead:  # a request that proposes sits out the next step
-                limits = [k if k and self._worth_a_step(a, k) else 0 for a, k in zip(rates, limits)]
+                                    emitted=sum(plan.samples), budget=budget, ahead=ahead, bubble_s=self.bubble_s)
             for (_, r, _), rate, k in zip(cands, rates, limits):  # not proposing: drift back, to be tried again
                 if k == 0:
                     self.acceptance[r.seq_id] = 0.95 * rate + 0.05 * self.prior
@@ -254,8 +254,15 @@ class Speculator:
         """``step`` (``tokens`` tokens, planned at ``started``) came back at ``ended``: the cost model's data. A step
         planned ahead ran from when the one before it came back."""
         self.verifying.difference_update(step.proposals)
-        began = max(started, self._back.get(step.group, started))
-        self._back[step.group] = ended
+        back, before = self._back.get(step.group, (started, set()))
+        ids = {seq_id for seq_id, _ in step.items}
+        # Planned ahead, yet only after the step before it came back, with a request of that step in it: the pipeline
+        # drained under a running request (one that verified, or sat out to propose), not on an idle engine.
+        if step.send_back and started > back and not ids.isdisjoint(before):
+            gap = started - back
+            self.bubble_s = 0.8 * self.bubble_s + 0.2 * gap if self.bubble_s else gap
+        began = max(started, back)
+        self._back[step.group] = (ended, ids)
         self.cost.add(tokens, ended - began)
 
     def stats(self) -> dict[str, int]:

@@ -21,7 +21,7 @@ from fastapi import Request
 from energon_infer.engine.account import RequestStamps, ServingAccount, now_ns
 from energon_infer.engine.delivery import Completion, TokenEvent
 from energon_infer.serving.http_guard import ClientGone, engine_error
-from energon_infer.serving.openai_format import Reply, error_event, sse, usage
+from energon_infer.serving.openai_format import Reply, error_event, metrics, sse, usage
 
 __all__ = ["wait_all", "TokenStream", "LoopInbox"]
 
@@ -171,7 +171,10 @@ class TokenStream:
                     completion_tokens += 1
                 lps = None if ev.logprobs is None or ev.token_id is None else ([ev.token_id], [ev.logprobs])
                 # none while text is held; the token: for a reply that decodes it itself
-                for chunk in self.reply.chunks(index, ev.text, ev.finish_reason, lps, ev.token_id):
+                chunks = self.reply.chunks(index, ev.text, ev.finish_reason, lps, ev.token_id)
+                if chunks and ev.completion is not None and len(futures) == 1:  # the final chunk, as vLLM's
+                    chunks[-1] = {**chunks[-1], **metrics([ev.completion])}  # speculative decoding's counts
+                for chunk in chunks:
                     yield sse(chunk)
                 if ev.finish_reason is not None:
                     live.discard(index)

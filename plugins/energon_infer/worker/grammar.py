@@ -278,11 +278,12 @@ class GrammarSampler(Sampler):
 
     def sample_rows(self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams],
                     positions: Sequence[int] | None = None, banned: Mapping[int, Sequence[int]] | None = None,
-                    grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SampleOutput:
+                    grammar: tuple[Sequence[int], torch.Tensor] | None = None,
+                    extra_output: Mapping[int, Sequence[int]] | None = None) -> SampleOutput:
         pending, self._pending = self._pending, None
         if grammar is None and pending is not None:
             grammar = (pending[0], pending[1].result())
-        out = super().sample_rows(logits, seq_ids, params, positions, banned, grammar)
+        out = super().sample_rows(logits, seq_ids, params, positions, banned, grammar, extra_output)
         if positions is not None and (self.grammars.masks is not None or self.grammars.errors):
             failed = {seq_ids[r] for r in out.errors}
             why = self.grammars.finish(seq_ids, positions, out.tokens, dict.fromkeys(failed, ""))

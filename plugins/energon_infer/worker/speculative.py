@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 __all__ = ["SpeculativeVerify", "accept_lengths", "verify_rows"]
 
 
+def _proposed_before(items: Sequence[tuple[int, Sequence[int]]], proposals: Mapping[int, int]) -> list[list[int]]:
+    """By sampled row (:func:`verify_rows`' order): the proposals before that row's position (``[]`` for a
+    sequence's first row and for every row of one that does not speculate)."""
+    out: list[list[int]] = []
+    for seq_id, tokens in items:
+        k = proposals.get(seq_id, 0)
+        drafts = list(tokens[len(tokens) - k:]) if k else []
+        out.extend(drafts[:j] for j in range(k + 1))
+    return out
+
+
 def accept_lengths(proposed: Sequence[int], drawn: Sequence[int]) -> int:
     """How many of ``proposed`` (``k`` tokens) are accepted given each position's draw (``k + 1`` tokens)."""
     a = 0
@@ -83,11 +94,15 @@ class SpeculativeVerify:
         accepted: dict[int, list[tuple[int, Any]]] = {}
         if self.grid.rank == self.grid.result_rank:
             assert logits is not None
-            self._observe(items, starts)
+            # The penalties count what the sequence emitted: its fed token now, its accepted proposals below; the
+            # row after proposals d1..dj counts them too (as a decode after them would).
+            self._observe([(s, t[:len(t) - proposals.get(s, 0)]) for s, t in items], starts)
             params = [self._params[s] for s in ids]
+            extra = {r: ahead for r, ahead in enumerate(_proposed_before(items, proposals))
+                     if ahead and params[r].penalised}
             index = torch.tensor(rows, dtype=torch.long, device=logits.device)
             sampled = self.sampler.sample_rows(logits.index_select(0, index), ids, params, positions,
-                                               self._banned(ids, params, positions))
+                                               self._banned(ids, params, positions), extra_output=extra)
             row = 0
             for i, (seq_id, tokens) in enumerate(items):
                 k = proposals.get(seq_id, 0)
@@ -105,6 +120,8 @@ class SpeculativeVerify:
                     logprobs[seq_id] = lps[-1]
                 if k:
                     accepted[seq_id] = list(zip(emitted, lps))
+                    if a:  # the accepted proposals are output now (never fed again: they are in the cache)
+                        self._observe([(seq_id, proposed[:a])], {seq_id: starts[seq_id] + len(tokens) - k})
                 row += k + 1
         out = self.grid.broadcast_result(out)
         tokens_out: list[int] = []
