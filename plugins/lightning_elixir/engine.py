@@ -13,7 +13,10 @@ precision flag) and calls these functions, which take plain values and never a s
 * :func:`save_atomic` / :func:`check_before_load` / :func:`load_into` - sharded, atomic, verified checkpoints
   with the disk tier's state streamed;
 * :func:`left_on_disk` / :func:`close_disk_state` - the disk tier's end of run (tier-3 weights read back into the
-  module only where they fit).
+  module only where they fit);
+* :func:`make_replanner` / :func:`check_step` - the predicted-vs-measured step check and, with ``replan=True``, the
+  re-plan decided on its record (:mod:`lightning_elixir.replan`; each front door applies it at its checkpoint
+  boundary with :meth:`~lightning_elixir.replan.Replanner.apply`).
 
 Planning itself is :func:`lightning_elixir.planning.decide_plan`; the options both take are
 :class:`~lightning_elixir.options.ElixirOptions`.
@@ -35,9 +38,12 @@ from lightning_elixir.disk_checkpoint import DiskSavePlanner, load_sharded
 from lightning_elixir.disk_state import DiskOptimizerState
 from lightning_elixir.optim import splits_by_mesh
 from lightning_elixir.options import ElixirOptions
+from lightning_elixir.planning import PlanDecision
+from lightning_elixir.replan import PlanState, Replanner
 from lightning_elixir.replicate import apply_replicated, load_replicated, replicates_everything
 from lightning_elixir.step import ElixirOptimizer
 from tightfit.console import fit_text
+from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
 from tightfit.planner.elixir import ElixirPlan
 from tightfit.profiler.host_memory import host_available_bytes
 
@@ -46,13 +52,12 @@ from tightfit.profiler.host_memory import host_available_bytes
 READ_BACK_MARGIN = 1.25
 
 # Predicted vs measured: the first steps after warm-up are timed against the plan (tightfit.planner.check); a
-# measured step off the prediction by more than this fraction warns (and, under the Trainer with replan=True,
-# re-plans).
+# measured step off the prediction by more than this fraction warns (and, with replan=True, re-plans).
 CHECK_TOLERANCE = 0.25
 
 __all__ = ["READ_BACK_MARGIN", "CHECK_TOLERANCE", "register_presets", "apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic",
            "check_before_load", "load_into", "close_disk_state", "streams_init", "materialize_streamed", "left_on_disk",
-           "refuse_forward"]
+           "refuse_forward", "make_replanner", "check_step"]
 
 
 def streams_init(plan: ElixirPlan, options: ElixirOptions) -> bool:
@@ -211,3 +216,27 @@ def register_presets(registry: Any, cls: type) -> None:
     """Register :data:`PRESETS` for ``cls`` in a Lightning strategy registry (the Trainer's or Fabric's)."""
     for name, description, options in PRESETS:
         registry.register(name, cls, description=description, **options)
+
+
+def make_replanner(options: ElixirOptions, decision: PlanDecision) -> Replanner | None:
+    """The run's :class:`~lightning_elixir.replan.Replanner` when ``options.replan`` (``None`` otherwise), searching
+    from the profile and cluster the running plan was decided from."""
+    if not options.replan:
+        return None
+    return Replanner(decision.profile, decision.cluster, options.memory_budget, options.planner_constraints())
+
+
+def check_step(monitor: StepMonitor | None, state: PlanState | None, replanner: Replanner | None, view: Any, *,
+               device: torch.device, verbose: bool, rank_zero: bool, broadcast: Callable[[Any], Any],
+               epoch: int = 0) -> tuple[StepMonitor | None, PredictionRecord | None]:
+    """A step starts: tell the predicted-vs-measured monitor (made for ``state.plan`` when ``monitor`` is ``None``);
+    when its record is ready, ``replanner`` decides on it. ``view`` is what :func:`tightfit.planner.check.on_step_start`
+    reads of a trainer (``global_rank``, ``global_step``, ``logger``). Returns the monitor and the record (``None``
+    until it is ready). Collective with a ``replanner``: every rank's record arrives at the same step."""
+    if state is not None and monitor is None:
+        monitor = make_monitor(state.plan, device, tolerance=CHECK_TOLERANCE)
+    record = on_step_start(monitor, view, verbose=verbose)
+    if record is not None and replanner is not None and state is not None:
+        replanner.decide(state, record, step=int(getattr(view, "global_step", 0)), epoch=epoch, rank_zero=rank_zero,
+                         broadcast=broadcast)
+    return monitor, record

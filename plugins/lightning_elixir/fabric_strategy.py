@@ -25,6 +25,11 @@ Trainer's checkpoints have, so ``python -m lightning_elixir.export`` reads them)
 A model on meta whose plan keeps parameters on disk (tier 3) is allocated one unit at a time into the optimizer's
 disk tier, never whole in host memory (:func:`lightning_elixir.engine.streams_init`), so it is set up with
 ``fabric.setup(model, optimizer)``: Fabric's ``setup_optimizers`` refuses an optimizer over meta parameters.
+
+Each ``fabric.backward`` starts a step of the predicted-vs-measured check (steps are counted in backwards). The first
+``fabric.save`` writes the plan to ``plan.json`` beside the checkpoint (rank 0); with ``replan=True`` a re-plan from
+steps off the prediction is applied right after the next ``fabric.save``, Fabric's checkpoint boundary, and written
+to ``plan-replan.json`` beside ``plan.json`` (:mod:`lightning_elixir.replan`, shared with the Trainer).
 """
 
 from __future__ import annotations
@@ -49,15 +54,16 @@ from lightning_elixir._torch_adapter import set_backward_sync, setup_data_parall
 from lightning_elixir.apply import AppliedUnit, clip_grad_norm_, clip_grad_value_, is_replicated, is_sharded
 from lightning_elixir.disk_state import DiskOptimizerState
 from lightning_elixir.engine import (
-    CHECK_TOLERANCE,
     READ_BACK_MARGIN,
     applied_text,
     apply_decided,
     attach_optimizers,
     check_before_load,
+    check_step,
     close_disk_state,
     left_on_disk,
     load_into,
+    make_replanner,
     materialize_streamed,
     refuse_forward,
     register_presets,
@@ -67,9 +73,10 @@ from lightning_elixir.engine import (
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import FORWARD, decide_plan
 from lightning_elixir.precision import ElixirGradScaler
+from lightning_elixir.replan import PlanState, Replanner
 from lightning_elixir.replicate import load_replicated, no_gradient_sync
 from lightning_elixir.step import ElixirOptimizer
-from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
+from tightfit.planner.check import PredictionRecord, StepMonitor
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.storage import return_large_frees
@@ -96,8 +103,9 @@ class ElixirFabricStrategy(ModelParallelStrategy):
             a tuple of arguments, a dict of keyword arguments or a function returning one (called on rank 0 only).
             ``None``: ``model.example_input_array``.
         process_group_backend / timeout: as Fabric's ``ModelParallelStrategy``.
-
-        replan: refused (``True`` raises): re-planning at checkpoint boundaries is wired to the Trainer only.
+        replan: as the Trainer's, with ``fabric.save`` the checkpoint boundary: when the steps after warm-up are off
+            the prediction, rank 0 re-plans from the measurement and every rank switches to the new plan right after
+            the next ``fabric.save`` (:mod:`lightning_elixir.replan`; :attr:`replanner` keeps the record).
 
     Precision: Fabric's ``precision=`` flag with ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``; fp16 through
     ``plugins=[ElixirFabricPrecision()]`` (Fabric refuses the ``"16-mixed"`` flag for every ``ModelParallelStrategy``).
@@ -125,13 +133,10 @@ class ElixirFabricStrategy(ModelParallelStrategy):
                  host_budget: int | str | None = None, disk_dir: str | Path | None = None,
                  example_input: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, replan: bool = False) -> None:
-        if replan:
-            raise ValueError("ElixirFabricStrategy(replan=True): re-planning at checkpoint boundaries is wired to the "
-                             "Trainer only (ElixirStrategy(replan=True)); leave replan out under Fabric")
         self.options = ElixirOptions(memory_budget=memory_budget, plan=plan, offload=offload,
                                      activation_checkpointing=activation_checkpointing, optimizer=optimizer,
                                      cluster=cluster, device_profile=device_profile, constraints=constraints,
-                                     verbose=verbose, calibrate=calibrate, host_budget=host_budget,
+                                     verbose=verbose, replan=replan, calibrate=calibrate, host_budget=host_budget,
                                      disk_dir=disk_dir, owner="ElixirFabricStrategy")
         if self.options.host_budget is not None or self.options.disk_dir is not None:
             return_large_frees()  # as ElixirStrategy: a host bound is only kept if freed tensors leave the process
@@ -146,6 +151,8 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         self.monitor: StepMonitor | None = None
         self.prediction: PredictionRecord | None = None
         self._backwards = 0
+        self.replanner: Replanner | None = None  # replan=True: the re-plan decided, applied at the next fabric.save
+        self.plan_path: Path | None = None  # rank 0: plan.json, written beside the first checkpoint
         self.example_input = example_input
         self.plan: ElixirPlan | None = None
         self.units: list[AppliedUnit] = []
@@ -192,6 +199,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
                                method=FORWARD, precision=precision, device=self.root_device,
                                world_size=self.world_size, num_nodes=self.num_nodes, rank=self.global_rank)
         self.plan = decision.plan
+        self.replanner = make_replanner(self.options, decision)
         # A model built on meta whose plan keeps parameters on disk (tier 3) is allocated and initialised once the
         # optimizer's disk tier is attached (setup_optimizer), one unit at a time, never whole in host memory.
         self._streamed_init = streams_init(self.plan, self.options) and any(p.is_meta for p in module.parameters())
@@ -273,14 +281,18 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         finally:
             grads.final = False
 
+    def _plan_state(self) -> PlanState | None:
+        return None if self.plan is None else PlanState(plan=self.plan, units=tuple(self.units))
+
     def _check_prediction(self) -> None:
-        if self.plan is not None and self.monitor is None:
-            self.monitor = make_monitor(self.plan, self.root_device, tolerance=CHECK_TOLERANCE)
-        # What tightfit.planner.check reads of a Trainer: the rank that reports, the step, no logger (Fabric's
-        # loggers are the loop's; the record is self.prediction, its metrics record.metrics()).
+        # What tightfit.planner.check reads of a Trainer: the rank that reports, the step (fabric.backward calls so
+        # far), no logger (Fabric's loggers are the loop's; the record is self.prediction, its metrics
+        # record.metrics()).
         view = SimpleNamespace(global_rank=self.global_rank, global_step=self._backwards, logger=None)
         self._backwards += 1
-        record = on_step_start(self.monitor, view, verbose=self.options.verbose)
+        self.monitor, record = check_step(self.monitor, self._plan_state(), self.replanner, view,
+                                          device=self.root_device, verbose=self.options.verbose,
+                                          rank_zero=self.is_global_zero, broadcast=self.broadcast)
         if record is not None:
             self.prediction = record
 
@@ -346,8 +358,20 @@ class ElixirFabricStrategy(ModelParallelStrategy):
         metadata = {k: v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
                     for k, v in state.items() if k != model_key and k not in optimizer_keys}
         metadata[FABRIC_KEYS] = {"model": model_key, "optimizers": optimizer_keys}
-        save_atomic(shards, metadata, Path(self.broadcast(str(path))), disk=self.disk_state, rank=self.global_rank,
-                    barrier=self.barrier, broadcast=self.broadcast)
+        target = Path(self.broadcast(str(path)))
+        save_atomic(shards, metadata, target, disk=self.disk_state, rank=self.global_rank, barrier=self.barrier,
+                    broadcast=self.broadcast)
+        if self.is_global_zero and self.plan_path is None and self.plan is not None:
+            self.plan_path = target.parent / "plan.json"  # the plan the run started with, as the Trainer's log dir has
+            self.plan.to_json(self.plan_path)
+        current = self._plan_state()
+        if self.replanner is not None and self.replanner.pending is not None and current is not None:
+            # The checkpoint boundary: the state just written is valid under both plans (lightning_elixir.replan).
+            switched = self.replanner.apply(module, current, step=self._backwards, boundary="checkpoint",
+                                            rank_zero=self.is_global_zero, plan_path=self.plan_path)
+            if switched is not None:
+                self.plan, self.units = switched.plan, list(switched.units)
+                self.monitor = None  # the new plan's prediction is checked against its own steps
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,

@@ -1,4 +1,4 @@
-"""``ElixirStrategy(replan=True)``: re-plan from the measured step, apply the new plan at the next checkpoint.
+"""``replan=True``: re-plan from the measured step, apply the new plan at the next checkpoint.
 
 When the first steps after warm-up (:mod:`tightfit.planner.check`) are off the plan's prediction by more
 than the tolerance, rank 0 re-plans from the measurement: the profile the plan was made from, its block
@@ -8,15 +8,17 @@ fastest plan that fits and can be applied to the running model: same FSDP2 units
 choices; free are each unit's reshard-after-forward, each block's recomputation and the prefetch depths.
 Every rank receives the decision (one broadcast at the step of the measurement).
 
-The new plan takes effect at the next checkpoint boundary: right after the next checkpoint is written
-(``save_checkpoint``, e.g. ``ModelCheckpoint`` at the end of an epoch) or, when nothing saves
-checkpoints, at the first step of the next epoch, whichever comes first. At that point no forward or
+The new plan takes effect at the next checkpoint boundary: under the Trainer (``ElixirStrategy``) right after the
+next checkpoint is written (``save_checkpoint``, e.g. ``ModelCheckpoint`` at the end of an epoch) or, when nothing
+saves checkpoints, at the first step of the next epoch, whichever comes first; under Fabric
+(``ElixirFabricStrategy``, which has no epochs) right after the next ``fabric.save``. At that point no forward or
 backward is in flight and the checkpoint just written is valid for both plans (the switches change no
 parameter, gradient or optimizer state), so a run resumed from it continues either way. Between steps
 FSDP2 (``set_reshard_after_forward``, ``set_modules_to_*_prefetch``) and composable checkpointing (its
 hooks installed on every block at setup, switched on or off) change without touching a tensor: the
-training math is the same before and after. One re-plan per ``fit``; the new plan's prediction is
-checked against its own measurement like the first one's.
+training math is the same before and after. One re-plan per ``fit`` (per strategy under Fabric); the new
+plan's prediction is checked against its own measurement like the first one's. Both front doors decide through
+:func:`lightning_elixir.engine.check_step` and apply with :meth:`Replanner.apply`.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ class ReplanRecord:
     """One re-plan.
 
     Args:
-        measured_at_step: the global step whose measurement triggered it.
+        measured_at_step: the global step whose measurement triggered it (under Fabric: the ``fabric.backward``
+            calls before it).
         time_ratio / memory_ratio: measured / predicted step time and peak (1.0: not measured).
         old_step_s / new_step_s: the running plan's prediction and the new plan's (from the scaled profile).
         changes: what differs (``"blocks.0: recompute on"``, ``"unit 2: keep"``, ``"prefetch 2/2"``); empty: the
             running plan is still the best one and nothing is switched.
-        applied_at_step: the global step from which the new plan runs (``None`` until applied).
+        applied_at_step: the global step (under Fabric: ``fabric.backward`` calls) from which the new plan runs
+            (``None`` until applied).
         boundary: ``"checkpoint"`` or ``"epoch"`` (where it was applied); ``""`` until then.
         plan_path: where rank 0 wrote the new plan (``plan-replan.json`` beside ``plan.json``).
     """
@@ -129,7 +133,7 @@ class Replanner:
 
     Attributes:
         pending: the decided plan, applied at the next checkpoint boundary (``None``: nothing to switch).
-        records: one :class:`ReplanRecord` per re-plan (at most one per fit).
+        records: one :class:`ReplanRecord` per re-plan (at most one per fit, or per Fabric strategy).
     """
 
     def __init__(self, profile: ModelProfile | None, cluster: ClusterSpec | None,

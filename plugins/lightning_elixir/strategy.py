@@ -50,9 +50,11 @@ from lightning_elixir.engine import (
     apply_decided,
     attach_optimizers,
     check_before_load,
+    check_step,
     close_disk_state,
     left_on_disk,
     load_into,
+    make_replanner,
     materialize_streamed,
     refuse_forward,
     register_presets,
@@ -65,7 +67,7 @@ from lightning_elixir.precision import ElixirPrecision, admit_fp16_flag, with_me
 from lightning_elixir.replan import PlanState, Replanner
 from lightning_elixir.replicate import no_gradient_sync
 from lightning_elixir.step import ElixirOptimizer
-from tightfit.planner.check import PredictionRecord, StepMonitor, make_monitor, on_step_start
+from tightfit.planner.check import PredictionRecord, StepMonitor
 from tightfit.planner.elixir import ElixirConstraints, ElixirPlan
 from tightfit.profiler.types import ClusterSpec, DeviceProfile
 from tightfit.storage import return_large_frees
@@ -211,9 +213,7 @@ class ElixirStrategy(ModelParallelStrategy):
             self.runtime, self.units = apply_decided(module, self.plan, self.device_mesh, device=self.root_device,
                                                      options=self.options, defer_materialize=self._streamed_init)
             self._report(trainer)
-            if self.options.replan:
-                self.replanner = Replanner(decision.profile, decision.cluster, self.options.memory_budget,
-                                           self.options.planner_constraints())
+            self.replanner = make_replanner(self.options, decision)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -311,15 +311,12 @@ class ElixirStrategy(ModelParallelStrategy):
         trainer = self._module.trainer
         if self.replanner is not None and self.replanner.due(int(getattr(trainer, "current_epoch", 0))):
             self._switch_plan(trainer, "epoch")
-        if self.plan is not None and self.monitor is None:
-            self.monitor = make_monitor(self.plan, self.root_device, tolerance=CHECK_TOLERANCE)
-        record = on_step_start(self.monitor, trainer, verbose=self.options.verbose)
+        self.monitor, record = check_step(self.monitor, self._plan_state(), self.replanner, trainer,
+                                          device=self.root_device, verbose=self.options.verbose,
+                                          rank_zero=self.is_global_zero, broadcast=self.broadcast,
+                                          epoch=int(getattr(trainer, "current_epoch", 0)))
         if record is not None:
             self.prediction = record
-            if self.replanner is not None and self.plan is not None:
-                self.replanner.decide(self._plan_state(), record, step=int(getattr(trainer, "global_step", 0)),
-                                      epoch=int(getattr(trainer, "current_epoch", 0)),
-                                      rank_zero=self.is_global_zero, broadcast=self.broadcast)
         return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     @override
@@ -368,14 +365,14 @@ class ElixirStrategy(ModelParallelStrategy):
             # A checkpoint boundary: the state just written is valid under both plans.
             self._switch_plan(self._module.trainer, "checkpoint")
 
-    def _plan_state(self) -> PlanState:
-        assert self.plan is not None
-        return PlanState(plan=self.plan, units=tuple(self.units))
+    def _plan_state(self) -> PlanState | None:
+        return None if self.plan is None else PlanState(plan=self.plan, units=tuple(self.units))
 
     def _switch_plan(self, trainer: Any, boundary: str) -> None:
         """Switch to the re-planned plan at a checkpoint boundary and keep the state the switch returns."""
-        assert self.replanner is not None
-        state = self.replanner.apply(self._module, self._plan_state(), step=int(getattr(trainer, "global_step", 0)),
+        current = self._plan_state()
+        assert self.replanner is not None and current is not None
+        state = self.replanner.apply(self._module, current, step=int(getattr(trainer, "global_step", 0)),
                                      boundary=boundary, rank_zero=self.is_global_zero, plan_path=self.plan_path,
                                      logger=getattr(trainer, "logger", None))
         if state is not None:
