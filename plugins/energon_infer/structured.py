@@ -99,7 +99,7 @@ class StructuredOutput:
         """``(kind, canonical text)``: equal constraints have equal keys (the compile cache's key)."""
         kind = self.kind
         if kind == "json_schema":
-            return kind, json.dumps({"schema": self.json_schema, "strict": self.strict}, sort_keys=True,
+            return kind, json.dumps({"schema": _canonical_schema(self.json_schema), "strict": self.strict},
                                     separators=(",", ":"))
         if kind == "json_object":
             return kind, ""
@@ -223,15 +223,35 @@ def _pointer(name: str) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
 
 
+def _canonical_schema(node: Any, names: bool = False) -> Any:
+    """``node`` with the keys of its objects sorted, except the names in a ``properties`` (``names``): a grammar
+    writes properties in the order the schema lists them (as OpenAI's structured outputs do), so that order is
+    part of what a schema says; the order of its other keys is not."""
+    if isinstance(node, list):
+        return [_canonical_schema(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if names:  # property name -> its schema
+        return {k: _canonical_schema(v) for k, v in node.items()}
+    return {k: _canonical_schema(node[k], k == "properties" and isinstance(node[k], dict)) for k in sorted(node)}
+
+
+# A character class of a JSON string's characters (the negated ones that exclude the quote).
+_STRING_CHAR = re.compile(r'\[\^(?=(?:[^\]\\]|\\.)*\\")(?:[^\]\\]|\\.)*\]')
+
+
 def json_grammar(structured: StructuredOutput) -> str:
     """The EBNF grammar of a ``json_schema`` / ``json_object`` constraint: compact JSON (``", "`` and ``": "``
     between items, no other whitespace: a model cannot spend its tokens on whitespace), whose strings hold no raw
     control character (xgrammar 0.2.9's rule for a string with ``maxLength`` lets U+0000-U+001F through, which
-    JSON forbids and strict parsers such as Pydantic's refuse)."""
+    JSON forbids and strict parsers such as Pydantic's refuse) and no UTF-16 surrogate (xgrammar's string
+    characters take U+D800-U+DFFF, whose UTF-8 bytes are not valid UTF-8). Properties are written in the schema's
+    order."""
     schema = structured.json_schema if structured.json_schema is not None else {"type": "object"}
-    ebnf = str(import_xgrammar().Grammar.from_json_schema(json.dumps(schema, sort_keys=True), any_whitespace=False,
+    ebnf = str(import_xgrammar().Grammar.from_json_schema(json.dumps(_canonical_schema(schema)), any_whitespace=False,
                                                strict_mode=structured.strict))
-    return ebnf.replace(r"[^\"\\\r\n]", r"[^\"\\\0-\x1f]")
+    ebnf = ebnf.replace(r"[^\"\\\r\n]", r"[^\"\\\0-\x1f]")
+    return _STRING_CHAR.sub(lambda m: m.group()[:-1] + r"\uD800-\uDFFF]", ebnf)
 
 
 def compile_grammar(compiler: Any, structured: StructuredOutput) -> Any:
