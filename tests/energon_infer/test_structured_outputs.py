@@ -93,6 +93,10 @@ def test_structured_output_takes_exactly_one_constraint():
     a = StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}})
     b = StructuredOutput(json_schema={"properties": {"x": {"type": "integer"}}, "type": "object"})
     assert a == b and hash(a) == hash(b) and StructuredOutput.from_json(a.to_json()) == a
+    # ... except the order of the properties: the output writes them in it.
+    xy = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
+    yx = {"type": "object", "properties": {"y": {"type": "integer"}, "x": {"type": "integer"}}}
+    assert StructuredOutput(json_schema=xy) != StructuredOutput(json_schema=yx)
     assert StructuredOutput(json_schema={"type": "object"}, strict=False) != StructuredOutput(
         json_schema={"type": "object"})
     with pytest.raises(ValueError, match="structured=.* must be a StructuredOutput"):
@@ -115,6 +119,24 @@ def test_bad_schema_names_the_path_and_the_rule(schema, path, rule):
         check(StructuredOutput(json_schema=schema))
     with pytest.raises(StructuredOutputError, match="regex cannot be compiled: .*parenthesis is not closed"):
         check(StructuredOutput(regex="a(b"))
+
+
+def test_json_strings_take_no_surrogate_bytes_and_properties_keep_their_order():
+    xgrammar = pytest.importorskip("xgrammar")
+    from energon_infer.structured import json_grammar
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "a": {"type": "string"}},
+              "required": ["s", "a"], "additionalProperties": False}
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([])).compile_grammar(
+        json_grammar(StructuredOutput(json_schema=schema)))
+
+    def takes(text: bytes) -> bool:
+        return xgrammar.GrammarMatcher(compiled).accept_string(text)
+
+    assert takes('{"s": "躩", "a": "é'.encode())
+    # U+DB20 as UTF-8 bytes (not valid UTF-8: a decode makes three U+FFFD of it), in either kind of string rule.
+    assert not takes(b'{"s": "\xed\xac\xa0') and not takes(b'{"s": "", "a": "\xed\xac\xa0')
+    assert not takes(b'{"a": ')  # the schema's order, not the sorted one
 
 
 def test_sampler_applies_the_grammar_bitmask_to_greedy_and_sampled_rows():
@@ -248,6 +270,7 @@ def test_engine_generate_with_structured_params(engine):
                             for i, t in enumerate((0.0, 1.0, 1.0))])
     for out in outs:
         assert out.finish_reason == "stop" and conforms(json.loads(out.text), PERSON)
+        assert list(json.loads(out.text)) == list(PERSON["properties"])  # in the schema's order, as OpenAI's
         assert all(t < TOKENIZER_VOCAB for t in out.token_ids)  # the padded ids past the tokenizer are masked
     # ignore_eos: the grammar's end still ends the request.
     out = engine.generate(["x"], SamplingParams(max_tokens=50, ignore_eos=True,

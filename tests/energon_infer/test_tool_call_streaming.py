@@ -134,6 +134,51 @@ def test_a_block_whose_head_reads_otherwise_is_sent_whole_once_complete():
         "arguments": '{"x": 1}'}
 
 
+def _required_array(calls: list[tuple[str, str]], compact: bool) -> str:
+    """``calls`` as ``tool_choice="required"``'s grammar lets a model write them: a JSON array of objects."""
+    comma, colon = (",", ":") if compact else (", ", ": ")
+    items = [f'{{"name"{colon}{json.dumps(n)}{comma}"arguments"{colon}{a}}}' for n, a in calls]
+    return "[" + comma.join(items) + "]"
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=_calls, compact=st.booleans(), cut=st.none() | st.integers(0, 400),
+       cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_required_streams_argument_fragments_for_every_chunking(calls, compact, cut, cuts):
+    out = ToolOutput("required", HermesParser())
+    whole = _required_array(calls, compact)
+    text = whole if cut is None else whole[:cut]  # an output cut by max_tokens anywhere
+    content, expected = out.extract(text)
+    bounds = sorted({0, len(text), *[c for c in cuts if c < len(text)]})
+    assert _collect(out, [text[a:b] for a, b in zip(bounds, bounds[1:])])[:2] == (content, expected)
+    streamed, got, fragments = _collect(out, list(text))
+    assert (streamed, got) == (content, expected)
+    if text == whole:  # the arguments as written, each sent in fragments as it is written
+        assert (content, got) == ("", [ToolCall(n, a) for n, a in calls])
+        assert all(f >= 2 for f, (_, a) in zip(fragments, calls) if len(a) >= 2)
+        return
+    # Cut short: the calls finished, then the one cut with the arguments written so far; a call cut before its head
+    # is written stays content (nothing is lost).
+    assert [c.name for c in got] == [n for n, _ in calls[:len(got)]]
+    assert all(c.arguments == a for c, (_, a) in zip(got[:-1], calls))
+    assert not got or calls[len(got) - 1][1].startswith(got[-1].arguments)
+    assert content == (text if not got else "") or (text.endswith(content) and content.startswith("{"))
+
+
+def test_required_opens_each_call_at_its_head():
+    s = ToolOutput("required", HermesParser()).stream()
+    assert s.feed('[{"name": "get_weather", "argum') == []
+    (head,) = s.feed('ents": ')
+    assert head["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""} and head["tool_calls"][0]["id"]
+    assert s.feed('{"city": "Pa') == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}]
+    assert s.feed('ris"}}, {"name": "noop", "arguments": {}}]') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ris"}'}}]},
+        {"tool_calls": [{"index": 1, "id": s._ids[1], "type": "function",
+                         "function": {"name": "noop", "arguments": ""}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}]
+    assert s.finish() == []
+
+
 # ---------------------------------------------------------------------- Mistral's v11 format
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import pydantic_core
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,7 +160,10 @@ def test_named_function_streams_its_arguments_as_they_come():
 def test_required_output_cut_short_keeps_its_text():
     out = ToolOutput("required", HermesParser())
     text = '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "argu'
-    assert out.extract(text) == ('{"name": "b", "argu', [_call("a", x=1)])
+    assert out.extract(text) == ('{"name": "b", "argu', [_call("a", x=1)])  # b's head is not written: content
+    assert _streamed(out, list(text))[:2] == out.extract(text)
+    text = '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": [1, "z'
+    assert out.extract(text) == ("", [_call("a", x=1), ToolCall("b", '{"y": [1, "z')])  # the arguments written
     assert _streamed(out, list(text))[:2] == out.extract(text)
     assert out.extract('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}] ') == ("", [_call("a"),
                                                                                                   _call("b")])
@@ -312,6 +316,24 @@ def _validate(call) -> None:
     VALIDATORS[call.function.name].model_validate_json(call.function.arguments)  # raises if invalid
 
 
+def _validate_prefix(call) -> None:
+    """A call cut by ``max_tokens``: its arguments are valid arguments or the beginning of some (pydantic's partial
+    JSON parser, each complete field validated on its own)."""
+    if not call.function.arguments:
+        return  # cut right after the call's head
+    try:
+        json.loads(call.function.arguments)
+    except json.JSONDecodeError as e:
+        assert e.msg != "Extra data", call.function.arguments  # not text after the object
+    else:
+        return _validate(call)
+    model = VALIDATORS[call.function.name]
+    partial = pydantic_core.from_json(call.function.arguments, allow_partial=True)  # raises if it is not a prefix
+    assert isinstance(partial, dict) and call.function.arguments.lstrip().startswith("{")
+    for key, value in partial.items():  # extra="forbid": an unknown key raises too
+        model.__pydantic_validator__.validate_assignment(model.model_construct(), key, value)
+
+
 @RunIf(serve=True)
 def test_docs_tool_calls_snippet_runs(server, capsys):
     from tests.helpers.docs import python_block
@@ -339,14 +361,19 @@ def test_required_returns_calls_whose_arguments_validate(client, parallel):
         choice = out.choices[0]
         calls = choice.message.tool_calls
         assert calls and (parallel or len(calls) == 1)
-        # A random model may go on calling until max_tokens: the calls it finished are returned, the unfinished
-        # rest of the array stays content (nothing is lost).
-        assert choice.finish_reason == "tool_calls" if not parallel else choice.finish_reason in ("tool_calls",
-                                                                                                  "length")
-        assert (choice.message.content is None) == (choice.finish_reason == "tool_calls")
         assert len({c.id for c in calls}) == len(calls) and all(c.type == "function" for c in calls)
-        for call in calls:
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+            for call in calls:
+                _validate(call)
+            continue
+        # A random model may go on calling until max_tokens (as OpenAI, the call it was writing keeps the arguments
+        # written so far; one cut before its head stays content).
+        assert parallel and choice.finish_reason == "length"
+        for call in calls[:-1]:
             _validate(call)
+        _validate_prefix(calls[-1])
+        assert choice.message.content is None or choice.message.content.startswith("{")
 
 
 @RunIf(serve=True)
@@ -375,18 +402,21 @@ def test_streamed_tool_calls_put_together_equal_the_whole_answer(client, tool_ch
     whole = client.chat.completions.create(**kw).choices[0]
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    content, names, args = "", [], {}
+    content, names, args, fragments = "", [], {}, {}
     for delta in (c.choices[0].delta for c in chunks if c.choices):
         content += delta.content or ""
         for tc in delta.tool_calls or ():
             if tc.id is not None:  # a call's first delta: index, id, type and name
                 assert tc.index == len(names) and tc.type == "function" and tc.function.arguments == ""
                 names.append(tc.function.name)
-                args[tc.index] = ""
+                args[tc.index], fragments[tc.index] = "", 0
             else:
                 assert tc.function.name is None
                 args[tc.index] += tc.function.arguments
+                fragments[tc.index] += 1
     assert list(zip(names, args.values())) == expected
+    # The arguments go out as they are generated (a token or a few at a time), not once the call is complete.
+    assert all(fragments[i] >= 2 for i, (_, a) in enumerate(expected) if len(a) > 8)
     assert content == (whole.message.content or "")
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
     if whole.finish_reason == "tool_calls":  # the client's stream helper (it refuses a "length" answer)

@@ -381,7 +381,8 @@ def parser_for_template(template: str | None) -> ToolCallParser | None:
 def required_schema(functions: Sequence[tuple[str, dict[str, Any] | None]], *, parallel: bool = True
                     ) -> dict[str, Any]:
     """The JSON schema of ``tool_choice="required"``: an array of ``{"name", "arguments"}`` objects, each one of
-    ``functions`` (``(name, parameters schema)``) with its own arguments; at most one item unless ``parallel``."""
+    ``functions`` (``(name, parameters schema)``) with its own arguments; at most one item unless ``parallel``.
+    The grammar writes ``name`` first (properties in the schema's order), so a call opens before its arguments."""
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                "arguments": params or {"type": "object", "properties": {}}},
               "required": ["name", "arguments"], "additionalProperties": False} for name, params in functions]
@@ -393,8 +394,10 @@ def required_schema(functions: Sequence[tuple[str, dict[str, Any] | None]], *, p
 
 
 def _scan_required(text: str, final: bool) -> tuple[Pieces, int]:
-    """The output of ``tool_choice="required"``: a JSON array of calls; each call is decided once its object is
-    complete; text that is not one (an output cut by ``max_tokens``) stays content."""
+    """The output of ``tool_choice="required"``: a JSON array of ``{"name", "arguments"}`` objects. As in the
+    formats' parsers, a call is a call from its head on and its arguments are sent as they are written (one cut by
+    ``max_tokens`` keeps what was written); an item whose keys come in another order is a call once it is
+    complete. Text that is not an array of calls (the output was cut before a call's head) stays content."""
     lead = skip_ws(text, 0)
     if lead == len(text):
         return ([text] if final and text else []), (len(text) if final else 0)
@@ -403,22 +406,36 @@ def _scan_required(text: str, final: bool) -> tuple[Pieces, int]:
     pieces: Pieces = []
     pos = lead + 1
     while True:
-        pos = skip_ws(text, pos)
-        if pos < len(text) and text[pos] == "]":
-            return ([*pieces, text[pos + 1:]] if pieces else [text]), len(text)  # no calls: all of it is content
-        try:
-            value, end = _DECODER.raw_decode(text, pos)
-            call = as_call(value)
-        except ValueError:
-            call = None
-        if call is None:
-            if not final:
-                return pieces, pos if pieces else 0
-            return [*pieces, text[pos if pieces else 0:]], len(text)
-        pieces.append(call)
+        item = skip_ws(text, pos)
+        if item < len(text) and text[item] == "]" and not pieces:
+            return [text], len(text)  # no calls: all of it is content
+        head = match_head(text, item)
+        if head == MAYBE and not final:
+            return pieces, item
+        if isinstance(head, tuple):
+            call, last = read_call(text, head[0], head[1], None, final)
+            pieces.append(call)
+            end = None if last is None else read_tail(text, last, (), final)
+        else:
+            try:
+                value, end = _DECODER.raw_decode(text, item)
+                whole = as_call(value)
+            except ValueError:
+                whole, end = None, None
+            if whole is None:
+                if not final:
+                    return pieces, item
+                return [*pieces, text[item if pieces else 0:]], len(text)
+            pieces.append(whole)
+        if end is None:
+            return pieces, item
         pos = skip_ws(text, end)
+        if pos == len(text) and not final:
+            return pieces, pos
         if pos < len(text) and text[pos] == ",":
             pos += 1
+        elif pos < len(text) or final:
+            return [*pieces, text[pos + 1 if text.startswith("]", pos) else pos:]], len(text)
 
 
 @dataclass(frozen=True, slots=True)
