@@ -8,7 +8,8 @@ moves and *in which order*:
 * :class:`StagingBuffers`: one host buffer per I/O thread (aligned for ``O_DIRECT``, pinned when CUDA is present,
   so a copy to the device can run on a stream), allocated on the thread's first use and reused for every read.
 * :class:`ReadAhead`: reads of items by key, in an order the caller states, kept ``depth`` items ahead of the
-  consumer on a ring of ``depth + 1`` slots; a slot is reused only after the consumer moved past its item.
+  consumer on a ring of ``depth + 1`` slots, on one background thread; a slot is reused only after the consumer
+  moved past its item.
 * :class:`WriteBehind`: writes queued on one background thread, in order, at most ``max_pending`` at once; a
   failed write raises on the next :meth:`~WriteBehind.submit` or :meth:`~WriteBehind.flush` and hands back the
   payloads of the failed write and of every write behind it, so nothing is lost.
@@ -126,34 +127,28 @@ class StagingBuffers(threading.local):
 class ReadAhead(Generic[K, V]):
     """Reads of items by key in a stated ``order``, ``depth`` items ahead of the consumer.
 
-    ``read(key, slot)`` runs on one of ``workers`` threads and fills slot ``slot`` (``0 .. depth``, a ring the
-    caller owns) with the item; :meth:`take` waits for the next item of the order and returns what ``read``
-    returned, raising what it raised. The slot of item ``i`` is reused for item ``i + depth + 1``, which starts
+    ``read(key, slot)`` runs on a background thread, one read at a time in order, and fills slot ``slot``
+    (``0 .. depth``, a ring the caller owns) with the item; :meth:`take` waits for the next item of the order and
+    returns what ``read`` returned, raising what it raised. The slot of item ``i`` is reused for item ``i + depth + 1``, which starts
     only when the consumer takes item ``i + 1``: while the consumer uses item ``i``, its slot is untouched.
     Taking a key out of order restarts the order at that key (in-flight reads are waited for and dropped).
-    The order is cyclic when ``cyclic`` (a model's layers, pass after pass), else it ends.
 
     Args:
         order: the keys, in the order they will be taken.
         read: fills a slot with one item.
         depth: items read ahead of the one in use (slots = depth + 1).
-        workers: reads in flight at once (at most ``depth + 1``); ``0``: each read runs inline in :meth:`take`.
-        cyclic: after the last key, the first.
     """
 
-    def __init__(self, order: Sequence[K], read: Callable[[K, int], V], *, depth: int = 1, workers: int = 1,
-                 cyclic: bool = False) -> None:
-        if depth < 0 or workers < 0:
-            raise ValueError(f"ReadAhead: depth={depth}, workers={workers} must be >= 0")
+    def __init__(self, order: Sequence[K], read: Callable[[K, int], V], *, depth: int = 1) -> None:
+        if depth < 0:
+            raise ValueError(f"ReadAhead: depth={depth} must be >= 0 (items read ahead of the one in use)")
         if len(set(order)) != len(order):
             raise ValueError(f"ReadAhead: the order repeats keys {sorted({k for k in order if order.count(k) > 1}, key=repr)}; "
-                             "give each key once (cyclic=True repeats the order)")
-        # never more slots than keys: a cyclic order would read one key into two slots at once
-        self.order, self.read, self.cyclic = list(order), read, cyclic
-        self.depth = min(depth, max(len(self.order) - 1, 0))
+                             "give each key once")
+        self.order, self.read = list(order), read
+        self.depth = min(depth, max(len(self.order) - 1, 0))  # never more slots than keys
         self._at = {k: i for i, k in enumerate(self.order)}
-        self._pool = ThreadPoolExecutor(min(workers, self.depth + 1), thread_name_prefix="tightfit-readahead") \
-            if workers else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tightfit-readahead")
         self._ahead: deque[tuple[K, int, Future[V]]] = deque()
         self._free = deque(range(self.depth + 1))
         self._held: int | None = None  # the slot of the item the consumer holds
@@ -163,23 +158,16 @@ class ReadAhead(Generic[K, V]):
         while self._free and len(self._ahead) <= self.depth - (self._held is not None) and self._next < len(self.order):
             key, slot = self.order[self._next], self._free.popleft()
             self._next += 1
-            if self.cyclic and self._next == len(self.order):
-                self._next = 0
-            if self._pool is None:
-                fut: Future[V] = Future()
-                self._ahead.append((key, slot, fut))
-                continue  # run by take, in order
             self._ahead.append((key, slot, self._pool.submit(self.read, key, slot)))
 
     def _drop(self) -> None:
         """Wait for every read in flight and give its slot back (their results and errors are discarded)."""
         while self._ahead:
             _, slot, fut = self._ahead.popleft()
-            if self._pool is not None:
-                try:
-                    fut.result()
-                except Exception:  # noqa: BLE001 - a dropped read's failure: the item is read again when taken
-                    pass
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - a dropped read's failure: the item is read again when taken
+                pass
             self._free.append(slot)
 
     def take(self, key: K) -> V:
@@ -197,7 +185,7 @@ class ReadAhead(Generic[K, V]):
         _, slot, fut = self._ahead.popleft()
         self._held = slot
         try:
-            value = self.read(key, slot) if self._pool is None else fut.result()
+            value = fut.result()
         except BaseException:
             self._free.append(slot)
             self._held = None
@@ -206,10 +194,9 @@ class ReadAhead(Generic[K, V]):
         return value
 
     def close(self) -> None:
-        """Wait for the reads in flight (their slots stay valid until they finish) and stop the threads."""
+        """Wait for the reads in flight (their slots stay valid until they finish) and stop the thread."""
         self._drop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> ReadAhead[K, V]:
         return self

@@ -33,8 +33,7 @@ equal to float64 rounding of the norm where it did; a norm clip after a value cl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from lightning_elixir._torch_adapter import (
     wrap_group_method,
 )
 from lightning_elixir.disk_layout import wait_all
-from tightfit.storage import TensorStore
+from tightfit.storage import TensorStore, WriteBehind, WriteBehindError
 
 __all__ = ["GRAD_KEY", "DiskGradients", "disk_gradients_of", "norm_term"]
 
@@ -79,8 +78,6 @@ class _Unit:
     index: int
     group: Any  # FSDP2's parameter group
     pieces: list[tuple[nn.Parameter, int, int]]  # (parameter, first element in the flat buffer, local numel)
-    writes: list[Future[Any]] = field(default_factory=list)
-    held: list[torch.Tensor] = field(default_factory=list)  # gradients being written (alive until done)
 
 
 class DiskGradients:
@@ -106,6 +103,9 @@ class DiskGradients:
         self.clamped = False  # value clipping ran in this step: the kept norm terms no longer hold
         self.bytes_written = self.bytes_read = 0
         self.flushes = 0
+        # One unit's writes behind the backward (a job holds its gradients alive until written).
+        self.writes: WriteBehind[tuple[str, list[tuple[int, torch.Tensor]]]] = WriteBehind(
+            self._write, max_pending=1, name="lightning_elixir-grad-writes")
         self._undo: list[Callable[[], None]] = []
         for u in self.units:
             for p, _, _ in u.pieces:
@@ -130,6 +130,7 @@ class DiskGradients:
         # so the host holds two units' gradients at most, and an earlier micro-batch's of this unit before it is read.
         self.drain()
         offload = {id(fp.sharded_param): fp for fp in getattr(u.group, "fsdp_params", ())}
+        job: list[tuple[int, torch.Tensor]] = []  # (byte offset, flat gradient)
         for p, start, n in u.pieces:
             g = p.grad
             if g is None or n == 0:
@@ -146,25 +147,24 @@ class DiskGradients:
                 flat.add_(old)
             if self.final and self.norm_type is not None:
                 self.terms[id(p)] = norm_term(local, self.norm_type)
-            u.writes.append(self.store.write(self.name(u.index), flat, start * size))
-            u.held.append(flat)
+            job.append((start * size, flat))
             self.bytes_written += flat.nbytes
             self.on_disk.add(id(p))
             p.grad = None
+        if job:
+            self.writes.submit((self.name(u.index), job))
         self.flushes += 1
+
+    def _write(self, job: tuple[str, list[tuple[int, torch.Tensor]]]) -> None:
+        name, parts = job
+        wait_all([self.store.write(name, flat, offset) for offset, flat in parts])
 
     def drain(self) -> None:
         """Every gradient write done (before the step reads them)."""
-        pending = []
-        for u in self.units:
-            if u.writes:
-                pending += u.writes
-                u.writes = []
         try:
-            wait_all(pending)  # a DiskFullError surfaces here, out of backward, once every write is done
-        finally:
-            for u in self.units:
-                u.held.clear()
+            self.writes.flush()
+        except WriteBehindError as err:  # a DiskFullError surfaces here, out of backward, once every write is done
+            raise err.error from None
 
     # ---- clipping: what it does to a gradient on disk, replayed in the step -------------------------------
     def term(self, p: nn.Parameter, norm_type: float) -> torch.Tensor:
@@ -268,6 +268,7 @@ class DiskGradients:
             self._unhook()
 
     def _unhook(self) -> None:
+        self.writes.close()
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()

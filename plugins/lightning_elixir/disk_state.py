@@ -50,6 +50,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -192,28 +193,25 @@ class DiskOptimizerState:
             self.grads.drain()  # every gradient written before the chunks read them
         if self.master is not None:
             self.master.settle()  # every tier-3 unit's newest weights in the store, none held: the step updates those
-        self._allocate_master()
-        ahead: ReadAhead[int, Staging] | None = None
-        if not first:  # chunk i+1's state comes in while chunk i updates, into the other staging set
-            self._allocate()
-            ahead = ReadAhead(range(len(self.chunks)), self._read, depth=1)
+        self._allocate()
+        # Chunk i+1's state (none before the first step), master weights and gradients come in while chunk i
+        # updates, into the other staging set.
+        ahead = ReadAhead(range(len(self.chunks)), partial(self._read, state=not first), depth=1)
         unwritten: list[int] = []  # first step: chunks whose parameters had no gradient, so no state yet
         try:
             for i, chunk in enumerate(self.chunks):
-                if ahead is None:
-                    if not self._first_chunk(chunk, groups, i):
-                        unwritten.append(i)
-                else:
-                    t = time.perf_counter()
-                    s = ahead.take(i)
-                    self._waited += time.perf_counter() - t
+                t = time.perf_counter()
+                s = ahead.take(i)
+                self._waited += time.perf_counter() - t
+                if not first:
                     self._chunk_step(chunk, groups, before, s)
                     self._write(chunk, s)  # written back behind it
+                elif not self._first_chunk(chunk, groups, s):
+                    unwritten.append(i)
             if unwritten and self.keys is not None:
                 self._write_zero_state(unwritten)
         finally:
-            if ahead is not None:
-                ahead.close()
+            ahead.close()
             for s in self._staging:
                 self._wait(s.writes)
             # Freed until the next step: forward and backward run without them, as the planner prices the step.
@@ -233,23 +231,17 @@ class DiskOptimizerState:
                                 sync_seconds=now - t1, chunks=len(self.chunks))
 
     def _allocate(self) -> None:
-        assert self.keys is not None
+        """The two staging sets' buffers: the state's once its keys are known, the master weights' (tier 3) and
+        the gradients' (tier 4)."""
         if not self._staging:
             self._staging = [Staging() for _ in range(2)]
+        nbytes = self.chunk_elements * self.dtype.itemsize
         for s in self._staging:
-            for k in self.keys:
-                if k not in s.buffers:
-                    s.buffers[k] = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
-
-    def _allocate_master(self) -> None:
-        """The staging sets' master-weight and gradient buffers (tier 3 and 4 chunks), before the first read."""
-        if (self.master_units or self.grad_units) and not self._staging:
-            self._staging = [Staging() for _ in range(2)]
-        for s in self._staging:
+            s.buffers.update({k: aligned_empty(nbytes, self.dtype) for k in self.keys or () if k not in s.buffers})
             if self.master_units and s.master is None:
-                s.master = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+                s.master = aligned_empty(nbytes, self.dtype)
             if self.grad_units and s.grad is None:
-                s.grad = aligned_empty(self.chunk_elements * self.dtype.itemsize, self.dtype)
+                s.grad = aligned_empty(nbytes, self.dtype)
 
     def _read_grad(self, chunk: Chunk, s: Staging) -> list[Future[Any]]:
         """Read the chunk's gradients from disk where any of its parameters has one there."""
@@ -272,17 +264,18 @@ class DiskOptimizerState:
         self.bytes_read += n * size
         return [self.store.read_into(self.master.name(chunk.unit), s.master[:n], chunk.lo * size)]
 
-    def _read(self, i: int, slot: int) -> Staging:
-        """Chunk ``i``'s state (and master weights, gradients) read into staging set ``slot`` (on the read-ahead
-        thread: the step waits for it only when it takes the chunk)."""
+    def _read(self, i: int, slot: int, *, state: bool) -> Staging:
+        """Chunk ``i``'s state (with ``state``: none exists before the first step) and master weights, gradients
+        read into staging set ``slot`` (on the read-ahead thread: the step waits for it only when it takes the
+        chunk)."""
         chunk, s = self.chunks[i], self._staging[slot]
         writes, s.writes = s.writes, []
         wait_all(writes)  # its buffers still hold chunk i-2 on its way out (a failed write raises at the take)
         n, size = chunk.hi - chunk.lo, self.dtype.itemsize
-        assert self.keys is not None
+        keys = self.keys if state and self.keys is not None else ()
         wait_all([self.store.read_into(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
-                  for k in self.keys] + self._read_master(chunk, s) + self._read_grad(chunk, s))
-        self.bytes_read += n * size * len(self.keys)
+                  for k in keys] + self._read_master(chunk, s) + self._read_grad(chunk, s))
+        self.bytes_read += n * size * len(keys)
         return s
 
     def _write(self, chunk: Chunk, s: Staging) -> None:
@@ -346,23 +339,16 @@ class DiskOptimizerState:
         finally:
             twin.param_groups, twin.state = [], defaultdict(dict)
 
-    def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], i: int) -> bool:
-        """The first step: the optimizer initialises the chunk's state itself; it is gathered into a staging set
-        (gaps zeroed) and written back like any later step's. False where no parameter of the chunk stepped (none
-        had a gradient), so nothing of its state was written."""
-        s = self._staging[i % 2] if self._staging else None
-        master = grad = None
-        if chunk.unit in self.master_units or chunk.unit in self.grad_units:
-            assert s is not None
-            self._wait(s.writes)
-            self._wait(self._read_master(chunk, s) + self._read_grad(chunk, s))
-            master = s.master if chunk.unit in self.master_units else None
-            grad = s.grad
-        pairs = self._surrogates(chunk, groups, master, grad)
+    def _first_chunk(self, chunk: Chunk, groups: dict[int, dict[str, Any]], s: Staging) -> bool:
+        """The first step: the optimizer initialises the chunk's state itself; it is gathered into staging set
+        ``s`` (gaps zeroed) and written back like any later step's. False where no parameter of the chunk stepped
+        (none had a gradient), so nothing of its state was written."""
+        master = s.master if chunk.unit in self.master_units else None
+        pairs = self._surrogates(chunk, groups, master, s.grad)
         state: dict[nn.Parameter, dict[str, Any]] = {}
         self._run(pairs, groups, state)
         if not pairs:
-            if master is not None and s is not None:  # nothing stepped: its weights go back unchanged
+            if master is not None:  # nothing stepped: its weights go back unchanged
                 n = chunk.hi - chunk.lo
                 s.writes.append(self.store.write(self.master.name(chunk.unit), master[:n],  # type: ignore[union-attr]
                                                  chunk.lo * self.dtype.itemsize))
@@ -372,8 +358,6 @@ class DiskOptimizerState:
             self.keys = tuple(k for k, v in state[q0].items() if torch.is_tensor(v) and v.shape == q0.shape
                               and v.ndim > 0)
             self._allocate()
-        s = self._staging[i % 2]
-        self._wait(s.writes)
         n = chunk.hi - chunk.lo
         for k in self.keys:
             s.buffers[k][:n].zero_()
@@ -388,16 +372,12 @@ class DiskOptimizerState:
         """Zeros for the state of chunks no parameter of which stepped in the first step, so every later step
         reads whole chunks (their parameters still have no gradient there, and the zeros go back unchanged)."""
         assert self.keys is not None
-        self._allocate()
-        size = self.dtype.itemsize
-        for i in indices:
-            chunk, s = self.chunks[i], self._staging[i % 2]
-            self._wait(s.writes)
+        s, size = self._staging[0], self.dtype.itemsize
+        self._wait(s.writes)
+        zeros = s.buffers[self.keys[0]].zero_()  # one buffer of zeros, written to every key of every such chunk
+        for chunk in (self.chunks[i] for i in indices):
             n = chunk.hi - chunk.lo
-            for k in self.keys:
-                s.buffers[k][:n].zero_()
-            s.writes = [self.store.write(self.name(chunk.unit, k), s.buffers[k][:n], chunk.lo * size)
-                        for k in self.keys]
+            s.writes += [self.store.write(self.name(chunk.unit, k), zeros[:n], chunk.lo * size) for k in self.keys]
             self.bytes_written += n * size * len(self.keys)
 
     def _chunk_step(self, chunk: Chunk, groups: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]],

@@ -30,10 +30,8 @@ def test_staging_buffers_are_aligned_one_per_thread_and_reused():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 9), depth=st.integers(0, 4), workers=st.integers(0, 3), cyclic=st.booleans(),
-       data=st.data())
-def test_read_ahead_returns_each_key_in_any_taken_order_and_never_reuses_a_held_slot(n, depth, workers, cyclic,
-                                                                                    data):
+@given(n=st.integers(1, 9), depth=st.integers(0, 4), data=st.data())
+def test_read_ahead_returns_each_key_in_any_taken_order_and_never_reuses_a_held_slot(n, depth, data):
     order = data.draw(st.permutations(list(range(n))))
     taken = data.draw(st.lists(st.sampled_from(order), min_size=1, max_size=3 * n))
     slots: dict[int, int] = {}  # slot -> key it holds
@@ -46,7 +44,7 @@ def test_read_ahead_returns_each_key_in_any_taken_order_and_never_reuses_a_held_
             slots[slot] = key
         return key * 100, slot
 
-    with ReadAhead(order, read, depth=depth, workers=workers, cyclic=cyclic) as ahead:
+    with ReadAhead(order, read, depth=depth) as ahead:
         assert ahead.depth == min(depth, n - 1)
         for key in taken:
             value, slot = ahead.take(key)
@@ -68,7 +66,7 @@ def test_read_ahead_reads_ahead_in_the_stated_order_and_a_failed_read_raises_at_
             raise OSError(5, "Input/output error", key)
         return key
 
-    ahead = ReadAhead(["a", "b", "c", "d"], read, depth=2, workers=1)
+    ahead = ReadAhead(["a", "b", "c", "d"], read, depth=2)
     assert ahead.take("a") == "a"
     assert ahead.take("b") == "b"
     gate.set()
@@ -91,7 +89,7 @@ def test_a_failed_read_is_retried_when_its_key_is_taken_again():
             raise OSError(5, "Input/output error")
         return key
 
-    with ReadAhead(["a", "b", "c"], read, depth=1, workers=1) as ahead:
+    with ReadAhead(["a", "b", "c"], read, depth=1) as ahead:
         assert ahead.take("a") == "a"
         with pytest.raises(OSError):
             ahead.take("b")

@@ -22,7 +22,6 @@ otherwise (``MemoryPoolConfig(disk_vocab=...)``); :func:`disk_vocab_bytes` is wh
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -31,6 +30,7 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
 from energon_infer.loading.weights import WeightError, hf_parts
 from energon_infer.parallel import Grid, vocab_shard
+from tightfit.storage import IOCounters, ReadAhead
 
 __all__ = ["DISK_VOCAB", "HEAD_CHUNK_BYTES", "DiskEmbedding", "DiskHead", "disk_vocab_bytes", "install_disk_vocab",
            "vocab_source"]
@@ -85,13 +85,18 @@ class _Rows:
         ext = files.extents[source]
         self.file_rows, self.start, self.rows = ext.shape[0], start, rows
         self.used = {ext.file}
-        self.bytes_read = 0
+        self.io = IOCounters()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.io.totals.bytes_read
 
     def read(self, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[lo, hi)`` of the shard (local numbering) in the serving dtype; rows past the file are zeros."""
         a, b = self.start + lo, min(self.start + hi, self.file_rows)
-        t = self.files.read(self.source, (a, b), out=out) if b > a else None
-        self.bytes_read += 0 if t is None else t.numel() * t.element_size()
+        with self.io.reading() as tally:
+            t = self.files.read(self.source, (a, b), out=out) if b > a else None
+            tally.bytes = 0 if t is None else t.numel() * t.element_size()
         if t is not None and t.dtype == self.dtype and b - a == hi - lo:
             return t
         width = self.files.extents[self.source].shape[1]
@@ -160,27 +165,25 @@ class DiskHead(nn.Module):
         # The chunk input-major, in the serving dtype: the layout the loaded head multiplies by
         # (parallel.linear_weight), so each logit comes out of the same product.
         self._major = torch.empty(self.chunk * ext.shape[1], dtype=dtype)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="energon-head-read")
         self._lock = threading.Lock()
 
-    def _read(self, k: int) -> torch.Tensor:
+    def _read(self, k: int, slot: int) -> torch.Tensor:
         lo = k * self.chunk
-        return self.table.read(lo, min(lo + self.chunk, self.table.rows), out=self._reads[k % 2])
+        return self.table.read(lo, min(lo + self.chunk, self.table.rows), out=self._reads[slot])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = -(-self.table.rows // self.chunk)
         logits = torch.empty(x.shape[0], self.table.rows, dtype=x.dtype)
         with self._lock:  # one step at a time owns the two buffers
             self.table.files.check(self.table.used)
-            pending: Future[torch.Tensor] = self._reader.submit(self._read, 0)
-            for k in range(n):
-                w = pending.result()
-                if k + 1 < n:  # the next chunk's read overlaps this chunk's product (the other buffer)
-                    pending = self._reader.submit(self._read, k + 1)
-                lo, rows = k * self.chunk, w.shape[0]
-                major = self._major[: rows * w.shape[1]].view(w.shape[1], rows)
-                major.copy_(w.t())
-                logits[:, lo: lo + rows] = torch.mm(x, major)
+            # the next chunk's read overlaps this chunk's product, in the other buffer
+            with ReadAhead(range(n), self._read, depth=1) as ahead:
+                for k in range(n):
+                    w = ahead.take(k)
+                    lo, rows = k * self.chunk, w.shape[0]
+                    major = self._major[: rows * w.shape[1]].view(w.shape[1], rows)
+                    major.copy_(w.t())
+                    logits[:, lo: lo + rows] = torch.mm(x, major)
             self.table.files.check(self.table.used)
         return self.grid.all_gather_last_dim(logits)[..., : self.vocab_size]
 
