@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint docs docs-serve report bench bench-report gpu-check mutate clean
+.PHONY: setup demo test lint docs docs-serve report bench bench-report gpu-check mutate clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,12 +15,13 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy core plugins
 
-# The default run skips only cases marked `slow` (see pyproject.toml); `make test-all` runs everything.
-test: setup lint
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+# Every test, in two pytest-xdist workers (CI has 2 cores), whole test files per worker (tests/conftest.py);
+# `TEST_WORKERS=0` runs them in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-test-all: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup lint
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The docs site (mkdocs-material, API pages from the docstrings) into site/; --strict fails on a broken link, a page
 # missing from the nav or an API name that does not resolve. tests/test_docs.py builds it too.

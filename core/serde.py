@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -104,7 +105,7 @@ def dump_json(obj: Any, path: str | Path | None = None, *, indent: int | None = 
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers of one path each rename their own
         tmp.write_text(text)
         tmp.replace(path)
     return text

@@ -8,6 +8,73 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Keep caches (device profiles, kernels) out of the user's home during tests.
 os.environ.setdefault("TIGHTFIT_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "tightfit"))
+# DeepSpeed's ops JIT-build into torch's extensions folder, one per Python and not per checkout: two checkouts (or
+# venvs) take turns rebuilding each other's op there, and a test waits minutes on the other's build lock.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache",
+                                                           "torch_extensions"))
+
+
+# A pytest-xdist worker starts with COLUMNS=80 and LINES=24 in its environment (set for it, not by the user), which the
+# CLI's tables and every child a test starts would take for the terminal's size: a worker gets the controller's.
+_TERMINAL_VARS = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["tightfit_terminal_env"] = {k: os.environ.get(k) for k in _TERMINAL_VARS}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers) each worker computes on one intra-op thread, so the workers
+    share the cores instead of each spreading over all of them. A test that needs more threads asks for them
+    (``tests.helpers.threads.torch_threads``); children a test starts keep torch's default."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    for k, v in worker.get("tightfit_terminal_env", {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# The longest files (each a minute or more of child processes), handed out first so that neither worker is left
+# running one of them alone at the end. Only the suite's wall time depends on this list.
+LONGEST_FIRST = (
+    "tests/core/test_cli.py", "tests/energon_infer/test_memory_limit.py", "tests/core/test_gpu_benchmarks.py",
+    "tests/lightning_elixir/test_deepspeed_nvme.py", "tests/test_memory_limits.py",
+    "tests/torchrec_cache/test_disk_memory.py", "tests/core/test_cli_profile.py",
+    "tests/lightning_elixir/test_docs_examples.py", "tests/core/test_kernels.py", "tests/core/test_distributed_share.py",
+    "tests/core/test_planner_elixir.py", "tests/core/test_cli_bench.py", "tests/core/test_cost_calibration.py",
+    "tests/core/test_gpu_check.py", "tests/test_bench_elixir_disk.py", "tests/lightning_elixir/test_fabric.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` sends whole test files to a worker, not single tests, so a module's fixtures are built
+    once; a test marked ``xdist_group(name)`` travels with every other test of that group instead. Files go out in
+    collection order (`make test` passes ``--no-loadscope-reorder``), the ``LONGEST_FIRST`` ones before the rest."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    def rank(nodeid: str) -> int:
+        path = nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    class FileOrGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            group = super()._split_scope(nodeid)
+            return group if group != nodeid else nodeid.split("::", 1)[0]
+
+        def add_node_collection(self, node, collection) -> None:
+            super().add_node_collection(node, sorted(collection, key=rank))
+
+    return FileOrGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

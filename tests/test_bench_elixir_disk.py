@@ -180,7 +180,6 @@ def test_a_terminated_run_removes_its_work_directory(tmp_path):
     assert not list(tmp_path.glob("tightfit-elixir-disk-*"))
 
 
-@pytest.mark.slow
 def test_quick_mode_writes_its_result(tmp_path):
     """The whole quick run (three contenders in their own processes, under the limit where root): the JSON the
     report is built from has every contender's repeats, the limit and the targets."""

@@ -37,7 +37,6 @@ def test_disk_flags_are_checked_before_any_planning(tmp_path, capsys):
     assert "argument --host-budget: cannot read memory size 'lots'" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_host_memory_as_the_issue_spells_it_plans_the_disk_tier(tmp_path, capsys):
     # `--host-memory 4GiB` is the host's memory (the budget is x0.8 / ranks per node, as for a measured host):
     # 1.9 GiB of AdamW state on a 1.5 GiB device and a 1.5 GiB host needs the disk; without a disk tier it fails.
@@ -51,7 +50,6 @@ def test_host_memory_as_the_issue_spells_it_plans_the_disk_tier(tmp_path, capsys
     assert plan.disk_units and plan.host_bytes_per_rank <= int(1920 * 2**20 * 0.8)
 
 
-@pytest.mark.slow
 def test_the_plot_shows_each_unit_s_tier(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.svg"

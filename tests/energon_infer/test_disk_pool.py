@@ -341,7 +341,6 @@ def test_docs_serving_beyond_memory_snippet_runs(tmp_path):
     assert "'disk'" in out.stdout and "I/O roofline" in out.stdout
 
 
-@pytest.mark.slow
 @RunIf(min_world=2)
 def test_pp2_stages_each_stream_their_own_layers_and_equal_the_loaded_model(tmp_path):
     from tests.helpers.multiprocess import run_distributed
@@ -370,7 +369,6 @@ def test_serve_flags_build_the_tiered_pool():
         MemoryPoolConfig(device_budget="1GiB", memory_budget="1GiB")
 
 
-@pytest.mark.slow
 @RunIf(min_world=2)
 def test_pp2_engine_streaming_from_disk_runs_one_group_per_pass(tmp_path):
     """The plan's policy (streaming_groups): with disk layers one group of requests is in flight, so each pass of

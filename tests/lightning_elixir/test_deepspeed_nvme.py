@@ -158,7 +158,6 @@ def _aio_available() -> bool:
     return bool(builder.is_compatible(verbose=False))
 
 
-@pytest.mark.slow
 @RunIf(lightning=True, deepspeed=True)
 def test_the_translated_plan_trains_with_its_state_on_nvme(tmp_path):
     """One process: the translated config trains TinyGPT for a few steps; DeepSpeed's optimizer swap files are

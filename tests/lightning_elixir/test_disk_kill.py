@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 RUN = Path(__file__).with_name("disk_kill_run.py")
@@ -18,7 +17,6 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(RUN), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
 def test_kill_9_mid_step_then_resume_equals_uninterrupted(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     out = _run(whole, "full")

@@ -184,7 +184,6 @@ def disk_checkpoint_two_ranks(rank: int, world: int, tmp: str) -> bool:
     return all(weights[n].equal(resumed[n]) for n in weights)
 
 
-@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path):
     # Two ranks: the disk state of uneven DTensor shards goes through the checkpoint and back, bit for bit.
     assert all(run_distributed(disk_checkpoint_two_ranks, world_size=2, args=(str(tmp_path),), env=ENV,
@@ -202,7 +201,6 @@ def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path):
         assert on_disk[n].equal(in_ram[n]), n
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_disk_tier_matches_ram(tmp_path, precision):
     # bf16/fp16 compute, fp32 master weights and optimizer state: the disk tier streams the same fp32 state, so

@@ -16,9 +16,8 @@ from torchrec_cache import CacheConfig, CachedEmbeddingBagCollection, CachedEmbe
 
 pytestmark = RunIf(torchrec=True)
 
-# Every fused optimizer; two in the default run (30 steps each take ~7 s on this machine), all with -m slow.
-KINDS = ["sgd", pytest.param("adagrad", marks=pytest.mark.slow), pytest.param("rowwise_adagrad", marks=pytest.mark.slow),
-         "adam"]
+# Every fused optimizer.
+KINDS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
 WIDTH = sum(t.embedding_dim * len(t.feature_names) for t in tables())
 
 
@@ -86,7 +85,6 @@ def test_lookahead_reads_the_window_from_disk(tmp_path):
     assert disk["rows_staged"] > 0 and disk["staged_hits"] > 0, disk  # the window's rows were read ahead and used
 
 
-@pytest.mark.slow
 def test_embedding_collection_on_disk_trains_like_ec(tmp_path):
     from torchrec import EmbeddingCollection, EmbeddingConfig
 

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.memlimit import last_json_line, limit_unavailable, run_limited
 from tests.helpers.runif import RunIf
 
-pytestmark = [RunIf(torchrec=True), pytest.mark.slow,
+pytestmark = [RunIf(torchrec=True),
               pytest.mark.skipif(limit_unavailable() is not None, reason=str(limit_unavailable()))]
 
 MiB = 1 << 20

@@ -151,7 +151,7 @@ def test_dmp_row_wise_matches_unsharded_model():
 
 
 @pytest.mark.parametrize("sharding,kind", [("table_wise", "adam"),
-                                           pytest.param("row_wise", "rowwise_adagrad", marks=pytest.mark.slow)])
+                                           ("row_wise", "rowwise_adagrad")])
 def test_dmp_with_tables_on_disk_matches_unsharded_model(sharding, kind, tmp_path):
     out = run_distributed(_dmp_rank, world_size=2, args=(kind, "lfu", sharding, str(tmp_path)), timeout=400)
     for r in out:

@@ -161,7 +161,6 @@ META_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(limit_unavailable() is not None, reason=str(limit_unavailable()))
 def test_a_meta_dlrm_larger_than_the_limit_is_materialised_on_disk_under_it(tmp_path):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # as test_disk_memory: chunk buffers go back to the OS
