@@ -47,10 +47,10 @@ from energon_infer.serving.tool_scan import (
     ToolCall,
     as_call,
     match_head,
-    partial_suffix,
     read_call,
     read_tail,
     skip_ws,
+    to_marker,
     visible,
 )
 from energon_infer.serving.tool_stream import ToolCallStream, special_markers
@@ -164,14 +164,9 @@ class HermesParser(ToolCallParser):
         pieces: Pieces = []
         pos = 0
         while True:
-            start = text.find(self.OPEN, pos)
+            start, end = to_marker(text, pos, self.OPEN, final, pieces)
             if start < 0:
-                end = len(text) if final else len(text) - partial_suffix(text, pos, self.OPEN)
-                if end > pos:
-                    pieces.append(text[pos:end])
-                return pieces, max(pos, end)
-            if start > pos:
-                pieces.append(text[pos:start])
+                return pieces, end
             body = start + len(self.OPEN)
             head = match_head(text, body)
             if head == MAYBE and not final:
@@ -245,14 +240,9 @@ class MistralParser(ToolCallParser):
         else:
             pieces = []
         while True:
-            start = text.find(self.OPEN, pos)
+            start, end = to_marker(text, pos, self.OPEN, final, pieces)
             if start < 0:
-                end = len(text) if final else len(text) - partial_suffix(text, pos, self.OPEN)
-                if end > pos:
-                    pieces.append(text[pos:end])
-                return pieces, max(pos, end)
-            if start > pos:
-                pieces.append(text[pos:start])
+                return pieces, end
             body = skip_ws(text, start + len(self.OPEN))
             if body == len(text) and not final:
                 return pieces, start

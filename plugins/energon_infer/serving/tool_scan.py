@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ToolCall", "OpenCall", "MAYBE", "skip_ws", "partial_suffix", "as_call", "match_head", "read_call",
+__all__ = ["ToolCall", "OpenCall", "MAYBE", "skip_ws", "partial_suffix", "to_marker", "as_call", "match_head", "read_call",
            "read_tail", "visible"]
 
 MAYBE = -1  # the text ends before it can be told
@@ -64,6 +64,20 @@ def partial_suffix(text: str, pos: int, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+def to_marker(text: str, pos: int, marker: str, final: bool, pieces: list[Any]) -> tuple[int, int]:
+    """Content from ``pos`` up to the next ``marker`` appended to ``pieces``: ``(where the marker starts, -1 if
+    none, where the text read ends)``; without a marker, a tail that could begin one is held back unless ``final``."""
+    start = text.find(marker, pos)
+    if start < 0:
+        end = len(text) if final else len(text) - partial_suffix(text, pos, marker)
+        if end > pos:
+            pieces.append(text[pos:end])
+        return -1, max(pos, end)
+    if start > pos:
+        pieces.append(text[pos:start])
+    return start, start
 
 
 def as_call(obj: Any) -> ToolCall | None:
