@@ -24,6 +24,7 @@ EXPECTED = {
     "MissingFileError": (FileNotFoundError, 400), "QueueFullError": (RuntimeError, 429),
     "WorkerFailedError": (RuntimeError, 503), "EngineClosedError": (RuntimeError, 503),
     "WorkerStartError": (RuntimeError, 503), "RequestFailedError": (RuntimeError, 500),
+    "RequestRefusedError": (RuntimeError, 400),
     "KVCacheFullError": (RuntimeError, 500), "UnknownSequenceError": (KeyError, 500),
 }
 

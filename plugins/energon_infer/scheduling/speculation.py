@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from energon_infer.errors import OptionError
-from energon_infer.scheduling.spec_plan import CostFit, plan_proposals, update_acceptance
+from energon_infer.scheduling.spec_plan import CostFit, expected_tokens, plan_proposals, update_acceptance
 
 if TYPE_CHECKING:
     from energon_infer.protocol import Step
@@ -189,8 +189,11 @@ class Speculator:
             return True
         rate = self.acceptance.get(req.seq_id, self.prior)
         tokens, emitted = self._shape.get(req.group, (1, 1))
-        if not (wait := plan_proposals([rate], [most], self.cost.cost(), step_tokens=max(tokens, 1),
-                                       emitted=max(min(emitted, tokens), 1), ahead=True, bubble_s=self.bubble_s)[0] > 0):
+        # Sitting out costs a whole step wherever other requests keep the steps running, so it must also beat the two
+        # tokens it would have had from running in both steps.
+        if not (wait := expected_tokens(rate, most) > 2.0 and plan_proposals(
+                [rate], [most], self.cost.cost(), step_tokens=max(tokens, 1), emitted=max(min(emitted, tokens), 1),
+                ahead=True, bubble_s=self.bubble_s)[0] > 0):
             self.acceptance[req.seq_id] = 0.95 * rate + 0.05 * self.prior
         return wait
 
@@ -220,6 +223,8 @@ class Speculator:
             # Ahead, a request that proposes sits out the next step: the planner prices the overlap it gives up.
             limits = plan_proposals(rates, limits, self.cost.cost(), step_tokens=plan.n_tokens,
                                     emitted=sum(plan.samples), budget=budget, ahead=ahead, bubble_s=self.bubble_s)
+            if ahead:  # sitting out the next step must also beat the two tokens of running in both (see waits)
+                limits = [k if k and expected_tokens(a, k) > 2.0 else 0 for a, k in zip(rates, limits)]
             for (_, r, _), rate, k in zip(cands, rates, limits):  # not proposing: drift back, to be tried again
                 if k == 0:
                     self.acceptance[r.seq_id] = 0.95 * rate + 0.05 * self.prior
