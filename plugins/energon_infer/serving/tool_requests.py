@@ -1,7 +1,8 @@
 """A chat request's ``tool_choice`` turned into what the engine runs: how the answer's text becomes content and tool
 calls (:class:`~energon_infer.serving.tool_calls.ToolOutput`) and, for ``required`` or a named function, the JSON
-schema the output is constrained to (through :class:`~energon_infer.structured.StructuredOutput`), compiled off the
-event loop so that a function's ``parameters`` that cannot compile get a 400 naming that function.
+schema the output is constrained to (through :class:`~energon_infer.structured.StructuredOutput`), checked off the
+event loop so that a function's ``parameters`` that cannot compile get a 400 naming that function (the rank that
+samples compiles it).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def tool_output_of(body: ChatCompletionRequest, params: SamplingParams,
 
 async def compile_tool_grammar(engine: Engine, body: ChatCompletionRequest, output: ToolOutput,
                                params: SamplingParams) -> SamplingParams:
-    """The grammar of ``required`` / a named function compiled (off the loop), so a function's ``parameters``
-    that cannot compile get a 400 naming that function's schema rather than the schema made from it."""
+    """The grammar of ``required`` / a named function checked (off the loop: :func:`~energon_infer.structured.prepare`),
+    so a function's ``parameters`` that cannot compile get a 400 naming that function's schema rather than the schema made from it."""
     try:
         return await asyncio.to_thread(prepare, engine, params)
     except StructuredOutputError as exc:
