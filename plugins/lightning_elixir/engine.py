@@ -12,7 +12,7 @@ precision flag) and calls these functions, which take plain values and never a s
   (tier 3) allocated and initialised once the disk tier is attached, one unit at a time, never whole in memory;
 * :func:`save_atomic` / :func:`check_before_load` / :func:`load_into` - sharded, atomic, verified checkpoints
   with the disk tier's state streamed;
-* :func:`left_on_disk` / :func:`close_disk_state` - the disk tier's end of run (tier-3 weights read back into the
+* :func:`keep_or_refuse` / :func:`close_disk_state` - the disk tier's end of run (tier-3 weights read back into the
   module only where they fit);
 * :func:`make_replanner` / :func:`check_step` - the predicted-vs-measured step check and, with ``replan=True``, the
   re-plan decided on its record (:mod:`lightning_elixir.replan`; each front door applies it at its checkpoint
@@ -24,6 +24,7 @@ Planning itself is :func:`lightning_elixir.planning.decide_plan`; the options bo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ READ_BACK_MARGIN = 1.25
 CHECK_TOLERANCE = 0.25
 
 __all__ = ["READ_BACK_MARGIN", "CHECK_TOLERANCE", "register_presets", "apply_decided", "applied_text", "attach_optimizers", "fused_on_host", "save_atomic",
-           "check_before_load", "load_into", "close_disk_state", "streams_init", "materialize_streamed", "left_on_disk",
+           "check_before_load", "load_into", "close_disk_state", "streams_init", "materialize_streamed", "left_on_disk", "keep_or_refuse",
            "refuse_forward", "make_replanner", "check_step"]
 
 
@@ -192,6 +193,18 @@ def refuse_forward(module: nn.Module, state: DiskOptimizerState, message: str) -
     for m in module.modules():
         if any(id(p) in owned for p in m.parameters(recurse=False)):
             m.register_forward_pre_hook(refuse)
+
+
+def keep_or_refuse(module: nn.Module, state: DiskOptimizerState, margin: float, *, warning: str,
+                   refusal: str) -> str | None:
+    """At the end of the run, for both front doors: ``None`` when the tier-3 weights can come back into the module
+    (:func:`left_on_disk`); otherwise why not, said once as a warning (``warning`` tells how to keep the weights),
+    and the module made to refuse its forward (``refusal`` tells how to run it again)."""
+    reason = left_on_disk(state, margin)
+    if reason is not None:
+        warnings.warn(f"[elixir] {reason}. {warning}", stacklevel=3)
+        refuse_forward(module, state, f"{reason}: their parameters do not hold them. {refusal}")
+    return reason
 
 
 def close_disk_state(state: DiskOptimizerState, *, read_back: Callable[[DiskOptimizerState], bool]) -> None:

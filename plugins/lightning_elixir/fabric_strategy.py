@@ -34,7 +34,6 @@ to ``plan-replan.json`` beside ``plan.json`` (:mod:`lightning_elixir.replan`, sh
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -61,11 +60,10 @@ from lightning_elixir.engine import (
     check_before_load,
     check_step,
     close_disk_state,
-    left_on_disk,
+    keep_or_refuse,
     load_into,
     make_replanner,
     materialize_streamed,
-    refuse_forward,
     register_presets,
     save_atomic,
     streams_init,
@@ -430,16 +428,14 @@ class ElixirFabricStrategy(ModelParallelStrategy):
     def _read_back(self, state: DiskOptimizerState) -> bool:
         """At teardown: whether the tier-3 weights come back into the module (they fit the host memory left, with
         READ_BACK_MARGIN to spare, as under the Trainer); otherwise they stay in the store and this says so once."""
-        self._left_on_disk = left_on_disk(state, READ_BACK_MARGIN)
-        if self._left_on_disk is None:
-            return True
-        warnings.warn(f"[elixir] {self._left_on_disk}. The module cannot run or be saved now; to keep the trained "
-                      "weights, fabric.save before fabric.strategy.teardown() (it streams them from the store)",
-                      stacklevel=2)
         assert self._module is not None
-        refuse_forward(self._module, state, f"{self._left_on_disk}: their parameters do not hold them. fabric.load "
-                       "a checkpoint saved before the teardown, or train with more host memory free at the end")
-        return False
+        self._left_on_disk = keep_or_refuse(
+            self._module, state, READ_BACK_MARGIN,
+            warning="The module cannot run or be saved now; to keep the trained weights, fabric.save before "
+                    "fabric.strategy.teardown() (it streams them from the store)",
+            refusal="fabric.load a checkpoint saved before the teardown, or train with more host memory free at the "
+                    "end")
+        return self._left_on_disk is None
 
     @classmethod
     @override

@@ -52,11 +52,10 @@ from lightning_elixir.engine import (
     check_before_load,
     check_step,
     close_disk_state,
-    left_on_disk,
+    keep_or_refuse,
     load_into,
     make_replanner,
     materialize_streamed,
-    refuse_forward,
     register_presets,
     save_atomic,
     streams_init,
@@ -261,16 +260,13 @@ class ElixirStrategy(ModelParallelStrategy):
     def _read_back(self, state: DiskOptimizerState) -> bool:
         """After fit: whether the tier-3 units' weights come back into the module (they fit the host memory left,
         with READ_BACK_MARGIN to spare); otherwise they stay in the store and this says so once."""
-        self._left_on_disk = left_on_disk(state, READ_BACK_MARGIN)
-        if self._left_on_disk is None:
-            return True
-        warnings.warn(f"[elixir] {self._left_on_disk}. The module cannot run or be checkpointed now; to keep the "
-                      "trained weights, checkpoint during fit (ModelCheckpoint, or trainer.save_checkpoint in a "
-                      "callback: it streams them from the store)", stacklevel=2)
-        refuse_forward(self._module, state, f"{self._left_on_disk}: their parameters do not hold them. Load a "
-                       "checkpoint written during fit (ModelCheckpoint) into the module, or train with more host "
-                       "memory free at the end of fit")
-        return False
+        self._left_on_disk = keep_or_refuse(
+            self._module, state, READ_BACK_MARGIN,
+            warning="The module cannot run or be checkpointed now; to keep the trained weights, checkpoint during fit "
+                    "(ModelCheckpoint, or trainer.save_checkpoint in a callback: it streams them from the store)",
+            refusal="Load a checkpoint written during fit (ModelCheckpoint) into the module, or train with more host "
+                    "memory free at the end of fit")
+        return self._left_on_disk is None
 
     @override
     def teardown(self) -> None:
