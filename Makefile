@@ -18,7 +18,7 @@ lint: setup
 # Every test, in two pytest-xdist workers (CI has 2 cores), whole test files per worker (tests/conftest.py);
 # `TEST_WORKERS=0` runs them in one process.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup lint
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)

@@ -53,28 +53,15 @@ LONGEST_FIRST = (
 )
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` sends whole test files to a worker, not single tests, so a module's fixtures are built
-    once; a test marked ``xdist_group(name)`` travels with every other test of that group instead. Files go out in
-    collection order (`make test` passes ``--no-loadscope-reorder``), the ``LONGEST_FIRST`` ones before the rest."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    def rank(nodeid: str) -> int:
-        path = nodeid.split("::", 1)[0]
+def pytest_collection_modifyitems(config, items):
+    """The ``LONGEST_FIRST`` files' tests before the rest, each file's in place: `make test` runs ``--dist loadfile
+    --no-loadscope-reorder``, which sends whole test files to a worker (a module's fixtures are built once) in
+    collection order."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    class FileOrGroupScheduling(LoadGroupScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            group = super()._split_scope(nodeid)
-            return group if group != nodeid else nodeid.split("::", 1)[0]
-
-        def add_node_collection(self, node, collection) -> None:
-            super().add_node_collection(node, sorted(collection, key=rank))
-
-    return FileOrGroupScheduling(config, log)
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
 
 
 @pytest.fixture(autouse=True)
