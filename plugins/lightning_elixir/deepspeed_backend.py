@@ -199,6 +199,9 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
         self.user_config = config
         self.plan: ElixirPlan | None = None
         self._nvme_gaps: tuple[str, ...] = ()
+        # ZeRO-3 (``zero.Init``, also run inside ``deepspeed.initialize``) replaces ``torch.nn.functional.linear``
+        # for the whole process, and DeepSpeed leaves it replaced; ``teardown`` puts this one back.
+        self._torch_linear = torch.nn.functional.linear
 
     @override
     def setup_environment(self) -> None:
@@ -321,6 +324,12 @@ class ElixirDeepSpeedStrategy(DeepSpeedStrategy):
             for gap in self._nvme_gaps:
                 warnings.warn(f"ElixirDeepSpeedStrategy: not expressible in ZeRO-Infinity: {gap}", stacklevel=2)
         super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        # The rest of the user's process (an evaluation, another model) computes with torch's linear again.
+        torch.nn.functional.linear = self._torch_linear
 
     def _config_of(self, plan: ElixirPlan) -> dict[str, Any]:
         """The DeepSpeed config of ``plan`` on this machine: its disk units on ``disk_dir`` with ``aio`` from

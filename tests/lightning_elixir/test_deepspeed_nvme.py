@@ -165,6 +165,7 @@ def test_the_translated_plan_trains_with_its_state_on_nvme(tmp_path):
     if not _aio_available():
         pytest.skip("DeepSpeed's async_io op cannot build here (apt-get install -y libaio-dev)")
     import lightning as L
+    import torch
 
     from lightning_elixir import ElixirDeepSpeedStrategy
     from tests.lightning_elixir.common import TinyGPT, trainer
@@ -187,9 +188,13 @@ def test_the_translated_plan_trains_with_its_state_on_nvme(tmp_path):
     model = WiderGPT()
     strategy = ElixirDeepSpeedStrategy(plan=plan, disk_dir=disk_dir, host_budget="2GiB", verbose=False,
                                        config={"zero_optimization": {"reduce_bucket_size": 1 << 20}})
+    torch_linear = torch.nn.functional.linear
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer(strategy, tmp_path / "ds", devices=1, max_steps=4).fit(model)
+        ds_trainer = trainer(strategy, tmp_path / "ds", devices=1, max_steps=4)
+        ds_trainer.fit(model)
+    # ZeRO-3 replaced torch's linear for the process while it trained; the strategy's teardown put it back.
+    assert torch.nn.functional.linear is torch_linear
     zero = strategy.config["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "nvme" and strategy.config["aio"]["block_size"] > 0
     swaps = list(disk_dir.rglob("*.swp"))
