@@ -153,10 +153,24 @@ def grads_disk_vs_ram(rank: int, world: int, tmp: str, on_host: bool) -> dict:
             "equal": all(weights[n].equal(ref_weights[n]) for n in weights)}
 
 
+def both_sums_disk_vs_ram(rank: int, world: int, tmp: str) -> dict:
+    """:func:`grads_disk_vs_ram` with the micro-batches' sums in RAM, then on disk, in one spawn of the ranks (each
+    rank imports torch and Lightning once); each run has its own directory, plan and strategy."""
+    return {on_host: grads_disk_vs_ram(rank, world, f"{tmp}/{'ram' if on_host else 'disk'}", on_host)
+            for on_host in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def grads_on_two_ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("grads_two_ranks")
+    for sub in ("ram", "disk"):
+        (tmp / sub).mkdir()
+    return run_distributed(both_sums_disk_vs_ram, world_size=2, args=(str(tmp),), env=ENV, timeout=600)
+
+
 @pytest.mark.parametrize("on_host", [True, False], ids=["sums-in-ram", "read-add-write"])
-def test_grads_on_disk_bit_equal_to_ram_on_two_ranks(tmp_path, on_host):
-    outs = run_distributed(grads_disk_vs_ram, world_size=2, args=(str(tmp_path), on_host), env=ENV, timeout=300)
-    for out in outs:
+def test_grads_on_disk_bit_equal_to_ram_on_two_ranks(grads_on_two_ranks, on_host):
+    for out in (by_sums[on_host] for by_sums in grads_on_two_ranks):
         assert out["tier4"] and out["written"] > 0
         assert out["losses"] == out["ref_losses"] and len(out["losses"]) == STEPS * MICRO
         assert out["equal"]

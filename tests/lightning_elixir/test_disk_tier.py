@@ -55,9 +55,24 @@ def disk_vs_ram(rank: int, world: int, tmp: str) -> dict:
         "names": sorted(n for n in weights)}
 
 
-def test_disk_tier_matches_ram_on_two_ranks(tmp_path):
-    outs = run_distributed(disk_vs_ram, world_size=2, args=(str(tmp_path),), env=ENV, timeout=240)
-    for out in outs:
+def two_rank_runs(rank: int, world: int, tmp: str) -> dict:
+    """This module's two-rank runs, :func:`disk_vs_ram` then :func:`disk_checkpoint_two_ranks`, in one spawn of the
+    ranks (each rank imports torch and Lightning once); each in its own directory, with its own strategies."""
+    return {"vs_ram": disk_vs_ram(rank, world, f"{tmp}/vs_ram"),
+            "checkpoint": disk_checkpoint_two_ranks(rank, world, f"{tmp}/checkpoint")}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The directory of the two-rank runs and what each rank returned."""
+    tmp = tmp_path_factory.mktemp("disk_two_ranks")
+    for sub in ("vs_ram", "checkpoint"):
+        (tmp / sub).mkdir()
+    return tmp, run_distributed(two_rank_runs, world_size=2, args=(str(tmp),), env=ENV, timeout=540)
+
+
+def test_disk_tier_matches_ram_on_two_ranks(on_two_ranks):
+    for out in (r["vs_ram"] for r in on_two_ranks[1]):
         assert out["disk_units"]
         assert out["losses"] == out["ref_losses"] and len(out["losses"]) == 8
         assert out["equal"]
@@ -184,14 +199,14 @@ def disk_checkpoint_two_ranks(rank: int, world: int, tmp: str) -> bool:
     return all(weights[n].equal(resumed[n]) for n in weights)
 
 
-def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path):
+def test_two_rank_checkpoint_resumes_on_two_ranks_and_onto_one(tmp_path, on_two_ranks):
     # Two ranks: the disk state of uneven DTensor shards goes through the checkpoint and back, bit for bit.
-    assert all(run_distributed(disk_checkpoint_two_ranks, world_size=2, args=(str(tmp_path),), env=ENV,
-                               timeout=300))
+    two_ranks_dir, outs = on_two_ranks
+    assert all(r["checkpoint"] for r in outs)
     # Another world size: one rank resumes the two-rank checkpoint with its state on disk, and all in RAM.
     from lightning_elixir import ElixirStrategy
 
-    step2 = tmp_path / "ckpt" / "s2.ckpt"
+    step2 = two_ranks_dir / "checkpoint" / "ckpt" / "s2.ckpt"
     disk = _disk_strategy(tmp_path / "disk1")
     _, on_disk, _ = _fit(disk, tmp_path / "c", devices=1, steps=4, samples=16, ckpt_path=step2)
     assert disk.plan is not None

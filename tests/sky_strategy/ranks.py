@@ -21,6 +21,13 @@ def trainer(world: int, strategy, steps: int, callbacks=(), **kwargs) -> L.Train
                      num_sanity_val_steps=0, limit_val_batches=2, callbacks=list(callbacks), **kwargs)
 
 
+def several(rank: int, world: int, calls: list[tuple[str, tuple]]) -> list:
+    """Each ``(name of a function of this module, its arguments)`` of ``calls`` in turn, on this one process group:
+    the tests of one world size share their ranks (each spawned rank imports torch and Lightning anew, which costs
+    more than most of these runs). Every run builds its own strategy, Trainer and seeded model (``make_net``)."""
+    return [globals()[name](rank, world, *args) for name, args in calls]
+
+
 def fit_configs(rank: int, world: int, configs: list[dict], steps: int, net_kwargs: dict | None = None) -> list[dict]:
     """Train a fresh model under each config in turn (one process group); report what each rank saw."""
     out = []

@@ -53,15 +53,73 @@ def reference():
     return reference_training(STEPS)
 
 
-def test_two_ranks_match_single_process_for_each_schedule_and_partition(reference):
-    configs = [
-        dict(schedule="gpipe", microbatches=4, partition="even"),
-        dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)),           # uneven
-        dict(schedule="interleaved", microbatches=4, partition=(0, 1, 3, 6, 8)),
-        dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 0.25]),      # planned: slow rank 1
-    ]
-    results = run_distributed(ranks.fit_configs, 2, args=(configs, STEPS), timeout=600)
-    by_rank = list(zip(*results))
+TWO_RANK_CONFIGS = [
+    dict(schedule="gpipe", microbatches=4, partition="even"),
+    dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)),           # uneven
+    dict(schedule="interleaved", microbatches=4, partition=(0, 1, 3, 6, 8)),
+    dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 0.25]),      # planned: slow rank 1
+]
+FOUR_RANK_CONFIGS = [
+    dict(schedule="gpipe", microbatches=4, partition=(0, 1, 2, 5, 8)),
+    dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 0.25, 1.0, 1.0]),
+    dict(schedule="interleaved", microbatches=4, virtual_stages=2, partition=tuple(range(9))),
+]
+REPLICA_CONFIGS = [
+    dict(schedule="gpipe", microbatches=4, partition="even", data_parallel=2),
+    dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8), data_parallel="auto"),  # uneven
+    dict(schedule="interleaved", microbatches=4, partition=(0, 1, 3, 6, 8), data_parallel=2),
+    # rank 3 (replica 1, position 1) plays a 4x slower device: position 1 is paced by it
+    dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 1.0, 1.0, 0.25], data_parallel=2),
+]
+ROUND_TRIP = (dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)),
+              dict(schedule="gpipe", microbatches=4, partition=(0, 6, 8)))
+EXTRA_STEPS = 4
+EXTRA_CONFIGS = [(dict(schedule="gpipe", microbatches=4, partition="even"), dict(aux=0.1, l2=1e-3)),
+                 (dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)), dict(aux=0.1, l2=1e-3)),
+                 (dict(schedule="1f1b", microbatches=4, partition="even"), dict(l2=1e-3))]
+# with dropout: the auxiliary term in training_step (two passes) or inside loss_fn (one pass) trains
+# alike only if the second pass replays the first one's dropout masks (same RNG state)
+DROPOUT_CONFIGS = [(dict(schedule="1f1b", microbatches=4, partition="even"), dict(aux=0.1, dropout=0.2, **moved))
+                   for moved in ({}, {"aux_in_loss_fn": True})]
+
+
+def _shared(world: int, calls: dict[str, tuple[str, tuple]], timeout: float) -> dict[str, list]:
+    """Run ``calls`` (name -> (function of ``ranks``, arguments)) in one spawn of ``world`` ranks
+    (``ranks.several``); name -> what each rank returned, by rank."""
+    per_rank = run_distributed(ranks.several, world, args=(list(calls.values()),), timeout=timeout)
+    return {name: [outs[i] for outs in per_rank] for i, name in enumerate(calls)}
+
+
+@pytest.fixture(scope="module")
+def sky_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sky")
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(sky_dir) -> dict[str, list]:
+    """Every 2-rank run of this module, in one spawn: each test asserts on its own run's results."""
+    return _shared(2, {"configs": ("fit_configs", (TWO_RANK_CONFIGS, STEPS)),
+                       "round_trip": ("checkpoint_round_trip", (str(sky_dir / "sky.ckpt"), *ROUND_TRIP)),
+                       "replan": ("replan_run", (8,)),
+                       "scalars": ("collective_elements", ([4, 512], 0.1)),
+                       # last: it ends with a fit that both ranks refuse
+                       "extra_terms": ("fit_extra_terms", (EXTRA_CONFIGS + DROPOUT_CONFIGS, EXTRA_STEPS))},
+                   timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def on_four_ranks(sky_dir) -> dict[str, list]:
+    """Every 4-rank run of this module, in one spawn."""
+    return _shared(4, {"configs": ("fit_configs", (FOUR_RANK_CONFIGS, STEPS)),
+                       "replicas": ("fit_replicas", (REPLICA_CONFIGS, STEPS, str(sky_dir / "dp.ckpt"))),
+                       # only replica 1's second rank slows down
+                       "replan": ("replan_run", (8, (1.0, 1.0, 1.0, 0.1), 2))},
+                   timeout=1800)
+
+
+def test_two_ranks_match_single_process_for_each_schedule_and_partition(reference, on_two_ranks):
+    configs = TWO_RANK_CONFIGS
+    by_rank = list(zip(*on_two_ranks["configs"]))
     for cfg, (r0, r1) in zip(configs, by_rank):
         _assert_matches(r0, reference)
         # every rank logged the same loss, and its own loss history matches too
@@ -80,14 +138,9 @@ def test_two_ranks_match_single_process_for_each_schedule_and_partition(referenc
     assert slow[1] < slow[0], f"rank 1 plays a 4x slower device yet holds {slow[1]} of 8 layers"
 
 
-def test_four_ranks_match_single_process(reference):
-    configs = [
-        dict(schedule="gpipe", microbatches=4, partition=(0, 1, 2, 5, 8)),
-        dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 0.25, 1.0, 1.0]),
-        dict(schedule="interleaved", microbatches=4, virtual_stages=2, partition=tuple(range(9))),
-    ]
-    results = run_distributed(ranks.fit_configs, 4, args=(configs, STEPS), timeout=900)
-    for i, _cfg in enumerate(configs):
+def test_four_ranks_match_single_process(reference, on_four_ranks):
+    results = on_four_ranks["configs"]
+    for i, _cfg in enumerate(FOUR_RANK_CONFIGS):
         r0 = results[0][i]
         _assert_matches(r0, reference)
         assert all(r[i]["logged"] == pytest.approx(r0["logged"]) for r in results)
@@ -96,18 +149,12 @@ def test_four_ranks_match_single_process(reference):
     assert results[0][0]["counts"] == (1, 1, 3, 3)
 
 
-def test_data_parallel_replicas_of_the_pipeline_match_single_process(tmp_path):
+def test_data_parallel_replicas_of_the_pipeline_match_single_process(on_four_ranks, sky_dir):
     """World 4 = 2 replicas x 2 stages, local batch 8 each: the same as one process on the batch of 16
     (Lightning's distributed sampler shuffles training data by replica; validation is not shuffled)."""
-    configs = [
-        dict(schedule="gpipe", microbatches=4, partition="even", data_parallel=2),
-        dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8), data_parallel="auto"),  # uneven
-        dict(schedule="interleaved", microbatches=4, partition=(0, 1, 3, 6, 8), data_parallel=2),
-        # rank 3 (replica 1, position 1) plays a 4x slower device: position 1 is paced by it
-        dict(schedule="1f1b", microbatches=4, speed_factors=[1.0, 1.0, 1.0, 0.25], data_parallel=2),
-    ]
-    path = str(tmp_path / "dp.ckpt")
-    results = run_distributed(ranks.fit_replicas, 4, args=(configs, STEPS, path), timeout=900)
+    configs = REPLICA_CONFIGS
+    path = str(sky_dir / "dp.ckpt")
+    results = on_four_ranks["replicas"]
     reference = reference_training(STEPS, shuffled=True)
     ref_losses, ref_state, _ = reference
     val_loss, val_acc = _reference_val(ref_state)
@@ -140,13 +187,11 @@ def test_data_parallel_replicas_of_the_pipeline_match_single_process(tmp_path):
         torch.testing.assert_close(ckpt["state_dict"][name], value, atol=ATOL, rtol=1e-5, msg=name)
 
 
-def test_checkpoint_round_trip_across_partitions(tmp_path):
+def test_checkpoint_round_trip_across_partitions(on_two_ranks, sky_dir):
     ref_losses, ref_state, ref_opt = reference_training(8)
     _, state4, opt4 = reference_training(4)
-    path = str(tmp_path / "sky.ckpt")
-    first = dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8))
-    second = dict(schedule="gpipe", microbatches=4, partition=(0, 6, 8))
-    results = run_distributed(ranks.checkpoint_round_trip, 2, args=(path, first, second), timeout=600)
+    path = str(sky_dir / "sky.ckpt")
+    results = on_two_ranks["round_trip"]
     # the file is what a single process would save: original names, full optimizer state
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     assert set(ckpt["state_dict"]) == set(state4)
@@ -168,9 +213,9 @@ def test_checkpoint_round_trip_across_partitions(tmp_path):
     assert r1["owned"] == sorted(n for n in ref_state if n.startswith(("blocks.5.", "head.")))
 
 
-def test_replanning_moves_layers_off_a_slowed_rank():
+def test_replanning_moves_layers_off_a_slowed_rank(on_two_ranks):
     ref = reference_training(8, width=96)
-    out = run_distributed(ranks.replan_run, 2, args=(8,), timeout=600)
+    out = on_two_ranks["replan"]
     r0 = out[0]
     assert r0["replans"], "rank 1 slowed 10x after step 2, yet no re-plan happened"
     step, before, after = r0["replans"][-1]
@@ -179,10 +224,10 @@ def test_replanning_moves_layers_off_a_slowed_rank():
     _assert_trained_alike(r0["state"], ref[1])
 
 
-def test_replanning_with_replicas_follows_the_slowest_copy_of_a_stage():
+def test_replanning_with_replicas_follows_the_slowest_copy_of_a_stage(on_four_ranks):
     ref = reference_training(8, width=96, shuffled=True)
     # only replica 1's second rank slows down; both replicas must move layers off position 1
-    out = run_distributed(ranks.replan_run, 4, args=(8, (1.0, 1.0, 1.0, 0.1), 2), timeout=600)
+    out = on_four_ranks["replan"]
     r0, r2 = out[0], out[2]
     assert r0["replans"], "rank 3 slowed 10x after step 2, yet no re-plan happened"
     assert r2["replans"] == r0["replans"] and r2["counts"] == r0["counts"]
@@ -194,19 +239,11 @@ def test_replanning_with_replicas_follows_the_slowest_copy_of_a_stage():
         assert (r2["state"][name] == r0["state"][name]).all(), name
 
 
-def test_extra_loss_terms_are_backpropagated_like_one_process():
+def test_extra_loss_terms_are_backpropagated_like_one_process(on_two_ranks):
     """Issue 18: the loss training_step returns is the one trained, an auxiliary term on the output and an L2
     regulariser on the parameters of both stages included; gradients (hence weights) equal one process's."""
-    steps = 4
-    extra = dict(aux=0.1, l2=1e-3)
-    configs = [(dict(schedule="gpipe", microbatches=4, partition="even"), extra),
-               (dict(schedule="1f1b", microbatches=4, partition=(0, 2, 8)), extra),
-               (dict(schedule="1f1b", microbatches=4, partition="even"), dict(l2=1e-3))]
-    # with dropout: the auxiliary term in training_step (two passes) or inside loss_fn (one pass) trains
-    # alike only if the second pass replays the first one's dropout masks (same RNG state)
-    dropout = [(dict(schedule="1f1b", microbatches=4, partition="even"), dict(aux=0.1, dropout=0.2, **moved))
-               for moved in ({}, {"aux_in_loss_fn": True})]
-    results = run_distributed(ranks.fit_extra_terms, 2, args=(configs + dropout, steps), timeout=600)
+    steps, configs = EXTRA_STEPS, EXTRA_CONFIGS
+    results = on_two_ranks["extra_terms"]  # the configs, then DROPOUT_CONFIGS, then the refused coupled loss
     for r in results:
         two, one = r[3], r[4]
         assert (two["second_passes"], one["second_passes"]) == (steps, 0)
@@ -231,11 +268,11 @@ def test_extra_loss_terms_are_backpropagated_like_one_process():
     assert results[1][5].startswith("MisconfigurationException: SkyStrategy: pipeline rank 0 stopped the step")
 
 
-def test_only_scalars_cross_ranks_whatever_the_output_size():
+def test_only_scalars_cross_ranks_whatever_the_output_size(on_two_ranks):
     """Issue 18: the output of a batch (16 x 512 logits at the wide head) stays on the last stage; the
     collectives of a training step (counted by the profiler's gloo records, the pipeline's send/recv
     aside) move the same few dozen elements of pickled scalars at 4 and at 512 classes (48 measured)."""
-    results = run_distributed(ranks.collective_elements, 2, args=([4, 512], 0.1), timeout=600)
+    results = on_two_ranks["scalars"]
     for narrow, wide in results:
         assert narrow == wide, (narrow, wide)
         assert 0 < sum(wide.values()) < 100, wide  # the old broadcast of the output alone: 16 x 512 = 8192
