@@ -2,9 +2,11 @@
 
 By default nothing heavy is imported (versions from package metadata, importability from the
 module finders, the CUDA build from ``torch/version.py``, GPUs from ``nvidia-smi -L``), so it answers
-in about a second. ``--imports`` also imports each framework in a child process with a time limit
-(a library that crashes on import, such as a CUDA build of FBGEMM on a CPU torch, is reported, not
-fatal) and asks torch for CUDA, gloo and NCCL: thorough, and about 30 s on a 2-core machine.
+in about a second. ``--imports`` also imports each framework in a child process, one after another in
+the order of :data:`CHECKS` (torch first, which most of them import in turn: it is loaded once), each with
+a time limit (a library that crashes the child on import, such as a CUDA build of FBGEMM on a CPU torch,
+or hangs, is reported, not fatal, and a new child goes on with the packages after it) and asks torch for
+CUDA, gloo and NCCL: thorough, and slower.
 
 The disk tier's row shows the cached disk profile (``tightfit profile disk PATH``) of the disk holding the
 cache directory, or of ``--disk-dir D``: read and write speed, filesystem, free space now. Nothing is measured
@@ -17,12 +19,17 @@ import argparse
 import importlib.util
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import IO
 
 from tightfit.commands.args import UsageError
 from tightfit.console import log, terminal_width
@@ -49,11 +56,14 @@ CHECKS = [
     ("tqdm", "tqdm", "tqdm", "progress bars on a terminal"),
 ]
 
-_PROBE = """
-import json, sys, time
-t = time.time()
-import {module} as m
-print(json.dumps({{"ok": True, "seconds": round(time.time() - t, 2)}}))
+# The child's lines on stdout, each prefixed (a package that prints while it imports is not read as one).
+_SAID = "[tightfit doctor probe] "
+_PROBE = f"""
+import importlib, sys
+for module in sys.argv[1:]:
+    print({_SAID!r} + "start " + module, flush=True)
+    importlib.import_module(module)
+    print({_SAID!r} + "ok " + module, flush=True)
 """
 
 
@@ -61,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.add_argument("--imports", action="store_true",
                         help="also import each package in a child process and ask torch about CUDA, gloo and "
-                             "NCCL (thorough; about 30 s)")
+                             "NCCL (thorough, slower)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per import with --imports")
     parser.add_argument("--disk-dir", default=None, metavar="DIR",
                         help="show the cached disk profile of this directory's disk (default: the cache "
@@ -158,18 +168,59 @@ def _findable(module: str) -> bool:
         return False
 
 
-def _probe(module: str, timeout: float) -> tuple[bool, str]:
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE.format(module=module)],
-            capture_output=True, text=True, timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"import did not finish in {timeout:.0f} s"
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        return False, (lines[-1] if lines else f"import exited with code {proc.returncode}")[:160]
-    return True, "imports"
+def _lines_into(stream: IO[str] | None, lines: queue.Queue[str | None]) -> None:
+    """Each line of ``stream`` into ``lines``, then None at its end."""
+    for line in stream or ():
+        lines.put(line)
+    lines.put(None)
+
+
+def _probe(modules: list[str], timeout: float, started: Callable[[str], None]) -> dict[str, tuple[bool, str]]:
+    """``{module: (imports, detail)}``: ``modules`` imported in order in one child, ``started(module)`` called as
+    each begins; where the child dies or ``timeout`` seconds pass inside one import, that module is reported and
+    a new child takes the rest."""
+    results: dict[str, tuple[bool, str]] = {}
+    while len(results) < len(modules):
+        rest = [m for m in modules if m not in results]
+        proc = subprocess.Popen([sys.executable, "-c", _PROBE, *rest], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        said: queue.Queue[str | None] = queue.Queue()
+        err: list[str] = []
+        readers = [threading.Thread(target=_lines_into, args=(proc.stdout, said), daemon=True),
+                   threading.Thread(target=err.extend, args=(proc.stderr or (),), daemon=True)]
+        for t in readers:
+            t.start()
+        current = rest[0]  # before its first line the child is starting, which counts against the first import
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    line = said.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    results[current] = (False, f"import did not finish in {timeout:.0f} s")
+                    break
+                if line is None:  # the child is gone: it died inside ``current`` (or finished every import)
+                    proc.wait()
+                    readers[1].join()
+                    if current not in results:
+                        lines = [ln for ln in "".join(err).splitlines() if ln.strip()]
+                        results[current] = (False, (lines[-1] if lines else
+                                                    f"import exited with code {proc.returncode}")[:160])
+                    break
+                if line.startswith(_SAID):
+                    word, module = line[len(_SAID):].split()
+                    if word == "start":
+                        current, deadline = module, time.monotonic() + timeout
+                        started(module)
+                    else:
+                        results[module] = (True, "imports")
+                        if all(m in results for m in rest):
+                            break  # not waiting for its exit: a thread a package left running may hold it up
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def _torch_build() -> dict[str, object]:
@@ -254,13 +305,23 @@ def _torch_facts() -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     rows = []
     report: dict[str, object] = {"python": sys.version.split()[0], "imports_checked": args.imports}
-    for i, (label, dist, module, enables) in enumerate(CHECKS, 1):
-        version = _version(dist)
+    versions = {dist: _version(dist) for _, dist, _, _ in CHECKS}
+    probed: dict[str, tuple[bool, str]] = {}
+    if args.imports:
+        number = {module: (i, label) for i, (label, _, module, _) in enumerate(CHECKS, 1)}
+
+        def started(module: str) -> None:
+            i, label = number[module]
+            log.info("[doctor] %d/%d importing %s ...", i, len(CHECKS), label)
+
+        probed = _probe([module for _, dist, module, _ in CHECKS if versions[dist] is not None], args.timeout,
+                        started)
+    for label, dist, module, enables in CHECKS:
+        version = versions[dist]
         if version is None:
             ok, detail = False, f"not installed (pip install {dist})"
         elif args.imports:
-            log.info("[doctor] %d/%d importing %s ...", i, len(CHECKS), label)
-            ok, detail = _probe(module, args.timeout)
+            ok, detail = probed[module]
         else:
             ok = _findable(module)
             detail = "installed" if ok else f"metadata says {version} but `import {module}` finds nothing"
@@ -293,5 +354,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"  device: {dev}")
     print(format_table(rows, ("package", "version", "usable", "enables / why not"), max_width=terminal_width()))
     if not args.imports:
-        print("usable = installed and importable by name; `tightfit doctor --imports` imports each one (about 30 s)")
+        print("usable = installed and importable by name; `tightfit doctor --imports` imports each one (slower)")
     return 0

@@ -64,6 +64,25 @@ def test_doctor_json_reports_versions():
     assert report["C compiler"]["usable"] is (native_attention_error() == ""), report["C compiler"]
 
 
+def test_doctor_probe_reports_a_crash_a_hang_and_an_error_and_goes_on_after_each(tmp_path, monkeypatch):
+    """``--imports`` imports the packages in one child in order; one that kills the child, hangs (printing all the
+    while) or raises is reported by name, and a new child imports the ones after it."""
+    from tightfit.commands.doctor import _probe
+
+    bodies = {"p_fine": "", "p_crash": "import os\nos._exit(7)", "p_hang": "import time\nwhile True:\n    print('still here', flush=True)\n    time.sleep(0.2)",
+              "p_raise": "raise ImportError('p_raise needs a library this machine lacks')", "p_after": "print('hi')"}
+    for name, body in bodies.items():
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    started: list[str] = []
+    got = _probe(list(bodies), 2.0, started.append)
+    assert started == list(bodies)
+    assert got["p_fine"] == (True, "imports") and got["p_after"] == (True, "imports")  # printing is no answer
+    assert got["p_crash"] == (False, "import exited with code 7")
+    assert got["p_hang"] == (False, "import did not finish in 2 s")
+    assert got["p_raise"] == (False, "ImportError: p_raise needs a library this machine lacks")
+
+
 def test_doctor_says_why_the_native_kernels_are_off():
     missing = json.loads(_tightfit("doctor", "--json", env={"CC": "no-such-cc"}).stdout)["C compiler"]
     assert missing["usable"] is False and "no-such-cc not found" in missing["detail"]

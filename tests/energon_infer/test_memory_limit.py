@@ -90,8 +90,14 @@ def _check_fits(run, unlimited: dict) -> dict:
     return out
 
 
-def test_with_no_budget_it_fits_the_limit_and_streams_exact_tokens(model, unlimited):
-    _check_fits(_engine(model, LIMIT, name="default"), unlimited)
+@pytest.fixture(scope="module")
+def default_run(model):
+    """The engine under ``LIMIT`` with no budget given: one run, which two tests below check from two sides."""
+    return _engine(model, LIMIT, name="default")
+
+
+def test_with_no_budget_it_fits_the_limit_and_streams_exact_tokens(default_run, unlimited):
+    _check_fits(default_run, unlimited)
 
 
 def test_a_budget_given_is_kept_and_lookahead_chosen_within_it(model, unlimited):
@@ -253,7 +259,7 @@ def test_each_step_down_gives_up_the_next_cheapest_thing_and_stays_exact(tmp_pat
     assert out["tokens"] == last_json_line(free.stdout)["tokens"]
 
 
-def test_plan_serve_prints_the_plan_the_engine_then_runs(model, tmp_path):
+def test_plan_serve_prints_the_plan_the_engine_then_runs(model, default_run, tmp_path):
     """``tightfit plan serve DIR`` under the limit, before anything loads, shows the plan the engine started under the
     same limit runs: the same layers read from disk, lookahead and token budget."""
     from tightfit.planner.serving import ServingPlan
@@ -264,8 +270,7 @@ def test_plan_serve_prints_the_plan_the_engine_then_runs(model, tmp_path):
     assert shown.returncode == 0 and not shown.oom_killed, shown.stderr[-3000:]
     assert "read from disk each pass" in shown.stdout and "the memory limit" in shown.stdout
     printed = ServingPlan.from_json(json.dumps(json.loads((tmp_path / "plan.json").read_text())["serving"]))
-    run = _engine(model, LIMIT, name="plan-run")
-    assert run.returncode == 0, run.stderr[-3000:]
-    ran = ServingPlan.from_json(last_json_line(run.stdout)["plan"])
+    assert default_run.returncode == 0, default_run.stderr[-3000:]  # the engine started under the same limit
+    ran = ServingPlan.from_json(last_json_line(default_run.stdout)["plan"])
     assert printed.streams and [p.disk_layers for p in printed.pools] == [p.disk_layers for p in ran.pools]
     assert (printed.lookahead, printed.max_batch_tokens) == (ran.lookahead, ran.max_batch_tokens)
