@@ -12,7 +12,8 @@ Kernels here: :mod:`tightfit.cuda.index_rows` (``gather_rows``, ``scatter_rows``
 :mod:`tightfit.cuda.elementwise` (``silu_mul``, ``rotary_``: native and reference only),
 :mod:`tightfit.cuda.gelu_mul` (``gelu_tanh_mul``, Gemma's GeGLU), :mod:`tightfit.cuda.head_norm` (``rms_norm_heads_``,
 per-head q/k norms in place), :mod:`tightfit.cuda.grouped_experts` (``grouped_experts``, an MoE layer's routed experts
-in one call) and :mod:`tightfit.cuda.gumbel` (``gumbel_argmax``: one Gumbel-max draw per row with counter-based
+in one call; :mod:`tightfit.cuda.grouped_quant_experts` the same on int8 / int4 experts, over the quantized linear
+kernels) and :mod:`tightfit.cuda.gumbel` (``gumbel_argmax``: one Gumbel-max draw per row with counter-based
 noise): native and reference only.
 
 How to add a kernel (one op per file, ``core/cuda/<op>.py``; Liger-Kernel's layout):

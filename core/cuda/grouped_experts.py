@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ from tightfit.cuda.dispatch import register_kernel
 from tightfit.cuda.elementwise import silu_mul
 from tightfit.cuda.native import load_kernel, native_error
 
-__all__ = ["expert_mlp", "grouped_experts", "grouped_experts_reference"]
+__all__ = ["expert_activation", "expert_mlp", "grouped_experts", "grouped_experts_reference", "run_grouped"]
 
 Biases = Sequence[torch.Tensor | None] | None
 # Pair rows (fp32) the native kernel buffers per call at most: longer steps run in slices of tokens.
@@ -70,39 +70,51 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
     """One expert's gated MLP on the rows ``x``: ``down(act(gate_up(x)))`` (see the module docstring for ``act``)."""
-    h = F.linear(x, gate_up, gate_up_bias)
+    return F.linear(expert_activation(F.linear(x, gate_up, gate_up_bias), limit, alpha), down, down_bias)
+
+
+def expert_activation(h: torch.Tensor, limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
+    """The gated activation of an expert's gate/up product ``h`` (gate columns, then up columns)."""
     if not limit:
-        return F.linear(silu_mul(h), down, down_bias)
+        return silu_mul(h)
     gate, up = h.chunk(2, dim=-1)
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _bias(biases: Biases, i: int) -> torch.Tensor | None:
     return None if biases is None else biases[i]
 
 
-def grouped_experts_reference(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                              gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], first: int = 0,
-                              gate_up_bias: Biases = None, down_bias: Biases = None, limit: float = 0.0,
-                              alpha: float = 0.0) -> torch.Tensor:
+def run_grouped(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, n: int, first: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The grouped loop of the reference: the pairs sorted by expert, then for each of experts ``first .. first + n
+    - 1`` with tokens ``expert(i, rows of x)`` (its output rows), scaled by their routing weights and summed into
+    an fp32 ``(T, H)`` output in ascending expert order."""
     top_k = chosen.shape[-1]
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # a stable sort keeps each expert's tokens in token order
     tokens = order // top_k
     scale = weights.reshape(-1)[order]
-    counts = torch.bincount(flat, minlength=first + len(gate_up)).tolist()  # one host sync for the whole layer
+    counts = torch.bincount(flat, minlength=first + n).tolist()  # one host sync for the whole layer
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = sum(counts[:first])
-    for i in range(len(gate_up)):
-        n = counts[first + i]
-        if n:
-            rows = tokens[start:start + n]
-            y = expert_mlp(x.index_select(0, rows), gate_up[i], down[i], _bias(gate_up_bias, i),
-                           _bias(down_bias, i), limit, alpha)
-            out.index_add_(0, rows, (y * scale[start:start + n, None]).float())
-        start += n
+    for i in range(n):
+        count = counts[first + i]
+        if count:
+            rows = tokens[start:start + count]
+            y = expert(i, x.index_select(0, rows))
+            out.index_add_(0, rows, (y * scale[start:start + count, None]).float())
+        start += count
     return out
+
+
+def grouped_experts_reference(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                              gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], first: int = 0,
+                              gate_up_bias: Biases = None, down_bias: Biases = None, limit: float = 0.0,
+                              alpha: float = 0.0) -> torch.Tensor:
+    return run_grouped(x, weights, chosen, len(gate_up), first, lambda i, rows: expert_mlp(
+        rows, gate_up[i], down[i], _bias(gate_up_bias, i), _bias(down_bias, i), limit, alpha))
 
 
 @functools.cache

@@ -203,15 +203,19 @@ def test_moe_layers_stream_from_disk_and_a_host_pool_exactly(name, tmp_path):
         pool.close()
 
 
-def test_quantized_experts_are_refused_in_one_line_before_loading(moe_dirs):
+def test_int4_groups_that_do_not_tile_an_experts_width_are_refused_in_one_line_before_loading(moe_dirs):
+    """Quantized experts (tests/energon_infer/test_moe_quantized.py) take int4 groups that tile each expert's
+    input widths: qwen3_moe's experts here are 16 wide, below every int4 group size."""
     from energon_infer.engine.engine import Engine
     from energon_infer.loading.quantization import QuantizationError
 
-    match = r"quantization='int8': this qwen3_moe model's experts .* drop the quantization option"
+    match = (r"group_size=32 does not divide the 16 inputs of the expert down projection of this qwen3_moe model "
+             r"\(per rank at tp=1\); .* use quantization='int8'")
     with pytest.raises(QuantizationError, match=match):
-        ModelRunner.from_pretrained(moe_dirs["qwen3_moe"], quantization="int8", **OPTS)
+        ModelRunner.from_pretrained(moe_dirs["qwen3_moe"], quantization="int4", group_size=32, **OPTS)
     with pytest.raises(QuantizationError, match=match):  # in the caller's process, before any worker starts
-        Engine.from_pretrained(moe_dirs["qwen3_moe"], quantization="int8", dtype="float32", progress=False)
+        Engine.from_pretrained(moe_dirs["qwen3_moe"], quantization="int4", group_size=32, dtype="float32",
+                               progress=False)
 
 
 def test_cuda_graphs_are_refused_for_moe_models(moe_dirs):

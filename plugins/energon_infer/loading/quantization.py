@@ -4,9 +4,10 @@
     check_quantization(cfg, spec, tp=2)                     # refuses what the kernels cannot take, in one line
     q = quantize_weight(w, spec)                            # {"qweight": ..., "scale": ..., ("zero": ...)}
 
-The projections of every block (fused QKV, attention out, (gate/)up, down) are quantized; the embedding and
-the vocabulary head keep the model's dtype (as llama.cpp's Q4 files keep their output layer at 6 bits or more:
-they carry most of the error per byte). Quantization happens at load, tensor by tensor, after each rank has cut
+The projections of every block (fused QKV, attention out, (gate/)up, down; in a Mixture-of-Experts block each
+expert's gate/up and down and the shared expert's, the router left as loaded: :func:`quantized_parts`) are
+quantized; the embedding and the vocabulary head keep the model's dtype (as llama.cpp's Q4 files keep their output
+layer at 6 bits or more: they carry most of the error per byte). Quantization happens at load, tensor by tensor, after each rank has cut
 its tensor-parallel slice (:func:`energon_infer.loading.weights.build_param`): a rank quantises only its own
 slice and never holds a full-precision copy of the whole stage. With int4 a group never straddles two ranks
 (``group_size`` must divide each rank's input width), so tp=2 holds exactly the values tp=1 holds; int8's
@@ -36,7 +37,7 @@ from tightfit.cuda.quant_linear import INT4_GROUP_SIZES, pack_int4
 
 __all__ = ["METHODS", "QuantSpec", "QuantizationError", "check_quantization", "quantize_weight", "torchao_error",
            "projection_inputs", "quantized_bytes_per_weight", "load_quantized", "quantized_weight_names",
-           "reference_dequantize", "quantized_shapes", "meta_quantize", "quantize_head"]
+           "reference_dequantize", "quantized_shapes", "meta_quantize", "quantize_head", "quantized_parts"]
 
 METHODS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 128
@@ -128,19 +129,24 @@ def quantized_bytes_per_weight(spec: QuantSpec | None, itemsize: int) -> float:
 
 
 def projection_inputs(cfg: ModelConfig, tp: int) -> dict[str, int]:
-    """Each quantized projection's input width on one rank of ``tp`` (what a group must divide)."""
-    return {"qkv": cfg.hidden_size, "o": cfg.n_heads * cfg.head_dim // tp, "up": cfg.hidden_size,
-            "down": cfg.intermediate_size // tp}
+    """Each quantized projection's input width on one rank of ``tp`` (what a group must divide): the dense MLP's
+    only where some layer is dense, an MoE model's experts (whole under expert parallelism, else sliced as the dense
+    MLP is) and shared expert where it has them."""
+    widths = {"qkv": cfg.hidden_size, "o": cfg.n_heads * cfg.head_dim // tp}
+    if cfg.n_sparse < cfg.n_layers:
+        widths.update(up=cfg.hidden_size, down=cfg.intermediate_size // tp)
+    if cfg.n_sparse:
+        widths.update({"expert gate_up": cfg.hidden_size,
+                       "expert down": cfg.moe_intermediate_size // (1 if cfg.expert_parallel(tp) else tp)})
+        if cfg.shared_expert_size:
+            widths.update({"shared expert up": cfg.hidden_size, "shared expert down": cfg.shared_expert_size // tp})
+    return widths
 
 
 def check_quantization(cfg: ModelConfig, spec: QuantSpec | None, *, tp: int, dtype: torch.dtype) -> None:
     """Raise :class:`QuantizationError` (one line: the value, the rule, the fix) unless ``spec`` applies."""
     if spec is None:
         return
-    if cfg.n_sparse:  # the block projections quantized here are qkv / o / up / down; an MoE layer's are its experts
-        raise QuantizationError(f"quantization={spec.method!r}: this {cfg.model_type} model's experts "
-                                "(energon_infer.worker.moe) are not quantized by energon yet, and they hold most of "
-                                "its weights; drop the quantization option (or --quantization) to serve it")
     why = torchao_error()
     if why:
         raise QuantizationError(why)
@@ -212,14 +218,13 @@ def meta_quantize(blocks: Iterable[torch.nn.Module], spec: QuantSpec) -> None:
     """Hold every projection of ``blocks`` quantized on the meta device: the shapes and bytes a quantized block
     has, with nothing allocated (what the planners count, and the layout of a pooled block's bytes)."""
     for block in blocks:
-        for proj in PROJECTIONS:
-            module = getattr(block, proj)
-            w = module._parameters.get("weight")
+        for _, module, attr in quantized_parts(block):
+            w = module._parameters.get(attr)
             if w is None:
                 continue  # already quantized
             shapes = quantized_shapes(w.shape[0], w.shape[1], spec)
-            module.set_quantized(spec.method, {name: torch.empty(shape, dtype=dtype, device="meta")
-                                               for name, (shape, dtype) in shapes.items()}, spec.group_size)
+            _install(module, attr, spec, {name: torch.empty(shape, dtype=dtype, device="meta")
+                                          for name, (shape, dtype) in shapes.items()})
 
 
 def reference_dequantize(q: Mapping[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -239,11 +244,36 @@ def reference_dequantize(q: Mapping[str, torch.Tensor], spec: QuantSpec, dtype: 
 PROJECTIONS = ("qkv", "o", "up", "down")
 
 
+def quantized_parts(block: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name within the block, module, parameter)`` of each weight of ``block`` held quantized: the fused QKV
+    and attention out, then the dense MLP's (gate/)up and down or, in a Mixture-of-Experts layer
+    (:mod:`energon_infer.worker.moe`), each of this rank's experts' ``gate_up`` and ``down`` and the shared expert's
+    projections. The router and the shared expert's gate stay in the model's dtype (a few values a token that
+    decide which experts run; llama.cpp keeps its MoE routers unquantized too)."""
+    moe = getattr(block, "moe", None)
+    names = PROJECTIONS if moe is None else PROJECTIONS[:2]
+    parts = [(f"{p}.weight", getattr(block, p), "weight") for p in names]
+    if moe is not None:
+        for e, expert in moe.experts.items():
+            parts += [(f"moe.experts.{e}.{attr}", expert, attr) for attr in ("gate_up", "down")]
+        parts += [(f"moe.{p}.weight", getattr(moe, p), "weight") for p in ("shared_up", "shared_down")
+                  if getattr(moe, p) is not None]
+    return parts
+
+
+def _install(module: torch.nn.Module, attr: str, spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> int:
+    """Hand ``module`` its quantized ``attr`` (a projection's ``weight`` or an expert's part); the bytes held."""
+    if attr == "weight":
+        return module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
+    return module.set_quantized(spec.method, tensors, spec.group_size, part=attr)  # type: ignore[operator]
+
+
 def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
-    """Runtime names of the projection weights a quantized stage holds quantized (``layers.3.qkv.weight``, ...)."""
+    """Runtime names of the weights a quantized stage holds quantized (``layers.3.qkv.weight``,
+    ``layers.3.moe.experts.5.gate_up``, ...: :func:`quantized_parts` of every block)."""
     blocks = stage.layers
     assert isinstance(blocks, torch.nn.ModuleDict)
-    return [f"layers.{i}.{p}.weight" for i in blocks for p in PROJECTIONS]
+    return [f"layers.{i}.{name}" for i, block in blocks.items() for name, _, _ in quantized_parts(block)]
 
 
 def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
@@ -273,8 +303,9 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
     for name in quantized_weight_names(stage):
         if name.split(".")[1] in skipped:
             continue
-        module = stage.get_submodule(name.rsplit(".", 1)[0])
-        param = module._parameters.get("weight")
+        owner, attr = name.rsplit(".", 1)
+        module = stage.get_submodule(owner)
+        param = module._parameters.get(attr)
         if param is None or param.device.type != "meta":
             continue  # already quantized or not this loader's
         parts = parts_fn(cfg, name, keys)
@@ -288,7 +319,7 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
             value = build_param(cfg, grid, name, tuple(param.shape), parts, fetch, nonfinite=nonfinite)
             tensors = quantize_weight(value, spec)
         tensors = {k: v.to(stage_device(stage)) for k, v in tensors.items()}
-        held += module.set_quantized(spec.method, tensors, spec.group_size)  # type: ignore[operator]
+        held += _install(module, attr, spec, tensors)
     # A torchao-saved checkpoint keeps its head as saved (unquantized: torchao's own model runs it so).
     return held + (quantize_head(stage, spec) if saved is None else 0)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from energon_infer.loading.config import ModelConfig
-from energon_infer.loading.quantization import PROJECTIONS
+from energon_infer.loading.quantization import quantized_parts
 from energon_infer.parallel import Grid, pack_weights
 from energon_infer.worker.model import DecoderStage
 
@@ -50,12 +50,12 @@ def build_stage(cfg: ModelConfig, grid: Grid, layers: range, dtype: torch.dtype,
     names = dict(stage.named_modules())
     parts = [blocks[i] if isinstance(i, int) else names.get(i) for i in offload]
     skip = {id(m) for part in parts if part is not None for m in part.modules()}
-    later = {id(getattr(b, p)) for b in blocks for p in PROJECTIONS} if quantized else set()
+    later = {(id(m), attr) for b in blocks for _, m, attr in quantized_parts(b)} if quantized else set()
     for module in stage.modules():
         if id(module) in skip:
             continue
         for name, p in module._parameters.items():
-            if p is not None and not (name == "weight" and id(module) in later):
+            if p is not None and (id(module), name) not in later:
                 # empty_like keeps the strides (input-major linear weights stay so)
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
     return stage

@@ -125,6 +125,11 @@ class ExpertPool:
         layers = moe_layers(stage)
         if len(layers) != len(plan.placement):
             raise ValueError(f"the expert plan places {len(plan.placement)} MoE layers; this stage has {len(layers)}")
+        if any(getattr(e, "quant", None) for _, moe in layers for e in moe.experts.values()):
+            raise ValueError("ExpertPool: this stage's experts are quantized, and the expert pool reads experts "
+                             "unquantized from the checkpoint; a quantized MoE model that does not fit streams whole "
+                             "quantized layers (the engine's layer plan, energon_infer.worker.quantized_pool): give "
+                             "no expert plan, or load without quantization for expert-level placement")
         if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
             raise ValueError(f"ExpertPool: lookahead={lookahead!r} must be an int >= 0 (experts read ahead per layer); "
                              "give 0 to turn lookahead off or None for one token's picks")

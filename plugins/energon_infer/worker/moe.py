@@ -15,7 +15,9 @@ CPU kernel for fp32, the same grouping in PyTorch otherwise): the step's (token,
 once, and each expert that has tokens runs once over all of them (a gate/up product, the gated activation, a down
 product), its rows scaled by their routing weights and added back into their tokens' rows. A token's weighted expert
 outputs are summed in fp32 and rounded to the activations' dtype once, as transformers' grouped experts (its default
-implementation) sum them. :class:`Expert` holds one expert's weights (its ``forward`` runs it alone).
+implementation) sum them. :class:`Expert` holds one expert's weights (its ``forward`` runs it alone). Quantized
+experts (``quantization="int8"`` / ``"int4"``: :meth:`Expert.set_quantized`, each expert quantized on its own) run
+the same grouping with quantized products (:func:`tightfit.cuda.grouped_quant_experts.grouped_quant_experts`).
 
 Tensor parallelism (``tp > 1``): **expert parallelism** where ``tp`` divides the expert count
 (:meth:`~energon_infer.loading.config.ModelConfig.expert_parallel`): rank ``r`` holds experts
@@ -43,6 +45,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,6 +54,7 @@ from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, linear_weight
 from tightfit.cuda.elementwise import silu_mul
 from tightfit.cuda.grouped_experts import expert_mlp, grouped_experts
+from tightfit.cuda.grouped_quant_experts import QuantWeight, grouped_quant_experts, quant_expert_mlp
 
 __all__ = ["Expert", "MoE", "local_experts", "moe_tp_widths"]
 
@@ -81,7 +85,15 @@ class Expert(nn.Module):
 
     With ``bias`` (gpt-oss), ``gate_up_bias`` and, where ``down_bias`` (the one rank that adds it), ``down_bias``;
     with ``limit`` > 0 the clamped SwiGLU of gain ``alpha`` (see the module docstring) replaces ``silu(gate) * up``.
+
+    Quantized (:meth:`set_quantized`, weight-only int8 / int4 as the dense projections are): ``gate_up`` and
+    ``down`` give way to ``<part>_qweight``, ``<part>_qscale`` (and, int4, ``<part>_qzero``), in
+    :func:`energon_infer.loading.quantization.quantize_weight`'s formats; the biases stay as loaded.
     """
+
+    # "int8" / "int4" once both parts hold quantized weights (set_quantized); None: the model's dtype
+    quant: str | None = None
+    group_size: int = 0
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str, *,
                  bias: bool = False, down_bias: bool = False, limit: float = 0.0, alpha: float = 0.0):
@@ -94,7 +106,30 @@ class Expert(nn.Module):
             if down_bias else None
         self.limit, self.alpha = limit, alpha
 
+    def set_quantized(self, method: str, tensors: dict[str, torch.Tensor], group_size: int | None, *,
+                      part: str) -> int:
+        """Hold ``part`` (``"gate_up"`` or ``"down"``) quantized (``tensors``: ``quantize_weight``'s of its
+        ``(out, in)`` weight); the bytes it now holds."""
+        if part not in ("gate_up", "down"):
+            raise ValueError(f"Expert.set_quantized: part={part!r} is not one of 'gate_up', 'down'")
+        self._parameters.pop(part, None)
+        for key in ("qweight", "scale", "zero"):
+            if key in tensors:
+                name = f"{part}_{key if key == 'qweight' else 'q' + key}"
+                self._parameters[name] = nn.Parameter(tensors[key], requires_grad=False)
+        self.quant, self.group_size = method, group_size or 0
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def quant_weight(self, part: str) -> QuantWeight:
+        """``part``'s quantized weight (after :meth:`set_quantized`)."""
+        zero = self._parameters.get(f"{part}_qzero")
+        return QuantWeight(self._parameters[f"{part}_qweight"], self._parameters[f"{part}_qscale"], zero,
+                           self.group_size if zero is not None else 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_expert_mlp(x, self.quant_weight("gate_up"), self.quant_weight("down"), self.gate_up_bias,
+                                    self.down_bias, self.limit, self.alpha)
         return expert_mlp(x, self.gate_up, self.down, self.gate_up_bias, self.down_bias, self.limit, self.alpha)
 
 
@@ -144,12 +179,17 @@ class MoE(nn.Module):
         weights, chosen = self.route(x)
         if self.fetch_experts is not None:
             self.fetch_experts(chosen, x)
-        experts = list(self.experts.values())
-        out = grouped_experts(
-            x, weights, chosen, [e.gate_up for e in experts], [e.down for e in experts], first=self.local.start,
-            gate_up_bias=[e.gate_up_bias for e in experts] if self.bias else None,
-            down_bias=[e.down_bias for e in experts] if self.bias else None, limit=self.limit, alpha=self.alpha,
-        ).to(x.dtype)
+        experts = cast(list[Expert], list(self.experts.values()))
+        biases = dict(gate_up_bias=[e.gate_up_bias for e in experts] if self.bias else None,
+                      down_bias=[e.down_bias for e in experts] if self.bias else None)
+        if experts and experts[0].quant is not None:  # weight-only int8 / int4 (energon_infer.loading.quantization)
+            out = grouped_quant_experts(x, weights, chosen, [e.quant_weight("gate_up") for e in experts],
+                                        [e.quant_weight("down") for e in experts], first=self.local.start,
+                                        limit=self.limit, alpha=self.alpha, **biases)
+        else:
+            out = grouped_experts(x, weights, chosen, [e.gate_up for e in experts], [e.down for e in experts],
+                                  first=self.local.start, limit=self.limit, alpha=self.alpha, **biases)
+        out = out.to(x.dtype)
         if self.release_experts is not None:
             self.release_experts()
         if self.shared_up is not None:

@@ -51,6 +51,18 @@ STORE_FORMAT = 3  # the layout of a stored layer; a store written with another i
 _COMPONENTS = {"qweight": "qweight", "qscale": "scale", "qzero": "zero"}  # parameter -> quantize_weight key
 
 
+def _component(pname: str) -> tuple[str, str] | None:
+    """``(the weight's parameter name, quantize_weight's key)`` of a quantized weight's component parameter: a
+    projection's ``qscale`` -> ``("weight", "scale")``, an expert's ``down_qzero`` -> ``("down", "zero")``
+    (:class:`energon_infer.worker.moe.Expert`); ``None`` for any other parameter."""
+    for comp, key in _COMPONENTS.items():
+        if pname == comp:
+            return "weight", key
+        if pname.endswith("_" + comp):
+            return pname[: -len(comp) - 1], key
+    return None
+
+
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
@@ -341,16 +353,18 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
     done: set[str] = set()
     for k, (module, pname, _, shape, _) in enumerate(layer.entries):
         prefix = f"layers.{index}." + (f"{names[id(module)]}." if names[id(module)] else "")
-        if pname in _COMPONENTS:  # a quantized projection: every component of it at once
-            if prefix in done:
+        if (part := _component(pname)) is not None:  # a quantized weight: every component of it at once
+            weight, _ = part
+            if prefix + weight in done:
                 continue
-            done.add(prefix)
-            views = {_COMPONENTS[layer.entries[e][1]]: layer._typed(flat, e) for e in range(len(layer.entries))
-                     if layer.entries[e][0] is module and layer.entries[e][1] in _COMPONENTS}
-            rows, cols = module._parameters["qweight"].shape  # type: ignore[union-attr]
+            done.add(prefix + weight)
+            views = {key: layer._typed(flat, e) for e in range(len(layer.entries)) if layer.entries[e][0] is module
+                     and (c := _component(layer.entries[e][1])) is not None and c[0] == weight for key in (c[1],)}
+            qname = "qweight" if weight == "weight" else f"{weight}_qweight"
+            rows, cols = module._parameters[qname].shape  # type: ignore[union-attr]
             n, kk = int(rows), int(cols) * (2 if spec.method == "int4" else 1)  # int4: two inputs a byte
-            quantize_into(prefix + "weight", (n, kk), views)
-            if module.tiled:  # the byte order the layer runs from (parallel.quant_tiling)
+            quantize_into(prefix + weight, (n, kk), views)
+            if getattr(module, "tiled", False):  # the byte order the layer runs from (parallel.quant_tiling)
                 views["qweight"].copy_(tile_weight(spec.method, views["qweight"]))
         else:
             value = build_param(cfg, grid, prefix + pname, tuple(shape), hf_parts(cfg, prefix + pname, keys), fetch,
