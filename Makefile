@@ -52,7 +52,8 @@ gpu-check:
 	bash scripts/gpu_check.sh $(if $(DRY),--dry,)
 
 # Mutation testing of the cost models and the cache policy (not part of `make test`): mutmut under a
-# wall-clock budget, then the survivors and the score. MUTATE_MINUTES=12 by default; see scripts/mutate.sh.
+# wall-clock budget, then the survivors and the score. MUTATE_MINUTES=12 by default; MUTATE_SCOPE=full adds the
+# Elixir planner and the profiler, MUTATE_SCOPE=disk takes the storage, quantizers and disk tier; see scripts/mutate.sh.
 mutate: setup
 	@PY=$(PY) bash scripts/mutate.sh
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make mutate`: mutation testing (mutmut 3) of the cost models and the cache policy, under a time budget.
+# `make mutate`: mutation testing (mutmut 3) of the cost models and the cache policy (or, by MUTATE_SCOPE, of
+# the storage, quantization and disk-runtime code), under a time budget.
 #
 # mutmut names a mutant after its file's path, so the code must be importable under the name its folder
 # has; ours is not (core/ is imported as `tightfit`, plugins/torchrec_cache as `torchrec_cache`). The run
@@ -11,6 +12,7 @@
 #   MUTATE_SRC      tree to test (default: this checkout; point it at an exported commit to score an old tree)
 #   MUTATE_MINUTES  wall-clock budget of `mutmut run` (default 12); the score counts the mutants it reached
 #   MUTATE_CHILDREN parallel test processes (default 1: the machine is shared)
+#   MUTATE_SCOPE    fast (default), full or disk: the default files and tests (below)
 #   MUTATE_FILES    files to mutate, as import paths (default below)
 #   MUTATE_TESTS    test files that may kill them (default below)
 set -uo pipefail
@@ -23,16 +25,49 @@ STAGE=${MUTATE_STAGE:-$ROOT/build/mutate}
 PY=${PY:-$ROOT/.venv/bin/python}
 case $PY in /*) ;; *) PY=$ROOT/$PY ;; esac  # the run happens in the staging folder
 MUTMUT="$(dirname "$PY")/mutmut"
-# Two scopes. "fast" (default) fits a 12-minute budget on two shared cores: the pipeline cost model, cache
+# Three scopes. "fast" (default) fits a 12-minute budget on two shared cores: the pipeline cost model, cache
 # sizing, pool planning and the cache policy, against their fast tests (the pipeline's 45-second gloo test
 # is left out). "full" adds core/planner/ (Elixir) and core/profiler/memory.py with the profiler tests,
-# whose clean run alone takes ~5 minutes here: give it MUTATE_MINUTES=60 or more.
+# whose clean run alone takes ~5 minutes here: give it MUTATE_MINUTES=60 or more. "disk" is the storage,
+# quantization and disk-runtime code: core/storage/ (the store, staging, external reads), the quantizers
+# (core/cuda/quant_linear*.py, energon_infer/loading/quantization.py) and the embedding cache's disk tier
+# (torchrec_cache/disk.py, hostlevel.py), against the storage tests, the quantization tests checked against
+# torchao, and the in-process disk-tier tests (one optimizer of the four, no multi-process engine test). mutmut
+# maps a function to the tests that call it in the test process: code that runs only in a worker process is
+# reported "no tests". It has thousands of mutants: a 20-minute budget scores the cheapest few hundred.
 SCOPE=${MUTATE_SCOPE:-fast}
+case $SCOPE in fast | full | disk) ;; *)
+  echo "[mutate] MUTATE_SCOPE=$SCOPE is not a scope: use fast, full or disk (or set MUTATE_FILES/MUTATE_TESTS)" >&2
+  exit 2 ;;
+esac
 FAST_FILES="tightfit/planner/pipeline/problem.py tightfit/planner/cache.py tightfit/planner/pool.py \
 torchrec_cache/cache.py"
 FAST_TESTS="tests/core/test_planner_pipeline.py tests/core/test_planner_pool.py tests/core/test_planner_costs.py \
 tests/torchrec_cache/test_planner.py tests/torchrec_cache/test_policy_behaviour.py"
-if [ "$SCOPE" = full ]; then
+DISK_FILES="tightfit/storage/* tightfit/cuda/quant_linear.py tightfit/cuda/quant_linear_a8.py \
+energon_infer/loading/quantization.py torchrec_cache/disk.py torchrec_cache/hostlevel.py"
+A8=tests/core/test_quant_linear_a8.py
+QZ=tests/energon_infer/test_quantization.py
+DK=tests/torchrec_cache/test_disk.py
+DISK_TESTS="tests/core/test_storage.py tests/core/test_storage_corruption.py tests/core/test_storage_durability.py \
+tests/core/test_storage_ranges.py tests/core/test_storage_staging.py tests/core/test_storage_external.py \
+tests/core/test_storage_reuse.py tests/core/test_storage_model.py tests/core/test_storage_bounds.py \
+tests/core/test_quant_linear.py $A8::test_the_rounding_noise_check_rejects_coarser_activations \
+$A8::test_error_is_within_the_stated_bound_of_the_dequantised_product $A8::test_quantize_activations_per_block_of_128 \
+$A8::test_quantize_activations_rounds_within_half_a_step \
+tests/energon_infer/test_quantization_torchao.py $QZ::test_torchao_formats_are_the_stored_ones \
+$QZ::test_quantizing_rows_at_a_time_gives_the_values_of_all_at_once $QZ::test_bad_quantization_is_refused_at_load_in_one_line \
+$DK::test_tables_on_disk_train_like_ebc[sgd] $DK::test_embedding_collection_on_disk_trains_like_ec \
+$DK::test_lookahead_reads_the_window_from_disk \
+$DK::test_save_and_load_tables_stream_chunks $DK::test_load_tables_refuses_a_checkpoint_of_other_tables \
+$DK::test_disk_dir_that_cannot_hold_the_tables_is_refused $DK::test_tables_larger_than_the_disk_are_refused_at_construction \
+$DK::test_disk_full_on_write_back_raises_and_loses_no_row $DK::test_corrupted_row_file_raises_naming_table_and_rows \
+$DK::test_host_level_always_returns_the_latest_row $DK::test_disk_settings_are_accepted_or_refused_in_one_line \
+$DK::test_state_dict_streams_to_mapped_files_and_loads_back"
+if [ "$SCOPE" = disk ]; then
+  DEFAULT_FILES=$DISK_FILES
+  DEFAULT_TESTS=$DISK_TESTS
+elif [ "$SCOPE" = full ]; then
   DEFAULT_FILES="tightfit/planner/* tightfit/planner/pipeline/* tightfit/profiler/memory.py torchrec_cache/cache.py"
   DEFAULT_TESTS="$FAST_TESTS tests/core/test_planner_elixir.py tests/core/test_planner_elixir_costs.py \
 tests/core/test_profiler_model.py"
@@ -53,13 +88,14 @@ rm -rf "$STAGE"
 mkdir -p "$STAGE"
 cp -r "$SRC/core" "$STAGE/tightfit"
 cp -r "$SRC/plugins/torchrec_cache" "$STAGE/torchrec_cache"
+cp -r "$SRC/plugins/energon_infer" "$STAGE/energon_infer"
 cp -r "$SRC/tests" "$STAGE/tests"
 cp "$SRC/README.md" "$STAGE/README.md"  # tests run the README's snippets
 [ -d "$SRC/docs" ] && cp -r "$SRC/docs" "$STAGE/docs"
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 
 tests=()
-for t in $TESTS; do [ -f "$STAGE/$t" ] && tests+=("$t"); done  # an older tree may lack some
+for t in $TESTS; do [ -f "$STAGE/${t%%::*}" ] && tests+=("$t"); done  # an older tree may lack some
 toml_list() { local out="" x; for x in "$@"; do out+="\"$x\", "; done; echo "[${out%, }]"; }
 # shellcheck disable=SC2086
 {
@@ -73,7 +109,7 @@ for k, v in cfg.items():
 EOF
   echo
   echo "[tool.mutmut]"
-  echo 'source_paths = ["tightfit", "torchrec_cache"]'
+  echo 'source_paths = ["tightfit", "torchrec_cache", "energon_infer"]'
   echo "only_mutate = $(toml_list $FILES)"
   echo "pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")"
   deselect=(); for d in $DESELECT; do deselect+=("--deselect" "$d"); done

@@ -4,9 +4,11 @@ collections directly.
 
 TorchRec's suite file is ``torchrec/modules/tests/test_embedding_modules.py`` (15 tests; the version this
 was written against is pytorch/torchrec commit afabd45c, the file's last change on main as of 2025-10).
-TorchRec's wheels do not ship their tests, so the file is looked up in the installed ``torchrec``
-package (a source install has it) or in ``$TORCHREC_SOURCE`` (a TorchRec checkout, or the file itself);
-without either, those tests are skipped with that message.
+TorchRec's wheels do not ship their tests, and TorchRec publishes no source distribution on the package
+index (every release, 1.8.0 included, is wheels only), so ``make setup`` has nothing pinned to fetch them
+from. The file is looked up in the installed ``torchrec`` package (a source install has it) or in
+``$TORCHREC_SOURCE`` (a TorchRec checkout, or the file itself); without either, those tests are skipped
+with that message.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def _suite_tests() -> list[str]:
 
 
 _TESTS = _suite_tests()
-_NO_SUITE = ("TorchRec's test_embedding_modules.py is not installed (its wheels leave tests out): set "
-             "TORCHREC_SOURCE to a TorchRec checkout to run it")
+_NO_SUITE = ("TorchRec's test_embedding_modules.py is not installed (its wheels leave tests out and the package "
+             "index has no TorchRec sdist): set TORCHREC_SOURCE to a TorchRec checkout to run it")
 
 
 @pytest.fixture(scope="module")
