@@ -6,11 +6,13 @@ Commands go from the controller to every worker, in the same order to each (the 
 * :class:`Free`: free sequences without a step (nothing else to run);
 * :class:`Stats`: every rank reports its stage's busy time;
 * :class:`Ping`: every rank answers :class:`Pong` (the controller's heartbeat when idle);
+* :class:`CompileGrammars`: the rank that samples compiles these structured outputs' grammars off the step path;
 * :class:`Stop`: leave the loop, destroy the process group, exit 0.
 
 Replies go from workers to the controller: :class:`Ready` (loaded, with a :class:`WorkerInfo`),
 :class:`Tokens` (the result rank's sampled tokens of a step), :class:`StatsReport`, :class:`Pong`,
-:class:`WorkerError` (a traceback; the worker then exits) and :class:`Bye` (a torchrun worker left).
+:class:`GrammarReady` (a grammar compiled, or why it could not be), :class:`WorkerError` (a traceback; the
+worker then exits) and :class:`Bye` (a torchrun worker left).
 :class:`Wake` is the controller's own nudge to its result queue (a new request arrived).
 
 Every message is a frozen dataclass of plain values, cheap to pickle; readers dispatch with
@@ -28,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from energon_infer.sampling import SamplingParams
+from energon_infer.structured import StructuredOutput
 
-__all__ = ["Step", "Free", "Stats", "Ping", "Stop", "Command", "Ready", "Tokens", "StatsReport", "Pong", "WorkerError",
-           "Bye", "Wake", "Reply", "WorkerInfo", "PoolInfo", "WorkerGroup"]
+__all__ = ["Step", "Free", "Stats", "Ping", "CompileGrammars", "Stop", "Command", "Ready", "Tokens", "StatsReport", "Pong",
+           "GrammarReady", "WorkerError", "Bye", "Wake", "Reply", "WorkerInfo", "PoolInfo", "WorkerGroup"]
 
 
 # ---------------------------------------------------------------------- commands (controller -> workers)
@@ -100,11 +103,20 @@ class Ping:
 
 
 @dataclass(frozen=True, slots=True)
+class CompileGrammars:
+    """The rank that samples compiles these constraints' grammars on its grammar thread (the step path never waits
+    for them) and answers :class:`GrammarReady` for each; the other ranks ignore it. The scheduler holds the
+    requests that need them until then (:mod:`energon_infer.scheduling.grammar_wait`)."""
+
+    structured: tuple[StructuredOutput, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Leave the command loop."""
 
 
-Command = Step | Free | Stats | Ping | Stop
+Command = Step | Free | Stats | Ping | CompileGrammars | Stop
 
 
 # ---------------------------------------------------------------------- replies (workers -> controller)
@@ -202,6 +214,16 @@ class Pong:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarReady:
+    """The rank that samples holds the grammar of the constraint whose ``key`` this is
+    (:attr:`~energon_infer.structured.StructuredOutput.key`), or could not compile it: ``error`` (beginning with
+    :data:`~energon_infer.structured.REFUSED` where the constraint cannot compile: a 400)."""
+
+    key: tuple[str, str]
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerError:
     """A worker failed (``rank`` -1: the result channel itself failed); ``traceback`` says where. ``fatal``: a
     restart would not help or must not happen (the checkpoint changed under the server): the engine stops."""
@@ -221,7 +243,7 @@ class Wake:
     """Wake the controller loop (it waits on the result queue)."""
 
 
-Reply = Ready | Tokens | StatsReport | Pong | WorkerError | Bye | Wake
+Reply = Ready | Tokens | StatsReport | Pong | GrammarReady | WorkerError | Bye | Wake
 
 
 # ---------------------------------------------------------------------- the group the controller drives

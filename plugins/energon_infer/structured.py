@@ -4,8 +4,9 @@ A :class:`StructuredOutput` on :class:`~energon_infer.sampling.SamplingParams` (
 constraint: a JSON schema, any JSON object, a regular expression, a choice among strings, or an EBNF grammar (as
 xgrammar takes it). The engine checks it before admitting the request (:func:`prepare`: its grammar built without
 the vocabulary, once per ``(kind, canonical text)``: :class:`CheckCache`), so a constraint that cannot be built is a
-400 naming its schema path; the rank that samples compiles it for the model's vocabulary, on its mask thread beside
-the step's forward (:data:`ON_RANK`: the only compile), and keeps one
+400 naming its schema path; the rank that samples compiles it for the model's vocabulary (:data:`ON_RANK`: the only
+compile), on its grammar thread while the engine holds the request out of the batch
+(:mod:`energon_infer.scheduling.grammar_wait`), and keeps one
 matcher per request (:class:`energon_infer.worker.grammar.GrammarMasks`): before each draw the tokens the grammar cannot take next are set to
 ``-inf``, each sampled token advances the matcher, the EOS is allowed only where the grammar may end, and a
 grammar that has ended ends the request (``finish_reason="stop"``).

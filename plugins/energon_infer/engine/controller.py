@@ -9,7 +9,10 @@ rank answers within it), fails the running requests with
 ``restart_window_s``, a :class:`~energon_infer.engine.restart_budget.RestartBudget`); waiting requests
 are kept. A request that fails alone in a worker (its row could not be sampled) fails with
 :class:`~energon_infer.engine.delivery.RequestFailedError` and nothing else is touched. Results go out
-through :mod:`energon_infer.engine.delivery`.
+through :mod:`energon_infer.engine.delivery`. The grammars the scheduler holds requests for
+(:mod:`energon_infer.scheduling.grammar_wait`) go to the workers as :class:`CompileGrammars` before the turn's steps;
+each :class:`GrammarReady` answer releases its requests into the queue (or fails them, a 400), and a restarted
+group is asked again for every grammar still awaited.
 
 Data moves one way: the controller calls the scheduler, the worker group and delivery, and none of
 them calls it back. A restart is the controller's own job: it is given the factory that starts a
@@ -35,7 +38,9 @@ from energon_infer.engine.metrics import EngineMetrics
 from energon_infer.engine.restart_budget import RestartBudget
 from energon_infer.errors import UnavailableError
 from energon_infer.protocol import (
+    CompileGrammars,
     Free,
+    GrammarReady,
     Ping,
     Pong,
     Stats,
@@ -152,7 +157,8 @@ class Controller:
                     self._wait_for_room(block, deadline)
             self.live[req.request_id] = req
             self.delivery.queued([req])
-            wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
+            wake = (self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
+                    or self.scheduler.grammars.asking)  # a grammar to ask for: now, not after the steps in flight
         if wake:
             self.wake()
 
@@ -184,7 +190,8 @@ class Controller:
                 self.scheduler.add(req)
                 self.live[req.request_id] = req
             self.delivery.queued(reqs)
-            wake = self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
+            wake = (self.scheduler.in_flight < self.scheduler.capacity or self.scheduler.config.late_admission
+                    or self.scheduler.grammars.asking)
         if wake:
             self.wake()
 
@@ -220,6 +227,7 @@ class Controller:
                     plans: list[StepPlan] = []
                     stamps: list[StepStamps] = []
                     more = self.status == "ready"
+                    asks = self.scheduler.grammars.take_asks() if more else []
                     while more:  # with depth > 1 a group can take several steps ahead
                         more = False
                         for g in self.scheduler.idle_groups():
@@ -241,6 +249,8 @@ class Controller:
                             self.inflight[late.step_id] = late
                     if plans:
                         self.space.notify_all()  # admissions made room in the queue
+                if asks:  # compiled on the rank's grammar thread: no step waits for them
+                    self.group.send(CompileGrammars(tuple(asks)))
                 for plan, st in zip(plans, stamps):
                     self.group.send(plan.step)
                     st.sent = now_ns()
@@ -299,6 +309,8 @@ class Controller:
                       else f"worker {msg.rank} failed: {last}")
             log.error("energon: worker %d traceback:\n%s", msg.rank, msg.traceback)
             self.group_failed(last if msg.fatal else reason, restart=not msg.fatal)
+        elif isinstance(msg, GrammarReady):
+            self.grammar_ready(msg)
         elif isinstance(msg, Pong):
             if msg.seq == self.ping_seq:
                 self.pongs.add(msg.rank)
@@ -306,6 +318,19 @@ class Controller:
             with self.lock:
                 self.stats[msg.rank] = msg.stats
                 self.stats_ready.notify_all()
+
+    def grammar_ready(self, msg: GrammarReady) -> None:
+        """The rank holds a grammar (its requests join the queue) or could not compile it (they fail alone)."""
+        with self.lock:
+            released = self.scheduler.grammar_ready(msg.key, msg.error)
+            if msg.error is not None:
+                for req, _ in released:
+                    self.live.pop(req.request_id, None)
+                self.space.notify_all()
+        for _, waited in released:
+            self.metrics.record_grammar_wait(waited)
+        if msg.error is not None:
+            self.delivery.notify([(req, None, True) for req, _ in released])
 
     def watch(self) -> None:
         if self.status != "ready":
@@ -344,6 +369,7 @@ class Controller:
             reason = f"{reason}; no restart left ({self.budget.describe()})"
         with self.lock:
             lost = self.scheduler.fail_running()
+            self.scheduler.grammars.restart()  # the next group holds no grammar: asked again
             self.inflight.clear()
             self.step_stamps.clear()
             self.status = "restarting" if can_restart else "failed"

@@ -156,8 +156,8 @@ class Engine:
                 self.config = dataclasses.replace(
                     self.config, scheduler=dataclasses.replace(self.config.scheduler, groups=self.groups))
         decode = self.decode if self.tokenizer is not None else None  # the scheduler's for stop strings, else delivery's
-        scheduler = Scheduler(self.config.scheduler_from(info, max_context=self.max_context),
-                              eos_token_ids=self.eos_token_ids, decode=decode, stop_text_only=True, speculator=speculator)
+        scheduler = Scheduler(self.config.scheduler_from(info, max_context=self.max_context), eos_token_ids=self.eos_token_ids,
+                              decode=decode, stop_text_only=True, speculator=speculator, hold_grammars=True)
         self._delivery = Delivery(self.metrics, has_text=self.tokenizer is not None, decode=decode,
                                   account=self.time_account)  # the frontend: outputs
         self._ctl = Controller(group, scheduler, start, self.config, self.metrics, self._delivery, groups=self.groups,

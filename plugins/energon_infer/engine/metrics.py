@@ -1,11 +1,13 @@
 """The engine's metrics, kept and rendered by ``prometheus_client`` (``/metrics``), every series labelled by model.
 
 Histograms (so Prometheus computes any quantile over any window, and ``_sum`` / ``_count`` give means):
-time to first token, inter-token latency (one observation per generated token after the first) and
-end-to-end latency of requests that finished. Counters: prompt and generation tokens, finished
+time to first token, inter-token latency (one observation per generated token after the first),
+end-to-end latency of requests that finished, and how long a structured-output request waited for its grammar
+(``energon_grammar_wait_seconds``: held out of the batch while the rank that samples compiles it). Counters: prompt and generation tokens, finished
 requests by status (``ok``, ``error``, ``aborted``, ``rejected``), steps, worker failures and restarts, and with
 speculative decoding the tokens proposed and accepted (and their ratio).
-Gauges, read from the engine when scraped: waiting and running requests, KV-cache blocks in use and
+Gauges, read from the engine when scraped: waiting and running requests (and of the waiting, those waiting for
+their grammar), KV-cache blocks in use and
 their share, whether the worker group serves. Process metrics (CPU seconds, resident memory, open
 files) come from ``prometheus_client``'s process collector. Rates (tokens per second) are
 Prometheus's job: ``rate(energon_generation_tokens_total[1m])``.
@@ -84,6 +86,9 @@ class EngineMetrics:
                               "token.", labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("energon_inter_token_latency_seconds", "Time between two consecutive generated tokens "
                              "of a request.", labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.grammar_wait = Histogram("energon_grammar_wait_seconds", "Time a structured-output request was held "
+                                      "while its grammar compiled (one whose grammar was ready is not counted).", labels,
+                                      buckets=PART_BUCKETS, registry=self.registry)
         self.e2e = Histogram("energon_e2e_request_latency_seconds", "Time from arrival to the last token, requests "
                              "that finished (ok).", labels, buckets=E2E_BUCKETS, registry=self.registry)
         self.prompt_counter = PromCounter("energon_prompt_tokens", "Prompt tokens of accepted requests.", labels,
@@ -105,7 +110,8 @@ class EngineMetrics:
     def bind(self, *, model_name: str | None = None, state: Callable[[], dict[str, float]] | None = None) -> None:
         """Set the model label and the gauges' source (the engine does, once it knows them)."""
         if model_name is not None and model_name != self.model_name:
-            for metric in (self.ttft, self.itl, self.e2e, self.prompt_counter, self.generation_counter):
+            for metric in (self.ttft, self.itl, self.e2e, self.grammar_wait, self.prompt_counter,
+                           self.generation_counter):
                 metric.clear()
             self.request_counter.clear()
             for hist in self.parts.values():
@@ -118,7 +124,7 @@ class EngineMetrics:
 
     def _touch(self) -> None:
         # Every series exists from the start (at 0), so rate() and absent() work before the first request.
-        for metric in (self.ttft, self.itl, self.e2e, self.prompt_counter, self.generation_counter):
+        for metric in (self.ttft, self.itl, self.e2e, self.grammar_wait, self.prompt_counter, self.generation_counter):
             metric.labels(self.model_name)
         for status in STATUSES:
             self.request_counter.labels(self.model_name, status)
@@ -141,6 +147,10 @@ class EngineMetrics:
         with self._lock:
             self.prompt_tokens += prompt_tokens
         self.prompt_counter.labels(self.model_name).inc(prompt_tokens)
+
+    def record_grammar_wait(self, seconds: float) -> None:
+        """A request held for its grammar was released (or failed with it) after ``seconds``."""
+        self.grammar_wait.labels(self.model_name).observe(seconds)
 
     def record_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model_name).observe(ttft_s)
@@ -195,6 +205,8 @@ class _EngineCollector(Collector):
     """Series read at scrape time: gauges from the engine's state, counters the controller increments."""
 
     GAUGES = (("waiting", "energon_num_requests_waiting", "Requests waiting to be admitted."),
+              ("grammar_waiting", "energon_num_requests_waiting_for_grammar", "Waiting requests held until the rank "
+               "that samples has compiled their grammar."),
               ("running", "energon_num_requests_running", "Requests in the running batch."),
               ("kv_blocks_used", "energon_kv_cache_blocks_used", "KV-cache blocks reserved by running requests."),
               ("kv_blocks_total", "energon_kv_cache_blocks_total", "KV-cache blocks of each worker."),

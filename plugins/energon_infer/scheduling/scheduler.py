@@ -45,6 +45,7 @@ from energon_infer.protocol import Step
 from energon_infer.sampling import SamplingParams, stop_reason
 from energon_infer.scheduling.budget import TokenBudget
 from energon_infer.scheduling.detokenizer import IncrementalDetokenizer
+from energon_infer.scheduling.grammar_wait import GrammarWait
 from energon_infer.scheduling.kv_groups import KVGroups
 from energon_infer.scheduling.requests import Request, StepPlan
 from energon_infer.scheduling.rope_switch import chain_root, is_long
@@ -56,6 +57,7 @@ from energon_infer.scheduling.scheduler_config import (
     QueueFullError,
     SchedulerConfig,
     check_request,
+    most_tokens,
     request_blocks,
 )
 from energon_infer.scheduling.speculation import NoSpeculation, Speculator
@@ -77,13 +79,16 @@ class Scheduler:
         seq_ids: the sequence ids to give requests (default 1, 2, ...; ``ModelRunner.generate`` gives its own
             negative ones, which never collide with a caller's).
         speculator: proposes tokens for decodes (:mod:`energon_infer.scheduling.speculation`; ``None``: off).
+        hold_grammars: a structured-output request waits for its grammar (the engine's: :mod:`.grammar_wait`).
     """
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[Sequence[int]], str] | None = None, clock: Callable[[], float] = time.monotonic,
                  seq_ids: Iterator[int] | None = None, block_ids: Iterable[int] | None = None,
-                 stop_text_only: bool = False, speculator: Speculator | NoSpeculation | None = None):
+                 stop_text_only: bool = False, speculator: Speculator | NoSpeculation | None = None,
+                 hold_grammars: bool = False):
         self.config, self.speculator, self.clock = config, speculator or NoSpeculation(), clock
+        self.grammars = GrammarWait(hold=hold_grammars)
         self.eos_token_ids, self.decode, self.stop_text_only = tuple(eos_token_ids), decode, stop_text_only
         self.budget = TokenBudget(config.token_budget, config.max_batch_tokens, tpot_target_s=config.tpot_target_s)
         self.waiting: deque[Request] = deque()
@@ -111,15 +116,6 @@ class Scheduler:
         """KV blocks a request needs at most (:func:`~energon_infer.scheduling.scheduler_config.request_blocks`)."""
         return request_blocks(self.config, self.blocks.peak, prompt_len, params.max_tokens)
 
-    def _most(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` one step may run: ``budget`` with chunked prefill or in a recompute (prompt + output); with
-        a window never more than its prompt (or a chunk of it) either, so a recompute after a preemption runs in steps
-        that hold no more blocks than :meth:`blocks_for` promised, however long its context has grown."""
-        if not self.blocks.window:
-            return budget
-        most = min(len(req.prompt), self.config.max_batch_tokens) if self.config.chunked_prefill else len(req.prompt)
-        return min(most, budget) if self.config.chunked_prefill else most
-
     def check(self, prompt: Sequence[int], params: SamplingParams) -> int:
         """Raise :class:`InvalidRequestError` if the request can never run here; return the blocks it needs at most
         (:func:`~energon_infer.scheduling.scheduler_config.check_request`)."""
@@ -128,17 +124,20 @@ class Scheduler:
     def add(self, request: Request) -> Request:
         """Queue ``request`` (validated); raises :class:`QueueFullError` when ``max_queue`` are waiting."""
         reserve = self.check(request.prompt, request.params)
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFullError(len(self.waiting), self.config.max_queue)
+        if self.num_waiting >= self.config.max_queue:
+            raise QueueFullError(self.num_waiting, self.config.max_queue)
         request.reserve, request.seq_id, request.state = reserve, next(self._seq_ids), "waiting"
         if self.decode is not None and request.detok is None and (request.params.stop or not self.stop_text_only):
             request.detok = IncrementalDetokenizer(self.decode)
-        self.waiting.append(request)
+        self.grammars.queue(request, self.waiting)  # or held until its grammar is ready (scheduling.grammar_wait)
         return request
 
+    def grammar_ready(self, key: tuple[str, str], error: str | None) -> list[tuple[Request, float]]:  # into the queue
+        return self.grammars.release(key, error, self.waiting)  # the rank answered (GrammarWait.release)
+
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    def num_waiting(self) -> int:  # queued, or held for a grammar (both count against max_queue)
+        return len(self.waiting) + self.grammars.num_held
 
     @property
     def num_running(self) -> int:
@@ -149,7 +148,7 @@ class Scheduler:
         return sum(self._busy)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._frees)
+        return bool(self.waiting or self.running or self._frees or self.grammars.num_held)
 
     @property
     def capacity(self) -> int:  # steps in flight at most
@@ -244,7 +243,7 @@ class Scheduler:
         cached = req.computed if req.swapped else len(shared) * cfg.block_size + (cow[1] if cow else 0)
         n = len(tokens) - cached
         if cfg.chunked_prefill or mgr.window or req.generated:  # a recompute in chunks: it may pass the budget
-            n = min(n, self._most(req, budget))
+            n = min(n, most_tokens(cfg, mgr.window, len(req.prompt), budget))
         if n < 1 or n > budget:
             return 0
         cost = (mgr.resume_cost(cached, cached + n, req.swap_counts) if req.swapped
@@ -305,7 +304,7 @@ class Scheduler:
                     continue
                 n = 1
             if cfg.chunked_prefill or self.blocks.window or r.generated:
-                n = min(n, self._most(r, budget))
+                n = min(n, most_tokens(cfg, self.blocks.window, len(r.prompt), budget))
             if n < 1 or n > budget:
                 continue
             if cfg.rope_switch and not r.rope_long and r.computed + n > cfg.rope_switch:
@@ -460,6 +459,8 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request: a waiting one leaves the queue; a running one leaves now or after its step in flight."""
+        if (held := self.grammars.remove(request_id)) is not None:  # finished there
+            return held
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
@@ -492,7 +493,7 @@ class Scheduler:
 
     def drain_waiting(self) -> list[Request]:
         """Remove and return every waiting request (shutdown, or no workers left)."""
-        out = list(self.waiting)
+        out = list(self.waiting) + self.grammars.drain()
         self.waiting.clear()
         for req in out:
             req.state = "finished"

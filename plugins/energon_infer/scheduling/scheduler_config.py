@@ -174,6 +174,17 @@ def request_blocks(cfg: SchedulerConfig, peak: Callable[[int, int], int], prompt
     return peak(min(prompt_len + max_tokens, cfg.max_context), step)
 
 
+def most_tokens(cfg: SchedulerConfig, window: int, prompt_len: int, budget: int) -> int:
+    """Tokens one step may run of a request whose prompt has ``prompt_len``: ``budget`` with chunked prefill or in a
+    recompute (prompt + output); with a ``window`` never more than its prompt (or a chunk of it) either, so a recompute
+    after a preemption runs in steps that hold no more blocks than :func:`request_blocks` promised, however long its
+    context has grown."""
+    if not window:
+        return budget
+    most = min(prompt_len, cfg.max_batch_tokens) if cfg.chunked_prefill else prompt_len
+    return min(most, budget) if cfg.chunked_prefill else most
+
+
 def check_request(cfg: SchedulerConfig, peak: Callable[[int, int], int], n: int, max_tokens: int) -> int:
     """Raise :class:`InvalidRequestError` if a request of an ``n``-token prompt can never run under ``cfg``; return
     the blocks it needs at most (:func:`request_blocks`)."""

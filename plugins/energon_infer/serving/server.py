@@ -395,8 +395,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None, *, owns_engine
 
 def _engine_state(engine: Engine) -> dict[str, float]:
     s = engine.scheduler
-    return {"waiting": s.num_waiting, "running": s.num_running, "kv_blocks_used": s.reserved,
-            "kv_blocks_total": s.config.kv_blocks, "up": float(engine.status == "ready"),
+    return {"waiting": s.num_waiting, "grammar_waiting": s.grammars.num_held, "running": s.num_running,
+            "kv_blocks_used": s.reserved, "kv_blocks_total": s.config.kv_blocks, "up": float(engine.status == "ready"),
             "step_token_budget": s.budget.last.tokens, "step_prefill_budget": s.budget.last.prefill_tokens}
 
 

@@ -1,11 +1,15 @@
 """Structured outputs on the rank that samples: each constrained sequence's grammar matcher and a step's bitmask.
 
-The rank compiles a request's grammar (once per constraint: the last :data:`GRAMMARS` kept by key), on the mask
-thread while the step's forward runs: the engine only checked that its grammar builds
+The rank compiles a request's grammar (once per constraint: the last :data:`GRAMMARS` kept by key) on its grammar
+thread, when the engine asks (:class:`~energon_infer.protocol.CompileGrammars`, :meth:`GrammarMasks.compile_async`)
+before the request may run: the step path never waits for a compile, and the engine holds the request until the
+rank answers :class:`~energon_infer.protocol.GrammarReady`. The engine only checked that its grammar builds
 (:data:`~energon_infer.structured.ON_RANK`; compiling here costs less than carrying a compiled grammar here would:
-xgrammar's JSON of one serialises and deserialises several times slower than the grammar compiles). One that
-still cannot compile fails its request alone with a :data:`~energon_infer.structured.REFUSED` error (a 400). A
-grammar the request carries compiled (xgrammar's JSON) is read back instead.
+xgrammar's JSON of one serialises and deserialises several times slower than the grammar compiles). A sequence
+whose grammar the rank does not hold when the step admits it (a runner driven in-process, or a grammar dropped
+from the cache since) has it compiled on the mask thread, beside that step's forward. One that cannot compile
+fails its request alone with a :data:`~energon_infer.structured.REFUSED` error (a 400). A grammar the request
+carries compiled (xgrammar's JSON) is read back instead.
 :class:`GrammarSampler` is the runner's sampler with them: :meth:`GrammarSampler.start_masks` (before the
 forward) hands new constrained sequences' admission (grammar and matcher) and the step's bitmask to the mask
 thread; the draw applies it and advances each matcher with its sampled token; forgetting a sequence frees its
@@ -14,6 +18,7 @@ matcher.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,9 +37,18 @@ from energon_infer.structured import (
     tokenizer_info,
 )
 
-__all__ = ["GRAMMARS", "GrammarMasks", "SequenceGrammars", "GrammarSampler"]
+__all__ = ["GRAMMARS", "GrammarMasks", "SequenceGrammars", "GrammarSampler", "failure"]
 
 GRAMMARS = 64  #: compiled grammars a rank keeps, by constraint (the least recently used dropped)
+#: Called with a constraint's key and ``None`` once its grammar is compiled, or the error text of its failure.
+Done = Callable[[tuple[str, str], "str | None"], None]
+
+
+def failure(exc: BaseException) -> str:
+    """A request's error text for a grammar that could not be set up (:data:`REFUSED` first where it cannot compile:
+    the server's 400)."""
+    text = " ".join(str(exc).split())
+    return REFUSED + text if isinstance(exc, StructuredOutputError) else f"structured output: {text}"
 
 
 class GrammarMasks:
@@ -44,7 +58,8 @@ class GrammarMasks:
     a step's sampled token for a request is accepted when it is the next output (a non-final chunk of a prefill
     samples a token nobody keeps). The bitmask of a step depends only on accepted tokens, so :meth:`fill_async`
     computes it on a thread while the step's forward runs, after admitting the step's new sequences there
-    (:meth:`admit`: compiling a grammar the rank has not seen). The caller marks a sequence admitted
+    (:meth:`admit`: the grammar :meth:`compile_async` compiled on the grammar thread, waited for if that compile is
+    still running, or compiled there if the rank was never asked). The caller marks a sequence admitted
     (:attr:`next_pos`) before handing its admission over; :meth:`settle` waits for the thread's work, and
     :attr:`failed` has the sequences whose admission failed.
 
@@ -55,8 +70,11 @@ class GrammarMasks:
 
     def __init__(self, info: Any, width: int):
         self.info, self.width = info, width
-        self._compiler: Any = None
+        self._compilers: dict[str, Any] = {}  # one per thread that compiles (the mask and the grammar thread)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # deserialised, by key
+        self._compiling: dict[tuple[str, str], Future[Any]] = {}  # on the grammar thread, by key
+        self._lock = threading.Lock()  # _compiled, _compiling and compiles: both threads use them
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="energon-grammar")
         self.matchers: dict[int, Any] = {}
         self.next_pos: dict[int, int] = {}
         self.failed: dict[int, str] = {}  # admissions that failed on the mask thread, by seq_id
@@ -66,22 +84,62 @@ class GrammarMasks:
         self.compiles = 0  # grammars this rank compiled (a constraint kept by key compiles once)
 
     def _grammar(self, structured: StructuredOutput) -> Any:
+        """The compiled grammar of ``structured``: kept, being compiled on the grammar thread (waited for), or
+        compiled here (raises StructuredOutputError)."""
+        key = structured.key
+        with self._lock:
+            got, running = self._compiled.get(key), self._compiling.get(key)
+            if got is not None:
+                self._compiled.move_to_end(key)
+        if got is None:
+            got = running.result() if running is not None else self._compile(structured, "mask")
+        return got
+
+    def _compile(self, structured: StructuredOutput, thread: str) -> Any:
+        """Compile (or read back) ``structured``'s grammar with ``thread``'s compiler and keep it by key."""
         xgr = import_xgrammar()
         key = structured.key
-        got = self._compiled.get(key)
-        if got is None:
+        try:
             if structured.compiled not in (None, ON_RANK):
                 got = xgr.CompiledGrammar.deserialize_json(structured.compiled, self.info)
             else:
-                if self._compiler is None:
-                    self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-                self.compiles += 1
-                got = compile_grammar(self._compiler, structured)
-            self._compiled[key] = got
-            while len(self._compiled) > GRAMMARS:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return got
+                compiler = self._compilers.get(thread)
+                if compiler is None:
+                    compiler = self._compilers[thread] = xgr.GrammarCompiler(self.info, max_threads=1,
+                                                                             cache_enabled=False)
+                with self._lock:
+                    self.compiles += 1
+                got = compile_grammar(compiler, structured)
+            with self._lock:
+                self._compiled[key] = got
+                while len(self._compiled) > GRAMMARS:
+                    self._compiled.popitem(last=False)
+            return got
+        finally:
+            if thread == "grammar":  # its future leaves once the grammar is kept (or failed)
+                with self._lock:
+                    self._compiling.pop(key, None)
+
+    def compile_async(self, structured: StructuredOutput, done: Done) -> None:
+        """Compile ``structured``'s grammar on the grammar thread (at once if kept or already compiling), then call
+        ``done(key, None)``, or ``done(key, error text)`` if it cannot compile (:func:`failure`)."""
+        key = structured.key
+        with self._lock:
+            kept = key in self._compiled
+            if kept:
+                self._compiled.move_to_end(key)
+                running = None
+            elif (running := self._compiling.get(key)) is None:
+                running = self._compiling[key] = self._grammar_pool.submit(self._compile, structured, "grammar")
+        if running is None:
+            done(key, None)
+            return
+
+        def report(fut: Future[Any]) -> None:
+            exc = fut.exception()
+            done(key, None if exc is None else failure(exc))
+
+        running.add_done_callback(report)
 
     def admit(self, seq_id: int, structured: StructuredOutput, output_start: int, generated: Sequence[int]) -> None:
         """A new sequence whose outputs start at position ``output_start``, with ``generated`` already sampled."""
@@ -121,10 +179,8 @@ class GrammarMasks:
         for seq_id, structured, output_start, generated in admits:
             try:
                 self.admit(seq_id, structured, output_start, generated)
-            except StructuredOutputError as exc:  # its grammar cannot compile: this request fails alone (a 400)
-                self.failed[seq_id] = REFUSED + " ".join(str(exc).split())
-            except Exception as exc:  # this request fails alone; the others go on
-                self.failed[seq_id] = f"structured output: {' '.join(str(exc).split())}"
+            except Exception as exc:  # this request fails alone (a 400 where its grammar cannot compile)
+                self.failed[seq_id] = failure(exc)
 
     def _admit_and_fill(self, admits: Sequence[tuple[int, StructuredOutput, int, Sequence[int]]],
                         seq_ids: Sequence[int]) -> torch.Tensor:
@@ -166,6 +222,7 @@ class GrammarMasks:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _bit(i: int) -> int:
@@ -203,7 +260,7 @@ class SequenceGrammars:
                 try:
                     self.masks = GrammarMasks(self._make_info(), self.width)
                 except Exception as exc:  # no tokenizer: this request fails alone
-                    self.errors[seq_id] = f"structured output: {' '.join(str(exc).split())}"
+                    self.errors[seq_id] = failure(exc)
                     continue
             if seq_id not in self.masks.next_pos:
                 # A sequence admitted with a history (a preempted one) has outputs its grammar took already; one
@@ -220,6 +277,19 @@ class SequenceGrammars:
             self.masks.admit_async(admits)
             return None
         return [r for r, _ in rows], self.masks.fill_async(rows, admits)
+
+    def compile(self, constraints: Sequence[StructuredOutput], done: Done) -> None:
+        """Compile each constraint's grammar on the grammar thread (:meth:`GrammarMasks.compile_async`, ``done``
+        called as each is ready); without a tokenizer each is answered at once with the error."""
+        if self.masks is None:
+            try:
+                self.masks = GrammarMasks(self._make_info(), self.width)
+            except Exception as exc:
+                for so in constraints:
+                    done(so.key, failure(exc))
+                return
+        for so in constraints:
+            self.masks.compile_async(so, done)
 
     def _collect(self) -> None:
         """The mask thread's work done; the admissions that failed there become errors (their sequences fail)."""

@@ -23,6 +23,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections import deque
@@ -36,7 +37,9 @@ import torch
 from energon_infer.errors import UnavailableError
 from energon_infer.protocol import (
     Command,
+    CompileGrammars,
     Free,
+    GrammarReady,
     Ping,
     Pong,
     PoolInfo,
@@ -213,8 +216,12 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
     """The worker loop (SPMD): obey commands in order until :class:`Stop` or ``next_command()`` gives ``None``.
 
     ``poll`` (a single worker only): the next command if one is queued, else ``None`` without waiting; with it,
-    late steps queued behind a step run together with it (:mod:`energon_infer.worker.late_steps`)."""
+    late steps queued behind a step run together with it (:mod:`energon_infer.worker.late_steps`).
+    :class:`~energon_infer.protocol.CompileGrammars`: the result rank's grammar thread compiles and answers
+    :class:`~energon_infer.protocol.GrammarReady` itself, so every reply goes out under one lock (a torchrun reply
+    is two sends)."""
     result_rank = runner.grid.result_rank
+    reply = _one_at_a_time(reply)
     feedback = TokenFeedback(runner.grid, runner.device)
     held: deque[Command] = deque()
     while True:
@@ -242,8 +249,22 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
             reply(StatsReport(rank, timer.snapshot(reset=cmd.reset)))
         elif isinstance(cmd, Ping):
             reply(Pong(rank, cmd.seq))
+        elif isinstance(cmd, CompileGrammars):
+            if rank == result_rank:
+                runner.sampler.grammars.compile(cmd.structured, lambda key, why: reply(GrammarReady(key, why)))
         else:
-            raise TypeError(f"unknown command {cmd!r}; the protocol's commands are Step, Free, Stats, Ping and Stop")
+            raise TypeError(f"unknown command {cmd!r}; the protocol's commands are Step, Free, Stats, Ping, "
+                            "CompileGrammars and Stop")
+
+
+def _one_at_a_time(reply: Callable[[Reply], None]) -> Callable[[Reply], None]:
+    lock = threading.Lock()
+
+    def locked(msg: Reply) -> None:
+        with lock:
+            reply(msg)
+
+    return locked
 
 
 #: OpenMP's spin before a waiting worker thread sleeps (libgomp's ``GOMP_SPINCOUNT``; see :func:`_worker_environment`).
