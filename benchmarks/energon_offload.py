@@ -134,7 +134,9 @@ def llama_cmake_args(cpuinfo: str | None = None) -> str:
     (``ggml_backend_amx_mul_mat``) and dies with SIGSEGV on the first ``llama_decode`` of a Q8_0 or Q4_0 model,
     every run; without AMX it keeps AVX-512 VNNI, its fastest kernels that run here."""
     if cpuinfo is None:
-        from tightfit.cuda.native import _cpu_flags  # the flags line the native kernels' cache key is made of
+        from tightfit.kernels.native import (
+            _cpu_flags,  # the flags line the native kernels' cache key is made of
+        )
 
         cpuinfo = _cpu_flags()
     args = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"

@@ -30,7 +30,7 @@ MUTMUT="$(dirname "$PY")/mutmut"
 # is left out). "full" adds core/planner/ (Elixir) and core/profiler/memory.py with the profiler tests,
 # whose clean run alone takes ~5 minutes here: give it MUTATE_MINUTES=60 or more. "disk" is the storage,
 # quantization and disk-runtime code: core/storage/ (the store, staging, external reads), the quantizers
-# (core/cuda/quant_linear*.py, energon_infer/loading/quantization.py) and the embedding cache's disk tier
+# (core/kernels/quant_linear*.py, energon_infer/loading/quantization.py) and the embedding cache's disk tier
 # (torchrec_cache/disk.py, hostlevel.py), against the storage tests, the quantization tests checked against
 # torchao, and the in-process disk-tier tests (one optimizer of the four, no multi-process engine test). mutmut
 # maps a function to the tests that call it in the test process: code that runs only in a worker process is

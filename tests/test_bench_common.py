@@ -100,7 +100,7 @@ def test_a_child_reports_the_files_it_imported_and_the_parent_measures_those():
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"core/units.py", "benchmarks/_child_sources.py", "benchmarks/common.py"} <= set(out[SOURCES_KEY])
-    assert "core/cuda/quant_linear.py" not in out[SOURCES_KEY]
+    assert "core/kernels/quant_linear.py" not in out[SOURCES_KEY]
     measures = collect([[out]], fallback=("core",))
     assert "core/units.py" in measures and "core" not in measures and SOURCES_KEY not in out
 

@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         return skip(NAME, TITLE, "transformers is not installed (the peer)")
     ensure_energon()
-    from tightfit.cuda.dispatch import triton_available, triton_import_error
+    from tightfit.kernels.dispatch import triton_available, triton_import_error
 
     if not triton_available():
         return skip(NAME, TITLE, f"Triton does not import ({triton_import_error()})")
     from energon_infer.loading.config import config_from_hf
     from energon_infer.sampling import SamplingParams
     from energon_infer.worker.runtime import ModelRunner, RuntimeConfig
-    from tightfit.cuda.varlen_attention import paged_attention
+    from tightfit.kernels.varlen_attention import paged_attention
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

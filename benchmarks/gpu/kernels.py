@@ -1,4 +1,4 @@
-"""tightfit.cuda kernels vs their PyTorch references on one GPU (CUDA-event timing, interleaved).
+"""tightfit.kernels kernels vs their PyTorch references on one GPU (CUDA-event timing, interleaved).
 
     python -m benchmarks.gpu.kernels [--quick | --smoke]
 
@@ -25,7 +25,7 @@ import sys
 
 from benchmarks.gpu.common import ensure_tightfit, interleave_cuda, parser, skip, summarize, write_result
 
-NAME, TITLE = "kernels", "tightfit.cuda row gather / scatter / scatter-add vs PyTorch"
+NAME, TITLE = "kernels", "tightfit.kernels row gather / scatter / scatter-add vs PyTorch"
 
 
 def _cases(quick: bool, smoke: bool):
@@ -82,7 +82,7 @@ def _attention_case(dev, dtype, case, repeats: int, smoke: bool, ceiling: float)
     import torch
     import torch.nn.functional as F
 
-    from tightfit.cuda.varlen_attention import paged_attention, store_kv
+    from tightfit.kernels.varlen_attention import paged_attention, store_kv
 
     label, q_lens, kv_lens, hq, hk, d, page = case
     g = torch.Generator(device=dev).manual_seed(0)
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         return skip(NAME, TITLE, "no CUDA device")
     ensure_tightfit()
-    from tightfit.cuda import get_kernel
-    from tightfit.cuda.dispatch import triton_available, triton_import_error
+    from tightfit.kernels import get_kernel
+    from tightfit.kernels.dispatch import triton_available, triton_import_error
 
     if not triton_available():
         return skip(NAME, TITLE, f"Triton does not import ({triton_import_error()})")

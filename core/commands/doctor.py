@@ -41,7 +41,7 @@ __all__ = ["CHECKS", "add_arguments", "run"]
 # (label, distribution, import name, what it enables)
 CHECKS = [
     ("torch", "torch", "torch", "everything"),
-    ("Triton", "triton", "triton", "tightfit.cuda kernels on CUDA; interpreter tests on CPU"),
+    ("Triton", "triton", "triton", "tightfit.kernels kernels on CUDA; interpreter tests on CPU"),
     ("Lightning", "lightning", "lightning", 'Trainer(strategy="elixir" | "sky")'),
     ("TorchRec", "torchrec", "torchrec", "torchrec_cache"),
     ("FBGEMM (CPU)", "fbgemm-gpu-cpu", "fbgemm_gpu", "TorchRec's kernels"),
@@ -249,9 +249,9 @@ def _gpus() -> list[str]:
 
 
 def _native(imports: bool) -> tuple[str, bool, str]:
-    """``(compiler version, usable, detail)`` for the native CPU kernels (:mod:`tightfit.cuda.native`).
+    """``(compiler version, usable, detail)`` for the native CPU kernels (:mod:`tightfit.kernels.native`).
 
-    Without ``--imports`` only the compiler is looked for (importing ``tightfit.cuda`` imports torch); with
+    Without ``--imports`` only the compiler is looked for (importing ``tightfit.kernels`` imports torch); with
     it the kernels are built (or found in the cache) as a first call would.
     """
     import os
@@ -270,7 +270,7 @@ def _native(imports: bool) -> tuple[str, bool, str]:
     found = re.search(r"\d+\.\d+(\.\d+)?", line)
     version = found.group(0) if found else "?"
     if imports:
-        from tightfit.cuda.varlen_attention_cpu import native_attention_error
+        from tightfit.kernels.varlen_attention_cpu import native_attention_error
 
         why = native_attention_error()
         if why:
@@ -281,7 +281,7 @@ def _native(imports: bool) -> tuple[str, bool, str]:
 def _torch_facts() -> dict[str, object]:
     import torch
 
-    from tightfit.cuda.packed_linear import packing_available
+    from tightfit.kernels.packed_linear import packing_available
 
     facts: dict[str, object] = {
         "torch": torch.__version__,

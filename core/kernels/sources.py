@@ -1,4 +1,4 @@
-"""The native kernels' C sources: ``cpu/`` holds the libraries that :mod:`tightfit.cuda.native` builds on first use
+"""The native kernels' C sources: ``cpu/`` holds the libraries that :mod:`tightfit.kernels.native` builds on first use
 and loads with ``ctypes``.
 
 Each library is one ``cpu/<name>.c`` (C99 on raw pointers, no PyTorch headers); code that two libraries share,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tightfit.cuda.packed_linear import (
+from tightfit.kernels.packed_linear import (
     MIN_ROWS,
     SMALL_MIN_ROWS,
     apply_activation,
@@ -33,9 +33,9 @@ from tightfit.cuda.packed_linear import (
     packed_linear,
     rows_worth_packing,
 )
-from tightfit.cuda.quant_linear import int4_linear, int8_linear
-from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
-from tightfit.cuda.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
+from tightfit.kernels.quant_linear import int4_linear, int8_linear
+from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR, a8_applies, a8_level, int4_linear_a8, int8_linear_a8
+from tightfit.kernels.weight_tiles import int4_tiles_apply, int8_tiles_apply, tile_int4, tile_int8
 
 __all__ = ["Grid", "ColumnLinear", "RowLinear", "VocabEmbedding", "VocabHead", "split_layers", "pack_weights", "move_unpacked",
            "microbatches"]
@@ -163,7 +163,7 @@ def linear_weight(out_features: int, in_features: int, dtype: torch.dtype, devic
 
 def quant_tiling(method: str | None, dtype: torch.dtype | None, device: torch.device | str) -> bool:
     """Whether ``method`` ("int8" / "int4") projections of a ``dtype`` model on ``device`` are held tiled
-    (:mod:`tightfit.cuda.weight_tiles`, where the shape takes it): fp32 on a CPU whose int8-activation kernel reads
+    (:mod:`tightfit.kernels.weight_tiles`, where the shape takes it): fp32 on a CPU whose int8-activation kernel reads
     that method's tiles (int4: AVX2 or AVX-512 VNNI; int8: AVX-512 VNNI) (``meta``: a layer streamed in later, on
     the CPU unless CUDA is here), unless ``TIGHTFIT_QUANT_ACTIVATIONS`` is ``fp32`` (the fp32-activation kernels
     read the row order)."""
@@ -175,7 +175,7 @@ def quant_tiling(method: str | None, dtype: torch.dtype | None, device: torch.de
 
 
 def tile_applies(method: str, n: int, k: int, group_size: int | None) -> bool:
-    """Whether an ``(n, k)`` ``method`` weight has a tiled layout (:mod:`tightfit.cuda.weight_tiles`)."""
+    """Whether an ``(n, k)`` ``method`` weight has a tiled layout (:mod:`tightfit.kernels.weight_tiles`)."""
     return int4_tiles_apply(n, k, group_size or 0) if method == "int4" else int8_tiles_apply(n, k)
 
 
@@ -228,7 +228,7 @@ class _Projection(nn.Module):
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def pack(self) -> int:
-        """Keep a packed copy of the weight (:mod:`tightfit.cuda.packed_linear`); its bytes, 0 where none."""
+        """Keep a packed copy of the weight (:mod:`tightfit.kernels.packed_linear`); its bytes, 0 where none."""
         if self.quant is not None:
             return 0
         w = self.weight
@@ -265,7 +265,7 @@ class _Projection(nn.Module):
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Decode-sized fp32 inputs on an AVX-512 VNNI CPU: activations quantised to int8 per block of 128 or 32
-        # (tightfit.cuda.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
+        # (tightfit.kernels.quant_linear_a8, its error bound there); elsewhere the fp32-activation kernels.
         # Else prefill (more rows than the kernel takes: dequantised from the tiles in C) or
         # TIGHTFIT_QUANT_ACTIVATIONS=fp32 set after loading.
         if self.quant == "int8":

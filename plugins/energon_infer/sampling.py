@@ -38,7 +38,7 @@ import torch
 
 from energon_infer.structured import StructuredOutput
 from tightfit.checks import check_number
-from tightfit.cuda.gumbel import counter_uniform, first_max, gumbel_argmax
+from tightfit.kernels.gumbel import counter_uniform, first_max, gumbel_argmax
 
 __all__ = ["SamplingParams", "Sampler", "SampleOutput", "filter_logits", "allowed_from_bitmask", "stop_reason", "uniform_noise", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
            "MAX_LOGPROBS", "SEED_MIN", "SEED_MAX"]
@@ -168,7 +168,7 @@ def _splitmix64(x: int) -> int:
 
 
 #: ``(B, vocab)`` uniforms, a pure function of each row's ``(seed, position)`` and the token index: the noise of
-#: every draw (:func:`tightfit.cuda.gumbel.counter_uniform`).
+#: every draw (:func:`tightfit.kernels.gumbel.counter_uniform`).
 uniform_noise = counter_uniform
 
 

@@ -48,7 +48,7 @@ def test_doctor_json_reports_versions():
     report = json.loads(out.stdout)
     assert report["torch"].startswith("2.")
     assert report["gloo"] is True
-    from tightfit.cuda.packed_linear import packing_available
+    from tightfit.kernels.packed_linear import packing_available
 
     assert report["onednn_packing"] is packing_available()
     assert report["torch"] and report["Lightning"]["usable"] in (True, False)
@@ -59,7 +59,7 @@ def test_doctor_json_reports_versions():
     assert quick["torch"] == report["torch"] and quick["imports_checked"] is False
     assert quick["tokenizers"]["version"] and quick["Jinja2"]["version"]
     # With --imports the native kernels are built, as a first call would; a C compiler is on these machines.
-    from tightfit.cuda.varlen_attention_cpu import native_attention_error
+    from tightfit.kernels.varlen_attention_cpu import native_attention_error
 
     assert report["C compiler"]["usable"] is (native_attention_error() == ""), report["C compiler"]
 

@@ -1,4 +1,4 @@
-"""tightfit.cuda.gelu_mul: GeGLU's gelu_tanh(gate) * up against PyTorch's own gelu(approximate="tanh") times up."""
+"""tightfit.kernels.gelu_mul: GeGLU's gelu_tanh(gate) * up against PyTorch's own gelu(approximate="tanh") times up."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tests.helpers.runif import RunIf
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.dispatch import get_kernel
-from tightfit.cuda.gelu_mul import gelu_tanh_mul
+from tightfit.kernels.dispatch import get_kernel
+from tightfit.kernels.gelu_mul import gelu_tanh_mul
 
 BACKENDS = ["reference", pytest.param("native", marks=RunIf(native=True))]
 

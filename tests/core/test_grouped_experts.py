@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tightfit.cuda.grouped_experts as grouped_experts_module
+import tightfit.kernels.grouped_experts as grouped_experts_module
 from tests.helpers.runif import RunIf
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.dispatch import get_kernel
-from tightfit.cuda.grouped_experts import grouped_experts
+from tightfit.kernels.dispatch import get_kernel
+from tightfit.kernels.grouped_experts import grouped_experts
 
 ALPHA = 1.702
 _native_error = get_kernel("grouped_experts").native_error

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tightfit.cuda.grouped_quant_experts as module
+import tightfit.kernels.grouped_quant_experts as module
 from tests.core.test_grouped_experts import _routing, per_token_loop
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.grouped_quant_experts import QuantWeight, grouped_quant_experts
-from tightfit.cuda.quant_linear import dequantize_int4, dequantize_int8, pack_int4
+from tightfit.kernels.grouped_quant_experts import QuantWeight, grouped_quant_experts
+from tightfit.kernels.quant_linear import dequantize_int4, dequantize_int8, pack_int4
 
 
 def _quantized(out_f: int, in_f: int, method: str, gen: torch.Generator) -> tuple[QuantWeight, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Gumbel-max draws with counter-based noise (``tightfit.cuda.gumbel``): the native CPU kernel against its
+"""Gumbel-max draws with counter-based noise (``tightfit.kernels.gumbel``): the native CPU kernel against its
 PyTorch reference over hypothesis-drawn batches, the noise's range, the draws' distribution and their
 independence from the batch."""
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.runif import RunIf
-from tightfit.cuda.gumbel import counter_uniform, gumbel_argmax
+from tightfit.kernels.gumbel import counter_uniform, gumbel_argmax
 
 BACKENDS = ["reference", pytest.param("native", marks=RunIf(native=True))]
 

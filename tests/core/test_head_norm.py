@@ -1,4 +1,4 @@
-"""tightfit.cuda.head_norm: q/k RMSNorm per head in place in a QKV output, against torch's F.rms_norm per head."""
+"""tightfit.kernels.head_norm: q/k RMSNorm per head in place in a QKV output, against torch's F.rms_norm per head."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.runif import RunIf
-from tightfit.cuda.dispatch import get_kernel
-from tightfit.cuda.head_norm import rms_norm_heads_
+from tightfit.kernels.dispatch import get_kernel
+from tightfit.kernels.head_norm import rms_norm_heads_
 
 BACKENDS = ["reference", pytest.param("native", marks=RunIf(native=True))]
 

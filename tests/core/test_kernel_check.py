@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.helpers.runif import RunIf
-from tightfit.cuda import gather_rows, scatter_add_rows
-from tightfit.cuda.dispatch import (
+from tightfit.kernels import gather_rows, scatter_add_rows
+from tightfit.kernels.dispatch import (
     CHECK_ENV_VAR,
     ENV_VAR,
     KernelCheckWarning,
@@ -25,8 +25,8 @@ from tightfit.cuda.dispatch import (
     register_kernel,
     reset_kernel_checks,
 )
-from tightfit.cuda.index_rows import gather_rows_reference, gather_rows_triton
-from tightfit.cuda.varlen_attention import paged_attention
+from tightfit.kernels.index_rows import gather_rows_reference, gather_rows_triton
+from tightfit.kernels.varlen_attention import paged_attention
 
 pytestmark = [RunIf(triton=True),
               pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 to run Triton on CPU")]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tightfit.cuda import native
+from tightfit.kernels import native
 from tightfit.kernels.sources import CPU_DIR, cpu_libraries, cpu_source, read_source
 
 ROOT = Path(__file__).resolve().parents[2]

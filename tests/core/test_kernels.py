@@ -1,4 +1,4 @@
-"""tightfit.cuda: the dispatcher's rule, and index_rows' Triton kernels (interpreter, CPU) vs the reference."""
+"""tightfit.kernels: the dispatcher's rule, and index_rows' Triton kernels (interpreter, CPU) vs the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.runif import RunIf
-from tightfit.cuda import (
+from tightfit.kernels import (
     ENV_VAR,
     KernelError,
     choose_backend,
@@ -22,8 +22,8 @@ from tightfit.cuda import (
     scatter_rows,
     triton_available,
 )
-from tightfit.cuda.dispatch import CHECK_ENV_VAR, interpreter_enabled, repeated_calls
-from tightfit.cuda.testing import FLOAT_DTYPES, ODD_SHAPES, assert_matches_reference
+from tightfit.kernels.dispatch import CHECK_ENV_VAR, interpreter_enabled, repeated_calls
+from tightfit.kernels.testing import FLOAT_DTYPES, ODD_SHAPES, assert_matches_reference
 
 triton_interp = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
 
@@ -124,7 +124,7 @@ def test_core_cuda_imports_without_triton():
             "    def find_spec(self, n, p=None, t=None):\n"
             "        if n.split('.')[0] == 'triton': raise ImportError('blocked')\n"
             "sys.meta_path.insert(0, B())\n"
-            "import torch, tightfit.cuda as c\n"
+            "import torch, tightfit.kernels as c\n"
             "assert 'triton' not in sys.modules\n"
             "assert c.triton_available() is False\n"
             "print(c.gather_rows(torch.arange(6.).view(3, 2), torch.tensor([2])).tolist())\n")
@@ -227,8 +227,8 @@ _COMPILE = """
 import os, warnings
 warnings.simplefilter("ignore")
 os.environ.pop("TRITON_INTERPRET", None)
-from tightfit.cuda import index_rows
-from tightfit.cuda.testing import compile_for_gpu
+from tightfit.kernels import index_rows
+from tightfit.kernels.testing import compile_for_gpu
 k = index_rows._kernels()
 for dt in ("fp32", "bf16", "fp16"):
     for idx in ("i32", "i64"):

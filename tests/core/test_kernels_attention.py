@@ -1,4 +1,4 @@
-"""tightfit.cuda kernels of energon's runtime: paged variable-length attention, KV store, pack/unpack.
+"""tightfit.kernels kernels of energon's runtime: paged variable-length attention, KV store, pack/unpack.
 
 (Moved from tests/energon_infer/test_kernels.py; the whole-model check stays there as test_runtime_triton.py.)
 
@@ -13,9 +13,9 @@ import torch
 
 from tests.helpers.runif import RunIf
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.dispatch import get_kernel
-from tightfit.cuda.packing import pack, unpack
-from tightfit.cuda.varlen_attention import paged_attention, store_kv
+from tightfit.kernels.dispatch import get_kernel
+from tightfit.kernels.packing import pack, unpack
+from tightfit.kernels.varlen_attention import paged_attention, store_kv
 
 BACKENDS = ["reference", pytest.param("triton", marks=RunIf(triton=True))]
 ATTENTION_BACKENDS = [*BACKENDS, pytest.param("native", marks=RunIf(native=True))]
@@ -100,7 +100,7 @@ _THREADED = dict(q_lens=[1] * 16, kv_lens=[300 + 37 * i for i in range(16)], hq=
 
 def _attend_on_two_threads(case) -> tuple[torch.Tensor, int]:
     """The native kernel on 2 threads (a decode step with work enough for both), and how it ran."""
-    from tightfit.cuda.varlen_attention_cpu import _library
+    from tightfit.kernels.varlen_attention_cpu import _library
 
     q, kc, vc, bt, cu, kl = case
     with torch_threads(2):
@@ -120,7 +120,7 @@ def test_native_attention_over_two_threads_on_openmp_and_in_a_forked_child():
     child runs only the kernel: PyTorch's own parallel ops wait forever there.)"""
     import multiprocessing
 
-    from tightfit.cuda.native import torch_openmp
+    from tightfit.kernels.native import torch_openmp
 
     t = _THREADED
     q, kc, vc, bt, cu, kl, keys, values = _case(t["q_lens"], t["kv_lens"], t["hq"], t["hk"], t["d"], t["block"],
@@ -177,8 +177,8 @@ _COMPILE = """
 import os, warnings
 warnings.simplefilter("ignore")
 os.environ.pop("TRITON_INTERPRET", None)
-from tightfit.cuda import varlen_attention
-from tightfit.cuda.testing import compile_for_gpu
+from tightfit.kernels import varlen_attention
+from tightfit.kernels.testing import compile_for_gpu
 kernel = varlen_attention._kernel()
 strides = ("q_st", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "o_st", "o_sh", "bt_s0")
 # (dtype, dot precision, BLOCK_M, head_dim, BLOCK_D, window/cap/sinks): decode and prefill tiles in bf16, a head

@@ -17,8 +17,8 @@ from torch import nn
 from tests.helpers.paged_attention import masked_softmax, released_pages_case
 from tests.helpers.runif import RunIf
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.varlen_attention import paged_attention
-from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
+from tightfit.kernels.varlen_attention import paged_attention
+from tightfit.kernels.varlen_attention_cpu import NATIVE_MAX_Q
 
 BACKENDS = ["reference", pytest.param("native", marks=RunIf(native=True)),
             pytest.param("triton", marks=RunIf(triton=True))]

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from tests.helpers.runif import RunIf
 from tests.helpers.threads import torch_threads
-from tightfit.cuda import native
-from tightfit.cuda.dispatch import KernelError, choose_backend, get_kernel
-from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
-from tightfit.cuda.varlen_attention import paged_attention, store_kv
-from tightfit.cuda.varlen_attention_cpu import NATIVE_MAX_Q
+from tightfit.kernels import native
+from tightfit.kernels.dispatch import KernelError, choose_backend, get_kernel
+from tightfit.kernels.elementwise import rms_norm, rotary_, silu_mul
+from tightfit.kernels.varlen_attention import paged_attention, store_kv
+from tightfit.kernels.varlen_attention_cpu import NATIVE_MAX_Q
 
 _ADD = "#include <stdint.h>\nint64_t tf_add(int64_t a, int64_t b) {{ return a + b + {k}; }}\n"
 

@@ -1,4 +1,4 @@
-"""oneDNN-packed CPU linear weights (tightfit.cuda.packed_linear) against F.linear."""
+"""oneDNN-packed CPU linear weights (tightfit.kernels.packed_linear) against F.linear."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tightfit.cuda.packed_linear import (
+from tightfit.kernels.packed_linear import (
     ACTIVATIONS,
     MIN_NUMEL,
     MIN_ROWS,

@@ -1,4 +1,4 @@
-"""tightfit.cuda.quant_linear: the native int8/int4 weight-only matmuls against their pure-PyTorch references.
+"""tightfit.kernels.quant_linear: the native int8/int4 weight-only matmuls against their pure-PyTorch references.
 
 (torchao's own quantizers and dequantisation are the references of the formats: tests/energon_infer/test_quantization.py.)
 """
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.threads import torch_threads
-from tightfit.cuda import quant_linear
-from tightfit.cuda.native import native_error, torch_openmp
-from tightfit.cuda.quant_linear import (
+from tightfit.kernels import quant_linear
+from tightfit.kernels.native import native_error, torch_openmp
+from tightfit.kernels.quant_linear import (
     NATIVE_MAX_ROWS,
     _library,
     _native_mode,
@@ -26,7 +26,7 @@ from tightfit.cuda.quant_linear import (
     pack_int4,
     unpack_int4,
 )
-from tightfit.cuda.weight_tiles import tile_int4, tile_int8
+from tightfit.kernels.weight_tiles import tile_int4, tile_int8
 
 
 def _int8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

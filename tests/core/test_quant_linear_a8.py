@@ -1,4 +1,4 @@
-"""tightfit.cuda.quant_linear_a8: int8/int4 weights times int8-quantised activations (AVX-512 VNNI).
+"""tightfit.kernels.quant_linear_a8: int8/int4 weights times int8-quantised activations (AVX-512 VNNI).
 
 The native kernel against its PyTorch reference (same quantised activations: fp32 rounding apart), and the
 reference's stated error bound against the dequantised weights' exact product (the result torchao's
@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.threads import torch_threads
-from tightfit.cuda.quant_linear import (
+from tightfit.kernels.quant_linear import (
     NATIVE_MAX_ROWS,
     _native_mode,
     dequantize_int4,
     dequantize_int8,
     pack_int4,
 )
-from tightfit.cuda.quant_linear_a8 import (
+from tightfit.kernels.quant_linear_a8 import (
     A8_ENV_VAR,
     _call,
     _kernel_rows,

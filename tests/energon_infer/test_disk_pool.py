@@ -24,7 +24,7 @@ from energon_infer.worker.disk_pool import install_tiered_pool, plan_tiers, pool
 from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool, stage_layer_bytes
 from tests.energon_infer.tiny import PROMPTS, save_tiny
 from tests.helpers.runif import RunIf
-from tightfit.cuda.packed_linear import packed_linear, packing_available
+from tightfit.kernels.packed_linear import packed_linear, packing_available
 from tightfit.planner.errors import PlanInfeasibleError
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DiskProfile

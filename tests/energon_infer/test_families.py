@@ -77,7 +77,7 @@ def test_families_at_tp2_and_pp2_equal_transformers(native_dirs, native_refs):
 
 @pytest.mark.parametrize("name", list(NATIVE))
 def test_packed_weights_agree_with_plain(name, native_dirs, monkeypatch):
-    monkeypatch.setattr("tightfit.cuda.packed_linear.MIN_NUMEL", 0)  # tiny weights: pack them anyway
+    monkeypatch.setattr("tightfit.kernels.packed_linear.MIN_NUMEL", 0)  # tiny weights: pack them anyway
     plain = ModelRunner.from_pretrained(native_dirs[name], packed_weights=False, **OPTS)
     packed = ModelRunner.from_pretrained(native_dirs[name], **OPTS)
     assert packed.stage.layers["0"].qkv.packed is not None
@@ -97,7 +97,7 @@ def test_quantized_weights_give_the_dequantised_models_logits(name, method, grou
         reference_dequantize,
     )
     from energon_infer.worker.quantization_quality import dequantise_head
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     monkeypatch.setenv(A8_ENV_VAR, "fp32")  # fp32 activations: the dequantised weights, to rounding
     path, spec = native_dirs[name], QuantSpec(method=method, group_size=group)

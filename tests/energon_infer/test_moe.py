@@ -93,7 +93,7 @@ def _hf_routing(path: str, top_k: int) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
 def test_each_layer_sends_each_expert_the_tokens_transformers_routes_to_it(name, moe_dirs):
-    # the experts then run grouped over those tokens (tightfit.cuda.grouped_experts, tested against a per-token loop)
+    # the experts then run grouped over those tokens (tightfit.kernels.grouped_experts, tested against a per-token loop)
     runner = ModelRunner.from_pretrained(moe_dirs[name], **OPTS)
     got: dict[int, torch.Tensor] = {}
     for i, block in runner.stage.layers.items():

@@ -39,7 +39,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def _fp32_activations(monkeypatch):
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     monkeypatch.setenv(A8_ENV_VAR, "fp32")  # the attention's fp32-activation kernels: torchao's weight-only product
 
@@ -104,7 +104,7 @@ def _hf_outputs(model) -> tuple[torch.Tensor, list[list[int]]]:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_quantized_experts_are_torchaos_and_the_model_equals_transformers_on_torchaos_weights(dirs, name, method,
                                                                                              group):
-    from tightfit.cuda.grouped_quant_experts import quant_linear
+    from tightfit.kernels.grouped_quant_experts import quant_linear
 
     runner = ModelRunner.from_pretrained(dirs[name], quantization=method, group_size=group, **OPTS)
     model = hf_model(dirs[name])

@@ -10,7 +10,7 @@ from energon_infer import ModelRunner, RuntimeConfig, SamplingParams
 from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
 from energon_infer.worker.memory_pool import MemoryPoolConfig, apply_memory_pool
 from tests.energon_infer.tiny import FAMILIES, PROMPTS
-from tightfit.cuda.packed_linear import MIN_ROWS, SMALL_MIN_ROWS, packed_linear, packing_available
+from tightfit.kernels.packed_linear import MIN_ROWS, SMALL_MIN_ROWS, packed_linear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="PyTorch built w
 @pytest.fixture(autouse=True)
 def pack_small_weights(monkeypatch):
     """The tiny test models' weights are all below the size worth packing: pack them anyway."""
-    monkeypatch.setattr("tightfit.cuda.packed_linear.MIN_NUMEL", 0)
+    monkeypatch.setattr("tightfit.kernels.packed_linear.MIN_NUMEL", 0)
 
 
 def _projections(runner: ModelRunner) -> list[torch.nn.Module]:

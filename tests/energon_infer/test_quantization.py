@@ -69,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("family", list(WIDE))
 def test_quantized_runtime_equals_torchao_dequantised_weights(wide_dirs, family, method, group, monkeypatch):
     from energon_infer import ModelRunner
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_level
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR, a8_level
 
     path = wide_dirs[family]
     plain = ModelRunner.from_pretrained(path, block_size=4, progress=False)
@@ -80,7 +80,7 @@ def test_quantized_runtime_equals_torchao_dequantised_weights(wide_dirs, family,
         got = _logits(quant)
     assert _rel(got, want) <= TOL, f"{family} {method}: {_rel(got, want)}"
     # By default (decode rows on an AVX-512 VNNI CPU, group % 64 == 0) the activations are int8 per block of 128
-    # or 32 (tightfit.cuda.quant_linear_a8): a bounded error, not another summation order. Group 32 keeps fp32
+    # or 32 (tightfit.kernels.quant_linear_a8): a bounded error, not another summation order. Group 32 keeps fp32
     # inputs, and so do both of these on a CPU with only the AVX2 kernel (tiled int4 per block of 128).
     a8 = _logits(ModelRunner.from_pretrained(path, block_size=4, progress=False, quantization=method,
                                              group_size=group))  # a fresh runner: the first holds these sequences
@@ -109,7 +109,7 @@ def test_torchao_formats_are_the_stored_ones():
     from torchao.quantization.granularity import PerRow
 
     from energon_infer.loading.quantization import QuantSpec, quantize_weight, reference_dequantize
-    from tightfit.cuda.quant_linear import dequantize_int4, int4_linear, int8_linear
+    from tightfit.kernels.quant_linear import dequantize_int4, int4_linear, int8_linear
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 256, generator=gen)
@@ -131,7 +131,7 @@ def test_torchao_formats_are_the_stored_ones():
 
 def _tp_pp(rank: int, world: int, dirs: dict, refs: dict) -> dict:
     from energon_infer import ModelRunner
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     os.environ[A8_ENV_VAR] = "fp32"  # this rank's process: the exact comparison needs the fp32-activation kernels
     out = {}
@@ -154,7 +154,7 @@ def _tp_pp(rank: int, world: int, dirs: dict, refs: dict) -> dict:
 @RunIf(min_world=2)
 def test_each_rank_quantises_its_slice_at_tp2_and_pp2(wide_dirs, monkeypatch):
     from energon_infer import ModelRunner
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     monkeypatch.setenv(A8_ENV_VAR, "fp32")  # exact comparisons: the fp32-activation kernels (as the ranks run)
     dirs = {f: wide_dirs[f] for f in ("llama", "gpt2", "opt")}
@@ -309,7 +309,7 @@ def test_projections_are_tiled_where_the_kernel_runs_them_and_give_the_row_order
     import energon_infer.parallel as parallel
     from energon_infer import ModelRunner
     from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR, a8_available, a8_level, untile_int4, untile_int8
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR, a8_available, a8_level, untile_int4, untile_int8
 
     if not a8_available():
         pytest.skip("no int8-activation native build (AVX2 or AVX-512 VNNI) on this CPU: weights stay in row order")

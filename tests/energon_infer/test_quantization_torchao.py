@@ -71,7 +71,7 @@ def _logits(runner) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_loaded_quantized_model_is_torchaos_quantization_of_the_checkpoint(dirs, family, method, group, monkeypatch):
     from energon_infer import ModelRunner
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     monkeypatch.setenv(A8_ENV_VAR, "fp32")  # the fp32-activation kernels: torchao's weight-only product
     path = dirs[family]

@@ -1,4 +1,4 @@
-"""The whole runtime on the tightfit.cuda Triton kernels (the kernels' own tests are tests/core/test_kernels_attention.py)."""
+"""The whole runtime on the tightfit.kernels Triton kernels (the kernels' own tests are tests/core/test_kernels_attention.py)."""
 
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ PROJ = {"qkv": ("self_attn", "qkv"), "o": ("self_attn", "o"), "up": ("mlp", ("ga
 @pytest.fixture(autouse=True)
 def _fp32_activations(monkeypatch):
     """These tests compare with torchao's and transformers' own models to fp32 rounding: the fp32-activation
-    kernels (the int8-activation ones, tightfit.cuda.quant_linear_a8, are held to their bound elsewhere). Set in
+    kernels (the int8-activation ones, tightfit.kernels.quant_linear_a8, are held to their bound elsewhere). Set in
     the environment, so the spawned tensor-parallel ranks inherit it."""
-    from tightfit.cuda.quant_linear_a8 import A8_ENV_VAR
+    from tightfit.kernels.quant_linear_a8 import A8_ENV_VAR
 
     monkeypatch.setenv(A8_ENV_VAR, "fp32")
 

@@ -29,7 +29,7 @@ def require(*modules: str) -> None:
 
 def kernels_compiled() -> None:
     """Kernel tests must run the compiled kernels: under TRITON_INTERPRET=1 they would test the interpreter."""
-    from tightfit.cuda.dispatch import interpreter_enabled, triton_available, triton_import_error
+    from tightfit.kernels.dispatch import interpreter_enabled, triton_available, triton_import_error
 
     if not triton_available():
         pytest.skip(f"Triton does not import: {triton_import_error()}")

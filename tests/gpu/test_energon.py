@@ -64,7 +64,7 @@ def check_runtime_fp32(path, device: torch.device) -> None:
 
 
 def test_runtime_fp32_equals_transformers_on_cuda(llama_dir):
-    from tightfit.cuda.dispatch import kernel_checks, reset_kernel_checks
+    from tightfit.kernels.dispatch import kernel_checks, reset_kernel_checks
 
     reset_kernel_checks()
     check_runtime_fp32(llama_dir, cuda())

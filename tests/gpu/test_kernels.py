@@ -16,7 +16,7 @@ import torch
 
 from tests.gpu.common import cuda, kernels_compiled
 from tests.helpers.runif import RunIf
-from tightfit.cuda.testing import FLOAT_DTYPES, ODD_SHAPES, assert_matches_reference
+from tightfit.kernels.testing import FLOAT_DTYPES, ODD_SHAPES, assert_matches_reference
 
 pytestmark = RunIf(cuda=True, triton=True)
 DTYPES = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "fp16", "bf16"])
@@ -28,7 +28,7 @@ def _table(rows: int, cols: int, dtype: torch.dtype, device, seed: int = 0) -> t
 
 
 def check_row_kernels(device: torch.device, dtype: torch.dtype) -> None:
-    from tightfit.cuda import get_kernel
+    from tightfit.kernels import get_kernel
 
     g = torch.Generator(device=device).manual_seed(1)
     for rows, cols in (*ODD_SHAPES, (4097, 129), (70_000, 64)):
@@ -61,7 +61,7 @@ def test_row_gather_scatter_scatter_add_on_cuda(dtype):
 
 
 def check_packing(device: torch.device, dtype: torch.dtype) -> None:
-    from tightfit.cuda.packing import pack, unpack
+    from tightfit.kernels.packing import pack, unpack
 
     g = torch.Generator(device=device).manual_seed(0)
     lengths = torch.randint(1, 513, (33,), generator=g, device=device)
@@ -96,7 +96,7 @@ def _naive_attention(q, keys, values, q_lens, scale):
 
 def attention_case(device, q_lens, kv_lens, hq, hk, d, page, dtype, seed=0):
     """Random keys/values written with store_kv into shuffled pages, as the runtime lays them out."""
-    from tightfit.cuda.varlen_attention import store_kv
+    from tightfit.kernels.varlen_attention import store_kv
 
     g = torch.Generator(device=device).manual_seed(seed)
     n_pages = sum(-(-k // page) for k in kv_lens) + 3
@@ -132,7 +132,7 @@ ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
 def check_attention(device: torch.device, dtype: torch.dtype) -> None:
-    from tightfit.cuda.varlen_attention import paged_attention
+    from tightfit.kernels.varlen_attention import paged_attention
 
     for name, (q_lens, kv_lens, hq, hk, d, page) in ATTENTION_CASES.items():
         q, kc, vc, bt, cu, kl, keys, values = attention_case(device, q_lens, kv_lens, hq, hk, d, page, dtype)
@@ -153,9 +153,9 @@ def test_paged_varlen_attention_prefill_decode_and_mixed_on_cuda(dtype):
 def test_every_kernel_passes_its_first_use_check_on_cuda(monkeypatch):
     """``auto`` on CUDA tensors: each kernel's self-check runs on the GPU and passes, so Triton stays on."""
     kernels_compiled()
-    from tightfit.cuda import gather_rows, scatter_add_rows, scatter_rows
-    from tightfit.cuda.dispatch import ENV_VAR, KernelCheckWarning, kernel_checks, reset_kernel_checks
-    from tightfit.cuda.varlen_attention import paged_attention
+    from tightfit.kernels import gather_rows, scatter_add_rows, scatter_rows
+    from tightfit.kernels.dispatch import ENV_VAR, KernelCheckWarning, kernel_checks, reset_kernel_checks
+    from tightfit.kernels.varlen_attention import paged_attention
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     reset_kernel_checks()
@@ -185,7 +185,7 @@ def test_paged_attention_windows_caps_and_sinks_on_cuda(dtype, window, softcap, 
     """The Triton kernel's window (released pages: table entries -1, the pages NaN), soft-cap and sinks."""
     kernels_compiled()
     from tests.helpers.paged_attention import masked_softmax, released_pages_case
-    from tightfit.cuda.varlen_attention import paged_attention
+    from tightfit.kernels.varlen_attention import paged_attention
 
     lens = [(1, 70), (40, 140), (9, 20), (300, 300)]
     args, keys, values = released_pages_case(lens, 8, 2, 64, 16, window, seed=window)

@@ -30,7 +30,7 @@ def RunIf(  # noqa: N802 - a marker factory, named like Lightning's
         lightning / torchrec / deepspeed / transformers / serve: needs that host framework.
         min_world: needs gloo and this many processes can be spawned (always true on CPU; documents intent).
         min_cpus: needs at least this many CPU cores.
-        native: needs the native CPU kernels to build here (a C compiler; tightfit.cuda.native).
+        native: needs the native CPU kernels to build here (a C compiler; tightfit.kernels.native).
     """
     import torch
 
@@ -50,7 +50,7 @@ def RunIf(  # noqa: N802 - a marker factory, named like Lightning's
     if min_cpus and (os.cpu_count() or 1) < min_cpus:
         reasons.append(f"needs {min_cpus} CPUs, found {os.cpu_count()}")
     if native:
-        from tightfit.cuda.varlen_attention_cpu import native_attention_error
+        from tightfit.kernels.varlen_attention_cpu import native_attention_error
 
         why = native_attention_error()
         if why:

@@ -1,4 +1,4 @@
-/* Fused element-wise ops of a decoder block in fp32 (launchers: tightfit.cuda.elementwise).
+/* Fused element-wise ops of a decoder block in fp32 (launchers: tightfit.kernels.elementwise).
      tf_silu_mul_f32   out[t, i] = silu(x[t, i]) * x[t, I + i]                (SwiGLU; out is T x I, contiguous)
      tf_rms_norm_f32   out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w         (w NULL: no weight; out is T x N)
      tf_rotary_f32     x[t, h] <- x * cos[t] + rotate_half(x) * sin[t]     (in place; rotate_half as in HF)
@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include "tf_fork.h"
 
-/* Rows of a call are split over PyTorch's OpenMP team where the library is built with it (tightfit.cuda.native)
+/* Rows of a call are split over PyTorch's OpenMP team where the library is built with it (tightfit.kernels.native)
    and the call has PARALLEL_MIN elements a thread at least; smaller calls (decode steps), forked children and builds
    without OpenMP run on the calling thread. Each row is computed the same way either way. */
 #define PARALLEL_MIN 16384

@@ -1,4 +1,4 @@
-/* GeGLU's gated activation in fp32 (launcher: tightfit.cuda.gelu_mul).
+/* GeGLU's gated activation in fp32 (launcher: tightfit.kernels.gelu_mul).
      tf_gelu_tanh_mul_f32   out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i]   (out is T x I, contiguous)
    Contract: rows of x lie x_stride floats apart and do not overlap out; `threads` bounds the threads a call may
    use; a row's result does not depend on it. */
@@ -8,7 +8,7 @@
 #include "tf_fork.h"
 
 /* Calls of PARALLEL_MIN elements a thread or more split their rows over PyTorch's OpenMP team (where the library
-   is built with it, tightfit.cuda.native); decode steps, forked children and builds without OpenMP run on the
+   is built with it, tightfit.kernels.native); decode steps, forked children and builds without OpenMP run on the
    calling thread. A row is computed the same way either way. */
 #define PARALLEL_MIN 16384
 

@@ -1,4 +1,4 @@
-/* A Mixture-of-Experts layer's routed experts in fp32 (launcher: tightfit.cuda.grouped_experts).
+/* A Mixture-of-Experts layer's routed experts in fp32 (launcher: tightfit.kernels.grouped_experts).
      tf_grouped_experts_f32   out[t] = sum over token t's routed experts e (first <= e < first + E) of
                               weights[t, s] * down_e(act(gate_up_e(x[t])))
    The (token, expert) pairs are counting-sorted by expert; each expert's tokens then run in units of up to CHUNK
@@ -211,7 +211,7 @@ static void gather_sums(const job_t *j, const int64_t *slots, const int *fill, i
     }
 }
 
-/* The routed experts of T tokens (see tightfit.cuda.grouped_experts): chosen and weights (T, k), local experts
+/* The routed experts of T tokens (see tightfit.kernels.grouped_experts): chosen and weights (T, k), local experts
    first .. first + E - 1 with input-major weights gu[e] (H x 2I) and dn[e] (I x H), optional biases; writes the fp32
    (T, H) sums to out. Returns 0, or -1 where its buffers could not be allocated. */
 int64_t tf_grouped_experts_f32(const float *x, int64_t xs, const int64_t *chosen, const float *weights, int64_t T,

@@ -1,4 +1,4 @@
-/* Gumbel-max sampling with counter-based noise in fp32 (launcher: tightfit.cuda.gumbel).
+/* Gumbel-max sampling with counter-based noise in fp32 (launcher: tightfit.kernels.gumbel).
      tf_gumbel_argmax_f32   out[b] = argmax_j scores[b, j] - log(-log(u(seeds[b], positions[b], j)))
    u(seed, position, column) is a 31-bit integer hash mapped to (k + 1/2) / 2^23, the same uniforms as the PyTorch
    reference's; the logs are the C library's, so a draw can differ from the reference's only where two columns'

@@ -1,4 +1,4 @@
-/* Per-head RMSNorm of queries and keys in place, fp32 (launcher: tightfit.cuda.head_norm).
+/* Per-head RMSNorm of queries and keys in place, fp32 (launcher: tightfit.kernels.head_norm).
      tf_rms_norm_heads_f32   x[t, h] <- x[t, h] / sqrt(mean(x[t, h]^2) + eps) * (offset + w)
    with w = w1 for heads h < split and w2 for the rest (queries, then keys, in a fused QKV output). Contract:
    T tokens t_stride floats apart, each H heads of D contiguous floats; one thread. */

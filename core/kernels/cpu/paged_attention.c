@@ -1,5 +1,5 @@
 /* Paged, variable-length attention over a block-table KV cache in fp32 (launcher:
-   tightfit.cuda.varlen_attention_cpu).
+   tightfit.kernels.varlen_attention_cpu).
      tf_store_kv_f32          copy T rows of k and v into the cache slots slots[t]
      tf_paged_attention_f32   out = softmax(scale * q k^T (causal; optional window, softcap, sinks)) v per
                               sequence b, its new tokens' queries cu[b] .. cu[b + 1] against its kv_lens[b] keys,
@@ -235,7 +235,7 @@ void tf_store_kv_f32(const float *k, int64_t k_row, const float *v, int64_t v_ro
 
 #define MAX_THREADS 256
 
-/* Built with OpenMP (where PyTorch's runtime is in the process, tightfit.cuda.native) the runs go to its team;
+/* Built with OpenMP (where PyTorch's runtime is in the process, tightfit.kernels.native) the runs go to its team;
    a child forked from a process that ran a parallel region (GNU OpenMP's team is gone there) and builds without
    OpenMP start POSIX threads per call. */
 #include "tf_fork.h"

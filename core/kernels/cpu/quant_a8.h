@@ -1,5 +1,5 @@
 /* Part of quant_linear.c (included at its end, after job_t, run and the fp32 kernels): the int8-activation kernels
-   of tightfit.cuda.quant_linear_a8, sharing quant_linear.c's threads and job_t. Entry points: tf_a8_linear_f32,
+   of tightfit.kernels.quant_linear_a8, sharing quant_linear.c's threads and job_t. Entry points: tf_a8_linear_f32,
    tf_a8_available, tf_a8_set_rows. */
 
 /* ------------------------------------------------------------------ int8 activations (AVX-512 VNNI)

@@ -1,5 +1,5 @@
-/* Linear layers on weight-only quantized weights, fp32 activations (launchers: tightfit.cuda.quant_linear and
-   tightfit.cuda.quant_linear_a8).
+/* Linear layers on weight-only quantized weights, fp32 activations (launchers: tightfit.kernels.quant_linear and
+   tightfit.kernels.quant_linear_a8).
      tf_int8_linear_f32   y = x (q * scale)^T + b                   q (N, K) int8, one scale per output row
      tf_int4_linear_f32   y = x ((q - 8) * scale + zero)^T + b      q (N, K/2) two nibbles a byte (pack_int4's
                                                                   order), scale and zero per row and group of G
@@ -34,7 +34,7 @@ typedef struct {
     int64_t xs, M, N, K, G, n0, n1;
     const int8_t *xq; /* the int8-activation kernels (quant_a8.h): quantised x, its scales */
     const float *dv, *corr;
-    int tiled; /* weights in 16-feature tiles (tightfit.cuda.weight_tiles: tile_int8, tile_int4) */
+    int tiled; /* weights in 16-feature tiles (tightfit.kernels.weight_tiles: tile_int8, tile_int4) */
 } job_t;
 
 typedef void (*range_fn)(const job_t *);
@@ -422,7 +422,7 @@ static void int4_avx2(const job_t *j) {
 #endif
 
 /* ------------------------------------------------------------------ threads
-   Built with OpenMP (where PyTorch's own OpenMP runtime is in the process: tightfit.cuda.native), a call runs on
+   Built with OpenMP (where PyTorch's own OpenMP runtime is in the process: tightfit.kernels.native), a call runs on
    that runtime's team, the threads PyTorch's own ops run on: they are awake from the ops around the call, and
    no second set of threads competes with them for the cores. In a child forked from a process that ran a
    parallel region, GNU OpenMP's team does not exist and a region would wait for it forever: such a child (and
@@ -530,7 +530,7 @@ static int run(range_fn fn, job_t base, int64_t threads) {
         return 0;
     }
 #ifdef _OPENMP
-    if (!tf_forked) { /* the process's OpenMP team (PyTorch's own, see tightfit.cuda.native) */
+    if (!tf_forked) { /* the process's OpenMP team (PyTorch's own, see tightfit.kernels.native) */
         int64_t chunks = threads * 2;
         if (chunks > N) chunks = N;
         int64_t next = 0;

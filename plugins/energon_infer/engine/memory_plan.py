@@ -47,7 +47,7 @@ def _packed_bytes(module: Any) -> int:
     """Bytes the CPU's packed copies of ``module``'s projection weights take (:func:`energon_infer.parallel.pack_weights`
     packs those big enough to earn a copy)."""
     from energon_infer.parallel import ColumnLinear, RowLinear, VocabHead
-    from tightfit.cuda.packed_linear import rows_worth_packing
+    from tightfit.kernels.packed_linear import rows_worth_packing
 
     total = 0
     for m in module.modules():

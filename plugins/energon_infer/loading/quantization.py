@@ -15,7 +15,7 @@ per-row scale is taken over the rank's slice of a row-parallel projection (a fin
 
 The quantizers are torchao's (``Int8Tensor.from_hp`` with ``PerRow``, the format of ``Int8WeightOnlyConfig``;
 the tinygemm affine choose/quantize of ``Int4WeightOnlyConfig``); the matmuls are
-:mod:`tightfit.cuda.quant_linear`'s (a native CPU kernel for decode, dequantise + BLAS otherwise). torchao's own
+:mod:`tightfit.kernels.quant_linear`'s (a native CPU kernel for decode, dequantise + BLAS otherwise). torchao's own
 CPU int4 path (``torchao.prototype.quantization.int4.Int4OpaqueTensor``, ATen's tinygemm
 ``_weight_int4pack_mm_for_cpu``) exists in torchao 0.18 but needs an output width divisible by 16 and runs
 many times slower than fp32 at decode-sized inputs; ``Int4WeightOnlyConfig``'s default needs the ``mslk`` package (CUDA).
@@ -33,7 +33,7 @@ from energon_infer.errors import BadInputError
 from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.weights import CheckpointReader, Part, WeightError, build_param, hf_parts
 from energon_infer.parallel import Grid
-from tightfit.cuda.quant_linear import INT4_GROUP_SIZES, pack_int4
+from tightfit.kernels.quant_linear import INT4_GROUP_SIZES, pack_int4
 
 __all__ = ["METHODS", "QuantSpec", "QuantizationError", "check_quantization", "quantize_weight", "torchao_error",
            "projection_inputs", "quantized_bytes_per_weight", "load_quantized", "quantized_weight_names",
@@ -232,7 +232,7 @@ def reference_dequantize(q: Mapping[str, torch.Tensor], spec: QuantSpec, dtype: 
     Int8Tensor, _, primitives = _torchao()
     if spec.method == "int8":
         return (q["qweight"].float() * q["scale"][:, None]).to(dtype)
-    from tightfit.cuda.quant_linear import unpack_int4
+    from tightfit.kernels.quant_linear import unpack_int4
 
     g = spec.group_size
     assert g is not None

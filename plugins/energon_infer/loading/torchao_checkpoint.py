@@ -7,7 +7,7 @@ scale per output row) becomes ``P._weight_qdata`` (int8 ``(N, K)``), ``P._weight
 ``P._weight_zero_point`` (int8 ``(N, 1)``, zeros: the quantization is symmetric), and the file's
 ``__metadata__`` names each weight's subclass (``{"_type": "Int8Tensor", "_data": {"block_size": [1, K],
 ...}}``); config.json's ``quantization_config`` says ``"quant_method": "torchao"`` and the config type. That
-is energon's int8 format as it is (:mod:`tightfit.cuda.quant_linear`): qdata and scale are installed byte for
+is energon's int8 format as it is (:mod:`tightfit.kernels.quant_linear`): qdata and scale are installed byte for
 byte, fused projections (QKV, gate/up) by concatenating rows, a tensor-parallel rank's slice by slicing qdata's
 rows (column-parallel; the scale rows with them) or columns (row-parallel; each row keeps its scale).
 

@@ -6,8 +6,8 @@ context: the window is a mask. A sink (gpt-oss) is one learned logit per query h
 more column and is then dropped: the probabilities over the real keys sum to less than one, by what the sink took.
 
 Where the native CPU kernel runs the step (fp32 on the CPU, its library built; see
-:func:`tightfit.cuda.varlen_attention_cpu.native_runs`), :func:`attention` hands it all three options:
-:func:`tightfit.cuda.varlen_attention.paged_attention` takes them. Elsewhere (other dtypes, a GPU, the kernels forced
+:func:`tightfit.kernels.varlen_attention_cpu.native_runs`), :func:`attention` hands it all three options:
+:func:`tightfit.kernels.varlen_attention.paged_attention` takes them. Elsewhere (other dtypes, a GPU, the kernels forced
 to the reference) a layer with any runs :func:`masked_attention`, the PyTorch path below.
 
 Only the blocks a window can reach are read: a decode step gathers the ``(window - 1) // block_size + 2`` blocks
@@ -25,9 +25,9 @@ import torch
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.worker.kv_cache import StepMetadata
-from tightfit.cuda.dispatch import get_kernel
-from tightfit.cuda.varlen_attention import paged_attention
-from tightfit.cuda.varlen_attention_cpu import native_runs
+from tightfit.kernels.dispatch import get_kernel
+from tightfit.kernels.varlen_attention import paged_attention
+from tightfit.kernels.varlen_attention_cpu import native_runs
 
 __all__ = ["attention", "every_layer_window", "masked_attention"]
 
@@ -134,7 +134,7 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      ) -> torch.Tensor:
     """Causal attention of ``q (T, H, D)`` within a sliding ``window`` (0: none), scores soft-capped at ``softcap``
     (0: not capped), each head's softmax joined by its sink logit where ``sinks`` (``(H,)``) are given, over the
-    paged cache; the layout of :mod:`tightfit.cuda.varlen_attention`."""
+    paged cache; the layout of :mod:`tightfit.kernels.varlen_attention`."""
     if meta.max_q_len == 1 and q.shape[0] == meta.kv_lens.shape[0]:
         return _decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     out = torch.empty_like(q)

@@ -236,8 +236,8 @@ def decode_plans(text: str) -> list[PoolPlan]:
 
 def _packs_on(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether loading packs a (finite, large enough) projection weight of ``dtype`` on ``device``: the conditions of
-    :func:`tightfit.cuda.packed_linear.pack_linear_weight` that do not depend on the values."""
-    from tightfit.cuda.packed_linear import PACKABLE_DTYPES, packing_available
+    :func:`tightfit.kernels.packed_linear.pack_linear_weight` that do not depend on the values."""
+    from tightfit.kernels.packed_linear import PACKABLE_DTYPES, packing_available
 
     return device.type == "cpu" and dtype in PACKABLE_DTYPES and packing_available()
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
-from tightfit.cuda.varlen_attention import store_kv
+from tightfit.kernels.varlen_attention import store_kv
 
 __all__ = ["PackedCache", "packed_mask", "check_packed_step"]
 

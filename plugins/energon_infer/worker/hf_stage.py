@@ -4,7 +4,7 @@ The fallback for a causal LM with no native family (:func:`energon_infer.loading
 transformers lets a serving engine supply attention: a function registered with ``AttentionInterface`` under a
 name, chosen with ``attn_implementation=<name>``, is called by every attention layer with its queries, keys and
 values after the model's own projections, norms and rotary embeddings. Ours writes the new keys/values into
-:class:`~energon_infer.worker.kv_cache.KVCache` and runs :func:`~tightfit.cuda.varlen_attention.paged_attention`
+:class:`~energon_infer.worker.kv_cache.KVCache` and runs :func:`~tightfit.kernels.varlen_attention.paged_attention`
 over each sequence's cache, so a step is the native one: all sequences' new tokens back to back in a batch of
 one, explicit ``position_ids``, no padding and no mask (a name transformers has no mask function for gets none).
 
@@ -45,7 +45,7 @@ from energon_infer.loading.safetensors_files import read_header
 from energon_infer.loading.weights import ModelTooLargeError, available_bytes
 from energon_infer.worker.hf_packed_cache import PackedCache, check_packed_step, packed_mask
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
-from tightfit.cuda.varlen_attention import paged_attention, store_kv
+from tightfit.kernels.varlen_attention import paged_attention, store_kv
 
 __all__ = ["ATTENTION", "TransformersModelConfig", "TransformersStage", "load_transformers_stage"]
 

@@ -4,7 +4,7 @@ A :class:`DecoderStage` is the part of a model one rank runs: the embedding if i
 pipeline stage, its range of blocks, and the final norm and head if it is the last. Every tensor
 is ``(tokens, features)``: the new tokens of all sequences in a step back to back with no padding,
 so each linear layer does exactly the work of the real tokens, and attention is restricted per
-sequence by :func:`tightfit.cuda.varlen_attention.paged_attention` (sliding-window, soft-capped and sink layers
+sequence by :func:`tightfit.kernels.varlen_attention.paged_attention` (sliding-window, soft-capped and sink layers
 too where its native CPU kernel runs; elsewhere :func:`energon_infer.worker.attention.masked_attention`).
 
 The block reads :class:`~energon_infer.loading.config.ModelConfig`'s switches only (norm layout and offset,
@@ -31,12 +31,12 @@ from energon_infer.worker.attention import attention
 from energon_infer.worker.kv_cache import KVCache, StepMetadata
 from energon_infer.worker.moe import MoE, moe_tp_widths
 from energon_infer.worker.rope import step_ropes
-from tightfit.cuda.dispatch import repeated_calls
-from tightfit.cuda.elementwise import rms_norm, rotary_, silu_mul
-from tightfit.cuda.gelu_mul import gelu_tanh_mul
-from tightfit.cuda.head_norm import rms_norm_heads_
-from tightfit.cuda.packed_linear import apply_activation
-from tightfit.cuda.varlen_attention import store_kv
+from tightfit.kernels.dispatch import repeated_calls
+from tightfit.kernels.elementwise import rms_norm, rotary_, silu_mul
+from tightfit.kernels.gelu_mul import gelu_tanh_mul
+from tightfit.kernels.head_norm import rms_norm_heads_
+from tightfit.kernels.packed_linear import apply_activation
+from tightfit.kernels.varlen_attention import store_kv
 
 __all__ = ["DecoderStage", "Block", "check_tp", "step_ropes"]
 
@@ -106,7 +106,7 @@ class _Norm(nn.Module):
         if x.dtype == torch.float32:
             # One fused op instead of five (pow, mean, add, rsqrt, mul): a decode step runs 2 norms per
             # layer, so at small batches these launches are a visible part of the step; on long prefills
-            # on CPU the native kernel is an order of magnitude faster than F.rms_norm (tightfit.cuda.elementwise).
+            # on CPU the native kernel is an order of magnitude faster than F.rms_norm (tightfit.kernels.elementwise).
             return rms_norm(x, self.weight, self.eps)
         h = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)  # fp32, cast, then the weight (HF)
         return h * self.weight if self.weight is not None else h
@@ -183,7 +183,7 @@ class Block(nn.Module):
         assert self.q_norm is not None and self.k_norm is not None
         wq, wk = self.q_norm.weight, self.k_norm.weight
         if self.cfg.qk_norm == "head" and self.cfg.norm == "rms" and qkv.dtype == torch.float32 \
-                and wq is not None and wk is not None:  # one pass in place on CPU (tightfit.cuda.head_norm)
+                and wq is not None and wk is not None:  # one pass in place on CPU (tightfit.kernels.head_norm)
             qk = qkv[:, :n_q + n_k].view(qkv.shape[0], self.heads + self.kv_heads, self.head_dim)
             rms_norm_heads_(qk, self.heads, wq, wk, self.q_norm.eps, self.q_norm.offset)
             return
@@ -203,7 +203,7 @@ class Block(nn.Module):
         qk = qkv[:, :n_q + n_k].view(t, self.heads + self.kv_heads, self.head_dim)
         if rope is not None:
             # Queries and keys rotated together (heads + kv_heads rows of head_dim; the first rotary_dim features
-            # of each), in place in the QKV output: one fused pass on CPU (tightfit.cuda.elementwise).
+            # of each), in place in the QKV output: one fused pass on CPU (tightfit.kernels.elementwise).
             rotary_(qk if self.rotary_dim == self.head_dim else qk[..., :self.rotary_dim], *rope)
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -215,7 +215,7 @@ class Block(nn.Module):
         if self.moe is not None:
             return self.moe(x)
         if self.gated and self.silu:
-            return self.down(silu_mul(self.up(x)))  # one fused pass on CPU (tightfit.cuda.elementwise)
+            return self.down(silu_mul(self.up(x)))  # one fused pass on CPU (tightfit.kernels.elementwise)
         if self.gated and self.fused_act == "gelu_tanh":  # GeGLU (Gemma): one fused pass on CPU too
             return self.down(gelu_tanh_mul(self.up(x)))
         if self.gated:

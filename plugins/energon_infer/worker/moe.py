@@ -10,14 +10,14 @@ gate. gpt-oss (``GptOssMLP``) routes the other way round: its router has a bias,
 and a softmax over those k alone (in the activations' dtype) weights them; its experts have biases and a clamped
 SwiGLU: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``.
 
-The experts run grouped, in one call per layer (:func:`tightfit.cuda.grouped_experts.grouped_experts`: a native
+The experts run grouped, in one call per layer (:func:`tightfit.kernels.grouped_experts.grouped_experts`: a native
 CPU kernel for fp32, the same grouping in PyTorch otherwise): the step's (token, expert) pairs are sorted by expert
 once, and each expert that has tokens runs once over all of them (a gate/up product, the gated activation, a down
 product), its rows scaled by their routing weights and added back into their tokens' rows. A token's weighted expert
 outputs are summed in fp32 and rounded to the activations' dtype once, as transformers' grouped experts (its default
 implementation) sum them. :class:`Expert` holds one expert's weights (its ``forward`` runs it alone). Quantized
 experts (``quantization="int8"`` / ``"int4"``: :meth:`Expert.set_quantized`, each expert quantized on its own) run
-the same grouping with quantized products (:func:`tightfit.cuda.grouped_quant_experts.grouped_quant_experts`).
+the same grouping with quantized products (:func:`tightfit.kernels.grouped_quant_experts.grouped_quant_experts`).
 
 Tensor parallelism (``tp > 1``): **expert parallelism** where ``tp`` divides the expert count
 (:meth:`~energon_infer.loading.config.ModelConfig.expert_parallel`): rank ``r`` holds experts
@@ -52,9 +52,9 @@ from torch import nn
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.parallel import ColumnLinear, Grid, linear_weight
-from tightfit.cuda.elementwise import silu_mul
-from tightfit.cuda.grouped_experts import expert_mlp, grouped_experts
-from tightfit.cuda.grouped_quant_experts import QuantWeight, grouped_quant_experts, quant_expert_mlp
+from tightfit.kernels.elementwise import silu_mul
+from tightfit.kernels.grouped_experts import expert_mlp, grouped_experts
+from tightfit.kernels.grouped_quant_experts import QuantWeight, grouped_quant_experts, quant_expert_mlp
 
 __all__ = ["Expert", "MoE", "local_experts", "moe_tp_widths"]
 

@@ -25,7 +25,7 @@ import torch
 from energon_infer.loading.quantization import PROJECTIONS, QuantSpec, quantize_weight, reference_dequantize
 from energon_infer.sampling import SamplingParams
 from energon_infer.worker.runtime import ModelRunner
-from tightfit.cuda.quant_linear import NATIVE_MAX_ROWS
+from tightfit.kernels.quant_linear import NATIVE_MAX_ROWS
 
 __all__ = ["measure_quality", "dequantised_runner", "dequantise_head", "logit_kl", "score"]
 
@@ -67,7 +67,7 @@ def score(runner: ModelRunner, seqs: Sequence[Sequence[int]], max_rows: int = NA
           ) -> list[torch.Tensor]:
     """Every position's logits of each sequence (the sequences are freed after). Sequences are packed into steps
     of at most ``max_rows`` tokens (a longer one alone): the rows a decode step runs, so a quantized model is
-    scored on the kernels it decodes with (the int8-activation ones, tightfit.cuda.quant_linear_a8, where
+    scored on the kernels it decodes with (the int8-activation ones, tightfit.kernels.quant_linear_a8, where
     they apply), not only on the prefill path."""
     steps: list[list[int]] = [[]]
     for i, s in enumerate(seqs):

@@ -470,11 +470,11 @@ class ModelRunner(SpeculativeVerify):
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``(B, L, vocab)`` for a padded batch (left, right or mixed padding); zeros at pad positions.
 
-        The pads are removed first (:func:`tightfit.cuda.packing.pack`), the packed tokens run as new
+        The pads are removed first (:func:`tightfit.kernels.packing.pack`), the packed tokens run as new
         sequences (cached, then freed), and the logits are put back in the padded layout
-        (:func:`tightfit.cuda.packing.unpack`). Returned on every rank.
+        (:func:`tightfit.kernels.packing.unpack`). Returned on every rank.
         """
-        from tightfit.cuda.packing import pack, unpack
+        from tightfit.kernels.packing import pack, unpack
 
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)

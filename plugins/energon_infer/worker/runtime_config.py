@@ -47,7 +47,7 @@ class RuntimeConfig:
         nonfinite_weights: a NaN/inf weight at load: ``"warn"`` (naming the tensor), ``"error"``, ``"ignore"``.
         cuda_graphs: decode from CUDA graphs: None on for CUDA at tp=1; True/[sizes] insist; False off (cuda_graphs.py).
         packed_weights: on the CPU, also keep each projection weight in oneDNN's blocked layout: decode-step
-            matmuls faster from two rows up, for a second copy of those weights (tightfit.cuda.packed_linear).
+            matmuls faster from two rows up, for a second copy of those weights (tightfit.kernels.packed_linear).
         quantization: ``None``, ``"int8"`` or ``"int4"``: hold every block's projection weights quantized with
             torchao (energon_infer.loading.quantization); needs torchao installed.
         group_size: inputs per int4 group (32, 64, 128 or 256; default 128); int4 only.

@@ -12,7 +12,7 @@ The uniforms are ``(k + 1/2) / 2**23`` for a 23-bit hash ``k``: every one is exa
 column whatever the scores, a filtered-out one included).
 
 In PyTorch the noise is two dozen int64 element-wise ops over the whole ``(B, V)`` batch, then two logs. The native
-CPU backend (``core/kernels/cpu/gumbel.c``, built by :mod:`tightfit.cuda.native`) hashes in 32-bit lanes
+CPU backend (``core/kernels/cpu/gumbel.c``, built by :mod:`tightfit.kernels.native`) hashes in 32-bit lanes
 (the hash keeps 31 bits, so the low halves of the products suffice) and takes the argmax in the same call.
 Its logs are the C library's vectorised ones rather than PyTorch's, so a draw can differ from the
 reference's only where two columns' noisy scores tie to the last bit. On CUDA the reference runs.
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["counter_uniform", "first_max", "gumbel_argmax", "gumbel_argmax_reference"]
 

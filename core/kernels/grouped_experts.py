@@ -55,9 +55,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.elementwise import silu_mul
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.elementwise import silu_mul
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["expert_activation", "expert_mlp", "grouped_experts", "grouped_experts_reference", "run_grouped"]
 

@@ -21,7 +21,7 @@ block is split once and kept for all rows; the saving is largest at one row, whe
 int8 weights held in :func:`tile_int8`'s order (the same tiles) go 16 features at a time the same way.
 The product is then integer: on a CPU with AVX-512 VNNI one
 ``vpdpbusd`` multiplies 64 weight bytes by 64 input bytes and adds them in fours (the fp32 kernels of
-:mod:`tightfit.cuda.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
+:mod:`tightfit.kernels.quant_linear` convert every weight to float and spend an FMA on each). int8 weights:
 ``y = s * (x^ . q) + b`` exactly as ``F.linear(x^, W)``; int4 (torchao's tinygemm scheme,
 ``W = q s + (zero - 8 s)`` per group): ``y = x^ . (q s) + x . (zero - 8 s) + b``: the zero-point term takes the
 fp32 ``x`` (its group sums), so only the ``q s`` part sees the rounding of ``x``.
@@ -36,7 +36,7 @@ inputs' rounding errors mostly cancel. The references below (PyTorch) compute ``
 kernel is checked against (dispatcher self-check, tests) to fp32 rounding. The end-to-end bounds (KL, greedy
 agreement on the trained fixture) hold with it: tests/energon_infer/test_quantization.py.
 
-Where it runs: fp32 ``x`` of at most :data:`~tightfit.cuda.quant_linear.NATIVE_MAX_ROWS` rows, ``K % 64 == 0``
+Where it runs: fp32 ``x`` of at most :data:`~tightfit.kernels.quant_linear.NATIVE_MAX_ROWS` rows, ``K % 64 == 0``
 and (int4) ``group_size`` 64, 128 or a multiple of 256, on a CPU with AVX-512 F/BW/VNNI (the build is ``-march=native``: the
 library reports whether it has the loops), unless ``TIGHTFIT_QUANT_ACTIVATIONS=fp32``. Elsewhere callers
 keep the fp32 kernels (:func:`a8_applies` says which; energon's quantized projections ask it per call), so
@@ -53,9 +53,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import native_enabled
-from tightfit.cuda.quant_linear import (
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import native_enabled
+from tightfit.kernels.quant_linear import (
     NATIVE_MAX_ROWS,
     _library,
     _native_error,
@@ -63,7 +63,7 @@ from tightfit.cuda.quant_linear import (
     dequantize_int8,
     unpack_int4,
 )
-from tightfit.cuda.weight_tiles import (
+from tightfit.kernels.weight_tiles import (
     TILE,
     check_tiled,
     check_tiled_int8,
@@ -225,12 +225,12 @@ def _check_k(name: str, x: torch.Tensor, k: int) -> None:
     if x.dim() != 2 or x.shape[1] != k or k % A8_BLOCK:
         raise ValueError(f"{name}: x {tuple(x.shape)} must be 2-D with {k} inputs (the weight's), a multiple of "
                          f"{A8_BLOCK} (one activation scale per block of {A8_BLOCK}); use the fp32-activation "
-                         f"kernel (tightfit.cuda.quant_linear) for this shape")
+                         f"kernel (tightfit.kernels.quant_linear) for this shape")
 
 
 def int8_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                    *, tiled: bool = False, backend: str | None = None) -> torch.Tensor:
-    """:func:`~tightfit.cuda.quant_linear.int8_linear` with ``x`` quantised to int8 per block (module docstring);
+    """:func:`~tightfit.kernels.quant_linear.int8_linear` with ``x`` quantised to int8 per block (module docstring);
     ``tiled``: ``qweight`` is in :func:`tile_int8`'s order."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.numel() != qweight.shape[0]:
         raise ValueError(f"int8_linear_a8: needs an int8 qweight (N, K) and N scales; got qweight {qweight.dtype} "
@@ -243,7 +243,7 @@ def int8_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, 
 
 def int4_linear_a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                    bias: torch.Tensor | None = None, *, tiled: bool = False, backend: str | None = None) -> torch.Tensor:
-    """:func:`~tightfit.cuda.quant_linear.int4_linear` with ``x`` quantised to int8 per block (module docstring);
+    """:func:`~tightfit.kernels.quant_linear.int4_linear` with ``x`` quantised to int8 per block (module docstring);
     ``tiled``: ``packed`` is in :func:`tile_int4`'s order."""
     n, half = packed.shape if packed.dim() == 2 else (0, 0)
     k = half * 2

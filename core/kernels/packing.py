@@ -10,7 +10,7 @@ unequal sequences with no pad token passing through any linear layer: the work i
 ``sum(lengths)`` rows instead of ``B * L`` (``L / mean(lengths)`` times less; 2.1x for lengths
 spread evenly over 16..512).
 
-Both directions are row moves, so they run on the row kernels of :mod:`tightfit.cuda.index_rows`
+Both directions are row moves, so they run on the row kernels of :mod:`tightfit.kernels.index_rows`
 (Triton on CUDA, ``index_select`` / ``index_copy_`` elsewhere) with the row index built on the
 device from ``starts`` and ``lengths``. The one host sync is the total length, which sizes the output.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tightfit.cuda.index_rows import gather_rows, scatter_rows
+from tightfit.kernels.index_rows import gather_rows, scatter_rows
 
 __all__ = ["pack", "unpack", "padded_row_index", "cu_seqlens"]
 

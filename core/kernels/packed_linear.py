@@ -35,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import forced_backend
+from tightfit.kernels.dispatch import forced_backend
 
 __all__ = ["ACTIVATIONS", "MIN_NUMEL", "MIN_ROWS", "PACKABLE_DTYPES", "SMALL_MIN_ROWS", "SMALL_NUMEL", "apply_activation",
            "packing_available", "pack_linear_weight", "packed_linear", "rows_worth_packing"]
@@ -79,7 +79,7 @@ def pack_linear_weight(weight: torch.Tensor, *, min_numel: int | None = None) ->
     caller's own ``min_numel`` elements instead where given), one that is not a 2-D CPU tensor of a :data:`PACKABLE_DTYPES` dtype, where
     :func:`packing_available` says no, for a weight with NaN or infinite entries (which no probe can check),
     or where the packed copy disagrees with ``F.linear`` on a probe (logged once per dtype on
-    ``tightfit.cuda.packed_linear``; the caller then keeps ``F.linear``).
+    ``tightfit.kernels.packed_linear``; the caller then keeps ``F.linear``).
     """
     if (weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
             or weight.is_mkldnn or not packing_available()):

@@ -15,7 +15,7 @@ halves contiguously.
 Core never imports torchao: the references below dequantise with plain PyTorch and the plugin that
 quantises (``energon_infer.loading.quantization``) checks them against torchao's own ``dequantize``.
 
-The native CPU backend (``core/kernels/cpu/quant_linear.c``, built by :mod:`tightfit.cuda.native`) takes fp32
+The native CPU backend (``core/kernels/cpu/quant_linear.c``, built by :mod:`tightfit.kernels.native`) takes fp32
 inputs of up to :data:`NATIVE_MAX_ROWS` rows and dequantises inside the dot products: each weight byte is read once
 per call and converted in registers. Where the CPU has AVX2 and FMA (the build is ``-march=native``) the loops are
 intrinsics: int8 sign-extends and converts eight weights per FMA; int4 reads a 32-byte block as eight 32-bit lanes and
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_kernel, native_error
-from tightfit.cuda.weight_tiles import check_tiled, check_tiled_int8, untile_int4, untile_int8
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import load_kernel, native_error
+from tightfit.kernels.weight_tiles import check_tiled, check_tiled_int8, untile_int4, untile_int8
 
 __all__ = ["NATIVE_MAX_ROWS", "INT4_GROUP_SIZES", "int8_linear", "int8_linear_reference", "int4_linear",
            "int4_linear_reference", "pack_int4", "unpack_int4", "dequantize_int4", "dequantize_int8"]
@@ -72,7 +72,7 @@ def _library() -> Any:
 def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
                        tiled: bool = False) -> torch.Tensor:
     """The fp32 ``(N, K)`` weight in row order, dequantised in C over all threads (int8 when ``zero`` is None;
-    ``tiled``: ``q`` in :func:`~tightfit.cuda.weight_tiles.tile_int8` / ``tile_int4``'s order)."""
+    ``tiled``: ``q`` in :func:`~tightfit.kernels.weight_tiles.tile_int8` / ``tile_int4``'s order)."""
     n, k = q.shape[0], q.shape[1] * (1 if zero is None else 2)
     out = torch.empty((n, k), dtype=torch.float32)
     _library().tf_dequantize_f32(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(),
@@ -192,7 +192,7 @@ _int8 = register_kernel("int8_linear", reference=int8_linear_reference, triton=N
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                 tiled: bool = False, backend: str | None = None) -> torch.Tensor:
     """``x @ (qweight * scale[:, None]).T + bias`` for ``x (M, K)``, ``qweight (N, K)`` int8 (with ``tiled``: in
-    :func:`~tightfit.cuda.weight_tiles.tile_int8`'s order), ``scale (N,)``."""
+    :func:`~tightfit.kernels.weight_tiles.tile_int8`'s order), ``scale (N,)``."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.shape[-1] != qweight.shape[1] or \
             scale.numel() != qweight.shape[0]:
         raise ValueError(f"int8_linear: x {tuple(x.shape)} needs an int8 qweight (N, {x.shape[-1]}) and N scales; got "
@@ -252,7 +252,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x @ W.T + bias`` with ``W = (q - 8) * scale + zero`` per row and group of ``group_size`` inputs.
 
     ``packed``: :func:`pack_int4` of ``q`` ``(N, K)``, or with ``tiled`` that in
-    :func:`~tightfit.cuda.weight_tiles.tile_int4`'s order; ``scale``, ``zero``: ``(N, K / group_size)``.
+    :func:`~tightfit.kernels.weight_tiles.tile_int4`'s order; ``scale``, ``zero``: ``(N, K / group_size)``.
     """
     n, half = packed.shape if packed.dim() == 2 else (0, 0)
     k = half * 2

@@ -6,7 +6,7 @@
 
 In PyTorch each is a chain of ops over the whole activation (``chunk``, ``silu``, ``mul``; ``cat``, ``neg``,
 two ``mul`` and an ``add``), each reading and writing every element. The native CPU backend
-(``core/kernels/cpu/elementwise.c``, built by :mod:`tightfit.cuda.native`; fp32) does one pass over each row.
+(``core/kernels/cpu/elementwise.c``, built by :mod:`tightfit.kernels.native`; fp32) does one pass over each row.
 
 A call of more than 16384 elements a thread splits its rows over PyTorch's OpenMP team (each row computed as on
 one thread, so the bits do not change). Decode steps stay on the calling thread.
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["silu_mul", "silu_mul_reference", "rotary_", "rotary_reference", "rms_norm",
            "rms_norm_reference"]

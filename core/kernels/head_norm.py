@@ -9,7 +9,7 @@ the rest (the keys), as those models' references do (the weight after the normal
 
 In PyTorch this is, per layer, a copy of the query heads out of the QKV output (a strided view cannot be reshaped
 to rows in place), a norm, a copy back, and the same for the keys: six ops, launch-bound at the few rows of a
-decode step. The native CPU backend (C on raw pointers, see :mod:`tightfit.cuda.native`; fp32) does it in one call
+decode step. The native CPU backend (C on raw pointers, see :mod:`tightfit.kernels.native`; fp32) does it in one call
 in place. No Triton kernel: on CUDA the reference runs.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["rms_norm_heads_", "rms_norm_heads_reference"]
 

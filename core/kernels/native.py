@@ -1,6 +1,6 @@
 """Compile a small C source with the system's C compiler on first use and load it with ``ctypes``.
 
-The CPU backend of a kernel (``backend="native"``, see :mod:`tightfit.cuda.dispatch`) is plain C99
+The CPU backend of a kernel (``backend="native"``, see :mod:`tightfit.kernels.dispatch`) is plain C99
 on raw pointers: no PyTorch headers, so a build is one short compiler run (no ``torch.utils.cpp_extension``
 build and its file lock), and ``ctypes`` releases the GIL during the call.
 
@@ -21,7 +21,7 @@ without it (so loading a library never switches the process to flush-to-zero). A
 ``openmp`` is built with ``-fopenmp`` where PyTorch's GNU OpenMP runtime is already in the process
 (:func:`torch_openmp`): the loader then binds it to that same ``libgomp.so.1``, so its parallel regions run on
 PyTorch's threads; where that build fails it is built without. ``TIGHTFIT_NATIVE=0`` disables every native library (each kernel then runs its PyTorch reference). A missing or failing compiler is
-not an error: :func:`load_library` returns ``None``, logs the reason once on ``tightfit.cuda.native`` and
+not an error: :func:`load_library` returns ``None``, logs the reason once on ``tightfit.kernels.native`` and
 the dispatcher uses the reference.
 """
 

@@ -1,4 +1,4 @@
-"""The native CPU backend of :func:`tightfit.cuda.varlen_attention.paged_attention` (fp32).
+"""The native CPU backend of :func:`tightfit.kernels.varlen_attention.paged_attention` (fp32).
 
 Decode steps are where a CPU server spends its time, and there the PyTorch reference first copies every
 sequence's pages out of the pool with ``index_select`` and then runs ``scaled_dot_product_attention``
@@ -6,7 +6,7 @@ on the copy with a key mask: two passes over the keys and values, plus a dozen o
 This kernel reads keys and values in place through the block table, once: per sequence it walks the pages
 in memory order, scores every query head against each key (a query head reads its group's key head), takes
 an exact softmax (max, exp, sum in fp32) and accumulates the values. The C is
-``core/kernels/cpu/paged_attention.c``, built by :mod:`tightfit.cuda.native`.
+``core/kernels/cpu/paged_attention.c``, built by :mod:`tightfit.kernels.native`.
 
 Where the CPU has AVX2 + FMA (the library is built with ``-march=native``, keyed by the CPU's flags) and the
 head width is a multiple of 8, keys are scored 8 at a time: one register of 8 dot products from 8 accumulators
@@ -14,7 +14,7 @@ and a single hadd tree, instead of a horizontal sum per key and head; the values
 time too. Other widths and CPUs keep the loop above.
 
 A sliding window, tanh soft-capping and per-head sinks (the options of
-:func:`~tightfit.cuda.varlen_attention.paged_attention`) run here too: a query's walk starts at its window's first
+:func:`~tightfit.kernels.varlen_attention.paged_attention`) run here too: a query's walk starts at its window's first
 key, so the pages before it are never read (the scheduler releases them: their table entries may be ``-1``); the
 scaled scores are capped (``softcap * tanh(score / softcap)``) before the exact softmax; a sink logit joins the
 softmax's max and sum, and its share is dropped. Rows are split over threads by the keys each sees within its window.
@@ -28,7 +28,7 @@ splitting it that way. Other dtypes than fp32, and caches that are not contiguou
 With ``torch.get_num_threads() > 1`` the sequences are split over that many threads, in runs of about equal
 keys x queries, when the call has enough work for them (about 200k multiply-adds per thread). Where PyTorch
 runs on GNU OpenMP the library is built with ``-fopenmp`` and the runs go to PyTorch's own team (see
-:mod:`tightfit.cuda.quant_linear`).
+:mod:`tightfit.kernels.quant_linear`).
 Elsewhere, and in a child forked after a parallel region, each call starts POSIX threads.
 """
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["NATIVE_MAX_Q", "paged_attention_native", "native_attention_error", "native_runs", "store_kv_native"]
 
@@ -67,8 +67,8 @@ def native_attention_error() -> str:
 
 def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """Native launcher of :func:`~tightfit.cuda.varlen_attention.store_kv` (one call for keys and values)."""
-    from tightfit.cuda.varlen_attention import store_kv_reference
+    """Native launcher of :func:`~tightfit.kernels.varlen_attention.store_kv` (one call for keys and values)."""
+    from tightfit.kernels.varlen_attention import store_kv_reference
 
     width = k_cache.shape[2] * k_cache.shape[3]
     k2, v2 = k.reshape(-1, width), v.reshape(-1, width)
@@ -94,8 +94,8 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                            *, scale: float, max_q_len: int, window: int = 0, softcap: float = 0.0,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Native launcher (no argument checks; call :func:`~tightfit.cuda.varlen_attention.paged_attention`)."""
-    from tightfit.cuda.varlen_attention import attend_sequences, paged_attention_reference
+    """Native launcher (no argument checks; call :func:`~tightfit.kernels.varlen_attention.paged_attention`)."""
+    from tightfit.kernels.varlen_attention import attend_sequences, paged_attention_reference
 
     options = {"window": window, "softcap": softcap, "sinks": sinks}
     if not native_runs(q, k_cache, v_cache):

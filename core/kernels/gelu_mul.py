@@ -4,10 +4,10 @@
 
 In PyTorch it is three ops over the activation (``chunk``, ``gelu(approximate="tanh")``, ``mul``), the gelu a
 polynomial and a tanh per element; a Gemma decode step runs it once per layer on every row. The native CPU backend
-(``core/kernels/cpu/gelu_mul.c``, built by :mod:`tightfit.cuda.native`; fp32) reads the gate and up halves once
+(``core/kernels/cpu/gelu_mul.c``, built by :mod:`tightfit.kernels.native`; fp32) reads the gate and up halves once
 and writes the product: ``0.5 * x * (1 + tanh(u))`` is computed as ``x / (1 + exp(-2u))`` (the same function: ``0.5 * (1 +
 tanh(u))`` is the logistic of ``2u``), one ``expf`` per element, which the compiler vectorises, and no cancellation
-near 0. Rows split over PyTorch's OpenMP team as :mod:`tightfit.cuda.elementwise`'s ``silu_mul`` does.
+near 0. Rows split over PyTorch's OpenMP team as :mod:`tightfit.kernels.elementwise`'s ``silu_mul`` does.
 
 No Triton kernel: on CUDA the PyTorch reference runs (CUDA graphs remove the launches of decode steps there).
 """
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import register_kernel
-from tightfit.cuda.native import load_kernel, native_error
+from tightfit.kernels.dispatch import register_kernel
+from tightfit.kernels.native import load_kernel, native_error
 
 __all__ = ["gelu_tanh_mul", "gelu_tanh_mul_reference"]
 

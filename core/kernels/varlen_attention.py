@@ -51,9 +51,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tightfit.cuda.dispatch import interpreter_enabled, register_kernel
-from tightfit.cuda.index_rows import scatter_rows
-from tightfit.cuda.varlen_attention_cpu import native_attention_error, paged_attention_native, store_kv_native
+from tightfit.kernels.dispatch import interpreter_enabled, register_kernel
+from tightfit.kernels.index_rows import scatter_rows
+from tightfit.kernels.varlen_attention_cpu import (
+    native_attention_error,
+    paged_attention_native,
+    store_kv_native,
+)
 
 __all__ = [
     "attend_sequences",
@@ -365,7 +369,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     ``max_q_len`` (the longest ``q_len`` in the batch, a host integer) sizes the Triton grid and
     picks the decode fast path of the reference; ``backend`` overrides ``TIGHTFIT_KERNELS``. On CPU the
-    native backend (:mod:`tightfit.cuda.varlen_attention_cpu`, fp32) runs where a C compiler built it.
+    native backend (:mod:`tightfit.kernels.varlen_attention_cpu`, fp32) runs where a C compiler built it.
     ``window`` > 0: a query at position ``p`` sees keys ``p - window + 1 .. p`` only (pages wholly before that
     are never read: their table entries may be ``-1``); ``softcap`` > 0: scores become
     ``softcap * tanh(score * scale / softcap)``; ``sinks`` ``(Hq,)``: one logit per query head joins its softmax.
@@ -445,7 +449,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
     """Write new keys/values ``(T, Hk, D)`` to cache slots (``slot = block * block_size + offset``).
 
-    A row scatter (:func:`tightfit.cuda.index_rows.scatter_rows`) on the caches viewed as
+    A row scatter (:func:`tightfit.kernels.index_rows.scatter_rows`) on the caches viewed as
     ``(blocks * block_size, Hk * D)``, or on CPU one native call for keys and values; slots come from
     the runtime's own block tables, so they are not validated again (that would cost a host sync per layer).
     """

@@ -1,5 +1,5 @@
 """The tiled weight layouts: a quantized weight of one byte per element (int8 ``(N, K)``, or int4 packed two to a
-byte by :func:`~tightfit.cuda.quant_linear.pack_int4`, ``(N, K/2)``) with each 16 rows' bytes reordered so that one
+byte by :func:`~tightfit.kernels.quant_linear.pack_int4`, ``(N, K/2)``) with each 16 rows' bytes reordered so that one
 64-byte load is 16 output features' next four bytes.
 
     if int4_tiles_apply(n, k, group_size):
@@ -9,10 +9,10 @@ byte by :func:`~tightfit.cuda.quant_linear.pack_int4`, ``(N, K/2)``) with each 1
         tiled = tile_int8(qweight)             # likewise for an int8 weight
         assert torch.equal(untile_int8(tiled), qweight)
 
-The int8-activation kernel (:mod:`tightfit.cuda.quant_linear_a8`) reads them with no transpose per call: one
+The int8-activation kernel (:mod:`tightfit.kernels.quant_linear_a8`) reads them with no transpose per call: one
 ``vpdpbusd`` meets four broadcast inputs of a row with those inputs' weights of 16 features, and a row's 16 sums
-land in one vector. The native dequantiser (the prefill paths of :func:`~tightfit.cuda.quant_linear.int8_linear`
-and :func:`~tightfit.cuda.quant_linear.int4_linear`) reads them row by row. energon holds its quantized projections
+land in one vector. The native dequantiser (the prefill paths of :func:`~tightfit.kernels.quant_linear.int8_linear`
+and :func:`~tightfit.kernels.quant_linear.int4_linear`) reads them row by row. energon holds its quantized projections
 so where its kernel runs (``energon_infer.parallel.quant_tiling``).
 """
 
@@ -67,7 +67,7 @@ def _untile(tiled: torch.Tensor) -> torch.Tensor:
 
 
 def tile_int4(packed: torch.Tensor) -> torch.Tensor:
-    """``packed`` (:func:`~tightfit.cuda.quant_linear.pack_int4`, ``(N, K/2)`` uint8, ``N % 16 == 0``, ``K % 128
+    """``packed`` (:func:`~tightfit.kernels.quant_linear.pack_int4`, ``(N, K/2)`` uint8, ``N % 16 == 0``, ``K % 128
     == 0``) with each 16 rows' bytes reordered for the int8-activation kernel: per 64-byte run ``u`` of a row, 16
     runs of 64 bytes, run ``i`` holding bytes ``64u + 4i .. 64u + 4i + 3`` of the tile's 16 rows side by side.
     Same shape, dtype and bytes; a tile's bytes stay its rows' bytes (rows can still be split at multiples of 16).
@@ -77,7 +77,7 @@ def tile_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def untile_int4(tiled: torch.Tensor) -> torch.Tensor:
-    """The row order (:func:`~tightfit.cuda.quant_linear.pack_int4`) of a :func:`tile_int4` weight."""
+    """The row order (:func:`~tightfit.kernels.quant_linear.pack_int4`) of a :func:`tile_int4` weight."""
     return _untile(tiled)
 
 

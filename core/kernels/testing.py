@@ -5,8 +5,8 @@ backend runs on CPU tensors, so every kernel is checked against its reference on
 
 Example:
     >>> import torch
-    >>> from tightfit.cuda import get_kernel
-    >>> from tightfit.cuda.testing import assert_matches_reference
+    >>> from tightfit.kernels import get_kernel
+    >>> from tightfit.kernels.testing import assert_matches_reference
     >>> src, idx = torch.randn(5, 3), torch.tensor([4, 0, 4])
     >>> assert_matches_reference(get_kernel("gather_rows"), src, idx, torch.empty(3, 3))  # doctest: +SKIP
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.dispatch import Kernel
+from tightfit.kernels.dispatch import Kernel
 
 __all__ = ["ODD_SHAPES", "FLOAT_DTYPES", "tolerance", "assert_matches_reference", "compile_for_gpu"]
 

@@ -4,24 +4,24 @@
     down = [QuantWeight(packed, scale, zero, 32), ...]             # int4 (quant_linear.int4_linear's format)
     out = grouped_quant_experts(x, weights, chosen, gate_up, down)  # (T, H) fp32, as grouped_experts
 
-The same op as :func:`tightfit.cuda.grouped_experts.grouped_experts` (see its module docstring: the pairs sorted by
+The same op as :func:`tightfit.kernels.grouped_experts.grouped_experts` (see its module docstring: the pairs sorted by
 expert, each expert with tokens run once over all of them, its rows scaled by their routing weights and summed per
 token in fp32, in ascending expert order), with each expert's two products run by the quantized linear kernels of
-:mod:`tightfit.cuda.quant_linear` on the expert's rows: the native CPU kernel, which dequantises inside its dot
-products, up to :data:`~tightfit.cuda.quant_linear.NATIVE_MAX_ROWS` rows (a decode step's share of an expert),
+:mod:`tightfit.kernels.quant_linear` on the expert's rows: the native CPU kernel, which dequantises inside its dot
+products, up to :data:`~tightfit.kernels.quant_linear.NATIVE_MAX_ROWS` rows (a decode step's share of an expert),
 dequantise + BLAS above (prefill). Those kernels split an expert's output features over the threads, each
 feature's sum on one thread, so the result does not depend on the thread count where theirs does not. A quantized
 expert reads a quarter (int8) or about an eighth (int4) of its fp32 bytes per step, which is what bounds a decode
 step's expert time on a CPU.
 
-The weights stay in the row order :func:`~tightfit.cuda.quant_linear.pack_int4` gives (not the tiles of
-:mod:`tightfit.cuda.weight_tiles`) and the activations in fp32: the product is torchao's weight-only product, as
+The weights stay in the row order :func:`~tightfit.kernels.quant_linear.pack_int4` gives (not the tiles of
+:mod:`tightfit.kernels.weight_tiles`) and the activations in fp32: the product is torchao's weight-only product, as
 the fp32-activation kernels compute it.
 
 Example:
     >>> import torch
-    >>> from tightfit.cuda.grouped_experts import expert_mlp
-    >>> from tightfit.cuda.quant_linear import dequantize_int8
+    >>> from tightfit.kernels.grouped_experts import expert_mlp
+    >>> from tightfit.kernels.quant_linear import dequantize_int8
     >>> def q8(w):
     ...     scale = w.abs().amax(1) / 127
     ...     return QuantWeight((w / scale[:, None]).round().to(torch.int8), scale, None, 0)
@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from tightfit.cuda.grouped_experts import Biases, _bias, expert_activation, run_grouped
-from tightfit.cuda.quant_linear import int4_linear, int8_linear
+from tightfit.kernels.grouped_experts import Biases, _bias, expert_activation, run_grouped
+from tightfit.kernels.quant_linear import int4_linear, int8_linear
 
 __all__ = ["QuantWeight", "quant_linear", "quant_expert_mlp", "grouped_quant_experts"]
 
@@ -72,7 +72,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 def quant_expert_mlp(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,
                      gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                      limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
-    """One quantized expert's gated MLP on the rows ``x`` (:func:`~tightfit.cuda.grouped_experts.expert_mlp`'s)."""
+    """One quantized expert's gated MLP on the rows ``x`` (:func:`~tightfit.kernels.grouped_experts.expert_mlp`'s)."""
     return quant_linear(expert_activation(quant_linear(x, gate_up, gate_up_bias), limit, alpha), down, down_bias)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tightfit.cuda.dispatch import register_kernel
+from tightfit.kernels.dispatch import register_kernel
 
 __all__ = [
     "gather_rows",

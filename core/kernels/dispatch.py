@@ -6,7 +6,7 @@ The rule (``choose_backend``):
    (``reference``, ``triton`` or ``native``; unset or ``auto`` means decide).
 2. ``auto``: Triton when every tensor argument is on a CUDA device and Triton imports; the native CPU
    backend when no tensor is on CUDA and the kernel has one that builds here (C compiled on first use,
-   :mod:`tightfit.cuda.native`); the reference otherwise.
+   :mod:`tightfit.kernels.native`); the reference otherwise.
 3. A forced ``triton`` with CPU tensors is allowed only under Triton's interpreter
    (``TRITON_INTERPRET=1``, how the tests run kernels on CPU); otherwise it raises, naming the fix.
 4. A forced ``native`` raises when the library cannot be built or a tensor is on CUDA; through the
@@ -34,7 +34,7 @@ first use and caches the answer, so ``import tightfit`` works where Triton is no
 
 Example:
     >>> import torch
-    >>> from tightfit.cuda.dispatch import Kernel
+    >>> from tightfit.kernels.dispatch import Kernel
     >>> double = Kernel("double_demo", reference=lambda x: x * 2, triton=lambda x: x * 2)
     >>> double(torch.ones(2)).tolist()      # CPU tensor -> the reference
     [2.0, 2.0]
@@ -263,7 +263,7 @@ class Kernel:
             :class:`Kernel` never imports Triton. ``None`` for a kernel with only a native CPU backend
             (CUDA tensors then take the reference).
         doc: one line for listings.
-        native: the native CPU launcher (optional; see :mod:`tightfit.cuda.native`).
+        native: the native CPU launcher (optional; see :mod:`tightfit.kernels.native`).
         native_error: ``() -> str``, why the native library is unavailable ('' when it is); required with ``native``.
 
         shape_class: ``(*args, **kwargs) -> hashable``: which inputs one self-check covers. Default:
