@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tightfit.planner.errors import PlanInfeasibleError
-from tightfit.planner.tiers import MemoryTiers, disk_seconds, tier_error
+from tightfit.planner.tiers import MemoryTiers, tier_error
 from tightfit.profiler.types import DiskProfile
 from tightfit.units import format_bytes, format_table
 
@@ -111,8 +111,8 @@ class CachePlan:
         disk_bytes: bytes of the full tables on disk (0 without a disk tier).
         predicted_host_hit_rate: share of the counted ids on the device or the host level (``None`` without
             statistics or without a disk tier).
-        disk_seconds_per_id: predicted disk seconds per looked-up id (the misses of both levels, a page each,
-            at the disk's read bandwidth; ``None`` without statistics or disk).
+        disk_seconds_per_id: predicted disk seconds per looked-up id (the misses of both levels, a page each, at
+            the disk profile's measured random reads of that size; ``None`` without statistics or disk).
     """
 
     slots: dict[str, int] = field(default_factory=dict)
@@ -237,14 +237,21 @@ def _host_level(plan: CachePlan, tables: Sequence[CacheTableSpec], frequencies: 
         level = {t.name: plan.slots[t.name] + rows[t.name] for t in tables}
         covered = {t.name: float(torch.topk(frequencies[t.name].double(), level[t.name]).values.sum()) for t in tables}
         host_hit = sum(covered.values()) / total if total else 0.0
-        missed = sum((float(frequencies[t.name].sum()) - covered[t.name]) * max(t.row_bytes, DISK_PAGE_BYTES)
-                     for t in tables)
-        # Bandwidth only: misses are read in batches whose request latency is paid once per batch, not per id.
-        per_id = (disk_seconds(disk, missed) - disk.read_fit[0]) / total if total and missed else 0.0
+        # A missed id reads the 4 KiB blocks holding its row, scattered: priced at the profile's measured random
+        # reads of that size (profile_disk), in batches whose request latency is paid once per batch, not per id.
+        seconds = sum(disk.random_read_seconds(float(frequencies[t.name].sum()) - covered[t.name], _blocks(t.row_bytes))
+                      for t in tables)
+        per_id = seconds / total if total else 0.0
     return CachePlan(slots=plan.slots, budget_bytes=plan.budget_bytes, used_bytes=plan.used_bytes,
                      predicted_hit_rate=plan.predicted_hit_rate, host_rows=rows,
                      host_bytes=sum(rows[t.name] * t.host_row_bytes for t in tables), disk_bytes=full,
                      predicted_host_hit_rate=host_hit, disk_seconds_per_id=per_id)
+
+
+def _blocks(row_bytes: int) -> int:
+    """Bytes a missed row costs the disk: the whole pages holding it (at most one page more when it straddles
+    two, which this bound ignores)."""
+    return -(-row_bytes // DISK_PAGE_BYTES) * DISK_PAGE_BYTES
 
 
 def split_slots(tables: Sequence[CacheTableSpec], total_slots: int, *,

@@ -20,7 +20,11 @@ Measured (``source="measured"``) on a scratch file in the directory, cached unde
   planner prices with (``T = C + D - o * min(C, D)``). Two loops are timed, matmuls (forward and backward) and
   an elementwise AdamW-like update (the optimizer step), and the smaller ``o`` is kept. On a machine whose
   cores also serve the I/O (checksums, copies, the engine's threads) it is well below 1; a cached profile
-  without it gains it on its next use.
+  without it gains it on its next use;
+* ``random_read_bytes_per_s``: scattered reads at a cache's request sizes (:data:`RANDOM_SIZES`: a missed row's
+  4 KiB block, a few rows' blocks) at uniform aligned offsets of the scratch file, :data:`RANDOM_DEPTH` in
+  flight through kernel AIO as the store reads a batch of misses; the cache planner prices its disk misses
+  with them. A cached profile without them gains them on its next use.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tightfit.console import reporter
@@ -45,7 +50,8 @@ from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.device import cache_dir
 from tightfit.profiler.types import DiskProfile
 from tightfit.storage import ExtentIO, IOEngine, aligned_empty, check_disk_dir, checksum, free_bytes, mount_of
-from tightfit.storage.fs import open_data
+from tightfit.storage.aio import read_many
+from tightfit.storage.fs import open_data, pread_full
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +60,9 @@ __all__ = ["profile_disk", "disk_cache_file", "disk_key", "overlap_fraction", "s
 KiB, MiB = 2**10, 2**20
 _SIZES, _QUICK_SIZES = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB], [256 * KiB, MiB, 4 * MiB]
 _DEPTHS, _QUICK_DEPTHS = [1, 2, 4, 8], [1, 2, 4]
+# Scattered reads at a cache's request sizes: a missed row's 4 KiB block, a few neighbouring rows' blocks; as
+# many in flight as one batch of misses puts at the device (the store's kernel AIO submission, else its threads).
+RANDOM_SIZES, RANDOM_DEPTH = [4 * KiB, 16 * KiB], 16
 _WITHIN = 0.05  # "as good as the best" for request size and depth: within 5%
 
 
@@ -155,15 +164,60 @@ def _measure(d: Path, quick: bool, log: Callable[[str], None]) -> DiskProfile:
                 ts.append(bench.run(size=request, depth=depth, nbytes=n * request, write=op == "write", direct=direct))
                 xs.append(float(n * request))
             fits[op] = fit_alpha_beta(xs, ts, 1.0)
-        log("5/5 reads beside compute (the fraction of I/O hidden behind it)")
+        log("5/5 reads beside compute (the fraction of I/O hidden behind it), scattered reads")
         overlap = _overlap(bench, request=request, depth=depth, direct=direct, read_bw=fits["read"][1], quick=quick)
+        random = _random_reads(scratch, pass_bytes, direct=direct, quick=quick)
     finally:
         scratch.unlink(missing_ok=True)
     free, total = free_bytes(d)
     return DiskProfile(path=str(d), free_bytes=free, total_bytes=total, filesystem=mount_of(d).filesystem,
                        read_fit=fits["read"], write_fit=fits["write"], read_bytes_per_s=rates["read"],
                        write_bytes_per_s=rates["write"], request_bytes=request, queue_depth=depth, direct=direct,
-                       source="measured", key=disk_key(d), compute_overlap=overlap)
+                       source="measured", key=disk_key(d), compute_overlap=overlap, random_read_bytes_per_s=random)
+
+
+def _random_reads(path: Path, file_bytes: int, *, direct: bool, quick: bool) -> dict[int, float]:
+    """Bytes/s of scattered reads of each of :data:`RANDOM_SIZES` over the written file ``path`` (aligned offsets
+    drawn uniformly), :data:`RANDOM_DEPTH` in flight: as :meth:`~tightfit.storage.TensorStore.read_ranges` issues
+    a batch of missed rows."""
+    fd, got_direct = open_data(path, direct=direct)
+    rng = np.random.default_rng(0)
+    out: dict[int, float] = {}
+    try:
+        if not got_direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for size in RANDOM_SIZES:
+            count = (1024 if quick else 4096) * 4 * KiB // size
+            offsets = rng.integers(0, file_bytes // size, count, dtype=np.int64) * size
+            buf = aligned_empty(RANDOM_DEPTH * size).numpy()
+            ring = (buf.ctypes.data + (np.arange(count) % RANDOM_DEPTH) * size).astype(np.uint64)
+            start = time.perf_counter()
+            got = read_many(fd, ring, np.full(count, size, dtype=np.int64), offsets)
+            if got is None:  # no kernel AIO here: the store's worker threads, RANDOM_DEPTH of them
+                engine = IOEngine(workers=RANDOM_DEPTH, max_inflight=2 * RANDOM_DEPTH)
+                views = [memoryview(buf[i * size:(i + 1) * size]) for i in range(RANDOM_DEPTH)]
+                try:
+                    futures = [engine.submit(pread_full, fd, views[i % RANDOM_DEPTH], int(off), path)
+                               for i, off in enumerate(offsets.tolist())]
+                    for f in futures:
+                        f.result()
+                finally:
+                    engine.close()
+            out[size] = count * size / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _random_of(d: Path, profile: DiskProfile, quick: bool) -> dict[int, float]:
+    """Scattered reads alone (a cached profile that predates them): a scratch file written, read, removed."""
+    pass_bytes = 64 * MiB if quick else 256 * MiB
+    scratch = d / f".tightfit-disk-profile-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    try:
+        _Bench(scratch, 4 * MiB, pass_bytes).run(size=4 * MiB, depth=2, nbytes=pass_bytes, write=True, direct=True)
+        return _random_reads(scratch, pass_bytes, direct=profile.direct, quick=quick)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def _overlap_of(d: Path, profile: DiskProfile, quick: bool) -> float:
@@ -293,6 +347,10 @@ def profile_disk(path: str | os.PathLike[str], *, quick: bool = False, refresh: 
                 except (ValueError, TypeError, KeyError):
                     say(f"ignoring unreadable cache file {f}")
                     continue
+                if not cached.random_read_bytes_per_s and cached.source == "measured":
+                    say(f"cached: {f}; measuring scattered reads at a cache's request sizes, which it lacks")
+                    cached = dataclasses.replace(cached, random_read_bytes_per_s=_random_of(d, cached, quick))
+                    cached.to_json(f)
                 if cached.compute_overlap < 0 and cached.source == "measured":
                     # Cached before the overlap was measured: measure it alone (a few seconds) and keep it.
                     say(f"cached: {f}; measuring reads beside compute, which it lacks")

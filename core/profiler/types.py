@@ -295,6 +295,9 @@ class DiskProfile:
         key: cache key (device and filesystem of the path).
         compute_overlap: measured fraction of disk I/O hidden behind compute running at the same time (1.0: free,
             0.0: serialised with it); negative = not measured (full overlap assumed, as ``comm_overlap``).
+        random_read_bytes_per_s: bandwidth of scattered reads by request size (``{4096: 2.1e8}``: a missed row's
+            4 KiB block, a few rows' blocks), many requests in flight as a cache's batch of misses has them; empty
+            = not measured (:meth:`random_read_seconds` then uses the sequential fit).
     """
 
     path: str
@@ -311,6 +314,7 @@ class DiskProfile:
     source: str = "measured"
     key: str = ""
     compute_overlap: float = -1.0
+    random_read_bytes_per_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f"disk profile {self.path!r}"
@@ -332,6 +336,11 @@ class DiskProfile:
                 for depth, rate in per_depth.items():
                     check_number(rate, f"{table}[{size}][{depth}]", where=where, low=0, low_open=True,
                                  error=ProfileError, fix=f"leave unmeasured entries out; {fix}")
+        for size, rate in self.random_read_bytes_per_s.items():
+            check_number(size, "random_read_bytes_per_s size", where=where, integer=True, low=1, error=ProfileError,
+                         fix=fix)
+            check_number(rate, f"random_read_bytes_per_s[{size}]", where=where, low=0, low_open=True,
+                         error=ProfileError, fix=f"leave unmeasured entries out; {fix}")
         if not self.compute_overlap < 0:  # NaN must fail here, not read as "not measured"
             check_number(self.compute_overlap, "compute_overlap", where=where, low=0, high=1, error=ProfileError,
                          fix="give a fraction in [0, 1], or -1 for not measured")
@@ -344,6 +353,23 @@ class DiskProfile:
     def read_seconds(self, nbytes: float) -> float:
         """Seconds to read ``nbytes`` sequentially (0 bytes: free)."""
         return self.read_fit[0] + nbytes / self.read_fit[1] if nbytes > 0 else 0.0
+
+    def random_read_seconds(self, requests: float, size: int) -> float:
+        """Seconds to read ``requests`` scattered requests of ``size`` bytes (one batch: no latency per request),
+        at the measured random-read bandwidth of the smallest measured size >= ``size`` (the largest measured one
+        beyond them), else at the sequential read bandwidth.
+
+        >>> p = DiskProfile(path="/d", free_bytes=0, random_read_bytes_per_s={4096: 2e8, 16384: 5e8})
+        >>> round(p.random_read_seconds(1000, 4096), 6), round(p.random_read_seconds(10, 8192), 6)
+        (0.02048, 0.00016384)
+        """
+        if requests <= 0:
+            return 0.0
+        measured = sorted(self.random_read_bytes_per_s)
+        if not measured:
+            return requests * size / self.read_fit[1]
+        at = next((m for m in measured if m >= size), measured[-1])
+        return requests * size / self.random_read_bytes_per_s[at]
 
     def write_seconds(self, nbytes: float) -> float:
         """Seconds to write ``nbytes`` sequentially (0 bytes: free)."""

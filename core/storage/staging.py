@@ -7,9 +7,9 @@ moves and *in which order*:
 
 * :class:`StagingBuffers`: one host buffer per I/O thread (aligned for ``O_DIRECT``, pinned when CUDA is present,
   so a copy to the device can run on a stream), allocated on the thread's first use and reused for every read.
-* :class:`ReadAhead`: reads of items by key, in an order the caller states, kept ``depth`` items ahead of the
-  consumer on a ring of ``depth + 1`` slots, on one background thread; a slot is reused only after the consumer
-  moved past its item.
+* :class:`ReadAhead`: reads of items by key, in an order the caller states (all at once, or key by key as they
+  become known: :meth:`~ReadAhead.add`), kept ``depth`` items ahead of the consumer on a ring of ``depth + 1``
+  slots, on one background thread; a slot is reused only after the consumer moved past its item.
 * :class:`WriteBehind`: writes queued on one background thread, in order, at most ``max_pending`` at once; a
   failed write raises on the next :meth:`~WriteBehind.submit` or :meth:`~WriteBehind.flush` and hands back the
   payloads of the failed write and of every write behind it, so nothing is lost.
@@ -43,7 +43,11 @@ import torch
 
 from tightfit.storage.buffers import aligned_empty
 
-__all__ = ["IOTotals", "IOCounters", "Tally", "StagingBuffers", "ReadAhead", "WriteBehind", "WriteBehindError"]
+__all__ = ["IOTotals", "IOCounters", "Tally", "StagingBuffers", "ReadAhead", "WriteBehind", "WriteBehindError",
+           "KEEP_PASSED"]
+
+KEEP_PASSED = 1024
+"""Keys an open :class:`ReadAhead` remembers behind its consumer (to restart at)."""
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -131,10 +135,14 @@ class ReadAhead(Generic[K, V]):
     (``0 .. depth``, a ring the caller owns) with the item; :meth:`take` waits for the next item of the order and
     returns what ``read`` returned, raising what it raised. The slot of item ``i`` is reused for item ``i + depth + 1``, which starts
     only when the consumer takes item ``i + 1``: while the consumer uses item ``i``, its slot is untouched.
-    Taking a key out of order restarts the order at that key (in-flight reads are waited for and dropped).
+    Taking a key further along the order skips the keys before it (their reads in flight are waited for and
+    dropped); taking a key already passed restarts the order at that key (every read in flight is dropped).
+    :meth:`add` appends a key to the order (a stream whose keys become known as it runs, like a training loop's
+    steps); keys more than :data:`KEEP_PASSED` behind the consumer are then forgotten (a restart cannot reach
+    them). The methods may be called from several threads.
 
     Args:
-        order: the keys, in the order they will be taken.
+        order: the keys, in the order they will be taken (more may be added).
         read: fills a slot with one item.
         depth: items read ahead of the one in use (slots = depth + 1).
     """
@@ -146,7 +154,8 @@ class ReadAhead(Generic[K, V]):
             raise ValueError(f"ReadAhead: the order repeats keys {sorted({k for k in order if order.count(k) > 1}, key=repr)}; "
                              "give each key once")
         self.order, self.read = list(order), read
-        self.depth = min(depth, max(len(self.order) - 1, 0))  # never more slots than keys
+        self.depth = min(depth, max(len(self.order) - 1, 0)) if self.order else depth  # never more slots than keys
+        self._lock = threading.RLock()
         self._at = {k: i for i, k in enumerate(self.order)}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tightfit-readahead")
         self._ahead: deque[tuple[K, int, Future[V]]] = deque()
@@ -160,9 +169,27 @@ class ReadAhead(Generic[K, V]):
             self._next += 1
             self._ahead.append((key, slot, self._pool.submit(self.read, key, slot)))
 
-    def _drop(self) -> None:
-        """Wait for every read in flight and give its slot back (their results and errors are discarded)."""
-        while self._ahead:
+    def add(self, key: K) -> None:
+        """Append ``key`` to the order (a key already in it is refused) and start its read if it is within
+        ``depth`` of the consumer."""
+        with self._lock:
+            if key in self._at:
+                raise ValueError(f"ReadAhead.add({key!r}): the key is already in the order; give each key once")
+            self._at[key] = len(self.order)
+            self.order.append(key)
+            self._start()
+            if self._next > 2 * KEEP_PASSED:  # forget keys long passed: the order does not grow with the stream
+                cut = self._next - KEEP_PASSED - len(self._ahead)
+                for k in self.order[:cut]:
+                    del self._at[k]
+                del self.order[:cut]
+                self._at = {k: i - cut for k, i in self._at.items()}
+                self._next -= cut
+
+    def _drop(self, until: K | None = None) -> None:
+        """Wait for the reads in flight (``until``: only those before that key's) and give their slots back
+        (their results and errors are discarded)."""
+        while self._ahead and (until is None or self._ahead[0][0] != until):
             _, slot, fut = self._ahead.popleft()
             try:
                 fut.result()
@@ -173,29 +200,41 @@ class ReadAhead(Generic[K, V]):
     def take(self, key: K) -> V:
         """The item ``key`` (the next of the order, else the order restarts at it), read into its slot; the slot
         of the item taken before is released."""
+        with self._lock:
+            fut = self._claim(key)
+        try:
+            value = fut.result()
+        except BaseException:
+            with self._lock:
+                if self._held is not None:
+                    self._free.append(self._held)
+                    self._held = None
+            raise
+        with self._lock:
+            self._start()
+        return value
+
+    def _claim(self, key: K) -> Future[V]:
+        """Make ``key``'s read the held one (skipping or restarting as :meth:`take` says); its future."""
         if key not in self._at:
             raise KeyError(f"ReadAhead.take({key!r}): the key is not in the order; keys: {self.order[:8]}")
         if self._held is not None:
             self._free.append(self._held)
             self._held = None
-        if not self._ahead or self._ahead[0][0] != key:
+        if any(k == key for k, _, _ in self._ahead):
+            self._drop(until=key)  # skipped keys: their reads are dropped
+        elif not self._ahead or self._ahead[0][0] != key:
             self._drop()
             self._next = self._at[key]
         self._start()
         _, slot, fut = self._ahead.popleft()
         self._held = slot
-        try:
-            value = fut.result()
-        except BaseException:
-            self._free.append(slot)
-            self._held = None
-            raise
-        self._start()
-        return value
+        return fut
 
     def close(self) -> None:
         """Wait for the reads in flight (their slots stay valid until they finish) and stop the thread."""
-        self._drop()
+        with self._lock:
+            self._drop()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> ReadAhead[K, V]:

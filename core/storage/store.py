@@ -42,6 +42,8 @@ from tightfit.storage.fs import (
 )
 from tightfit.storage.index import DATA, DTYPE_SIZES, INDEX, LOCK, Entry, Extent, Index, Slots, valid_block
 from tightfit.storage.ranges import cover, gather, runs
+from tightfit.storage.rowlog import DEFAULT_ROW_LOG_BYTES, ROW_LOG, RowLog
+from tightfit.storage.rowstore import RowRecords
 
 if TYPE_CHECKING:
     from tightfit.profiler.types import DiskProfile
@@ -70,7 +72,7 @@ class TensorInfo:
     shape: tuple[int, ...] | None
 
 
-class TensorStore:
+class TensorStore(RowRecords):
     """Tensors and flat buffers in one directory, with asynchronous checksummed reads and writes.
 
     Args:
@@ -92,18 +94,21 @@ class TensorStore:
             the extent), so :meth:`read_ranges` reads and verifies only the blocks its ranges touch (default
             ``None``: one checksum per extent, and ``read_ranges`` reads whole extents); an existing store keeps
             what its index records.
+        row_log_bytes: bytes of row records (:meth:`write_rows`) logged before they are folded into the extents
+            (default :data:`~tightfit.storage.rowlog.DEFAULT_ROW_LOG_BYTES`).
 
     Writes are durable only after :meth:`sync` (or :meth:`close`); after a crash the store reopens at
     its last ``sync()``. Overwrites go to fresh extents, so a failed write (ENOSPC) leaves the previous
     contents readable; the slots they replaced are reused by later writes after the next ``sync()``, their
     blocks still allocated (only :meth:`delete` gives blocks back). A buffer handed to :meth:`write` must
-    not change until its future is done.
+    not change until its future is done. Rows written with :meth:`write_rows` go to a row log beside the
+    extents (:mod:`tightfit.storage.rowlog`) and are folded into the extents at the next ``sync()``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, profile: DiskProfile | None = None, workers: int | None = None,
                  max_inflight: int | None = None, extent_bytes: int | None = None,
                  direct: bool | None = None, checksum: str | None = None,
-                 checksum_block: int | None = None) -> None:
+                 checksum_block: int | None = None, row_log_bytes: int | None = None) -> None:
         self.path = check_disk_dir(path)
         if profile is not None:
             workers = max(2 if workers is None else workers, profile.queue_depth)
@@ -111,6 +116,7 @@ class TensorStore:
             workers = DEFAULT_WORKERS
         self._lock_fd = lock_directory(self.path, LOCK)
         self._fd = -1
+        self._log: RowLog | None = None
         try:
             if (self.path / INDEX).exists():
                 self._index = Index.load(self.path / INDEX)
@@ -127,6 +133,11 @@ class TensorStore:
             want = direct if direct is not None else (profile.direct if profile is not None else True)
             self._fd, self.direct = open_data(self.path / DATA, direct=want)
             self._engine = IOEngine(workers=workers, max_inflight=max_inflight or 2 * workers)
+            if row_log_bytes is not None and (not isinstance(row_log_bytes, int) or row_log_bytes < ALIGN):
+                raise StorageError(f"TensorStore({str(self.path)!r}): row_log_bytes={row_log_bytes!r} must be a whole "
+                                   f"number >= {ALIGN}; pass e.g. row_log_bytes={DEFAULT_ROW_LOG_BYTES}")
+            self._log = RowLog(self.path / ROW_LOG, direct=want, checksum=checksum_function(self._index.checksum),
+                               algorithm=self._index.checksum, limit=row_log_bytes or DEFAULT_ROW_LOG_BYTES)
         except BaseException:
             self._release_files()
             raise
@@ -141,6 +152,7 @@ class TensorStore:
         self._seq = 0
         self._tails: dict[tuple[str, int], Future[int]] = {}  # the last write touching (name, extent)
         self._inflight: set[Future[Any]] = set()
+        self._folding = threading.RLock()  # appends to the row log and folds of it, one at a time
         self._closed = False
 
     @classmethod
@@ -159,11 +171,16 @@ class TensorStore:
         """Write ``data`` (a CPU tensor or any buffer) at byte ``offset`` of ``name``; the future gives the bytes
         written. A new name written at offset 0 with a tensor records its dtype and shape."""
         view, meta = readable(data, f"write({name!r})")
+        self._fold(name)
         return self._write(name, view, offset, meta if offset == 0 else None, replace=False)
 
     def read_into(self, name: str, out: Any, offset: int = 0) -> Future[Any]:
         """Read ``len(out)`` bytes of ``name`` from byte ``offset`` into ``out`` (a CPU tensor or writable
         buffer; pinned memory on CUDA machines); nothing is allocated. The future gives ``out`` back."""
+        self._fold(name)
+        return self._read_into(name, out, offset)
+
+    def _read_into(self, name: str, out: Any, offset: int = 0) -> Future[Any]:
         what = f"read_into({name!r})"
         view = writable(out, what)
         self._check(name, offset, what)
@@ -196,8 +213,18 @@ class TensorStore:
         checksums) is read once and verified, consecutive blocks of an extent in one request, the requests
         spread over the workers: a scattered batch of 128-byte rows reads a 4 KiB block per row, not an
         extent (``docs/disk-tier.md``). A failed checksum raises :class:`ChecksumError` naming the file and the
-        block's byte offset.
+        block's byte offset. Rows logged by :meth:`write_rows` are read from the row log (the 4 KiB blocks
+        holding them, verified) where the ranges are those rows; other ranges fold them into the extents first.
         """
+        m = self._log.maps.get(name) if self._log is not None else None
+        if m is not None:
+            offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+            if m.length == length and not (offs % length).any():
+                return self._read_logged(name, offs, length, out)
+            self._fold(name)
+        return self._read_ranges(name, offsets, length, out)
+
+    def _read_ranges(self, name: str, offsets: Any, length: int, out: Any) -> Future[int]:
         what = f"read_ranges({name!r})"
         view = writable(out, what)
         self._check(name, 0, what)
@@ -262,6 +289,9 @@ class TensorStore:
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
             tensor = tensor.cpu()
         view, meta = readable(tensor, f"put({name!r})")
+        with self._folding:  # replaced whole: its logged rows are stale
+            if self._log is not None:
+                self._log.take(name)
         self._write(name, view, 0, meta, replace=True).result()
 
     def get(self, name: str, out: Any = None) -> Any:
@@ -295,6 +325,9 @@ class TensorStore:
             self._entry(name)
             waits = {f for (n, _), f in self._tails.items() if n == name}
         cf.wait(waits)
+        with self._folding:
+            if self._log is not None:
+                self._log.take(name)
         with self._mutex:
             entry = self._index.entries.pop(name, None)
             for x in entry.extents if entry else ():
@@ -305,8 +338,10 @@ class TensorStore:
 
     def sync(self) -> None:
         """Make everything written so far durable: wait for requests in flight, fsync the data file, then
-        replace the index atomically (temp file, fsync, rename, fsync of the directory)."""
+        replace the index atomically (temp file, fsync, rename, fsync of the directory). Logged rows are folded
+        into the extents first, so the index never refers to the row log."""
         self._check_open()
+        self.fold()
         self.wait()
         with self._mutex:
             text = self._index.to_json()
@@ -365,6 +400,8 @@ class TensorStore:
     # ------------------------------------------------------------------ internals used by the jobs
 
     def _release_files(self) -> None:
+        if self._log is not None:
+            self._log.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

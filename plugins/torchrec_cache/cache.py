@@ -33,13 +33,13 @@ from torch import nn
 import torchrec_cache.policy as rules
 from torchrec_cache.config import RowOptimizer
 from torchrec_cache.counters import STAT_KEYS, CacheCounters
-from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import Batch, KeyIndex, KeySpace, SlotGroup, TableSpec, spill_notice
 from torchrec_cache.policy import DISABLED, FREE, TRASH_KEY
 from torchrec_cache.rows import RowStore
 from torchrec_cache.sketch import SKETCH_BYTES_PER_SLOT, FrequencySketch
 from torchrec_cache.sync import StepClock, read_host
 from torchrec_cache.tensors import compact, isin_sorted, unique_padded
+from torchrec_cache.tier import DiskSpec
 from torchrec_cache.window import Window
 
 __all__ = ["WAYS", "STAT_KEYS", "SLOT_OVERHEAD_BYTES", "TableSpec", "Batch", "Window", "FusedCache"]
@@ -74,7 +74,7 @@ class FusedCache(nn.Module):
             host tables; the cache only reads).
         device: where the slots live (``"meta"``: nothing is allocated until :meth:`materialize_host`).
         ways: slots per set.
-        disk: the full tables on disk with a host cache level (:class:`~torchrec_cache.hostlevel.DiskSpec`).
+        disk: the full tables on disk with a host cache level (:class:`~torchrec_cache.tier.DiskSpec`).
 
     Example:
         >>> c = FusedCache([TableSpec(name="t", rows=1000, dim=4, capacity=64)], policy="lfu", optimizer=None,

@@ -5,9 +5,9 @@ dtype, then the state's fp32 columns), so a row moves with its state in one piec
 slot-tensor group lives in a :class:`tightfit.storage.TensorStore` (the plugin never opens a file
 itself), row ``p`` at byte ``p * record_bytes``. A batch of rows is read with the store's
 :meth:`~tightfit.storage.TensorStore.read_ranges`: only the checksum blocks holding them (4 KiB), each
-verified. A write goes by the store's extents: the extents its rows touch are grouped into runs of
-neighbours, read, patched and written whole, one request per run (the store never overwrites in place,
-so a failed write leaves the previous rows readable).
+verified. A batch of rows is written as row records (:meth:`~tightfit.storage.TensorStore.write_rows`): the
+rows' own bytes appended to the store's row log in one request, folded into the extents at the store's next
+``sync()`` (the store never overwrites in place, so a failed write leaves the previous rows readable).
 
 Example:
     >>> import tempfile
@@ -75,7 +75,7 @@ class DiskRows:
 
     ``tables``: ``(name, first row, rows)`` of each table in the group (for error messages).
     ``counts``: rows and bytes read and written so far (bytes: what the store moved: the 4 KiB checksum blocks
-    holding the rows read, whole extents written), batched reads (``disk_reads``: one per batch of rows) and
+    holding the rows read, the row log's padded appends written), batched reads (``disk_reads``: one per batch of rows) and
     write requests, and the wall nanoseconds from the start of each batched read to its end (``read_ns``; reads overlap).
     """
 
@@ -115,41 +115,6 @@ class DiskRows:
         return out.view(n, self.record_bytes)
 
     # ------------------------------------------------------------------ batches of scattered rows
-    def _extents(self, pos: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
-        """The extents rows ``pos`` touch (sorted), their runs ``(first extent, count)``, each row's byte
-        in the runs' concatenation."""
-        E, R = self.store.extent_bytes, self.record_bytes
-        start = pos * R
-        ext = torch.unique(torch.cat([start // E, (start + R - 1) // E]))
-        gaps = torch.nonzero(ext[1:] - ext[:-1] != 1).squeeze(1) + 1
-        edges = [0] + gaps.tolist() + [ext.numel()]
-        first = ext.tolist()
-        runs = [(first[a], b - a) for a, b in zip(edges[:-1], edges[1:])]
-        at = torch.searchsorted(ext, start // E) * E + start % E
-        return ext, runs, at
-
-    def _read_extents(self, ext: torch.Tensor) -> torch.Tensor:
-        """The bytes of whole extents ``ext`` (sorted), concatenated (past the end of the buffer: zeros), in one
-        batched read (:meth:`~tightfit.storage.TensorStore.read_ranges`)."""
-        E, total = self.store.extent_bytes, self.nbytes
-        start = time.perf_counter_ns()
-        buf = torch.empty(ext.numel() * E, dtype=torch.uint8)
-        full = int((ext * E + E <= total).sum())  # sorted: only the last extent can be the buffer's partial tail
-        moved = 0
-        if full:
-            moved += self._wait(self.store.read_ranges(self.name, (ext[:full] * E).numpy(), E, buf[:full * E]),
-                                int(ext[0]) * E // self.record_bytes, -(-int(ext[full - 1] + 1) * E // self.record_bytes))
-        if full < ext.numel():
-            lo = int(ext[full]) * E
-            self._wait(self.store.read_into(self.name, buf[full * E:full * E + total - lo], offset=lo),
-                       lo // self.record_bytes, -(-total // self.record_bytes))
-            buf[full * E + total - lo:].zero_()
-            moved += total - lo
-        self.counts["disk_reads"] += 1
-        self.counts["bytes_read"] += moved
-        self.counts["read_ns"] += time.perf_counter_ns() - start
-        return buf
-
     def read(self, pos: torch.Tensor) -> torch.Tensor:
         """Records of rows ``pos`` (any order, int64): the store reads only the checksum blocks holding them
         (4 KiB in a tier's store; neighbours in one request, spread over its workers)."""
@@ -179,30 +144,16 @@ class DiskRows:
         return read.out
 
     def write(self, pos: torch.Tensor, recs: torch.Tensor) -> None:
-        """Write records ``recs`` of rows ``pos`` (unique): the extents they touch are read, patched and
-        written whole, one request per run of neighbouring extents; returns when every write is done
-        (raises :class:`~tightfit.storage.DiskFullError` with nothing committed of the failed extents)."""
+        """Write records ``recs`` of rows ``pos`` (unique) as row records (:meth:`TensorStore.write_rows
+        <tightfit.storage.TensorStore.write_rows>`): their own bytes appended to the store's row log, not their
+        extents rewritten; returns once written (raises :class:`~tightfit.storage.DiskFullError` with none of
+        them committed)."""
         if pos.numel() == 0:
             return
-        E, R, total = self.store.extent_bytes, self.record_bytes, self.nbytes
-        ext, runs, at = self._extents(pos)
-        buf = self._read_extents(ext)
-        buf.index_copy_(0, (at.unsqueeze(1) + torch.arange(R)).view(-1), recs.reshape(-1))
-        futures, off = [], 0
-        for k, n in runs:
-            lo, hi = k * E, min((k + n) * E, total)
-            futures.append(self.store.write(self.name, buf[off:off + hi - lo], offset=lo))
-            off += n * E
-        error: BaseException | None = None
-        for fut in futures:
-            try:
-                self.counts["bytes_written"] += fut.result()
-            except BaseException as err:  # wait for all: the buffer must outlive every request
-                error = error or err
-        if error is not None:
-            raise error
+        R = self.record_bytes
+        self.counts["bytes_written"] += self.store.write_rows(self.name, (pos * R).numpy(), R, recs.contiguous())
         self.counts["rows_written"] += pos.numel()
-        self.counts["disk_writes"] += len(futures)
+        self.counts["disk_writes"] += 1
 
     # ------------------------------------------------------------------ errors
     def _wait(self, fut: Future[Any], row_lo: int, row_hi: int) -> Any:

@@ -9,7 +9,7 @@ coldest way of its set only when the sketch counts it as used more; a free way t
 that is not admitted, and a dirty row its admission displaces, go to the *outbox*.
 
 Write-back, behind the step: in the step that evicts rows (:meth:`HostLevel.issue`, once its rows are placed) the
-outbox becomes one write job on a background thread (rows sorted by offset, extents read, patched, written whole)
+outbox becomes one write job on a background thread (rows sorted by offset, written as row records: one append)
 while the step computes; jobs run in order, at most :data:`WRITES_IN_FLIGHT` queued. A row leaves host memory once
 its write is done (until then reads find it in the outbox or a job in flight). A failed job (disk full) raises at the
 next :meth:`issue` or :meth:`persist`; its rows and every later job's go back to the outbox, newer over older, so
@@ -31,24 +31,17 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import shutil
-import tempfile
 import threading
-import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from tightfit.profiler.types import DiskProfile
-from tightfit.storage import TensorStore, WriteBehind, WriteBehindError, check_disk_dir
+from tightfit.storage import ReadAhead, WriteBehind, WriteBehindError
 from torchrec_cache.disk import DiskRows, RowRead
-from torchrec_cache.layout import KeySpace, mix_hash
+from torchrec_cache.layout import mix_hash
 from torchrec_cache.sketch import FrequencySketch
 
-__all__ = ["HostLevel", "DiskTier", "DiskSpec", "WAYS", "WRITES_IN_FLIGHT", "CHECKSUM_BLOCK", "READ_WORKERS",
-           "extent_bytes_for"]
+__all__ = ["HostLevel", "WAYS", "WRITES_IN_FLIGHT", "READ_AHEAD"]
 
 WAYS = 8
 # Write jobs queued before issue() waits for the oldest: two steps' worth (prefetch's evictions and the step's own).
@@ -57,14 +50,18 @@ _FREE, _OFF = -1, -2
 _NEVER = 2**62  # the score of a disabled way: never a victim
 
 
+# Reads of batches the lookahead window holds, started ahead of their use (core's ReadAhead: a batch's read is
+# started when it is added within this many of the oldest not yet collected).
+READ_AHEAD = 8
+
+
 @dataclass
-class _Reading:
-    """A read-ahead in flight: sorted positions ``pos`` for the batch at ``step``, and the rows the step changed
-    since it started (their copies in the read are stale)."""
+class _Queued:
+    """A batch's read-ahead: sorted positions ``pos`` for the batch at ``step``, and the rows the step changed
+    since it was queued (their copies in the read are stale)."""
 
     step: int
     pos: torch.Tensor
-    read: RowRead
     changed: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -98,7 +95,9 @@ class HostLevel:
             lambda job: disk.write(*job), max_pending=WRITES_IN_FLIGHT, name="torchrec_cache-writeback")
         self.staged: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, sorted positions, records)
         self._used = False  # whether any row entered the level, the outbox or the read-ahead
-        self.reading: list[_Reading] = []  # read-aheads in flight
+        self.queued: dict[int, _Queued] = {}  # read-aheads not yet collected, by key (added in increasing order)
+        self._keys = 0
+        self.ahead: ReadAhead[int, RowRead | None] = ReadAhead([], self._start_read, depth=READ_AHEAD)
         self.counts = {"host_hits": 0, "host_misses": 0, "host_admitted": 0, "host_rejected": 0,
                        "rows_staged": 0, "staged_hits": 0}
 
@@ -129,59 +128,63 @@ class HostLevel:
     # ------------------------------------------------------------------ the lookahead window on disk
     def stage(self, pos: torch.Tensor, step: int) -> None:
         """Read ahead: rows ``pos`` (unique) that the batch running at ``step`` needs and neither the level nor
-        a pending write holds start reading from disk now, without waiting (the prefetch thread calls this as
-        a batch enters the window, ``ahead`` batches before it runs). A finished read's rows are kept until
-        that batch ran; :meth:`fetch` waits only for reads holding rows it needs."""
+        a pending write holds are queued on the read-ahead (core's :class:`~tightfit.storage.ReadAhead`, which
+        starts the read on its thread without waiting; the prefetch thread calls this as a batch enters the
+        window, ``ahead`` batches before it runs). A collected read's rows are kept until that batch ran;
+        :meth:`fetch` waits only for reads holding rows it needs."""
         with self.lock:
-            self._collect()
             rest = pos[self.find(pos) < 0]
-            held = self._pending() + [(p, r) for _, p, r in self.staged] + [(r.pos, r.read.out) for r in self.reading]
-            for ppos, _ in held:
+            held = [p for p, _ in self._pending()] + [p for _, p, _ in self.staged] + [q.pos for q in self.queued.values()]
+            for ppos in held:
                 if rest.numel() and ppos.numel():
                     rest = rest[~_isin(rest, ppos)]
             if rest.numel() == 0:
                 return
-            rest = torch.sort(rest).values
             self._used = True
             # The read runs without the lock, so the step goes on meanwhile: rows it changes in the meantime are
             # dropped from what was read when the read is collected (their new value is in the level or the outbox).
-            self.reading.append(_Reading(step=step, pos=rest, read=self.disk.read_start(rest)))
+            key, self._keys = self._keys, self._keys + 1
+            self.queued[key] = _Queued(step=step, pos=torch.sort(rest).values)
+            self.ahead.add(key)
 
-    def _collect(self, need: torch.Tensor | None = None, *, wait: bool = False) -> None:
-        """Move finished read-aheads to ``staged`` (``wait``: all of them; ``need``: also those holding any of
-        the positions ``need``, waiting for them). A failed read raises here (:class:`RowFileError`)."""
-        keep = []
-        for r in self.reading:
-            if not (wait or r.read.future.done() or (need is not None and bool(_isin(need, r.pos).any()))):
-                keep.append(r)
+    def _start_read(self, key: int, _slot: int) -> RowRead | None:
+        """The read-ahead's read (on its thread): start reading a queued batch's rows (``None``: forgotten)."""
+        q = self.queued.get(key)
+        return None if q is None else self.disk.read_start(q.pos)
+
+    def _collect(self, need: torch.Tensor | None = None, *, wait: bool = False, until: int | None = None) -> None:
+        """Move read-aheads to ``staged``, in order, up to the last one that is ``wait`` (all), for a batch up
+        to step ``until``, or holds any of the positions ``need``, waiting for them. A failed read raises here
+        (:class:`RowFileError`)."""
+        keys = sorted(self.queued)
+        last = -1
+        for i, k in enumerate(keys):
+            q = self.queued[k]
+            if wait or (until is not None and q.step <= until) or (need is not None and bool(_isin(need, q.pos).any())):
+                last = i
+        for k in keys[:last + 1]:
+            q = self.queued.pop(k)
+            read = self.ahead.take(k)
+            if read is None:
                 continue
-            try:
-                recs = self.disk.read_finish(r.read)
-            except BaseException:
-                self.reading = [x for x in self.reading if x is not r]
-                raise
-            pos = r.pos
-            if r.changed:
-                ok = ~_isin(pos, torch.sort(torch.cat(r.changed)).values)
+            recs, pos = self.disk.read_finish(read), q.pos
+            if q.changed:
+                ok = ~_isin(pos, torch.sort(torch.cat(q.changed)).values)
                 pos, recs = pos[ok], recs[ok]
-            self.staged.append((r.step, pos, recs))
+            self.staged.append((q.step, pos, recs))
             self.counts["rows_staged"] += pos.numel()
-        self.reading = keep
 
     def wait_staged(self, until: int) -> None:
-        """Wait for the read-aheads of batches up to step ``until``, without the lock: a load then finds their
-        rows read instead of waiting for them while holding the cache (and the step) up."""
+        """Collect the read-aheads of batches up to step ``until``: a load then finds their rows read."""
         with self.lock:
-            futures = [r.read.future for r in self.reading if r.step <= until]
-        for fut in futures:
-            cf.wait([fut])  # errors are raised where the rows are collected
+            self._collect(until=until)
 
     def forget_staged(self, before: int) -> None:
         """Drop the rows read ahead for batches that ran before step ``before``."""
         with self.lock:
-            self._collect()
             self.staged = [s for s in self.staged if s[0] >= before]
-            self.reading = [r for r in self.reading if r.step >= before]  # unused: their reads finish unobserved
+            for k in [k for k, q in self.queued.items() if q.step < before]:
+                del self.queued[k]  # unused: the read-ahead skips them; reads in flight finish unobserved
 
     def _unstage(self, pos: torch.Tensor) -> None:
         """Rows ``pos`` changed: their read-ahead copies are stale."""
@@ -193,7 +196,7 @@ class HostLevel:
         """Records of rows ``pos`` (unique) from the host level, the pending writes, else the disk (in offset
         order). ``take``: the device loads them, so they leave the host level."""
         with self.lock:
-            if self.reading:
+            if self.queued:
                 self._collect(torch.sort(pos).values)
             out = torch.empty(pos.numel(), self.disk.record_bytes, dtype=torch.uint8)
             slot = self.find(pos)
@@ -229,8 +232,8 @@ class HostLevel:
         policy admits them, else queued for disk."""
         with self.lock:
             self._used = True
-            for r in self.reading:
-                r.changed.append(pos.clone())
+            for q in self.queued.values():
+                q.changed.append(pos.clone())
             self._unstage(pos)
             slot = self.find(pos)
             hit = torch.nonzero(slot >= 0).squeeze(1)
@@ -356,6 +359,7 @@ class HostLevel:
         return int((self.slot_pos >= 0).sum())
 
     def close(self) -> None:
+        self.ahead.close()
         self.writes.close()
 
 
@@ -379,121 +383,3 @@ def _merge(old_pos: torch.Tensor, old_rec: torch.Tensor, new_pos: torch.Tensor,
     last = torch.ones_like(ps, dtype=torch.bool)
     last[:-1] = ps[1:] != ps[:-1]
     return ps[last], torch.cat([old_rec, new_rec]).index_select(0, order[last])
-
-
-# The store's extent is the unit a missed row costs on disk: small, so a scattered miss reads little, but not
-# so small that writing the tables and the store's index (~180 bytes of Python per extent) cost too much:
-# at most 2**18 extents (16 KiB for 4 GiB of tables). On the DLRM benchmark 4 KiB extents made writing the
-# tables take minutes; the requests' count, not their size, bounds the reads.
-_MIN_EXTENT, _MAX_EXTENTS = 4096, 2**18
-
-
-# A missed row is read as the 4 KiB checksum block holding it (TensorStore.read_ranges), not its extent. Those
-# reads are short and scattered: the disk answers them by queue depth, not bandwidth (random 4 KiB O_DIRECT
-# reads, one thread each, scale with the threads well past 16 on a virtio disk).
-CHECKSUM_BLOCK, READ_WORKERS = 4096, 16
-
-
-def extent_bytes_for(total_bytes: int) -> int:
-    """The smallest power-of-two extent >= 4 KiB that keeps ``total_bytes`` within 2**18 extents."""
-    e = _MIN_EXTENT
-    while total_bytes > e * _MAX_EXTENTS:
-        e *= 2
-    return e
-
-
-@dataclass(frozen=True)
-class DiskSpec:
-    """What a cache needs to open its disk tier: the directory, each table's host-level rows, the disk's profile."""
-
-    disk_dir: str
-    host_rows: dict[str, int]
-    profile: DiskProfile | None = None
-
-    def open(self, space: KeySpace, row_bytes: list[int], sketch: FrequencySketch | None, lock: threading.RLock,
-             device: torch.device) -> DiskTier:
-        """The tier of a cache over ``space`` (``row_bytes``: per table, a row and its state)."""
-        if device.type == "meta":
-            raise ValueError("a cache with a disk_dir cannot be built on the meta device; build it on 'cpu' or "
-                             "'cuda' (its rows are written to disk at construction)")
-        groups = []
-        for span in space.groups:
-            tables = [(space.tables[i].name, space.host_offset(i), space.tables[i].rows) for i in span.tables]
-            groups.append((span.key_hi - span.key_lo, row_bytes[span.tables[0]], span.key_lo,
-                           sum(self.host_rows.get(space.tables[i].name, 0) for i in span.tables), tables))
-        return DiskTier(self.disk_dir, groups, sketch, lock, self.profile)
-
-
-class DiskTier:
-    """The disk tier of one cache: a :class:`~tightfit.storage.TensorStore` in a fresh directory under
-    ``disk_dir`` (removed when the cache goes), one :class:`DiskRows` and one :class:`HostLevel` per group.
-
-    Args:
-        disk_dir: an existing directory on a local SSD; refused (one line) if it cannot hold ``need_bytes``.
-        groups: per group ``(rows, record_bytes, key_lo, host slots, [(table, first row, rows)])``.
-        sketch: the cache's frequency sketch (the host level's admission).
-        lock: the cache's lock.
-        profile: the disk's profile (I/O workers), or ``None``.
-    """
-
-    def __init__(self, disk_dir: str, groups: list[tuple[int, int, int, int, list[tuple[str, int, int]]]],
-                 sketch: FrequencySketch | None, lock: threading.RLock, profile: DiskProfile | None = None) -> None:
-        need = sum(rows * rec for rows, rec, _, _, _ in groups)
-        base = check_disk_dir(disk_dir, need_bytes=need)
-        self.path = Path(tempfile.mkdtemp(prefix="torchrec_cache-", dir=base))
-        workers = max(READ_WORKERS, profile.queue_depth) if profile is not None else READ_WORKERS
-        self.store = TensorStore(self.path, extent_bytes=extent_bytes_for(need), workers=workers,
-                                 checksum_block=CHECKSUM_BLOCK)
-        self.levels: list[HostLevel] = []
-        for gi, (rows, rec, key_lo, slots, tables) in enumerate(groups):
-            disk = DiskRows(self.store, f"group{gi}", rows=rows, record_bytes=rec, tables=tables)
-            self.levels.append(HostLevel(disk, slots, key_lo, sketch, lock))
-        self._finalizer = weakref.finalize(self, _close, self.store, list(self.levels), self.path)
-
-    def issue(self) -> None:
-        """Start the write-back of every group's outbox (after a placement); raises a failed write's error."""
-        for level in self.levels:
-            level.issue()
-
-    def stage(self, keys: torch.Tensor, step: int, group_split: list[int]) -> None:
-        """Read ahead the rows of sorted host ``keys`` (groups' runs: ``group_split``) for the batch at ``step``."""
-        for gi, level in enumerate(self.levels):
-            a, b = group_split[gi], group_split[gi + 1]
-            if b > a:
-                level.stage(keys[a:b] - level.key_lo, step)
-
-    def wait_staged(self, until: int) -> None:
-        for level in self.levels:
-            level.wait_staged(until)
-
-    def forget_staged(self, before: int) -> None:
-        for level in self.levels:
-            level.forget_staged(before)
-
-    def persist(self) -> None:
-        """Every changed row on disk, durable (:meth:`TensorStore.sync`)."""
-        for level in self.levels:
-            level.persist()
-        self.store.sync()
-
-    def stats(self) -> dict[str, int]:
-        """Host-level and disk counters summed over the groups, and the host rows held now."""
-        out: dict[str, int] = {}
-        for level in self.levels:
-            for k, v in list(level.counts.items()) + list(level.disk.counts.items()):
-                out[k] = out.get(k, 0) + v
-        out["host_rows"] = sum(level.host_rows() for level in self.levels)
-        out["host_capacity"] = sum(level.capacity for level in self.levels)
-        return out
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _close(store: TensorStore, levels: list[HostLevel], path: Path) -> None:
-    for level in levels:
-        level.close()
-    try:
-        store.close()
-    finally:
-        shutil.rmtree(path, ignore_errors=True)

@@ -22,8 +22,8 @@ from tightfit.units import format_bytes, parse_bytes
 from torchrec_cache.cache import SLOT_OVERHEAD_BYTES, FusedCache
 from torchrec_cache.config import CacheConfig
 from torchrec_cache.frequency import FrequencyStats
-from torchrec_cache.hostlevel import DiskSpec
 from torchrec_cache.layout import TableSpec
+from torchrec_cache.tier import DiskSpec
 
 __all__ = ["table_specs", "slot_split", "host_level_rows", "tier_profile", "fused_cache_for", "check_host_memory"]
 

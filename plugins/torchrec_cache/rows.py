@@ -5,7 +5,7 @@ slot tensor of weights and one of optimizer state on the device (one row per slo
 that absorbs writes for rows without a slot), and the full tables with their state in one flat host
 tensor. The cache decides which key sits in which slot; :class:`RowStore` copies rows between host and
 slots (through :class:`~torchrec_cache.transfer.RowMover`), gathers a batch's rows, and applies their
-gradients where each row lives. With a disk tier (:class:`~torchrec_cache.hostlevel.DiskTier`) the full
+gradients where each row lives. With a disk tier (:class:`~torchrec_cache.tier.DiskTier`) the full
 tables are on disk and host memory holds a second cache level per group
 (:class:`~torchrec_cache.hostlevel.HostLevel`): :meth:`RowStore.copy_in`, :meth:`RowStore.copy_out` and
 the reads and updates of spilled rows go through it instead of the flat host tensors.
@@ -29,9 +29,9 @@ from torch import nn
 
 from torchrec_cache.config import RowOptimizer
 from torchrec_cache.disk import records, split_records
-from torchrec_cache.hostlevel import DiskTier
 from torchrec_cache.layout import Batch, KeySpace, SlotGroup
 from torchrec_cache.optim import apply_update, initial_state
+from torchrec_cache.tier import DiskTier
 from torchrec_cache.transfer import RowMover
 
 __all__ = ["RowStore"]

@@ -195,6 +195,24 @@ def test_cache_host_level_takes_the_next_most_used_rows_and_prices_the_misses():
     assert "host level 20 rows" in plan.explain()
 
 
+def test_cache_plan_prices_disk_misses_at_the_profiled_random_reads_of_their_size():
+    import dataclasses
+
+    # The plan above, on a disk whose scattered 4 KiB reads run at 0.2 GB/s (16 KiB: 0.6 GB/s) though it streams
+    # at 1 GB/s: a miss costs a 4 KiB block at the random-read rate, rows of 4-8 KiB two blocks at the 16 KiB rate.
+    disk = dataclasses.replace(DISK, random_read_bytes_per_s={4096: 2e8, 16384: 6e8})
+    freq = {"t": torch.arange(100, 0, -1)}
+    t = [CacheTableSpec(name="t", rows=100, dim=4, index_bytes_per_slot=0)]
+    plan = plan_cache(t, budget_bytes=560, frequencies=freq, host_budget_bytes=20 * (16 + HOST_INDEX_BYTES_PER_ROW),
+                      disk=disk)
+    missed_ids = sum(range(1, 71))
+    assert plan.disk_seconds_per_id == pytest.approx(missed_ids * 4096 / 2e8 / 5050)
+    wide = [CacheTableSpec(name="t", rows=100, dim=1500, index_bytes_per_slot=0)]  # 6000-byte rows: 8 KiB each
+    plan = plan_cache(wide, budget_bytes=400 + 10 * 6000, frequencies=freq, host_budget_bytes=0, disk=disk)
+    missed = sum(range(1, 91))
+    assert plan.slots == {"t": 10} and plan.disk_seconds_per_id == pytest.approx(missed * 8192 / 6e8 / 5050)
+
+
 def test_cache_host_level_without_statistics_is_the_same_fraction_of_each_table():
     t = [CacheTableSpec(name="a", rows=1000, dim=16), CacheTableSpec(name="b", rows=3000, dim=16)]
     plan = plan_cache(t, budget_bytes=64_000, host_budget_bytes=100_000, disk=DISK)

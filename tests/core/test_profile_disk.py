@@ -49,6 +49,25 @@ def test_a_profile_cached_without_the_overlap_gains_it_and_keeps_the_rest(measur
     assert not any(x.name.startswith(".tightfit-disk-profile") for x in disk.iterdir())
 
 
+def test_scattered_reads_are_measured_at_the_cache_request_sizes_and_added_to_an_older_profile(measured,
+                                                                                             monkeypatch):
+    from tightfit.profiler.disk import RANDOM_SIZES
+
+    p, disk, cache = measured
+    assert sorted(p.random_read_bytes_per_s) == RANDOM_SIZES and all(r > 0 for r in p.random_read_bytes_per_s.values())
+    # a scattered 4 KiB read costs at least what its share of a sequential pass does at the profile's best size
+    assert p.random_read_seconds(1000, 4096) > 0
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(cache))
+    f = disk_cache_file(disk_key(disk), True)
+    dataclasses.replace(p, random_read_bytes_per_s={}).to_json(f)  # cached before they were measured
+    got = profile_disk(disk, quick=True, progress=False)
+    assert sorted(got.random_read_bytes_per_s) == RANDOM_SIZES and got.read_fit == p.read_fit
+    assert DiskProfile.from_json(f).random_read_bytes_per_s == got.random_read_bytes_per_s
+    assert not any(x.name.startswith(".tightfit-disk-profile") for x in disk.iterdir())
+    with pytest.raises(ValueError, match=r"random_read_bytes_per_s\[4096\]"):
+        dataclasses.replace(p, random_read_bytes_per_s={4096: 0.0})
+
+
 @given(st.floats(1e-4, 1e3), st.floats(1e-4, 1e3), st.floats(0.0, 1.0))
 def test_overlap_fraction_inverts_the_rule_the_planner_prices_with(compute, io, o):
     from tightfit.planner.elixir.disk import disk_optimizer_seconds

@@ -188,3 +188,43 @@ def test_counters_add_up_over_threads_and_count_only_completed_operations(ops):
     assert (got.writes, got.bytes_written) == (sum(not r for r, _, _ in ok), sum(n for r, n, _ in ok if not r))
     assert got.read_s >= 0 and got.write_s >= 0
     assert IOTotals(1, 2, 0.5) + IOTotals(writes=3) == IOTotals(1, 2, 0.5, 3, 0, 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), depth=st.integers(0, 4), data=st.data())
+def test_read_ahead_with_keys_added_as_they_become_known_skips_keys_not_taken(n, depth, data):
+    """An open order (a training loop's steps): keys added one by one, some never taken; each key taken gets its
+    own item, a skipped key's read is dropped, and reads never run further than depth + 1 ahead of the consumer."""
+    taken = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    started: list[int] = []
+
+    def read(key: int, slot: int) -> int:
+        started.append(key)
+        return key * 7
+
+    ahead: ReadAhead[int, int] = ReadAhead([], read, depth=depth)
+    added = 0
+    for key in taken:
+        while added <= key:  # the producer runs ahead of the consumer by whatever it likes
+            ahead.add(added)
+            added += 1
+        assert ahead.take(key) == key * 7
+        assert max(started) <= key + depth + 1
+    with pytest.raises(ValueError, match="already in the order"):
+        ahead.add(0)
+    ahead.close()
+    assert started == sorted(set(started))  # in order, each at most once: skipping re-reads nothing
+
+
+def test_an_open_read_ahead_forgets_keys_long_passed():
+    from tightfit.storage.staging import KEEP_PASSED
+
+    ahead: ReadAhead[int, int] = ReadAhead([], lambda key, slot: key, depth=2)
+    for key in range(3 * KEEP_PASSED):
+        ahead.add(key)
+        assert ahead.take(key) == key
+    assert len(ahead.order) <= 2 * KEEP_PASSED + 3
+    assert ahead.take(3 * KEEP_PASSED - 5) == 3 * KEEP_PASSED - 5  # a recent key: the order restarts there
+    with pytest.raises(KeyError, match="not in the order"):
+        ahead.take(0)
+    ahead.close()
