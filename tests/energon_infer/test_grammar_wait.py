@@ -100,8 +100,8 @@ def _steps_holding(events: list[tuple[str, Any]], seq: int) -> list[int]:
 
 
 def test_an_unconstrained_request_finishes_while_a_fresh_grammar_compiles(engine, record):
-    """Submitted together, the unconstrained request runs all its steps before the first step of the request whose
-    grammar compiles, which is sent only after the rank answered; its output validates and equals the output of the
+    """Submitted together, the unconstrained request keeps stepping while the other's grammar compiles, and the
+    first step of the request whose grammar compiles is sent only after the rank answered; its output validates and equals the output of the
     old path (the rank compiling the grammar in the step that admits it) with the same seed."""
     so = StructuredOutput(json_schema=slow_schema(1))
     constrained = SamplingParams(temperature=1.0, seed=11, max_tokens=200, structured=so)
@@ -116,7 +116,9 @@ def test_an_unconstrained_request_finishes_while_a_fresh_grammar_compiles(engine
     answered = next(i for i, (kind, msg) in enumerate(record) if kind == "ready" and msg.key == so.key)
     assert record[answered][1].error is None
     assert asked < answered < first_c
-    assert len([i for i in _steps_holding(record, u) if i < first_c]) == 8  # all of its steps ran meanwhile
+    # Steps of the other request ran while the rank compiled (the old path compiles inside a step: none could).
+    # How many of its 8 fit in the compile depends on the machine's load, so only "some" is asserted.
+    assert any(asked < i < answered for i in _steps_holding(record, u)), (asked, answered, _steps_holding(record, u))
 
     # The old path: nothing held, a constraint the rank has not seen (a description does not change the grammar)
     # compiled on the rank's mask thread in the step that admits it.
