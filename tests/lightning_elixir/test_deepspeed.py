@@ -8,12 +8,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
 
 # ZeRO-3 keeps fp32 partitions of flattened parameters and reduces in buckets, so sums run in another
 # order than DDP's; 1e-4 on losses ~5 over 8 steps is still far below a one-step change (~0.05).
 LOSS_ATOL = 1e-4
+ENV = {"GROUP_RANK": "0", "DS_ACCELERATOR": "cpu"}
+
+
+def _both(rank: int, world: int, tmp: str) -> dict:
+    """Both tests' runs on one process group (each spawned rank imports Lightning and DeepSpeed anew, which costs
+    more than a run). ZeRO-3 replaces ``torch.nn.functional.linear`` process-wide; the strategy's teardown puts it
+    back, which each rank checks after each run so that the second run computes with torch's own linear."""
+    import torch.nn.functional as F
+
+    linear = F.linear
+    out = {"translated": _deepspeed_vs_ddp(rank, world, str(Path(tmp) / "translated"))}
+    out["linear_kept"] = [F.linear is linear]
+    out["zero_init"] = _zero_init_vs_ddp(rank, world, str(Path(tmp) / "zero_init"))
+    out["linear_kept"].append(F.linear is linear)
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> list[dict]:
+    """What each of two ranks returned from both runs (``_both``)."""
+    tmp = tmp_path_factory.mktemp("deepspeed_two_ranks")
+    results = run_distributed(_both, 2, args=(str(tmp),), timeout=600, env=ENV)
+    assert all(r["linear_kept"] == [True, True] for r in results), [r["linear_kept"] for r in results]
+    return results
 
 
 def _deepspeed_vs_ddp(rank: int, world: int, tmp: str) -> dict:
@@ -38,10 +64,8 @@ def _deepspeed_vs_ddp(rank: int, world: int, tmp: str) -> dict:
 
 
 @RunIf(lightning=True, deepspeed=True, min_world=2)
-def test_deepspeed_backend_runs_the_translated_plan(tmp_path):
-    results = run_distributed(_deepspeed_vs_ddp, 2, args=(str(tmp_path),), timeout=420,
-                              env={"GROUP_RANK": "0", "DS_ACCELERATOR": "cpu"})
-    for r in results:
+def test_deepspeed_backend_runs_the_translated_plan(on_two_ranks):
+    for r in (both["translated"] for both in on_two_ranks):
         assert r["mixed"] and r["stage"] == 3 and r["offload"], r
         assert r["engine"] == "DeepSpeedEngine"
         assert len(r["ds"]) == len(r["ddp"]) == 8
@@ -105,10 +129,8 @@ def _zero_init_vs_ddp(rank: int, world: int, tmp: str) -> dict:
 
 
 @RunIf(lightning=True, deepspeed=True, min_world=2)
-def test_deepspeed_backend_builds_under_zero_init(tmp_path):
-    results = run_distributed(_zero_init_vs_ddp, 2, args=(str(tmp_path),), timeout=420,
-                              env={"GROUP_RANK": "0", "DS_ACCELERATOR": "cpu"})
-    for r in results:
+def test_deepspeed_backend_builds_under_zero_init(on_two_ranks):
+    for r in (both["zero_init"] for both in on_two_ranks):
         assert r["stage"] == 3, r
         total = r["built"]["total"]
         assert r["ref_built"]["held"] == r["ref_built"]["total"] == total  # DDP: every rank holds everything

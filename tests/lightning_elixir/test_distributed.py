@@ -1,7 +1,7 @@
 """Elixir on two real gloo processes, driven by Lightning: the same losses as DDP under a mixed plan,
 the plan really applied, checkpoints that resume exactly, an export the plain model loads.
 
-One spawn runs every Trainer (each costs ~2 s; a spawn ~15 s on a loaded 2-core machine). Lightning
+One spawn runs every Trainer and the unit-mode check (each costs ~2 s; a spawn ~15 s on a loaded 2-core machine). Lightning
 finds the ranks through its TorchElastic environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK ...)
 and reuses the process group the helper opened, so no launcher re-runs the test file.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
@@ -112,9 +114,22 @@ def _train_compare_checkpoint_export(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def _both(rank: int, world: int, tmp: str) -> dict:
+    """Both tests' runs on one process group: the unit modes applied by hand first (FSDP2 alone, seeded itself),
+    then the Lightning runs, which reuse the group."""
+    return {"every_mode": _every_mode(rank, world), "lightning": _train_compare_checkpoint_export(rank, world, tmp)}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> list[dict]:
+    """What each of two ranks returned from ``_both``."""
+    tmp = tmp_path_factory.mktemp("elixir_two_ranks")
+    return run_distributed(_both, 2, args=(str(tmp),), timeout=540, env=ENV)
+
+
 @RunIf(lightning=True, min_world=2)
-def test_two_processes_match_ddp_resume_and_export(tmp_path):
-    results = run_distributed(_train_compare_checkpoint_export, 2, args=(str(tmp_path),), timeout=420, env=ENV)
+def test_two_processes_match_ddp_resume_and_export(on_two_ranks):
+    results = [r["lightning"] for r in on_two_ranks]
     for rank, r in enumerate(results):
         # The budget forced a mixed plan, and that plan is what FSDP2 runs.
         assert r["plan_mixed"], r["plan_units"]
@@ -203,10 +218,10 @@ def _every_mode(rank: int, world: int) -> dict:
             "kept": [not s.reshard_after_forward for s in inspect_units(model)]}
 
 
-@RunIf(min_world=2)
-def test_every_unit_mode_with_norm_clipping_matches_ddp():
+@RunIf(lightning=True, min_world=2)  # its model and device come from tests/lightning_elixir/common.py (Lightning)
+def test_every_unit_mode_with_norm_clipping_matches_ddp(on_two_ranks):
     """replicate (a 2-D mesh), keep and reshard units, offloaded or not, in one model: torch's clipping
     refuses gradients on two meshes; lightning_elixir.apply.clip_grad_norm_ counts each element once."""
-    for r in run_distributed(_every_mode, 2, timeout=300):
+    for r in (both["every_mode"] for both in on_two_ranks):
         assert any(r["replicated"]) and not all(r["replicated"]) and any(r["kept"]), r
         assert max(abs(a - b) for a, b in zip(r["ref"], r["elixir"])) <= LOSS_ATOL, (r["ref"], r["elixir"])
