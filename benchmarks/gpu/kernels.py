@@ -1,4 +1,4 @@
-"""tightfit.kernels kernels vs their PyTorch references on one GPU (CUDA-event timing, interleaved).
+"""tightfit's kernels vs their PyTorch references on one GPU (CUDA-event timing, interleaved).
 
     python -m benchmarks.gpu.kernels [--quick | --smoke]
 

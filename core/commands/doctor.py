@@ -41,7 +41,7 @@ __all__ = ["CHECKS", "add_arguments", "run"]
 # (label, distribution, import name, what it enables)
 CHECKS = [
     ("torch", "torch", "torch", "everything"),
-    ("Triton", "triton", "triton", "tightfit.kernels kernels on CUDA; interpreter tests on CPU"),
+    ("Triton", "triton", "triton", "tightfit's kernels on CUDA; interpreter tests on CPU"),
     ("Lightning", "lightning", "lightning", 'Trainer(strategy="elixir" | "sky")'),
     ("TorchRec", "torchrec", "torchrec", "torchrec_cache"),
     ("FBGEMM (CPU)", "fbgemm-gpu-cpu", "fbgemm_gpu", "TorchRec's kernels"),

@@ -1,4 +1,4 @@
-"""tightfit.kernels kernels of energon's runtime: paged variable-length attention, KV store, pack/unpack.
+"""tightfit's kernels of energon's runtime: paged variable-length attention, KV store, pack/unpack.
 
 (Moved from tests/energon_infer/test_kernels.py; the whole-model check stays there as test_runtime_triton.py.)
 
