@@ -163,8 +163,8 @@ class HostLevel:
             if wait or (until is not None and q.step <= until) or (need is not None and bool(_isin(need, q.pos).any())):
                 last = i
         for k in keys[:last + 1]:
+            read = self.ahead.take(k)  # before the pop: a read not started yet looks its batch up in ``queued``
             q = self.queued.pop(k)
-            read = self.ahead.take(k)
             if read is None:
                 continue
             recs, pos = self.disk.read_finish(read), q.pos
