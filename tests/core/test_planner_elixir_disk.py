@@ -437,6 +437,13 @@ def test_a_disk_tier_never_makes_the_best_plan_slower(b):
                  {"fwd_transient": 324, "transient": 1295, "ckpt_frac": 0.3, "fwd": 10000000000.0, "numel": 20000000,
                   "checkpointable": False, "saved": 137994521}],
          world=1, unified=False, q=(1.1754943508222875e-38, 0.22832597165271867, 0.6529725947161263))
+@example(blocks=[{"transient": 1496, "numel": 1000000, "checkpointable": False, "ckpt_frac": 0.05, "saved": 10507271,
+                  "fwd_transient": 76, "fwd": 3489548857679.7314},
+                 {"fwd_transient": 343536, "saved": 752942283, "transient": 75, "fwd": 2222455861787.799,
+                  "ckpt_frac": 1.0, "checkpointable": False, "numel": 3000000},
+                 {"ckpt_frac": 0.05, "checkpointable": True, "fwd": 458253880876.2829, "saved": 1000000,
+                  "fwd_transient": 3628801, "numel": 100000, "transient": 2941}],
+         world=2, unified=True, q=(0.15237529195620805, 0.014279091560357008, 0.9509219713740034))
 def test_branch_and_bound_with_the_disk_tier_equals_brute_force(blocks, world, unified, q):
     # Every plan of the space with four state tiers priced without pruning; budgets drawn among their bytes so
     # the host and the disk bind as often as the device. The exact search must find each family's best.

@@ -43,7 +43,8 @@ from tightfit.planner.elixir.space import (
 
 __all__ = ["exhaustive", "family_of"]
 
-_TOL = 1 + 1e-9  # relative tolerance of equal times (the key rounds to 9 significant digits)
+_TOL = 1 + 1e-9  # relative tolerance of equal times (the key rounds to 9 significant digits), and of the peak bounds
+# against the budget (a bound sums the same bytes in another order than the plan's own peak: it may round above it)
 
 
 def family_of(units: Sequence[tuple[int, int]]) -> str:
@@ -80,7 +81,7 @@ def exhaustive(ev: Evaluator, space: Space, budget: float, host_budget: float, p
             if len(others) >= keep:
                 cutoff = min(cutoff, others[keep - 1])
         best = None
-        if fam.root_peak <= budget and fam.root_time <= cutoff * _TOL:
+        if fam.root_peak <= budget * _TOL and fam.root_time <= cutoff * _TOL:
             best = fam.search(host_budget, cutoff, disk_budget)
         out[fam.label] = best
         if best is not None and (best.family not in best_of or best.key < best_of[best.family].key):
@@ -106,11 +107,18 @@ def _bound_terms(ev: Evaluator, space: Space, a: int, b: int) -> tuple[UnitTerms
     on_ddp = (False, True) if ev.ctx.alias_replicated else (False,)
     opts = [ev.terms(a, b, m, o, ddp) for m in space.modes for o in space.offload for ddp in on_ddp]
     state = min(t.state for t in opts)
+    red_buf = min(t.red_buf for t in opts)
+    # Two terms peak() prices are not monotone in one field: a unit's own backward holds ``grads - red_buf``
+    # (calibrated) or ``grads``, and the unit before it holds this one's ``grad_buf`` in place of its ``red_buf``
+    # where gradients are written to disk on a unified device. Their bound fields are set so that both are minima:
+    # min(g - r) + min(r) <= min(g), and the buffer the unit before holds is the least of any choice's.
+    grads = min(t.grads for t in opts) and min(t.grads - t.red_buf for t in opts) + red_buf
+    held = min(t.grad_buf if ev.ctx.unified and t.grad_buf else t.red_buf for t in opts)
     mem = UnitTerms(
         cf=0.0, cb=0.0, h2d_f=0.0, ag_f=0.0, h2d_b=0.0, ag_b=0.0, red=0.0, d2h=0.0, opt=0.0,
-        state=state, host=0.0, gathered=min(t.gathered for t in opts), grads=min(t.grads for t in opts),
-        red_buf=min(t.red_buf for t in opts), opt_tmp=min(t.opt_tmp for t in opts), kept=False,
-        grad_state=state - min(t.state - t.grad_state for t in opts),
+        state=state, host=0.0, gathered=min(t.gathered for t in opts), grads=grads,
+        red_buf=red_buf, opt_tmp=min(t.opt_tmp for t in opts), kept=False,
+        grad_state=state - min(t.state - t.grad_state for t in opts), grad_buf=held if ev.ctx.unified else 0.0,
     )
     fast = UnitTerms(
         cf=min(t.cf for t in opts), cb=min(t.cb for t in opts),
@@ -237,7 +245,7 @@ class _Family:
                     limit = cutoff if inc is None or inc.time > cutoff else inc.time
                     if limit < math.inf and step_time(ctx, ul, fast, ck_time, df, db) > limit * _TOL:
                         continue
-                    if peak(ctx, ul, terms, ck_mem, df, db) > budget:
+                    if peak(ctx, ul, terms, ck_mem, df, db) > budget * _TOL:  # a bound: summed in another order
                         continue
                 modes[u], offs[u] = m, o
                 visit(u + 1, host + t.host + extra, disk + t.disk, fx_u)
