@@ -195,14 +195,19 @@ _grouped = register_kernel("grouped_experts", reference=grouped_experts_referenc
                            native_error=_native_error)
 
 
-def _check(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: Sequence[torch.Tensor],
-           down: Sequence[torch.Tensor], gate_up_bias: Biases, down_bias: Biases) -> None:
+def check_routing(op: str, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> None:
+    """``op``'s tokens and routing: ``x`` (tokens, hidden), ``weights`` and integer ``chosen`` (tokens, top_k)."""
     if x.dim() != 2 or chosen.dim() != 2 or weights.shape != chosen.shape or chosen.shape[0] != x.shape[0]:
-        raise ValueError(f"grouped_experts: x must be (tokens, hidden) and weights, chosen (tokens, top_k); got x "
+        raise ValueError(f"{op}: x must be (tokens, hidden) and weights, chosen (tokens, top_k); got x "
                          f"{tuple(x.shape)}, weights {tuple(weights.shape)}, chosen {tuple(chosen.shape)}")
     if chosen.dtype.is_floating_point or chosen.dtype == torch.bool:
-        raise ValueError(f"grouped_experts: chosen holds expert indices and must be an integer tensor, not "
+        raise ValueError(f"{op}: chosen holds expert indices and must be an integer tensor, not "
                          f"{chosen.dtype}; pass topk's indices")
+
+
+def _check(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: Sequence[torch.Tensor],
+           down: Sequence[torch.Tensor], gate_up_bias: Biases, down_bias: Biases) -> None:
+    check_routing("grouped_experts", x, weights, chosen)
     if len(down) != len(gate_up) or any(g.dim() != 2 or d.dim() != 2 or g.shape != (2 * d.shape[1], x.shape[1])
                                         or d.shape[0] != x.shape[1] for g, d in zip(gate_up, down)):
         raise ValueError(f"grouped_experts: each expert needs gate_up (2I, {x.shape[1]}) and down ({x.shape[1]}, I) "

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from tightfit.kernels.grouped_experts import Biases, _bias, expert_activation, run_grouped
+from tightfit.kernels.grouped_experts import Biases, _bias, check_routing, expert_activation, run_grouped
 from tightfit.kernels.quant_linear import int4_linear, int8_linear
 
 __all__ = ["QuantWeight", "quant_linear", "quant_expert_mlp", "grouped_quant_experts"]
@@ -78,12 +78,7 @@ def quant_expert_mlp(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,
 
 def _check(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: Sequence[QuantWeight],
            down: Sequence[QuantWeight]) -> None:
-    if x.dim() != 2 or chosen.dim() != 2 or weights.shape != chosen.shape or chosen.shape[0] != x.shape[0]:
-        raise ValueError(f"grouped_quant_experts: x must be (tokens, hidden) and weights, chosen (tokens, top_k); got "
-                         f"x {tuple(x.shape)}, weights {tuple(weights.shape)}, chosen {tuple(chosen.shape)}")
-    if chosen.dtype.is_floating_point or chosen.dtype == torch.bool:
-        raise ValueError(f"grouped_quant_experts: chosen holds expert indices and must be an integer tensor, not "
-                         f"{chosen.dtype}; pass topk's indices")
+    check_routing("grouped_quant_experts", x, weights, chosen)
     shapes = [(g.shape, d.shape) for g, d in zip(gate_up, down)]
     if len(down) != len(gate_up) or any(g[1] != x.shape[1] or d[0] != x.shape[1] or g[0] != 2 * d[1]
                                         for g, d in shapes) or len({d[1] for _, d in shapes}) > 1:
