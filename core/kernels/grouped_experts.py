@@ -82,7 +82,8 @@ def expert_activation(h: torch.Tensor, limit: float = 0.0, alpha: float = 0.0) -
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _bias(biases: Biases, i: int) -> torch.Tensor | None:
+def expert_bias(biases: Biases, i: int) -> torch.Tensor | None:
+    """Expert ``i``'s bias of ``biases`` (None: the experts have none)."""
     return None if biases is None else biases[i]
 
 
@@ -114,7 +115,7 @@ def grouped_experts_reference(x: torch.Tensor, weights: torch.Tensor, chosen: to
                               gate_up_bias: Biases = None, down_bias: Biases = None, limit: float = 0.0,
                               alpha: float = 0.0) -> torch.Tensor:
     return run_grouped(x, weights, chosen, len(gate_up), first, lambda i, rows: expert_mlp(
-        rows, gate_up[i], down[i], _bias(gate_up_bias, i), _bias(down_bias, i), limit, alpha))
+        rows, gate_up[i], down[i], expert_bias(gate_up_bias, i), expert_bias(down_bias, i), limit, alpha))
 
 
 @functools.cache

@@ -40,7 +40,13 @@ from typing import NamedTuple
 
 import torch
 
-from tightfit.kernels.grouped_experts import Biases, _bias, check_routing, expert_activation, run_grouped
+from tightfit.kernels.grouped_experts import (
+    Biases,
+    check_routing,
+    expert_activation,
+    expert_bias,
+    run_grouped,
+)
 from tightfit.kernels.quant_linear import int4_linear, int8_linear
 
 __all__ = ["QuantWeight", "quant_linear", "quant_expert_mlp", "grouped_quant_experts"]
@@ -96,4 +102,4 @@ def grouped_quant_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.
     if not gate_up or x.shape[0] == 0:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return run_grouped(x, weights, chosen, len(gate_up), first, lambda i, rows: quant_expert_mlp(
-        rows, gate_up[i], down[i], _bias(gate_up_bias, i), _bias(down_bias, i), limit, alpha))
+        rows, gate_up[i], down[i], expert_bias(gate_up_bias, i), expert_bias(down_bias, i), limit, alpha))
