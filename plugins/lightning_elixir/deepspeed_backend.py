@@ -81,6 +81,24 @@ def merge_config(base: dict[str, Any], override_with: dict[str, Any] | None) -> 
     return out
 
 
+_DS_MIN_AIO_BYTES = 1 << 20  # DeepSpeed swaps an optimizer sub-group only from max(this, aio block_size) bytes
+
+
+def _aio_block(plan: ElixirPlan, disk: DiskProfile | None) -> int:
+    """The aio ``block_size``: the profiled request size, unless that would keep the plan's swapped state in RAM.
+
+    DeepSpeed leaves a sub-group whose fp32 partition is smaller than ``max(1 MiB, block_size)`` in host memory.
+    Every offloaded unit's state is swapped once any unit is on disk, in sub-groups of up to 1e9 elements of each
+    rank's partition; when that partition is smaller than the profiled request size, the block falls back to
+    DeepSpeed's 1 MiB floor so the state still reaches the disk (smaller requests, not none).
+    """
+    if disk is None:
+        return _DS_MIN_AIO_BYTES
+    block = int(disk.request_bytes)
+    swapped = 4 * sum(plan.units[i].param_numel for i in plan.offloaded_units) // max(1, plan.world_size)
+    return block if block <= _DS_MIN_AIO_BYTES or swapped >= block else _DS_MIN_AIO_BYTES
+
+
 def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: DiskProfile | None = None,
                      host_budget: int | None = None, pin_memory: bool = False) -> tuple[dict[str, Any], tuple[str, ...]]:
     """(ZeRO-Infinity config entries, what they cannot express) for the disk units of ``plan``.
@@ -89,7 +107,8 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
     ``device: nvme`` at ``nvme_path = disk_dir`` (else the directory the plan was priced for), with
     ``pipeline_read`` / ``pipeline_write`` on (the plan prices reads and write-backs overlapped with the
     update), and ``aio`` takes the disk profile's request size as ``block_size`` and its queue depth
-    as ``queue_depth`` (DeepSpeed's defaults, 1 MiB and 8, without a profile).
+    as ``queue_depth`` (DeepSpeed's defaults, 1 MiB and 8, without a profile); the block falls back to 1 MiB
+    where the profiled size would exceed each rank's swapped state, which DeepSpeed would then keep in RAM.
 
     Raises:
         ValueError: the plan has disk units but translates to a ZeRO stage below 3, or names no directory.
@@ -110,7 +129,7 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
                          "(disk_dir=None and the plan names none); pass disk_dir='/nvme/dir'")
     opt = {"device": "nvme", "nvme_path": path, "pin_memory": pin_memory, "pipeline_read": True,
            "pipeline_write": True}
-    block = disk.request_bytes if disk is not None else 1 << 20
+    block = _aio_block(plan, disk)
     depth = max(1, disk.queue_depth) if disk is not None else 8
     aio = {"block_size": int(block), "queue_depth": int(depth), "intra_op_parallelism": 1, "single_submit": False,
            "overlap_events": True, "use_gds": False}
@@ -126,6 +145,10 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
         f"DeepSpeed keeps an optimizer sub-group smaller than max(1 MiB, aio block_size {format_bytes(block)}) in "
         "host RAM, whatever the plan says",
     ]
+    swapped = 4 * sum(plan.units[i].param_numel for i in plan.offloaded_units) // max(1, plan.world_size)
+    if swapped < _DS_MIN_AIO_BYTES:
+        gaps.append(f"each rank's swapped optimizer state is {format_bytes(swapped)}, below DeepSpeed's 1 MiB swap "
+                    "floor: DeepSpeed keeps all of it in host RAM, nothing reaches nvme_path")
     if disk is None:
         gaps.append("no disk profile: aio block_size and queue_depth are DeepSpeed's defaults (1 MiB, 8), not measured")
     return {"zero_optimization": zero, "aio": aio}, tuple(gaps)
