@@ -112,9 +112,6 @@ class Index:
             index.entries[name] = _entry(name, e, size, block, seen, path, fix)
         return index
 
-    def save(self, directory: Path) -> None:
-        self.write_text(directory, self.to_json())
-
     @staticmethod
     def write_text(directory: Path, text: str) -> None:
         """Write ``text`` as ``index.json`` atomically and durably: temp file, fsync, rename, fsync of the directory."""
