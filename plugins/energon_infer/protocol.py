@@ -199,7 +199,8 @@ class Tokens:
 
 @dataclass(frozen=True, slots=True)
 class StatsReport:
-    """A rank's stage timing: ``busy_s``, ``span_s``, ``steps``, ``utilisation``."""
+    """A rank's stage timing: ``busy_s``, ``span_s``, ``steps``, ``utilisation``; the rank that samples adds
+    ``grammar_compiles`` (structured outputs' grammars it compiled since it started)."""
 
     rank: int
     stats: dict[str, Any] = field(default_factory=dict)

@@ -64,6 +64,9 @@ class StructuredOutput:
         compiled: set by the engine: :data:`ON_RANK` once it checked (the rank that samples compiles it); or the
             grammar compiled for the model's vocabulary (xgrammar's JSON), which the request carries to the rank that
             samples; not part of the constraint's identity.
+
+    The constraint is immutable (its ``json_schema`` dict is not to be changed once given): its :attr:`key` is
+    computed once and travels with it.
     """
 
     json_schema: dict[str, Any] | None = None
@@ -73,6 +76,7 @@ class StructuredOutput:
     grammar: str | None = None
     strict: bool = True
     compiled: str | None = field(default=None, repr=False)
+    _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
@@ -97,7 +101,13 @@ class StructuredOutput:
 
     @property
     def key(self) -> tuple[str, str]:
-        """``(kind, canonical text)``: equal constraints have equal keys (the compile cache's key)."""
+        """``(kind, canonical text)``: equal constraints have equal keys (the compile cache's key). Computed once
+        (a large schema's canonical text takes milliseconds; the server, the scheduler and the rank each look it up)."""
+        if self._key is None:
+            object.__setattr__(self, "_key", self._canonical_key())
+        return self._key  # type: ignore[return-value]
+
+    def _canonical_key(self) -> tuple[str, str]:
         kind = self.kind
         if kind == "json_schema":
             return kind, json.dumps({"schema": _canonical(self.json_schema), "strict": self.strict},
@@ -341,7 +351,9 @@ def prepare(engine: Any, params: Any) -> Any:
         raise StructuredOutputError("structured outputs need the model's tokenizer; put tokenizer.json in the model "
                                     "directory or pass tokenizer=...")
     CHECKS.check(so)
-    return dataclasses.replace(params, structured=dataclasses.replace(so, compiled=ON_RANK))
+    marked = dataclasses.replace(so, compiled=ON_RANK)
+    object.__setattr__(marked, "_key", so.key)  # the same constraint: its key is not computed again
+    return dataclasses.replace(params, structured=marked)
 
 
 _COMPILES = [0]

@@ -256,3 +256,31 @@ def test_the_rank_compiles_on_its_grammar_thread_and_the_step_takes_it(model_dir
     again: list[tuple[tuple[str, str], str | None]] = []
     runner.sampler.grammars.compile([so], lambda key, error: again.append((key, error)))
     assert again == [(so.key, None)] and masks.compiles == 2  # kept: answered at once
+
+
+def test_a_released_request_keeps_its_arrival_place_in_the_queue():
+    """Held for its grammar, a request rejoins the queue at its arrival place: ahead of the requests queued after it,
+    behind the one queued before it and behind a preempted one at the head; two released together keep their order.
+    The next step admits in that order (one request a step here)."""
+    from energon_infer.scheduling.scheduler import Request, Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(kv_blocks=64, block_size=4, max_context=32, max_batch_tokens=16, max_running=1),
+                      hold_grammars=True)
+    so = StructuredOutput(choice=("x", "y"))
+    plain = SamplingParams(max_tokens=2)
+    order = [("first", plain), ("held-1", SamplingParams(max_tokens=2, structured=so)), ("second", plain),
+             ("held-2", SamplingParams(max_tokens=2, structured=so)), ("third", plain)]
+    reqs = {name: sched.add(Request(name, [1, 2, 3], p)) for name, p in order}
+    assert [r.request_id for r in sched.waiting] == ["first", "second", "third"] and sched.grammars.num_held == 2
+    sched.waiting.appendleft(old := Request("preempted", [1], plain))  # as Scheduler._preempt puts one back
+    sched.grammar_ready(so.key, None)
+    assert [r.request_id for r in sched.waiting] == ["preempted", "first", "held-1", "second", "held-2", "third"]
+    sched.waiting.popleft()
+    assert old.arrival == 0 and reqs["held-1"].arrival < reqs["second"].arrival
+    admitted = []
+    for _ in range(5):
+        plan = sched.schedule(0)
+        assert plan is not None
+        admitted += [r.request_id for r in plan.requests if r.request_id not in admitted]
+        sched.complete(plan, [7] * len(plan.step.items))
+    assert admitted[:3] == ["first", "held-1", "second"]

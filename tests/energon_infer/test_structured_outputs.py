@@ -103,6 +103,32 @@ def test_structured_output_takes_exactly_one_constraint():
         SamplingParams(structured={"type": "object"})  # type: ignore[arg-type]
 
 
+def test_a_constraint_key_is_computed_once_and_travels_with_it(monkeypatch):
+    """The canonical text of a schema (milliseconds for a large one) is computed at the first look-up only: not again
+    for the hash, the comparison, a copy through pickle (how a step carries it to the rank) or the engine's marked
+    copy (``prepare``)."""
+    import pickle
+
+    from energon_infer import structured
+
+    class Engine:  # what prepare reads of an engine
+        tokenizer = object()
+
+    computed = []
+    real = structured.StructuredOutput._canonical_key
+    monkeypatch.setattr(structured.StructuredOutput, "_canonical_key",
+                        lambda self: computed.append(1) or real(self))
+    a = StructuredOutput(json_schema={"type": "object", "properties": {"y": {"type": "integer"}, "x": {}}})
+    key = a.key
+    assert computed == [1] and key == ("json_schema", '{"schema":{"properties":{"y":{"type":"integer"},"x":{}},'
+                                                      '"type":"object"},"strict":true}')
+    travelled = pickle.loads(pickle.dumps(a))
+    marked = structured.prepare(Engine(), SamplingParams(structured=a)).structured
+    assert marked.compiled == structured.ON_RANK and marked is not a
+    assert hash(a) == hash(travelled) == hash(marked) and a == travelled == marked and a.key == marked.key
+    assert computed == [1]
+
+
 @pytest.mark.parametrize(("schema", "path", "rule"), [
     ({"type": "object", "properties": {"a": {"type": "strin"}}}, "#/properties/a", 'Unsupported type "strin"'),
     ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer", "minimum": 5,
@@ -201,6 +227,46 @@ def test_chat_parse_returns_the_pydantic_object(client):
         assert choice.finish_reason == "stop", choice.message.content
         pet = choice.message.parsed
         assert isinstance(pet, Pet) and pet.kind in ("cat", "dog") and 0 <= pet.legs <= 8
+
+
+def test_a_fresh_schema_is_compiled_once_across_the_server_engine_and_rank(client, engine, monkeypatch):
+    """Three requests with a schema nobody has seen (two at once, one after) compile its grammar once in all: on the
+    rank that samples (the count it reports in its stats), and never in this process (the server's and the engine's,
+    which only check it): xgrammar's compiler is counted wherever this process calls it."""
+    import concurrent.futures
+
+    import xgrammar
+    from pydantic import BaseModel, Field
+
+    here: list[str] = []
+    for name in [n for n in dir(xgrammar.GrammarCompiler) if n.startswith("compile")]:
+        def counted(self: Any, *args: Any, _real: Any = getattr(xgrammar.GrammarCompiler, name), _name: str = name,
+                    **kwargs: Any) -> Any:
+            here.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(xgrammar.GrammarCompiler, name, counted)
+
+    def rank_compiles() -> int:
+        return sum(int(r.get("grammar_compiles", 0)) for r in engine.pipeline_stats()["ranks"])
+
+    class Parcel(BaseModel):
+        label: str = Field(max_length=7)
+        grams: int = Field(ge=1, le=4321)  # bounds no other test uses: a grammar the rank has not compiled
+        fragile: bool
+
+    def ask(seed: int) -> Any:
+        out = client.chat.completions.parse(model="tiny-json", messages=[{"role": "user", "content": "a parcel"}],
+                                            response_format=Parcel, temperature=1.0, seed=seed, max_tokens=200)
+        return out.choices[0].message.parsed
+
+    before = rank_compiles()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        parsed = list(pool.map(ask, (1, 2)))
+    parsed.append(ask(3))
+    assert all(isinstance(p, Parcel) and 1 <= p.grams <= 4321 for p in parsed), parsed
+    assert here == []
+    assert rank_compiles() - before == 1
 
 
 def test_json_object_and_json_schema_on_both_endpoints(client):

@@ -477,7 +477,8 @@ class Engine:
         """Measured busy share of each stage since the last reset: ``{"stages": [...], "ranks": [...]}``.
 
         A stage is busy from its forward's start to its end; time waiting for inputs or for the
-        controller is idle. Asked in order with the steps, so it covers every step sent before it.
+        controller is idle. Asked in order with the steps, so it covers every step sent before it. The rank that
+        samples adds ``grammar_compiles``: the structured outputs' grammars it compiled since it started.
         """
         return self._controller.pipeline_stats(reset=reset, timeout=timeout)
 

@@ -6,9 +6,10 @@ engine's scheduler keeps such a request out of its queue (:meth:`GrammarWait.que
 the grammar on its grammar thread (:meth:`GrammarWait.take_asks`, sent as
 :class:`~energon_infer.protocol.CompileGrammars`); the other requests keep stepping. The rank's answer
 (:class:`~energon_infer.protocol.GrammarReady`) releases every request held for that constraint
-(:meth:`GrammarWait.release`) into the back of the queue, or finishes them with its error. A constraint the rank
-answered for recently counts as ready (the last ``size`` by key, fewer than the rank keeps), so its next request is
-queued at once. Should the rank have dropped it meanwhile, the step that admits the request compiles it again, as a
+(:meth:`GrammarWait.release`) into the queue at their arrival places (ahead of the requests queued after them, so
+the compile is not followed by a wait behind them), or finishes them with its error. A constraint the rank answered
+for recently counts as ready (the last ``size`` by key, fewer than the rank keeps), so its next request is queued at
+once. Should the rank have dropped it meanwhile, the step that admits the request compiles it again, as a
 runner driven in-process does (``hold=False``: nothing is held).
 
 A held request is this object's until it is released: it finishes it (an abort, a grammar that failed) as the
@@ -22,16 +23,18 @@ Example:
     >>> so = StructuredOutput(choice=("yes", "no"))
     >>> for name in "ab":
     ...     wait.queue(Request(name, [1], SamplingParams(structured=so)), queue)
-    >>> queue, len(wait.take_asks()), wait.num_held
-    ([], 1, 2)
+    >>> wait.queue(Request("free", [1], SamplingParams()), queue)
+    >>> [r.request_id for r in queue], len(wait.take_asks()), wait.num_held
+    (['free'], 1, 2)
     >>> _ = wait.release(so.key, None, queue)
     >>> wait.queue(Request("c", [1], SamplingParams(structured=so)), queue)
     >>> [r.request_id for r in queue]
-    ['a', 'b', 'c']
+    ['a', 'b', 'free', 'c']
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, MutableSequence
@@ -62,6 +65,7 @@ class GrammarWait:
         self._held: dict[tuple[str, str], list[tuple[Request, float]]] = {}  # in arrival order, with when held
         self._asks: list[StructuredOutput] = []
         self._asked: dict[tuple[str, str], StructuredOutput] = {}  # asked for (or to be), not yet answered
+        self._arrivals = itertools.count(1)  # Request.arrival of each request queued here, held or not
 
     @property
     def num_held(self) -> int:
@@ -69,7 +73,8 @@ class GrammarWait:
 
     def queue(self, req: Request, queue: MutableSequence[Request]) -> None:
         """Append ``req`` to ``queue``, or hold it if its constraint's grammar is not ready (the first request held
-        for a constraint asks for it)."""
+        for a constraint asks for it). Either way ``req`` takes its arrival place (:attr:`Request.arrival`)."""
+        req.arrival = next(self._arrivals)
         so = req.params.structured
         key = so.key if self.enabled and so is not None else None
         if key is None or key in self._ready:
@@ -93,9 +98,10 @@ class GrammarWait:
 
     def release(self, key: tuple[str, str], error: str | None, queue: MutableSequence[Request]
                 ) -> list[tuple[Request, float]]:
-        """The rank answered for ``key``: its held requests, oldest first, join ``queue``, and ``key`` counts as ready
-        from now on; or it could not compile the grammar (``error``): they finish with it (``finish_reason="error"``,
-        as a row that failed in a worker). Each with the seconds it waited."""
+        """The rank answered for ``key``: its held requests join ``queue`` at their arrival places (each ahead of the
+        requests at its back that arrived after it), and ``key`` counts as ready from now on; or it could not compile
+        the grammar (``error``): they finish with it (``finish_reason="error"``, as a row that failed in a worker).
+        Each with the seconds it waited, oldest first."""
         self._asked.pop(key, None)
         if error is None:
             self._ready[key] = None
@@ -106,7 +112,10 @@ class GrammarWait:
         released = [(req, now - since) for req, since in self._held.pop(key, [])]
         for req, _ in released:
             if error is None:
-                queue.append(req)
+                at = len(queue)
+                while at and queue[at - 1].arrival > req.arrival:
+                    at -= 1
+                queue.insert(at, req)
             else:
                 req.state, req.finish_reason, req.error = "finished", "error", error
         return released

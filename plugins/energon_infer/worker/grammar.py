@@ -278,6 +278,11 @@ class SequenceGrammars:
             return None
         return [r for r, _ in rows], self.masks.fill_async(rows, admits)
 
+    @property
+    def compiles(self) -> int:
+        """Grammars compiled for this rank's vocabulary since it started (:attr:`GrammarMasks.compiles`)."""
+        return self.masks.compiles if self.masks is not None else 0
+
     def compile(self, constraints: Sequence[StructuredOutput], done: Done) -> None:
         """Compile each constraint's grammar on the grammar thread (:meth:`GrammarMasks.compile_async`, ``done``
         called as each is ready); without a tokenizer each is answered at once with the error."""

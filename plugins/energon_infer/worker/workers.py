@@ -246,7 +246,10 @@ def serve_commands(runner: Any, timer: StageTimer, rank: int, next_command: Call
             for seq_id in cmd.seq_ids:
                 runner.free(seq_id)
         elif isinstance(cmd, Stats):
-            reply(StatsReport(rank, timer.snapshot(reset=cmd.reset)))
+            stats = timer.snapshot(reset=cmd.reset)
+            if rank == result_rank:  # the only rank that compiles structured outputs' grammars
+                stats["grammar_compiles"] = float(runner.sampler.grammars.compiles)
+            reply(StatsReport(rank, stats))
         elif isinstance(cmd, Ping):
             reply(Pong(rank, cmd.seq))
         elif isinstance(cmd, CompileGrammars):
