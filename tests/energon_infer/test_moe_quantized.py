@@ -188,32 +188,139 @@ def test_quantized_moe_layers_pool_on_the_host_and_stream_from_disk_exactly(tmp_
         pool.close()
 
 
-def test_the_engine_serves_a_quantized_moe_model_beyond_its_budget(tmp_path):
+def test_the_engine_places_quantized_experts_one_by_one_beyond_its_budget(tmp_path):
     """The served path: the caller's process plans a quantized qwen3_moe model under a budget that holds none of
-    its layers, so whole quantized layers stream from the store (the expert-level plan is for unquantized models),
-    and the spawned worker's tokens are the in-memory quantized model's."""
+    its layers whole; the expert plan keeps the dense parts and the experts that fit (priced at their packed int8
+    bytes) and the spawned worker reads the rest from the quantized store when routed: the in-memory quantized model's
+    tokens, each read one expert's quantized bytes."""
     from energon_infer.engine.engine import Engine
     from energon_infer.worker.memory_pool import MemoryPoolConfig
+    from energon_infer.worker.quantized_pool import packed_block_bytes
     from tests.energon_infer.test_quantized_pool import _disk, _opts, _unified_budget
 
     path = save_tiny("qwen3_moe", tmp_path / "m", **FAMILIES["qwen3_moe"])
     ref = ModelRunner.from_pretrained(path, **_opts("int8", None))
     want = [g.token_ids for g in ref.generate(PROMPTS, GREEDY)]
+    size = packed_block_bytes(ref.stage.layers["0"].moe.experts["0"])
     budget, layers = _unified_budget(path, "int8", None, keep=0)
     pool = MemoryPoolConfig(memory_budget=budget, disk=_disk(path), lookahead=1, quantized_dir=str(tmp_path / "q"))
     with Engine.from_pretrained(path, memory_pool=pool, quantization="int8", progress=False, threads_per_worker=1,
                                 block_size=4, packed_weights=False, kv_cache_tokens=512) as engine:
+        lines = dict(engine.memory_plan.lines[0])
         got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
         rank = engine.memory_report()["ranks"][0]
     assert got == want
-    assert rank["weights"] == "int8" and rank["tiers"] == {i: "disk" for i in range(len(layers))}
-    assert rank["disk_layer_bytes"] == dict(enumerate(layers))
-    assert rank["disk_bytes_read"] == sum(n * layers[i] for i, n in rank["disk_reads"].items()) > 0
+    kept = next(w for w in lines if w.endswith("experts kept in memory"))
+    n_kept, n_all = int(kept.split()[0]), int(kept.split()[2])
+    assert 0 < n_kept < n_all and lines[kept] == n_kept * size  # priced at the packed quantized bytes
+    assert rank["weights"] == "int8" and rank["experts_on_disk"] == n_all - n_kept and rank["expert_reads"] > 0
+    assert not rank.get("disk_layer_bytes")  # no whole layer streams
+    misread = rank["expert_prefetches"] - rank["expert_prefetches_used"]  # read ahead, then not routed
+    assert rank["expert_bytes_read"] == (rank["expert_reads"] + misread) * size
 
 
-def test_the_expert_pool_refuses_quantized_experts_in_one_line(dirs):
+def _quantized_pool(path: str, method: str, group: int | None, store_dir, lookahead: int | None = 0):
+    """``(in-memory quantized model, the same with the odd experts of every MoE layer read from the quantized store
+    when routed, its pool)``: one cache slot per layer."""
+    from energon_infer.worker.expert_pool import expert_names, install_expert_pool, moe_layers
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
+    from tests.energon_infer.test_expert_pool import _plan
+
+    opts = dict(OPTS, quantization=method, group_size=group, packed_weights=False)
+    ref = ModelRunner.from_pretrained(path, **opts)
+    n_moe, n = len(moe_layers(ref.stage)), ref.config.n_experts
+    plan = _plan([["disk" if e % 2 else "device" for e in range(n)] for _ in range(n_moe)], [1] * n_moe,
+                 ref.config.experts_per_token)
+    runner = ModelRunner.from_pretrained(path, offload=expert_names(ref.stage, plan), **opts)
+    pool = install_expert_pool(runner, plan, MemoryPoolConfig(quantized_dir=str(store_dir), expert_lookahead=lookahead),
+                               path)
+    return ref, runner, pool
+
+
+@pytest.mark.parametrize("method,group", SPECS, ids=["int8", "int4-g32"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_quantized_disk_experts_are_read_from_the_store_and_give_the_in_memory_models_logits(dirs, tmp_path, name,
+                                                                                          method, group):
+    """Quantized experts placed one by one: the disk experts are never quantized into memory at load, each is written
+    once to the quantized store as its packed quantized bytes (weights, scales, zero points, biases) and read from
+    there when routed, through the same grouped quantized kernel: the in-memory quantized model's logits and greedy
+    tokens bit for bit, and every read exactly one expert's quantized bytes (int8 under 1/3, int4 under 1/4 of the
+    fp32 expert's). gpt-oss's experts are sliced from one fused tensor: stored quantized, each is read on its own."""
+    from energon_infer.worker.expert_pool import moe_layers
+
+    ref, runner, pool = _quantized_pool(dirs[name], method, group, tmp_path / "q")
+    try:
+        routed = []
+        for _, moe in moe_layers(ref.stage):
+            moe.register_forward_hook(lambda m, args, out: routed.append(set(m.route(args[0])[1].reshape(-1).tolist())))
+        for _, moe in moe_layers(runner.stage):
+            for e, expert in moe.experts.items():  # the odd ones never loaded: the shared zero expert stands in
+                zeros = expert.gate_up_qweight.untyped_storage().data_ptr() == pool._zeros.data_ptr()
+                assert zeros == (int(e) % 2 == 1)
+        stored = sorted(n.rsplit(".", 1)[0] for n in pool.store.names() if n.startswith("expert."))
+        assert stored == sorted(f"expert.{i}.{e}" for i, _ in moe_layers(runner.stage)
+                                for e in range(1, runner.config.n_experts, 2))
+        expert = ref.stage.layers["0"].moe.experts["1"]  # its quantized tensors as the in-memory model holds them
+        size = sum(-(-p.numel() * p.element_size() // 64) * 64 for p in expert.parameters())
+        fp32 = 4 * sum(p.numel() for p in ModelRunner.from_pretrained(dirs[name], **OPTS).stage.layers["0"].moe
+                       .experts["1"].parameters())
+        assert size <= {"int8": 1 / 3, "int4": 1 / 4}[method] * fp32
+        items = list(enumerate(PROMPTS))
+        assert torch.equal(runner.forward(items, all_logits=True), ref.forward(items, all_logits=True))
+        snap = pool.snapshot()
+        disk_used = sum(len([e for e in layer if e % 2]) for layer in routed)
+        assert snap["expert_reads"] == disk_used > 0 and snap["expert_cache_hits"] == 0
+        assert snap["expert_bytes_read"] == disk_used * size
+        for seq_id, _ in items:
+            runner.free(seq_id)
+            ref.free(seq_id)
+        assert [g.token_ids for g in runner.generate(PROMPTS, GREEDY)] == \
+            [g.token_ids for g in ref.generate(PROMPTS, GREEDY)]
+        snap = pool.snapshot()
+        assert snap["expert_uses"] == snap["expert_uses_in_memory"] + snap["expert_cache_hits"] + snap["expert_reads"]
+        assert snap["expert_bytes_read"] == snap["expert_reads"] * size  # no lookahead: every read a routed use
+    finally:
+        pool.close()
+
+
+def test_quantized_experts_are_read_ahead_and_the_store_is_reused(dirs, tmp_path):
+    """With lookahead the next layer's predicted quantized experts are read ahead from the store (the same tokens,
+    the bytes of every read issued, used or not); a second pool over the same store writes nothing again."""
+    from energon_infer.worker.quantized_pool import packed_block_bytes
+
+    ref, runner, pool = _quantized_pool(dirs["mixtral"], "int4", 32, tmp_path / "q", lookahead=None)
+    try:
+        assert [g.token_ids for g in runner.generate(PROMPTS, GREEDY)] == \
+            [g.token_ids for g in ref.generate(PROMPTS, GREEDY)]
+        snap = pool.snapshot()
+        size = packed_block_bytes(ref.stage.layers["0"].moe.experts["1"])
+        assert snap["expert_prefetches_used"] > 0
+        assert any(ev[0] == "read" and ev[3] == "ahead" for ev in pool.events)
+        misread = snap["expert_prefetches"] - snap["expert_prefetches_used"]
+        assert snap["expert_bytes_read"] == (snap["expert_reads"] + misread) * size
+        written = set(pool.store.names())
+    finally:
+        pool.close()
+    # The store made from the same checkpoint with the same method is reused: nothing is quantized or written again.
+    from energon_infer.worker.expert_pool import stored_experts
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
+    from energon_infer.worker.quantized_pool import open_quantized_store, write_missing_layers
+
+    store = open_quantized_store(dirs["mixtral"], runner, MemoryPoolConfig(quantized_dir=str(tmp_path / "q")), size)
+    try:
+        assert set(store.names()) == written
+        units = [u for layer in stored_experts(runner.stage, pool.plan, store) for u in layer.values()]
+        assert len(units) == len([n for n in written if n.startswith("expert.")]) > 0
+        assert write_missing_layers(store, dirs["mixtral"], runner, units) == 0
+    finally:
+        store.close()
+
+
+def test_the_expert_pool_refuses_quantized_experts_without_their_store_in_one_line(dirs, tmp_path):
     from energon_infer.loading.safetensors_files import TensorFiles
     from energon_infer.worker.expert_pool import ExpertPool
+    from energon_infer.worker.memory_pool import MemoryPoolConfig
+    from energon_infer.worker.quantized_pool import open_quantized_store
     from tightfit.planner.experts import ExpertPlan
 
     runner = ModelRunner.from_pretrained(dirs["mixtral"], quantization="int8", **OPTS)
@@ -224,11 +331,16 @@ def test_the_expert_pool_refuses_quantized_experts_in_one_line(dirs):
                       disk_bytes_per_token=(), host_bytes_per_token=())
     files = TensorFiles(dirs["mixtral"])
     try:
-        with pytest.raises(ValueError, match=r"experts are quantized, and the expert pool reads experts unquantized "
-                                             r".* streams whole quantized layers"):
+        with pytest.raises(ValueError, match=r"^ExpertPool: this stage's experts are quantized and store=None; "
+                                             r"[^\n]* give store=[^\n]*install_expert_pool$"):
             ExpertPool(runner.stage, runner.config, runner.grid, plan, files)
     finally:
         files.close()
+    store = open_quantized_store(dirs["mixtral"], runner, MemoryPoolConfig(quantized_dir=str(tmp_path / "q")), 4096)
+    with pytest.raises(ValueError, match=r"^ExpertPool: the quantized store \S+ lacks 3 of the plan's disk experts "
+                                         r"\(\['expert\.0\.3\.[^\n]*write them first[^\n]*$"):
+        ExpertPool(runner.stage, runner.config, runner.grid, plan, None, store=store)
+    store.close()
 
 
 def _tp2_quantized(rank: int, world: int, dirs: dict, method: str, group: int | None) -> dict:

@@ -5,16 +5,17 @@ Where :func:`~energon_infer.engine.memory_plan.fit_memory`'s plan reads layers f
 weights within the same weights budget expert by expert instead: every layer's dense parts (attention, norms, router,
 shared expert, with their packed copies where the plan keeps them) and the bytes that always stay (embedding, head,
 norms) in memory, then the experts most used per byte (the popularity profile beside the model, else uniform
-routing), the rest read from the checkpoint when the router picks them
-(:mod:`energon_infer.worker.expert_pool`). What that runtime holds besides is taken off the budget first: the
-arena the step's uncached disk experts are read into (one layer's experts), the two lookahead buffers the next
-layer's predicted experts are read ahead into (one token's picks each) and the I/O threads' read buffers.
+routing), the rest read when the router picks them (:mod:`energon_infer.worker.expert_pool`): from the checkpoint,
+or with quantized weights (int8 / int4) from the quantized store, every expert priced at its packed quantized bytes
+(weights, scales, zero points and biases: what a read moves and a slot holds). What that runtime holds besides is
+taken off the budget first: the arena the step's uncached disk experts are read into (one layer's experts), the two
+lookahead buffers the next layer's predicted experts are read ahead into (one token's picks each) and the I/O
+threads' read buffers.
 
 The plan's budget lines are rewritten to say so (dense parts, experts kept, cache slots, arena, lookahead buffers,
-read buffers) and
-the layer pool keeps every layer. Where the expert plan does not fit, where the experts are sliced from one tensor
-shared by all of them (gpt-oss's fused experts: an expert read would read them all), with tensor or pipeline
-parallelism, or with quantized weights, the layer plan stands.
+read buffers) and the layer pool keeps every layer. Where the expert plan does not fit, where unquantized experts are
+sliced from one tensor shared by all of them (gpt-oss's fused experts: an expert read would read them all; quantized,
+each expert is stored on its own), or with tensor or pipeline parallelism, the layer plan stands.
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ def weight_read_rate(total_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
     return n * n * 4 / max(best, 1e-9)
 
 
-def moe_shapes(stage: Any, extra: list[int] | None = None) -> tuple[list[Any], int, list[int]]:
+def moe_shapes(stage: Any, extra: list[int] | None = None, *, quantized: bool = False
+               ) -> tuple[list[Any], int, list[int]]:
     """Each MoE layer's dense and expert bytes (core's :class:`~tightfit.planner.experts.MoELayerShape`; ``extra``:
     each layer's packed copies, counted with its dense parts), the bytes of the dense layers (an MoE model's
-    ``mlp_only_layers``) and the MoE layers' positions in the stage, from a meta copy of the stage."""
+    ``mlp_only_layers``) and the MoE layers' positions in the stage, from a meta copy of the stage. ``quantized``
+    (the stage's projections quantized on meta): an expert's bytes are its packed quantized bytes, what the expert
+    pool reads from the quantized store and a slot holds
+    (:func:`~energon_infer.worker.quantized_pool.packed_block_bytes`)."""
+    from energon_infer.worker.quantized_pool import packed_block_bytes
     from tightfit.planner.experts import MoELayerShape
 
     shapes, dense_layers, where = [], 0, []
@@ -57,7 +63,8 @@ def moe_shapes(stage: Any, extra: list[int] | None = None) -> tuple[list[Any], i
             dense_layers += total
             continue
         each = [sum(p.numel() * p.element_size() for p in e.parameters()) for e in experts.values()]
-        shapes.append(MoELayerShape(dense_bytes=total - sum(each), expert_bytes=tuple(each)))
+        held = [packed_block_bytes(e) for e in experts.values()] if quantized else each
+        shapes.append(MoELayerShape(dense_bytes=total - sum(each), expert_bytes=tuple(held)))
         where.append(i)
     return shapes, dense_layers, where
 
@@ -68,28 +75,39 @@ def place_experts(path: str | Path, model: Any, rt: Any, dtype: str, plan: Servi
     ``None`` where the layer plan stands (see the module docstring). ``shape``: the stage's shape the layer plan was
     made from; ``lookahead``: the experts each lookahead buffer holds (``None``: one token's picks where the plan fits
     beside them, else none)."""
+    from energon_infer.loading.quantization import QuantSpec, meta_quantize
     from energon_infer.loading.safetensors_files import TensorFiles
     from energon_infer.worker.disk_pool import _meta_stage
     from energon_infer.worker.expert_pool import expert_read_buffer_bytes, lookahead_experts
+    from energon_infer.worker.quantized_pool import store_buffer_bytes
     from energon_infer.worker.runtime_config import DTYPES
     from tightfit.planner.errors import PlanInfeasibleError
     from tightfit.planner.experts import plan_experts
     from tightfit.profiler.experts import POPULARITY_FILE, ExpertPopularity
+    from tightfit.storage import ALIGN
 
-    if not model.n_experts or rt.tp != 1 or rt.pp != 1 or rt.quantization is not None or len(plan.pools) != 1:
+    if not model.n_experts or rt.tp != 1 or rt.pp != 1 or len(plan.pools) != 1:
         return None
     stage = _meta_stage(model, 1, 1, 0, DTYPES[dtype])
-    files = TensorFiles(path)
-    try:
-        buffer = expert_read_buffer_bytes(stage, model, files)
-    finally:
-        files.close()
-    if buffer < 0:
-        return None
-    layers, dense_layers, _ = moe_shapes(stage, list(shape.kept_extra_bytes) or None)
-    widest = max(max(s.expert_bytes) for s in layers)
+    quant = QuantSpec.create(rt.quantization, rt.group_size)
+    if quant is not None:  # the experts' packed quantized bytes, read from the quantized store
+        meta_quantize(stage.layers.values(), quant)
+        layers, dense_layers, _ = moe_shapes(stage, list(shape.kept_extra_bytes) or None, quantized=True)
+        # Each slot, arena place and lookahead place of the runtime starts 4 KiB-aligned (an O_DIRECT read's).
+        widest = -(-max(max(s.expert_bytes) for s in layers) // ALIGN) * ALIGN
+        buffers = store_buffer_bytes([widest], io_threads)
+    else:
+        files = TensorFiles(path)
+        try:
+            buffer = expert_read_buffer_bytes(stage, model, files)
+        finally:
+            files.close()
+        if buffer < 0:
+            return None
+        layers, dense_layers, _ = moe_shapes(stage, list(shape.kept_extra_bytes) or None)
+        widest = max(max(s.expert_bytes) for s in layers)
+        buffers = io_threads * buffer
     ahead_buffers = 2 if len(layers) > 1 else 0
-    buffers = io_threads * buffer
     popularity = None
     if (Path(path) / POPULARITY_FILE).is_file():
         popularity = ExpertPopularity.load(path, num_layers=len(layers), num_experts=model.n_experts)
@@ -97,8 +115,10 @@ def place_experts(path: str | Path, model: Any, rt: Any, dtype: str, plan: Servi
     # One token's picks read ahead where the plan fits beside them, else (lookahead not given) none.
     for ahead_n in dict.fromkeys([wanted] if lookahead is not None else [wanted, 0]):
         # The arena and the lookahead buffers at their largest until the plan says how many of a layer's are on disk.
-        budget = plan.weight_budgets[0] - max(sum(s.expert_bytes) for s in layers) - buffers \
+        budget = plan.weight_budgets[0] - max(len(s.expert_bytes) for s in layers) * widest - buffers \
             - ahead_buffers * ahead_n * widest
+        if budget < 0:  # the arena and buffers alone exceed the weights budget: no expert plan fits
+            continue
         try:
             # One cache slot per layer: the arena serves a step's other reads, so more slots only keep more experts.
             experts = plan_experts(layers, experts_per_token=model.experts_per_token, budget_bytes=budget,

@@ -209,7 +209,8 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
             from energon_infer.worker.disk_pool import resolve_disk
 
             placed = place_experts(path, model, rt, dtype, plan, shapes_of(packed and kept, tables)[0],
-                                   io_threads=io_threads, disk=resolve_disk(pool.disk if pool else None, path),
+                                   io_threads=io_threads, disk=resolve_disk(pool.disk if pool else None,
+                                                                            _disk_dir(path, pool, quant, dtype, rt)),
                                    lookahead=pool.expert_lookahead if pool else None)
             if placed is not None:
                 experts, plan, expert_lookahead = placed
@@ -225,6 +226,16 @@ def fit_memory(path: str | Path, model: Any, cfg: Any, pool: MemoryPoolConfig | 
     return dataclasses.replace(cfg, scheduler=scheduler, runtime=runtime), pool, plan
 
 
+def _disk_dir(path: str | Path, pool: MemoryPoolConfig | None, quant: Any, dtype: str, rt: Any) -> Any:
+    """Where the disk tier reads from: the model directory, or the quantized store's (quantized layers and experts
+    are read from it)."""
+    if quant is None:
+        return path
+    from energon_infer.worker.quantized_pool import quantized_store_dir
+
+    return quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp, rt.pp)
+
+
 def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any, dtype: str, rt: Any,
                     shapes_of: Any, *, packed: bool, may_unpack: bool, tables: tuple[tuple[str, ...], tuple[str, ...]],
                     common: dict[str, Any]) -> tuple[ServingPlan, bool, tuple[str, ...]]:
@@ -237,12 +248,7 @@ def _plan_with_disk(path: str | Path, pool: MemoryPoolConfig | None, quant: Any,
     from energon_infer.worker.disk_pool import resolve_disk
     from tightfit.planner.errors import PlanInfeasibleError
 
-    at: Any = path
-    if quant is not None:  # quantized layers stream from the quantized store
-        from energon_infer.worker.quantized_pool import quantized_store_dir
-
-        at = quantized_store_dir(path, pool.quantized_dir if pool is not None else None, quant, dtype, rt.tp, rt.pp)
-    disk = resolve_disk(pool.disk if pool is not None else None, at)
+    disk = resolve_disk(pool.disk if pool is not None else None, _disk_dir(path, pool, quant, dtype, rt))
     given, may = tables
     steps = [(packed, given)]
     for step in ("embed", "unpack", "lm_head"):

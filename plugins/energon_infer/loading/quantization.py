@@ -278,20 +278,24 @@ def quantized_weight_names(stage: torch.nn.Module) -> list[str]:
 
 def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source: object, spec: QuantSpec, *,
                    parts_fn: Callable[[ModelConfig, str, set[str]], list[Part]] = hf_parts,
-                   nonfinite: str = "warn", skip: Collection[int] = (), saved: object = None) -> int:
+                   nonfinite: str = "warn", skip: Collection[int] = (), modules: Collection[str] = (),
+                   saved: object = None) -> int:
     """Build, quantize and install every block projection of ``stage`` (left on meta by the runtime), one at a
     time: this rank's slice of each weight is read, quantized and released before the next. Returns the bytes
-    the quantized weights hold. The blocks at positions ``skip`` (streamed from disk by the memory pool) are
-    only given their quantized shapes on meta (:func:`meta_quantize`). ``saved``: the checkpoint's weights already
+    the quantized weights hold. The blocks at positions ``skip`` (streamed from disk by the memory pool) and the
+    modules named in ``modules`` (``layers.<i>.moe.experts.<e>``: read when routed by the expert pool) are only
+    given their quantized shapes on meta (:func:`meta_quantize`). ``saved``: the checkpoint's weights already
     quantized by torchao (a :class:`~energon_infer.loading.torchao_checkpoint.TorchaoWeights`), installed as saved."""
     keys = set(source.keys()) if saved is None else saved.logical_keys()  # type: ignore[attr-defined]
-    if saved is not None and skip:
-        raise QuantizationError(f"blocks {sorted(skip)[:3]} are offloaded to the memory pool's disk tier, which reads "
+    if saved is not None and (skip or modules):
+        what = f"blocks {sorted(skip)[:3]}" if skip else f"modules {sorted(modules)[:3]}"
+        raise QuantizationError(f"{what} are offloaded to the memory pool's disk tier, which reads "
                                 "unquantized checkpoints only; load this torchao-quantized checkpoint without the "
                                 "pool's offload, or save the model unquantized and load it with quantization='int8'")
     blocks = stage.layers
     assert isinstance(blocks, torch.nn.ModuleDict)
     skipped = {key for i, key in enumerate(blocks) if i in set(skip)}
+    offloaded = set(modules)
     meta_quantize([blocks[key] for key in skipped], spec)
 
     def fetch(part: Part, want: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], bool]:
@@ -308,6 +312,11 @@ def load_quantized(stage: torch.nn.Module, cfg: ModelConfig, grid: Grid, source:
         param = module._parameters.get(attr)
         if param is None or param.device.type != "meta":
             continue  # already quantized or not this loader's
+        if owner in offloaded:  # read when routed: its quantized shapes only
+            shapes = quantized_shapes(param.shape[0], param.shape[1], spec)
+            _install(module, attr, spec, {key: torch.empty(shape, dtype=dtype, device="meta")
+                                          for key, (shape, dtype) in shapes.items()})
+            continue
         parts = parts_fn(cfg, name, keys)
         missing = [p.source for p in parts if p.source not in keys]
         if missing:

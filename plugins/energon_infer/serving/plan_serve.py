@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     elif model.n_experts:
         experts = _expert_plan(path, model, cfg, plan)
         print("\nexpert placement core's planner gives (the engine serves whole layers here: the experts fit in "
-              "memory, are fused into one tensor, or the expert plan does not fit beside its read arena):")
+              "memory, are fused into one unquantized tensor, or the expert plan does not fit beside its read arena):")
         print(experts.explain())
     if args.json:
         Path(args.json).write_text(json.dumps({"serving": json.loads(plan.to_json()),

@@ -1,11 +1,15 @@
-"""Expert-level placement on a CPU: an MoE model's cold experts stay in the checkpoint, read when the router picks them.
+"""Expert-level placement on a CPU: an MoE model's cold experts stay on disk, read when the router picks them.
 
 A Mixture-of-Experts step touches a few experts per layer, and some far more often than others. So where the whole
 model does not fit, the engine's serving plan (:mod:`energon_infer.engine.expert_plan`) asks core's expert planner
 (:func:`tightfit.planner.experts.plan_experts`) where each expert lives: the dense parts of every layer (attention,
 norms, router, shared expert) and the experts used most per byte stay in memory, the rest stay in the model
 directory's safetensors files (``"disk"``). This module applies that plan to a loaded runner whose disk experts were
-left on the meta device:
+left on the meta device. Quantized experts (``quantization="int8"`` / ``"int4"``) are read from the quantized store
+instead (:func:`install_expert_pool`: each disk expert quantized once at load, as the in-memory quantized model holds
+it, and written as one packed run of bytes, :class:`~energon_infer.worker.quantized_pool.StoredLayer`); their slots,
+arena and lookahead buffers hold those bytes, 4 KiB aligned, and the layer's grouped quantized kernel runs on views of
+them. Everything below holds for both:
 
 * each MoE layer gets the plan's cache slots (``ExpertPlan.slots``, one expert each), and core's
   :class:`~tightfit.policy.experts.ExpertCache` (the embedding cache's frequency sketch, TinyLFU admission) decides
@@ -54,13 +58,20 @@ from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_b
 from energon_infer.loading.weights import hf_parts
 from energon_infer.parallel import Grid
 from energon_infer.worker.disk_pool import DiskLayer
+from energon_infer.worker.quantized_pool import (
+    StoredLayer,
+    open_quantized_store,
+    packed_block_bytes,
+    write_missing_layers,
+)
 from tightfit.planner.experts import ExpertPlan
 from tightfit.policy.experts import ExpertCache, belady_hits
 from tightfit.profiler.experts import ExpertPopularity
 from tightfit.profiler.types import ProfileError
-from tightfit.storage import StagingBuffers
+from tightfit.storage import ALIGN, StagingBuffers, TensorStore, aligned_empty
 
-__all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "lookahead_experts", "moe_layers"]
+__all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "install_expert_pool", "lookahead_experts",
+           "moe_layers", "stored_experts"]
 
 # Slot ids of an expert's bound views (SlotLayer.slot_views caches them per id): a cache slot is (layer << 20) + slot,
 # the arena's j-th place -1 - j, lookahead buffer b's j-th place _AHEAD - (b << 20) - j, the shared zero expert this.
@@ -106,6 +117,22 @@ def expert_read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFi
     return direct_buffer_bytes(largest) if largest else 0
 
 
+def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A slot, the arena or a lookahead buffer: packed bytes (a quantized expert's) 4 KiB-aligned."""
+    return aligned_empty(numel) if dtype == torch.uint8 else torch.empty(numel, dtype=dtype)
+
+
+def stored_experts(stage: nn.Module, plan: ExpertPlan, store: TensorStore) -> list[dict[int, StoredLayer]]:
+    """Per MoE layer of ``stage``, each quantized expert ``plan`` puts on disk as one run of packed bytes in ``store``
+    (:class:`~energon_infer.worker.quantized_pool.StoredLayer`, ``expert.<layer>.<expert>.<layout>``: its quantized
+    weights, scales, zero points and biases, as the in-memory quantized model holds them)."""
+    largest = max((packed_block_bytes(e) for _, moe in moe_layers(stage) for e in moe.experts.values()), default=0)
+    staging = StagingBuffers(largest)  # pinned where CUDA is present: a GPU slot's bytes pass through it
+    return [{e: StoredLayer(moe.experts[str(e)], int(idx), store, staging, expert=e)
+             for e, tier in enumerate(tiers) if tier == "disk"}
+            for (idx, moe), tiers in zip(moe_layers(stage), plan.placement)]
+
+
 class ExpertPool:
     """Apply an :class:`ExpertPlan` to a loaded stage (see the module docstring).
 
@@ -113,49 +140,69 @@ class ExpertPool:
         stage: the runner's stage, its disk experts on the meta device.
         cfg / grid: the model and this rank's place.
         plan: the expert placement (its ``placement`` lists the stage's MoE layers in order).
-        files: the checkpoint's tensors by byte range.
+        files: the checkpoint's tensors by byte range (unquantized experts are read from them).
+        store: quantized experts (``quantization="int8"`` / ``"int4"``) are read from this quantized store
+            (:func:`~energon_infer.worker.quantized_pool.open_quantized_store`), each expert's packed bytes as the
+            in-memory quantized model holds them, written there first (:func:`stored_experts`,
+            :func:`install_expert_pool`); the pool closes it.
         io_threads: experts read at once.
         nonfinite: the first read of each expert checks its values as loading does.
         lookahead: experts of the next layer read ahead per layer (each of the two lookahead buffers' size; ``None``:
             :func:`lookahead_experts`, one token's picks; 0: no lookahead).
     """
 
-    def __init__(self, stage: nn.Module, cfg: ModelConfig, grid: Grid, plan: ExpertPlan, files: TensorFiles, *,
-                 io_threads: int = 2, nonfinite: str = "warn", lookahead: int | None = None):
+    def __init__(self, stage: nn.Module, cfg: ModelConfig, grid: Grid, plan: ExpertPlan, files: TensorFiles | None,
+                 *, store: TensorStore | None = None, io_threads: int = 2, nonfinite: str = "warn",
+                 lookahead: int | None = None):
         layers = moe_layers(stage)
         if len(layers) != len(plan.placement):
             raise ValueError(f"the expert plan places {len(plan.placement)} MoE layers; this stage has {len(layers)}")
-        if any(getattr(e, "quant", None) for _, moe in layers for e in moe.experts.values()):
-            raise ValueError("ExpertPool: this stage's experts are quantized, and the expert pool reads experts "
-                             "unquantized from the checkpoint; a quantized MoE model that does not fit streams whole "
-                             "quantized layers (the engine's layer plan, energon_infer.worker.quantized_pool): give "
-                             "no expert plan, or load without quantization for expert-level placement")
+        quantized = any(getattr(e, "quant", None) for _, moe in layers for e in moe.experts.values())
+        if quantized and store is None:
+            raise ValueError("ExpertPool: this stage's experts are quantized and store=None; quantized experts are "
+                             "read from the quantized store, never from the checkpoint: give store= (written by "
+                             "energon_infer.worker.expert_pool.stored_experts), or use install_expert_pool")
+        if not quantized and files is None:
+            raise ValueError("ExpertPool: files=None, and this stage's experts are unquantized: they are read from "
+                             "the checkpoint's files; give TensorFiles(model directory)")
         if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
             raise ValueError(f"ExpertPool: lookahead={lookahead!r} must be an int >= 0 (experts read ahead per layer); "
                              "give 0 to turn lookahead off or None for one token's picks")
-        self.plan, self.files = plan, files
-        scratch = StagingBuffers(expert_read_buffer_bytes(stage, cfg, files), pin=False)
-        self.units: list[dict[int, DiskLayer]] = []
-        for li, (idx, moe) in enumerate(layers):
-            experts = cast(nn.ModuleDict, moe.experts)
-            units = {e: DiskLayer(experts[str(e)], int(idx), files, cfg, grid, scratch, nonfinite=nonfinite,
-                                  prefix=f"layers.{idx}.moe.experts.{e}.")
-                     for e, tier in enumerate(plan.placement[li]) if tier == "disk"}
-            self.units.append(units)
+        self.plan, self.files, self.store = plan, files, store
+        self.units: list[dict[int, DiskLayer | StoredLayer]] = []
+        if store is not None and quantized:
+            stored = stored_experts(stage, plan, store)
+            missing = [u.name for units in stored for u in units.values() if u.name not in store]
+            if missing:
+                raise ValueError(f"ExpertPool: the quantized store {store.path} lacks {len(missing)} of the plan's "
+                                 f"disk experts ({missing[:3]}); write them first (quantized_pool.write_missing_layers "
+                                 "over stored_experts(...)), or use install_expert_pool")
+            self.units = [{e: unit for e, unit in units.items()} for units in stored]
+        else:
+            assert files is not None
+            scratch = StagingBuffers(expert_read_buffer_bytes(stage, cfg, files), pin=False)
+            for li, (idx, moe) in enumerate(layers):
+                experts = cast(nn.ModuleDict, moe.experts)
+                self.units.append({e: DiskLayer(experts[str(e)], int(idx), files, cfg, grid, scratch,
+                                                nonfinite=nonfinite, prefix=f"layers.{idx}.moe.experts.{e}.")
+                                   for e, tier in enumerate(plan.placement[li]) if tier == "disk"})
+        for li, (_, moe) in enumerate(layers):
             setattr(moe, "fetch_experts", functools.partial(self._fetch, li))  # noqa: B010 (nn.Module's typing)
             setattr(moe, "release_experts", functools.partial(self._release, li))  # noqa: B010
         numel = max((u.numel for units in self.units for u in units.values()), default=0)
         dtype = next((u.dtype for units in self.units for u in units.values()), torch.float32)
+        if quantized:  # packed bytes: each place starts 4 KiB-aligned, so a store's O_DIRECT read lands there directly
+            numel = -(-numel // ALIGN) * ALIGN
         self.expert_numel = numel
         # The cache's slots, per layer, and the arena the step's other disk experts are read into.
-        self.slots = [[torch.empty(numel, dtype=dtype) for _ in range(plan.slots[li] if units else 0)]
+        self.slots = [[_buffer(numel, dtype) for _ in range(plan.slots[li] if units else 0)]
                       for li, units in enumerate(self.units)]
         widest = max((len(u) for u in self.units), default=0)
-        self.arena = torch.empty(numel * widest, dtype=dtype)
+        self.arena = _buffer(numel * widest, dtype)
         # Two lookahead buffers, alternate layers: layer i may run from one while layer i + 1's reads fill the other.
         self.lookahead = lookahead_experts(cfg.experts_per_token, widest) if lookahead is None else \
             min(lookahead, widest)
-        self.ahead = [torch.empty(numel * self.lookahead, dtype=dtype)
+        self.ahead = [_buffer(numel * self.lookahead, dtype)
                       for _ in range(2 if self.lookahead and len(layers) > 1 else 0)]
         self._moes = [moe for _, moe in layers]
         # The reads issued ahead: (the layer, the experts predicted for it, {expert: (its read, its buffer place)}).
@@ -199,7 +246,7 @@ class ExpertPool:
         return (sum(s.numel() for slots in self.slots for s in slots) + self.arena.numel()
                 + sum(b.numel() for b in self.ahead)) * each
 
-    def _fill(self, unit: DiskLayer, dst: torch.Tensor, slot_id: int) -> None:
+    def _fill(self, unit: DiskLayer | StoredLayer, dst: torch.Tensor, slot_id: int) -> None:
         unit.fill(dst)
         unit.bind(slot_id, dst)
 
@@ -348,3 +395,25 @@ class ExpertPool:
     def close(self) -> None:
         self._take_ahead(-1)  # reads still issued ahead are waited for
         self._reader.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+
+
+def install_expert_pool(runner: Any, plan: ExpertPlan, config: Any, path: str | Path) -> ExpertPool:
+    """The expert pool of ``plan`` for a runner loaded with ``offload=expert_names(runner.stage, plan)``, with
+    ``config``'s (a :class:`~energon_infer.worker.memory_pool.MemoryPoolConfig`) I/O settings: unquantized experts are
+    read from the checkpoint's files; quantized ones from the quantized store
+    (:func:`~energon_infer.worker.quantized_pool.open_quantized_store`), where each disk expert is quantized and
+    written now if the store lacks it (one expert's full-precision tensors in memory at a time; a store made from the
+    same checkpoint with the same method, group size, dtype and grid is reused)."""
+    files, store = None, None
+    if runner.quant is None:
+        files = TensorFiles(path, drop_page_cache=config.drop_page_cache, direct=config.direct_io)
+    else:
+        largest = max((packed_block_bytes(e) for _, moe in moe_layers(runner.stage) for e in moe.experts.values()),
+                      default=0)
+        store = open_quantized_store(path, runner, config, largest)
+        write_missing_layers(store, path, runner, [u for units in stored_experts(runner.stage, plan, store)
+                                                   for u in units.values()])
+    return ExpertPool(runner.stage, runner.config, runner.grid, plan, files, store=store, io_threads=config.io_threads,
+                      nonfinite=runner.runtime.nonfinite_weights, lookahead=config.expert_lookahead)

@@ -78,8 +78,9 @@ class MemoryPoolConfig:
         drop_page_cache: after each disk read, tell the kernel the pages will not be needed again
             (``POSIX_FADV_DONTNEED``): a streamed layer is read again next pass anyway, and under a memory
             limit (a cgroup) the page cache counts against it. Only for buffered reads (see ``direct_io``).
-        quantized_dir: with a quantized model and a disk tier: where the quantized layers are written once and
-            streamed from (:mod:`energon_infer.worker.quantized_pool`); ``None``: beside the model
+        quantized_dir: with a quantized model and a disk tier: where the quantized layers (or an expert plan's disk
+            experts) are written once and streamed from (:mod:`energon_infer.worker.quantized_pool`); ``None``:
+            beside the model
             (``.tightfit-quantized``), or the cache directory where the model's directory is read-only.
         direct_io: read disk layers with ``O_DIRECT`` (page cache bypassed: no readahead past each tensor, no
             cached pages counted against a memory limit) where the filesystem allows it; ``False``, or a

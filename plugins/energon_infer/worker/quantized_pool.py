@@ -42,9 +42,9 @@ from tightfit.memory_limit import release_freed_heap
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.storage import ALIGN, IOCounters, StagingBuffers, TensorStore, aligned_empty
 
-__all__ = ["ByteSlotLayer", "QuantHostLayer", "StoredLayer", "packed_layer_bytes", "apply_quantized_pool",
-           "quantized_store_dir", "open_quantized_store", "write_missing_layers", "install_quantized_pool", "store_buffer_bytes",
-           "STORE_FORMAT"]
+__all__ = ["ByteSlotLayer", "QuantHostLayer", "StoredLayer", "packed_block_bytes", "packed_layer_bytes",
+           "apply_quantized_pool", "quantized_store_dir", "open_quantized_store", "write_missing_layers",
+           "install_quantized_pool", "store_buffer_bytes", "STORE_FORMAT"]
 
 TENSOR_ALIGN = 64  # bytes: every tensor of a packed block starts here, so a byte slot views as any dtype
 STORE_FORMAT = 3  # the layout of a stored layer; a store written with another is rewritten (2: int4 tiles, 3: int8)
@@ -75,7 +75,8 @@ def _transposed(p: torch.Tensor) -> bool:
     return p.dim() == 2 and not p.is_contiguous() and p.t().is_contiguous()
 
 
-def _packed_size(block: nn.Module) -> int:
+def packed_block_bytes(block: nn.Module) -> int:
+    """Bytes of ``block`` (a layer or one expert) packed as a pool slot holds it (works on meta tensors)."""
     offset = 0
     for _, _, p in _block_params(block):
         offset = _round_up(offset, TENSOR_ALIGN) + p.numel() * p.element_size()
@@ -86,7 +87,7 @@ def packed_layer_bytes(stage: nn.Module) -> tuple[list[int], int]:
     """``(bytes of each layer packed as a pool holds it, bytes of everything else)`` (works on meta tensors)."""
     blocks = stage.layers
     assert isinstance(blocks, nn.ModuleDict), "a DecoderStage keeps its blocks in a ModuleDict"
-    layers = [_packed_size(b) for b in blocks.values()]
+    layers = [packed_block_bytes(b) for b in blocks.values()]
     rest = sum(p.numel() * p.element_size() for n, p in stage.named_parameters() if not n.startswith("layers."))
     return layers, rest
 
@@ -162,17 +163,23 @@ class StoredLayer(ByteSlotLayer):
         index: its layer number in the model.
         store: the quantized store (:func:`open_quantized_store`).
         staging: the per-thread host buffers (pinned) for GPU slots.
+        expert: where ``block`` is one expert of layer ``index``'s MoE (:mod:`energon_infer.worker.expert_pool`), its
+            number: stored as ``expert.<index>.<expert>.<layout>``, its runtime name ``layers.<index>.moe.experts.<e>``.
     """
 
-    def __init__(self, block: nn.Module, index: int, store: TensorStore, staging: StagingBuffers):
+    def __init__(self, block: nn.Module, index: int, store: TensorStore, staging: StagingBuffers, *,
+                 expert: int | None = None):
         super().__init__(block)
         self.placeholders = list(self.params)  # already meta
         self.params = []
         self.index, self.store, self.staging = index, store, staging
+        # The runtime's name of ``block`` (its parameters' names start with it) and the store's name of its bytes.
+        self.prefix = f"layers.{index}." if expert is None else f"layers.{index}.moe.experts.{expert}."
+        self.stem = f"layer.{index}" if expert is None else f"expert.{index}.{expert}"
         layout = [(name, str(dtype), tuple(shape), off, t) for (_, name, off, shape, t), dtype in
                   zip(self.entries, self.dtypes)]
         # The layout in the name: a store written by another layout of the block is never read as this one.
-        self.name = f"layer.{index}.{hashlib.sha256(repr(layout).encode()).hexdigest()[:12]}"
+        self.name = f"{self.stem}.{hashlib.sha256(repr(layout).encode()).hexdigest()[:12]}"
         self.written = False  # whether this load quantized and wrote it (False: reused from the store)
         self.io = IOCounters()
 
@@ -297,10 +304,10 @@ def write_missing_layers(store: TensorStore, model_path: str | Path, runner: Any
         reader = CheckpointReader(model_path)
         try:
             for layer in todo:
-                for old in [n for n in store.names() if n.startswith(f"layer.{layer.index}.")]:
-                    store.delete(old)  # the same layer in an older layout
+                for old in [n for n in store.names() if n.startswith(f"{layer.stem}.")]:
+                    store.delete(old)  # the same layer (or expert) in an older layout
                 buf = aligned_empty(layer.numel)
-                _write_layer(runner, reader, layer.index, layer, buf)
+                _write_layer(runner, reader, layer, buf)
                 store.put(layer.name, buf)
                 layer.written = True
         finally:
@@ -315,9 +322,9 @@ def write_missing_layers(store: TensorStore, model_path: str | Path, runner: Any
     return len(todo)
 
 
-def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteSlotLayer, flat: torch.Tensor) -> None:
-    """Pack this rank's values of every parameter of layer ``index`` into ``flat`` (``layer``'s layout), quantized
-    where it is. A quantized projection is built and quantized part by part (qkv, gate and up are fused), each
+def _write_layer(runner: Any, reader: CheckpointReader, layer: StoredLayer, flat: torch.Tensor) -> None:
+    """Pack this rank's values of every parameter of ``layer`` (a block or one expert) into ``flat`` (its layout),
+    quantized where it is. A quantized projection is built and quantized part by part (qkv, gate and up are fused), each
     part's rows going straight into their place in ``flat``: the quantization is per row (int8) or per row and
     group of inputs (int4), so the values are those of the fused weight, and only one part's full-precision rows
     and its quantized copy are in memory besides ``flat``, which keeps the peak below quantizing the fused weight
@@ -352,7 +359,7 @@ def _write_layer(runner: Any, reader: CheckpointReader, index: int, layer: ByteS
     flat.zero_()
     done: set[str] = set()
     for k, (module, pname, _, shape, _) in enumerate(layer.entries):
-        prefix = f"layers.{index}." + (f"{names[id(module)]}." if names[id(module)] else "")
+        prefix = layer.prefix + (f"{names[id(module)]}." if names[id(module)] else "")
         if (part := _component(pname)) is not None:  # a quantized weight: every component of it at once
             weight, _ = part
             if prefix + weight in done:
@@ -377,7 +384,7 @@ def install_quantized_pool(runner: Any, plan: PoolPlan, config: MemoryPoolConfig
     streamed from the quantized store (written now where missing), host layers held quantized."""
     blocks = list(runner.stage.layers.values())
     keys = list(runner.stage.layers)
-    largest = max((_packed_size(blocks[i]) for i in plan.disk_layers), default=0)
+    largest = max((packed_block_bytes(blocks[i]) for i in plan.disk_layers), default=0)
     layers: dict[int, SlotLayer] = {}
     if plan.disk_layers:
         store = open_quantized_store(path, runner, config, largest)

@@ -157,14 +157,10 @@ def _load_tiered(source: ModelSource, runtime: Any, pool: Any) -> tuple[Any, Any
     runner = ModelRunner.from_pretrained(source.path, runtime, offload=[*plan.disk_layers, *pool.disk_vocab, *experts])
     streams = any(p.disk_layers for p in plans) or bool(pool.disk_vocab) or bool(experts)
     layer_pool = install_tiered_pool(runner, plan, pool, source.path)
-    if experts:  # an MoE model's disk experts, read when routed
-        from energon_infer.loading.safetensors_files import TensorFiles
-        from energon_infer.worker.expert_pool import ExpertPool
+    if experts:  # an MoE model's disk experts, read when routed (quantized: from the quantized store)
+        from energon_infer.worker.expert_pool import install_expert_pool
 
-        files = TensorFiles(source.path, drop_page_cache=pool.drop_page_cache, direct=pool.direct_io)
-        layer_pool.experts = ExpertPool(runner.stage, cfg, runner.grid, ExpertPlan.from_json(pool.experts), files,
-                                        io_threads=pool.io_threads, nonfinite=runtime.nonfinite_weights,
-                                        lookahead=pool.expert_lookahead)
+        layer_pool.experts = install_expert_pool(runner, ExpertPlan.from_json(pool.experts), pool, source.path)
         runner.decode_graphs = None  # experts move between steps
     return runner, layer_pool, plan, streams
 
