@@ -17,6 +17,7 @@ from tightfit.storage.buffers import aligned_empty
 from tightfit.storage.checksums import DEFAULT_CHECKSUM
 from tightfit.storage.engine import ExtentIO, IOEngine, checksum
 from tightfit.storage.errors import ChecksumError, DiskFullError, StorageError, StoreLockedError
+from tightfit.storage.external import ExternalFile, direct_buffer_bytes
 from tightfit.storage.fs import ALIGN, Mount, check_disk_dir, free_bytes, mount_of
 from tightfit.storage.host import return_large_frees
 from tightfit.storage.staging import (
@@ -52,6 +53,8 @@ __all__ = [
     "Tally",
     "IOEngine",
     "ExtentIO",
+    "ExternalFile",
+    "direct_buffer_bytes",
     "checksum",
     "DEFAULT_CHECKSUM",
     "ALIGN",

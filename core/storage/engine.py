@@ -39,16 +39,18 @@ class IOEngine:
     """A pool of ``workers`` I/O threads with at most ``max_inflight`` requests queued or running.
 
     :meth:`submit` blocks the caller while ``max_inflight`` requests are outstanding (backpressure);
-    :meth:`drain` waits until none are.
+    :meth:`drain` waits until none are. ``name`` prefixes the threads' names; ``initializer`` runs once on each
+    thread first (a plugin whose requests also compute gives each thread one intra-op thread with it).
     """
 
-    def __init__(self, *, workers: int, max_inflight: int) -> None:
+    def __init__(self, *, workers: int, max_inflight: int, name: str = "tightfit-io",
+                 initializer: Callable[[], object] | None = None) -> None:
         if workers < 1 or max_inflight < 1:
             raise StorageError(f"IOEngine: workers={workers}, max_inflight={max_inflight} must both be >= 1; "
                                f"give at least one worker and one request in flight")
         self.workers = workers
         self.max_inflight = max_inflight
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tightfit-io")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=initializer)
         self._room = threading.Semaphore(max_inflight)
         self._idle = threading.Condition()
         self._outstanding = 0

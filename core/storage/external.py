@@ -93,7 +93,8 @@ class ExternalFile:
     def _read_direct(self, start: int, nbytes: int, out: torch.Tensor, itemsize: int) -> torch.Tensor | None:
         lead, skew = start % ALIGN, (-out.data_ptr()) % ALIGN
         span = -(-(lead + nbytes) // ALIGN) * ALIGN
-        if lead % itemsize or skew + span > out.numel():  # not viewable in place, or no room
+        # not viewable in place, or no room (an empty buffer has no address to align: torch gives it 0)
+        if lead % itemsize or skew + span > out.numel() or not out.numel():
             return None
         window = out[skew: skew + span]
         assert self.direct_fd is not None

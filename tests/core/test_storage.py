@@ -148,6 +148,22 @@ def test_backpressure_blocks_the_caller_at_the_bound():
     engine.close()
 
 
+def test_engine_threads_carry_its_name_and_run_the_initializer_first():
+    """energon runs its disk reads on an IOEngine whose threads each keep one intra-op thread: the initializer
+    runs on every worker before its first request."""
+    engine = IOEngine(workers=2, max_inflight=4, name="energon-test", initializer=lambda: torch.set_num_threads(1))
+    gate = threading.Barrier(2)  # both workers busy at once: each ran the initializer
+
+    def seen() -> tuple[str, int]:
+        gate.wait(5)
+        return threading.current_thread().name, torch.get_num_threads()
+
+    got = [f.result() for f in [engine.submit(seen), engine.submit(seen)]]
+    engine.close()
+    assert len({name for name, _ in got}) == 2 and all(name.startswith("energon-test") for name, _ in got)
+    assert [n for _, n in got] == [1, 1]
+
+
 def test_flipped_bit_raises_naming_file_and_offset(tmp_path):
     t = _rand((3 * E // 4,), torch.float32, 3)  # 3 extents
     with TensorStore(tmp_path, extent_bytes=E) as store:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tightfit.storage import ALIGN, ChecksumError
@@ -26,6 +26,7 @@ def foreign(tmp_path_factory):
 @settings(max_examples=60, deadline=None)
 @given(start=st.integers(0, SIZE), length=st.integers(0, SIZE), skew=st.integers(0, 64), room=st.booleans(),
        direct=st.booleans(), drop=st.booleans())
+@example(start=0, length=0, skew=0, room=False, direct=True, drop=False)  # an empty buffer (its address is 0)
 def test_any_range_reads_the_files_bytes_in_place(foreign, start, length, skew, room, direct, drop):
     path, data = foreign, foreign.read_bytes()
     nbytes = min(length, SIZE - start)

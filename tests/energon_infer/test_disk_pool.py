@@ -224,7 +224,8 @@ def _direct_checkpoint(where) -> tuple[dict[str, torch.Tensor], object]:
 
 
 def test_direct_reads_bypass_the_page_cache_and_equal_buffered_reads(tmp_path):
-    from energon_infer.loading.safetensors_files import DIRECT_ALIGN, direct_buffer_bytes
+    from tightfit.storage import ALIGN as DIRECT_ALIGN
+    from tightfit.storage import direct_buffer_bytes
 
     tensors, path = _direct_checkpoint(tmp_path / "m")
     files = TensorFiles(path, direct=True)
@@ -249,7 +250,7 @@ def test_direct_reads_fall_back_to_buffered_where_the_filesystem_refuses(tmp_pat
     os.open gives on such a filesystem (EINVAL); the reads must then be buffered and still exact."""
     import errno
 
-    from energon_infer.loading.safetensors_files import direct_buffer_bytes
+    from tightfit.storage import direct_buffer_bytes
 
     tensors, path = _direct_checkpoint(tmp_path / "m")
     real_open = os.open

@@ -1,4 +1,4 @@
-"""Read tensors' bytes straight from a checkpoint's own safetensors files, by byte range, without a library.
+"""A checkpoint's own safetensors files as tensors by byte range: names mapped to extents, read in place.
 
 The disk tier of the memory pool (:mod:`energon_infer.worker.disk_pool`) reads the layers it streams from
 the model directory itself on every pass, so it needs what ``safe_open`` hides: where each tensor's bytes
@@ -8,12 +8,9 @@ tensor's bytes row-major from ``8 + N + begin``. :func:`read_header` parses and 
 unpickled or executed, offsets must lie inside the file, each extent must hold exactly its shape's bytes);
 :class:`TensorFiles` maps every tensor of a directory (single file or sharded with an index) to its
 :class:`Extent` and reads a whole tensor, or a range of its rows (one tensor-parallel rank's slice of a
-column-parallel weight is a contiguous row range), with ``os.preadv`` into a buffer it returns.
-
-Each file is read through the store's reader of foreign files (:class:`tightfit.storage.external.ExternalFile`):
-``O_DIRECT`` where the filesystem allows, the aligned superset of a tensor's byte range read into an aligned part
-of the caller's buffer (:func:`direct_buffer_bytes` sizes one) and the tensor a view inside it; else buffered,
-readahead off, and with ``drop_page_cache`` the range dropped from the page cache after it.
+column-parallel weight is a contiguous row range). The bytes move through the store's reader of foreign files
+(:class:`tightfit.storage.ExternalFile`: ``O_DIRECT`` in place where it can, buffered else); this module only
+says which bytes.
 
 A file that changes under a running server (its size or modification time differ from when it was
 opened) is refused: :meth:`TensorFiles.check` raises :class:`CheckpointChangedError` naming it, and the
@@ -34,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -43,12 +41,9 @@ import torch
 
 from energon_infer.errors import BadInputError
 from energon_infer.loading.weights import WeightError, _read_index
-from tightfit.storage import ChecksumError
-from tightfit.storage.external import ExternalFile, direct_buffer_bytes
-from tightfit.storage.fs import ALIGN
+from tightfit.storage import ChecksumError, ExternalFile
 
-__all__ = ["Extent", "TensorFiles", "CheckpointChangedError", "read_header", "direct_buffer_bytes", "DTYPES",
-           "MAX_HEADER_BYTES", "DIRECT_ALIGN"]
+__all__ = ["Extent", "TensorFiles", "CheckpointChangedError", "read_header", "DTYPES", "MAX_HEADER_BYTES"]
 
 # safetensors dtype names -> torch dtypes (those torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -59,8 +54,6 @@ DTYPES: dict[str, torch.dtype] = {
 # The format's own limit (the reference implementation refuses larger headers): a hostile length field
 # cannot make the reader allocate gigabytes.
 MAX_HEADER_BYTES = 100_000_000
-# O_DIRECT's alignment of file offsets, lengths and buffer addresses (the store's).
-DIRECT_ALIGN = ALIGN
 
 
 class CheckpointChangedError(BadInputError, RuntimeError):
@@ -78,10 +71,7 @@ class Extent:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -134,13 +124,13 @@ def read_header(file: Path, size: int | None = None) -> dict[str, Extent]:
 
 
 class TensorFiles:
-    """Every tensor of a safetensors checkpoint directory by byte range, read with ``os.preadv``.
+    """Every tensor of a safetensors checkpoint directory by byte range, read through :class:`ExternalFile`.
 
     Args:
         path: the model directory (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
         drop_page_cache: after each buffered read, ``POSIX_FADV_DONTNEED`` its range (it will be read again from
             disk); direct reads leave nothing in the page cache.
-        direct: read with ``O_DIRECT`` where the filesystem allows it (see the module docstring); ``False``:
+        direct: read with ``O_DIRECT`` where the filesystem allows it (:class:`ExternalFile`); ``False``:
             buffered reads only.
     """
 
@@ -200,7 +190,7 @@ class TensorFiles:
         """Tensor ``name`` (or its rows ``[lo, hi)``), read from disk into ``out`` (a ``uint8`` buffer of at least
         the bytes, or ``None``: a new one); returned as a view of it with the tensor's dtype and shape. The read
         is direct when the file was opened so and ``out`` has room for the aligned range (a buffer of
-        :func:`direct_buffer_bytes` of the tensor always has)."""
+        :func:`tightfit.storage.direct_buffer_bytes` of the tensor always has)."""
         ext = self.extents[name]
         lo, hi = rows if rows is not None else (0, ext.shape[0] if ext.shape else 1)
         shape = (hi - lo, *ext.shape[1:]) if ext.shape else ()

@@ -9,11 +9,11 @@ stage; each rank applies its stage's:
 
 * layers the plan places on disk are never loaded: the runner builds them on the meta device
   (``ModelRunner(offload=...)``), and a :class:`DiskLayer` reads their bytes from the model directory
-  (:class:`~energon_infer.loading.safetensors_files.TensorFiles`, ``os.preadv`` by byte range, no
-  conversion, no second copy on disk) straight into a prefetch slot of the
-  :class:`~energon_infer.worker.memory_pool.LayerPool`, ``lookahead`` layers ahead, on ``io_threads``
-  threads, so the reads overlap the compute of the layers before; a tensor-parallel rank reads only its
-  own rows of each column-parallel weight;
+  (:class:`~energon_infer.loading.safetensors_files.TensorFiles`: by byte range through the store's
+  :class:`~tightfit.storage.ExternalFile`, no conversion, no second copy on disk) straight into a prefetch slot
+  of the :class:`~energon_infer.worker.memory_pool.LayerPool`, ``lookahead`` layers ahead, on ``io_threads``
+  threads of the store's :class:`~tightfit.storage.IOEngine`, so the reads overlap the compute of the layers
+  before; a tensor-parallel rank reads only its own rows of each column-parallel weight;
 * host-tier layers (on a GPU) are a fixed set the planner chose, packed in host memory as the peer pool
   does (a cyclic pass over the layers defeats an LRU cache: nothing is evicted at run time);
 * every read batch checks the files' size and modification time first and last
@@ -37,7 +37,7 @@ from torch import nn
 
 from energon_infer.loading.config import ModelConfig
 from energon_infer.loading.quantization import QuantSpec, meta_quantize, quantize_head
-from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
+from energon_infer.loading.safetensors_files import TensorFiles
 from energon_infer.loading.weights import Part, available_bytes, build_param, hf_parts, source_order
 from energon_infer.parallel import Grid, move_unpacked, split_layers
 from energon_infer.worker.memory_pool import LayerPool, MemoryPoolConfig, SlotLayer, _view, stage_layer_bytes
@@ -52,7 +52,7 @@ from energon_infer.worker.quantized_pool import (
 from energon_infer.worker.runtime_config import DTYPES
 from tightfit.planner.pool import PoolPlan, plan_pool
 from tightfit.profiler.types import DiskProfile
-from tightfit.storage import IOCounters, StagingBuffers, Tally
+from tightfit.storage import IOCounters, StagingBuffers, Tally, direct_buffer_bytes
 
 __all__ = ["DiskLayer", "plan_tiers", "stage_weights", "resolve_disk", "install_tiered_pool", "pool_snapshot", "read_buffer_bytes"]
 
@@ -150,7 +150,7 @@ def _meta_stage(cfg: ModelConfig, tp: int, pp: int, stage: int, dtype: torch.dty
 
 def read_buffer_bytes(stage: nn.Module, cfg: ModelConfig, files: TensorFiles) -> int:
     """One I/O thread's read buffer: the largest checkpoint tensor a block of ``stage`` reads, with the slack a
-    direct (``O_DIRECT``) read of it needs (:func:`~energon_infer.loading.safetensors_files.direct_buffer_bytes`)."""
+    direct (``O_DIRECT``) read of it needs (:func:`~tightfit.storage.direct_buffer_bytes`)."""
     keys, largest = set(files.keys()), 0
     for name, _ in stage.named_parameters():
         if name.startswith("layers."):

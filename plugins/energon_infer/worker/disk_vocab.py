@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from energon_infer.loading.config import ModelConfig
-from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
+from energon_infer.loading.safetensors_files import TensorFiles
 from energon_infer.loading.weights import WeightError, hf_parts
 from energon_infer.parallel import Grid, vocab_shard
-from tightfit.storage import IOCounters, ReadAhead
+from tightfit.storage import IOCounters, ReadAhead, direct_buffer_bytes
 
 __all__ = ["DISK_VOCAB", "HEAD_CHUNK_BYTES", "DiskEmbedding", "DiskHead", "disk_vocab_bytes", "install_disk_vocab",
            "vocab_source"]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from energon_infer.loading.config import ModelConfig
-from energon_infer.loading.safetensors_files import TensorFiles, direct_buffer_bytes
+from energon_infer.loading.safetensors_files import TensorFiles
 from energon_infer.loading.weights import hf_parts
 from energon_infer.parallel import Grid
 from energon_infer.worker.disk_pool import DiskLayer
@@ -68,7 +68,7 @@ from tightfit.planner.experts import ExpertPlan
 from tightfit.policy.experts import ExpertCache, belady_hits
 from tightfit.profiler.experts import ExpertPopularity
 from tightfit.profiler.types import ProfileError
-from tightfit.storage import ALIGN, StagingBuffers, TensorStore, aligned_empty
+from tightfit.storage import ALIGN, IOEngine, StagingBuffers, TensorStore, aligned_empty, direct_buffer_bytes
 
 __all__ = ["ExpertPool", "expert_names", "expert_read_buffer_bytes", "install_expert_pool", "lookahead_experts",
            "moe_layers", "stored_experts"]
@@ -226,8 +226,10 @@ class ExpertPool:
         # (belady_hits) is the cache's yardstick in the snapshot.
         self.trace: list[deque[tuple[int, ...]]] = [deque(maxlen=TRACE_STEPS) for _ in layers]
         self._streamed: list[list[int]] = [[] for _ in layers]
-        self._reader = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="energon-expert-read",
-                                          initializer=torch.set_num_threads, initargs=(1,))
+        # The store's I/O engine reads the experts, with room for a layer's demand reads and the reads ahead of
+        # it and of the next layer in flight (a submit never waits).
+        self._reader = IOEngine(workers=max(1, io_threads), max_inflight=widest + 2 * self.lookahead + 1,
+                                name="energon-expert-read", initializer=lambda: torch.set_num_threads(1))
         self.in_memory_uses = self.reads = 0
         # The lookahead's counters: experts predicted, predicted and routed, routed where a prediction was made;
         # reads issued ahead, and those a lookup then used.
@@ -394,7 +396,7 @@ class ExpertPool:
 
     def close(self) -> None:
         self._take_ahead(-1)  # reads still issued ahead are waited for
-        self._reader.shutdown(wait=True)
+        self._reader.close()
         if self.store is not None:
             self.store.close()
 

@@ -29,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from energon_infer.parallel import move_unpacked
 from tightfit.planner.pool import PoolInfeasibleError, PoolPlan, plan_pool
+from tightfit.storage import IOEngine
 
 __all__ = ["MemoryPoolConfig", "PoolPlan", "PoolInfeasibleError", "LayerPool", "plan_pool", "stage_layer_bytes",
            "apply_memory_pool"]
@@ -294,18 +295,19 @@ class LayerPool:
         self._bound: dict[int, int] = {}  # pooled index -> slot while its block runs
         self._slot_free_event: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._executor = None
+        self._executor: IOEngine | None = None
         # Layers whose fill is not a plain device copy (disk reads) run on threads even on a GPU.
         self._threaded = {k for k, p in enumerate(self.packed) if p.streamed}
         if self.cuda:
             self._stream = torch.cuda.Stream(device=self.device)
         if (not self.cuda and cpu_prefetch == "thread") or self._threaded:
             workers = max(1, min(io_threads if self._threaded else 1, n_slots))
-            # One intra-op thread each: a copy on a thread of its own would otherwise start a second OpenMP
-            # team as wide as the compute's, and the teams' spinning barriers fight over the cores (a tiny
-            # F.linear then takes milliseconds while copies run).
-            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="energon-prefetch",
-                                                initializer=torch.set_num_threads, initargs=(1,))
+            # The store's I/O engine runs the fills (at most one per slot in flight), with one intra-op thread
+            # each: a copy on a thread of its own would otherwise start a second OpenMP team as wide as the
+            # compute's, and the teams' spinning barriers fight over the cores (a tiny F.linear then takes
+            # milliseconds while copies run).
+            self._executor = IOEngine(workers=workers, max_inflight=max(1, n_slots), name="energon-prefetch",
+                                      initializer=lambda: torch.set_num_threads(1))
         self.copies = 0
         self.waits = 0  # times a block had to wait for its copy (it was not prefetched in time or at all)
         self.wait_s = 0.0  # compute thread's time spent waiting for copies
@@ -439,7 +441,7 @@ class LayerPool:
         for h in self._handles:
             h.remove()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.close()
         for layer in self.packed:
             layer.close()
 
