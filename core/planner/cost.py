@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from tightfit.planner.memo import frozen
 from tightfit.planner.optimizers import OPTIMIZERS, PRECISIONS, PrecisionSpec, optimizer_spec, precision_spec
 from tightfit.profiler.types import DeviceProfile
 
@@ -36,6 +37,7 @@ __all__ = [
     "matmul_rate",
     "bus_bandwidth",
     "collective_time",
+    "CollectiveTimes",
     "collective_fit",
     "copy_rate",
     "host_optimizer_rate",
@@ -149,6 +151,38 @@ def collective_time(device: DeviceProfile, collective: str, size_bytes: float, w
         bw = min(bw, inter_node_bytes_per_s)
     factor = 2.0 if collective == "all_reduce" else 1.0  # nccl-tests: all-reduce busbw = algbw * 2(W-1)/W
     return factor * size_bytes * (world_size - 1) / world_size / bw
+
+
+class CollectiveTimes:
+    """``times(kind, size_bytes)``: :func:`collective_time` on one device at one world size, memoised per
+    (kind, whole bytes). :meth:`memo_key` holds the inputs that determine every answer, so a planner's inputs
+    holding one can key a memo (:mod:`tightfit.planner.memo`).
+
+    Args:
+        device: the device whose collective table or fit prices them.
+        world_size: ranks taking part.
+        inter_node_bytes_per_s: the bandwidth cap across nodes (0: one node).
+        notes: where the fallbacks assumed are reported (the caller's list).
+    """
+
+    __slots__ = ("_device", "_world", "_inter_node", "_notes", "_memo", "_key")
+
+    def __init__(self, device: DeviceProfile, world_size: int, inter_node_bytes_per_s: float = 0.0,
+                 notes: list[str] | None = None) -> None:
+        self._device, self._world, self._inter_node, self._notes = device, world_size, inter_node_bytes_per_s, notes
+        self._memo: dict[tuple[str, int], float] = {}
+        self._key = (frozen(device), world_size, inter_node_bytes_per_s)
+
+    def __call__(self, kind: str, size_bytes: float) -> float:
+        key = (kind, int(size_bytes))
+        if key not in self._memo:
+            self._memo[key] = collective_time(self._device, kind, size_bytes, self._world, notes=self._notes,
+                                              inter_node_bytes_per_s=self._inter_node)
+        return self._memo[key]
+
+    def memo_key(self) -> tuple:
+        """The device (by value), the world size and the inter-node cap."""
+        return self._key
 
 
 def collective_fit(device: DeviceProfile, collective: str, world_size: int) -> tuple[float, float] | None:

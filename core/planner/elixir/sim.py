@@ -21,7 +21,7 @@ parameter, the gathered (compute) parameter and the reduced gradient; ``o`` opti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tightfit.planner import cost
 from tightfit.planner.elixir.disk import (
@@ -34,6 +34,7 @@ from tightfit.planner.elixir.disk import (
 )
 from tightfit.planner.elixir.terms import Detail, UnitTerms, slowest_overheads
 from tightfit.planner.elixir.tied import lookup_blocks, tied_blocks, tied_params, tied_units
+from tightfit.planner.memo import frozen
 from tightfit.planner.tiers import disk_seconds
 from tightfit.profiler.types import DTYPE_BYTES, ClusterSpec, DiskProfile, ModelProfile
 
@@ -73,7 +74,7 @@ class Context:
     reserved: float
     notes: tuple[str, ...]
     device_name: str
-    collective: object               # callable(kind, bytes) -> seconds (memoised)
+    collective: object               # callable(kind, bytes) -> seconds (cost.CollectiveTimes)
     compute_model: str = "FLOPs / rate"  # or "measured block timings"
     overhead: tuple[tuple[str, tuple[float, float, float]], ...] = ()  # per-unit (fwd, bwd, opt) s by mode
     overlap: float = -1.0            # measured comm/compute overlap; < 0: full overlap assumed
@@ -85,6 +86,11 @@ class Context:
     opt_state_per_elem: float = 0.0  # o: optimizer-state bytes per owned element (what a disk unit keeps on disk)
     tied_to: tuple[int, ...] = ()    # per block: the last block using one of its parameters (tied.py), else itself
     lookup: tuple[bool, ...] = ()    # per block: its backward needs none of its parameters (an embedding)
+
+    def memo_key(self) -> tuple:
+        """A hashable value, equal for contexts built from equal inputs (which price every plan alike): what
+        a memo of searches over this context keys on (``space.greedy_pool``)."""
+        return tuple(frozen(getattr(self, f.name)) for f in fields(self))
 
     def unit_overhead(self, mode: str, offload: int, tensors: int = 0,
                       nbytes: float = 0.0) -> tuple[float, float, float]:
@@ -126,17 +132,9 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
     # Activations were profiled with parameters in ``model.param_dtype``; under mixed precision the
     # matmuls run in the compute dtype, so saved activations shrink by the same ratio (bf16: 1/2).
     act_scale = spec.compute_bytes / max(1, DTYPE_BYTES.get(model.param_dtype, 4))
-    memo: dict[tuple[str, int], float] = {}
     world = cluster.world_size
-    ref = devices[0]
-
-    def collective(kind: str, size: float) -> float:
-        key = (kind, int(size))
-        if key not in memo:
-            memo[key] = cost.collective_time(ref, kind, size, world, notes=notes,
-                                             inter_node_bytes_per_s=cluster.inter_node_bytes_per_s
-                                             if cluster.nodes > 1 else 0.0)
-        return memo[key]
+    inter_node = cluster.inter_node_bytes_per_s if cluster.nodes > 1 else 0.0
+    collective = cost.CollectiveTimes(devices[0], world, inter_node, notes)
 
     # Warm the notes about collectives now so they are reported even for single-unit plans.
     if world > 1:
@@ -165,7 +163,7 @@ def build_context(model: ModelProfile, cluster: ClusterSpec, *, precision: str, 
         h2d=h2d, d2h=d2h, host_opt=host_opt, dev_opt=dev_opt,
         fragmentation=fragmentation, reserved=reserved,
         notes=tuple(dict.fromkeys(notes)),
-        device_name=ref.name,
+        device_name=devices[0].name,
         collective=collective,
         compute_model="measured block timings" if timed else "FLOPs / rate",
         overhead=slowest_overheads(devices),

@@ -39,9 +39,10 @@ from tightfit.planner.elixir.disk import (
 )
 from tightfit.planner.elixir.evaluator import Candidate, Evaluator
 from tightfit.planner.elixir.sim import MODES, Context
+from tightfit.planner.memo import LruMemo
 
 __all__ = ["Space", "Candidate", "Evaluator", "host_bytes", "disk_bytes", "greedy_pool", "pareto", "count_space",
-           "groupings", "compositions", "least_memory_choice"]
+           "groupings", "compositions", "least_memory_choice", "pool_memo"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -123,9 +124,19 @@ def groupings(ctx: Context, unit_blocks: tuple[int, ...] | None) -> list[tuple[t
     return out
 
 
+# The pool does not depend on the device budget, so a search at several budgets (a frontier, a budget sweep,
+# the strategy's re-plan) computes it once: keyed on every input of the search, the pool and the evaluations
+# it took.
+pool_memo = LruMemo(4)
+
+
 def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progress | None = None,
                 rounds: int = 2, max_points: int = 32, *, disk_budget: float = math.inf) -> list[Candidate]:
     """Every plan visited by the greedy descents plus their neighbourhoods (budget-independent).
+
+    Memoised on its inputs (``ev.ctx.memo_key()``, ``space``, the host and disk budgets, ``rounds``,
+    ``max_points``): a repeated search returns the same candidates and adds the evaluations they took to
+    ``ev.evaluations``, so the plans built from it are the same too (:data:`pool_memo`).
 
     After the descents, ``rounds`` times: every plan on the current Pareto frontier (at most
     ``max_points`` of them, evenly spread) adds its neighbours: each single change undone (faster,
@@ -136,6 +147,21 @@ def greedy_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progr
     With the disk tier in ``space``, the pool of the same search without it comes first (a superset: the
     tier can only add faster plans under the same budgets), then this search's own plans.
     """
+    key = (ev.ctx.memo_key(), space, float(host_budget), float(disk_budget), rounds, max_points)
+    hit = pool_memo.get(key)
+    if hit is not None:
+        ev.evaluations += hit[1]
+        if progress:
+            progress(1, 1, "done (the pool of the same search, reused)")
+        return list(hit[0])
+    before = ev.evaluations
+    pool = _search_pool(ev, space, host_budget, progress, rounds, max_points, disk_budget)
+    pool_memo.put(key, (tuple(pool), ev.evaluations - before))
+    return pool
+
+
+def _search_pool(ev: Evaluator, space: Space, host_budget: float, progress: Progress | None, rounds: int,
+                 max_points: int, disk_budget: float) -> list[Candidate]:
     base: list[Candidate] = []
     if has_disk(space) and any(o not in DISK_CODES for o in space.offload):
         without = replace(space, offload=tuple(o for o in space.offload if o not in DISK_CODES))
