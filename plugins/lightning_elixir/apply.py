@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from lightning_elixir._torch_adapter import (
     composable_checkpoint,
@@ -47,9 +49,9 @@ if TYPE_CHECKING:
     from lightning_elixir.disk_params import DiskParameters
 
 __all__ = ["AppliedUnit", "UnitState", "apply_plan", "resolve_units", "apply_activation_checkpointing",
-           "set_checkpointing", "shard_units", "apply_prefetch", "materialize", "mixed_precision_policy",
-           "inspect_units", "describe_units", "is_sharded", "is_replicated", "clip_grad_norm_",
-           "clip_grad_value_"]
+           "set_checkpointing", "shard_units", "apply_prefetch", "materialize", "WholeDraws",
+           "mixed_precision_policy", "inspect_units", "describe_units", "is_sharded", "is_replicated",
+           "clip_grad_norm_", "clip_grad_value_"]
 
 
 @dataclass
@@ -277,7 +279,9 @@ def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.devic
     Offloaded units are allocated on the host (never on the device, whose memory they do not fit),
     the rest on ``device``. Initialisation: ``reset_parameters()`` of every module that has one, then
     ``init_weights()`` of the outermost modules that define it (e.g. :class:`tightfit.models.GPT`,
-    whose GPT-2 initialisation and tied head it restores).
+    whose GPT-2 initialisation and tied head it restores). A random fill of a sharded parameter draws the whole
+    parameter and keeps this rank's shard (:class:`WholeDraws`), so the values are those of the model built eagerly
+    with the same seed and then sharded, on any number of ranks.
 
     ``streamed`` (tier-3 units' ``DiskParameters``): those units are allocated and dropped in turn, initialised
     paged in one at a time as touched (``DiskParameters.paging``: same values, draws and order as in memory).
@@ -303,9 +307,44 @@ def materialize(module: nn.Module, units: list[AppliedUnit], device: torch.devic
     for unit in units:
         if unit.index in paged and not unit.modules and streamed is not None:
             streamed.drop_blank(unit.index)  # a unit the root group holds: allocated with the root's parameters
-    with streamed.paging() if streamed is not None else nullcontext():
+    with streamed.paging() if streamed is not None else nullcontext(), WholeDraws():
         _initialise(module)
     return True
+
+
+# The in-place random fills of a tensor; torch.nn.init's functions (kaiming_uniform_, normal_, orthogonal_, ...)
+# reach a mode as themselves, with the tensor as ``tensor=``.
+_RANDOM_FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_, torch.Tensor.cauchy_,
+                           torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
+                           torch.Tensor.random_})
+
+
+class WholeDraws(TorchFunctionMode):
+    """Within: a random fill of a DTensor (``Tensor.normal_``, ``uniform_``, ... or a ``torch.nn.init`` function)
+    fills a whole tensor of its global shape from this rank's generator and keeps this rank's shard of it.
+
+    A model built eagerly draws every parameter whole, on every rank from the same seed, and FSDP2 then keeps each
+    rank's shard. Filled shard by shard instead, every rank would draw its shard from the start of the same random
+    stream (on a CPU mesh, where DTensor has no random-offset tracker, rank 1's rows would repeat rank 0's) and the
+    generator would advance by a shard's draws, not the parameter's. Drawing whole gives the eager values, draw for
+    draw; one parameter is whole in memory at a time.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        fills = func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        target = args[0] if args else kwargs.get("tensor")
+        if not fills or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        whole = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        if args:
+            func(whole, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": whole})
+        # src_data_rank=None: no communication, this rank's shard of its own draw (every rank drew the same).
+        mine = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+        return target
 
 
 def _initialise(module: nn.Module) -> None:
