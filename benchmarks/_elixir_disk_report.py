@@ -82,7 +82,7 @@ def analyse(runs: dict[str, list[dict]], disk: object, plan: object) -> dict:
         el["predicted_step_s"] = plan.step_time_s  # type: ignore[attr-defined]
         el["prediction_error"] = abs(plan.step_time_s - el["step_s"]["median"]) / el["step_s"]["median"]  # type: ignore[attr-defined]
         # The step streams the disk state in and out; tier-3 units' parameters are read ahead of forward and backward.
-        fetched = sum(4 * u.param_numel for u in getattr(plan, "units", ()) if u.params_disk)
+        fetched = sum(4 * u.param_numel for u in getattr(plan, "units", ()) if u.tier >= 3)  # Tier.DISK_PARAMS
         el["predicted_disk_bytes_per_step"] = 2 * plan.disk_bytes_per_rank + 2 * fetched  # type: ignore[attr-defined]
     return out
 

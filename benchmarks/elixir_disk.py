@@ -152,7 +152,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
 
     from lightning_elixir.planning import profile_module, time_module_blocks
     from tightfit.models import GPTConfig, build_gpt
-    from tightfit.planner.elixir import estimate, search
+    from tightfit.planner.elixir import Tier, estimate, search
     from tightfit.planner.errors import PlanInfeasibleError
     from tightfit.profiler import calibrate_device, profile_device, profile_disk
     from tightfit.profiler.disk_presets import with_disk
@@ -206,8 +206,7 @@ def make_plans(cfg: dict, batch: int, seq: int, disk_dir: Path, say, fixed: int 
                 host = int(max(exc.needed_bytes, host) * 1.03)
     else:
         raise RuntimeError("the search found no disk plan for the benchmark model in 4 tries")
-    units = tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False, grads_disk=False)
-                  for u in plan.units)
+    units = tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units)
     ram = dataclasses.replace(plan, units=units, disk_bytes_per_rank=0, disk_path="")
     # The same units all in RAM, priced by the same model: its error against the RAM run is the compute model's
     # share of the disk plan's error.

@@ -13,10 +13,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,6 +59,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         raise ValueError(f"{where}: {value!r} matches none of {tp}")
     if dataclasses.is_dataclass(tp):
         return from_jsonable(tp, value, where=where)  # type: ignore[arg-type]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if value not in {m.value for m in tp}:
+            raise ValueError(f"{where}: {value!r} is not a {tp.__name__}; use one of {[m.value for m in tp]}")
+        return tp(value)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
@@ -111,12 +117,13 @@ def dump_json(obj: Any, path: str | Path | None = None, *, indent: int | None = 
     return text
 
 
-def load_json(cls: type[T], source: str | Path) -> T:
-    """``source`` is a path to a JSON file or a JSON string."""
+def load_json(cls: type[T], source: str | Path, *, upgrade: Callable[[Any], Any] | None = None) -> T:
+    """``source`` is a path to a JSON file or a JSON string; ``upgrade`` rewrites an older form's parsed JSON."""
     text = str(source)
     if not text.lstrip().startswith("{"):
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"{cls.__name__} file {str(path)!r} does not exist")
         text = path.read_text()
-    return from_jsonable(cls, json.loads(text))
+    data = json.loads(text)
+    return from_jsonable(cls, upgrade(data) if upgrade else data)

@@ -39,9 +39,9 @@ def _setup_paths() -> None:
 
 
 def _units(profile, offload: bool, checkpoint: bool):
-    from tightfit.planner.elixir import UnitPlan
+    from tightfit.planner.elixir import Tier, UnitPlan
 
-    return [UnitPlan(blocks=(b.name,), mode="reshard", offload=offload and b.param_numel > 0,
+    return [UnitPlan(blocks=(b.name,), mode="reshard", tier=Tier.HOST if offload and b.param_numel > 0 else Tier.DEVICE,
                      checkpoint=(b.name,) if checkpoint and b.checkpointable else ()) for b in profile.blocks]
 
 

@@ -352,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefetch(v: torch.Tensor) -> None:
         if side is None:
-            cache.prepare(v, lengths, feature_table, count=False, pin_until=cache.step + 1)
+            cache.prefetch(v, lengths, feature_table, until=cache.step + 1)
             return
         with torch.cuda.stream(side):
             side.wait_stream(torch.cuda.default_stream(dev))
-            cache.prepare(v, lengths, feature_table, count=False, pin_until=cache.step + 1)
+            cache.prefetch(v, lengths, feature_table, until=cache.step + 1)
 
     def sequential() -> None:
         nxt = values[(state["i"] + 1) % nbatches]

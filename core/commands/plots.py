@@ -82,18 +82,18 @@ def plot_model_profile(profile: Any, path: str | Path) -> Path:
     return out
 
 
-_TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:red", "disk+params": "darkred"}
+# By UnitPlan.tier: device, host, optimizer state on disk, master weights and parameters (and gradients) too.
+_TIER_COLOURS = ("tab:blue", "tab:orange", "tab:red", "darkred", "darkred")
 
 
 def plot_elixir_plan(plan: Any, path: str | Path) -> Path:
     """Three panels over the plan's units: predicted time (recomputing units hatched), memory on the
     device, on the host and on disk, and the share of blocks recomputed; colour says where the state lives
-    (``UnitPlan.tier``: device, host or disk)."""
+    (``UnitPlan.tier``: device, host, disk; darker where the parameters wait on disk too)."""
     plt = _pyplot()
     units = plan.units
     idx = list(range(len(units)))
-    colour = [_TIER_COLOURS["disk+params" if getattr(u, "params_disk", False) else
-                            getattr(u, "tier", "host" if u.offload else "device")] for u in units]
+    colour = [_TIER_COLOURS[u.tier] for u in units]
     fig, (t_ax, m_ax, c_ax) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
     bars = t_ax.bar(idx, [u.time_s * 1e3 for u in units], color=colour)
     for bar, u in zip(bars, units):

@@ -1,4 +1,4 @@
-"""Gradients on disk between backward and the optimizer step: a plan's tier-4 units (``UnitPlan.grads_disk``).
+"""Gradients on disk between backward and the optimizer step: a plan's tier-4 units (``Tier.DISK_GRADS``).
 
 A tier-4 unit keeps no per-parameter state in RAM: its master weights and optimizer state wait in the store
 (:mod:`lightning_elixir.disk_params`, :mod:`lightning_elixir.disk_state`), and so does its gradient, from the

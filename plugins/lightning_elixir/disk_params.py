@@ -1,4 +1,4 @@
-"""Parameters on disk between uses: a plan's tier-3 units (``UnitPlan.params_disk``) keep their fp32 master weights
+"""Parameters on disk between uses: a plan's tier-3 units (``Tier.DISK_PARAMS``) keep their fp32 master weights
 in the store, read one unit ahead of the forward and of the backward and dropped after each.
 
 FSDP2's sharded parameters *are* the master weights (it all-gathers, and casts under mixed precision, from them),

@@ -1,10 +1,10 @@
 """Optimizer state on disk: the optimizer step of a plan's disk units streams their state through the host.
 
-A disk unit (``UnitPlan.disk``, the planner's state-tier code 2) is offloaded like a host unit (FSDP2
+A disk unit (``UnitPlan.tier == Tier.DISK``, state tier 2) is offloaded like a host unit (FSDP2
 ``CPUOffloadPolicy``: fp32 master parameters and gradients on the host) but its optimizer state - the tensors
 the optimizer keeps per parameter element, ``exp_avg`` / ``exp_avg_sq`` of AdamW - waits between steps in a
 :class:`tightfit.storage.TensorStore` (``<disk_dir>/rank<r>``). The plan keeps master weights on the host
-for tier-2 units; a tier-3 unit (``UnitPlan.params_disk``) keeps its fp32 master weights in the same store
+for tier-2 units; a tier-3 unit (``Tier.DISK_PARAMS``) keeps its fp32 master weights in the same store
 (:mod:`lightning_elixir.disk_params`: parameters between uses), and its chunks stream them with the state.
 
 The step. The user's optimizer is used unchanged: :class:`lightning_elixir.step.ElixirOptimizer` (what

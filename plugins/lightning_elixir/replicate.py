@@ -30,14 +30,14 @@ from torch import nn
 
 from lightning_elixir._torch_adapter import composable_replicate
 from lightning_elixir.apply import AppliedUnit, is_replicated, materialize, resolve_units
-from tightfit.planner.elixir import ElixirPlan
+from tightfit.planner.elixir import ElixirPlan, Tier
 
 __all__ = ["replicates_everything", "apply_replicated", "no_gradient_sync", "load_replicated"]
 
 
 def replicates_everything(plan: ElixirPlan) -> bool:
     """Every unit replicated, on the device, nothing recomputed, compute dtype = reduction dtype."""
-    return (bool(plan.units) and all(u.mode == "replicate" and not u.offload and not u.disk and not u.checkpoint
+    return (bool(plan.units) and all(u.mode == "replicate" and u.tier == Tier.DEVICE and not u.checkpoint
                                      for u in plan.units)
             and plan.param_dtype == plan.reduce_dtype)
 

@@ -239,7 +239,7 @@ class FusedCache(nn.Module):
         """
         self.store.wait_staged(self.step + 1)  # the disk tier's read-ahead of this batch, waited for unlocked
         with self.lock:
-            batch = self._counted(values, lengths, feature_table, value_bounds, hold=True)
+            batch = self._counted(values, lengths, feature_table, value_bounds)
         batch.train = train
         batch.groups_left = len(self.groups)
         return batch
@@ -276,27 +276,10 @@ class FusedCache(nn.Module):
             self.store.stage(keys, max(batch.step, step))
         return batch
 
-    def prepare(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor, *,
-                value_bounds: list[int] | None = None, count: bool = True, pin_until: int = 0,
-                hold: bool = False, reuse: torch.Tensor | None = None, reuse_steps: torch.Tensor | None = None,
-                load: bool = True) -> Batch:
-        """The entry points in their older flag form, kept for callers outside the plugin (``tests/gpu``,
-        ``benchmarks/gpu``): ``count`` a lookup (held when ``hold``; no pin or window applies), else ``load``
-        a :meth:`prefetch` until ``pin_until`` with the window ``reuse`` (keys) / ``reuse_steps``, else
-        :meth:`enter_window` at ``pin_until``."""
-        if count:
-            with self.lock:
-                return self._counted(values, lengths, feature_table, value_bounds, hold=hold)
-        if not load:
-            return self.enter_window(values, lengths, feature_table, step=pin_until, value_bounds=value_bounds)
-        window = Window(keys=reuse, steps=reuse_steps) if reuse is not None and reuse_steps is not None else None
-        return self.prefetch(values, lengths, feature_table, until=pin_until, value_bounds=value_bounds,
-                             window=window)
-
     # ------------------------------------------------------------------ the stages they share
     def _counted(self, values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
-                 value_bounds: list[int] | None, *, hold: bool) -> Batch:
-        """A lookup's stages (under the lock): a new step, its rows placed, counted and (``hold``) held."""
+                 value_bounds: list[int] | None) -> Batch:
+        """A lookup's stages (under the lock): a new step, its rows placed, counted and held."""
         self._settle(after_lookups=False)
         values = self._ids(values)
         self.step += 1
@@ -304,8 +287,7 @@ class FusedCache(nn.Module):
         batch, counts = self._dedupe(values, lengths, feature_table, value_bounds)
         if batch.uniq.numel():
             self._place(batch, counts, until=batch.step, counted=True, window=None)
-            if hold:
-                self._hold(batch)
+            self._hold(batch)
         return batch
 
     def _settle(self, *, after_lookups: bool) -> None:

@@ -26,7 +26,7 @@ def test_a_disk_preset_lets_units_keep_their_optimizer_state_on_disk(tmp_path, c
     assert main([*BASE, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--json", str(out)]) == 0
     plan = ElixirPlan.from_json(out)
     assert plan.disk_units and plan.disk_bytes_per_rank > 0
-    assert all(plan.units[i].offload and plan.units[i].tier == "disk" for i in plan.disk_units)
+    assert all(plan.units[i].offload and plan.units[i].tier.state_on == "disk" for i in plan.disk_units)
     assert "disk I/O" in capsys.readouterr().out
 
 
@@ -68,6 +68,6 @@ def test_a_host_too_small_for_the_master_weights_puts_them_and_the_parameters_on
     assert main([*small, "--disk-preset", "nvme-gen4", "--disk-space", "100GiB", "--json", str(out)]) == 0
     plan = ElixirPlan.from_json(out)
     assert plan.param_disk_units and plan.host_bytes_per_rank <= 900 * 2**20
-    assert all(plan.units[i].master_tier == plan.units[i].param_tier == "disk" for i in plan.param_disk_units)
+    assert all(plan.units[i].tier.params_on == "disk" for i in plan.param_disk_units)
     text = capsys.readouterr().out
     assert "params wait on" in text and "master weights on disk" in text

@@ -14,7 +14,7 @@ import torch
 from tightfit.models import GPTConfig, build_gpt
 from tightfit.planner import cost
 from tightfit.planner.check import StepMonitor
-from tightfit.planner.elixir import UnitPlan, estimate, search
+from tightfit.planner.elixir import Tier, UnitPlan, estimate, search
 from tightfit.profiler import device_preset, profile_model, time_blocks
 from tightfit.profiler.calibrate import fit_alpha_beta
 from tightfit.profiler.types import ClusterSpec
@@ -85,7 +85,7 @@ def test_unified_memory_offload_has_no_copy_cost_and_overlap_serialises(flops_pr
     cpu = dataclasses.replace(device_preset("a100-40g"), kind="cpu", name="cpu", h2d_bytes_per_s={},
                               d2h_bytes_per_s={})
     kw = dict(precision="32-true", optimizer="adamw")
-    units = [UnitPlan(blocks=(b.name,), mode="reshard", offload=True) for b in flops_profile.blocks]
+    units = [UnitPlan(blocks=(b.name,), mode="reshard", tier=Tier.HOST) for b in flops_profile.blocks]
     old = estimate(flops_profile, ClusterSpec.uniform(cpu, 2), units, **kw)
     new = estimate(flops_profile, ClusterSpec.uniform(dataclasses.replace(cpu, unified_memory=True), 2), units, **kw)
     assert new.step_time_s < old.step_time_s  # the assumed 10 GB/s host copies are gone
@@ -167,7 +167,7 @@ def test_replan_in_place_prices_the_measured_speed_and_keeps_units(flops_profile
 
     kw = dict(precision="32-true", optimizer="adamw")
     dev = device_preset("a100-40g")
-    units = [UnitPlan(blocks=(b.name,), mode="keep", offload=i == 0, checkpoint=(b.name,) if b.checkpointable else ())
+    units = [UnitPlan(blocks=(b.name,), mode="keep", tier=i == 0, checkpoint=(b.name,) if b.checkpointable else ())
              for i, b in enumerate(flops_profile.blocks)]
     plan = estimate(flops_profile, ClusterSpec.uniform(dev, 2), units, **kw)
     slow = scale_profile(flops_profile, time_ratio=1000.0)
@@ -191,7 +191,7 @@ def test_unified_memory_counts_offloaded_state_in_the_device_peak(flops_profile)
     cpu = dataclasses.replace(device_preset("a100-40g"), kind="cpu", name="cpu", h2d_bytes_per_s={},
                               d2h_bytes_per_s={}, unified_memory=True, unit_overhead_s={"reshard": [0.0, 0.0, 0.0]})
     split = [UnitPlan(blocks=(b.name,), mode="reshard") for b in flops_profile.blocks]
-    off = [dataclasses.replace(u, offload=True) for u in split]
+    off = [dataclasses.replace(u, tier=Tier.HOST) for u in split]
     resident = estimate(flops_profile, ClusterSpec.uniform(cpu, 2), split, **kw)
     offloaded = estimate(flops_profile, ClusterSpec.uniform(cpu, 2), off, **kw)
     assert offloaded.peak_bytes == resident.peak_bytes and offloaded.host_bytes_per_rank > 0

@@ -120,7 +120,7 @@ def brute_force(prof: ModelProfile, cluster: ClusterSpec, depths=(1, 2)) -> list
         for choice in itertools.product(itertools.product(MODES, (False, True)), repeat=len(spans)):
             for ck_bits in itertools.product((False, True), repeat=len(ck_ids)):
                 ck = {names[i] for i, bit in zip(ck_ids, ck_bits) if bit}
-                units = [UnitPlan(blocks=tuple(names[a:b]), mode=m, offload=o,
+                units = [UnitPlan(blocks=tuple(names[a:b]), mode=m, tier=o,
                                   checkpoint=tuple(x for x in names[a:b] if x in ck))
                          for (a, b), (m, o) in zip(spans, choice)]
                 for df in depths:

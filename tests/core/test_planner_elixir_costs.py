@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tightfit.planner.elixir import ElixirConstraints, PlanInfeasibleError, UnitPlan, estimate, search
+from tightfit.planner.elixir import ElixirConstraints, PlanInfeasibleError, Tier, UnitPlan, estimate, search
 from tightfit.profiler.types import BlockProfile, ClusterSpec, DeviceProfile, ModelProfile, ParamInfo
 
 # Two blocks (bytes at fp32; the compute dtype is fp32 too, so activations are not rescaled):
@@ -79,13 +79,13 @@ def test_unit_bytes_on_device_and_host_by_hand():
     assert [u.gathered_bytes for u in plan.units] == [1000 * 4, 2000 * 4]
     # Offloaded: the same E * (m + m + o) on the host -- parameters, gradients AND optimizer state --, none
     # on the device; gathered parameters still come to the device while the unit runs.
-    off = _estimate({}, {"offload": True})
+    off = _estimate({}, {"tier": Tier.HOST})
     assert [u.device_bytes for u in off.units] == [8000, 0]
     assert [u.host_bytes for u in off.units] == [0, 1000 * (4 + 4 + 8)]
     assert off.host_bytes_per_rank == 16_000
     assert [u.gathered_bytes for u in off.units] == [4000, 8000]
     # Replicate: a rank owns the whole unit.
-    rep = _estimate({"mode": "replicate"}, {"mode": "replicate", "offload": True})
+    rep = _estimate({"mode": "replicate"}, {"mode": "replicate", "tier": Tier.HOST})
     assert [u.device_bytes for u in rep.units] == [1000 * 16, 0]
     assert [u.host_bytes for u in rep.units] == [0, 2000 * 16]
 
@@ -122,7 +122,7 @@ def test_offloaded_unit_leaves_only_its_gathered_parameters_on_the_device():
     #   forward layers.1: 8000 + 8000 + (1000 + 20_000 + 5000)   = 42_000
     #   backward layers.1: 8000 + 28_000 + (1000 + 20_000 + 3000) = 60_000  <- peak
     #   backward layers.0: 8000 + 20_000 + 10_500                 = 38_500
-    plan = _estimate({"checkpoint": ("layers.0",)}, {"offload": True})
+    plan = _estimate({"checkpoint": ("layers.0",)}, {"tier": Tier.HOST})
     assert plan.peak_bytes == 60_000
     assert (plan.memory.state_bytes, plan.memory.params_bytes, plan.memory.activation_bytes) == (8000, 28_000, 24_000)
 
@@ -156,7 +156,7 @@ def test_step_time_with_offload_and_recompute_by_hand():
     # Backward: u1 copied [12, 16], gathered [16, 20], computes [20, 24]; u0 re-gathered [20, 22];
     # u1 reduce-scatter [24, 28], D2H [28, 32]; u0 computes 2 + 1 s [24, 27], reduce-scatter [28, 30].
     # Optimizer from 32: 0.5 + 2 = 2.5 -> 34.5.
-    plan = _estimate({"checkpoint": ("layers.0",)}, {"offload": True})
+    plan = _estimate({"checkpoint": ("layers.0",)}, {"tier": Tier.HOST})
     assert plan.step_time_s == pytest.approx(34.5)
     b = plan.breakdown
     assert (b.compute_s, b.recompute_s, b.optimizer_s) == pytest.approx((9.0, 1.0, 2.5))

@@ -1,6 +1,6 @@
 """The disk tier of the Elixir planner, pinned to numbers worked out by hand.
 
-A unit in state tier 2 (``UnitPlan(offload=True, disk=True)``) keeps its master parameters and gradients on the
+A unit in state tier 2 (``UnitPlan(tier=Tier.DISK)``) keeps its master parameters and gradients on the
 host like an offloaded unit, and its optimizer state on disk between steps, read in and written back during
 its host optimizer step. Priced from the disk profile: ``io = read + write`` of ``E * o`` bytes, each
 ``latency + bytes * sharers / bandwidth`` (the ranks of a node share the disk), ``opt = compute + io - f *
@@ -30,6 +30,7 @@ from tightfit.planner.elixir import (
     ElixirPlan,
     ElixirProblem,
     PlanInfeasibleError,
+    Tier,
     UnitPlan,
     baseline,
     estimate,
@@ -99,8 +100,8 @@ def _units(t0: dict, t1: dict) -> list[UnitPlan]:
     return [UnitPlan(blocks=("layers.0",), **t0), UnitPlan(blocks=("layers.1",), **t1)]
 
 
-HOST = dict(offload=True)
-ON_DISK = dict(offload=True, disk=True)
+HOST = dict(tier=Tier.HOST)
+ON_DISK = dict(tier=Tier.DISK)
 
 
 def _estimate(t0: dict, t1: dict, *, numels=BIG, cluster=None, **kw) -> ElixirPlan:
@@ -153,9 +154,9 @@ def test_disk_unit_bytes_by_hand_gpu():
     # On a GPU, an offloaded unit holds nothing on the device; on disk the host keeps E * 2m, the disk E * o.
     plan = _estimate({}, ON_DISK)
     u0, u1 = plan.units
-    assert (u0.device_bytes, u0.host_bytes, u0.disk_bytes, u0.tier) == (5 * 10**7 * 16, 0, 0, "device")
-    assert (u1.device_bytes, u1.host_bytes, u1.disk_bytes, u1.tier) == (0, 10**8 * 8, 10**8 * 8, "disk")
-    assert u1.offload and u1.disk and plan.disk_units == (1,) and plan.offloaded_units == (1,)
+    assert (u0.device_bytes, u0.host_bytes, u0.disk_bytes, u0.tier.state_on) == (5 * 10**7 * 16, 0, 0, "device")
+    assert (u1.device_bytes, u1.host_bytes, u1.disk_bytes, u1.tier.state_on) == (0, 10**8 * 8, 10**8 * 8, "disk")
+    assert u1.offload and u1.tier >= Tier.DISK and plan.disk_units == (1,) and plan.offloaded_units == (1,)
     # Per rank: the unit's host state + the staging area; the disk holds its optimizer state.
     assert plan.host_bytes_per_rank == 8 * 10**8 + STAGING
     assert plan.disk_bytes_per_rank == 8 * 10**8 and plan.disk_path == "/nvme/tightfit"
@@ -206,14 +207,14 @@ def test_gpu_plan_goes_to_disk_exactly_when_the_host_budget_forces_it(exhaustive
     roomy = _search(memory_budget=budget, constraints=cons)
     assert not roomy.disk_units and roomy.offloaded_units  # fastest first: the host beats the disk
     exact_host = _search(memory_budget=budget, host_budget=16 * 10**8, constraints=cons)
-    assert [u.tier for u in exact_host.units] == ["device", "host"]
+    assert [u.tier.state_on for u in exact_host.units] == ["device", "host"]
     forced = _search(memory_budget=budget, host_budget=16 * 10**8 - 1, constraints=cons)
-    assert [u.tier for u in forced.units] == ["device", "disk"]
+    assert [u.tier.state_on for u in forced.units] == ["device", "disk"]
     assert forced.host_bytes_per_rank == 8 * 10**8 + STAGING and forced.disk_bytes_per_rank == 8 * 10**8
     # Slower by the disk's I/O beyond the host step: 4.802 - 2 s.
     assert forced.step_time_s - exact_host.step_time_s == pytest.approx(2.802, rel=1e-9)
     # A larger device budget needs no offload at all, whatever the host has.
-    assert [u.tier for u in _search(memory_budget=10**12, host_budget=0, constraints=cons).units] == [
+    assert [u.tier.state_on for u in _search(memory_budget=10**12, host_budget=0, constraints=cons).units] == [
         "device", "device"]
     # Without the disk tier (allow_disk=False) the forced case has no plan.
     with pytest.raises(PlanInfeasibleError):
@@ -225,14 +226,14 @@ def test_unified_plan_goes_to_disk_exactly_when_the_device_budget_forces_it(exha
     cons = {"exhaustive": exhaustive}
     cpu = _cluster(cpu=True)
     resident = _estimate({}, {}, cluster=cpu).peak_bytes
-    assert [u.tier for u in _search(cpu, memory_budget=resident, constraints=cons).units] == ["device", "device"]
+    assert [u.tier.state_on for u in _search(cpu, memory_budget=resident, constraints=cons).units] == ["device", "device"]
     # One byte less: offloading to the host saves nothing on one memory; the disk does: layers.0's optimizer
     # state (4e8 B) for 2.402 - 0.5 s more, or layers.1's (8e8 B) for 4.802 - 1 s more.
     tight = _search(cpu, memory_budget=resident - 1, constraints=cons)
-    assert [u.tier for u in tight.units] == ["disk", "device"]
+    assert [u.tier.state_on for u in tight.units] == ["disk", "device"]
     assert tight.peak_bytes == resident - 5 * 10**7 * 8
     tighter = _search(cpu, memory_budget=resident - 5 * 10**7 * 8 - 1, constraints=cons)
-    assert [u.tier for u in tighter.units] == ["device", "disk"]
+    assert [u.tier.state_on for u in tighter.units] == ["device", "disk"]
     assert tighter.peak_bytes == resident - 10**8 * 8 == _estimate({}, ON_DISK, cluster=cpu).peak_bytes
     assert tighter.step_time_s - tight.step_time_s == pytest.approx(3.802 - 1.902, rel=1e-9)
     with pytest.raises(PlanInfeasibleError) as err:
@@ -280,15 +281,15 @@ def test_host_short_even_with_the_disk_names_the_host():
 # 2 * 4e8); the disk keeps E * (m + o) = 1.2e9 B. The step streams them: read 1e-3 + 1.2e9 * 2 / 1e9 = 2.401 s,
 # write 1e-3 + 1.2e9 * 2 / 5e8 = 4.801 s, io 7.202 s > 2 s of compute (full overlap unmeasured): opt 7.202 s.
 # Parameters read ahead of forward and of backward: 2 * (1e-3 + 4e8 * 2 / 1e9) = 1.602 s.
-PARAMS_DISK = dict(offload=True, disk=True, params_disk=True)
+PARAMS_DISK = dict(tier=Tier.DISK_PARAMS)
 
 
 def test_params_on_disk_unit_by_hand_gpu():
     plan = _estimate({}, PARAMS_DISK)
     u0, u1 = plan.units
     assert (u1.device_bytes, u1.host_bytes, u1.disk_bytes) == (0, 4 * 10**8, 12 * 10**8)
-    assert (u1.tier, u1.master_tier, u1.param_tier, u1.state_tier) == ("disk", "disk", "disk", 3)
-    assert (u0.master_tier, u0.param_tier) == ("device", "device")
+    assert (u1.tier.state_on, u1.tier.params_on, u1.tier) == ("disk", "disk", 3)
+    assert u0.tier.params_on == "device"
     assert plan.param_disk_units == (1,) and plan.disk_units == (1,)
     assert plan.host_bytes_per_rank == 4 * 10**8 + STAGING + 4 * 10**8  # gradients, staging, its shards in use
     # (one unit on disk: nothing else is read ahead of it)
@@ -314,9 +315,44 @@ def test_params_on_disk_shrinks_the_unified_peak_by_the_master_weights():
     assert t3.disk_bytes_per_rank - t2.disk_bytes_per_rank == 1500 * 4
 
 
+def _old_form(plan: ElixirPlan, *flags: tuple[bool, bool, bool, bool]) -> str:
+    """``plan``'s JSON as written before ``UnitPlan.tier``: per unit the four chained flags (``flags``, one per unit;
+    none given: its tier's)."""
+    data = json.loads(plan.to_json())
+    for i, unit in enumerate(data["units"]):
+        t = unit.pop("tier")
+        unit.update(zip(("offload", "disk", "params_disk", "grads_disk"), flags[i] if flags else [t >= k for k in range(1, 5)]))
+    return json.dumps(data)
+
+
 def test_params_disk_needs_the_disk_tier_flag():
-    with pytest.raises(ValueError, match="params_disk=True, disk=False"):
-        UnitPlan(blocks=("a",), offload=True, params_disk=True)
+    # Only an old plan file can say it (one tier per unit cannot): refused, naming the unit and the fix.
+    with pytest.raises(ValueError, match=r"unit 1 \['layers.1'\] has \(offload, disk, params_disk, grads_disk\) = "
+                                         r"\(True, False, True, False\), but each flag needs the one before it"):
+        ElixirPlan.from_json(_old_form(_estimate({}, HOST), (False,) * 4, (True, False, True, False)))
+
+
+@pytest.mark.parametrize("flags", list(itertools.product((False, True), repeat=4)))
+def test_old_plan_json_with_four_flags_per_unit_loads_as_the_tier_they_chain_to(flags):
+    plan = _estimate({}, PARAMS_DISK)
+    chained = list(flags) == sorted(flags, reverse=True)
+    if not chained:
+        with pytest.raises(ValueError, match="each flag needs the one before it; re-plan"):
+            ElixirPlan.from_json(_old_form(plan, (False,) * 4, flags))
+        return
+    old = ElixirPlan.from_json(_old_form(plan, (False,) * 4, flags))
+    assert isinstance(old.units[1].tier, Tier) and old.units[0].tier is Tier.DEVICE
+    assert old == dataclasses.replace(plan, units=(plan.units[0], dataclasses.replace(plan.units[1], tier=sum(flags))))
+
+
+def test_old_plan_files_of_every_tier_read_back_equal(tmp_path):
+    for t0, t1 in ((Tier.DEVICE, Tier.HOST), (Tier.DISK, Tier.DISK_PARAMS), (Tier.HOST, Tier.DISK_GRADS)):
+        plan = _estimate({"tier": t0}, {"tier": t1})
+        path = tmp_path / f"plan{t0}{t1}.json"
+        path.write_text(_old_form(plan))
+        assert "params_disk" in path.read_text() and '"tier"' not in path.read_text()
+        assert ElixirPlan.from_json(path) == plan
+        assert ElixirPlan.from_json(path).to_json() == plan.to_json()  # written again in the one-field form
 
 
 def test_disk_short_names_the_disk_its_path_and_what_the_plan_needs():
@@ -332,8 +368,12 @@ def test_disk_short_names_the_disk_its_path_and_what_the_plan_needs():
 
 
 def test_disk_inputs_are_validated():
-    with pytest.raises(ValueError, match="disk=True, offload=False"):
-        UnitPlan(blocks=("a",), disk=True)
+    with pytest.raises(ValueError, match=r"\(False, True, False, False\), but each flag needs the one before it"):
+        ElixirPlan.from_json(_old_form(_estimate({}, HOST), (False,) * 4, (False, True, False, False)))
+    with pytest.raises(ValueError, match=r"tier=5\): use a Tier, 0 DEVICE, 1 HOST, 2 DISK, 3 DISK_PARAMS, 4 DISK_GRADS"):
+        UnitPlan(blocks=("a",), tier=5)
+    with pytest.raises(ValueError, match=r"ElixirPlan.units\[1\].tier: 7 is not a Tier; use one of \[0, 1, 2, 3, 4\]"):
+        ElixirPlan.from_json(_estimate({}, HOST).to_json().replace('"tier": 1', '"tier": 7'))
     with pytest.raises(ValueError, match="no disk tier"):
         _estimate({}, ON_DISK, cluster=_cluster(disk=None))
     with pytest.raises(PlanError, match="disk_budget=.*no disk tier"):
@@ -347,7 +387,7 @@ def test_disk_inputs_are_validated():
     with pytest.raises(Exception, match="compute_overlap"):
         dataclasses.replace(DISK, compute_overlap=1.5)
     forced = _search(memory_budget=10**12, constraints={"force_disk": True})
-    assert [u.tier for u in forced.units] == ["disk", "disk"]
+    assert [u.tier.state_on for u in forced.units] == ["disk", "disk"]
 
 
 # ------------------------------------------------------------------------------------------------ views, JSON
@@ -355,7 +395,7 @@ def test_plan_with_disk_units_round_trips_and_explains_its_tiers():
     budget = _estimate({}, HOST).peak_bytes
     plan = _search(memory_budget=budget, host_budget=16 * 10**8 - 1)
     again = ElixirPlan.from_json(plan.to_json())
-    assert again == plan and again.units[1].disk and again.units[1].tier == "disk"
+    assert again == plan and again.units[1].tier == Tier.DISK and again.units[1].tier.state_on == "disk"
     text = plan.explain()
     assert "disk state 762.94 MiB per rank in /nvme/tightfit" in text
     assert "(disk I/O 4.802 s of reads and write-backs" in text
@@ -372,9 +412,10 @@ def test_old_plan_json_without_the_disk_fields_still_loads():
         del data[key]
     del data["breakdown"]["disk_io_s"]
     for unit in data["units"]:
-        del unit["disk"], unit["disk_bytes"]
+        unit["offload"] = unit.pop("tier") >= Tier.HOST  # before the disk tier: one flag
+        del unit["disk_bytes"]
     old = ElixirPlan.from_json(json.dumps(data))
-    assert [u.tier for u in old.units] == ["device", "host"] and old.disk_bytes_per_rank == 0 and not old.disk_units
+    assert [u.tier.state_on for u in old.units] == ["device", "host"] and old.disk_bytes_per_rank == 0 and not old.disk_units
 
 
 def test_nvme_baseline_is_zero3_offload_with_optimizer_state_on_disk():
@@ -382,7 +423,7 @@ def test_nvme_baseline_is_zero3_offload_with_optimizer_state_on_disk():
               constraints=ElixirConstraints(**NO_MARGIN))
     nvme = baseline(_profile(), _cluster(), "zero3-offload-nvme", **kw)
     off = baseline(_profile(), _cluster(), "zero3-offload", **kw)
-    assert all(u.disk and u.mode == "reshard" for u in nvme.units)
+    assert all(u.tier >= Tier.DISK and u.mode == "reshard" for u in nvme.units)
     assert nvme.peak_bytes == off.peak_bytes and nvme.host_bytes_per_rank < off.host_bytes_per_rank
     # Optimizer: 1 s and 2 s of host compute against io of (1e-3 + 0.8) + (1e-3 + 1.6) s and 4.802 s: io wins.
     assert nvme.breakdown.optimizer_s == pytest.approx(2.402 + 4.802, rel=1e-12)

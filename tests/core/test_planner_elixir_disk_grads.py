@@ -1,4 +1,4 @@
-"""State tier 4 of the Elixir planner (``UnitPlan.grads_disk``): gradients on disk between backward and the step,
+"""State tier 4 of the Elixir planner (``Tier.DISK_GRADS``): gradients on disk between backward and the step,
 priced by hand on the two-block model of :mod:`tests.core.test_planner_elixir_disk`, and chosen by the search
 only where the host budget needs it.
 
@@ -21,18 +21,20 @@ from tests.core.test_planner_elixir_disk import (
     STAGING,
     _cluster,
     _estimate,
+    _old_form,
     _profile,
 )
 from tightfit.planner.elixir import (
     ElixirConstraints,
     ElixirPlan,
     PlanInfeasibleError,
+    Tier,
     UnitPlan,
     estimate,
     search,
 )
 
-GRADS_DISK = dict(PARAMS_DISK, grads_disk=True)
+GRADS_DISK = dict(tier=Tier.DISK_GRADS)
 FOUR = (10**8,) * 4  # four blocks: a rank owns E = 5e7 of each
 
 
@@ -40,8 +42,8 @@ def test_grads_on_disk_unit_by_hand_gpu():
     plan = _estimate({}, GRADS_DISK)
     u0, u1 = plan.units
     assert (u1.device_bytes, u1.host_bytes, u1.disk_bytes) == (0, 0, 16 * 10**8)
-    assert (u1.tier, u1.param_tier, u1.grad_tier, u1.state_tier) == ("disk", "disk", "disk", 4)
-    assert u0.grad_tier == "device"
+    assert (u1.tier.state_on, u1.tier.params_on, u1.tier.grads_on, u1.tier) == ("disk", "disk", "disk", 4)
+    assert u0.tier.grads_on == "device"
     assert plan.grad_disk_units == (1,) and plan.param_disk_units == (1,) and plan.disk_units == (1,)
     assert plan.host_bytes_per_rank == STAGING + 4 * 10**8 + 4 * 10**8  # its shards and gradients: one unit on disk
     assert plan.disk_bytes_per_rank == 16 * 10**8
@@ -54,12 +56,13 @@ def test_grads_on_disk_unit_by_hand_gpu():
     text = plan.explain()
     assert "grads wait on" in text and "gradients on disk from backward to the step" in text
     assert ElixirPlan.from_json(plan.to_json()) == plan
-    assert any("grads_disk" in gap for gap in plan.deepspeed_gaps())  # ZeRO-Infinity cannot say it
+    assert any("DISK_GRADS" in gap for gap in plan.deepspeed_gaps())  # ZeRO-Infinity cannot say it
 
 
 def test_grads_disk_needs_params_disk():
-    with pytest.raises(ValueError, match="grads_disk=True, params_disk=False"):
-        UnitPlan(blocks=("a",), offload=True, disk=True, grads_disk=True)
+    # Only an old plan file can say it (one tier per unit cannot): refused.
+    with pytest.raises(ValueError, match=r"\(True, True, False, True\), but each flag needs the one before it"):
+        ElixirPlan.from_json(_old_form(_estimate({}, HOST), (False,) * 4, (True, True, False, True)))
 
 
 def _search4(**kw):

@@ -50,7 +50,7 @@ def run_cache(device: torch.device, *, pinned: bool, prefetch: bool) -> tuple[li
         b = prepare_batch(cache, ids, lengths, feature_table, train=True)
         out = cached_pooled_lookup(cache, b, lengths, batch_size=BATCH, group_features=[(0, 1)], anchor=anchor)[0]
         if prefetch and i + 1 < STEPS:  # next batch's rows, pinned until it has run (what `prefetching` does)
-            cache.prepare(batches[i + 1], lengths, feature_table, count=False, pin_until=cache.step + 1)
+            cache.prefetch(batches[i + 1], lengths, feature_table, until=cache.step + 1)
         out.square().mean().backward()
         outs.append(out.detach().cpu())
     cache.flush()

@@ -42,7 +42,7 @@ def mixed_plan(world: int, precision: str):
     profile = profile_model(build_gpt(CONFIG, device="meta"), torch.zeros(4, 32, dtype=torch.long))
     cluster = ClusterSpec.uniform(cpu_device(), world)
     modes = ("replicate", "keep", "reshard")
-    units = [dataclasses.replace(u, mode=modes[i % 3], offload=i % 2 == 1)
+    units = [dataclasses.replace(u, mode=modes[i % 3], tier=i % 2)
              for i, u in enumerate(search(profile, cluster, precision="32-true").units)]
     return estimate(profile, cluster, units, precision=precision)
 

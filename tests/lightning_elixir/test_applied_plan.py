@@ -75,7 +75,7 @@ def _plan(index: int, world: int):
         timeline=(), activation_peak_bytes=0, peak_bytes=0, fwd_flops=6e6, bwd_flops=1.2e7, param_dtype="float32")
     device = DeviceProfile(name="cpu", kind="cpu", memory_bytes=2**30, free_bytes=2**30,
                            matmul_flops={"float32": 1e10})
-    plan_units = [UnitPlan(blocks=b, mode=m, offload=o, checkpoint=c) for b, m, o, c in units]
+    plan_units = [UnitPlan(blocks=b, mode=m, tier=o, checkpoint=c) for b, m, o, c in units]
     return estimate(profile, ClusterSpec.uniform(device, world), plan_units, forward_prefetch=df,
                     backward_prefetch=db, precision=precision)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.runif import RunIf
+from tightfit.planner.elixir import Tier
 
 pytest.importorskip("lightning")
 
@@ -36,7 +37,7 @@ def _plan(disk: slice | None = slice(None), modes: tuple[str, ...] = ("reshard",
     units = list(plan.units)
     chosen = range(len(units))[disk] if disk is not None else range(0)
     for i in chosen:
-        units[i] = dataclasses.replace(units[i], disk=True, disk_bytes=8 * units[i].param_numel)
+        units[i] = dataclasses.replace(units[i], tier=Tier.DISK, disk_bytes=8 * units[i].param_numel)
     return dataclasses.replace(plan, units=tuple(units), disk_path=path,
                                disk_bytes_per_rank=sum(u.disk_bytes for u in units))
 

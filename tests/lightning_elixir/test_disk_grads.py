@@ -1,4 +1,4 @@
-"""Elixir with gradients on disk between backward and the step (state tier 4, ``UnitPlan.grads_disk``): bit-equal
+"""Elixir with gradients on disk between backward and the step (state tier 4, ``Tier.DISK_GRADS``): bit-equal
 to the same plan all in RAM (fp32, gradient accumulation, norm and value clipping) on 1 and 2 real gloo ranks,
 with the sums of micro-batches kept in RAM or read-added-written on disk; the bytes that went to disk, the
 gradients dropped from RAM, checkpoint/resume, and the planner choosing tier 4 only where the host needs it."""
@@ -13,6 +13,7 @@ import pytest
 from tests.helpers.multiprocess import run_distributed
 from tests.lightning_elixir.test_disk_params import _plan_with_disk_world, _strategy, fit_beside_ram
 from tests.lightning_elixir.test_disk_tier import CHUNK, ENV, _fit, _plan_with_disk
+from tightfit.planner.elixir import Tier
 
 STEPS = 3
 MICRO = 2  # accumulate_grad_batches in _fit
@@ -20,14 +21,14 @@ MICRO = 2  # accumulate_grad_batches in _fit
 
 def _tier4(plan, *, on_host: bool, every: int = 1):
     """``plan`` with every ``every``-th disk unit in tier 4 (the others in tier 3: both in one run)."""
-    units = [dataclasses.replace(u, params_disk=u.disk, grads_disk=u.disk and i % every == 0)
-             for i, u in enumerate(plan.units)]
+    units = [dataclasses.replace(u, tier=(Tier.DISK_GRADS if i % every == 0 else Tier.DISK_PARAMS)
+                                 if u.tier >= Tier.DISK else u.tier) for i, u in enumerate(plan.units)]
     return dataclasses.replace(plan, units=tuple(units), grads_accumulate_on_host=on_host)
 
 
 def _ram(plan):
-    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False,
-                                                                     grads_disk=False) for u in plan.units))
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0)
+                                                 for u in plan.units))
 
 
 class _Watch:

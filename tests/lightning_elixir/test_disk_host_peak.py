@@ -38,7 +38,7 @@ def _plan(tmp: Path):
     from lightning_elixir.planning import profile_module
     from tests.lightning_elixir.common import cpu_device
     from tightfit.models import GPTConfig, build_gpt
-    from tightfit.planner.elixir import ElixirConstraints, search
+    from tightfit.planner.elixir import ElixirConstraints, Tier, search
     from tightfit.profiler.types import ClusterSpec, DiskProfile
 
     class Meta(L.LightningModule):
@@ -58,7 +58,7 @@ def _plan(tmp: Path):
                   constraints=ElixirConstraints(force_disk=True))
     # Every disk unit in tier 3 (the search picked tier 2 for some; the plan's host figure then counts their
     # master weights in RAM, so the figure is an upper bound of what this run needs).
-    units = tuple(dataclasses.replace(u, params_disk=u.disk) for u in plan.units)
+    units = tuple(dataclasses.replace(u, tier=max(u.tier, Tier.DISK_PARAMS) if u.tier >= Tier.DISK else u.tier) for u in plan.units)
     return dataclasses.replace(plan, units=units), 16 * profile.param_numel
 
 

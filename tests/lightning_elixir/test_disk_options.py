@@ -14,7 +14,7 @@ from lightning_elixir import ElixirStrategy
 from lightning_elixir.options import ElixirOptions
 from lightning_elixir.planning import decide_plan
 from tests.lightning_elixir.common import TinyGPT, cpu_device, token_data
-from tightfit.planner.elixir import ElixirConstraints
+from tightfit.planner.elixir import ElixirConstraints, Tier
 
 
 def test_host_budget_is_a_positive_size_or_none():
@@ -63,11 +63,10 @@ def test_the_budgets_and_the_disk_dir_reach_the_search(tmp_path):
     plan = _decide(ElixirOptions(disk_dir=tmp_path, constraints=ElixirConstraints(force_disk=True), **opts))
     assert plan.disk_units == tuple(range(len(plan.units))) and plan.disk_path == str(tmp_path)
     assert plan.disk_bytes_per_rank > 0 and plan.breakdown.disk_io_s > 0
-    assert all(u.tier == "disk" for u in plan.units)
+    assert all(u.tier.state_on == "disk" for u in plan.units)
     assert " disk " in plan.explain()
     # The same plan given back to a run without disk_dir is refused, naming the units and the fix.
     with pytest.raises(ValueError, match=r"keeps the optimizer state of units \[0, .*\] on disk, but no disk_dir"):
         _decide(ElixirOptions(plan=plan, verbose=False, owner="ElixirStrategy"))
-    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False,
-                                                                  grads_disk=False) for u in plan.units))
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units))
     assert not _decide(ElixirOptions(plan=ram, verbose=False)).disk_units

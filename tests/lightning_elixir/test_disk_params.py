@@ -1,4 +1,4 @@
-"""Elixir with master weights and parameters on disk (state tier 3, ``UnitPlan.params_disk``): bit-equal to the same
+"""Elixir with master weights and parameters on disk (state tier 3, ``Tier.DISK_PARAMS``): bit-equal to the same
 plan all in RAM (fp32; gradient accumulation and clipping) on 1 and 2 real gloo ranks; the bytes that went to
 disk, the units held between uses, and checkpoint/resume asserted."""
 
@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers.multiprocess import run_distributed
 from tests.lightning_elixir.test_disk_tier import CHUNK, ENV, _fit, _plan_with_disk
+from tightfit.planner.elixir import Tier
 
 STEPS = 4
 MICRO = 2  # accumulate_grad_batches in _fit
@@ -18,12 +19,13 @@ MICRO = 2  # accumulate_grad_batches in _fit
 
 def _tier3(plan, every: int = 1):
     """``plan`` with every ``every``-th disk unit in tier 3 (the others keep tier 2: both in one run)."""
-    units = [dataclasses.replace(u, params_disk=u.disk and i % every == 0) for i, u in enumerate(plan.units)]
+    units = [dataclasses.replace(u, tier=Tier.DISK_PARAMS if u.tier >= Tier.DISK and i % every == 0 else u.tier)
+             for i, u in enumerate(plan.units)]
     return dataclasses.replace(plan, units=tuple(units))
 
 
 def _ram(plan):
-    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False)
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0)
                                                  for u in plan.units))
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.multiprocess import run_distributed
+from tightfit.planner.elixir import Tier
 
 ENV = {"GROUP_RANK": "0"}
 CHUNK = 8192  # elements per state tensor per staging set: TinyGPT's units then take several chunks each
@@ -46,7 +47,7 @@ def disk_vs_ram(rank: int, world: int, tmp: str) -> dict:
     losses, weights, _ = _fit(strategy, root / "a", devices=world, steps=4)
     plan, state = strategy.plan, strategy.disk_state
     assert plan is not None and state is None  # closed at teardown
-    ram_plan = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0)
+    ram_plan = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0)
                                                      for u in plan.units))
     ref = ElixirStrategy(plan=ram_plan, verbose=False)
     ref_losses, ref_weights, _ = _fit(ref, root / "b", devices=world, steps=4)
@@ -91,7 +92,7 @@ def _disk_strategy(disk: Path, **kwargs):
 
 
 def _ram(plan):
-    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
+    return dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units))
 
 
 def test_one_rank_disk_bytes_checkpoint_and_resume_equal_uninterrupted(tmp_path):
@@ -181,7 +182,7 @@ def test_disk_full_in_a_step_is_a_clear_error_and_the_last_checkpoint_survives(t
     step1 = tmp_path / "ckpt" / "s1.ckpt"
     assert verify_checkpoint(step1) and not (tmp_path / "ckpt" / "s2.ckpt").exists()
     # The last checkpoint resumes (here all in RAM) and trains on.
-    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units))
     losses, _, t = _fit(ElixirStrategy(plan=ram, verbose=False), tmp_path / "b", devices=1, steps=3, ckpt_path=step1)
     assert t.global_step == 3 and len(losses) == 4
 

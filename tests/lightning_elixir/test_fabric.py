@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
+from tightfit.planner.elixir import Tier
 
 ENV = {"GROUP_RANK": "0"}
 LOSS_ATOL = 1e-5
@@ -259,7 +260,7 @@ def _disk(rank: int, world: int, tmp: str) -> dict:
     plan, state = strategy.plan, strategy.disk_state
     out = {"disk_units": list(plan.disk_units), "steps": state.steps, "losses": run["losses"]}
     strategy.teardown()
-    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0) for u in plan.units))
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units))
     out["ram"] = _loop(ElixirFabricStrategy(plan=ram, example_input=_example(), verbose=False), **kw)["losses"]
     resumed = on_disk()
     out["resumed"] = _loop(resumed, resume=root / "ckpt", **kw)["losses"]

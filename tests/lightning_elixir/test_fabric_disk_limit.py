@@ -39,7 +39,7 @@ def _plan(tmp: Path, ram: bool):
     from lightning_elixir.planning import FORWARD, profile_module
     from tests.lightning_elixir.common import cpu_device
     from tightfit.models import GPTConfig, build_gpt
-    from tightfit.planner.elixir import ElixirConstraints, search
+    from tightfit.planner.elixir import ElixirConstraints, Tier, search
     from tightfit.profiler.types import ClusterSpec, DiskProfile
 
     tokens = torch.zeros(1, SEQ, dtype=torch.long)
@@ -49,8 +49,8 @@ def _plan(tmp: Path, ram: bool):
     plan = search(profile, cluster, precision="32-true", optimizer="adamw",
                   constraints=ElixirConstraints(force_disk=True, modes=("reshard",), unit_blocks=(1,),
                                                 prefetch_depths=(1,)))
-    units = tuple(dataclasses.replace(u, params_disk=u.disk, grads_disk=u.disk) if not ram else
-                  dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False) for u in plan.units)
+    units = tuple(dataclasses.replace(u, tier=Tier.DISK_GRADS if u.tier >= Tier.DISK else u.tier) if not ram else
+                  dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0) for u in plan.units)
     return dataclasses.replace(plan, units=units)
 
 

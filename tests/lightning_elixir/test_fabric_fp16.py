@@ -79,7 +79,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     from lightning_elixir.planning import FORWARD, profile_module
     from tests.lightning_elixir.common import CONFIG, cpu_device
     from tightfit.models import GPT
-    from tightfit.planner.elixir import ElixirConstraints, mixed_budget
+    from tightfit.planner.elixir import ElixirConstraints, Tier, mixed_budget
     from tightfit.profiler.types import ClusterSpec
 
     profile = profile_module(GPT(CONFIG), _example(), stage_method=FORWARD)
@@ -99,7 +99,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     disk = _loop(on_disk, ElixirFabricPrecision(init_scale=INIT), inf_on_rank1=True)
     plan = on_disk.plan
     on_disk.teardown()
-    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, disk=False, disk_bytes=0, params_disk=False)
+    ram = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=min(u.tier, Tier.HOST), disk_bytes=0)
                                                 for u in plan.units))
     in_ram = _loop(ElixirFabricStrategy(plan=ram, example_input=_example(), verbose=False),
                    ElixirFabricPrecision(init_scale=INIT), inf_on_rank1=True)

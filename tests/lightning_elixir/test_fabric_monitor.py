@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from tests.helpers.runif import RunIf
+from tightfit.planner.elixir import Tier
 
 
 def _plan(**constraints):
@@ -73,7 +74,7 @@ def test_setup_module_alone_refuses_a_meta_model_whose_plan_keeps_parameters_on_
     from tightfit.models import GPT
 
     plan = _plan(force_disk=True)
-    plan = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, params_disk=u.disk) for u in plan.units))
+    plan = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, tier=max(u.tier, Tier.DISK_PARAMS) if u.tier >= Tier.DISK else u.tier) for u in plan.units))
     assert plan.param_disk_units
     strategy = ElixirFabricStrategy(plan=plan, disk_dir=tmp_path, example_input=torch.zeros(4, 32, dtype=torch.long),
                                     verbose=False)

@@ -33,7 +33,7 @@ def _mixed_meshes(rank: int, world: int, kw: dict, fused_on_host: bool) -> dict:
     profile = profile_model(build_gpt(CONFIG, device="meta"), torch.zeros(4, 32, dtype=torch.long))
     cluster = ClusterSpec.uniform(cpu_device(), world)
     modes = ("replicate", "keep", "reshard")
-    units = [dataclasses.replace(u, mode=modes[i % 3], offload=i % 2 == 1)
+    units = [dataclasses.replace(u, mode=modes[i % 3], tier=i % 2)
              for i, u in enumerate(search(profile, cluster, precision="32-true").units)]
     plan = estimate(profile, cluster, units, precision="32-true")
     data = torch.randint(0, CONFIG.vocab_size, (4, world, 4, 33), generator=torch.Generator().manual_seed(1))

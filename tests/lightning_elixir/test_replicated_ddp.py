@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tests.helpers.multiprocess import run_distributed
 from tests.helpers.runif import RunIf
+from tightfit.planner.elixir import Tier
 
 ENV = {"GROUP_RANK": "0"}
 
@@ -108,7 +109,7 @@ def test_only_a_plan_that_replicates_every_unit_on_the_device_without_recompute_
     plan = _replicate_plan(2)
     assert replicates_everything(plan)
     first = plan.units[0]
-    for changed in (replace(first, mode="keep"), replace(first, offload=True),
+    for changed in (replace(first, mode="keep"), replace(first, tier=Tier.HOST),
                     replace(first, checkpoint=first.blocks[:1])):
         assert not replicates_everything(replace(plan, units=(changed, *plan.units[1:])))
     # Mixed precision casts the parameters for compute (FSDP2's MixedPrecisionPolicy): not plain DDP.

@@ -1,7 +1,7 @@
 """The cache's entry points and its key space, without TorchRec (issue 28).
 
-``FusedCache.lookup`` / ``prefetch`` / ``enter_window`` are what a caller names instead of the flags of
-``prepare`` (kept for older callers): the two forms must leave the cache in the same state. The key space
+``FusedCache.lookup`` / ``prefetch`` / ``enter_window`` are a batch's entry points: a lookup counts and holds,
+a prefetch loads and pins without counting, a batch entering the window loads nothing. The key space
 (``layout.KeySpace``, built once) must give every table exactly its planned slots, disjoint key and set
 runs, and keep each key in its own table's sets.
 """
@@ -47,34 +47,6 @@ FEATURE_TABLE = torch.tensor([0, 2, 1])  # the feature of each table, in key ord
 
 def _state(cache: FusedCache) -> dict[str, torch.Tensor]:
     return {name: buf.clone() for name, buf in cache.named_buffers()}
-
-
-def test_named_entry_points_leave_the_cache_as_the_flag_form_does():
-    named, flagged = _cache(), _cache()
-    batches = _batches(6)
-    for i, (values, lengths, vb) in enumerate(batches):
-        a = named.lookup(values, lengths, FEATURE_TABLE, value_bounds=vb, train=True)
-        b = flagged.prepare(values, lengths, FEATURE_TABLE, value_bounds=vb, hold=True)
-        assert torch.equal(a.slots, b.slots) and torch.equal(a.spill_keys, b.spill_keys)
-        named.release(a)
-        flagged.release(b)
-        if i + 2 < len(batches):  # a batch entering the window, then the next one prefetched over it
-            v2, l2, vb2 = batches[i + 2]
-            named.enter_window(v2, l2, FEATURE_TABLE, step=named.step + 2, value_bounds=vb2)
-            flagged.prepare(v2, l2, FEATURE_TABLE, value_bounds=vb2, count=False, pin_until=flagged.step + 2,
-                            load=False)
-        if i + 1 < len(batches):
-            v1, l1, vb1 = batches[i + 1]
-            later = [(named.step + 2, named.key_index.sorted_keys(v2, l2, FEATURE_TABLE))] if i + 2 < len(batches) \
-                else []
-            window = Window.of(later) if later else None
-            named.prefetch(v1, l1, FEATURE_TABLE, until=named.step + 1, value_bounds=vb1, window=window)
-            flagged.prepare(v1, l1, FEATURE_TABLE, value_bounds=vb1, count=False, pin_until=flagged.step + 1,
-                            reuse=window.keys if window else None, reuse_steps=window.steps if window else None)
-    sa, sb = _state(named), _state(flagged)
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), name
-    assert named.stats_total() == flagged.stats_total()
 
 
 def test_prefetch_loads_and_pins_without_counting_and_enter_window_loads_nothing():

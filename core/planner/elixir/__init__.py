@@ -8,11 +8,12 @@
 * per unit a **mode**: ``"reshard"`` (``reshard_after_forward=True``, ZeRO-3-like), ``"keep"``
   (``reshard_after_forward=False``: sharded at rest, kept gathered from forward to backward,
   ZeRO-2-like) or ``"replicate"`` (every rank holds the full unit: ``fully_shard`` on a
-  ``(world, 1)`` replicate x shard mesh, gradients all-reduced); and an **offload** flag
-  (``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and optimizer state on
-  the host, the optimizer step on the host); where every device has a disk profile
-  (``DeviceProfile.disk``), an offloaded unit may keep its optimizer state on disk instead
-  (``UnitPlan.disk``, priced by :mod:`.disk`, within ``host_budget`` and ``disk_budget``);
+  ``(world, 1)`` replicate x shard mesh, gradients all-reduced); and a **state tier**
+  (``UnitPlan.tier``, a :class:`Tier`): ``HOST`` is ``CPUOffloadPolicy(pin_memory=True)``, sharded
+  parameters, gradients and optimizer state on the host, the optimizer step on the host; where
+  every device has a disk profile (``DeviceProfile.disk``), the deeper tiers keep the optimizer
+  state, then the master weights, then the gradients on disk (priced by :mod:`.disk`, within
+  ``host_budget`` and ``disk_budget``);
 * per block **activation checkpointing**; **prefetch depths** for forward and backward
   (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` with the next
   ``k`` units); **mixed precision** dtypes (``MixedPrecisionPolicy(param_dtype, reduce_dtype)``).
@@ -48,6 +49,7 @@ from tightfit.planner.elixir.plan import (
     MemoryBreakdown,
     RunnerUp,
     StepBreakdown,
+    Tier,
     UnitPlan,
     model_identity,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "ElixirConstraints",
     "ElixirProblem",
     "UnitPlan",
+    "Tier",
     "StepBreakdown",
     "MemoryBreakdown",
     "RunnerUp",

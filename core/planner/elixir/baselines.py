@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import disk_state_budget
+from tightfit.planner.elixir.disk import Tier, disk_state_budget
 from tightfit.planner.elixir.plan import BASELINES, DISK_BASELINES, ElixirPlan, UnitPlan
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.solver import estimate, search, to_plan
@@ -26,14 +26,13 @@ def baseline(model: ModelProfile, cluster: ClusterSpec, name: str, *, checkpoint
     if name not in BASELINES + DISK_BASELINES:
         raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES + DISK_BASELINES)}")
     mode = {"ddp": "replicate", "zero2": "keep", "zero3": "reshard"}[name.split("-")[0]]
-    disk = name.endswith("-nvme")
-    offload = name.endswith("-offload") or disk
+    tier = Tier.DISK if name.endswith("-nvme") else Tier.HOST if name.endswith("-offload") else Tier.DEVICE
     _, _, ctx, _ = prepare(model, cluster, str(kwargs.get("optimizer", "adamw")),
                           str(kwargs.get("precision", "bf16-mixed")), None, None)
     spans = S.groupings(ctx, (1,))[0]
 
     def units(ck: bool) -> list[UnitPlan]:
-        return [UnitPlan(blocks=ctx.names[a:b], mode=mode, offload=offload, disk=disk,
+        return [UnitPlan(blocks=ctx.names[a:b], mode=mode, tier=tier,
                          checkpoint=tuple(n for i, n in enumerate(ctx.names[a:b], a) if ck and ctx.checkpointable[i]))
                 for a, b in spans]
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 
 from tightfit.planner.elixir import space as S
-from tightfit.planner.elixir.disk import ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS, disk_bytes_needed
+from tightfit.planner.elixir.disk import Tier, disk_bytes_needed
 from tightfit.planner.elixir.exact import exhaustive
 from tightfit.planner.elixir.problem import ElixirConstraints, ElixirProblem, prepare
 from tightfit.planner.elixir.sim import Context
@@ -135,12 +135,12 @@ def _short_tier(ctx: Context, space: S.Space, tiers: MemoryTiers, exact: bool) -
     if lm is None:
         return None
     # The least-host version of the least-memory plan: every offloaded unit's state on disk, as deep as allowed.
-    deepest = max(o for o in (ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS) if o in space.offload or o == ON_DISK)
+    deepest = max(o for o in (Tier.DISK, Tier.DISK_PARAMS, Tier.DISK_GRADS) if o in space.offload or o == Tier.DISK)
     least_host = ev.make(lm.units, lm.modes, [deepest if o else o for o in lm.offload], lm.ckpt, lm.df, lm.db)
     return tier_error(tiers, "host", needed=math.ceil(max(least_host.host, host_budget + 1)),
                       what="the least-memory plan (" + ("every offloaded unit's optimizer state and master weights on disk"
-                                                         + (", gradients too" if deepest == ON_DISK_GRADS else "")
-                                                         if deepest >= ON_DISK_PARAMS else
+                                                         + (", gradients too" if deepest == Tier.DISK_GRADS else "")
+                                                         if deepest >= Tier.DISK_PARAMS else
                                                          "the optimizer state of every offloaded unit on disk") + ")",
                       suggestions=("raise host_budget", "use more devices (sharded state per rank shrinks as "
                                    "1/devices)"))

@@ -1,20 +1,22 @@
 """The disk tier in Elixir's cost model: state-tier codes, the host staging area, the disk a synchronous step
 sees, and the price of a disk unit's optimizer step (part of :mod:`tightfit.planner.elixir`).
 
-A unit's ``offload`` is a state-tier code, and bools are accepted: ``0``/``False`` = state on
-the device, ``1``/``True`` = on the host (FSDP2 ``CPUOffloadPolicy``), ``2`` = like ``1`` but the optimizer state
-(``o`` bytes per owned element, 8 of the 16 of fp32 AdamW) waits on disk between steps and is streamed through
-the host during the host optimizer step (ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first),
-``3`` = the fp32 master weights wait on disk too, with the optimizer state (``m + o`` bytes per owned element,
-streamed together in the step), and so do the parameters between uses: FSDP2's sharded parameters *are* the
-master weights, so a unit's parameters are read from disk ahead of its forward and again ahead of its backward
-(one unit ahead, like FSDP2's prefetch) and dropped after each; only its gradients (``m``) stay on the host.
-``4`` = like ``3``, and the gradients wait on disk too, between backward and the optimizer step: each unit's gradient
-shard is written behind its backward (after the reduce) and read back by the streamed step with the state, so
-the host keeps no per-parameter state of the unit at all (``m + o + m`` on disk; the step reads ``m + o + m`` and
-writes ``m + o``). Under gradient accumulation the micro-batches' sums stay in RAM only where the plan says they
-fit the host budget (:attr:`~tightfit.planner.elixir.ElixirPlan.grads_accumulate_on_host`), else each
-micro-batch reads, adds and writes them back.
+A unit's state tier (:class:`Tier`, ``UnitPlan.tier``) says how much of its training state waits off the device:
+``DEVICE`` (0) all of it on the device; ``HOST`` (1) parameters, gradients and optimizer state on the host (FSDP2
+``CPUOffloadPolicy``); ``DISK`` (2) like ``HOST`` but the optimizer state (``o`` bytes per owned element, 8 of the
+16 of fp32 AdamW) waits on disk between steps and is streamed through the host during the host optimizer step
+(ZeRO-Infinity and Colossal-AI put optimizer state on NVMe first); ``DISK_PARAMS`` (3) the fp32 master weights wait
+on disk too, with the optimizer state (``m + o`` bytes per owned element, streamed together in the step), and so do
+the parameters between uses: FSDP2's sharded parameters *are* the master weights, so a unit's parameters are read
+from disk ahead of its forward and again ahead of its backward (one unit ahead, like FSDP2's prefetch) and dropped
+after each; only its gradients (``m``) stay on the host. ``DISK_GRADS`` (4) like ``DISK_PARAMS``, and the gradients
+wait on disk too, between backward and the optimizer step: each unit's gradient shard is written behind its backward
+(after the reduce) and read back by the streamed step with the state, so the host keeps no per-parameter state of
+the unit at all (``m + o + m`` on disk; the step reads ``m + o + m`` and writes ``m + o``). Under gradient
+accumulation the micro-batches' sums stay in RAM only where the plan says they fit the host budget
+(:attr:`~tightfit.planner.elixir.ElixirPlan.grads_accumulate_on_host`), else each micro-batch reads, adds and writes
+them back. Each tier keeps everything the one before it keeps off the device, so "offloaded" is ``tier >= HOST``
+and "optimizer state on disk" is ``tier >= DISK``.
 
 Example:
     >>> from tightfit.profiler.types import DiskProfile
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from tightfit.planner.errors import TIERS
@@ -38,33 +41,38 @@ from tightfit.profiler.types import DiskProfile
 if TYPE_CHECKING:  # sim imports this module
     from tightfit.planner.elixir.sim import Context, UnitTerms
 
-__all__ = ["TIERS", "ON_DEVICE", "ON_HOST", "ON_DISK", "ON_DISK_PARAMS", "ON_DISK_GRADS", "DISK_CODES", "DISK_STAGING_BYTES", "DISK_COPIES",
-           "disk_state_budget", "disk_bytes_needed", "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes", "tier_name", "param_tier_name",
-           "grad_tier_name", "fetched_around"]
-
-# A unit's state tier (its ``offload`` code; ``TIERS[code]`` names it): bools keep working, False = 0, True = 1.
-ON_DEVICE, ON_HOST, ON_DISK = 0, 1, 2
-# Master weights + optimizer state on disk, parameters waiting on disk between uses (see the module docstring).
-ON_DISK_PARAMS = 3
-# ... and the gradients between backward and the optimizer step (see the module docstring).
-ON_DISK_GRADS = 4
-DISK_CODES = (ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS)
+__all__ = ["TIERS", "Tier", "DISK_CODES", "DISK_STAGING_BYTES", "DISK_COPIES", "disk_state_budget", "disk_bytes_needed",
+           "slowest_disk", "disk_optimizer_seconds", "per_element_on_disk", "host_bytes", "in_flight", "disk_bytes",
+           "fetched_around"]
 
 
-def tier_name(code: int) -> str:
-    """Where a unit of state-tier ``code`` keeps its master weights and optimizer state (``TIERS`` names it;
-    code 2 keeps the master weights on the host and only the optimizer state on disk, and is named "disk")."""
-    return TIERS[min(int(code), ON_DISK)]
+class Tier(IntEnum):
+    """A plan unit's state tier (the module docstring says what each keeps where); deeper tiers keep more off the device."""
+
+    DEVICE = 0  # parameters, gradients and optimizer state on the device
+    HOST = 1  # all three on the host (FSDP2 CPUOffloadPolicy)
+    DISK = 2  # as HOST, the optimizer state on disk between steps
+    DISK_PARAMS = 3  # as DISK, the fp32 master weights too, and the parameters between uses
+    DISK_GRADS = 4  # as DISK_PARAMS, the gradients too, between backward and the optimizer step
+
+    @property
+    def state_on(self) -> str:
+        """Where the optimizer state lives (``TIERS`` names it): ``"device"``, ``"host"`` or ``"disk"``."""
+        return TIERS[min(self, Tier.DISK)]
+
+    @property
+    def params_on(self) -> str:
+        """Where the fp32 master weights live and the parameters wait between uses: the disk from ``DISK_PARAMS``."""
+        return "disk" if self >= Tier.DISK_PARAMS else TIERS[min(self, Tier.HOST)]
+
+    @property
+    def grads_on(self) -> str:
+        """Where the gradients wait between backward and the optimizer step: the disk in ``DISK_GRADS``."""
+        return "disk" if self == Tier.DISK_GRADS else TIERS[min(self, Tier.HOST)]
 
 
-def param_tier_name(code: int) -> str:
-    """Where a unit of state-tier ``code`` keeps its parameters between uses: the disk for codes 3 and 4."""
-    return "disk" if code in (ON_DISK_PARAMS, ON_DISK_GRADS) else TIERS[min(int(code), ON_HOST)]
+DISK_CODES = (Tier.DISK, Tier.DISK_PARAMS, Tier.DISK_GRADS)
 
-
-def grad_tier_name(code: int) -> str:
-    """Where a unit of state-tier ``code`` keeps its gradients between backward and the step: the disk for code 4."""
-    return "disk" if code == ON_DISK_GRADS else TIERS[min(int(code), ON_HOST)]
 # Host staging area of the disk tier: the optimizer step of a disk unit streams its optimizer state in and out
 # in chunks (AdamW is elementwise), one chunk updating while the next is read: two 64 MiB chunks, counted once
 # per rank whatever the number of disk units. 64 MiB is 16 requests of the store's 4 MiB (DiskProfile's
@@ -90,10 +98,10 @@ def per_element_on_disk(code: int, opt_state: float, master: float) -> tuple[flo
     """(streamed, gradient, fetched) bytes per owned element of a unit in state tier ``code``: what its step reads
     and writes back (``o``, + ``m`` master weights from tier 3 on), its gradient on disk (``m`` in tier 4: read by
     the step, not written back), and its parameters read ahead of each use (``m`` from tier 3 on)."""
-    if code not in DISK_CODES:
+    if code < Tier.DISK:
         return 0.0, 0.0, 0.0
-    deep = code in (ON_DISK_PARAMS, ON_DISK_GRADS)
-    return opt_state + (master if deep else 0.0), master if code == ON_DISK_GRADS else 0.0, master if deep else 0.0
+    deep = code >= Tier.DISK_PARAMS
+    return opt_state + (master if deep else 0.0), master if code == Tier.DISK_GRADS else 0.0, master if deep else 0.0
 
 
 def slowest_disk(devices: Sequence[object]) -> DiskProfile | None:

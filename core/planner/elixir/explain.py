@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tightfit.planner.elixir.disk import Tier
 from tightfit.units import format_bytes, format_table
 
 if TYPE_CHECKING:
@@ -58,8 +59,9 @@ def explain(plan: ElixirPlan, *, full: bool = False) -> str:
         blocks = sum(len(u.blocks) for u in g)
         ck = sum(len(u.checkpoint) for u in g)
         share = sum(u.time_s for u in g) / step * 100 if step > 0 else 0.0
-        rows.append((ids, _span(g), g[0].mode, g[0].tier, *((g[0].param_tier,) if params_disk else ()),
-                     *((g[0].grad_tier,) if grads_disk else ()), f"{ck}/{blocks}",
+        tier = g[0].tier
+        rows.append((ids, _span(g), g[0].mode, tier.state_on, *((tier.params_on,) if params_disk else ()),
+                     *((tier.grads_on,) if grads_disk else ()), f"{ck}/{blocks}",
                      _count(sum(u.param_numel for u in g)), format_bytes(sum(u.device_bytes for u in g)),
                      format_bytes(sum(u.host_bytes for u in g)),
                      *((format_bytes(sum(u.disk_bytes for u in g)),) if disk else ()),
@@ -144,7 +146,7 @@ def _ids(ids: tuple[int, ...]) -> str:
 
 
 def _sig(u: UnitPlan) -> tuple[object, ...]:
-    return (u.mode, u.offload, u.disk, u.params_disk, u.grads_disk, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
+    return (u.mode, u.tier, len(u.checkpoint) == len(u.blocks), bool(u.checkpoint), len(u.blocks),
             u.param_numel)
 
 
@@ -174,7 +176,7 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
     zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if off_elems:
         opt: dict[str, object] = {"device": "cpu", "pin_memory": True}
-        disk_elems = sum(u.param_numel for u in units if u.disk)
+        disk_elems = sum(u.param_numel for u in units if u.tier >= Tier.DISK)
         if disk_elems:
             # ZeRO-Infinity puts all offloaded optimizer state on NVMe or none of it.
             opt = {"device": "nvme", "nvme_path": plan.disk_path or "<disk_dir>", "pin_memory": True}
@@ -190,7 +192,7 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
                 gaps.append(f"partial offload ({frac:.2f} of parameters): DeepSpeed's ratio needs stage 3; "
                             "offloading all optimizer state instead")
         zero["offload_optimizer"] = opt
-        param_elems = sum(u.param_numel for u in units if u.params_disk)
+        param_elems = sum(u.param_numel for u in units if u.tier >= Tier.DISK_PARAMS)
         if frac >= 1 and stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
             if param_elems:
@@ -204,8 +206,8 @@ def deepspeed_config(plan: ElixirPlan) -> tuple[dict, tuple[str, ...]]:
         elif frac < 1:
             gaps.append("parameters of offloaded units stay on the device: DeepSpeed offloads all parameters "
                         "(offload_param) or none")
-        if any(u.grads_disk for u in units):
-            gaps.append("gradients on disk between backward and the step (grads_disk): ZeRO-Infinity has no such "
+        if plan.grad_disk_units:
+            gaps.append("gradients on disk between backward and the step (tier DISK_GRADS): ZeRO-Infinity has no such "
                         "setting; its gradients stay in host memory")
     if stage == 3:
         window = max(1, plan.backward_prefetch)

@@ -7,22 +7,13 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tightfit.planner.elixir.disk import (  # noqa: I001
-    ON_DEVICE,
-    ON_DISK,
-    ON_DISK_GRADS,
-    ON_DISK_PARAMS,
-    ON_HOST,
-    grad_tier_name,
-    param_tier_name,
-    tier_name,
-)
+from tightfit.planner.elixir.disk import Tier
 from tightfit.planner.elixir.sim import MODES
 from tightfit.planner.errors import PlanMismatchError
 from tightfit.profiler.types import ModelProfile
 from tightfit.serde import dump_json, load_json
 
-__all__ = ["MODES", "BASELINES", "DISK_BASELINES", "UnitPlan", "StepBreakdown", "MemoryBreakdown", "RunnerUp", "ElixirPlan",
+__all__ = ["MODES", "Tier", "BASELINES", "DISK_BASELINES", "UnitPlan", "StepBreakdown", "MemoryBreakdown", "RunnerUp", "ElixirPlan",
            "model_identity"]
 
 
@@ -33,51 +24,36 @@ class UnitPlan:
     Args:
         blocks: block names, contiguous in first-use order.
         mode: ``"reshard"``, ``"keep"`` or ``"replicate"``.
-        offload: parameters, gradients and optimizer state on the host (``CPUOffloadPolicy``).
+        tier: where the unit's training state waits, a :class:`~tightfit.planner.elixir.disk.Tier` or its value:
+            ``DEVICE``, ``HOST`` (``CPUOffloadPolicy``), then on disk its optimizer state (``DISK``), also its
+            master weights and parameters between uses (``DISK_PARAMS``), also its gradients (``DISK_GRADS``).
         checkpoint: blocks of this unit run under activation checkpointing.
         param_numel: parameter elements of the unit.
         device_bytes: sharded state (parameters, gradients, optimizer) resident on each device.
         host_bytes: state each rank keeps in host memory.
         gathered_bytes: unsharded parameters while the unit is live.
         time_s: predicted share of the step (compute, recompute, waits on its fetches, its optimizer step).
-        disk: the unit's optimizer state waits on disk between steps and is streamed through the host in its
-            optimizer step (needs ``offload``: master parameters and gradients stay on the host).
-        disk_bytes: state each rank keeps on disk for this unit (optimizer state; with ``params_disk`` the fp32
-            master weights too).
-        params_disk: the unit's fp32 master weights live on disk with its optimizer state (streamed together in
-            the step), and its parameters wait on disk between uses: read one unit ahead of the forward and of
-            the backward, dropped after each (needs ``disk``; only the gradients stay on the host).
-        grads_disk: the unit's gradients wait on disk too, from its backward (after the reduce) to the optimizer
-            step, which reads them with the state (state tier 4; needs ``params_disk``).
+        disk_bytes: state each rank keeps on disk for this unit (optimizer state; from ``DISK_PARAMS`` the fp32
+            master weights too, in ``DISK_GRADS`` the gradients).
     """
 
     blocks: tuple[str, ...]
     mode: str = "reshard"
-    offload: bool = False
+    tier: Tier = Tier.DEVICE
     checkpoint: tuple[str, ...] = ()
     param_numel: int = 0
     device_bytes: int = 0
     host_bytes: int = 0
     gathered_bytes: int = 0
     time_s: float = 0.0
-    disk: bool = False
     disk_bytes: int = 0
-    params_disk: bool = False
-    grads_disk: bool = False
 
     def __post_init__(self) -> None:
-        if self.grads_disk and not self.params_disk:
-            raise ValueError(f"UnitPlan(blocks={self.blocks}, grads_disk=True, params_disk=False): a unit whose "
-                             "gradients wait on disk keeps its master weights and optimizer state there too; give "
-                             "params_disk=True and disk=True (and offload=True)")
-        if self.params_disk and not self.disk:
-            raise ValueError(f"UnitPlan(blocks={self.blocks}, params_disk=True, disk=False): a unit whose master "
-                             "weights are on disk keeps its optimizer state there too; give disk=True (and "
-                             "offload=True)")
-        if self.disk and not self.offload:
-            raise ValueError(f"UnitPlan(blocks={self.blocks}, disk=True, offload=False): a unit with its optimizer "
-                             "state on disk is offloaded (its master parameters and gradients live on the host); "
-                             "give offload=True too")
+        if not isinstance(self.tier, Tier):
+            if self.tier not in tuple(Tier):
+                raise ValueError(f"UnitPlan(blocks={self.blocks}, tier={self.tier!r}): use a Tier, "
+                                 f"{', '.join(f'{t.value} {t.name}' for t in Tier)}")
+            object.__setattr__(self, "tier", Tier(self.tier))
         if not self.blocks:
             raise ValueError("UnitPlan.blocks is empty: a unit holds at least one block")
         if self.mode not in MODES:
@@ -87,31 +63,9 @@ class UnitPlan:
             raise ValueError(f"UnitPlan.checkpoint names {stray} that are not blocks of this unit {self.blocks}")
 
     @property
-    def state_tier(self) -> int:
-        """Where the unit's state lives, as the planner's code: 0 device, 1 host, 2 optimizer state on disk,
-        3 master weights, optimizer state and parameters between uses on disk, 4 the gradients too."""
-        return (ON_DISK_GRADS if self.grads_disk else ON_DISK_PARAMS if self.params_disk else ON_DISK if self.disk else ON_HOST if self.offload
-                else ON_DEVICE)
-
-    @property
-    def tier(self) -> str:
-        """Where the optimizer state lives: ``"device"``, ``"host"`` or ``"disk"``."""
-        return tier_name(self.state_tier)
-
-    @property
-    def master_tier(self) -> str:
-        """Where the fp32 master weights live: the disk only with ``params_disk``."""
-        return param_tier_name(self.state_tier)
-
-    @property
-    def grad_tier(self) -> str:
-        """Where the gradients wait between backward and the optimizer step."""
-        return grad_tier_name(self.state_tier)
-
-    @property
-    def param_tier(self) -> str:
-        """Where the parameters wait between uses (FSDP2's sharded parameters are the master weights)."""
-        return param_tier_name(self.state_tier)
+    def offload(self) -> bool:
+        """Parameters, gradients and optimizer state off the device (``tier >= HOST``: FSDP2's ``CPUOffloadPolicy``)."""
+        return self.tier >= Tier.HOST
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -253,22 +207,22 @@ class ElixirPlan:
 
     @property
     def offloaded_units(self) -> tuple[int, ...]:
-        return tuple(i for i, u in enumerate(self.units) if u.offload)
+        return tuple(i for i, u in enumerate(self.units) if u.tier >= Tier.HOST)
 
     @property
     def disk_units(self) -> tuple[int, ...]:
         """Units whose optimizer state lives on disk (a subset of :attr:`offloaded_units`)."""
-        return tuple(i for i, u in enumerate(self.units) if u.disk)
+        return tuple(i for i, u in enumerate(self.units) if u.tier >= Tier.DISK)
 
     @property
     def param_disk_units(self) -> tuple[int, ...]:
         """Units whose master weights and parameters between uses live on disk (a subset of :attr:`disk_units`)."""
-        return tuple(i for i, u in enumerate(self.units) if u.params_disk)
+        return tuple(i for i, u in enumerate(self.units) if u.tier >= Tier.DISK_PARAMS)
 
     @property
     def grad_disk_units(self) -> tuple[int, ...]:
         """Units whose gradients wait on disk between backward and the step (a subset of :attr:`param_disk_units`)."""
-        return tuple(i for i, u in enumerate(self.units) if u.grads_disk)
+        return tuple(i for i, u in enumerate(self.units) if u.tier >= Tier.DISK_GRADS)
 
     @property
     def checkpointed_blocks(self) -> tuple[str, ...]:
@@ -305,7 +259,8 @@ class ElixirPlan:
 
     @classmethod
     def from_json(cls, source: str | Path) -> ElixirPlan:
-        return load_json(cls, source)
+        """Read :meth:`to_json`'s output; plans written before ``UnitPlan.tier`` (four flags per unit) read too."""
+        return load_json(cls, source, upgrade=_upgrade_units)
 
     # ---- identity ------------------------------------------------------------------------------
     def check_compatible(self, profile: ModelProfile, world_size: int, *, precision: str | None = None) -> None:
@@ -357,6 +312,21 @@ BASELINES = ("ddp", "zero2", "zero2-offload", "zero3", "zero3-offload")
 DISK_BASELINES = ("zero3-offload-nvme",)
 """ZeRO-Infinity's optimizer state on NVMe (DeepSpeed's ``offload_optimizer`` device ``"nvme"``): a baseline that
 needs a disk tier, so it is listed apart from :data:`BASELINES`."""
+
+
+def _upgrade_units(data: dict) -> dict:
+    """A plan written before ``UnitPlan.tier``: each unit's chained flags ``offload`` > ``disk`` > ``params_disk`` >
+    ``grads_disk`` (each needs the one before) become its tier, the number of flags set."""
+    for i, unit in enumerate(data.get("units") or () if isinstance(data, dict) else ()):
+        if not isinstance(unit, dict) or "tier" in unit:
+            continue
+        flags = [bool(unit.pop(k, False)) for k in ("offload", "disk", "params_disk", "grads_disk")]
+        if flags != sorted(flags, reverse=True):
+            raise ValueError(f"ElixirPlan JSON: unit {i} {unit.get('blocks')} has (offload, disk, params_disk, "
+                             f"grads_disk) = {tuple(flags)}, but each flag needs the one before it; re-plan "
+                             "(`tightfit plan elixir ... --json`) or give the unit its tier (0-4)")
+        unit["tier"] = sum(flags)
+    return data
 
 
 def model_identity(profile: ModelProfile) -> tuple[tuple[str, ...], str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tightfit.checks import check_number
-from tightfit.planner.elixir.disk import ON_DEVICE, ON_DISK, ON_DISK_GRADS, ON_DISK_PARAMS, ON_HOST
+from tightfit.planner.elixir.disk import Tier
 from tightfit.planner.elixir.sim import MODES, Context, build_context
 from tightfit.planner.elixir.space import Space
 from tightfit.planner.errors import PlanError
@@ -121,13 +121,12 @@ class ElixirConstraints:
     def space(self, disk: bool = False) -> Space:
         """The search space these constraints leave (forced offload: every unit offloaded); ``disk``: there is a
         disk tier, so offloaded units may keep their optimizer state on disk (where ``allow_disk``)."""
-        tiers = (ON_HOST,) if self.force_offload else (ON_DEVICE, ON_HOST) if self.allow_offload else (ON_DEVICE,)
+        tiers = (Tier.HOST,) if self.force_offload else (Tier.DEVICE, Tier.HOST) if self.allow_offload else (Tier.DEVICE,)
         if disk and self.allow_disk and self.allow_offload:
-            deep = ((ON_DISK, ON_DISK_PARAMS, ON_DISK_GRADS) if self.allow_disk_params and self.allow_disk_grads
-                    else (ON_DISK, ON_DISK_PARAMS) if self.allow_disk_params else (ON_DISK,))
+            deep = ((Tier.DISK, Tier.DISK_PARAMS, Tier.DISK_GRADS) if self.allow_disk_params and self.allow_disk_grads
+                    else (Tier.DISK, Tier.DISK_PARAMS) if self.allow_disk_params else (Tier.DISK,))
             tiers = deep if self.force_disk else tiers + deep
-        offload: tuple[int, ...] = tuple(bool(t) if t < ON_DISK else t for t in tiers)  # no disk: bools, as plans without a disk tier hold
-        return Space(modes=tuple(self.modes), offload=offload,
+        return Space(modes=tuple(self.modes), offload=tiers,
                        checkpointing=self.allow_checkpointing, depths=tuple(sorted(set(self.prefetch_depths))),
                        unit_blocks=self.unit_blocks)
 

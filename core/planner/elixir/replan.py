@@ -71,7 +71,7 @@ def replan_in_place(profile: ModelProfile, cluster: ClusterSpec, plan: ElixirPla
         raise ValueError(f"plan names block {e.args[0]!r}, which the profile of {profile.model!r} does not have; "
                          "re-plan with the profile the plan was made from") from None
     ev = S.Evaluator(replace(ctx, alias_replicated=False))  # re-planned units stay FSDP2 groups, replicate ones too
-    offload = [u.state_tier if u.disk else u.offload for u in plan.units]  # disk units stay on disk
+    offload = [u.tier for u in plan.units]  # disk units stay on disk
     planned = tuple(u.mode for u in plan.units)
     mode_sets = {planned} | {tuple(m if m == "replicate" else x for m in planned)
                              for x in ("reshard", "keep") if x in cons.modes}

@@ -11,11 +11,8 @@ from dataclasses import replace
 from tightfit.planner.elixir import space as S
 from tightfit.planner.elixir.diagnose import infeasible
 from tightfit.planner.elixir.disk import (
-    DISK_CODES,
     DISK_STAGING_BYTES,
-    ON_DISK_GRADS,
-    ON_DISK_PARAMS,
-    ON_HOST,
+    Tier,
     disk_state_budget,
 )
 from tightfit.planner.elixir.exact import exhaustive
@@ -176,10 +173,10 @@ def estimate(model: ModelProfile, cluster: ClusterSpec, units: Sequence[UnitPlan
                              "the blocks in first-use order")
         spans.append((ids[0], ids[-1] + 1))
         modes.append(u.mode)
-        if u.disk and ctx.disk is None:
-            raise ValueError(f"unit {u.blocks} keeps its optimizer state on disk (disk=True), but there is no disk "
-                             "tier: give every device a disk profile (DeviceProfile.disk)")
-        offs.append(u.state_tier if u.disk else u.offload)
+        if u.tier >= Tier.DISK and ctx.disk is None:
+            raise ValueError(f"unit {u.blocks} keeps its optimizer state on disk (tier={u.tier.name}), but there is "
+                             "no disk tier: give every device a disk profile (DeviceProfile.disk)")
+        offs.append(u.tier)
         for b in u.checkpoint:
             ckpt[index[b]] = True
         expect = ids[-1] + 1
@@ -212,8 +209,7 @@ def to_plan(ev: S.Evaluator, c: S.Candidate, model: ModelProfile, budget: int, c
         disk_io += t.disk_io
         rc = sum(ctx.rfwd[i] for i in range(a, b) if c.ckpt[i])
         units.append(UnitPlan(
-            blocks=ctx.names[a:b], mode=m, offload=bool(o), disk=o in DISK_CODES, disk_bytes=int(t.disk),
-            params_disk=o in (ON_DISK_PARAMS, ON_DISK_GRADS), grads_disk=o == ON_DISK_GRADS,
+            blocks=ctx.names[a:b], mode=m, tier=Tier(o), disk_bytes=int(t.disk),
             checkpoint=tuple(ctx.names[i] for i in range(a, b) if c.ckpt[i]),
             param_numel=sum(ctx.numel[a:b]), device_bytes=int(t.state), host_bytes=int(t.host),
             gathered_bytes=int(t.gathered),
@@ -281,4 +277,4 @@ def _runner_up(ev: S.Evaluator, c: S.Candidate, best: S.Candidate, best_detail: 
     else:
         why = f"{slower:+.1f}%: same predicted time, but more offloading, recompute or memory"
     return RunnerUp(family=c.family, step_time_s=c.time, peak_bytes=int(c.peak), units=len(c.units),
-                    offloaded=sum(1 for o in c.offload if o in (ON_HOST, *DISK_CODES)), checkpointed=sum(c.ckpt), why=why)
+                    offloaded=sum(1 for o in c.offload if o >= Tier.HOST), checkpointed=sum(c.ckpt), why=why)

@@ -30,10 +30,7 @@ from dataclasses import dataclass, replace
 from tightfit.planner.elixir.disk import (
     DISK_CODES,
     DISK_STAGING_BYTES,
-    ON_DISK,
-    ON_DISK_GRADS,
-    ON_DISK_PARAMS,
-    ON_HOST,
+    Tier,
     disk_bytes,
     host_bytes,
 )
@@ -181,11 +178,11 @@ def _pool(ev: Evaluator, space: Space, host_budget: float, disk_budget: float, p
             progress(g_i, len(gs) + rounds + 1, f"greedy descent over {len(units)} units")
         visited = _descend(ev, space, units, d0, d0, host_budget, disk_budget)
         pool.extend(c for c in visited if c.fits(host_budget, disk_budget))
-        if ON_DISK_PARAMS in space.offload:
+        if Tier.DISK_PARAMS in space.offload:
             # The descent's least-memory plan with every offloaded unit in tier 3: the least host a grouping can
             # have, where the host binds so hard that no single move repairs it.
             last = visited[-1]
-            deepest = ON_DISK_GRADS if ON_DISK_GRADS in space.offload else ON_DISK_PARAMS
+            deepest = Tier.DISK_GRADS if Tier.DISK_GRADS in space.offload else Tier.DISK_PARAMS
             deep = ev.make(last.units, last.modes, [deepest if o else o for o in last.offload], last.ckpt, last.df, last.db)
             if deep.fits(host_budget, disk_budget):
                 pool.append(deep)
@@ -250,8 +247,8 @@ def _neighbours(ev: Evaluator, space: Space, points: list[Candidate], seen: set[
                     swap[v] = True
                     add(c, c.modes, swap, c.ckpt, c.df, c.db)
         if has_disk(space):  # between the host and the disk: which units keep what on the host
-            for u in _spread([u for u in range(k) if c.offload[u] in (ON_HOST, *DISK_CODES)], 16):
-                for code in (ON_HOST, *DISK_CODES):
+            for u in _spread([u for u in range(k) if c.offload[u] >= Tier.HOST], 16):
+                for code in (Tier.HOST, *DISK_CODES):
                     if code != c.offload[u] and code in space.offload:
                         tier = list(c.offload)
                         tier[u] = code
@@ -282,7 +279,7 @@ def _proxy(ev: Evaluator, c: Candidate) -> float:
 
 
 def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: float,
-                  allowed: Sequence[int] = (ON_DISK,)) -> Candidate | None:
+                  allowed: Sequence[int] = (Tier.DISK,)) -> Candidate | None:
     """``c`` with host units moved one tier deeper (host -> optimizer state on disk -> master weights and
     parameters on disk too, as far as ``allowed``) until its host bytes fit, the least time lost per host byte
     saved first; ``None`` where even that does not fit both budgets.
@@ -295,8 +292,7 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
     for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, c.offload)):
         src = ev.terms(a, b, m, o)
         for code in allowed:
-            if (o == ON_HOST and code == ON_DISK or o in (ON_HOST, ON_DISK) and code == ON_DISK_PARAMS
-                    or o in (ON_HOST, ON_DISK, ON_DISK_PARAMS) and code == ON_DISK_GRADS):
+            if Tier.HOST <= o < code:  # one tier deeper or more, from the host on
                 dst = ev.terms(a, b, m, code)
                 saved = src.host - dst.host
                 loss = dst.opt + dst.disk_f + dst.disk_b - src.opt - src.disk_f - src.disk_b
@@ -317,7 +313,7 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
         (a, b), m = c.units[u], c.modes[u]
         tiers[u] = code
         over -= saved
-        if code in (ON_DISK_PARAMS, ON_DISK_GRADS) and not unified:
+        if code >= Tier.DISK_PARAMS and not unified:
             t = ev.terms(a, b, m, code)
             new = max(fetched, 2 * (t.fetch + t.grad_buf))
             over += new - fetched
@@ -333,13 +329,13 @@ def _host_to_disk(ev: Evaluator, c: Candidate, host_budget: float, disk_budget: 
         # needed, the pass below takes it.
         moved.add(u)
         move(u, code, saved)
-    for deep, shallower in ((ON_DISK_PARAMS, (ON_HOST, ON_DISK)), (ON_DISK_GRADS, (ON_HOST, ON_DISK, ON_DISK_PARAMS))):
+    for deep in (Tier.DISK_PARAMS, Tier.DISK_GRADS):
         if over <= 0 or deep not in allowed:
             continue
         for u, ((a, b), m, o) in enumerate(zip(c.units, c.modes, list(tiers))):
             if over <= 0:
                 break
-            if o in shallower:
+            if Tier.HOST <= o < deep:
                 move(u, deep, ev.terms(a, b, m, o).host - ev.terms(a, b, m, deep).host)
     if tiers == list(c.offload):
         return None
@@ -382,12 +378,12 @@ def _descend(ev: Evaluator, space: Space, units: tuple[tuple[int, int], ...], df
                     out.append(("mode", u, m))
             if not c.offload[u] and True in space.offload:
                 out.append(("offload", u, True))
-            if c.offload[u] not in DISK_CODES and ON_DISK in space.offload:
-                out.append(("disk", u, ON_DISK))
-            if c.offload[u] != ON_DISK_PARAMS and ON_DISK_PARAMS in space.offload:
-                out.append(("disk", u, ON_DISK_PARAMS))
-            if c.offload[u] != ON_DISK_GRADS and ON_DISK_GRADS in space.offload:
-                out.append(("disk", u, ON_DISK_GRADS))
+            if c.offload[u] not in DISK_CODES and Tier.DISK in space.offload:
+                out.append(("disk", u, Tier.DISK))
+            if c.offload[u] != Tier.DISK_PARAMS and Tier.DISK_PARAMS in space.offload:
+                out.append(("disk", u, Tier.DISK_PARAMS))
+            if c.offload[u] != Tier.DISK_GRADS and Tier.DISK_GRADS in space.offload:
+                out.append(("disk", u, Tier.DISK_GRADS))
         if space.checkpointing:
             for i in range(n_blocks):
                 if ctx.checkpointable[i] and not c.ckpt[i]:
