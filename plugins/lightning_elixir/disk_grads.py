@@ -12,7 +12,7 @@ reduce-scatter, the copy to the host: the shard's gradient is this rank's share 
       micro-batches is read and added first (``new + old``: IEEE addition commutes, so the sum is bit-equal to
       FSDP2's in-RAM ``old += new``);
     * on the last backward, before the write, the clipping term of each gradient, ``sum(|g|^p)`` in float64 as
-      :func:`lightning_elixir.apply.clip_grad_norm_` computes it, is kept (one scalar per parameter), so the
+      :func:`lightning_elixir.clipping.clip_grad_norm_` computes it, is kept (one scalar per parameter), so the
       norm, and so the clip coefficient, is bit-identical to a run all in RAM;
     * otherwise (an earlier micro-batch, the plan says the sums fit the host) the gradient stays and FSDP2
       accumulates into it as usual.
@@ -56,7 +56,7 @@ _ATTR = "_tightfit_disk_grads"  # set on each tier-4 parameter: the DiskGradient
 
 
 def norm_term(local: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``sum(|g|^p)`` of one local gradient shard in float64: the term :func:`lightning_elixir.apply.clip_grad_norm_`
+    """``sum(|g|^p)`` of one local gradient shard in float64: the term :func:`lightning_elixir.clipping.clip_grad_norm_`
     adds per gradient (one definition, so a term computed in backward equals one computed at clip time)."""
     return local.detach().double().abs().pow(norm_type).sum()
 

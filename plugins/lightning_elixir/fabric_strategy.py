@@ -50,7 +50,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_elixir._torch_adapter import set_backward_sync, setup_data_parallel_mesh
-from lightning_elixir.apply import AppliedUnit, clip_grad_norm_, clip_grad_value_, is_replicated, is_sharded
+from lightning_elixir.apply import AppliedUnit, is_replicated, is_sharded
+from lightning_elixir.clipping import clip_grad_norm_, clip_grad_value_
 from lightning_elixir.disk_state import DiskOptimizerState
 from lightning_elixir.engine import (
     READ_BACK_MARGIN,
@@ -307,7 +308,7 @@ class ElixirFabricStrategy(ModelParallelStrategy):
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """The norm over every unit, whatever mesh, device or disk it lives on (:func:`apply.clip_grad_norm_`)."""
+        """The norm over every unit, whatever mesh, device or disk it lives on (:func:`clipping.clip_grad_norm_`)."""
         self.precision.unscale_gradients(self._stepping_of(optimizer))  # the optimizer the scaler then steps
         norm = clip_grad_norm_(self.precision.main_params(optimizer), float(max_norm), float(norm_type))
         if error_if_nonfinite and not torch.isfinite(norm):

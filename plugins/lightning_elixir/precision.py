@@ -55,7 +55,7 @@ from typing_extensions import override
 
 from lightning_elixir._torch_adapter import ShardedGradScaler, foreach_unscale_
 from lightning_elixir._torch_adapter import admit_fp16_flag as _admit_while_alive
-from lightning_elixir.apply import clip_grad_norm_, clip_grad_value_
+from lightning_elixir.clipping import clip_grad_norm_, clip_grad_value_
 
 __all__ = ["ElixirGradScaler", "ElixirPrecision", "ElixirFabricPrecision", "ClipAcrossMeshes", "ElixirHalfPrecision", "ElixirMixedPrecision",
            "with_mesh_clipping", "admit_fp16_flag"]
@@ -137,7 +137,7 @@ class ClipAcrossMeshes(Precision):
     ``Precision.clip_grad_by_norm`` calls ``torch.nn.utils.clip_grad_norm_``, which refuses gradients
     on several meshes (``replicate`` units sit on a 2-D mesh, the others on the 1-D one) and needs
     them on one device (offloaded units keep theirs on the host); this override calls
-    :func:`lightning_elixir.apply.clip_grad_norm_` instead, on the same parameters. As a plugin of its
+    :func:`lightning_elixir.clipping.clip_grad_norm_` instead, on the same parameters. As a plugin of its
     own it is ``precision="32-true"``; the Elixir plugins below derive from it, and a custom
     precision plugin for :class:`~lightning_elixir.strategy.ElixirStrategy` should too.
     """

@@ -51,7 +51,7 @@ def train_losses(model, device: torch.device, opt_kwargs: dict, *, autocast: tor
                  per_mesh: bool = False, rank: int = 0, world: int = 1) -> list[float]:
     import torch.nn.functional as F
 
-    from lightning_elixir.apply import clip_grad_norm_
+    from lightning_elixir.clipping import clip_grad_norm_
     from lightning_elixir.optim import mesh_step
     from tests.lightning_elixir.common import CONFIG
 

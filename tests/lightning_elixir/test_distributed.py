@@ -180,7 +180,8 @@ def _every_mode(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightning_elixir.apply import apply_plan, clip_grad_norm_, inspect_units
+    from lightning_elixir.apply import apply_plan, inspect_units
+    from lightning_elixir.clipping import clip_grad_norm_
     from tests.lightning_elixir.common import CONFIG, cpu_device
     from tightfit.models import build_gpt
     from tightfit.planner.elixir import estimate, search
@@ -221,7 +222,7 @@ def _every_mode(rank: int, world: int) -> dict:
 @RunIf(lightning=True, min_world=2)  # its model and device come from tests/lightning_elixir/common.py (Lightning)
 def test_every_unit_mode_with_norm_clipping_matches_ddp(on_two_ranks):
     """replicate (a 2-D mesh), keep and reshard units, offloaded or not, in one model: torch's clipping
-    refuses gradients on two meshes; lightning_elixir.apply.clip_grad_norm_ counts each element once."""
+    refuses gradients on two meshes; lightning_elixir.clipping.clip_grad_norm_ counts each element once."""
     for r in (both["every_mode"] for both in on_two_ranks):
         assert any(r["replicated"]) and not all(r["replicated"]) and any(r["kept"]), r
         assert max(abs(a - b) for a, b in zip(r["ref"], r["elixir"])) <= LOSS_ATOL, (r["ref"], r["elixir"])

@@ -56,7 +56,7 @@ def _plan(build, example, world: int, disk_dir: Path):
 
     from lightning_elixir.planning import FORWARD, profile_module
     from tests.lightning_elixir.common import cpu_device
-    from tightfit.planner.elixir import baseline
+    from tightfit.planner.elixir import Tier, baseline
     from tightfit.profiler.types import ClusterSpec, DiskProfile
 
     with torch.device("meta"):
@@ -64,7 +64,7 @@ def _plan(build, example, world: int, disk_dir: Path):
     disk = DiskProfile(path=str(disk_dir), free_bytes=2**34, read_fit=(1e-4, 1e9), write_fit=(1e-4, 1e9))
     cluster = ClusterSpec.uniform(dataclasses.replace(cpu_device(), disk=disk), world)
     plan = baseline(profile, cluster, "zero3-offload-nvme", checkpoint=False, precision="32-true")
-    units = tuple(dataclasses.replace(u, params_disk=u.disk) for u in plan.units)
+    units = tuple(dataclasses.replace(u, tier=Tier.DISK_PARAMS) if u.tier >= Tier.DISK else u for u in plan.units)
     return dataclasses.replace(plan, units=units)
 
 

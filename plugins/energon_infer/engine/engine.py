@@ -476,9 +476,8 @@ class Engine:
     def pipeline_stats(self, *, reset: bool = False, timeout: float = 60.0) -> dict[str, Any]:
         """Measured busy share of each stage since the last reset: ``{"stages": [...], "ranks": [...]}``.
 
-        A stage is busy from its forward's start to its end; time waiting for inputs or for the
-        controller is idle. Asked in order with the steps, so it covers every step sent before it. The rank that
-        samples adds ``grammar_compiles``: the structured outputs' grammars it compiled since it started.
+        A stage is busy from its forward's start to its end; waiting for inputs or the controller is idle. Asked in
+        order with the steps (it covers every step sent before it); the sampling rank adds ``grammar_compiles``.
         """
         return self._controller.pipeline_stats(reset=reset, timeout=timeout)
 

@@ -169,23 +169,7 @@ class ExpertPool:
             raise ValueError(f"ExpertPool: lookahead={lookahead!r} must be an int >= 0 (experts read ahead per layer); "
                              "give 0 to turn lookahead off or None for one token's picks")
         self.plan, self.files, self.store = plan, files, store
-        self.units: list[dict[int, DiskLayer | StoredLayer]] = []
-        if store is not None and quantized:
-            stored = stored_experts(stage, plan, store)
-            missing = [u.name for units in stored for u in units.values() if u.name not in store]
-            if missing:
-                raise ValueError(f"ExpertPool: the quantized store {store.path} lacks {len(missing)} of the plan's "
-                                 f"disk experts ({missing[:3]}); write them first (quantized_pool.write_missing_layers "
-                                 "over stored_experts(...)), or use install_expert_pool")
-            self.units = [{e: unit for e, unit in units.items()} for units in stored]
-        else:
-            assert files is not None
-            scratch = StagingBuffers(expert_read_buffer_bytes(stage, cfg, files), pin=False)
-            for li, (idx, moe) in enumerate(layers):
-                experts = cast(nn.ModuleDict, moe.experts)
-                self.units.append({e: DiskLayer(experts[str(e)], int(idx), files, cfg, grid, scratch,
-                                                nonfinite=nonfinite, prefix=f"layers.{idx}.moe.experts.{e}.")
-                                   for e, tier in enumerate(plan.placement[li]) if tier == "disk"})
+        self.units = _disk_units(stage, cfg, grid, plan, files, store if quantized else None, nonfinite)
         for li, (_, moe) in enumerate(layers):
             setattr(moe, "fetch_experts", functools.partial(self._fetch, li))  # noqa: B010 (nn.Module's typing)
             setattr(moe, "release_experts", functools.partial(self._release, li))  # noqa: B010
@@ -399,6 +383,28 @@ class ExpertPool:
         self._reader.close()
         if self.store is not None:
             self.store.close()
+
+
+def _disk_units(stage: nn.Module, cfg: ModelConfig, grid: Grid, plan: ExpertPlan, files: TensorFiles | None,
+                store: TensorStore | None, nonfinite: str) -> list[dict[int, DiskLayer | StoredLayer]]:
+    """Per MoE layer, its disk experts' readers: from the quantized ``store`` when given, else the checkpoint."""
+    if store is not None:
+        stored = stored_experts(stage, plan, store)
+        missing = [u.name for units in stored for u in units.values() if u.name not in store]
+        if missing:
+            raise ValueError(f"ExpertPool: the quantized store {store.path} lacks {len(missing)} of the plan's "
+                             f"disk experts ({missing[:3]}); write them first (quantized_pool.write_missing_layers "
+                             "over stored_experts(...)), or use install_expert_pool")
+        return [dict(units) for units in stored]
+    assert files is not None
+    scratch = StagingBuffers(expert_read_buffer_bytes(stage, cfg, files), pin=False)
+    out: list[dict[int, DiskLayer | StoredLayer]] = []
+    for li, (idx, moe) in enumerate(moe_layers(stage)):
+        experts = cast(nn.ModuleDict, moe.experts)
+        out.append({e: DiskLayer(experts[str(e)], int(idx), files, cfg, grid, scratch, nonfinite=nonfinite,
+                                 prefix=f"layers.{idx}.moe.experts.{e}.")
+                    for e, tier in enumerate(plan.placement[li]) if tier == "disk"})
+    return out
 
 
 def install_expert_pool(runner: Any, plan: ExpertPlan, config: Any, path: str | Path) -> ExpertPool:

@@ -115,12 +115,10 @@ class ModelRunner(SpeculativeVerify):
         load_stage_weights(self.stage, config, self.grid, source, parts_fn=parts_fn, progress=self._say,
                            nonfinite=rt.nonfinite_weights)
         if self.quant is not None:
-            # Offloaded blocks and experts get their quantized shapes on meta: the memory pool streams them quantized
-            # (energon_infer.worker.quantized_pool, energon_infer.worker.expert_pool).
+            # Offloaded blocks and experts get quantized shapes on meta: quantized_pool / expert_pool stream them.
             held = load_quantized(self.stage, config, self.grid, source, self.quant, parts_fn=parts_fn,
-                                  nonfinite=rt.nonfinite_weights, skip=blocks,
-                                  modules=[t for t in tables if t.startswith("layers.")],
-                                  saved=TorchaoWeights.of(source))
+                                  nonfinite=rt.nonfinite_weights, skip=blocks, saved=TorchaoWeights.of(source),
+                                  modules=[t for t in tables if t.startswith("layers.")])
             self._say(f"energon: block projections quantized to {self.quant.method}"
                       f"{f' (group {self.quant.group_size})' if self.quant.group_size else ''}: "
                       f"{held / 2**20:.1f} MiB")
