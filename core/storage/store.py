@@ -61,9 +61,6 @@ four keep it busy; with these defaults the store keeps up with the raw device
 # A profile's request size becomes the extent size, but not below 1 MiB: the index holds ~30 bytes of JSON per
 # extent, 30 KB per GiB at 1 MiB, 480 KB per GiB at 64 KiB (rewritten at every sync).
 MIN_PROFILE_EXTENT_BYTES = 2**20
-# Small extents (a cache's 4 KiB) go to the engine in runs of up to this many bytes, one request each: a request
-# costs a future, a place in the bound and two thread hand-offs, more than a 4 KiB pwrite itself.
-_RUN_BYTES = 2**20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,8 +199,8 @@ class TensorStore(RowRecords):
                 parts.append((k, x, a, b))
             job = _ReadJob(self, name, view, offset, parts, result=out)
             self._inflight.add(job.future)
-        for run in self._runs(list(range(len(parts)))):
-            self._engine.submit(job.run_each, run)
+        for i in range(len(parts)):
+            self._engine.submit(job.run, i)
         job.start()
         return job.future
 
@@ -274,21 +271,13 @@ class TensorStore(RowRecords):
             for k, _ in chunks:
                 self._tails[(name, k)] = job.future
             self._inflight.add(job.future)
-        now = []
         for i, prev in enumerate(after):
-            if prev is None or job.whole(i):
-                now.append(i)
+            if prev is None or job.whole(i):  # backpressure: the caller waits here while max_inflight are out
+                self._engine.submit(job.run, i)
             else:  # a partial extent merges with the previous write's result: it runs after it, unbounded
                 prev.add_done_callback(functools.partial(self._resume, job, i))
-        for run in self._runs(now):  # backpressure: the caller waits here while max_inflight are out
-            self._engine.submit(job.run_each, run)
         job.start()
         return job.future
-
-    def _runs(self, parts: list[int]) -> list[list[int]]:
-        """``parts`` (extents of one request) in runs of at most ``_RUN_BYTES``, at least one per worker."""
-        per = max(1, min(_RUN_BYTES // self.extent_bytes, -(-len(parts) // self._engine.workers)))
-        return [parts[j:j + per] for j in range(0, len(parts), per)]
 
     def _resume(self, job: _WriteJob, i: int, _older: Future[int]) -> None:
         self._engine.submit(job.run, i, bounded=False)
@@ -477,11 +466,6 @@ class _ReadJob(_Job):
                  parts: list[tuple[int, Extent | None, int, int]], result: Any) -> None:
         super().__init__(store, len(parts))
         self.name, self.view, self.offset, self.parts, self.result = name, view, offset, parts, result
-
-    def run_each(self, parts: list[int]) -> None:
-        """Run ``parts`` one after another on this worker (one engine request)."""
-        for i in parts:
-            self.run(i)
 
     def run(self, i: int) -> None:
         st, (k, x, a, b) = self.store, self.parts[i]
@@ -692,11 +676,6 @@ class _WriteJob(_Job):
         """Whether extent ``i`` is written without the old bytes (so it need not wait for older writes)."""
         a, b = self._range(self.chunks[i][0])
         return a == 0 and (self.replace or b == self.store.extent_bytes)
-
-    def run_each(self, parts: list[int]) -> None:
-        """Run ``parts`` one after another on this worker (one engine request)."""
-        for i in parts:
-            self.run(i)
 
     def run(self, i: int) -> None:
         st, (k, slot) = self.store, self.chunks[i]

@@ -127,25 +127,6 @@ def test_many_requests_in_flight(tmp_path):
             assert r.result() is o and torch.equal(o, t)
 
 
-def test_small_extents_reach_the_engine_in_runs(tmp_path, monkeypatch):
-    """A 4 KiB-extent store (a cache's) hands a write or read of many extents to the engine in a few requests,
-    at least one per worker, not one request per extent; partial extents at unaligned ends still merge."""
-    with TensorStore(tmp_path, extent_bytes=4096, workers=4) as store:
-        requests = []
-        submit = store._engine.submit
-        monkeypatch.setattr(store._engine, "submit", lambda fn, *a, **kw: requests.append(a) or submit(fn, *a, **kw))
-        t = _rand((2**18,), torch.float32)  # 1 MiB: 256 extents
-        store.write("t", t).result()
-        assert len(requests) == 4
-        out = torch.empty_like(t)
-        assert store.read_into("t", out).result() is out and torch.equal(out, t)
-        assert len(requests) == 8
-        patch = _rand((3000,), torch.float32, 2)  # unaligned at both ends: two partial extents merged
-        store.write("t", patch, offset=1000).result()
-        t[250:3250] = patch
-        assert torch.equal(store.get("t"), t)
-
-
 def test_backpressure_blocks_the_caller_at_the_bound():
     engine = IOEngine(workers=1, max_inflight=2)
     gate = threading.Event()
