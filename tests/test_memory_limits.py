@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def _child(kind: str, work: Path, limit: int, env: dict[str, str] | None = None)
                        name=f"test-{kind}", cwd=ROOT, env=env if env is not None else unlaunched_env(), timeout=300)
 
 
+@pytest.fixture(scope="module")
+def elixir_cache(tmp_path_factory) -> Path:
+    """The measurements (``TIGHTFIT_CACHE_DIR``) of this machine and of the Elixir GPT's blocks, shared by
+    this module's Elixir children: the first run measures them under its limit, the later ones read them."""
+    return tmp_path_factory.mktemp("elixir-cache")
+
+
 def _fits_or_refuses(run: LimitedRun) -> dict:
     """The run was not killed by the limit and either finished or refused in one line (exit code 3)."""
     assert run.enforced and not run.oom_killed, (run.returncode, run.peak_bytes, run.stderr[-3000:])
@@ -44,15 +52,17 @@ def _fits_or_refuses(run: LimitedRun) -> dict:
 
 
 @RunIf(lightning=True)
-def test_elixir_with_only_a_disk_dir_trains_a_model_whose_state_exceeds_the_limit(tmp_path):
+def test_elixir_with_only_a_disk_dir_trains_a_model_whose_state_exceeds_the_limit(tmp_path, elixir_cache):
     from tests.helpers.memory_limit_children import ELIXIR_GPT
 
     # The tied embedding's backward holds three table-sized copies: the least-memory plan needs about 976 MiB of the
     # budget (the limit less 10%), which 1150 MiB gives with some margin while the fp32 AdamW state (1.25 GiB) does not fit.
     limit = 1150 * MiB
     # A first run on a fresh machine, as CI's: nothing cached, so the device and its blocks are measured in this
-    # process before it plans (what those measurements import stays resident and counts against the limit).
-    env = unlaunched_env(TIGHTFIT_CACHE_DIR=str(tmp_path / "cache"))
+    # process before it plans (what those measurements import stays resident and counts against the limit). It
+    # measures into the module's cache when first to use it (the later children read it), else into its own.
+    cache = elixir_cache if not any(elixir_cache.iterdir()) else tmp_path / "cache"
+    env = unlaunched_env(TIGHTFIT_CACHE_DIR=str(cache))
     limited = _child("elixir", tmp_path / "limited", limit, env=env)
     got = _fits_or_refuses(limited)
     assert limited.returncode == 0, got  # the disk tier makes it fit: no refusal here
@@ -71,12 +81,21 @@ def test_elixir_with_only_a_disk_dir_trains_a_model_whose_state_exceeds_the_limi
 
 
 @RunIf(lightning=True)
-def test_elixir_refuses_a_limit_below_its_floor_and_a_budget_above_the_limit_in_one_line(tmp_path):
-    floor = _fits_or_refuses(_child("elixir", tmp_path / "floor", 600 * MiB))
+def test_elixir_refuses_a_limit_below_its_floor_and_a_budget_above_the_limit_in_one_line(tmp_path,
+                                                                                         elixir_cache):
+    # The device's and the disk's measurements from the module's cache, no block timings (as on a first run: a
+    # child that timed its blocks before refusing would be killed by the limit instead).
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for measured in elixir_cache.glob("*.json"):
+        if not measured.name.startswith("blocks-"):
+            shutil.copy(measured, cache)
+    env = unlaunched_env(TIGHTFIT_CACHE_DIR=str(cache))
+    floor = _fits_or_refuses(_child("elixir", tmp_path / "floor", 600 * MiB, env=env))
     assert "refused" in floor, floor
     assert floor["type"] == "MemoryLimitError" and "memory limit of 600.00 MiB" in floor["refused"]
     assert "least-memory plan" in floor["refused"] and "Cheapest change" in floor["refused"]
-    over = _fits_or_refuses(_child("elixir-budget-2GiB", tmp_path / "over", 900 * MiB))
+    over = _fits_or_refuses(_child("elixir-budget-2GiB", tmp_path / "over", 900 * MiB, env=env))
     assert over["type"] == "MemoryLimitError", over
     assert "memory_budget='2GiB'" in over["refused"] and "give at most" in over["refused"]
 
