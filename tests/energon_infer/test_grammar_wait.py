@@ -276,7 +276,7 @@ def test_a_released_request_keeps_its_arrival_place_in_the_queue():
     sched.grammar_ready(so.key, None)
     assert [r.request_id for r in sched.waiting] == ["preempted", "first", "held-1", "second", "held-2", "third"]
     sched.waiting.popleft()
-    assert old.arrival == 0 and reqs["held-1"].arrival < reqs["second"].arrival
+    assert old.queue_order == 0 and reqs["held-1"].queue_order < reqs["second"].queue_order
     admitted = []
     for _ in range(5):
         plan = sched.schedule(0)

@@ -65,7 +65,7 @@ class GrammarWait:
         self._held: dict[tuple[str, str], list[tuple[Request, float]]] = {}  # in arrival order, with when held
         self._asks: list[StructuredOutput] = []
         self._asked: dict[tuple[str, str], StructuredOutput] = {}  # asked for (or to be), not yet answered
-        self._arrivals = itertools.count(1)  # Request.arrival of each request queued here, held or not
+        self._arrivals = itertools.count(1)  # Request.queue_order of each request queued here, held or not
 
     @property
     def num_held(self) -> int:
@@ -73,8 +73,8 @@ class GrammarWait:
 
     def queue(self, req: Request, queue: MutableSequence[Request]) -> None:
         """Append ``req`` to ``queue``, or hold it if its constraint's grammar is not ready (the first request held
-        for a constraint asks for it). Either way ``req`` takes its arrival place (:attr:`Request.arrival`)."""
-        req.arrival = next(self._arrivals)
+        for a constraint asks for it). Either way ``req`` takes its arrival place (:attr:`Request.queue_order`)."""
+        req.queue_order = next(self._arrivals)
         so = req.params.structured
         key = so.key if self.enabled and so is not None else None
         if key is None or key in self._ready:
@@ -113,7 +113,7 @@ class GrammarWait:
         for req, _ in released:
             if error is None:
                 at = len(queue)
-                while at and queue[at - 1].arrival > req.arrival:
+                while at and queue[at - 1].queue_order > req.queue_order:
                     at -= 1
                 queue.insert(at, req)
             else:

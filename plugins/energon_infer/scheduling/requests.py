@@ -40,7 +40,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     seq_id: int = 0
-    arrival: int = 0  # its place in the order requests were queued (a held one rejoins the queue there)
+    queue_order: int = 0  # its place in the order requests were queued (a held one rejoins the queue there)
     reserve: int = 0
     generated: list[int] = field(default_factory=list)
     computed: int = 0  # tokens of prompt + generated whose keys/values the workers hold (or will, in flight)
