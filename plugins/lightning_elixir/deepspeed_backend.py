@@ -84,8 +84,9 @@ def merge_config(base: dict[str, Any], override_with: dict[str, Any] | None) -> 
 _DS_MIN_AIO_BYTES = 1 << 20  # DeepSpeed swaps an optimizer sub-group only from max(this, aio block_size) bytes
 
 
-def _aio_block(plan: ElixirPlan, disk: DiskProfile | None) -> int:
-    """The aio ``block_size``: the profiled request size, unless that would keep the plan's swapped state in RAM.
+def _aio_block(disk: DiskProfile | None, swapped: int) -> int:
+    """The aio ``block_size``: the profiled request size, unless that would keep each rank's ``swapped`` bytes of
+    fp32 state in RAM.
 
     DeepSpeed leaves a sub-group whose fp32 partition is smaller than ``max(1 MiB, block_size)`` in host memory.
     Every offloaded unit's state is swapped once any unit is on disk, in sub-groups of up to 1e9 elements of each
@@ -95,7 +96,6 @@ def _aio_block(plan: ElixirPlan, disk: DiskProfile | None) -> int:
     if disk is None:
         return _DS_MIN_AIO_BYTES
     block = int(disk.request_bytes)
-    swapped = 4 * sum(plan.units[i].param_numel for i in plan.offloaded_units) // max(1, plan.world_size)
     return block if block <= _DS_MIN_AIO_BYTES or swapped >= block else _DS_MIN_AIO_BYTES
 
 
@@ -129,7 +129,9 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
                          "(disk_dir=None and the plan names none); pass disk_dir='/nvme/dir'")
     opt = {"device": "nvme", "nvme_path": path, "pin_memory": pin_memory, "pipeline_read": True,
            "pipeline_write": True}
-    block = _aio_block(plan, disk)
+    # each rank's fp32 partition of every offloaded unit: what DeepSpeed swaps once any unit is on disk
+    swapped = 4 * sum(plan.units[i].param_numel for i in plan.offloaded_units) // max(1, plan.world_size)
+    block = _aio_block(disk, swapped)
     depth = max(1, disk.queue_depth) if disk is not None else 8
     aio = {"block_size": int(block), "queue_depth": int(depth), "intra_op_parallelism": 1, "single_submit": False,
            "overlap_events": True, "use_gds": False}
@@ -145,7 +147,6 @@ def nvme_translation(plan: ElixirPlan, *, disk_dir: str | Path | None, disk: Dis
         f"DeepSpeed keeps an optimizer sub-group smaller than max(1 MiB, aio block_size {format_bytes(block)}) in "
         "host RAM, whatever the plan says",
     ]
-    swapped = 4 * sum(plan.units[i].param_numel for i in plan.offloaded_units) // max(1, plan.world_size)
     if swapped < _DS_MIN_AIO_BYTES:
         gaps.append(f"each rank's swapped optimizer state is {format_bytes(swapped)}, below DeepSpeed's 1 MiB swap "
                     "floor: DeepSpeed keeps all of it in host RAM, nothing reaches nvme_path")
