@@ -122,12 +122,17 @@ def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return aligned_empty(numel) if dtype == torch.uint8 else torch.empty(numel, dtype=dtype)
 
 
+def _largest_packed_expert(stage: nn.Module) -> int:
+    """Bytes of the stage's largest expert packed as a quantized slot holds it (a store read's largest)."""
+    return max((packed_block_bytes(e) for _, moe in moe_layers(stage) for e in moe.experts.values()), default=0)
+
+
 def stored_experts(stage: nn.Module, plan: ExpertPlan, store: TensorStore) -> list[dict[int, StoredLayer]]:
     """Per MoE layer of ``stage``, each quantized expert ``plan`` puts on disk as one run of packed bytes in ``store``
     (:class:`~energon_infer.worker.quantized_pool.StoredLayer`, ``expert.<layer>.<expert>.<layout>``: its quantized
     weights, scales, zero points and biases, as the in-memory quantized model holds them)."""
-    largest = max((packed_block_bytes(e) for _, moe in moe_layers(stage) for e in moe.experts.values()), default=0)
-    staging = StagingBuffers(largest)  # pinned where CUDA is present: a GPU slot's bytes pass through it
+    # pinned where CUDA is present: a GPU slot's bytes pass through it
+    staging = StagingBuffers(_largest_packed_expert(stage))
     return [{e: StoredLayer(moe.experts[str(e)], int(idx), store, staging, expert=e)
              for e, tier in enumerate(tiers) if tier == "disk"}
             for (idx, moe), tiers in zip(moe_layers(stage), plan.placement)]
@@ -418,9 +423,7 @@ def install_expert_pool(runner: Any, plan: ExpertPlan, config: Any, path: str | 
     if runner.quant is None:
         files = TensorFiles(path, drop_page_cache=config.drop_page_cache, direct=config.direct_io)
     else:
-        largest = max((packed_block_bytes(e) for _, moe in moe_layers(runner.stage) for e in moe.experts.values()),
-                      default=0)
-        store = open_quantized_store(path, runner, config, largest)
+        store = open_quantized_store(path, runner, config, _largest_packed_expert(runner.stage))
         write_missing_layers(store, path, runner, [u for units in stored_experts(runner.stage, plan, store)
                                                    for u in units.values()])
     return ExpertPool(runner.stage, runner.config, runner.grid, plan, files, store=store, io_threads=config.io_threads,
